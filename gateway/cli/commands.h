@@ -1,0 +1,13 @@
+#pragma once
+
+// Entry points of the kvrelay subcommands. Each returns the process exit code: 0 on success,
+// 1 on a runtime failure, 2 on bad usage (with a one-line message on stderr).
+
+#include <string>
+#include <vector>
+
+namespace kvrelay::cli {
+
+int RunLayoutCommand(const std::vector<std::string>& args);
+
+}  // namespace kvrelay::cli

@@ -1,0 +1,52 @@
+// The kvrelay binary: one executable, one subcommand per job.
+
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "common/flags.h"
+#include "gateway/cli/commands.h"
+
+namespace {
+
+struct Subcommand {
+  const char* name;
+  const char* summary;
+  int (*run)(const std::vector<std::string>& args);
+};
+
+// Keep sorted by name. Each module owns its command's code; this table only dispatches.
+constexpr Subcommand kSubcommands[] = {
+    {"layout", "KV-cache bytes of a model: per token, per block, per sequence",
+     kvrelay::cli::RunLayoutCommand},
+};
+
+void PrintUsage(FILE* out) {
+  std::fprintf(out,
+               "kvrelay: a disaggregated KV-cache service for LLM serving.\n\n"
+               "Usage: kvrelay <command> [flags]   (kvrelay <command> --help for its flags)\n\n"
+               "Commands:\n");
+  for (const Subcommand& c : kSubcommands) std::fprintf(out, "  %-16s %s\n", c.name, c.summary);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    PrintUsage(stderr);
+    return 2;
+  }
+  const char* name = argv[1];
+  if (std::strcmp(name, "--help") == 0 || std::strcmp(name, "-h") == 0 ||
+      std::strcmp(name, "help") == 0) {
+    PrintUsage(stdout);
+    return 0;
+  }
+  for (const Subcommand& c : kSubcommands) {
+    if (std::strcmp(c.name, name) == 0) return c.run(kvrelay::ArgsFrom(argc, argv, 2));
+  }
+  std::fprintf(stderr, "kvrelay: unknown command '%s'\n\n", name);
+  PrintUsage(stderr);
+  return 2;
+}

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The README's test command: installs what is missing, builds into build/, runs every test.
+# Exits non-zero on any failure.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+BUILD_DIR=${BUILD_DIR:-build}
+BUILD_DIR="$BUILD_DIR" scripts/build.sh -DKVRELAY_BUILD_TESTS=ON -DKVRELAY_BUILD_BENCH=ON "$@"
+cd "$BUILD_DIR"
+ctest --output-on-failure -j "${TEST_JOBS:-$(nproc)}" --timeout 600
