@@ -1,0 +1,238 @@
+#include "model/cpu_ops.h"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <thread>
+
+#include "common/check.h"
+#include "model/numeric.h"
+
+namespace kvrelay::model {
+namespace {
+
+// Calls fn(begin, count) for tiles of [0, rows) cut at multiples of tile counted from
+// first_position.
+template <typename Fn>
+void ForEachTile(int64_t rows, int64_t first_position, int64_t tile, Fn fn) {
+  if (tile <= 0) {
+    if (rows > 0) fn(0, rows);
+    return;
+  }
+  int64_t r = 0;
+  while (r < rows) {
+    const int64_t pos = first_position + r;
+    const int64_t next_boundary = (pos / tile + 1) * tile;
+    const int64_t count = std::min(rows - r, next_boundary - pos);
+    fn(r, count);
+    r += count;
+  }
+}
+
+}  // namespace
+
+void Linear(const float* x, int64_t rows, int64_t in, const float* w, int64_t out, float* y,
+            int64_t first_row_position, int64_t tile_rows, int64_t ldx, int64_t ldy) {
+  if (ldx == 0) ldx = in;
+  if (ldy == 0) ldy = out;
+  ForEachTile(rows, first_row_position, tile_rows, [&](int64_t r, int64_t m) {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<blasint>(m),
+                static_cast<blasint>(out), static_cast<blasint>(in), 1.0f, x + r * ldx,
+                static_cast<blasint>(ldx), w, static_cast<blasint>(in), 0.0f, y + r * ldy,
+                static_cast<blasint>(ldy));
+  });
+}
+
+void LinearNoTrans(const float* x, int64_t rows, int64_t in, const float* w, int64_t out,
+                   float* y, int64_t first_row_position, int64_t tile_rows, int64_t ldx,
+                   int64_t ldw, int64_t ldy) {
+  ForEachTile(rows, first_row_position, tile_rows, [&](int64_t r, int64_t m) {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<blasint>(m),
+                static_cast<blasint>(out), static_cast<blasint>(in), 1.0f, x + r * ldx,
+                static_cast<blasint>(ldx), w, static_cast<blasint>(ldw), 0.0f, y + r * ldy,
+                static_cast<blasint>(ldy));
+  });
+}
+
+void RmsNorm(const float* x, int64_t rows, int64_t dim, const float* w, float eps, float* out,
+             int64_t ldx, int64_t ldout) {
+  if (ldx == 0) ldx = dim;
+  if (ldout == 0) ldout = dim;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * ldx;
+    float* o = out + r * ldout;
+    const float ss = Dot(xr, xr, dim);
+    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(dim) + eps);
+    for (int64_t i = 0; i < dim; ++i) o[i] = xr[i] * inv * w[i];
+  }
+}
+
+void ApplyRope(float* x, int64_t rows, int32_t num_heads, int32_t dim, int64_t row_stride,
+               int64_t head_stride, const int64_t* positions, double theta, RopeStyle style) {
+  const int32_t half = dim / 2;
+  std::vector<float> inv_freq(half), cos_v(half), sin_v(half), tmp(dim);
+  for (int32_t i = 0; i < half; ++i) {
+    inv_freq[i] = static_cast<float>(1.0 / std::pow(theta, (2.0 * i) / dim));
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const float pos = static_cast<float>(positions[r]);
+    for (int32_t i = 0; i < half; ++i) {
+      const float angle = pos * inv_freq[i];
+      cos_v[i] = std::cos(angle);
+      sin_v[i] = std::sin(angle);
+    }
+    for (int32_t h = 0; h < num_heads; ++h) {
+      float* v = x + r * row_stride + h * head_stride;
+      for (int32_t i = 0; i < half; ++i) {
+        const float a = style == RopeStyle::kHalf ? v[i] : v[2 * i];
+        const float b = style == RopeStyle::kHalf ? v[i + half] : v[2 * i + 1];
+        tmp[i] = a * cos_v[i] - b * sin_v[i];
+        tmp[i + half] = b * cos_v[i] + a * sin_v[i];
+      }
+      std::memcpy(v, tmp.data(), sizeof(float) * dim);
+    }
+  }
+}
+
+void SiluMul(float* a, const float* b, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) a[i] = a[i] / (1.0f + std::exp(-a[i])) * b[i];
+}
+
+void GeluTanhMul(float* a, const float* b, int64_t n) {
+  constexpr float kSqrt2OverPi = 0.7978845608028654f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = a[i];
+    a[i] = 0.5f * x * (1.0f + std::tanh(kSqrt2OverPi * (x + 0.044715f * x * x * x))) * b[i];
+  }
+}
+
+void StoreCacheValues(const float* src, int64_t n, kv::DType dtype, uint8_t* dst) {
+  switch (dtype) {
+    case kv::DType::kFp32:
+      std::memcpy(dst, src, static_cast<size_t>(n) * 4);
+      return;
+    case kv::DType::kBf16:
+      for (int64_t i = 0; i < n; ++i) {
+        const uint16_t v = FloatToBf16(src[i]);
+        std::memcpy(dst + 2 * i, &v, 2);
+      }
+      return;
+    case kv::DType::kFp16:
+      for (int64_t i = 0; i < n; ++i) {
+        const uint16_t v = FloatToFp16(src[i]);
+        std::memcpy(dst + 2 * i, &v, 2);
+      }
+      return;
+    case kv::DType::kFp8:
+      break;
+  }
+  KV_CHECK(false && "fp8 cache values are rejected by KvCache::Create");
+}
+
+void LoadCacheValues(const uint8_t* src, int64_t n, kv::DType dtype, float* dst) {
+  switch (dtype) {
+    case kv::DType::kFp32:
+      std::memcpy(dst, src, static_cast<size_t>(n) * 4);
+      return;
+    case kv::DType::kBf16:
+      for (int64_t i = 0; i < n; ++i) {
+        uint16_t v;
+        std::memcpy(&v, src + 2 * i, 2);
+        dst[i] = Bf16ToFloat(v);
+      }
+      return;
+    case kv::DType::kFp16:
+      for (int64_t i = 0; i < n; ++i) {
+        uint16_t v;
+        std::memcpy(&v, src + 2 * i, 2);
+        dst[i] = Fp16ToFloat(v);
+      }
+      return;
+    case kv::DType::kFp8:
+      break;
+  }
+  KV_CHECK(false && "fp8 cache values are rejected by KvCache::Create");
+}
+
+float Dot(const float* a, const float* b, int64_t n) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int k = 0; k < 8; ++k) acc[k] += a[i + k] * b[i + k];
+  }
+  for (int k = 0; i < n; ++i, ++k) acc[k] += a[i] * b[i];
+  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+void AttendOne(const float* q, int32_t qk_dim, const float* k, int64_t k_stride, const float* v,
+               int64_t v_stride, int32_t v_dim, int64_t n_ctx, float scale, float* scratch,
+               float* out) {
+  float max_score = -INFINITY;
+  for (int64_t j = 0; j < n_ctx; ++j) {
+    scratch[j] = Dot(q, k + j * k_stride, qk_dim) * scale;
+    max_score = std::max(max_score, scratch[j]);
+  }
+  float sum = 0.0f;
+  for (int64_t j = 0; j < n_ctx; ++j) {
+    scratch[j] = std::exp(scratch[j] - max_score);
+    sum += scratch[j];
+  }
+  std::fill(out, out + v_dim, 0.0f);
+  for (int64_t j = 0; j < n_ctx; ++j) {
+    const float p = scratch[j];
+    const float* vj = v + j * v_stride;
+    for (int32_t d = 0; d < v_dim; ++d) out[d] += p * vj[d];
+  }
+  const float inv = 1.0f / sum;
+  for (int32_t d = 0; d < v_dim; ++d) out[d] *= inv;
+}
+
+void GatherLayer(const kv::ModelLayout& layout, int group, int32_t index_in_group,
+                 const std::vector<const uint8_t*>& block_units, int64_t begin, int64_t end,
+                 float* k_out, float* v_out) {
+  const kv::LayerGroup& g = layout.groups()[group];
+  const int64_t bt = layout.block_tokens();
+  const kv::DType dtype = layout.dtype();
+  const int64_t esize = kv::DTypeBytes(dtype);
+  if (g.kind == kv::LayerKind::kMlaLatent) {
+    const int64_t entry = g.latent_dim + g.rope_dim;
+    for (int64_t p = begin; p < end; ++p) {
+      const uint8_t* unit = block_units[p / bt];
+      const int64_t element = (index_in_group * bt + p % bt) * entry;
+      LoadCacheValues(unit + element * esize, entry, dtype, k_out + (p - begin) * entry);
+    }
+    return;
+  }
+  const int64_t per_token = int64_t{g.num_kv_heads} * g.head_dim;
+  for (int64_t p = begin; p < end; ++p) {
+    const uint8_t* unit = block_units[p / bt];
+    const int64_t k_elem = ((int64_t{index_in_group} * 2 + 0) * bt + p % bt) * per_token;
+    const int64_t v_elem = ((int64_t{index_in_group} * 2 + 1) * bt + p % bt) * per_token;
+    LoadCacheValues(unit + k_elem * esize, per_token, dtype, k_out + (p - begin) * per_token);
+    LoadCacheValues(unit + v_elem * esize, per_token, dtype, v_out + (p - begin) * per_token);
+  }
+}
+
+void ParallelFor(int threads, int64_t n, const std::function<void(int64_t, int64_t)>& fn) {
+  threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, n)));
+  if (threads <= 1) {
+    if (n > 0) fn(0, n);
+    return;
+  }
+  std::vector<std::thread> workers;
+  workers.reserve(threads - 1);
+  for (int t = 1; t < threads; ++t) {
+    const int64_t b = n * t / threads;
+    const int64_t e = n * (t + 1) / threads;
+    workers.emplace_back([&fn, b, e] { fn(b, e); });
+  }
+  fn(0, n / threads);
+  for (std::thread& w : workers) w.join();
+}
+
+void SetBlasThreads(int threads) { openblas_set_num_threads(std::max(1, threads)); }
+int BlasThreads() { return openblas_get_num_threads(); }
+
+}  // namespace kvrelay::model

@@ -1,0 +1,77 @@
+#pragma once
+
+// CPU building blocks of the forward pass, fp32 throughout. They are also the reference the
+// CUDA kernels (model/cuda) are checked against. Every function computes each output element
+// in a fixed order, so results do not depend on how callers split work across threads.
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "absl/types/span.h"
+#include "kv/model_layout.h"
+
+namespace kvrelay::model {
+
+// y[rows, out] = x[rows, in] * w[out, in]^T through OpenBLAS cblas_sgemm, issued in row tiles
+// whose boundaries fall on multiples of `tile_rows` counted from `first_row_position` (0 for
+// "one call"). OpenBLAS results for a row depend on the call's row count, so fixing the tiles
+// by absolute position makes a row's result independent of where a prefill started.
+// lda/ldy default to in/out.
+void Linear(const float* x, int64_t rows, int64_t in, const float* w, int64_t out, float* y,
+            int64_t first_row_position = 0, int64_t tile_rows = 0, int64_t ldx = 0,
+            int64_t ldy = 0);
+// y[rows, out] = x[rows, in] * w[in, out] (w not transposed), same tiling.
+void LinearNoTrans(const float* x, int64_t rows, int64_t in, const float* w, int64_t out,
+                   float* y, int64_t first_row_position, int64_t tile_rows, int64_t ldx,
+                   int64_t ldw, int64_t ldy);
+
+// out[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * w. out may alias x. x row stride ldx.
+void RmsNorm(const float* x, int64_t rows, int64_t dim, const float* w, float eps, float* out,
+             int64_t ldx = 0, int64_t ldout = 0);
+
+enum class RopeStyle {
+  kHalf,         // Llama/Gemma: pairs (i, i + d/2)
+  kInterleaved,  // DeepSeek: pairs (2i, 2i + 1), written out as (i, i + d/2) like HF does
+};
+// Rotates `num_heads` vectors of `dim` values per row in place: row r's head h starts at
+// x + r * row_stride + h * head_stride, position positions[r].
+void ApplyRope(float* x, int64_t rows, int32_t num_heads, int32_t dim, int64_t row_stride,
+               int64_t head_stride, const int64_t* positions, double theta, RopeStyle style);
+
+// a[i] = silu(a[i]) * b[i]   (SwiGLU)
+void SiluMul(float* a, const float* b, int64_t n);
+// a[i] = gelu_tanh(a[i]) * b[i]   (Gemma's GeGLU)
+void GeluTanhMul(float* a, const float* b, int64_t n);
+
+// fp32 <-> cache dtype (bf16, fp16 or fp32).
+void StoreCacheValues(const float* src, int64_t n, kv::DType dtype, uint8_t* dst);
+void LoadCacheValues(const uint8_t* src, int64_t n, kv::DType dtype, float* dst);
+
+// Fixed-order dot product (8 partial sums, combined the same way every time).
+float Dot(const float* a, const float* b, int64_t n);
+
+// Attention of one query vector over n_ctx contiguous fp32 keys/values:
+//   s_j = scale * dot(q, k_j) (qk_dim values), p = softmax(s), out = sum_j p_j v_j (v_dim).
+// k_j = k + j * k_stride, v_j = v + j * v_stride. scratch holds n_ctx floats.
+void AttendOne(const float* q, int32_t qk_dim, const float* k, int64_t k_stride, const float* v,
+               int64_t v_stride, int32_t v_dim, int64_t n_ctx, float scale, float* scratch,
+               float* out);
+
+// Gathers positions [begin, end) of one layer from paged block units into contiguous fp32:
+//   attention groups: k_out/v_out [end - begin, num_kv_heads * head_dim]
+//   MLA groups:       k_out [end - begin, latent + rope]  (v_out unused)
+// block_units[b] points at block b's unit (for any b whose tokens are read).
+void GatherLayer(const kv::ModelLayout& layout, int group, int32_t index_in_group,
+                 const std::vector<const uint8_t*>& block_units, int64_t begin, int64_t end,
+                 float* k_out, float* v_out);
+
+// Runs fn(begin, end) over [0, n) split into `threads` contiguous parts (the caller's thread
+// takes the first). Output must not depend on the split; ours never does.
+void ParallelFor(int threads, int64_t n, const std::function<void(int64_t, int64_t)>& fn);
+
+// Sets OpenBLAS's thread count (process-wide).
+void SetBlasThreads(int threads);
+int BlasThreads();
+
+}  // namespace kvrelay::model

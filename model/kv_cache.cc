@@ -1,0 +1,212 @@
+#include "model/kv_cache.h"
+
+#include "absl/strings/str_cat.h"
+#include "common/check.h"
+#include "common/status_macros.h"
+
+namespace kvrelay::model {
+
+absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(const kv::ModelLayout& layout,
+                                                         int64_t blocks_per_group) {
+  if (blocks_per_group <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("kv cache: blocks_per_group must be positive, got ", blocks_per_group));
+  }
+  std::unique_ptr<KvCache> cache(new KvCache(layout));
+  for (int g = 0; g < static_cast<int>(layout.groups().size()); ++g) {
+    kv::BlockPoolOptions options;
+    options.slot_bytes = static_cast<size_t>(layout.BlockBytes(g));
+    options.num_slots = blocks_per_group;
+    if (options.slot_bytes == 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("kv cache: group ", g, " has no per-token cache (",
+                       std::string(kv::LayerKindName(layout.groups()[g].kind)), ")"));
+    }
+    KV_ASSIGN_OR_RETURN(std::unique_ptr<kv::BlockPool> pool,
+                        kv::BlockPool::Create(options, kv::MakeHostMemoryResource(false)));
+    cache->pools_.push_back(pool.get());
+    cache->owned_pools_.push_back(std::move(pool));
+  }
+  KV_RETURN_IF_ERROR(cache->Init());
+  return cache;
+}
+
+absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Wrap(const kv::ModelLayout& layout,
+                                                       std::vector<kv::BlockPool*> pools) {
+  if (pools.size() != layout.groups().size()) {
+    return absl::InvalidArgumentError(absl::StrCat("kv cache: layout has ",
+                                                   layout.groups().size(), " groups, got ",
+                                                   pools.size(), " pools"));
+  }
+  for (size_t g = 0; g < pools.size(); ++g) {
+    if (pools[g] == nullptr || pools[g]->memory_kind() == kv::MemoryKind::kDevice ||
+        pools[g]->slot_bytes() != static_cast<size_t>(layout.BlockBytes(static_cast<int>(g)))) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "kv cache: pool for group ", g, " must be host memory with slot_bytes ",
+          layout.BlockBytes(static_cast<int>(g))));
+    }
+  }
+  std::unique_ptr<KvCache> cache(new KvCache(layout));
+  cache->pools_ = std::move(pools);
+  KV_RETURN_IF_ERROR(cache->Init());
+  return cache;
+}
+
+absl::Status KvCache::Init() {
+  const kv::DType dtype = layout_.dtype();
+  if (dtype == kv::DType::kFp8) {
+    return absl::UnimplementedError("kv cache: fp8 cache entries are not implemented");
+  }
+  layer_group_.assign(layout_.num_layers(), -1);
+  layer_index_.assign(layout_.num_layers(), -1);
+  for (int g = 0; g < static_cast<int>(layout_.groups().size()); ++g) {
+    const kv::LayerGroup& group = layout_.groups()[g];
+    if (group.kind == kv::LayerKind::kSsmState) {
+      return absl::InvalidArgumentError("kv cache: SSM state groups are not supported");
+    }
+    for (int i = 0; i < group.num_layers(); ++i) {
+      layer_group_[group.layer_ids[i]] = g;
+      layer_index_[group.layer_ids[i]] = i;
+    }
+  }
+  for (int32_t l = 0; l < layout_.num_layers(); ++l) {
+    if (layer_group_[l] < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("kv cache: layer ", l, " is in no group"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+uint8_t* KvCache::EntryAddress(int32_t layer, kv::SlotId slot, int32_t token_in_block,
+                               int kv) const {
+  const int g = layer_group_[layer];
+  const int li = layer_index_[layer];
+  const kv::LayerGroup& group = layout_.groups()[g];
+  const int64_t bt = layout_.block_tokens();
+  int64_t element;
+  if (group.kind == kv::LayerKind::kMlaLatent) {
+    const int64_t entry = group.latent_dim + group.rope_dim;
+    element = (li * bt + token_in_block) * entry;
+  } else {
+    const int64_t per_token = int64_t{group.num_kv_heads} * group.head_dim;
+    element = ((int64_t{li} * 2 + kv) * bt + token_in_block) * per_token;
+  }
+  return static_cast<uint8_t*>(pools_[g]->SlotAddress(slot)) +
+         element * kv::DTypeBytes(layout_.dtype());
+}
+
+Sequence::Sequence(KvCache* cache) : cache_(cache), blocks_(cache->num_groups()) {}
+
+Sequence::~Sequence() { ReleaseAll(); }
+
+void Sequence::ReleaseAll() {
+  for (int g = 0; g < static_cast<int>(blocks_.size()); ++g) {
+    for (kv::SlotId slot : blocks_[g]) {
+      if (slot >= 0) (void)cache_->pool(g).Release(slot);
+    }
+    blocks_[g].clear();
+  }
+  tokens_.clear();
+}
+
+absl::Status Sequence::AdoptPrefix(absl::Span<const int32_t> tokens,
+                                   std::vector<std::vector<kv::SlotId>> blocks) {
+  if (!tokens_.empty()) {
+    return absl::FailedPreconditionError("AdoptPrefix: the sequence already holds tokens");
+  }
+  const kv::ModelLayout& layout = cache_->layout();
+  const int64_t bt = layout.block_tokens();
+  if (static_cast<int64_t>(tokens.size()) % bt != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "AdoptPrefix: prefix of ", tokens.size(), " tokens is not a whole number of ", bt,
+        "-token blocks"));
+  }
+  if (blocks.size() != blocks_.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("AdoptPrefix: ", blocks.size(),
+                                                   " block lists for ", blocks_.size(),
+                                                   " groups"));
+  }
+  const int64_t n_blocks = static_cast<int64_t>(tokens.size()) / bt;
+  for (int g = 0; g < static_cast<int>(blocks.size()); ++g) {
+    const kv::LayerGroup& group = layout.groups()[g];
+    if (static_cast<int64_t>(blocks[g].size()) != n_blocks) {
+      return absl::InvalidArgumentError(absl::StrCat("AdoptPrefix: group ", g, " has ",
+                                                     blocks[g].size(), " blocks, prefix needs ",
+                                                     n_blocks));
+    }
+    // Blocks a later token can still attend to must be present.
+    const int64_t first_needed =
+        group.kind == kv::LayerKind::kSlidingWindow
+            ? std::max<int64_t>(0, static_cast<int64_t>(tokens.size()) - group.window_tokens + 1) /
+                  bt
+            : 0;
+    for (int64_t b = 0; b < n_blocks; ++b) {
+      const kv::SlotId slot = blocks[g][b];
+      if (slot >= cache_->pool(g).num_slots() || (slot < 0 && b >= first_needed)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("AdoptPrefix: group ", g, " block ", b, " has bad slot ", slot));
+      }
+    }
+  }
+  tokens_.assign(tokens.begin(), tokens.end());
+  blocks_ = std::move(blocks);
+  return absl::OkStatus();
+}
+
+int64_t Sequence::FreeBlocksOutsideWindow() {
+  const kv::ModelLayout& layout = cache_->layout();
+  const int64_t bt = layout.block_tokens();
+  int64_t freed = 0;
+  for (int g = 0; g < static_cast<int>(blocks_.size()); ++g) {
+    const kv::LayerGroup& group = layout.groups()[g];
+    if (group.kind != kv::LayerKind::kSlidingWindow) continue;
+    // The next token (position num_tokens) attends to positions >= num_tokens - window + 1.
+    const int64_t oldest_needed = num_tokens() - group.window_tokens + 1;
+    if (oldest_needed <= 0) continue;
+    const int64_t whole_blocks = oldest_needed / bt;  // blocks ending before oldest_needed
+    for (int64_t b = 0; b < whole_blocks && b < static_cast<int64_t>(blocks_[g].size()); ++b) {
+      if (blocks_[g][b] >= 0) {
+        (void)cache_->pool(g).Release(blocks_[g][b]);
+        blocks_[g][b] = -1;
+        ++freed;
+      }
+    }
+  }
+  return freed;
+}
+
+int64_t Sequence::LiveBlocks(int group) const {
+  int64_t n = 0;
+  for (kv::SlotId s : blocks_[group]) n += s >= 0 ? 1 : 0;
+  return n;
+}
+
+absl::Status Sequence::EnsureBlocks(int64_t end_tokens) {
+  const int64_t bt = cache_->layout().block_tokens();
+  const int64_t needed = (end_tokens + bt - 1) / bt;
+  std::vector<std::vector<kv::SlotId>> fresh(blocks_.size());
+  for (int g = 0; g < static_cast<int>(blocks_.size()); ++g) {
+    const int64_t missing = needed - static_cast<int64_t>(blocks_[g].size());
+    if (missing <= 0) continue;
+    absl::StatusOr<std::vector<kv::SlotId>> slots = cache_->pool(g).AllocateMany(missing);
+    if (!slots.ok()) {
+      for (int h = 0; h < g; ++h) {
+        for (kv::SlotId s : fresh[h]) (void)cache_->pool(h).Release(s);
+      }
+      return absl::ResourceExhaustedError(absl::StrCat("kv cache: group ", g, " needs ", missing,
+                                                       " more blocks: ",
+                                                       slots.status().message()));
+    }
+    fresh[g] = *std::move(slots);
+  }
+  for (int g = 0; g < static_cast<int>(blocks_.size()); ++g) {
+    blocks_[g].insert(blocks_[g].end(), fresh[g].begin(), fresh[g].end());
+  }
+  return absl::OkStatus();
+}
+
+void Sequence::AppendTokens(absl::Span<const int32_t> tokens) {
+  tokens_.insert(tokens_.end(), tokens.begin(), tokens.end());
+}
+
+}  // namespace kvrelay::model

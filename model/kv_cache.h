@@ -1,0 +1,99 @@
+#pragma once
+
+// Paged KV cache: one kv::BlockPool per layer group of a ModelLayout, each slot exactly one
+// (group, block) unit of layout.BlockBytes(g) bytes in the element order kv/model_layout.h
+// documents (kNHD):
+//   attention: [num_layers_in_group, 2 (K, V), block_tokens, num_kv_heads, head_dim]
+//   MLA:       [num_layers_in_group, block_tokens, latent_dim + rope_dim]
+// A Sequence is one request's block table per group, holding one reference on every slot in
+// it; slot -1 marks a sliding-window block that was freed.
+//
+// Thread safety: KvCache is thread-safe (BlockPool is). A Sequence is not; one thread at a time.
+// Lifetimes: the KvCache must outlive every Sequence made on it.
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "kv/model_layout.h"
+#include "kv/pool/block_pool.h"
+
+namespace kvrelay::model {
+
+class KvCache {
+ public:
+  // One host-memory pool per group with `blocks_per_group` slots each.
+  // InvalidArgument for SSM groups (no per-token cache) or fp8 (not implemented on CPU).
+  static absl::StatusOr<std::unique_ptr<KvCache>> Create(const kv::ModelLayout& layout,
+                                                         int64_t blocks_per_group);
+  // Uses pools made elsewhere (e.g. registered with a transport); one per group, each with
+  // slot_bytes == layout.BlockBytes(g). Pools must outlive the cache.
+  static absl::StatusOr<std::unique_ptr<KvCache>> Wrap(const kv::ModelLayout& layout,
+                                                       std::vector<kv::BlockPool*> pools);
+
+  const kv::ModelLayout& layout() const { return layout_; }
+  kv::BlockPool& pool(int group) const { return *pools_[group]; }
+  int num_groups() const { return static_cast<int>(pools_.size()); }
+  // Group of a model layer and its index inside the group.
+  int group_of_layer(int32_t layer) const { return layer_group_[layer]; }
+  int index_in_group(int32_t layer) const { return layer_index_[layer]; }
+
+  // Address of layer `layer`'s part of a block unit: attention K (kv = 0) or V (kv = 1) at
+  // token `t` of the block, or the MLA entry (kv ignored).
+  uint8_t* EntryAddress(int32_t layer, kv::SlotId slot, int32_t token_in_block, int kv) const;
+
+ private:
+  KvCache(kv::ModelLayout layout) : layout_(std::move(layout)) {}
+  absl::Status Init();
+
+  kv::ModelLayout layout_;
+  std::vector<std::unique_ptr<kv::BlockPool>> owned_pools_;
+  std::vector<kv::BlockPool*> pools_;
+  std::vector<int> layer_group_;
+  std::vector<int> layer_index_;
+};
+
+class Sequence {
+ public:
+  explicit Sequence(KvCache* cache);  // not owned
+  ~Sequence();                        // releases every slot
+  Sequence(const Sequence&) = delete;
+  Sequence& operator=(const Sequence&) = delete;
+
+  KvCache& cache() const { return *cache_; }
+  // Tokens whose KV is in the cache (positions 0 .. num_tokens-1).
+  int64_t num_tokens() const { return static_cast<int64_t>(tokens_.size()); }
+  const std::vector<int32_t>& tokens() const { return tokens_; }
+  // Block table of one group: slot per block index, -1 where a window block was freed.
+  const std::vector<kv::SlotId>& blocks(int group) const { return blocks_[group]; }
+
+  // Installs a prefix that is already in this cache's pools (e.g. received from another
+  // worker): `tokens` (a whole number of blocks) and, per group, one slot per block; slots of
+  // sliding-window blocks outside the window may be -1. Takes over one reference per slot
+  // (the caller allocated or AddRef'd them). REQUIRES: the sequence is empty.
+  absl::Status AdoptPrefix(absl::Span<const int32_t> tokens,
+                           std::vector<std::vector<kv::SlotId>> blocks);
+
+  // Frees sliding-window blocks that no later token can attend to (every token in them is
+  // older than the window as seen from position num_tokens()). Returns how many were freed.
+  int64_t FreeBlocksOutsideWindow();
+  // Number of live (non -1) slots in a group.
+  int64_t LiveBlocks(int group) const;
+
+  // Used by the runner: makes sure blocks exist for positions < end_tokens (allocating from
+  // the pools, all or nothing), then appends `tokens`.
+  absl::Status EnsureBlocks(int64_t end_tokens);
+  void AppendTokens(absl::Span<const int32_t> tokens);
+
+ private:
+  void ReleaseAll();
+
+  KvCache* cache_;
+  std::vector<int32_t> tokens_;
+  std::vector<std::vector<kv::SlotId>> blocks_;
+};
+
+}  // namespace kvrelay::model

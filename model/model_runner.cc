@@ -1,0 +1,392 @@
+#include "model/model_runner.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "model/cpu_ops.h"
+#include "model/numeric.h"
+#include "model/safetensors.h"
+
+namespace kvrelay::model {
+namespace {
+
+void AddInPlace(float* a, const float* b, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) a[i] += b[i];
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Load(const std::string& model_dir,
+                                                               const RunnerOptions& options) {
+  kv::ConfigOptions config_options;
+  config_options.block_tokens = options.block_tokens;
+  config_options.dtype = options.cache_dtype;
+  KV_ASSIGN_OR_RETURN(kv::ModelConfig config,
+                      kv::LoadHfConfig(model_dir + "/config.json", config_options));
+  KV_RETURN_IF_ERROR(ArchFor(config).status());
+  KV_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsModel> files, SafetensorsModel::Open(model_dir));
+  KV_ASSIGN_OR_RETURN(ModelWeights weights, LoadWeights(*files, config));
+  return Create(std::move(config), std::move(weights), options);
+}
+
+absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(kv::ModelConfig config,
+                                                                 ModelWeights weights,
+                                                                 const RunnerOptions& options) {
+  KV_ASSIGN_OR_RETURN(Arch arch, ArchFor(config));
+  if (options.threads < 1 || options.threads > 256) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("runner: threads must be in [1, 256], got ", options.threads));
+  }
+  if (options.gemm_tile_tokens < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "runner: gemm_tile_tokens must be >= 0, got ", options.gemm_tile_tokens));
+  }
+  if (config.layout.dtype() == kv::DType::kFp8) {
+    return absl::UnimplementedError("runner: fp8 KV cache is not implemented on CPU");
+  }
+  if (static_cast<int32_t>(weights.layers.size()) != config.num_hidden_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("runner: weights hold ", weights.layers.size(),
+                                                   " layers, config has ",
+                                                   config.num_hidden_layers));
+  }
+  RunnerOptions opts = options;
+  if (opts.gemm_tile_tokens == 0) opts.gemm_tile_tokens = config.layout.block_tokens();
+  SetBlasThreads(opts.threads);
+  return std::unique_ptr<ModelRunner>(
+      new ModelRunner(std::move(config), std::move(weights), arch, opts));
+}
+
+ModelRunner::ModelRunner(kv::ModelConfig config, ModelWeights weights, Arch arch,
+                         RunnerOptions options)
+    : config_(std::move(config)),
+      weights_(std::move(weights)),
+      arch_(arch),
+      options_(options) {}
+
+absl::Status ModelRunner::CheckSequence(const Sequence& seq) const {
+  if (!(seq.cache().layout().fingerprint() == layout().fingerprint())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "runner: sequence's cache has layout ", seq.cache().layout().model_id(),
+        " but the model's is ", layout().model_id()));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<float>> ModelRunner::Prefill(Sequence& seq,
+                                                        absl::Span<const int32_t> tokens,
+                                                        const PrefillOptions& options) const {
+  if (tokens.empty()) return absl::InvalidArgumentError("prefill: no tokens");
+  KV_RETURN_IF_ERROR(CheckSequence(seq));
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    if (tokens[i] < 0 || tokens[i] >= config_.vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat("prefill: token ", i, " is ", tokens[i],
+                                                     ", outside [0, ", config_.vocab_size, ")"));
+    }
+  }
+  const int64_t start = seq.num_tokens();
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  KV_RETURN_IF_ERROR(seq.EnsureBlocks(start + n));
+  std::vector<Row> rows(n);
+  for (int64_t i = 0; i < n; ++i) rows[i] = Row{&seq, start + i};
+  std::vector<int64_t> logit_rows;
+  if (options.all_logits) {
+    for (int64_t i = 0; i < n; ++i) logit_rows.push_back(i);
+  } else {
+    logit_rows.push_back(n - 1);
+  }
+  std::vector<float> logits =
+      Forward(rows, tokens, /*tile_origin=*/0, options_.gemm_tile_tokens, logit_rows,
+              options.on_layer_done);
+  seq.AppendTokens(tokens);
+  return logits;
+}
+
+absl::StatusOr<std::vector<float>> ModelRunner::DecodeStep(absl::Span<Sequence* const> seqs,
+                                                           absl::Span<const int32_t> tokens) const {
+  if (seqs.empty()) return absl::InvalidArgumentError("decode: empty batch");
+  if (seqs.size() != tokens.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("decode: ", seqs.size(), " sequences but ",
+                                                   tokens.size(), " tokens"));
+  }
+  absl::flat_hash_set<const Sequence*> seen;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    if (seqs[i] == nullptr || !seen.insert(seqs[i]).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("decode: batch entry ", i, " is null or repeats a sequence"));
+    }
+    KV_RETURN_IF_ERROR(CheckSequence(*seqs[i]));
+    if (tokens[i] < 0 || tokens[i] >= config_.vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat("decode: token ", i, " is ", tokens[i],
+                                                     ", outside [0, ", config_.vocab_size, ")"));
+    }
+  }
+  for (Sequence* s : seqs) KV_RETURN_IF_ERROR(s->EnsureBlocks(s->num_tokens() + 1));
+  std::vector<Row> rows(seqs.size());
+  std::vector<int64_t> logit_rows(seqs.size());
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    rows[i] = Row{seqs[i], seqs[i]->num_tokens()};
+    logit_rows[i] = static_cast<int64_t>(i);
+  }
+  std::vector<float> logits = Forward(rows, tokens, 0, 0, logit_rows, nullptr);
+  for (size_t i = 0; i < seqs.size(); ++i) seqs[i]->AppendTokens(tokens.subspan(i, 1));
+  return logits;
+}
+
+std::vector<float> ModelRunner::Forward(const std::vector<Row>& rows,
+                                        absl::Span<const int32_t> tokens, int64_t tile_origin,
+                                        int64_t tile, const std::vector<int64_t>& logit_rows,
+                                        const std::function<void(int32_t)>& on_layer_done) const {
+  const kv::ModelConfig& c = config_;
+  const int64_t r = static_cast<int64_t>(rows.size());
+  const int64_t hidden = c.hidden_size;
+  const int64_t inter = c.intermediate_size;
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  const int64_t origin = tile > 0 ? rows[0].position - tile_origin : 0;
+  const int64_t attn_width = arch_ == Arch::kMla
+                                 ? int64_t{c.num_attention_heads} * c.v_head_dim
+                                 : int64_t{c.num_attention_heads} * c.head_dim;
+
+  // h: [r, hidden] residual stream.
+  std::vector<float> h(r * hidden);
+  float embed_scale = 1.0f;
+  if (arch_ == Arch::kGemma3) {
+    // Gemma scales embeddings by sqrt(hidden) rounded to the weights' dtype.
+    embed_scale = std::sqrt(static_cast<float>(hidden));
+    if (c.dtype == kv::DType::kBf16) embed_scale = Bf16ToFloat(FloatToBf16(embed_scale));
+    if (c.dtype == kv::DType::kFp16) embed_scale = Fp16ToFloat(FloatToFp16(embed_scale));
+  }
+  for (int64_t i = 0; i < r; ++i) {
+    const float* e = weights_.embed_tokens.data() + int64_t{tokens[i]} * hidden;
+    for (int64_t d = 0; d < hidden; ++d) h[i * hidden + d] = e[d] * embed_scale;
+  }
+  std::vector<float> xn(r * hidden), attn(r * attn_width), proj(r * hidden);
+  std::vector<float> gate(r * inter), up(r * inter);
+  for (int32_t layer = 0; layer < c.num_hidden_layers; ++layer) {
+    const LayerWeights& w = weights_.layers[layer];
+    RmsNorm(h.data(), r, hidden, w.input_norm.data(), eps, xn.data());
+    if (arch_ == Arch::kMla) {
+      MlaAttention(layer, rows, xn.data(), origin, tile, attn.data());
+    } else {
+      GqaAttention(layer, rows, xn.data(), origin, tile, attn.data());
+    }
+    if (on_layer_done) on_layer_done(layer);
+    Linear(attn.data(), r, attn_width, w.o_proj.data(), hidden, proj.data(), origin, tile);
+    if (arch_ == Arch::kGemma3) {
+      RmsNorm(proj.data(), r, hidden, w.post_attention_norm.data(), eps, proj.data());
+      AddInPlace(h.data(), proj.data(), r * hidden);
+      RmsNorm(h.data(), r, hidden, w.pre_ffn_norm.data(), eps, xn.data());
+    } else {
+      AddInPlace(h.data(), proj.data(), r * hidden);
+      RmsNorm(h.data(), r, hidden, w.post_attention_norm.data(), eps, xn.data());
+    }
+    Linear(xn.data(), r, hidden, w.gate_proj.data(), inter, gate.data(), origin, tile);
+    Linear(xn.data(), r, hidden, w.up_proj.data(), inter, up.data(), origin, tile);
+    if (arch_ == Arch::kGemma3) {
+      GeluTanhMul(gate.data(), up.data(), r * inter);
+    } else {
+      SiluMul(gate.data(), up.data(), r * inter);
+    }
+    Linear(gate.data(), r, inter, w.down_proj.data(), hidden, proj.data(), origin, tile);
+    if (arch_ == Arch::kGemma3) {
+      RmsNorm(proj.data(), r, hidden, w.post_ffn_norm.data(), eps, proj.data());
+    }
+    AddInPlace(h.data(), proj.data(), r * hidden);
+  }
+
+  // Logits for the requested rows. Rows are gathered first; with all rows requested the
+  // tiling matches the rows' positions.
+  const int64_t nl = static_cast<int64_t>(logit_rows.size());
+  std::vector<float> last(nl * hidden);
+  for (int64_t i = 0; i < nl; ++i) {
+    RmsNorm(h.data() + logit_rows[i] * hidden, 1, hidden, weights_.final_norm.data(), eps,
+            last.data() + i * hidden);
+  }
+  std::vector<float> logits(nl * c.vocab_size);
+  // Each logits row is computed alone (one GEMM row per call) so that the logits of a token
+  // do not depend on which other rows asked for logits.
+  const bool per_row = nl > 1 && tile > 0;
+  if (per_row) {
+    for (int64_t i = 0; i < nl; ++i) {
+      Linear(last.data() + i * hidden, 1, hidden, weights_.output_weights().data(), c.vocab_size,
+             logits.data() + i * c.vocab_size);
+    }
+  } else {
+    Linear(last.data(), nl, hidden, weights_.output_weights().data(), c.vocab_size,
+           logits.data());
+  }
+  return logits;
+}
+
+void ModelRunner::WriteCache(int32_t layer, const std::vector<Row>& rows, const float* k,
+                             const float* v, int64_t width) const {
+  KvCache& cache = rows[0].seq->cache();
+  const int64_t bt = layout().block_tokens();
+  const kv::DType dtype = layout().dtype();
+  const int group = cache.group_of_layer(layer);
+  for (size_t i = 0; i < rows.size(); ++i) {
+    KvCache& row_cache = rows[i].seq->cache();
+    const int64_t pos = rows[i].position;
+    const kv::SlotId slot = rows[i].seq->blocks(group)[pos / bt];
+    StoreCacheValues(k + i * width, width, dtype,
+                     row_cache.EntryAddress(layer, slot, static_cast<int32_t>(pos % bt), 0));
+    if (v != nullptr) {
+      StoreCacheValues(v + i * width, width, dtype,
+                       row_cache.EntryAddress(layer, slot, static_cast<int32_t>(pos % bt), 1));
+    }
+  }
+}
+
+void ModelRunner::CacheAttention(int32_t layer, const std::vector<Row>& rows, const float* q,
+                                 int32_t qk_dim, int32_t v_dim, float scale, float* out) const {
+  const int32_t heads = config_.num_attention_heads;
+  const int64_t bt = layout().block_tokens();
+  const int group = rows[0].seq->cache().group_of_layer(layer);
+  const kv::LayerGroup& g = layout().groups()[group];
+  const int32_t index = rows[0].seq->cache().index_in_group(layer);
+  const bool mla = g.kind == kv::LayerKind::kMlaLatent;
+  const int64_t window = g.kind == kv::LayerKind::kSlidingWindow ? g.window_tokens : 0;
+  const int32_t kv_heads = mla ? 1 : g.num_kv_heads;
+  const int64_t kv_width = mla ? g.latent_dim + g.rope_dim : int64_t{kv_heads} * g.head_dim;
+  const int32_t group_size = heads / kv_heads;
+
+  // Rows of one sequence are consecutive (prefill) or single (decode): handle runs.
+  size_t run_begin = 0;
+  while (run_begin < rows.size()) {
+    size_t run_end = run_begin + 1;
+    while (run_end < rows.size() && rows[run_end].seq == rows[run_begin].seq) ++run_end;
+    const Sequence& seq = *rows[run_begin].seq;
+    int64_t lo = INT64_MAX, hi = 0;
+    for (size_t i = run_begin; i < run_end; ++i) {
+      const int64_t p = rows[i].position;
+      lo = std::min(lo, window > 0 ? std::max<int64_t>(0, p - window + 1) : 0);
+      hi = std::max(hi, p + 1);
+    }
+    std::vector<const uint8_t*> units(seq.blocks(group).size(), nullptr);
+    for (int64_t b = lo / bt; b * bt < hi; ++b) {
+      units[b] = static_cast<const uint8_t*>(
+          seq.cache().pool(group).SlotAddress(seq.blocks(group)[b]));
+    }
+    std::vector<float> k_buf((hi - lo) * kv_width);
+    std::vector<float> v_buf(mla ? 0 : (hi - lo) * kv_width);
+    GatherLayer(layout(), group, index, units, lo, hi, k_buf.data(),
+                mla ? nullptr : v_buf.data());
+    const float* v_base = mla ? k_buf.data() : v_buf.data();
+    const int64_t units_n = static_cast<int64_t>(run_end - run_begin) * heads;
+    ParallelFor(options_.threads, units_n, [&](int64_t ub, int64_t ue) {
+      std::vector<float> scratch(hi - lo);
+      for (int64_t u = ub; u < ue; ++u) {
+        const size_t i = run_begin + static_cast<size_t>(u / heads);
+        const int32_t head = static_cast<int32_t>(u % heads);
+        const int64_t p = rows[i].position;
+        const int64_t first = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
+        const int64_t kv_head = head / group_size;
+        const int64_t off = (first - lo) * kv_width + (mla ? 0 : kv_head * g.head_dim);
+        AttendOne(q + (i * heads + head) * int64_t{qk_dim}, qk_dim, k_buf.data() + off, kv_width,
+                  v_base + off, kv_width, v_dim, p - first + 1, scale, scratch.data(),
+                  out + (i * heads + head) * int64_t{v_dim});
+      }
+    });
+    run_begin = run_end;
+  }
+}
+
+void ModelRunner::GqaAttention(int32_t layer, const std::vector<Row>& rows, const float* xn,
+                               int64_t origin, int64_t tile, float* out) const {
+  const kv::ModelConfig& c = config_;
+  const LayerWeights& w = weights_.layers[layer];
+  const int64_t r = static_cast<int64_t>(rows.size());
+  const int64_t hidden = c.hidden_size;
+  const int32_t heads = c.num_attention_heads;
+  const int32_t kv_heads = c.num_key_value_heads;
+  const int32_t hd = c.head_dim;
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  std::vector<float> q(r * heads * hd), k(r * kv_heads * hd), v(r * kv_heads * hd);
+  Linear(xn, r, hidden, w.q_proj.data(), int64_t{heads} * hd, q.data(), origin, tile);
+  Linear(xn, r, hidden, w.k_proj.data(), int64_t{kv_heads} * hd, k.data(), origin, tile);
+  Linear(xn, r, hidden, w.v_proj.data(), int64_t{kv_heads} * hd, v.data(), origin, tile);
+  const int group = rows[0].seq->cache().group_of_layer(layer);
+  const bool sliding = layout().groups()[group].kind == kv::LayerKind::kSlidingWindow;
+  double theta = c.rope_theta;
+  float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  if (arch_ == Arch::kGemma3) {
+    RmsNorm(q.data(), r * heads, hd, w.q_norm.data(), eps, q.data());
+    RmsNorm(k.data(), r * kv_heads, hd, w.k_norm.data(), eps, k.data());
+    if (sliding && c.rope_local_theta > 0) theta = c.rope_local_theta;
+    scale = 1.0f / std::sqrt(static_cast<float>(c.query_pre_attn_scalar));
+  }
+  std::vector<int64_t> positions(r);
+  for (int64_t i = 0; i < r; ++i) positions[i] = rows[i].position;
+  ApplyRope(q.data(), r, heads, hd, int64_t{heads} * hd, hd, positions.data(), theta,
+            RopeStyle::kHalf);
+  ApplyRope(k.data(), r, kv_heads, hd, int64_t{kv_heads} * hd, hd, positions.data(), theta,
+            RopeStyle::kHalf);
+  WriteCache(layer, rows, k.data(), v.data(), int64_t{kv_heads} * hd);
+  CacheAttention(layer, rows, q.data(), hd, hd, scale, out);
+}
+
+void ModelRunner::MlaAttention(int32_t layer, const std::vector<Row>& rows, const float* xn,
+                               int64_t origin, int64_t tile, float* out) const {
+  const kv::ModelConfig& c = config_;
+  const LayerWeights& w = weights_.layers[layer];
+  const int64_t r = static_cast<int64_t>(rows.size());
+  const int64_t hidden = c.hidden_size;
+  const int32_t heads = c.num_attention_heads;
+  const int32_t nope = c.qk_nope_head_dim;
+  const int32_t rope = c.qk_rope_head_dim;
+  const int32_t lora = c.kv_lora_rank;
+  const int32_t vd = c.v_head_dim;
+  const int64_t qk = nope + rope;
+  const int64_t entry = lora + rope;
+  const float eps = static_cast<float>(c.rms_norm_eps);
+
+  // Query: [r, heads, nope + rope].
+  std::vector<float> q(r * heads * qk);
+  if (c.q_lora_rank > 0) {
+    std::vector<float> qa(r * c.q_lora_rank);
+    Linear(xn, r, hidden, w.q_a_proj.data(), c.q_lora_rank, qa.data(), origin, tile);
+    RmsNorm(qa.data(), r, c.q_lora_rank, w.q_a_norm.data(), eps, qa.data());
+    Linear(qa.data(), r, c.q_lora_rank, w.q_b_proj.data(), heads * qk, q.data(), origin, tile);
+  } else {
+    Linear(xn, r, hidden, w.q_proj.data(), heads * qk, q.data(), origin, tile);
+  }
+  // Compressed KV: [r, lora + rope] = [kv_a_layernorm(latent), rope key] - the cache entry.
+  std::vector<float> kva(r * entry);
+  Linear(xn, r, hidden, w.kv_a_proj.data(), entry, kva.data(), origin, tile);
+  RmsNorm(kva.data(), r, lora, w.kv_a_norm.data(), eps, kva.data(), entry, entry);
+  std::vector<int64_t> positions(r);
+  for (int64_t i = 0; i < r; ++i) positions[i] = rows[i].position;
+  ApplyRope(kva.data() + lora, r, 1, rope, entry, 0, positions.data(), c.rope_theta,
+            RopeStyle::kInterleaved);
+  ApplyRope(q.data() + nope, r, heads, rope, heads * qk, qk, positions.data(), c.rope_theta,
+            RopeStyle::kInterleaved);
+  WriteCache(layer, rows, kva.data(), nullptr, entry);
+
+  // Absorbed query per head: [q_nope * W_UK_h, q_pe], [r, heads, lora + rope]. kv_b_proj rows
+  // for head h are [W_UK_h (nope rows); W_UV_h (vd rows)], each row lora wide.
+  std::vector<float> qcat(r * heads * entry);
+  for (int32_t h = 0; h < heads; ++h) {
+    const float* w_uk = w.kv_b_proj.data() + int64_t{h} * (nope + vd) * lora;
+    LinearNoTrans(q.data() + h * qk, r, nope, w_uk, lora, qcat.data() + h * entry, origin, tile,
+                  heads * qk, lora, heads * entry);
+    for (int64_t i = 0; i < r; ++i) {
+      std::memcpy(qcat.data() + (i * heads + h) * entry + lora,
+                  q.data() + (i * heads + h) * qk + nope, sizeof(float) * rope);
+    }
+  }
+  // Attention in latent space: keys are whole entries, values their latent part.
+  std::vector<float> olat(r * heads * lora);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(qk));
+  CacheAttention(layer, rows, qcat.data(), static_cast<int32_t>(entry), lora, scale, olat.data());
+  // W_UV applied after attention: out[:, h] = olat_h * W_UV_h^T.
+  for (int32_t h = 0; h < heads; ++h) {
+    const float* w_uv = w.kv_b_proj.data() + (int64_t{h} * (nope + vd) + nope) * lora;
+    Linear(olat.data() + h * lora, r, lora, w_uv, vd, out + h * vd, origin, tile,
+           int64_t{heads} * lora, int64_t{heads} * vd);
+  }
+}
+
+}  // namespace kvrelay::model

@@ -1,0 +1,116 @@
+#pragma once
+
+// ModelRunner: the CPU forward pass of a decoder-only model (GQA, MLA, sliding window) over a
+// paged KV cache. Weights are read from a Hugging Face model directory (config.json +
+// safetensors) and upcast to fp32; GEMMs go through OpenBLAS, attention is threaded.
+//
+//   KV_ASSIGN_OR_RETURN(auto runner, ModelRunner::Load(dir, {.threads = 2}));
+//   KV_ASSIGN_OR_RETURN(auto cache, KvCache::Create(runner->layout(), /*blocks_per_group=*/256));
+//   Sequence seq(cache.get());
+//   KV_ASSIGN_OR_RETURN(std::vector<float> logits, runner->Prefill(seq, prompt));
+//   int32_t next = Greedy(logits);
+//   KV_ASSIGN_OR_RETURN(logits, runner->DecodeStep({&seq}, {next}));
+//
+// Determinism: for a fixed thread count and a fixed split into calls, results are bit for bit
+// reproducible. Prefill GEMMs are cut into row tiles at multiples of gemm_tile_tokens (default:
+// the block size) counted from position 0, so a prefill that starts from cached prefix blocks
+// computes exactly what a full prefill computes for the same rows. Decode batches rows of many
+// sequences in one GEMM; a row's result then depends on the batch, within fp32 rounding.
+//
+// Thread safety: one Prefill/DecodeStep call at a time per runner (they use OpenBLAS's
+// process-wide thread pool and per-call worker threads). The runner is immutable otherwise.
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "kv/hf_config.h"
+#include "model/kv_cache.h"
+#include "model/weights.h"
+
+namespace kvrelay::model {
+
+struct RunnerOptions {
+  int32_t threads = 1;       // attention threads; also sets OpenBLAS's (process-wide) count
+  int32_t block_tokens = 16;  // tokens per cache block
+  std::optional<kv::DType> cache_dtype;  // default: the config's torch_dtype (bf16, fp16, fp32)
+  int32_t gemm_tile_tokens = 0;          // 0: block_tokens; see the determinism note above
+};
+
+struct PrefillOptions {
+  // Called on the calling thread as soon as layer `layer`'s K/V (or MLA latent) for every new
+  // token is in the pool: in each (group, block) unit of that layer's group, the bytes
+  // [i * layer_bytes, (i + 1) * layer_bytes) with i = KvCache::index_in_group(layer) and
+  // layer_bytes = BlockBytes(group) / group.num_layers(). Lets layer L travel while L+1 computes.
+  std::function<void(int32_t layer)> on_layer_done;
+  // Logits for every new token ([n, vocab]) instead of only the last one ([vocab]).
+  bool all_logits = false;
+};
+
+class ModelRunner {
+ public:
+  // Reads <dir>/config.json and its safetensors. InvalidArgument naming a missing or misshapen
+  // tensor or a bad config field; Unimplemented for model types the runner does not run.
+  static absl::StatusOr<std::unique_ptr<ModelRunner>> Load(const std::string& model_dir,
+                                                           const RunnerOptions& options = {});
+  // REQUIRES: weights came from LoadWeights(.., config) (shapes already checked).
+  static absl::StatusOr<std::unique_ptr<ModelRunner>> Create(kv::ModelConfig config,
+                                                             ModelWeights weights,
+                                                             const RunnerOptions& options = {});
+
+  const kv::ModelConfig& config() const { return config_; }
+  const kv::ModelLayout& layout() const { return config_.layout; }
+  Arch arch() const { return arch_; }
+  const RunnerOptions& options() const { return options_; }
+
+  // Computes `tokens` after whatever `seq` already holds (nothing, or a prefix installed with
+  // Sequence::AdoptPrefix), writing their KV into the sequence's blocks (allocated as needed).
+  // Returns the logits of the last token, or of all new tokens with options.all_logits.
+  // InvalidArgument for no tokens, a token id outside [0, vocab) or a cache of another layout;
+  // ResourceExhausted when the pools are full.
+  absl::StatusOr<std::vector<float>> Prefill(Sequence& seq, absl::Span<const int32_t> tokens,
+                                             const PrefillOptions& options = {}) const;
+
+  // One decode step for a batch: appends tokens[i] to seqs[i] (continuous batching: each
+  // sequence at its own length, possibly in different caches of this layout). Returns logits
+  // [batch, vocab], row i for seqs[i].
+  absl::StatusOr<std::vector<float>> DecodeStep(absl::Span<Sequence* const> seqs,
+                                                absl::Span<const int32_t> tokens) const;
+
+ private:
+  struct Row {
+    Sequence* seq;
+    int64_t position;
+  };
+  ModelRunner(kv::ModelConfig config, ModelWeights weights, Arch arch, RunnerOptions options);
+
+  absl::Status CheckSequence(const Sequence& seq) const;
+  // The whole forward pass for `rows` (tokens[i] at rows[i]). GEMMs are tiled by position from
+  // tile_origin when tile > 0. logit_rows: which rows get logits (in order).
+  std::vector<float> Forward(const std::vector<Row>& rows, absl::Span<const int32_t> tokens,
+                             int64_t tile_origin, int64_t tile,
+                             const std::vector<int64_t>& logit_rows,
+                             const std::function<void(int32_t)>& on_layer_done) const;
+  void GqaAttention(int32_t layer, const std::vector<Row>& rows, const float* xn,
+                    int64_t tile_origin, int64_t tile, float* out) const;
+  void MlaAttention(int32_t layer, const std::vector<Row>& rows, const float* xn,
+                    int64_t tile_origin, int64_t tile, float* out) const;
+  // Attention over the cache for rows grouped by sequence; q is [rows, heads, qk_dim],
+  // out [rows, heads, v_dim].
+  void CacheAttention(int32_t layer, const std::vector<Row>& rows, const float* q,
+                      int32_t qk_dim, int32_t v_dim, float scale, float* out) const;
+  void WriteCache(int32_t layer, const std::vector<Row>& rows, const float* k, const float* v,
+                  int64_t width) const;
+
+  kv::ModelConfig config_;
+  ModelWeights weights_;
+  Arch arch_;
+  RunnerOptions options_;
+};
+
+}  // namespace kvrelay::model

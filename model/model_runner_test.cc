@@ -1,0 +1,451 @@
+#include "model/model_runner.h"
+
+#include <cmath>
+#include <cstdio>
+#include <utility>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/file_util.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kv/presets.h"
+#include "model/numeric.h"
+#include "model/safetensors.h"
+#include "model/sampler.h"
+#include "model/test_model.h"
+#include "tests/testing/status_matchers.h"
+#include "tests/testing/test_env.h"
+
+namespace kvrelay::model {
+namespace {
+
+using ::kvrelay::testing::StatusIs;
+using ::testing::HasSubstr;
+
+// max |a - b| / max |b|: the relative error of a logits vector.
+double RelErr(const float* a, const float* b, int64_t n) {
+  double diff = 0, scale = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    diff = std::max(diff, std::abs(static_cast<double>(a[i]) - b[i]));
+    scale = std::max(scale, std::abs(static_cast<double>(b[i])));
+  }
+  return diff / scale;
+}
+
+std::vector<int32_t> Tokens(int n, int32_t vocab, uint32_t seed) {
+  std::vector<int32_t> t(n);
+  uint32_t x = seed * 2654435761u + 1;
+  for (int i = 0; i < n; ++i) {
+    x = x * 1664525u + 1013904223u;
+    t[i] = static_cast<int32_t>((x >> 8) % static_cast<uint32_t>(vocab));
+  }
+  return t;
+}
+
+// One model directory per architecture, written once for the whole suite.
+class ModelTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new testing::TempDir();
+    for (const char* arch : {"llama", "deepseek_v3", "gemma3"}) {
+      TestModelOptions o;
+      o.arch = arch;
+      o.seed = 7;
+      ASSERT_TRUE(WriteTestModel(Dir(arch), o).ok());
+    }
+  }
+  static void TearDownTestSuite() {
+    delete dir_;
+    dir_ = nullptr;
+  }
+  static std::string Dir(const std::string& arch) { return dir_->File(arch); }
+
+  std::unique_ptr<ModelRunner> Load(RunnerOptions options = {}) {
+    absl::StatusOr<std::unique_ptr<ModelRunner>> runner = ModelRunner::Load(Dir(GetParam()),
+                                                                            options);
+    EXPECT_TRUE(runner.ok()) << runner.status();
+    return runner.ok() ? *std::move(runner) : nullptr;
+  }
+
+  static testing::TempDir* dir_;
+};
+testing::TempDir* ModelTest::dir_ = nullptr;
+
+TEST_P(ModelTest, WeightsRoundTripThroughSafetensors) {
+  TestModelOptions o;
+  o.arch = GetParam();
+  o.seed = 7;
+  KV_ASSERT_OK_AND_ASSIGN(std::vector<TensorToWrite> want, TestModelTensors(o));
+  KV_ASSERT_OK_AND_ASSIGN(auto files, SafetensorsModel::Open(Dir(GetParam())));
+  ASSERT_EQ(files->Names().size(), want.size());
+  for (const TensorToWrite& t : want) {
+    const TensorView* view = files->Find(t.name);
+    ASSERT_NE(view, nullptr) << t.name;
+    EXPECT_EQ(view->shape, t.shape) << t.name;
+    const std::vector<float> got = view->ToFloat();
+    for (size_t i = 0; i < got.size(); ++i) {
+      ASSERT_EQ(got[i], Bf16ToFloat(FloatToBf16(t.values[i]))) << t.name << "[" << i << "]";
+    }
+  }
+  // The config is the preset, verbatim.
+  KV_ASSERT_OK_AND_ASSIGN(std::string preset, TestModelPreset(GetParam()));
+  KV_ASSERT_OK_AND_ASSIGN(std::string preset_json, kv::PresetConfigJson(preset));
+  KV_ASSERT_OK_AND_ASSIGN(std::string config_json,
+                          ReadFileToString(Dir(GetParam()) + "/config.json"));
+  EXPECT_EQ(config_json, preset_json);
+  // Same seed, same bytes; another seed, other bytes.
+  testing::TempDir again;
+  KV_ASSERT_OK(WriteTestModel(again.File("m"), o));
+  KV_ASSERT_OK_AND_ASSIGN(std::string a, ReadFileToString(Dir(GetParam()) + "/model.safetensors"));
+  KV_ASSERT_OK_AND_ASSIGN(std::string b, ReadFileToString(again.File("m/model.safetensors")));
+  EXPECT_EQ(a, b);
+  o.seed = 8;
+  KV_ASSERT_OK(WriteTestModel(again.File("n"), o));
+  KV_ASSERT_OK_AND_ASSIGN(std::string c, ReadFileToString(again.File("n/model.safetensors")));
+  EXPECT_NE(a, c);
+}
+
+TEST_P(ModelTest, ShardedModelGivesSameLogits) {
+  TestModelOptions o;
+  o.arch = GetParam();
+  o.seed = 7;
+  o.shards = 3;
+  testing::TempDir sharded;
+  KV_ASSERT_OK(WriteTestModel(sharded.path(), o));
+  auto single = Load();
+  KV_ASSERT_OK_AND_ASSIGN(auto multi, ModelRunner::Load(sharded.path()));
+  KV_ASSERT_OK_AND_ASSIGN(auto cache, KvCache::Create(single->layout(), 16));
+  Sequence s1(cache.get()), s2(cache.get());
+  const std::vector<int32_t> t = Tokens(10, single->config().vocab_size, 1);
+  KV_ASSERT_OK_AND_ASSIGN(std::vector<float> a, single->Prefill(s1, t));
+  KV_ASSERT_OK_AND_ASSIGN(std::vector<float> b, multi->Prefill(s2, t));
+  EXPECT_EQ(a, b);
+}
+
+// prefill(n) then decode(k) == prefill(n + k). With an fp32 cache the two paths differ only
+// by GEMM rounding (decode rows go through 1-row GEMMs, prefill rows through 16-row tiles):
+// relative error <= 1e-5. With the default bf16 cache, such a 1-ulp fp32 difference can flip
+// a K/V/latent value to the neighbouring bf16 value (2^-8 relative), which moves logits by up
+// to ~2e-5 (measured on the MLA model), so that case is held to 1e-4.
+TEST_P(ModelTest, DecodeMatchesLongerPrefill) {
+  for (const auto& [dtype, bound] :
+       {std::pair{kv::DType::kFp32, 1e-5}, std::pair{kv::DType::kBf16, 1e-4}}) {
+    SCOPED_TRACE(std::string(kv::DTypeName(dtype)));
+    RunnerOptions options;
+    options.threads = 2;
+    options.cache_dtype = dtype;
+    auto runner = Load(options);
+    ASSERT_NE(runner, nullptr);
+    const int32_t vocab = runner->config().vocab_size;
+    const int n = 37, k = 12;  // gemma3: 49 tokens > the 32-token window
+    const std::vector<int32_t> tokens = Tokens(n + k, vocab, 3);
+    KV_ASSERT_OK_AND_ASSIGN(auto cache, KvCache::Create(runner->layout(), 32));
+
+    Sequence full(cache.get());
+    PrefillOptions all;
+    all.all_logits = true;
+    KV_ASSERT_OK_AND_ASSIGN(std::vector<float> want, runner->Prefill(full, tokens, all));
+    ASSERT_EQ(want.size(), static_cast<size_t>((n + k) * vocab));
+
+    Sequence seq(cache.get());
+    KV_ASSERT_OK_AND_ASSIGN(std::vector<float> got,
+                            runner->Prefill(seq, absl::MakeConstSpan(tokens).first(n)));
+    double worst = RelErr(got.data(), want.data() + (n - 1) * vocab, vocab);
+    for (int i = 0; i < k; ++i) {
+      Sequence* batch[] = {&seq};
+      KV_ASSERT_OK_AND_ASSIGN(got, runner->DecodeStep(batch, {tokens[n + i]}));
+      worst = std::max(worst, RelErr(got.data(), want.data() + (n + i) * vocab, vocab));
+    }
+    EXPECT_LE(worst, bound);
+    std::printf("[ %s, %s cache ] max relative logits error, prefill+decode vs prefill: %.3g\n",
+                GetParam().c_str(), std::string(kv::DTypeName(dtype)).c_str(), worst);
+    EXPECT_EQ(seq.num_tokens(), n + k);
+    EXPECT_EQ(seq.tokens(), full.tokens());
+  }
+}
+
+// A prefill that starts from prefix blocks copied into another pool equals a full prefill.
+TEST_P(ModelTest, PrefillFromCopiedPrefixIsBitExact) {
+  auto runner = Load({.threads = 2});
+  ASSERT_NE(runner, nullptr);
+  const kv::ModelLayout& layout = runner->layout();
+  const int64_t bt = layout.block_tokens();
+  const std::vector<int32_t> tokens = Tokens(3 * bt + 5, runner->config().vocab_size, 5);
+  KV_ASSERT_OK_AND_ASSIGN(auto source_cache, KvCache::Create(layout, 16));
+  KV_ASSERT_OK_AND_ASSIGN(auto other_cache, KvCache::Create(layout, 16));
+
+  Sequence full(source_cache.get());
+  KV_ASSERT_OK_AND_ASSIGN(std::vector<float> want, runner->Prefill(full, tokens));
+
+  // Copy the first two blocks of every group into fresh slots of the other pools.
+  const int64_t prefix_blocks = 2;
+  std::vector<std::vector<kv::SlotId>> copied(layout.groups().size());
+  for (int g = 0; g < static_cast<int>(layout.groups().size()); ++g) {
+    for (int64_t b = 0; b < prefix_blocks; ++b) {
+      KV_ASSERT_OK_AND_ASSIGN(kv::SlotId slot, other_cache->pool(g).Allocate());
+      std::memcpy(other_cache->pool(g).SlotAddress(slot),
+                  source_cache->pool(g).SlotAddress(full.blocks(g)[b]),
+                  static_cast<size_t>(layout.BlockBytes(g)));
+      copied[g].push_back(slot);
+    }
+  }
+  Sequence resumed(other_cache.get());
+  KV_ASSERT_OK(resumed.AdoptPrefix(absl::MakeConstSpan(tokens).first(prefix_blocks * bt),
+                                   copied));
+  int layers_done = 0;
+  PrefillOptions options;
+  options.on_layer_done = [&](int32_t layer) { EXPECT_EQ(layer, layers_done++); };
+  KV_ASSERT_OK_AND_ASSIGN(
+      std::vector<float> got,
+      runner->Prefill(resumed, absl::MakeConstSpan(tokens).subspan(prefix_blocks * bt), options));
+  EXPECT_EQ(layers_done, runner->config().num_hidden_layers);
+  ASSERT_EQ(got.size(), want.size());
+  EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)), 0);
+  // The cache bytes the resumed prefill wrote equal the full prefill's, block by block.
+  for (int g = 0; g < static_cast<int>(layout.groups().size()); ++g) {
+    ASSERT_EQ(resumed.blocks(g).size(), full.blocks(g).size());
+    for (size_t b = 0; b < full.blocks(g).size(); ++b) {
+      EXPECT_EQ(std::memcmp(other_cache->pool(g).SlotAddress(resumed.blocks(g)[b]),
+                            source_cache->pool(g).SlotAddress(full.blocks(g)[b]),
+                            static_cast<size_t>(layout.BlockBytes(g))),
+                0)
+          << "group " << g << " block " << b;
+    }
+  }
+}
+
+TEST_P(ModelTest, BatchedDecodeMatchesSingleDecode) {
+  auto runner = Load();
+  ASSERT_NE(runner, nullptr);
+  const int32_t vocab = runner->config().vocab_size;
+  KV_ASSERT_OK_AND_ASSIGN(auto cache, KvCache::Create(runner->layout(), 32));
+  Sequence a(cache.get()), b(cache.get()), a1(cache.get()), b1(cache.get());
+  const std::vector<int32_t> ta = Tokens(9, vocab, 11), tb = Tokens(21, vocab, 12);
+  KV_ASSERT_OK(runner->Prefill(a, ta).status());
+  KV_ASSERT_OK(runner->Prefill(b, tb).status());
+  KV_ASSERT_OK(runner->Prefill(a1, ta).status());
+  KV_ASSERT_OK(runner->Prefill(b1, tb).status());
+  Sequence* both[] = {&a, &b};
+  KV_ASSERT_OK_AND_ASSIGN(std::vector<float> batched, runner->DecodeStep(both, {5, 6}));
+  Sequence* only_a[] = {&a1};
+  Sequence* only_b[] = {&b1};
+  KV_ASSERT_OK_AND_ASSIGN(std::vector<float> sa, runner->DecodeStep(only_a, {5}));
+  KV_ASSERT_OK_AND_ASSIGN(std::vector<float> sb, runner->DecodeStep(only_b, {6}));
+  EXPECT_LE(RelErr(batched.data(), sa.data(), vocab), 1e-5);
+  EXPECT_LE(RelErr(batched.data() + vocab, sb.data(), vocab), 1e-5);
+}
+
+TEST_P(ModelTest, RejectsBadInput) {
+  auto runner = Load();
+  ASSERT_NE(runner, nullptr);
+  KV_ASSERT_OK_AND_ASSIGN(auto cache, KvCache::Create(runner->layout(), 4));
+  Sequence seq(cache.get());
+  EXPECT_THAT(runner->Prefill(seq, {}), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(runner->Prefill(seq, {1, runner->config().vocab_size}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("token 1")));
+  // 4 blocks of 16 tokens cannot hold 100 tokens.
+  EXPECT_THAT(runner->Prefill(seq, Tokens(100, 10, 1)),
+              StatusIs(absl::StatusCode::kResourceExhausted));
+  EXPECT_EQ(seq.num_tokens(), 0);
+  Sequence* twice[] = {&seq, &seq};
+  EXPECT_THAT(runner->DecodeStep(twice, {1, 2}), StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+INSTANTIATE_TEST_SUITE_P(Archs, ModelTest,
+                         ::testing::Values("llama", "deepseek_v3", "gemma3"));
+
+TEST(CacheBytesTest, MlaHoldsLatentPlusRopePerLayer) {
+  KV_ASSERT_OK_AND_ASSIGN(kv::ModelConfig c, kv::LoadPreset("tiny-deepseek-v3"));
+  KV_ASSERT_OK_AND_ASSIGN(auto cache, KvCache::Create(c.layout, 4));
+  const int64_t per_token = int64_t{c.kv_lora_rank + c.qk_rope_head_dim} *
+                            c.num_hidden_layers * 2;  // bf16
+  EXPECT_EQ(per_token, (64 + 16) * 4 * 2);
+  EXPECT_EQ(c.layout.BytesPerToken(), per_token);
+  ASSERT_EQ(cache->num_groups(), 1);
+  EXPECT_EQ(cache->pool(0).slot_bytes(),
+            static_cast<size_t>(per_token * c.layout.block_tokens()));
+  // Written entries sit where the layout says: layer l, token t at (l * bt + t) * entry.
+  EXPECT_EQ(cache->EntryAddress(2, 0, 3, 0) - static_cast<uint8_t*>(cache->pool(0).SlotAddress(0)),
+            (2 * c.layout.block_tokens() + 3) * (64 + 16) * 2);
+}
+
+TEST(CacheBytesTest, GqaHoldsKeysAndValuesPerKvHead) {
+  KV_ASSERT_OK_AND_ASSIGN(kv::ModelConfig c, kv::LoadPreset("tiny-llama"));
+  KV_ASSERT_OK_AND_ASSIGN(auto cache, KvCache::Create(c.layout, 4));
+  const int64_t per_token = 2 * int64_t{c.num_key_value_heads} * c.head_dim *
+                            c.num_hidden_layers * 2;  // bf16
+  EXPECT_EQ(per_token, 2 * 2 * 32 * 4 * 2);
+  EXPECT_EQ(c.layout.BytesPerToken(), per_token);
+  EXPECT_EQ(cache->pool(0).slot_bytes(),
+            static_cast<size_t>(per_token * c.layout.block_tokens()));
+  const kv::BlockStrides s = c.layout.Strides(0);
+  EXPECT_EQ(cache->EntryAddress(1, 0, 5, 1) - static_cast<uint8_t*>(cache->pool(0).SlotAddress(0)),
+            (s.layer + s.kv + 5 * s.token) * 2);
+}
+
+// The model really writes exactly those bytes: after a prefill of n tokens, the pools hold
+// ceil(n / bt) blocks per group and nothing else was allocated.
+TEST(CacheBytesTest, PrefillAllocatesExactlyTheBlocksItNeeds) {
+  testing::TempDir dir;
+  TestModelOptions o;
+  o.arch = "deepseek_v3";
+  KV_ASSERT_OK(WriteTestModel(dir.path(), o));
+  KV_ASSERT_OK_AND_ASSIGN(auto runner, ModelRunner::Load(dir.path()));
+  KV_ASSERT_OK_AND_ASSIGN(auto cache, KvCache::Create(runner->layout(), 8));
+  Sequence seq(cache.get());
+  KV_ASSERT_OK(runner->Prefill(seq, Tokens(40, 512, 2)).status());
+  EXPECT_EQ(cache->pool(0).num_slots() - cache->pool(0).free_slots(), 3);
+  EXPECT_EQ(runner->layout().BytesForTokens(40), 40 * (64 + 16) * 4 * 2);
+}
+
+// Sliding window: identical results whether or not blocks outside the window were freed.
+TEST(SlidingWindowTest, FreeingOutOfWindowBlocksChangesNothing) {
+  testing::TempDir dir;
+  TestModelOptions o;
+  o.arch = "gemma3";
+  o.seed = 3;
+  KV_ASSERT_OK(WriteTestModel(dir.path(), o));
+  KV_ASSERT_OK_AND_ASSIGN(auto runner, ModelRunner::Load(dir.path(), {.threads = 2}));
+  const kv::ModelLayout& layout = runner->layout();
+  int swa = -1;
+  for (int g = 0; g < static_cast<int>(layout.groups().size()); ++g) {
+    if (layout.groups()[g].kind == kv::LayerKind::kSlidingWindow) swa = g;
+  }
+  ASSERT_GE(swa, 0);
+  ASSERT_EQ(layout.groups()[swa].window_tokens, 32);
+  const int32_t vocab = runner->config().vocab_size;
+  const std::vector<int32_t> tokens = Tokens(100, vocab, 9);
+  KV_ASSERT_OK_AND_ASSIGN(auto cache, KvCache::Create(layout, 48));
+  Sequence kept(cache.get()), freed(cache.get());
+  const int n = 70;
+  KV_ASSERT_OK_AND_ASSIGN(std::vector<float> a,
+                          runner->Prefill(kept, absl::MakeConstSpan(tokens).first(n)));
+  KV_ASSERT_OK_AND_ASSIGN(std::vector<float> b,
+                          runner->Prefill(freed, absl::MakeConstSpan(tokens).first(n)));
+  EXPECT_EQ(a, b);
+  // 70 tokens: the next token sees 39..70, so blocks 0 and 1 (tokens 0..31) can go.
+  EXPECT_EQ(freed.FreeBlocksOutsideWindow(), 2);
+  EXPECT_EQ(freed.blocks(swa)[0], -1);
+  for (int i = n; i < 100; ++i) {
+    Sequence* s1[] = {&kept};
+    Sequence* s2[] = {&freed};
+    KV_ASSERT_OK_AND_ASSIGN(a, runner->DecodeStep(s1, {tokens[i]}));
+    KV_ASSERT_OK_AND_ASSIGN(b, runner->DecodeStep(s2, {tokens[i]}));
+    ASSERT_EQ(a, b) << "token " << i;
+    freed.FreeBlocksOutsideWindow();
+    EXPECT_LE(freed.LiveBlocks(swa), layout.BlocksNeeded(swa, freed.num_tokens()));
+  }
+  EXPECT_LT(freed.LiveBlocks(swa), kept.LiveBlocks(swa));
+  EXPECT_EQ(freed.LiveBlocks(1 - swa), kept.LiveBlocks(1 - swa));  // global layers keep all
+  // A prefill from a prefix whose out-of-window blocks are absent works and matches too.
+  Sequence resumed(cache.get());
+  std::vector<std::vector<kv::SlotId>> prefix(layout.groups().size());
+  const int64_t prefix_blocks = 4;  // 64 tokens
+  for (int g = 0; g < static_cast<int>(layout.groups().size()); ++g) {
+    for (int64_t blk = 0; blk < prefix_blocks; ++blk) {
+      const kv::SlotId slot = kept.blocks(g)[blk];
+      const bool drop = g == swa && blk < 2;  // tokens 0..31 are outside 64's window
+      if (!drop) {
+        KV_ASSERT_OK(cache->pool(g).AddRef(slot));
+      }
+      prefix[g].push_back(drop ? -1 : slot);
+    }
+  }
+  KV_ASSERT_OK(resumed.AdoptPrefix(absl::MakeConstSpan(tokens).first(64), prefix));
+  Sequence fresh(cache.get());
+  KV_ASSERT_OK_AND_ASSIGN(a, runner->Prefill(fresh, absl::MakeConstSpan(tokens).first(80)));
+  KV_ASSERT_OK_AND_ASSIGN(b, runner->Prefill(resumed, absl::MakeConstSpan(tokens).subspan(64, 16)));
+  EXPECT_EQ(a, b);
+}
+
+TEST(LoadTest, MissingTensorIsNamed) {
+  testing::TempDir dir;
+  TestModelOptions o;
+  KV_ASSERT_OK(WriteTestModel(dir.path(), o));
+  KV_ASSERT_OK_AND_ASSIGN(std::vector<TensorToWrite> tensors, TestModelTensors(o));
+  std::erase_if(tensors, [](const TensorToWrite& t) {
+    return t.name == "model.layers.2.self_attn.k_proj.weight";
+  });
+  KV_ASSERT_OK(WriteSafetensors(dir.File("model.safetensors"), tensors));
+  EXPECT_THAT(ModelRunner::Load(dir.path()),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("model.layers.2.self_attn.k_proj.weight is missing")));
+}
+
+TEST(LoadTest, MisshapenTensorIsNamed) {
+  testing::TempDir dir;
+  TestModelOptions o;
+  o.arch = "deepseek_v3";
+  KV_ASSERT_OK(WriteTestModel(dir.path(), o));
+  KV_ASSERT_OK_AND_ASSIGN(std::vector<TensorToWrite> tensors, TestModelTensors(o));
+  for (TensorToWrite& t : tensors) {
+    if (t.name == "model.layers.0.self_attn.kv_b_proj.weight") {
+      t.shape = {t.shape[1], t.shape[0]};
+    }
+  }
+  KV_ASSERT_OK(WriteSafetensors(dir.File("model.safetensors"), tensors));
+  EXPECT_THAT(ModelRunner::Load(dir.path()),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("model.layers.0.self_attn.kv_b_proj.weight has shape [64, 512]")));
+}
+
+TEST(LoadTest, TruncatedWeightsRejected) {
+  testing::TempDir dir;
+  KV_ASSERT_OK(WriteTestModel(dir.path(), {}));
+  KV_ASSERT_OK_AND_ASSIGN(std::string bytes, ReadFileToString(dir.File("model.safetensors")));
+  KV_ASSERT_OK(WriteFileAtomically(dir.File("model.safetensors"),
+                                   bytes.substr(0, bytes.size() / 2)));
+  EXPECT_THAT(ModelRunner::Load(dir.path()),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("truncated")));
+}
+
+TEST(LoadTest, UnsupportedModelType) {
+  testing::TempDir dir;
+  KV_ASSERT_OK_AND_ASSIGN(std::string json, kv::PresetConfigJson("mamba-2.8b"));
+  KV_ASSERT_OK(WriteFileAtomically(dir.File("config.json"), json));
+  EXPECT_THAT(ModelRunner::Load(dir.path()),
+              StatusIs(absl::StatusCode::kUnimplemented, HasSubstr("mamba")));
+}
+
+TEST(SamplerTest, GreedyAndSeededTemperature) {
+  const std::vector<float> logits = {0.1f, 2.0f, 1.9f, -1.0f, 2.0f};
+  EXPECT_EQ(Greedy(logits), 1);
+  Sampler a(42), b(42), c(43);
+  std::vector<int32_t> sa, sb, sc;
+  for (int i = 0; i < 200; ++i) {
+    sa.push_back(a.Sample(logits, 1.0f));
+    sb.push_back(b.Sample(logits, 1.0f));
+    sc.push_back(c.Sample(logits, 1.0f));
+  }
+  EXPECT_EQ(sa, sb);
+  EXPECT_NE(sa, sc);
+  // Every token with non-negligible probability shows up; 0 temperature is greedy.
+  for (int32_t t : {0, 1, 2, 4}) EXPECT_NE(std::count(sa.begin(), sa.end(), t), 0) << t;
+  EXPECT_EQ(a.Sample(logits, 0.0f), 1);
+}
+
+TEST(RunnerTest, GreedyGenerationIsDeterministicAcrossThreadCounts) {
+  testing::TempDir dir;
+  KV_ASSERT_OK(WriteTestModel(dir.path(), {}));
+  std::vector<std::vector<int32_t>> outputs;
+  for (int threads : {1, 2}) {
+    KV_ASSERT_OK_AND_ASSIGN(auto runner, ModelRunner::Load(dir.path(), {.threads = threads}));
+    KV_ASSERT_OK_AND_ASSIGN(auto cache, KvCache::Create(runner->layout(), 8));
+    Sequence seq(cache.get());
+    KV_ASSERT_OK_AND_ASSIGN(std::vector<float> logits, runner->Prefill(seq, Tokens(20, 512, 4)));
+    std::vector<int32_t> out;
+    for (int i = 0; i < 8; ++i) {
+      out.push_back(Greedy(logits));
+      Sequence* batch[] = {&seq};
+      KV_ASSERT_OK_AND_ASSIGN(logits, runner->DecodeStep(batch, {out.back()}));
+    }
+    outputs.push_back(out);
+  }
+  EXPECT_EQ(outputs[0], outputs[1]);
+}
+
+}  // namespace
+}  // namespace kvrelay::model

@@ -1,0 +1,43 @@
+#include "model/sampler.h"
+
+#include <cmath>
+#include <vector>
+
+namespace kvrelay::model {
+
+int32_t Greedy(absl::Span<const float> logits) {
+  int32_t best = 0;
+  for (size_t i = 1; i < logits.size(); ++i) {
+    if (logits[i] > logits[best]) best = static_cast<int32_t>(i);
+  }
+  return best;
+}
+
+double Sampler::NextUniform() {
+  uint64_t z = (state_ += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  z ^= z >> 31;
+  return static_cast<double>(z >> 11) * 0x1.0p-53;
+}
+
+int32_t Sampler::Sample(absl::Span<const float> logits, float temperature) {
+  if (!(temperature > 0.0f)) return Greedy(logits);
+  const int32_t best = Greedy(logits);
+  const double max_logit = logits[best];
+  std::vector<double> p(logits.size());
+  double sum = 0.0;
+  for (size_t i = 0; i < logits.size(); ++i) {
+    p[i] = std::exp((static_cast<double>(logits[i]) - max_logit) / temperature);
+    sum += p[i];
+  }
+  const double target = NextUniform() * sum;
+  double acc = 0.0;
+  for (size_t i = 0; i < p.size(); ++i) {
+    acc += p[i];
+    if (target < acc) return static_cast<int32_t>(i);
+  }
+  return best;  // rounding left target == sum
+}
+
+}  // namespace kvrelay::model

@@ -1,0 +1,220 @@
+#include "model/test_model.h"
+
+#include <cmath>
+#include <cstdio>
+#include <iostream>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "common/file_util.h"
+#include "common/flags.h"
+#include "common/status_macros.h"
+#include "kv/presets.h"
+#include "model/weights.h"
+
+namespace kvrelay::model {
+namespace {
+
+using Json = nlohmann::json;
+
+uint64_t SplitMix64(uint64_t& state) {
+  uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+uint64_t Fnv1a(const std::string& s) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (unsigned char ch : s) {
+    h ^= ch;
+    h *= 0x100000001b3ull;
+  }
+  return h;
+}
+
+// Uniform values with the given standard deviation (half-width sqrt(3) * std).
+void FillUniform(std::vector<float>& out, uint64_t seed, const std::string& name, float mean,
+                 float stddev) {
+  uint64_t state = seed ^ Fnv1a(name);
+  const float half_width = std::sqrt(3.0f) * stddev;
+  for (float& v : out) {
+    const double u = static_cast<double>(SplitMix64(state) >> 11) * 0x1.0p-53;  // [0, 1)
+    v = mean + static_cast<float>((2.0 * u - 1.0)) * half_width;
+  }
+}
+
+std::string TorchDType(TensorDType dtype) {
+  switch (dtype) {
+    case TensorDType::kBf16:
+      return "bfloat16";
+    case TensorDType::kFp16:
+      return "float16";
+    case TensorDType::kFp32:
+      return "float32";
+  }
+  return "bfloat16";
+}
+
+}  // namespace
+
+absl::StatusOr<std::string> TestModelPreset(const std::string& arch) {
+  if (arch == "llama") return std::string("tiny-llama");
+  if (arch == "deepseek_v3") return std::string("tiny-deepseek-v3");
+  if (arch == "gemma3") return std::string("tiny-gemma3");
+  return absl::InvalidArgumentError(
+      absl::StrCat("--arch must be llama, deepseek_v3 or gemma3, got '", arch, "'"));
+}
+
+absl::StatusOr<std::string> TestModelConfigJson(const TestModelOptions& o) {
+  KV_ASSIGN_OR_RETURN(std::string preset, TestModelPreset(o.arch));
+  KV_ASSIGN_OR_RETURN(std::string text, kv::PresetConfigJson(preset));
+  const bool overridden = o.layers || o.hidden || o.intermediate || o.heads || o.kv_heads ||
+                          o.vocab || o.sliding_window || o.dtype != TensorDType::kBf16;
+  if (!overridden) return text;
+  Json config = Json::parse(text, nullptr, false);
+  if (config.is_discarded()) return absl::InternalError("preset is not JSON");
+  for (int32_t v : {o.layers, o.hidden, o.intermediate, o.heads, o.kv_heads, o.vocab,
+                    o.sliding_window}) {
+    if (v < 0) return absl::InvalidArgumentError("model sizes must be positive");
+  }
+  if (o.layers) config["num_hidden_layers"] = o.layers;
+  if (o.hidden) config["hidden_size"] = o.hidden;
+  if (o.intermediate) config["intermediate_size"] = o.intermediate;
+  if (o.heads) config["num_attention_heads"] = o.heads;
+  if (o.vocab) config["vocab_size"] = o.vocab;
+  if (o.arch != "deepseek_v3") {
+    if (o.kv_heads) config["num_key_value_heads"] = o.kv_heads;
+    if (o.hidden || o.heads) {
+      const int32_t hidden = config["hidden_size"].get<int32_t>();
+      const int32_t heads = config["num_attention_heads"].get<int32_t>();
+      if (hidden % heads != 0) {
+        return absl::InvalidArgumentError(absl::StrCat("--hidden ", hidden,
+                                                       " is not divisible by --heads ", heads));
+      }
+      config["head_dim"] = hidden / heads;
+      if (o.arch == "gemma3") config["query_pre_attn_scalar"] = hidden / heads;
+    }
+  } else if (o.heads) {
+    config["num_key_value_heads"] = o.heads;
+  }
+  if (o.sliding_window) {
+    if (o.arch != "gemma3") {
+      return absl::InvalidArgumentError("--sliding-window applies to --arch gemma3 only");
+    }
+    config["sliding_window"] = o.sliding_window;
+  }
+  config["torch_dtype"] = TorchDType(o.dtype);
+  return config.dump(2);
+}
+
+absl::StatusOr<std::vector<TensorToWrite>> TestModelTensors(const TestModelOptions& o) {
+  KV_ASSIGN_OR_RETURN(std::string text, TestModelConfigJson(o));
+  KV_ASSIGN_OR_RETURN(kv::ModelConfig config, kv::ParseHfConfig(text));
+  ModelWeights scratch;
+  KV_ASSIGN_OR_RETURN(std::vector<TensorSpec> specs, TensorSpecs(config, &scratch));
+  std::vector<TensorToWrite> tensors;
+  tensors.reserve(specs.size());
+  for (const TensorSpec& spec : specs) {
+    TensorToWrite t;
+    t.name = spec.name;
+    t.dtype = o.dtype;
+    t.shape = spec.shape;
+    int64_t n = 1;
+    for (int64_t d : spec.shape) n *= d;
+    t.values.resize(static_cast<size_t>(n));
+    switch (spec.init) {
+      case TensorInit::kEmbedding:
+        FillUniform(t.values, o.seed, t.name, 0.0f, 1.0f);
+        break;
+      case TensorInit::kNorm:
+        // Gemma stores w and scales by (1 + w); the others scale by w.
+        FillUniform(t.values, o.seed, t.name, spec.gemma_norm ? 0.0f : 1.0f, 0.05f);
+        break;
+      case TensorInit::kLinear:
+        FillUniform(t.values, o.seed, t.name, 0.0f,
+                    1.0f / std::sqrt(static_cast<float>(spec.shape[1])));
+        break;
+    }
+    tensors.push_back(std::move(t));
+  }
+  return tensors;
+}
+
+absl::Status WriteTestModel(const std::string& dir, const TestModelOptions& options) {
+  KV_ASSIGN_OR_RETURN(std::string config, TestModelConfigJson(options));
+  KV_ASSIGN_OR_RETURN(std::vector<TensorToWrite> tensors, TestModelTensors(options));
+  KV_RETURN_IF_ERROR(MakeDirectories(dir));
+  KV_RETURN_IF_ERROR(WriteSafetensorsModel(dir, tensors, options.shards));
+  return WriteFileAtomically(dir + "/config.json", config);
+}
+
+}  // namespace kvrelay::model
+
+namespace kvrelay::cli {
+
+int RunMakeTestModelCommand(const std::vector<std::string>& args) {
+  model::TestModelOptions o;
+  std::string out;
+  std::string dtype = "bf16";
+  int64_t seed = 0;
+  int32_t shards = 1;
+  FlagSet flags("make-test-model",
+                "Writes a small random-weight model (config.json + safetensors) for tests.");
+  flags.AddString("arch", &o.arch, "llama | deepseek_v3 | gemma3");
+  flags.AddString("out", &out, "output directory (created)");
+  flags.AddInt64("seed", &seed, "random seed (same seed, same bytes)");
+  flags.AddInt32("layers", &o.layers, "num_hidden_layers (0: preset)");
+  flags.AddInt32("hidden", &o.hidden, "hidden_size (0: preset)");
+  flags.AddInt32("intermediate", &o.intermediate, "intermediate_size (0: preset)");
+  flags.AddInt32("heads", &o.heads, "num_attention_heads (0: preset)");
+  flags.AddInt32("kv-heads", &o.kv_heads, "num_key_value_heads, llama/gemma3 (0: preset)");
+  flags.AddInt32("vocab", &o.vocab, "vocab_size (0: preset)");
+  flags.AddInt32("sliding-window", &o.sliding_window, "gemma3 sliding_window (0: preset)");
+  flags.AddString("dtype", &dtype, "weight dtype: bf16 | fp16 | fp32");
+  flags.AddInt32("shards", &shards, "number of safetensors files (>1 writes an index)");
+  absl::Status parsed = flags.Parse(args);
+  if (!parsed.ok()) {
+    std::fprintf(stderr, "make-test-model: %s\n", std::string(parsed.message()).c_str());
+    return 2;
+  }
+  if (flags.help_requested()) {
+    std::cout << flags.Usage();
+    return 0;
+  }
+  if (out.empty()) {
+    std::fprintf(stderr, "make-test-model: --out is required\n");
+    return 2;
+  }
+  if (dtype == "bf16") {
+    o.dtype = model::TensorDType::kBf16;
+  } else if (dtype == "fp16") {
+    o.dtype = model::TensorDType::kFp16;
+  } else if (dtype == "fp32") {
+    o.dtype = model::TensorDType::kFp32;
+  } else {
+    std::fprintf(stderr, "make-test-model: --dtype must be bf16, fp16 or fp32, got '%s'\n",
+                 dtype.c_str());
+    return 2;
+  }
+  if (shards < 1 || shards > 64) {
+    std::fprintf(stderr, "make-test-model: --shards must be in [1, 64], got %d\n", shards);
+    return 2;
+  }
+  o.shards = shards;
+  o.seed = static_cast<uint64_t>(seed);
+  if (absl::StatusOr<std::string> preset = model::TestModelPreset(o.arch); !preset.ok()) {
+    std::fprintf(stderr, "make-test-model: %s\n", std::string(preset.status().message()).c_str());
+    return 2;
+  }
+  absl::Status status = model::WriteTestModel(out, o);
+  if (!status.ok()) {
+    std::fprintf(stderr, "make-test-model: %s\n", status.ToString().c_str());
+    return absl::IsInvalidArgument(status) ? 2 : 1;
+  }
+  std::printf("wrote %s model to %s\n", o.arch.c_str(), out.c_str());
+  return 0;
+}
+
+}  // namespace kvrelay::cli
