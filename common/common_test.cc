@@ -1,6 +1,14 @@
 #include <poll.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include "common/clock.h"
+#include "common/config_file.h"
+#include "common/http_server.h"
+#include "common/metrics.h"
 #include "common/event_fd.h"
 #include "common/file_util.h"
 #include "common/flags.h"
@@ -95,6 +103,84 @@ TEST(FlagSet, ParsesEveryKindAndNamesBadFlags) {
   EXPECT_THAT(bad.Parse({"--count"}),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("missing value")));
   EXPECT_THAT(bad.Parse({"stray"}), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("stray")));
+}
+
+TEST(Metrics, RendersPrometheusText) {
+  MetricsRegistry registry;
+  registry.GetCounter("kvrelay_requests_total", "Requests.", {{"code", "ok"}})->Increment(3);
+  registry.GetCounter("kvrelay_requests_total", "Requests.", {{"code", "ok"}})->Increment();
+  registry.GetGauge("kvrelay_active", "Active.")->Set(2);
+  Histogram* h = registry.GetHistogram("kvrelay_latency_seconds", "Latency.", {0.1, 1});
+  h->Observe(0.05);
+  h->Observe(0.5);
+  h->Observe(5);
+  const std::string text = registry.RenderText();
+  EXPECT_THAT(text, HasSubstr("# TYPE kvrelay_requests_total counter"));
+  EXPECT_THAT(text, HasSubstr("kvrelay_requests_total{code=\"ok\"} 4"));
+  EXPECT_THAT(text, HasSubstr("kvrelay_active 2"));
+  EXPECT_THAT(text, HasSubstr("kvrelay_latency_seconds_bucket{le=\"0.1\"} 1"));
+  EXPECT_THAT(text, HasSubstr("kvrelay_latency_seconds_bucket{le=\"1\"} 2"));
+  EXPECT_THAT(text, HasSubstr("kvrelay_latency_seconds_bucket{le=\"+Inf\"} 3"));
+  EXPECT_THAT(text, HasSubstr("kvrelay_latency_seconds_count 3"));
+}
+
+std::string HttpGet(int port, const std::string& path) {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    ::close(fd);
+    return "";
+  }
+  const std::string request = "GET " + path + " HTTP/1.0\r\n\r\n";
+  (void)::send(fd, request.data(), request.size(), 0);
+  std::string response;
+  char buf[4096];
+  ssize_t n;
+  while ((n = ::recv(fd, buf, sizeof(buf), 0)) > 0) response.append(buf, static_cast<size_t>(n));
+  ::close(fd);
+  return response;
+}
+
+TEST(HttpServer, ServesMetricsOverRealSocket) {
+  MetricsRegistry registry;
+  registry.GetCounter("kvrelay_test_total", "Test.")->Increment(7);
+  KV_ASSERT_OK_AND_ASSIGN(auto server, HttpServer::Start("127.0.0.1", 0, MetricsHandler(&registry)));
+  ASSERT_GT(server->port(), 0);
+  std::string r = HttpGet(server->port(), "/metrics");
+  EXPECT_THAT(r, HasSubstr("HTTP/1.0 200"));
+  EXPECT_THAT(r, HasSubstr("kvrelay_test_total 7"));
+  EXPECT_THAT(HttpGet(server->port(), "/nope"), HasSubstr("404"));
+  EXPECT_THAT(HttpServer::Start("not-an-ip", 0, MetricsHandler(&registry)),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+TEST(ConfigFile, YamlKeysBecomeFlagsAndCommandLineWins) {
+  testing::TempDir dir;
+  const std::string path = dir.File("c.yaml");
+  KV_ASSERT_OK(WriteFileAtomically(path, "port: 7000\nprefill: [a:1, b:2]\njson: true\n"));
+  KV_ASSERT_OK_AND_ASSIGN(std::vector<std::string> args,
+                          ExpandConfigFile({"--config", path, "--port=8000"}));
+  EXPECT_EQ(args, (std::vector<std::string>{"--port=7000", "--prefill=a:1,b:2", "--json=true",
+                                            "--port=8000"}));
+  int64_t port = 0;
+  std::string prefill;
+  bool json = false;
+  FlagSet flags("x", "");
+  flags.AddInt64("port", &port, "");
+  flags.AddString("prefill", &prefill, "");
+  flags.AddBool("json", &json, "");
+  KV_ASSERT_OK(flags.Parse(args));
+  EXPECT_EQ(port, 8000);
+  EXPECT_EQ(prefill, "a:1,b:2");
+  KV_ASSERT_OK(WriteFileAtomically(path, "port: [unclosed\n"));
+  EXPECT_THAT(ExpandConfigFile({"--config", path}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("c.yaml")));
+  KV_ASSERT_OK(WriteFileAtomically(path, "- just\n- a list\n"));
+  EXPECT_THAT(ExpandConfigFile({"--config=" + path}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("map")));
 }
 
 }  // namespace

@@ -1,0 +1,98 @@
+#pragma once
+
+// Prometheus metrics: counters, gauges and histograms rendered in the text exposition format
+// (version 0.0.4) by MetricsRegistry::RenderText(), served by MetricsHttpServer.
+//
+// Thread-safe. Metric objects are owned by the registry and live as long as it does; updates
+// are lock-free (relaxed atomics: a scrape may see one metric a moment ahead of another).
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+
+namespace kvrelay {
+
+using MetricLabels = std::map<std::string, std::string>;
+
+class Counter {
+ public:
+  void Increment(double by = 1) {
+    double cur = value_.load(std::memory_order_relaxed);
+    while (!value_.compare_exchange_weak(cur, cur + by, std::memory_order_relaxed)) {
+    }
+  }
+  double value() const { return value_.load(std::memory_order_relaxed); }
+
+ private:
+  std::atomic<double> value_{0};
+};
+
+class Gauge {
+ public:
+  void Set(double v) { value_.store(v, std::memory_order_relaxed); }
+  void Add(double by) {
+    double cur = value_.load(std::memory_order_relaxed);
+    while (!value_.compare_exchange_weak(cur, cur + by, std::memory_order_relaxed)) {
+    }
+  }
+  double value() const { return value_.load(std::memory_order_relaxed); }
+
+ private:
+  std::atomic<double> value_{0};
+};
+
+class Histogram {
+ public:
+  explicit Histogram(std::vector<double> upper_bounds);
+  void Observe(double value);
+  const std::vector<double>& upper_bounds() const { return bounds_; }
+  // Cumulative counts per bound, then +Inf; sum.
+  std::vector<uint64_t> CumulativeCounts() const;
+  double sum() const { return sum_.load(std::memory_order_relaxed); }
+  uint64_t count() const;
+
+ private:
+  const std::vector<double> bounds_;
+  std::unique_ptr<std::atomic<uint64_t>[]> buckets_;  // bounds_.size() + 1 (+Inf)
+  std::atomic<double> sum_{0};
+};
+
+// Bucket helpers: latency in seconds from 100 us to ~100 s.
+std::vector<double> LatencyBucketsSeconds();
+
+class MetricsRegistry {
+ public:
+  // The same (name, labels) returns the same object. Names follow Prometheus rules
+  // ([a-zA-Z_:][a-zA-Z0-9_:]*); help is the family's # HELP line (first registration wins).
+  Counter* GetCounter(const std::string& name, const std::string& help,
+                      const MetricLabels& labels = {});
+  Gauge* GetGauge(const std::string& name, const std::string& help,
+                  const MetricLabels& labels = {});
+  Histogram* GetHistogram(const std::string& name, const std::string& help,
+                          const std::vector<double>& upper_bounds,
+                          const MetricLabels& labels = {});
+  std::string RenderText() const;
+
+ private:
+  enum class Type { kCounter, kGauge, kHistogram };
+  struct Family {
+    Type type;
+    std::string help;
+    std::map<MetricLabels, std::unique_ptr<Counter>> counters;
+    std::map<MetricLabels, std::unique_ptr<Gauge>> gauges;
+    std::map<MetricLabels, std::unique_ptr<Histogram>> histograms;
+  };
+  Family& GetFamily(const std::string& name, Type type, const std::string& help)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  mutable absl::Mutex mu_;
+  std::map<std::string, Family> families_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace kvrelay
