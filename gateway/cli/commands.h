@@ -9,5 +9,7 @@
 namespace kvrelay::cli {
 
 int RunLayoutCommand(const std::vector<std::string>& args);
+// model/test_model.cc
+int RunMakeTestModelCommand(const std::vector<std::string>& args);
 
 }  // namespace kvrelay::cli

@@ -20,6 +20,8 @@ struct Subcommand {
 constexpr Subcommand kSubcommands[] = {
     {"layout", "KV-cache bytes of a model: per token, per block, per sequence",
      kvrelay::cli::RunLayoutCommand},
+    {"make-test-model", "write a small random-weight model (config.json + safetensors)",
+     kvrelay::cli::RunMakeTestModelCommand},
 };
 
 void PrintUsage(FILE* out) {
