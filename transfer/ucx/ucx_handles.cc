@@ -1,0 +1,133 @@
+#include "transfer/ucx/ucx_handles.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/logging.h"
+
+namespace kvrelay::transfer::ucx {
+
+absl::Status FromUcs(ucs_status_t status, std::string_view what_view) {
+  if (status == UCS_OK) return absl::OkStatus();
+  const std::string what(what_view);
+  std::string msg = absl::StrCat(what, ": ", ucs_status_string(status));
+  switch (status) {
+    case UCS_ERR_NO_MEMORY:
+    case UCS_ERR_NO_RESOURCE:
+      return absl::ResourceExhaustedError(msg);
+    case UCS_ERR_TIMED_OUT:
+      return absl::DeadlineExceededError(msg);
+    case UCS_ERR_CONNECTION_RESET:
+    case UCS_ERR_UNREACHABLE:
+    case UCS_ERR_ENDPOINT_TIMEOUT:
+    case UCS_ERR_NOT_CONNECTED:
+    case UCS_ERR_REJECTED:
+    case UCS_ERR_IO_ERROR:
+      return absl::UnavailableError(msg);
+    case UCS_ERR_CANCELED:
+      return absl::CancelledError(msg);
+    case UCS_ERR_INVALID_PARAM:
+    case UCS_ERR_INVALID_ADDR:
+      return absl::InvalidArgumentError(msg);
+    case UCS_ERR_UNSUPPORTED:
+      return absl::UnimplementedError(msg);
+    default:
+      return absl::InternalError(msg);
+  }
+}
+
+absl::StatusOr<UcpContextPtr> CreateContext(size_t request_size) {
+  ucp_config_t* config = nullptr;
+  ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
+  if (st != UCS_OK) return FromUcs(st, "ucp_config_read");
+  UcpConfigPtr config_owner(config, &ucp_config_release);
+  ucp_params_t params = {};
+  params.field_mask =
+      UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_REQUEST_SIZE | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
+  params.features = UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP;
+  params.request_size = request_size;
+  params.mt_workers_shared = 0;
+  ucp_context_h context = nullptr;
+  st = ucp_init(&params, config, &context);
+  if (st != UCS_OK) return FromUcs(st, "ucp_init");
+  return UcpContextPtr(context, &ucp_cleanup);
+}
+
+absl::StatusOr<UcpWorkerPtr> CreateWorker(ucp_context_h context) {
+  ucp_worker_params_t params = {};
+  params.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  params.thread_mode = UCS_THREAD_MODE_SINGLE;
+  ucp_worker_h worker = nullptr;
+  ucs_status_t st = ucp_worker_create(context, &params, &worker);
+  if (st != UCS_OK) return FromUcs(st, "ucp_worker_create");
+  return UcpWorkerPtr(worker, &ucp_worker_destroy);
+}
+
+absl::StatusOr<std::string> WorkerAddress(ucp_worker_h worker) {
+  ucp_address_t* address = nullptr;
+  size_t length = 0;
+  ucs_status_t st = ucp_worker_get_address(worker, &address, &length);
+  if (st != UCS_OK) return FromUcs(st, "ucp_worker_get_address");
+  std::string out(reinterpret_cast<const char*>(address), length);
+  ucp_worker_release_address(worker, address);
+  return out;
+}
+
+absl::StatusOr<UcpMemRegion> UcpMemRegion::Map(ucp_context_h context, void* data, size_t bytes) {
+  ucp_mem_map_params_t params = {};
+  params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+  params.address = data;
+  params.length = bytes;
+  ucp_mem_h memh = nullptr;
+  ucs_status_t st = ucp_mem_map(context, &params, &memh);
+  if (st != UCS_OK) return FromUcs(st, absl::StrCat("ucp_mem_map of ", bytes, " bytes"));
+  UcpMemRegion region;
+  region.context_ = context;
+  region.memh_ = memh;
+  return region;
+}
+
+UcpMemRegion::UcpMemRegion(UcpMemRegion&& other) noexcept
+    : context_(std::exchange(other.context_, nullptr)),
+      memh_(std::exchange(other.memh_, nullptr)) {}
+
+UcpMemRegion& UcpMemRegion::operator=(UcpMemRegion&& other) noexcept {
+  if (this != &other) {
+    Reset();
+    context_ = std::exchange(other.context_, nullptr);
+    memh_ = std::exchange(other.memh_, nullptr);
+  }
+  return *this;
+}
+
+UcpMemRegion::~UcpMemRegion() { Reset(); }
+
+void UcpMemRegion::Reset() {
+  if (memh_ != nullptr) {
+    ucs_status_t st = ucp_mem_unmap(context_, memh_);
+    if (st != UCS_OK) {
+      KV_LOG(WARNING) << "ucp_mem_unmap: " << ucs_status_string(st);
+    }
+  }
+  memh_ = nullptr;
+  context_ = nullptr;
+}
+
+absl::StatusOr<std::string> UcpMemRegion::PackRemoteKey() const {
+  void* buffer = nullptr;
+  size_t size = 0;
+  ucs_status_t st = ucp_rkey_pack(context_, memh_, &buffer, &size);
+  if (st != UCS_OK) return FromUcs(st, "ucp_rkey_pack");
+  std::string out(static_cast<const char*>(buffer), size);
+  ucp_rkey_buffer_release(buffer);
+  return out;
+}
+
+absl::StatusOr<UcpRkeyPtr> UnpackRemoteKey(ucp_ep_h ep, const std::string& packed) {
+  ucp_rkey_h rkey = nullptr;
+  ucs_status_t st = ucp_ep_rkey_unpack(ep, packed.data(), &rkey);
+  if (st != UCS_OK) return FromUcs(st, "ucp_ep_rkey_unpack");
+  return UcpRkeyPtr(rkey, &ucp_rkey_destroy);
+}
+
+}  // namespace kvrelay::transfer::ucx

@@ -1,0 +1,43 @@
+#pragma once
+
+// UcxTransport: the Transport interface over UCX (ucp) RMA.
+//
+// Per transport: one ucp context + worker owned by one ProgressThread, a TCP listener for the
+// control connection, and per peer one TCP control connection plus one UCX data endpoint
+// created from the peer's worker address (so tcp and shared memory both work; a sockaddr
+// listener would work over tcp only on UCX 1.13). Puts/gets are split into chunks, issued with
+// many in flight under a byte and op cap, and a put batch ends with one ucp_ep_flush_nbx, after
+// which a DONE frame carrying the per-block checksums goes over the control connection; the
+// receiver verifies, tells its handler, and ACKs each block. Dead peers are noticed by TCP EOF
+// (process death), the UCX endpoint error callback (error mode PEER), or missing heartbeats
+// (for shared memory, whose endpoints run with error mode NONE on this UCX version).
+//
+// Honours UCX_TLS and UCX_NET_DEVICES (read once, at Create). Thread-safe (see Transport).
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "transfer/transport.h"
+
+namespace kvrelay::transfer {
+
+struct UcxTransportOptions {
+  std::string listen_host = "127.0.0.1";  // control listener; "0.0.0.0" for all interfaces
+  int listen_port = 0;                    // 0: any free port (see address())
+  std::string advertise_host;             // host part of address(); default listen_host
+  // Endpoint error handling. kAuto: PEER where the transports support it, else NONE (shared
+  // memory on UCX 1.13), relying on the heartbeat.
+  enum class ErrorMode { kAuto, kPeer, kNone };
+  ErrorMode error_mode = ErrorMode::kAuto;
+  uint64_t chunk_bytes = 1 << 20;          // larger blocks are split (tcp collapses on 16 MiB)
+  uint64_t max_inflight_bytes = 16 << 20;  // per transport
+  int32_t max_inflight_ops = 256;          // per transport
+  absl::Duration heartbeat_interval = absl::Milliseconds(200);
+  absl::Duration peer_timeout = absl::Seconds(2);  // no frame for this long => peer is down
+};
+
+absl::StatusOr<TransportPtr> MakeUcxTransport(UcxTransportOptions options = {});
+
+}  // namespace kvrelay::transfer
