@@ -1,0 +1,73 @@
+#pragma once
+
+// CudaModel: the forward pass of a Llama-style (GQA, optionally sliding-window) or
+// DeepSeek-style (MLA, absorbed projections) model on one GPU: cuBLAS GEMMs (fp32, or bf16
+// weights and inputs with fp32 accumulation) and the kernels of cuda_ops.h over a paged cache
+// in device memory with the same unit layout as the CPU pools (kv/model_layout.h).
+// cuda_model_test.cc checks its logits against the CPU ModelRunner; bench/gpu_model_bench
+// times it. Gemma 3 specifics (q/k norms, sandwich norms, GeGLU) run on CPU only.
+//
+// Not thread-safe: one Forward at a time. Owns its device memory, cuBLAS handle and stream.
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "kv/hf_config.h"
+#include "model/weights.h"
+
+namespace kvrelay::model::cuda {
+
+enum class WeightDType { kFp32, kBf16 };
+
+struct CudaModelOptions {
+  WeightDType weight_dtype = WeightDType::kBf16;
+  int64_t num_blocks = 64;      // cache blocks per layer group
+  int64_t max_rows = 256;       // tokens per Forward (prefill length or decode batch)
+  int64_t max_context = 4096;   // longest sequence
+  int device = 0;
+};
+
+// One Forward call: row i is token tokens[i] at positions[i] of the sequence whose block
+// table (slot per block index, the same for every layer group) is
+// block_tables[i * max_blocks .. +max_blocks).
+struct CudaBatch {
+  std::vector<int32_t> tokens;
+  std::vector<int64_t> positions;
+  std::vector<int32_t> block_tables;
+  int32_t max_blocks = 0;
+  std::vector<int64_t> logit_rows;  // rows whose logits come back, in order
+};
+
+class CudaModel {
+ public:
+  // Uploads weights loaded on the host (LoadWeights). FailedPrecondition without a device;
+  // Unimplemented for Gemma 3.
+  static absl::StatusOr<std::unique_ptr<CudaModel>> Create(const kv::ModelConfig& config,
+                                                           const ModelWeights& weights,
+                                                           const CudaModelOptions& options);
+  // Random weights drawn on the device (for benchmarks of real-size shapes).
+  static absl::StatusOr<std::unique_ptr<CudaModel>> CreateRandom(const kv::ModelConfig& config,
+                                                                 uint64_t seed,
+                                                                 const CudaModelOptions& options);
+  ~CudaModel();
+
+  // Runs the batch and returns logits [logit_rows.size(), vocab] (empty when none asked).
+  absl::StatusOr<std::vector<float>> Forward(const CudaBatch& batch);
+  // Copies one cache unit (group, slot) to the host, BlockBytes(group) bytes.
+  absl::StatusOr<std::vector<uint8_t>> ReadBlock(int group, int32_t slot);
+  absl::Status Synchronize();
+  // The stream every launch goes to (for cudaEvent timing).
+  void* stream() const;
+  const kv::ModelConfig& config() const { return config_; }
+
+ struct Impl;  // opaque: device state, defined in cuda_model.cc
+
+ private:
+  CudaModel(kv::ModelConfig config, std::unique_ptr<Impl> impl);
+  kv::ModelConfig config_;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvrelay::model::cuda

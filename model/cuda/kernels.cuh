@@ -1,0 +1,264 @@
+#pragma once
+
+// Device code: framework-free kernels over plain descriptors (launch.h). Every kernel has a
+// CPU reference in model/cpu_ops.h; see cuda_ops.h for the pairing and tolerances.
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "model/cuda/launch.h"
+
+namespace kvrelay::model::cuda::internal {
+
+// Same bit manipulation as model/numeric.h, so cache bytes match the CPU's exactly.
+__device__ __forceinline__ float Bf16ToFloatDev(uint16_t v) {
+  return __uint_as_float(static_cast<uint32_t>(v) << 16);
+}
+__device__ __forceinline__ uint16_t FloatToBf16Dev(float f) {
+  const uint32_t bits = __float_as_uint(f);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x0040u);
+  const uint32_t rounding = 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>((bits + rounding) >> 16);
+}
+
+__device__ __forceinline__ float LoadEntry(const uint8_t* p, int32_t dtype) {
+  if (dtype == kCacheFp32) return *reinterpret_cast<const float*>(p);
+  const uint16_t v = *reinterpret_cast<const uint16_t*>(p);
+  if (dtype == kCacheBf16) return Bf16ToFloatDev(v);
+  return __half2float(__ushort_as_half(v));
+}
+__device__ __forceinline__ void StoreEntry(uint8_t* p, int32_t dtype, float f) {
+  if (dtype == kCacheFp32) {
+    *reinterpret_cast<float*>(p) = f;
+  } else if (dtype == kCacheBf16) {
+    *reinterpret_cast<uint16_t*>(p) = FloatToBf16Dev(f);
+  } else {
+    *reinterpret_cast<uint16_t*>(p) = __half_as_ushort(__float2half_rn(f));
+  }
+}
+__device__ __forceinline__ int DTypeBytesDev(int32_t dtype) { return dtype == kCacheFp32 ? 4 : 2; }
+
+// Block-wide reductions; blockDim.x is a multiple of 32 and <= 1024.
+__device__ __forceinline__ float WarpSum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float WarpMax(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+template <bool kMax>
+__device__ float BlockReduce(float v, float* shared /* >= 32 floats */) {
+  v = kMax ? WarpMax(v) : WarpSum(v);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  __syncthreads();  // shared may still be read by a previous reduction
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  const int warps = (blockDim.x + 31) >> 5;
+  v = lane < warps ? shared[lane] : (kMax ? -INFINITY : 0.0f);
+  v = kMax ? WarpMax(v) : WarpSum(v);
+  return v;  // every thread holds the result
+}
+
+// One block per row. x/out rows [dim] with strides ldx/ldout. out may alias x.
+__global__ void RmsNormKernel(const float* x, int32_t dim, const float* w, float eps, float* out,
+                              int64_t ldx, int64_t ldout) {
+  __shared__ float shared[32];
+  const float* xr = x + blockIdx.x * ldx;
+  float* o = out + blockIdx.x * ldout;
+  float ss = 0.0f;
+  for (int i = threadIdx.x; i < dim; i += blockDim.x) ss += xr[i] * xr[i];
+  ss = BlockReduce<false>(ss, shared);
+  const float inv = 1.0f / sqrtf(ss / static_cast<float>(dim) + eps);
+  for (int i = threadIdx.x; i < dim; i += blockDim.x) o[i] = xr[i] * inv * w[i];
+}
+
+// One block per row. The row's heads are staged in dynamic shared memory
+// (num_heads * dim floats) so the interleaved layout can be rewritten in place.
+__global__ void RopeKernel(float* x, int32_t num_heads, int32_t dim, int64_t row_stride,
+                           int64_t head_stride, const int64_t* positions, double theta,
+                           bool interleaved) {
+  extern __shared__ float staged[];
+  const int32_t half = dim / 2;
+  float* row = x + blockIdx.x * row_stride;
+  for (int u = threadIdx.x; u < num_heads * dim; u += blockDim.x) {
+    staged[u] = row[(u / dim) * head_stride + u % dim];
+  }
+  __syncthreads();
+  const float pos = static_cast<float>(positions[blockIdx.x]);
+  for (int u = threadIdx.x; u < num_heads * half; u += blockDim.x) {
+    const int h = u / half, i = u % half;
+    const float* in = staged + h * dim;
+    // Same fp32 inverse frequency as the CPU: rounded from a double-precision power.
+    const float inv_freq = static_cast<float>(1.0 / pow(theta, (2.0 * i) / dim));
+    const float angle = pos * inv_freq;
+    const float c = cosf(angle), s = sinf(angle);
+    const float a = interleaved ? in[2 * i] : in[i];
+    const float b = interleaved ? in[2 * i + 1] : in[i + half];
+    float* v = row + h * head_stride;
+    v[i] = a * c - b * s;
+    v[i + half] = b * c + a * s;
+  }
+}
+
+__global__ void GatedActivationKernel(float* a, const float* b, int64_t n, int64_t lda,
+                                      int64_t ldb, bool gelu_tanh) {
+  const int64_t r = blockIdx.y;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float x = a[r * lda + i];
+    float act;
+    if (gelu_tanh) {
+      act = 0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+    } else {
+      act = x / (1.0f + expf(-x));
+    }
+    a[r * lda + i] = act * b[r * ldb + i];
+  }
+}
+
+__global__ void AddKernel(float* a, const float* b, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    a[i] += b[i];
+  }
+}
+
+__global__ void ToBf16Kernel(const float* src, int64_t n, uint16_t* dst) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    dst[i] = FloatToBf16Dev(src[i]);
+  }
+}
+
+__global__ void EmbedKernel(const void* table, bool table_bf16, const int32_t* tokens,
+                            int32_t dim, float scale, float* out) {
+  const int64_t row = blockIdx.x;
+  const int64_t base = static_cast<int64_t>(tokens[row]) * dim;
+  for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+    const float v = table_bf16 ? Bf16ToFloatDev(static_cast<const uint16_t*>(table)[base + i])
+                               : static_cast<const float*>(table)[base + i];
+    out[row * dim + i] = v * scale;
+  }
+}
+
+__device__ __forceinline__ uint8_t* EntryPtr(const PagedLayerDesc& l, int32_t slot, int64_t t,
+                                             int64_t offset) {
+  return l.base + static_cast<int64_t>(slot) * l.slot_stride_bytes +
+         (offset + t * l.token_stride) * DTypeBytesDev(l.dtype);
+}
+
+// One block per row.
+__global__ void WriteCacheKernel(PagedLayerDesc l, const float* k, const float* v, int64_t ldk,
+                                 int64_t ldv, int64_t width, const int64_t* positions,
+                                 const int32_t* block_tables, int32_t max_blocks) {
+  const int64_t r = blockIdx.x;
+  const int64_t pos = positions[r];
+  const int32_t slot = block_tables[r * max_blocks + pos / l.block_tokens];
+  const int64_t t = pos % l.block_tokens;
+  const int esize = DTypeBytesDev(l.dtype);
+  uint8_t* kd = EntryPtr(l, slot, t, l.k_offset);
+  uint8_t* vd = EntryPtr(l, slot, t, l.v_offset);
+  for (int64_t i = threadIdx.x; i < width; i += blockDim.x) {
+    StoreEntry(kd + i * esize, l.dtype, k[r * ldk + i]);
+    if (v != nullptr) StoreEntry(vd + i * esize, l.dtype, v[r * ldv + i]);
+  }
+}
+
+// One block per position.
+__global__ void GatherCacheKernel(PagedLayerDesc l, const int32_t* block_table, int64_t begin,
+                                  int64_t width, float* k_out, float* v_out) {
+  const int64_t p = begin + blockIdx.x;
+  const int32_t slot = block_table[p / l.block_tokens];
+  const int64_t t = p % l.block_tokens;
+  const int esize = DTypeBytesDev(l.dtype);
+  const uint8_t* ks = EntryPtr(l, slot, t, l.k_offset);
+  const uint8_t* vs = EntryPtr(l, slot, t, l.v_offset);
+  for (int64_t i = threadIdx.x; i < width; i += blockDim.x) {
+    k_out[blockIdx.x * width + i] = LoadEntry(ks + i * esize, l.dtype);
+    if (v_out != nullptr) v_out[blockIdx.x * width + i] = LoadEntry(vs + i * esize, l.dtype);
+  }
+}
+
+// One block per (row, head); dynamic shared memory holds the query (qk_dim floats).
+__global__ void PagedAttentionKernel(PagedLayerDesc l, AttentionDesc p) {
+  extern __shared__ float q_shared[];
+  __shared__ float reduce[32];
+  const int64_t row = blockIdx.x / p.heads;
+  const int32_t head = static_cast<int32_t>(blockIdx.x % p.heads);
+  const int64_t pos = p.positions[row];
+  const int64_t first = p.window > 0 ? max(static_cast<int64_t>(0), pos - p.window + 1) : 0;
+  const int64_t n = pos - first + 1;
+  const float* q = p.q + row * p.q_row_stride + static_cast<int64_t>(head) * p.qk_dim;
+  for (int i = threadIdx.x; i < p.qk_dim; i += blockDim.x) q_shared[i] = q[i];
+  __syncthreads();
+  const int64_t kv_head = head / p.group_size;
+  const int32_t* table = p.block_tables + row * p.max_blocks;
+  const int esize = DTypeBytesDev(l.dtype);
+  float* scores = p.scratch + static_cast<int64_t>(blockIdx.x) * p.max_context;
+
+  float local_max = -INFINITY;
+  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
+    const int64_t t = first + j;
+    const uint8_t* key = EntryPtr(l, table[t / l.block_tokens], t % l.block_tokens,
+                                  l.k_offset + kv_head * l.head_stride);
+    float dot = 0.0f;
+    for (int i = 0; i < p.qk_dim; ++i) dot += q_shared[i] * LoadEntry(key + i * esize, l.dtype);
+    dot *= p.scale;
+    scores[j] = dot;
+    local_max = fmaxf(local_max, dot);
+  }
+  const float m = BlockReduce<true>(local_max, reduce);
+  float local_sum = 0.0f;
+  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
+    const float e = expf(scores[j] - m);
+    scores[j] = e;
+    local_sum += e;
+  }
+  const float sum = BlockReduce<false>(local_sum, reduce);  // also a barrier for scores[]
+  const float inv = 1.0f / sum;
+  float* out = p.out + (row * p.heads + head) * static_cast<int64_t>(p.v_dim);
+  for (int d = threadIdx.x; d < p.v_dim; d += blockDim.x) {
+    float acc = 0.0f;
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t t = first + j;
+      const uint8_t* value = EntryPtr(l, table[t / l.block_tokens], t % l.block_tokens,
+                                      l.v_offset + kv_head * l.head_stride);
+      acc += scores[j] * LoadEntry(value + d * esize, l.dtype);
+    }
+    out[d] = acc * inv;
+  }
+}
+
+__global__ void CopyRowsKernel(const float* src, int64_t lds, float* dst, int64_t ldd,
+                               int64_t n) {
+  const int64_t r = blockIdx.x;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) dst[r * ldd + i] = src[r * lds + i];
+}
+
+__device__ __forceinline__ uint64_t SplitMixDev(uint64_t x) {
+  uint64_t z = x + 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+__global__ void FillRandomKernel(void* dst, bool bf16, int64_t n, uint64_t seed, float mean,
+                                 float stddev) {
+  const float half_width = 1.7320508f * stddev;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const uint64_t bits = SplitMixDev(seed ^ (static_cast<uint64_t>(i) * 0xd1342543de82ef95ull));
+    const float u = static_cast<float>(bits >> 40) * (1.0f / 16777216.0f);  // [0, 1)
+    const float v = mean + (2.0f * u - 1.0f) * half_width;
+    if (bf16) {
+      static_cast<uint16_t*>(dst)[i] = FloatToBf16Dev(v);
+    } else {
+      static_cast<float*>(dst)[i] = v;
+    }
+  }
+}
+
+}  // namespace kvrelay::model::cuda::internal
