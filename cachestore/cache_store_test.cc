@@ -1,0 +1,419 @@
+// Policy scenarios for the cache store over a SimulatedClock: no sleeps, time moves only when a
+// scenario says so, and Tick() runs the time-driven work (TTL expiry, reclaim, watermarks).
+
+#include "cachestore/cache_store.h"
+
+#include <set>
+#include <string>
+#include <vector>
+
+#include "common/check.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kv/block_hash.h"
+#include "tests/testing/status_matchers.h"
+#include "tests/testing/test_env.h"
+
+namespace kvrelay::cachestore {
+namespace {
+
+using ::kvrelay::testing::IsOk;
+using ::kvrelay::testing::StatusIs;
+using ::testing::HasSubstr;
+
+constexpr uint64_t kBlockBytes = 4096;
+
+// Real chained block hashes: tokens [start, start + n * 4) in blocks of 4, salted per tenant.
+std::vector<BlockHash> Chain(const std::string& tenant, int n, int start = 0) {
+  std::vector<int32_t> tokens;
+  for (int i = 0; i < n * 4; ++i) tokens.push_back(start + i);
+  return kv::HashChain(kv::LayoutFingerprint{}, tenant, tokens, 4);
+}
+
+// The scenario DSL: s.Node("a", 8); s.Commit(s.Chain(...), "a"); s.Advance(31s); s.Match(...).
+class Scenario {
+ public:
+  explicit Scenario(std::string policy = "lrfu", std::string data_dir = "") {
+    options_.policy = std::move(policy);
+    options_.clock = &clock_;
+    options_.data_dir = std::move(data_dir);
+    options_.commit_timeout = absl::Seconds(30);
+    options_.high_watermark = 1.0;
+    options_.low_watermark = 1.0;
+    Restart();
+  }
+  void Restart() {
+    store_.reset();
+    auto store = CacheStore::Create(options_);
+    KV_CHECK(store.ok());
+    store_ = *std::move(store);
+  }
+  CacheStoreOptions& options() { return options_; }
+  CacheStore& store() { return *store_; }
+
+  void Node(const std::string& id, int64_t slots, absl::Duration ttl = absl::Seconds(10),
+            Tier tier = Tier::kHost) {
+    NodeSpec spec;
+    spec.node_id = id;
+    spec.transport_kind = "inproc";
+    spec.transport_address = id;
+    spec.ttl = ttl;
+    spec.segments.push_back(SegmentSpec{"seg0", tier, slots, kBlockBytes, "key-" + id});
+    ASSERT_THAT(store_->RegisterNode(spec), IsOk());
+  }
+  absl::StatusOr<AllocateResult> Allocate(const std::vector<BlockHash>& chain,
+                                          const std::string& on = "",
+                                          BlockHash first_parent = {}) {
+    AllocateArgs args;
+    BlockHash parent = first_parent;
+    for (const BlockHash& h : chain) {
+      args.blocks.push_back({h, parent, kBlockBytes});
+      parent = h;
+    }
+    args.preferred_node = on;
+    return store_->Allocate(args, absl::InfiniteFuture());
+  }
+  // Allocate + Commit; returns the blocks committed.
+  absl::StatusOr<int> Commit(const std::vector<BlockHash>& chain, const std::string& on = "",
+                             BlockHash first_parent = {}) {
+    absl::StatusOr<AllocateResult> a = Allocate(chain, on, first_parent);
+    if (!a.ok()) return a.status();
+    if (a->allocation_id == 0) return 0;
+    return store_->Commit(a->allocation_id, {});
+  }
+  int Match(const std::vector<BlockHash>& chain, absl::Duration lease = absl::ZeroDuration()) {
+    absl::StatusOr<MatchResult> r = store_->MatchPrefix(chain, lease);
+    KV_CHECK(r.ok());
+    last_lease_ = r->lease_id;
+    last_match_ = *r;
+    return r->matched;
+  }
+  uint64_t last_lease() const { return last_lease_; }
+  const MatchResult& last_match() const { return last_match_; }
+  void Advance(absl::Duration d) {
+    clock_.Advance(d);
+    store_->Tick();
+  }
+  void Heartbeat(const std::string& id) { ASSERT_TRUE(store_->Heartbeat(id)); }
+
+ private:
+  SimulatedClock clock_;
+  CacheStoreOptions options_;
+  std::unique_ptr<CacheStore> store_;
+  uint64_t last_lease_ = 0;
+  MatchResult last_match_;
+};
+
+TEST(ScenarioTest, BlocksAreVisibleOnlyAfterCommit) {
+  Scenario s;
+  s.Node("a", 16);
+  auto chain = Chain("t", 4);
+  KV_ASSERT_OK_AND_ASSIGN(AllocateResult alloc, s.Allocate(chain));
+  ASSERT_EQ(alloc.blocks.size(), 4u);
+  EXPECT_EQ(alloc.blocks[0].replicas[0].node_id, "a");
+  EXPECT_EQ(s.Match(chain), 0);  // allocated, not committed
+  KV_ASSERT_OK_AND_ASSIGN(int n, s.store().Commit(alloc.allocation_id, {chain[0], chain[1]}));
+  EXPECT_EQ(n, 2);
+  EXPECT_EQ(s.Match(chain), 2);
+  KV_ASSERT_OK_AND_ASSIGN(n, s.store().Commit(alloc.allocation_id, {}));
+  EXPECT_EQ(n, 2);
+  EXPECT_EQ(s.Match(chain), 4);
+  // Every replica is a distinct slot of the segment.
+  std::set<int64_t> slots;
+  for (const auto& b : s.last_match().blocks) slots.insert(b.replicas.at(0).slot);
+  EXPECT_EQ(slots.size(), 4u);
+  // Allocating committed blocks again reserves nothing and points at the stored copies.
+  KV_ASSERT_OK_AND_ASSIGN(AllocateResult again, s.Allocate(chain));
+  EXPECT_EQ(again.allocation_id, 0u);
+  EXPECT_TRUE(again.blocks[3].already_committed);
+}
+
+TEST(ScenarioTest, AbandonedAllocationIsReclaimedAfterTimeout) {
+  Scenario s;
+  s.Node("a", 4, absl::Hours(1));
+  auto chain = Chain("t", 4);
+  KV_ASSERT_OK_AND_ASSIGN(AllocateResult alloc, s.Allocate(chain));
+  // The node is full of uncommitted blocks: nothing evictable, so a new allocation fails.
+  EXPECT_THAT(s.Allocate(Chain("t", 1, 1000)), StatusIs(absl::StatusCode::kResourceExhausted));
+  s.Advance(absl::Seconds(29));
+  EXPECT_EQ(s.store().Stats().allocated_blocks, 4);
+  s.Advance(absl::Seconds(2));  // past the 30 s commit timeout
+  EXPECT_EQ(s.store().Stats().allocated_blocks, 0);
+  EXPECT_THAT(s.store().Commit(alloc.allocation_id, {}), StatusIs(absl::StatusCode::kNotFound));
+  EXPECT_EQ(s.Match(chain), 0);
+  EXPECT_THAT(s.Commit(Chain("t", 4, 1000)), IsOk());  // the slots are free again
+}
+
+TEST(ScenarioTest, AbortFreesSlotsAndHidesBlocks) {
+  Scenario s;
+  s.Node("a", 2);
+  KV_ASSERT_OK_AND_ASSIGN(AllocateResult alloc, s.Allocate(Chain("t", 2)));
+  ASSERT_THAT(s.store().Abort(alloc.allocation_id), IsOk());
+  EXPECT_THAT(s.store().Abort(alloc.allocation_id), StatusIs(absl::StatusCode::kNotFound));
+  EXPECT_EQ(s.Match(Chain("t", 2)), 0);
+  EXPECT_THAT(s.Commit(Chain("u", 2)), IsOk());
+}
+
+TEST(ScenarioTest, LeasedBlocksAreNeverEvictedUntilReleased) {
+  Scenario s;
+  s.Node("a", 4, absl::Hours(1));
+  auto chain = Chain("t", 4);
+  ASSERT_THAT(s.Commit(chain), IsOk());
+  ASSERT_EQ(s.Match(chain, absl::Seconds(60)), 4);
+  const uint64_t lease = s.last_lease();
+  ASSERT_NE(lease, 0u);
+  EXPECT_THAT(s.Allocate(Chain("t", 1, 500)),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("evictable")));
+  EXPECT_EQ(s.Match(chain), 4);
+  ASSERT_THAT(s.store().ReleaseLease(lease), IsOk());
+  EXPECT_THAT(s.store().ReleaseLease(lease), StatusIs(absl::StatusCode::kNotFound));
+  EXPECT_THAT(s.Commit(Chain("t", 1, 500)), IsOk());
+  EXPECT_EQ(s.Match(chain), 3);  // the leaf went, the prefix stayed
+}
+
+TEST(ScenarioTest, LeaseExpiresAfterItsTtl) {
+  Scenario s;
+  s.Node("a", 2, absl::Hours(1));
+  auto chain = Chain("t", 2);
+  ASSERT_THAT(s.Commit(chain), IsOk());
+  ASSERT_EQ(s.Match(chain, absl::Seconds(5)), 2);
+  EXPECT_EQ(s.store().Stats().active_leases, 1);
+  s.Advance(absl::Seconds(4));
+  EXPECT_THAT(s.Allocate(Chain("u", 1)), StatusIs(absl::StatusCode::kResourceExhausted));
+  s.Advance(absl::Seconds(2));
+  EXPECT_EQ(s.store().Stats().active_leases, 0);
+  EXPECT_THAT(s.Commit(Chain("u", 1)), IsOk());
+}
+
+TEST(ScenarioTest, EvictionTakesLeavesFirstEvenWhenTheRootIsOlder) {
+  // leaf-lru: plain recency would take chain A's root (least recently used) first.
+  Scenario s("leaf-lru");
+  s.Node("a", 4, absl::Hours(1));
+  auto a = Chain("t", 3);
+  ASSERT_THAT(s.Commit(a), IsOk());
+  auto b = Chain("t", 1, 900);
+  ASSERT_THAT(s.Commit(b), IsOk());
+  ASSERT_THAT(s.Commit(Chain("t", 1, 950)), IsOk());  // needs one eviction
+  EXPECT_EQ(s.Match(a), 2);                          // A's leaf went; its root and middle stay
+  ASSERT_THAT(s.Commit(Chain("t", 1, 990)), IsOk());
+  ASSERT_THAT(s.Commit(Chain("t", 1, 995)), IsOk());
+  // Leaves go before parents at every step: A shrinks from the end, never loses its root early.
+  const int left = s.Match(a);
+  EXPECT_LE(left, 2);
+  for (int i = 0; i < left; ++i) EXPECT_EQ(s.last_match().blocks[i].hash, a[i]);
+}
+
+TEST(ScenarioTest, FrequentPrefixSurvivesAScanUnderLrfu) {
+  Scenario s("lrfu");
+  s.Node("a", 8, absl::Hours(1));
+  auto hot = Chain("t", 2);
+  ASSERT_THAT(s.Commit(hot), IsOk());
+  for (int i = 0; i < 5; ++i) ASSERT_EQ(s.Match(hot), 2);
+  // A scan of 12 one-off blocks through 6 free-able slots.
+  for (int i = 0; i < 12; ++i) ASSERT_THAT(s.Commit(Chain("scan", 1, 100 * (i + 1))), IsOk());
+  EXPECT_EQ(s.Match(hot), 2);
+}
+
+TEST(ScenarioTest, NodeThatMissesHeartbeatsLosesItsBlocks) {
+  Scenario s;
+  s.Node("a", 8, absl::Seconds(10));
+  s.Node("b", 8, absl::Seconds(10));
+  auto on_a = Chain("t", 3);
+  auto on_b = Chain("t", 3, 100);
+  ASSERT_THAT(s.Commit(on_a, "a"), IsOk());
+  ASSERT_THAT(s.Commit(on_b, "b"), IsOk());
+  for (int i = 0; i < 3; ++i) {
+    s.Advance(absl::Seconds(4));
+    s.Heartbeat("b");  // only b keeps beating
+  }
+  EXPECT_EQ(s.Match(on_a), 0);
+  EXPECT_EQ(s.Match(on_b), 3);
+  EXPECT_FALSE(s.store().Heartbeat("a"));
+  EXPECT_EQ(s.store().Stats().nodes, 1);
+}
+
+TEST(ScenarioTest, NodeDeathTakesDescendantsStoredElsewhere) {
+  Scenario s;
+  s.Node("a", 8, absl::Seconds(10));
+  s.Node("b", 8, absl::Seconds(10));
+  auto chain = Chain("t", 4);
+  ASSERT_THAT(s.Commit({chain[0], chain[1]}, "a"), IsOk());
+  ASSERT_THAT(s.Commit({chain[2], chain[3]}, "b", chain[1]), IsOk());
+  ASSERT_EQ(s.Match(chain), 4);
+  EXPECT_EQ(s.store().QueryPrefix(chain).at(0).node_id, "a");
+  s.Advance(absl::Seconds(6));
+  s.Heartbeat("b");
+  s.Advance(absl::Seconds(6));
+  // a died: its blocks go, and b's blocks (children of a's) go too — no orphan is kept.
+  EXPECT_EQ(s.Match(chain), 0);
+  EXPECT_EQ(s.store().Stats().committed_blocks, 0);
+  EXPECT_EQ(s.store().Stats().nodes, 1);
+}
+
+TEST(ScenarioTest, ReplicasLandOnDistinctNodesAndSurviveOneDeath) {
+  Scenario s;
+  s.Node("a", 8, absl::Seconds(10));
+  s.Node("b", 8, absl::Seconds(10));
+  AllocateArgs args;
+  auto chain = Chain("t", 2);
+  args.blocks = {{chain[0], {}, kBlockBytes}, {chain[1], chain[0], kBlockBytes}};
+  args.replicas = 2;
+  KV_ASSERT_OK_AND_ASSIGN(AllocateResult alloc, s.store().Allocate(args, absl::InfiniteFuture()));
+  ASSERT_EQ(alloc.blocks[0].replicas.size(), 2u);
+  EXPECT_NE(alloc.blocks[0].replicas[0].node_id, alloc.blocks[0].replicas[1].node_id);
+  ASSERT_THAT(s.store().Commit(alloc.allocation_id, {}), IsOk());
+  s.Advance(absl::Seconds(6));
+  s.Heartbeat("b");
+  s.Advance(absl::Seconds(6));
+  ASSERT_EQ(s.Match(chain), 2);
+  EXPECT_EQ(s.last_match().blocks[0].replicas.size(), 1u);
+  EXPECT_EQ(s.last_match().blocks[0].replicas[0].node_id, "b");
+}
+
+TEST(ScenarioTest, PlacementPrefersTheRequestedTierAndNode) {
+  Scenario s;
+  s.Node("gpu0", 8, absl::Hours(1), Tier::kGpu);
+  s.Node("host0", 8, absl::Hours(1), Tier::kHost);
+  AllocateArgs args;
+  auto chain = Chain("t", 1);
+  args.blocks = {{chain[0], {}, kBlockBytes}};
+  args.preferred_tier = Tier::kHost;
+  KV_ASSERT_OK_AND_ASSIGN(AllocateResult r, s.store().Allocate(args, absl::InfiniteFuture()));
+  EXPECT_EQ(r.blocks[0].replicas[0].node_id, "host0");
+  EXPECT_EQ(r.blocks[0].replicas[0].tier, Tier::kHost);
+  auto other = Chain("t", 1, 50);
+  args.blocks = {{other[0], {}, kBlockBytes}};
+  args.preferred_tier = Tier::kUnspecified;  // fastest tier with room
+  KV_ASSERT_OK_AND_ASSIGN(r, s.store().Allocate(args, absl::InfiniteFuture()));
+  EXPECT_EQ(r.blocks[0].replicas[0].node_id, "gpu0");
+  // Too big for any slot: nothing to evict can help.
+  args.blocks = {{Chain("t", 1, 70)[0], {}, kBlockBytes * 2}};
+  EXPECT_THAT(s.store().Allocate(args, absl::InfiniteFuture()),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("blocks[0]")));
+}
+
+TEST(ScenarioTest, WatermarkEvictionRunsOnTick) {
+  Scenario s;
+  s.options().high_watermark = 0.75;
+  s.options().low_watermark = 0.5;
+  s.Restart();
+  s.Node("a", 8, absl::Hours(1));
+  for (int i = 0; i < 7; ++i) ASSERT_THAT(s.Commit(Chain("t", 1, 10 * i)), IsOk());
+  s.Advance(absl::Milliseconds(100));
+  EXPECT_EQ(s.store().Stats().committed_blocks, 4);
+  EXPECT_EQ(s.store().Stats().evictions, 3);
+}
+
+TEST(ScenarioTest, EventsCarrySequenceNumbersAndResume) {
+  Scenario s("leaf-lru");
+  s.Node("a", 2, absl::Hours(1));
+  auto chain = Chain("t", 2);
+  ASSERT_THAT(s.Commit(chain), IsOk());
+  ASSERT_THAT(s.Commit(Chain("u", 1)), IsOk());  // evicts chain's leaf
+  KV_ASSERT_OK_AND_ASSIGN(auto events, s.store().EventsSince(1, 100, absl::Now()));
+  ASSERT_EQ(events.size(), 4u);
+  EXPECT_EQ(events[0].kind, StoreEvent::Kind::kStored);
+  EXPECT_EQ(events[0].hash, chain[0]);
+  EXPECT_EQ(events[1].parent, chain[0]);
+  EXPECT_EQ(events[2].kind, StoreEvent::Kind::kRemoved);
+  EXPECT_EQ(events[2].hash, chain[1]);
+  for (size_t i = 0; i < events.size(); ++i) EXPECT_EQ(events[i].sequence, i + 1);
+  KV_ASSERT_OK_AND_ASSIGN(auto tail, s.store().EventsSince(3, 100, absl::Now()));
+  ASSERT_EQ(tail.size(), 2u);
+  EXPECT_EQ(tail[0].sequence, 3u);
+}
+
+TEST(TenancyTest, SameSaltHits) {
+  Scenario s;
+  s.Node("a", 16);
+  ASSERT_THAT(s.Commit(Chain("tenant-a", 4)), IsOk());
+  EXPECT_EQ(s.Match(Chain("tenant-a", 4)), 4);
+}
+
+TEST(TenancyTest, DifferentSaltMisses) {
+  Scenario s;
+  s.Node("a", 16);
+  ASSERT_THAT(s.Commit(Chain("tenant-a", 4)), IsOk());
+  EXPECT_EQ(s.Match(Chain("tenant-b", 4)), 0);  // same tokens, other tenant
+}
+
+TEST(BadInputTest, FieldsAreNamed) {
+  Scenario s;
+  s.Node("a", 4);
+  auto chain = Chain("t", 2);
+  AllocateArgs args;
+  EXPECT_THAT(s.store().Allocate(args, absl::InfiniteFuture()),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("blocks")));
+  args.blocks = {{chain[0], {}, kBlockBytes}};
+  args.replicas = 9;
+  EXPECT_THAT(s.store().Allocate(args, absl::InfiniteFuture()),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("replicas")));
+  args.replicas = 1;
+  args.blocks = {{chain[0], {}, 0}};
+  EXPECT_THAT(s.store().Allocate(args, absl::InfiniteFuture()),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("blocks[0].size_bytes")));
+  args.blocks = {{chain[1], chain[0], kBlockBytes}};
+  EXPECT_THAT(s.store().Allocate(args, absl::InfiniteFuture()),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("blocks[0].parent")));
+  args.blocks = {{chain[0], {}, kBlockBytes}, {chain[0], {}, kBlockBytes}};
+  EXPECT_THAT(s.store().Allocate(args, absl::InfiniteFuture()),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("blocks[1].hash")));
+  EXPECT_THAT(s.store().MatchPrefix(chain, absl::Hours(2)),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("lease_ttl_ms")));
+  EXPECT_THAT(s.store().Commit(12345, {}),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("allocation_id")));
+  // Nothing leaked: the node still has all 4 slots.
+  EXPECT_THAT(s.Commit(Chain("t", 4, 300)), IsOk());
+  CacheStoreOptions bad;
+  bad.policy = "lru";
+  EXPECT_THAT(CacheStore::Create(bad),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("policy")));
+}
+
+TEST(DurabilityTest, RestartReplaysCommittedBlocksButNotAllocations) {
+  testing::TempDir dir;
+  auto committed = Chain("t", 3);
+  auto pending = Chain("t", 2, 700);
+  {
+    Scenario s("lrfu", dir.path());
+    s.options().wal_fsync = false;
+    s.Node("a", 16, absl::Seconds(10));
+    ASSERT_THAT(s.Commit(committed), IsOk());
+    ASSERT_THAT(s.Allocate(pending), IsOk());
+    s.Restart();  // the process "dies" and comes back on the same data dir
+    EXPECT_EQ(s.Match(committed), 3);
+    EXPECT_EQ(s.Match(pending), 0);
+    EXPECT_EQ(s.store().Stats().allocated_blocks, 0);
+    // Slots of replayed blocks are taken: 13 more fit, the 14th needs an eviction.
+    ASSERT_THAT(s.Commit(Chain("t", 13, 2000)), IsOk());
+    EXPECT_EQ(s.store().Stats().evictions, 0);
+    // The recovered node gets one TTL to heartbeat, then goes with its blocks.
+    s.Advance(absl::Seconds(11));
+    EXPECT_EQ(s.Match(committed), 0);
+  }
+}
+
+TEST(DurabilityTest, SnapshotPlusLogReplay) {
+  testing::TempDir dir;
+  auto first = Chain("t", 4);
+  auto second = Chain("t", 3, 400);
+  {
+    Scenario s("lrfu", dir.path());
+    s.options().snapshot_every_ops = 3;  // snapshot after a few records
+    s.Restart();
+    s.Node("a", 16, absl::Hours(1));
+    ASSERT_THAT(s.Commit(first), IsOk());
+    ASSERT_THAT(s.Commit(second), IsOk());
+    const uint64_t seq = s.store().last_sequence();
+    s.Restart();
+    EXPECT_EQ(s.Match(first), 4);
+    EXPECT_EQ(s.Match(second), 3);
+    EXPECT_EQ(s.store().last_sequence(), seq);  // sequence numbers survive restarts
+    ASSERT_THAT(s.store().WriteSnapshotNow(), IsOk());
+    s.Restart();
+    EXPECT_EQ(s.Match(first), 4);
+  }
+}
+
+}  // namespace
+}  // namespace kvrelay::cachestore

@@ -1,0 +1,116 @@
+#pragma once
+
+// EvictionPolicy: a pure ranking of blocks by how much they are worth keeping.
+//
+// A policy owns no per-block state and never sees the index: the BlockIndex stores each block's
+// AccessStats inline in its record, calls OnInsert / OnAccess to update them and asks Priority()
+// for the block's rank (the lowest priority among evictable blocks goes first). Which blocks are
+// evictable (committed, unleased and, for prefix-aware policies, leaves) is the index's job.
+//
+// Contract that makes lazy eviction heaps exact: between two accesses a block's Priority() is
+// constant, and an access never lowers it. The index keeps a min-heap of priorities taken when a
+// block became evictable; on pop it recomputes the priority and re-inserts the block if it grew.
+//
+// Policies (MakeEvictionPolicy names):
+//   "lru"       plain LRU over blocks, not prefix-aware: any committed block may go, even one
+//               whose children stay. The baseline of `kvrelay trace-replay`; not for the service.
+//   "leaf-lru"  LRU over leaves only: a block is never evicted before its descendants.
+//   "lrfu"      (default) leaf-first LRFU: frequency and recency with exponential aging. Each
+//               access adds 1 to a combined recency-frequency value (crf) that halves every
+//               `half_life` block accesses (Lee et al., "LRFU", IEEE ToC 2001). Stats of evicted
+//               blocks are kept in a bounded ghost history (kGhostCaches x capacity) so a block
+//               that comes back resumes its old frequency instead of starting cold (as ARC's
+//               ghost lists do). A block never seen before starts with crf = kFirstSightCrf (a
+//               first sighting is weak evidence of reuse: it ranks as if it had been accessed
+//               two half-lives ago), which makes one-off scans leave first, as 2Q/ARC's
+//               probation lists do, while the penalty stays bounded so stale history still ages
+//               out.
+//
+// Thread-safe: all methods are const; SetHalfLife may race with Priority (atomic).
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "absl/status/statusor.h"
+
+namespace kvrelay::cachestore {
+
+// Per-block access statistics, stored inline in every index record (12 bytes).
+struct AccessStats {
+  uint64_t last_tick = 0;  // logical access clock (one tick per block access) at the last access
+  float crf = 0;           // LRFU combined recency-frequency at last_tick; unused by LRU
+};
+
+class EvictionPolicy {
+ public:
+  virtual ~EvictionPolicy() = default;
+  virtual std::string_view name() const = 0;
+  // True when only leaves may be evicted (children always go before their parent).
+  virtual bool prefix_aware() const = 0;
+  // Stats of a block first stored at `tick`. `ghost` is its stats when it was last evicted (from
+  // the index's bounded ghost history) or null.
+  virtual void OnInsert(AccessStats& stats, uint64_t tick, const AccessStats* ghost) const = 0;
+  virtual void OnAccess(AccessStats& stats, uint64_t tick) const = 0;
+  // Lower goes first. Constant between accesses; never lowered by OnAccess.
+  virtual double Priority(const AccessStats& stats) const = 0;
+  // Tells the policy how many blocks the cache holds; policies whose aging scales with the cache
+  // (LRFU) use it. Safe to call at any time.
+  virtual void SetCapacityHint(int64_t capacity_blocks) const { (void)capacity_blocks; }
+};
+
+using EvictionPolicyPtr = std::unique_ptr<const EvictionPolicy>;
+
+// "lru", "leaf-lru" or "lrfu" (see above). InvalidArgument naming the value otherwise.
+// `capacity_blocks` (> 0) sets the LRFU half-life to kLrfuHalfLifeCaches cache-fulls of accesses.
+absl::StatusOr<EvictionPolicyPtr> MakeEvictionPolicy(std::string_view name,
+                                                     int64_t capacity_blocks);
+
+inline constexpr std::string_view kDefaultPolicy = "lrfu";
+// LRFU aging: a block's weight halves after this many cache-fulls of block accesses. At 2 a
+// block touched once is worth as much as one touched twice half-life ago; see README.md.
+inline constexpr double kLrfuHalfLifeCaches = 2.0;
+// Initial crf of a block with no history: 2^-2, i.e. two half-lives of aging.
+inline constexpr float kFirstSightCrf = 0.25f;
+// Ghost history size, in cache-fulls of blocks.
+inline constexpr int64_t kGhostCaches = 2;
+
+class LruPolicy final : public EvictionPolicy {
+ public:
+  explicit LruPolicy(bool leaf_only) : leaf_only_(leaf_only) {}
+  std::string_view name() const override { return leaf_only_ ? "leaf-lru" : "lru"; }
+  bool prefix_aware() const override { return leaf_only_; }
+  void OnInsert(AccessStats& stats, uint64_t tick, const AccessStats*) const override {
+    stats.last_tick = tick;
+  }
+  void OnAccess(AccessStats& stats, uint64_t tick) const override { stats.last_tick = tick; }
+  double Priority(const AccessStats& stats) const override {
+    return static_cast<double>(stats.last_tick);
+  }
+
+ private:
+  const bool leaf_only_;
+};
+
+class LrfuPolicy final : public EvictionPolicy {
+ public:
+  // REQUIRES: half_life_accesses > 0.
+  explicit LrfuPolicy(double half_life_accesses) : half_life_(half_life_accesses) {}
+  std::string_view name() const override { return "lrfu"; }
+  bool prefix_aware() const override { return true; }
+  void OnInsert(AccessStats& stats, uint64_t tick, const AccessStats* ghost) const override;
+  void OnAccess(AccessStats& stats, uint64_t tick) const override;
+  // log2(crf) + last_tick / half_life: comparing crf decayed to any common time t is the same as
+  // comparing this, because decay multiplies every crf by 2^(-(t - last_tick) / half_life).
+  double Priority(const AccessStats& stats) const override;
+  void SetCapacityHint(int64_t capacity_blocks) const override;
+  double half_life() const { return half_life_.load(std::memory_order_relaxed); }
+
+ private:
+  // Relaxed: a stale value only makes one heap comparison approximate; the lazy heap re-checks.
+  mutable std::atomic<double> half_life_;
+};
+
+}  // namespace kvrelay::cachestore

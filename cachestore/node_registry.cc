@@ -1,0 +1,274 @@
+#include "cachestore/node_registry.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+
+namespace kvrelay::cachestore {
+
+std::string_view TierName(Tier tier) {
+  switch (tier) {
+    case Tier::kGpu:
+      return "gpu";
+    case Tier::kHost:
+      return "host";
+    case Tier::kSsd:
+      return "ssd";
+    default:
+      return "unspecified";
+  }
+}
+
+absl::StatusOr<NodeRegistry::RegisterResult> NodeRegistry::Register(const NodeSpec& spec,
+                                                                    absl::Time now) {
+  absl::MutexLock lock(&mu_);
+  auto it = by_id_.find(spec.node_id);
+  if (it != by_id_.end()) {
+    Node& n = nodes_[it->second];
+    if (n.spec == spec) {
+      n.last_heartbeat = now;
+      return RegisterResult{it->second, false};
+    }
+    return RegisterResult{it->second, true};
+  }
+  uint16_t index;
+  if (!free_indices_.empty()) {
+    index = free_indices_.back();
+    free_indices_.pop_back();
+  } else {
+    if (nodes_.size() >= static_cast<size_t>(kMaxNodes)) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("node_id: at most ", kMaxNodes, " nodes may be registered"));
+    }
+    index = static_cast<uint16_t>(nodes_.size());
+    nodes_.emplace_back();
+  }
+  Node& n = nodes_[index];
+  n = Node{};
+  n.spec = spec;
+  n.last_heartbeat = now;
+  n.live = true;
+  for (const SegmentSpec& s : spec.segments) n.segments.push_back(Segment{s});
+  by_id_[spec.node_id] = index;
+  return RegisterResult{index, false};
+}
+
+bool NodeRegistry::Heartbeat(const std::string& node_id, absl::Time now) {
+  absl::MutexLock lock(&mu_);
+  auto it = by_id_.find(node_id);
+  if (it == by_id_.end()) return false;
+  nodes_[it->second].last_heartbeat = now;
+  return true;
+}
+
+std::vector<uint16_t> NodeRegistry::Expired(absl::Time now) const {
+  absl::MutexLock lock(&mu_);
+  std::vector<uint16_t> out;
+  for (size_t i = 0; i < nodes_.size(); ++i) {
+    const Node& n = nodes_[i];
+    if (n.live && now - n.last_heartbeat > n.spec.ttl) out.push_back(static_cast<uint16_t>(i));
+  }
+  return out;
+}
+
+void NodeRegistry::TouchAll(absl::Time now) {
+  absl::MutexLock lock(&mu_);
+  for (Node& n : nodes_) n.last_heartbeat = now;
+}
+
+void NodeRegistry::Remove(uint16_t node) {
+  absl::MutexLock lock(&mu_);
+  if (node >= nodes_.size() || !nodes_[node].live) return;
+  by_id_.erase(nodes_[node].spec.node_id);
+  nodes_[node] = Node{};
+  free_indices_.push_back(node);
+}
+
+std::optional<uint16_t> NodeRegistry::Find(const std::string& node_id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = by_id_.find(node_id);
+  if (it == by_id_.end()) return std::nullopt;
+  return it->second;
+}
+
+std::optional<std::string> NodeRegistry::NodeId(uint16_t node) const {
+  absl::MutexLock lock(&mu_);
+  if (node >= nodes_.size() || !nodes_[node].live) return std::nullopt;
+  return nodes_[node].spec.node_id;
+}
+
+std::optional<NodeSpec> NodeRegistry::Spec(uint16_t node) const {
+  absl::MutexLock lock(&mu_);
+  if (node >= nodes_.size() || !nodes_[node].live) return std::nullopt;
+  return nodes_[node].spec;
+}
+
+std::vector<NodeSpec> NodeRegistry::AllSpecs() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<NodeSpec> out;
+  for (const Node& n : nodes_) {
+    if (n.live) out.push_back(n.spec);
+  }
+  return out;
+}
+
+std::optional<uint16_t> NodeRegistry::FindSegment(uint16_t node,
+                                                  const std::string& segment_id) const {
+  absl::MutexLock lock(&mu_);
+  if (node >= nodes_.size() || !nodes_[node].live) return std::nullopt;
+  const auto& segs = nodes_[node].segments;
+  for (size_t i = 0; i < segs.size(); ++i) {
+    if (segs[i].spec.segment_id == segment_id) return static_cast<uint16_t>(i);
+  }
+  return std::nullopt;
+}
+
+int64_t NodeRegistry::size() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int64_t>(by_id_.size());
+}
+
+std::optional<uint32_t> NodeRegistry::ReserveSlot(uint16_t node, uint16_t segment) {
+  absl::MutexLock lock(&mu_);
+  if (node >= nodes_.size() || !nodes_[node].live) return std::nullopt;
+  if (segment >= nodes_[node].segments.size()) return std::nullopt;
+  Segment& s = nodes_[node].segments[segment];
+  uint32_t slot;
+  if (!s.free_list.empty()) {
+    slot = s.free_list.back();
+    s.free_list.pop_back();
+  } else if (s.next_unused < s.spec.capacity_slots) {
+    slot = s.next_unused++;
+  } else {
+    return std::nullopt;
+  }
+  ++s.used;
+  return slot;
+}
+
+void NodeRegistry::FreeSlot(const Replica& r) {
+  absl::MutexLock lock(&mu_);
+  if (r.node >= nodes_.size() || !nodes_[r.node].live) return;
+  if (r.segment >= nodes_[r.node].segments.size()) return;
+  Segment& s = nodes_[r.node].segments[r.segment];
+  if (r.slot >= s.next_unused || s.used == 0) return;
+  s.free_list.push_back(r.slot);
+  --s.used;
+}
+
+bool NodeRegistry::MarkUsed(const Replica& r) {
+  absl::MutexLock lock(&mu_);
+  if (r.node >= nodes_.size() || !nodes_[r.node].live) return false;
+  if (r.segment >= nodes_[r.node].segments.size()) return false;
+  Segment& s = nodes_[r.node].segments[r.segment];
+  if (r.slot >= s.spec.capacity_slots) return false;
+  if (r.slot >= s.next_unused) {
+    for (uint32_t x = s.next_unused; x < r.slot; ++x) s.free_list.push_back(x);
+    s.next_unused = r.slot + 1;
+  } else {
+    auto it = std::find(s.free_list.begin(), s.free_list.end(), r.slot);
+    if (it == s.free_list.end()) return false;
+    *it = s.free_list.back();
+    s.free_list.pop_back();
+  }
+  ++s.used;
+  return true;
+}
+
+std::vector<SegmentView> NodeRegistry::Segments() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<SegmentView> out;
+  for (size_t i = 0; i < nodes_.size(); ++i) {
+    const Node& n = nodes_[i];
+    if (!n.live) continue;
+    for (size_t j = 0; j < n.segments.size(); ++j) {
+      const Segment& s = n.segments[j];
+      out.push_back(SegmentView{static_cast<uint16_t>(i), static_cast<uint16_t>(j), s.spec.tier,
+                                s.spec.capacity_slots, s.spec.capacity_slots - s.used,
+                                s.spec.slot_bytes, &n.spec.node_id});
+    }
+  }
+  return out;
+}
+
+Location NodeRegistry::Describe(const Replica& r) const {
+  absl::MutexLock lock(&mu_);
+  Location loc;
+  loc.slot = r.slot;
+  if (r.node >= nodes_.size() || !nodes_[r.node].live) return loc;
+  const Node& n = nodes_[r.node];
+  loc.node_id = n.spec.node_id;
+  if (r.segment < n.segments.size()) {
+    const SegmentSpec& s = n.segments[r.segment].spec;
+    loc.segment_id = s.segment_id;
+    loc.tier = s.tier;
+    loc.slot_bytes = s.slot_bytes;
+    loc.offset_bytes = static_cast<uint64_t>(r.slot) * s.slot_bytes;
+  }
+  return loc;
+}
+
+std::vector<TierUsage> NodeRegistry::Usage() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<TierUsage> out;
+  for (Tier t : {Tier::kGpu, Tier::kHost, Tier::kSsd}) {
+    TierUsage u;
+    u.tier = t;
+    for (const Node& n : nodes_) {
+      if (!n.live) continue;
+      for (const Segment& s : n.segments) {
+        if (s.spec.tier != t) continue;
+        u.capacity_slots += s.spec.capacity_slots;
+        u.used_slots += s.used;
+        u.capacity_bytes += s.spec.capacity_slots * static_cast<int64_t>(s.spec.slot_bytes);
+        u.used_bytes += s.used * static_cast<int64_t>(s.spec.slot_bytes);
+      }
+    }
+    out.push_back(u);
+  }
+  return out;
+}
+
+std::pair<int64_t, int64_t> NodeRegistry::SlotTotals() const {
+  absl::MutexLock lock(&mu_);
+  int64_t used = 0, cap = 0;
+  for (const Node& n : nodes_) {
+    if (!n.live) continue;
+    for (const Segment& s : n.segments) {
+      used += s.used;
+      cap += s.spec.capacity_slots;
+    }
+  }
+  return {used, cap};
+}
+
+std::vector<const SegmentView*> ChoosePlacement(const std::vector<SegmentView>& segments,
+                                                uint64_t size_bytes,
+                                                const std::string& preferred_node,
+                                                Tier preferred_tier, int replicas) {
+  std::vector<const SegmentView*> eligible;
+  for (const SegmentView& s : segments) {
+    if (s.free_slots > 0 && s.slot_bytes >= size_bytes) eligible.push_back(&s);
+  }
+  auto rank = [&](const SegmentView* s) {
+    const bool node_match = !preferred_node.empty() && *s->node_id == preferred_node;
+    const int tier_rank = preferred_tier == Tier::kUnspecified
+                              ? static_cast<int>(s->tier)
+                              : (s->tier == preferred_tier ? 0 : 1 + static_cast<int>(s->tier));
+    const double free_fraction =
+        static_cast<double>(s->free_slots) / static_cast<double>(std::max<int64_t>(1, s->capacity_slots));
+    return std::make_tuple(node_match ? 0 : 1, tier_rank, -free_fraction, s->node, s->segment);
+  };
+  std::sort(eligible.begin(), eligible.end(),
+            [&](const SegmentView* a, const SegmentView* b) { return rank(a) < rank(b); });
+  std::vector<const SegmentView*> out;
+  for (const SegmentView* s : eligible) {
+    if (static_cast<int>(out.size()) >= replicas) break;
+    bool same_node = false;
+    for (const SegmentView* o : out) same_node |= (o->node == s->node);
+    if (!same_node) out.push_back(s);
+  }
+  return out;
+}
+
+}  // namespace kvrelay::cachestore

@@ -1,0 +1,127 @@
+#include "cachestore/trace_replay.h"
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <string>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/testing/status_matchers.h"
+
+namespace kvrelay::cachestore {
+namespace {
+
+using ::kvrelay::testing::StatusIs;
+
+constexpr char kTracePath[] = "/work/shared/data/traces/synthetic_trace.jsonl";
+
+std::string TracePath() {
+  const char* env = std::getenv("KVRELAY_TRACE");
+  if (env != nullptr) return env;
+  // The shared data folder sits beside the source tree: <root>/../shared.
+  const char* src = std::getenv("KVRELAY_SOURCE_DIR");
+  if (src != nullptr) {
+    std::string p = std::string(src) + "/../shared/data/traces/synthetic_trace.jsonl";
+    if (access(p.c_str(), R_OK) == 0) return p;
+  }
+  return kTracePath;
+}
+
+TEST(ParseTraceTest, ReadsHashIdsAndNamesBadLines) {
+  KV_ASSERT_OK_AND_ASSIGN(auto trace, ParseTrace("{\"hash_ids\": [1, 2, 3]}\n\n{\"hash_ids\": []}\n"));
+  ASSERT_EQ(trace.size(), 2u);
+  EXPECT_THAT(trace[0].hash_ids, ::testing::ElementsAre(1, 2, 3));
+  EXPECT_THAT(ParseTrace("{\"hash_ids\": [1]}\nnot json\n"),
+              StatusIs(absl::StatusCode::kInvalidArgument, ::testing::HasSubstr("line 2")));
+  EXPECT_THAT(ParseTrace("{\"hash_ids\": [-1]}"),
+              StatusIs(absl::StatusCode::kInvalidArgument, ::testing::HasSubstr("hash_ids")));
+  EXPECT_THAT(ParseTrace("{\"input_length\": 3}"),
+              StatusIs(absl::StatusCode::kInvalidArgument, ::testing::HasSubstr("hash_ids")));
+}
+
+TEST(ReplayTraceTest, RejectsBadCapacityAndPolicy) {
+  std::vector<TraceRequest> trace = {{{1, 2}}};
+  EXPECT_THAT(ReplayTrace(trace, 0, "lru"),
+              StatusIs(absl::StatusCode::kInvalidArgument, ::testing::HasSubstr("capacity")));
+  EXPECT_THAT(ReplayTrace(trace, 10, "fifo"),
+              StatusIs(absl::StatusCode::kInvalidArgument, ::testing::HasSubstr("fifo")));
+}
+
+// A hand-computed scenario: capacity 3, plain LRU.
+//   [1,2]    miss 2, cache {1,2}
+//   [1,2,3]  hits 2, cache {1,2,3}
+//   [4]      miss, evicts 1 (least recent) -> {2,3,4}
+//   [1,2]    1 is gone: 0 hits even though 2 is cached (prefix hit rule)
+TEST(ReplayTraceTest, PlainLruCountsOnlyLeadingHits) {
+  std::vector<TraceRequest> trace = {{{1, 2}}, {{1, 2, 3}}, {{4}}, {{1, 2}}};
+  KV_ASSERT_OK_AND_ASSIGN(ReplayResult r, ReplayTrace(trace, 3, "lru"));
+  EXPECT_EQ(r.blocks, 8);
+  EXPECT_EQ(r.hit_blocks, 2);
+  EXPECT_EQ(r.requests, 4);
+}
+
+// The same trace with leaf-first eviction: [4] evicts leaf 3, not root 1, so the last request
+// hits both blocks.
+TEST(ReplayTraceTest, LeafFirstKeepsSharedPrefix) {
+  std::vector<TraceRequest> trace = {{{1, 2}}, {{1, 2, 3}}, {{4}}, {{1, 2}}};
+  KV_ASSERT_OK_AND_ASSIGN(ReplayResult lru, ReplayTrace(trace, 3, "leaf-lru"));
+  EXPECT_EQ(lru.hit_blocks, 4);
+  KV_ASSERT_OK_AND_ASSIGN(ReplayResult lrfu, ReplayTrace(trace, 3, "lrfu"));
+  EXPECT_EQ(lrfu.hit_blocks, 4);
+}
+
+// A synthetic workload with no file: a hot 4-block prefix (a "system prompt") starts every
+// third request, with a 2-block unique tail; between them come two cold one-off requests of 6
+// blocks. With room for 12 blocks, the 12 cold blocks between two hot requests flush the hot
+// prefix out of plain LRU every time; a frequency-aware policy keeps it once it has been seen
+// twice.
+TEST(ReplayTraceTest, SyntheticHotPrefixFrequencyBeatsLru) {
+  std::vector<TraceRequest> trace;
+  uint64_t next_cold = 1000;
+  constexpr int kHot = 60;
+  for (int i = 0; i < kHot; ++i) {
+    TraceRequest hot;
+    for (uint64_t b = 0; b < 4; ++b) hot.hash_ids.push_back(b);
+    for (int b = 0; b < 2; ++b) hot.hash_ids.push_back(next_cold++);
+    trace.push_back(std::move(hot));
+    for (int c = 0; c < 2; ++c) {
+      TraceRequest cold;
+      for (int b = 0; b < 6; ++b) cold.hash_ids.push_back(next_cold++);
+      trace.push_back(std::move(cold));
+    }
+  }
+  KV_ASSERT_OK_AND_ASSIGN(ReplayResult lru, ReplayTrace(trace, 12, "lru"));
+  KV_ASSERT_OK_AND_ASSIGN(ReplayResult leaf_lru, ReplayTrace(trace, 12, "leaf-lru"));
+  KV_ASSERT_OK_AND_ASSIGN(ReplayResult lrfu, ReplayTrace(trace, 12, "lrfu"));
+  std::printf("hot-prefix hits: lru %lld leaf-lru %lld lrfu %lld\n",
+              static_cast<long long>(lru.hit_blocks), static_cast<long long>(leaf_lru.hit_blocks),
+              static_cast<long long>(lrfu.hit_blocks));
+  EXPECT_EQ(lru.hit_blocks, 0);
+  EXPECT_EQ(leaf_lru.hit_blocks, 0);
+  // The first two hot requests may miss (first sight, then a ghost comeback); every later one
+  // hits its whole 4-block prefix.
+  EXPECT_GE(lrfu.hit_blocks, (kHot - 2) * 4);
+}
+
+TEST(ReplayTraceTest, MooncakeTraceMatchesReferenceLruAndDefaultNeverLower) {
+  const std::string path = TracePath();
+  if (access(path.c_str(), R_OK) != 0) GTEST_SKIP() << "trace not present: " << path;
+  KV_ASSERT_OK_AND_ASSIGN(auto trace, LoadTrace(path));
+  const struct {
+    int64_t capacity;
+    double reference_lru;
+  } kCases[] = {{2000, 0.1439}, {6000, 0.3107}, {20000, 0.5715}};
+  for (const auto& c : kCases) {
+    KV_ASSERT_OK_AND_ASSIGN(ReplayResult lru, ReplayTrace(trace, c.capacity, "lru"));
+    KV_ASSERT_OK_AND_ASSIGN(ReplayResult def, ReplayTrace(trace, c.capacity, "lrfu"));
+    std::printf("capacity %lld: lru %.4f lrfu %.4f (x%.3f)\n",
+                static_cast<long long>(c.capacity), lru.hit_rate(), def.hit_rate(),
+                def.hit_rate() / lru.hit_rate());
+    EXPECT_NEAR(lru.hit_rate(), c.reference_lru, 0.002) << "capacity " << c.capacity;
+    EXPECT_GE(def.hit_rate(), lru.hit_rate()) << "capacity " << c.capacity;
+  }
+}
+
+}  // namespace
+}  // namespace kvrelay::cachestore
