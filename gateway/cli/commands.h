@@ -8,7 +8,9 @@
 
 namespace kvrelay::cli {
 
+int RunGenerateCommand(const std::vector<std::string>& args);  // gateway/cli
 int RunLayoutCommand(const std::vector<std::string>& args);
+int RunUpCommand(const std::vector<std::string>& args);  // gateway/cli
 // model/test_model.cc
 int RunMakeTestModelCommand(const std::vector<std::string>& args);
 

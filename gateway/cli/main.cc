@@ -18,10 +18,14 @@ struct Subcommand {
 
 // Keep sorted by name. Each module owns its command's code; this table only dispatches.
 constexpr Subcommand kSubcommands[] = {
+    {"generate", "generate tokens through a gateway, or co-located in this process",
+     kvrelay::cli::RunGenerateCommand},
     {"layout", "KV-cache bytes of a model: per token, per block, per sequence",
      kvrelay::cli::RunLayoutCommand},
     {"make-test-model", "write a small random-weight model (config.json + safetensors)",
      kvrelay::cli::RunMakeTestModelCommand},
+    {"up", "start a local cluster (cache store, workers, gateway) on loopback",
+     kvrelay::cli::RunUpCommand},
 };
 
 void PrintUsage(FILE* out) {
