@@ -29,6 +29,10 @@ class LogMessage {
   LogSeverity severity_;
   std::ostringstream stream_;
 };
+// Turns `stream << ...` into void so both arms of KV_LOG's ?: have one type.
+struct LogVoidify {
+  void operator&(std::ostream&) {}
+};
 }  // namespace internal
 }  // namespace kvrelay
 
@@ -37,7 +41,9 @@ class LogMessage {
 #define KV_LOG_SEVERITY_WARNING ::kvrelay::LogSeverity::kWarning
 #define KV_LOG_SEVERITY_ERROR ::kvrelay::LogSeverity::kError
 
-#define KV_LOG(level)                                                 \
-  if (KV_LOG_SEVERITY_##level < ::kvrelay::MinLogSeverity()) {        \
-  } else                                                              \
-    ::kvrelay::internal::LogMessage(KV_LOG_SEVERITY_##level, __FILE__, __LINE__).stream()
+// An expression, not an if/else, so `if (x) KV_LOG(INFO) << y;` has no dangling else.
+#define KV_LOG(level)                                                                  \
+  (KV_LOG_SEVERITY_##level < ::kvrelay::MinLogSeverity())                              \
+      ? (void)0                                                                        \
+      : ::kvrelay::internal::LogVoidify() &                                            \
+            ::kvrelay::internal::LogMessage(KV_LOG_SEVERITY_##level, __FILE__, __LINE__).stream()

@@ -1,0 +1,549 @@
+#include "decode/decode_worker.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
+#include "kv/block_hash.h"
+#include "kv/checksum.h"
+#include "model/sampler.h"
+#include "proto/grpc_status.h"
+#include "transfer/ucx/ucx_transport.h"
+
+namespace kvrelay::decode {
+namespace {
+
+constexpr int32_t kMaxPromptTokens = 32768;
+constexpr int32_t kMaxGenerateTokens = 4096;
+constexpr size_t kMaxRequestIdBytes = 64;
+constexpr absl::Duration kReleaseGrace = absl::Seconds(30);
+
+grpc::Status Invalid(const std::string& message) {
+  return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, message);
+}
+
+absl::Status CheckRequestId(const std::string& id) {
+  if (id.empty() || id.size() > kMaxRequestIdBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("request_id must be 1-", kMaxRequestIdBytes, " bytes, got ", id.size()));
+  }
+  for (char c : id) {
+    if (!std::isalnum(static_cast<unsigned char>(c)) && c != '.' && c != '_' && c != ':' &&
+        c != '-') {
+      return absl::InvalidArgumentError("request_id may hold only [A-Za-z0-9._:-]");
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+struct DecodeWorker::Reservation {
+  std::string request_id;
+  uint64_t tag = 0;
+  int32_t prompt_tokens = 0;
+  int32_t full_blocks = 0;
+  std::vector<std::vector<kv::SlotId>> slots;  // [group][block], -1 = not wanted
+  int32_t expected_layers = 0;
+  absl::Time expires;
+  // Guarded by DecodeWorker::mu_.
+  int32_t layers_received = 0;
+  int64_t bytes_received = 0;
+  absl::Status transfer_status;
+  bool claimed = false;
+  bool released = false;
+  absl::Time released_at;
+};
+
+struct DecodeWorker::Active {
+  std::string request_id;
+  std::unique_ptr<model::Sequence> seq;
+  std::vector<int32_t> tail;  // prompt tokens the scheduler computes before decoding
+  int32_t max_tokens = 0;
+  float temperature = 0;
+  std::unique_ptr<model::Sampler> sampler;
+  int32_t eos_token = -1;
+  std::string tenant_salt;
+  int32_t pushed_blocks = 0;
+  // Scheduler-only.
+  int32_t generated = 0;
+  int32_t last_token = -1;
+  // The stream's view.
+  absl::Mutex mu;
+  std::vector<int32_t> out ABSL_GUARDED_BY(mu);
+  bool done ABSL_GUARDED_BY(mu) = false;
+  bool cancelled ABSL_GUARDED_BY(mu) = false;
+  absl::Status status ABSL_GUARDED_BY(mu);
+};
+
+DecodeWorker::DecodeWorker(DecodeWorkerOptions options, MetricsRegistry* metrics)
+    : options_(std::move(options)), metrics_(metrics) {
+  generated_tokens_ =
+      metrics_->GetCounter("kvrelay_decode_generated_tokens_total", "Tokens generated.");
+  received_bytes_ = metrics_->GetCounter("kvrelay_decode_received_kv_bytes_total",
+                                         "KV bytes received from prefill workers.");
+  recomputed_requests_ =
+      metrics_->GetCounter("kvrelay_decode_failures_total",
+                           "Requests whose pushed KV was unusable and was recomputed, by reason.",
+                           {{"reason", "transfer"}});
+  active_gauge_ = metrics_->GetGauge("kvrelay_decode_active_sequences", "Sequences decoding.");
+  step_seconds_ = metrics_->GetHistogram("kvrelay_decode_step_seconds",
+                                         "Time of one batched decode step.",
+                                         LatencyBucketsSeconds());
+}
+
+absl::StatusOr<std::unique_ptr<DecodeWorker>> DecodeWorker::Create(DecodeWorkerOptions options,
+                                                                   MetricsRegistry* metrics) {
+  auto worker = std::unique_ptr<DecodeWorker>(new DecodeWorker(std::move(options), metrics));
+  KV_RETURN_IF_ERROR(worker->Init());
+  return worker;
+}
+
+absl::Status DecodeWorker::Init() {
+  model::RunnerOptions runner_options;
+  runner_options.threads = options_.threads;
+  KV_ASSIGN_OR_RETURN(runner_, model::ModelRunner::Load(options_.model_dir, runner_options));
+  transfer::UcxTransportOptions ucx;
+  ucx.listen_host = options_.transport_host;
+  KV_ASSIGN_OR_RETURN(transport_, transfer::MakeUcxTransport(ucx));
+  transport_address_ = transport_->address();
+  transport_->SetInboundHandler([this](transfer::InboundEvent e) { OnInbound(std::move(e)); });
+  KV_ASSIGN_OR_RETURN(kv_, worker::RegisteredKvCache::Create(runner_->layout(),
+                                                             options_.pool_blocks,
+                                                             transport_.get()));
+  if (!options_.cachestore_address.empty()) {
+    KV_ASSIGN_OR_RETURN(segment_, worker::CacheSegment::Create(
+                                      runner_->layout(), options_.cache_slots, transport_.get()));
+    worker::StoreLinkOptions link;
+    link.cachestore_address = options_.cachestore_address;
+    link.node_id = options_.node_id;
+    link.transport_address = transport_address_;
+    KV_ASSIGN_OR_RETURN(store_, worker::StoreLink::Connect(link, segment_.get(),
+                                                           absl::Now() + absl::Seconds(30)));
+  }
+  scheduler_ = std::thread([this] { SchedulerLoop(); });
+  return absl::OkStatus();
+}
+
+DecodeWorker::~DecodeWorker() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  if (scheduler_.joinable()) scheduler_.join();
+  // Reservations hold slots of kv_; free them before the cache goes.
+  absl::MutexLock lock(&mu_);
+  for (auto& [tag, r] : reservations_) ReleaseReservationSlots(*r);
+  reservations_.clear();
+}
+
+const std::string& DecodeWorker::transport_address() const { return transport_address_; }
+
+void DecodeWorker::Drain() {
+  absl::MutexLock lock(&mu_);
+  draining_ = true;
+}
+
+void DecodeWorker::ReleaseReservationSlots(Reservation& r) {
+  for (size_t g = 0; g < r.slots.size(); ++g) {
+    for (kv::SlotId s : r.slots[g]) {
+      if (s >= 0) (void)kv_->cache().pool(static_cast<int>(g)).Release(s);
+    }
+    r.slots[g].clear();
+  }
+}
+
+void DecodeWorker::OnInbound(transfer::InboundEvent event) {
+  if (event.kind != transfer::InboundEvent::Kind::kBlocks) return;
+  absl::MutexLock lock(&mu_);
+  auto it = reservations_.find(event.tag);
+  if (it == reservations_.end()) {
+    KV_LOG(WARNING) << "blocks for an unknown request tag " << event.tag << " ignored";
+    return;
+  }
+  Reservation& r = *it->second;
+  r.layers_received += std::max(0, std::min(event.layers.end, runner_->layout().num_layers()) -
+                                       event.layers.begin);
+  for (const transfer::ReceivedBlock& b : event.blocks) r.bytes_received += b.length;
+  if (!event.status.ok() && r.transfer_status.ok()) r.transfer_status = event.status;
+}
+
+absl::Status DecodeWorker::ValidatePrompt(const google::protobuf::RepeatedField<int32_t>& tokens,
+                                          int32_t max_tokens) const {
+  const kv::ModelConfig& config = runner_->config();
+  if (tokens.empty()) return absl::InvalidArgumentError("tokens: the prompt is empty");
+  const int32_t limit =
+      config.max_position_embeddings > 0
+          ? std::min(kMaxPromptTokens, config.max_position_embeddings)
+          : kMaxPromptTokens;
+  if (tokens.size() > limit) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tokens: prompt of ", tokens.size(), " tokens exceeds the maximum ", limit));
+  }
+  for (int i = 0; i < tokens.size(); ++i) {
+    if (tokens[i] < 0 || tokens[i] >= config.vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat("tokens[", i, "] = ", tokens[i],
+                                                     " is outside the vocabulary [0, ",
+                                                     config.vocab_size, ")"));
+    }
+  }
+  if (max_tokens < 1 || max_tokens > kMaxGenerateTokens) {
+    return absl::InvalidArgumentError(absl::StrCat("max_tokens must be in [1, ",
+                                                   kMaxGenerateTokens, "], got ", max_tokens));
+  }
+  if (config.max_position_embeddings > 0 &&
+      tokens.size() + max_tokens > config.max_position_embeddings) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prompt (", tokens.size(), ") + max_tokens (", max_tokens,
+        ") exceeds max_position_embeddings ", config.max_position_embeddings));
+  }
+  return absl::OkStatus();
+}
+
+grpc::Status DecodeWorker::Reserve(grpc::ServerContext*, const kvrelay::v1::ReserveRequest* request,
+                                   kvrelay::v1::ReserveResponse* response) {
+  if (absl::Status s = CheckRequestId(request->request_id()); !s.ok()) {
+    return proto::ToGrpcStatus(s);
+  }
+  if (!options_.model_name.empty() && request->model() != options_.model_name) {
+    return Invalid(absl::StrCat("model: this worker serves '", options_.model_name, "', not '",
+                                request->model(), "'"));
+  }
+  const kv::ModelLayout& layout = runner_->layout();
+  if (request->prompt_tokens() < 1 || request->prompt_tokens() > kMaxPromptTokens) {
+    return Invalid(absl::StrCat("prompt_tokens must be in [1, ", kMaxPromptTokens, "], got ",
+                                request->prompt_tokens()));
+  }
+  auto r = std::make_shared<Reservation>();
+  r->request_id = request->request_id();
+  r->tag = worker::RequestTag(r->request_id);
+  r->prompt_tokens = request->prompt_tokens();
+  // The last prompt token is always computed here: its logits give the first output token.
+  r->full_blocks = (r->prompt_tokens - 1) / layout.block_tokens();
+  r->expected_layers = r->full_blocks > 0 ? layout.num_layers() : 0;
+  r->expires = absl::Now() + options_.reservation_ttl;
+  const int64_t first_query = static_cast<int64_t>(r->full_blocks) * layout.block_tokens();
+  r->slots.resize(layout.groups().size());
+
+  absl::MutexLock lock(&mu_);
+  if (draining_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "decode worker is draining");
+  // Sweep expired or released reservations whose pushes can no longer land.
+  const absl::Time now = absl::Now();
+  for (auto it = reservations_.begin(); it != reservations_.end();) {
+    Reservation& old = *it->second;
+    const bool expired = !old.claimed && now > old.expires;
+    const bool released_and_quiet =
+        old.released && (old.layers_received >= old.expected_layers ||
+                         now > old.released_at + kReleaseGrace);
+    if ((expired && !old.released) || released_and_quiet) {
+      ReleaseReservationSlots(old);
+      reservations_.erase(it++);
+    } else {
+      ++it;
+    }
+  }
+  if (reservations_.contains(r->tag)) {
+    return grpc::Status(grpc::StatusCode::ALREADY_EXISTS,
+                        absl::StrCat("request_id '", r->request_id, "' is already reserved"));
+  }
+  for (size_t g = 0; g < layout.groups().size(); ++g) {
+    std::vector<int64_t> wanted;
+    for (int64_t b = 0; b < r->full_blocks; ++b) {
+      if (worker::BlockWanted(layout.groups()[g], layout.block_tokens(), b, first_query)) {
+        wanted.push_back(b);
+      }
+    }
+    absl::StatusOr<std::vector<kv::SlotId>> slots =
+        kv_->cache().pool(static_cast<int>(g)).AllocateMany(static_cast<int64_t>(wanted.size()));
+    if (!slots.ok()) {
+      ReleaseReservationSlots(*r);
+      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                          absl::StrCat("decode KV pool full: ", slots.status().message()));
+    }
+    r->slots[g].assign(static_cast<size_t>(r->full_blocks), -1);
+    for (size_t i = 0; i < wanted.size(); ++i) r->slots[g][wanted[i]] = (*slots)[i];
+  }
+  response->mutable_transport()->set_kind("ucx");
+  response->mutable_transport()->set_address(transport_address_);
+  response->set_full_blocks(r->full_blocks);
+  response->set_block_tokens(layout.block_tokens());
+  response->set_ttl_ms(absl::ToInt64Milliseconds(options_.reservation_ttl));
+  for (size_t g = 0; g < layout.groups().size(); ++g) {
+    kvrelay::v1::GroupTarget* target = response->add_groups();
+    const kv::BlockPool& pool = kv_->cache().pool(static_cast<int>(g));
+    target->set_region_id(kv_->region(static_cast<int>(g)).id());
+    target->set_slot_stride_bytes(pool.slot_stride());
+    target->set_block_bytes(static_cast<uint64_t>(layout.BlockBytes(static_cast<int>(g))));
+    for (kv::SlotId s : r->slots[g]) target->add_slots(s);
+  }
+  reservations_[r->tag] = std::move(r);
+  return grpc::Status::OK;
+}
+
+grpc::Status DecodeWorker::Release(grpc::ServerContext*, const kvrelay::v1::ReleaseRequest* request,
+                                   kvrelay::v1::ReleaseResponse*) {
+  absl::MutexLock lock(&mu_);
+  auto it = reservations_.find(worker::RequestTag(request->request_id()));
+  if (it != reservations_.end() && !it->second->claimed && !it->second->released) {
+    // Slots stay quarantined until the push finished or the grace period passed, so a late
+    // write can never land in a slot that belongs to someone else.
+    it->second->released = true;
+    it->second->released_at = absl::Now();
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status DecodeWorker::Generate(grpc::ServerContext* context,
+                                    const kvrelay::v1::DecodeRequest* request,
+                                    grpc::ServerWriter<kvrelay::v1::DecodeChunk>* writer) {
+  if (absl::Status s = CheckRequestId(request->request_id()); !s.ok()) {
+    return proto::ToGrpcStatus(s);
+  }
+  if (absl::Status s = ValidatePrompt(request->tokens(), request->max_tokens()); !s.ok()) {
+    return proto::ToGrpcStatus(s);
+  }
+  if (request->sampling().temperature() < 0 || request->sampling().temperature() > 100) {
+    return Invalid("sampling.temperature must be in [0, 100]");
+  }
+  if (request->tenant_salt().size() > 64) return Invalid("tenant_salt is over 64 bytes");
+  const kv::ModelLayout& layout = runner_->layout();
+  std::vector<int32_t> tokens(request->tokens().begin(), request->tokens().end());
+
+  // Wait for the pushed prefix, bounded by the RPC deadline and transfer_wait.
+  std::shared_ptr<Reservation> r;
+  const absl::Time wait_deadline =
+      std::min(absl::Now() + options_.transfer_wait, absl::FromChrono(context->deadline()));
+  {
+    absl::MutexLock lock(&mu_);
+    if (draining_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "decode worker is draining");
+    auto it = reservations_.find(worker::RequestTag(request->request_id()));
+    if (it != reservations_.end() && !it->second->released) {
+      r = it->second;
+      if (r->claimed) {
+        return grpc::Status(grpc::StatusCode::ALREADY_EXISTS, "request already generating");
+      }
+      if (r->prompt_tokens != static_cast<int32_t>(tokens.size())) {
+        return Invalid(absl::StrCat("tokens: reserved for ", r->prompt_tokens,
+                                    " prompt tokens, got ", tokens.size()));
+      }
+      r->claimed = true;
+      auto arrived = [&r]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return r->layers_received >= r->expected_layers || !r->transfer_status.ok();
+      };
+      mu_.AwaitWithDeadline(absl::Condition(&arrived), wait_deadline);
+      reservations_.erase(it->first);
+    }
+  }
+
+  auto active = std::make_shared<Active>();
+  active->request_id = request->request_id();
+  active->seq = std::make_unique<model::Sequence>(&kv_->cache());
+  active->max_tokens = request->max_tokens();
+  active->temperature = request->sampling().temperature();
+  active->sampler = std::make_unique<model::Sampler>(request->sampling().seed());
+  active->eos_token = request->eos_token() >= 0 && request->eos_token() < runner_->config().vocab_size
+                          ? request->eos_token()
+                          : -1;
+  active->tenant_salt = request->tenant_salt();
+  int64_t received_bytes = 0;
+  bool use_pushed = false;
+  if (r != nullptr) {
+    absl::MutexLock lock(&mu_);
+    received_bytes = r->bytes_received;
+    use_pushed = r->expected_layers > 0 && r->layers_received >= r->expected_layers &&
+                 r->transfer_status.ok() &&
+                 request->pushed_tokens() == r->full_blocks * layout.block_tokens();
+    if (r->expected_layers > 0 && !use_pushed) {
+      recomputed_requests_->Increment();
+      KV_LOG(WARNING) << request->request_id() << ": pushed KV unusable ("
+                      << (r->transfer_status.ok() ? "incomplete" : r->transfer_status.ToString())
+                      << "); computing the prompt here";
+    }
+  }
+  if (use_pushed) {
+    const int64_t prefix_tokens = int64_t{r->full_blocks} * layout.block_tokens();
+    std::vector<std::vector<kv::SlotId>> slots = std::move(r->slots);
+    r->slots.clear();
+    absl::Status adopted = active->seq->AdoptPrefix(
+        absl::MakeConstSpan(tokens).subspan(0, static_cast<size_t>(prefix_tokens)),
+        std::move(slots));
+    if (!adopted.ok()) return proto::ToGrpcStatus(adopted);
+    active->tail.assign(tokens.begin() + prefix_tokens, tokens.end());
+    active->pushed_blocks = r->full_blocks;
+    received_bytes_->Increment(static_cast<double>(received_bytes));
+  } else {
+    if (r != nullptr) {
+      absl::MutexLock lock(&mu_);
+      ReleaseReservationSlots(*r);
+    }
+    active->tail = tokens;
+  }
+  const int32_t computed_tokens = static_cast<int32_t>(active->tail.size());
+  {
+    absl::MutexLock lock(&mu_);
+    pending_.push_back(active);
+    ++active_count_;
+  }
+
+  // Stream tokens as the scheduler produces them.
+  absl::Status final_status;
+  while (true) {
+    std::vector<int32_t> batch;
+    bool done = false;
+    {
+      absl::MutexLock lock(&active->mu);
+      auto ready = [&active]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(active->mu) {
+        return !active->out.empty() || active->done;
+      };
+      active->mu.AwaitWithTimeout(absl::Condition(&ready), absl::Milliseconds(100));
+      batch.swap(active->out);
+      done = active->done;
+      final_status = active->status;
+      if (context->IsCancelled()) active->cancelled = true;
+      if (active->cancelled) break;
+    }
+    if (!batch.empty() || done) {
+      kvrelay::v1::DecodeChunk chunk;
+      for (int32_t t : batch) chunk.add_tokens(t);
+      if (done && final_status.ok()) {
+        chunk.set_done(true);
+        chunk.set_received_bytes(received_bytes);
+        chunk.set_computed_tokens(computed_tokens);
+      }
+      if ((!batch.empty() || chunk.done()) && !writer->Write(chunk)) {
+        absl::MutexLock lock(&active->mu);
+        active->cancelled = true;
+        break;
+      }
+    }
+    if (done) break;
+  }
+  {
+    absl::MutexLock lock(&active->mu);
+    if (active->cancelled) return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
+  }
+  return proto::ToGrpcStatus(final_status);
+}
+
+void DecodeWorker::SchedulerLoop() {
+  std::vector<std::shared_ptr<Active>> running;
+  auto finish = [this](const std::shared_ptr<Active>& a, absl::Status status) {
+    if (status.ok() && store_ != nullptr) {
+      // Multi-turn reuse: publish the full blocks this worker computed (after the pushed ones).
+      const kv::ModelLayout& layout = runner_->layout();
+      std::vector<kv::BlockHash> chain = kv::HashChain(
+          layout.fingerprint(), a->tenant_salt, a->seq->tokens(), layout.block_tokens());
+      absl::StatusOr<int32_t> committed = store_->CommitBlocks(
+          chain, a->pushed_blocks, static_cast<int64_t>(chain.size()), *a->seq);
+      if (!committed.ok()) KV_LOG(WARNING) << a->request_id << ": commit: " << committed.status();
+    }
+    a->seq.reset();  // frees the slots
+    absl::MutexLock lock(&a->mu);
+    a->done = true;
+    a->status = std::move(status);
+  };
+  auto emit = [this](Active& a, int32_t token) {
+    a.last_token = token;
+    ++a.generated;
+    generated_tokens_->Increment();
+    absl::MutexLock lock(&a.mu);
+    a.out.push_back(token);
+  };
+  auto finished = [](const Active& a) {
+    return a.generated >= a.max_tokens || (a.eos_token >= 0 && a.last_token == a.eos_token);
+  };
+  auto is_cancelled = [](Active& a) {
+    absl::MutexLock lock(&a.mu);
+    return a.cancelled;
+  };
+
+  while (true) {
+    std::vector<std::shared_ptr<Active>> admitted;
+    {
+      absl::MutexLock lock(&mu_);
+      auto has_work = [this, &running]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stopping_ || !pending_.empty() || !running.empty();
+      };
+      mu_.Await(absl::Condition(&has_work));
+      if (stopping_) break;
+      while (!pending_.empty() &&
+             static_cast<int32_t>(running.size() + admitted.size()) < options_.max_batch) {
+        admitted.push_back(std::move(pending_.front()));
+        pending_.pop_front();
+      }
+    }
+    for (auto& a : admitted) {
+      absl::StatusOr<std::vector<float>> logits = runner_->Prefill(*a->seq, a->tail);
+      if (!logits.ok()) {
+        finish(a, logits.status());
+        continue;
+      }
+      emit(*a, a->sampler->Sample(*logits, a->temperature));
+      if (finished(*a)) {
+        finish(a, absl::OkStatus());
+      } else {
+        running.push_back(a);
+      }
+    }
+    // Drop sequences whose client went away.
+    for (auto& a : running) {
+      if (is_cancelled(*a)) finish(a, absl::CancelledError("client went away"));
+    }
+    running.erase(std::remove_if(running.begin(), running.end(),
+                                 [](const std::shared_ptr<Active>& a) { return a->seq == nullptr; }),
+                  running.end());
+    if (!running.empty()) {
+      std::vector<model::Sequence*> seqs;
+      std::vector<int32_t> last;
+      for (auto& a : running) {
+        seqs.push_back(a->seq.get());
+        last.push_back(a->last_token);
+      }
+      const absl::Time start = absl::Now();
+      absl::StatusOr<std::vector<float>> logits = runner_->DecodeStep(seqs, last);
+      step_seconds_->Observe(absl::ToDoubleSeconds(absl::Now() - start));
+      if (!logits.ok()) {
+        for (auto& a : running) finish(a, logits.status());
+        running.clear();
+      } else {
+        const size_t vocab = logits->size() / running.size();
+        for (size_t i = 0; i < running.size(); ++i) {
+          Active& a = *running[i];
+          emit(a, a.sampler->Sample(absl::MakeConstSpan(logits->data() + i * vocab, vocab),
+                                    a.temperature));
+          if (finished(a)) finish(running[i], absl::OkStatus());
+        }
+        running.erase(std::remove_if(running.begin(), running.end(),
+                                     [](const std::shared_ptr<Active>& a) {
+                                       return a->seq == nullptr;
+                                     }),
+                      running.end());
+      }
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      active_count_ = static_cast<int32_t>(running.size() + pending_.size());
+      active_gauge_->Set(active_count_);
+    }
+  }
+  for (auto& a : running) finish(a, absl::UnavailableError("decode worker stopping"));
+}
+
+grpc::Status DecodeWorker::Status(grpc::ServerContext*, const kvrelay::v1::DecodeStatusRequest*,
+                                  kvrelay::v1::DecodeStatusResponse* response) {
+  absl::MutexLock lock(&mu_);
+  response->set_model(options_.model_name);
+  response->set_active_requests(active_count_);
+  response->set_reserved_requests(static_cast<int32_t>(reservations_.size()));
+  int64_t free_slots = INT64_MAX, total = 0;
+  for (int g = 0; g < kv_->cache().num_groups(); ++g) {
+    free_slots = std::min(free_slots, kv_->cache().pool(g).free_slots());
+    total = kv_->cache().pool(g).num_slots();
+  }
+  response->set_free_slots(free_slots);
+  response->set_total_slots(total);
+  return grpc::Status::OK;
+}
+
+}  // namespace kvrelay::decode

@@ -1,0 +1,316 @@
+#include "prefill/prefill_worker.h"
+
+#include "absl/strings/str_cat.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
+#include "kv/block_hash.h"
+#include "proto/grpc_status.h"
+#include "transfer/ucx/ucx_transport.h"
+
+namespace kvrelay::prefill {
+namespace {
+
+constexpr int32_t kMaxPromptTokens = 32768;
+
+}  // namespace
+
+PrefillWorker::PrefillWorker(PrefillWorkerOptions options, MetricsRegistry* metrics)
+    : options_(std::move(options)), metrics_(metrics) {
+  prefix_query_tokens_ = metrics_->GetCounter("kvrelay_prefill_prefix_query_tokens_total",
+                                              "Full-block prompt tokens looked up in the store.");
+  prefix_hit_tokens_ = metrics_->GetCounter("kvrelay_prefill_prefix_hit_tokens_total",
+                                            "Prompt tokens whose KV was reused, not computed.");
+  computed_tokens_ =
+      metrics_->GetCounter("kvrelay_prefill_computed_tokens_total", "Prompt tokens computed.");
+  pushed_bytes_ = metrics_->GetCounter("kvrelay_prefill_pushed_kv_bytes_total",
+                                       "KV bytes pushed to decode workers.");
+  transfer_seconds_ = metrics_->GetHistogram(
+      "kvrelay_prefill_transfer_seconds",
+      "From the first layer posted to the last layer delivered.", LatencyBucketsSeconds());
+  prefill_seconds_ = metrics_->GetHistogram("kvrelay_prefill_request_seconds",
+                                            "Whole prefill requests.", LatencyBucketsSeconds());
+  active_ = metrics_->GetGauge("kvrelay_prefill_active_requests", "Requests in progress.");
+}
+
+absl::StatusOr<std::unique_ptr<PrefillWorker>> PrefillWorker::Create(PrefillWorkerOptions options,
+                                                                     MetricsRegistry* metrics) {
+  auto worker = std::unique_ptr<PrefillWorker>(new PrefillWorker(std::move(options), metrics));
+  KV_RETURN_IF_ERROR(worker->Init());
+  return worker;
+}
+
+PrefillWorker::~PrefillWorker() = default;
+
+absl::Status PrefillWorker::Init() {
+  if (options_.cachestore_address.empty()) {
+    return absl::InvalidArgumentError("--cachestore is required");
+  }
+  model::RunnerOptions runner_options;
+  runner_options.threads = options_.threads;
+  KV_ASSIGN_OR_RETURN(runner_, model::ModelRunner::Load(options_.model_dir, runner_options));
+  transfer::UcxTransportOptions ucx;
+  ucx.listen_host = options_.transport_host;
+  KV_ASSIGN_OR_RETURN(transport_, transfer::MakeUcxTransport(ucx));
+  transport_address_ = transport_->address();
+  KV_ASSIGN_OR_RETURN(kv_, worker::RegisteredKvCache::Create(runner_->layout(),
+                                                             options_.pool_blocks,
+                                                             transport_.get()));
+  KV_ASSIGN_OR_RETURN(segment_, worker::CacheSegment::Create(
+                                    runner_->layout(), options_.cache_blocks, transport_.get()));
+  worker::StoreLinkOptions link;
+  link.cachestore_address = options_.cachestore_address;
+  link.node_id = options_.node_id;
+  link.transport_address = transport_address_;
+  KV_ASSIGN_OR_RETURN(store_, worker::StoreLink::Connect(link, segment_.get(),
+                                                         absl::Now() + absl::Seconds(30)));
+  return absl::OkStatus();
+}
+
+absl::Status PrefillWorker::Validate(const kvrelay::v1::PrefillRequest& request) const {
+  const kv::ModelConfig& config = runner_->config();
+  const kv::ModelLayout& layout = runner_->layout();
+  if (!options_.model_name.empty() && request.model() != options_.model_name) {
+    return absl::InvalidArgumentError(absl::StrCat("model: this worker serves '",
+                                                   options_.model_name, "', not '",
+                                                   request.model(), "'"));
+  }
+  const int n = request.tokens_size();
+  if (n == 0) return absl::InvalidArgumentError("tokens: the prompt is empty");
+  if (n > kMaxPromptTokens ||
+      (config.max_position_embeddings > 0 && n > config.max_position_embeddings)) {
+    return absl::InvalidArgumentError(absl::StrCat("tokens: prompt of ", n,
+                                                   " tokens exceeds the maximum"));
+  }
+  for (int i = 0; i < n; ++i) {
+    if (request.tokens(i) < 0 || request.tokens(i) >= config.vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat("tokens[", i, "] = ", request.tokens(i),
+                                                     " is outside the vocabulary [0, ",
+                                                     config.vocab_size, ")"));
+    }
+  }
+  if (request.tenant_salt().size() > 64) {
+    return absl::InvalidArgumentError("tenant_salt is over 64 bytes");
+  }
+  const kvrelay::v1::ReserveResponse& target = request.target();
+  if (target.block_tokens() != layout.block_tokens()) {
+    return absl::InvalidArgumentError(absl::StrCat("target.block_tokens ", target.block_tokens(),
+                                                   " != this model's ", layout.block_tokens()));
+  }
+  if (target.full_blocks() < 0 || int64_t{target.full_blocks()} * layout.block_tokens() > n) {
+    return absl::InvalidArgumentError(absl::StrCat("target.full_blocks ", target.full_blocks(),
+                                                   " exceeds the prompt"));
+  }
+  if (target.groups_size() != static_cast<int>(layout.groups().size())) {
+    return absl::InvalidArgumentError(absl::StrCat("target.groups has ", target.groups_size(),
+                                                   " entries, the layout ",
+                                                   layout.groups().size()));
+  }
+  for (int g = 0; g < target.groups_size(); ++g) {
+    const auto& group = target.groups(g);
+    if (group.slots_size() != target.full_blocks()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("target.groups[", g, "].slots must have full_blocks entries"));
+    }
+    if (group.block_bytes() != static_cast<uint64_t>(layout.BlockBytes(g))) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "target.groups[", g, "].block_bytes ", group.block_bytes(), " != layout's ",
+          layout.BlockBytes(g), " (different model or dtype?)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<transfer::PeerId> PrefillWorker::PeerFor(const std::string& address,
+                                                        absl::Time deadline) {
+  {
+    absl::MutexLock lock(&peers_mu_);
+    auto it = peers_.find(address);
+    if (it != peers_.end()) {
+      // A peer that went away is dropped and reconnected.
+      if (transport_->RemoteRegions(it->second).ok()) return it->second;
+      peers_.erase(it);
+    }
+  }
+  KV_ASSIGN_OR_RETURN(transfer::PeerId peer, transport_->Connect(address, deadline));
+  absl::MutexLock lock(&peers_mu_);
+  peers_[address] = peer;
+  return peer;
+}
+
+absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
+    const kvrelay::v1::PrefillRequest& request, absl::Time deadline) {
+  KV_RETURN_IF_ERROR(Validate(request));
+  const absl::Time start = absl::Now();
+  active_->Add(1);
+  struct ActiveGuard {
+    Gauge* g;
+    ~ActiveGuard() { g->Add(-1); }
+  } guard{active_};
+
+  const kv::ModelLayout& layout = runner_->layout();
+  const int32_t block_tokens = layout.block_tokens();
+  const kvrelay::v1::ReserveResponse& target = request.target();
+  const int64_t full_blocks = target.full_blocks();
+  const int64_t full_tokens = full_blocks * block_tokens;
+  std::vector<int32_t> tokens(request.tokens().begin(), request.tokens().end());
+  kvrelay::v1::PrefillResponse response;
+  response.set_pushed_tokens(static_cast<int32_t>(full_tokens));
+  if (full_blocks == 0) return response;  // the decode worker computes short prompts itself
+
+  // 1. Which leading blocks are cached here.
+  std::vector<kv::BlockHash> chain = kv::HashChain(
+      layout.fingerprint(), request.tenant_salt(),
+      absl::MakeConstSpan(tokens).subspan(0, static_cast<size_t>(full_tokens)), block_tokens);
+  prefix_query_tokens_->Increment(static_cast<double>(full_tokens));
+  absl::StatusOr<worker::PrefixMatch> match = store_->MatchPrefix(chain, options_.lease_ttl);
+  if (!match.ok()) {
+    KV_LOG(WARNING) << request.request_id() << ": MatchPrefix failed (" << match.status()
+                    << "); computing everything";
+    match = worker::PrefixMatch{};
+  }
+  struct LeaseGuard {
+    worker::StoreLink* store;
+    uint64_t id;
+    ~LeaseGuard() { store->ReleaseLease(id); }
+  } lease{store_.get(), match->lease_id};
+  int64_t hit_blocks = 0;
+  while (hit_blocks < static_cast<int64_t>(match->local_slots.size()) &&
+         match->local_slots[hit_blocks] >= 0) {
+    ++hit_blocks;
+  }
+
+  // 2. The request's sequence: reused blocks copied in, slots for the rest allocated now so the
+  //    whole transfer plan can be prepared before computing.
+  model::Sequence seq(&kv_->cache());
+  if (hit_blocks > 0) {
+    std::vector<std::vector<kv::SlotId>> slots;
+    for (int64_t b = 0; b < hit_blocks; ++b) {
+      absl::Status loaded = segment_->LoadBlock(match->local_slots[b], kv_->cache(), slots);
+      if (!loaded.ok()) {
+        for (size_t g = 0; g < slots.size(); ++g) {
+          for (kv::SlotId s : slots[g]) (void)kv_->cache().pool(static_cast<int>(g)).Release(s);
+        }
+        return loaded;
+      }
+    }
+    KV_RETURN_IF_ERROR(seq.AdoptPrefix(
+        absl::MakeConstSpan(tokens).subspan(0, static_cast<size_t>(hit_blocks * block_tokens)),
+        std::move(slots)));
+  }
+  KV_RETURN_IF_ERROR(seq.EnsureBlocks(full_tokens));
+
+  // 3. One slice per (group, wanted block, layer), posted layer by layer.
+  KV_ASSIGN_OR_RETURN(transfer::PeerId peer, PeerFor(target.transport().address(), deadline));
+  transfer::TransferBatch batch;
+  batch.peer = peer;
+  batch.direction = transfer::Direction::kPut;
+  batch.tag = worker::RequestTag(request.request_id());
+  for (int32_t layer = 0; layer < layout.num_layers(); ++layer) {
+    const int g = kv_->cache().group_of_layer(layer);
+    const worker::LayerSlice slice = worker::SliceOfLayer(layout, kv_->cache(), layer);
+    const auto& group_target = target.groups(g);
+    const kv::BlockPool& pool = kv_->cache().pool(g);
+    for (int64_t b = 0; b < full_blocks; ++b) {
+      const int64_t remote_slot = group_target.slots(static_cast<int>(b));
+      if (remote_slot < 0) continue;
+      transfer::BlockTransfer t;
+      t.local = &kv_->region(g);
+      t.local_offset = static_cast<uint64_t>(seq.blocks(g)[b]) * pool.slot_stride() +
+                       slice.offset_in_unit;
+      t.remote_region = group_target.region_id();
+      t.remote_offset =
+          static_cast<uint64_t>(remote_slot) * group_target.slot_stride_bytes() + slice.offset_in_unit;
+      t.length = slice.length;
+      t.layer = layer;
+      batch.blocks.push_back(t);
+    }
+  }
+  KV_ASSIGN_OR_RETURN(transfer::TransferPlan plan, transport_->Prepare(batch));
+  std::vector<transfer::TransferHandlePtr> handles;
+  absl::Status post_status;
+  absl::Time first_post = absl::InfiniteFuture();
+  transfer::PostOptions post_options;
+  post_options.deadline = std::min(deadline, absl::Now() + options_.transfer_timeout);
+  auto post_layer = [&](int32_t layer) {
+    if (!post_status.ok()) return;
+    if (first_post == absl::InfiniteFuture()) first_post = absl::Now();
+    absl::StatusOr<transfer::TransferHandlePtr> h =
+        transport_->Post(plan, transfer::LayerRange::One(layer), post_options);
+    if (h.ok()) {
+      handles.push_back(*std::move(h));
+    } else {
+      post_status = h.status();
+    }
+  };
+
+  // 4. Compute the rest; each finished layer goes on the wire while the next computes.
+  const int64_t compute_from = hit_blocks * block_tokens;
+  if (compute_from < full_tokens) {
+    model::PrefillOptions prefill_options;
+    prefill_options.on_layer_done = post_layer;
+    absl::MutexLock lock(&compute_mu_);
+    absl::StatusOr<std::vector<float>> logits = runner_->Prefill(
+        seq, absl::MakeConstSpan(tokens).subspan(static_cast<size_t>(compute_from),
+                                                  static_cast<size_t>(full_tokens - compute_from)),
+        prefill_options);
+    if (!logits.ok()) return logits.status();
+  } else {
+    for (int32_t layer = 0; layer < layout.num_layers(); ++layer) post_layer(layer);
+  }
+  int64_t pushed = 0;
+  absl::Status transfer_status = post_status;
+  for (const auto& h : handles) {
+    absl::Status s = h->Wait(deadline);
+    if (!s.ok() && transfer_status.ok()) transfer_status = s;
+    pushed += h->bytes();
+  }
+  if (first_post != absl::InfiniteFuture()) {
+    transfer_seconds_->Observe(absl::ToDoubleSeconds(absl::Now() - first_post));
+  }
+  if (!transfer_status.ok()) {
+    metrics_->GetCounter("kvrelay_prefill_failures_total", "Failed prefill requests by reason.",
+                         {{"reason", "transfer"}})
+        ->Increment();
+    return absl::Status(transfer_status.code(),
+                        absl::StrCat("push to decode worker ", target.transport().address(),
+                                     " failed: ", transfer_status.message()));
+  }
+  pushed_bytes_->Increment(static_cast<double>(pushed));
+
+  // 5. Publish the blocks computed here for later requests.
+  absl::StatusOr<int32_t> committed = store_->CommitBlocks(chain, hit_blocks, full_blocks, seq);
+  if (!committed.ok()) {
+    KV_LOG(WARNING) << request.request_id() << ": commit failed: " << committed.status();
+  }
+  prefix_hit_tokens_->Increment(static_cast<double>(hit_blocks * block_tokens));
+  computed_tokens_->Increment(static_cast<double>(full_tokens - compute_from));
+  prefill_seconds_->Observe(absl::ToDoubleSeconds(absl::Now() - start));
+  response.set_prefix_hit_tokens(static_cast<int32_t>(hit_blocks * block_tokens));
+  response.set_computed_tokens(static_cast<int32_t>(full_tokens - compute_from));
+  response.set_pushed_bytes(pushed);
+  response.set_committed_blocks(committed.ok() ? *committed : 0);
+  return response;
+}
+
+grpc::Status PrefillWorker::Prefill(grpc::ServerContext* context,
+                                    const kvrelay::v1::PrefillRequest* request,
+                                    kvrelay::v1::PrefillResponse* response) {
+  absl::Time deadline = absl::FromChrono(context->deadline());
+  if (deadline > absl::Now() + absl::Minutes(10)) deadline = absl::Now() + absl::Minutes(2);
+  absl::StatusOr<kvrelay::v1::PrefillResponse> result = Run(*request, deadline);
+  if (!result.ok()) return proto::ToGrpcStatus(result.status());
+  *response = *std::move(result);
+  return grpc::Status::OK;
+}
+
+grpc::Status PrefillWorker::Status(grpc::ServerContext*, const kvrelay::v1::PrefillStatusRequest*,
+                                   kvrelay::v1::PrefillStatusResponse* response) {
+  response->set_model(options_.model_name);
+  response->set_node_id(options_.node_id);
+  response->set_active_requests(static_cast<int32_t>(active_->value()));
+  response->set_computed_tokens_total(static_cast<int64_t>(computed_tokens_->value()));
+  response->set_prefix_hit_tokens_total(static_cast<int64_t>(prefix_hit_tokens_->value()));
+  return grpc::Status::OK;
+}
+
+}  // namespace kvrelay::prefill

@@ -1,0 +1,92 @@
+#pragma once
+
+// PrefillWorker: computes a prompt's KV blocks, or reuses them, and pushes them into a decode
+// worker's reserved slots layer by layer.
+//
+// Per request: chained, tenant-salted block hashes of the full blocks the decode worker asked
+// for -> MatchPrefix under a lease -> reused blocks copied from this node's cache segment into
+// the request's KV slots -> one transport plan for every (group, block, layer) slice -> layer
+// L is posted as soon as the model finished it, so it is on the wire while layer L+1 computes
+// -> wait for every layer -> commit the new blocks to the cache store (copies in the segment)
+// -> release the lease.
+//
+// Thread-safe; one model computation at a time (the runner is shared), transfers of earlier
+// requests overlap later computations.
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "common/metrics.h"
+#include "kvrelay/v1/prefill.grpc.pb.h"
+#include "model/model_runner.h"
+#include "transfer/transport.h"
+#include "worker/kv_memory.h"
+#include "worker/store_link.h"
+
+namespace kvrelay::prefill {
+
+struct PrefillWorkerOptions {
+  std::string model_dir;
+  std::string model_name;
+  std::string node_id = "prefill-0";
+  std::string cachestore_address;  // required
+  std::string transport_host = "127.0.0.1";
+  int32_t threads = 1;
+  int64_t pool_blocks = 4096;   // per-request KV slots per group (all requests together)
+  int64_t cache_blocks = 1024;  // whole-block slots offered to the cache store
+  absl::Duration transfer_timeout = absl::Seconds(30);
+  absl::Duration lease_ttl = absl::Seconds(60);
+};
+
+class PrefillWorker final : public kvrelay::v1::Prefill::Service {
+ public:
+  static absl::StatusOr<std::unique_ptr<PrefillWorker>> Create(PrefillWorkerOptions options,
+                                                                MetricsRegistry* metrics);
+  ~PrefillWorker() override;
+
+  grpc::Status Prefill(grpc::ServerContext* context, const kvrelay::v1::PrefillRequest* request,
+                       kvrelay::v1::PrefillResponse* response) override;
+  grpc::Status Status(grpc::ServerContext* context,
+                      const kvrelay::v1::PrefillStatusRequest* request,
+                      kvrelay::v1::PrefillStatusResponse* response) override;
+
+  const std::string& transport_address() const { return transport_address_; }
+
+  // The work behind the RPC, for callers in this process.
+  absl::StatusOr<kvrelay::v1::PrefillResponse> Run(const kvrelay::v1::PrefillRequest& request,
+                                                   absl::Time deadline);
+
+ private:
+  explicit PrefillWorker(PrefillWorkerOptions options, MetricsRegistry* metrics);
+  absl::Status Init();
+  absl::Status Validate(const kvrelay::v1::PrefillRequest& request) const;
+  absl::StatusOr<transfer::PeerId> PeerFor(const std::string& address, absl::Time deadline);
+
+  const PrefillWorkerOptions options_;
+  MetricsRegistry* metrics_;
+  std::unique_ptr<model::ModelRunner> runner_;
+  transfer::TransportPtr transport_;
+  std::unique_ptr<worker::RegisteredKvCache> kv_;
+  std::unique_ptr<worker::CacheSegment> segment_;
+  std::unique_ptr<worker::StoreLink> store_;
+  std::string transport_address_;
+
+  absl::Mutex compute_mu_;  // one forward pass at a time; taken before peers_mu_ never
+  absl::Mutex peers_mu_;
+  absl::flat_hash_map<std::string, transfer::PeerId> peers_ ABSL_GUARDED_BY(peers_mu_);
+
+  Counter* prefix_query_tokens_;
+  Counter* prefix_hit_tokens_;
+  Counter* computed_tokens_;
+  Counter* pushed_bytes_;
+  Histogram* transfer_seconds_;
+  Histogram* prefill_seconds_;
+  Gauge* active_;
+};
+
+}  // namespace kvrelay::prefill

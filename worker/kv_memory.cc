@@ -1,0 +1,108 @@
+#include "worker/kv_memory.h"
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "kv/checksum.h"
+
+namespace kvrelay::worker {
+
+absl::StatusOr<std::unique_ptr<RegisteredKvCache>> RegisteredKvCache::Create(
+    const kv::ModelLayout& layout, int64_t blocks_per_group, transfer::Transport* transport) {
+  auto out = std::unique_ptr<RegisteredKvCache>(new RegisteredKvCache());
+  std::vector<kv::BlockPool*> raw;
+  for (size_t g = 0; g < layout.groups().size(); ++g) {
+    KV_ASSIGN_OR_RETURN(
+        std::unique_ptr<kv::BlockPool> pool,
+        kv::BlockPool::Create({static_cast<size_t>(layout.BlockBytes(static_cast<int>(g))),
+                               blocks_per_group},
+                              kv::MakeHostMemoryResource()));
+    raw.push_back(pool.get());
+    out->pools_.push_back(std::move(pool));
+  }
+  KV_ASSIGN_OR_RETURN(out->cache_, model::KvCache::Wrap(layout, raw));
+  for (const auto& pool : out->pools_) {
+    KV_ASSIGN_OR_RETURN(transfer::MemoryRegionPtr region,
+                        transport->RegisterMemory({pool->base(), pool->size_bytes()},
+                                                  kv::MemoryKind::kHost));
+    out->regions_.push_back(std::move(region));
+  }
+  return out;
+}
+
+absl::StatusOr<std::unique_ptr<CacheSegment>> CacheSegment::Create(
+    const kv::ModelLayout& layout, int64_t num_slots, transfer::Transport* transport) {
+  auto out = std::unique_ptr<CacheSegment>(new CacheSegment());
+  out->layout_ = layout;
+  for (size_t g = 0; g < layout.groups().size(); ++g) {
+    out->group_offsets_.push_back(out->block_bytes_);
+    out->block_bytes_ += static_cast<uint64_t>(layout.BlockBytes(static_cast<int>(g)));
+  }
+  KV_ASSIGN_OR_RETURN(out->pool_, kv::BlockPool::Create({out->block_bytes_, num_slots},
+                                                        kv::MakeHostMemoryResource()));
+  KV_ASSIGN_OR_RETURN(out->region_,
+                      transport->RegisterMemory({out->pool_->base(), out->pool_->size_bytes()},
+                                                kv::MemoryKind::kHost));
+  return out;
+}
+
+uint8_t* CacheSegment::GroupUnit(int64_t slot, int group) const {
+  return static_cast<uint8_t*>(pool_->SlotAddress(static_cast<kv::SlotId>(slot))) +
+         group_offsets_[group];
+}
+
+absl::Status CacheSegment::StoreBlock(const model::Sequence& seq, int64_t block_index,
+                                      int64_t slot) const {
+  if (slot < 0 || slot >= num_slots()) {
+    return absl::InvalidArgumentError(absl::StrCat("cache slot ", slot, " out of range"));
+  }
+  for (int g = 0; g < seq.cache().num_groups(); ++g) {
+    const std::vector<kv::SlotId>& blocks = seq.blocks(g);
+    if (block_index >= static_cast<int64_t>(blocks.size()) || blocks[block_index] < 0) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("block ", block_index, " of group ", g, " is not in the cache"));
+    }
+    std::memcpy(GroupUnit(slot, g), seq.cache().pool(g).SlotAddress(blocks[block_index]),
+                static_cast<size_t>(layout_.BlockBytes(g)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CacheSegment::LoadBlock(int64_t slot, model::KvCache& cache,
+                                     std::vector<std::vector<kv::SlotId>>& group_slots) const {
+  if (slot < 0 || slot >= num_slots()) {
+    return absl::InvalidArgumentError(absl::StrCat("cache slot ", slot, " out of range"));
+  }
+  group_slots.resize(static_cast<size_t>(cache.num_groups()));
+  for (int g = 0; g < cache.num_groups(); ++g) {
+    KV_ASSIGN_OR_RETURN(kv::SlotId s, cache.pool(g).Allocate());
+    std::memcpy(cache.pool(g).SlotAddress(s), GroupUnit(slot, g),
+                static_cast<size_t>(layout_.BlockBytes(g)));
+    group_slots[g].push_back(s);
+  }
+  return absl::OkStatus();
+}
+
+LayerSlice SliceOfLayer(const kv::ModelLayout& layout, const model::KvCache& cache,
+                        int32_t layer) {
+  const int g = cache.group_of_layer(layer);
+  const uint64_t layer_bytes = static_cast<uint64_t>(layout.BlockBytes(g)) /
+                               static_cast<uint64_t>(layout.groups()[g].num_layers());
+  return {static_cast<uint64_t>(cache.index_in_group(layer)) * layer_bytes, layer_bytes};
+}
+
+bool BlockWanted(const kv::LayerGroup& group, int32_t block_tokens, int64_t block_index,
+                 int64_t first_query_position) {
+  if (group.kind != kv::LayerKind::kSlidingWindow) return true;
+  // A query at position q sees keys k with q - k < window; the block's last token is
+  // (block_index + 1) * block_tokens - 1.
+  const int64_t last_token = (block_index + 1) * block_tokens - 1;
+  return first_query_position - last_token < group.window_tokens;
+}
+
+uint64_t RequestTag(const std::string& request_id) {
+  return kv::BlockChecksum(request_id.data(), request_id.size());
+}
+
+}  // namespace kvrelay::worker

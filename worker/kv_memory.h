@@ -1,0 +1,88 @@
+#pragma once
+
+// KV memory a worker shares over the data plane:
+//  - RegisteredKvCache: a model::KvCache whose per-group pools are registered with a
+//    transport, so peers can put into (decode) or read from (prefill) its slots;
+//  - CacheSegment: whole-block slots (every group's unit of one block, back to back) that the
+//    cache store hands out for committed blocks, also registered with the transport.
+//
+// Thread-safe as their parts are (BlockPool, KvCache). Lifetimes: the transport must outlive
+// both; members are declared so regions are deregistered before memory is freed.
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "kv/model_layout.h"
+#include "kv/pool/block_pool.h"
+#include "model/kv_cache.h"
+#include "transfer/transport.h"
+
+namespace kvrelay::worker {
+
+class RegisteredKvCache {
+ public:
+  static absl::StatusOr<std::unique_ptr<RegisteredKvCache>> Create(const kv::ModelLayout& layout,
+                                                                   int64_t blocks_per_group,
+                                                                   transfer::Transport* transport);
+  model::KvCache& cache() const { return *cache_; }
+  const transfer::MemoryRegion& region(int group) const { return *regions_[group]; }
+
+ private:
+  RegisteredKvCache() = default;
+  std::vector<std::unique_ptr<kv::BlockPool>> pools_;
+  std::unique_ptr<model::KvCache> cache_;
+  std::vector<transfer::MemoryRegionPtr> regions_;  // destroyed first
+};
+
+class CacheSegment {
+ public:
+  static absl::StatusOr<std::unique_ptr<CacheSegment>> Create(const kv::ModelLayout& layout,
+                                                              int64_t num_slots,
+                                                              transfer::Transport* transport);
+  int64_t num_slots() const { return pool_->num_slots(); }
+  // Bytes of one whole block (sum of BlockBytes over groups); the slot size the store sees.
+  uint64_t block_bytes() const { return block_bytes_; }
+  uint64_t slot_stride() const { return pool_->slot_stride(); }
+  const transfer::MemoryRegion& region() const { return *region_; }
+  // Where group g's unit of `slot` starts. REQUIRES: 0 <= slot < num_slots().
+  uint8_t* GroupUnit(int64_t slot, int group) const;
+
+  // Copies block `block_index` of `seq` (every group) into `slot`. FailedPrecondition when a
+  // group's block was freed (-1).
+  absl::Status StoreBlock(const model::Sequence& seq, int64_t block_index, int64_t slot) const;
+  // Copies `slot` into freshly allocated KvCache slots, one per group (appended to
+  // `group_slots[g]`); the caller owns one reference on each.
+  absl::Status LoadBlock(int64_t slot, model::KvCache& cache,
+                         std::vector<std::vector<kv::SlotId>>& group_slots) const;
+
+ private:
+  CacheSegment() = default;
+  kv::ModelLayout layout_;
+  std::vector<uint64_t> group_offsets_;
+  uint64_t block_bytes_ = 0;
+  std::unique_ptr<kv::BlockPool> pool_;  // used for its memory only; the store assigns slots
+  transfer::MemoryRegionPtr region_;
+};
+
+// One (group, block, layer) slice of a block unit: layer-major inside a unit, so each layer
+// of each block is one contiguous run of BlockBytes(g) / layers_in_group bytes.
+struct LayerSlice {
+  uint64_t offset_in_unit = 0;
+  uint64_t length = 0;
+};
+LayerSlice SliceOfLayer(const kv::ModelLayout& layout, const model::KvCache& cache,
+                        int32_t layer);
+
+// The decode worker's choice of which full prompt blocks it wants per group: every block for
+// full attention and MLA; for sliding-window groups only the blocks a query at position
+// >= first_query_position can still attend to.
+bool BlockWanted(const kv::LayerGroup& group, int32_t block_tokens, int64_t block_index,
+                 int64_t first_query_position);
+
+// Tag of a request's transfers, shared by prefill and decode: XXH3-64 of the request id.
+uint64_t RequestTag(const std::string& request_id);
+
+}  // namespace kvrelay::worker
