@@ -38,6 +38,13 @@ void Linear(const float* x, int64_t rows, int64_t in, const float* w, int64_t ou
   if (ldx == 0) ldx = in;
   if (ldy == 0) ldy = out;
   ForEachTile(rows, first_row_position, tile_rows, [&](int64_t r, int64_t m) {
+    if (m == 1) {
+      // One row (decode): sgemv streams the weights once instead of packing them.
+      cblas_sgemv(CblasRowMajor, CblasNoTrans, static_cast<blasint>(out),
+                  static_cast<blasint>(in), 1.0f, w, static_cast<blasint>(in), x + r * ldx, 1,
+                  0.0f, y + r * ldy, 1);
+      return;
+    }
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<blasint>(m),
                 static_cast<blasint>(out), static_cast<blasint>(in), 1.0f, x + r * ldx,
                 static_cast<blasint>(ldx), w, static_cast<blasint>(in), 0.0f, y + r * ldy,

@@ -14,6 +14,13 @@
 namespace kvrelay::model {
 namespace {
 
+// Grows a workspace vector to n floats (never shrinks) and returns its data. Contents are
+// whatever the last call left; every user writes before it reads.
+float* Scratch(std::vector<float>& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(static_cast<size_t>(n));
+  return v.data();
+}
+
 void AddInPlace(float* a, const float* b, int64_t n) {
   for (int64_t i = 0; i < n; ++i) a[i] += b[i];
 }
@@ -151,7 +158,7 @@ std::vector<float> ModelRunner::Forward(const std::vector<Row>& rows,
                                  : int64_t{c.num_attention_heads} * c.head_dim;
 
   // h: [r, hidden] residual stream.
-  std::vector<float> h(r * hidden);
+  float* h = Scratch(ws_.h, r * hidden);
   float embed_scale = 1.0f;
   if (arch_ == Arch::kGemma3) {
     // Gemma scales embeddings by sqrt(hidden) rounded to the weights' dtype.
@@ -163,38 +170,41 @@ std::vector<float> ModelRunner::Forward(const std::vector<Row>& rows,
     const float* e = weights_.embed_tokens.data() + int64_t{tokens[i]} * hidden;
     for (int64_t d = 0; d < hidden; ++d) h[i * hidden + d] = e[d] * embed_scale;
   }
-  std::vector<float> xn(r * hidden), attn(r * attn_width), proj(r * hidden);
-  std::vector<float> gate(r * inter), up(r * inter);
+  float* xn = Scratch(ws_.xn, r * hidden);
+  float* attn = Scratch(ws_.attn, r * attn_width);
+  float* proj = Scratch(ws_.proj, r * hidden);
+  float* gate = Scratch(ws_.gate, r * inter);
+  float* up = Scratch(ws_.up, r * inter);
   for (int32_t layer = 0; layer < c.num_hidden_layers; ++layer) {
     const LayerWeights& w = weights_.layers[layer];
-    RmsNorm(h.data(), r, hidden, w.input_norm.data(), eps, xn.data());
+    RmsNorm(h, r, hidden, w.input_norm.data(), eps, xn);
     if (arch_ == Arch::kMla) {
-      MlaAttention(layer, rows, xn.data(), origin, tile, attn.data());
+      MlaAttention(layer, rows, xn, origin, tile, attn);
     } else {
-      GqaAttention(layer, rows, xn.data(), origin, tile, attn.data());
+      GqaAttention(layer, rows, xn, origin, tile, attn);
     }
     if (on_layer_done) on_layer_done(layer);
-    Linear(attn.data(), r, attn_width, w.o_proj.data(), hidden, proj.data(), origin, tile);
+    Linear(attn, r, attn_width, w.o_proj.data(), hidden, proj, origin, tile);
     if (arch_ == Arch::kGemma3) {
-      RmsNorm(proj.data(), r, hidden, w.post_attention_norm.data(), eps, proj.data());
-      AddInPlace(h.data(), proj.data(), r * hidden);
-      RmsNorm(h.data(), r, hidden, w.pre_ffn_norm.data(), eps, xn.data());
+      RmsNorm(proj, r, hidden, w.post_attention_norm.data(), eps, proj);
+      AddInPlace(h, proj, r * hidden);
+      RmsNorm(h, r, hidden, w.pre_ffn_norm.data(), eps, xn);
     } else {
-      AddInPlace(h.data(), proj.data(), r * hidden);
-      RmsNorm(h.data(), r, hidden, w.post_attention_norm.data(), eps, xn.data());
+      AddInPlace(h, proj, r * hidden);
+      RmsNorm(h, r, hidden, w.post_attention_norm.data(), eps, xn);
     }
-    Linear(xn.data(), r, hidden, w.gate_proj.data(), inter, gate.data(), origin, tile);
-    Linear(xn.data(), r, hidden, w.up_proj.data(), inter, up.data(), origin, tile);
+    Linear(xn, r, hidden, w.gate_proj.data(), inter, gate, origin, tile);
+    Linear(xn, r, hidden, w.up_proj.data(), inter, up, origin, tile);
     if (arch_ == Arch::kGemma3) {
-      GeluTanhMul(gate.data(), up.data(), r * inter);
+      GeluTanhMul(gate, up, r * inter);
     } else {
-      SiluMul(gate.data(), up.data(), r * inter);
+      SiluMul(gate, up, r * inter);
     }
-    Linear(gate.data(), r, inter, w.down_proj.data(), hidden, proj.data(), origin, tile);
+    Linear(gate, r, inter, w.down_proj.data(), hidden, proj, origin, tile);
     if (arch_ == Arch::kGemma3) {
-      RmsNorm(proj.data(), r, hidden, w.post_ffn_norm.data(), eps, proj.data());
+      RmsNorm(proj, r, hidden, w.post_ffn_norm.data(), eps, proj);
     }
-    AddInPlace(h.data(), proj.data(), r * hidden);
+    AddInPlace(h, proj, r * hidden);
   }
 
   // Logits for the requested rows. Rows are gathered first; with all rows requested the
@@ -202,7 +212,7 @@ std::vector<float> ModelRunner::Forward(const std::vector<Row>& rows,
   const int64_t nl = static_cast<int64_t>(logit_rows.size());
   std::vector<float> last(nl * hidden);
   for (int64_t i = 0; i < nl; ++i) {
-    RmsNorm(h.data() + logit_rows[i] * hidden, 1, hidden, weights_.final_norm.data(), eps,
+    RmsNorm(h + logit_rows[i] * hidden, 1, hidden, weights_.final_norm.data(), eps,
             last.data() + i * hidden);
   }
   std::vector<float> logits(nl * c.vocab_size);
@@ -270,11 +280,11 @@ void ModelRunner::CacheAttention(int32_t layer, const std::vector<Row>& rows, co
       units[b] = static_cast<const uint8_t*>(
           seq.cache().pool(group).SlotAddress(seq.blocks(group)[b]));
     }
-    std::vector<float> k_buf((hi - lo) * kv_width);
-    std::vector<float> v_buf(mla ? 0 : (hi - lo) * kv_width);
-    GatherLayer(layout(), group, index, units, lo, hi, k_buf.data(),
-                mla ? nullptr : v_buf.data());
-    const float* v_base = mla ? k_buf.data() : v_buf.data();
+    float* k_buf = Scratch(ws_.k_buf, (hi - lo) * kv_width);
+    float* v_buf = mla ? nullptr : Scratch(ws_.v_buf, (hi - lo) * kv_width);
+    GatherLayer(layout(), group, index, units, lo, hi, k_buf,
+                mla ? nullptr : v_buf);
+    const float* v_base = mla ? k_buf : v_buf;
     const int64_t units_n = static_cast<int64_t>(run_end - run_begin) * heads;
     ParallelFor(options_.threads, units_n, [&](int64_t ub, int64_t ue) {
       std::vector<float> scratch(hi - lo);
@@ -285,7 +295,7 @@ void ModelRunner::CacheAttention(int32_t layer, const std::vector<Row>& rows, co
         const int64_t first = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
         const int64_t kv_head = head / group_size;
         const int64_t off = (first - lo) * kv_width + (mla ? 0 : kv_head * g.head_dim);
-        AttendOne(q + (i * heads + head) * int64_t{qk_dim}, qk_dim, k_buf.data() + off, kv_width,
+        AttendOne(q + (i * heads + head) * int64_t{qk_dim}, qk_dim, k_buf + off, kv_width,
                   v_base + off, kv_width, v_dim, p - first + 1, scale, scratch.data(),
                   out + (i * heads + head) * int64_t{v_dim});
       }
@@ -304,28 +314,30 @@ void ModelRunner::GqaAttention(int32_t layer, const std::vector<Row>& rows, cons
   const int32_t kv_heads = c.num_key_value_heads;
   const int32_t hd = c.head_dim;
   const float eps = static_cast<float>(c.rms_norm_eps);
-  std::vector<float> q(r * heads * hd), k(r * kv_heads * hd), v(r * kv_heads * hd);
-  Linear(xn, r, hidden, w.q_proj.data(), int64_t{heads} * hd, q.data(), origin, tile);
-  Linear(xn, r, hidden, w.k_proj.data(), int64_t{kv_heads} * hd, k.data(), origin, tile);
-  Linear(xn, r, hidden, w.v_proj.data(), int64_t{kv_heads} * hd, v.data(), origin, tile);
+  float* q = Scratch(ws_.q, r * heads * hd);
+  float* k = Scratch(ws_.k, r * kv_heads * hd);
+  float* v = Scratch(ws_.v, r * kv_heads * hd);
+  Linear(xn, r, hidden, w.q_proj.data(), int64_t{heads} * hd, q, origin, tile);
+  Linear(xn, r, hidden, w.k_proj.data(), int64_t{kv_heads} * hd, k, origin, tile);
+  Linear(xn, r, hidden, w.v_proj.data(), int64_t{kv_heads} * hd, v, origin, tile);
   const int group = rows[0].seq->cache().group_of_layer(layer);
   const bool sliding = layout().groups()[group].kind == kv::LayerKind::kSlidingWindow;
   double theta = c.rope_theta;
   float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   if (arch_ == Arch::kGemma3) {
-    RmsNorm(q.data(), r * heads, hd, w.q_norm.data(), eps, q.data());
-    RmsNorm(k.data(), r * kv_heads, hd, w.k_norm.data(), eps, k.data());
+    RmsNorm(q, r * heads, hd, w.q_norm.data(), eps, q);
+    RmsNorm(k, r * kv_heads, hd, w.k_norm.data(), eps, k);
     if (sliding && c.rope_local_theta > 0) theta = c.rope_local_theta;
     scale = 1.0f / std::sqrt(static_cast<float>(c.query_pre_attn_scalar));
   }
   std::vector<int64_t> positions(r);
   for (int64_t i = 0; i < r; ++i) positions[i] = rows[i].position;
-  ApplyRope(q.data(), r, heads, hd, int64_t{heads} * hd, hd, positions.data(), theta,
+  ApplyRope(q, r, heads, hd, int64_t{heads} * hd, hd, positions.data(), theta,
             RopeStyle::kHalf);
-  ApplyRope(k.data(), r, kv_heads, hd, int64_t{kv_heads} * hd, hd, positions.data(), theta,
+  ApplyRope(k, r, kv_heads, hd, int64_t{kv_heads} * hd, hd, positions.data(), theta,
             RopeStyle::kHalf);
-  WriteCache(layer, rows, k.data(), v.data(), int64_t{kv_heads} * hd);
-  CacheAttention(layer, rows, q.data(), hd, hd, scale, out);
+  WriteCache(layer, rows, k, v, int64_t{kv_heads} * hd);
+  CacheAttention(layer, rows, q, hd, hd, scale, out);
 }
 
 void ModelRunner::MlaAttention(int32_t layer, const std::vector<Row>& rows, const float* xn,
@@ -344,47 +356,47 @@ void ModelRunner::MlaAttention(int32_t layer, const std::vector<Row>& rows, cons
   const float eps = static_cast<float>(c.rms_norm_eps);
 
   // Query: [r, heads, nope + rope].
-  std::vector<float> q(r * heads * qk);
+  float* q = Scratch(ws_.q, r * heads * qk);
   if (c.q_lora_rank > 0) {
-    std::vector<float> qa(r * c.q_lora_rank);
-    Linear(xn, r, hidden, w.q_a_proj.data(), c.q_lora_rank, qa.data(), origin, tile);
-    RmsNorm(qa.data(), r, c.q_lora_rank, w.q_a_norm.data(), eps, qa.data());
-    Linear(qa.data(), r, c.q_lora_rank, w.q_b_proj.data(), heads * qk, q.data(), origin, tile);
+    float* qa = Scratch(ws_.qa, r * c.q_lora_rank);
+    Linear(xn, r, hidden, w.q_a_proj.data(), c.q_lora_rank, qa, origin, tile);
+    RmsNorm(qa, r, c.q_lora_rank, w.q_a_norm.data(), eps, qa);
+    Linear(qa, r, c.q_lora_rank, w.q_b_proj.data(), heads * qk, q, origin, tile);
   } else {
-    Linear(xn, r, hidden, w.q_proj.data(), heads * qk, q.data(), origin, tile);
+    Linear(xn, r, hidden, w.q_proj.data(), heads * qk, q, origin, tile);
   }
   // Compressed KV: [r, lora + rope] = [kv_a_layernorm(latent), rope key] - the cache entry.
-  std::vector<float> kva(r * entry);
-  Linear(xn, r, hidden, w.kv_a_proj.data(), entry, kva.data(), origin, tile);
-  RmsNorm(kva.data(), r, lora, w.kv_a_norm.data(), eps, kva.data(), entry, entry);
+  float* kva = Scratch(ws_.kva, r * entry);
+  Linear(xn, r, hidden, w.kv_a_proj.data(), entry, kva, origin, tile);
+  RmsNorm(kva, r, lora, w.kv_a_norm.data(), eps, kva, entry, entry);
   std::vector<int64_t> positions(r);
   for (int64_t i = 0; i < r; ++i) positions[i] = rows[i].position;
-  ApplyRope(kva.data() + lora, r, 1, rope, entry, 0, positions.data(), c.rope_theta,
+  ApplyRope(kva + lora, r, 1, rope, entry, 0, positions.data(), c.rope_theta,
             RopeStyle::kInterleaved);
-  ApplyRope(q.data() + nope, r, heads, rope, heads * qk, qk, positions.data(), c.rope_theta,
+  ApplyRope(q + nope, r, heads, rope, heads * qk, qk, positions.data(), c.rope_theta,
             RopeStyle::kInterleaved);
-  WriteCache(layer, rows, kva.data(), nullptr, entry);
+  WriteCache(layer, rows, kva, nullptr, entry);
 
   // Absorbed query per head: [q_nope * W_UK_h, q_pe], [r, heads, lora + rope]. kv_b_proj rows
   // for head h are [W_UK_h (nope rows); W_UV_h (vd rows)], each row lora wide.
-  std::vector<float> qcat(r * heads * entry);
+  float* qcat = Scratch(ws_.qcat, r * heads * entry);
   for (int32_t h = 0; h < heads; ++h) {
     const float* w_uk = w.kv_b_proj.data() + int64_t{h} * (nope + vd) * lora;
-    LinearNoTrans(q.data() + h * qk, r, nope, w_uk, lora, qcat.data() + h * entry, origin, tile,
+    LinearNoTrans(q + h * qk, r, nope, w_uk, lora, qcat + h * entry, origin, tile,
                   heads * qk, lora, heads * entry);
     for (int64_t i = 0; i < r; ++i) {
-      std::memcpy(qcat.data() + (i * heads + h) * entry + lora,
-                  q.data() + (i * heads + h) * qk + nope, sizeof(float) * rope);
+      std::memcpy(qcat + (i * heads + h) * entry + lora,
+                  q + (i * heads + h) * qk + nope, sizeof(float) * rope);
     }
   }
   // Attention in latent space: keys are whole entries, values their latent part.
-  std::vector<float> olat(r * heads * lora);
+  float* olat = Scratch(ws_.olat, r * heads * lora);
   const float scale = 1.0f / std::sqrt(static_cast<float>(qk));
-  CacheAttention(layer, rows, qcat.data(), static_cast<int32_t>(entry), lora, scale, olat.data());
+  CacheAttention(layer, rows, qcat, static_cast<int32_t>(entry), lora, scale, olat);
   // W_UV applied after attention: out[:, h] = olat_h * W_UV_h^T.
   for (int32_t h = 0; h < heads; ++h) {
     const float* w_uv = w.kv_b_proj.data() + (int64_t{h} * (nope + vd) + nope) * lora;
-    Linear(olat.data() + h * lora, r, lora, w_uv, vd, out + h * vd, origin, tile,
+    Linear(olat + h * lora, r, lora, w_uv, vd, out + h * vd, origin, tile,
            int64_t{heads} * lora, int64_t{heads} * vd);
   }
 }

@@ -107,8 +107,15 @@ class ModelRunner {
   void WriteCache(int32_t layer, const std::vector<Row>& rows, const float* k, const float* v,
                   int64_t width) const;
 
+  // Activations reused across calls (one call at a time), so a prefill does not fault in fresh
+  // pages for every layer.
+  struct Workspace {
+    std::vector<float> h, xn, attn, proj, gate, up, q, k, v, qa, kva, qcat, olat, k_buf, v_buf;
+  };
+
   kv::ModelConfig config_;
   ModelWeights weights_;
+  mutable Workspace ws_;
   Arch arch_;
   RunnerOptions options_;
 };
