@@ -45,11 +45,7 @@ int RunDecodeCommand(const std::vector<std::string>& raw_args) {
     std::fprintf(stderr, "kvrelay decode: --model is required\n");
     return 2;
   }
-  if (options.model_name.empty()) {
-    std::string dir = options.model_dir;
-    while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
-    options.model_name = dir.substr(dir.rfind('/') + 1);
-  }
+  if (options.model_name.empty()) options.model_name = worker::ModelNameFromDir(options.model_dir);
   if (options.threads < 1 || options.pool_blocks < 1 || options.max_batch < 1 ||
       options.cache_slots < 1) {
     std::fprintf(stderr,

@@ -62,11 +62,7 @@ int RunGatewayCommand(const std::vector<std::string>& raw_args) {
     std::fprintf(stderr, "kvrelay gateway: --model is required\n");
     return 2;
   }
-  if (options.model_name.empty()) {
-    std::string dir = options.model_dir;
-    while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
-    options.model_name = dir.substr(dir.rfind('/') + 1);
-  }
+  if (options.model_name.empty()) options.model_name = worker::ModelNameFromDir(options.model_dir);
   if (secret_file.empty()) {
     options.tenant_secret = "kvrelay-development-secret";
     KV_LOG(WARNING) << "no --tenant-secret-file: using the development secret";

@@ -97,4 +97,9 @@ absl::Status CheckHostPort(const std::string& address, const std::string& what) 
   return absl::OkStatus();
 }
 
+std::string ModelNameFromDir(std::string dir) {
+  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+  return dir.substr(dir.rfind('/') + 1);
+}
+
 }  // namespace kvrelay::worker

@@ -72,4 +72,8 @@ class ServiceHost {
 // Parses "host:port" with 1 <= port <= 65535. InvalidArgument naming `what` otherwise.
 absl::Status CheckHostPort(const std::string& address, const std::string& what);
 
+// A model's default served name: the base name of its directory ("/models/tiny-llama/" ->
+// "tiny-llama").
+std::string ModelNameFromDir(std::string dir);
+
 }  // namespace kvrelay::worker

@@ -1,0 +1,124 @@
+#include <cstring>
+
+#include "gmock/gmock.h"
+#include "grpcpp/generic/generic_stub.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "gtest/gtest.h"
+#include "kv/presets.h"
+#include "kvrelay/v1/prefill.grpc.pb.h"
+#include "model/kv_cache.h"
+#include "tests/testing/status_matchers.h"
+#include "transfer/inproc/in_process_transport.h"
+#include "worker/kv_memory.h"
+#include "worker/service_host.h"
+
+namespace kvrelay::worker {
+namespace {
+
+using ::testing::HasSubstr;
+
+kv::ModelLayout Layout(const char* preset) { return kv::LoadPreset(preset)->layout; }
+
+TEST(BlockWanted, SlidingWindowKeepsOnlyWhatTheFirstQuerySees) {
+  kv::ModelLayout layout = Layout("tiny-gemma3");  // window 32, blocks of 16
+  const kv::LayerGroup& global = layout.groups()[0];
+  const kv::LayerGroup& local = layout.groups()[1];
+  ASSERT_EQ(local.kind, kv::LayerKind::kSlidingWindow);
+  // First query at position 288: keys 257..288 are visible; block 16 (256..271) holds some,
+  // block 15 (240..255) none.
+  EXPECT_TRUE(BlockWanted(local, 16, 17, 288));
+  EXPECT_TRUE(BlockWanted(local, 16, 16, 288));
+  EXPECT_FALSE(BlockWanted(local, 16, 15, 288));
+  EXPECT_FALSE(BlockWanted(local, 16, 0, 288));
+  for (int64_t b = 0; b < 18; ++b) EXPECT_TRUE(BlockWanted(global, 16, b, 288));
+}
+
+TEST(CacheSegment, StoresAndLoadsWholeBlocksAcrossGroups) {
+  kv::ModelLayout layout = Layout("tiny-gemma3");
+  KV_ASSERT_OK_AND_ASSIGN(auto transport, transfer::MakeInProcessTransport());
+  KV_ASSERT_OK_AND_ASSIGN(auto kv, RegisteredKvCache::Create(layout, 8, transport.get()));
+  KV_ASSERT_OK_AND_ASSIGN(auto segment, CacheSegment::Create(layout, 4, transport.get()));
+  EXPECT_EQ(segment->block_bytes(),
+            static_cast<uint64_t>(layout.BlockBytes(0) + layout.BlockBytes(1)));
+
+  model::Sequence seq(&kv->cache());
+  KV_ASSERT_OK(seq.EnsureBlocks(32));  // two blocks per group
+  for (int g = 0; g < 2; ++g) {
+    for (int b = 0; b < 2; ++b) {
+      std::memset(kv->cache().pool(g).SlotAddress(seq.blocks(g)[b]), 10 * g + b + 1,
+                  static_cast<size_t>(layout.BlockBytes(g)));
+    }
+  }
+  KV_ASSERT_OK(segment->StoreBlock(seq, 1, 3));
+  EXPECT_EQ(segment->GroupUnit(3, 0)[0], 2);
+  EXPECT_EQ(segment->GroupUnit(3, 1)[layout.BlockBytes(1) - 1], 12);
+
+  std::vector<std::vector<kv::SlotId>> loaded;
+  KV_ASSERT_OK(segment->LoadBlock(3, kv->cache(), loaded));
+  ASSERT_EQ(loaded.size(), 2u);
+  for (int g = 0; g < 2; ++g) {
+    const uint8_t* p = static_cast<uint8_t*>(kv->cache().pool(g).SlotAddress(loaded[g][0]));
+    EXPECT_EQ(p[0], 10 * g + 2);
+    EXPECT_EQ(std::memcmp(p, segment->GroupUnit(3, g), static_cast<size_t>(layout.BlockBytes(g))), 0);
+    KV_ASSERT_OK(kv->cache().pool(g).Release(loaded[g][0]));
+  }
+  EXPECT_THAT(segment->StoreBlock(seq, 5, 0), testing::StatusIs(absl::StatusCode::kFailedPrecondition));
+  EXPECT_THAT(segment->StoreBlock(seq, 0, 9), testing::StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+TEST(SliceOfLayer, LayersAreContiguousInsideAUnit) {
+  kv::ModelLayout layout = Layout("tiny-llama");
+  KV_ASSERT_OK_AND_ASSIGN(auto cache, model::KvCache::Create(layout, 2));
+  uint64_t expected_offset = 0;
+  for (int32_t layer = 0; layer < layout.num_layers(); ++layer) {
+    LayerSlice s = SliceOfLayer(layout, *cache, layer);
+    EXPECT_EQ(s.offset_in_unit, expected_offset);
+    expected_offset += s.length;
+  }
+  EXPECT_EQ(expected_offset, static_cast<uint64_t>(layout.BlockBytes(0)));
+}
+
+TEST(ServiceHost, ServesHealthAndDrainsOnRequest) {
+  MetricsRegistry metrics;
+  metrics.GetCounter("kvrelay_test_total", "t")->Increment();
+  ServiceHostOptions options;
+  options.name = "test";
+  options.drain_timeout = absl::Seconds(1);
+  kvrelay::v1::Prefill::Service unimplemented;  // any service: gRPC needs one to serve
+  KV_ASSERT_OK_AND_ASSIGN(auto host, ServiceHost::Start(options, {&unimplemented}, &metrics));
+  ASSERT_GT(host->port(), 0);
+  auto channel = grpc::CreateChannel(host->address(), grpc::InsecureChannelCredentials());
+  grpc::ByteBuffer request_buffer, response_buffer;
+  // grpc.health.v1.Health/Check with an empty HealthCheckRequest -> SERVING (field 1 = 1).
+  grpc::GenericStub stub(channel);
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  grpc::Slice empty("", 0);
+  grpc::ByteBuffer request(&empty, 1);
+  grpc::CompletionQueue cq;
+  auto call = stub.PrepareUnaryCall(&context, "/grpc.health.v1.Health/Check", request, &cq);
+  call->StartCall();
+  grpc::ByteBuffer response;
+  grpc::Status status;
+  call->Finish(&response, &status, reinterpret_cast<void*>(1));
+  void* tag;
+  bool ok;
+  ASSERT_TRUE(cq.Next(&tag, &ok));
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  std::vector<grpc::Slice> slices;
+  ASSERT_TRUE(response.Dump(&slices).ok());
+  std::string bytes;
+  for (const auto& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  EXPECT_EQ(bytes, std::string("\x08\x01", 2));  // status: SERVING
+  host->RequestShutdown();
+  host->WaitForShutdown();
+  EXPECT_TRUE(host->draining());
+  EXPECT_THAT(CheckHostPort("127.0.0.1:0", "--x"),
+              testing::StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--x")));
+  KV_EXPECT_OK(CheckHostPort("10.0.0.1:50051", "--x"));
+  EXPECT_EQ(ModelNameFromDir("/models/tiny-llama/"), "tiny-llama");
+}
+
+}  // namespace
+}  // namespace kvrelay::worker
