@@ -105,6 +105,7 @@ absl::StatusOr<std::vector<float>> ModelRunner::Prefill(Sequence& seq,
   } else {
     logit_rows.push_back(n - 1);
   }
+  absl::MutexLock lock(&mu_);
   std::vector<float> logits =
       Forward(rows, tokens, /*tile_origin=*/0, options_.gemm_tile_tokens, logit_rows,
               options.on_layer_done);
@@ -138,6 +139,7 @@ absl::StatusOr<std::vector<float>> ModelRunner::DecodeStep(absl::Span<Sequence* 
     rows[i] = Row{seqs[i], seqs[i]->num_tokens()};
     logit_rows[i] = static_cast<int64_t>(i);
   }
+  absl::MutexLock lock(&mu_);
   std::vector<float> logits = Forward(rows, tokens, 0, 0, logit_rows, nullptr);
   for (size_t i = 0; i < seqs.size(); ++i) seqs[i]->AppendTokens(tokens.subspan(i, 1));
   return logits;

@@ -17,8 +17,9 @@
 // computes exactly what a full prefill computes for the same rows. Decode batches rows of many
 // sequences in one GEMM; a row's result then depends on the batch, within fp32 rounding.
 //
-// Thread safety: one Prefill/DecodeStep call at a time per runner (they use OpenBLAS's
-// process-wide thread pool and per-call worker threads). The runner is immutable otherwise.
+// Thread safety: thread-safe. Prefill/DecodeStep calls on one runner are serialised by an
+// internal mutex (they share an activation workspace and OpenBLAS's process-wide threads);
+// everything else is immutable after creation.
 
 #include <cstdint>
 #include <functional>
@@ -27,7 +28,9 @@
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
 #include "kv/hf_config.h"
 #include "model/kv_cache.h"
@@ -95,15 +98,19 @@ class ModelRunner {
   std::vector<float> Forward(const std::vector<Row>& rows, absl::Span<const int32_t> tokens,
                              int64_t tile_origin, int64_t tile,
                              const std::vector<int64_t>& logit_rows,
-                             const std::function<void(int32_t)>& on_layer_done) const;
+                             const std::function<void(int32_t)>& on_layer_done) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void GqaAttention(int32_t layer, const std::vector<Row>& rows, const float* xn,
-                    int64_t tile_origin, int64_t tile, float* out) const;
+                    int64_t tile_origin, int64_t tile, float* out) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MlaAttention(int32_t layer, const std::vector<Row>& rows, const float* xn,
-                    int64_t tile_origin, int64_t tile, float* out) const;
+                    int64_t tile_origin, int64_t tile, float* out) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Attention over the cache for rows grouped by sequence; q is [rows, heads, qk_dim],
   // out [rows, heads, v_dim].
   void CacheAttention(int32_t layer, const std::vector<Row>& rows, const float* q,
-                      int32_t qk_dim, int32_t v_dim, float scale, float* out) const;
+                      int32_t qk_dim, int32_t v_dim, float scale, float* out) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void WriteCache(int32_t layer, const std::vector<Row>& rows, const float* k, const float* v,
                   int64_t width) const;
 
@@ -115,7 +122,8 @@ class ModelRunner {
 
   kv::ModelConfig config_;
   ModelWeights weights_;
-  mutable Workspace ws_;
+  mutable absl::Mutex mu_;
+  mutable Workspace ws_ ABSL_GUARDED_BY(mu_);
   Arch arch_;
   RunnerOptions options_;
 };

@@ -5,6 +5,7 @@
 #include <utility>
 #include <cstring>
 #include <memory>
+#include <thread>
 #include <string>
 #include <vector>
 
@@ -425,6 +426,26 @@ TEST(SamplerTest, GreedyAndSeededTemperature) {
   // Every token with non-negligible probability shows up; 0 temperature is greedy.
   for (int32_t t : {0, 1, 2, 4}) EXPECT_NE(std::count(sa.begin(), sa.end(), t), 0) << t;
   EXPECT_EQ(a.Sample(logits, 0.0f), 1);
+}
+
+TEST(RunnerTest, ConcurrentCallsEqualSerialOnes) {
+  testing::TempDir dir;
+  KV_ASSERT_OK(WriteTestModel(dir.path(), {}));
+  KV_ASSERT_OK_AND_ASSIGN(auto runner, ModelRunner::Load(dir.path()));
+  KV_ASSERT_OK_AND_ASSIGN(auto cache, KvCache::Create(runner->layout(), 32));
+  const std::vector<int32_t> ta = Tokens(30, 512, 1), tb = Tokens(45, 512, 2);
+  Sequence sa(cache.get()), sb(cache.get());
+  KV_ASSERT_OK_AND_ASSIGN(std::vector<float> want_a, runner->Prefill(sa, ta));
+  KV_ASSERT_OK_AND_ASSIGN(std::vector<float> want_b, runner->Prefill(sb, tb));
+  Sequence ca(cache.get()), cb(cache.get());
+  absl::StatusOr<std::vector<float>> got_a, got_b;
+  std::thread other([&] { got_b = runner->Prefill(cb, tb); });
+  got_a = runner->Prefill(ca, ta);
+  other.join();
+  KV_ASSERT_OK(got_a.status());
+  KV_ASSERT_OK(got_b.status());
+  EXPECT_EQ(*got_a, want_a);
+  EXPECT_EQ(*got_b, want_b);
 }
 
 TEST(RunnerTest, GreedyGenerationIsDeterministicAcrossThreadCounts) {
