@@ -40,6 +40,9 @@ class FaultyTransport final : public Transport {
   absl::StatusOr<MemoryRegionPtr> RegisterMemory(MemorySpan span, MemoryKind kind) override {
     return inner_->RegisterMemory(span, kind);
   }
+  absl::StatusOr<MemoryRegionPtr> AllocateMemory(size_t bytes) override {
+    return inner_->AllocateMemory(bytes);
+  }
   absl::StatusOr<PeerId> Connect(std::string_view address, absl::Time deadline) override {
     return inner_->Connect(address, deadline);
   }

@@ -240,6 +240,12 @@ class Transport {
   // capabilities().device_memory.
   virtual absl::StatusOr<MemoryRegionPtr> RegisterMemory(MemorySpan span, MemoryKind kind) = 0;
 
+  // Memory allocated and registered by the transport, which picks what its peers can reach
+  // fastest (UCX: shared-memory segments, so shared-memory peers put and get with plain
+  // memcpy instead of emulating RMA through messages). Zero-filled, page-aligned, freed with
+  // the region. A worker builds its block pool on it (see transfer::RegionMemoryResource).
+  virtual absl::StatusOr<MemoryRegionPtr> AllocateMemory(size_t bytes) = 0;
+
   // Connects to the transport listening at `address`; both sides can then push and pull.
   // Unavailable when nobody answers, DeadlineExceeded when the handshake is not done in time,
   // InvalidArgument for a malformed address.

@@ -192,6 +192,36 @@ TEST_P(TransportConformanceTest, GetReadsRemoteBytesAndVerifiesExpectedChecksums
   EXPECT_THAT(st[1], StatusIs(absl::StatusCode::kDataLoss));
 }
 
+TEST_P(TransportConformanceTest, TransportAllocatedRegionsWorkBothWays) {
+  // The receiver's region comes from the transport (UCX: a shared-memory segment).
+  KV_ASSERT_OK_AND_ASSIGN(MemoryRegionPtr allocated, b_->AllocateMemory(3 << 20));
+  ASSERT_EQ(allocated->size_bytes(), size_t{3 << 20});
+  EXPECT_EQ(allocated->data()[12345], 0);  // zero-filled
+  KV_ASSERT_OK_AND_ASSIGN(auto regions, a_->RemoteRegions(peer_));
+  bool published = false;
+  for (const RemoteRegionInfo& r : regions) published |= r.id == allocated->id();
+  // Publication to connected peers is asynchronous; wait until it shows up.
+  for (int i = 0; i < 2000 && !published; ++i) {
+    absl::SleepFor(absl::Milliseconds(5));
+    KV_ASSERT_OK_AND_ASSIGN(regions, a_->RemoteRegions(peer_));
+    for (const RemoteRegionInfo& r : regions) published |= r.id == allocated->id();
+  }
+  ASSERT_TRUE(published);
+  BlockTransfer put = Block(1 << 20, 4096, 1 << 20);
+  put.remote_region = allocated->id();
+  KV_ASSERT_OK_AND_ASSIGN(TransferPlan plan, a_->Prepare(Batch(Direction::kPut, {put})));
+  KV_ASSERT_OK_AND_ASSIGN(TransferHandlePtr h, a_->Post(plan, LayerRange::All()));
+  KV_ASSERT_OK(h->Wait(Deadline()));
+  EXPECT_EQ(std::memcmp(allocated->data() + 4096, a_buf_->data() + (1 << 20), 1 << 20), 0);
+  BlockTransfer get = Block(8 << 20, 4096, 1 << 20);
+  get.remote_region = allocated->id();
+  get.checksum = kv::BlockChecksum(allocated->data() + 4096, 1 << 20);
+  KV_ASSERT_OK_AND_ASSIGN(TransferPlan gplan, a_->Prepare(Batch(Direction::kGet, {get})));
+  KV_ASSERT_OK_AND_ASSIGN(TransferHandlePtr gh, a_->Post(gplan, LayerRange::All()));
+  KV_ASSERT_OK(gh->Wait(Deadline()));
+  EXPECT_THAT(a_->AllocateMemory(0), StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
 TEST_P(TransportConformanceTest, LayerWiseStreamingReportsEachLayer) {
   constexpr int kLayers = 6;
   constexpr uint64_t kBlock = 256 << 10;

@@ -1,6 +1,7 @@
 #include "transfer/inproc/in_process_transport.h"
 
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <thread>
@@ -75,15 +76,19 @@ class Registry {
 class InProcessRegion final : public MemoryRegion {
  public:
   InProcessRegion(const void* owner, RegionId id, MemorySpan span, MemoryKind kind,
-                  std::shared_ptr<Core> core)
-      : MemoryRegion(owner, id, span, kind), core_(std::move(core)) {}
+                  std::shared_ptr<Core> core, bool owns_memory = false)
+      : MemoryRegion(owner, id, span, kind), core_(std::move(core)), owns_(owns_memory) {}
   ~InProcessRegion() override {
-    absl::MutexLock lock(&core_->mu);
-    core_->regions.erase(id());
+    {
+      absl::MutexLock lock(&core_->mu);
+      core_->regions.erase(id());
+    }
+    if (owns_) std::free(span().data);
   }
 
  private:
   std::shared_ptr<Core> core_;
+  bool owns_;
 };
 
 struct Job {
@@ -156,6 +161,24 @@ class InProcessTransport final : public Transport {
       core_->regions[id] = span;
     }
     return std::make_unique<InProcessRegion>(this, id, span, kind, core_);
+  }
+
+  absl::StatusOr<MemoryRegionPtr> AllocateMemory(size_t bytes) override {
+    if (bytes == 0) return absl::InvalidArgumentError("cannot allocate zero bytes");
+    const size_t rounded = (bytes + 4095) / 4096 * 4096;
+    void* data = std::aligned_alloc(4096, rounded);
+    if (data == nullptr) {
+      return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", bytes, " bytes"));
+    }
+    std::memset(data, 0, rounded);
+    RegionId id = g_next_region_id.fetch_add(1);
+    MemorySpan span{data, bytes};
+    {
+      absl::MutexLock lock(&core_->mu);
+      core_->regions[id] = span;
+    }
+    return std::make_unique<InProcessRegion>(this, id, span, MemoryKind::kHost, core_,
+                                             /*owns_memory=*/true);
   }
 
   absl::StatusOr<PeerId> Connect(std::string_view address_view, absl::Time) override {

@@ -14,7 +14,8 @@
 namespace kvrelay::transfer::ucx {
 
 absl::StatusOr<std::unique_ptr<ProgressThread>> ProgressThread::Start(ucp_worker_h worker,
-                                                                      Hooks hooks) {
+                                                                      Hooks hooks,
+                                                                      absl::Duration spin) {
   int efd = -1;
   ucs_status_t st = ucp_worker_get_efd(worker, &efd);
   if (st != UCS_OK) return FromUcs(st, "ucp_worker_get_efd");
@@ -22,6 +23,7 @@ absl::StatusOr<std::unique_ptr<ProgressThread>> ProgressThread::Start(ucp_worker
   if (!wake.ok()) return wake.status();
   std::unique_ptr<ProgressThread> t(
       new ProgressThread(worker, efd, std::move(*wake), std::move(hooks)));
+  t->spin_after_activity_ = spin;
   t->thread_ = std::thread([p = t.get()] { p->Loop(); });
   return t;
 }
@@ -101,7 +103,7 @@ bool ProgressThread::RunPosted() {
   return true;
 }
 
-void ProgressThread::PollOnce(int timeout_ms) {
+bool ProgressThread::PollOnce(int timeout_ms) {
   std::vector<pollfd> fds;
   fds.reserve(watches_.size() + 2);
   fds.push_back({wake_.fd(), POLLIN, 0});
@@ -112,7 +114,7 @@ void ProgressThread::PollOnce(int timeout_ms) {
     if (n < 0 && errno != EINTR) {
       KV_LOG(ERROR) << "poll failed, errno " << errno;
     }
-    return;
+    return false;
   }
   if (fds[0].revents != 0) wake_.Drain();
   for (size_t i = 2; i < fds.size(); ++i) {
@@ -122,16 +124,50 @@ void ProgressThread::PollOnce(int timeout_ms) {
     std::shared_ptr<absl::AnyInvocable<void(short)>> cb = it->second.cb;  // may unwatch itself
     (*cb)(fds[i].revents);
   }
+  return true;
 }
+
+// Logs a loop phase that held the thread long enough to starve heartbeats.
+class SlowPhaseLog {
+ public:
+  explicit SlowPhaseLog(const char* what) : what_(what), start_(absl::Now()) {}
+  ~SlowPhaseLog() {
+    absl::Duration took = absl::Now() - start_;
+    if (took > absl::Milliseconds(500)) {
+      KV_LOG(WARNING) << "transfer progress thread: " << what_ << " took "
+                      << absl::FormatDuration(took);
+    }
+  }
+
+ private:
+  const char* what_;
+  absl::Time start_;
+};
 
 void ProgressThread::Loop() {
   while (true) {
-    if (!RunPosted()) return;
-    while (ucp_worker_progress(worker_) != 0) {
+    {
+      SlowPhaseLog slow("posted work");
+      if (!RunPosted()) return;
     }
-    const absl::Time next = hooks_.tick();
-    if (hooks_.busy()) {
-      PollOnce(0);  // sockets and posted work, without sleeping
+    // Bounded, so posted work, sockets and timers get their turn under sustained traffic.
+    int progressed = 0;
+    {
+      SlowPhaseLog slow("ucp_worker_progress");
+      while (progressed < 64 && ucp_worker_progress(worker_) != 0) ++progressed;
+    }
+    absl::Time next;
+    {
+      SlowPhaseLog slow("tick");
+      next = hooks_.tick();
+    }
+    const absl::Time now = absl::Now();
+    if (progressed > 0) last_activity_ = now;
+    // While operations are in flight, or shortly after the last event (the next message of a
+    // burst is usually microseconds away), keep going without the cost of a wake-up.
+    if (hooks_.busy() || now - last_activity_ < spin_after_activity_) {
+      SlowPhaseLog slow("socket events");
+      if (PollOnce(0)) last_activity_ = now;  // sockets and posted work, without sleeping
       continue;
     }
     ucs_status_t st = ucp_worker_arm(worker_);
@@ -145,7 +181,8 @@ void ProgressThread::Loop() {
       timeout_ms = static_cast<int>(
           std::min<int64_t>(absl::ToInt64Milliseconds(wait + absl::Microseconds(999)), 1000));
     }
-    PollOnce(timeout_ms);
+    SlowPhaseLog slow("poll and socket events");
+    if (PollOnce(timeout_ms)) last_activity_ = absl::Now();
   }
 }
 

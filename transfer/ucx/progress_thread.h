@@ -35,7 +35,10 @@ class ProgressThread {
     absl::AnyInvocable<absl::Time()> tick;
   };
 
-  static absl::StatusOr<std::unique_ptr<ProgressThread>> Start(ucp_worker_h worker, Hooks hooks);
+  // `spin`: after the last event, keep progressing this long before sleeping (0: sleep at
+  // once). Bounded, so an idle worker still costs no CPU.
+  static absl::StatusOr<std::unique_ptr<ProgressThread>> Start(
+      ucp_worker_h worker, Hooks hooks, absl::Duration spin = absl::Microseconds(200));
   ~ProgressThread();
   ProgressThread(const ProgressThread&) = delete;
   ProgressThread& operator=(const ProgressThread&) = delete;
@@ -57,7 +60,8 @@ class ProgressThread {
   ProgressThread(ucp_worker_h worker, int worker_efd, EventFd wake, Hooks hooks);
   void Loop();
   bool RunPosted();
-  void PollOnce(int timeout_ms);
+  // True if any fd was ready.
+  bool PollOnce(int timeout_ms);
 
   ucp_worker_h worker_;
   const int worker_efd_;
@@ -75,6 +79,8 @@ class ProgressThread {
     std::shared_ptr<absl::AnyInvocable<void(short)>> cb;
   };
   absl::flat_hash_map<int, Watch> watches_;
+  absl::Duration spin_after_activity_;
+  absl::Time last_activity_ = absl::InfinitePast();
 };
 
 }  // namespace kvrelay::transfer::ucx

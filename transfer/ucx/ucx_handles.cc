@@ -87,6 +87,32 @@ absl::StatusOr<UcpMemRegion> UcpMemRegion::Map(ucp_context_h context, void* data
   return region;
 }
 
+absl::StatusOr<UcpMemRegion> UcpMemRegion::Allocate(ucp_context_h context, size_t bytes,
+                                                    void** data) {
+  ucp_mem_map_params_t params = {};
+  params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                      UCP_MEM_MAP_PARAM_FIELD_FLAGS;
+  params.address = nullptr;
+  params.length = bytes;
+  params.flags = UCP_MEM_MAP_ALLOCATE;
+  ucp_mem_h memh = nullptr;
+  ucs_status_t st = ucp_mem_map(context, &params, &memh);
+  if (st != UCS_OK) return FromUcs(st, absl::StrCat("ucp_mem_map(ALLOCATE) of ", bytes, " bytes"));
+  UcpMemRegion region;
+  region.context_ = context;
+  region.memh_ = memh;
+  ucp_mem_attr_t attr = {};
+  attr.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH;
+  st = ucp_mem_query(memh, &attr);
+  if (st != UCS_OK) return FromUcs(st, "ucp_mem_query");
+  if (attr.length < bytes) {
+    return absl::InternalError(
+        absl::StrCat("UCX allocated ", attr.length, " of ", bytes, " bytes"));
+  }
+  *data = attr.address;
+  return region;
+}
+
 UcpMemRegion::UcpMemRegion(UcpMemRegion&& other) noexcept
     : context_(std::exchange(other.context_, nullptr)),
       memh_(std::exchange(other.memh_, nullptr)) {}

@@ -38,6 +38,9 @@ absl::StatusOr<std::string> WorkerAddress(ucp_worker_h worker);
 class UcpMemRegion {
  public:
   static absl::StatusOr<UcpMemRegion> Map(ucp_context_h context, void* data, size_t bytes);
+  // Memory allocated by UCX (UCP_MEM_MAP_ALLOCATE: shared-memory segments first, per
+  // UCX_MEM_ALLOC_METHOD), so that shared-memory peers can map it; sets *data.
+  static absl::StatusOr<UcpMemRegion> Allocate(ucp_context_h context, size_t bytes, void** data);
   UcpMemRegion() = default;
   UcpMemRegion(UcpMemRegion&& other) noexcept;
   UcpMemRegion& operator=(UcpMemRegion&& other) noexcept;

@@ -158,6 +158,7 @@ class UcxTransport final : public Transport {
   Capabilities capabilities() const override { return caps_; }
   std::string address() const override { return address_; }
   absl::StatusOr<MemoryRegionPtr> RegisterMemory(MemorySpan span, MemoryKind kind) override;
+  absl::StatusOr<MemoryRegionPtr> AllocateMemory(size_t bytes) override;
   absl::StatusOr<PeerId> Connect(std::string_view address, absl::Time deadline) override;
   absl::Status Disconnect(PeerId peer) override;
   absl::StatusOr<std::vector<RemoteRegionInfo>> RemoteRegions(PeerId peer) const override;
@@ -209,6 +210,15 @@ class UcxTransport final : public Transport {
   absl::Status CreateEndpoint(Conn& c, const std::string& worker_address);
   void PeerDown(Conn& c, absl::Status status, bool notify);
   void CloseEndpoint(Conn& c);
+  void FinishPeerDown(Conn& c);
+  // Finishes endpoint closes that completed (or gave up); with `wait`, progresses until all
+  // are done (bounded).
+  void PollClosing(bool wait);
+  struct Closing {
+    ucs_status_ptr_t req;
+    PeerId conn;
+    absl::Time give_up;
+  };
   void Enqueue(std::unique_ptr<Transfer> t);
   void FailTransfer(PeerId peer, uint64_t id, absl::Status status);
   void Pump(Conn& c);
@@ -234,6 +244,7 @@ class UcxTransport final : public Transport {
   // Progress thread only.
   absl::flat_hash_map<PeerId, std::unique_ptr<Conn>> conns_;
   std::vector<PeerId> dead_conns_;
+  std::vector<Closing> closing_;
   absl::flat_hash_map<RegionId, LocalRegion> local_regions_;
   int64_t inflight_ops_ = 0;
   uint64_t inflight_bytes_ = 0;
@@ -327,7 +338,8 @@ absl::Status UcxTransport::Init() {
   ProgressThread::Hooks hooks;
   hooks.busy = [this] { return Busy(); };
   hooks.tick = [this] { return Tick(); };
-  KV_ASSIGN_OR_RETURN(progress_, ProgressThread::Start(worker_.get(), std::move(hooks)));
+  KV_ASSIGN_OR_RETURN(progress_, ProgressThread::Start(worker_.get(), std::move(hooks),
+                                                       options_.spin_after_activity));
   progress_->RunSync([this] {
     progress_->WatchFd(listener_.get(), POLLIN, [this](short) { OnListenerReadable(); });
   });
@@ -346,6 +358,7 @@ UcxTransport::~UcxTransport() {
           SendFrame(*c, std::move(wire::Writer(FrameType::kBye)).Finish());
         PeerDown(*c, absl::CancelledError("transport shut down"), /*notify=*/false);
       }
+      PollClosing(/*wait=*/true);
       conns_.clear();
       local_regions_.clear();
       progress_->UnwatchFd(listener_.get());
@@ -396,6 +409,41 @@ absl::StatusOr<MemoryRegionPtr> UcxTransport::RegisterMemory(MemorySpan span, Me
     region_ptrs_[id] = span.data;
   }
   return std::make_unique<UcxRegion>(this, id, span, kind);
+}
+
+absl::StatusOr<MemoryRegionPtr> UcxTransport::AllocateMemory(size_t bytes) {
+  if (bytes == 0) return absl::InvalidArgumentError("cannot allocate zero bytes");
+  const RegionId id = g_next_region_id.fetch_add(1);
+  absl::Status status;
+  void* data = nullptr;
+  progress_->RunSync([&] {
+    absl::StatusOr<UcpMemRegion> mem = UcpMemRegion::Allocate(context_.get(), bytes, &data);
+    if (!mem.ok()) {
+      status = mem.status();
+      return;
+    }
+    absl::StatusOr<std::string> rkey = mem->PackRemoteKey();
+    if (!rkey.ok()) {
+      status = rkey.status();
+      return;
+    }
+    local_regions_[id] = LocalRegion{MemorySpan{data, bytes}, std::move(*mem), std::move(*rkey)};
+  });
+  KV_RETURN_IF_ERROR(status);
+  // Touch every page now (zero-fill), not during the first transfer into it; then publish.
+  std::memset(data, 0, bytes);
+  progress_->RunSync([&] {
+    auto it = local_regions_.find(id);
+    if (it == local_regions_.end()) return;
+    for (auto& [pid, c] : conns_) {
+      if (c->state == Conn::State::kReady) SendFrame(*c, RegionFrame(id, it->second));
+    }
+  });
+  {
+    absl::MutexLock lock(&mu_);
+    region_ptrs_[id] = data;
+  }
+  return std::make_unique<UcxRegion>(this, id, MemorySpan{data, bytes}, MemoryKind::kHost);
 }
 
 void UcxTransport::Deregister(RegionId id) {
@@ -881,25 +929,49 @@ void UcxTransport::OnEpError(void* arg, ucp_ep_h, ucs_status_t status) {
 }
 
 void UcxTransport::CloseEndpoint(Conn& c) {
-  if (c.ep == nullptr) return;
+  if (c.ep == nullptr) {
+    FinishPeerDown(c);
+    return;
+  }
   ucp_request_param_t param = {};
   param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
   param.flags = UCP_EP_CLOSE_FLAG_FORCE;
   ucs_status_ptr_t req = ucp_ep_close_nbx(c.ep, &param);
   c.ep = nullptr;
-  if (req == nullptr || UCS_PTR_IS_ERR(req)) return;
-  const absl::Time give_up = absl::Now() + absl::Seconds(5);
-  while (ucp_request_check_status(req) == UCS_INPROGRESS && absl::Now() < give_up) {
+  if (req == nullptr || UCS_PTR_IS_ERR(req)) {
+    FinishPeerDown(c);
+    return;
+  }
+  // Not waited for here: with error mode NONE (shared memory) a close towards a dead process
+  // can take seconds, and this thread must keep serving the other peers meanwhile.
+  closing_.push_back(Closing{req, c.id, absl::Now() + absl::Seconds(5)});
+}
+
+void UcxTransport::PollClosing(bool wait) {
+  const absl::Time give_up_all = absl::Now() + absl::Seconds(5);
+  while (!closing_.empty()) {
+    const absl::Time now = absl::Now();
+    std::vector<Closing> still;
+    for (Closing& cl : closing_) {
+      if (ucp_request_check_status(cl.req) == UCS_INPROGRESS && now < cl.give_up) {
+        still.push_back(cl);
+        continue;
+      }
+      ucp_request_free(cl.req);  // released by UCX when it completes, if it has not
+      auto it = conns_.find(cl.conn);
+      if (it != conns_.end()) FinishPeerDown(*it->second);
+    }
+    closing_.swap(still);
+    if (!wait || closing_.empty() || now > give_up_all) return;
     ucp_worker_progress(worker_.get());
   }
-  ucp_request_free(req);
 }
 
 void UcxTransport::PeerDown(Conn& c, absl::Status status, bool notify) {
   if (c.state == Conn::State::kDead) return;
   const bool was_ready = c.state == Conn::State::kReady;
   c.state = Conn::State::kDead;
-  KV_LOG(DEBUG) << "peer " << c.id << " down: " << status;
+  if (notify) KV_LOG(WARNING) << "transfer peer " << c.id << " down: " << status;
   progress_->UnwatchFd(c.fd.get());
   c.fd.Reset();
   for (QueueItem& item : c.queue) {
@@ -907,21 +979,6 @@ void UcxTransport::PeerDown(Conn& c, absl::Status status, bool notify) {
   }
   for (auto& [id, t] : c.awaiting_ack) t->handle->Complete(status);
   c.awaiting_ack.clear();
-  // Force-closing completes every request still in flight on the endpoint (with an error).
-  CloseEndpoint(c);
-  for (QueueItem& item : c.queue) {
-    if (!item.transfer) continue;
-    --active_transfers_;
-    item.transfer->handle->Complete(item.transfer->failure);
-    if (item.transfer->inflight > 0 || item.transfer->flush_inflight) {
-      // UCX still references it (force close did not finish): keep it alive forever rather
-      // than risk a use-after-free. Logged because it should not happen.
-      KV_LOG(ERROR) << "transfer " << item.transfer->id << " still has UCX requests in flight";
-      item.transfer.release();
-    }
-  }
-  c.queue.clear();
-  c.regions.clear();  // destroys unpacked rkeys
   {
     absl::MutexLock lock(&mu_);
     auto it = peers_.find(c.id);
@@ -931,10 +988,29 @@ void UcxTransport::PeerDown(Conn& c, absl::Status status, bool notify) {
     }
   }
   if (c.waiter) c.waiter->Finish(status);
-  dead_conns_.push_back(c.id);
   if (notify && was_ready) {
     Deliver(InboundEvent{.kind = InboundEvent::Kind::kPeerDown, .peer = c.id, .status = status});
   }
+  // Force-closing completes every request still in flight on the endpoint (with an error);
+  // the transfers using them end in FinishPeerDown, once UCX no longer references them.
+  CloseEndpoint(c);
+}
+
+void UcxTransport::FinishPeerDown(Conn& c) {
+  for (QueueItem& item : c.queue) {
+    if (!item.transfer) continue;
+    --active_transfers_;
+    item.transfer->handle->Complete(item.transfer->failure);
+    if (item.transfer->inflight > 0 || item.transfer->flush_inflight) {
+      // UCX still references it (the close gave up): keep it alive forever rather than risk
+      // a use-after-free. Logged because it should not happen.
+      KV_LOG(ERROR) << "transfer " << item.transfer->id << " still has UCX requests in flight";
+      item.transfer.release();
+    }
+  }
+  c.queue.clear();
+  c.regions.clear();  // destroys unpacked rkeys
+  dead_conns_.push_back(c.id);
 }
 
 void UcxTransport::Deliver(InboundEvent event) {
@@ -1037,7 +1113,11 @@ bool UcxTransport::IssueChunk(Conn& c, Transfer& t) {
 
 void UcxTransport::Pump(Conn& c) {
   if (c.state != Conn::State::kReady) return;
-  // Issue: transfers in order, sharing the transport-wide window.
+  // Issue: transfers in order, sharing the transport-wide window. Operations that complete in
+  // place (shared memory: a memcpy, page faults included) do not fill the window, so each call
+  // also stops after `max_inflight_bytes`: the loop then serves sockets and heartbeats before
+  // the next call continues.
+  uint64_t budget = options_.max_inflight_bytes;
   for (QueueItem& item : c.queue) {
     if (!item.transfer) continue;
     Transfer& t = *item.transfer;
@@ -1046,10 +1126,12 @@ void UcxTransport::Pump(Conn& c) {
     while (t.next_chunk < t.chunks.size()) {
       const uint64_t len = t.chunks[t.next_chunk].length;
       if (inflight_ops_ >= options_.max_inflight_ops ||
-          (inflight_ops_ > 0 && inflight_bytes_ + len > options_.max_inflight_bytes)) {
+          (inflight_ops_ > 0 && inflight_bytes_ + len > options_.max_inflight_bytes) ||
+          (budget < len && budget != options_.max_inflight_bytes)) {
         window_full = true;
         break;
       }
+      budget -= std::min(budget, len);
       if (!IssueChunk(c, t)) break;
     }
     if (t.direction == Direction::kPut && t.failure.ok() && t.next_chunk == t.chunks.size() &&
@@ -1176,8 +1258,9 @@ absl::Status UcxTransport::HandleDone(Conn& c, wire::Reader& r) {
     if (!s.ok() && first_error.empty()) first_error = std::string(s.message());
   }
   w.Str(first_error);
-  SendFrame(c, std::move(w).Finish());
+  // The handler sees the blocks before the sender's handle completes.
   Deliver(std::move(event));
+  if (Conn* still = FindConn(c.id)) SendFrame(*still, std::move(w).Finish());
   return absl::OkStatus();
 }
 
@@ -1204,6 +1287,11 @@ absl::Status UcxTransport::HandleAck(Conn& c, wire::Reader& r) {
         sc, absl::StrCat("receiver: ", first ? first_error : "block failed verification")));
     first = false;
   }
+  static bool printed = false;
+  if (!printed && std::getenv("KVRELAY_UCX_EP_INFO") != nullptr && c.ep != nullptr) {
+    printed = true;
+    ucp_ep_print_info(c.ep, stderr);
+  }
   auto it = c.awaiting_ack.find(id);
   if (it == c.awaiting_ack.end()) return absl::OkStatus();  // cancelled meanwhile
   if (statuses.size() != it->second->blocks.size()) {
@@ -1215,6 +1303,7 @@ absl::Status UcxTransport::HandleAck(Conn& c, wire::Reader& r) {
 }
 
 absl::Time UcxTransport::Tick() {
+  if (!closing_.empty()) PollClosing(/*wait=*/false);
   for (PeerId id : dead_conns_) conns_.erase(id);
   dead_conns_.clear();
   for (auto& [id, c] : conns_) {
@@ -1251,6 +1340,11 @@ absl::Time UcxTransport::Tick() {
     std::vector<std::pair<PeerId, absl::Status>> down;
     for (auto& [id, c] : conns_) {
       if (c->state == Conn::State::kDead) continue;
+      if (now - c->last_recv > options_.peer_timeout && c->state == Conn::State::kReady) {
+        // Frames may be waiting unread in the socket while this thread was busy.
+        OnConnEvent(id, POLLIN);
+      }
+      if (c->state == Conn::State::kDead) continue;
       if (now - c->last_recv > options_.peer_timeout) {
         down.emplace_back(
             id, absl::UnavailableError(absl::StrCat("peer ", id, " sent nothing for ",
@@ -1266,7 +1360,7 @@ absl::Time UcxTransport::Tick() {
     }
   }
   absl::Time next = next_heartbeat_check_;
-  if (any_pending) next = std::min(next, next_deadline_check_);
+  if (any_pending || !closing_.empty()) next = std::min(next, now + absl::Milliseconds(1));
   return next;
 }
 

@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# Transfer bandwidth: `kvrelay transfer-bench` (two processes, our Transport over UCX RMA with
+# per-Post DONE/ACK) against `ucx_perftest ucp_put_bw|ucp_get` (two processes, raw UCP RMA)
+# with the same UCX transports, message size and outstanding operations, measured in the same
+# run, alternating, so machine load hits both alike. Prints each round and the median ratio.
+#
+#   bench/transfer_vs_ucx_perftest.sh --tls tcp --block-bytes 262144 --inflight 64
+#   KVRELAY_BIN=build/bin/kvrelay bench/transfer_vs_ucx_perftest.sh --tls shm --block-bytes 16384
+#
+# Flags: --tls tcp|shm  --block-bytes B  --inflight D  --blocks N  --direction put|get
+#        --rounds R  --json (one JSON line at the end)
+# KVRELAY_BIN: a binary with the transfer-bench subcommand (default build/bin/kvrelay, else
+# build/bin/kvrelay_transfer_peer). Needs ucx_perftest (Debian package ucx-utils).
+set -euo pipefail
+
+tls=tcp block=262144 inflight=64 blocks=0 direction=put rounds=3 json=0
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --tls) tls=$2; shift 2 ;;
+    --block-bytes) block=$2; shift 2 ;;
+    --inflight) inflight=$2; shift 2 ;;
+    --blocks) blocks=$2; shift 2 ;;
+    --direction) direction=$2; shift 2 ;;
+    --rounds) rounds=$2; shift 2 ;;
+    --json) json=1; shift ;;
+    *) echo "transfer_vs_ucx_perftest.sh: unknown flag $1" >&2; exit 2 ;;
+  esac
+done
+case "$tls" in
+  tcp) ucx_tls=tcp ;;
+  shm) ucx_tls=posix,sysv,cma,self ;;
+  *) echo "transfer_vs_ucx_perftest.sh: --tls must be tcp or shm, got $tls" >&2; exit 2 ;;
+esac
+case "$direction" in
+  put) ptest=ucp_put_bw ;;
+  get) ptest=ucp_get ;;
+  *) echo "transfer_vs_ucx_perftest.sh: --direction must be put or get" >&2; exit 2 ;;
+esac
+root=$(cd "$(dirname "$0")/.." && pwd)
+bin=${KVRELAY_BIN:-}
+if [[ -z "$bin" ]]; then
+  for c in "$root/build/bin/kvrelay" "$root/build/bin/kvrelay_transfer_peer"; do
+    [[ -x "$c" ]] && { bin=$c; break; }
+  done
+fi
+[[ -x "$bin" ]] || { echo "no kvrelay binary; set KVRELAY_BIN" >&2; exit 1; }
+command -v ucx_perftest >/dev/null || { echo "ucx_perftest missing (apt-get install ucx-utils)" >&2; exit 1; }
+
+# About 512 MiB per run (at least 2000 blocks, at most 65536).
+if [[ "$blocks" -eq 0 ]]; then
+  blocks=$(( (512 << 20) / block ))
+  (( blocks < 2000 )) && blocks=2000
+  (( blocks > 65536 )) && blocks=65536
+fi
+# A ring of 2 x inflight slots per side (ucx_perftest reuses one buffer, so it is cache-hot).
+region=$(( 2 * block * inflight )); (( region < 4 << 20 )) && region=$((4 << 20)); (( region > 256 << 20 )) && region=$((256 << 20))
+(( region < block )) && region=$block
+
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+
+perftest_gbps() {
+  local port; port=$(free_port)
+  UCX_TLS=$ucx_tls ucx_perftest -p "$port" >/dev/null 2>&1 &
+  local server=$!
+  local out=""
+  for _ in $(seq 1 50); do
+    if out=$(UCX_TLS=$ucx_tls timeout 120 ucx_perftest 127.0.0.1 -p "$port" -t "$ptest" \
+               -s "$block" -n "$blocks" -w $(( blocks / 10 + 10 )) -O "$inflight" -f -v 2>/dev/null); then
+      break
+    fi
+    sleep 0.1
+  done
+  wait "$server" 2>/dev/null || true
+  # CSV: iterations, latency typical/avg/overall (us), bandwidth avg/overall (MiB/s), rate...
+  echo "$out" | awk -F, 'NF >= 8 && $1 ~ /^[0-9]+$/ { printf "%.4f\n", $6 * 1048576 / 1e9 }' | tail -1
+}
+
+ours_json() {
+  "$bin" transfer-bench --tls "$tls" --block-bytes "$block" --blocks "$blocks" \
+    --inflight "$inflight" --direction "$direction" --region-bytes "$region" --json
+}
+
+echo "transfer vs ucx_perftest: tls=$tls ($ucx_tls) direction=$direction block=$block bytes" \
+     "inflight=$inflight blocks=$blocks rounds=$rounds load=$(cut -d' ' -f1 /proc/loadavg)"
+ratios=()
+for r in $(seq 1 "$rounds"); do
+  base=$(perftest_gbps)
+  js=$(ours_json)
+  ours=$(echo "$js" | python3 -c 'import json,sys; print(json.load(sys.stdin)["bandwidth_gbps"])')
+  p50=$(echo "$js" | python3 -c 'import json,sys; print(json.load(sys.stdin)["p50_block_us"])')
+  p99=$(echo "$js" | python3 -c 'import json,sys; print(json.load(sys.stdin)["p99_block_us"])')
+  ratio=$(python3 -c "b=float('${base:-0}'); print('%.3f' % (float('$ours')/b if b > 0 else 0))")
+  ratios+=("$ratio")
+  printf '  round %d: ucx_perftest %s GB/s   kvrelay %s GB/s (p50 %s us, p99 %s us per block)   ratio %s\n' \
+    "$r" "${base:-?}" "$ours" "$p50" "$p99" "$ratio"
+done
+median=$(printf '%s\n' "${ratios[@]}" | sort -g | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}')
+echo "median ratio kvrelay/ucx_perftest: $median"
+if [[ "$json" -eq 1 ]]; then
+  echo "{\"tls\":\"$tls\",\"direction\":\"$direction\",\"block_bytes\":$block,\"inflight\":$inflight,\"median_ratio\":$median}"
+fi

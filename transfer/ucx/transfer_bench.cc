@@ -1,0 +1,405 @@
+#include "transfer/ucx/transfer_bench.h"
+
+#include <fcntl.h>
+#include <pthread.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <iostream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/cleanup/cleanup.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "common/flags.h"
+#include "common/scoped_fd.h"
+#include "common/status_macros.h"
+#include "transfer/transport.h"
+#include "transfer/ucx/ucx_transport.h"
+
+namespace kvrelay::transfer {
+namespace {
+
+void FillRandom(uint8_t* p, size_t n, uint64_t seed) {
+  uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
+  for (size_t i = 0; i + 8 <= n; i += 8) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    std::memcpy(p + i, &x, 8);
+  }
+}
+
+}  // namespace
+
+std::string UcxTlsFor(const std::string& tls) {
+  if (tls == "tcp") return "tcp";
+  if (tls == "shm") return "posix,sysv,cma,self";
+  return tls;
+}
+
+int RunTransferReceiver(const std::vector<std::string>& args) {
+  FlagSet flags("transfer-bench --role=receiver", "receiving peer");
+  std::string tls = "tcp";
+  int64_t region_bytes = 256 << 20;
+  std::string listen_host = "127.0.0.1";
+  std::string role;
+  std::string until = "stdin";
+  flags.AddString("until", &until, "stdin (exit when stdin closes) or sigterm");
+  flags.AddString("tls", &tls, "tcp, shm or a UCX_TLS list");
+  flags.AddInt64("region-bytes", &region_bytes, "bytes to register");
+  flags.AddString("listen-host", &listen_host, "control listener address");
+  flags.AddString("role", &role, "receiver");
+  if (absl::Status s = flags.Parse(args); !s.ok()) {
+    std::fprintf(stderr, "transfer receiver: %s\n", std::string(s.message()).c_str());
+    return 2;
+  }
+  if (region_bytes <= 0) {
+    std::fprintf(stderr, "transfer receiver: --region-bytes must be positive\n");
+    return 2;
+  }
+  if (until != "stdin" && until != "sigterm") {
+    std::fprintf(stderr, "transfer receiver: --until must be stdin or sigterm\n");
+    return 2;
+  }
+  // Blocked before the transport starts its thread, so only sigwait() below sees SIGTERM.
+  sigset_t term;
+  sigemptyset(&term);
+  sigaddset(&term, SIGTERM);
+  sigaddset(&term, SIGINT);
+  if (until == "sigterm") pthread_sigmask(SIG_BLOCK, &term, nullptr);
+  ::setenv("UCX_TLS", UcxTlsFor(tls).c_str(), 1);
+  absl::StatusOr<TransportPtr> transport = MakeUcxTransport({.listen_host = listen_host});
+  if (!transport.ok()) {
+    std::fprintf(stderr, "transfer receiver: %s\n", transport.status().ToString().c_str());
+    return 1;
+  }
+  std::atomic<int64_t> events{0}, blocks{0}, ok{0}, bad{0}, bytes{0};
+  (*transport)->SetInboundHandler([&](InboundEvent ev) {
+    if (ev.kind != InboundEvent::Kind::kBlocks) return;
+    events.fetch_add(1);
+    for (const ReceivedBlock& b : ev.blocks) {
+      blocks.fetch_add(1);
+      if (b.status.ok()) {
+        ok.fetch_add(1);
+        bytes.fetch_add(static_cast<int64_t>(b.length));
+      } else {
+        bad.fetch_add(1);
+      }
+    }
+  });
+  absl::StatusOr<MemoryRegionPtr> region =
+      (*transport)->AllocateMemory(static_cast<size_t>(region_bytes));
+  if (!region.ok()) {
+    std::fprintf(stderr, "transfer receiver: %s\n", region.status().ToString().c_str());
+    return 1;
+  }
+  std::printf("READY %s %lu %zu\n", (*transport)->address().c_str(),
+              static_cast<unsigned long>((*region)->id()), (*region)->size_bytes());
+  std::fflush(stdout);
+  if (until == "sigterm") {
+    int sig = 0;
+    sigwait(&term, &sig);
+  } else {
+    char c;
+    while (::read(STDIN_FILENO, &c, 1) > 0) {
+    }
+  }
+  std::printf("RECEIVED events=%ld blocks=%ld ok=%ld bad=%ld bytes=%ld\n", events.load(),
+              blocks.load(), ok.load(), bad.load(), bytes.load());
+  std::fflush(stdout);
+  region->reset();
+  transport->reset();
+  return 0;
+}
+
+namespace {
+
+// The receiver child: stdin is a pipe we close to stop it; stdout a pipe we read.
+struct Child {
+  pid_t pid = -1;
+  ScopedFd to_child;
+  ScopedFd from_child;
+  std::string buffered;
+
+  absl::StatusOr<std::string> ReadLine(absl::Duration timeout) {
+    const absl::Time deadline = absl::Now() + timeout;
+    while (true) {
+      size_t nl = buffered.find('\n');
+      if (nl != std::string::npos) {
+        std::string line = buffered.substr(0, nl);
+        buffered.erase(0, nl + 1);
+        return line;
+      }
+      if (absl::Now() > deadline) return absl::DeadlineExceededError("receiver did not answer");
+      char buf[4096];
+      ssize_t n = ::read(from_child.get(), buf, sizeof(buf));
+      if (n == 0) return absl::UnavailableError("receiver exited");
+      if (n < 0) {
+        if (errno == EAGAIN || errno == EINTR) {
+          absl::SleepFor(absl::Milliseconds(2));
+          continue;
+        }
+        return absl::InternalError("reading from the receiver failed");
+      }
+      buffered.append(buf, static_cast<size_t>(n));
+    }
+  }
+};
+
+absl::StatusOr<Child> SpawnReceiver(const std::string& tls, uint64_t region_bytes) {
+  int in[2], out[2];
+  if (::pipe2(in, O_CLOEXEC) != 0 || ::pipe2(out, O_CLOEXEC) != 0) {
+    return absl::InternalError("pipe failed");
+  }
+  std::vector<std::string> argv = {"kvrelay", "transfer-bench", "--role=receiver",
+                                   absl::StrCat("--tls=", tls),
+                                   absl::StrCat("--region-bytes=", region_bytes)};
+  pid_t pid = ::fork();
+  if (pid < 0) return absl::InternalError("fork failed");
+  if (pid == 0) {
+    ::dup2(in[0], STDIN_FILENO);
+    ::dup2(out[1], STDOUT_FILENO);
+    std::vector<char*> cargv;
+    for (std::string& a : argv) cargv.push_back(a.data());
+    cargv.push_back(nullptr);
+    ::execv("/proc/self/exe", cargv.data());
+    _exit(127);
+  }
+  ::close(in[0]);
+  ::close(out[1]);
+  Child child;
+  child.pid = pid;
+  child.to_child.Reset(in[1]);
+  child.from_child.Reset(out[0]);
+  return child;
+}
+
+struct BenchConfig {
+  std::string tls = "tcp";
+  int64_t block_bytes = 256 << 10;
+  int64_t blocks = 2048;
+  int32_t inflight = 64;
+  int32_t layers = 0;
+  std::string direction = "put";
+  bool json = false;
+  bool checksum = false;
+  int64_t chunk_bytes = 1 << 20;
+  int64_t max_inflight_bytes = 16 << 20;
+  int64_t region_bytes = 256 << 20;
+};
+
+struct BenchResult {
+  double seconds = 0;
+  int64_t bytes = 0;
+  double p50_us = 0;
+  double p99_us = 0;
+  int64_t posts = 0;
+  std::string receiver_report;
+};
+
+absl::StatusOr<BenchResult> RunBench(const BenchConfig& cfg) {
+  const uint64_t B = static_cast<uint64_t>(cfg.block_bytes);
+  const uint64_t slots = std::max<uint64_t>(1, static_cast<uint64_t>(cfg.region_bytes) / B);
+  const uint64_t region = slots * B;
+  ::setenv("UCX_TLS", UcxTlsFor(cfg.tls).c_str(), 1);
+  KV_ASSIGN_OR_RETURN(Child child, SpawnReceiver(cfg.tls, region));
+  absl::Cleanup reap = [&child] {
+    child.to_child.Reset();
+    int st = 0;
+    for (int i = 0; i < 500 && ::waitpid(child.pid, &st, WNOHANG) == 0; ++i) {
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    if (::waitpid(child.pid, &st, WNOHANG) == 0) {
+      ::kill(child.pid, SIGKILL);
+      ::waitpid(child.pid, &st, 0);
+    }
+  };
+  KV_ASSIGN_OR_RETURN(std::string ready, child.ReadLine(absl::Seconds(30)));
+  std::vector<std::string> parts = absl::StrSplit(ready, ' ');
+  uint64_t remote_region = 0;
+  if (parts.size() != 4 || parts[0] != "READY" || !absl::SimpleAtoi(parts[2], &remote_region)) {
+    return absl::InternalError(absl::StrCat("unexpected receiver output: ", ready));
+  }
+  UcxTransportOptions opts;
+  opts.chunk_bytes = static_cast<uint64_t>(cfg.chunk_bytes);
+  opts.max_inflight_ops = cfg.inflight;
+  opts.max_inflight_bytes = static_cast<uint64_t>(cfg.max_inflight_bytes);
+  KV_ASSIGN_OR_RETURN(TransportPtr transport, MakeUcxTransport(opts));
+  KV_ASSIGN_OR_RETURN(MemoryRegionPtr local, transport->AllocateMemory(region));
+  FillRandom(local->data(), region, 7);
+  KV_ASSIGN_OR_RETURN(PeerId peer, transport->Connect(parts[1], absl::Now() + absl::Seconds(30)));
+
+  // Blocks go round-robin over the region's slots; one Post carries `batch` blocks (a
+  // "layer"), and at most `inflight` blocks are posted and not yet complete.
+  const int64_t n = cfg.blocks;
+  int64_t batch =
+      cfg.layers > 0 ? (n + cfg.layers - 1) / cfg.layers : std::max<int64_t>(1, cfg.inflight / 4);
+  batch = std::min<int64_t>(batch, std::max<int64_t>(1, cfg.inflight));
+  auto make_plan = [&](int64_t count) -> absl::StatusOr<TransferPlan> {
+    TransferBatch tb;
+    tb.peer = peer;
+    tb.direction = cfg.direction == "get" ? Direction::kGet : Direction::kPut;
+    tb.compute_checksums = cfg.checksum;
+    tb.tag = 1;
+    // Alternate slots so consecutive blocks are not contiguous (no coalescing: every block is
+    // its own operation, like scattered pool slots).
+    for (int64_t i = 0; i < count; ++i) {
+      uint64_t slot =
+          (static_cast<uint64_t>(i) * 2 + (static_cast<uint64_t>(i) * 2 / slots) % 2) % slots;
+      if (slots < 2) slot = 0;
+      tb.blocks.push_back(BlockTransfer{.local = local.get(),
+                                        .local_offset = slot * B,
+                                        .remote_region = remote_region,
+                                        .remote_offset = slot * B,
+                                        .length = B,
+                                        .layer = static_cast<int32_t>(i / batch)});
+    }
+    return transport->Prepare(tb);
+  };
+  auto run = [&](const TransferPlan& plan, int64_t count,
+                 std::vector<double>* block_latency_us) -> absl::Status {
+    struct Pending {
+      TransferHandlePtr handle;
+      absl::Time posted;
+      int64_t blocks;
+    };
+    std::deque<Pending> pending;
+    int64_t outstanding = 0;
+    const int32_t num_posts = static_cast<int32_t>((count + batch - 1) / batch);
+    auto retire = [&]() -> absl::Status {
+      Pending& p = pending.front();
+      KV_RETURN_IF_ERROR(p.handle->Wait(absl::Now() + absl::Seconds(60)));
+      double us = absl::ToDoubleMicroseconds(absl::Now() - p.posted);
+      if (block_latency_us != nullptr) {
+        for (int64_t i = 0; i < p.blocks; ++i) block_latency_us->push_back(us);
+      }
+      outstanding -= p.blocks;
+      pending.pop_front();
+      return absl::OkStatus();
+    };
+    for (int32_t l = 0; l < num_posts; ++l) {
+      const int64_t nb = std::min<int64_t>(batch, count - static_cast<int64_t>(l) * batch);
+      while (!pending.empty() && outstanding + nb > cfg.inflight) KV_RETURN_IF_ERROR(retire());
+      absl::Time t0 = absl::Now();
+      KV_ASSIGN_OR_RETURN(TransferHandlePtr h, transport->Post(plan, LayerRange::One(l)));
+      pending.push_back({std::move(h), t0, nb});
+      outstanding += nb;
+    }
+    while (!pending.empty()) KV_RETURN_IF_ERROR(retire());
+    return absl::OkStatus();
+  };
+  // Warm-up: connection wireup, rkey unpacking, page faults on both sides.
+  const int64_t warm = std::min<int64_t>(n, std::max<int64_t>(cfg.inflight * 2, 16));
+  KV_ASSIGN_OR_RETURN(TransferPlan warm_plan, make_plan(warm));
+  KV_RETURN_IF_ERROR(run(warm_plan, warm, nullptr));
+  KV_ASSIGN_OR_RETURN(TransferPlan plan, make_plan(n));
+  std::vector<double> lat;
+  lat.reserve(static_cast<size_t>(n));
+  const absl::Time start = absl::Now();
+  KV_RETURN_IF_ERROR(run(plan, n, &lat));
+  BenchResult result;
+  result.seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  result.bytes = n * cfg.block_bytes;
+  result.posts = (n + batch - 1) / batch;
+  std::sort(lat.begin(), lat.end());
+  auto pct = [&lat](double p) {
+    if (lat.empty()) return 0.0;
+    size_t i = static_cast<size_t>(p * static_cast<double>(lat.size() - 1) + 0.5);
+    return lat[std::min(i, lat.size() - 1)];
+  };
+  result.p50_us = pct(0.50);
+  result.p99_us = pct(0.99);
+  local.reset();
+  transport.reset();
+  child.to_child.Reset();  // receiver prints its tally and exits
+  absl::StatusOr<std::string> report = child.ReadLine(absl::Seconds(30));
+  if (report.ok()) result.receiver_report = *report;
+  return result;
+}
+
+}  // namespace
+}  // namespace kvrelay::transfer
+
+namespace kvrelay::cli {
+
+int RunTransferBenchCommand(const std::vector<std::string>& args) {
+  for (const std::string& a : args) {
+    if (a == "--role=receiver") return transfer::RunTransferReceiver(args);
+  }
+  transfer::BenchConfig cfg;
+  FlagSet flags("transfer-bench",
+                "Moves blocks between this process and a receiver process it starts, over UCX "
+                "on loopback; prints bandwidth and per-block latency.");
+  flags.AddString("tls", &cfg.tls, "tcp or shm (posix,sysv,cma,self), or a UCX_TLS list");
+  flags.AddInt64("block-bytes", &cfg.block_bytes, "bytes per block");
+  flags.AddInt64("blocks", &cfg.blocks, "blocks to move (after a warm-up)");
+  flags.AddInt32("inflight", &cfg.inflight, "blocks posted and not yet complete, at most");
+  flags.AddInt32("layers", &cfg.layers,
+                 "split the blocks into this many layer Posts (0: inflight/4 blocks per Post)");
+  flags.AddString("direction", &cfg.direction, "put (push) or get (pull)");
+  flags.AddBool("json", &cfg.json, "print one JSON object");
+  flags.AddBool("checksum", &cfg.checksum, "send and verify per-block XXH3 checksums");
+  flags.AddInt64("chunk-bytes", &cfg.chunk_bytes, "larger blocks are split into chunks");
+  flags.AddInt64("max-inflight-bytes", &cfg.max_inflight_bytes, "UCX bytes in flight, at most");
+  flags.AddInt64("region-bytes", &cfg.region_bytes, "registered bytes on each side");
+  if (absl::Status s = flags.Parse(args); !s.ok()) {
+    std::fprintf(stderr, "transfer-bench: %s\n", std::string(s.message()).c_str());
+    return 2;
+  }
+  if (flags.help_requested()) {
+    std::cout << flags.Usage();
+    return 0;
+  }
+  if (cfg.block_bytes <= 0 || cfg.blocks <= 0 || cfg.inflight <= 0 || cfg.layers < 0 ||
+      cfg.chunk_bytes <= 0 || cfg.max_inflight_bytes <= 0 || cfg.region_bytes < cfg.block_bytes) {
+    std::fprintf(stderr,
+                 "transfer-bench: --block-bytes, --blocks, --inflight, --chunk-bytes and "
+                 "--max-inflight-bytes must be positive, --layers >= 0, --region-bytes >= "
+                 "--block-bytes\n");
+    return 2;
+  }
+  if (cfg.direction != "put" && cfg.direction != "get") {
+    std::fprintf(stderr, "transfer-bench: --direction must be put or get, got '%s'\n",
+                 cfg.direction.c_str());
+    return 2;
+  }
+  absl::StatusOr<transfer::BenchResult> r = transfer::RunBench(cfg);
+  if (!r.ok()) {
+    std::fprintf(stderr, "transfer-bench: %s\n", r.status().ToString().c_str());
+    return 1;
+  }
+  const double gbps = static_cast<double>(r->bytes) / r->seconds / 1e9;
+  if (cfg.json) {
+    std::printf(
+        "{\"tls\":\"%s\",\"direction\":\"%s\",\"block_bytes\":%ld,\"blocks\":%ld,"
+        "\"inflight\":%d,\"posts\":%ld,\"checksum\":%s,\"seconds\":%.6f,"
+        "\"bandwidth_gbps\":%.4f,\"p50_block_us\":%.1f,\"p99_block_us\":%.1f}\n",
+        cfg.tls.c_str(), cfg.direction.c_str(), cfg.block_bytes, cfg.blocks, cfg.inflight, r->posts,
+        cfg.checksum ? "true" : "false", r->seconds, gbps, r->p50_us, r->p99_us);
+  } else {
+    std::printf("transfer-bench: %s %s, %ld blocks of %ld bytes, %d in flight, %ld posts%s\n",
+                cfg.tls.c_str(), cfg.direction.c_str(), cfg.blocks, cfg.block_bytes, cfg.inflight,
+                r->posts, cfg.checksum ? ", checksums verified" : "");
+    std::printf("  bandwidth   %.3f GB/s (%.1f MB in %.3f s)\n", gbps,
+                static_cast<double>(r->bytes) / 1e6, r->seconds);
+    std::printf("  per block   p50 %.1f us, p99 %.1f us (Post to acknowledged completion)\n",
+                r->p50_us, r->p99_us);
+    if (!r->receiver_report.empty()) std::printf("  receiver    %s\n", r->receiver_report.c_str());
+  }
+  return 0;
+}
+
+}  // namespace kvrelay::cli

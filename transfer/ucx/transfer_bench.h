@@ -1,0 +1,28 @@
+#pragma once
+
+// `kvrelay transfer-bench`: moves blocks between two real processes over UCX on loopback and
+// prints bandwidth and per-block latency. The sender (this process) starts the receiver by
+// re-executing /proc/self/exe with `transfer-bench --role=receiver`.
+//
+// RunTransferReceiver is also the peer process of the multi-process tests: it registers one
+// region, prints "READY <address> <region id> <region bytes>", counts what arrives (the
+// transport verifies every checksum) and, when its stdin closes, prints
+// "RECEIVED events=E blocks=B ok=O bad=X bytes=Y" and exits 0.
+
+#include <string>
+#include <vector>
+
+namespace kvrelay::cli {
+
+int RunTransferBenchCommand(const std::vector<std::string>& args);
+
+}  // namespace kvrelay::cli
+
+namespace kvrelay::transfer {
+
+// Flags: --tls tcp|shm|<UCX_TLS list>, --region-bytes N, --listen-host IP.
+int RunTransferReceiver(const std::vector<std::string>& args);
+// "tcp" -> "tcp", "shm" -> "posix,sysv,cma,self", anything else unchanged.
+std::string UcxTlsFor(const std::string& tls);
+
+}  // namespace kvrelay::transfer
