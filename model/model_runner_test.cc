@@ -428,6 +428,64 @@ TEST(SamplerTest, GreedyAndSeededTemperature) {
   EXPECT_EQ(a.Sample(logits, 0.0f), 1);
 }
 
+// At on_layer_done(L), layer L's bytes in every block unit are already final, so a transfer
+// started from the callback ships the right bytes while later layers compute.
+TEST(RunnerTest, LayerCallbackFiresWhenTheLayersBytesAreFinal) {
+  testing::TempDir dir;
+  TestModelOptions o;
+  o.arch = "deepseek_v3";
+  KV_ASSERT_OK(WriteTestModel(dir.path(), o));
+  KV_ASSERT_OK_AND_ASSIGN(auto runner, ModelRunner::Load(dir.path()));
+  const kv::ModelLayout& layout = runner->layout();
+  KV_ASSERT_OK_AND_ASSIGN(auto cache, KvCache::Create(layout, 8));
+  Sequence seq(cache.get());
+  const int64_t layer_bytes = layout.BlockBytes(0) / layout.groups()[0].num_layers();
+  std::vector<std::string> snapshots;  // [layer][block] bytes captured in the callback
+  PrefillOptions options;
+  options.on_layer_done = [&](int32_t layer) {
+    for (kv::SlotId slot : seq.blocks(0)) {
+      const char* unit = static_cast<const char*>(cache->pool(0).SlotAddress(slot));
+      snapshots.emplace_back(unit + cache->index_in_group(layer) * layer_bytes, layer_bytes);
+    }
+  };
+  KV_ASSERT_OK(runner->Prefill(seq, Tokens(40, 512, 3), options).status());
+  ASSERT_EQ(snapshots.size(), seq.blocks(0).size() * 4);
+  size_t i = 0;
+  for (int32_t layer = 0; layer < 4; ++layer) {
+    for (kv::SlotId slot : seq.blocks(0)) {
+      const char* unit = static_cast<const char*>(cache->pool(0).SlotAddress(slot));
+      EXPECT_EQ(snapshots[i++],
+                std::string(unit + cache->index_in_group(layer) * layer_bytes, layer_bytes))
+          << "layer " << layer;
+    }
+  }
+}
+
+// A cache over pools made by the caller (as workers do, to register them with a transport)
+// computes the same as one that made its own.
+TEST(RunnerTest, WrappedPoolsBehaveLikeOwnedOnes) {
+  testing::TempDir dir;
+  KV_ASSERT_OK(WriteTestModel(dir.path(), {}));
+  KV_ASSERT_OK_AND_ASSIGN(auto runner, ModelRunner::Load(dir.path()));
+  const kv::ModelLayout& layout = runner->layout();
+  kv::BlockPoolOptions po;
+  po.slot_bytes = static_cast<size_t>(layout.BlockBytes(0));
+  po.num_slots = 8;
+  KV_ASSERT_OK_AND_ASSIGN(auto pool, kv::BlockPool::Create(po, kv::MakeHostMemoryResource(false)));
+  KV_ASSERT_OK_AND_ASSIGN(auto wrapped, KvCache::Wrap(layout, {pool.get()}));
+  KV_ASSERT_OK_AND_ASSIGN(auto owned, KvCache::Create(layout, 8));
+  Sequence a(wrapped.get()), b(owned.get());
+  const std::vector<int32_t> t = Tokens(33, 512, 8);
+  KV_ASSERT_OK_AND_ASSIGN(std::vector<float> la, runner->Prefill(a, t));
+  KV_ASSERT_OK_AND_ASSIGN(std::vector<float> lb, runner->Prefill(b, t));
+  EXPECT_EQ(la, lb);
+  EXPECT_EQ(pool->free_slots(), 8 - 3);
+  po.slot_bytes += 1;
+  KV_ASSERT_OK_AND_ASSIGN(auto wrong, kv::BlockPool::Create(po, kv::MakeHostMemoryResource(false)));
+  EXPECT_THAT(KvCache::Wrap(layout, {wrong.get()}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("slot_bytes")));
+}
+
 TEST(RunnerTest, ConcurrentCallsEqualSerialOnes) {
   testing::TempDir dir;
   KV_ASSERT_OK(WriteTestModel(dir.path(), {}));
