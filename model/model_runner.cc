@@ -83,6 +83,22 @@ absl::Status ModelRunner::CheckSequence(const Sequence& seq) const {
   return absl::OkStatus();
 }
 
+bool ModelRunner::ShadowRowsAvailable(const Sequence& seq, int64_t aligned, int64_t start) const {
+  if (aligned >= start) return false;
+  const int64_t bt = layout().block_tokens();
+  for (int g = 0; g < static_cast<int>(layout().groups().size()); ++g) {
+    const kv::LayerGroup& group = layout().groups()[g];
+    // Rows from `aligned` attend back to aligned - window + 1 (or to 0).
+    const int64_t first = group.kind == kv::LayerKind::kSlidingWindow
+                              ? std::max<int64_t>(0, aligned - group.window_tokens + 1)
+                              : 0;
+    for (int64_t b = first / bt; b * bt < start; ++b) {
+      if (b >= static_cast<int64_t>(seq.blocks(g).size()) || seq.blocks(g)[b] < 0) return false;
+    }
+  }
+  return true;
+}
+
 absl::StatusOr<std::vector<float>> ModelRunner::Prefill(Sequence& seq,
                                                         absl::Span<const int32_t> tokens,
                                                         const PrefillOptions& options) const {
@@ -97,18 +113,27 @@ absl::StatusOr<std::vector<float>> ModelRunner::Prefill(Sequence& seq,
   const int64_t start = seq.num_tokens();
   const int64_t n = static_cast<int64_t>(tokens.size());
   KV_RETURN_IF_ERROR(seq.EnsureBlocks(start + n));
-  std::vector<Row> rows(n);
-  for (int64_t i = 0; i < n; ++i) rows[i] = Row{&seq, start + i};
+  // When the prefill starts inside a GEMM tile (a prefix that is not a whole number of tiles,
+  // or a chunked prefill), the cached rows [tile start, start) are recomputed alongside - not
+  // written again - so every GEMM call equals the one a single full prefill makes.
+  const int64_t tile = options_.gemm_tile_tokens;
+  const int64_t aligned = tile > 0 ? start / tile * tile : start;
+  const int64_t shadow = ShadowRowsAvailable(seq, aligned, start) ? start - aligned : 0;
+  std::vector<int32_t> all_tokens;
+  all_tokens.reserve(static_cast<size_t>(shadow + n));
+  all_tokens.insert(all_tokens.end(), seq.tokens().end() - shadow, seq.tokens().end());
+  all_tokens.insert(all_tokens.end(), tokens.begin(), tokens.end());
+  std::vector<Row> rows(shadow + n);
+  for (int64_t i = 0; i < shadow + n; ++i) rows[i] = Row{&seq, start - shadow + i, i >= shadow};
   std::vector<int64_t> logit_rows;
   if (options.all_logits) {
-    for (int64_t i = 0; i < n; ++i) logit_rows.push_back(i);
+    for (int64_t i = 0; i < n; ++i) logit_rows.push_back(shadow + i);
   } else {
-    logit_rows.push_back(n - 1);
+    logit_rows.push_back(shadow + n - 1);
   }
   absl::MutexLock lock(&mu_);
   std::vector<float> logits =
-      Forward(rows, tokens, /*tile_origin=*/0, options_.gemm_tile_tokens, logit_rows,
-              options.on_layer_done);
+      Forward(rows, all_tokens, /*tile_origin=*/0, tile, logit_rows, options.on_layer_done);
   seq.AppendTokens(tokens);
   return logits;
 }
@@ -136,7 +161,7 @@ absl::StatusOr<std::vector<float>> ModelRunner::DecodeStep(absl::Span<Sequence* 
   std::vector<Row> rows(seqs.size());
   std::vector<int64_t> logit_rows(seqs.size());
   for (size_t i = 0; i < seqs.size(); ++i) {
-    rows[i] = Row{seqs[i], seqs[i]->num_tokens()};
+    rows[i] = Row{seqs[i], seqs[i]->num_tokens(), true};
     logit_rows[i] = static_cast<int64_t>(i);
   }
   absl::MutexLock lock(&mu_);
@@ -240,6 +265,7 @@ void ModelRunner::WriteCache(int32_t layer, const std::vector<Row>& rows, const 
   const kv::DType dtype = layout().dtype();
   const int group = cache.group_of_layer(layer);
   for (size_t i = 0; i < rows.size(); ++i) {
+    if (!rows[i].write_cache) continue;  // recomputed row: its entries are already there
     KvCache& row_cache = rows[i].seq->cache();
     const int64_t pos = rows[i].position;
     const kv::SlotId slot = rows[i].seq->blocks(group)[pos / bt];

@@ -11,11 +11,16 @@
 //   int32_t next = Greedy(logits);
 //   KV_ASSIGN_OR_RETURN(logits, runner->DecodeStep({&seq}, {next}));
 //
-// Determinism: for a fixed thread count and a fixed split into calls, results are bit for bit
-// reproducible. Prefill GEMMs are cut into row tiles at multiples of gemm_tile_tokens (default:
-// the block size) counted from position 0, so a prefill that starts from cached prefix blocks
-// computes exactly what a full prefill computes for the same rows. Decode batches rows of many
-// sequences in one GEMM; a row's result then depends on the batch, within fp32 rounding.
+// Determinism: for a fixed thread count results are bit for bit reproducible. OpenBLAS's result
+// for a row depends on the row count of the sgemm call, so prefill GEMMs are cut into row tiles
+// at multiples of gemm_tile_tokens (default: the block size) counted from position 0. A prefill
+// that starts from cached prefix blocks (or continues a chunked prefill) therefore computes
+// exactly what one full prefill computes; when it starts inside a tile, the cached rows from the
+// tile start are recomputed (never rewritten) to keep the calls identical - none with the
+// default tile and a block-aligned prefix. With the default tile every full block is a complete
+// tile, so any block prefix is exact; with larger tiles, exactness needs the prefix's producer
+// to have computed the tile holding the prefix end completely (its prompt went past it). Decode batches rows of many sequences in one GEMM; a
+// row's result then depends on the batch, within fp32 rounding.
 //
 // Thread safety: thread-safe. Prefill/DecodeStep calls on one runner are serialised by an
 // internal mutex (they share an activation workspace and OpenBLAS's process-wide threads);
@@ -89,10 +94,14 @@ class ModelRunner {
   struct Row {
     Sequence* seq;
     int64_t position;
+    bool write_cache;  // false: a cached row recomputed only to keep GEMM tiles aligned
   };
   ModelRunner(kv::ModelConfig config, ModelWeights weights, Arch arch, RunnerOptions options);
 
   absl::Status CheckSequence(const Sequence& seq) const;
+  // Whether the cache still holds what rows [aligned, start) attend to (window blocks may have
+  // been freed), so they can be recomputed.
+  bool ShadowRowsAvailable(const Sequence& seq, int64_t aligned, int64_t start) const;
   // The whole forward pass for `rows` (tokens[i] at rows[i]). GEMMs are tiled by position from
   // tile_origin when tile > 0. logit_rows: which rows get logits (in order).
   std::vector<float> Forward(const std::vector<Row>& rows, absl::Span<const int32_t> tokens,

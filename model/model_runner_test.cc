@@ -218,6 +218,56 @@ TEST_P(ModelTest, PrefillFromCopiedPrefixIsBitExact) {
   }
 }
 
+// With GEMM tiles larger than a block (48 = 3 blocks), a prefill resumed from a 4-block prefix
+// starts inside a tile: it recomputes the tile's cached rows 48..63 (without rewriting them) and
+// equals the full prefill bit for bit, because the prefix came from a prefill whose tile
+// [48, 96) was complete.
+TEST_P(ModelTest, UnalignedStartsAreBitExactWithLargeTiles) {
+  RunnerOptions options;
+  options.threads = 2;
+  options.gemm_tile_tokens = 48;
+  auto runner = Load(options);
+  ASSERT_NE(runner, nullptr);
+  const kv::ModelLayout& layout = runner->layout();
+  const std::vector<int32_t> tokens = Tokens(101, runner->config().vocab_size, 6);
+  KV_ASSERT_OK_AND_ASSIGN(auto cache, KvCache::Create(layout, 32));
+  Sequence full(cache.get());
+  KV_ASSERT_OK_AND_ASSIGN(std::vector<float> want, runner->Prefill(full, tokens));
+
+  // A 4-block (64-token) prefix shared by reference: its bytes must not change.
+  Sequence resumed(cache.get());
+  std::vector<std::vector<kv::SlotId>> prefix(layout.groups().size());
+  std::vector<std::string> before;
+  for (int g = 0; g < static_cast<int>(layout.groups().size()); ++g) {
+    for (int b = 0; b < 4; ++b) {
+      const kv::SlotId slot = full.blocks(g)[b];
+      KV_ASSERT_OK(cache->pool(g).AddRef(slot));
+      prefix[g].push_back(slot);
+      before.emplace_back(static_cast<const char*>(cache->pool(g).SlotAddress(slot)),
+                          layout.BlockBytes(g));
+    }
+  }
+  KV_ASSERT_OK(resumed.AdoptPrefix(absl::MakeConstSpan(tokens).first(64), prefix));
+  KV_ASSERT_OK_AND_ASSIGN(std::vector<float> got,
+                          runner->Prefill(resumed, absl::MakeConstSpan(tokens).subspan(64)));
+  EXPECT_EQ(got, want);
+  size_t i = 0;
+  for (int g = 0; g < static_cast<int>(layout.groups().size()); ++g) {
+    for (int b = 0; b < 4; ++b) {
+      EXPECT_EQ(std::string(static_cast<const char*>(cache->pool(g).SlotAddress(prefix[g][b])),
+                            layout.BlockBytes(g)),
+                before[i++]);
+    }
+  }
+  // A chunked prefill is exact when its chunks end on tile boundaries (48 + 53 here): rows of a
+  // chunk that ends inside a tile come from a shorter GEMM than the full prefill's.
+  Sequence chunked(cache.get());
+  KV_ASSERT_OK(runner->Prefill(chunked, absl::MakeConstSpan(tokens).first(48)).status());
+  KV_ASSERT_OK_AND_ASSIGN(got, runner->Prefill(chunked, absl::MakeConstSpan(tokens).subspan(48)));
+  EXPECT_EQ(got, want);
+  EXPECT_EQ(chunked.tokens(), full.tokens());
+}
+
 TEST_P(ModelTest, BatchedDecodeMatchesSingleDecode) {
   auto runner = Load();
   ASSERT_NE(runner, nullptr);
