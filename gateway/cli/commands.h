@@ -11,6 +11,7 @@ namespace kvrelay::cli {
 int RunGenerateCommand(const std::vector<std::string>& args);  // gateway/cli
 int RunLayoutCommand(const std::vector<std::string>& args);
 int RunUpCommand(const std::vector<std::string>& args);  // gateway/cli
+int RunTransferBenchCommand(const std::vector<std::string>& args);  // transfer/ucx
 // model/test_model.cc
 int RunMakeTestModelCommand(const std::vector<std::string>& args);
 

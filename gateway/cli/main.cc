@@ -24,6 +24,8 @@ constexpr Subcommand kSubcommands[] = {
      kvrelay::cli::RunLayoutCommand},
     {"make-test-model", "write a small random-weight model (config.json + safetensors)",
      kvrelay::cli::RunMakeTestModelCommand},
+    {"transfer-bench", "UCX block transfer bandwidth/latency between two local processes",
+     kvrelay::cli::RunTransferBenchCommand},
     {"up", "start a local cluster (cache store, workers, gateway) on loopback",
      kvrelay::cli::RunUpCommand},
 };
