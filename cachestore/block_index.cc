@@ -130,6 +130,9 @@ std::optional<AccessStats> BlockIndex::TakeGhost(const BlockHash& hash) {
 int BlockIndex::MatchPrefix(absl::Span<const BlockHash> chain, bool touch, bool lease,
                             std::vector<MatchedBlock>* out) {
   int matched = 0;
+  // One atomic per call: block i of the chain gets tick base + i + 1 (parents before children).
+  const uint64_t base =
+      touch ? tick_.fetch_add(chain.size(), std::memory_order_relaxed) : 0;
   for (const BlockHash& h : chain) {
     Shard& s = shards_[ShardOf(h)];
     absl::MutexLock lock(&s.mu);
@@ -141,7 +144,7 @@ int BlockIndex::MatchPrefix(absl::Span<const BlockHash> chain, bool touch, bool 
       if (r.leases == kMaxLeases) break;
       ++r.leases;
     }
-    if (touch) policy().OnAccess(r.stats, NextTick());
+    if (touch) policy().OnAccess(r.stats, base + static_cast<uint64_t>(matched) + 1);
     if (out != nullptr) out->push_back({h, r.size_bytes, ReplicasOf(s, it->second, r)});
     ++matched;
   }

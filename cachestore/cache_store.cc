@@ -248,9 +248,25 @@ absl::StatusOr<MatchResult> CacheStore::MatchPrefix(absl::Span<const BlockHash> 
     for (const MatchedBlock& b : found) hashes.push_back(b.hash);
     result.lease_id = leases_.Add(std::move(hashes), clock_->Now() + lease_ttl);
   }
+  // Resolve each distinct (node, segment) once; chains usually live on one or two segments.
   result.blocks.reserve(found.size());
+  absl::InlinedVector<std::pair<uint32_t, uint32_t>, 4> seen;  // (node << 16 | segment, ref)
   for (MatchedBlock& b : found) {
-    result.blocks.push_back({b.hash, b.size_bytes, Describe(b.replicas)});
+    MatchResult::Block out{b.hash, b.size_bytes, {}};
+    for (const Replica& r : b.replicas) {
+      const uint32_t key = (static_cast<uint32_t>(r.node) << 16) | r.segment;
+      uint32_t ref = UINT32_MAX;
+      for (const auto& [k, v] : seen) {
+        if (k == key) ref = v;
+      }
+      if (ref == UINT32_MAX) {
+        ref = static_cast<uint32_t>(result.segments.size());
+        result.segments.push_back(registry_.Describe(Replica{r.node, r.segment, 0}));
+        seen.push_back({key, ref});
+      }
+      out.replicas.push_back({ref, r.slot});
+    }
+    result.blocks.push_back(std::move(out));
   }
   return result;
 }
@@ -369,6 +385,10 @@ absl::StatusOr<AllocateResult> CacheStore::Allocate(const AllocateArgs& args,
     for (const SegmentView* v : chosen) {
       std::optional<uint32_t> slot = registry_.ReserveSlot(v->node, v->segment);
       if (slot.has_value()) nb.replicas.push_back(Replica{v->node, v->segment, *slot});
+    }
+    if (nb.replicas.empty()) {
+      return fail(absl::ResourceExhaustedError(
+          absl::StrCat("blocks[", i, "]: the chosen segments filled up; retry")));
     }
     absl::Status s = index_->Insert(nb, BlockState::kAllocated);
     if (!s.ok()) {

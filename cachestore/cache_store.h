@@ -53,15 +53,30 @@ struct CacheStoreOptions {
   size_t max_ghost_blocks = 4 << 20;
 };
 
+// MatchPrefix's answer. Replicas refer to `segments` (distinct node/segment pairs, resolved
+// once per call) instead of carrying strings per block.
 struct MatchResult {
   int matched = 0;
+  uint64_t lease_id = 0;
+  std::vector<Location> segments;  // slot / offset unset
+  struct Replica {
+    uint32_t segment = 0;  // index into segments
+    uint32_t slot = 0;
+  };
   struct Block {
     BlockHash hash;
     uint32_t size_bytes = 0;
-    std::vector<Location> replicas;
+    absl::InlinedVector<Replica, 2> replicas;
   };
   std::vector<Block> blocks;
-  uint64_t lease_id = 0;
+  // The full location of block b's k-th replica.
+  Location ReplicaLocation(size_t b, size_t k) const {
+    const Replica& r = blocks[b].replicas[k];
+    Location loc = segments[r.segment];
+    loc.slot = r.slot;
+    loc.offset_bytes = static_cast<uint64_t>(r.slot) * loc.slot_bytes;
+    return loc;
+  }
 };
 
 struct NodePrefix {

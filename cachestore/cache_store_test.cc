@@ -121,6 +121,8 @@ TEST(ScenarioTest, BlocksAreVisibleOnlyAfterCommit) {
   // Every replica is a distinct slot of the segment.
   std::set<int64_t> slots;
   for (const auto& b : s.last_match().blocks) slots.insert(b.replicas.at(0).slot);
+  EXPECT_EQ(s.last_match().ReplicaLocation(2, 0).node_id, "a");
+  EXPECT_EQ(s.last_match().segments.size(), 1u);
   EXPECT_EQ(slots.size(), 4u);
   // Allocating committed blocks again reserves nothing and points at the stored copies.
   KV_ASSERT_OK_AND_ASSIGN(AllocateResult again, s.Allocate(chain));
@@ -267,7 +269,7 @@ TEST(ScenarioTest, ReplicasLandOnDistinctNodesAndSurviveOneDeath) {
   s.Advance(absl::Seconds(6));
   ASSERT_EQ(s.Match(chain), 2);
   EXPECT_EQ(s.last_match().blocks[0].replicas.size(), 1u);
-  EXPECT_EQ(s.last_match().blocks[0].replicas[0].node_id, "b");
+  EXPECT_EQ(s.last_match().ReplicaLocation(0, 0).node_id, "b");
 }
 
 TEST(ScenarioTest, PlacementPrefersTheRequestedTierAndNode) {

@@ -18,12 +18,16 @@ struct Subcommand {
 
 // Keep sorted by name. Each module owns its command's code; this table only dispatches.
 constexpr Subcommand kSubcommands[] = {
+    {"cachestore", "run the cache store service (block index, placement, eviction)",
+     kvrelay::cli::RunCacheStoreCommand},
     {"generate", "generate tokens through a gateway, or co-located in this process",
      kvrelay::cli::RunGenerateCommand},
     {"layout", "KV-cache bytes of a model: per token, per block, per sequence",
      kvrelay::cli::RunLayoutCommand},
     {"make-test-model", "write a small random-weight model (config.json + safetensors)",
      kvrelay::cli::RunMakeTestModelCommand},
+    {"trace-replay", "replay a request trace through the cache store's eviction code",
+     kvrelay::cli::RunTraceReplayCommand},
     {"transfer-bench", "UCX block transfer bandwidth/latency between two local processes",
      kvrelay::cli::RunTransferBenchCommand},
     {"up", "start a local cluster (cache store, workers, gateway) on loopback",

@@ -1,0 +1,530 @@
+// cachestore_bench: the cache store's speed and size figures, each beside a baseline measured
+// in the same run.
+//
+//   1. MatchPrefix of a 256-block chain, server side, one thread: blocks/s per core, for the
+//      BlockIndex alone and for CacheStore::MatchPrefix (which also resolves replica locations),
+//      beside a bare absl::flat_hash_map lookup of the same hashes.
+//   2. The same lookup over gRPC on loopback against a real `kvrelay cachestore` process with 16
+//      concurrent clients, beside redis-server (started here on a free loopback port) answering
+//      it as one pipeline of 256 EXISTS per lookup (RESP over a plain socket), and the ratio.
+//   3. Index memory per block at 10M blocks (chains of 256), from the index's own accounting and
+//      from process RSS growth; goal <= 200 bytes.
+//   4. Trace-replay prefix hit rates (LRU baseline vs the default policy) at 2k / 6k / 20k blocks
+//      on ../shared/data/traces/synthetic_trace.jsonl, if present.
+//
+// Usage: cachestore_bench [--quick] [--skip=grpc,memory,trace] [--trace=PATH] [--blocks=N]
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "cachestore/block_index.h"
+#include "cachestore/cache_store.h"
+#include "cachestore/client/cache_store_client.h"
+#include "cachestore/trace_replay.h"
+
+namespace {
+
+using kvrelay::cachestore::BlockHash;
+using Clock = std::chrono::steady_clock;
+
+constexpr int kChainLen = 256;
+
+double Seconds(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+BlockHash H(uint64_t i) {
+  uint64_t x = i * 0x9e3779b97f4a7c15ull + 0x632be59bd9b4e019ull;
+  x ^= x >> 31;
+  x *= 0xbf58476d1ce4e5b9ull;
+  x ^= x >> 29;
+  uint64_t y = x * 0x94d049bb133111ebull + i;
+  y ^= y >> 32;
+  return BlockHash{y, x};
+}
+
+std::vector<BlockHash> ChainOf(int c) {
+  std::vector<BlockHash> chain;
+  for (int i = 0; i < kChainLen; ++i) chain.push_back(H(static_cast<uint64_t>(c) * kChainLen + i));
+  return chain;
+}
+
+int64_t RssBytes() {
+  FILE* f = std::fopen("/proc/self/statm", "r");
+  long pages = 0, rss = 0;
+  if (f != nullptr) {
+    if (std::fscanf(f, "%ld %ld", &pages, &rss) != 2) rss = 0;
+    std::fclose(f);
+  }
+  return static_cast<int64_t>(rss) * sysconf(_SC_PAGESIZE);
+}
+
+int FreePort() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+  socklen_t len = sizeof(a);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+int ConnectLoopback(int port) {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  int one = 1;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  return fd;
+}
+
+bool SendAll(int fd, const std::string& s) {
+  size_t off = 0;
+  while (off < s.size()) {
+    ssize_t n = ::send(fd, s.data() + off, s.size() - off, MSG_NOSIGNAL);
+    if (n <= 0) return false;
+    off += static_cast<size_t>(n);
+  }
+  return true;
+}
+
+// Reads `n` RESP integer replies (":0\r\n" / ":1\r\n"); returns the leading run of 1s, or -1.
+int ReadExistsReplies(int fd, int n, std::string* buf) {
+  buf->clear();
+  int parsed = 0, leading = 0;
+  bool broken = false;
+  size_t pos = 0;
+  char tmp[16384];
+  while (parsed < n) {
+    size_t eol;
+    while ((eol = buf->find("\r\n", pos)) != std::string::npos && parsed < n) {
+      if ((*buf)[pos] != ':') return -1;
+      const bool one = (*buf)[pos + 1] == '1';
+      if (!broken && one) {
+        ++leading;
+      } else {
+        broken = true;
+      }
+      ++parsed;
+      pos = eol + 2;
+    }
+    if (parsed == n) break;
+    ssize_t r = ::recv(fd, tmp, sizeof(tmp), 0);
+    if (r <= 0) return -1;
+    buf->append(tmp, static_cast<size_t>(r));
+  }
+  return leading;
+}
+
+std::string RespCommand(const std::vector<std::string>& args) {
+  std::string s = absl::StrCat("*", args.size(), "\r\n");
+  for (const std::string& a : args) absl::StrAppend(&s, "$", a.size(), "\r\n", a, "\r\n");
+  return s;
+}
+
+std::string SelfDir() {
+  char buf[4096];
+  ssize_t n = ::readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  if (n <= 0) return ".";
+  std::string p(buf, static_cast<size_t>(n));
+  return p.substr(0, p.rfind('/'));
+}
+
+// Spawns argv with stdout to a pipe; returns pid and the read end.
+pid_t Spawn(const std::vector<std::string>& argv, int* out_fd) {
+  int fds[2];
+  if (::pipe(fds) != 0) return -1;
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    ::dup2(fds[1], 1);
+    ::close(fds[0]);
+    std::vector<char*> a;
+    for (const std::string& s : argv) a.push_back(const_cast<char*>(s.c_str()));
+    a.push_back(nullptr);
+    ::execv(a[0], a.data());
+    _exit(127);
+  }
+  ::close(fds[1]);
+  *out_fd = fds[0];
+  return pid;
+}
+
+std::string ReadLine(int fd) {
+  std::string line;
+  char c;
+  while (::read(fd, &c, 1) == 1 && c != '\n') line.push_back(c);
+  return line;
+}
+
+struct Options {
+  bool quick = false;
+  bool grpc = true, memory = true, trace = true;
+  std::string trace_path = "/work/shared/data/traces/synthetic_trace.jsonl";
+  int64_t memory_blocks = 10'000'000;
+};
+
+// --- 1. server side -------------------------------------------------------------------------
+void BenchServerSide(const Options& opt) {
+  std::printf("== MatchPrefix, 256-block chain, server side, 1 thread ==\n");
+  kvrelay::cachestore::CacheStoreOptions so;
+  so.max_ghost_blocks = 0;
+  auto store = kvrelay::cachestore::CacheStore::Create(so);
+  if (!store.ok()) {
+    std::printf("  cannot create store: %s\n", store.status().ToString().c_str());
+    return;
+  }
+  kvrelay::cachestore::NodeSpec spec;
+  spec.node_id = "bench-node";
+  spec.ttl = absl::Hours(1);
+  constexpr int kChains = 64;
+  spec.segments.push_back({"host0", kvrelay::cachestore::Tier::kHost, kChains * kChainLen * 2,
+                           1 << 20, "key"});
+  (void)(*store)->RegisterNode(spec);
+  absl::flat_hash_map<BlockHash, uint32_t> baseline;
+  std::vector<std::vector<BlockHash>> chains;
+  for (int c = 0; c < kChains; ++c) {
+    chains.push_back(ChainOf(c));
+    kvrelay::cachestore::AllocateArgs args;
+    BlockHash parent;
+    for (const BlockHash& h : chains.back()) {
+      args.blocks.push_back({h, parent, 1 << 20});
+      baseline[h] = static_cast<uint32_t>(baseline.size());
+      parent = h;
+    }
+    auto a = (*store)->Allocate(args, absl::InfiniteFuture());
+    if (!a.ok() || !(*store)->Commit(a->allocation_id, {}).ok()) {
+      std::printf("  setup failed\n");
+      return;
+    }
+  }
+  const double run_s = opt.quick ? 0.3 : 2.0;
+  auto measure = [&](auto&& fn) {
+    int64_t blocks = 0;
+    const auto t0 = Clock::now();
+    auto t1 = t0;
+    int i = 0;
+    while (Seconds(t0, t1) < run_s) {
+      for (int k = 0; k < 16; ++k) blocks += fn(chains[(i++) % kChains]);
+      t1 = Clock::now();
+    }
+    return blocks / Seconds(t0, t1);
+  };
+  const double base = measure([&](const std::vector<BlockHash>& chain) {
+    int n = 0;
+    for (const BlockHash& h : chain) {
+      if (!baseline.contains(h)) break;
+      ++n;
+    }
+    return n;
+  });
+  std::vector<kvrelay::cachestore::MatchedBlock> out;
+  const double index = measure([&](const std::vector<BlockHash>& chain) {
+    out.clear();
+    return (*store)->index().MatchPrefix(chain, true, false, &out);
+  });
+  const double full = measure([&](const std::vector<BlockHash>& chain) {
+    auto r = (*store)->MatchPrefix(chain, absl::ZeroDuration());
+    return r.ok() ? r->matched : 0;
+  });
+  std::printf("  baseline absl::flat_hash_map lookup : %12.0f blocks/s\n", base);
+  std::printf("  BlockIndex::MatchPrefix (+replicas) : %12.0f blocks/s  (%.2fx baseline)\n", index,
+              index / base);
+  std::printf("  CacheStore::MatchPrefix (+locations): %12.0f blocks/s  (%.2fx baseline)\n", full,
+              full / base);
+}
+
+// --- 2. gRPC vs Redis -------------------------------------------------------------------------
+void BenchGrpcVsRedis(const Options& opt) {
+  constexpr int kClients = 16;
+  const double run_s = opt.quick ? 1.0 : 5.0;
+  std::printf("== MatchPrefix of a 256-block chain over loopback, %d concurrent clients ==\n",
+              kClients);
+  const std::string kvrelay_bin = SelfDir() + "/kvrelay";
+  if (::access(kvrelay_bin.c_str(), X_OK) != 0) {
+    std::printf("  skipped: %s not built\n", kvrelay_bin.c_str());
+    return;
+  }
+  int out_fd = -1;
+  const pid_t cs = Spawn({kvrelay_bin, "cachestore", "--port", "0", "--metrics-port", "0"},
+                         &out_fd);
+  const std::string line = ReadLine(out_fd);
+  // "cachestore listening on 127.0.0.1:PORT metrics ..."
+  const size_t at = line.find("on ");
+  if (cs <= 0 || at == std::string::npos) {
+    std::printf("  cachestore did not start: '%s'\n", line.c_str());
+    if (cs > 0) ::kill(cs, SIGKILL);
+    return;
+  }
+  const std::string target = line.substr(at + 3, line.find(' ', at + 3) - at - 3);
+  constexpr int kChains = kClients;
+  std::vector<std::vector<BlockHash>> chains;
+  for (int c = 0; c < kChains; ++c) chains.push_back(ChainOf(1000 + c));
+  {
+    auto client = kvrelay::cachestore::CacheStoreClient::Connect(target);
+    kvrelay::v1::RegisterNodeRequest reg;
+    reg.set_node_id("bench-node");
+    auto* seg = reg.add_segments();
+    seg->set_segment_id("host0");
+    seg->set_tier(kvrelay::v1::TIER_HOST);
+    seg->set_capacity_slots(kChains * kChainLen * 2);
+    seg->set_slot_bytes(1 << 20);
+    reg.set_ttl_ms(600000);
+    if (!client.ok() || !(*client)->WaitForReady(absl::Seconds(10)).ok() ||
+        !(*client)->RegisterNode(reg).ok()) {
+      std::printf("  cannot reach cachestore at %s\n", target.c_str());
+      ::kill(cs, SIGKILL);
+      ::waitpid(cs, nullptr, 0);
+      return;
+    }
+    for (const auto& chain : chains) {
+      auto a = (*client)->AllocateChain(chain, 1 << 20);
+      if (a.ok()) (void)(*client)->Commit(a->allocation_id());
+    }
+  }
+  auto run_clients = [&](auto&& one_lookup) {
+    std::atomic<int64_t> blocks{0};
+    std::atomic<bool> failed{false};
+    std::vector<std::thread> threads;
+    const auto t0 = Clock::now();
+    for (int t = 0; t < kClients; ++t) {
+      threads.emplace_back([&, t] {
+        int64_t mine = 0;
+        auto state = one_lookup.Setup(t);
+        while (Seconds(t0, Clock::now()) < run_s) {
+          const int n = one_lookup.Lookup(state, chains[t]);
+          if (n < 0) {
+            failed = true;
+            break;
+          }
+          mine += n;
+        }
+        blocks += mine;
+      });
+    }
+    for (auto& th : threads) th.join();
+    const double secs = Seconds(t0, Clock::now());
+    return failed ? -1.0 : static_cast<double>(blocks.load()) / secs;
+  };
+  struct GrpcLookup {
+    std::string target;
+    std::unique_ptr<kvrelay::cachestore::CacheStoreClient> Setup(int) const {
+      auto c = kvrelay::cachestore::CacheStoreClient::Connect(target);
+      return c.ok() ? *std::move(c) : nullptr;
+    }
+    int Lookup(std::unique_ptr<kvrelay::cachestore::CacheStoreClient>& c,
+               const std::vector<BlockHash>& chain) const {
+      if (c == nullptr) return -1;
+      auto r = c->MatchPrefix(chain);
+      return r.ok() ? r->matched() : -1;
+    }
+  };
+  const double ours = run_clients(GrpcLookup{target});
+  ::kill(cs, SIGTERM);
+  ::waitpid(cs, nullptr, 0);
+  ::close(out_fd);
+
+  // Redis: same hashes as 32-hex-digit keys.
+  const int port = FreePort();
+  int rfd = -1;
+  const pid_t redis = Spawn({"/usr/bin/redis-server", "--port", std::to_string(port), "--bind",
+                             "127.0.0.1", "--save", "", "--appendonly", "no", "--daemonize", "no",
+                             "--loglevel", "warning"},
+                            &rfd);
+  int setup_fd = -1;
+  for (int i = 0; i < 200 && setup_fd < 0; ++i) {
+    setup_fd = ConnectLoopback(port);
+    if (setup_fd < 0) std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  if (redis <= 0 || setup_fd < 0) {
+    std::printf("  redis-server did not start; ours: %.0f blocks/s\n", ours);
+    if (redis > 0) ::kill(redis, SIGKILL);
+    return;
+  }
+  auto key = [](const BlockHash& h) {
+    char buf[40];
+    std::snprintf(buf, sizeof(buf), "%016llx%016llx", static_cast<unsigned long long>(h.hi),
+                  static_cast<unsigned long long>(h.lo));
+    return std::string(buf);
+  };
+  std::string buf;
+  for (const auto& chain : chains) {
+    std::string pipe;
+    for (const BlockHash& h : chain) pipe += RespCommand({"SET", key(h), "1"});
+    SendAll(setup_fd, pipe);
+    // +OK replies: read them off.
+    int oks = 0;
+    char tmp[8192];
+    std::string acc;
+    while (oks < kChainLen) {
+      ssize_t r = ::recv(setup_fd, tmp, sizeof(tmp), 0);
+      if (r <= 0) break;
+      acc.append(tmp, static_cast<size_t>(r));
+      size_t p;
+      while ((p = acc.find("\r\n")) != std::string::npos) {
+        ++oks;
+        acc.erase(0, p + 2);
+      }
+    }
+  }
+  ::close(setup_fd);
+  std::vector<std::string> pipelines;
+  for (const auto& chain : chains) {
+    std::string pipe;
+    for (const BlockHash& h : chain) pipe += RespCommand({"EXISTS", key(h)});
+    pipelines.push_back(std::move(pipe));
+  }
+  struct RedisLookup {
+    int port;
+    const std::vector<std::string>* pipelines;
+    const std::vector<std::vector<BlockHash>>* chains;
+    struct State {
+      int fd = -1;
+      int index = 0;
+      std::string buf;
+    };
+    State Setup(int t) const { return State{ConnectLoopback(port), t, {}}; }
+    int Lookup(State& s, const std::vector<BlockHash>&) const {
+      if (s.fd < 0 || !SendAll(s.fd, (*pipelines)[s.index])) return -1;
+      return ReadExistsReplies(s.fd, kChainLen, &s.buf);
+    }
+  };
+  const double theirs = run_clients(RedisLookup{port, &pipelines, &chains});
+  ::kill(redis, SIGTERM);
+  ::waitpid(redis, nullptr, 0);
+  ::close(rfd);
+  std::printf("  kvrelay cachestore (gRPC MatchPrefix)   : %12.0f blocks/s\n", ours);
+  std::printf("  redis-server (pipeline of 256 EXISTS)   : %12.0f blocks/s\n", theirs);
+  std::printf("  ratio ours / redis                      : %12.2fx  (goal >= 1x)\n",
+              ours / theirs);
+}
+
+// --- 3. memory --------------------------------------------------------------------------------
+void BenchMemory(const Options& opt) {
+  const int64_t n = opt.quick ? 1'000'000 : opt.memory_blocks;
+  std::printf("== Index memory at %lld blocks (chains of 256, 1 replica each) ==\n",
+              static_cast<long long>(n));
+  auto policy = kvrelay::cachestore::MakeEvictionPolicy("lrfu", n);
+  kvrelay::cachestore::BlockIndex::Options io;
+  io.policy = policy->get();
+  const int64_t rss0 = RssBytes();
+  auto index = std::make_unique<kvrelay::cachestore::BlockIndex>(io);
+  const auto t0 = Clock::now();
+  kvrelay::cachestore::NewBlock b;
+  b.size_bytes = 1 << 20;
+  b.replicas.push_back({1, 0, 0});
+  for (int64_t i = 0; i < n; ++i) {
+    b.hash = H(static_cast<uint64_t>(i) + (1ull << 40));
+    b.parent = (i % kChainLen == 0) ? BlockHash{} : H(static_cast<uint64_t>(i - 1) + (1ull << 40));
+    b.replicas[0].slot = static_cast<uint32_t>(i);
+    if (!index->Insert(b, kvrelay::cachestore::BlockState::kCommitted).ok()) {
+      std::printf("  insert failed at %lld\n", static_cast<long long>(i));
+      return;
+    }
+  }
+  const double secs = Seconds(t0, Clock::now());
+  const int64_t rss1 = RssBytes();
+  // Baseline: the bare map a naive index starts from (hash -> 64-bit value), same n.
+  const int64_t rss_b0 = RssBytes();
+  double baseline_per_block = 0;
+  {
+    absl::flat_hash_map<BlockHash, uint64_t> bare;
+    bare.reserve(0);
+    for (int64_t i = 0; i < n; ++i) bare[H(static_cast<uint64_t>(i) + (1ull << 41))] = i;
+    baseline_per_block = static_cast<double>(bare.capacity() * (sizeof(std::pair<BlockHash,
+                                                  uint64_t>) + 1)) / static_cast<double>(n);
+  }
+  (void)rss_b0;
+  std::printf("  inserted in %.1f s (%.0f blocks/s)\n", secs, n / secs);
+  std::printf("  index accounting : %6.1f bytes/block (goal <= 200)\n",
+              static_cast<double>(index->MemoryUsageBytes()) / n);
+  std::printf("  RSS growth       : %6.1f bytes/block\n", static_cast<double>(rss1 - rss0) / n);
+  std::printf("  baseline bare absl::flat_hash_map<BlockHash, uint64_t>: %.1f bytes/block "
+              "(ratio %.2fx)\n",
+              baseline_per_block,
+              static_cast<double>(index->MemoryUsageBytes()) / n / baseline_per_block);
+}
+
+// --- 4. trace replay --------------------------------------------------------------------------
+void BenchTrace(const Options& opt) {
+  std::printf("== Trace-replay prefix hit rate (%s) ==\n", opt.trace_path.c_str());
+  if (::access(opt.trace_path.c_str(), R_OK) != 0) {
+    std::printf("  skipped: trace not present\n");
+    return;
+  }
+  auto trace = kvrelay::cachestore::LoadTrace(opt.trace_path);
+  if (!trace.ok()) {
+    std::printf("  %s\n", trace.status().ToString().c_str());
+    return;
+  }
+  std::printf("  %10s %8s %9s %8s %10s\n", "capacity", "lru", "leaf-lru", "lrfu", "lrfu/lru");
+  for (int64_t cap : {2000, 6000, 20000}) {
+    double r[3];
+    const char* names[] = {"lru", "leaf-lru", "lrfu"};
+    for (int i = 0; i < 3; ++i) {
+      auto res = kvrelay::cachestore::ReplayTrace(*trace, cap, names[i]);
+      r[i] = res.ok() ? res->hit_rate() : -1;
+    }
+    std::printf("  %10lld %8.4f %9.4f %8.4f %9.3fx\n", static_cast<long long>(cap), r[0], r[1],
+                r[2], r[2] / r[0]);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  signal(SIGPIPE, SIG_IGN);
+  Options opt;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "--quick") {
+      opt.quick = true;
+    } else if (a.rfind("--skip=", 0) == 0) {
+      const std::string s = a.substr(7);
+      if (s.find("grpc") != std::string::npos) opt.grpc = false;
+      if (s.find("memory") != std::string::npos) opt.memory = false;
+      if (s.find("trace") != std::string::npos) opt.trace = false;
+    } else if (a.rfind("--trace=", 0) == 0) {
+      opt.trace_path = a.substr(8);
+    } else if (a.rfind("--blocks=", 0) == 0) {
+      if (!absl::SimpleAtoi(a.substr(9), &opt.memory_blocks) || opt.memory_blocks <= 0) {
+        std::fprintf(stderr, "cachestore_bench: --blocks: want a positive integer\n");
+        return 2;
+      }
+    } else {
+      std::fprintf(stderr,
+                   "usage: cachestore_bench [--quick] [--skip=grpc,memory,trace] [--trace=PATH] "
+                   "[--blocks=N]\n");
+      return 2;
+    }
+  }
+  std::printf("cachestore_bench (%u hardware threads)\n", std::thread::hardware_concurrency());
+  BenchServerSide(opt);
+  if (opt.grpc) BenchGrpcVsRedis(opt);
+  if (opt.memory) BenchMemory(opt);
+  if (opt.trace) BenchTrace(opt);
+  return 0;
+}

@@ -1,0 +1,447 @@
+#include "cachestore/server/service.h"
+
+#include <chrono>
+#include <cstdio>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "proto/grpc_status.h"
+
+namespace kvrelay::cachestore::server {
+
+namespace {
+
+using ::kvrelay::proto::ToGrpcStatus;
+
+grpc::Status Invalid(const std::string& msg) {
+  return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, msg);
+}
+grpc::Status Exhausted(const std::string& msg) {
+  return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, msg);
+}
+
+kv::BlockHash FromProto(const v1::BlockHash& h) { return kv::BlockHash{h.hi(), h.lo()}; }
+void ToProto(const kv::BlockHash& h, v1::BlockHash* out) {
+  out->set_hi(h.hi);
+  out->set_lo(h.lo);
+}
+
+// 1-max bytes of [A-Za-z0-9._:-].
+grpc::Status CheckId(const std::string& id, const std::string& field, int max_bytes,
+                     bool allow_empty = false) {
+  if (id.empty()) {
+    return allow_empty ? grpc::Status::OK : Invalid(absl::StrCat(field, ": must not be empty"));
+  }
+  if (static_cast<int>(id.size()) > max_bytes) {
+    return Invalid(absl::StrCat(field, ": at most ", max_bytes, " bytes, got ", id.size()));
+  }
+  for (char c : id) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                    c == '.' || c == '_' || c == ':' || c == '-';
+    if (!ok) return Invalid(absl::StrCat(field, ": only [A-Za-z0-9._:-] allowed"));
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status ParseChain(const google::protobuf::RepeatedPtrField<v1::BlockHash>& in,
+                        const std::string& field, int max, std::vector<kv::BlockHash>* out) {
+  if (in.empty()) return Invalid(absl::StrCat(field, ": at least one hash needed"));
+  if (in.size() > max) {
+    return Exhausted(absl::StrCat(field, ": at most ", max, " hashes, got ", in.size()));
+  }
+  out->reserve(in.size());
+  for (int i = 0; i < in.size(); ++i) {
+    kv::BlockHash h = FromProto(in[i]);
+    if (h.IsZero()) return Invalid(absl::StrCat(field, "[", i, "]: must not be zero"));
+    out->push_back(h);
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status CheckDeadline(grpc::ServerContext* ctx) {
+  if (ctx->deadline() < std::chrono::system_clock::now()) {
+    return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "deadline passed before handling");
+  }
+  return grpc::Status::OK;
+}
+
+absl::Time DeadlineOf(grpc::ServerContext* ctx, absl::Duration cap) {
+  const absl::Time d = absl::FromChrono(ctx->deadline());
+  return std::min(d, absl::Now() + cap);
+}
+
+void ToProto(const Location& loc, v1::BlockLocation* out) {
+  out->set_node_id(loc.node_id);
+  out->set_segment_id(loc.segment_id);
+  out->set_slot(loc.slot);
+  out->set_tier(static_cast<v1::Tier>(loc.tier));
+  out->set_offset_bytes(loc.offset_bytes);
+  out->set_length_bytes(loc.slot_bytes);
+}
+
+class RpcTimer {
+ public:
+  RpcTimer(LatencyHistogram* h, std::atomic<int64_t>* errors) : h_(h), errors_(errors) {}
+  ~RpcTimer() { h_->Observe(absl::ToDoubleSeconds(absl::Now() - start_)); }
+  grpc::Status Done(grpc::Status s) {
+    if (!s.ok()) errors_->fetch_add(1, std::memory_order_relaxed);
+    return s;
+  }
+
+ private:
+  LatencyHistogram* h_;
+  std::atomic<int64_t>* errors_;
+  absl::Time start_ = absl::Now();
+};
+
+}  // namespace
+
+void LatencyHistogram::Observe(double seconds) {
+  size_t i = 0;
+  while (i < kBounds.size() && seconds > kBounds[i]) ++i;
+  buckets_[i].fetch_add(1, std::memory_order_relaxed);
+  count_.fetch_add(1, std::memory_order_relaxed);
+  sum_ns_.fetch_add(static_cast<int64_t>(seconds * 1e9), std::memory_order_relaxed);
+}
+
+void LatencyHistogram::Render(const std::string& name, const std::string& rpc,
+                              std::string* out) const {
+  int64_t cumulative = 0;
+  for (size_t i = 0; i <= kBounds.size(); ++i) {
+    cumulative += buckets_[i].load(std::memory_order_relaxed);
+    const std::string le = i < kBounds.size() ? absl::StrFormat("%g", kBounds[i]) : "+Inf";
+    absl::StrAppend(out, name, "_bucket{rpc=\"", rpc, "\",le=\"", le, "\"} ", cumulative, "\n");
+  }
+  absl::StrAppend(out, name, "_sum{rpc=\"", rpc, "\"} ",
+                  absl::StrFormat("%.9f", sum_ns_.load(std::memory_order_relaxed) / 1e9), "\n");
+  absl::StrAppend(out, name, "_count{rpc=\"", rpc, "\"} ",
+                  count_.load(std::memory_order_relaxed), "\n");
+}
+
+const char* CacheStoreService::RpcName(int rpc) {
+  static const char* kNames[] = {"RegisterNode", "Heartbeat", "MatchPrefix", "QueryPrefix",
+                                 "Allocate",     "Commit",    "Abort",       "ReleaseLease",
+                                 "Stats",        "WatchEvents"};
+  return kNames[rpc];
+}
+
+grpc::Status CacheStoreService::RegisterNode(grpc::ServerContext* ctx,
+                                             const v1::RegisterNodeRequest* req,
+                                             v1::RegisterNodeResponse* resp) {
+  RpcTimer t(&latency_[kRegister], &errors_[kRegister]);
+  if (auto s = CheckDeadline(ctx); !s.ok()) return t.Done(s);
+  if (auto s = CheckId(req->node_id(), "node_id", limits_.max_id_bytes); !s.ok()) return t.Done(s);
+  if (req->segments().empty()) return t.Done(Invalid("segments: at least one segment needed"));
+  if (req->segments_size() > limits_.max_segments) {
+    return t.Done(Exhausted(absl::StrCat("segments: at most ", limits_.max_segments, ", got ",
+                                         req->segments_size())));
+  }
+  if (req->ttl_ms() != 0 && (req->ttl_ms() < 100 || req->ttl_ms() > limits_.max_ttl_ms)) {
+    return t.Done(Invalid(absl::StrCat("ttl_ms: want 0 or 100-", limits_.max_ttl_ms, ", got ",
+                                       req->ttl_ms())));
+  }
+  if (static_cast<int>(req->address().kind().size()) > 32) {
+    return t.Done(Invalid("address.kind: at most 32 bytes"));
+  }
+  if (static_cast<int>(req->address().address().size()) > limits_.max_address_bytes) {
+    return t.Done(Invalid(absl::StrCat("address.address: at most ", limits_.max_address_bytes,
+                                       " bytes")));
+  }
+  NodeSpec spec;
+  spec.node_id = req->node_id();
+  spec.transport_kind = req->address().kind();
+  spec.transport_address = req->address().address();
+  spec.ttl = absl::Milliseconds(req->ttl_ms());
+  for (int i = 0; i < req->segments_size(); ++i) {
+    const v1::Segment& s = req->segments(i);
+    const std::string f = absl::StrCat("segments[", i, "]");
+    if (auto st = CheckId(s.segment_id(), f + ".segment_id", limits_.max_id_bytes); !st.ok()) {
+      return t.Done(st);
+    }
+    for (const SegmentSpec& prev : spec.segments) {
+      if (prev.segment_id == s.segment_id()) {
+        return t.Done(Invalid(f + ".segment_id: duplicate '" + s.segment_id() + "'"));
+      }
+    }
+    if (s.tier() < v1::TIER_GPU || s.tier() > v1::TIER_SSD) {
+      return t.Done(Invalid(absl::StrCat(f, ".tier: want GPU, HOST or SSD, got ",
+                                         static_cast<int>(s.tier()))));
+    }
+    if (s.capacity_slots() < 1 || s.capacity_slots() >= (int64_t{1} << 31)) {
+      return t.Done(Invalid(absl::StrCat(f, ".capacity_slots: want 1 to 2^31-1, got ",
+                                         s.capacity_slots())));
+    }
+    if (s.slot_bytes() < 1 || s.slot_bytes() >= (uint64_t{1} << 32)) {
+      return t.Done(
+          Invalid(absl::StrCat(f, ".slot_bytes: want 1 to 2^32-1, got ", s.slot_bytes())));
+    }
+    if (static_cast<int>(s.memory_key().size()) > limits_.max_memory_key_bytes) {
+      return t.Done(Exhausted(absl::StrCat(f, ".memory_key: at most ",
+                                           limits_.max_memory_key_bytes, " bytes, got ",
+                                           s.memory_key().size())));
+    }
+    spec.segments.push_back(SegmentSpec{s.segment_id(), static_cast<Tier>(s.tier()),
+                                        s.capacity_slots(), s.slot_bytes(), s.memory_key()});
+  }
+  absl::StatusOr<absl::Duration> ttl = store_->RegisterNode(std::move(spec));
+  if (!ttl.ok()) return t.Done(ToGrpcStatus(ttl.status()));
+  resp->set_ttl_ms(absl::ToInt64Milliseconds(*ttl));
+  return t.Done(grpc::Status::OK);
+}
+
+grpc::Status CacheStoreService::Heartbeat(grpc::ServerContext* ctx,
+                                          const v1::HeartbeatRequest* req,
+                                          v1::HeartbeatResponse* resp) {
+  RpcTimer t(&latency_[kHeartbeat], &errors_[kHeartbeat]);
+  if (auto s = CheckDeadline(ctx); !s.ok()) return t.Done(s);
+  if (auto s = CheckId(req->node_id(), "node_id", limits_.max_id_bytes); !s.ok()) return t.Done(s);
+  resp->set_known(store_->Heartbeat(req->node_id()));
+  return t.Done(grpc::Status::OK);
+}
+
+grpc::Status CacheStoreService::MatchPrefix(grpc::ServerContext* ctx,
+                                            const v1::MatchPrefixRequest* req,
+                                            v1::MatchPrefixResponse* resp) {
+  RpcTimer t(&latency_[kMatch], &errors_[kMatch]);
+  if (auto s = CheckDeadline(ctx); !s.ok()) return t.Done(s);
+  std::vector<kv::BlockHash> chain;
+  if (auto s = ParseChain(req->chain(), "chain", limits_.max_chain, &chain); !s.ok()) {
+    return t.Done(s);
+  }
+  if (req->lease_ttl_ms() < 0 || req->lease_ttl_ms() > limits_.max_ttl_ms) {
+    return t.Done(Invalid(absl::StrCat("lease_ttl_ms: want 0-", limits_.max_ttl_ms, ", got ",
+                                       req->lease_ttl_ms())));
+  }
+  absl::StatusOr<MatchResult> r =
+      store_->MatchPrefix(chain, absl::Milliseconds(req->lease_ttl_ms()));
+  if (!r.ok()) return t.Done(ToGrpcStatus(r.status()));
+  resp->set_matched(r->matched);
+  resp->set_lease_id(r->lease_id);
+  if (!req->columnar()) {
+    for (size_t i = 0; i < r->blocks.size(); ++i) {
+      v1::MatchedBlock* mb = resp->add_blocks();
+      ToProto(r->blocks[i].hash, mb->mutable_hash());
+      for (size_t k = 0; k < r->blocks[i].replicas.size(); ++k) {
+        ToProto(r->ReplicaLocation(i, k), mb->add_replicas());
+      }
+    }
+    return t.Done(grpc::Status::OK);
+  }
+  for (const Location& seg : r->segments) {
+    v1::SegmentRef* ref = resp->add_segments();
+    ref->set_node_id(seg.node_id);
+    ref->set_segment_id(seg.segment_id);
+    ref->set_tier(static_cast<v1::Tier>(seg.tier));
+    ref->set_slot_bytes(seg.slot_bytes);
+  }
+  resp->mutable_replica_counts()->Reserve(static_cast<int>(r->blocks.size()));
+  resp->mutable_replica_segment()->Reserve(static_cast<int>(r->blocks.size()));
+  resp->mutable_replica_slot()->Reserve(static_cast<int>(r->blocks.size()));
+  for (const MatchResult::Block& b : r->blocks) {
+    resp->add_replica_counts(static_cast<uint32_t>(b.replicas.size()));
+    for (const MatchResult::Replica& rep : b.replicas) {
+      resp->add_replica_segment(rep.segment);
+      resp->add_replica_slot(rep.slot);
+    }
+  }
+  return t.Done(grpc::Status::OK);
+}
+
+grpc::Status CacheStoreService::QueryPrefix(grpc::ServerContext* ctx,
+                                            const v1::QueryPrefixRequest* req,
+                                            v1::QueryPrefixResponse* resp) {
+  RpcTimer t(&latency_[kQuery], &errors_[kQuery]);
+  if (auto s = CheckDeadline(ctx); !s.ok()) return t.Done(s);
+  std::vector<kv::BlockHash> chain;
+  if (auto s = ParseChain(req->chain(), "chain", limits_.max_chain, &chain); !s.ok()) {
+    return t.Done(s);
+  }
+  for (const NodePrefix& n : store_->QueryPrefix(chain)) {
+    v1::NodePrefix* np = resp->add_nodes();
+    np->set_node_id(n.node_id);
+    np->set_matched(n.matched);
+  }
+  return t.Done(grpc::Status::OK);
+}
+
+grpc::Status CacheStoreService::Allocate(grpc::ServerContext* ctx, const v1::AllocateRequest* req,
+                                         v1::AllocateResponse* resp) {
+  RpcTimer t(&latency_[kAllocate], &errors_[kAllocate]);
+  if (auto s = CheckDeadline(ctx); !s.ok()) return t.Done(s);
+  if (req->blocks().empty()) return t.Done(Invalid("blocks: at least one block needed"));
+  if (req->blocks_size() > limits_.max_chain) {
+    return t.Done(Exhausted(absl::StrCat("blocks: at most ", limits_.max_chain, ", got ",
+                                         req->blocks_size())));
+  }
+  if (auto s = CheckId(req->preferred_node(), "preferred_node", limits_.max_id_bytes, true);
+      !s.ok()) {
+    return t.Done(s);
+  }
+  if (req->preferred_tier() < v1::TIER_UNSPECIFIED || req->preferred_tier() > v1::TIER_SSD) {
+    return t.Done(Invalid(absl::StrCat("preferred_tier: unknown tier ",
+                                       static_cast<int>(req->preferred_tier()))));
+  }
+  AllocateArgs args;
+  args.preferred_node = req->preferred_node();
+  args.preferred_tier = static_cast<Tier>(req->preferred_tier());
+  args.replicas = req->replicas();
+  for (const v1::BlockToAllocate& b : req->blocks()) {
+    args.blocks.push_back({FromProto(b.hash()), FromProto(b.parent()), b.size_bytes()});
+  }
+  absl::StatusOr<AllocateResult> r = store_->Allocate(args, DeadlineOf(ctx, absl::Seconds(30)));
+  if (!r.ok()) return t.Done(ToGrpcStatus(r.status()));
+  resp->set_allocation_id(r->allocation_id);
+  resp->set_commit_timeout_ms(absl::ToInt64Milliseconds(r->commit_timeout));
+  for (const AllocateResult::Block& b : r->blocks) {
+    v1::Allocation* a = resp->add_blocks();
+    ToProto(b.hash, a->mutable_hash());
+    a->set_already_committed(b.already_committed);
+    for (const Location& loc : b.replicas) ToProto(loc, a->add_replicas());
+  }
+  return t.Done(grpc::Status::OK);
+}
+
+grpc::Status CacheStoreService::Commit(grpc::ServerContext* ctx, const v1::CommitRequest* req,
+                                       v1::CommitResponse* resp) {
+  RpcTimer t(&latency_[kCommit], &errors_[kCommit]);
+  if (auto s = CheckDeadline(ctx); !s.ok()) return t.Done(s);
+  if (req->allocation_id() == 0) return t.Done(Invalid("allocation_id: must not be zero"));
+  std::vector<kv::BlockHash> hashes;
+  if (!req->hashes().empty()) {
+    if (auto s = ParseChain(req->hashes(), "hashes", limits_.max_chain, &hashes); !s.ok()) {
+      return t.Done(s);
+    }
+  }
+  absl::StatusOr<int> n = store_->Commit(req->allocation_id(), hashes);
+  if (!n.ok()) return t.Done(ToGrpcStatus(n.status()));
+  resp->set_committed(*n);
+  return t.Done(grpc::Status::OK);
+}
+
+grpc::Status CacheStoreService::Abort(grpc::ServerContext* ctx, const v1::AbortRequest* req,
+                                      v1::AbortResponse*) {
+  RpcTimer t(&latency_[kAbort], &errors_[kAbort]);
+  if (auto s = CheckDeadline(ctx); !s.ok()) return t.Done(s);
+  if (req->allocation_id() == 0) return t.Done(Invalid("allocation_id: must not be zero"));
+  return t.Done(ToGrpcStatus(store_->Abort(req->allocation_id())));
+}
+
+grpc::Status CacheStoreService::ReleaseLease(grpc::ServerContext* ctx,
+                                             const v1::ReleaseLeaseRequest* req,
+                                             v1::ReleaseLeaseResponse*) {
+  RpcTimer t(&latency_[kRelease], &errors_[kRelease]);
+  if (auto s = CheckDeadline(ctx); !s.ok()) return t.Done(s);
+  if (req->lease_id() == 0) return t.Done(Invalid("lease_id: must not be zero"));
+  return t.Done(ToGrpcStatus(store_->ReleaseLease(req->lease_id())));
+}
+
+grpc::Status CacheStoreService::Stats(grpc::ServerContext* ctx, const v1::StatsRequest*,
+                                      v1::StatsResponse* resp) {
+  RpcTimer t(&latency_[kStats], &errors_[kStats]);
+  if (auto s = CheckDeadline(ctx); !s.ok()) return t.Done(s);
+  StoreStats s = store_->Stats();
+  resp->set_nodes(s.nodes);
+  resp->set_committed_blocks(s.committed_blocks);
+  resp->set_allocated_blocks(s.allocated_blocks);
+  resp->set_active_leases(s.active_leases);
+  resp->set_evictions(s.evictions);
+  resp->set_last_sequence(s.last_sequence);
+  resp->set_policy(s.policy);
+  for (const TierUsage& u : s.tiers) {
+    v1::TierStats* ts = resp->add_tiers();
+    ts->set_tier(static_cast<v1::Tier>(u.tier));
+    ts->set_capacity_bytes(u.capacity_bytes);
+    ts->set_used_bytes(u.used_bytes);
+  }
+  return t.Done(grpc::Status::OK);
+}
+
+grpc::Status CacheStoreService::WatchEvents(grpc::ServerContext* ctx,
+                                            const v1::WatchEventsRequest* req,
+                                            grpc::ServerWriter<v1::Event>* writer) {
+  RpcTimer t(&latency_[kWatch], &errors_[kWatch]);
+  uint64_t next = req->from_sequence();
+  if (next == 0) next = store_->last_sequence() + 1;
+  // Streams until the client cancels, its deadline passes or the server stops; each wait is
+  // short so all three are noticed promptly.
+  while (!ctx->IsCancelled() && !stopping_.load(std::memory_order_acquire)) {
+    if (ctx->deadline() < std::chrono::system_clock::now()) break;
+    absl::StatusOr<std::vector<StoreEvent>> events =
+        store_->EventsSince(next, 1024, absl::Now() + absl::Milliseconds(100));
+    if (!events.ok()) return t.Done(ToGrpcStatus(events.status()));
+    for (const StoreEvent& e : *events) {
+      v1::Event out;
+      out.set_sequence(e.sequence);
+      out.set_kind(e.kind == StoreEvent::Kind::kStored ? v1::Event::KIND_BLOCK_STORED
+                                                       : v1::Event::KIND_BLOCK_REMOVED);
+      ToProto(e.hash, out.mutable_hash());
+      ToProto(e.parent, out.mutable_parent());
+      for (const std::string& n : e.node_ids) out.add_node_ids(n);
+      if (!writer->Write(out)) return t.Done(grpc::Status::OK);
+      next = e.sequence + 1;
+    }
+  }
+  return t.Done(grpc::Status::OK);
+}
+
+std::string CacheStoreService::RenderMetrics() const {
+  std::string out;
+  const StoreCounters& c = store_->counters();
+  auto counter = [&](const char* name, const char* help, int64_t v) {
+    absl::StrAppend(&out, "# HELP ", name, " ", help, "\n# TYPE ", name, " counter\n", name, " ", v,
+                    "\n");
+  };
+  auto gauge = [&](const char* name, const char* help, int64_t v) {
+    absl::StrAppend(&out, "# HELP ", name, " ", help, "\n# TYPE ", name, " gauge\n", name, " ", v,
+                    "\n");
+  };
+  const auto rl = std::memory_order_relaxed;
+  counter("kvrelay_cachestore_prefix_queries_total", "MatchPrefix calls.",
+          c.prefix_queries.load(rl));
+  counter("kvrelay_cachestore_prefix_query_blocks_total", "Blocks asked for in MatchPrefix.",
+          c.prefix_query_blocks.load(rl));
+  counter("kvrelay_cachestore_prefix_hit_blocks_total", "Blocks found by MatchPrefix.",
+          c.prefix_hit_blocks.load(rl));
+  counter("kvrelay_cachestore_allocated_blocks_total", "Blocks reserved by Allocate.",
+          c.allocated_blocks.load(rl));
+  counter("kvrelay_cachestore_committed_blocks_total", "Blocks committed.",
+          c.committed_blocks.load(rl));
+  counter("kvrelay_cachestore_aborted_blocks_total", "Allocated blocks aborted.",
+          c.aborted_blocks.load(rl));
+  counter("kvrelay_cachestore_reclaimed_blocks_total",
+          "Allocated blocks reclaimed after the commit timeout.", c.reclaimed_blocks.load(rl));
+  counter("kvrelay_cachestore_evictions_total", "Blocks evicted.", c.evicted_blocks.load(rl));
+  counter("kvrelay_cachestore_expired_nodes_total", "Nodes dropped for a missed heartbeat.",
+          c.expired_nodes.load(rl));
+  StoreStats s = store_->Stats();
+  gauge("kvrelay_cachestore_nodes", "Registered nodes.", s.nodes);
+  gauge("kvrelay_cachestore_blocks", "Committed blocks.", s.committed_blocks);
+  gauge("kvrelay_cachestore_active_leases", "Read leases held.", s.active_leases);
+  absl::StrAppend(&out, "# HELP kvrelay_cachestore_used_bytes Bytes of slots in use by tier.\n",
+                  "# TYPE kvrelay_cachestore_used_bytes gauge\n");
+  for (const TierUsage& u : s.tiers) {
+    absl::StrAppend(&out, "kvrelay_cachestore_used_bytes{tier=\"", std::string(TierName(u.tier)),
+                    "\"} ", u.used_bytes, "\n");
+  }
+  absl::StrAppend(&out, "# HELP kvrelay_cachestore_capacity_bytes Registered bytes by tier.\n",
+                  "# TYPE kvrelay_cachestore_capacity_bytes gauge\n");
+  for (const TierUsage& u : s.tiers) {
+    absl::StrAppend(&out, "kvrelay_cachestore_capacity_bytes{tier=\"",
+                    std::string(TierName(u.tier)), "\"} ", u.capacity_bytes, "\n");
+  }
+  absl::StrAppend(&out, "# HELP kvrelay_cachestore_rpc_errors_total Failed RPCs.\n",
+                  "# TYPE kvrelay_cachestore_rpc_errors_total counter\n");
+  for (int i = 0; i < kNumRpcs; ++i) {
+    absl::StrAppend(&out, "kvrelay_cachestore_rpc_errors_total{rpc=\"", RpcName(i), "\"} ",
+                    errors_[i].load(rl), "\n");
+  }
+  absl::StrAppend(&out, "# HELP kvrelay_cachestore_rpc_seconds RPC handling latency.\n",
+                  "# TYPE kvrelay_cachestore_rpc_seconds histogram\n");
+  for (int i = 0; i < kNumRpcs; ++i) {
+    latency_[i].Render("kvrelay_cachestore_rpc_seconds", RpcName(i), &out);
+  }
+  return out;
+}
+
+}  // namespace kvrelay::cachestore::server

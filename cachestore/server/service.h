@@ -1,0 +1,87 @@
+#pragma once
+
+// CacheStoreService: the thin gRPC glue for kvrelay.v1.CacheStore. It validates every field
+// (size limits answered with INVALID_ARGUMENT / RESOURCE_EXHAUSTED naming the field), converts
+// proto <-> domain, calls the CacheStore and records per-RPC latency for /metrics.
+//
+// Thread-safe (gRPC's sync server calls handlers from its thread pool).
+
+#include <array>
+#include <atomic>
+#include <string>
+
+#include "cachestore/cache_store.h"
+#include "kvrelay/v1/cachestore.grpc.pb.h"
+
+namespace kvrelay::cachestore::server {
+
+struct Limits {
+  int max_chain = 4096;           // chain / blocks / hashes entries per call
+  int max_segments = 64;          // per node
+  int max_id_bytes = 128;         // node_id, segment_id
+  int max_memory_key_bytes = 4096;
+  int max_address_bytes = 256;
+  int64_t max_ttl_ms = 600000;    // node TTL and lease TTL
+  int max_message_bytes = 4 << 20;
+};
+
+// Latency histogram with fixed Prometheus buckets (seconds). Lock-free.
+class LatencyHistogram {
+ public:
+  static constexpr std::array<double, 12> kBounds = {
+      0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 1.0, 10.0};
+  void Observe(double seconds);
+  // Appends `name{rpc="..",le=".."}` lines.
+  void Render(const std::string& name, const std::string& rpc, std::string* out) const;
+
+ private:
+  std::array<std::atomic<int64_t>, kBounds.size() + 1> buckets_{};
+  std::atomic<int64_t> count_{0};
+  std::atomic<int64_t> sum_ns_{0};
+};
+
+class CacheStoreService final : public kvrelay::v1::CacheStore::Service {
+ public:
+  // `store` is not owned and must outlive the service.
+  CacheStoreService(CacheStore* store, Limits limits) : store_(store), limits_(limits) {}
+
+  grpc::Status RegisterNode(grpc::ServerContext* ctx, const v1::RegisterNodeRequest* req,
+                            v1::RegisterNodeResponse* resp) override;
+  grpc::Status Heartbeat(grpc::ServerContext* ctx, const v1::HeartbeatRequest* req,
+                         v1::HeartbeatResponse* resp) override;
+  grpc::Status MatchPrefix(grpc::ServerContext* ctx, const v1::MatchPrefixRequest* req,
+                           v1::MatchPrefixResponse* resp) override;
+  grpc::Status QueryPrefix(grpc::ServerContext* ctx, const v1::QueryPrefixRequest* req,
+                           v1::QueryPrefixResponse* resp) override;
+  grpc::Status Allocate(grpc::ServerContext* ctx, const v1::AllocateRequest* req,
+                        v1::AllocateResponse* resp) override;
+  grpc::Status Commit(grpc::ServerContext* ctx, const v1::CommitRequest* req,
+                      v1::CommitResponse* resp) override;
+  grpc::Status Abort(grpc::ServerContext* ctx, const v1::AbortRequest* req,
+                     v1::AbortResponse* resp) override;
+  grpc::Status ReleaseLease(grpc::ServerContext* ctx, const v1::ReleaseLeaseRequest* req,
+                            v1::ReleaseLeaseResponse* resp) override;
+  grpc::Status Stats(grpc::ServerContext* ctx, const v1::StatsRequest* req,
+                     v1::StatsResponse* resp) override;
+  grpc::Status WatchEvents(grpc::ServerContext* ctx, const v1::WatchEventsRequest* req,
+                           grpc::ServerWriter<v1::Event>* writer) override;
+
+  // Prometheus text exposition of the store's counters, gauges and the RPC histograms.
+  std::string RenderMetrics() const;
+  // Makes WatchEvents streams end (server shutdown).
+  void StopStreams() { stopping_.store(true, std::memory_order_release); }
+
+ private:
+  enum Rpc { kRegister, kHeartbeat, kMatch, kQuery, kAllocate, kCommit, kAbort, kRelease,
+             kStats, kWatch, kNumRpcs };
+  static const char* RpcName(int rpc);
+
+  CacheStore* const store_;
+  const Limits limits_;
+  std::array<LatencyHistogram, kNumRpcs> latency_;
+  std::array<std::atomic<int64_t>, kNumRpcs> errors_{};
+  // Release/acquire pair: StopStreams() publishes, WatchEvents loops observe.
+  std::atomic<bool> stopping_{false};
+};
+
+}  // namespace kvrelay::cachestore::server
