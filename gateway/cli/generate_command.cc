@@ -19,7 +19,6 @@
 #include "gateway/cli/commands.h"
 #include "gateway/cli/gateway_client.h"
 #include "gateway/tokenizer/byte_tokenizer.h"
-#include "kv/hf_config.h"
 
 namespace kvrelay::cli {
 namespace {
@@ -90,11 +89,9 @@ int RunGenerateCommand(const std::vector<std::string>& args) {
                 "process (the reference).");
   flags.AddString("gateway", &gateway_address, "gateway address HOST:PORT");
   flags.AddBool("colocated", &colocated, "prefill and decode in this process (needs --model)");
-  flags.AddString("model", &model_dir,
-                  "model directory (config.json + safetensors); with --gateway, names the model");
-  flags.AddString("model-id", &model_id,
-                  "model id sent to the gateway (default: from --model's config, else the "
-                  "gateway's only model)");
+  flags.AddString("model", &model_dir, "model directory for --colocated");
+  flags.AddString("model-name", &model_id,
+                  "model name sent to the gateway (default: the model the gateway serves)");
   flags.AddString("tokens", &tokens_text, "prompt token ids, comma-separated: 1,2,3");
   flags.AddString("prompt", &prompt, "prompt text (byte-level tokenizer: one token per byte)");
   flags.AddInt32("max-tokens", &max_tokens, "tokens to generate, 1-4096");
@@ -114,6 +111,9 @@ int RunGenerateCommand(const std::vector<std::string>& args) {
     return UsageError("give exactly one of --gateway ADDR or --colocated");
   }
   if (colocated && model_dir.empty()) return UsageError("--colocated needs --model DIR");
+  if (!colocated && !model_dir.empty()) {
+    return UsageError("--model is for --colocated; with --gateway use --model-name");
+  }
   if (flags.WasSet("tokens") == flags.WasSet("prompt")) {
     return UsageError("give exactly one of --tokens 1,2,3 or --prompt TEXT");
   }
@@ -154,13 +154,6 @@ int RunGenerateCommand(const std::vector<std::string>& args) {
     gateway_request.generation = request;
     gateway_request.tenant = tenant;
     gateway_request.model = model_id;
-    if (model_id.empty() && !model_dir.empty()) {
-      absl::StatusOr<kv::ModelConfig> config = kv::LoadHfConfig(model_dir + "/config.json");
-      if (!config.ok()) {
-        return UsageError(absl::StrCat("--model ", model_dir, ": ", config.status().message()));
-      }
-      gateway_request.model = config->layout.model_id();
-    }
     result = GatewayClient(gateway_address).Generate(gateway_request, timeout);
   }
   if (!result.ok()) {

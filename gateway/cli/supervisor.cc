@@ -285,7 +285,11 @@ bool Supervisor::Stop(const std::vector<int>& indices, absl::Duration grace) {
     }
     if (c.out.valid()) DrainFd(c, false, true);
     if (c.err.valid()) DrainFd(c, true, true);
-    if (c.exit_code.has_value() && *c.exit_code != 0) clean = false;
+    if (c.exit_code.has_value() && *c.exit_code != 0) {
+      std::fprintf(stderr, "kvrelay up: %s (pid %d) ended with %s\n", c.name.c_str(),
+                   static_cast<int>(c.pid), DescribeExit(*c.exit_code).c_str());
+      clean = false;
+    }
   }
   return clean;
 }

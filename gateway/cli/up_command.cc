@@ -167,9 +167,8 @@ int RunUpCommand(const std::vector<std::string>& args) {
   if (!config.ok()) return UsageError(absl::StrCat("--model: ", config.status().message()));
   absl::StatusOr<std::string> self = SelfPath();
   if (!self.ok()) return Fail(std::string(self.status().message()));
-  std::printf("kvrelay up: model %s (%s, model id %s, %lld KV bytes per token)\n",
-              model_dir.c_str(), config->model_type.c_str(),
-              config->layout.model_id().c_str(),
+  std::printf("kvrelay up: model %s (%s, %lld KV bytes per token)\n", model_dir.c_str(),
+              config->model_type.c_str(),
               static_cast<long long>(config->layout.BytesPerToken()));
   std::fflush(stdout);
 
