@@ -28,6 +28,7 @@ TEST(InProcessTransportTest, NamesAreUniqueAndAddressesResolve) {
 
 // A decode worker's block pool lives in transport memory; a prefill peer pushes into a slot.
 TEST(InProcessTransportTest, BlockPoolOverTransportMemoryReceivesBlocks) {
+  InboundQueue inbound;  // must outlive the transports that deliver into it
   KV_ASSERT_OK_AND_ASSIGN(TransportPtr decode, MakeInProcessTransport());
   KV_ASSERT_OK_AND_ASSIGN(TransportPtr prefill, MakeInProcessTransport());
   RegionMemoryResource resource(decode.get());
@@ -36,7 +37,6 @@ TEST(InProcessTransportTest, BlockPoolOverTransportMemoryReceivesBlocks) {
   ASSERT_NE(resource.region(), nullptr);
   EXPECT_EQ(pool->base(), resource.region()->data());
   EXPECT_THAT(resource.Allocate(4096), testing::StatusIs(absl::StatusCode::kFailedPrecondition));
-  InboundQueue inbound;
   decode->SetInboundHandler(inbound.Handler());
   KV_ASSERT_OK_AND_ASSIGN(kv::SlotId slot, pool->Allocate());
   const uint64_t offset =
