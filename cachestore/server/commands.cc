@@ -102,6 +102,9 @@ int RunCacheStoreCommand(const std::vector<std::string>& args) {
     std::fprintf(stderr, "kvrelay cachestore: port: cannot listen on %s:%d\n", host.c_str(), port);
     return 1;
   }
+  if (grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService()) {
+    health->SetServingStatus("kvrelay.v1.CacheStore", true);
+  }
   absl::StatusOr<std::unique_ptr<cachestore::server::MetricsHttpServer>> metrics =
       cachestore::server::MetricsHttpServer::Start(host, metrics_port,
                                                    [&service] { return service.RenderMetrics(); });
@@ -122,6 +125,10 @@ int RunCacheStoreCommand(const std::vector<std::string>& args) {
     (*store)->Tick();
   }
   KV_LOG(INFO) << "cachestore: signal " << signo << ", draining for up to " << drain;
+  // Health turns NOT_SERVING first so launchers and load balancers stop sending work.
+  if (grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService()) {
+    health->Shutdown();
+  }
   service.StopStreams();
   server->Shutdown(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(drain));
   server->Wait();

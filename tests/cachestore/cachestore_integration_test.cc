@@ -15,6 +15,7 @@
 #include "absl/strings/str_split.h"
 #include "cachestore/client/cache_store_client.h"
 #include "gmock/gmock.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "kv/block_hash.h"
@@ -281,6 +282,22 @@ TEST_F(CacheStoreProcessTest, BadInputIsRejectedByFieldAndTheServerKeepsServing)
   Store(Chain("t", 3));
   EXPECT_EQ(Matched(Chain("t", 3)), 3);
   EXPECT_TRUE(proc_->Running());
+}
+
+TEST_F(CacheStoreProcessTest, AnswersTheStandardHealthCheck) {
+  Start();
+  auto channel = grpc::CreateChannel(target_, grpc::InsecureChannelCredentials());
+  auto health = grpc::health::v1::Health::NewStub(channel);
+  for (const std::string service : {"", "kvrelay.v1.CacheStore"}) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    grpc::health::v1::HealthCheckRequest req;
+    req.set_service(service);
+    grpc::health::v1::HealthCheckResponse resp;
+    grpc::Status status = health->Check(&ctx, req, &resp);
+    ASSERT_TRUE(status.ok()) << service << ": " << status.error_message();
+    EXPECT_EQ(resp.status(), grpc::health::v1::HealthCheckResponse::SERVING) << service;
+  }
 }
 
 TEST_F(CacheStoreProcessTest, SigtermDrainsAndExitsCleanly) {
