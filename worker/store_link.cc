@@ -65,7 +65,8 @@ absl::Status StoreLink::Register() {
     s->set_segment_id(kSegmentId);
     s->set_tier(kvrelay::v1::TIER_HOST);
     s->set_capacity_slots(segment_->num_slots());
-    s->set_slot_bytes(segment_->block_bytes());
+    // The store computes offsets as slot x slot_bytes, so it gets the stride.
+    s->set_slot_bytes(segment_->slot_stride());
     s->set_memory_key(absl::StrCat(segment_->region().id()));
   }
   kvrelay::v1::RegisterNodeResponse response;
