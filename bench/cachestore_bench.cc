@@ -332,7 +332,10 @@ void BenchGrpcVsRedis(const Options& opt) {
   struct GrpcLookup {
     std::string target;
     std::unique_ptr<kvrelay::cachestore::CacheStoreClient> Setup(int) const {
-      auto c = kvrelay::cachestore::CacheStoreClient::Connect(target);
+      // One connection per client, as each Redis client has its own socket.
+      kvrelay::cachestore::CacheStoreClient::Options o;
+      o.own_connection = true;
+      auto c = kvrelay::cachestore::CacheStoreClient::Connect(target, o);
       return c.ok() ? *std::move(c) : nullptr;
     }
     int Lookup(std::unique_ptr<kvrelay::cachestore::CacheStoreClient>& c,

@@ -14,6 +14,7 @@ absl::StatusOr<std::unique_ptr<CacheStoreClient>> CacheStoreClient::Connect(
   if (target.empty()) return absl::InvalidArgumentError("target: empty cache store address");
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(16 << 20);
+  if (options.own_connection) args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   auto channel = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
   if (channel == nullptr) {
     return absl::UnavailableError("cannot create a channel to " + target);
@@ -63,7 +64,14 @@ absl::StatusOr<v1::MatchPrefixResponse> CacheStoreClient::MatchPrefix(
   grpc::ClientContext ctx;
   SetDeadline(&ctx);
   v1::MatchPrefixRequest req;
-  for (const kv::BlockHash& h : chain) ToProto(h, req.add_chain());
+  std::string* packed = req.mutable_chain_packed();
+  packed->resize(chain.size() * 16);
+  for (size_t i = 0; i < chain.size(); ++i) {
+    for (int b = 0; b < 8; ++b) {
+      (*packed)[16 * i + b] = static_cast<char>(chain[i].hi >> (56 - 8 * b));
+      (*packed)[16 * i + 8 + b] = static_cast<char>(chain[i].lo >> (56 - 8 * b));
+    }
+  }
   req.set_lease_ttl_ms(absl::ToInt64Milliseconds(lease_ttl));
   req.set_columnar(true);
   v1::MatchPrefixResponse resp;

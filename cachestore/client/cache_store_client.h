@@ -24,6 +24,9 @@ class CacheStoreClient {
  public:
   struct Options {
     absl::Duration timeout = absl::Seconds(5);
+    // Give this client its own TCP connection instead of sharing one with every other channel
+    // to the same target in the process (gRPC's global subchannel pool).
+    bool own_connection = false;
   };
   // `target` is host:port. Does not wait for the connection.
   static absl::StatusOr<std::unique_ptr<CacheStoreClient>> Connect(const std::string& target,

@@ -59,6 +59,35 @@ grpc::Status ParseChain(const google::protobuf::RepeatedPtrField<v1::BlockHash>&
   return grpc::Status::OK;
 }
 
+uint64_t LoadBigEndian64(const char* p) {
+  uint64_t v = 0;
+  for (int i = 0; i < 8; ++i) v = (v << 8) | static_cast<uint8_t>(p[i]);
+  return v;
+}
+
+// chain (repeated BlockHash) or chain_packed (16-byte big-endian hashes), exactly one.
+grpc::Status ParseEitherChain(const google::protobuf::RepeatedPtrField<v1::BlockHash>& chain,
+                              const std::string& packed, int max,
+                              std::vector<kv::BlockHash>* out) {
+  if (packed.empty()) return ParseChain(chain, "chain", max, out);
+  if (!chain.empty()) return Invalid("chain, chain_packed: set one of them, not both");
+  if (packed.size() % 16 != 0) {
+    return Invalid(absl::StrCat("chain_packed: length must be a multiple of 16, got ",
+                                packed.size()));
+  }
+  const size_t n = packed.size() / 16;
+  if (n > static_cast<size_t>(max)) {
+    return Exhausted(absl::StrCat("chain_packed: at most ", max, " hashes, got ", n));
+  }
+  out->resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    (*out)[i] = kv::BlockHash{LoadBigEndian64(packed.data() + 16 * i),
+                              LoadBigEndian64(packed.data() + 16 * i + 8)};
+    if ((*out)[i].IsZero()) return Invalid(absl::StrCat("chain_packed[", i, "]: must not be zero"));
+  }
+  return grpc::Status::OK;
+}
+
 grpc::Status CheckDeadline(grpc::ServerContext* ctx) {
   if (ctx->deadline() < std::chrono::system_clock::now()) {
     return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "deadline passed before handling");
@@ -206,7 +235,8 @@ grpc::Status CacheStoreService::MatchPrefix(grpc::ServerContext* ctx,
   RpcTimer t(&latency_[kMatch], &errors_[kMatch]);
   if (auto s = CheckDeadline(ctx); !s.ok()) return t.Done(s);
   std::vector<kv::BlockHash> chain;
-  if (auto s = ParseChain(req->chain(), "chain", limits_.max_chain, &chain); !s.ok()) {
+  if (auto s = ParseEitherChain(req->chain(), req->chain_packed(), limits_.max_chain, &chain);
+      !s.ok()) {
     return t.Done(s);
   }
   if (req->lease_ttl_ms() < 0 || req->lease_ttl_ms() > limits_.max_ttl_ms) {

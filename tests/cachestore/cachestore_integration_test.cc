@@ -251,9 +251,31 @@ TEST_F(CacheStoreProcessTest, BadInputIsRejectedByFieldAndTheServerKeepsServing)
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("chain")));
   std::vector<kv::BlockHash> too_long(4097, kv::BlockHash{1, 2});
   EXPECT_THAT(client_->MatchPrefix(too_long),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("chain_packed")));
+  EXPECT_THAT(client_->QueryPrefix(too_long),
               StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("chain")));
   EXPECT_THAT(client_->MatchPrefix({kv::BlockHash{}}),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("chain[0]")));
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("chain_packed[0]")));
+  {  // A packed chain that is not whole hashes, and both forms at once.
+    grpc::ClientContext ctx;
+    v1::MatchPrefixRequest req;
+    req.set_chain_packed(std::string(15, 'x'));
+    v1::MatchPrefixResponse resp;
+    grpc::Status s = client_->stub().MatchPrefix(&ctx, req, &resp);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(s.error_message(), HasSubstr("chain_packed"));
+    grpc::ClientContext ctx2;
+    req.set_chain_packed(std::string(16, 'x'));
+    CacheStoreClient::ToProto(kv::BlockHash{1, 2}, req.add_chain());
+    s = client_->stub().MatchPrefix(&ctx2, req, &resp);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(s.error_message(), HasSubstr("set one of them"));
+    grpc::ClientContext ctx3;
+    v1::MatchPrefixRequest zero;
+    CacheStoreClient::ToProto(kv::BlockHash{}, zero.add_chain());
+    s = client_->stub().MatchPrefix(&ctx3, zero, &resp);
+    EXPECT_THAT(s.error_message(), HasSubstr("chain[0]"));
+  }
   v1::RegisterNodeRequest bad;
   bad.set_node_id("bad id with spaces");
   EXPECT_THAT(client_->RegisterNode(bad),
