@@ -111,7 +111,10 @@ absl::StatusOr<int> Supervisor::Start(const std::string& name,
     return absl::InternalError(absl::StrCat("fork: ", std::strerror(errno)));
   }
   if (pid == 0) {
-    // Child: only async-signal-safe calls until execv.
+    // Child: only async-signal-safe calls until execv. Its own process group, so a Ctrl-C in
+    // the terminal reaches only the supervisor, which then stops the services in order (a
+    // service that already drains on SIGINT would take the supervisor's SIGTERM as "now").
+    ::setpgid(0, 0);
     ::dup2(out[1], STDOUT_FILENO);
     ::dup2(err[1], STDERR_FILENO);
     int null_fd = ::open("/dev/null", O_RDONLY);

@@ -7,8 +7,9 @@
 //
 // SIGINT and SIGTERM sent to this process are caught through a signalfd (blocked for the whole
 // process by the constructor, which must therefore run before any other thread starts) and
-// turn into stop_requested(). Children get the default signal mask back and PR_SET_PDEATHSIG
-// (SIGTERM), so they do not outlive a supervisor that is killed.
+// turn into stop_requested(). Each child runs in its own process group (a terminal's Ctrl-C
+// reaches only the supervisor), with the default signal mask and PR_SET_PDEATHSIG(SIGTERM), so
+// it does not outlive a supervisor that is killed.
 //
 // Not thread-safe: one thread drives it (Poll and everything else).
 
