@@ -4,7 +4,8 @@
 // on sleeps.
 
 #include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
+#include <mutex>
+
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 
@@ -31,20 +32,20 @@ class SimulatedClock final : public Clock {
   explicit SimulatedClock(absl::Time start = absl::UnixEpoch() + absl::Hours(24 * 365 * 50))
       : now_(start) {}
   absl::Time Now() const override {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     return now_;
   }
   void Advance(absl::Duration d) {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     now_ += d;
   }
   void Set(absl::Time t) {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     now_ = t;
   }
 
  private:
-  mutable absl::Mutex mu_;
+  mutable std::mutex mu_;  // pthread-based: visible to ThreadSanitizer
   absl::Time now_ ABSL_GUARDED_BY(mu_);
 };
 

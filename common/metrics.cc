@@ -92,7 +92,7 @@ MetricsRegistry::Family& MetricsRegistry::GetFamily(const std::string& name, Typ
 
 Counter* MetricsRegistry::GetCounter(const std::string& name, const std::string& help,
                                      const MetricLabels& labels) {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   auto& slot = GetFamily(name, Type::kCounter, help).counters[labels];
   if (slot == nullptr) slot = std::make_unique<Counter>();
   return slot.get();
@@ -100,7 +100,7 @@ Counter* MetricsRegistry::GetCounter(const std::string& name, const std::string&
 
 Gauge* MetricsRegistry::GetGauge(const std::string& name, const std::string& help,
                                  const MetricLabels& labels) {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   auto& slot = GetFamily(name, Type::kGauge, help).gauges[labels];
   if (slot == nullptr) slot = std::make_unique<Gauge>();
   return slot.get();
@@ -109,14 +109,14 @@ Gauge* MetricsRegistry::GetGauge(const std::string& name, const std::string& hel
 Histogram* MetricsRegistry::GetHistogram(const std::string& name, const std::string& help,
                                          const std::vector<double>& upper_bounds,
                                          const MetricLabels& labels) {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   auto& slot = GetFamily(name, Type::kHistogram, help).histograms[labels];
   if (slot == nullptr) slot = std::make_unique<Histogram>(upper_bounds);
   return slot.get();
 }
 
 std::string MetricsRegistry::RenderText() const {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   std::string out;
   for (const auto& [name, family] : families_) {
     const char* type = family.type == Type::kCounter ? "counter"

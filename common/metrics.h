@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
+#include <mutex>
 
 namespace kvrelay {
 
@@ -91,7 +91,7 @@ class MetricsRegistry {
   Family& GetFamily(const std::string& name, Type type, const std::string& help)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  mutable absl::Mutex mu_;
+  mutable std::mutex mu_;  // pthread-based: visible to ThreadSanitizer (Debian's Abseil is not)
   std::map<std::string, Family> families_ ABSL_GUARDED_BY(mu_);
 };
 

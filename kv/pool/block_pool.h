@@ -19,7 +19,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
+#include <mutex>
 #include "kv/pool/memory_resource.h"
 
 namespace kvrelay::kv {
@@ -85,7 +85,10 @@ class BlockPool {
   // refcounts_[i] is 0 exactly when slot i is on free_list_. Increments from 0 happen only
   // under mu_ (in Allocate); a release that reaches 0 pushes under mu_.
   std::unique_ptr<std::atomic<int32_t>[]> refcounts_;
-  mutable absl::Mutex mu_;
+  // std::mutex, not absl::Mutex: ThreadSanitizer sees pthread mutexes, while Debian's Abseil is
+  // not built for TSan (its Mutex would look like no lock at all), and this pool is the
+  // structure every thread shares.
+  mutable std::mutex mu_;
   std::vector<SlotId> free_list_ ABSL_GUARDED_BY(mu_);
 };
 

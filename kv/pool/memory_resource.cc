@@ -6,11 +6,11 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <mutex>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
 
 namespace kvrelay::kv {
 namespace {
@@ -53,7 +53,7 @@ class HostMemoryResource final : public MemoryResource {
     if (ptr == nullptr) return;
     size_t mapped_bytes = 0;
     {
-      absl::MutexLock lock(&mu_);
+      std::lock_guard<std::mutex> lock(mu_);
       auto it = mappings_.find(ptr);
       if (it == mappings_.end()) return;  // not ours; nothing safe to do
       mapped_bytes = it->second;
@@ -68,12 +68,12 @@ class HostMemoryResource final : public MemoryResource {
   static size_t PageBytes() { return static_cast<size_t>(::sysconf(_SC_PAGESIZE)); }
   // munmap needs the length that was mapped (huge-page rounded for MAP_HUGETLB).
   void Remember(void* p, size_t mapped_bytes) {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     mappings_[p] = mapped_bytes;
   }
 
   const bool try_huge_pages_;
-  absl::Mutex mu_;
+  std::mutex mu_;  // pthread-based so ThreadSanitizer sees it (see block_pool.h)
   absl::flat_hash_map<void*, size_t> mappings_ ABSL_GUARDED_BY(mu_);
   std::atomic<bool> used_huge_pages_{false};
 };
