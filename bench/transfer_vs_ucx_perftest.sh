@@ -3,6 +3,9 @@
 # per-Post DONE/ACK) against `ucx_perftest ucp_put_bw|ucp_get` (two processes, raw UCP RMA)
 # with the same UCX transports, message size and outstanding operations, measured in the same
 # run, alternating, so machine load hits both alike. Prints each round and the median ratio.
+# Also prints, per round, a one-process memcpy of the same blocks (transfer-bench measures it):
+# ucx_perftest rewrites one cache-hot buffer, so over shared memory it measures cache bandwidth,
+# while transfer-bench moves distinct blocks over a ring of 2 x inflight slots.
 #
 #   bench/transfer_vs_ucx_perftest.sh --tls tcp --block-bytes 262144 --inflight 64
 #   KVRELAY_BIN=build/bin/kvrelay bench/transfer_vs_ucx_perftest.sh --tls shm --block-bytes 16384
@@ -89,10 +92,12 @@ for r in $(seq 1 "$rounds"); do
   ours=$(echo "$js" | python3 -c 'import json,sys; print(json.load(sys.stdin)["bandwidth_gbps"])')
   p50=$(echo "$js" | python3 -c 'import json,sys; print(json.load(sys.stdin)["p50_block_us"])')
   p99=$(echo "$js" | python3 -c 'import json,sys; print(json.load(sys.stdin)["p99_block_us"])')
+  mcp=$(echo "$js" | python3 -c 'import json,sys; print(json.load(sys.stdin).get("memcpy_gbps", 0))')
   ratio=$(python3 -c "b=float('${base:-0}'); print('%.3f' % (float('$ours')/b if b > 0 else 0))")
+  mratio=$(python3 -c "b=float('${mcp:-0}'); print('%.3f' % (float('$ours')/b if b > 0 else 0))")
   ratios+=("$ratio")
-  printf '  round %d: ucx_perftest %s GB/s   kvrelay %s GB/s (p50 %s us, p99 %s us per block)   ratio %s\n' \
-    "$r" "${base:-?}" "$ours" "$p50" "$p99" "$ratio"
+  printf '  round %d: ucx_perftest %s GB/s   kvrelay %s GB/s (p50 %s us, p99 %s us per block)   ratio %s   [memcpy of the same blocks %s GB/s, ratio %s]\n' \
+    "$r" "${base:-?}" "$ours" "$p50" "$p99" "$ratio" "$mcp" "$mratio"
 done
 median=$(printf '%s\n' "${ratios[@]}" | sort -g | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}')
 echo "median ratio kvrelay/ucx_perftest: $median"

@@ -166,8 +166,13 @@ void ProgressThread::Loop() {
     // While operations are in flight, or shortly after the last event (the next message of a
     // burst is usually microseconds away), keep going without the cost of a wake-up.
     if (hooks_.busy() || now - last_activity_ < spin_after_activity_) {
-      SlowPhaseLog slow("socket events");
-      if (PollOnce(0)) last_activity_ = now;  // sockets and posted work, without sleeping
+      // Sockets without sleeping, at most every 50 us: a poll() per spin would cost more than
+      // the progress calls themselves (system calls are dear in VMs).
+      if (now - last_poll_ >= absl::Microseconds(50)) {
+        SlowPhaseLog slow("socket events");
+        last_poll_ = now;
+        if (PollOnce(0)) last_activity_ = now;
+      }
       continue;
     }
     ucs_status_t st = ucp_worker_arm(worker_);

@@ -81,6 +81,7 @@ class ProgressThread {
   absl::flat_hash_map<int, Watch> watches_;
   absl::Duration spin_after_activity_;
   absl::Time last_activity_ = absl::InfinitePast();
+  absl::Time last_poll_ = absl::InfinitePast();
 };
 
 }  // namespace kvrelay::transfer::ucx

@@ -208,7 +208,8 @@ class UcxTransport final : public Transport {
   std::string HelloFrame() const;
   std::string RegionFrame(RegionId id, const LocalRegion& region) const;
   absl::Status CreateEndpoint(Conn& c, const std::string& worker_address);
-  void PeerDown(Conn& c, absl::Status status, bool notify);
+  // `notify`: tell the handler (kPeerDown); `orderly`: the peer said BYE (not logged).
+  void PeerDown(Conn& c, absl::Status status, bool notify, bool orderly = false);
   void CloseEndpoint(Conn& c);
   void FinishPeerDown(Conn& c);
   // Finishes endpoint closes that completed (or gave up); with `wait`, progresses until all
@@ -834,7 +835,8 @@ absl::Status UcxTransport::HandleFrame(Conn& c, FrameType type, std::string_view
     case FrameType::kHeartbeat:
       return absl::OkStatus();
     case FrameType::kBye:
-      PeerDown(c, absl::UnavailableError(absl::StrCat("peer ", c.id, " disconnected")), true);
+      PeerDown(c, absl::UnavailableError(absl::StrCat("peer ", c.id, " disconnected")), true,
+               /*orderly=*/true);
       return absl::OkStatus();
     default:
       return absl::InvalidArgumentError(
@@ -967,11 +969,13 @@ void UcxTransport::PollClosing(bool wait) {
   }
 }
 
-void UcxTransport::PeerDown(Conn& c, absl::Status status, bool notify) {
+void UcxTransport::PeerDown(Conn& c, absl::Status status, bool notify, bool orderly) {
   if (c.state == Conn::State::kDead) return;
   const bool was_ready = c.state == Conn::State::kReady;
   c.state = Conn::State::kDead;
-  if (notify) KV_LOG(WARNING) << "transfer peer " << c.id << " down: " << status;
+  if (notify && !orderly) {
+    KV_LOG(WARNING) << "transfer peer " << c.id << " down: " << status;
+  }
   progress_->UnwatchFd(c.fd.get());
   c.fd.Reset();
   for (QueueItem& item : c.queue) {
