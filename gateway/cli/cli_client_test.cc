@@ -3,6 +3,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "gateway/cli/colocated.h"
 #include "gateway/cli/supervisor.h"
@@ -129,6 +130,7 @@ TEST_F(CliClientTest, BadInputExitsTwoWithOneLine) {
       {"generate", "--colocated", "--model", m, "--tokens", "1", "--temperature", "-1"},
       {"generate", "--colocated", "--model", "/nonexistent", "--tokens", "1"},
       {"generate", "--bogus"},
+      {"generate", "--gateway", "127.0.0.1:1", "--model", m, "--tokens", "1"},
       {"up", "--prefill", "0"},
       {"up", "--decode", "17"},
       {"up", "--gateway-address", "localhost"},
@@ -145,6 +147,15 @@ TEST_F(CliClientTest, BadInputExitsTwoWithOneLine) {
     EXPECT_EQ(std::count(r.stderr_text.begin(), r.stderr_text.end(), '\n'), 1)
         << what << "\n" << r.stderr_text;
   }
+}
+
+TEST_F(CliClientTest, UnreachableGatewayIsARuntimeFailure) {
+  const int port = testing::PickUnusedPort();  // nothing listens there
+  testing::CommandResult r = Kvrelay({"generate", "--gateway", absl::StrCat("127.0.0.1:", port),
+                                      "--tokens", "1,2,3", "--timeout", "3s"});
+  EXPECT_EQ(r.exit_code, 1) << r.stderr_text;
+  EXPECT_THAT(r.stderr_text, HasSubstr("kvrelay generate: "));
+  EXPECT_EQ(std::count(r.stderr_text.begin(), r.stderr_text.end(), '\n'), 1) << r.stderr_text;
 }
 
 TEST(ParseListeningLine, ReadsAddresses) {
