@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "kv/checksum.h"
+#include "transfer/region_memory_resource.h"
 
 namespace kvrelay::worker {
 
@@ -13,21 +14,18 @@ absl::StatusOr<std::unique_ptr<RegisteredKvCache>> RegisteredKvCache::Create(
   auto out = std::unique_ptr<RegisteredKvCache>(new RegisteredKvCache());
   std::vector<kv::BlockPool*> raw;
   for (size_t g = 0; g < layout.groups().size(); ++g) {
+    auto resource = std::make_unique<transfer::RegionMemoryResource>(transport);
+    transfer::RegionMemoryResource* raw_resource = resource.get();
     KV_ASSIGN_OR_RETURN(
         std::unique_ptr<kv::BlockPool> pool,
         kv::BlockPool::Create({static_cast<size_t>(layout.BlockBytes(static_cast<int>(g))),
                                blocks_per_group},
-                              kv::MakeHostMemoryResource()));
+                              std::move(resource)));
+    out->regions_.push_back(raw_resource->region());
     raw.push_back(pool.get());
     out->pools_.push_back(std::move(pool));
   }
   KV_ASSIGN_OR_RETURN(out->cache_, model::KvCache::Wrap(layout, raw));
-  for (const auto& pool : out->pools_) {
-    KV_ASSIGN_OR_RETURN(transfer::MemoryRegionPtr region,
-                        transport->RegisterMemory({pool->base(), pool->size_bytes()},
-                                                  kv::MemoryKind::kHost));
-    out->regions_.push_back(std::move(region));
-  }
   return out;
 }
 
@@ -39,11 +37,11 @@ absl::StatusOr<std::unique_ptr<CacheSegment>> CacheSegment::Create(
     out->group_offsets_.push_back(out->block_bytes_);
     out->block_bytes_ += static_cast<uint64_t>(layout.BlockBytes(static_cast<int>(g)));
   }
+  auto resource = std::make_unique<transfer::RegionMemoryResource>(transport);
+  transfer::RegionMemoryResource* raw_resource = resource.get();
   KV_ASSIGN_OR_RETURN(out->pool_, kv::BlockPool::Create({out->block_bytes_, num_slots},
-                                                        kv::MakeHostMemoryResource()));
-  KV_ASSIGN_OR_RETURN(out->region_,
-                      transport->RegisterMemory({out->pool_->base(), out->pool_->size_bytes()},
-                                                kv::MemoryKind::kHost));
+                                                        std::move(resource)));
+  out->region_ = raw_resource->region();
   return out;
 }
 

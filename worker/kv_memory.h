@@ -32,9 +32,11 @@ class RegisteredKvCache {
 
  private:
   RegisteredKvCache() = default;
+  // Each pool's memory is allocated by the transport (RegionMemoryResource): over shared
+  // memory UCX 1.13 writes directly only into memory it allocated itself.
   std::vector<std::unique_ptr<kv::BlockPool>> pools_;
   std::unique_ptr<model::KvCache> cache_;
-  std::vector<transfer::MemoryRegionPtr> regions_;  // destroyed first
+  std::vector<const transfer::MemoryRegion*> regions_;  // owned by the pools' resources
 };
 
 class CacheSegment {
@@ -64,7 +66,7 @@ class CacheSegment {
   std::vector<uint64_t> group_offsets_;
   uint64_t block_bytes_ = 0;
   std::unique_ptr<kv::BlockPool> pool_;  // used for its memory only; the store assigns slots
-  transfer::MemoryRegionPtr region_;
+  const transfer::MemoryRegion* region_ = nullptr;  // owned by pool_'s resource
 };
 
 // One (group, block, layer) slice of a block unit: layer-major inside a unit, so each layer
