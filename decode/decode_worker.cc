@@ -9,7 +9,6 @@
 #include "kv/checksum.h"
 #include "model/sampler.h"
 #include "proto/grpc_status.h"
-#include "transfer/ucx/ucx_transport.h"
 
 namespace kvrelay::decode {
 namespace {
@@ -101,27 +100,12 @@ absl::StatusOr<std::unique_ptr<DecodeWorker>> DecodeWorker::Create(DecodeWorkerO
 }
 
 absl::Status DecodeWorker::Init() {
-  model::RunnerOptions runner_options;
-  runner_options.threads = options_.threads;
-  KV_ASSIGN_OR_RETURN(runner_, model::ModelRunner::Load(options_.model_dir, runner_options));
-  transfer::UcxTransportOptions ucx;
-  ucx.listen_host = options_.transport_host;
-  KV_ASSIGN_OR_RETURN(transport_, transfer::MakeUcxTransport(ucx));
-  transport_address_ = transport_->address();
-  transport_->SetInboundHandler([this](transfer::InboundEvent e) { OnInbound(std::move(e)); });
-  KV_ASSIGN_OR_RETURN(kv_, worker::RegisteredKvCache::Create(runner_->layout(),
-                                                             options_.pool_blocks,
-                                                             transport_.get()));
-  if (!options_.cachestore_address.empty()) {
-    KV_ASSIGN_OR_RETURN(segment_, worker::CacheSegment::Create(
-                                      runner_->layout(), options_.cache_slots, transport_.get()));
-    worker::StoreLinkOptions link;
-    link.cachestore_address = options_.cachestore_address;
-    link.node_id = options_.node_id;
-    link.transport_address = transport_address_;
-    KV_ASSIGN_OR_RETURN(store_, worker::StoreLink::Connect(link, segment_.get(),
-                                                           absl::Now() + absl::Seconds(30)));
-  }
+  KV_ASSIGN_OR_RETURN(core_, worker::WorkerCore::Create(options_.core, [this](transfer::InboundEvent e) {
+                        OnInbound(std::move(e));
+                      }));
+  runner_ = core_->runner.get();
+  kv_ = core_->kv.get();
+  store_ = core_->store.get();
   scheduler_ = std::thread([this] { SchedulerLoop(); });
   return absl::OkStatus();
 }
@@ -138,7 +122,7 @@ DecodeWorker::~DecodeWorker() {
   reservations_.clear();
 }
 
-const std::string& DecodeWorker::transport_address() const { return transport_address_; }
+const std::string& DecodeWorker::transport_address() const { return core_->transport_address; }
 
 void DecodeWorker::Drain() {
   absl::MutexLock lock(&mu_);
@@ -265,7 +249,7 @@ grpc::Status DecodeWorker::Reserve(grpc::ServerContext*, const kvrelay::v1::Rese
     for (size_t i = 0; i < wanted.size(); ++i) r->slots[g][wanted[i]] = (*slots)[i];
   }
   response->mutable_transport()->set_kind("ucx");
-  response->mutable_transport()->set_address(transport_address_);
+  response->mutable_transport()->set_address(core_->transport_address);
   response->set_full_blocks(r->full_blocks);
   response->set_block_tokens(layout.block_tokens());
   response->set_ttl_ms(absl::ToInt64Milliseconds(options_.reservation_ttl));

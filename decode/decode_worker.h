@@ -32,20 +32,14 @@
 #include "kvrelay/v1/decode.grpc.pb.h"
 #include "model/model_runner.h"
 #include "transfer/transport.h"
-#include "worker/kv_memory.h"
-#include "worker/store_link.h"
+#include "worker/worker_core.h"
 
 namespace kvrelay::decode {
 
 struct DecodeWorkerOptions {
-  std::string model_dir;
-  std::string model_name;          // what requests must name; empty accepts any
-  std::string node_id = "decode-0";
-  std::string cachestore_address;  // empty: run without a cache store (no multi-turn commit)
-  std::string transport_host = "127.0.0.1";
-  int32_t threads = 1;
-  int64_t pool_blocks = 1024;      // KV slots per layer group
-  int64_t cache_slots = 256;       // whole-block slots offered to the cache store
+  // cachestore_address empty: no multi-turn commits. Default node id "decode-0".
+  worker::WorkerCoreOptions core{.node_id = "decode-0"};
+  std::string model_name;  // what requests must name; empty accepts any
   int32_t max_batch = 32;
   absl::Duration reservation_ttl = absl::Seconds(60);
   absl::Duration transfer_wait = absl::Seconds(30);  // upper bound on waiting for a push
@@ -84,12 +78,6 @@ class DecodeWorker final : public kvrelay::v1::Decode::Service {
 
   const DecodeWorkerOptions options_;
   MetricsRegistry* metrics_;
-  std::unique_ptr<model::ModelRunner> runner_;
-  transfer::TransportPtr transport_;
-  std::unique_ptr<worker::RegisteredKvCache> kv_;
-  std::unique_ptr<worker::CacheSegment> segment_;
-  std::unique_ptr<worker::StoreLink> store_;
-  std::string transport_address_;
 
   // Lock order: mu_ before any Active::mu.
   absl::Mutex mu_;
@@ -105,6 +93,13 @@ class DecodeWorker final : public kvrelay::v1::Decode::Service {
   Counter* recomputed_requests_;
   Gauge* active_gauge_;
   Histogram* step_seconds_;
+
+  // Declared last: destroyed first, so the transport stops calling OnInbound before the
+  // reservations it touches go away.
+  std::unique_ptr<worker::WorkerCore> core_;
+  model::ModelRunner* runner_ = nullptr;     // core_->runner
+  worker::RegisteredKvCache* kv_ = nullptr;  // core_->kv
+  worker::StoreLink* store_ = nullptr;       // core_->store, may be null
 };
 
 }  // namespace kvrelay::decode

@@ -20,15 +20,15 @@ int RunPrefillCommand(const std::vector<std::string>& raw_args) {
   flags.AddString("host", &host.host, "address to listen on");
   flags.AddInt32("port", &port, "gRPC port (0: any free port)");
   flags.AddInt32("metrics-port", &metrics_port, "Prometheus /metrics port (0: any free port)");
-  flags.AddString("cachestore", &options.cachestore_address, "cache store HOST:PORT (required)");
-  flags.AddString("model", &options.model_dir, "model directory (config.json + safetensors)");
+  flags.AddString("cachestore", &options.core.cachestore_address, "cache store HOST:PORT (required)");
+  flags.AddString("model", &options.core.model_dir, "model directory (config.json + safetensors)");
   flags.AddString("model-name", &options.model_name,
                   "model name requests must use (default: the directory's base name)");
-  flags.AddString("node-id", &options.node_id, "node id in the cache store");
-  flags.AddString("transport-host", &options.transport_host, "data-plane listen address");
-  flags.AddInt32("threads", &options.threads, "compute threads");
-  flags.AddInt64("pool-blocks", &options.pool_blocks, "KV slots per layer group for requests");
-  flags.AddInt64("cache-blocks", &options.cache_blocks, "whole-block slots offered to the store");
+  flags.AddString("node-id", &options.core.node_id, "node id in the cache store");
+  flags.AddString("transport-host", &options.core.transport_host, "data-plane listen address");
+  flags.AddInt32("threads", &options.core.threads, "compute threads");
+  flags.AddInt64("pool-blocks", &options.core.pool_blocks, "KV slots per layer group for requests");
+  flags.AddInt64("cache-blocks", &options.core.cache_slots, "whole-block slots offered to the store");
   absl::StatusOr<std::vector<std::string>> args = ExpandConfigFile(raw_args);
   absl::Status parsed = args.ok() ? flags.Parse(*args) : args.status();
   if (!parsed.ok()) {
@@ -39,12 +39,12 @@ int RunPrefillCommand(const std::vector<std::string>& raw_args) {
     std::cout << flags.Usage();
     return 0;
   }
-  if (options.model_dir.empty() || options.cachestore_address.empty()) {
+  if (options.core.model_dir.empty() || options.core.cachestore_address.empty()) {
     std::fprintf(stderr, "kvrelay prefill: --model and --cachestore are required\n");
     return 2;
   }
-  if (options.model_name.empty()) options.model_name = worker::ModelNameFromDir(options.model_dir);
-  if (options.threads < 1 || options.pool_blocks < 1 || options.cache_blocks < 1) {
+  if (options.model_name.empty()) options.model_name = worker::ModelNameFromDir(options.core.model_dir);
+  if (options.core.threads < 1 || options.core.pool_blocks < 1 || options.core.cache_slots < 1) {
     std::fprintf(stderr,
                  "kvrelay prefill: --threads, --pool-blocks and --cache-blocks must be positive\n");
     return 2;

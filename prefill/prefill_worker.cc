@@ -5,7 +5,6 @@
 #include "common/status_macros.h"
 #include "kv/block_hash.h"
 #include "proto/grpc_status.h"
-#include "transfer/ucx/ucx_transport.h"
 
 namespace kvrelay::prefill {
 namespace {
@@ -42,27 +41,15 @@ absl::StatusOr<std::unique_ptr<PrefillWorker>> PrefillWorker::Create(PrefillWork
 PrefillWorker::~PrefillWorker() = default;
 
 absl::Status PrefillWorker::Init() {
-  if (options_.cachestore_address.empty()) {
+  if (options_.core.cachestore_address.empty()) {
     return absl::InvalidArgumentError("--cachestore is required");
   }
-  model::RunnerOptions runner_options;
-  runner_options.threads = options_.threads;
-  KV_ASSIGN_OR_RETURN(runner_, model::ModelRunner::Load(options_.model_dir, runner_options));
-  transfer::UcxTransportOptions ucx;
-  ucx.listen_host = options_.transport_host;
-  KV_ASSIGN_OR_RETURN(transport_, transfer::MakeUcxTransport(ucx));
-  transport_address_ = transport_->address();
-  KV_ASSIGN_OR_RETURN(kv_, worker::RegisteredKvCache::Create(runner_->layout(),
-                                                             options_.pool_blocks,
-                                                             transport_.get()));
-  KV_ASSIGN_OR_RETURN(segment_, worker::CacheSegment::Create(
-                                    runner_->layout(), options_.cache_blocks, transport_.get()));
-  worker::StoreLinkOptions link;
-  link.cachestore_address = options_.cachestore_address;
-  link.node_id = options_.node_id;
-  link.transport_address = transport_address_;
-  KV_ASSIGN_OR_RETURN(store_, worker::StoreLink::Connect(link, segment_.get(),
-                                                         absl::Now() + absl::Seconds(30)));
+  KV_ASSIGN_OR_RETURN(core_, worker::WorkerCore::Create(options_.core, {}));
+  runner_ = core_->runner.get();
+  transport_ = core_->transport.get();
+  kv_ = core_->kv.get();
+  segment_ = core_->segment.get();
+  store_ = core_->store.get();
   return absl::OkStatus();
 }
 
@@ -172,7 +159,7 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
     worker::StoreLink* store;
     uint64_t id;
     ~LeaseGuard() { store->ReleaseLease(id); }
-  } lease{store_.get(), match->lease_id};
+  } lease{store_, match->lease_id};
   int64_t hit_blocks = 0;
   while (hit_blocks < static_cast<int64_t>(match->local_slots.size()) &&
          match->local_slots[hit_blocks] >= 0) {
@@ -306,7 +293,7 @@ grpc::Status PrefillWorker::Prefill(grpc::ServerContext* context,
 grpc::Status PrefillWorker::Status(grpc::ServerContext*, const kvrelay::v1::PrefillStatusRequest*,
                                    kvrelay::v1::PrefillStatusResponse* response) {
   response->set_model(options_.model_name);
-  response->set_node_id(options_.node_id);
+  response->set_node_id(options_.core.node_id);
   response->set_active_requests(static_cast<int32_t>(active_->value()));
   response->set_computed_tokens_total(static_cast<int64_t>(computed_tokens_->value()));
   response->set_prefix_hit_tokens_total(static_cast<int64_t>(prefix_hit_tokens_->value()));

@@ -25,20 +25,15 @@
 #include "kvrelay/v1/prefill.grpc.pb.h"
 #include "model/model_runner.h"
 #include "transfer/transport.h"
-#include "worker/kv_memory.h"
-#include "worker/store_link.h"
+#include "worker/worker_core.h"
 
 namespace kvrelay::prefill {
 
 struct PrefillWorkerOptions {
-  std::string model_dir;
+  // cachestore_address is required; pool_blocks are shared by all requests in flight.
+  worker::WorkerCoreOptions core{
+      .node_id = "prefill-0", .pool_blocks = 4096, .cache_slots = 1024};
   std::string model_name;
-  std::string node_id = "prefill-0";
-  std::string cachestore_address;  // required
-  std::string transport_host = "127.0.0.1";
-  int32_t threads = 1;
-  int64_t pool_blocks = 4096;   // per-request KV slots per group (all requests together)
-  int64_t cache_blocks = 1024;  // whole-block slots offered to the cache store
   absl::Duration transfer_timeout = absl::Seconds(30);
   absl::Duration lease_ttl = absl::Seconds(60);
 };
@@ -55,7 +50,7 @@ class PrefillWorker final : public kvrelay::v1::Prefill::Service {
                       const kvrelay::v1::PrefillStatusRequest* request,
                       kvrelay::v1::PrefillStatusResponse* response) override;
 
-  const std::string& transport_address() const { return transport_address_; }
+  const std::string& transport_address() const { return core_->transport_address; }
 
   // The work behind the RPC, for callers in this process.
   absl::StatusOr<kvrelay::v1::PrefillResponse> Run(const kvrelay::v1::PrefillRequest& request,
@@ -69,12 +64,12 @@ class PrefillWorker final : public kvrelay::v1::Prefill::Service {
 
   const PrefillWorkerOptions options_;
   MetricsRegistry* metrics_;
-  std::unique_ptr<model::ModelRunner> runner_;
-  transfer::TransportPtr transport_;
-  std::unique_ptr<worker::RegisteredKvCache> kv_;
-  std::unique_ptr<worker::CacheSegment> segment_;
-  std::unique_ptr<worker::StoreLink> store_;
-  std::string transport_address_;
+  std::unique_ptr<worker::WorkerCore> core_;
+  model::ModelRunner* runner_ = nullptr;     // core_->runner
+  transfer::Transport* transport_ = nullptr; // core_->transport
+  worker::RegisteredKvCache* kv_ = nullptr;  // core_->kv
+  worker::CacheSegment* segment_ = nullptr;  // core_->segment
+  worker::StoreLink* store_ = nullptr;       // core_->store
 
   absl::Mutex compute_mu_;  // one forward pass at a time; taken before peers_mu_ never
   absl::Mutex peers_mu_;

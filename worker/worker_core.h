@@ -1,0 +1,45 @@
+#pragma once
+
+// WorkerCore: what a prefill and a decode worker both own — the model runner, the UCX
+// transport, the request KV cache in transport memory, and (with a cache store) a cache
+// segment plus the store link that registers and heartbeats it.
+//
+// Members are declared in creation order, so destruction stops the heartbeat first and the
+// transport after every region allocated from it.
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "model/model_runner.h"
+#include "transfer/transport.h"
+#include "worker/kv_memory.h"
+#include "worker/store_link.h"
+
+namespace kvrelay::worker {
+
+struct WorkerCoreOptions {
+  std::string model_dir;
+  std::string node_id;
+  std::string cachestore_address;  // empty: no cache segment, no store link
+  std::string transport_host = "127.0.0.1";
+  int32_t threads = 1;
+  int64_t pool_blocks = 1024;  // request KV slots per layer group
+  int64_t cache_slots = 256;   // whole-block slots offered to the store
+};
+
+struct WorkerCore {
+  // `inbound` (may be empty) is installed before the transport can accept peers.
+  static absl::StatusOr<std::unique_ptr<WorkerCore>> Create(const WorkerCoreOptions& options,
+                                                            transfer::InboundHandler inbound);
+
+  std::unique_ptr<model::ModelRunner> runner;
+  transfer::TransportPtr transport;
+  std::string transport_address;
+  std::unique_ptr<RegisteredKvCache> kv;
+  std::unique_ptr<CacheSegment> segment;  // null without a store
+  std::unique_ptr<StoreLink> store;       // null without a store
+};
+
+}  // namespace kvrelay::worker
