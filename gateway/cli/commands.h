@@ -9,7 +9,10 @@
 namespace kvrelay::cli {
 
 int RunCacheStoreCommand(const std::vector<std::string>& args);  // cachestore/server
+int RunDecodeCommand(const std::vector<std::string>& args);  // decode/
+int RunGatewayCommand(const std::vector<std::string>& args);  // gateway/
 int RunGenerateCommand(const std::vector<std::string>& args);  // gateway/cli
+int RunPrefillCommand(const std::vector<std::string>& args);  // prefill/
 int RunLayoutCommand(const std::vector<std::string>& args);
 int RunUpCommand(const std::vector<std::string>& args);  // gateway/cli
 int RunTraceReplayCommand(const std::vector<std::string>& args);  // cachestore/server
