@@ -1,0 +1,142 @@
+#include "tests/e2e/local_cluster.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstring>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "common/scoped_fd.h"
+
+namespace kvrelay::e2e {
+
+absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(const ClusterOptions& options) {
+  auto cluster = std::unique_ptr<LocalCluster>(new LocalCluster());
+  cluster->data_ = std::make_unique<testing::TempDir>();
+  std::vector<std::string> argv = {testing::BinaryPath("kvrelay"),
+                                   "up",
+                                   "--model",
+                                   options.model_dir,
+                                   "--prefill",
+                                   absl::StrCat(options.prefill),
+                                   "--decode",
+                                   absl::StrCat(options.decode),
+                                   "--gateway-address",
+                                   "127.0.0.1:0",
+                                   "--data-dir",
+                                   cluster->data_->path(),
+                                   "--start-timeout",
+                                   absl::StrCat(absl::ToInt64Seconds(options.start_timeout), "s")};
+  argv.insert(argv.end(), options.extra_args.begin(), options.extra_args.end());
+  absl::StatusOr<std::unique_ptr<testing::ChildProcess>> up = testing::ChildProcess::Start(argv);
+  if (!up.ok()) return up.status();
+  cluster->up_ = *std::move(up);
+  absl::StatusOr<std::string> ready =
+      cluster->up_->WaitForOutput("kvrelay up: ready", options.start_timeout + absl::Seconds(30));
+  if (!ready.ok()) {
+    return absl::Status(ready.status().code(),
+                        absl::StrCat("kvrelay up did not get ready: ", ready.status().message(),
+                                     "\nlog:\n", cluster->Log()));
+  }
+  // "kvrelay up: endpoints" then "  <name> <addr> metrics <maddr> pid <pid>" per service.
+  const std::string out = cluster->up_->Stdout();
+  bool in_table = false;
+  for (absl::string_view line : absl::StrSplit(out, '\n')) {
+    if (absl::StartsWith(line, "kvrelay up: endpoints")) {
+      in_table = true;
+      continue;
+    }
+    if (absl::StartsWith(line, "kvrelay up: ready")) break;
+    if (!in_table) continue;
+    std::vector<std::string> w = absl::StrSplit(line, ' ', absl::SkipEmpty());
+    if (w.size() != 6 || w[2] != "metrics" || w[4] != "pid") {
+      return absl::InternalError(absl::StrCat("unexpected endpoints line: '", line, "'"));
+    }
+    ServiceInfo s;
+    s.name = w[0];
+    s.address = w[1];
+    s.metrics_address = w[3];
+    int pid;
+    if (!absl::SimpleAtoi(w[5], &pid)) return absl::InternalError(absl::StrCat("pid in ", line));
+    s.pid = pid;
+    if (s.name == "gateway") cluster->gateway_ = s.address;
+    cluster->services_.push_back(std::move(s));
+  }
+  if (cluster->gateway_.empty()) {
+    return absl::InternalError(absl::StrCat("no gateway in the endpoints table:\n", out));
+  }
+  return cluster;
+}
+
+LocalCluster::~LocalCluster() = default;
+
+absl::StatusOr<ServiceInfo> LocalCluster::Service(const std::string& name) const {
+  for (const ServiceInfo& s : services_) {
+    if (s.name == name) return s;
+  }
+  return absl::NotFoundError(absl::StrCat("no service ", name));
+}
+
+absl::StatusOr<int> LocalCluster::Stop(absl::Duration timeout) {
+  up_->Signal(SIGTERM);
+  return up_->Wait(timeout);
+}
+
+std::string LocalCluster::Log() const {
+  return absl::StrCat("--- stdout\n", up_->Stdout(), "--- stderr\n", up_->Stderr());
+}
+
+absl::StatusOr<double> ScrapeMetric(const std::string& metrics_address,
+                                    const std::string& metric) {
+  const size_t colon = metrics_address.rfind(':');
+  int port;
+  if (colon == std::string::npos || !absl::SimpleAtoi(metrics_address.substr(colon + 1), &port)) {
+    return absl::InvalidArgumentError(absl::StrCat("bad metrics address ", metrics_address));
+  }
+  ScopedFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!fd.valid()) return absl::InternalError("socket");
+  timeval tv{5, 0};
+  ::setsockopt(fd.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  if (::inet_pton(AF_INET, metrics_address.substr(0, colon).c_str(), &addr.sin_addr) != 1) {
+    return absl::InvalidArgumentError(absl::StrCat("bad metrics host in ", metrics_address));
+  }
+  if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    return absl::UnavailableError(absl::StrCat("connect ", metrics_address, ": ",
+                                               std::strerror(errno)));
+  }
+  const std::string request = "GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n";
+  if (::write(fd.get(), request.data(), request.size()) != static_cast<ssize_t>(request.size())) {
+    return absl::UnavailableError("write /metrics request");
+  }
+  std::string response;
+  char buf[8192];
+  for (ssize_t n; (n = ::read(fd.get(), buf, sizeof(buf))) > 0;) response.append(buf, n);
+  bool found = false;
+  double sum = 0;
+  for (absl::string_view line : absl::StrSplit(response, '\n')) {
+    line = absl::StripTrailingAsciiWhitespace(line);
+    if (line.empty() || line[0] == '#' || !absl::StartsWith(line, metric)) continue;
+    const absl::string_view rest = line.substr(metric.size());
+    if (rest.empty() || (rest[0] != ' ' && rest[0] != '{')) continue;  // a longer name
+    const size_t space = line.rfind(' ');
+    double value;
+    if (space == absl::string_view::npos || !absl::SimpleAtod(line.substr(space + 1), &value)) {
+      continue;
+    }
+    sum += value;
+    found = true;
+  }
+  if (!found) return absl::NotFoundError(absl::StrCat("no ", metric, " at ", metrics_address));
+  return sum;
+}
+
+}  // namespace kvrelay::e2e

@@ -1,0 +1,68 @@
+#pragma once
+
+// LocalCluster: a real kvrelay cluster for end-to-end tests, started with `kvrelay up` (cache
+// store, prefill and decode workers, gateway: separate processes on loopback) and stopped with
+// SIGTERM. Parses the endpoints table `kvrelay up` prints so a test can talk to (or kill) each
+// service.
+//
+// Not thread-safe; owned by one test thread (the Generate calls a test makes against the
+// gateway may come from many threads).
+
+#include <sys/types.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "tests/testing/process_harness.h"
+#include "tests/testing/test_env.h"
+
+namespace kvrelay::e2e {
+
+struct ClusterOptions {
+  std::string model_dir;
+  int prefill = 1;
+  int decode = 2;
+  // Extra `kvrelay up` flags, e.g. {"--cachestore-args", "--node-ttl 2s"}.
+  std::vector<std::string> extra_args;
+  absl::Duration start_timeout = absl::Seconds(90);
+};
+
+struct ServiceInfo {
+  std::string name;  // cachestore, prefill-0, decode-1, gateway
+  std::string address;
+  std::string metrics_address;
+  pid_t pid = -1;
+};
+
+class LocalCluster {
+ public:
+  static absl::StatusOr<std::unique_ptr<LocalCluster>> Start(const ClusterOptions& options);
+  ~LocalCluster();  // SIGKILLs `kvrelay up` if still running (its children follow)
+
+  const std::string& gateway() const { return gateway_; }
+  const std::vector<ServiceInfo>& services() const { return services_; }
+  // The service named `name`; NotFound otherwise.
+  absl::StatusOr<ServiceInfo> Service(const std::string& name) const;
+
+  // SIGTERM to `kvrelay up`; returns its exit code (0: every service drained and exited 0).
+  absl::StatusOr<int> Stop(absl::Duration timeout = absl::Seconds(60));
+  // `kvrelay up`'s stdout and stderr (the services' output, prefixed), for failure messages.
+  std::string Log() const;
+  testing::ChildProcess& process() { return *up_; }
+
+ private:
+  LocalCluster() = default;
+  std::unique_ptr<testing::TempDir> data_;
+  std::unique_ptr<testing::ChildProcess> up_;
+  std::string gateway_;
+  std::vector<ServiceInfo> services_;
+};
+
+// Scrapes http://<metrics_address>/metrics and returns the sum of every sample of `metric`
+// (all label sets). NotFound if the metric is absent.
+absl::StatusOr<double> ScrapeMetric(const std::string& metrics_address, const std::string& metric);
+
+}  // namespace kvrelay::e2e

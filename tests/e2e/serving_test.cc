@@ -1,0 +1,367 @@
+// End to end on real processes (`kvrelay up`: cache store, 1 prefill worker, 2 decode workers
+// and a gateway, UCX on loopback): disaggregated tokens equal co-located tokens for a GQA
+// (llama), an MLA (deepseek_v3) and a sliding-window (gemma3) model under 16 concurrent
+// requests; a shared prefix is reused, not recomputed; the KV bytes moved are exactly the
+// layout's; bad input is INVALID_ARGUMENT and the servers keep serving; the CLI client agrees
+// with the co-located reference; seeded sampling draws the same tokens as co-located.
+
+#include <map>
+#include <set>
+
+#include <nlohmann/json.hpp>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "common/status_macros.h"
+#include "kv/hf_config.h"
+#include "tests/e2e/e2e_util.h"
+#include "tests/e2e/local_cluster.h"
+#include "tests/testing/process_harness.h"
+#include "tests/testing/status_matchers.h"
+#include "tests/testing/test_env.h"
+
+namespace kvrelay::e2e {
+namespace {
+
+using ::kvrelay::testing::StatusIs;
+using ::testing::HasSubstr;
+using ::testing::Not;
+using ::testing::IsEmpty;
+
+constexpr absl::Duration kRequestTimeout = absl::Seconds(60);
+
+// One cluster per architecture, started on first use and shared by the tests of this binary;
+// stopped (SIGTERM, which must drain every service cleanly) at the end.
+class Clusters : public ::testing::Environment {
+ public:
+  struct Entry {
+    std::string model_dir;
+    std::unique_ptr<LocalCluster> cluster;
+    std::unique_ptr<cli::ColocatedGenerator> reference;
+    kv::ModelConfig config;
+  };
+
+  static Clusters* Get() { return instance_; }
+  static void Install() { instance_ = new Clusters(); ::testing::AddGlobalTestEnvironment(instance_); }
+
+  absl::StatusOr<Entry*> For(const std::string& arch) {
+    auto it = entries_.find(arch);
+    if (it != entries_.end()) return it->second.get();
+    if (dir_ == nullptr) dir_ = std::make_unique<testing::TempDir>();
+    auto e = std::make_unique<Entry>();
+    e->model_dir = dir_->File(arch);
+    KV_RETURN_IF_ERROR(WriteModel(e->model_dir, arch));
+    KV_ASSIGN_OR_RETURN(e->config, kv::LoadHfConfig(e->model_dir + "/config.json"));
+    KV_ASSIGN_OR_RETURN(e->reference, cli::ColocatedGenerator::Load(e->model_dir));
+    ClusterOptions options;
+    options.model_dir = e->model_dir;
+    options.prefill = 1;
+    options.decode = 2;
+    KV_ASSIGN_OR_RETURN(e->cluster, LocalCluster::Start(options));
+    Entry* raw = e.get();
+    entries_[arch] = std::move(e);
+    return raw;
+  }
+
+  void TearDown() override {
+    for (auto& [arch, e] : entries_) {
+      absl::StatusOr<int> code = e->cluster->Stop();
+      EXPECT_TRUE(code.ok() && *code == 0)
+          << arch << " cluster did not stop cleanly: "
+          << (code.ok() ? absl::StrCat("exit ", *code) : code.status().ToString()) << "\n"
+          << e->cluster->Log();
+      EXPECT_THAT(e->cluster->process().Stdout(), HasSubstr("kvrelay up: stopped"));
+    }
+    entries_.clear();
+    dir_.reset();
+  }
+
+ private:
+  static Clusters* instance_;
+  std::unique_ptr<testing::TempDir> dir_;
+  std::map<std::string, std::unique_ptr<Entry>> entries_;
+};
+Clusters* Clusters::instance_ = nullptr;
+
+cli::GatewayRequest Request(std::vector<int32_t> tokens, int32_t max_tokens,
+                            const std::string& tenant = "e2e") {
+  cli::GatewayRequest r;
+  r.generation.tokens = std::move(tokens);
+  r.generation.max_tokens = max_tokens;
+  r.tenant = tenant;
+  return r;
+}
+
+class Disaggregated : public ::testing::TestWithParam<std::string> {};
+
+// 16 concurrent greedy requests of 5 to 110 tokens (partial blocks, many blocks, and for gemma3
+// prompts past the 32-token sliding window) against the co-located reference.
+TEST_P(Disaggregated, TokensEqualColocatedUnder16ConcurrentRequests) {
+  KV_ASSERT_OK_AND_ASSIGN(Clusters::Entry * e, Clusters::Get()->For(GetParam()));
+  std::vector<cli::GatewayRequest> requests;
+  for (int i = 0; i < 16; ++i) {
+    requests.push_back(Request(RandomPrompt(5 + 7 * i, 1000 + i), 8, "concurrent"));
+  }
+  std::vector<absl::StatusOr<cli::GenerationResult>> results =
+      GenerateConcurrently(e->cluster->gateway(), requests, kRequestTimeout);
+  std::set<std::string> decode_workers;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    ASSERT_TRUE(results[i].ok()) << "request " << i << ": " << results[i].status() << "\n"
+                                 << e->cluster->Log();
+    KV_ASSERT_OK_AND_ASSIGN(cli::GenerationResult expected,
+                            e->reference->Generate(requests[i].generation));
+    const cli::GenerationResult& got = *results[i];
+    EXPECT_EQ(got.tokens, expected.tokens) << "request " << i << " ("
+                                           << requests[i].generation.tokens.size()
+                                           << " prompt tokens)";
+    EXPECT_EQ(got.prompt_tokens, static_cast<int32_t>(requests[i].generation.tokens.size()));
+    EXPECT_EQ(got.generated_tokens, 8);
+    EXPECT_EQ(got.attempts, 1);
+    EXPECT_EQ(got.prefix_hit_tokens + got.computed_prompt_tokens, got.prompt_tokens)
+        << "request " << i;
+    EXPECT_GT(got.ttft_ms, 0);
+    decode_workers.insert(got.decode_worker);
+  }
+  // Routing spread the load over both decode workers.
+  EXPECT_EQ(decode_workers.size(), 2u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, Disaggregated,
+                         ::testing::Values("llama", "deepseek_v3", "gemma3"),
+                         [](const ::testing::TestParamInfo<std::string>& info) {
+                           return info.param;
+                         });
+
+// Seeded temperature sampling draws the same tokens as the co-located run with the same seed.
+TEST(SeededSampling, MatchesColocated) {
+  KV_ASSERT_OK_AND_ASSIGN(Clusters::Entry * e, Clusters::Get()->For("llama"));
+  std::vector<cli::GatewayRequest> requests;
+  for (int i = 0; i < 4; ++i) {
+    cli::GatewayRequest r = Request(RandomPrompt(30 + 11 * i, 2000 + i), 12, "sampling");
+    r.generation.temperature = 0.9f;
+    r.generation.seed = 100 + i;
+    requests.push_back(r);
+  }
+  std::vector<absl::StatusOr<cli::GenerationResult>> results =
+      GenerateConcurrently(e->cluster->gateway(), requests, kRequestTimeout);
+  for (size_t i = 0; i < requests.size(); ++i) {
+    ASSERT_TRUE(results[i].ok()) << results[i].status();
+    KV_ASSERT_OK_AND_ASSIGN(cli::GenerationResult expected,
+                            e->reference->Generate(requests[i].generation));
+    EXPECT_EQ(results[i]->tokens, expected.tokens) << "request " << i;
+  }
+}
+
+// A 200-token prompt, then a second one sharing its first 180 tokens (90%): the second reuses
+// the 11 cached full blocks (176 tokens); the prefill worker computes only block 12 (16 tokens)
+// and the decode worker the 8-token tail. Its tokens still equal the reference's.
+TEST(SharedPrefix, SecondRequestComputesOnlyNewTokens) {
+  KV_ASSERT_OK_AND_ASSIGN(Clusters::Entry * e, Clusters::Get()->For("llama"));
+  KV_ASSERT_OK_AND_ASSIGN(ServiceInfo prefill, e->cluster->Service("prefill-0"));
+  cli::GatewayClient client(e->cluster->gateway());
+  const std::vector<int32_t> first = RandomPrompt(200, 77);
+  std::vector<int32_t> second(first.begin(), first.begin() + 180);
+  for (int32_t t : RandomPrompt(20, 78)) second.push_back(t);
+
+  KV_ASSERT_OK_AND_ASSIGN(cli::GenerationResult cold,
+                          client.Generate(Request(first, 6, "shared"), kRequestTimeout));
+  EXPECT_EQ(cold.prefix_hit_tokens, 0);
+  EXPECT_EQ(cold.computed_prompt_tokens, 200);
+
+  KV_ASSERT_OK_AND_ASSIGN(double computed_before,
+                          ScrapeMetric(prefill.metrics_address,
+                                       "kvrelay_prefill_computed_tokens_total"));
+  KV_ASSERT_OK_AND_ASSIGN(cli::GenerationResult warm,
+                          client.Generate(Request(second, 6, "shared"), kRequestTimeout));
+  KV_ASSERT_OK_AND_ASSIGN(double computed_after,
+                          ScrapeMetric(prefill.metrics_address,
+                                       "kvrelay_prefill_computed_tokens_total"));
+  EXPECT_EQ(warm.prefix_hit_tokens, 176);
+  EXPECT_EQ(warm.computed_prompt_tokens, 200 - 176);
+  EXPECT_EQ(computed_after - computed_before, 16.0) << "prefill computed more than block 12";
+
+  cli::GenerationRequest reference = Request(second, 6).generation;
+  KV_ASSERT_OK_AND_ASSIGN(cli::GenerationResult expected, e->reference->Generate(reference));
+  EXPECT_EQ(warm.tokens, expected.tokens);
+
+  // The first prompt again: every full block is cached, the output is unchanged.
+  KV_ASSERT_OK_AND_ASSIGN(cli::GenerationResult again,
+                          client.Generate(Request(first, 6, "shared"), kRequestTimeout));
+  EXPECT_EQ(again.prefix_hit_tokens, 192);
+  EXPECT_EQ(again.tokens, cold.tokens);
+
+  // Another tenant never reuses these blocks.
+  KV_ASSERT_OK_AND_ASSIGN(cli::GenerationResult other,
+                          client.Generate(Request(first, 6, "other-tenant"), kRequestTimeout));
+  EXPECT_EQ(other.prefix_hit_tokens, 0);
+  EXPECT_EQ(other.tokens, cold.tokens);
+}
+
+// KV bytes moved prefill -> decode equal the layout's bytes for the pushed tokens, counted on
+// both ends: the prefill worker's transfer handles (the summary) and the decode worker's
+// verified inbound blocks (its kvrelay_decode_received_kv_bytes_total). Full blocks are pushed
+// except that the decode worker computes the last prompt token itself (its logits give the
+// first token): a 100-token prompt pushes 6 blocks (96 tokens), a 96-token prompt 5 blocks.
+// Control traffic is not KV and is not counted: per layer, one 'done' frame on the transfer
+// control connection (4-byte length, 1-byte type, 28 bytes of header and 33 bytes per block:
+// region, offset, length, checksum flag and value) and its ack.
+TEST(BytesOnTheWire, EqualTheLayoutBytesOfThePushedTokens) {
+  for (const std::string arch : {"llama", "deepseek_v3"}) {
+    SCOPED_TRACE(arch);
+    KV_ASSERT_OK_AND_ASSIGN(Clusters::Entry * e, Clusters::Get()->For(arch));
+    const kv::ModelLayout& layout = e->config.layout;
+    ASSERT_EQ(layout.block_tokens(), 16);
+    int64_t block_bytes = 0;
+    for (size_t g = 0; g < layout.groups().size(); ++g) {
+      block_bytes += layout.BlockBytes(static_cast<int>(g));
+    }
+    EXPECT_EQ(block_bytes, 16 * layout.BytesPerToken());
+
+    auto received = [&]() -> double {
+      double sum = 0;
+      for (const char* name : {"decode-0", "decode-1"}) {
+        absl::StatusOr<ServiceInfo> d = e->cluster->Service(name);
+        EXPECT_TRUE(d.ok());
+        absl::StatusOr<double> v =
+            ScrapeMetric(d->metrics_address, "kvrelay_decode_received_kv_bytes_total");
+        EXPECT_TRUE(v.ok() || absl::IsNotFound(v.status())) << v.status();
+        if (v.ok()) sum += *v;
+      }
+      return sum;
+    };
+    cli::GatewayClient client(e->cluster->gateway());
+    for (const auto& [prompt_tokens, pushed_blocks] : {std::pair{100, 6}, std::pair{96, 5}}) {
+      const int64_t expected = pushed_blocks * block_bytes;
+      for (int round = 0; round < 2; ++round) {  // cold, then every pushed block from the cache
+        SCOPED_TRACE(absl::StrCat(prompt_tokens, " tokens, round ", round));
+        const double before = received();
+        KV_ASSERT_OK_AND_ASSIGN(cli::GenerationResult r,
+                                client.Generate(Request(RandomPrompt(prompt_tokens, 500), 4,
+                                                        absl::StrCat("bytes-", prompt_tokens)),
+                                                kRequestTimeout));
+        EXPECT_EQ(r.transferred_bytes, expected);
+        EXPECT_EQ(received() - before, static_cast<double>(expected));
+        EXPECT_EQ(r.prefix_hit_tokens, round == 0 ? 0 : pushed_blocks * 16);
+      }
+    }
+  }
+}
+
+// Every kind of bad request is INVALID_ARGUMENT with a message, and the gateway keeps serving.
+TEST(BadInput, IsInvalidArgumentAndServersKeepServing) {
+  KV_ASSERT_OK_AND_ASSIGN(Clusters::Entry * e, Clusters::Get()->For("llama"));
+  cli::GatewayClient client(e->cluster->gateway());
+  auto base = [] {
+    v1::GenerateRequest r;
+    for (int32_t t : RandomPrompt(20, 9)) r.add_tokens(t);
+    r.set_tenant("bad-input");
+    r.set_max_tokens(4);
+    return r;
+  };
+  std::vector<std::pair<std::string, v1::GenerateRequest>> cases;
+  {
+    v1::GenerateRequest r = base();
+    r.set_model("no-such-model");
+    cases.push_back({"unknown model", r});
+  }
+  {
+    v1::GenerateRequest r = base();
+    r.clear_tokens();
+    cases.push_back({"empty prompt", r});
+  }
+  {
+    v1::GenerateRequest r = base();
+    r.set_tokens(3, e->config.vocab_size);
+    cases.push_back({"token id == vocabulary size", r});
+  }
+  {
+    v1::GenerateRequest r = base();
+    r.set_tokens(0, -1);
+    cases.push_back({"negative token id", r});
+  }
+  {
+    v1::GenerateRequest r = base();
+    for (int32_t t : RandomPrompt(e->config.max_position_embeddings, 10)) r.add_tokens(t);
+    cases.push_back({"prompt over the model's positions", r});
+  }
+  {
+    v1::GenerateRequest r = base();
+    for (int32_t t : RandomPrompt(40000, 11)) r.add_tokens(t);
+    cases.push_back({"prompt over 32768 tokens", r});
+  }
+  {
+    v1::GenerateRequest r = base();
+    r.set_max_tokens(0);
+    cases.push_back({"max_tokens 0", r});
+  }
+  {
+    v1::GenerateRequest r = base();
+    r.set_max_tokens(1 << 30);
+    cases.push_back({"max_tokens huge", r});
+  }
+  {
+    v1::GenerateRequest r = base();
+    r.set_max_tokens(-5);
+    cases.push_back({"max_tokens negative", r});
+  }
+  for (const auto& [what, request] : cases) {
+    absl::StatusOr<cli::GenerationResult> r = client.GenerateRaw(request, kRequestTimeout);
+    EXPECT_THAT(r, StatusIs(absl::StatusCode::kInvalidArgument, Not(IsEmpty()))) << what;
+  }
+  // Still serving, and correctly.
+  cli::GatewayRequest good = Request(RandomPrompt(20, 9), 4, "bad-input");
+  KV_ASSERT_OK_AND_ASSIGN(cli::GenerationResult r, client.Generate(good, kRequestTimeout));
+  KV_ASSERT_OK_AND_ASSIGN(cli::GenerationResult expected,
+                          e->reference->Generate(good.generation));
+  EXPECT_EQ(r.tokens, expected.tokens);
+  for (const ServiceInfo& s : e->cluster->services()) {
+    EXPECT_EQ(::kill(s.pid, 0), 0) << s.name << " is gone";
+  }
+}
+
+// The command-line client through the gateway prints what the co-located run prints.
+TEST(GenerateCommand, GatewayJsonMatchesColocated) {
+  KV_ASSERT_OK_AND_ASSIGN(Clusters::Entry * e, Clusters::Get()->For("llama"));
+  const std::string kvrelay = testing::BinaryPath("kvrelay");
+  const std::string prompt = "The cache store remembers where every KV block lives.";
+  KV_ASSERT_OK_AND_ASSIGN(
+      testing::CommandResult via_gateway,
+      testing::RunCommand({kvrelay, "generate", "--gateway", e->cluster->gateway(), "--prompt",
+                           prompt, "--max-tokens", "10", "--tenant", "cli", "--json"}));
+  ASSERT_EQ(via_gateway.exit_code, 0) << via_gateway.stderr_text;
+  KV_ASSERT_OK_AND_ASSIGN(
+      testing::CommandResult colocated,
+      testing::RunCommand({kvrelay, "generate", "--colocated", "--model", e->model_dir,
+                           "--prompt", prompt, "--max-tokens", "10", "--json"}));
+  ASSERT_EQ(colocated.exit_code, 0) << colocated.stderr_text;
+  nlohmann::json g = nlohmann::json::parse(via_gateway.stdout_text);
+  nlohmann::json c = nlohmann::json::parse(colocated.stdout_text);
+  EXPECT_EQ(g["tokens"], c["tokens"]);
+  EXPECT_EQ(g["text"], c["text"]);
+  EXPECT_EQ(g["mode"], "gateway");
+  EXPECT_EQ(g["prompt_tokens"], static_cast<int>(prompt.size()));
+  EXPECT_EQ(g["transferred_bytes"].get<int64_t>(),
+            static_cast<int64_t>((prompt.size() - 1) / 16 * 16) *
+                e->config.layout.BytesPerToken());
+  for (const char* key : {"ttft_ms", "prefix_hit_tokens", "computed_prompt_tokens",
+                          "decode_worker", "prefill_worker", "attempts", "total_ms"}) {
+    EXPECT_TRUE(g.contains(key)) << key;
+  }
+
+  // A server-side INVALID_ARGUMENT is exit 2 with one line.
+  KV_ASSERT_OK_AND_ASSIGN(
+      testing::CommandResult bad,
+      testing::RunCommand({kvrelay, "generate", "--gateway", e->cluster->gateway(), "--tokens",
+                           "1,2,999", "--json"}));
+  EXPECT_EQ(bad.exit_code, 2) << bad.stderr_text;
+  EXPECT_THAT(bad.stderr_text, HasSubstr("INVALID_ARGUMENT"));
+}
+
+}  // namespace
+}  // namespace kvrelay::e2e
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  kvrelay::e2e::Clusters::Install();
+  return RUN_ALL_TESTS();
+}
