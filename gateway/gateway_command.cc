@@ -84,14 +84,7 @@ int RunGatewayCommand(const std::vector<std::string>& raw_args) {
     std::fprintf(stderr, "kvrelay gateway: %s\n", service.status().ToString().c_str());
     return service.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
   }
-  absl::StatusOr<std::unique_ptr<worker::ServiceHost>> server =
-      worker::ServiceHost::Start(host, {service->get()}, &metrics);
-  if (!server.ok()) {
-    std::fprintf(stderr, "kvrelay gateway: %s\n", server.status().ToString().c_str());
-    return 1;
-  }
-  (*server)->WaitForShutdown();
-  return 0;
+  return worker::ServeUntilSignal(host, service->get(), &metrics);
 }
 
 }  // namespace kvrelay::cli

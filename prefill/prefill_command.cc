@@ -58,16 +58,9 @@ int RunPrefillCommand(const std::vector<std::string>& raw_args) {
     std::fprintf(stderr, "kvrelay prefill: %s\n", worker.status().ToString().c_str());
     return 1;
   }
-  absl::StatusOr<std::unique_ptr<worker::ServiceHost>> server =
-      worker::ServiceHost::Start(host, {worker->get()}, &metrics);
-  if (!server.ok()) {
-    std::fprintf(stderr, "kvrelay prefill: %s\n", server.status().ToString().c_str());
-    return 1;
-  }
   std::fprintf(stderr, "prefill: model %s, data plane %s\n", options.model_name.c_str(),
                (*worker)->transport_address().c_str());
-  (*server)->WaitForShutdown();
-  return 0;
+  return worker::ServeUntilSignal(host, worker->get(), &metrics);
 }
 
 }  // namespace kvrelay::cli

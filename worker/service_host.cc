@@ -86,6 +86,18 @@ void ServiceHost::WaitForShutdown(const std::function<void()>& on_drain) {
   KV_LOG(INFO) << options_.name << ": drained";
 }
 
+int ServeUntilSignal(const ServiceHostOptions& options, grpc::Service* service,
+                     const MetricsRegistry* metrics, const std::function<void()>& on_drain) {
+  absl::StatusOr<std::unique_ptr<ServiceHost>> server = ServiceHost::Start(options, {service}, metrics);
+  if (!server.ok()) {
+    std::fprintf(stderr, "kvrelay %s: %s\n", options.name.c_str(),
+                 server.status().ToString().c_str());
+    return 1;
+  }
+  (*server)->WaitForShutdown(on_drain);
+  return 0;
+}
+
 absl::Status CheckHostPort(const std::string& address, const std::string& what) {
   const size_t colon = address.rfind(':');
   int port = 0;

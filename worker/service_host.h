@@ -69,6 +69,11 @@ class ServiceHost {
   std::atomic<bool> shutdown_requested_{false};
 };
 
+// The tail of every server subcommand: serves `service` until SIGTERM/SIGINT, then drains
+// (`on_drain` first). Returns the process exit code (1 when the server cannot start).
+int ServeUntilSignal(const ServiceHostOptions& options, grpc::Service* service,
+                     const MetricsRegistry* metrics, const std::function<void()>& on_drain = {});
+
 // Parses "host:port" with 1 <= port <= 65535. InvalidArgument naming `what` otherwise.
 absl::Status CheckHostPort(const std::string& address, const std::string& what);
 
