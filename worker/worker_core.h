@@ -9,12 +9,16 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/flags.h"
 #include "model/model_runner.h"
 #include "transfer/transport.h"
 #include "worker/kv_memory.h"
+#include "worker/service_host.h"
 #include "worker/store_link.h"
 
 namespace kvrelay::worker {
@@ -40,6 +44,25 @@ struct WorkerCore {
   std::unique_ptr<RegisteredKvCache> kv;
   std::unique_ptr<CacheSegment> segment;  // null without a store
   std::unique_ptr<StoreLink> store;       // null without a store
+};
+
+// Command-line handling shared by `kvrelay prefill` and `kvrelay decode`: registers the server
+// address flags, the WorkerCoreOptions flags and --model-name on `flags`, then parses
+// `raw_args` (with --config). Returns an exit code to return at once (0 after --help, 2 with a
+// one-line message for bad usage), or nullopt when the command should go on; fills the model
+// name's default from the directory. Call AddFlags, add command-specific flags, then Parse.
+class WorkerFlags {
+ public:
+  WorkerFlags(ServiceHostOptions& host, WorkerCoreOptions& core, std::string& model_name)
+      : host_(host), core_(core), model_name_(model_name) {}
+  void AddFlags(FlagSet& flags);
+  std::optional<int> Parse(FlagSet& flags, const std::vector<std::string>& raw_args,
+                           bool cachestore_required);
+
+ private:
+  ServiceHostOptions& host_;
+  WorkerCoreOptions& core_;
+  std::string& model_name_;
 };
 
 }  // namespace kvrelay::worker
