@@ -12,6 +12,7 @@ int RunCacheStoreCommand(const std::vector<std::string>& args);  // cachestore/s
 int RunDecodeCommand(const std::vector<std::string>& args);  // decode/
 int RunGatewayCommand(const std::vector<std::string>& args);  // gateway/
 int RunGenerateCommand(const std::vector<std::string>& args);  // gateway/cli
+int RunHealthCommand(const std::vector<std::string>& args);  // gateway/cli (cli_up)
 int RunPrefillCommand(const std::vector<std::string>& args);  // prefill/
 int RunLayoutCommand(const std::vector<std::string>& args);
 int RunUpCommand(const std::vector<std::string>& args);  // gateway/cli
