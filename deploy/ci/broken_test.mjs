@@ -106,6 +106,12 @@ test("a dropped readiness probe fails", async () => {
   /StatefulSet\/kvrelay-decode: container decode: has no readinessProbe/);
 });
 
+test("a misspelled field fails (strict field validation)", async () => {
+  await expectFailure("misspelled-field", ["base"], (root) =>
+    edit(root, "deploy/k8s/base/gateway.yaml", (t) => t.replace("topologySpreadConstraints:", "topologySpreadConstraint:")),
+  /unknown field Deployment\.spec\.template\.spec\.topologySpreadConstraint\b/);
+});
+
 test("an image tagged latest fails", async () => {
   await expectFailure("latest-tag", ["base"], (root) =>
     edit(root, "deploy/k8s/base/kustomization.yaml", (t) => t.replace("newTag: 0.1.0", "newTag: latest")),

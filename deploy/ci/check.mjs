@@ -11,6 +11,7 @@
 
 import { spawnSync } from "node:child_process";
 import fs from "node:fs";
+import { createRequire } from "node:module";
 import os from "node:os";
 import path from "node:path";
 import { fileURLToPath } from "node:url";
@@ -91,6 +92,60 @@ async function modelClass(apiVersion, kind) {
   return modelCache.get(key);
 }
 
+// Unknown fields. The schemas let unknown properties through (as the OpenAPI documents do), but
+// an API server with strict field validation (kubectl's default since 1.27) refuses them, and a
+// misspelled optional field would otherwise be silently dropped. kubernetes-models' type
+// declarations list every field of every type: walk the object along them (fields whose type is
+// declared inline, such as a StatefulSet's volumeClaimTemplates, are not descended).
+const MODELS_DIR = path.dirname(createRequire(import.meta.url).resolve("kubernetes-models/package.json"));
+const declCache = new Map();
+
+function declarationOf(file) {
+  if (!declCache.has(file)) {
+    let decl = null;
+    if (fs.existsSync(file)) {
+      const text = fs.readFileSync(file, "utf8");
+      const imports = new Map();
+      for (const m of text.matchAll(/^import \{ (\w+) \} from "([^"]+)";$/gm)) {
+        const target = m[2].startsWith(".")
+          ? path.resolve(path.dirname(file), m[2] + ".d.ts")
+          : path.join(MODELS_DIR, "..", m[2] + ".d.ts");
+        imports.set(m[1], target);
+      }
+      const body = text.match(/^export interface I\w+(?: extends [\w, ]+)? \{\n([\s\S]*?)^\}/m);
+      if (body) {
+        const props = new Map();
+        for (const m of body[1].matchAll(/^    "([^"]+)"\??: (.*?);?$/gm)) props.set(m[1], m[2]);
+        decl = { props, imports };
+      }
+    }
+    declCache.set(file, decl);
+  }
+  return declCache.get(file);
+}
+
+function unknownFields(value, file, where, report) {
+  if (!value || typeof value !== "object" || Array.isArray(value)) return;
+  const decl = declarationOf(file);
+  if (!decl) return;
+  for (const [key, child] of Object.entries(value)) {
+    const type = decl.props.get(key);
+    if (type === undefined) {
+      report(`unknown field ${where}.${key} (strict field validation refuses it)`);
+      continue;
+    }
+    const array = type.match(/^Array<(I\w+)>$/);
+    const named = array ? array[1] : (type.match(/^(I\w+)$/) ?? [])[1];
+    const target = named && decl.imports.get(named);
+    if (!target) continue;  // a scalar, an enum, a map or a type alias
+    if (array && Array.isArray(child)) {
+      child.forEach((item, i) => unknownFields(item, target, `${where}.${key}[${i}]`, report));
+    } else if (!array) {
+      unknownFields(child, target, `${where}.${key}`, report);
+    }
+  }
+}
+
 async function validateSchema(obj, report) {
   const cls = await modelClass(obj.apiVersion, obj.kind);
   if (!cls) {
@@ -102,6 +157,9 @@ async function validateSchema(obj, report) {
   } catch (e) {
     report(`schema: ${e.message}`);
   }
+  const root = path.join(MODELS_DIR, obj.apiVersion, `${obj.kind}.d.ts`);
+  if (!declarationOf(root)) report(`no type declaration ${path.relative(MODELS_DIR, root)} for the unknown-field check`);
+  else unknownFields(obj, root, obj.kind, report);
 }
 
 // ---------------------------------------------------------------------------------------------
