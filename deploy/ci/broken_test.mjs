@@ -92,6 +92,13 @@ test("a ConfigMap config key the binary does not take fails", async () => {
   /'cache-slot' is not a flag of kvrelay prefill/);
 });
 
+test("a config file no server reads fails (its keys would go unchecked)", async () => {
+  await expectFailure("unused-config", ["base"], (root) => {
+    fs.writeFileSync(path.join(root, "deploy/k8s/base/config/cachestore.yaml"), "data-dirr: /var/lib/kvrelay\n");
+    edit(root, "deploy/k8s/base/kustomization.yaml", (t) => t.replace("  - config/decode.yaml\n", "  - config/decode.yaml\n  - config/cachestore.yaml\n"));
+  }, /cachestore\.yaml is no container's --config file/);
+});
+
 test("a config value the binary's parser refuses fails", async () => {
   await expectFailure("config-value", ["base"], (root) =>
     edit(root, "deploy/k8s/base/config/decode.yaml", (t) => t.replace("max-batch: 32", "max-batch: lots")),

@@ -316,6 +316,7 @@ function fileSource(podSpec, container, filePath) {
 
 export async function checkObjects(objects, ctx) {
   const errors = [];
+  ctx.configsUsed = new Set();
   const byKind = (k) => objects.filter((o) => o.kind === k);
   const pods = objects.map((o) => ({ obj: o, pod: podSpecOf(o) })).filter((x) => x.pod?.spec);
   const namespaces = byKind("Namespace");
@@ -455,6 +456,16 @@ export async function checkObjects(objects, ctx) {
     }
   }
 
+  // Every config file in a ConfigMap is some server's --config, so each of its keys was checked
+  // against that server's flags above.
+  for (const cm of byKind("ConfigMap")) {
+    for (const key of Object.keys(cm.data ?? {})) {
+      if (!ctx.configsUsed.has(`${cm.metadata.name}/${key}`)) {
+        errors.push(`${ref(cm)}: ${key} is no container's --config file, so its keys are unchecked`);
+      }
+    }
+  }
+
   // Selectors: every Service, PDB, NetworkPolicy and HPA must point at something rendered.
   for (const svc of byKind("Service")) {
     const report = (msg) => errors.push(`${ref(svc)}: ${msg}`);
@@ -557,6 +568,7 @@ async function checkKvrelayContainer({ obj, spec, c, init, objects, ctx, report 
     } else {
       const cm = objects.find((o) => o.kind === "ConfigMap" && o.metadata.name === src.configMap);
       configText = cm?.data?.[src.key];
+      ctx.configsUsed.add(`${src.configMap}/${src.key}`);
       if (configText === undefined) {
         report(`--config ${configPath}: ConfigMap ${src.configMap} has no key ${src.key}`);
       } else {
