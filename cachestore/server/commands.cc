@@ -29,6 +29,7 @@ int RunCacheStoreCommand(const std::vector<std::string>& args) {
   std::string data_dir;
   std::string policy(cachestore::kDefaultPolicy);
   absl::Duration node_ttl = absl::Seconds(10);
+  absl::Duration suspect_grace = absl::Seconds(30);
   absl::Duration commit_timeout = absl::Seconds(30);
   absl::Duration tick = absl::Milliseconds(100);
   absl::Duration drain = absl::Seconds(5);
@@ -40,7 +41,11 @@ int RunCacheStoreCommand(const std::vector<std::string>& args) {
   flags.AddInt32("metrics-port", &metrics_port, "Prometheus /metrics port; 0 picks a free one");
   flags.AddString("data-dir", &data_dir, "WAL + snapshot directory; empty = no durability");
   flags.AddString("policy", &policy, "eviction policy: lrfu (default) or leaf-lru");
-  flags.AddDuration("node-ttl", &node_ttl, "default heartbeat TTL of a node");
+  flags.AddDuration("node-ttl", &node_ttl,
+                    "default heartbeat TTL of a node; past it the node is suspect (its blocks "
+                    "are skipped, not dropped)");
+  flags.AddDuration("suspect-grace", &suspect_grace,
+                    "how long a suspect node keeps its blocks before it is forgotten");
   flags.AddDuration("commit-timeout", &commit_timeout, "time to commit an allocation");
   flags.AddDuration("tick", &tick, "period of expiry / eviction / snapshot work");
   flags.AddDuration("drain", &drain, "grace for in-flight RPCs on SIGTERM");
@@ -60,6 +65,14 @@ int RunCacheStoreCommand(const std::vector<std::string>& args) {
     std::fprintf(stderr, "kvrelay cachestore: port / metrics-port: want 0-65535\n");
     return 2;
   }
+  if (node_ttl < absl::Milliseconds(100) || node_ttl > absl::Minutes(10)) {
+    std::fprintf(stderr, "kvrelay cachestore: node-ttl: want 100ms-10m\n");
+    return 2;
+  }
+  if (suspect_grace < absl::ZeroDuration() || suspect_grace > absl::Hours(24)) {
+    std::fprintf(stderr, "kvrelay cachestore: suspect-grace: want 0-24h\n");
+    return 2;
+  }
   if (tick <= absl::ZeroDuration()) {
     std::fprintf(stderr, "kvrelay cachestore: tick: must be positive\n");
     return 2;
@@ -77,6 +90,9 @@ int RunCacheStoreCommand(const std::vector<std::string>& args) {
   options.data_dir = data_dir;
   options.wal_fsync = wal_fsync;
   options.default_node_ttl = node_ttl;
+  options.suspect_grace = suspect_grace;
+  cachestore::server::Limits limits;
+  options.limits = limits;
   options.commit_timeout = commit_timeout;
   options.high_watermark = high;
   options.low_watermark = low;
@@ -87,7 +103,6 @@ int RunCacheStoreCommand(const std::vector<std::string>& args) {
     std::fprintf(stderr, "kvrelay cachestore: %s\n", store.status().ToString().c_str());
     return absl::IsInvalidArgument(store.status()) ? 2 : 1;
   }
-  cachestore::server::Limits limits;
   cachestore::server::CacheStoreService service(store->get(), limits);
 
   grpc::EnableDefaultHealthCheckService(true);
@@ -96,6 +111,10 @@ int RunCacheStoreCommand(const std::vector<std::string>& args) {
   builder.AddListeningPort(absl::StrCat(host, ":", port), grpc::InsecureServerCredentials(),
                            &bound_port);
   builder.SetMaxReceiveMessageSize(limits.max_message_bytes);
+  // Clients keep long-lived channels alive with pings (CacheStoreClient: every 20 s, also
+  // without calls); accept them instead of answering GOAWAY "too_many_pings".
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 5000);
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || bound_port == 0) {
