@@ -359,10 +359,11 @@ absl::StatusOr<HeartbeatResult> CacheStore::Heartbeat(const std::string& node_id
     case NodeRegistry::HeartbeatOutcome::kUnknown:
       return HeartbeatResult{false, NodeState::kLive};
     case NodeRegistry::HeartbeatOutcome::kWrongIncarnation:
-      return absl::FailedPreconditionError(absl::StrCat(
-          "incarnation: node '", node_id, "' is registered with incarnation ",
-          r.registered_incarnation, ", not ", incarnation,
-          " (this process was replaced or forgotten): register again"));
+      return IdentityError(absl::FailedPreconditionError(absl::StrCat(
+                               "incarnation: node '", node_id, "' is registered with incarnation ",
+                               r.registered_incarnation, ", not ", incarnation,
+                               " (this process was replaced or forgotten): register again")),
+                           node_id);
     case NodeRegistry::HeartbeatOutcome::kRevived: {
       absl::MutexLock lock(&mu_);
       if (std::optional<NodeSpec> spec = registry_.Spec(r.index)) {
@@ -696,16 +697,20 @@ absl::Status CacheStore::CheckOwner(uint64_t allocation_id, const PendingAllocat
   const Caller& owner = pending.owner;
   if (owner.anonymous()) return absl::OkStatus();
   if (caller.node_id != owner.node_id) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        "allocation_id: allocation ", allocation_id, " belongs to node '", owner.node_id,
-        "', not to ",
-        caller.anonymous() ? std::string("an anonymous caller")
-                           : absl::StrCat("node '", caller.node_id, "'")));
+    return IdentityError(
+        absl::PermissionDeniedError(absl::StrCat(
+            "allocation_id: allocation ", allocation_id, " belongs to node '", owner.node_id,
+            "', not to ",
+            caller.anonymous() ? std::string("an anonymous caller")
+                               : absl::StrCat("node '", caller.node_id, "'"))),
+        caller.node_id);
   }
   if (caller.incarnation != owner.incarnation) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "incarnation: allocation ", allocation_id, " belongs to node '", owner.node_id,
-        "' incarnation ", owner.incarnation, ", not incarnation ", caller.incarnation));
+    return IdentityError(absl::FailedPreconditionError(absl::StrCat(
+                             "incarnation: allocation ", allocation_id, " belongs to node '",
+                             owner.node_id, "' incarnation ", owner.incarnation,
+                             ", not incarnation ", caller.incarnation)),
+                         caller.node_id);
   }
   return absl::OkStatus();
 }
@@ -941,6 +946,14 @@ absl::StatusOr<AnnounceResult> CacheStore::AnnounceBlocks(const Caller& node,
 }
 
 std::vector<NodeInfo> CacheStore::ListNodes() const { return registry_.List(clock_->Now()); }
+
+std::optional<NodeRole> CacheStore::RoleOf(const std::string& node_id) const {
+  std::optional<uint16_t> index = registry_.Find(node_id);
+  if (!index.has_value()) return std::nullopt;
+  std::optional<NodeSpec> spec = registry_.Spec(*index);
+  if (!spec.has_value()) return std::nullopt;
+  return spec->role;
+}
 
 StoreStats CacheStore::Stats() const {
   StoreStats s;

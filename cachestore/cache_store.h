@@ -248,6 +248,8 @@ class CacheStore {
   // Re-announces blocks `node` still holds in `segment_id` (idempotent); see AnnouncedBlock.
   absl::StatusOr<AnnounceResult> AnnounceBlocks(const Caller& node, const std::string& segment_id,
                                                 absl::Span<const AnnouncedBlock> blocks);
+  // The role a registered node gave (nullopt when not registered).
+  std::optional<NodeRole> RoleOf(const std::string& node_id) const;
   // Registered nodes (live and suspect) with their addresses, role, load and liveness.
   std::vector<NodeInfo> ListNodes() const;
   // Random per process start: lets nodes and watchers notice a store restart.

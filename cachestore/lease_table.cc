@@ -1,6 +1,7 @@
 #include "cachestore/lease_table.h"
 
 #include "absl/strings/str_cat.h"
+#include "cachestore/node_registry.h"
 #include "cachestore/random_id.h"
 
 namespace kvrelay::cachestore {
@@ -35,15 +36,19 @@ absl::StatusOr<std::vector<kv::BlockHash>> LeaseTable::Release(uint64_t lease_id
   const Owner& owner = it->second.owner;
   if (!owner.node_id.empty()) {
     if (caller.node_id != owner.node_id) {
-      return absl::PermissionDeniedError(absl::StrCat(
-          "lease_id: lease ", lease_id, " belongs to node '", owner.node_id, "', not to ",
-          caller.node_id.empty() ? std::string("an anonymous caller")
-                                 : absl::StrCat("node '", caller.node_id, "'")));
+      return IdentityError(
+          absl::PermissionDeniedError(absl::StrCat(
+              "lease_id: lease ", lease_id, " belongs to node '", owner.node_id, "', not to ",
+              caller.node_id.empty() ? std::string("an anonymous caller")
+                                     : absl::StrCat("node '", caller.node_id, "'"))),
+          caller.node_id);
     }
     if (caller.incarnation != owner.incarnation) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "incarnation: lease ", lease_id, " belongs to node '", owner.node_id, "' incarnation ",
-          owner.incarnation, ", not incarnation ", caller.incarnation));
+      return IdentityError(absl::FailedPreconditionError(absl::StrCat(
+                               "incarnation: lease ", lease_id, " belongs to node '",
+                               owner.node_id, "' incarnation ", owner.incarnation,
+                               ", not incarnation ", caller.incarnation)),
+                           caller.node_id);
     }
   }
   EraseExpiryEntry(lease_id, it->second.expiry);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 
 namespace kvrelay::cachestore {
@@ -17,6 +18,11 @@ std::string_view TierName(Tier tier) {
     default:
       return "unspecified";
   }
+}
+
+absl::Status IdentityError(absl::Status status, std::string_view node_id) {
+  status.SetPayload(kIdentityPayload, absl::Cord(node_id));
+  return status;
 }
 
 std::string_view NodeRoleName(NodeRole role) {
@@ -51,10 +57,10 @@ absl::StatusOr<NodeRegistry::RegisterResult> NodeRegistry::Register(const NodeSp
     if (n.spec.incarnation == spec.incarnation) {
       if (!(n.spec == spec)) {
         if (force_replace) return RegisterResult{it->second, true, false, false};
-        return absl::FailedPreconditionError(absl::StrCat(
+        return IdentityError(absl::FailedPreconditionError(absl::StrCat(
             "node_id: node '", spec.node_id, "' incarnation ", spec.incarnation,
             " is already registered with different addresses, segments or TTL; a new spec needs "
-            "a new incarnation"));
+            "a new incarnation")), spec.node_id);
       }
       n.last_heartbeat = now;
       const bool revived = n.state == NodeState::kSuspect;
@@ -62,11 +68,12 @@ absl::StatusOr<NodeRegistry::RegisterResult> NodeRegistry::Register(const NodeSp
       return RegisterResult{it->second, false, revived, false};
     }
     if (n.state == NodeState::kLive && !force_replace) {
-      return absl::AlreadyExistsError(absl::StrCat(
+      return IdentityError(absl::AlreadyExistsError(absl::StrCat(
           "node_id: '", spec.node_id, "' is registered by a live process (incarnation ",
           n.spec.incarnation, ", data plane ", n.spec.transport_address,
           n.spec.grpc_address.empty() ? "" : ", gRPC ", n.spec.grpc_address,
-          "); refusing incarnation ", spec.incarnation, ": give each process its own node id"));
+          "); refusing incarnation ", spec.incarnation, ": give each process its own node id")),
+          spec.node_id);
     }
     return RegisterResult{it->second, true, false, false};
   }
@@ -153,15 +160,19 @@ absl::StatusOr<uint16_t> NodeRegistry::Check(const std::string& node_id,
   absl::MutexLock lock(&mu_);
   auto it = by_id_.find(node_id);
   if (it == by_id_.end()) {
-    return absl::NotFoundError(absl::StrCat("node_id: node '", node_id,
-                                            "' is not registered (expired, replaced or never "
-                                            "registered): register again"));
+    return IdentityError(absl::NotFoundError(absl::StrCat(
+                             "node_id: node '", node_id,
+                             "' is not registered (expired, replaced or never registered): "
+                             "register again")),
+                         node_id);
   }
   const uint64_t registered = nodes_[it->second].spec.incarnation;
   if (incarnation != 0 && incarnation != registered) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "incarnation: node '", node_id, "' is registered with incarnation ", registered,
-        ", not ", incarnation, " (an earlier or different process)"));
+    return IdentityError(absl::FailedPreconditionError(absl::StrCat(
+                             "incarnation: node '", node_id, "' is registered with incarnation ",
+                             registered, ", not ", incarnation,
+                             " (an earlier or different process)")),
+                         node_id);
   }
   return it->second;
 }

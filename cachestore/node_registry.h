@@ -50,6 +50,13 @@ struct SegmentSpec {
   friend bool operator==(const SegmentSpec&, const SegmentSpec&) = default;
 };
 
+// Errors about who the caller is (wrong incarnation, id held by another process, another
+// node's allocation or lease) carry this absl::Status payload, whose value is the node id the
+// error is about; the gRPC glue turns it into ErrorInfo{reason: FAILURE_IDENTITY} (structured,
+// so nobody parses the message).
+inline constexpr char kIdentityPayload[] = "kvrelay.cachestore/identity";
+absl::Status IdentityError(absl::Status status, std::string_view node_id);
+
 // Same numbers as kvrelay.v1.NodeRole.
 enum class NodeRole : uint8_t { kUnspecified = 0, kPrefill = 1, kDecode = 2, kCache = 3 };
 std::string_view NodeRoleName(NodeRole role);  // "prefill", "decode", "cache", "unspecified"

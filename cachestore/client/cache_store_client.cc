@@ -8,6 +8,7 @@
 #include <chrono>
 
 #include "absl/strings/str_format.h"
+#include "common/server/credentials.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/grpc_status.h"
 
@@ -31,20 +32,17 @@ uint64_t KernelRandom64() {
 absl::StatusOr<std::unique_ptr<CacheStoreClient>> CacheStoreClient::Connect(
     const std::string& target, Options options) {
   if (target.empty()) return absl::InvalidArgumentError("target: empty cache store address");
-  grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(16 << 20);
-  if (options.own_connection) args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  if (options.keepalive > absl::ZeroDuration()) {
-    args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS,
-                static_cast<int>(absl::ToInt64Milliseconds(options.keepalive)));
-    args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 10000);
-    args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
-    args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
-  }
-  auto channel = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
-  if (channel == nullptr) {
-    return absl::UnavailableError("cannot create a channel to " + target);
-  }
+  server::ChannelOptions channel_options;
+  channel_options.keepalive_time = options.keepalive;
+  channel_options.own_connection = options.own_connection;
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel =
+      server::MakeChannel(target, options.security, channel_options);
+  if (!channel.ok()) return channel.status();
+  return std::unique_ptr<CacheStoreClient>(new CacheStoreClient(*std::move(channel), options));
+}
+
+std::unique_ptr<CacheStoreClient> CacheStoreClient::FromChannel(
+    std::shared_ptr<grpc::Channel> channel, Options options) {
   return std::unique_ptr<CacheStoreClient>(new CacheStoreClient(std::move(channel), options));
 }
 

@@ -49,6 +49,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "common/server/credentials.h"
 #include "kv/block_hash.h"
 #include "kvrelay/v1/cachestore.grpc.pb.h"
 
@@ -73,9 +74,10 @@ class CacheStoreClient {
     // Give this client its own TCP connection instead of sharing one with every other channel
     // to the same target in the process (gRPC's global subchannel pool).
     bool own_connection = false;
-    // gRPC keepalive pings on the channel, so a dead store or a cut link is noticed even when
-    // no call is running. Zero turns them off.
-    absl::Duration keepalive = absl::Seconds(20);
+    // gRPC keepalive pings on the channel (server::MakeChannel), so a dead store or a cut link
+    // is noticed even when no call is running.
+    absl::Duration keepalive = absl::Seconds(10);
+    server::SecurityOptions security;  // plain text unless TLS files are given
     // The calling node; empty for anonymous clients (gateway, tools).
     NodeIdentity node;
   };
@@ -85,6 +87,10 @@ class CacheStoreClient {
   static absl::StatusOr<std::unique_ptr<CacheStoreClient>> Connect(const std::string& target) {
     return Connect(target, Options{});
   }
+
+  // A client over a channel made elsewhere (server::MakeChannel: credentials and keepalive).
+  static std::unique_ptr<CacheStoreClient> FromChannel(std::shared_ptr<grpc::Channel> channel,
+                                                       Options options);
 
   // A random non-zero incarnation (kernel CSPRNG); call once per process start.
   static uint64_t NewIncarnation();

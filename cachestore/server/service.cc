@@ -14,11 +14,29 @@ namespace {
 
 using ::kvrelay::proto::ToGrpcStatus;
 
+// Bad input is the caller's own failure (never counted against a node).
+grpc::Status ClientError(absl::Status status) {
+  v1::ErrorInfo info;
+  info.set_role(v1::ROLE_CLIENT);
+  info.set_reason(v1::FAILURE_INVALID_REQUEST);
+  return ToGrpcStatus(proto::WithErrorInfo(std::move(status), info));
+}
 grpc::Status Invalid(const std::string& msg) {
-  return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, msg);
+  return ClientError(absl::InvalidArgumentError(msg));
 }
 grpc::Status Exhausted(const std::string& msg) {
-  return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, msg);
+  return ClientError(absl::ResourceExhaustedError(msg));
+}
+
+v1::Role ToRole(NodeRole role) {
+  switch (role) {
+    case NodeRole::kPrefill:
+      return v1::ROLE_PREFILL;
+    case NodeRole::kDecode:
+      return v1::ROLE_DECODE;
+    default:
+      return v1::ROLE_UNSPECIFIED;
+  }
 }
 
 kv::BlockHash FromProto(const v1::BlockHash& h) { return kv::BlockHash{h.hi(), h.lo()}; }
@@ -174,6 +192,42 @@ grpc::Status CacheStoreService::ParseCaller(const std::string& node_id, uint64_t
   return grpc::Status::OK;
 }
 
+grpc::Status CacheStoreService::Fail(absl::Status status, bool ids_expire) const {
+  if (status.ok()) return grpc::Status::OK;
+  v1::ErrorInfo info;
+  if (std::optional<absl::Cord> node = status.GetPayload(kIdentityPayload)) {
+    // About who the caller (or the node it named) is: structured, with that node's role.
+    status.ErasePayload(kIdentityPayload);
+    info.set_node_id(std::string(*node));
+    info.set_role(ToRole(store_->RoleOf(info.node_id()).value_or(NodeRole::kUnspecified)));
+    info.set_reason(v1::FAILURE_IDENTITY);
+    return ToGrpcStatus(proto::WithErrorInfo(std::move(status), info));
+  }
+  switch (status.code()) {
+    case absl::StatusCode::kInvalidArgument:
+    case absl::StatusCode::kOutOfRange:
+      info.set_role(v1::ROLE_CLIENT);
+      info.set_reason(v1::FAILURE_INVALID_REQUEST);
+      break;
+    case absl::StatusCode::kDeadlineExceeded:
+      info.set_role(v1::ROLE_CLIENT);
+      info.set_reason(v1::FAILURE_CALLER_DEADLINE);
+      break;
+    case absl::StatusCode::kResourceExhausted:
+      info.set_role(v1::ROLE_STORE);
+      info.set_reason(v1::FAILURE_OVERLOADED);
+      break;
+    case absl::StatusCode::kNotFound:
+      info.set_role(v1::ROLE_STORE);
+      info.set_reason(ids_expire ? v1::FAILURE_EXPIRED : v1::FAILURE_UNSPECIFIED);
+      break;
+    default:
+      info.set_role(v1::ROLE_STORE);
+      info.set_reason(v1::FAILURE_UNSPECIFIED);
+  }
+  return ToGrpcStatus(proto::WithErrorInfo(std::move(status), info));
+}
+
 namespace {
 
 v1::NodeState ToProto(NodeState s) {
@@ -278,7 +332,7 @@ grpc::Status CacheStoreService::RegisterNode(grpc::ServerContext* ctx,
                                         s.capacity_slots(), s.slot_bytes(), s.memory_key()});
   }
   absl::StatusOr<RegisterResult> r = store_->RegisterNode(std::move(spec));
-  if (!r.ok()) return t.Done(ToGrpcStatus(r.status()));
+  if (!r.ok()) return t.Done(Fail(r.status()));
   resp->set_ttl_ms(absl::ToInt64Milliseconds(r->ttl));
   resp->set_incarnation(r->incarnation);
   resp->set_store_incarnation(store_->store_incarnation());
@@ -295,7 +349,7 @@ grpc::Status CacheStoreService::DeregisterNode(grpc::ServerContext* ctx,
   if (auto s = ParseCaller(req->node_id(), req->incarnation(), true, &caller); !s.ok()) {
     return t.Done(s);
   }
-  return t.Done(ToGrpcStatus(store_->DeregisterNode(caller)));
+  return t.Done(Fail(store_->DeregisterNode(caller)));
 }
 
 grpc::Status CacheStoreService::AnnounceBlocks(grpc::ServerContext* ctx,
@@ -331,7 +385,7 @@ grpc::Status CacheStoreService::AnnounceBlocks(grpc::ServerContext* ctx,
                       b.size_bytes()});
   }
   absl::StatusOr<AnnounceResult> r = store_->AnnounceBlocks(caller, req->segment_id(), blocks);
-  if (!r.ok()) return t.Done(ToGrpcStatus(r.status()));
+  if (!r.ok()) return t.Done(Fail(r.status()));
   resp->set_accepted(r->accepted);
   resp->set_already_present(r->already_present);
   for (const auto& [index, reason] : r->rejected) {
@@ -376,7 +430,7 @@ grpc::Status CacheStoreService::Heartbeat(grpc::ServerContext* ctx,
   }
   absl::StatusOr<HeartbeatResult> r =
       store_->Heartbeat(req->node_id(), req->incarnation(), req->has_load() ? &load : nullptr);
-  if (!r.ok()) return t.Done(ToGrpcStatus(r.status()));
+  if (!r.ok()) return t.Done(Fail(r.status()));
   resp->set_known(r->known);
   resp->set_store_incarnation(store_->store_incarnation());
   if (r->known) resp->set_previous_state(ToProto(r->state));
@@ -403,7 +457,7 @@ grpc::Status CacheStoreService::MatchPrefix(grpc::ServerContext* ctx,
   }
   absl::StatusOr<MatchResult> r =
       store_->MatchPrefix(chain, absl::Milliseconds(req->lease_ttl_ms()), caller);
-  if (!r.ok()) return t.Done(ToGrpcStatus(r.status()));
+  if (!r.ok()) return t.Done(Fail(r.status()));
   resp->set_matched(r->matched);
   resp->set_lease_id(r->lease_id);
   if (!req->columnar()) {
@@ -486,7 +540,7 @@ grpc::Status CacheStoreService::Allocate(grpc::ServerContext* ctx, const v1::All
     args.blocks.push_back({FromProto(b.hash()), FromProto(b.parent()), b.size_bytes()});
   }
   absl::StatusOr<AllocateResult> r = store_->Allocate(args, DeadlineOf(ctx, absl::Seconds(30)));
-  if (!r.ok()) return t.Done(ToGrpcStatus(r.status()));
+  if (!r.ok()) return t.Done(Fail(r.status()));
   resp->set_allocation_id(r->allocation_id);
   resp->set_commit_timeout_ms(absl::ToInt64Milliseconds(r->commit_timeout));
   for (const AllocateResult::Block& b : r->blocks) {
@@ -514,7 +568,7 @@ grpc::Status CacheStoreService::Commit(grpc::ServerContext* ctx, const v1::Commi
     return t.Done(s);
   }
   absl::StatusOr<int> n = store_->Commit(req->allocation_id(), hashes, caller);
-  if (!n.ok()) return t.Done(ToGrpcStatus(n.status()));
+  if (!n.ok()) return t.Done(Fail(n.status(), /*ids_expire=*/true));
   resp->set_committed(*n);
   return t.Done(grpc::Status::OK);
 }
@@ -528,7 +582,7 @@ grpc::Status CacheStoreService::Abort(grpc::ServerContext* ctx, const v1::AbortR
   if (auto s = ParseCaller(req->node_id(), req->incarnation(), false, &caller); !s.ok()) {
     return t.Done(s);
   }
-  return t.Done(ToGrpcStatus(store_->Abort(req->allocation_id(), caller)));
+  return t.Done(Fail(store_->Abort(req->allocation_id(), caller), /*ids_expire=*/true));
 }
 
 grpc::Status CacheStoreService::ReleaseLease(grpc::ServerContext* ctx,
@@ -541,7 +595,7 @@ grpc::Status CacheStoreService::ReleaseLease(grpc::ServerContext* ctx,
   if (auto s = ParseCaller(req->node_id(), req->incarnation(), false, &caller); !s.ok()) {
     return t.Done(s);
   }
-  return t.Done(ToGrpcStatus(store_->ReleaseLease(req->lease_id(), caller)));
+  return t.Done(Fail(store_->ReleaseLease(req->lease_id(), caller), /*ids_expire=*/true));
 }
 
 grpc::Status CacheStoreService::Stats(grpc::ServerContext* ctx, const v1::StatsRequest*,
@@ -579,7 +633,7 @@ grpc::Status CacheStoreService::WatchEvents(grpc::ServerContext* ctx,
     if (ctx->deadline() < std::chrono::system_clock::now()) break;
     absl::StatusOr<std::vector<StoreEvent>> events =
         store_->EventsSince(next, 1024, absl::Now() + absl::Milliseconds(100));
-    if (!events.ok()) return t.Done(ToGrpcStatus(events.status()));
+    if (!events.ok()) return t.Done(Fail(events.status()));
     for (const StoreEvent& e : *events) {
       v1::Event out;
       out.set_sequence(e.sequence);

@@ -77,6 +77,10 @@ class CacheStoreService final : public kvrelay::v1::CacheStore::Service {
   // node_id + incarnation of a request that names its caller. `required`: node_id must be set.
   grpc::Status ParseCaller(const std::string& node_id, uint64_t incarnation, bool required,
                            Caller* out) const;
+  // The store's failure with kvrelay.v1.ErrorInfo attached: identity errors name the node they
+  // are about (FAILURE_IDENTITY), bad input is the client's, the rest the store's. `ids_expire`:
+  // NOT_FOUND means an allocation or lease id that expired (FAILURE_EXPIRED).
+  grpc::Status Fail(absl::Status status, bool ids_expire = false) const;
   static const char* RpcName(int rpc);
 
   CacheStore* const store_;
