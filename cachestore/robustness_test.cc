@@ -382,7 +382,9 @@ TEST(PlacementTest, FullOwnSegmentEvictsThereAndNeverSpillsOrLeaks) {
     } else {
       for (const AllocateResult::Block& b : a->blocks) {
         for (const Location& loc : b.replicas) {
-          if (!b.already_committed) ASSERT_EQ(loc.node_id, "prefill-0");  // never on decode-0
+          if (!b.already_committed) {
+            ASSERT_EQ(loc.node_id, "prefill-0");  // never on decode-0
+          }
         }
       }
       if (a->allocation_id != 0) {
@@ -425,7 +427,9 @@ TEST(PlacementTest, FullOwnSegmentEvictsThereAndNeverSpillsOrLeaks) {
   auto fresh = Chain("fresh", 6);
   for (int i = 0; i < 3; ++i) {
     KV_ASSERT_OK_AND_ASSIGN(AllocateResult a, f.Allocate(p, fresh));
-    if (a.allocation_id != 0) ASSERT_THAT(f.store().Commit(a.allocation_id, {}, p), IsOk());
+    if (a.allocation_id != 0) {
+      ASSERT_THAT(f.store().Commit(a.allocation_id, {}, p), IsOk());
+    }
     EXPECT_EQ(f.Match(fresh), 6) << "attempt " << i;
   }
   std::printf(
