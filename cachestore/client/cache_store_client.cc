@@ -3,6 +3,7 @@
 #include <chrono>
 
 #include "grpcpp/grpcpp.h"
+#include "common/server/credentials.h"
 #include "proto/grpc_status.h"
 
 namespace kvrelay::cachestore {
@@ -12,13 +13,14 @@ using ::kvrelay::proto::FromGrpcStatus;
 absl::StatusOr<std::unique_ptr<CacheStoreClient>> CacheStoreClient::Connect(
     const std::string& target, Options options) {
   if (target.empty()) return absl::InvalidArgumentError("target: empty cache store address");
-  grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(16 << 20);
-  if (options.own_connection) args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  auto channel = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
-  if (channel == nullptr) {
-    return absl::UnavailableError("cannot create a channel to " + target);
-  }
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = server::MakeChannel(
+      target, options.security, server::ChannelOptions{.own_connection = options.own_connection});
+  if (!channel.ok()) return channel.status();
+  return std::unique_ptr<CacheStoreClient>(new CacheStoreClient(*std::move(channel), options));
+}
+
+std::unique_ptr<CacheStoreClient> CacheStoreClient::FromChannel(
+    std::shared_ptr<grpc::Channel> channel, Options options) {
   return std::unique_ptr<CacheStoreClient>(new CacheStoreClient(std::move(channel), options));
 }
 

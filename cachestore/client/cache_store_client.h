@@ -15,6 +15,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "common/server/credentials.h"
 #include "kv/block_hash.h"
 #include "kvrelay/v1/cachestore.grpc.pb.h"
 
@@ -27,6 +28,7 @@ class CacheStoreClient {
     // Give this client its own TCP connection instead of sharing one with every other channel
     // to the same target in the process (gRPC's global subchannel pool).
     bool own_connection = false;
+    server::SecurityOptions security;  // plain text unless TLS files are given
   };
   // `target` is host:port. Does not wait for the connection.
   static absl::StatusOr<std::unique_ptr<CacheStoreClient>> Connect(const std::string& target,
@@ -34,6 +36,10 @@ class CacheStoreClient {
   static absl::StatusOr<std::unique_ptr<CacheStoreClient>> Connect(const std::string& target) {
     return Connect(target, Options{});
   }
+
+  // A client over a channel made elsewhere (server::MakeChannel: credentials and keepalive).
+  static std::unique_ptr<CacheStoreClient> FromChannel(std::shared_ptr<grpc::Channel> channel,
+                                                       Options options);
 
   // Waits until the channel is ready or `timeout` passes (Unavailable then).
   absl::Status WaitForReady(absl::Duration timeout);

@@ -323,7 +323,7 @@ TEST_F(CacheStoreProcessTest, AnswersTheStandardHealthCheck) {
 }
 
 TEST_F(CacheStoreProcessTest, SigtermDrainsAndExitsCleanly) {
-  Start({"--drain", "1s"});
+  Start({"--drain-timeout", "1s"});
   Register("n", 8);
   proc_->Signal(SIGTERM);
   KV_ASSERT_OK_AND_ASSIGN(int code, proc_->Wait(absl::Seconds(30)));
