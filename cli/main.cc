@@ -9,7 +9,6 @@
 
 #include "cachestore/server/command.h"
 #include "cli/commands.h"
-#include "cli/up/health_check.h"
 #include "cli/up/up_command.h"
 #include "common/flags.h"
 #include "decode/server/command.h"

@@ -3,7 +3,6 @@
 // grpc.health.v1 Check against a kvrelay server (every server registers the "" service).
 
 #include <string>
-#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
@@ -13,10 +12,6 @@ namespace kvrelay::cli {
 
 // OK when `address` answers SERVING within `timeout`; Unavailable for NOT_SERVING or
 // UNKNOWN (naming the status), the RPC's own error otherwise.
-// `kvrelay health --address HOST:PORT`: one Check, exit 0 when SERVING, 1 otherwise, 2 on bad
-// usage (the container image's HEALTHCHECK).
-int RunHealthCommand(const std::vector<std::string>& args);
-
 absl::Status CheckServing(const std::string& address, absl::Duration timeout,
                           const server::SecurityOptions& security = {});
 

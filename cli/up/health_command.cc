@@ -5,6 +5,7 @@
 #include <cstdio>
 
 #include "cli/up/health_check.h"
+#include "cli/up/up_command.h"
 #include "common/flags.h"
 #include "common/server/server_flags.h"
 
