@@ -10,7 +10,7 @@ PACKAGES=(
   libabsl-dev libprotobuf-dev protobuf-compiler libgrpc++-dev protobuf-compiler-grpc
   libucx-dev ucx-utils
   libgtest-dev libgmock-dev libbenchmark-dev
-  libxxhash-dev libssl-dev libopenblas-dev nlohmann-json3-dev libyaml-cpp-dev
+  libxxhash-dev libssl-dev libcpp-httplib-dev libopenblas-dev nlohmann-json3-dev libyaml-cpp-dev
   redis-server iproute2 procps python3
 )
 
@@ -50,4 +50,14 @@ if ((${#missing[@]} > 0)); then
 fi
 if [[ $SETUP_DEPLOY_CHECKS == 1 ]]; then
   "$(dirname "$0")/../deploy/ci/setup.sh"
+fi
+# The OpenAI-client end-to-end test's pinned packages (tests/e2e/openai/package-lock.json).
+if [[ $SETUP_DEPLOY_CHECKS == 1 ]]; then
+  openai_dir="$(dirname "$0")/../tests/e2e/openai"
+  if [[ ! -f $openai_dir/node_modules/.package-lock.json ||
+        $openai_dir/package-lock.json -nt $openai_dir/node_modules/.package-lock.json ]]; then
+    echo "setup.sh: npm ci in tests/e2e/openai" >&2
+    (cd "$openai_dir" && { npm ci --no-audit --no-fund --loglevel=error ||
+                           { sleep 5; npm ci --no-audit --no-fund --loglevel=error; }; })
+  fi
 fi

@@ -30,6 +30,7 @@ int RunCacheStoreCommand(const std::vector<std::string>& args) {
   std::string data_dir;
   std::string policy(kvrelay::cachestore::kDefaultPolicy);
   absl::Duration node_ttl = absl::Seconds(10);
+  absl::Duration suspect_grace = absl::Seconds(30);
   absl::Duration commit_timeout = absl::Seconds(30);
   absl::Duration tick = absl::Milliseconds(100);
   bool wal_fsync = true;
@@ -38,7 +39,11 @@ int RunCacheStoreCommand(const std::vector<std::string>& args) {
   kvrelay::server::AddServerFlags(flags, host);
   flags.AddString("data-dir", &data_dir, "WAL + snapshot directory; empty = no durability");
   flags.AddString("policy", &policy, "eviction policy: lrfu (default) or leaf-lru");
-  flags.AddDuration("node-ttl", &node_ttl, "default heartbeat TTL of a node");
+  flags.AddDuration("node-ttl", &node_ttl,
+                    "default heartbeat TTL of a node; past it the node is suspect (its blocks "
+                    "are skipped, not dropped)");
+  flags.AddDuration("suspect-grace", &suspect_grace,
+                    "how long a suspect node keeps its blocks before it is forgotten");
   flags.AddDuration("commit-timeout", &commit_timeout, "time to commit an allocation");
   flags.AddDuration("tick", &tick, "period of expiry / eviction / snapshot work");
   flags.AddBool("wal-fsync", &wal_fsync, "fdatasync the WAL after each batch");
@@ -49,6 +54,12 @@ int RunCacheStoreCommand(const std::vector<std::string>& args) {
           kvrelay::server::ParseCommandLine(flags, args, "cachestore", &host.security)) {
     return *exit_code;
   }
+  if (node_ttl < absl::Milliseconds(100) || node_ttl > absl::Minutes(10)) {
+    return kvrelay::server::UsageError("cachestore", "--node-ttl: want 100ms-10m");
+  }
+  if (suspect_grace < absl::ZeroDuration() || suspect_grace > absl::Hours(24)) {
+    return kvrelay::server::UsageError("cachestore", "--suspect-grace: want 0-24h");
+  }
   if (tick <= absl::ZeroDuration()) {
     return kvrelay::server::UsageError("cachestore", "--tick: must be positive");
   }
@@ -58,6 +69,9 @@ int RunCacheStoreCommand(const std::vector<std::string>& args) {
   options.data_dir = data_dir;
   options.wal_fsync = wal_fsync;
   options.default_node_ttl = node_ttl;
+  options.suspect_grace = suspect_grace;
+  Limits limits;  // one instance for the store and the service
+  options.limits = limits;
   options.commit_timeout = commit_timeout;
   options.high_watermark = high;
   options.low_watermark = low;
@@ -68,7 +82,6 @@ int RunCacheStoreCommand(const std::vector<std::string>& args) {
     std::fprintf(stderr, "kvrelay cachestore: %s\n", store.status().ToString().c_str());
     return absl::IsInvalidArgument(store.status()) ? 2 : 1;
   }
-  Limits limits;
   host.max_message_bytes = limits.max_message_bytes;
   CacheStoreService service(store->get(), limits);
   absl::StatusOr<std::unique_ptr<kvrelay::server::ServiceHost>> server =
