@@ -623,6 +623,10 @@ async function checkKvrelayContainer({ obj, spec, c, init, objects, ctx, report 
   if (help.flags.has("metrics-port") && String(value("metrics-port")) !== String(port("metrics"))) {
     report(`--metrics-port is ${value("metrics-port")}, the container's metrics port is ${port("metrics")}`);
   }
+  const httpPort = effective.get("http-port");
+  if (httpPort !== undefined && httpPort !== "-1" && String(httpPort) !== String(port("http"))) {
+    report(`--http-port is ${httpPort}, the container's http port is ${port("http")}`);
+  }
   if (help.flags.has("host") && value("host") !== "0.0.0.0") {
     report(`--host is ${value("host")}: probes and Services need 0.0.0.0`);
   }
