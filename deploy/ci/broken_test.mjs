@@ -80,10 +80,10 @@ test("the unbroken copy passes (so every failure below is its mutation's)", asyn
   assert.deepEqual(errors, []);
 });
 
-test("a renamed flag fails against `kvrelay cachestore --help`", async () => {
+test("a renamed flag fails against `kvrelay prefill --help`", async () => {
   await expectFailure("renamed-flag", ["base"], (root) =>
-    edit(root, "deploy/k8s/base/cachestore.yaml", (t) => t.replace("--metrics-port=9090", "--metrics-prt=9090")),
-  /kvrelay cachestore has no flag --metrics-prt/);
+    edit(root, "deploy/k8s/base/prefill.yaml", (t) => t.replace("--transport-host=$(POD_IP)", "--transport-hostname=$(POD_IP)")),
+  /kvrelay prefill has no flag --transport-hostname/);
 });
 
 test("a ConfigMap config key the binary does not take fails", async () => {
@@ -94,9 +94,9 @@ test("a ConfigMap config key the binary does not take fails", async () => {
 
 test("a config file no server reads fails (its keys would go unchecked)", async () => {
   await expectFailure("unused-config", ["base"], (root) => {
-    fs.writeFileSync(path.join(root, "deploy/k8s/base/config/cachestore.yaml"), "data-dirr: /var/lib/kvrelay\n");
-    edit(root, "deploy/k8s/base/kustomization.yaml", (t) => t.replace("  - config/decode.yaml\n", "  - config/decode.yaml\n  - config/cachestore.yaml\n"));
-  }, /cachestore\.yaml is no container's --config file/);
+    fs.writeFileSync(path.join(root, "deploy/k8s/base/config/router.yaml"), "data-dirr: /var/lib/kvrelay\n");
+    edit(root, "deploy/k8s/base/kustomization.yaml", (t) => t.replace("  - config/decode.yaml\n", "  - config/decode.yaml\n  - config/router.yaml\n"));
+  }, /router\.yaml is no container's --config file/);
 });
 
 test("a config value the binary's parser refuses fails", async () => {

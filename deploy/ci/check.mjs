@@ -28,7 +28,7 @@ const KNOWN_SECRETS = ["kvrelay-tenant", "kvrelay-tls"];
 const CAPABILITY_NEEDS = { IPC_LOCK: /^rdma\// };
 // The restricted Pod Security Standard allows adding only this one.
 const RESTRICTED_CAPABILITIES = new Set(["NET_BIND_SERVICE"]);
-// Servers built on ServiceHost drain for this long and take no --drain flag (worker/service_host.h).
+// A server without a --drain-timeout flag drains for this long (ServiceHostOptions' default).
 const SERVICE_HOST_DRAIN_SECONDS = 30;
 // Values the downward API would give, for running the binary's own flag parser offline.
 const SAMPLE_FIELD_VALUES = {
@@ -623,6 +623,10 @@ async function checkKvrelayContainer({ obj, spec, c, init, objects, ctx, report 
   if (help.flags.has("metrics-port") && String(value("metrics-port")) !== String(port("metrics"))) {
     report(`--metrics-port is ${value("metrics-port")}, the container's metrics port is ${port("metrics")}`);
   }
+  const httpPort = effective.get("http-port");
+  if (httpPort !== undefined && httpPort !== "-1" && String(httpPort) !== String(port("http"))) {
+    report(`--http-port is ${httpPort}, the container's http port is ${port("http")}`);
+  }
   if (help.flags.has("host") && value("host") !== "0.0.0.0") {
     report(`--host is ${value("host")}: probes and Services need 0.0.0.0`);
   }
@@ -658,9 +662,9 @@ async function checkKvrelayContainer({ obj, spec, c, init, objects, ctx, report 
 
   // Termination grace > preStop sleep + drain.
   let drain = SERVICE_HOST_DRAIN_SECONDS;
-  if (help.flags.has("drain")) {
-    drain = parseDurationSeconds(effective.get("drain") ?? help.flags.get("drain"));
-    if (drain === null) report(`cannot read --drain ${effective.get("drain")}`);
+  if (help.flags.has("drain-timeout")) {
+    drain = parseDurationSeconds(effective.get("drain-timeout") ?? help.flags.get("drain-timeout"));
+    if (drain === null) report(`cannot read --drain-timeout ${effective.get("drain-timeout")}`);
   }
   const pre = c.lifecycle?.preStop?.exec?.command ?? [];
   const preStopSleep = path.basename(String(pre[0] ?? "")) === "sleep" ? Number(pre[1]) : 0;

@@ -81,6 +81,7 @@ function localizer(pod, pods, objects) {
     if (key === "host" || key === "transport-host") v = "127.0.0.1";
     if (key === "port") v = String(pod.grpcPort);
     if (key === "metrics-port") v = String(pod.metricsPort);
+    if (key === "http-port") v = String(pod.httpPort);
     return rewritePath(rewriteAddresses(v));
   };
   const mountVolumes = (container) => {
@@ -159,6 +160,7 @@ test("the dev overlay's rendered pods serve a request on loopback and drain on S
   for (const p of pods) {
     p.grpcPort = await freePort();
     p.metricsPort = await freePort();
+    p.httpPort = await freePort();
   }
 
   const servers = [];
@@ -196,6 +198,13 @@ test("the dev overlay's rendered pods serve a request on loopback and drain on S
   assert.equal(got.length, 6);
   assert.deepEqual(got, want);
   console.log(`generate through the gateway: ${got.join(",")} (== co-located)`);
+
+  // The OpenAI-compatible HTTP port the gateway Service exposes.
+  const models = await fetch(`http://127.0.0.1:${gateway.pod.httpPort}/v1/models`);
+  assert.equal(models.status, 200);
+  const ids = (await models.json()).data.map((m) => m.id);
+  assert.ok(ids.includes("tiny-llama"), `GET /v1/models: ${ids}`);
+  console.log(`GET /v1/models on the gateway's http port: ${ids.join(",")}`);
 
   // A rolling update of the decode worker while it streams: SIGTERM (what the kubelet sends
   // after the preStop sleep) must let the in-flight request finish with the right tokens.
