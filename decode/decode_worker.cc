@@ -149,7 +149,6 @@ absl::Status DecodeWorker::Init(worker::WorkerCoreDeps deps) {
     booked_.assign(runner_->layout().groups().size(), 0);
   }
   kv_ = core_->kv.get();
-  store_ = core_->store.get();
   scheduler_ = std::thread([this] { SchedulerLoop(); });
   return absl::OkStatus();
 }
@@ -528,12 +527,13 @@ absl::Status DecodeWorker::Generate(const kvrelay::v1::DecodeRequest& request, a
 void DecodeWorker::SchedulerLoop() {
   std::vector<std::shared_ptr<Active>> running;
   auto finish = [this](const std::shared_ptr<Active>& a, absl::Status status) {
-    if (status.ok() && store_ != nullptr) {
+    worker::StoreLink* store = store_.load(std::memory_order_acquire);
+    if (status.ok() && store != nullptr) {
       // Multi-turn reuse: publish the full blocks this worker computed (after the pushed ones).
       const kv::ModelLayout& layout = runner_->layout();
       std::vector<kv::BlockHash> chain = kv::HashChain(
           layout.fingerprint(), a->tenant_salt, a->seq->tokens(), layout.block_tokens());
-      absl::StatusOr<int32_t> committed = store_->CommitBlocks(
+      absl::StatusOr<int32_t> committed = store->CommitBlocks(
           chain, a->pushed_blocks, static_cast<int64_t>(chain.size()), *a->seq);
       if (!committed.ok()) KV_LOG(WARNING) << a->request_id << ": commit: " << committed.status();
     }
@@ -633,6 +633,20 @@ void DecodeWorker::SchedulerLoop() {
     }
   }
   for (auto& a : running) finish(a, absl::UnavailableError("decode worker stopping"));
+}
+
+absl::Status DecodeWorker::ConnectStore(const std::string& grpc_address) {
+  KV_RETURN_IF_ERROR(core_->ConnectStore(grpc_address, [this] {
+    kvrelay::v1::DecodeStatusResponse status = Describe();
+    kvrelay::v1::NodeLoad load;
+    load.set_active_requests(status.active_requests());
+    load.set_queued_requests(status.queued_requests());
+    load.set_free_kv_blocks(std::max<int64_t>(0, status.free_slots()));
+    load.set_total_kv_blocks(status.total_slots());
+    return load;
+  }));
+  store_.store(core_->store.get(), std::memory_order_release);
+  return absl::OkStatus();
 }
 
 kvrelay::v1::DecodeStatusResponse DecodeWorker::Describe() {

@@ -26,6 +26,7 @@
 //
 // Thread-safe. Owns the transport, the KV memory, the model runner and the scheduler thread.
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -73,6 +74,9 @@ class DecodeWorker {
   // Idempotent; a late push into released slots can never land in someone else's.
   void Release(const std::string& request_id);
   kvrelay::v1::DecodeStatusResponse Describe();
+  // Registers with the cache store (if configured) once the gRPC server listens on
+  // `grpc_address`. ALREADY_EXISTS when another live process holds the node id.
+  absl::Status ConnectStore(const std::string& grpc_address);
 
   const std::string& transport_address() const;
   const std::string& node_id() const { return core_->node_id; }
@@ -120,7 +124,9 @@ class DecodeWorker {
   std::unique_ptr<worker::WorkerCore> core_;
   model::ModelRunner* runner_ = nullptr;     // core_->runner
   worker::RegisteredKvCache* kv_ = nullptr;  // core_->kv
-  worker::StoreLink* store_ = nullptr;       // core_->store, may be null
+  // core_->store once ConnectStore ran (null without a store); release by ConnectStore,
+  // acquire by the scheduler.
+  std::atomic<worker::StoreLink*> store_{nullptr};
 };
 
 }  // namespace kvrelay::decode

@@ -68,8 +68,12 @@ Gateway::Gateway(GatewayOptions options, kv::ModelConfig config, MetricsRegistry
 absl::StatusOr<std::unique_ptr<Gateway>> Gateway::Create(
     GatewayOptions options, Workers workers, std::unique_ptr<cachestore::CacheStoreClient> store,
     MetricsRegistry* metrics, Clock* clock) {
-  if (workers.prefill.empty() || workers.decode.empty()) {
-    return absl::InvalidArgumentError("at least one prefill and one decode worker is needed");
+  const bool discovery = store != nullptr && workers.make_prefill && workers.make_decode &&
+                         options.discovery_interval > absl::ZeroDuration();
+  if (!discovery && (workers.prefill.empty() || workers.decode.empty())) {
+    return absl::InvalidArgumentError(
+        "at least one prefill and one decode worker is needed (or a cache store to discover "
+        "them from)");
   }
   if (options.max_attempts < 1) {
     return absl::InvalidArgumentError(
@@ -80,17 +84,125 @@ absl::StatusOr<std::unique_ptr<Gateway>> Gateway::Create(
   auto gateway = std::unique_ptr<Gateway>(
       new Gateway(std::move(options), std::move(config), metrics, clock));
   gateway->store_ = std::move(store);
-  for (auto& endpoint : workers.prefill) {
-    auto node = std::make_unique<Node>(clock, gateway->options_.breaker);
-    node->prefill = std::move(endpoint);
-    gateway->prefills_.push_back(std::move(node));
+  {
+    std::lock_guard<std::mutex> lock(gateway->nodes_mu_);
+    for (auto& endpoint : workers.prefill) {
+      auto node = std::make_shared<Node>(clock, gateway->options_.breaker);
+      node->prefill = std::move(endpoint);
+      gateway->prefills_.push_back(std::move(node));  // fixed: never removed
+    }
+    for (auto& endpoint : workers.decode) {
+      auto node = std::make_shared<Node>(clock, gateway->options_.breaker);
+      node->decode = std::move(endpoint);
+      gateway->decodes_.push_back(std::move(node));
+    }
   }
-  for (auto& endpoint : workers.decode) {
-    auto node = std::make_unique<Node>(clock, gateway->options_.breaker);
-    node->decode = std::move(endpoint);
-    gateway->decodes_.push_back(std::move(node));
+  gateway->factories_.make_prefill = std::move(workers.make_prefill);
+  gateway->factories_.make_decode = std::move(workers.make_decode);
+  if (discovery) {
+    if (absl::Status s = gateway->RefreshFromRegistry(); !s.ok()) {
+      KV_LOG(WARNING) << "gateway: first discovery pass failed (will retry): " << s;
+    }
+    Gateway* g = gateway.get();
+    gateway->discovery_ = std::thread([g] { g->DiscoveryLoop(); });
   }
   return gateway;
+}
+
+Gateway::~Gateway() {
+  {
+    std::lock_guard<std::mutex> lock(discovery_mu_);
+    stopping_ = true;
+  }
+  discovery_cv_.notify_all();
+  if (discovery_.joinable()) discovery_.join();
+}
+
+size_t Gateway::num_prefill() const {
+  std::lock_guard<std::mutex> lock(nodes_mu_);
+  return prefills_.size();
+}
+
+size_t Gateway::num_decode() const {
+  std::lock_guard<std::mutex> lock(nodes_mu_);
+  return decodes_.size();
+}
+
+void Gateway::DiscoveryLoop() {
+  std::unique_lock<std::mutex> lock(discovery_mu_);
+  while (!stopping_) {
+    discovery_cv_.wait_for(lock, absl::ToChronoMilliseconds(options_.discovery_interval));
+    if (stopping_) break;
+    lock.unlock();
+    if (absl::Status s = RefreshFromRegistry(); !s.ok()) {
+      KV_LOG(INFO) << "gateway: discovery: " << s;  // the store may be restarting
+    }
+    lock.lock();
+  }
+}
+
+absl::Status Gateway::RefreshFromRegistry() {
+  KV_ASSIGN_OR_RETURN(kvrelay::v1::ListNodesResponse listed, store_->ListNodes());
+  std::lock_guard<std::mutex> lock(nodes_mu_);
+  for (bool prefill_role : {true, false}) {
+    NodeList& nodes = prefill_role ? prefills_ : decodes_;
+    const kvrelay::v1::NodeRole role =
+        prefill_role ? kvrelay::v1::NODE_ROLE_PREFILL : kvrelay::v1::NODE_ROLE_DECODE;
+    NodeList kept;
+    for (auto& n : nodes) {
+      if (!n->discovered) {
+        kept.push_back(n);
+        continue;
+      }
+      bool listed_same = false;
+      for (const auto& info : listed.nodes()) {
+        if (info.role() == role && info.node_id() == n->NodeId() &&
+            info.incarnation() == n->incarnation) {
+          listed_same = true;
+          n->suspect.store(info.state() == kvrelay::v1::NODE_STATE_SUSPECT,
+                           std::memory_order_relaxed);
+        }
+      }
+      // Forgotten, or replaced by a new process: in-flight requests keep their reference.
+      if (listed_same) kept.push_back(n);
+    }
+    for (const auto& info : listed.nodes()) {
+      if (info.role() != role || info.grpc_address().empty() ||
+          info.state() != kvrelay::v1::NODE_STATE_LIVE) {
+        continue;
+      }
+      bool known = false;
+      for (const auto& n : kept) {
+        if (n->NodeId() == info.node_id() &&
+            (!n->discovered || n->incarnation == info.incarnation())) {
+          known = true;
+        }
+        // A fixed worker at the same address is the same worker.
+        if (!n->discovered && n->address() == info.grpc_address()) known = true;
+      }
+      if (known) continue;
+      auto node = std::make_shared<Node>(clock_, options_.breaker);
+      node->discovered = true;
+      node->incarnation = info.incarnation();
+      node->SetNodeId(info.node_id());
+      if (prefill_role) {
+        absl::StatusOr<std::unique_ptr<PrefillEndpoint>> e =
+            factories_.make_prefill(info.grpc_address());
+        if (!e.ok()) continue;
+        node->prefill = *std::move(e);
+      } else {
+        absl::StatusOr<std::unique_ptr<DecodeEndpoint>> e =
+            factories_.make_decode(info.grpc_address());
+        if (!e.ok()) continue;
+        node->decode = *std::move(e);
+      }
+      KV_LOG(INFO) << "gateway: discovered " << (prefill_role ? "prefill" : "decode") << " node "
+                   << info.node_id() << " at " << info.grpc_address();
+      kept.push_back(std::move(node));
+    }
+    nodes = std::move(kept);
+  }
+  return absl::OkStatus();
 }
 
 absl::Status Gateway::Validate(const kvrelay::v1::GenerateRequest& request) const {
@@ -116,21 +228,22 @@ absl::Status Gateway::Validate(const kvrelay::v1::GenerateRequest& request) cons
   return absl::OkStatus();
 }
 
-Gateway::Node* Gateway::PickPrefill(const std::vector<int32_t>& prompt, const std::string& salt,
-                                    const std::vector<Node*>& excluded, absl::Time deadline) {
+Gateway::Node* Gateway::PickPrefill(const NodeList& prefills, const std::vector<int32_t>& prompt,
+                                    const std::string& salt, const std::vector<Node*>& excluded,
+                                    absl::Time deadline) {
   auto usable = [&](Node* n) {
     return std::find(excluded.begin(), excluded.end(), n) == excluded.end() &&
-           n->breaker.Healthy();
+           !n->suspect.load(std::memory_order_relaxed) && n->breaker.Healthy();
   };
   // Node ids, learned from each worker's Status until known (routing matches the store's
   // per-node answer by id).
-  for (auto& n : prefills_) {
+  for (auto& n : prefills) {
     if (!n->NodeId().empty() || !usable(n.get())) continue;
     absl::StatusOr<kvrelay::v1::PrefillStatusResponse> status =
         n->prefill->Status(std::min(deadline, absl::Now() + options_.route_timeout));
     if (status.ok()) n->SetNodeId(status->node_id());
   }
-  std::vector<int32_t> matched(prefills_.size(), 0);
+  std::vector<int32_t> matched(prefills.size(), 0);
   const int32_t block_tokens = config_.layout.block_tokens();
   const int64_t full_blocks = (static_cast<int64_t>(prompt.size()) - 1) / block_tokens;
   if (store_ != nullptr && full_blocks > 0) {
@@ -142,13 +255,13 @@ Gateway::Node* Gateway::PickPrefill(const std::vector<int32_t>& prompt, const st
     absl::StatusOr<kvrelay::v1::QueryPrefixResponse> answer = store_->QueryPrefix(chain);
     if (answer.ok()) {
       for (const auto& node : answer->nodes()) {
-        for (size_t i = 0; i < prefills_.size(); ++i) {
-          if (prefills_[i]->NodeId() == node.node_id()) matched[i] = node.matched();
+        for (size_t i = 0; i < prefills.size(); ++i) {
+          if (prefills[i]->NodeId() == node.node_id()) matched[i] = node.matched();
         }
       }
     }
   }
-  for (auto& n : prefills_) {
+  for (auto& n : prefills) {
     if (std::find(excluded.begin(), excluded.end(), n.get()) == excluded.end() &&
         n->breaker.state() == CircuitBreaker::State::kHalfOpen && n->breaker.Allow()) {
       return n.get();  // its probe (see PickDecode)
@@ -159,9 +272,9 @@ Gateway::Node* Gateway::PickPrefill(const std::vector<int32_t>& prompt, const st
   const uint64_t rotation = prefill_rotation_.fetch_add(1, std::memory_order_relaxed);
   Node* best = nullptr;
   int64_t best_score = std::numeric_limits<int64_t>::min();
-  for (size_t k = 0; k < prefills_.size(); ++k) {
-    const size_t i = (rotation + k) % prefills_.size();
-    Node* n = prefills_[i].get();
+  for (size_t k = 0; k < prefills.size(); ++k) {
+    const size_t i = (rotation + k) % prefills.size();
+    Node* n = prefills[i].get();
     if (!usable(n)) continue;
     const int64_t score = int64_t{matched[i]} * 1000 - n->in_flight.load(std::memory_order_relaxed);
     if (score > best_score) {
@@ -172,13 +285,13 @@ Gateway::Node* Gateway::PickPrefill(const std::vector<int32_t>& prompt, const st
   return best;
 }
 
-Gateway::Node* Gateway::PickDecode(const std::vector<Node*>& excluded) {
+Gateway::Node* Gateway::PickDecode(const NodeList& decodes, const std::vector<Node*>& excluded) {
   auto is_excluded = [&](Node* n) {
     return std::find(excluded.begin(), excluded.end(), n) != excluded.end();
   };
   // A node whose breaker just turned half-open gets this request as its probe, so a node that
   // came back rejoins on the next request instead of waiting for every other node to fail.
-  for (auto& n : decodes_) {
+  for (auto& n : decodes) {
     if (!is_excluded(n.get()) && n->breaker.state() == CircuitBreaker::State::kHalfOpen &&
         n->breaker.Allow()) {
       return n.get();
@@ -187,9 +300,11 @@ Gateway::Node* Gateway::PickDecode(const std::vector<Node*>& excluded) {
   const uint64_t rotation = decode_rotation_.fetch_add(1, std::memory_order_relaxed);
   Node* best = nullptr;
   int32_t best_load = std::numeric_limits<int32_t>::max();
-  for (size_t k = 0; k < decodes_.size(); ++k) {
-    Node* n = decodes_[(rotation + k) % decodes_.size()].get();
-    if (is_excluded(n) || !n->breaker.Healthy()) continue;
+  for (size_t k = 0; k < decodes.size(); ++k) {
+    Node* n = decodes[(rotation + k) % decodes.size()].get();
+    if (is_excluded(n) || n->suspect.load(std::memory_order_relaxed) || !n->breaker.Healthy()) {
+      continue;
+    }
     const int32_t load = n->in_flight.load(std::memory_order_relaxed);
     if (load < best_load) {
       best_load = load;
@@ -252,6 +367,7 @@ absl::Status Gateway::Generate(const kvrelay::v1::GenerateRequest& request, absl
   summary.set_prompt_tokens(static_cast<int32_t>(prompt.size()));
   absl::Time first_token_time = absl::InfiniteFuture();
   std::vector<Node*> failed_prefill, failed_decode;
+  NodeList keep_alive;  // nodes discovery may drop stay valid while this request names them
   absl::Status last_error =
       proto::Attribute(absl::UnavailableError("no usable worker pair"),
                        kvrelay::v1::ROLE_GATEWAY, "", kvrelay::v1::FAILURE_UNREACHABLE);
@@ -284,7 +400,15 @@ absl::Status Gateway::Generate(const kvrelay::v1::GenerateRequest& request, absl
     std::vector<int32_t> tokens = prompt;
     tokens.insert(tokens.end(), generated.begin(), generated.end());
     const int32_t remaining = request.max_tokens() - static_cast<int32_t>(generated.size());
-    Node* d = PickDecode(failed_decode);
+    NodeList prefills, decodes;
+    {
+      std::lock_guard<std::mutex> lock(nodes_mu_);
+      prefills = prefills_;
+      decodes = decodes_;
+    }
+    keep_alive.insert(keep_alive.end(), prefills.begin(), prefills.end());
+    keep_alive.insert(keep_alive.end(), decodes.begin(), decodes.end());
+    Node* d = PickDecode(decodes, failed_decode);
     if (d == nullptr) {
       if (overloaded > 0) {
         last_error = proto::Attribute(
@@ -293,17 +417,17 @@ absl::Status Gateway::Generate(const kvrelay::v1::GenerateRequest& request, absl
             kvrelay::v1::ROLE_GATEWAY, "", kvrelay::v1::FAILURE_OVERLOADED);
       } else {
         last_error = proto::Attribute(
-            absl::UnavailableError(absl::StrCat("no healthy decode worker (", decodes_.size(),
+            absl::UnavailableError(absl::StrCat("no healthy decode worker (", decodes.size(),
                                                 " known, ", failed_decode.size(),
                                                 " failed for this request)")),
             kvrelay::v1::ROLE_GATEWAY, "", kvrelay::v1::FAILURE_UNREACHABLE);
       }
       break;
     }
-    Node* p = PickPrefill(tokens, salt, failed_prefill, deadline);
+    Node* p = PickPrefill(prefills, tokens, salt, failed_prefill, deadline);
     if (p == nullptr) {
       last_error = proto::Attribute(
-          absl::UnavailableError(absl::StrCat("no healthy prefill worker (", prefills_.size(),
+          absl::UnavailableError(absl::StrCat("no healthy prefill worker (", prefills.size(),
                                               " known, ", failed_prefill.size(),
                                               " failed for this request)")),
           kvrelay::v1::ROLE_GATEWAY, "", kvrelay::v1::FAILURE_UNREACHABLE);

@@ -20,6 +20,8 @@
 // Thread-safe. Endpoints, the store client and the clock must outlive the gateway.
 
 #include <atomic>
+#include <condition_variable>
+#include <thread>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -51,6 +53,9 @@ struct GatewayOptions {
   absl::Duration chunk_timeout = absl::Seconds(5);  // first token and every gap after it
   absl::Duration route_timeout = absl::Milliseconds(500);  // QueryPrefix / worker Status
   CircuitBreakerOptions breaker;
+  // With a store and endpoint factories: how often the registry is read for workers that
+  // joined or left (ListNodes); zero turns discovery off.
+  absl::Duration discovery_interval = absl::Seconds(1);
 };
 
 // HMAC-SHA256(secret, tenant), first 16 bytes.
@@ -65,17 +70,33 @@ using GenerateSink = std::function<bool(const kvrelay::v1::GenerateResponse&)>;
 class Gateway {
  public:
   struct Workers {
+    // Fixed workers (always kept); may be empty when discovery finds them.
     std::vector<std::unique_ptr<PrefillEndpoint>> prefill;
     std::vector<std::unique_ptr<DecodeEndpoint>> decode;
+    // Discovery: endpoints for workers the store's registry lists (by their gRPC address).
+    std::function<absl::StatusOr<std::unique_ptr<PrefillEndpoint>>(const std::string&)>
+        make_prefill;
+    std::function<absl::StatusOr<std::unique_ptr<DecodeEndpoint>>(const std::string&)>
+        make_decode;
   };
-  // `store` may be null (no prefix-aware routing). `clock` defaults to the real clock.
+  // `store` may be null (no prefix-aware routing, no discovery). `clock` defaults to the real
+  // clock.
   static absl::StatusOr<std::unique_ptr<Gateway>> Create(
       GatewayOptions options, Workers workers,
       std::unique_ptr<cachestore::CacheStoreClient> store, MetricsRegistry* metrics,
       Clock* clock = Clock::Real());
 
+  ~Gateway();
+
   absl::Status Generate(const kvrelay::v1::GenerateRequest& request, absl::Time deadline,
                         const GenerateSink& sink, const std::function<bool()>& cancelled);
+
+  // One discovery pass (the discovery thread calls it every discovery_interval): adds workers
+  // the registry lists live, marks suspect ones, drops discovered ones it no longer lists.
+  absl::Status RefreshFromRegistry();
+  // Known workers by role (fixed + discovered), for tests and /metrics.
+  size_t num_prefill() const;
+  size_t num_decode() const;
 
   const kv::ModelConfig& config() const { return config_; }
 
@@ -87,6 +108,9 @@ class Gateway {
     std::unique_ptr<DecodeEndpoint> decode;
     CircuitBreaker breaker;
     std::atomic<int32_t> in_flight{0};
+    bool discovered = false;          // from the registry (may be dropped), not a fixed address
+    uint64_t incarnation = 0;         // discovered: the registered process
+    std::atomic<bool> suspect{false};  // the registry marks it suspect: skipped
     mutable std::mutex mu;
     std::string node_id ABSL_GUARDED_BY(mu);  // learned from Status / Reserve
     const std::string& address() const {
@@ -105,9 +129,12 @@ class Gateway {
 
   Gateway(GatewayOptions options, kv::ModelConfig config, MetricsRegistry* metrics, Clock* clock);
   absl::Status Validate(const kvrelay::v1::GenerateRequest& request) const;
-  Node* PickPrefill(const std::vector<int32_t>& prompt, const std::string& salt,
-                    const std::vector<Node*>& excluded, absl::Time deadline);
-  Node* PickDecode(const std::vector<Node*>& excluded);
+  using NodeList = std::vector<std::shared_ptr<Node>>;
+  Node* PickPrefill(const NodeList& prefills, const std::vector<int32_t>& prompt,
+                    const std::string& salt, const std::vector<Node*>& excluded,
+                    absl::Time deadline);
+  Node* PickDecode(const NodeList& decodes, const std::vector<Node*>& excluded);
+  void DiscoveryLoop();
   // Which node a failed step is attributed to, from its ErrorInfo (the node called when the
   // failure carries none). kNone for the caller's own deadline, cancellation or bad input.
   Blame Attribute(const absl::Status& status, Blame called, absl::Time deadline) const;
@@ -119,8 +146,14 @@ class Gateway {
   MetricsRegistry* metrics_;
   Clock* const clock_;
   std::unique_ptr<cachestore::CacheStoreClient> store_;
-  std::vector<std::unique_ptr<Node>> prefills_;
-  std::vector<std::unique_ptr<Node>> decodes_;
+  Workers factories_;  // make_prefill / make_decode only
+  mutable std::mutex nodes_mu_;  // guards the two lists (not the nodes)
+  NodeList prefills_ ABSL_GUARDED_BY(nodes_mu_);
+  NodeList decodes_ ABSL_GUARDED_BY(nodes_mu_);
+  std::mutex discovery_mu_;
+  std::condition_variable discovery_cv_;
+  bool stopping_ ABSL_GUARDED_BY(discovery_mu_) = false;
+  std::thread discovery_;
   std::atomic<uint64_t> next_request_{1};
   // One rotation per role, so ties are broken independently for each picker.
   std::atomic<uint64_t> prefill_rotation_{0};

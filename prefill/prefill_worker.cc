@@ -70,7 +70,6 @@ absl::Status PrefillWorker::Init(worker::WorkerCoreDeps deps) {
   transport_ = core_->transport.get();
   kv_ = core_->kv.get();
   segment_ = core_->segment.get();
-  store_ = core_->store.get();
   return absl::OkStatus();
 }
 
@@ -176,7 +175,13 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
       layout.fingerprint(), request.tenant_salt(),
       absl::MakeConstSpan(tokens).subspan(0, static_cast<size_t>(full_tokens)), block_tokens);
   prefix_query_tokens_->Increment(static_cast<double>(full_tokens));
-  absl::StatusOr<worker::PrefixMatch> match = store_->MatchPrefix(chain, options_.lease_ttl);
+  worker::StoreLink* store = store_.load(std::memory_order_acquire);
+  if (store == nullptr) {
+    return Own(absl::UnavailableError(absl::StrCat("prefill node ", core_->node_id,
+                                                   " is not registered with the cache store yet")),
+               kvrelay::v1::FAILURE_UNREACHABLE);
+  }
+  absl::StatusOr<worker::PrefixMatch> match = store->MatchPrefix(chain, options_.lease_ttl);
   // A store outage costs reuse, not the request: everything is computed instead.
   if (!match.ok()) {
     KV_LOG(WARNING) << request.request_id() << ": MatchPrefix failed (" << match.status()
@@ -187,7 +192,7 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
     worker::StoreLink* store;
     uint64_t id;
     ~LeaseGuard() { store->ReleaseLease(id); }
-  } lease{store_, match->lease_id};
+  } lease{store, match->lease_id};
   int64_t hit_blocks = 0;
   while (hit_blocks < static_cast<int64_t>(match->local_slots.size()) &&
          match->local_slots[hit_blocks] >= 0) {
@@ -322,7 +327,7 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
   pushed_bytes_->Increment(static_cast<double>(pushed));
 
   // 5. Publish the blocks computed here for later requests.
-  absl::StatusOr<int32_t> committed = store_->CommitBlocks(chain, hit_blocks, full_blocks, seq);
+  absl::StatusOr<int32_t> committed = store->CommitBlocks(chain, hit_blocks, full_blocks, seq);
   if (!committed.ok()) {
     KV_LOG(WARNING) << request.request_id() << ": commit failed: " << committed.status();
   }
@@ -334,6 +339,16 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
   response.set_pushed_bytes(pushed);
   response.set_committed_blocks(committed.ok() ? *committed : 0);
   return response;
+}
+
+absl::Status PrefillWorker::ConnectStore(const std::string& grpc_address) {
+  KV_RETURN_IF_ERROR(core_->ConnectStore(grpc_address, [this] {
+    kvrelay::v1::NodeLoad load;
+    load.set_active_requests(static_cast<int64_t>(active_->value()));
+    return load;
+  }));
+  store_.store(core_->store.get(), std::memory_order_release);
+  return absl::OkStatus();
 }
 
 kvrelay::v1::PrefillStatusResponse PrefillWorker::Describe() const {

@@ -16,6 +16,7 @@
 // Thread-safe; one model computation at a time (the runner is shared), transfers of earlier
 // requests overlap later computations.
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -52,6 +53,9 @@ class PrefillWorker {
   absl::StatusOr<kvrelay::v1::PrefillResponse> Run(const kvrelay::v1::PrefillRequest& request,
                                                    absl::Time deadline);
   kvrelay::v1::PrefillStatusResponse Describe() const;
+  // Registers with the cache store once the gRPC server listens on `grpc_address` (requests
+  // before that fail Unavailable). ALREADY_EXISTS when another live process holds the node id.
+  absl::Status ConnectStore(const std::string& grpc_address);
 
   const std::string& transport_address() const { return core_->transport_address; }
   const std::string& node_id() const { return core_->node_id; }
@@ -73,7 +77,8 @@ class PrefillWorker {
   transfer::Transport* transport_ = nullptr; // core_->transport
   worker::RegisteredKvCache* kv_ = nullptr;  // core_->kv
   worker::CacheSegment* segment_ = nullptr;  // core_->segment
-  worker::StoreLink* store_ = nullptr;       // core_->store
+  // core_->store once ConnectStore ran; release by ConnectStore, acquire by requests.
+  std::atomic<worker::StoreLink*> store_{nullptr};
 
   absl::Mutex compute_mu_;  // one forward pass at a time; taken before peers_mu_ never
   absl::Mutex peers_mu_;

@@ -1,5 +1,7 @@
 #include "worker/store_link.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
@@ -20,16 +22,19 @@ absl::StatusOr<std::unique_ptr<StoreLink>> StoreLink::Connect(StoreLinkOptions o
                                                               Clock* clock, absl::Time deadline) {
   KV_ASSIGN_OR_RETURN(std::shared_ptr<grpc::Channel> channel,
                       server::MakeChannel(options.cachestore_address, options.security));
-  auto client = cachestore::CacheStoreClient::FromChannel(
-      std::move(channel), cachestore::CacheStoreClient::Options{.timeout = options.rpc_timeout});
+  cachestore::CacheStoreClient::Options client_options;
+  client_options.timeout = options.rpc_timeout;
+  client_options.security = options.security;
+  client_options.node = {options.node_id, options.incarnation};
+  auto client = cachestore::CacheStoreClient::FromChannel(std::move(channel), client_options);
   auto link = std::unique_ptr<StoreLink>(
       new StoreLink(std::move(options), segment, clock, std::move(client)));
   absl::Status status;
   while (true) {
     status = link->Register();
-    // A refused registration (another live process holds this node id) is final.
+    // Refused (another live process holds this id) or malformed: retrying will not help.
     if (status.ok() || absl::IsAlreadyExists(status) || absl::IsInvalidArgument(status) ||
-        absl::Now() > deadline) {
+        absl::IsFailedPrecondition(status) || absl::Now() > deadline) {
       break;
     }
     absl::SleepFor(absl::Milliseconds(200));
@@ -47,37 +52,99 @@ absl::StatusOr<std::unique_ptr<StoreLink>> StoreLink::Connect(StoreLinkOptions o
 StoreLink::~StoreLink() {
   stop_.Notify();
   if (heartbeat_.joinable()) heartbeat_.join();
+  // Leaving on purpose: the store drops this node and its blocks now, not after the TTL.
+  cachestore::CallOptions call;
+  call.deadline = absl::Now() + absl::Seconds(1);
+  if (absl::Status s = client_->Deregister(call); !s.ok()) {
+    KV_LOG(INFO) << options_.node_id << ": deregister: " << s;
+  }
 }
 
 absl::Status StoreLink::Register() {
-  kvrelay::v1::RegisterNodeRequest request;
-  request.set_node_id(options_.node_id);
-  request.mutable_address()->set_kind(options_.transport_kind);
-  request.mutable_address()->set_address(options_.transport_address);
-  request.set_ttl_ms(absl::ToInt64Milliseconds(options_.ttl));
+  cachestore::CacheStoreClient::Registration reg;
+  reg.role = options_.role;
+  reg.grpc_address = options_.grpc_address;
+  reg.transport_kind = options_.transport_kind;
+  reg.transport_address = options_.transport_address;
+  reg.ttl = options_.ttl;
   if (segment_ != nullptr) {
-    kvrelay::v1::Segment* s = request.add_segments();
-    s->set_segment_id(kSegmentId);
-    s->set_tier(kvrelay::v1::TIER_HOST);
-    s->set_capacity_slots(segment_->num_slots());
+    kvrelay::v1::Segment s;
+    s.set_segment_id(kSegmentId);
+    s.set_tier(kvrelay::v1::TIER_HOST);
+    s.set_capacity_slots(segment_->num_slots());
     // The store computes offsets as slot x slot_bytes, so it gets the stride.
-    s->set_slot_bytes(segment_->slot_stride());
-    s->set_memory_key(absl::StrCat(segment_->region().id()));
+    s.set_slot_bytes(segment_->slot_stride());
+    s.set_memory_key(absl::StrCat(segment_->region().id()));
+    reg.segments.push_back(std::move(s));
   }
-  return client_->RegisterNode(request).status();
+  return client_->Register(reg).status();
+}
+
+void StoreLink::Reannounce() {
+  std::vector<kvrelay::v1::AnnouncedBlock> blocks;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [slot, block] : held_) blocks.push_back(block);
+  }
+  if (blocks.empty()) return;
+  // Parents before children: a parent's hash is some earlier block's; order by chain depth.
+  absl::flat_hash_map<std::pair<uint64_t, uint64_t>, const kvrelay::v1::AnnouncedBlock*> by_hash;
+  for (const auto& b : blocks) by_hash[{b.hash().hi(), b.hash().lo()}] = &b;
+  auto depth = [&](const kvrelay::v1::AnnouncedBlock& b) {
+    int d = 0;
+    const kvrelay::v1::AnnouncedBlock* cur = &b;
+    while (d < 100000) {
+      auto it = by_hash.find({cur->parent().hi(), cur->parent().lo()});
+      if (it == by_hash.end()) break;
+      cur = it->second;
+      ++d;
+    }
+    return d;
+  };
+  std::vector<std::pair<int, kvrelay::v1::AnnouncedBlock>> ordered;
+  for (const auto& b : blocks) ordered.emplace_back(depth(b), b);
+  std::stable_sort(ordered.begin(), ordered.end(),
+                   [](const auto& a, const auto& b) { return a.first < b.first; });
+  blocks.clear();
+  for (auto& [d, b] : ordered) blocks.push_back(std::move(b));
+  absl::StatusOr<kvrelay::v1::AnnounceBlocksResponse> r = client_->Announce(kSegmentId, blocks);
+  if (!r.ok()) {
+    KV_LOG(WARNING) << options_.node_id << ": re-announcing " << blocks.size()
+                    << " blocks failed: " << r.status();
+    return;
+  }
+  KV_LOG(INFO) << options_.node_id << ": re-announced " << blocks.size() << " blocks ("
+               << r->accepted() << " new, " << r->already_present() << " known, "
+               << r->rejected_size() << " refused)";
 }
 
 void StoreLink::HeartbeatLoop() {
   const absl::Duration interval = options_.ttl / 4;
+  bool replaced_logged = false;
   while (!stop_.WaitForNotificationWithTimeout(interval)) {
-    absl::StatusOr<bool> known = client_->Heartbeat(options_.node_id);
-    if (known.ok() && !*known) {
-      KV_LOG(WARNING) << options_.node_id << ": the cache store forgot this node; registering";
-      if (absl::Status s = Register(); !s.ok()) {
+    kvrelay::v1::NodeLoad load;
+    if (options_.load) load = options_.load();
+    absl::StatusOr<kvrelay::v1::HeartbeatResponse> r = client_->Heartbeat(&load);
+    if (r.ok() && !r->known()) {
+      KV_LOG(WARNING) << options_.node_id << ": the cache store forgot this node; registering "
+                      << "and re-announcing what the segment holds";
+      if (absl::Status s = Register(); s.ok()) {
+        Reannounce();
+      } else {
         KV_LOG(WARNING) << options_.node_id << ": register failed: " << s;
       }
+    } else if (!r.ok() && absl::IsFailedPrecondition(r.status()) && !replaced_logged) {
+      // Another process registered this id after we were forgotten: we must not serve as it.
+      KV_LOG(ERROR) << options_.node_id << ": the store holds another incarnation of this id: "
+                    << r.status();
+      replaced_logged = true;
     }
   }
+}
+
+int64_t StoreLink::held_blocks() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int64_t>(held_.size());
 }
 
 absl::StatusOr<PrefixMatch> StoreLink::MatchPrefix(const std::vector<kv::BlockHash>& chain,
@@ -92,7 +159,9 @@ absl::StatusOr<PrefixMatch> StoreLink::MatchPrefix(const std::vector<kv::BlockHa
   for (int i = 0; i < response.matched() && i < static_cast<int>(locations.size()); ++i) {
     int64_t slot = -1;
     for (const auto& replica : locations[i]) {
-      if (replica.node_id() == options_.node_id && replica.segment_id() == kSegmentId) {
+      // Only this process's own replicas: an earlier incarnation's slots hold other bytes.
+      if (replica.node_id() == options_.node_id && replica.segment_id() == kSegmentId &&
+          (replica.incarnation() == 0 || replica.incarnation() == options_.incarnation)) {
         slot = replica.slot();
         break;
       }
@@ -121,11 +190,11 @@ absl::StatusOr<int32_t> StoreLink::CommitBlocks(const std::vector<kv::BlockHash>
                                           block->mutable_parent());
     block->set_size_bytes(segment_->block_bytes());
   }
-  request.set_preferred_node(options_.node_id);
   request.set_preferred_tier(kvrelay::v1::TIER_HOST);
   request.set_replicas(1);
   KV_ASSIGN_OR_RETURN(kvrelay::v1::AllocateResponse allocation, client_->Allocate(request));
   std::vector<kv::BlockHash> stored;
+  std::vector<kvrelay::v1::AnnouncedBlock> written;
   for (int i = 0; i < allocation.blocks_size(); ++i) {
     const auto& block = allocation.blocks(i);
     if (block.already_committed()) continue;
@@ -138,7 +207,22 @@ absl::StatusOr<int32_t> StoreLink::CommitBlocks(const std::vector<kv::BlockHash>
     if (!all_here) continue;
     bool ok = true;
     for (const auto& replica : block.replicas()) {
-      if (!segment_->StoreBlock(seq, first + i, replica.slot()).ok()) ok = false;
+      {
+        // The slot's old content is gone from the moment we write.
+        absl::MutexLock lock(&mu_);
+        held_.erase(replica.slot());
+      }
+      if (!segment_->StoreBlock(seq, first + i, replica.slot()).ok()) {
+        ok = false;
+        continue;
+      }
+      kvrelay::v1::AnnouncedBlock a;
+      *a.mutable_hash() = block.hash();
+      cachestore::CacheStoreClient::ToProto(first + i == 0 ? kv::BlockHash{} : chain[first + i - 1],
+                                            a.mutable_parent());
+      a.set_slot(replica.slot());
+      a.set_size_bytes(segment_->block_bytes());
+      written.push_back(std::move(a));
     }
     if (ok) stored.push_back(cachestore::CacheStoreClient::FromProto(block.hash()));
   }
@@ -147,6 +231,11 @@ absl::StatusOr<int32_t> StoreLink::CommitBlocks(const std::vector<kv::BlockHash>
     return 0;
   }
   KV_ASSIGN_OR_RETURN(int committed, client_->Commit(allocation.allocation_id(), stored));
+  absl::MutexLock lock(&mu_);
+  for (auto& a : written) {
+    const int64_t slot = a.slot();
+    held_[slot] = std::move(a);
+  }
   return committed;
 }
 

@@ -1,19 +1,30 @@
 #pragma once
 
 // StoreLink: a worker's connection to the cache store, over CacheStoreClient. Registers the
-// node (id + incarnation) and its cache segment, heartbeats from a background thread
-// (re-registering if the store forgot the node, e.g. after a restart), matches prefixes under
-// leases and commits new blocks.
+// node as (node id, incarnation) with its role, gRPC and data-plane addresses and its cache
+// segment; heartbeats with the worker's load from a background thread; after the store forgot
+// the node (restart without its log, a long partition) registers again and re-announces the
+// blocks its segment still holds, so prefix hits come back without recompute. Matches prefixes
+// under leases bound to this node and commits new blocks into its own segment. Deregisters on
+// destruction, so the store drops the node at once instead of waiting out its TTL.
+//
+// What each segment slot holds is tracked exactly: a slot is forgotten before new bytes are
+// written into it and recorded only after its commit, so a re-announce never names bytes that
+// are not there.
 //
 // Thread-safe. The segment (if any) and the clock must outlive the link.
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "cachestore/client/cache_store_client.h"
@@ -29,11 +40,14 @@ struct StoreLinkOptions {
   std::string cachestore_address;  // host:port
   std::string node_id;
   uint64_t incarnation = 0;
+  kvrelay::v1::NodeRole role = kvrelay::v1::NODE_ROLE_UNSPECIFIED;
+  std::string grpc_address;  // where the gateway reaches this worker (discovery)
   std::string transport_kind = "ucx";
   std::string transport_address;  // where peers reach this node's data plane
   absl::Duration ttl = absl::Seconds(10);
   absl::Duration rpc_timeout = absl::Seconds(5);
   server::SecurityOptions security;
+  std::function<kvrelay::v1::NodeLoad()> load;  // reported with each heartbeat (optional)
 };
 
 struct PrefixMatch {
@@ -44,7 +58,8 @@ struct PrefixMatch {
 
 class StoreLink {
  public:
-  // Registers (retrying until `deadline`, so workers may start before the store).
+  // Registers (retrying until `deadline`, so workers may start before the store). A refused
+  // registration (ALREADY_EXISTS: another live process holds this node id) is returned at once.
   static absl::StatusOr<std::unique_ptr<StoreLink>> Connect(StoreLinkOptions options,
                                                             const CacheSegment* segment,
                                                             Clock* clock, absl::Time deadline);
@@ -53,25 +68,31 @@ class StoreLink {
   absl::StatusOr<PrefixMatch> MatchPrefix(const std::vector<kv::BlockHash>& chain,
                                           absl::Duration lease_ttl);
   void ReleaseLease(uint64_t lease_id);
-  // Commits chain[first, last) (their KV is blocks first..last-1 of `seq`): allocates slots
-  // preferring this node, copies the blocks placed here into the segment, commits them.
-  // Blocks placed on other nodes are not committed. Returns how many were committed.
+  // Commits chain[first, last) (their KV is blocks first..last-1 of `seq`): allocates slots in
+  // this node's segment, copies the blocks there, commits them. Returns how many were committed.
   absl::StatusOr<int32_t> CommitBlocks(const std::vector<kv::BlockHash>& chain, int64_t first,
                                        int64_t last, const model::Sequence& seq);
 
   const std::string& node_id() const { return options_.node_id; }
   uint64_t incarnation() const { return options_.incarnation; }
+  // Blocks the segment holds committed, as the link knows them.
+  int64_t held_blocks() const;
 
  private:
   StoreLink(StoreLinkOptions options, const CacheSegment* segment, Clock* clock,
             std::unique_ptr<cachestore::CacheStoreClient> client);
   absl::Status Register();
+  // Re-announces every held block (after the store forgot this node).
+  void Reannounce();
   void HeartbeatLoop();
 
   const StoreLinkOptions options_;
   const CacheSegment* segment_;
   Clock* const clock_;
   std::unique_ptr<cachestore::CacheStoreClient> client_;
+  mutable absl::Mutex mu_;
+  // slot -> the committed block it holds (hash, parent, size).
+  absl::flat_hash_map<int64_t, kvrelay::v1::AnnouncedBlock> held_ ABSL_GUARDED_BY(mu_);
   absl::Notification stop_;
   std::thread heartbeat_;
 };

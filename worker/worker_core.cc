@@ -56,18 +56,28 @@ absl::StatusOr<std::unique_ptr<WorkerCore>> WorkerCore::Create(const WorkerCoreO
     KV_ASSIGN_OR_RETURN(core->segment,
                         CacheSegment::Create(core->runner->layout(), options.cache_slots,
                                              core->transport.get()));
-    StoreLinkOptions link;
-    link.cachestore_address = options.cachestore_address;
-    link.node_id = core->node_id;
-    link.incarnation = core->incarnation;
-    link.transport_address = core->transport_address;
-    link.transport_kind = core->transport_kind;
-    link.security = options.security;
-    KV_ASSIGN_OR_RETURN(core->store,
-                        StoreLink::Connect(link, core->segment.get(), core->clock,
-                                           absl::Now() + absl::Seconds(30)));
   }
+  core->options = options;
   return core;
+}
+
+absl::Status WorkerCore::ConnectStore(const std::string& grpc_address,
+                                      std::function<kvrelay::v1::NodeLoad()> load) {
+  if (options.cachestore_address.empty()) return absl::OkStatus();
+  StoreLinkOptions link;
+  link.cachestore_address = options.cachestore_address;
+  link.node_id = node_id;
+  link.incarnation = incarnation;
+  link.role = options.role == "prefill" ? kvrelay::v1::NODE_ROLE_PREFILL
+                                        : kvrelay::v1::NODE_ROLE_DECODE;
+  link.grpc_address = grpc_address;
+  link.transport_address = transport_address;
+  link.transport_kind = transport_kind;
+  link.security = options.security;
+  link.load = std::move(load);
+  KV_ASSIGN_OR_RETURN(store,
+                      StoreLink::Connect(link, segment.get(), clock, absl::Now() + absl::Seconds(30)));
+  return absl::OkStatus();
 }
 
 void WorkerFlags::AddFlags(FlagSet& flags) {
@@ -80,6 +90,10 @@ void WorkerFlags::AddFlags(FlagSet& flags) {
                   "node id in the cache store (default: <role>-<hostname>-<random>, unique per "
                   "process)");
   flags.AddString("transport-host", &core_.transport_host, "data-plane listen address");
+  flags.AddString("advertise-address", &core_.advertise_host,
+                  "host (name or address) other nodes use to reach this one, for gRPC and the "
+                  "data plane (default: the bind address; a wildcard such as 0.0.0.0 is never "
+                  "advertised)");
   flags.AddInt32("threads", &core_.threads, "compute threads");
   flags.AddInt64("pool-blocks", &core_.pool_blocks, "request KV slots per layer group");
   flags.AddInt64("cache-slots", &core_.cache_slots, "whole-block slots offered to the store");

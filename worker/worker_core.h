@@ -12,6 +12,7 @@
 // transport after every region allocated from it.
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -34,6 +35,9 @@ struct WorkerCoreOptions {
   std::string node_id;   // empty: "<role>-<hostname>-<random>", unique per process
   std::string cachestore_address;  // empty: no cache segment, no store link
   std::string transport_host = "127.0.0.1";
+  // The host others use to reach this node (gRPC and data plane); empty: derived from the bind
+  // addresses (never a wildcard such as 0.0.0.0).
+  std::string advertise_host;
   int32_t threads = 1;
   int64_t pool_blocks = 1024;  // request KV slots per layer group
   int64_t cache_slots = 256;   // whole-block slots offered to the store
@@ -51,6 +55,11 @@ struct WorkerCore {
   static absl::StatusOr<std::unique_ptr<WorkerCore>> Create(const WorkerCoreOptions& options,
                                                             transfer::InboundHandler inbound,
                                                             WorkerCoreDeps deps = {});
+  // Registers with the cache store (when configured) once the gRPC server listens on
+  // `grpc_address`, reporting `load` with each heartbeat. ALREADY_EXISTS when another live
+  // process holds this node id. REQUIRES: called once.
+  absl::Status ConnectStore(const std::string& grpc_address,
+                            std::function<kvrelay::v1::NodeLoad()> load);
 
   Clock* clock = nullptr;
   std::string node_id;
@@ -61,7 +70,8 @@ struct WorkerCore {
   std::string transport_address;
   std::unique_ptr<RegisteredKvCache> kv;
   std::unique_ptr<CacheSegment> segment;  // null without a store
-  std::unique_ptr<StoreLink> store;       // null without a store
+  std::unique_ptr<StoreLink> store;       // null without a store or before ConnectStore
+  WorkerCoreOptions options;
 };
 
 // "<role>-<hostname>-<8 hex digits>": unique per process, so two replicas of one deployment

@@ -1,5 +1,11 @@
 #include "common/server/server_flags.h"
 
+#include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <net/if.h>
+#include <netinet/in.h>
+#include <unistd.h>
+
 #include <cstdio>
 #include <iostream>
 
@@ -66,6 +72,33 @@ absl::Status CheckHostPort(const std::string& address, const std::string& what) 
         absl::StrCat(what, " must be HOST:PORT, got '", address, "'"));
   }
   return absl::OkStatus();
+}
+
+}  // namespace kvrelay::server
+
+namespace kvrelay::server {
+
+std::string AdvertisedHost(const std::string& bind_host, const std::string& advertise_host) {
+  if (!advertise_host.empty()) return advertise_host;
+  if (!bind_host.empty() && bind_host != "0.0.0.0" && bind_host != "::" && bind_host != "[::]") {
+    return bind_host;
+  }
+  ifaddrs* addresses = nullptr;
+  std::string found;
+  if (::getifaddrs(&addresses) == 0) {
+    for (ifaddrs* a = addresses; a != nullptr && found.empty(); a = a->ifa_next) {
+      if (a->ifa_addr == nullptr || a->ifa_addr->sa_family != AF_INET) continue;
+      if ((a->ifa_flags & IFF_LOOPBACK) != 0 || (a->ifa_flags & IFF_UP) == 0) continue;
+      char text[INET_ADDRSTRLEN] = {};
+      const auto* in = reinterpret_cast<const sockaddr_in*>(a->ifa_addr);
+      if (::inet_ntop(AF_INET, &in->sin_addr, text, sizeof(text)) != nullptr) found = text;
+    }
+    ::freeifaddrs(addresses);
+  }
+  if (!found.empty()) return found;
+  char host[256] = {};
+  if (::gethostname(host, sizeof(host) - 1) == 0 && host[0] != '\0') return host;
+  return "127.0.0.1";
 }
 
 }  // namespace kvrelay::server

@@ -34,3 +34,12 @@ absl::Status CheckHostPort(const std::string& address, const std::string& what);
 int UsageError(const std::string& command, const std::string& message, int exit_code = 2);
 
 }  // namespace kvrelay::server
+
+namespace kvrelay::server {
+
+// The host other machines use to reach a server bound to `bind_host`: `advertise_host` when
+// given; else `bind_host`, unless that is a wildcard (0.0.0.0, ::, empty), which is never
+// advertised — then the first non-loopback IPv4 address of this machine (or its hostname).
+std::string AdvertisedHost(const std::string& bind_host, const std::string& advertise_host);
+
+}  // namespace kvrelay::server

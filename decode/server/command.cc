@@ -4,6 +4,8 @@
 
 #include <cstdio>
 
+#include "absl/strings/str_cat.h"
+
 #include "common/flags.h"
 #include "common/server/server_flags.h"
 #include "common/server/service_host.h"
@@ -46,8 +48,22 @@ int RunDecodeCommand(const std::vector<std::string>& raw_args) {
   std::fprintf(stderr, "decode: model %s, node %s, data plane %s\n", options.model_name.c_str(),
                (*worker)->node_id().c_str(), (*worker)->transport_address().c_str());
   DecodeService service(worker->get());
-  return kvrelay::server::ServeUntilSignal(host, {&service}, &metrics,
-                                           {.on_drain = [&] { (*worker)->Drain(); }});
+  absl::StatusOr<std::unique_ptr<kvrelay::server::ServiceHost>> server =
+      kvrelay::server::ServiceHost::Start(host, {&service}, &metrics);
+  if (!server.ok()) {
+    std::fprintf(stderr, "kvrelay decode: %s\n", server.status().ToString().c_str());
+    return 1;
+  }
+  // Registered only now that the gateway can reach the advertised gRPC address.
+  const std::string advertised = absl::StrCat(
+      kvrelay::server::AdvertisedHost(host.host, options.core.advertise_host), ":",
+      (*server)->port());
+  if (absl::Status s = (*worker)->ConnectStore(advertised); !s.ok()) {
+    std::fprintf(stderr, "kvrelay decode: %s\n", s.ToString().c_str());
+    return 1;
+  }
+  (*server)->WaitForShutdown({.on_drain = [&] { (*worker)->Drain(); }});
+  return 0;
 }
 
 }  // namespace kvrelay::decode::server

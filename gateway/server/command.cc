@@ -37,8 +37,13 @@ int RunGatewayCommand(const std::vector<std::string>& raw_args) {
   FlagSet flags("gateway", "Runs the gateway: Generate with KV-aware routing.");
   kvrelay::server::AddServerFlags(flags, host);
   flags.AddString("cachestore", &cachestore, "cache store HOST:PORT (prefix-aware routing)");
-  flags.AddString("prefill", &prefill, "prefill workers, HOST:PORT[,HOST:PORT...]");
-  flags.AddString("decode", &decode, "decode workers, HOST:PORT[,HOST:PORT...]");
+  flags.AddString("prefill", &prefill,
+                  "fixed prefill workers, HOST:PORT[,HOST:PORT...] (with --cachestore, workers "
+                  "that register are discovered too)");
+  flags.AddString("decode", &decode, "fixed decode workers, HOST:PORT[,HOST:PORT...]");
+  flags.AddDuration("discovery-interval", &options.discovery_interval,
+                    "how often the cache store's registry is read for workers that joined or "
+                    "left (0: only the fixed lists)");
   flags.AddString("model", &options.model_dir, "model directory the workers serve");
   flags.AddString("model-name", &options.model_name,
                   "model name requests use (default: the directory's base name)");
@@ -71,9 +76,11 @@ int RunGatewayCommand(const std::vector<std::string>& raw_args) {
   for (absl::string_view a : absl::StrSplit(decode, ',', absl::SkipEmpty())) {
     decode_addresses.emplace_back(a);
   }
-  if (prefill_addresses.empty() || decode_addresses.empty()) {
-    return kvrelay::server::UsageError("gateway",
-                                       "at least one --prefill and one --decode worker is needed");
+  if (cachestore.empty() && (prefill_addresses.empty() || decode_addresses.empty())) {
+    return kvrelay::server::UsageError(
+        "gateway",
+        "give --cachestore (workers are discovered from its registry) or at least one --prefill "
+        "and one --decode worker");
   }
   for (const auto& list : {prefill_addresses, decode_addresses}) {
     for (const std::string& a : list) {
@@ -114,6 +121,13 @@ int RunGatewayCommand(const std::vector<std::string>& raw_args) {
     if (!e.ok()) return kvrelay::server::UsageError("gateway", e.status().ToString(), 1);
     workers.decode.push_back(*std::move(e));
   }
+  const kvrelay::server::SecurityOptions security = host.security;
+  workers.make_prefill = [security](const std::string& address) {
+    return MakeGrpcPrefillEndpoint(address, security);
+  };
+  workers.make_decode = [security](const std::string& address) {
+    return MakeGrpcDecodeEndpoint(address, security);
+  };
   std::unique_ptr<cachestore::CacheStoreClient> store;
   if (!cachestore.empty()) {
     absl::StatusOr<std::shared_ptr<grpc::Channel>> channel =
