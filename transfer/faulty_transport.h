@@ -37,6 +37,7 @@ class FaultyTransport final : public Transport {
 
   Capabilities capabilities() const override { return inner_->capabilities(); }
   std::string address() const override { return inner_->address(); }
+  uint64_t incarnation() const override { return inner_->incarnation(); }
   absl::StatusOr<MemoryRegionPtr> RegisterMemory(MemorySpan span, MemoryKind kind) override {
     return inner_->RegisterMemory(span, kind);
   }
@@ -49,6 +50,9 @@ class FaultyTransport final : public Transport {
   absl::Status Disconnect(PeerId peer) override { return inner_->Disconnect(peer); }
   absl::StatusOr<std::vector<RemoteRegionInfo>> RemoteRegions(PeerId peer) const override {
     return inner_->RemoteRegions(peer);
+  }
+  absl::StatusOr<PeerStatus> GetPeerStatus(PeerId peer) const override {
+    return inner_->GetPeerStatus(peer);
   }
   std::vector<PeerId> Peers() const override { return inner_->Peers(); }
   absl::StatusOr<TransferPlan> Prepare(const TransferBatch& batch) override {

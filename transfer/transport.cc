@@ -1,6 +1,8 @@
 #include "transfer/transport.h"
 
 #include <algorithm>
+#include <atomic>
+#include <random>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -90,6 +92,19 @@ size_t InboundQueue::size() const {
 }
 
 namespace internal {
+
+uint64_t NewIncarnation() {
+  std::random_device rd;
+  uint64_t v = 0;
+  while (v == 0) v = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+  return v;
+}
+
+uint64_t NextRegionId() {
+  static std::atomic<uint64_t> next{
+      (NewIncarnation() % ((uint64_t{1} << 62) - (uint64_t{1} << 32))) + (uint64_t{1} << 32)};
+  return next.fetch_add(1);
+}
 
 // --- HandleState -----------------------------------------------------------------------------
 

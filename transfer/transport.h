@@ -107,6 +107,26 @@ struct RemoteRegionInfo {
   uint64_t size_bytes = 0;
 };
 
+// What this transport knows about one peer (Transport::GetPeerStatus).
+struct PeerStatus {
+  PeerId id = 0;
+  // The address given to Connect(), or for a peer that connected to us the address it
+  // advertised in its hello.
+  std::string address;
+  // The peer transport instance's incarnation: random, 64-bit, new for every transport (so
+  // for every process start). A process restarted behind the same address has a different
+  // one, and is always a different PeerId: regions and keys of an old incarnation are never
+  // used for a new one.
+  uint64_t incarnation = 0;
+  bool alive = false;
+  // Why the peer is no longer alive (OK while alive): Unavailable (connection lost, missed
+  // heartbeats, endpoint error), Cancelled (disconnected locally).
+  absl::Status down_reason;
+  // Bytes of the peer's memory that this process maps directly (shared memory) and has not
+  // yet populated; transfers into them still pay first-touch page faults. 0 over a network.
+  uint64_t unpopulated_bytes = 0;
+};
+
 enum class Direction { kPut, kGet };
 
 // One block: local region + offset <-> remote region + offset, `length` bytes.
@@ -235,6 +255,8 @@ class Transport {
   virtual Capabilities capabilities() const = 0;
   // Where peers Connect() to ("127.0.0.1:40123", "inproc:decode-0").
   virtual std::string address() const = 0;
+  // This transport instance's incarnation (random 64-bit, never 0), sent to every peer.
+  virtual uint64_t incarnation() const = 0;
 
   // InvalidArgument for a null/empty span; Unimplemented for device memory without
   // capabilities().device_memory.
@@ -247,13 +269,18 @@ class Transport {
   virtual absl::StatusOr<MemoryRegionPtr> AllocateMemory(size_t bytes) = 0;
 
   // Connects to the transport listening at `address`; both sides can then push and pull.
-  // Unavailable when nobody answers, DeadlineExceeded when the handshake is not done in time,
-  // InvalidArgument for a malformed address.
+  // A live connection this transport opened to the same address is reused (same PeerId);
+  // a dead one never is: a peer that went away (process restarted, network cut) gets a new
+  // connection and a new PeerId. Unavailable when nobody answers, DeadlineExceeded when the
+  // handshake is not done in time, InvalidArgument for a malformed address.
   virtual absl::StatusOr<PeerId> Connect(std::string_view address, absl::Time deadline) = 0;
   // NotFound for an unknown peer. Transfers in flight to it fail with Cancelled.
   virtual absl::Status Disconnect(PeerId peer) = 0;
-  // Regions the peer has published (NotFound for an unknown peer).
+  // Regions the peer has published: NotFound for an unknown peer, Unavailable (with why) once
+  // the peer is dead, so "RemoteRegions(p).ok()" is a liveness check.
   virtual absl::StatusOr<std::vector<RemoteRegionInfo>> RemoteRegions(PeerId peer) const = 0;
+  // NotFound for a peer this transport never had.
+  virtual absl::StatusOr<PeerStatus> GetPeerStatus(PeerId peer) const = 0;
   // Peers connected to us or by us that are alive.
   virtual std::vector<PeerId> Peers() const = 0;
 

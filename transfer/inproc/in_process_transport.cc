@@ -19,13 +19,13 @@ namespace {
 
 using internal::HandleState;
 
-std::atomic<uint64_t> g_next_region_id{1};
 std::atomic<uint64_t> g_next_name{1};
 
 // Everything a peer may touch; shared so a peer can outlive us safely. Lock order: handler_mu
 // before mu.
 struct Core {
   std::string name;
+  const uint64_t incarnation = internal::NewIncarnation();
   uint64_t copy_chunk_bytes = 0;
   // Readers: copies into/out of our regions and handler lookups. Writer: register,
   // deregister, shutdown.
@@ -35,8 +35,23 @@ struct Core {
   struct PeerLink {
     std::shared_ptr<Core> remote;
     PeerId id_at_remote = 0;
+    bool outgoing = false;  // we connected (Connect reuses it)
   };
   absl::flat_hash_map<PeerId, PeerLink> peers ABSL_GUARDED_BY(mu);
+  // Peers that went away, for GetPeerStatus.
+  absl::flat_hash_map<PeerId, PeerStatus> gone ABSL_GUARDED_BY(mu);
+
+  // Drops the link to `peer` (if any), remembering why.
+  void ForgetPeer(PeerId peer, absl::Status why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    auto it = peers.find(peer);
+    if (it == peers.end()) return;
+    gone[peer] = PeerStatus{.id = peer,
+                            .address = absl::StrCat("inproc:", it->second.remote->name),
+                            .incarnation = it->second.remote->incarnation,
+                            .alive = false,
+                            .down_reason = std::move(why)};
+    peers.erase(it);
+  }
   PeerId next_peer ABSL_GUARDED_BY(mu) = 1;
   // Held shared while the handler runs, exclusively when it is replaced or at shutdown.
   absl::Mutex handler_mu;
@@ -122,12 +137,17 @@ class InProcessTransport final : public Transport {
       core_->handler = nullptr;
       absl::MutexLock lock(&core_->mu);
       core_->alive = false;
-      peers.swap(core_->peers);
+      peers = core_->peers;
+      for (auto& [id, link] : peers) {
+        core_->ForgetPeer(id, absl::CancelledError("transport shut down"));
+      }
     }
     for (auto& [id, link] : peers) {
       {
         absl::MutexLock lock(&link.remote->mu);
-        link.remote->peers.erase(link.id_at_remote);
+        link.remote->ForgetPeer(
+            link.id_at_remote,
+            absl::UnavailableError(absl::StrCat("in-process peer ", core_->name, " shut down")));
       }
       link.remote->Deliver(InboundEvent{.kind = InboundEvent::Kind::kPeerDown,
                                         .peer = link.id_at_remote,
@@ -146,6 +166,7 @@ class InProcessTransport final : public Transport {
   }
 
   std::string address() const override { return absl::StrCat("inproc:", core_->name); }
+  uint64_t incarnation() const override { return core_->incarnation; }
 
   absl::StatusOr<MemoryRegionPtr> RegisterMemory(MemorySpan span, MemoryKind kind) override {
     if (span.data == nullptr || span.size_bytes == 0) {
@@ -155,7 +176,7 @@ class InProcessTransport final : public Transport {
       return absl::UnimplementedError(
           "in-process transport cannot copy device memory; stage it through pinned host memory");
     }
-    RegionId id = g_next_region_id.fetch_add(1);
+    RegionId id = internal::NextRegionId();
     {
       absl::MutexLock lock(&core_->mu);
       core_->regions[id] = span;
@@ -171,7 +192,7 @@ class InProcessTransport final : public Transport {
       return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", bytes, " bytes"));
     }
     std::memset(data, 0, rounded);
-    RegionId id = g_next_region_id.fetch_add(1);
+    RegionId id = internal::NextRegionId();
     MemorySpan span{data, bytes};
     {
       absl::MutexLock lock(&core_->mu);
@@ -194,6 +215,12 @@ class InProcessTransport final : public Transport {
     if (remote == core_) {
       return absl::InvalidArgumentError("an in-process transport cannot connect to itself");
     }
+    {
+      absl::ReaderMutexLock lock(&core_->mu);
+      for (const auto& [id, link] : core_->peers) {
+        if (link.outgoing && link.remote == remote) return id;  // live and ours: reuse
+      }
+    }
     PeerId mine;
     PeerId theirs;
     {
@@ -205,7 +232,7 @@ class InProcessTransport final : public Transport {
     {
       absl::MutexLock lock(&core_->mu);
       mine = core_->next_peer++;
-      core_->peers[mine] = Core::PeerLink{remote, theirs};
+      core_->peers[mine] = Core::PeerLink{remote, theirs, /*outgoing=*/true};
     }
     {
       absl::MutexLock lock(&remote->mu);
@@ -221,12 +248,14 @@ class InProcessTransport final : public Transport {
       absl::MutexLock lock(&core_->mu);
       auto it = core_->peers.find(peer);
       if (it == core_->peers.end()) return absl::NotFoundError(absl::StrCat("unknown peer ", peer));
-      link = std::move(it->second);
-      core_->peers.erase(it);
+      link = it->second;
+      core_->ForgetPeer(peer,
+                        absl::CancelledError(absl::StrCat("peer ", peer, " disconnected locally")));
     }
     {
       absl::MutexLock lock(&link.remote->mu);
-      link.remote->peers.erase(link.id_at_remote);
+      link.remote->ForgetPeer(link.id_at_remote, absl::UnavailableError(absl::StrCat(
+                                                     "peer ", core_->name, " disconnected")));
     }
     link.remote->Deliver(InboundEvent{
         .kind = InboundEvent::Kind::kPeerDown,
@@ -241,6 +270,20 @@ class InProcessTransport final : public Transport {
     absl::ReaderMutexLock lock(&remote->mu);
     for (const auto& [id, span] : remote->regions) out.push_back({id, span.size_bytes});
     return out;
+  }
+
+  absl::StatusOr<PeerStatus> GetPeerStatus(PeerId peer) const override {
+    absl::ReaderMutexLock lock(&core_->mu);
+    auto it = core_->peers.find(peer);
+    if (it != core_->peers.end()) {
+      return PeerStatus{.id = peer,
+                        .address = absl::StrCat("inproc:", it->second.remote->name),
+                        .incarnation = it->second.remote->incarnation,
+                        .alive = true};
+    }
+    auto git = core_->gone.find(peer);
+    if (git != core_->gone.end()) return git->second;
+    return absl::NotFoundError(absl::StrCat("unknown peer ", peer));
   }
 
   std::vector<PeerId> Peers() const override {
@@ -311,7 +354,14 @@ class InProcessTransport final : public Transport {
   absl::StatusOr<std::shared_ptr<Core>> Remote(PeerId peer) const {
     absl::ReaderMutexLock lock(&core_->mu);
     auto it = core_->peers.find(peer);
-    if (it == core_->peers.end()) return absl::NotFoundError(absl::StrCat("unknown peer ", peer));
+    if (it == core_->peers.end()) {
+      auto git = core_->gone.find(peer);
+      if (git != core_->gone.end()) {
+        return absl::UnavailableError(
+            absl::StrCat("peer ", peer, " is gone: ", git->second.down_reason.message()));
+      }
+      return absl::NotFoundError(absl::StrCat("unknown peer ", peer));
+    }
     return it->second.remote;
   }
 

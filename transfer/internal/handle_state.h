@@ -64,6 +64,12 @@ absl::StatusOr<TransferPlan> BuildPlan(
     const std::function<bool(const MemoryRegion*)>& is_local_region,
     const std::function<absl::StatusOr<uint64_t>(RegionId)>& remote_region_size);
 
+// A fresh transport incarnation: 64 random bits (std::random_device), never 0.
+uint64_t NewIncarnation();
+// A process-wide unique region id. Ids start at a random point (2^32 .. 2^62), so a region
+// id learned from one process never names a region of the process restarted after it.
+uint64_t NextRegionId();
+
 // Checks a Post's arguments against the plan (InvalidArgument).
 absl::Status CheckPost(const void* transport, const TransferPlan& plan, LayerRange layers);
 

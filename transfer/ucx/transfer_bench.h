@@ -20,8 +20,13 @@ int RunTransferBenchCommand(const std::vector<std::string>& args);
 
 namespace kvrelay::transfer {
 
-// Flags: --tls tcp|shm|<UCX_TLS list>, --region-bytes N, --listen-host IP.
+// Flags: --tls tcp|shm|<UCX_TLS list>, --region-bytes N, --listen-host HOST, --listen-port P.
 int RunTransferReceiver(const std::vector<std::string>& args);
+// A peer that pushes one block every --interval-ms to --connect for --duration-s, reconnecting
+// the way a prefill worker does (a dead peer is dropped, Connect gives a fresh connection);
+// prints "OK peer=P incarnation=I region=R" or "FAIL <step> <code> <message>" per attempt.
+// Used by the link-cut test (tests/transfer/transfer_netns_test.cc).
+int RunTransferSender(const std::vector<std::string>& args);
 // "tcp" -> "tcp", "shm" -> "posix,sysv,cma,self", anything else unchanged.
 std::string UcxTlsFor(const std::string& tls);
 

@@ -36,11 +36,19 @@ absl::Status FromUcs(ucs_status_t status, std::string_view what_view) {
   }
 }
 
-absl::StatusOr<UcpContextPtr> CreateContext(size_t request_size) {
+absl::StatusOr<UcpContextPtr> CreateContext(size_t request_size,
+                                            const std::string& tcp_port_range) {
   ucp_config_t* config = nullptr;
   ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
   if (st != UCS_OK) return FromUcs(st, "ucp_config_read");
   UcpConfigPtr config_owner(config, &ucp_config_release);
+  if (!tcp_port_range.empty()) {
+    st = ucp_config_modify(config, "TCP_PORT_RANGE", tcp_port_range.c_str());
+    if (st != UCS_OK) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("ucx_tcp_port_range must look like LOW-HIGH, got '", tcp_port_range, "'"));
+    }
+  }
   ucp_params_t params = {};
   params.field_mask =
       UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_REQUEST_SIZE | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
@@ -147,6 +155,116 @@ absl::StatusOr<std::string> UcpMemRegion::PackRemoteKey() const {
   std::string out(static_cast<const char*>(buffer), size);
   ucp_rkey_buffer_release(buffer);
   return out;
+}
+
+absl::StatusOr<UcpEndpoint> UcpEndpoint::Create(ucp_worker_h worker,
+                                                const std::string& peer_address,
+                                                const ucp_err_handler_t* err_handler) {
+  ucp_ep_params_t params = {};
+  params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+  params.address = reinterpret_cast<const ucp_address_t*>(peer_address.data());
+  params.err_mode =
+      err_handler != nullptr ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
+  if (err_handler != nullptr) {
+    params.field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    params.err_handler = *err_handler;
+  }
+  ucp_ep_h ep = nullptr;
+  ucs_status_t st = ucp_ep_create(worker, &params, &ep);
+  if (st != UCS_OK) return FromUcs(st, "ucp_ep_create from the peer's worker address");
+  UcpEndpoint out;
+  out.worker_ = worker;
+  out.ep_ = ep;
+  out.peer_mode_ = err_handler != nullptr;
+  return out;
+}
+
+UcpEndpoint::UcpEndpoint(UcpEndpoint&& other) noexcept
+    : worker_(std::exchange(other.worker_, nullptr)),
+      ep_(std::exchange(other.ep_, nullptr)),
+      peer_mode_(other.peer_mode_) {}
+
+UcpEndpoint& UcpEndpoint::operator=(UcpEndpoint&& other) noexcept {
+  if (this != &other) {
+    if (ep_ != nullptr) {
+      std::unique_ptr<EndpointCloser> closer = Close(false, absl::Now());
+      const absl::Time stop = absl::Now() + absl::Seconds(2);
+      while (!closer->Poll(absl::Now()) && absl::Now() < stop) ucp_worker_progress(worker_);
+    }
+    worker_ = std::exchange(other.worker_, nullptr);
+    ep_ = std::exchange(other.ep_, nullptr);
+    peer_mode_ = other.peer_mode_;
+  }
+  return *this;
+}
+
+UcpEndpoint::~UcpEndpoint() {
+  if (ep_ == nullptr) return;
+  ucp_worker_h worker = worker_;
+  std::unique_ptr<EndpointCloser> closer = Close(false, absl::Now());
+  const absl::Time stop = absl::Now() + absl::Seconds(2);
+  while (!closer->Poll(absl::Now()) && absl::Now() < stop) ucp_worker_progress(worker);
+}
+
+std::unique_ptr<EndpointCloser> UcpEndpoint::Close(bool graceful, absl::Time flush_deadline) {
+  ucs_status_ptr_t flush = nullptr;
+  if (graceful && ep_ != nullptr) {
+    ucp_request_param_t param = {};
+    flush = ucp_ep_flush_nbx(ep_, &param);
+    if (UCS_PTR_IS_ERR(flush)) flush = nullptr;  // nothing to wait for: force-close
+  }
+  std::unique_ptr<EndpointCloser> closer(
+      new EndpointCloser(worker_, std::exchange(ep_, nullptr), flush, flush_deadline));
+  worker_ = nullptr;
+  return closer;
+}
+
+EndpointCloser::EndpointCloser(ucp_worker_h worker, ucp_ep_h ep, ucs_status_ptr_t flush,
+                               absl::Time flush_deadline)
+    : worker_(worker), ep_(ep), flush_(flush), flush_deadline_(flush_deadline) {
+  if (ep_ == nullptr) {
+    done_ = true;
+  } else if (flush_ == nullptr) {
+    StartForceClose();
+  }
+}
+
+EndpointCloser::~EndpointCloser() {
+  // Requests UCX still holds are released by UCX when they complete.
+  if (flush_ != nullptr) ucp_request_free(flush_);
+  if (close_ != nullptr) ucp_request_free(close_);
+}
+
+void EndpointCloser::StartForceClose() {
+  ucp_request_param_t param = {};
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  param.flags = UCP_EP_CLOSE_FLAG_FORCE;
+  ucs_status_ptr_t req = ucp_ep_close_nbx(ep_, &param);
+  ep_ = nullptr;
+  if (req == nullptr || UCS_PTR_IS_ERR(req)) {
+    done_ = true;
+    return;
+  }
+  close_ = req;
+  // With error mode NONE (shared memory) a close towards a dead process can take seconds.
+  give_up_ = absl::Now() + absl::Seconds(5);
+}
+
+bool EndpointCloser::Poll(absl::Time now) {
+  if (done_) return true;
+  if (flush_ != nullptr) {
+    if (ucp_request_check_status(flush_) == UCS_INPROGRESS && now < flush_deadline_) return false;
+    // Flushed, failed, or out of time: the force close completes a flush still running.
+    ucp_request_free(flush_);
+    flush_ = nullptr;
+    StartForceClose();
+    if (done_) return true;
+  }
+  if (ucp_request_check_status(close_) == UCS_INPROGRESS && now < give_up_) return false;
+  ucp_request_free(close_);
+  close_ = nullptr;
+  done_ = true;
+  return true;
 }
 
 absl::StatusOr<UcpRkeyPtr> UnpackRemoteKey(ucp_ep_h ep, const std::string& packed) {

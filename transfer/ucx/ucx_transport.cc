@@ -1,31 +1,23 @@
 #include "transfer/ucx/ucx_transport.h"
 
-#include <arpa/inet.h>
-#include <netdb.h>
-#include <netinet/in.h>
-#include <netinet/tcp.h>
-#include <poll.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <atomic>
-#include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <utility>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/container/flat_hash_map.h"
-#include "absl/container/flat_hash_set.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/notification.h"
 #include "common/check.h"
 #include "common/logging.h"
 #include "common/scoped_fd.h"
 #include "common/status_macros.h"
 #include "transfer/internal/handle_state.h"
+#include "transfer/internal/populate.h"
+#include "transfer/ucx/control_channel.h"
+#include "transfer/ucx/net_address.h"
 #include "transfer/ucx/progress_thread.h"
 #include "transfer/ucx/ucx_handles.h"
 #include "transfer/ucx/wire.h"
@@ -34,16 +26,20 @@ namespace kvrelay::transfer {
 namespace {
 
 using internal::HandleState;
+using ucx::ConnectWaiter;
+using ucx::ControlChannel;
+using ucx::EndpointCloser;
 using ucx::FromUcs;
+using ucx::PeerDownKind;
+using ucx::PeerHello;
 using ucx::ProgressThread;
 using ucx::UcpContextPtr;
+using ucx::UcpEndpoint;
 using ucx::UcpMemRegion;
 using ucx::UcpRkeyPtr;
 using ucx::UcpWorkerPtr;
 namespace wire = ::kvrelay::transfer::ucx::wire;
 using wire::FrameType;
-
-std::atomic<uint64_t> g_next_region_id{1};
 
 // Whether UCX_TLS (unset = all) allows a network transport, which supports error mode PEER.
 bool UcxTlsHasNetwork() {
@@ -54,15 +50,6 @@ bool UcxTlsHasNetwork() {
     if (v.find(net) != std::string::npos) return true;
   }
   return false;
-}
-
-absl::Status Errno(std::string_view what) {
-  int e = errno;
-  std::string msg = absl::StrCat(std::string(what), ": ", std::strerror(e));
-  if (e == ECONNREFUSED || e == ECONNRESET || e == EHOSTUNREACH || e == ENETUNREACH || e == EPIPE) {
-    return absl::UnavailableError(msg);
-  }
-  return absl::InternalError(msg);
 }
 
 class UcxTransport;
@@ -108,60 +95,47 @@ struct RemoteRegion {
   uint64_t base = 0;
   uint64_t size = 0;
   std::string packed_rkey;
-  UcpRkeyPtr rkey{nullptr, &ucp_rkey_destroy};  // unpacked on first use
+  UcpRkeyPtr rkey{nullptr, &ucp_rkey_destroy};  // unpacked when announced
+  // Where UCX mapped the peer's segment into this process (shared memory: puts are memcpy
+  // into it), or null. Populated piecewise by the progress thread, so that transfers do not
+  // pay this mapping's first-touch faults; `populated` bytes from the start are done.
+  uint8_t* mapped = nullptr;
+  uint64_t populated = 0;
 };
 
-struct ConnectWaiter {
-  absl::Notification done;
-  absl::StatusOr<PeerId> result = absl::UnknownError("not connected");
-  PeerId peer = 0;
-  void Finish(absl::StatusOr<PeerId> r) {
-    if (done.HasBeenNotified()) return;
-    result = std::move(r);
-    done.Notify();
-  }
-};
-
-struct Conn;
 struct EpErrorArg {
   UcxTransport* owner;
   PeerId peer;
 };
 
-struct Conn {
+// The RMA side of one connected peer (the control connection is ControlChannel's): its UCX
+// endpoint, the regions it published (keys unpacked on that endpoint) and the transfers to it.
+// Progress thread only. Declared so that the endpoint is closed before the keys are destroyed.
+struct Peer {
   PeerId id = 0;
-  ScopedFd fd;
-  bool outgoing = false;
-  enum class State { kHandshake, kReady, kDead } state = State::kHandshake;
-  std::string rbuf;
-  size_t roff = 0;
-  std::string wbuf;
-  size_t woff = 0;
-  ucp_ep_h ep = nullptr;
-  bool ep_peer_mode = false;
-  std::unique_ptr<EpErrorArg> err_arg;
+  std::unique_ptr<EpErrorArg> err_arg;  // outlives the endpoint (UCX holds a pointer)
   absl::flat_hash_map<RegionId, RemoteRegion> regions;
+  UcpEndpoint ep;
   std::deque<QueueItem> queue;
   absl::flat_hash_map<uint64_t, std::unique_ptr<Transfer>> awaiting_ack;
-  absl::Time last_recv;
-  absl::Time last_send;
-  std::shared_ptr<ConnectWaiter> waiter;
 };
 
 class UcxRegion;
 
-class UcxTransport final : public Transport {
+class UcxTransport final : public Transport, private ControlChannel::Delegate {
  public:
   static absl::StatusOr<std::unique_ptr<UcxTransport>> Create(UcxTransportOptions options);
   ~UcxTransport() override;
 
   Capabilities capabilities() const override { return caps_; }
   std::string address() const override { return address_; }
+  uint64_t incarnation() const override { return incarnation_; }
   absl::StatusOr<MemoryRegionPtr> RegisterMemory(MemorySpan span, MemoryKind kind) override;
   absl::StatusOr<MemoryRegionPtr> AllocateMemory(size_t bytes) override;
   absl::StatusOr<PeerId> Connect(std::string_view address, absl::Time deadline) override;
   absl::Status Disconnect(PeerId peer) override;
   absl::StatusOr<std::vector<RemoteRegionInfo>> RemoteRegions(PeerId peer) const override;
+  absl::StatusOr<PeerStatus> GetPeerStatus(PeerId peer) const override;
   std::vector<PeerId> Peers() const override;
   absl::StatusOr<TransferPlan> Prepare(const TransferBatch& batch) override;
   absl::StatusOr<TransferHandlePtr> Post(const TransferPlan& plan, LayerRange layers,
@@ -185,80 +159,86 @@ class UcxTransport final : public Transport {
     UcpMemRegion mem;
     std::string packed_rkey;
   };
+  // What callers' threads may read about a peer (under mu_).
   struct PeerInfo {
     bool alive = true;
+    bool outgoing = false;
+    absl::Status down_reason;
+    std::string address;
+    uint64_t incarnation = 0;
+    uint64_t unpopulated_bytes = 0;
     absl::flat_hash_map<RegionId, uint64_t> region_sizes;
+  };
+  // A peer whose endpoint is closing; its transfers end once UCX has let go of them.
+  struct Closing {
+    std::unique_ptr<EndpointCloser> closer;
+    std::unique_ptr<Peer> peer;
   };
 
   explicit UcxTransport(UcxTransportOptions options) : options_(std::move(options)) {}
   absl::Status Init();
+  bool OnLoop() const { return progress_->IsOnProgressThread(); }
+
+  // --- ControlChannel::Delegate (progress thread) ---
+  void WriteHelloBody(wire::Writer& w) override;
+  absl::Status OnHello(PeerId id, bool outgoing, const std::string& address, const PeerHello& hello,
+                       wire::Reader& body) override;
+  absl::Status OnFrame(PeerId id, FrameType type, wire::Reader& r) override;
+  void OnPeerDown(PeerId id, const absl::Status& why, PeerDownKind kind) override;
 
   // --- progress thread only ---
   absl::Time Tick();
-  bool Busy() const { return active_transfers_ > 0; }
-  void OnListenerReadable();
-  Conn* AdoptConn(int fd, bool outgoing, std::shared_ptr<ConnectWaiter> waiter);
-  void OnConnEvent(PeerId id, short revents);
-  void SendFrame(Conn& c, std::string frame);
-  void FlushWrites(Conn& c);
-  absl::Status HandleFrame(Conn& c, FrameType type, std::string_view payload);
-  absl::Status HandleHello(Conn& c, wire::Reader& r);
-  absl::Status HandleDone(Conn& c, wire::Reader& r);
-  absl::Status HandleAck(Conn& c, wire::Reader& r);
-  std::string HelloFrame() const;
+  bool Busy() const { return active_transfers_ > 0 || populate_pending_; }
+  Peer* FindPeer(PeerId id) {
+    auto it = peers_.find(id);
+    return it == peers_.end() ? nullptr : it->second.get();
+  }
+  absl::Status CreateEndpoint(Peer& p, const std::string& worker_address);
+  absl::Status HandleDone(Peer& p, wire::Reader& r);
+  absl::Status HandleAck(Peer& p, wire::Reader& r);
   std::string RegionFrame(RegionId id, const LocalRegion& region) const;
-  absl::Status CreateEndpoint(Conn& c, const std::string& worker_address);
-  // `notify`: tell the handler (kPeerDown); `orderly`: the peer said BYE (not logged).
-  void PeerDown(Conn& c, absl::Status status, bool notify, bool orderly = false);
-  void CloseEndpoint(Conn& c);
-  void FinishPeerDown(Conn& c);
+  // Unpacks the region's rkey on the peer's endpoint and, where UCX maps the peer's memory
+  // into this process, schedules populating that mapping.
+  absl::Status MapRemoteRegion(Peer& p, RemoteRegion& region);
+  // Populates pending remote mappings for about `budget`; sets populate_pending_.
+  void PopulateSome(absl::Duration budget);
   // Finishes endpoint closes that completed (or gave up); with `wait`, progresses until all
   // are done (bounded).
   void PollClosing(bool wait);
-  struct Closing {
-    ucs_status_ptr_t req;
-    PeerId conn;
-    absl::Time give_up;
-  };
+  void FinishPeerDown(Peer& p);
   void Enqueue(std::unique_ptr<Transfer> t);
   void FailTransfer(PeerId peer, uint64_t id, absl::Status status);
-  void Pump(Conn& c);
-  bool IssueChunk(Conn& c, Transfer& t);
-  void Retire(Conn& c, Transfer& t);
+  void Pump(Peer& p);
+  bool IssueChunk(Peer& p, Transfer& t);
+  void Retire(Peer& p, Transfer& t);
   void Deliver(InboundEvent event);
-  Conn* FindConn(PeerId id) {
-    auto it = conns_.find(id);
-    return it == conns_.end() || it->second->state == Conn::State::kDead ? nullptr
-                                                                         : it->second.get();
-  }
 
   const UcxTransportOptions options_;
+  const uint64_t incarnation_ = internal::NewIncarnation();
   Capabilities caps_;
   std::string address_;
   // Declared in creation order: the context outlives the worker, the worker the thread.
   UcpContextPtr context_{nullptr, &ucp_cleanup};
   UcpWorkerPtr worker_{nullptr, &ucp_worker_destroy};
   std::string worker_address_;
-  ScopedFd listener_;
   std::unique_ptr<ProgressThread> progress_;
+  std::unique_ptr<ControlChannel> channel_;  // created and destroyed on the progress thread
 
   // Progress thread only.
-  absl::flat_hash_map<PeerId, std::unique_ptr<Conn>> conns_;
-  std::vector<PeerId> dead_conns_;
+  absl::flat_hash_map<PeerId, std::unique_ptr<Peer>> peers_;
   std::vector<Closing> closing_;
   absl::flat_hash_map<RegionId, LocalRegion> local_regions_;
   int64_t inflight_ops_ = 0;
   uint64_t inflight_bytes_ = 0;
-  int64_t active_transfers_ = 0;  // transfers in conn queues
-  absl::Time next_heartbeat_check_ = absl::InfinitePast();
+  int64_t active_transfers_ = 0;  // transfers in peer queues
+  bool populate_pending_ = false;
   absl::Time next_deadline_check_ = absl::InfinitePast();
 
-  std::atomic<PeerId> next_peer_{1};
   std::atomic<uint64_t> next_transfer_id_{1};
 
   // Snapshot for callers' validation; written by the progress thread.
   mutable absl::Mutex mu_;
-  absl::flat_hash_map<PeerId, PeerInfo> peers_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<PeerId, PeerInfo> peer_info_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<RegionId, void*> region_ptrs_ ABSL_GUARDED_BY(mu_);
 
   absl::Mutex handler_mu_;
@@ -287,13 +267,48 @@ absl::StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create(UcxTransportO
       options.peer_timeout <= options.heartbeat_interval) {
     return absl::InvalidArgumentError("peer_timeout must exceed a positive heartbeat_interval");
   }
+  if (options.listen_port < 0 || options.listen_port > 65535 || options.advertise_port < 0 ||
+      options.advertise_port > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat("ports must be 0-65535, got listen_port ",
+                                                   options.listen_port, ", advertise_port ",
+                                                   options.advertise_port));
+  }
   std::unique_ptr<UcxTransport> t(new UcxTransport(std::move(options)));
   KV_RETURN_IF_ERROR(t->Init());
   return t;
 }
 
 absl::Status UcxTransport::Init() {
-  KV_ASSIGN_OR_RETURN(context_, ucx::CreateContext(sizeof(OpRequest)));
+  // Control listener first: a bad bind address is the likeliest configuration error.
+  int bound_port = 0;
+  KV_ASSIGN_OR_RETURN(ScopedFd listener,
+                      ucx::ListenTcp(options_.listen_host, options_.listen_port, &bound_port));
+  std::string host = options_.advertise_host;
+  if (host.empty()) {
+    host = options_.listen_host;
+    if (ucx::IsWildcardHost(host)) {
+      // Never advertise a wildcard: peers would connect to themselves.
+      const int family = host == "::" ? AF_INET6 : AF_INET;
+      absl::StatusOr<std::string> primary = ucx::PrimaryHostAddress(family);
+      if (!primary.ok()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "listening on ", options_.listen_host,
+            " and no advertise_host given, but this host has no address to advertise: ",
+            primary.status().message()));
+      }
+      host = *primary;
+      KV_LOG(INFO) << "transfer listener on "
+                   << ucx::FormatHostPort(options_.listen_host, bound_port) << " advertises "
+                   << host << " (this host's primary address; set advertise_host to choose)";
+    }
+  } else if (ucx::IsWildcardHost(host)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("advertise_host must name this host, got '", host, "'"));
+  }
+  address_ = ucx::FormatHostPort(
+      host, options_.advertise_port != 0 ? options_.advertise_port : bound_port);
+
+  KV_ASSIGN_OR_RETURN(context_, ucx::CreateContext(sizeof(OpRequest), options_.ucx_tcp_port_range));
   KV_ASSIGN_OR_RETURN(worker_, ucx::CreateWorker(context_.get()));
   KV_ASSIGN_OR_RETURN(worker_address_, ucx::WorkerAddress(worker_.get()));
 
@@ -313,36 +328,19 @@ absl::Status UcxTransport::Init() {
                                               ", UCX_TLS=", tls != nullptr ? tls : "all",
                                               cuda ? "" : ", no CUDA memory support")};
 
-  // Control listener.
-  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-  if (fd < 0) return Errno("socket");
-  listener_.Reset(fd);
-  int one = 1;
-  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-  sockaddr_in addr = {};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(options_.listen_port));
-  if (::inet_pton(AF_INET, options_.listen_host.c_str(), &addr.sin_addr) != 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("listen_host must be an IPv4 address, got '", options_.listen_host, "'"));
-  }
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    return Errno(absl::StrCat("bind ", options_.listen_host, ":", options_.listen_port));
-  }
-  if (::listen(fd, 128) != 0) return Errno("listen");
-  socklen_t len = sizeof(addr);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  std::string host = options_.advertise_host;
-  if (host.empty()) host = options_.listen_host == "0.0.0.0" ? "127.0.0.1" : options_.listen_host;
-  address_ = absl::StrCat(host, ":", ntohs(addr.sin_port));
-
   ProgressThread::Hooks hooks;
   hooks.busy = [this] { return Busy(); };
   hooks.tick = [this] { return Tick(); };
   KV_ASSIGN_OR_RETURN(progress_, ProgressThread::Start(worker_.get(), std::move(hooks),
                                                        options_.spin_after_activity));
-  progress_->RunSync([this] {
-    progress_->WatchFd(listener_.get(), POLLIN, [this](short) { OnListenerReadable(); });
+  progress_->RunSync([this, &listener] {
+    channel_ = std::make_unique<ControlChannel>(
+        progress_.get(), static_cast<ControlChannel::Delegate*>(this),
+        ControlChannel::Options{.incarnation = incarnation_,
+                                .advertised_address = address_,
+                                .heartbeat_interval = options_.heartbeat_interval,
+                                .peer_timeout = options_.peer_timeout});
+    channel_->Start(std::move(listener));
   });
   return absl::OkStatus();
 }
@@ -350,19 +348,12 @@ absl::Status UcxTransport::Init() {
 UcxTransport::~UcxTransport() {
   if (progress_ != nullptr) {
     progress_->RunSync([this] {
-      std::vector<PeerId> ids;
-      for (auto& [id, c] : conns_) ids.push_back(id);
-      for (PeerId id : ids) {
-        Conn* c = FindConn(id);
-        if (c == nullptr) continue;
-        if (c->state == Conn::State::kReady)
-          SendFrame(*c, std::move(wire::Writer(FrameType::kBye)).Finish());
-        PeerDown(*c, absl::CancelledError("transport shut down"), /*notify=*/false);
-      }
+      // BYE to everyone, endpoints flushed (bounded) and closed.
+      if (channel_ != nullptr) channel_->Shutdown(absl::CancelledError("transport shut down"));
       PollClosing(/*wait=*/true);
-      conns_.clear();
+      channel_.reset();
+      peers_.clear();
       local_regions_.clear();
-      progress_->UnwatchFd(listener_.get());
     });
     progress_->Stop();
     progress_.reset();
@@ -384,7 +375,11 @@ absl::StatusOr<MemoryRegionPtr> UcxTransport::RegisterMemory(MemorySpan span, Me
         "this UCX build has no CUDA memory support; stage device memory through pinned host "
         "buffers");
   }
-  const RegionId id = g_next_region_id.fetch_add(1);
+  // Every page mapped and touched now, so transfers from or into it take no faults.
+  if (kind != MemoryKind::kDevice) {
+    KV_RETURN_IF_ERROR(internal::PopulateForWrite(span.data, span.size_bytes));
+  }
+  const RegionId id = internal::NextRegionId();
   absl::Status status;
   progress_->RunSync([&] {
     absl::StatusOr<UcpMemRegion> mem =
@@ -400,9 +395,7 @@ absl::StatusOr<MemoryRegionPtr> UcxTransport::RegisterMemory(MemorySpan span, Me
     }
     LocalRegion& region = local_regions_[id];
     region = LocalRegion{span, std::move(*mem), std::move(*rkey)};
-    for (auto& [pid, c] : conns_) {
-      if (c->state == Conn::State::kReady) SendFrame(*c, RegionFrame(id, region));
-    }
+    channel_->Broadcast(RegionFrame(id, region));
   });
   KV_RETURN_IF_ERROR(status);
   {
@@ -414,7 +407,7 @@ absl::StatusOr<MemoryRegionPtr> UcxTransport::RegisterMemory(MemorySpan span, Me
 
 absl::StatusOr<MemoryRegionPtr> UcxTransport::AllocateMemory(size_t bytes) {
   if (bytes == 0) return absl::InvalidArgumentError("cannot allocate zero bytes");
-  const RegionId id = g_next_region_id.fetch_add(1);
+  const RegionId id = internal::NextRegionId();
   absl::Status status;
   void* data = nullptr;
   progress_->RunSync([&] {
@@ -431,15 +424,21 @@ absl::StatusOr<MemoryRegionPtr> UcxTransport::AllocateMemory(size_t bytes) {
     local_regions_[id] = LocalRegion{MemorySpan{data, bytes}, std::move(*mem), std::move(*rkey)};
   });
   KV_RETURN_IF_ERROR(status);
-  // Touch every page now (zero-fill), not during the first transfer into it; then publish.
-  std::memset(data, 0, bytes);
+  // Every page mapped and touched now (zero-fill), not during the first transfer into it; then
+  // publish. Huge pages where the kernel allows them for this memory.
+  internal::AdviseHugePages(data, bytes, /*shared_memory=*/true);
+  absl::Status populated = internal::PopulateForWrite(data, bytes);
+  if (populated.ok()) std::memset(data, 0, bytes);
   progress_->RunSync([&] {
     auto it = local_regions_.find(id);
     if (it == local_regions_.end()) return;
-    for (auto& [pid, c] : conns_) {
-      if (c->state == Conn::State::kReady) SendFrame(*c, RegionFrame(id, it->second));
+    if (!populated.ok()) {
+      local_regions_.erase(it);
+      return;
     }
+    channel_->Broadcast(RegionFrame(id, it->second));
   });
+  KV_RETURN_IF_ERROR(populated);
   {
     absl::MutexLock lock(&mu_);
     region_ptrs_[id] = data;
@@ -454,71 +453,32 @@ void UcxTransport::Deregister(RegionId id) {
   }
   progress_->RunSync([this, id] {
     if (local_regions_.erase(id) == 0) return;
-    for (auto& [pid, c] : conns_) {
-      if (c->state != Conn::State::kReady) continue;
-      wire::Writer w(FrameType::kRegionRemove);
-      w.U64(id);
-      SendFrame(*c, std::move(w).Finish());
-    }
+    wire::Writer w(FrameType::kRegionRemove);
+    w.U64(id);
+    channel_->Broadcast(std::move(w).Finish());
   });
 }
 
 absl::StatusOr<PeerId> UcxTransport::Connect(std::string_view address_view, absl::Time deadline) {
   const std::string address(address_view);
-  size_t colon = address.rfind(':');
-  int port = 0;
-  if (colon == std::string::npos || colon == 0 ||
-      !absl::SimpleAtoi(address.substr(colon + 1), &port) || port <= 0 || port > 65535) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("transport address must look like host:port, got '", address, "'"));
-  }
-  const std::string host = address.substr(0, colon);
-  sockaddr_in addr = {};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  if (::inet_pton(AF_INET, host.c_str(), &addr.sin_addr) != 1) {
-    addrinfo hints = {};
-    hints.ai_family = AF_INET;
-    hints.ai_socktype = SOCK_STREAM;
-    addrinfo* res = nullptr;
-    if (::getaddrinfo(host.c_str(), nullptr, &hints, &res) != 0 || res == nullptr) {
-      return absl::UnavailableError(absl::StrCat("cannot resolve host '", host, "'"));
-    }
-    addr.sin_addr = reinterpret_cast<sockaddr_in*>(res->ai_addr)->sin_addr;
-    ::freeaddrinfo(res);
-  }
-  ScopedFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
-  if (!fd.valid()) return Errno("socket");
-  if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    if (errno != EINPROGRESS) return Errno(absl::StrCat("connect to ", address));
-    while (true) {
-      absl::Duration left = deadline - absl::Now();
-      if (left <= absl::ZeroDuration()) {
-        return absl::DeadlineExceededError(absl::StrCat("connect to ", address, " timed out"));
-      }
-      pollfd p = {fd.get(), POLLOUT, 0};
-      int n = ::poll(
-          &p, 1, static_cast<int>(std::min<int64_t>(absl::ToInt64Milliseconds(left) + 1, 1000)));
-      if (n > 0) break;
-      if (n < 0 && errno != EINTR) return Errno("poll");
-    }
-    int err = 0;
-    socklen_t len = sizeof(err);
-    ::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len);
-    if (err != 0) {
-      errno = err;
-      return Errno(absl::StrCat("connect to ", address));
+  KV_RETURN_IF_ERROR(ucx::ParseHostPort(address).status());
+  {
+    // A live connection we opened to this address is reused; a dead one never is.
+    absl::MutexLock lock(&mu_);
+    for (const auto& [id, info] : peer_info_) {
+      if (info.alive && info.outgoing && info.address == address) return id;
     }
   }
+  KV_ASSIGN_OR_RETURN(ScopedFd fd, ucx::ConnectTcp(address, deadline));
   auto waiter = std::make_shared<ConnectWaiter>();
-  int raw = fd.Release();
-  progress_->Post([this, raw, waiter] { AdoptConn(raw, /*outgoing=*/true, waiter); });
+  progress_->Post([this, fd = std::move(fd), address, waiter]() mutable {
+    channel_->Adopt(std::move(fd), /*outgoing=*/true, address, waiter);
+  });
   if (!waiter->done.WaitForNotificationWithDeadline(deadline)) {
     progress_->Post([this, waiter] {
-      waiter->Finish(absl::DeadlineExceededError("handshake timed out"));
-      if (Conn* c = FindConn(waiter->peer)) {
-        PeerDown(*c, absl::DeadlineExceededError("handshake timed out"), false);
-      }
+      const absl::Status late = absl::DeadlineExceededError("handshake timed out");
+      waiter->Finish(late);
+      if (waiter->peer != 0) channel_->Close(waiter->peer, late, PeerDownKind::kLocal, true);
     });
     return absl::DeadlineExceededError(
         absl::StrCat("handshake with ", address, " not done before the deadline"));
@@ -529,21 +489,36 @@ absl::StatusOr<PeerId> UcxTransport::Connect(std::string_view address_view, absl
 absl::Status UcxTransport::Disconnect(PeerId peer) {
   absl::Status status = absl::NotFoundError(absl::StrCat("unknown peer ", peer));
   progress_->RunSync([&] {
-    Conn* c = FindConn(peer);
-    if (c == nullptr) return;
+    if (FindPeer(peer) == nullptr || !channel_->IsReady(peer)) return;
     status = absl::OkStatus();
-    if (c->state == Conn::State::kReady)
-      SendFrame(*c, std::move(wire::Writer(FrameType::kBye)).Finish());
-    PeerDown(*c, absl::CancelledError(absl::StrCat("peer ", peer, " disconnected locally")),
-             /*notify=*/false);
+    channel_->Close(peer,
+                    absl::CancelledError(absl::StrCat("peer ", peer, " disconnected locally")),
+                    PeerDownKind::kLocal, /*say_bye=*/true);
   });
   return status;
 }
 
+absl::StatusOr<PeerStatus> UcxTransport::GetPeerStatus(PeerId peer) const {
+  absl::MutexLock lock(&mu_);
+  auto it = peer_info_.find(peer);
+  if (it == peer_info_.end()) return absl::NotFoundError(absl::StrCat("unknown peer ", peer));
+  const PeerInfo& info = it->second;
+  return PeerStatus{.id = peer,
+                    .address = info.address,
+                    .incarnation = info.incarnation,
+                    .alive = info.alive,
+                    .down_reason = info.down_reason,
+                    .unpopulated_bytes = info.unpopulated_bytes};
+}
+
 absl::StatusOr<std::vector<RemoteRegionInfo>> UcxTransport::RemoteRegions(PeerId peer) const {
   absl::MutexLock lock(&mu_);
-  auto it = peers_.find(peer);
-  if (it == peers_.end()) return absl::NotFoundError(absl::StrCat("unknown peer ", peer));
+  auto it = peer_info_.find(peer);
+  if (it == peer_info_.end()) return absl::NotFoundError(absl::StrCat("unknown peer ", peer));
+  if (!it->second.alive) {
+    return absl::UnavailableError(
+        absl::StrCat("peer ", peer, " is gone: ", it->second.down_reason.message()));
+  }
   std::vector<RemoteRegionInfo> out;
   for (const auto& [id, size] : it->second.region_sizes) out.push_back({id, size});
   std::sort(out.begin(), out.end(),
@@ -554,7 +529,7 @@ absl::StatusOr<std::vector<RemoteRegionInfo>> UcxTransport::RemoteRegions(PeerId
 std::vector<PeerId> UcxTransport::Peers() const {
   absl::MutexLock lock(&mu_);
   std::vector<PeerId> out;
-  for (const auto& [id, info] : peers_) {
+  for (const auto& [id, info] : peer_info_) {
     if (info.alive) out.push_back(id);
   }
   return out;
@@ -562,8 +537,8 @@ std::vector<PeerId> UcxTransport::Peers() const {
 
 absl::StatusOr<TransferPlan> UcxTransport::Prepare(const TransferBatch& batch) {
   absl::MutexLock lock(&mu_);
-  auto it = peers_.find(batch.peer);
-  if (it == peers_.end()) return absl::NotFoundError(absl::StrCat("unknown peer ", batch.peer));
+  auto it = peer_info_.find(batch.peer);
+  if (it == peer_info_.end()) return absl::NotFoundError(absl::StrCat("unknown peer ", batch.peer));
   if (!it->second.alive) {
     return absl::UnavailableError(absl::StrCat("peer ", batch.peer, " is gone"));
   }
@@ -587,8 +562,8 @@ absl::StatusOr<TransferHandlePtr> UcxTransport::Post(const TransferPlan& plan, L
   KV_RETURN_IF_ERROR(internal::CheckPost(this, plan, layers));
   {
     absl::MutexLock lock(&mu_);
-    auto it = peers_.find(plan.peer);
-    if (it == peers_.end() || !it->second.alive) {
+    auto it = peer_info_.find(plan.peer);
+    if (it == peer_info_.end() || !it->second.alive) {
       return absl::UnavailableError(absl::StrCat("peer ", plan.peer, " is gone"));
     }
   }
@@ -635,51 +610,23 @@ absl::Status UcxTransport::SendControl(PeerId peer, uint64_t tag, std::string_vi
   }
   {
     absl::MutexLock lock(&mu_);
-    auto it = peers_.find(peer);
-    if (it == peers_.end()) return absl::NotFoundError(absl::StrCat("unknown peer ", peer));
+    auto it = peer_info_.find(peer);
+    if (it == peer_info_.end()) return absl::NotFoundError(absl::StrCat("unknown peer ", peer));
     if (!it->second.alive) return absl::UnavailableError(absl::StrCat("peer ", peer, " is gone"));
   }
   progress_->Post([this, peer, tag, msg = std::string(message)]() mutable {
-    Conn* c = FindConn(peer);
-    if (c == nullptr) return;
-    c->queue.push_back(QueueItem{nullptr, tag, std::move(msg)});
-    Pump(*c);
+    Peer* p = FindPeer(peer);
+    if (p == nullptr) return;
+    p->queue.push_back(QueueItem{nullptr, tag, std::move(msg)});
+    Pump(*p);
   });
   return absl::OkStatus();
 }
 
-// --- Progress thread: connections ------------------------------------------------------------
+// --- Progress thread: the control channel's callbacks --------------------------------------
 
-void UcxTransport::OnListenerReadable() {
-  while (true) {
-    int fd = ::accept4(listener_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
-    if (fd < 0) return;  // EAGAIN, or a transient error; poll tells us again
-    AdoptConn(fd, /*outgoing=*/false, nullptr);
-  }
-}
-
-Conn* UcxTransport::AdoptConn(int fd, bool outgoing, std::shared_ptr<ConnectWaiter> waiter) {
-  int one = 1;
-  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-  auto conn = std::make_unique<Conn>();
-  Conn& c = *conn;
-  c.id = next_peer_.fetch_add(1);
-  c.fd.Reset(fd);
-  c.outgoing = outgoing;
-  c.last_recv = c.last_send = absl::Now();
-  c.waiter = std::move(waiter);
-  if (c.waiter) c.waiter->peer = c.id;
-  conns_[c.id] = std::move(conn);
-  const PeerId id = c.id;
-  progress_->WatchFd(fd, POLLIN, [this, id](short revents) { OnConnEvent(id, revents); });
-  if (outgoing) SendFrame(c, HelloFrame());
-  return &c;
-}
-
-std::string UcxTransport::HelloFrame() const {
-  wire::Writer w(FrameType::kHello);
-  w.U32(wire::kMagic);
-  w.U32(wire::kVersion);
+void UcxTransport::WriteHelloBody(wire::Writer& w) {
+  KV_DCHECK(OnLoop());
   w.Str(worker_address_);
   w.U32(static_cast<uint32_t>(local_regions_.size()));
   for (const auto& [id, r] : local_regions_) {
@@ -688,7 +635,6 @@ std::string UcxTransport::HelloFrame() const {
     w.U64(r.span.size_bytes);
     w.Str(r.packed_rkey);
   }
-  return std::move(w).Finish();
 }
 
 std::string UcxTransport::RegionFrame(RegionId id, const LocalRegion& r) const {
@@ -700,221 +646,110 @@ std::string UcxTransport::RegionFrame(RegionId id, const LocalRegion& r) const {
   return std::move(w).Finish();
 }
 
-void UcxTransport::SendFrame(Conn& c, std::string frame) {
-  if (c.state == Conn::State::kDead) return;
-  if (c.woff == c.wbuf.size()) {
-    c.wbuf.clear();
-    c.woff = 0;
+absl::Status UcxTransport::OnHello(PeerId id, bool outgoing, const std::string& address,
+                                   const PeerHello& hello, wire::Reader& r) {
+  KV_DCHECK(OnLoop());
+  uint32_t n;
+  std::string worker_address;
+  if (!r.Str(&worker_address) || !r.U32(&n) || n > (1u << 20)) {
+    return absl::InvalidArgumentError("truncated hello");
   }
-  c.wbuf.append(frame);
-  c.last_send = absl::Now();
-  FlushWrites(c);
+  // Registered first, so that OnPeerDown cleans up whatever a failure below leaves.
+  auto owned = std::make_unique<Peer>();
+  Peer& p = *owned;
+  p.id = id;
+  peers_[id] = std::move(owned);
+  PeerInfo info;
+  info.outgoing = outgoing;
+  info.address = address;
+  info.incarnation = hello.incarnation;
+  for (uint32_t i = 0; i < n; ++i) {
+    uint64_t rid;
+    RemoteRegion region;
+    if (!r.U64(&rid) || !r.U64(&region.base) || !r.U64(&region.size) ||
+        !r.Str(&region.packed_rkey)) {
+      return absl::InvalidArgumentError("truncated hello region");
+    }
+    info.region_sizes[rid] = region.size;
+    p.regions[rid] = std::move(region);
+  }
+  KV_RETURN_IF_ERROR(CreateEndpoint(p, worker_address));
+  for (auto& [rid, region] : p.regions) {
+    KV_RETURN_IF_ERROR(MapRemoteRegion(p, region));
+    if (region.mapped != nullptr) info.unpopulated_bytes += region.size;
+  }
+  absl::MutexLock lock(&mu_);
+  peer_info_[id] = std::move(info);
+  return absl::OkStatus();
 }
 
-void UcxTransport::FlushWrites(Conn& c) {
-  while (c.woff < c.wbuf.size()) {
-    ssize_t n = ::send(c.fd.get(), c.wbuf.data() + c.woff, c.wbuf.size() - c.woff,
-                       MSG_NOSIGNAL | MSG_DONTWAIT);
-    if (n > 0) {
-      c.woff += static_cast<size_t>(n);
-      continue;
-    }
-    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-      progress_->SetFdEvents(c.fd.get(), POLLIN | POLLOUT);
-      return;
-    }
-    if (n < 0 && errno == EINTR) continue;
-    // The reader side notices the broken connection and takes the peer down.
-    return;
-  }
-  c.wbuf.clear();
-  c.woff = 0;
-  progress_->SetFdEvents(c.fd.get(), POLLIN);
-}
-
-void UcxTransport::OnConnEvent(PeerId id, short revents) {
-  Conn* c = FindConn(id);
-  if (c == nullptr) return;
-  if (revents & POLLOUT) FlushWrites(*c);
-  if (!(revents & (POLLIN | POLLHUP | POLLERR))) return;
-  char buf[64 << 10];
-  bool eof = false;
-  absl::Status read_error;
-  while (true) {
-    ssize_t n = ::recv(c->fd.get(), buf, sizeof(buf), MSG_DONTWAIT);
-    if (n > 0) {
-      c->rbuf.append(buf, static_cast<size_t>(n));
-      continue;
-    }
-    if (n == 0) {
-      eof = true;
-    } else if (errno == EINTR) {
-      continue;
-    } else if (errno != EAGAIN && errno != EWOULDBLOCK) {
-      read_error = Errno("control connection");
-    }
-    break;
-  }
-  if (c->rbuf.size() > c->roff) c->last_recv = absl::Now();
-  while (c->rbuf.size() - c->roff >= 4) {
-    uint32_t len;
-    std::memcpy(&len, c->rbuf.data() + c->roff, 4);
-    if (len == 0 || len > wire::kMaxFrameBytes) {
-      PeerDown(*c, absl::UnavailableError(absl::StrCat("peer sent a bad frame length ", len)),
-               true);
-      return;
-    }
-    if (c->rbuf.size() - c->roff - 4 < len) break;
-    auto type = static_cast<FrameType>(c->rbuf[c->roff + 4]);
-    std::string_view payload(c->rbuf.data() + c->roff + 5, len - 1);
-    c->roff += 4 + len;
-    absl::Status st = HandleFrame(*c, type, payload);
-    c = FindConn(id);
-    if (c == nullptr) return;  // the frame took the peer down
-    if (!st.ok()) {
-      PeerDown(*c, absl::UnavailableError(absl::StrCat("protocol error: ", st.message())), true);
-      return;
-    }
-  }
-  if (c->roff == c->rbuf.size()) {
-    c->rbuf.clear();
-    c->roff = 0;
-  } else if (c->roff > (1 << 20)) {
-    c->rbuf.erase(0, c->roff);
-    c->roff = 0;
-  }
-  if (eof || !read_error.ok()) {
-    PeerDown(
-        *c,
-        eof ? absl::UnavailableError(absl::StrCat("peer ", id, " closed the control connection"))
-            : absl::UnavailableError(read_error.message()),
-        true);
-  }
-}
-
-absl::Status UcxTransport::HandleFrame(Conn& c, FrameType type, std::string_view payload) {
-  wire::Reader r(payload);
-  if (type == FrameType::kHello) return HandleHello(c, r);
-  if (c.state != Conn::State::kReady) return absl::InvalidArgumentError("frame before hello");
+absl::Status UcxTransport::OnFrame(PeerId id, FrameType type, wire::Reader& r) {
+  KV_DCHECK(OnLoop());
+  Peer* p = FindPeer(id);
+  if (p == nullptr) return absl::InternalError(absl::StrCat("no state for peer ", id));
   switch (type) {
     case FrameType::kRegionAdd: {
-      uint64_t id, base, size;
+      uint64_t rid, base, size;
       RemoteRegion region;
-      if (!r.U64(&id) || !r.U64(&base) || !r.U64(&size) || !r.Str(&region.packed_rkey)) {
+      if (!r.U64(&rid) || !r.U64(&base) || !r.U64(&size) || !r.Str(&region.packed_rkey)) {
         return absl::InvalidArgumentError("truncated region frame");
       }
       region.base = base;
       region.size = size;
-      c.regions[id] = std::move(region);
+      KV_RETURN_IF_ERROR(MapRemoteRegion(*p, region));
+      p->regions[rid] = std::move(region);
       absl::MutexLock lock(&mu_);
-      peers_[c.id].region_sizes[id] = size;
+      peer_info_[id].region_sizes[rid] = size;
       return absl::OkStatus();
     }
     case FrameType::kRegionRemove: {
-      uint64_t id;
-      if (!r.U64(&id)) return absl::InvalidArgumentError("truncated region-remove frame");
-      c.regions.erase(id);
+      uint64_t rid;
+      if (!r.U64(&rid)) return absl::InvalidArgumentError("truncated region-remove frame");
+      p->regions.erase(rid);
       absl::MutexLock lock(&mu_);
-      peers_[c.id].region_sizes.erase(id);
+      peer_info_[id].region_sizes.erase(rid);
       return absl::OkStatus();
     }
     case FrameType::kDone:
-      return HandleDone(c, r);
+      return HandleDone(*p, r);
     case FrameType::kAck:
-      return HandleAck(c, r);
+      return HandleAck(*p, r);
     case FrameType::kControl: {
       uint64_t tag;
       std::string msg;
       if (!r.U64(&tag) || !r.Str(&msg)) return absl::InvalidArgumentError("truncated control");
-      Deliver(InboundEvent{.kind = InboundEvent::Kind::kControl,
-                           .peer = c.id,
-                           .tag = tag,
-                           .message = std::move(msg)});
+      Deliver(InboundEvent{
+          .kind = InboundEvent::Kind::kControl, .peer = id, .tag = tag, .message = std::move(msg)});
       return absl::OkStatus();
     }
-    case FrameType::kHeartbeat:
-      return absl::OkStatus();
-    case FrameType::kBye:
-      PeerDown(c, absl::UnavailableError(absl::StrCat("peer ", c.id, " disconnected")), true,
-               /*orderly=*/true);
-      return absl::OkStatus();
     default:
       return absl::InvalidArgumentError(
           absl::StrCat("unknown frame type ", static_cast<int>(type)));
   }
 }
 
-absl::Status UcxTransport::HandleHello(Conn& c, wire::Reader& r) {
-  if (c.state != Conn::State::kHandshake) return absl::InvalidArgumentError("second hello");
-  uint32_t magic, version, n;
-  std::string worker_address;
-  if (!r.U32(&magic) || !r.U32(&version) || magic != wire::kMagic) {
-    return absl::InvalidArgumentError("not a kvrelay transfer peer");
-  }
-  if (version != wire::kVersion) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("peer speaks protocol version ", version, ", we speak ", wire::kVersion));
-  }
-  if (!r.Str(&worker_address) || !r.U32(&n) || n > (1u << 20)) {
-    return absl::InvalidArgumentError("truncated hello");
-  }
-  PeerInfo info;
-  for (uint32_t i = 0; i < n; ++i) {
-    uint64_t id;
-    RemoteRegion region;
-    if (!r.U64(&id) || !r.U64(&region.base) || !r.U64(&region.size) ||
-        !r.Str(&region.packed_rkey)) {
-      return absl::InvalidArgumentError("truncated hello region");
-    }
-    info.region_sizes[id] = region.size;
-    c.regions[id] = std::move(region);
-  }
-  KV_RETURN_IF_ERROR(CreateEndpoint(c, worker_address));
-  if (!c.outgoing) SendFrame(c, HelloFrame());
-  c.state = Conn::State::kReady;
-  {
-    absl::MutexLock lock(&mu_);
-    peers_[c.id] = std::move(info);
-  }
-  if (c.waiter) c.waiter->Finish(c.id);
-  return absl::OkStatus();
-}
-
-absl::Status UcxTransport::CreateEndpoint(Conn& c, const std::string& worker_address) {
-  auto create = [&](bool peer_mode) -> ucs_status_t {
-    ucp_ep_params_t params = {};
-    params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
-    params.address = reinterpret_cast<const ucp_address_t*>(worker_address.data());
-    params.err_mode = peer_mode ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
-    if (peer_mode) {
-      c.err_arg = std::make_unique<EpErrorArg>(EpErrorArg{this, c.id});
-      params.field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLER;
-      params.err_handler.cb = &UcxTransport::OnEpError;
-      params.err_handler.arg = c.err_arg.get();
-    }
-    return ucp_ep_create(worker_.get(), &params, &c.ep);
-  };
+absl::Status UcxTransport::CreateEndpoint(Peer& p, const std::string& worker_address) {
   using Mode = UcxTransportOptions::ErrorMode;
-  ucs_status_t st;
-  if (options_.error_mode == Mode::kNone) {
-    st = create(false);
-  } else if (options_.error_mode == Mode::kAuto && !UcxTlsHasNetwork()) {
+  p.err_arg = std::make_unique<EpErrorArg>(EpErrorArg{this, p.id});
+  ucp_err_handler_t handler = {};
+  handler.cb = &UcxTransport::OnEpError;
+  handler.arg = p.err_arg.get();
+  absl::StatusOr<UcpEndpoint> ep;
+  if (options_.error_mode == Mode::kNone ||
+      (options_.error_mode == Mode::kAuto && !UcxTlsHasNetwork())) {
     // Shared-memory-only transports have no peer-failure support on UCX 1.13; asking for PEER
-    // only makes UCX log an error before we fall back.
-    st = create(false);
+    // only makes UCX log an error before we fall back. The heartbeat covers them.
+    ep = UcpEndpoint::Create(worker_.get(), worker_address, nullptr);
   } else {
-    st = create(true);
-    c.ep_peer_mode = st == UCS_OK;
-    if (st != UCS_OK && options_.error_mode == Mode::kAuto) {
-      KV_LOG(DEBUG) << "UCX endpoint with error mode PEER unsupported (" << ucs_status_string(st)
+    ep = UcpEndpoint::Create(worker_.get(), worker_address, &handler);
+    if (!ep.ok() && options_.error_mode == Mode::kAuto) {
+      KV_LOG(DEBUG) << "UCX endpoint with error mode PEER unsupported (" << ep.status()
                     << "); using NONE + heartbeat";
-      st = create(false);
+      ep = UcpEndpoint::Create(worker_.get(), worker_address, nullptr);
     }
   }
-  if (st != UCS_OK) {
-    c.ep = nullptr;
-    return FromUcs(st, "ucp_ep_create from the peer's worker address");
-  }
+  if (!ep.ok()) return ep.status();
+  p.ep = std::move(*ep);
   return absl::OkStatus();
 }
 
@@ -924,44 +759,66 @@ void UcxTransport::OnEpError(void* arg, ucp_ep_h, ucs_status_t status) {
   PeerId peer = a->peer;
   // Not from inside UCX's callback: closing the endpoint progresses the worker.
   self->progress_->Post([self, peer, status] {
-    if (Conn* c = self->FindConn(peer)) {
-      self->PeerDown(*c, FromUcs(status, "UCX data endpoint failed"), true);
+    if (self->channel_ != nullptr) {
+      self->channel_->Close(peer, FromUcs(status, "UCX data endpoint failed"), PeerDownKind::kLost,
+                            /*say_bye=*/false);
     }
   });
 }
 
-void UcxTransport::CloseEndpoint(Conn& c) {
-  if (c.ep == nullptr) {
-    FinishPeerDown(c);
+void UcxTransport::OnPeerDown(PeerId id, const absl::Status& status, PeerDownKind kind) {
+  KV_DCHECK(OnLoop());
+  if (kind == PeerDownKind::kLost) {
+    KV_LOG(WARNING) << "transfer peer " << id << " down: " << status;
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = peer_info_.find(id);
+    if (it != peer_info_.end()) {
+      it->second.alive = false;
+      it->second.down_reason = status;
+      it->second.unpopulated_bytes = 0;
+      it->second.region_sizes.clear();
+    }
+  }
+  auto it = peers_.find(id);
+  if (it == peers_.end()) return;
+  std::unique_ptr<Peer> owned = std::move(it->second);
+  peers_.erase(it);
+  Peer& p = *owned;
+  for (QueueItem& item : p.queue) {
+    if (item.transfer && item.transfer->failure.ok()) item.transfer->failure = status;
+  }
+  for (auto& [tid, t] : p.awaiting_ack) t->handle->Complete(status);
+  p.awaiting_ack.clear();
+  if (kind != PeerDownKind::kLocal) {
+    Deliver(InboundEvent{.kind = InboundEvent::Kind::kPeerDown, .peer = id, .status = status});
+  }
+  // Closing completes every request still in flight on the endpoint (with an error); the
+  // transfers using them end in FinishPeerDown, once UCX no longer references them. We flush
+  // first only when we chose to close; towards a lost peer a flush can hang.
+  const bool graceful = kind == PeerDownKind::kLocal;
+  std::unique_ptr<EndpointCloser> closer =
+      p.ep.Close(graceful, absl::Now() + options_.endpoint_flush_timeout);
+  if (closer->Poll(absl::Now())) {
+    FinishPeerDown(p);
     return;
   }
-  ucp_request_param_t param = {};
-  param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-  param.flags = UCP_EP_CLOSE_FLAG_FORCE;
-  ucs_status_ptr_t req = ucp_ep_close_nbx(c.ep, &param);
-  c.ep = nullptr;
-  if (req == nullptr || UCS_PTR_IS_ERR(req)) {
-    FinishPeerDown(c);
-    return;
-  }
-  // Not waited for here: with error mode NONE (shared memory) a close towards a dead process
-  // can take seconds, and this thread must keep serving the other peers meanwhile.
-  closing_.push_back(Closing{req, c.id, absl::Now() + absl::Seconds(5)});
+  closing_.push_back(Closing{std::move(closer), std::move(owned)});
 }
 
 void UcxTransport::PollClosing(bool wait) {
-  const absl::Time give_up_all = absl::Now() + absl::Seconds(5);
+  KV_DCHECK(OnLoop());
+  const absl::Time give_up_all = absl::Now() + absl::Seconds(10);
   while (!closing_.empty()) {
     const absl::Time now = absl::Now();
     std::vector<Closing> still;
     for (Closing& cl : closing_) {
-      if (ucp_request_check_status(cl.req) == UCS_INPROGRESS && now < cl.give_up) {
-        still.push_back(cl);
+      if (!cl.closer->Poll(now)) {
+        still.push_back(std::move(cl));
         continue;
       }
-      ucp_request_free(cl.req);  // released by UCX when it completes, if it has not
-      auto it = conns_.find(cl.conn);
-      if (it != conns_.end()) FinishPeerDown(*it->second);
+      FinishPeerDown(*cl.peer);
     }
     closing_.swap(still);
     if (!wait || closing_.empty() || now > give_up_all) return;
@@ -969,39 +826,9 @@ void UcxTransport::PollClosing(bool wait) {
   }
 }
 
-void UcxTransport::PeerDown(Conn& c, absl::Status status, bool notify, bool orderly) {
-  if (c.state == Conn::State::kDead) return;
-  const bool was_ready = c.state == Conn::State::kReady;
-  c.state = Conn::State::kDead;
-  if (notify && !orderly) {
-    KV_LOG(WARNING) << "transfer peer " << c.id << " down: " << status;
-  }
-  progress_->UnwatchFd(c.fd.get());
-  c.fd.Reset();
-  for (QueueItem& item : c.queue) {
-    if (item.transfer && item.transfer->failure.ok()) item.transfer->failure = status;
-  }
-  for (auto& [id, t] : c.awaiting_ack) t->handle->Complete(status);
-  c.awaiting_ack.clear();
-  {
-    absl::MutexLock lock(&mu_);
-    auto it = peers_.find(c.id);
-    if (it != peers_.end()) {
-      it->second.alive = false;
-      it->second.region_sizes.clear();
-    }
-  }
-  if (c.waiter) c.waiter->Finish(status);
-  if (notify && was_ready) {
-    Deliver(InboundEvent{.kind = InboundEvent::Kind::kPeerDown, .peer = c.id, .status = status});
-  }
-  // Force-closing completes every request still in flight on the endpoint (with an error);
-  // the transfers using them end in FinishPeerDown, once UCX no longer references them.
-  CloseEndpoint(c);
-}
-
-void UcxTransport::FinishPeerDown(Conn& c) {
-  for (QueueItem& item : c.queue) {
+void UcxTransport::FinishPeerDown(Peer& p) {
+  KV_DCHECK(OnLoop());
+  for (QueueItem& item : p.queue) {
     if (!item.transfer) continue;
     --active_transfers_;
     item.transfer->handle->Complete(item.transfer->failure);
@@ -1012,9 +839,8 @@ void UcxTransport::FinishPeerDown(Conn& c) {
       item.transfer.release();
     }
   }
-  c.queue.clear();
-  c.regions.clear();  // destroys unpacked rkeys
-  dead_conns_.push_back(c.id);
+  p.queue.clear();
+  p.regions.clear();  // destroys unpacked rkeys
 }
 
 void UcxTransport::Deliver(InboundEvent event) {
@@ -1025,31 +851,32 @@ void UcxTransport::Deliver(InboundEvent event) {
 // --- Progress thread: transfers --------------------------------------------------------------
 
 void UcxTransport::Enqueue(std::unique_ptr<Transfer> t) {
-  Conn* c = FindConn(t->peer);
-  if (c == nullptr || c->state != Conn::State::kReady) {
+  Peer* p = FindPeer(t->peer);
+  if (p == nullptr) {
     t->handle->Complete(absl::UnavailableError(absl::StrCat("peer ", t->peer, " is gone")));
     return;
   }
   ++active_transfers_;
-  c->queue.push_back(QueueItem{std::move(t)});
-  Pump(*c);
+  p->queue.push_back(QueueItem{std::move(t)});
+  Pump(*p);
 }
 
 void UcxTransport::FailTransfer(PeerId peer, uint64_t id, absl::Status status) {
-  Conn* c = FindConn(peer);
-  if (c == nullptr) return;
-  auto it = c->awaiting_ack.find(id);
-  if (it != c->awaiting_ack.end()) {
+  KV_DCHECK(OnLoop());
+  Peer* p = FindPeer(peer);
+  if (p == nullptr) return;
+  auto it = p->awaiting_ack.find(id);
+  if (it != p->awaiting_ack.end()) {
     it->second->handle->Complete(status);
-    c->awaiting_ack.erase(it);
+    p->awaiting_ack.erase(it);
     return;
   }
-  for (QueueItem& item : c->queue) {
+  for (QueueItem& item : p->queue) {
     if (item.transfer && item.transfer->id == id && item.transfer->failure.ok()) {
       item.transfer->failure = status;
     }
   }
-  Pump(*c);
+  Pump(*p);
 }
 
 void UcxTransport::OnOpDone(void* request, ucs_status_t status, void* user_data) {
@@ -1075,32 +902,29 @@ void UcxTransport::OnFlushDone(void* request, ucs_status_t status, void* user_da
   ucp_request_free(request);
 }
 
-bool UcxTransport::IssueChunk(Conn& c, Transfer& t) {
+bool UcxTransport::IssueChunk(Peer& p, Transfer& t) {
   const Chunk& chunk = t.chunks[t.next_chunk];
-  auto rit = c.regions.find(chunk.remote_region);
-  if (rit == c.regions.end() || chunk.remote_offset + chunk.length > rit->second.size) {
+  auto rit = p.regions.find(chunk.remote_region);
+  if (rit == p.regions.end() || chunk.remote_offset + chunk.length > rit->second.size) {
     t.failure =
-        absl::NotFoundError(absl::StrCat("peer ", c.id, " withdrew region ", chunk.remote_region));
+        absl::NotFoundError(absl::StrCat("peer ", p.id, " withdrew region ", chunk.remote_region));
     return false;
   }
   RemoteRegion& region = rit->second;
   if (region.rkey == nullptr) {
-    absl::StatusOr<UcpRkeyPtr> rkey = ucx::UnpackRemoteKey(c.ep, region.packed_rkey);
-    if (!rkey.ok()) {
-      t.failure = rkey.status();
-      return false;
-    }
-    region.rkey = std::move(*rkey);
+    t.failure = absl::InternalError(absl::StrCat("region ", chunk.remote_region, " has no rkey"));
+    return false;
   }
   ucp_request_param_t param = {};
   param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
   param.cb.send = &UcxTransport::OnOpDone;
   param.user_data = &t;
   const uint64_t remote_addr = region.base + chunk.remote_offset;
-  ucs_status_ptr_t req =
-      t.direction == Direction::kPut
-          ? ucp_put_nbx(c.ep, chunk.local, chunk.length, remote_addr, region.rkey.get(), &param)
-          : ucp_get_nbx(c.ep, chunk.local, chunk.length, remote_addr, region.rkey.get(), &param);
+  ucs_status_ptr_t req = t.direction == Direction::kPut
+                             ? ucp_put_nbx(p.ep.get(), chunk.local, chunk.length, remote_addr,
+                                           region.rkey.get(), &param)
+                             : ucp_get_nbx(p.ep.get(), chunk.local, chunk.length, remote_addr,
+                                           region.rkey.get(), &param);
   ++t.next_chunk;
   if (req == nullptr) return true;  // completed in place
   if (UCS_PTR_IS_ERR(req)) {
@@ -1115,14 +939,61 @@ bool UcxTransport::IssueChunk(Conn& c, Transfer& t) {
   return true;
 }
 
-void UcxTransport::Pump(Conn& c) {
-  if (c.state != Conn::State::kReady) return;
+absl::Status UcxTransport::MapRemoteRegion(Peer& p, RemoteRegion& region) {
+  KV_ASSIGN_OR_RETURN(region.rkey, ucx::UnpackRemoteKey(p.ep.get(), region.packed_rkey));
+  void* local = nullptr;
+  // UCS_OK only where UCX mapped the peer's segment here (shared memory); over tcp or RDMA the
+  // bytes are moved by the NIC or the peer, so there is nothing of ours to populate.
+  if (ucp_rkey_ptr(region.rkey.get(), region.base, &local) == UCS_OK && local != nullptr) {
+    region.mapped = static_cast<uint8_t*>(local);
+    region.populated = 0;
+    populate_pending_ = true;
+  }
+  return absl::OkStatus();
+}
+
+void UcxTransport::PopulateSome(absl::Duration budget) {
+  constexpr uint64_t kPiece = 8 << 20;
+  const absl::Time stop = absl::Now() + budget;
+  bool pending = false;
+  KV_DCHECK(OnLoop());
+  for (auto& [pid, peer] : peers_) {
+    uint64_t unpopulated = 0;
+    absl::Cleanup publish = [&] {
+      absl::MutexLock lock(&mu_);
+      auto it = peer_info_.find(pid);
+      if (it != peer_info_.end()) it->second.unpopulated_bytes = unpopulated;
+    };
+    for (auto& [rid, region] : peer->regions) {
+      while (region.mapped != nullptr && region.populated < region.size) {
+        if (absl::Now() >= stop) {
+          pending = true;
+          break;
+        }
+        const uint64_t n = std::min<uint64_t>(kPiece, region.size - region.populated);
+        absl::Status st = internal::PopulateForWrite(region.mapped + region.populated, n);
+        if (!st.ok()) {
+          // Not fatal: transfers then take the faults themselves.
+          KV_LOG(WARNING) << "populating peer " << pid << "'s region " << rid << ": " << st;
+          region.populated = region.size;
+          break;
+        }
+        region.populated += n;
+      }
+      if (region.mapped != nullptr) unpopulated += region.size - region.populated;
+    }
+  }
+  populate_pending_ = pending;
+}
+
+void UcxTransport::Pump(Peer& p) {
+  KV_DCHECK(OnLoop());
   // Issue: transfers in order, sharing the transport-wide window. Operations that complete in
   // place (shared memory: a memcpy, page faults included) do not fill the window, so each call
   // also stops after `max_inflight_bytes`: the loop then serves sockets and heartbeats before
   // the next call continues.
   uint64_t budget = options_.max_inflight_bytes;
-  for (QueueItem& item : c.queue) {
+  for (QueueItem& item : p.queue) {
     if (!item.transfer) continue;
     Transfer& t = *item.transfer;
     if (!t.failure.ok()) continue;
@@ -1136,7 +1007,7 @@ void UcxTransport::Pump(Conn& c) {
         break;
       }
       budget -= std::min(budget, len);
-      if (!IssueChunk(c, t)) break;
+      if (!IssueChunk(p, t)) break;
     }
     if (t.direction == Direction::kPut && t.failure.ok() && t.next_chunk == t.chunks.size() &&
         !t.flush_inflight && !t.flushed) {
@@ -1144,7 +1015,7 @@ void UcxTransport::Pump(Conn& c) {
       param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
       param.cb.send = &UcxTransport::OnFlushDone;
       param.user_data = &t;
-      ucs_status_ptr_t req = ucp_ep_flush_nbx(c.ep, &param);
+      ucs_status_ptr_t req = ucp_ep_flush_nbx(p.ep.get(), &param);
       if (req == nullptr) {
         t.flushed = true;
       } else if (UCS_PTR_IS_ERR(req)) {
@@ -1157,14 +1028,14 @@ void UcxTransport::Pump(Conn& c) {
     if (window_full) break;
   }
   // Retire from the front, in order, so DONE and control frames leave in Post order.
-  while (!c.queue.empty() && c.state == Conn::State::kReady) {
-    QueueItem& item = c.queue.front();
+  while (!p.queue.empty()) {
+    QueueItem& item = p.queue.front();
     if (!item.transfer) {
       wire::Writer w(FrameType::kControl);
       w.U64(item.tag);
       w.Str(item.message);
-      SendFrame(c, std::move(w).Finish());
-      c.queue.pop_front();
+      channel_->Send(p.id, std::move(w).Finish());
+      p.queue.pop_front();
       continue;
     }
     Transfer& t = *item.transfer;
@@ -1174,16 +1045,16 @@ void UcxTransport::Pump(Conn& c) {
       if (t.direction == Direction::kPut && !t.flushed) break;
     }
     std::unique_ptr<Transfer> owned = std::move(item.transfer);
-    c.queue.pop_front();
+    p.queue.pop_front();
     --active_transfers_;
-    Retire(c, *owned);
+    Retire(p, *owned);
     if (owned->failure.ok() && owned->direction == Direction::kPut) {
-      c.awaiting_ack[owned->id] = std::move(owned);
+      p.awaiting_ack[owned->id] = std::move(owned);
     }
   }
 }
 
-void UcxTransport::Retire(Conn& c, Transfer& t) {
+void UcxTransport::Retire(Peer& p, Transfer& t) {
   if (!t.failure.ok()) {
     t.handle->Complete(t.failure);
     return;
@@ -1212,10 +1083,10 @@ void UcxTransport::Retire(Conn& c, Transfer& t) {
     w.U8(b.checksum.has_value() ? 1 : 0);
     w.U64(b.checksum.value_or(0));
   }
-  SendFrame(c, std::move(w).Finish());
+  channel_->Send(p.id, std::move(w).Finish());
 }
 
-absl::Status UcxTransport::HandleDone(Conn& c, wire::Reader& r) {
+absl::Status UcxTransport::HandleDone(Peer& p, wire::Reader& r) {
   uint64_t id, tag;
   int32_t lb, le;
   uint32_t n;
@@ -1224,7 +1095,7 @@ absl::Status UcxTransport::HandleDone(Conn& c, wire::Reader& r) {
     return absl::InvalidArgumentError("truncated done frame");
   }
   InboundEvent event{
-      .kind = InboundEvent::Kind::kBlocks, .peer = c.id, .tag = tag, .layers = LayerRange{lb, le}};
+      .kind = InboundEvent::Kind::kBlocks, .peer = p.id, .tag = tag, .layers = LayerRange{lb, le}};
   event.blocks.reserve(n);
   std::vector<absl::Status> statuses;
   statuses.reserve(n);
@@ -1264,11 +1135,11 @@ absl::Status UcxTransport::HandleDone(Conn& c, wire::Reader& r) {
   w.Str(first_error);
   // The handler sees the blocks before the sender's handle completes.
   Deliver(std::move(event));
-  if (Conn* still = FindConn(c.id)) SendFrame(*still, std::move(w).Finish());
+  channel_->Send(p.id, std::move(w).Finish());
   return absl::OkStatus();
 }
 
-absl::Status UcxTransport::HandleAck(Conn& c, wire::Reader& r) {
+absl::Status UcxTransport::HandleAck(Peer& p, wire::Reader& r) {
   uint64_t id;
   uint32_t n;
   if (!r.U64(&id) || !r.U32(&n) || r.remaining() < n) {
@@ -1292,79 +1163,60 @@ absl::Status UcxTransport::HandleAck(Conn& c, wire::Reader& r) {
     first = false;
   }
   static bool printed = false;
-  if (!printed && std::getenv("KVRELAY_UCX_EP_INFO") != nullptr && c.ep != nullptr) {
+  if (!printed && std::getenv("KVRELAY_UCX_EP_INFO") != nullptr && p.ep) {
     printed = true;
-    ucp_ep_print_info(c.ep, stderr);
+    ucp_ep_print_info(p.ep.get(), stderr);
   }
-  auto it = c.awaiting_ack.find(id);
-  if (it == c.awaiting_ack.end()) return absl::OkStatus();  // cancelled meanwhile
+  auto it = p.awaiting_ack.find(id);
+  if (it == p.awaiting_ack.end()) return absl::OkStatus();  // cancelled meanwhile
   if (statuses.size() != it->second->blocks.size()) {
     return absl::InvalidArgumentError("ack block count does not match the transfer");
   }
   it->second->handle->CompleteBlocks(std::move(statuses));
-  c.awaiting_ack.erase(it);
+  p.awaiting_ack.erase(it);
   return absl::OkStatus();
 }
 
 absl::Time UcxTransport::Tick() {
+  KV_DCHECK(OnLoop());
   if (!closing_.empty()) PollClosing(/*wait=*/false);
-  for (PeerId id : dead_conns_) conns_.erase(id);
-  dead_conns_.clear();
-  for (auto& [id, c] : conns_) {
-    if (!c->queue.empty()) Pump(*c);
+  // A few milliseconds per turn while transfers run (they come first), more when idle.
+  if (populate_pending_) {
+    PopulateSome(active_transfers_ > 0 ? absl::Milliseconds(2) : absl::Milliseconds(20));
+  }
+  for (auto& [id, p] : peers_) {
+    if (!p->queue.empty()) Pump(*p);
   }
   const absl::Time now = absl::Now();
   bool any_pending = false;
   if (now >= next_deadline_check_) {
     next_deadline_check_ = now + absl::Milliseconds(1);
-    for (auto& [id, c] : conns_) {
-      if (c->state != Conn::State::kReady) continue;
+    for (auto& [id, p] : peers_) {
       std::vector<uint64_t> expired;
-      for (QueueItem& item : c->queue) {
+      for (QueueItem& item : p->queue) {
         if (item.transfer && item.transfer->failure.ok() && now >= item.transfer->deadline) {
           item.transfer->failure = absl::DeadlineExceededError(
               absl::StrCat(DirectionName(item.transfer->direction), " of ",
                            item.transfer->blocks.size(), " blocks missed its deadline"));
         }
       }
-      for (auto& [tid, t] : c->awaiting_ack) {
+      for (auto& [tid, t] : p->awaiting_ack) {
         if (now >= t->deadline) expired.push_back(tid);
       }
       for (uint64_t tid : expired) {
-        c->awaiting_ack[tid]->handle->Complete(
+        p->awaiting_ack[tid]->handle->Complete(
             absl::DeadlineExceededError("no acknowledgement from the receiver by the deadline"));
-        c->awaiting_ack.erase(tid);
+        p->awaiting_ack.erase(tid);
       }
-      if (!c->awaiting_ack.empty() || !c->queue.empty()) any_pending = true;
-      if (!c->queue.empty()) Pump(*c);
+      if (!p->awaiting_ack.empty() || !p->queue.empty()) any_pending = true;
+      if (!p->queue.empty()) Pump(*p);
     }
   }
-  if (now >= next_heartbeat_check_) {
-    next_heartbeat_check_ = now + options_.heartbeat_interval / 4;
-    std::vector<std::pair<PeerId, absl::Status>> down;
-    for (auto& [id, c] : conns_) {
-      if (c->state == Conn::State::kDead) continue;
-      if (now - c->last_recv > options_.peer_timeout && c->state == Conn::State::kReady) {
-        // Frames may be waiting unread in the socket while this thread was busy.
-        OnConnEvent(id, POLLIN);
-      }
-      if (c->state == Conn::State::kDead) continue;
-      if (now - c->last_recv > options_.peer_timeout) {
-        down.emplace_back(
-            id, absl::UnavailableError(absl::StrCat("peer ", id, " sent nothing for ",
-                                                    absl::FormatDuration(now - c->last_recv))));
-        continue;
-      }
-      if (c->state == Conn::State::kReady && now - c->last_send >= options_.heartbeat_interval) {
-        SendFrame(*c, std::move(wire::Writer(FrameType::kHeartbeat)).Finish());
-      }
-    }
-    for (auto& [id, st] : down) {
-      if (Conn* c = FindConn(id)) PeerDown(*c, st, true);
-    }
+  // Heartbeats and liveness (may take peers down, which edits peers_: not inside the loops).
+  absl::Time next = channel_ != nullptr ? channel_->Tick(now) : now + absl::Milliseconds(50);
+  if (any_pending || !closing_.empty() || populate_pending_) {
+    next = std::min(next, now + absl::Milliseconds(1));
   }
-  absl::Time next = next_heartbeat_check_;
-  if (any_pending || !closing_.empty()) next = std::min(next, now + absl::Milliseconds(1));
   return next;
 }
 

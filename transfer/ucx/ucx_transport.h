@@ -2,10 +2,10 @@
 
 // UcxTransport: the Transport interface over UCX (ucp) RMA.
 //
-// Per transport: one ucp context + worker owned by one ProgressThread, a TCP listener for the
-// control connection, and per peer one TCP control connection plus one UCX data endpoint
-// created from the peer's worker address (so tcp and shared memory both work; a sockaddr
-// listener would work over tcp only on UCX 1.13). Puts/gets are split into chunks, issued with
+// Per transport: one ucp context + worker owned by one ProgressThread, a ControlChannel (TCP
+// listener + one control connection per peer: hello, regions, DONE/ACK, heartbeats, liveness)
+// and per peer one UCX data endpoint created from the peer's worker address (so tcp and shared
+// memory both work; a sockaddr listener would work over tcp only on UCX 1.13). Puts/gets are split into chunks, issued with
 // many in flight under a byte and op cap, and a put batch ends with one ucp_ep_flush_nbx, after
 // which a DONE frame carrying the per-block checksums goes over the control connection; the
 // receiver verifies, tells its handler, and ACKs each block. Dead peers are noticed by TCP EOF
@@ -24,9 +24,22 @@
 namespace kvrelay::transfer {
 
 struct UcxTransportOptions {
-  std::string listen_host = "127.0.0.1";  // control listener; "0.0.0.0" for all interfaces
-  int listen_port = 0;                    // 0: any free port (see address())
-  std::string advertise_host;             // host part of address(); default listen_host
+  // Where the control listener binds: an IPv4/IPv6 literal or a hostname (resolved with
+  // getaddrinfo); "0.0.0.0" or "::" for every interface.
+  std::string listen_host = "127.0.0.1";
+  // The data-plane (control listener) port; 0: any free port. Fixed ports suit firewalls and
+  // Kubernetes Services. See address().
+  int listen_port = 0;
+  // Host part of address(), what peers are told to connect to: a hostname or IP literal.
+  // Default: listen_host, except that a wildcard listen_host is never advertised: then this
+  // host's primary address (the default route's source address, logged at INFO).
+  std::string advertise_host;
+  // Port part of address() when it differs from the bound one (NAT, port mapping); 0: the
+  // bound port.
+  int advertise_port = 0;
+  // UCX's own tcp transport listens on ports of its own (the data connections over tcp);
+  // "LOW-HIGH" confines them (UCX_TCP_PORT_RANGE), empty: UCX_TCP_PORT_RANGE or any port.
+  std::string ucx_tcp_port_range;
   // Endpoint error handling. kAuto: PEER where the transports support it, else NONE (shared
   // memory on UCX 1.13), relying on the heartbeat.
   enum class ErrorMode { kAuto, kPeer, kNone };
@@ -39,6 +52,9 @@ struct UcxTransportOptions {
   absl::Duration spin_after_activity = absl::Microseconds(200);
   absl::Duration heartbeat_interval = absl::Milliseconds(200);
   absl::Duration peer_timeout = absl::Seconds(2);  // no frame for this long => peer is down
+  // Closing an endpoint we chose to close (Disconnect, shutdown) flushes it for at most this
+  // long, then force-closes it. Endpoints of lost peers are force-closed at once.
+  absl::Duration endpoint_flush_timeout = absl::Seconds(1);
 };
 
 absl::StatusOr<TransportPtr> MakeUcxTransport(UcxTransportOptions options = {});

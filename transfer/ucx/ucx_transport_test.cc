@@ -6,6 +6,8 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "transfer/transport_conformance.h"
 
@@ -42,6 +44,66 @@ TEST(UcxTransportTest, ConnectErrorsAreClear) {
   EXPECT_FALSE(caps.device_memory);  // Debian's UCX 1.13 has no CUDA module
   EXPECT_THAT(t->RegisterMemory(MemorySpan{&caps, 8}, MemoryKind::kDevice),
               testing::StatusIs(absl::StatusCode::kUnimplemented));
+}
+
+// Issue 10's address options: hostnames, fixed ports, an advertised address distinct from the
+// bind address, a wildcard bind never advertised, IPv6 literals.
+TEST(UcxTransportTest, AddressOptions) {
+  testing::ScopedEnv tls("UCX_TLS", "tcp");
+  KV_ASSERT_OK_AND_ASSIGN(TransportPtr client, MakeUcxTransport());
+  // A hostname to bind to and to advertise.
+  KV_ASSERT_OK_AND_ASSIGN(TransportPtr named, MakeUcxTransport({.listen_host = "localhost"}));
+  EXPECT_TRUE(absl::StartsWith(named->address(), "localhost:")) << named->address();
+  KV_ASSERT_OK_AND_ASSIGN(PeerId p1,
+                          client->Connect(named->address(), absl::Now() + absl::Seconds(10)));
+  // A live connection to the same address is reused.
+  KV_ASSERT_OK_AND_ASSIGN(PeerId p2,
+                          client->Connect(named->address(), absl::Now() + absl::Seconds(10)));
+  EXPECT_EQ(p1, p2);
+  KV_ASSERT_OK_AND_ASSIGN(PeerStatus status, client->GetPeerStatus(p1));
+  EXPECT_TRUE(status.alive);
+  EXPECT_EQ(status.address, named->address());
+  EXPECT_EQ(status.incarnation, named->incarnation());
+  EXPECT_NE(client->incarnation(), named->incarnation());
+  // A fixed port; taking it twice fails naming it.
+  const int port = testing::PickUnusedPort();
+  KV_ASSERT_OK_AND_ASSIGN(TransportPtr fixed, MakeUcxTransport({.listen_port = port}));
+  EXPECT_EQ(fixed->address(), absl::StrCat("127.0.0.1:", port));
+  EXPECT_THAT(MakeUcxTransport({.listen_port = port}),
+              testing::StatusIs(absl::StatusCode::kFailedPrecondition,
+                                ::testing::HasSubstr(absl::StrCat(port))));
+  EXPECT_THAT(MakeUcxTransport({.listen_port = 70000}),
+              testing::StatusIs(absl::StatusCode::kInvalidArgument));
+  // An advertised address distinct from the bind address (NAT, Kubernetes Services).
+  KV_ASSERT_OK_AND_ASSIGN(
+      TransportPtr advertised,
+      MakeUcxTransport({.advertise_host = "decode-0.kvrelay.svc", .advertise_port = 7000}));
+  EXPECT_EQ(advertised->address(), "decode-0.kvrelay.svc:7000");
+  EXPECT_THAT(MakeUcxTransport({.advertise_host = "0.0.0.0"}),
+              testing::StatusIs(absl::StatusCode::kInvalidArgument));
+  // Bound to every interface: never advertises the wildcard, and is reachable on loopback.
+  absl::StatusOr<TransportPtr> any = MakeUcxTransport({.listen_host = "0.0.0.0"});
+  if (any.ok()) {
+    const std::string a = (*any)->address();
+    EXPECT_FALSE(absl::StartsWith(a, "0.0.0.0")) << a;
+    KV_ASSERT_OK(client
+                     ->Connect(absl::StrCat("127.0.0.1", a.substr(a.rfind(':'))),
+                               absl::Now() + absl::Seconds(10))
+                     .status());
+  } else {
+    // Only on a host with no address but loopback: refused, saying why.
+    EXPECT_THAT(any, testing::StatusIs(absl::StatusCode::kFailedPrecondition));
+  }
+  // IPv6 literals, where the host has IPv6 loopback.
+  absl::StatusOr<TransportPtr> v6 = MakeUcxTransport({.listen_host = "::1"});
+  if (v6.ok()) {
+    EXPECT_TRUE(absl::StartsWith((*v6)->address(), "[::1]:")) << (*v6)->address();
+    KV_EXPECT_OK(client->Connect((*v6)->address(), absl::Now() + absl::Seconds(10)).status());
+  }
+  EXPECT_THAT(client->Connect("::1:80", absl::Now() + absl::Seconds(5)),
+              testing::StatusIs(absl::StatusCode::kInvalidArgument));  // unbracketed IPv6
+  EXPECT_THAT(client->Connect("no-such-host.invalid:80", absl::Now() + absl::Seconds(5)),
+              testing::StatusIs(absl::StatusCode::kUnavailable));
 }
 
 TEST(UcxTransportTest, ANonPeerOnTheControlPortIsRejectedWithoutHarm) {

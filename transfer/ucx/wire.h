@@ -14,11 +14,12 @@
 namespace kvrelay::transfer::ucx::wire {
 
 inline constexpr uint32_t kMagic = 0x5852564b;  // "KVRX"
-inline constexpr uint32_t kVersion = 1;
+// 2: the hello carries the sender's incarnation and advertised address.
+inline constexpr uint32_t kVersion = 2;
 inline constexpr uint32_t kMaxFrameBytes = 64u << 20;
 
 enum class FrameType : uint8_t {
-  kHello = 1,         // magic, version, worker address, regions
+  kHello = 1,         // magic, version, incarnation, address, worker address, regions
   kRegionAdd = 2,     // one region
   kRegionRemove = 3,  // region id
   kDone = 4,          // a put's data is in the receiver's memory: id, tag, layers, blocks
