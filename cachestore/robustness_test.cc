@@ -437,9 +437,10 @@ TEST(PlacementTest, FullOwnSegmentEvictsThereAndNeverSpillsOrLeaks) {
     EXPECT_EQ(f.Match(fresh), 6) << "attempt " << i;
   }
   std::printf(
-      "fill test: %d committed, %d aborted, %d abandoned, %d refused allocations, %lld "
-      "evictions, %lld slots used == %lld indexed\n",
-      committed, aborted, left, refused, static_cast<long long>(f.store().Stats().evictions),
+      "fill test: %lld blocks allocated through 64 slots; %d committed, %d aborted, %d "
+      "abandoned, %d refused allocations, %lld evictions, %lld slots used == %lld indexed\n",
+      static_cast<long long>(f.store().counters().allocated_blocks.load()), committed, aborted,
+      left, refused, static_cast<long long>(f.store().Stats().evictions),
       static_cast<long long>(used), static_cast<long long>(listed));
 }
 
