@@ -3,13 +3,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/status_macros.h"
+#include "kv/prompt_validation.h"
 #include "model/kv_cache.h"
 #include "model/sampler.h"
 
 namespace kvrelay::cli {
 namespace {
-
-constexpr int32_t kMaxGenerateTokens = 4096;
 
 double MillisSince(absl::Time start) {
   return absl::ToDoubleMilliseconds(absl::Now() - start);
@@ -28,28 +27,11 @@ absl::StatusOr<std::unique_ptr<ColocatedGenerator>> ColocatedGenerator::Load(
 
 absl::StatusOr<GenerationResult> ColocatedGenerator::Generate(
     const GenerationRequest& request) const {
-  const kv::ModelConfig& config = runner_->config();
+  KV_RETURN_IF_ERROR(kv::ValidatePrompt(request.tokens, request.max_tokens, runner_->config()));
+  if (!(request.top_p > 0.0f && request.top_p <= 1.0f)) {
+    return absl::InvalidArgumentError("top_p must be in (0, 1]");
+  }
   const int64_t prompt = static_cast<int64_t>(request.tokens.size());
-  if (prompt == 0) return absl::InvalidArgumentError("prompt is empty");
-  for (size_t i = 0; i < request.tokens.size(); ++i) {
-    const int32_t t = request.tokens[i];
-    if (t < 0 || t >= config.vocab_size) {
-      return absl::InvalidArgumentError(absl::StrCat("token ", i, " is ", t,
-                                                     ", outside the vocabulary [0, ",
-                                                     config.vocab_size, ")"));
-    }
-  }
-  if (request.max_tokens < 1 || request.max_tokens > kMaxGenerateTokens) {
-    return absl::InvalidArgumentError(absl::StrCat("max_tokens must be in [1, ",
-                                                   kMaxGenerateTokens, "], got ",
-                                                   request.max_tokens));
-  }
-  if (config.max_position_embeddings > 0 &&
-      prompt + request.max_tokens > config.max_position_embeddings) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "prompt (", prompt, " tokens) + max_tokens (", request.max_tokens,
-        ") exceeds the model's ", config.max_position_embeddings, " positions"));
-  }
 
   // Every block the sequence can touch, plus one spare (sliding-window bookkeeping).
   const int64_t block_tokens = runner_->layout().block_tokens();
@@ -68,14 +50,14 @@ absl::StatusOr<GenerationResult> ColocatedGenerator::Generate(
 
   const absl::Time start = absl::Now();
   KV_ASSIGN_OR_RETURN(std::vector<float> logits, runner_->Prefill(seq, request.tokens));
-  int32_t next = sampler.Sample(logits, request.temperature);
+  int32_t next = sampler.Sample(logits, request.temperature, request.top_p);
   result.ttft_ms = MillisSince(start);
   result.tokens.push_back(next);
   while (static_cast<int32_t>(result.tokens.size()) < request.max_tokens &&
          next != request.eos_token) {
     model::Sequence* seqs[] = {&seq};
     KV_ASSIGN_OR_RETURN(logits, runner_->DecodeStep(seqs, {next}));
-    next = sampler.Sample(logits, request.temperature);
+    next = sampler.Sample(logits, request.temperature, request.top_p);
     result.tokens.push_back(next);
   }
   result.total_ms = MillisSince(start);

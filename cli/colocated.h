@@ -23,6 +23,7 @@ struct GenerationRequest {
   std::vector<int32_t> tokens;  // the prompt, 1 .. max_position_embeddings - max_tokens
   int32_t max_tokens = 16;      // [1, 4096]
   float temperature = 0.0f;     // 0 = greedy
+  float top_p = 1.0f;           // (0, 1]: nucleus sampling
   uint64_t seed = 0;
   int32_t eos_token = -1;       // stop after producing this token; -1 = none
 };

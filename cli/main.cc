@@ -35,6 +35,8 @@ constexpr Subcommand kSubcommands[] = {
      kvrelay::gateway::server::RunGatewayCommand},
     {"generate", "generate tokens through a gateway, or co-located in this process",
      kvrelay::cli::RunGenerateCommand},
+    {"health", "check a server's grpc.health.v1 status (exit 0 when SERVING)",
+     kvrelay::cli::RunHealthCommand},
     {"layout", "KV-cache bytes of a model: per token, per block, per sequence",
      kvrelay::cli::RunLayoutCommand},
     {"make-test-model", "write a small random-weight model (config.json + safetensors)",

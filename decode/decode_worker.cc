@@ -69,6 +69,7 @@ struct DecodeWorker::Active {
   std::vector<int32_t> tail;  // prompt tokens the scheduler computes before decoding
   int32_t max_tokens = 0;
   float temperature = 0;
+  float top_p = 1.0f;
   std::unique_ptr<model::Sampler> sampler;
   int32_t eos_token = -1;
   std::string tenant_salt;
@@ -339,6 +340,8 @@ absl::Status DecodeWorker::Generate(const kvrelay::v1::DecodeRequest& request, a
     return Invalid(absl::StrCat("sampling.temperature must be in [0, ", limits::kMaxTemperature,
                                 "]"));
   }
+  const float top_p = request.sampling().top_p();
+  if (!(top_p >= 0 && top_p <= 1)) return Invalid("sampling.top_p must be in (0, 1]");
   if (request.tenant_salt().size() > limits::kMaxTenantSaltBytes) {
     return Invalid(absl::StrCat("tenant_salt is over ", limits::kMaxTenantSaltBytes, " bytes"));
   }
@@ -414,6 +417,7 @@ absl::Status DecodeWorker::Generate(const kvrelay::v1::DecodeRequest& request, a
   active->seq = std::make_unique<model::Sequence>(&kv_->cache());
   active->max_tokens = request.max_tokens();
   active->temperature = temperature;
+  active->top_p = top_p > 0 ? top_p : 1.0f;
   active->sampler = std::make_unique<model::Sampler>(request.sampling().seed());
   active->eos_token =
       request.eos_token() >= 0 && request.eos_token() < runner_->config().vocab_size
@@ -579,7 +583,7 @@ void DecodeWorker::SchedulerLoop() {
         finish(a, logits.status());
         continue;
       }
-      emit(*a, a->sampler->Sample(*logits, a->temperature));
+      emit(*a, a->sampler->Sample(*logits, a->temperature, a->top_p));
       if (finished(*a)) {
         finish(a, absl::OkStatus());
       } else {
@@ -611,7 +615,7 @@ void DecodeWorker::SchedulerLoop() {
         for (size_t i = 0; i < running.size(); ++i) {
           Active& a = *running[i];
           emit(a, a.sampler->Sample(absl::MakeConstSpan(logits->data() + i * vocab, vocab),
-                                    a.temperature));
+                                    a.temperature, a.top_p));
           if (finished(a)) finish(running[i], absl::OkStatus());
         }
         running.erase(std::remove_if(running.begin(), running.end(),

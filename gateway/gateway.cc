@@ -109,6 +109,10 @@ absl::Status Gateway::Validate(const kvrelay::v1::GenerateRequest& request) cons
     return absl::InvalidArgumentError(
         absl::StrCat("sampling.temperature must be in [0, ", limits::kMaxTemperature, "]"));
   }
+  const float top_p = request.sampling().top_p();
+  if (!(top_p >= 0 && top_p <= 1)) {
+    return absl::InvalidArgumentError("sampling.top_p must be in (0, 1] (0 = unset)");
+  }
   return absl::OkStatus();
 }
 
@@ -254,6 +258,7 @@ absl::Status Gateway::Generate(const kvrelay::v1::GenerateRequest& request, absl
   int32_t failures = 0, attempts = 0, overloaded = 0;
   bool done = false;
   bool client_gone = false;
+  bool stop_requested = false;
 
   auto finished_generating = [&] {
     return static_cast<int32_t>(generated.size()) >= request.max_tokens() ||
@@ -406,7 +411,7 @@ absl::Status Gateway::Generate(const kvrelay::v1::GenerateRequest& request, absl
               generated.push_back(t);
             }
             if (!sink(out)) {
-              client_gone = true;
+              stop_requested = true;  // the caller has what it wants (e.g. a stop string)
               return false;
             }
           }
@@ -417,8 +422,12 @@ absl::Status Gateway::Generate(const kvrelay::v1::GenerateRequest& request, absl
           return !(cancelled && cancelled());
         });
     summary.set_computed_prompt_tokens(summary.computed_prompt_tokens() + computed_here);
-    if (client_gone || (cancelled && cancelled())) {
+    if (cancelled && cancelled()) {
       client_gone = true;
+      break;
+    }
+    if (stop_requested) {
+      done = true;
       break;
     }
     if (s.ok() && stream_done) {

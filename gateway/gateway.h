@@ -56,7 +56,10 @@ struct GatewayOptions {
 // HMAC-SHA256(secret, tenant), first 16 bytes.
 std::string DeriveTenantSalt(const std::string& secret, const std::string& tenant);
 
-// Receives the response stream; returns false when the client went away.
+// Receives the response stream (tokens as they come, then one message with the summary).
+// Returning false stops generation early (the caller has what it wants, e.g. a stop string);
+// the request still ends OK with its summary. A client that went away is reported through
+// Generate's `cancelled` callback instead.
 using GenerateSink = std::function<bool(const kvrelay::v1::GenerateResponse&)>;
 
 class Gateway {

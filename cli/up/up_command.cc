@@ -97,6 +97,10 @@ int RunUpCommand(const std::vector<std::string>& args) {
   flags.AddInt64("seed", &seed, "weights seed of the generated model");
   flags.AddString("gateway-address", &gateway_address,
                   "HOST:PORT the gateway listens on (port 0: any free port)");
+  std::string http_address = "127.0.0.1:8000";
+  flags.AddString("http-address", &http_address,
+                  "HOST:PORT of the gateway's OpenAI-compatible HTTP API (port 0: any free "
+                  "port; empty: off)");
   flags.AddString("data-dir", &data_dir,
                   "directory for the cache store's log and the generated model "
                   "(default: a temporary directory removed on exit)");
@@ -131,6 +135,19 @@ int RunUpCommand(const std::vector<std::string>& args) {
                                    gateway_address, "'"));
   }
   const std::string gateway_host = gateway_address.substr(0, colon);
+  std::string http_host = gateway_host, http_port = "-1";
+  if (!http_address.empty()) {
+    const size_t http_colon = http_address.rfind(':');
+    int port = -1;
+    if (http_colon == std::string::npos || http_colon == 0 ||
+        !absl::SimpleAtoi(http_address.substr(http_colon + 1), &port) || port < 0 ||
+        port > 65535) {
+      return UsageError(
+          absl::StrCat("--http-address must be HOST:PORT or empty, got '", http_address, "'"));
+    }
+    http_host = http_address.substr(0, http_colon);
+    http_port = absl::StrCat(port);
+  }
   if (!model_dir.empty() && flags.WasSet("arch")) {
     return UsageError("give --model DIR or --arch A, not both");
   }
@@ -267,7 +284,7 @@ int RunUpCommand(const std::vector<std::string>& args) {
         {"gateway", "--host", gateway_host, "--port", absl::StrCat(gateway_port),
          "--metrics-port", "0", "--cachestore", store, "--prefill",
          absl::StrJoin(prefill_addrs, ","), "--decode", absl::StrJoin(decode_addrs, ","),
-         "--model", model_dir},
+         "--model", model_dir, "--http-host", http_host, "--http-port", http_port},
         gateway_args));
     return wait_ready(services.back());
   }();

@@ -13,6 +13,7 @@
 #include "common/server/server_flags.h"
 #include "common/server/service_host.h"
 #include "gateway/gateway.h"
+#include "gateway/http/openai_server.h"
 #include "gateway/server/gateway_service.h"
 
 namespace kvrelay::gateway::server {
@@ -50,6 +51,12 @@ int RunGatewayCommand(const std::vector<std::string>& raw_args) {
                     "per-attempt bound on a prefill (compute + push)");
   flags.AddDuration("chunk-timeout", &options.chunk_timeout,
                     "per-attempt bound on the wait for the first and every next token");
+  int32_t http_port = -1;
+  std::string http_host;
+  flags.AddInt32("http-port", &http_port,
+                 "OpenAI-compatible HTTP port (/v1/completions, /v1/chat/completions, "
+                 "/v1/models); -1: off, 0: any free port");
+  flags.AddString("http-host", &http_host, "address the HTTP port listens on (default: --host)");
   flags.AddDuration("breaker-open", &options.breaker.open_for,
                     "how long a failed worker is skipped before a probe (doubles per failed "
                     "probe)");
@@ -124,7 +131,44 @@ int RunGatewayCommand(const std::vector<std::string>& raw_args) {
     return gateway.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
   }
   GatewayService service(gateway->get());
-  return kvrelay::server::ServeUntilSignal(host, {&service}, &metrics);
+  absl::StatusOr<std::unique_ptr<kvrelay::server::ServiceHost>> server =
+      kvrelay::server::ServiceHost::Start(host, {&service}, &metrics);
+  if (!server.ok()) {
+    std::fprintf(stderr, "kvrelay gateway: %s\n", server.status().ToString().c_str());
+    return 1;
+  }
+  std::unique_ptr<TextCodec> codec = MakeByteTextCodec();
+  std::unique_ptr<OpenAiHttpServer> http;
+  if (http_port >= 0) {
+    OpenAiHttpOptions http_options;
+    http_options.host = http_host.empty() ? host.host : http_host;
+    http_options.port = http_port;
+    http_options.model_name = options.model_name;
+    http_options.security = host.security;
+    // TODO(security): verified bearer tokens; until then only the plain-text dev mode has a
+    // tenant for HTTP callers, and it is one shared tenant.
+    const bool insecure = host.security.insecure;
+    http_options.resolve_tenant =
+        [insecure](const std::string& authorization) -> absl::StatusOr<std::string> {
+      if (insecure) return std::string("anonymous");
+      if (authorization.empty()) {
+        return absl::UnauthenticatedError("an Authorization: Bearer token is required");
+      }
+      return absl::PermissionDeniedError("no bearer-token verifier is configured");
+    };
+    absl::StatusOr<std::unique_ptr<OpenAiHttpServer>> started =
+        OpenAiHttpServer::Start(std::move(http_options), gateway->get(), codec.get());
+    if (!started.ok()) {
+      std::fprintf(stderr, "kvrelay gateway: %s\n", started.status().ToString().c_str());
+      return 1;
+    }
+    http = *std::move(started);
+    std::printf("gateway http listening on %s:%d\n",
+                (http_host.empty() ? host.host : http_host).c_str(), http->port());
+    std::fflush(stdout);
+  }
+  (*server)->WaitForShutdown({.on_drain = [&http] { http.reset(); }});
+  return 0;
 }
 
 }  // namespace kvrelay::gateway::server
