@@ -258,8 +258,15 @@ TEST_F(CacheStoreProcessTest, HeartbeatLossDropsTheNodesBlocks) {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
     matched = Matched(on_dying);
   }
-  EXPECT_EQ(matched, 0);
+  EXPECT_EQ(matched, 0);  // suspect first: skipped
   EXPECT_EQ(Matched(on_alive), 2);
+  int64_t suspect = -1;  // then forgotten after the (short) grace period
+  for (int i = 0; i < 200 && suspect != 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    absl::StatusOr<v1::StatsResponse> st = client_->Stats();
+    if (st.ok()) suspect = st->suspect_nodes();
+  }
+  EXPECT_EQ(suspect, 0);
   KV_ASSERT_OK_AND_ASSIGN(bool known, client_->Heartbeat("dying"));
   EXPECT_FALSE(known);
 }
@@ -406,7 +413,7 @@ TEST_F(CacheStoreProcessTest, SecondProcessWithTheSameNodeIdIsRefused) {
 TEST_F(CacheStoreProcessTest, SilentNodeIsSuspectThenServesAgainWithItsBlocks) {
   Start({"--suspect-grace", "60s"});
   auto node = NodeClient("decode-0", CacheStoreClient::NewIncarnation());
-  ASSERT_THAT(node->Register(Reg(16, v1::NODE_ROLE_DECODE, absl::Milliseconds(300))), IsOk());
+  ASSERT_THAT(node->Register(Reg(16, v1::NODE_ROLE_DECODE, absl::Seconds(1))), IsOk());
   auto chain = Chain("t", 3);
   KV_ASSERT_OK_AND_ASSIGN(v1::AllocateResponse a, node->AllocateChain(chain, 1 << 20));
   ASSERT_THAT(node->Commit(a.allocation_id()), IsOk());
@@ -446,6 +453,8 @@ TEST_F(CacheStoreProcessTest, SilentNodeIsSuspectThenServesAgainWithItsBlocks) {
                                      return e.sequence() < list.last_sequence();
                                    }),
               IsOk());
+  ASSERT_GE(kinds.size(), 3u);
+  kinds.resize(3);  // on a loaded machine it may have turned suspect again since
   EXPECT_EQ(kinds, (std::vector<v1::Event::Kind>{v1::Event::KIND_NODE_JOINED,
                                                  v1::Event::KIND_NODE_SUSPECT,
                                                  v1::Event::KIND_NODE_LIVE}));
