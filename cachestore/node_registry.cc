@@ -21,7 +21,7 @@ std::string_view TierName(Tier tier) {
 }
 
 absl::Status IdentityError(absl::Status status, std::string_view node_id) {
-  status.SetPayload(kIdentityPayload, absl::Cord(node_id));
+  status.SetPayload(kIdentityPayload, absl::Cord(absl::string_view(node_id.data(), node_id.size())));
   return status;
 }
 

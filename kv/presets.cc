@@ -66,7 +66,7 @@ const std::map<std::string, std::string, std::less<>>& Presets() {
       {"tiny-gemma3", R"({"model_type": "gemma3_text", "hidden_size": 256,
           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
           "num_hidden_layers": 6, "intermediate_size": 512, "vocab_size": 512,
-          "max_position_embeddings": 4096, "sliding_window": 16, "sliding_window_pattern": 6,
+          "max_position_embeddings": 4096, "sliding_window": 32, "sliding_window_pattern": 6,
           "query_pre_attn_scalar": 48, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
           "rope_scaling": {"rope_type": "linear", "factor": 8.0},
           "attn_logit_softcapping": null, "final_logit_softcapping": null,

@@ -221,6 +221,77 @@ Vec ReferenceLogits(const kv::ModelConfig& c, const ModelWeights& w, Arch arch,
   return logits;
 }
 
+// GPT-2 as transformers' GPT2Model computes it: wte + wpe, pre-LayerNorm blocks, MHA without
+// RoPE, gelu_new MLP, ln_f, LM head tied to wte. Weights here are already [out, in] (the
+// loader transposed the Conv1D [in, out] checkpoint tensors and split c_attn).
+Vec LayerNormRef(const Vec& x, const std::vector<float>& w, const std::vector<float>& b,
+                 double eps) {
+  double mean = 0, var = 0;
+  for (double v : x) mean += v / x.size();
+  for (double v : x) var += (v - mean) * (v - mean) / x.size();
+  Vec y(x.size());
+  for (size_t i = 0; i < x.size(); ++i) y[i] = (x[i] - mean) / std::sqrt(var + eps) * w[i] + b[i];
+  return y;
+}
+
+Vec Gpt2ReferenceLogits(const kv::ModelConfig& c, const ModelWeights& w,
+                        const std::vector<int32_t>& tokens) {
+  const int64_t n = static_cast<int64_t>(tokens.size()), d = c.hidden_size;
+  const int heads = c.num_attention_heads, hd = c.head_dim;
+  const double eps = c.layer_norm_epsilon;
+  std::vector<Vec> h(n, Vec(d));
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t i = 0; i < d; ++i) {
+      h[t][i] = double{w.embed_tokens[tokens[t] * d + i]} + w.pos_embed[t * d + i];
+    }
+  }
+  for (int layer = 0; layer < c.num_hidden_layers; ++layer) {
+    const LayerWeights& l = w.layers[layer];
+    std::vector<Vec> q(n), k(n), v(n);
+    for (int64_t t = 0; t < n; ++t) {
+      const Vec x = LayerNormRef(h[t], l.input_norm, l.input_norm_bias, eps);
+      q[t] = MatVec(l.q_proj, d, d, x);
+      k[t] = MatVec(l.k_proj, d, d, x);
+      v[t] = MatVec(l.v_proj, d, d, x);
+      AddTo(q[t], l.q_bias);
+      AddTo(k[t], l.k_bias);
+      AddTo(v[t], l.v_bias);
+    }
+    double scale = c.scale_attn_weights ? 1.0 / std::sqrt(static_cast<double>(hd)) : 1.0;
+    if (c.scale_attn_by_inverse_layer_idx) scale /= layer + 1;
+    for (int64_t t = 0; t < n; ++t) {
+      Vec attn(d, 0.0);
+      for (int hh = 0; hh < heads; ++hh) {
+        Vec s(t + 1);
+        double mx = -1e300;
+        for (int64_t j = 0; j <= t; ++j) {
+          double dot = 0;
+          for (int i = 0; i < hd; ++i) dot += q[t][hh * hd + i] * k[j][hh * hd + i];
+          s[j] = dot * scale;
+          mx = std::max(mx, s[j]);
+        }
+        double sum = 0;
+        for (double& e : s) sum += (e = std::exp(e - mx));
+        for (int64_t j = 0; j <= t; ++j) {
+          for (int i = 0; i < hd; ++i) attn[hh * hd + i] += s[j] / sum * v[j][hh * hd + i];
+        }
+      }
+      Vec o = MatVec(l.o_proj, d, d, attn);
+      AddTo(o, l.o_bias);
+      for (int64_t i = 0; i < d; ++i) h[t][i] += o[i];
+      const Vec x2 = LayerNormRef(h[t], l.post_attention_norm, l.post_attention_norm_bias, eps);
+      Vec up = MatVec(l.up_proj, c.intermediate_size, d, x2);
+      AddTo(up, l.up_bias);
+      for (double& u : up) u = Activate(c.hidden_act == "gelu" ? "gelu" : "gelu_new", u);
+      Vec down = MatVec(l.down_proj, d, c.intermediate_size, up);
+      AddTo(down, l.down_bias);
+      for (int64_t i = 0; i < d; ++i) h[t][i] += down[i];
+    }
+  }
+  return MatVec(w.embed_tokens, c.vocab_size, d,
+                LayerNormRef(h[n - 1], w.final_norm, w.final_norm_bias, eps));
+}
+
 struct Variant {
   std::string name;
   std::string arch;
@@ -248,7 +319,8 @@ TEST_P(ReferenceTest, RunnerMatchesDefinition) {
   KV_ASSERT_OK_AND_ASSIGN(Arch arch, ArchFor(config));
   std::vector<int32_t> tokens;
   for (int i = 0; i < 20; ++i) tokens.push_back((i * 37 + 11) % config.vocab_size);
-  const Vec want = ReferenceLogits(config, weights, arch, tokens);
+  const Vec want = arch == Arch::kGpt2 ? Gpt2ReferenceLogits(config, weights, tokens)
+                                       : ReferenceLogits(config, weights, arch, tokens);
 
   KV_ASSERT_OK_AND_ASSIGN(auto runner, ModelRunner::Create(config, std::move(weights)));
   KV_ASSERT_OK_AND_ASSIGN(auto cache, KvCache::Create(runner->layout(), 8));
@@ -283,6 +355,9 @@ INSTANTIATE_TEST_SUITE_P(
         // q_a/kv_a_layernorm keep eps 1e-6 whatever rms_norm_eps says.
         Variant{"deepseek_v3_norm_eps", "deepseek_v3", R"({"rms_norm_eps":0.01})"},
         Variant{"gemma3", "gemma3", ""},
+        Variant{"gpt2", "gpt2", ""},
+        Variant{"gpt2_inverse_layer_scale", "gpt2",
+                R"({"scale_attn_by_inverse_layer_idx":true,"layer_norm_epsilon":0.01})"},
         Variant{"gemma3_softcap_bias", "gemma3",
                 R"({"attn_logit_softcapping":2.0,"final_logit_softcapping":3.0,
                     "attention_bias":true})"}),

@@ -240,7 +240,7 @@ int RunMakeTestModelCommand(const std::vector<std::string>& args) {
   int32_t shards = 1;
   FlagSet flags("make-test-model",
                 "Writes a small random-weight model (config.json + safetensors) for tests.");
-  flags.AddString("arch", &o.arch, "llama | deepseek_v3 | gemma3");
+  flags.AddString("arch", &o.arch, "llama | deepseek_v3 | gemma3 | gpt2 | mamba");
   flags.AddString("out", &out, "output directory (created)");
   flags.AddInt64("seed", &seed, "random seed (same seed, same bytes)");
   flags.AddInt32("layers", &o.layers, "num_hidden_layers (0: preset)");

@@ -195,7 +195,7 @@ grpc::Status CacheStoreService::ParseCaller(const std::string& node_id, uint64_t
 grpc::Status CacheStoreService::Fail(absl::Status status, bool ids_expire) const {
   if (status.ok()) return grpc::Status::OK;
   v1::ErrorInfo info;
-  if (std::optional<absl::Cord> node = status.GetPayload(kIdentityPayload)) {
+  if (auto node = status.GetPayload(kIdentityPayload)) {
     // About who the caller (or the node it named) is: structured, with that node's role.
     status.ErasePayload(kIdentityPayload);
     info.set_node_id(std::string(*node));

@@ -95,7 +95,7 @@ cli::GatewayRequest Request(std::vector<int32_t> tokens, int32_t max_tokens,
 class Disaggregated : public ::testing::TestWithParam<std::string> {};
 
 // 16 concurrent greedy requests of 5 to 110 tokens (partial blocks, many blocks, and for gemma3
-// prompts past the 16-token sliding window) against the co-located reference.
+// prompts past the 32-token sliding window) against the co-located reference.
 TEST_P(Disaggregated, TokensEqualColocatedUnder16ConcurrentRequests) {
   KV_ASSERT_OK_AND_ASSIGN(Clusters::Entry * e, Clusters::Get()->For(GetParam()));
   std::vector<cli::GatewayRequest> requests;
