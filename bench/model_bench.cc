@@ -16,6 +16,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <string>
+#include <memory>
 #include <vector>
 
 #include "common/flags.h"
@@ -109,6 +110,47 @@ Figures Measure(const std::string& dir, int threads, int tokens, int reps, int t
   return f;
 }
 
+// Decode tokens/s for `batch` sequences of a 64-token prompt each, 16 steps, best of reps.
+double BatchedDecodeTokensPerS(const std::string& dir, int threads, int batch, bool invariant,
+                               int reps) {
+  RunnerOptions options;
+  options.threads = threads;
+  options.batch_invariant_decode = invariant;
+  auto runner = ModelRunner::Load(dir, options);
+  if (!runner.ok()) std::exit(1);
+  const kv::ModelConfig& c = (*runner)->config();
+  const int prompt_tokens = 64, steps = 16;
+  auto cache = KvCache::Create((*runner)->layout(),
+                               batch * ((prompt_tokens + steps) / c.layout.block_tokens() + 2));
+  if (!cache.ok()) std::exit(1);
+  double best = 1e30;
+  for (int r = 0; r < reps; ++r) {
+    std::vector<std::unique_ptr<Sequence>> seqs;
+    std::vector<Sequence*> ptrs;
+    std::vector<int32_t> next;
+    for (int b = 0; b < batch; ++b) {
+      seqs.push_back(std::make_unique<Sequence>(cache->get()));
+      std::vector<int32_t> prompt(prompt_tokens);
+      for (int i = 0; i < prompt_tokens; ++i) prompt[i] = (i * 7919 + 13 * b + 1) % c.vocab_size;
+      auto logits = (*runner)->Prefill(*seqs.back(), prompt);
+      if (!logits.ok()) std::exit(1);
+      ptrs.push_back(seqs.back().get());
+      next.push_back(Greedy(*logits));
+    }
+    auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < steps; ++i) {
+      auto out = (*runner)->DecodeStep(ptrs, next);
+      if (!out.ok()) std::exit(1);
+      for (int b = 0; b < batch; ++b) {
+        next[b] = Greedy(absl::MakeConstSpan(*out).subspan(
+            static_cast<size_t>(b) * c.vocab_size, c.vocab_size));
+      }
+    }
+    best = std::min(best, Seconds(std::chrono::steady_clock::now() - t0));
+  }
+  return batch * steps / best;
+}
+
 int Main(int argc, char** argv) {
   int32_t threads = 2, tokens = 512, reps = 3;
   FlagSet flags("model_bench", "CPU prefill tokens/s beside the OpenBLAS sgemm FLOP rate.");
@@ -199,6 +241,19 @@ int Main(int argc, char** argv) {
     }
   }
   std::printf("* of the best sgemm rate seen at that GEMM shape during the run (before, after)\n");
+  // Batch-invariant decode (each row alone, fixed reduction order) against one sgemm per
+  // batch, measured alternately in this run.
+  std::printf("\n%-24s %6s %22s %18s %8s\n", "decode model", "batch", "batch-invariant tok/s",
+              "batched sgemm tok/s", "ratio");
+  for (const ModelCase& mc : cases) {
+    const std::string dir = root + "/" + (mc.options.layers ? "mid" : "tiny");
+    for (int batch : {1, 8, 32}) {
+      const double invariant = BatchedDecodeTokensPerS(dir, threads, batch, true, reps);
+      const double batched = BatchedDecodeTokensPerS(dir, threads, batch, false, reps);
+      std::printf("%-24s %6d %22.1f %18.1f %8.2f\n", mc.name, batch, invariant, batched,
+                  invariant / batched);
+    }
+  }
   std::error_code ec;
   std::filesystem::remove_all(root, ec);
   return 0;

@@ -1,5 +1,7 @@
 #include "kv/hf_config.h"
 
+#include <cmath>
+
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/escaping.h"
@@ -106,14 +108,157 @@ class ConfigReader {
   const Json& object_;
 };
 
+// Records a field whose value changes the computation in a way the runner does not implement.
+void Unsupported(ModelConfig& c, const std::string& field, const Json& value) {
+  c.unsupported.push_back(absl::StrCat(field, " = ", value.dump()));
+}
+
+// Any non-negative number (factors may be written as ints).
+absl::StatusOr<double> NumberField(const Json& object, const char* owner, const char* field,
+                                   double fallback) {
+  auto it = object.find(field);
+  if (it == object.end() || it->is_null()) return fallback;
+  if (!it->is_number()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config: ", owner, ".", field, " must be a number, got ", it->dump()));
+  }
+  const double v = it->get<double>();
+  if (!(v >= 0) || !std::isfinite(v)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config: ", owner, ".", field, " must be >= 0, got ", it->dump()));
+  }
+  return v;
+}
+
+// rope_scaling as transformers reads it (rope_type, or the older "type"). Types the runner does
+// not implement are recorded in c.unsupported; malformed values are errors.
+absl::Status ReadRopeScaling(const ConfigReader& r, ModelConfig& c) {
+  if (r.Has("rope_parameters")) {
+    // transformers v5 spelling (may be per layer type); not read here.
+    Unsupported(c, "rope_parameters", r.object().at("rope_parameters"));
+  }
+  if (!r.Has("rope_scaling")) return absl::OkStatus();
+  const Json& rs = r.object().at("rope_scaling");
+  if (!rs.is_object()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config: rope_scaling must be an object or null, got ", rs.dump()));
+  }
+  RopeScaling& s = c.rope_scaling;
+  std::string type;
+  for (const char* key : {"rope_type", "type"}) {
+    auto it = rs.find(key);
+    if (type.empty() && it != rs.end() && !it->is_null()) {
+      if (!it->is_string()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("config: rope_scaling.", key, " must be a string, got ", it->dump()));
+      }
+      type = it->get<std::string>();
+    }
+  }
+  if (type.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config: rope_scaling has no rope_type: ", rs.dump()));
+  }
+  s.type = type;
+  if (type == "default") return absl::OkStatus();
+  if (type != "linear" && type != "dynamic" && type != "llama3" && type != "yarn") {
+    Unsupported(c, "rope_scaling.rope_type", Json(type));
+    return absl::OkStatus();
+  }
+  if (!rs.contains("factor") || rs.at("factor").is_null()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config: rope_scaling (", type, ") needs factor"));
+  }
+  KV_ASSIGN_OR_RETURN(s.factor, NumberField(rs, "rope_scaling", "factor", 1.0));
+  if (!(s.factor > 0)) {
+    return absl::InvalidArgumentError("config: rope_scaling.factor must be positive");
+  }
+  KV_ASSIGN_OR_RETURN(double original,
+                      NumberField(rs, "rope_scaling", "original_max_position_embeddings", 0));
+  s.original_max_position_embeddings = static_cast<int32_t>(original);
+  if (type == "llama3") {
+    for (const char* key : {"low_freq_factor", "high_freq_factor",
+                            "original_max_position_embeddings"}) {
+      if (!rs.contains(key) || rs.at(key).is_null()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("config: rope_scaling (llama3) needs ", key));
+      }
+    }
+    KV_ASSIGN_OR_RETURN(s.low_freq_factor, NumberField(rs, "rope_scaling", "low_freq_factor", 0));
+    KV_ASSIGN_OR_RETURN(s.high_freq_factor,
+                        NumberField(rs, "rope_scaling", "high_freq_factor", 0));
+    if (!(s.high_freq_factor > s.low_freq_factor) || !(s.low_freq_factor > 0) ||
+        s.original_max_position_embeddings <= 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "config: rope_scaling (llama3) needs 0 < low_freq_factor < high_freq_factor and "
+          "original_max_position_embeddings > 0, got ",
+          rs.dump()));
+    }
+  }
+  if (type == "dynamic" && s.original_max_position_embeddings > 0) {
+    // transformers versions disagree on whether this moves the NTK threshold.
+    Unsupported(c, "rope_scaling.original_max_position_embeddings (dynamic)",
+                rs.at("original_max_position_embeddings"));
+  }
+  if (type == "yarn") {
+    auto it = rs.find("attention_factor");
+    if (it != rs.end() && !it->is_null()) {
+      KV_ASSIGN_OR_RETURN(double af, NumberField(rs, "rope_scaling", "attention_factor", 0));
+      s.attention_factor = af;
+    }
+    // transformers: `get("beta_fast") or 32` - a 0 also means the default.
+    KV_ASSIGN_OR_RETURN(s.beta_fast, NumberField(rs, "rope_scaling", "beta_fast", 32.0));
+    KV_ASSIGN_OR_RETURN(s.beta_slow, NumberField(rs, "rope_scaling", "beta_slow", 1.0));
+    if (s.beta_fast == 0) s.beta_fast = 32.0;
+    if (s.beta_slow == 0) s.beta_slow = 1.0;
+    KV_ASSIGN_OR_RETURN(s.mscale, NumberField(rs, "rope_scaling", "mscale", 0.0));
+    KV_ASSIGN_OR_RETURN(s.mscale_all_dim, NumberField(rs, "rope_scaling", "mscale_all_dim", 0.0));
+    auto t = rs.find("truncate");
+    if (t != rs.end() && !t->is_null()) {
+      if (!t->is_boolean()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("config: rope_scaling.truncate must be true or false, got ", t->dump()));
+      }
+      s.truncate = t->get<bool>();
+    }
+  }
+  return absl::OkStatus();
+}
+
+// hidden_act (or gemma's hidden_activation): the activations the runner implements.
+absl::Status ReadActivation(const ConfigReader& r, const char* field, const char* fallback,
+                            ModelConfig& c) {
+  KV_ASSIGN_OR_RETURN(c.hidden_act, r.StringOr(field, fallback));
+  if (c.hidden_act != "silu" && c.hidden_act != "swish" && c.hidden_act != "gelu_pytorch_tanh" &&
+      c.hidden_act != "gelu_new" && c.hidden_act != "gelu" && c.hidden_act != "gelu_fast") {
+    Unsupported(c, field, Json(c.hidden_act));
+  }
+  return absl::OkStatus();
+}
+
+// Boolean fields whose non-default value the runner does not implement for this family.
+absl::Status RefuseIfSet(const ConfigReader& r, const char* field, bool default_value,
+                         ModelConfig& c) {
+  KV_ASSIGN_OR_RETURN(bool v, r.BoolOr(field, default_value));
+  if (v != default_value) Unsupported(c, field, Json(v));
+  return absl::OkStatus();
+}
+
+absl::Status RefusePartialRotary(const ConfigReader& r, ModelConfig& c) {
+  KV_ASSIGN_OR_RETURN(double f, r.PositiveDoubleOr("partial_rotary_factor", 1.0));
+  if (f != 1.0) Unsupported(c, "partial_rotary_factor", Json(f));
+  return absl::OkStatus();
+}
+
 std::vector<int32_t> Range(int32_t n) {
   std::vector<int32_t> ids(n);
   for (int32_t i = 0; i < n; ++i) ids[i] = i;
   return ids;
 }
 
-// Attention fields shared by the llama family.
-absl::Status ReadLlamaLike(const ConfigReader& r, ModelConfig& c) {
+// Attention fields shared by the llama family. tie_default: transformers' default for
+// tie_word_embeddings in this family.
+absl::Status ReadLlamaLike(const ConfigReader& r, ModelConfig& c, bool tie_default = false) {
   KV_ASSIGN_OR_RETURN(c.hidden_size, r.PositiveInt("hidden_size"));
   KV_ASSIGN_OR_RETURN(c.num_hidden_layers, r.PositiveInt("num_hidden_layers"));
   KV_ASSIGN_OR_RETURN(c.num_attention_heads, r.PositiveInt("num_attention_heads"));
@@ -139,7 +284,10 @@ absl::Status ReadLlamaLike(const ConfigReader& r, ModelConfig& c) {
   KV_ASSIGN_OR_RETURN(c.max_position_embeddings, r.PositiveIntOr("max_position_embeddings", 0));
   KV_ASSIGN_OR_RETURN(c.rms_norm_eps, r.PositiveDoubleOr("rms_norm_eps", 1e-6));
   KV_ASSIGN_OR_RETURN(c.rope_theta, r.PositiveDoubleOr("rope_theta", 10000.0));
-  KV_ASSIGN_OR_RETURN(c.tie_word_embeddings, r.BoolOr("tie_word_embeddings", false));
+  KV_ASSIGN_OR_RETURN(c.tie_word_embeddings, r.BoolOr("tie_word_embeddings", tie_default));
+  KV_ASSIGN_OR_RETURN(c.attention_bias, r.BoolOr("attention_bias", false));
+  KV_RETURN_IF_ERROR(ReadRopeScaling(r, c));
+  KV_RETURN_IF_ERROR(RefusePartialRotary(r, c));
   return absl::OkStatus();
 }
 
@@ -203,24 +351,37 @@ absl::StatusOr<std::vector<LayerGroup>> ParseGpt2(const ConfigReader& r, ModelCo
   KV_ASSIGN_OR_RETURN(c.vocab_size, r.PositiveIntOr("vocab_size", 0));
   KV_ASSIGN_OR_RETURN(c.max_position_embeddings, r.PositiveIntOr("n_positions", 0));
   KV_ASSIGN_OR_RETURN(c.intermediate_size, r.PositiveIntOr("n_inner", 4 * c.hidden_size));
+  KV_ASSIGN_OR_RETURN(c.layer_norm_epsilon, r.PositiveDoubleOr("layer_norm_epsilon", 1e-5));
+  KV_ASSIGN_OR_RETURN(c.scale_attn_weights, r.BoolOr("scale_attn_weights", true));
+  KV_ASSIGN_OR_RETURN(c.scale_attn_by_inverse_layer_idx,
+                      r.BoolOr("scale_attn_by_inverse_layer_idx", false));
+  // GPT2LMHeadModel always ties lm_head to wte.
+  c.tie_word_embeddings = true;
+  KV_RETURN_IF_ERROR(ReadActivation(r, "activation_function", "gelu_new", c));
+  KV_RETURN_IF_ERROR(RefuseIfSet(r, "add_cross_attention", false, c));
   return std::vector<LayerGroup>{
       AttentionGroup(LayerKind::kFullAttention, Range(c.num_hidden_layers), c, 0)};
 }
 
 absl::StatusOr<std::vector<LayerGroup>> ParseLlama(const ConfigReader& r, ModelConfig& c) {
   KV_RETURN_IF_ERROR(ReadLlamaLike(r, c));
+  KV_RETURN_IF_ERROR(ReadActivation(r, "hidden_act", "silu", c));
+  KV_ASSIGN_OR_RETURN(c.mlp_bias, r.BoolOr("mlp_bias", false));
   return std::vector<LayerGroup>{
       AttentionGroup(LayerKind::kFullAttention, Range(c.num_hidden_layers), c, 0)};
 }
 
 absl::StatusOr<std::vector<LayerGroup>> ParseMistral(const ConfigReader& r, ModelConfig& c) {
   KV_RETURN_IF_ERROR(ReadLlamaLike(r, c));
+  c.attention_bias = false;  // MistralAttention has no biases whatever the config says
+  KV_RETURN_IF_ERROR(ReadActivation(r, "hidden_act", "silu", c));
   KV_ASSIGN_OR_RETURN(c.sliding_window, r.PositiveIntOr("sliding_window", 0));
   return SplitByWindow(c, std::vector<bool>(c.num_hidden_layers, c.sliding_window > 0));
 }
 
 absl::StatusOr<std::vector<LayerGroup>> ParseQwen2(const ConfigReader& r, ModelConfig& c) {
   KV_RETURN_IF_ERROR(ReadLlamaLike(r, c));
+  KV_RETURN_IF_ERROR(ReadActivation(r, "hidden_act", "silu", c));
   KV_ASSIGN_OR_RETURN(bool use_window, r.BoolOr("use_sliding_window", false));
   std::vector<bool> sliding(c.num_hidden_layers, false);
   if (use_window) {
@@ -253,6 +414,29 @@ absl::StatusOr<std::vector<LayerGroup>> ParseDeepSeek(const ConfigReader& r, Mod
   KV_ASSIGN_OR_RETURN(c.rms_norm_eps, r.PositiveDoubleOr("rms_norm_eps", 1e-6));
   KV_ASSIGN_OR_RETURN(c.rope_theta, r.PositiveDoubleOr("rope_theta", 10000.0));
   KV_ASSIGN_OR_RETURN(c.tie_word_embeddings, r.BoolOr("tie_word_embeddings", false));
+  KV_RETURN_IF_ERROR(ReadRopeScaling(r, c));
+  KV_RETURN_IF_ERROR(ReadActivation(r, "hidden_act", "silu", c));
+  // deepseek_v2 always pairs RoPE dimensions DeepSeek's way; v3 makes it a field (default on).
+  KV_ASSIGN_OR_RETURN(c.rope_interleave, r.BoolOr("rope_interleave", true));
+  if (c.model_type == "deepseek_v2") c.rope_interleave = true;
+  KV_RETURN_IF_ERROR(RefuseIfSet(r, "attention_bias", false, c));
+  KV_RETURN_IF_ERROR(RefuseIfSet(r, "mlp_bias", false, c));
+  // Mixture of experts, with transformers' defaults (v2: 64 experts from layer 0; v3: 256
+  // experts from layer 3). n_routed_experts null means a dense model.
+  const bool v3 = c.model_type == "deepseek_v3";
+  KV_ASSIGN_OR_RETURN(c.n_routed_experts, r.NonNegativeIntOr("n_routed_experts", v3 ? 256 : 64));
+  if (r.object().contains("n_routed_experts") && r.object().at("n_routed_experts").is_null()) {
+    c.n_routed_experts = 0;
+  }
+  KV_ASSIGN_OR_RETURN(c.first_k_dense_replace,
+                      r.NonNegativeIntOr("first_k_dense_replace", v3 ? 3 : 0));
+  KV_ASSIGN_OR_RETURN(c.moe_layer_freq, r.PositiveIntOr("moe_layer_freq", 1));
+  if (c.n_routed_experts > 0 && c.first_k_dense_replace < c.num_hidden_layers) {
+    c.unsupported.push_back(absl::StrCat(
+        "n_routed_experts = ", c.n_routed_experts, " with first_k_dense_replace = ",
+        c.first_k_dense_replace, " (layers ", c.first_k_dense_replace, "..",
+        c.num_hidden_layers - 1, " are mixture-of-experts layers, which are not implemented)"));
+  }
   c.head_dim = c.qk_nope_head_dim + c.qk_rope_head_dim;
   LayerGroup g;
   g.kind = LayerKind::kMlaLatent;
@@ -263,11 +447,18 @@ absl::StatusOr<std::vector<LayerGroup>> ParseDeepSeek(const ConfigReader& r, Mod
 }
 
 absl::StatusOr<std::vector<LayerGroup>> ParseGemma3(const ConfigReader& r, ModelConfig& c) {
-  KV_RETURN_IF_ERROR(ReadLlamaLike(r, c));
-  KV_ASSIGN_OR_RETURN(c.sliding_window, r.PositiveInt("sliding_window"));
+  // Gemma3TextConfig: tied embeddings unless told otherwise, head_dim 256 when missing.
+  KV_RETURN_IF_ERROR(ReadLlamaLike(r, c, /*tie_default=*/true));
+  KV_ASSIGN_OR_RETURN(c.head_dim, r.PositiveIntOr("head_dim", 256));
+  KV_ASSIGN_OR_RETURN(c.sliding_window, r.PositiveIntOr("sliding_window", 4096));
   KV_ASSIGN_OR_RETURN(c.rope_local_theta, r.PositiveDoubleOr("rope_local_base_freq", 10000.0));
-  KV_ASSIGN_OR_RETURN(c.query_pre_attn_scalar,
-                      r.PositiveDoubleOr("query_pre_attn_scalar", c.head_dim));
+  // transformers' default is 256, not head_dim.
+  KV_ASSIGN_OR_RETURN(c.query_pre_attn_scalar, r.PositiveDoubleOr("query_pre_attn_scalar", 256));
+  KV_ASSIGN_OR_RETURN(c.attn_logit_softcapping, r.PositiveDoubleOr("attn_logit_softcapping", 0));
+  KV_ASSIGN_OR_RETURN(c.final_logit_softcapping,
+                      r.PositiveDoubleOr("final_logit_softcapping", 0));
+  KV_RETURN_IF_ERROR(ReadActivation(r, "hidden_activation", "gelu_pytorch_tanh", c));
+  KV_RETURN_IF_ERROR(RefuseIfSet(r, "use_bidirectional_attention", false, c));
   std::vector<bool> sliding(c.num_hidden_layers);
   if (r.Has("layer_types")) {
     KV_ASSIGN_OR_RETURN(sliding, ReadLayerTypes(r, c.num_hidden_layers));
@@ -286,6 +477,22 @@ absl::StatusOr<std::vector<LayerGroup>> ParseMamba(const ConfigReader& r, ModelC
   KV_ASSIGN_OR_RETURN(c.ssm_state_size, r.PositiveInt("state_size"));
   KV_ASSIGN_OR_RETURN(c.conv_kernel, r.PositiveInt("conv_kernel"));
   KV_ASSIGN_OR_RETURN(c.vocab_size, r.PositiveIntOr("vocab_size", 0));
+  KV_ASSIGN_OR_RETURN(c.layer_norm_epsilon, r.PositiveDoubleOr("layer_norm_epsilon", 1e-5));
+  KV_ASSIGN_OR_RETURN(c.use_conv_bias, r.BoolOr("use_conv_bias", true));
+  KV_ASSIGN_OR_RETURN(c.use_bias, r.BoolOr("use_bias", false));
+  KV_ASSIGN_OR_RETURN(c.tie_word_embeddings, r.BoolOr("tie_word_embeddings", true));
+  // time_step_rank: "auto" (transformers' default) = ceil(hidden_size / 16).
+  c.time_step_rank = (c.hidden_size + 15) / 16;
+  if (r.Has("time_step_rank") && !r.object().at("time_step_rank").is_string()) {
+    KV_ASSIGN_OR_RETURN(c.time_step_rank, r.PositiveInt("time_step_rank"));
+  } else if (r.Has("time_step_rank") &&
+             r.object().at("time_step_rank").get<std::string>() != "auto") {
+    return absl::InvalidArgumentError(absl::StrCat("config: time_step_rank must be an integer or "
+                                                   "\"auto\", got ",
+                                                   r.object().at("time_step_rank").dump()));
+  }
+  KV_ASSIGN_OR_RETURN(c.hidden_act, r.StringOr("hidden_act", "silu"));
+  if (c.hidden_act != "silu") Unsupported(c, "hidden_act", Json(c.hidden_act));
   LayerGroup g;
   g.kind = LayerKind::kSsmState;
   g.layer_ids = Range(c.num_hidden_layers);

@@ -8,6 +8,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "kv/model_layout.h"
@@ -18,6 +19,26 @@ struct ConfigOptions {
   std::optional<DType> dtype;          // overrides torch_dtype
   int32_t block_tokens = 16;
   std::string model_id;                // empty: "<model_type>" + "-" + short config digest
+};
+
+// config.json "rope_scaling" (or "rope_parameters"), as transformers' modeling_rope_utils reads
+// it. type: default | linear | dynamic | llama3 | yarn (others are kept and refused by the
+// model runner). Fields a type does not use keep their defaults.
+struct RopeScaling {
+  std::string type = "default";
+  double factor = 1.0;
+  // llama3
+  double low_freq_factor = 0.0;
+  double high_freq_factor = 0.0;
+  // llama3 (required), yarn (optional; 0 = not given)
+  int32_t original_max_position_embeddings = 0;
+  // yarn
+  std::optional<double> attention_factor;
+  double beta_fast = 32.0;
+  double beta_slow = 1.0;
+  double mscale = 0.0;          // 0 = not given
+  double mscale_all_dim = 0.0;  // 0 = not given
+  bool truncate = true;
 };
 
 // Architecture facts beyond the cache shape, for the model runner. Fields that a family does
@@ -46,9 +67,34 @@ struct ModelConfig {
   int32_t sliding_window = 0;
   // gemma3: query_pre_attn_scalar (attention scale = 1/sqrt of it)
   double query_pre_attn_scalar = 0.0;
+  RopeScaling rope_scaling;  // global layers (gemma3: local layers always use default RoPE)
+  bool rope_interleave = false;  // MLA: DeepSeek's interleaved RoPE pairing (HF default true)
+  // Activation of the MLP: silu, gelu_pytorch_tanh / gelu_new (tanh approximation), gelu (erf).
+  std::string hidden_act = "silu";
+  bool attention_bias = false;  // q/k/v/o projections carry biases
+  bool mlp_bias = false;        // llama: gate/up/down carry biases
+  // gemma3 soft-capping: x -> cap * tanh(x / cap); 0 = off.
+  double attn_logit_softcapping = 0.0;
+  double final_logit_softcapping = 0.0;
+  // LayerNorm epsilon (gpt2, mamba's RMSNorm).
+  double layer_norm_epsilon = 1e-5;
+  // gpt2
+  bool scale_attn_weights = true;
+  bool scale_attn_by_inverse_layer_idx = false;
+  // deepseek mixture of experts: layer i is an MoE layer when n_routed_experts > 0,
+  // i >= first_k_dense_replace and i % moe_layer_freq == 0.
+  int32_t n_routed_experts = 0;
+  int32_t first_k_dense_replace = 0;
+  int32_t moe_layer_freq = 1;
   // mamba
   int32_t ssm_state_size = 0;
   int32_t conv_kernel = 0;
+  int32_t time_step_rank = 0;
+  bool use_conv_bias = true;
+  bool use_bias = false;
+  // Fields that change the computation in a way the model runner does not implement, as
+  // "field = value" (the layout is still exact; ModelRunner::Load refuses the config).
+  std::vector<std::string> unsupported;
   DType dtype = DType::kBf16;  // torch_dtype, or the override
   ModelLayout layout;
 };

@@ -180,6 +180,91 @@ TEST(HfConfig, BadInputNamesTheProblem) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("state_size")));
 }
 
+TEST(HfConfig, RopeScalingIsRead) {
+  KV_ASSERT_OK_AND_ASSIGN(
+      ModelConfig c,
+      ParseHfConfig(R"({"model_type":"llama","hidden_size":64,"num_attention_heads":4,
+          "num_hidden_layers":2,"rope_scaling":{"rope_type":"llama3","factor":8.0,
+          "low_freq_factor":1.0,"high_freq_factor":4.0,"original_max_position_embeddings":8192}})"));
+  EXPECT_EQ(c.rope_scaling.type, "llama3");
+  EXPECT_EQ(c.rope_scaling.factor, 8.0);
+  EXPECT_EQ(c.rope_scaling.original_max_position_embeddings, 8192);
+  EXPECT_TRUE(c.unsupported.empty());
+  // The older "type" key; null means no scaling.
+  KV_ASSERT_OK_AND_ASSIGN(
+      c, ParseHfConfig(R"({"model_type":"llama","hidden_size":64,"num_attention_heads":4,
+          "num_hidden_layers":2,"rope_scaling":{"type":"linear","factor":4}})"));
+  EXPECT_EQ(c.rope_scaling.type, "linear");
+  KV_ASSERT_OK_AND_ASSIGN(
+      c, ParseHfConfig(R"({"model_type":"llama","hidden_size":64,"num_attention_heads":4,
+          "num_hidden_layers":2,"rope_scaling":null})"));
+  EXPECT_EQ(c.rope_scaling.type, "default");
+}
+
+TEST(HfConfig, MalformedRopeScalingNamesTheField) {
+  const std::string head = R"({"model_type":"llama","hidden_size":64,"num_attention_heads":4,
+      "num_hidden_layers":2,"rope_scaling":)";
+  EXPECT_THAT(ParseHfConfig(head + R"({"rope_type":"linear"}})"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("factor")));
+  EXPECT_THAT(ParseHfConfig(head + R"({"rope_type":"llama3","factor":8}})"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("low_freq_factor")));
+  EXPECT_THAT(ParseHfConfig(head + R"({"factor":8}})"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("rope_type")));
+  EXPECT_THAT(ParseHfConfig(head + R"({"rope_type":"linear","factor":"x"}})"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("rope_scaling.factor")));
+}
+
+// Fields whose effect the runner does not implement are listed (the layout is still exact);
+// the model runner refuses such a config naming them.
+TEST(HfConfig, UnimplementedComputeFieldsAreListed) {
+  const std::string head = R"({"model_type":"llama","hidden_size":64,"num_attention_heads":4,
+      "num_hidden_layers":2,)";
+  KV_ASSERT_OK_AND_ASSIGN(ModelConfig c,
+                          ParseHfConfig(head + R"("rope_scaling":{"rope_type":"longrope",
+                              "short_factor":[1],"long_factor":[1]}})"));
+  EXPECT_THAT(c.unsupported, ::testing::ElementsAre(HasSubstr("rope_type = \"longrope\"")));
+  KV_ASSERT_OK_AND_ASSIGN(c, ParseHfConfig(head + R"("hidden_act":"relu2"})"));
+  EXPECT_THAT(c.unsupported, ::testing::ElementsAre(HasSubstr("hidden_act = \"relu2\"")));
+  KV_ASSERT_OK_AND_ASSIGN(c, ParseHfConfig(head + R"("partial_rotary_factor":0.5})"));
+  EXPECT_THAT(c.unsupported, ::testing::ElementsAre(HasSubstr("partial_rotary_factor = 0.5")));
+  EXPECT_EQ(c.layout.BytesPerToken(), 2 * 2 * 4 * 16 * 2);
+}
+
+TEST(HfConfig, DeepSeekMoeDefaultsFollowTransformers) {
+  // deepseek_v3 without MoE fields: transformers makes layers >= 3 MoE (256 experts).
+  const std::string head = R"({"model_type":"deepseek_v3","hidden_size":64,
+      "num_attention_heads":2,"num_hidden_layers":4,"kv_lora_rank":16,"qk_rope_head_dim":8,
+      "qk_nope_head_dim":8,"v_head_dim":8,"q_lora_rank":16,)";
+  KV_ASSERT_OK_AND_ASSIGN(ModelConfig c, ParseHfConfig(head + R"("vocab_size":32})"));
+  EXPECT_EQ(c.n_routed_experts, 256);
+  EXPECT_EQ(c.first_k_dense_replace, 3);
+  EXPECT_THAT(c.unsupported, ::testing::ElementsAre(HasSubstr("first_k_dense_replace = 3")));
+  EXPECT_TRUE(c.rope_interleave);
+  // Dense: first_k_dense_replace covers every layer, or n_routed_experts null.
+  KV_ASSERT_OK_AND_ASSIGN(c, ParseHfConfig(head + R"("first_k_dense_replace":4})"));
+  EXPECT_TRUE(c.unsupported.empty());
+  KV_ASSERT_OK_AND_ASSIGN(c, ParseHfConfig(head + R"("n_routed_experts":null})"));
+  EXPECT_TRUE(c.unsupported.empty());
+  KV_ASSERT_OK_AND_ASSIGN(c, ParseHfConfig(head + R"("n_routed_experts":null,
+      "rope_interleave":false,"attention_bias":true})"));
+  EXPECT_FALSE(c.rope_interleave);
+  EXPECT_THAT(c.unsupported, ::testing::ElementsAre(HasSubstr("attention_bias = true")));
+}
+
+TEST(HfConfig, Gemma3DefaultsFollowTransformers) {
+  KV_ASSERT_OK_AND_ASSIGN(
+      ModelConfig c,
+      ParseHfConfig(R"({"model_type":"gemma3_text","hidden_size":64,"num_attention_heads":2,
+          "num_key_value_heads":1,"head_dim":32,"num_hidden_layers":6,"sliding_window":16,
+          "attn_logit_softcapping":50.0,"final_logit_softcapping":30.0})"));
+  EXPECT_DOUBLE_EQ(c.query_pre_attn_scalar, 256);  // not head_dim
+  EXPECT_TRUE(c.tie_word_embeddings);
+  EXPECT_EQ(c.hidden_act, "gelu_pytorch_tanh");
+  EXPECT_DOUBLE_EQ(c.attn_logit_softcapping, 50.0);
+  EXPECT_DOUBLE_EQ(c.final_logit_softcapping, 30.0);
+  EXPECT_TRUE(c.unsupported.empty());
+}
+
 TEST(HfConfig, LoadFromFileNamesThePath) {
   kvrelay::testing::TempDir dir;
   const std::string path = dir.File("config.json");

@@ -31,12 +31,50 @@ void ForEachTile(int64_t rows, int64_t first_position, int64_t tile, Fn fn) {
   }
 }
 
+// Batch-invariant y = x w^T: blocks of weight rows stay in cache while every x row passes;
+// each element is one fixed-order Dot.
+void RowwiseLinear(const float* x, int64_t rows, int64_t in, const float* w, int64_t out,
+                   float* y, int64_t ldx, int64_t ldy) {
+  constexpr int64_t kBlock = 32;
+  const int64_t blocks = (out + kBlock - 1) / kBlock;
+  ParallelFor(BlasThreads(), blocks, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t o0 = b * kBlock, o1 = std::min(out, o0 + kBlock);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* xr = x + r * ldx;
+        float* yr = y + r * ldy;
+        for (int64_t o = o0; o < o1; ++o) yr[o] = Dot(xr, w + o * in, in);
+      }
+    }
+  });
+}
+
+// Batch-invariant y = x w (w [in, out], row stride ldw): y[r, o] accumulates x[r, i] w[i, o]
+// over i in order.
+void RowwiseLinearNoTrans(const float* x, int64_t rows, int64_t in, const float* w, int64_t out,
+                          float* y, int64_t ldx, int64_t ldw, int64_t ldy) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* yr = y + r * ldy;
+    const float* xr = x + r * ldx;
+    std::fill(yr, yr + out, 0.0f);
+    for (int64_t i = 0; i < in; ++i) {
+      const float xi = xr[i];
+      const float* wi = w + i * ldw;
+      for (int64_t o = 0; o < out; ++o) yr[o] += xi * wi[o];
+    }
+  }
+}
+
 }  // namespace
 
 void Linear(const float* x, int64_t rows, int64_t in, const float* w, int64_t out, float* y,
             int64_t first_row_position, int64_t tile_rows, int64_t ldx, int64_t ldy) {
   if (ldx == 0) ldx = in;
   if (ldy == 0) ldy = out;
+  if (tile_rows == kRowwiseTiles) {
+    RowwiseLinear(x, rows, in, w, out, y, ldx, ldy);
+    return;
+  }
   ForEachTile(rows, first_row_position, tile_rows, [&](int64_t r, int64_t m) {
     if (m == 1) {
       // One row (decode): sgemv streams the weights once instead of packing them.
@@ -55,6 +93,10 @@ void Linear(const float* x, int64_t rows, int64_t in, const float* w, int64_t ou
 void LinearNoTrans(const float* x, int64_t rows, int64_t in, const float* w, int64_t out,
                    float* y, int64_t first_row_position, int64_t tile_rows, int64_t ldx,
                    int64_t ldw, int64_t ldy) {
+  if (tile_rows == kRowwiseTiles) {
+    RowwiseLinearNoTrans(x, rows, in, w, out, y, ldx, ldw, ldy);
+    return;
+  }
   ForEachTile(rows, first_row_position, tile_rows, [&](int64_t r, int64_t m) {
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<blasint>(m),
                 static_cast<blasint>(out), static_cast<blasint>(in), 1.0f, x + r * ldx,
@@ -77,18 +119,21 @@ void RmsNorm(const float* x, int64_t rows, int64_t dim, const float* w, float ep
 }
 
 void ApplyRope(float* x, int64_t rows, int32_t num_heads, int32_t dim, int64_t row_stride,
-               int64_t head_stride, const int64_t* positions, double theta, RopeStyle style) {
+               int64_t head_stride, const int64_t* positions, absl::Span<const float> inv_freq,
+               float attention_factor, RopeStyle style) {
   const int32_t half = dim / 2;
-  std::vector<float> inv_freq(half), cos_v(half), sin_v(half), tmp(dim);
-  for (int32_t i = 0; i < half; ++i) {
-    inv_freq[i] = static_cast<float>(1.0 / std::pow(theta, (2.0 * i) / dim));
-  }
+  KV_CHECK(static_cast<int32_t>(inv_freq.size()) == half);
+  std::vector<float> cos_v(half), sin_v(half), tmp(dim);
   for (int64_t r = 0; r < rows; ++r) {
     const float pos = static_cast<float>(positions[r]);
     for (int32_t i = 0; i < half; ++i) {
       const float angle = pos * inv_freq[i];
       cos_v[i] = std::cos(angle);
       sin_v[i] = std::sin(angle);
+      if (attention_factor != 1.0f) {
+        cos_v[i] *= attention_factor;
+        sin_v[i] *= attention_factor;
+      }
     }
     for (int32_t h = 0; h < num_heads; ++h) {
       float* v = x + r * row_stride + h * head_stride;
@@ -103,6 +148,15 @@ void ApplyRope(float* x, int64_t rows, int32_t num_heads, int32_t dim, int64_t r
   }
 }
 
+void ApplyRope(float* x, int64_t rows, int32_t num_heads, int32_t dim, int64_t row_stride,
+               int64_t head_stride, const int64_t* positions, double theta, RopeStyle style) {
+  std::vector<float> inv_freq(dim / 2);
+  for (int32_t i = 0; i < dim / 2; ++i) {
+    inv_freq[i] = static_cast<float>(1.0 / std::pow(theta, (2.0 * i) / dim));
+  }
+  ApplyRope(x, rows, num_heads, dim, row_stride, head_stride, positions, inv_freq, 1.0f, style);
+}
+
 void SiluMul(float* a, const float* b, int64_t n) {
   for (int64_t i = 0; i < n; ++i) a[i] = a[i] / (1.0f + std::exp(-a[i])) * b[i];
 }
@@ -112,6 +166,62 @@ void GeluTanhMul(float* a, const float* b, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     const float x = a[i];
     a[i] = 0.5f * x * (1.0f + std::tanh(kSqrt2OverPi * (x + 0.044715f * x * x * x))) * b[i];
+  }
+}
+
+void ActivationMul(Activation act, float* a, const float* b, int64_t n) {
+  constexpr float kSqrt2OverPi = 0.7978845608028654f;
+  constexpr float kInvSqrt2 = 0.7071067811865476f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = a[i];
+    float y;
+    switch (act) {
+      case Activation::kSilu:
+        y = x / (1.0f + std::exp(-x));
+        break;
+      case Activation::kGeluTanh:
+        y = 0.5f * x * (1.0f + std::tanh(kSqrt2OverPi * (x + 0.044715f * x * x * x)));
+        break;
+      case Activation::kGeluErf:
+      default:
+        y = 0.5f * x * (1.0f + std::erf(x * kInvSqrt2));
+        break;
+    }
+    a[i] = b != nullptr ? y * b[i] : y;
+  }
+}
+
+void AddBias(float* x, int64_t rows, int64_t n, const float* bias, int64_t ld) {
+  if (ld == 0) ld = n;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t i = 0; i < n; ++i) x[r * ld + i] += bias[i];
+  }
+}
+
+void SoftCap(float* x, int64_t n, float cap) {
+  for (int64_t i = 0; i < n; ++i) x[i] = cap * std::tanh(x[i] / cap);
+}
+
+void LayerNorm(const float* x, int64_t rows, int64_t dim, const float* w, const float* b,
+               float eps, float* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * dim;
+    float* o = out + r * dim;
+    float sum[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t i = 0; i < dim; ++i) sum[i % 8] += xr[i];
+    const float mean =
+        (((sum[0] + sum[1]) + (sum[2] + sum[3])) + ((sum[4] + sum[5]) + (sum[6] + sum[7]))) /
+        static_cast<float>(dim);
+    float sq[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t i = 0; i < dim; ++i) {
+      const float d = xr[i] - mean;
+      sq[i % 8] += d * d;
+    }
+    const float var =
+        (((sq[0] + sq[1]) + (sq[2] + sq[3])) + ((sq[4] + sq[5]) + (sq[6] + sq[7]))) /
+        static_cast<float>(dim);
+    const float inv = 1.0f / std::sqrt(var + eps);
+    for (int64_t i = 0; i < dim; ++i) o[i] = (xr[i] - mean) * inv * w[i] + b[i];
   }
 }
 
@@ -175,10 +285,11 @@ float Dot(const float* a, const float* b, int64_t n) {
 
 void AttendOne(const float* q, int32_t qk_dim, const float* k, int64_t k_stride, const float* v,
                int64_t v_stride, int32_t v_dim, int64_t n_ctx, float scale, float* scratch,
-               float* out) {
+               float* out, float softcap) {
   float max_score = -INFINITY;
   for (int64_t j = 0; j < n_ctx; ++j) {
     scratch[j] = Dot(q, k + j * k_stride, qk_dim) * scale;
+    if (softcap > 0) scratch[j] = softcap * std::tanh(scratch[j] / softcap);
     max_score = std::max(max_score, scratch[j]);
   }
   float sum = 0.0f;

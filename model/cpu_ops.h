@@ -13,6 +13,11 @@
 
 namespace kvrelay::model {
 
+// tile_rows value selecting the batch-invariant kernel: every output element is
+// Dot(x row, w row) (fixed reduction order), so a row's result does not depend on how many
+// other rows share the call. Used for decode; threads split output columns only.
+inline constexpr int64_t kRowwiseTiles = -1;
+
 // y[rows, out] = x[rows, in] * w[out, in]^T through OpenBLAS cblas_sgemm, issued in row tiles
 // whose boundaries fall on multiples of `tile_rows` counted from `first_row_position` (0 for
 // "one call"). OpenBLAS results for a row depend on the call's row count, so fixing the tiles
@@ -35,7 +40,13 @@ enum class RopeStyle {
   kInterleaved,  // DeepSeek: pairs (2i, 2i + 1), written out as (i, i + d/2) like HF does
 };
 // Rotates `num_heads` vectors of `dim` values per row in place: row r's head h starts at
-// x + r * row_stride + h * head_stride, position positions[r].
+// x + r * row_stride + h * head_stride, position positions[r]. Pair i turns by
+// positions[r] * inv_freq[i] (fp32 product, as transformers computes it) and cos/sin are
+// multiplied by attention_factor (YaRN).
+void ApplyRope(float* x, int64_t rows, int32_t num_heads, int32_t dim, int64_t row_stride,
+               int64_t head_stride, const int64_t* positions, absl::Span<const float> inv_freq,
+               float attention_factor, RopeStyle style);
+// Default RoPE: inv_freq[i] = 1 / theta^(2i / dim).
 void ApplyRope(float* x, int64_t rows, int32_t num_heads, int32_t dim, int64_t row_stride,
                int64_t head_stride, const int64_t* positions, double theta, RopeStyle style);
 
@@ -43,6 +54,22 @@ void ApplyRope(float* x, int64_t rows, int32_t num_heads, int32_t dim, int64_t r
 void SiluMul(float* a, const float* b, int64_t n);
 // a[i] = gelu_tanh(a[i]) * b[i]   (Gemma's GeGLU)
 void GeluTanhMul(float* a, const float* b, int64_t n);
+
+// MLP activations by their transformers names: silu/swish, gelu_pytorch_tanh/gelu_new/gelu_fast
+// (tanh approximation), gelu (erf).
+enum class Activation { kSilu, kGeluTanh, kGeluErf };
+// a[i] = act(a[i]) * b[i] (gated MLP), or a[i] = act(a[i]) with b == nullptr.
+void ActivationMul(Activation act, float* a, const float* b, int64_t n);
+
+// x[r, :] += bias for every row (ld: row stride, 0 = n).
+void AddBias(float* x, int64_t rows, int64_t n, const float* bias, int64_t ld = 0);
+// x -> cap * tanh(x / cap) (Gemma's soft-capping).
+void SoftCap(float* x, int64_t n, float cap);
+
+// out[r, :] = (x[r, :] - mean) / sqrt(var + eps) * w + b (torch LayerNorm, biased variance).
+// out may alias x.
+void LayerNorm(const float* x, int64_t rows, int64_t dim, const float* w, const float* b,
+               float eps, float* out);
 
 // fp32 <-> cache dtype (bf16, fp16 or fp32).
 void StoreCacheValues(const float* src, int64_t n, kv::DType dtype, uint8_t* dst);
@@ -52,11 +79,12 @@ void LoadCacheValues(const uint8_t* src, int64_t n, kv::DType dtype, float* dst)
 float Dot(const float* a, const float* b, int64_t n);
 
 // Attention of one query vector over n_ctx contiguous fp32 keys/values:
-//   s_j = scale * dot(q, k_j) (qk_dim values), p = softmax(s), out = sum_j p_j v_j (v_dim).
+//   s_j = scale * dot(q, k_j) (qk_dim values), soft-capped when softcap > 0,
+//   p = softmax(s), out = sum_j p_j v_j (v_dim).
 // k_j = k + j * k_stride, v_j = v + j * v_stride. scratch holds n_ctx floats.
 void AttendOne(const float* q, int32_t qk_dim, const float* k, int64_t k_stride, const float* v,
                int64_t v_stride, int32_t v_dim, int64_t n_ctx, float scale, float* scratch,
-               float* out);
+               float* out, float softcap = 0.0f);
 
 // Gathers positions [begin, end) of one layer from paged block units into contiguous fp32:
 //   attention groups: k_out/v_out [end - begin, num_kv_heads * head_dim]

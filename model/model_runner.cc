@@ -34,7 +34,12 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Load(const std::string
   config_options.dtype = options.cache_dtype;
   KV_ASSIGN_OR_RETURN(kv::ModelConfig config,
                       kv::LoadHfConfig(model_dir + "/config.json", config_options));
-  KV_RETURN_IF_ERROR(ArchFor(config).status());
+  KV_ASSIGN_OR_RETURN(Arch arch, ArchFor(config));
+  if (arch == Arch::kMamba) {
+    return absl::UnimplementedError(
+        "model runner: model_type 'mamba' carries a recurrent state, not a KV cache; run it "
+        "with MambaRunner (model/mamba_runner.h)");
+  }
   KV_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsModel> files, SafetensorsModel::Open(model_dir));
   KV_ASSIGN_OR_RETURN(ModelWeights weights, LoadWeights(*files, config));
   return Create(std::move(config), std::move(weights), options);
@@ -44,6 +49,11 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(kv::ModelConfig
                                                                  ModelWeights weights,
                                                                  const RunnerOptions& options) {
   KV_ASSIGN_OR_RETURN(Arch arch, ArchFor(config));
+  if (arch == Arch::kMamba) {
+    return absl::UnimplementedError(
+        "model runner: model_type 'mamba' carries a recurrent state, not a KV cache; run it "
+        "with MambaRunner (model/mamba_runner.h)");
+  }
   if (options.threads < 1 || options.threads > 256) {
     return absl::InvalidArgumentError(
         absl::StrCat("runner: threads must be in [1, 256], got ", options.threads));
@@ -62,9 +72,54 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(kv::ModelConfig
   }
   RunnerOptions opts = options;
   if (opts.gemm_tile_tokens == 0) opts.gemm_tile_tokens = config.layout.block_tokens();
+  Activation activation;
+  const std::string& act = config.hidden_act;
+  if (act == "silu" || act == "swish") {
+    activation = Activation::kSilu;
+  } else if (act == "gelu_pytorch_tanh" || act == "gelu_new" || act == "gelu_fast") {
+    activation = Activation::kGeluTanh;
+  } else if (act == "gelu") {
+    activation = Activation::kGeluErf;
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config: activation '", act, "' is not implemented"));
+  }
+  const int32_t rope_dim = arch == Arch::kMla ? config.qk_rope_head_dim : config.head_dim;
+  RopeFrequencies rope, rope_local;
+  if (arch != Arch::kGpt2) {
+    KV_ASSIGN_OR_RETURN(rope, ComputeRopeFrequencies(config.rope_scaling, config.rope_theta,
+                                                     rope_dim, config.max_position_embeddings));
+  }
+  if (arch == Arch::kGemma3) {
+    // Gemma 3's local layers use plain RoPE at rope_local_base_freq, whatever rope_scaling says.
+    KV_ASSIGN_OR_RETURN(rope_local,
+                        ComputeRopeFrequencies(kv::RopeScaling{},
+                                               config.rope_local_theta > 0 ? config.rope_local_theta
+                                                                           : config.rope_theta,
+                                               rope_dim, config.max_position_embeddings));
+  }
   SetBlasThreads(opts.threads);
-  return std::unique_ptr<ModelRunner>(
+  auto runner = std::unique_ptr<ModelRunner>(
       new ModelRunner(std::move(config), std::move(weights), arch, opts));
+  runner->activation_ = activation;
+  runner->rope_ = std::move(rope);
+  runner->rope_local_ = std::move(rope_local);
+  return runner;
+}
+
+absl::Status ModelRunner::CheckPositions(int64_t end) const {
+  if (arch_ == Arch::kGpt2 && end > config_.max_position_embeddings) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "runner: gpt2 has learned positions for ", config_.max_position_embeddings,
+        " tokens (n_positions); this sequence would reach ", end));
+  }
+  if (rope_.max_positions > 0 && end > rope_.max_positions) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "runner: rope_scaling dynamic is served only below max_position_embeddings (",
+        rope_.max_positions, "); this sequence would reach ", end,
+        " tokens (transformers would re-rotate with new frequencies past it)"));
+  }
+  return absl::OkStatus();
 }
 
 ModelRunner::ModelRunner(kv::ModelConfig config, ModelWeights weights, Arch arch,
@@ -112,6 +167,7 @@ absl::StatusOr<std::vector<float>> ModelRunner::Prefill(Sequence& seq,
   }
   const int64_t start = seq.num_tokens();
   const int64_t n = static_cast<int64_t>(tokens.size());
+  KV_RETURN_IF_ERROR(CheckPositions(start + n));
   KV_RETURN_IF_ERROR(seq.EnsureBlocks(start + n));
   // When the prefill starts inside a GEMM tile (a prefix that is not a whole number of tiles,
   // or a chunked prefill), the cached rows [tile start, start) are recomputed alongside - not
@@ -157,6 +213,7 @@ absl::StatusOr<std::vector<float>> ModelRunner::DecodeStep(absl::Span<Sequence* 
                                                      ", outside [0, ", config_.vocab_size, ")"));
     }
   }
+  for (Sequence* s : seqs) KV_RETURN_IF_ERROR(CheckPositions(s->num_tokens() + 1));
   for (Sequence* s : seqs) KV_RETURN_IF_ERROR(s->EnsureBlocks(s->num_tokens() + 1));
   std::vector<Row> rows(seqs.size());
   std::vector<int64_t> logit_rows(seqs.size());
@@ -165,7 +222,8 @@ absl::StatusOr<std::vector<float>> ModelRunner::DecodeStep(absl::Span<Sequence* 
     logit_rows[i] = static_cast<int64_t>(i);
   }
   absl::MutexLock lock(&mu_);
-  std::vector<float> logits = Forward(rows, tokens, 0, 0, logit_rows, nullptr);
+  const int64_t tile = options_.batch_invariant_decode ? kRowwiseTiles : 0;
+  std::vector<float> logits = Forward(rows, tokens, 0, tile, logit_rows, nullptr);
   for (size_t i = 0; i < seqs.size(); ++i) seqs[i]->AppendTokens(tokens.subspan(i, 1));
   return logits;
 }
@@ -196,7 +254,13 @@ std::vector<float> ModelRunner::Forward(const std::vector<Row>& rows,
   for (int64_t i = 0; i < r; ++i) {
     const float* e = weights_.embed_tokens.data() + int64_t{tokens[i]} * hidden;
     for (int64_t d = 0; d < hidden; ++d) h[i * hidden + d] = e[d] * embed_scale;
+    if (arch_ == Arch::kGpt2) {
+      const float* p = weights_.pos_embed.data() + rows[i].position * hidden;
+      for (int64_t d = 0; d < hidden; ++d) h[i * hidden + d] += p[d];
+    }
   }
+  const bool gpt2 = arch_ == Arch::kGpt2;
+  const float ln_eps = static_cast<float>(c.layer_norm_epsilon);
   float* xn = Scratch(ws_.xn, r * hidden);
   float* attn = Scratch(ws_.attn, r * attn_width);
   float* proj = Scratch(ws_.proj, r * hidden);
@@ -204,7 +268,11 @@ std::vector<float> ModelRunner::Forward(const std::vector<Row>& rows,
   float* up = Scratch(ws_.up, r * inter);
   for (int32_t layer = 0; layer < c.num_hidden_layers; ++layer) {
     const LayerWeights& w = weights_.layers[layer];
-    RmsNorm(h, r, hidden, w.input_norm.data(), eps, xn);
+    if (gpt2) {
+      LayerNorm(h, r, hidden, w.input_norm.data(), w.input_norm_bias.data(), ln_eps, xn);
+    } else {
+      RmsNorm(h, r, hidden, w.input_norm.data(), eps, xn);
+    }
     if (arch_ == Arch::kMla) {
       MlaAttention(layer, rows, xn, origin, tile, attn);
     } else {
@@ -212,22 +280,38 @@ std::vector<float> ModelRunner::Forward(const std::vector<Row>& rows,
     }
     if (on_layer_done) on_layer_done(layer);
     Linear(attn, r, attn_width, w.o_proj.data(), hidden, proj, origin, tile);
+    if (!w.o_bias.empty()) AddBias(proj, r, hidden, w.o_bias.data());
     if (arch_ == Arch::kGemma3) {
       RmsNorm(proj, r, hidden, w.post_attention_norm.data(), eps, proj);
       AddInPlace(h, proj, r * hidden);
       RmsNorm(h, r, hidden, w.pre_ffn_norm.data(), eps, xn);
+    } else if (gpt2) {
+      AddInPlace(h, proj, r * hidden);
+      LayerNorm(h, r, hidden, w.post_attention_norm.data(), w.post_attention_norm_bias.data(),
+                ln_eps, xn);
     } else {
       AddInPlace(h, proj, r * hidden);
       RmsNorm(h, r, hidden, w.post_attention_norm.data(), eps, xn);
     }
+    if (gpt2) {
+      // c_fc -> activation -> c_proj, no gate.
+      Linear(xn, r, hidden, w.up_proj.data(), inter, up, origin, tile);
+      AddBias(up, r, inter, w.up_bias.data());
+      ActivationMul(activation_, up, nullptr, r * inter);
+      Linear(up, r, inter, w.down_proj.data(), hidden, proj, origin, tile);
+      AddBias(proj, r, hidden, w.down_bias.data());
+      AddInPlace(h, proj, r * hidden);
+      continue;
+    }
     Linear(xn, r, hidden, w.gate_proj.data(), inter, gate, origin, tile);
     Linear(xn, r, hidden, w.up_proj.data(), inter, up, origin, tile);
-    if (arch_ == Arch::kGemma3) {
-      GeluTanhMul(gate, up, r * inter);
-    } else {
-      SiluMul(gate, up, r * inter);
+    if (!w.gate_bias.empty()) {
+      AddBias(gate, r, inter, w.gate_bias.data());
+      AddBias(up, r, inter, w.up_bias.data());
     }
+    ActivationMul(activation_, gate, up, r * inter);
     Linear(gate, r, inter, w.down_proj.data(), hidden, proj, origin, tile);
+    if (!w.down_bias.empty()) AddBias(proj, r, hidden, w.down_bias.data());
     if (arch_ == Arch::kGemma3) {
       RmsNorm(proj, r, hidden, w.post_ffn_norm.data(), eps, proj);
     }
@@ -239,8 +323,13 @@ std::vector<float> ModelRunner::Forward(const std::vector<Row>& rows,
   const int64_t nl = static_cast<int64_t>(logit_rows.size());
   std::vector<float> last(nl * hidden);
   for (int64_t i = 0; i < nl; ++i) {
-    RmsNorm(h + logit_rows[i] * hidden, 1, hidden, weights_.final_norm.data(), eps,
-            last.data() + i * hidden);
+    if (gpt2) {
+      LayerNorm(h + logit_rows[i] * hidden, 1, hidden, weights_.final_norm.data(),
+                weights_.final_norm_bias.data(), ln_eps, last.data() + i * hidden);
+    } else {
+      RmsNorm(h + logit_rows[i] * hidden, 1, hidden, weights_.final_norm.data(), eps,
+              last.data() + i * hidden);
+    }
   }
   std::vector<float> logits(nl * c.vocab_size);
   // Each logits row is computed alone (one GEMM row per call) so that the logits of a token
@@ -253,7 +342,11 @@ std::vector<float> ModelRunner::Forward(const std::vector<Row>& rows,
     }
   } else {
     Linear(last.data(), nl, hidden, weights_.output_weights().data(), c.vocab_size,
-           logits.data());
+           logits.data(), 0, tile < 0 ? tile : 0);
+  }
+  if (c.final_logit_softcapping > 0) {
+    SoftCap(logits.data(), static_cast<int64_t>(logits.size()),
+            static_cast<float>(c.final_logit_softcapping));
   }
   return logits;
 }
@@ -279,7 +372,8 @@ void ModelRunner::WriteCache(int32_t layer, const std::vector<Row>& rows, const 
 }
 
 void ModelRunner::CacheAttention(int32_t layer, const std::vector<Row>& rows, const float* q,
-                                 int32_t qk_dim, int32_t v_dim, float scale, float* out) const {
+                                 int32_t qk_dim, int32_t v_dim, float scale, float softcap,
+                                 float* out) const {
   const int32_t heads = config_.num_attention_heads;
   const int64_t bt = layout().block_tokens();
   const int group = rows[0].seq->cache().group_of_layer(layer);
@@ -325,7 +419,7 @@ void ModelRunner::CacheAttention(int32_t layer, const std::vector<Row>& rows, co
         const int64_t off = (first - lo) * kv_width + (mla ? 0 : kv_head * g.head_dim);
         AttendOne(q + (i * heads + head) * int64_t{qk_dim}, qk_dim, k_buf + off, kv_width,
                   v_base + off, kv_width, v_dim, p - first + 1, scale, scratch.data(),
-                  out + (i * heads + head) * int64_t{v_dim});
+                  out + (i * heads + head) * int64_t{v_dim}, softcap);
       }
     });
     run_begin = run_end;
@@ -348,24 +442,39 @@ void ModelRunner::GqaAttention(int32_t layer, const std::vector<Row>& rows, cons
   Linear(xn, r, hidden, w.q_proj.data(), int64_t{heads} * hd, q, origin, tile);
   Linear(xn, r, hidden, w.k_proj.data(), int64_t{kv_heads} * hd, k, origin, tile);
   Linear(xn, r, hidden, w.v_proj.data(), int64_t{kv_heads} * hd, v, origin, tile);
+  if (!w.q_bias.empty()) {
+    AddBias(q, r, int64_t{heads} * hd, w.q_bias.data());
+    AddBias(k, r, int64_t{kv_heads} * hd, w.k_bias.data());
+    AddBias(v, r, int64_t{kv_heads} * hd, w.v_bias.data());
+  }
   const int group = rows[0].seq->cache().group_of_layer(layer);
   const bool sliding = layout().groups()[group].kind == kv::LayerKind::kSlidingWindow;
-  double theta = c.rope_theta;
+  const RopeFrequencies* rope = &rope_;
   float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  float softcap = 0.0f;
   if (arch_ == Arch::kGemma3) {
     RmsNorm(q, r * heads, hd, w.q_norm.data(), eps, q);
     RmsNorm(k, r * kv_heads, hd, w.k_norm.data(), eps, k);
-    if (sliding && c.rope_local_theta > 0) theta = c.rope_local_theta;
-    scale = 1.0f / std::sqrt(static_cast<float>(c.query_pre_attn_scalar));
+    if (sliding) rope = &rope_local_;
+    scale = static_cast<float>(std::pow(c.query_pre_attn_scalar, -0.5));
+    softcap = static_cast<float>(c.attn_logit_softcapping);
   }
-  std::vector<int64_t> positions(r);
-  for (int64_t i = 0; i < r; ++i) positions[i] = rows[i].position;
-  ApplyRope(q, r, heads, hd, int64_t{heads} * hd, hd, positions.data(), theta,
-            RopeStyle::kHalf);
-  ApplyRope(k, r, kv_heads, hd, int64_t{kv_heads} * hd, hd, positions.data(), theta,
-            RopeStyle::kHalf);
+  if (arch_ == Arch::kGpt2) {
+    // Learned positions, no RoPE. scale_attn_weights: / sqrt(head_dim);
+    // scale_attn_by_inverse_layer_idx: / (layer + 1) as well.
+    double s = c.scale_attn_weights ? std::pow(static_cast<double>(hd), -0.5) : 1.0;
+    if (c.scale_attn_by_inverse_layer_idx) s /= (layer + 1);
+    scale = static_cast<float>(s);
+  } else {
+    std::vector<int64_t> positions(r);
+    for (int64_t i = 0; i < r; ++i) positions[i] = rows[i].position;
+    ApplyRope(q, r, heads, hd, int64_t{heads} * hd, hd, positions.data(), rope->inv_freq,
+              rope->attention_factor, RopeStyle::kHalf);
+    ApplyRope(k, r, kv_heads, hd, int64_t{kv_heads} * hd, hd, positions.data(),
+              rope->inv_freq, rope->attention_factor, RopeStyle::kHalf);
+  }
   WriteCache(layer, rows, k, v, int64_t{kv_heads} * hd);
-  CacheAttention(layer, rows, q, hd, hd, scale, out);
+  CacheAttention(layer, rows, q, hd, hd, scale, softcap, out);
 }
 
 void ModelRunner::MlaAttention(int32_t layer, const std::vector<Row>& rows, const float* xn,
@@ -381,14 +490,17 @@ void ModelRunner::MlaAttention(int32_t layer, const std::vector<Row>& rows, cons
   const int32_t vd = c.v_head_dim;
   const int64_t qk = nope + rope;
   const int64_t entry = lora + rope;
-  const float eps = static_cast<float>(c.rms_norm_eps);
+  // transformers builds q_a_layernorm and kv_a_layernorm with the RMSNorm default eps (1e-6),
+  // not rms_norm_eps.
+  constexpr float kLoraNormEps = 1e-6f;
+  const RopeStyle style = c.rope_interleave ? RopeStyle::kInterleaved : RopeStyle::kHalf;
 
   // Query: [r, heads, nope + rope].
   float* q = Scratch(ws_.q, r * heads * qk);
   if (c.q_lora_rank > 0) {
     float* qa = Scratch(ws_.qa, r * c.q_lora_rank);
     Linear(xn, r, hidden, w.q_a_proj.data(), c.q_lora_rank, qa, origin, tile);
-    RmsNorm(qa, r, c.q_lora_rank, w.q_a_norm.data(), eps, qa);
+    RmsNorm(qa, r, c.q_lora_rank, w.q_a_norm.data(), kLoraNormEps, qa);
     Linear(qa, r, c.q_lora_rank, w.q_b_proj.data(), heads * qk, q, origin, tile);
   } else {
     Linear(xn, r, hidden, w.q_proj.data(), heads * qk, q, origin, tile);
@@ -396,13 +508,13 @@ void ModelRunner::MlaAttention(int32_t layer, const std::vector<Row>& rows, cons
   // Compressed KV: [r, lora + rope] = [kv_a_layernorm(latent), rope key] - the cache entry.
   float* kva = Scratch(ws_.kva, r * entry);
   Linear(xn, r, hidden, w.kv_a_proj.data(), entry, kva, origin, tile);
-  RmsNorm(kva, r, lora, w.kv_a_norm.data(), eps, kva, entry, entry);
+  RmsNorm(kva, r, lora, w.kv_a_norm.data(), kLoraNormEps, kva, entry, entry);
   std::vector<int64_t> positions(r);
   for (int64_t i = 0; i < r; ++i) positions[i] = rows[i].position;
-  ApplyRope(kva + lora, r, 1, rope, entry, 0, positions.data(), c.rope_theta,
-            RopeStyle::kInterleaved);
-  ApplyRope(q + nope, r, heads, rope, heads * qk, qk, positions.data(), c.rope_theta,
-            RopeStyle::kInterleaved);
+  ApplyRope(kva + lora, r, 1, rope, entry, 0, positions.data(), rope_.inv_freq,
+            rope_.attention_factor, style);
+  ApplyRope(q + nope, r, heads, rope, heads * qk, qk, positions.data(), rope_.inv_freq,
+            rope_.attention_factor, style);
   WriteCache(layer, rows, kva, nullptr, entry);
 
   // Absorbed query per head: [q_nope * W_UK_h, q_pe], [r, heads, lora + rope]. kv_b_proj rows
@@ -419,8 +531,10 @@ void ModelRunner::MlaAttention(int32_t layer, const std::vector<Row>& rows, cons
   }
   // Attention in latent space: keys are whole entries, values their latent part.
   float* olat = Scratch(ws_.olat, r * heads * lora);
-  const float scale = 1.0f / std::sqrt(static_cast<float>(qk));
-  CacheAttention(layer, rows, qcat, static_cast<int32_t>(entry), lora, scale, olat);
+  // DeepSeek: qk_head_dim^-0.5, times mscale^2 under YaRN with mscale_all_dim.
+  const float scale = static_cast<float>(std::pow(static_cast<double>(qk), -0.5) *
+                                         MlaSoftmaxScaleFactor(c.rope_scaling));
+  CacheAttention(layer, rows, qcat, static_cast<int32_t>(entry), lora, scale, 0.0f, olat);
   // W_UV applied after attention: out[:, h] = olat_h * W_UV_h^T.
   for (int32_t h = 0; h < heads; ++h) {
     const float* w_uv = w.kv_b_proj.data() + (int64_t{h} * (nope + vd) + nope) * lora;

@@ -19,8 +19,10 @@
 // tile start are recomputed (never rewritten) to keep the calls identical - none with the
 // default tile and a block-aligned prefix. With the default tile every full block is a complete
 // tile, so any block prefix is exact; with larger tiles, exactness needs the prefix's producer
-// to have computed the tile holding the prefix end completely (its prompt went past it). Decode batches rows of many sequences in one GEMM; a
-// row's result then depends on the batch, within fp32 rounding.
+// to have computed the tile holding the prefix end completely (its prompt went past it).
+// Decode is batch-invariant by default (RunnerOptions::batch_invariant_decode): every GEMM of a
+// decode step computes each row alone in a fixed order, so a sequence's logits do not depend on
+// which other sequences share the step.
 //
 // Thread safety: thread-safe. Prefill/DecodeStep calls on one runner are serialised by an
 // internal mutex (they share an activation workspace and OpenBLAS's process-wide threads);
@@ -38,7 +40,9 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
 #include "kv/hf_config.h"
+#include "model/cpu_ops.h"
 #include "model/kv_cache.h"
+#include "model/rope.h"
 #include "model/weights.h"
 
 namespace kvrelay::model {
@@ -48,6 +52,10 @@ struct RunnerOptions {
   int32_t block_tokens = 16;  // tokens per cache block
   std::optional<kv::DType> cache_dtype;  // default: the config's torch_dtype (bf16, fp16, fp32)
   int32_t gemm_tile_tokens = 0;          // 0: block_tokens; see the determinism note above
+  // Decode computes every row with the batch-invariant kernels (kRowwiseTiles): a sequence's
+  // logits are bit-identical whatever other sequences share its step. false: one sgemm per
+  // batch (faster at large batches; a row's rounding then depends on the batch).
+  bool batch_invariant_decode = true;
 };
 
 struct PrefillOptions {
@@ -97,6 +105,8 @@ class ModelRunner {
     bool write_cache;  // false: a cached row recomputed only to keep GEMM tiles aligned
   };
   ModelRunner(kv::ModelConfig config, ModelWeights weights, Arch arch, RunnerOptions options);
+  // Refuses positions a dynamic-NTK RoPE cannot serve (see model/rope.h).
+  absl::Status CheckPositions(int64_t end) const;
 
   absl::Status CheckSequence(const Sequence& seq) const;
   // Whether the cache still holds what rows [aligned, start) attend to (window blocks may have
@@ -118,8 +128,8 @@ class ModelRunner {
   // Attention over the cache for rows grouped by sequence; q is [rows, heads, qk_dim],
   // out [rows, heads, v_dim].
   void CacheAttention(int32_t layer, const std::vector<Row>& rows, const float* q,
-                      int32_t qk_dim, int32_t v_dim, float scale, float* out) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                      int32_t qk_dim, int32_t v_dim, float scale, float softcap,
+                      float* out) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void WriteCache(int32_t layer, const std::vector<Row>& rows, const float* k, const float* v,
                   int64_t width) const;
 
@@ -135,6 +145,9 @@ class ModelRunner {
   mutable Workspace ws_ ABSL_GUARDED_BY(mu_);
   Arch arch_;
   RunnerOptions options_;
+  Activation activation_ = Activation::kSilu;
+  RopeFrequencies rope_;        // every RoPE layer (gemma3: global layers)
+  RopeFrequencies rope_local_;  // gemma3 sliding-window layers
 };
 
 }  // namespace kvrelay::model

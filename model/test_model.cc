@@ -1,5 +1,6 @@
 #include "model/test_model.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <iostream>
@@ -63,15 +64,18 @@ absl::StatusOr<std::string> TestModelPreset(const std::string& arch) {
   if (arch == "llama") return std::string("tiny-llama");
   if (arch == "deepseek_v3") return std::string("tiny-deepseek-v3");
   if (arch == "gemma3") return std::string("tiny-gemma3");
-  return absl::InvalidArgumentError(
-      absl::StrCat("--arch must be llama, deepseek_v3 or gemma3, got '", arch, "'"));
+  if (arch == "gpt2") return std::string("tiny-gpt2");
+  if (arch == "mamba") return std::string("tiny-mamba");
+  return absl::InvalidArgumentError(absl::StrCat(
+      "--arch must be llama, deepseek_v3, gemma3, gpt2 or mamba, got '", arch, "'"));
 }
 
 absl::StatusOr<std::string> TestModelConfigJson(const TestModelOptions& o) {
   KV_ASSIGN_OR_RETURN(std::string preset, TestModelPreset(o.arch));
   KV_ASSIGN_OR_RETURN(std::string text, kv::PresetConfigJson(preset));
   const bool overridden = o.layers || o.hidden || o.intermediate || o.heads || o.kv_heads ||
-                          o.vocab || o.sliding_window || o.dtype != TensorDType::kBf16;
+                          o.vocab || o.sliding_window || o.dtype != TensorDType::kBf16 ||
+                          !o.config_patch.empty();
   if (!overridden) return text;
   Json config = Json::parse(text, nullptr, false);
   if (config.is_discarded()) return absl::InternalError("preset is not JSON");
@@ -79,12 +83,26 @@ absl::StatusOr<std::string> TestModelConfigJson(const TestModelOptions& o) {
                     o.sliding_window}) {
     if (v < 0) return absl::InvalidArgumentError("model sizes must be positive");
   }
-  if (o.layers) config["num_hidden_layers"] = o.layers;
-  if (o.hidden) config["hidden_size"] = o.hidden;
-  if (o.intermediate) config["intermediate_size"] = o.intermediate;
-  if (o.heads) config["num_attention_heads"] = o.heads;
+  const bool gpt2 = o.arch == "gpt2";
+  if (o.arch == "mamba" && (o.heads || o.kv_heads || o.sliding_window)) {
+    return absl::InvalidArgumentError("--heads/--kv-heads/--sliding-window: mamba has no attention");
+  }
+  if (o.layers) config[gpt2 ? "n_layer" : "num_hidden_layers"] = o.layers;
+  if (o.hidden) config[gpt2 ? "n_embd" : "hidden_size"] = o.hidden;
+  if (o.intermediate) config[gpt2 ? "n_inner" : "intermediate_size"] = o.intermediate;
+  if (o.heads) config[gpt2 ? "n_head" : "num_attention_heads"] = o.heads;
   if (o.vocab) config["vocab_size"] = o.vocab;
-  if (o.arch != "deepseek_v3") {
+  if (gpt2) {
+    if (o.kv_heads) return absl::InvalidArgumentError("--kv-heads: gpt2 is multi-head attention");
+    const int32_t hidden = config["n_embd"].get<int32_t>();
+    const int32_t heads = config["n_head"].get<int32_t>();
+    if (hidden % heads != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--hidden ", hidden, " is not divisible by --heads ", heads));
+    }
+  } else if (o.arch == "mamba") {
+    // sizes set above
+  } else if (o.arch != "deepseek_v3") {
     if (o.kv_heads) config["num_key_value_heads"] = o.kv_heads;
     if (o.hidden || o.heads) {
       const int32_t hidden = config["hidden_size"].get<int32_t>();
@@ -94,10 +112,14 @@ absl::StatusOr<std::string> TestModelConfigJson(const TestModelOptions& o) {
                                                        " is not divisible by --heads ", heads));
       }
       config["head_dim"] = hidden / heads;
-      if (o.arch == "gemma3") config["query_pre_attn_scalar"] = hidden / heads;
+      // Keep query_pre_attn_scalar != head_dim (as Gemma 3 27B: 168 vs 128), so a runner
+      // that scales by head_dim gives other tokens.
+      if (o.arch == "gemma3") config["query_pre_attn_scalar"] = hidden / heads * 3 / 4;
     }
-  } else if (o.heads) {
-    config["num_key_value_heads"] = o.heads;
+  } else {
+    if (o.heads) config["num_key_value_heads"] = o.heads;
+    // Every layer dense, as the preset: MoE layers are not implemented.
+    if (o.layers) config["first_k_dense_replace"] = o.layers;
   }
   if (o.sliding_window) {
     if (o.arch != "gemma3") {
@@ -106,6 +128,14 @@ absl::StatusOr<std::string> TestModelConfigJson(const TestModelOptions& o) {
     config["sliding_window"] = o.sliding_window;
   }
   config["torch_dtype"] = TorchDType(o.dtype);
+  if (!o.config_patch.empty()) {
+    Json patch = Json::parse(o.config_patch, nullptr, false);
+    if (patch.is_discarded() || !patch.is_object()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("config patch must be a JSON object, got: ", o.config_patch));
+    }
+    config.merge_patch(patch);
+  }
   return config.dump(2);
 }
 
@@ -116,6 +146,15 @@ absl::StatusOr<std::vector<TensorToWrite>> TestModelTensors(const TestModelOptio
   KV_ASSIGN_OR_RETURN(std::vector<TensorSpec> specs, TensorSpecs(config, &scratch));
   std::vector<TensorToWrite> tensors;
   tensors.reserve(specs.size());
+  // Tied embeddings: the residual stream starts at rms 0.02 (GPT-2's own init std; Gemma
+  // multiplies by sqrt(hidden), undone here) so the layers, not the input token, decide the
+  // logits; the final norm scales logits back to a std of about 3.
+  float embed_std_tied = 0.02f;
+  float final_norm_tied = 3.0f / (embed_std_tied * std::sqrt(static_cast<float>(config.hidden_size)));
+  if (config.model_type == "gemma3" || config.model_type == "gemma3_text") {
+    embed_std_tied /= std::sqrt(static_cast<float>(config.hidden_size));
+    final_norm_tied *= std::sqrt(static_cast<float>(config.hidden_size));
+  }
   for (const TensorSpec& spec : specs) {
     TensorToWrite t;
     t.name = spec.name;
@@ -126,15 +165,54 @@ absl::StatusOr<std::vector<TensorToWrite>> TestModelTensors(const TestModelOptio
     t.values.resize(static_cast<size_t>(n));
     switch (spec.init) {
       case TensorInit::kEmbedding:
-        FillUniform(t.values, o.seed, t.name, 0.0f, 1.0f);
+        // Tied embeddings double as the LM head: at std 1 (Gemma: times sqrt(hidden)) the
+        // residual stream stays the last token's embedding and every generation repeats that
+        // token by a wide margin, whatever the layers compute. Small embeddings let the layers
+        // decide, so logits compete and a wrong window, RoPE or scale changes tokens.
+        FillUniform(t.values, o.seed, t.name, 0.0f,
+                    config.tie_word_embeddings ? embed_std_tied : 1.0f);
         break;
-      case TensorInit::kNorm:
-        // Gemma stores w and scales by (1 + w); the others scale by w.
-        FillUniform(t.values, o.seed, t.name, spec.gemma_norm ? 0.0f : 1.0f, 0.05f);
+      case TensorInit::kNorm: {
+        // Gemma stores w and scales by (1 + w); the others scale by w. With tied embeddings
+        // the final norm carries the logit scale the small embeddings lack.
+        float mean = 1.0f;
+        if (config.tie_word_embeddings &&
+            (t.name == "model.norm.weight" || t.name == "transformer.ln_f.weight" ||
+             t.name == "backbone.norm_f.weight")) {
+          mean = final_norm_tied;
+        }
+        FillUniform(t.values, o.seed, t.name, spec.gemma_norm ? mean - 1.0f : mean,
+                    0.05f * mean);
         break;
+      }
+      case TensorInit::kBias:
+        FillUniform(t.values, o.seed, t.name, 0.0f, 0.05f);
+        break;
+      case TensorInit::kOnes:
+        FillUniform(t.values, o.seed, t.name, 1.0f, 0.05f);
+        break;
+      case TensorInit::kALog: {
+        // Mamba's S4D-real init: A[c, n] = n + 1, stored as log, jittered.
+        FillUniform(t.values, o.seed, t.name, 0.0f, 0.05f);
+        const int64_t n = spec.shape[1];
+        for (int64_t i = 0; i < static_cast<int64_t>(t.values.size()); ++i) {
+          t.values[i] += std::log(static_cast<float>(i % n + 1));
+        }
+        break;
+      }
+      case TensorInit::kDtBias: {
+        // Mamba's dt init: softplus(bias) log-uniform in [0.001, 0.1].
+        FillUniform(t.values, o.seed, t.name, 0.5f, 0.25f);
+        for (float& v : t.values) {
+          const double dt = std::exp(std::log(0.001) + std::clamp(v, 0.0f, 1.0f) *
+                                                           (std::log(0.1) - std::log(0.001)));
+          v = static_cast<float>(dt + std::log(-std::expm1(-dt)));
+        }
+        break;
+      }
       case TensorInit::kLinear:
         FillUniform(t.values, o.seed, t.name, 0.0f,
-                    1.0f / std::sqrt(static_cast<float>(spec.shape[1])));
+                    1.0f / std::sqrt(static_cast<float>(spec.fan_in())));
         break;
     }
     tensors.push_back(std::move(t));
@@ -162,7 +240,7 @@ int RunMakeTestModelCommand(const std::vector<std::string>& args) {
   int32_t shards = 1;
   FlagSet flags("make-test-model",
                 "Writes a small random-weight model (config.json + safetensors) for tests.");
-  flags.AddString("arch", &o.arch, "llama | deepseek_v3 | gemma3");
+  flags.AddString("arch", &o.arch, "llama | deepseek_v3 | gemma3 | gpt2 | mamba");
   flags.AddString("out", &out, "output directory (created)");
   flags.AddInt64("seed", &seed, "random seed (same seed, same bytes)");
   flags.AddInt32("layers", &o.layers, "num_hidden_layers (0: preset)");

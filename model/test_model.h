@@ -18,7 +18,7 @@
 namespace kvrelay::model {
 
 struct TestModelOptions {
-  std::string arch = "llama";  // llama | deepseek_v3 | gemma3
+  std::string arch = "llama";  // llama | deepseek_v3 | gemma3 | gpt2 | mamba
   // 0 keeps the preset's value.
   int32_t layers = 0;
   int32_t hidden = 0;        // llama/gemma3: head_dim becomes hidden / heads
@@ -30,6 +30,9 @@ struct TestModelOptions {
   uint64_t seed = 0;
   TensorDType dtype = TensorDType::kBf16;
   int shards = 1;            // >1: sharded files + model.safetensors.index.json
+  // JSON object merged into the config last (RFC 7386 merge patch), e.g.
+  // {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}. Empty: none.
+  std::string config_patch;
 };
 
 // The preset name for an arch ("tiny-llama", ...); InvalidArgument for an unknown arch.
@@ -44,6 +47,7 @@ absl::Status WriteTestModel(const std::string& dir, const TestModelOptions& opti
 }  // namespace kvrelay::model
 
 namespace kvrelay::cli {
-// kvrelay make-test-model --arch llama|deepseek_v3|gemma3 [--layers N ...] --seed S --out DIR
+// kvrelay make-test-model --arch llama|deepseek_v3|gemma3|gpt2|mamba [--layers N ...] --seed S
+//   --out DIR
 int RunMakeTestModelCommand(const std::vector<std::string>& args);
 }  // namespace kvrelay::cli

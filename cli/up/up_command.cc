@@ -151,8 +151,8 @@ int RunUpCommand(const std::vector<std::string>& args) {
   if (!model_dir.empty() && flags.WasSet("arch")) {
     return UsageError("give --model DIR or --arch A, not both");
   }
-  if (model_dir.empty() && !model::TestModelPreset(arch).ok()) {
-    return UsageError(absl::StrCat("--arch must be llama, deepseek_v3 or gemma3, got '", arch,
+  if (model_dir.empty() && (!model::TestModelPreset(arch).ok() || arch == "mamba")) {
+    return UsageError(absl::StrCat("--arch must be llama, deepseek_v3, gemma3 or gpt2, got '", arch,
                                    "'"));
   }
 

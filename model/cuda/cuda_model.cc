@@ -167,8 +167,17 @@ absl::StatusOr<std::unique_ptr<CudaModel::Impl>> Build(const kv::ModelConfig& c,
                                                        const CudaModelOptions& options) {
   if (!HaveDevice()) return absl::FailedPreconditionError("cuda model: no usable CUDA device");
   KV_ASSIGN_OR_RETURN(Arch arch, ArchFor(c));
-  if (arch == Arch::kGemma3) {
-    return absl::UnimplementedError("cuda model: Gemma 3 runs on the CPU backend only");
+  if (arch != Arch::kLlama && arch != Arch::kMla) {
+    return absl::UnimplementedError(
+        absl::StrCat("cuda model: ", c.model_type, " runs on the CPU backend only"));
+  }
+  // The CUDA forward pass implements plain RoPE, SiLU, no biases and interleaved MLA RoPE; the
+  // CPU runner implements the rest.
+  if (c.rope_scaling.type != "default" || c.hidden_act != "silu" || c.attention_bias ||
+      c.mlp_bias || (arch == Arch::kMla && !c.rope_interleave)) {
+    return absl::UnimplementedError(absl::StrCat(
+        "cuda model: rope_scaling '", c.rope_scaling.type, "', hidden_act '", c.hidden_act,
+        "', biases and non-interleaved MLA RoPE run on the CPU backend only"));
   }
   if (options.max_rows <= 0 || options.max_context <= 0 || options.num_blocks <= 0) {
     return absl::InvalidArgumentError("cuda model: max_rows, max_context, num_blocks must be > 0");
@@ -368,6 +377,7 @@ absl::StatusOr<std::vector<float>> CudaModel::Forward(const CudaBatch& batch) {
   const int64_t hidden = c.hidden_size;
   const int32_t heads = c.num_attention_heads;
   const float eps = static_cast<float>(c.rms_norm_eps);
+  constexpr float kLoraNormEps = 1e-6f;  // transformers: q_a/kv_a layernorms use the default eps
   KV_RETURN_IF_ERROR(Embed(m.embed.data, m.options.weight_dtype == WeightDType::kBf16, m.tokens, R, static_cast<int32_t>(hidden), 1.0f, m.h, s));
   // Layer -> (group, index in group).
   std::vector<int> group_of(c.num_hidden_layers), index_of(c.num_hidden_layers);
@@ -403,7 +413,7 @@ absl::StatusOr<std::vector<float>> CudaModel::Forward(const CudaBatch& batch) {
       if (c.q_lora_rank > 0) {
         KV_RETURN_IF_ERROR(m.Gemm(L.q_a, m.xn, R, hidden, m.mid, c.q_lora_rank));
         KV_RETURN_IF_ERROR(RmsNorm(m.mid, R, c.q_lora_rank,
-                                   static_cast<const float*>(L.q_a_norm.data), eps, m.mid,
+                                   static_cast<const float*>(L.q_a_norm.data), kLoraNormEps, m.mid,
                                    c.q_lora_rank, c.q_lora_rank, s));
         KV_RETURN_IF_ERROR(m.Gemm(L.q_b, m.mid, R, c.q_lora_rank, q, heads * qk));
       } else {
@@ -412,7 +422,7 @@ absl::StatusOr<std::vector<float>> CudaModel::Forward(const CudaBatch& batch) {
       float* kva = m.mid;  // [R, entry]
       KV_RETURN_IF_ERROR(m.Gemm(L.kv_a, m.xn, R, hidden, kva, entry));
       KV_RETURN_IF_ERROR(RmsNorm(kva, R, static_cast<int32_t>(lora),
-                                 static_cast<const float*>(L.kv_a_norm.data), eps, kva, entry,
+                                 static_cast<const float*>(L.kv_a_norm.data), kLoraNormEps, kva, entry,
                                  entry, s));
       KV_RETURN_IF_ERROR(Rope(kva + lora, R, 1, static_cast<int32_t>(rope), entry, 0,
                               m.positions, c.rope_theta, RopeStyle::kInterleaved, s));

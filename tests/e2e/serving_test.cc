@@ -1,7 +1,7 @@
 // End to end on real processes (`kvrelay up`: cache store, 1 prefill worker, 2 decode workers
 // and a gateway, UCX on loopback): disaggregated tokens equal co-located tokens for a GQA
-// (llama), an MLA (deepseek_v3) and a sliding-window (gemma3) model under 16 concurrent
-// requests; a shared prefix is reused, not recomputed; the KV bytes moved are exactly the
+// (llama), an MLA (deepseek_v3), a sliding-window (gemma3) and an MHA (gpt2) model under 16
+// concurrent requests; a shared prefix is reused, not recomputed; the KV bytes moved are exactly the
 // layout's; bad input is INVALID_ARGUMENT and the servers keep serving; the CLI client agrees
 // with the co-located reference; seeded sampling draws the same tokens as co-located.
 
@@ -127,7 +127,7 @@ TEST_P(Disaggregated, TokensEqualColocatedUnder16ConcurrentRequests) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, Disaggregated,
-                         ::testing::Values("llama", "deepseek_v3", "gemma3"),
+                         ::testing::Values("llama", "deepseek_v3", "gemma3", "gpt2"),
                          [](const ::testing::TestParamInfo<std::string>& info) {
                            return info.param;
                          });
@@ -206,10 +206,16 @@ TEST(SharedPrefix, SecondRequestComputesOnlyNewTokens) {
 // control connection (4-byte length, 1-byte type, 28 bytes of header and 33 bytes per block:
 // region, offset, length, checksum flag and value) and its ack.
 TEST(BytesOnTheWire, EqualTheLayoutBytesOfThePushedTokens) {
-  for (const std::string arch : {"llama", "deepseek_v3"}) {
+  for (const std::string arch : {"llama", "deepseek_v3", "gpt2"}) {
     SCOPED_TRACE(arch);
     KV_ASSERT_OK_AND_ASSIGN(Clusters::Entry * e, Clusters::Get()->For(arch));
     const kv::ModelLayout& layout = e->config.layout;
+    if (arch == "gpt2") {
+      // MHA: 2 (K, V) x layers x heads x head_dim x dtype per token.
+      EXPECT_EQ(layout.BytesPerToken(), 2 * e->config.num_hidden_layers *
+                                            e->config.num_attention_heads * e->config.head_dim *
+                                            2);
+    }
     ASSERT_EQ(layout.block_tokens(), 16);
     int64_t block_bytes = 0;
     for (size_t g = 0; g < layout.groups().size(); ++g) {

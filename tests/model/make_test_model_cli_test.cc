@@ -8,6 +8,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kv/presets.h"
+#include "model/mamba_runner.h"
 #include "model/model_runner.h"
 #include "model/sampler.h"
 #include "tests/testing/process_harness.h"
@@ -28,17 +29,22 @@ testing::CommandResult Kvrelay(std::vector<std::string> args) {
 
 TEST(MakeTestModelCli, WritesLoadableModelForEveryArch) {
   testing::TempDir dir;
-  for (const std::string arch : {"llama", "deepseek_v3", "gemma3"}) {
+  for (const std::string arch : {"llama", "deepseek_v3", "gemma3", "gpt2", "mamba"}) {
     const std::string out = dir.File(arch);
     testing::CommandResult r =
         Kvrelay({"make-test-model", "--arch", arch, "--seed", "5", "--out", out});
     ASSERT_EQ(r.exit_code, 0) << r.stderr_text;
     KV_ASSERT_OK_AND_ASSIGN(std::string config, ReadFileToString(out + "/config.json"));
-    const std::string preset = arch == "llama"         ? "tiny-llama"
-                               : arch == "deepseek_v3" ? "tiny-deepseek-v3"
-                                                       : "tiny-gemma3";
+    const std::string preset = arch == "deepseek_v3" ? "tiny-deepseek-v3" : "tiny-" + arch;
     KV_ASSERT_OK_AND_ASSIGN(std::string want, kv::PresetConfigJson(preset));
     EXPECT_EQ(config, want);
+    if (arch == "mamba") {
+      KV_ASSERT_OK_AND_ASSIGN(auto mamba, model::MambaRunner::Load(out));
+      model::MambaSequence seq(mamba->layout());
+      KV_ASSERT_OK_AND_ASSIGN(std::vector<float> logits, mamba->Prefill(seq, {1, 2, 3}));
+      EXPECT_EQ(logits.size(), static_cast<size_t>(mamba->config().vocab_size));
+      continue;
+    }
     KV_ASSERT_OK_AND_ASSIGN(auto runner, model::ModelRunner::Load(out));
     KV_ASSERT_OK_AND_ASSIGN(auto cache, model::KvCache::Create(runner->layout(), 4));
     model::Sequence seq(cache.get());
