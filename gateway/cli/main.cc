@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "common/flags.h"
+#include "cli/bench_serve/bench_serve_command.h"
 #include "gateway/cli/commands.h"
 
 namespace {
@@ -18,6 +19,8 @@ struct Subcommand {
 
 // Keep sorted by name. Each module owns its command's code; this table only dispatches.
 constexpr Subcommand kSubcommands[] = {
+    {"bench-serve", "load-test a gateway: trace replay or synthetic, latency/goodput/hit rate",
+     kvrelay::cli::RunBenchServeCommand},
     {"cachestore", "run the cache store service (block index, placement, eviction)",
      kvrelay::cli::RunCacheStoreCommand},
     {"decode", "run a decode worker (receives KV, continuous-batching decode)",
