@@ -32,9 +32,12 @@ def pct(values, p):
     return v[lo] + (v[hi] - v[lo]) * (rank - lo)
 
 def mark_faults(ax, faults, label_them):
-    for f in faults:
+    for i, f in enumerate(faults):
         if f["end_s"] > f["start_s"] + 0.05:
-            ax.axvspan(f["start_s"], f["end_s"], color="tab:red", alpha=0.12, lw=0)
+            # A fault that lasts to the end of the run (shape) is shaded lighter.
+            lasting = i + 1 < len(faults) and f["end_s"] > faults[i + 1]["start_s"]
+            ax.axvspan(f["start_s"], f["end_s"], color="tab:red", alpha=0.05 if lasting else 0.14,
+                       lw=0)
         ax.axvline(f["start_s"], color="tab:red", lw=1.0, ls="--")
         if label_them:
             ax.annotate(f["label"], xy=(f["start_s"], 1.0), xycoords=("data", "axes fraction"),
@@ -113,10 +116,11 @@ else:
     fig, axes = plt.subplots(3, 1, figsize=(11, 8), sharex=True,
                              gridspec_kw={"height_ratios": [2, 1.2, 1]})
     s = run["summary"]
-    timeline(run, axes, "%s | ok %d / %d, goodput %.2f req/s, hit rate %.3f (ideal %.3f), "
-             "wrong tokens %s" % (report["workload"][:70], s["ok"], s["requests"], s["goodput"],
-                                  s["hit_rate"], s["ideal_hit_rate"],
-                                  s["wrong_tokens"] if report["verify"] else "not checked"))
+    timeline(run, axes, "%s\nok %d of %d, goodput %.2f req/s (SLO %s), prefix hit rate %.3f "
+             "(ideal %.3f), wrong tokens %s" % (
+                 report["workload"][:120], s["ok"], s["requests"], s["goodput"],
+                 report["slo"] or "none", s["hit_rate"], s["ideal_hit_rate"],
+                 s["wrong_tokens"] if report["verify"] else "not checked"))
 fig.suptitle("kvrelay bench-serve", fontsize=11)
 fig.tight_layout()
 fig.savefig(png, dpi=110)

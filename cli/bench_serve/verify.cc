@@ -1,5 +1,7 @@
 #include "cli/bench_serve/verify.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <memory>
@@ -38,6 +40,7 @@ absl::Status VerifyRecords(const std::string& model_dir, int32_t threads, float 
         generator.status().code(),
         absl::StrCat("--verify: --model ", model_dir, ": ", generator.status().message()));
   }
+  const bool tty = isatty(STDERR_FILENO) == 1;
   const size_t n = candidates.size();
   const size_t want = sample <= 0 ? n : std::min<size_t>(n, static_cast<size_t>(sample));
   for (size_t k = 0; k < want; ++k) {
@@ -54,9 +57,11 @@ absl::Status VerifyRecords(const std::string& model_dir, int32_t threads, float 
                                        reference.status().message()));
     }
     r->wrong_tokens = CountWrongTokens(r->tokens, reference->tokens, r->ok());
-    std::fprintf(stderr, "\r[bench-serve verify] %zu/%zu", k + 1, want);
+    if (tty || k + 1 == want || (k + 1) % 25 == 0) {
+      std::fprintf(stderr, "%s[bench-serve verify] %zu/%zu%s", tty ? "\r" : "", k + 1, want,
+                   tty && k + 1 < want ? "" : "\n");
+    }
   }
-  std::fprintf(stderr, "\n");
   return absl::OkStatus();
 }
 
