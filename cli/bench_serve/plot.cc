@@ -70,8 +70,9 @@ def timeline(run, axes, title):
            if b else float("nan") for b in ok]
     ideal = [sum(r["ideal_cached_tokens"] for r in b) / max(1, sum(r["prompt_tokens"] for r in b))
              if b else float("nan") for b in ok]
-    ax.plot(t, hit, "-", color="tab:purple", marker=".", ms=3, label="prefix hit rate")
-    ax.plot(t, ideal, "--", color="gray", lw=1, label="ideal (infinite cache)")
+    # The ideal is drawn wide and underneath: where the two agree it shows as a gray halo.
+    ax.plot(t, ideal, "-", color="gray", lw=4, alpha=0.35, label="ideal (infinite cache)")
+    ax.plot(t, hit, "-", color="tab:purple", marker=".", ms=3, lw=1.2, label="prefix hit rate")
     ax.set_ylim(-0.02, 1.02)
     ax.set_ylabel("hit rate")
     ax.legend(loc="upper left", fontsize=7, ncol=2)
