@@ -342,6 +342,14 @@ TEST(StatsTest, FaultCostCountsFailuresInItsWindowAndRecovery) {
   EXPECT_EQ(costs[1].failed, 2);
   EXPECT_EQ(costs[1].wrong_tokens, 2);
   EXPECT_EQ(costs[1].recovery_s, -1);  // nothing succeeded afterwards
+  // A bad request sent before the fault ends inside it; a good one that ended before the fault
+  // is no recovery from it.
+  const std::vector<RequestRecord> straddling = {
+      Ok(1, 11, 5000, 10, 10, 0), Ok(2, 3, 50, 10, 10, 0), Ok(12, 13, 50, 10, 10, 0)};
+  costs = CostOfFaults(straddling, {(*events)[0]}, *slo, 60);
+  ASSERT_EQ(costs.size(), 1u);
+  EXPECT_EQ(costs[0].slo_missed, 1);
+  EXPECT_DOUBLE_EQ(costs[0].recovery_s, 3);  // 13 - 10
   EXPECT_THAT(ParseFaultEvents("10 kill\n", 0, 1).status().message(),
               HasSubstr("fault events line 1"));
 }

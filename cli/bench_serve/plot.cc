@@ -119,7 +119,7 @@ else:
     s = run["summary"]
     timeline(run, axes, "%s\nok %d of %d, goodput %.2f req/s (SLO %s), prefix hit rate %.3f "
              "(ideal %.3f), wrong tokens %s" % (
-                 report["workload"][:120], s["ok"], s["requests"], s["goodput"],
+                 report["workload"][:160], s["ok"], s["requests"], s["goodput"],
                  report["slo"] or "none", s["hit_rate"], s["ideal_hit_rate"],
                  s["wrong_tokens"] if report["verify"] else "not checked"))
 fig.suptitle("kvrelay bench-serve", fontsize=11)

@@ -146,7 +146,8 @@ std::vector<FaultCost> CostOfFaults(const std::vector<RequestRecord>& records,
     if (last_bad_send >= 0) {
       double first_good_end = -1;
       for (const RequestRecord& r : records) {
-        if (r.send_s > last_bad_send && MeetsSlo(r, slo) &&
+        // A good completion before the fault (of a request sent before it) says nothing.
+        if (r.send_s > last_bad_send && r.end_s >= c.fault.start_s && MeetsSlo(r, slo) &&
             (first_good_end < 0 || r.end_s < first_good_end)) {
           first_good_end = r.end_s;
         }
