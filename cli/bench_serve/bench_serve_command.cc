@@ -115,7 +115,8 @@ int RunBenchServeCommand(const std::vector<std::string>& args) {
                   "without it the workload is synthetic");
   flags.AddDouble("time-scale", &time_scale, "trace timestamps x this (0.1 = ten times faster)");
   flags.AddInt32("tokens-per-hash-id", &tokens_per_hash_id,
-                 "prompt tokens per trace block id (the trace's own: 512; smaller for CPU models)");
+                 "prompt tokens per trace block id (the trace's own: 512; smaller for CPU models); "
+                 "synthetic prompts use the model's KV block unless this is given");
   flags.AddInt64("trace-offset", &trace_offset,
                  "skip this many requests (in timestamp order) at the trace's start");
   flags.AddInt32("trace-block-tokens", &trace_block_tokens, "tokens per block id in the trace");
@@ -206,7 +207,10 @@ int RunBenchServeCommand(const std::vector<std::string>& args) {
   }
   if (vocab < 1) return UsageError("give --model DIR or --vocab N (token ids must fit the model)");
   bench_serve::PromptOptions prompt;
-  prompt.tokens_per_hash_id = tokens_per_hash_id;
+  // A synthetic prompt is made of blocks too; by default the served model's KV block, so that
+  // --shared-prefix-ratio is honoured to the block.
+  prompt.tokens_per_hash_id =
+      trace_path.empty() && !flags.WasSet("tokens-per-hash-id") ? block_tokens : tokens_per_hash_id;
   prompt.trace_block_tokens = trace_block_tokens;
   prompt.vocab_size = vocab;
   prompt.max_output_tokens = trace_path.empty() ? output_tokens : max_output_tokens;
