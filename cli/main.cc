@@ -16,6 +16,7 @@
 #include "model/test_model.h"
 #include "prefill/server/command.h"
 #include "transfer/ucx/transfer_bench.h"
+#include "cli/bench_serve/bench_serve_command.h"
 
 namespace {
 
@@ -27,6 +28,8 @@ struct Subcommand {
 
 // Keep sorted by name.
 constexpr Subcommand kSubcommands[] = {
+    {"bench-serve", "load-test a gateway: trace replay or synthetic, latency/goodput/hit rate",
+     kvrelay::cli::RunBenchServeCommand},
     {"cachestore", "run the cache store service (block index, placement, eviction)",
      kvrelay::cachestore::server::RunCacheStoreCommand},
     {"decode", "run a decode worker (receives KV, continuous-batching decode)",

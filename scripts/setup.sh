@@ -11,7 +11,7 @@ PACKAGES=(
   libucx-dev ucx-utils
   libgtest-dev libgmock-dev libbenchmark-dev
   libxxhash-dev libssl-dev libcpp-httplib-dev libopenblas-dev nlohmann-json3-dev libyaml-cpp-dev
-  redis-server iproute2 procps python3
+  redis-server iproute2 procps python3 python3-matplotlib
 )
 
 install_missing() {

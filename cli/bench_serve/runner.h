@@ -1,0 +1,50 @@
+#pragma once
+
+// Sends a workload through a gateway and measures every request from the client's side.
+//
+// Open loop (default): request i is sent at its arrival time, by one of `concurrency` client
+// threads; when all are busy it goes late (counted as a late send, so a saturated client is never
+// mistaken for a slow service). Closed loop: arrival times are ignored and `concurrency` requests
+// are kept in flight. Always bounded: at most max_requests are sent, none after max_duration, and
+// every request's deadline is capped at the end of the run.
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/time/time.h"
+#include "cli/bench_serve/stats.h"
+#include "cli/bench_serve/workload.h"
+#include "gateway/cli/gateway_client.h"
+
+namespace kvrelay::bench_serve {
+
+struct RunOptions {
+  int32_t concurrency = 32;
+  bool closed_loop = false;
+  int64_t max_requests = 1000;
+  absl::Duration max_duration = absl::Minutes(10);
+  absl::Duration timeout = absl::Seconds(60);  // per request
+  std::string model;                           // "" = the gateway's one model
+  std::string tenant = "bench";
+  float temperature = 0.0f;  // seeds are the request index
+  std::string label;         // progress line prefix, e.g. "rate 2/s"
+  bool progress = true;      // live line on stderr
+};
+
+struct RunResult {
+  absl::Time start;                    // wall clock when the run began
+  std::vector<RequestRecord> records;  // the requests sent, in workload order
+  int64_t not_sent = 0;                // workload requests left when a bound stopped the run
+  bool stopped_by_duration = false;
+};
+
+// Request i goes to gateways[i % size]. REQUIRES: workload sorted by arrival_s; gateways
+// non-empty, each outliving the call.
+RunResult RunLoad(const std::vector<const cli::GatewayClient*>& gateways,
+                  const std::vector<WorkloadRequest>& workload, const RunOptions& options);
+
+// The generation request bench-serve sends for `w` (also what --verify replays co-located).
+cli::GenerationRequest MakeGenerationRequest(const WorkloadRequest& w, float temperature);
+
+}  // namespace kvrelay::bench_serve

@@ -1,0 +1,318 @@
+#!/usr/bin/env bash
+# A multi-host kvrelay cluster on one machine, driven by `kvrelay bench-serve`, with faults.
+#
+# Every component runs in its own network namespace (one "host" each): the cache store, M prefill
+# workers, K decode workers, G gateways and the load client, joined by a bridge that lives in a
+# namespace of its own. Addresses are 10.x inside the namespaces only; nothing in the root
+# namespace gets one or contacts them. UCX_TLS=tcp, so workers talk as separate hosts would
+# (namespaces do not isolate shared memory). Everything is torn down on exit, Ctrl-C or failure:
+# no namespace, process or veth is left behind.
+#
+# Usage:
+#   scripts/cluster/run.sh [options] [-- bench-serve flags...]
+# Options:
+#   --prefill M --decode K --gateways G   workers and gateways (default 2 2 1)
+#   --model DIR | --arch A                model to serve (default: a generated tiny llama)
+#   --threads N                           compute threads per worker (default 1)
+#   --pool-blocks N --cache-slots N       per-worker KV slots (default 1024 / 4096)
+#   --fault 'at=20s kill decode-1'        repeatable; also 'at=T stop NODE for D', 'at=T cut NODE
+#                                         for D' (link down), 'at=T shape NODE 200mbit' (tc tbf,
+#                                         both directions, until the end), 'at=T restart NODE'
+#   --out DIR                             logs, report.json, requests.csv, plot.png
+#   --subnet 10.77.0                      first three octets of the namespace addresses
+#   --name ID                             namespace prefix (default kvr<pid>): ID-hub, ID-store..
+#   --external HOST:PORT[,...]            no namespaces: drive gateways that already run on real
+#                                         hosts (faults are not available there)
+#   --print-commands                      print the command each node runs (for a real
+#                                         multi-host deployment), then exit
+# Node names: store, prefill-0.., decode-0.., gateway-0.., client. bench-serve gets --gateway,
+# --model, --events and --start-file from here; everything after `--` is passed on.
+# Exit: bench-serve's status (3 = wrong tokens), 77 when network namespaces are unavailable.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+BIN=${KVRELAY_BIN_DIR:-$ROOT/build/bin}
+KVRELAY="$BIN/kvrelay"
+PREFILL=2 DECODE=2 GATEWAYS=1 THREADS=1 POOL_BLOCKS=1024 CACHE_SLOTS=4096
+MODEL="" ARCH=llama OUT="" SUBNET=10.77.0 EXTERNAL="" PRINT_ONLY=0 ID="kvr$$"
+FAULTS=()
+BENCH_ARGS=()
+
+die() { echo "cluster: $*" >&2; exit 2; }
+while (($#)); do
+  case "$1" in
+    --prefill) PREFILL=$2; shift 2 ;;
+    --decode) DECODE=$2; shift 2 ;;
+    --gateways) GATEWAYS=$2; shift 2 ;;
+    --model) MODEL=$2; shift 2 ;;
+    --arch) ARCH=$2; shift 2 ;;
+    --threads) THREADS=$2; shift 2 ;;
+    --pool-blocks) POOL_BLOCKS=$2; shift 2 ;;
+    --cache-slots) CACHE_SLOTS=$2; shift 2 ;;
+    --fault) FAULTS+=("$2"); shift 2 ;;
+    --out) OUT=$2; shift 2 ;;
+    --subnet) SUBNET=$2; shift 2 ;;
+    --name) ID=$2; shift 2 ;;
+    --external) EXTERNAL=$2; shift 2 ;;
+    --print-commands) PRINT_ONLY=1; shift ;;
+    --) shift; BENCH_ARGS=("$@"); break ;;
+    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    *) die "unknown option '$1' (see --help)" ;;
+  esac
+done
+for n in PREFILL DECODE GATEWAYS THREADS; do
+  [[ ${!n} =~ ^[0-9]+$ ]] && ((${!n} >= 1 && ${!n} <= 16)) || die "--${n,,} must be 1-16, got '${!n}'"
+done
+[[ $SUBNET =~ ^10\.[0-9]+\.[0-9]+$ ]] || die "--subnet must be 10.A.B, got '$SUBNET'"
+[[ $ID =~ ^[a-z][a-z0-9]{0,11}$ ]] || die "--name must be 1-12 lowercase letters/digits, got '$ID'"
+[[ -x $KVRELAY ]] || die "no $KVRELAY; build it first (TARGETS=kvrelay scripts/build.sh)"
+OUT=${OUT:-$(mktemp -d /tmp/kvrelay-cluster-XXXXXX)}
+mkdir -p "$OUT/logs" "$OUT/pids"
+OUT=$(cd "$OUT" && pwd)
+
+# --- external mode: real hosts, nothing started here --------------------------------------------
+if [[ -n $EXTERNAL ]]; then
+  ((${#FAULTS[@]} == 0)) || die "--fault needs the namespace cluster (not --external)"
+  set +e
+  "$KVRELAY" bench-serve --gateway "$EXTERNAL" --json "$OUT/report.json" \
+    --csv "$OUT/requests.csv" --plot "$OUT/plot.png" "${BENCH_ARGS[@]}"
+  exit $?
+fi
+
+if [[ -z $MODEL ]]; then
+  MODEL=$OUT/model
+  [[ -f $MODEL/config.json ]] || "$KVRELAY" make-test-model --arch "$ARCH" --seed 5 --out "$MODEL" >/dev/null
+fi
+MODEL=$(cd "$MODEL" && pwd)
+
+# --- nodes: name -> address, command --------------------------------------------------------------
+HUB="$ID-hub"
+NODES=(store)
+for ((i = 0; i < PREFILL; i++)); do NODES+=("prefill-$i"); done
+for ((i = 0; i < DECODE; i++)); do NODES+=("decode-$i"); done
+for ((i = 0; i < GATEWAYS; i++)); do NODES+=("gateway-$i"); done
+NODES+=(client)
+declare -A ADDR INDEX
+for ((k = 0; k < ${#NODES[@]}; k++)); do
+  ADDR[${NODES[k]}]="$SUBNET.$((k + 10))"
+  INDEX[${NODES[k]}]=$k
+done
+STORE="${ADDR[store]}:7000"
+prefill_list() { local i out=(); for ((i = 0; i < PREFILL; i++)); do out+=("${ADDR[prefill-$i]}:7100"); done; local IFS=,; echo "${out[*]}"; }
+decode_list() { local i out=(); for ((i = 0; i < DECODE; i++)); do out+=("${ADDR[decode-$i]}:7200"); done; local IFS=,; echo "${out[*]}"; }
+gateway_list() { local i out=(); for ((i = 0; i < GATEWAYS; i++)); do out+=("${ADDR[gateway-$i]}:8000"); done; local IFS=,; echo "${out[*]}"; }
+
+# The kvrelay arguments of a node (also what --print-commands shows for a real deployment).
+node_args() {
+  local name=$1 a=${ADDR[$1]}
+  case "$name" in
+    store) echo "cachestore --host $a --port 7000 --metrics-port 0 --data-dir $OUT/store-data" ;;
+    prefill-*) echo "prefill --host $a --port 7100 --metrics-port 0 --transport-host $a" \
+                    "--cachestore $STORE --model $MODEL --node-id $name --threads $THREADS" \
+                    "--pool-blocks $POOL_BLOCKS --cache-slots $CACHE_SLOTS" ;;
+    decode-*) echo "decode --host $a --port 7200 --metrics-port 0 --transport-host $a" \
+                   "--cachestore $STORE --model $MODEL --node-id $name --threads $THREADS" \
+                   "--pool-blocks $POOL_BLOCKS --cache-slots $CACHE_SLOTS" ;;
+    gateway-*) echo "gateway --host $a --port 8000 --metrics-port 0 --cachestore $STORE" \
+                    "--prefill $(prefill_list) --decode $(decode_list) --model $MODEL" ;;
+  esac
+}
+
+if ((PRINT_ONLY)); then
+  for name in "${NODES[@]}"; do
+    [[ $name == client ]] && continue
+    echo "# $name (${ADDR[$name]}): UCX_TLS=tcp kvrelay $(node_args "$name")"
+  done
+  echo "# client: kvrelay bench-serve --gateway $(gateway_list) --model $MODEL ${BENCH_ARGS[*]}"
+  exit 0
+fi
+
+# --- namespaces and teardown -------------------------------------------------------------------
+if ! err=$(ip netns add "$ID-probe" 2>&1); then
+  echo "cluster: SKIP: cannot create network namespaces here ('ip netns add' failed: $err);" \
+       "this needs root with CAP_SYS_ADMIN and CAP_NET_ADMIN" >&2
+  exit 77
+fi
+ip netns del "$ID-probe"
+
+CREATED=()
+HELPERS=()
+CLEANED=0
+cleanup() {
+  local rc=$?
+  ((CLEANED)) && return
+  CLEANED=1
+  trap - EXIT INT TERM
+  local pid f
+  for pid in "${HELPERS[@]}"; do
+    pkill -TERM -P "$pid" 2>/dev/null || true
+    kill -TERM "$pid" 2>/dev/null || true
+  done
+  for f in "$OUT"/pids/*; do
+    [[ -f $f ]] || continue
+    pid=$(cat "$f")
+    kill -CONT "$pid" 2>/dev/null || true   # a stopped process cannot take SIGTERM
+    kill -TERM "$pid" 2>/dev/null || true
+  done
+  local deadline=$((SECONDS + 10))
+  for f in "$OUT"/pids/*; do
+    [[ -f $f ]] || continue
+    pid=$(cat "$f")
+    while kill -0 "$pid" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.1; done
+    kill -KILL "$pid" 2>/dev/null || true
+  done
+  local ns
+  for ns in "${CREATED[@]}"; do
+    for pid in $(ip netns pids "$ns" 2>/dev/null); do kill -KILL "$pid" 2>/dev/null || true; done
+  done
+  wait 2>/dev/null || true
+  for ns in "${CREATED[@]}"; do ip netns del "$ns" 2>/dev/null || true; done
+  echo "cluster: torn down (${#CREATED[@]} namespaces removed); logs in $OUT/logs" >&2
+  exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+ip netns add "$HUB"
+CREATED+=("$HUB")
+ip -n "$HUB" link add br0 type bridge
+ip -n "$HUB" link set br0 up
+ip -n "$HUB" link set lo up
+for name in "${NODES[@]}"; do
+  ns="$ID-$name"
+  ip netns add "$ns"
+  CREATED+=("$ns")
+  k=${INDEX[$name]}
+  # Both ends are created inside the namespaces: the root namespace never holds them.
+  ip link add eth0 netns "$ns" type veth peer name "h$k" netns "$HUB"
+  ip -n "$HUB" link set "h$k" master br0
+  ip -n "$HUB" link set "h$k" up
+  ip -n "$ns" addr add "${ADDR[$name]}/24" dev eth0
+  ip -n "$ns" link set eth0 up
+  ip -n "$ns" link set lo up
+done
+
+start_node() {
+  local name=$1
+  # shellcheck disable=SC2046
+  ip netns exec "$ID-$name" env UCX_TLS=tcp UCX_NET_DEVICES=eth0 \
+    "$KVRELAY" $(node_args "$name") >>"$OUT/logs/$name.log" 2>&1 &
+  echo $! >"$OUT/pids/$name"
+  disown "$!"  # killed by faults on purpose: no "Killed" job notices; teardown uses the pid files
+}
+node_pid() { cat "$OUT/pids/$1"; }
+
+listen_count() {  # how many times a node's log says it listens (once per start)
+  local n
+  n=$(grep -c "listening on" "$OUT/logs/$1.log" 2>/dev/null) || true
+  echo "${n:-0}"
+}
+wait_listening() {
+  local name=$1 timeout=${2:-60} seen=${3:-1} deadline
+  deadline=$((SECONDS + timeout))
+  while (($(listen_count "$name") < seen)); do
+    if ! kill -0 "$(node_pid "$name")" 2>/dev/null; then
+      echo "cluster: $name exited before it listened:" >&2
+      tail -20 "$OUT/logs/$name.log" >&2
+      return 1
+    fi
+    ((SECONDS < deadline)) || { echo "cluster: $name not listening after ${timeout}s" >&2; return 1; }
+    sleep 0.2
+  done
+}
+
+echo "cluster: ${#NODES[@]} namespaces ($ID-*), store $STORE, prefill $(prefill_list)," \
+     "decode $(decode_list), gateway $(gateway_list); logs in $OUT/logs" >&2
+start_node store
+wait_listening store
+for name in "${NODES[@]}"; do
+  [[ $name == prefill-* || $name == decode-* ]] && start_node "$name"
+done
+for name in "${NODES[@]}"; do
+  [[ $name == prefill-* || $name == decode-* ]] && wait_listening "$name"
+done
+for ((i = 0; i < GATEWAYS; i++)); do start_node "gateway-$i"; done
+for ((i = 0; i < GATEWAYS; i++)); do wait_listening "gateway-$i"; done
+
+# --- faults ------------------------------------------------------------------------------------
+EVENTS=$OUT/events.txt
+START_FILE=$OUT/start.txt
+: >"$EVENTS"
+rm -f "$START_FILE"
+now() { date +%s.%N; }
+seconds() {  # "20s" / "20" / "1.5s" -> 20 / 1.5
+  [[ $1 =~ ^([0-9]+(\.[0-9]+)?)s?$ ]] || return 1
+  echo "${BASH_REMATCH[1]}"
+}
+fault_error() { echo "cluster: --fault '$1': $2" >&2; exit 2; }
+check_fault() {
+  local spec=$1 at action target rest
+  read -r at action target rest <<<"$spec"
+  [[ $at == at=* ]] && seconds "${at#at=}" >/dev/null || fault_error "$spec" "want 'at=<seconds>s ...'"
+  [[ -n ${ADDR[$target]:-} && $target != client ]] || fault_error "$spec" "unknown node '$target'"
+  case "$action" in
+    kill|restart) [[ -z $rest ]] || fault_error "$spec" "'$action NODE' takes nothing more" ;;
+    stop|cut) [[ $rest =~ ^for\ ([0-9.]+s?)$ ]] && seconds "${BASH_REMATCH[1]}" >/dev/null ||
+                fault_error "$spec" "want '$action NODE for <seconds>s'" ;;
+    shape) [[ $rest =~ ^[0-9]+(kbit|mbit|gbit)$ ]] || fault_error "$spec" "want 'shape NODE 200mbit'" ;;
+    *) fault_error "$spec" "unknown action '$action' (kill, stop, cut, shape, restart)" ;;
+  esac
+}
+for spec in "${FAULTS[@]}"; do check_fault "$spec"; done
+
+run_fault() {
+  local spec=$1 at action target rest t0 when d start ns=""
+  read -r at action target rest <<<"$spec"
+  at=$(seconds "${at#at=}")
+  while [[ ! -s $START_FILE ]]; do sleep 0.1; done
+  t0=$(cat "$START_FILE")
+  when=$(awk -v a="$t0" -v b="$at" -v n="$(now)" 'BEGIN { d = a + b - n; print (d > 0 ? d : 0) }')
+  sleep "$when"
+  start=$(now)
+  case "$action" in
+    kill)
+      kill -KILL "$(node_pid "$target")" 2>/dev/null || true
+      echo "$start $start kill $target" >>"$EVENTS" ;;
+    stop)
+      d=$(seconds "${rest#for }")
+      echo "$start $(awk -v a="$start" -v b="$d" 'BEGIN{printf "%.3f", a + b}') stop $target for ${d}s" >>"$EVENTS"
+      kill -STOP "$(node_pid "$target")"
+      sleep "$d"
+      kill -CONT "$(node_pid "$target")" ;;
+    cut)
+      d=$(seconds "${rest#for }")
+      echo "$start $(awk -v a="$start" -v b="$d" 'BEGIN{printf "%.3f", a + b}') cut $target for ${d}s" >>"$EVENTS"
+      ip -n "$HUB" link set "h${INDEX[$target]}" down
+      sleep "$d"
+      ip -n "$HUB" link set "h${INDEX[$target]}" up ;;
+    shape)
+      # Token bucket on both ends of the node's link: its sends and its receives are limited.
+      tc -n "$ID-$target" qdisc replace dev eth0 root tbf rate "$rest" burst 64kb latency 100ms
+      tc -n "$HUB" qdisc replace dev "h${INDEX[$target]}" root tbf rate "$rest" burst 64kb latency 100ms
+      echo "$start - shape $target $rest" >>"$EVENTS" ;;
+    restart)
+      local seen
+      seen=$(listen_count "$target")
+      kill -KILL "$(node_pid "$target")" 2>/dev/null || true
+      while kill -0 "$(node_pid "$target")" 2>/dev/null; do sleep 0.05; done
+      start_node "$target"
+      wait_listening "$target" 60 $((seen + 1)) || true
+      echo "$start $(now) restart $target" >>"$EVENTS" ;;
+  esac
+  echo "cluster: fault at ${at}s: $action $target${rest:+ $rest}" >&2
+}
+for spec in "${FAULTS[@]}"; do
+  run_fault "$spec" &
+  HELPERS+=($!)
+done
+
+# --- the load ----------------------------------------------------------------------------------
+set +e
+ip netns exec "$ID-client" "$KVRELAY" bench-serve --gateway "$(gateway_list)" --model "$MODEL" \
+  --wait-ready 60s --start-file "$START_FILE" --events "$EVENTS" --json "$OUT/report.json" \
+  --csv "$OUT/requests.csv" --plot "$OUT/plot.png" "${BENCH_ARGS[@]}"
+rc=$?
+set -e
+echo "cluster: report $OUT/report.json, per request $OUT/requests.csv, plot $OUT/plot.png" >&2
+exit "$rc"

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# The default load scenario: the whole system under load with faults, in a few minutes on 2 cores.
+#
+#   scripts/load.sh [--out DIR] [--no-faults] [--requests N] [--trace FILE]
+#
+# Starts a cluster in network namespaces (scripts/cluster/run.sh: cache store, 2 prefill and 2
+# decode workers, 1 gateway, each its own "host", UCX over tcp) serving a generated tiny llama,
+# and replays 120 requests of the Mooncake FAST'25 trace (from request #3000, where prefixes
+# repeat within a short window) through it with `kvrelay bench-serve`: prompts derived from the
+# trace's hash_ids at 8 tokens per id, output capped at 16 tokens, arrivals slowed 4x
+# (~1 request/s, about what a 2-core machine serves), SLO TTFT 2 s / TPOT 250 ms. Faults:
+#   at 20s  stop decode-0 for 6s     (SIGSTOP, then SIGCONT)
+#   at 35s  cut store for 8s         (its link down, then up)
+#   at 50s  shape decode-1 50mbit    (tc tbf on its link, until the end)
+#   at 65s  kill decode-1            (SIGKILL, not restarted)
+#   at 80s  restart store            (SIGKILL, started again on its WAL)
+# Every served token is checked against the co-located reference (--verify). Prints the table
+# and the path of the plot. Needs root (network namespaces); builds build/bin/kvrelay if missing.
+# Without the trace (../shared/data/traces/synthetic_trace.jsonl, or --trace / $KVRELAY_TRACE)
+# it runs a synthetic workload with 50% shared prefixes instead.
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+OUT="" FAULTS=1 REQUESTS=120
+TRACE=${KVRELAY_TRACE:-}
+while (($#)); do
+  case "$1" in
+    --out) OUT=$2; shift 2 ;;
+    --no-faults) FAULTS=0; shift ;;
+    --requests) REQUESTS=$2; shift 2 ;;
+    --trace) TRACE=$2; shift 2 ;;
+    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    *) echo "load.sh: unknown option '$1' (see --help)" >&2; exit 2 ;;
+  esac
+done
+export KVRELAY_BIN_DIR=${KVRELAY_BIN_DIR:-$ROOT/build/bin}
+if [[ ! -x $KVRELAY_BIN_DIR/kvrelay ]]; then
+  echo "load.sh: building kvrelay first" >&2
+  "$ROOT/scripts/setup.sh"
+  TARGETS=kvrelay "$ROOT/scripts/build.sh"
+fi
+if [[ -z $TRACE ]]; then
+  for t in "$ROOT/../shared/data/traces/synthetic_trace.jsonl" \
+           /work/shared/data/traces/synthetic_trace.jsonl; do
+    [[ -f $t ]] && { TRACE=$t; break; }
+  done
+fi
+OUT=${OUT:-$(mktemp -d /tmp/kvrelay-load-XXXXXX)}
+
+fault_args=()
+if ((FAULTS)); then
+  fault_args=(--fault "at=20s stop decode-0 for 6s" --fault "at=35s cut store for 8s"
+              --fault "at=50s shape decode-1 50mbit" --fault "at=65s kill decode-1"
+              --fault "at=80s restart store")
+fi
+if [[ -n $TRACE ]]; then
+  workload=(--trace "$TRACE" --trace-offset 3000 --tokens-per-hash-id 8 --max-output-tokens 16
+            --time-scale 4)
+else
+  echo "load.sh: no Mooncake trace found; running a synthetic workload instead" >&2
+  workload=(--num-requests "$REQUESTS" --input-tokens 384 --output-tokens 16
+            --shared-prefix-ratio 0.5 --prefix-groups 8 --rate 1.5)
+fi
+exec "$ROOT/scripts/cluster/run.sh" --prefill 2 --decode 2 --gateways 1 --out "$OUT" \
+  "${fault_args[@]}" -- "${workload[@]}" --max-requests "$REQUESTS" --max-duration 150s \
+  --timeout 20s --concurrency 32 --slo ttft=2s,tpot=250ms --verify --verify-threads 2
