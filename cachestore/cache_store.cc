@@ -67,6 +67,9 @@ absl::Status CacheStore::Recover() {
   UpdateCapacityHint();
   {
     absl::MutexLock events_lock(&events_mu_);
+    // Replay re-ran removals that published events numbered from 1; none is a live event, and
+    // left in place they would break EventsSince's sequence -> position arithmetic.
+    events_.clear();
     next_sequence_ = max_seq + 1;
   }
   if (applied > 0) {
@@ -196,9 +199,12 @@ void CacheStore::RemoveNodeLocked(uint16_t node, bool log) {
   OnRemoved(removed, nullptr);  // replay of kRemoveNode repeats the same sweep
   registry_.Remove(node);
   UpdateCapacityHint();
+  uint64_t seq = 0;
+  if (id.has_value()) seq = Publish({0, StoreEvent::Kind::kNodeRemoved, {}, {}, {*id}});
   if (log && id.has_value()) {
     WalOp op;
     op.type = WalOp::Type::kRemoveNode;
+    op.sequence = seq;  // keeps sequence numbers unique across a restart
     op.node_id = *id;
     AppendWal({op});
   }

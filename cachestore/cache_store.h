@@ -108,7 +108,9 @@ struct AllocateResult {
 };
 
 struct StoreEvent {
-  enum class Kind { kStored = 1, kRemoved = 2 };
+  // kNodeRemoved: node_ids[0] expired or re-registered with a new spec; it holds no block now
+  // (blocks it held alone were removed by kRemoved events just before).
+  enum class Kind { kStored = 1, kRemoved = 2, kNodeRemoved = 3 };
   uint64_t sequence = 0;
   Kind kind = Kind::kStored;
   BlockHash hash;

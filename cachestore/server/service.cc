@@ -401,6 +401,10 @@ grpc::Status CacheStoreService::WatchEvents(grpc::ServerContext* ctx,
         store_->EventsSince(next, 1024, absl::Now() + absl::Milliseconds(100));
     if (!events.ok()) return t.Done(ToGrpcStatus(events.status()));
     for (const StoreEvent& e : *events) {
+      if (e.kind == StoreEvent::Kind::kNodeRemoved) {  // not in v1.Event; kv-events carry it
+        next = e.sequence + 1;
+        continue;
+      }
       v1::Event out;
       out.set_sequence(e.sequence);
       out.set_kind(e.kind == StoreEvent::Kind::kStored ? v1::Event::KIND_BLOCK_STORED
