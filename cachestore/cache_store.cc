@@ -82,6 +82,9 @@ absl::Status CacheStore::Recover() {
   UpdateCapacityHint();
   {
     absl::MutexLock events_lock(&events_mu_);
+    // Replay re-ran removals that published events numbered from 1; none is a live event, and
+    // left in place they would break EventsSince's sequence -> position arithmetic.
+    events_.clear();
     next_sequence_ = max_seq + 1;
   }
   // The first event after the restart logs a fresh mark before it is handed out.
@@ -279,6 +282,7 @@ void CacheStore::RemoveNodeLocked(uint16_t node, bool log, std::string_view why)
   if (log && id.has_value()) {
     WalOp op;
     op.type = WalOp::Type::kRemoveNode;
+    op.sequence = seq;  // keeps sequence numbers unique across a restart
     op.node_id = *id;
     AppendWal({op});
   }

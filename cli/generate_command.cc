@@ -4,6 +4,8 @@
 
 #include <cstdio>
 #include <iostream>
+#include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -19,6 +21,7 @@
 #include "cli/commands.h"
 #include "cli/gateway_client.h"
 #include "gateway/tokenizer/byte_tokenizer.h"
+#include "tokenizer/tokenizer.h"
 
 namespace kvrelay::cli {
 namespace {
@@ -45,7 +48,15 @@ absl::StatusOr<std::vector<int32_t>> ParseTokenList(const std::string& text) {
   return tokens;
 }
 
-nlohmann::json ResultJson(const GenerationResult& r, const std::string& mode, bool with_text) {
+// The text of generated ids: --tokenizer's decoding, or the byte tokenizer's display form.
+std::string DisplayText(const std::vector<int32_t>& ids, const tokenizer::Tokenizer* tokenizer) {
+  if (tokenizer == nullptr) return gateway::DecodeForDisplay(ids);
+  absl::StatusOr<std::string> text = tokenizer->Decode(ids);
+  return text.ok() ? *text : absl::StrCat("<", text.status().message(), ">");
+}
+
+nlohmann::json ResultJson(const GenerationResult& r, const std::string& mode,
+                          const std::optional<std::string>& text) {
   nlohmann::json j = {{"mode", mode},
                       {"tokens", r.tokens},
                       {"ttft_ms", r.ttft_ms},
@@ -59,12 +70,12 @@ nlohmann::json ResultJson(const GenerationResult& r, const std::string& mode, bo
                       {"prefill_worker", r.prefill_worker},
                       {"decode_worker", r.decode_worker},
                       {"attempts", r.attempts}};
-  if (with_text) j["text"] = gateway::DecodeForDisplay(r.tokens);
+  if (text) j["text"] = *text;
   return j;
 }
 
-void PrintHuman(const GenerationResult& r, bool with_text) {
-  if (with_text) std::printf("text:   %s\n", gateway::DecodeForDisplay(r.tokens).c_str());
+void PrintHuman(const GenerationResult& r, const std::optional<std::string>& text) {
+  if (text) std::printf("text:   %s\n", text->c_str());
   std::printf("tokens: %s\n", absl::StrJoin(r.tokens, ",").c_str());
   std::printf(
       "ttft %.2f ms, total %.2f ms; prompt %d tokens (%d from cache, %d computed); "
@@ -93,7 +104,11 @@ int RunGenerateCommand(const std::vector<std::string>& args) {
   flags.AddString("model-name", &model_id,
                   "model name sent to the gateway (default: the model the gateway serves)");
   flags.AddString("tokens", &tokens_text, "prompt token ids, comma-separated: 1,2,3");
-  flags.AddString("prompt", &prompt, "prompt text (byte-level tokenizer: one token per byte)");
+  flags.AddString("prompt", &prompt, "prompt text, tokenized by --tokenizer");
+  std::string tokenizer_spec = "byte";
+  flags.AddString("tokenizer", &tokenizer_spec,
+                  "byte (one token per byte, the demo models) or a model's tokenizer.json "
+                  "directory/file (tokenizer/README.md)");
   flags.AddInt32("max-tokens", &max_tokens, "tokens to generate, 1-4096");
   flags.AddString("tenant", &tenant, "tenant identity (prefix reuse never crosses tenants)");
   flags.AddDouble("temperature", &temperature, "sampling temperature; 0 = greedy");
@@ -119,7 +134,18 @@ int RunGenerateCommand(const std::vector<std::string>& args) {
   }
   GenerationRequest request;
   const bool with_text = flags.WasSet("prompt");
-  if (with_text) {
+  std::unique_ptr<tokenizer::Tokenizer> text_tokenizer;  // null: the byte tokenizer
+  if (tokenizer_spec != "byte") {
+    absl::StatusOr<std::unique_ptr<tokenizer::Tokenizer>> loaded =
+        tokenizer::LoadTokenizer(tokenizer_spec);
+    if (!loaded.ok()) return UsageError(absl::StrCat("--tokenizer: ", loaded.status().message()));
+    text_tokenizer = *std::move(loaded);
+  }
+  if (with_text && text_tokenizer != nullptr) {
+    absl::StatusOr<std::vector<int32_t>> ids = text_tokenizer->Encode(prompt);
+    if (!ids.ok()) return UsageError(absl::StrCat("--prompt: ", ids.status().message()));
+    request.tokens = *std::move(ids);
+  } else if (with_text) {
     request.tokens = gateway::EncodeBytes(prompt);
   } else {
     absl::StatusOr<std::vector<int32_t>> parsed = ParseTokenList(tokens_text);
@@ -160,10 +186,12 @@ int RunGenerateCommand(const std::vector<std::string>& args) {
     std::fprintf(stderr, "kvrelay generate: %s\n", result.status().ToString().c_str());
     return result.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
   }
+  std::optional<std::string> text;
+  if (with_text) text = DisplayText(result->tokens, text_tokenizer.get());
   if (json) {
-    std::cout << ResultJson(*result, mode, with_text).dump() << std::endl;
+    std::cout << ResultJson(*result, mode, text).dump() << std::endl;
   } else {
-    PrintHuman(*result, with_text);
+    PrintHuman(*result, text);
   }
   return 0;
 }

@@ -15,6 +15,7 @@
 #include "gateway/server/command.h"
 #include "model/test_model.h"
 #include "prefill/server/command.h"
+#include "tokenizer/tokenize_command.h"
 #include "transfer/ucx/transfer_bench.h"
 #include "cli/bench_serve/bench_serve_command.h"
 
@@ -46,6 +47,8 @@ constexpr Subcommand kSubcommands[] = {
      kvrelay::cli::RunMakeTestModelCommand},
     {"prefill", "run a prefill worker (computes or reuses KV, pushes it to decode)",
      kvrelay::prefill::server::RunPrefillCommand},
+    {"tokenize", "encode text or decode ids with a model's tokenizer.json",
+     kvrelay::tokenizer::RunTokenizeCommand},
     {"trace-replay", "replay a request trace through the cache store's eviction code",
      kvrelay::cachestore::server::RunTraceReplayCommand},
     {"transfer-bench", "UCX block transfer bandwidth/latency between two local processes",

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "cachestore/cache_store.h"
+#include "cachestore/kvevents/kv_event_publisher.h"
 #include "cachestore/server/command.h"
 #include "cachestore/server/service.h"
 #include "cachestore/trace_replay.h"
@@ -37,6 +38,8 @@ int RunCacheStoreCommand(const std::vector<std::string>& args) {
   double high = 0.95, low = 0.90;
   int64_t snapshot_every = 100000;
   kvrelay::server::AddServerFlags(flags, host);
+  kvrelay::cachestore::kvevents::KvEventsOptions kv_events;
+  kvrelay::cachestore::kvevents::AddKvEventsFlags(flags, &kv_events);
   flags.AddString("data-dir", &data_dir, "WAL + snapshot directory; empty = no durability");
   flags.AddString("policy", &policy, "eviction policy: lrfu (default) or leaf-lru");
   flags.AddDuration("node-ttl", &node_ttl,
@@ -82,6 +85,12 @@ int RunCacheStoreCommand(const std::vector<std::string>& args) {
     std::fprintf(stderr, "kvrelay cachestore: %s\n", store.status().ToString().c_str());
     return absl::IsInvalidArgument(store.status()) ? 2 : 1;
   }
+  absl::StatusOr<std::unique_ptr<kvrelay::cachestore::kvevents::KvEventPublisher>> publisher =
+      kvrelay::cachestore::kvevents::KvEventPublisher::Start(store->get(), kv_events);
+  if (!publisher.ok()) {
+    std::fprintf(stderr, "kvrelay cachestore: %s\n", publisher.status().ToString().c_str());
+    return absl::IsInvalidArgument(publisher.status()) ? 2 : 1;
+  }
   host.max_message_bytes = limits.max_message_bytes;
   CacheStoreService service(store->get(), limits);
   absl::StatusOr<std::unique_ptr<kvrelay::server::ServiceHost>> server =
@@ -95,6 +104,7 @@ int RunCacheStoreCommand(const std::vector<std::string>& args) {
                               .on_tick = [&store] { (*store)->Tick(); },
                               .tick = tick});
   server->reset();
+  publisher->reset();
   if (!data_dir.empty()) {
     absl::Status s = (*store)->WriteSnapshotNow();
     if (!s.ok()) {

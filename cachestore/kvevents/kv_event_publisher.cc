@@ -1,0 +1,305 @@
+#include "cachestore/kvevents/kv_event_publisher.h"
+
+#include <zmq.h>
+
+#include <algorithm>
+#include <deque>
+#include <iterator>
+#include <map>
+#include <utility>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "cachestore/kvevents/vllm_codec.h"
+#include "common/logging.h"
+
+namespace kvrelay::cachestore::kvevents {
+namespace {
+
+using ContextPtr = std::unique_ptr<void, int (*)(void*)>;
+using SocketPtr = std::unique_ptr<void, int (*)(void*)>;
+
+constexpr size_t kMaxEventsPerBatch = 1024;
+
+std::string BigEndian(int64_t v) {
+  std::string out(8, '\0');
+  for (int i = 7; i >= 0; --i) {
+    out[i] = static_cast<char>(v & 0xFF);
+    v = static_cast<int64_t>(static_cast<uint64_t>(v) >> 8);
+  }
+  return out;
+}
+
+absl::Status ZmqError(std::string_view what) {
+  return absl::UnavailableError(absl::StrCat(std::string(what), ": ", zmq_strerror(zmq_errno())));
+}
+
+std::optional<std::string> MediumOf(const NodeSpec& spec) {
+  std::optional<Tier> tier;
+  for (const SegmentSpec& s : spec.segments) {
+    if (tier && *tier != s.tier) return std::nullopt;  // mixed tiers: unknown per block
+    tier = s.tier;
+  }
+  if (!tier) return std::nullopt;
+  switch (*tier) {
+    case Tier::kGpu:
+      return "GPU";
+    case Tier::kHost:
+      return "CPU";
+    default:
+      return std::nullopt;
+  }
+}
+
+}  // namespace
+
+void AddKvEventsFlags(FlagSet& flags, KvEventsOptions* o) {
+  flags.AddString("kv-events-endpoint", &o->endpoint,
+                  "bind a ZeroMQ PUB socket here and publish block events in vLLM's KV-event "
+                  "format (e.g. tcp://127.0.0.1:5557); empty = off");
+  flags.AddString("kv-events-replay-endpoint", &o->replay_endpoint,
+                  "bind the ROUTER socket answering vLLM replay requests here; empty = off");
+  flags.AddString("kv-events-model", &o->model, "model name in the topic kv@<node>@<model>");
+  flags.AddInt32("kv-events-block-size", &o->block_size,
+                 "tokens per block, sent as BlockStored.block_size");
+  flags.AddInt64("kv-events-replay-batches", &o->replay_batches,
+                 "batches kept for replay (all topics together)");
+}
+
+struct KvEventPublisher::Impl {
+  Impl(CacheStore* s, KvEventsOptions o)
+      : store(s),
+        options(std::move(o)),
+        context(nullptr, zmq_ctx_term),
+        pub(nullptr, zmq_close),
+        replay(nullptr, zmq_close) {}
+
+  struct Retained {
+    std::string topic;
+    int64_t sequence;
+    std::string payload;
+  };
+
+  CacheStore* const store;
+  const KvEventsOptions options;
+  // Declared in creation order: the sockets close before the context terminates.
+  ContextPtr context;
+  SocketPtr pub;
+  SocketPtr replay;
+  std::atomic<bool> stop{false};
+  std::thread thread;
+  // Thread-only state below.
+  absl::flat_hash_map<std::string, int64_t> next_sequence;              // per topic
+  absl::flat_hash_map<std::string, std::optional<std::string>> medium;  // per node
+  std::deque<Retained> retained;
+
+  std::string Topic(const std::string& node) const {
+    return absl::StrCat("kv@", node, "@", options.model);
+  }
+
+  std::optional<std::string> Medium(const std::string& node) {
+    auto it = medium.find(node);
+    if (it != medium.end()) return it->second;
+    std::optional<std::string> m;
+    if (std::optional<uint16_t> index = store->registry().Find(node)) {
+      if (std::optional<NodeSpec> spec = store->registry().Spec(*index)) m = MediumOf(*spec);
+    }
+    medium[node] = m;
+    return m;
+  }
+
+  BlockStored Stored(const BlockHash& hash, const BlockHash& parent, const std::string& node) {
+    BlockStored e;
+    e.block_hashes = {hash.hi};
+    if (!parent.IsZero()) e.parent_block_hash = parent.hi;
+    e.block_size = options.block_size;
+    e.medium = Medium(node);
+    e.group_idx = 0;  // one kvrelay block holds every layer group
+    return e;
+  }
+
+  void Send(const std::string& topic, std::vector<KvEvent> events) {
+    for (size_t begin = 0; begin < events.size(); begin += kMaxEventsPerBatch) {
+      KvEventBatch batch;
+      batch.ts = absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch());
+      batch.data_parallel_rank = options.data_parallel_rank;
+      const size_t end = std::min(events.size(), begin + kMaxEventsPerBatch);
+      batch.events.assign(std::make_move_iterator(events.begin() + begin),
+                          std::make_move_iterator(events.begin() + end));
+      std::string payload = EncodeKvEventBatch(batch);
+      const int64_t seq = next_sequence[topic]++;
+      const std::string seq_bytes = BigEndian(seq);
+      // PUB never blocks: past the high-water mark ZeroMQ drops, and subscribers replay.
+      zmq_send(pub.get(), topic.data(), topic.size(), ZMQ_SNDMORE | ZMQ_DONTWAIT);
+      zmq_send(pub.get(), seq_bytes.data(), seq_bytes.size(), ZMQ_SNDMORE | ZMQ_DONTWAIT);
+      zmq_send(pub.get(), payload.data(), payload.size(), ZMQ_DONTWAIT);
+      retained.push_back({topic, seq, std::move(payload)});
+      while (static_cast<int64_t>(retained.size()) > options.replay_batches) retained.pop_front();
+    }
+  }
+
+  // Every node's full state: AllBlocksCleared, then one BlockStored per block it holds.
+  void SendState() {
+    std::map<std::string, std::vector<KvEvent>> by_topic;
+    for (const NodeSpec& spec : store->registry().AllSpecs()) {
+      by_topic[Topic(spec.node_id)].emplace_back(std::in_place_type<AllBlocksCleared>);
+    }
+    store->index().ForEachCommitted([&](const NewBlock& b) {
+      for (const Replica& r : b.replicas) {
+        std::optional<std::string> node = store->registry().NodeId(r.node);
+        if (!node) continue;
+        by_topic[Topic(*node)].emplace_back(std::in_place_type<BlockStored>,
+                                            Stored(b.hash, b.parent, *node));
+      }
+    });
+    for (auto& [topic, events] : by_topic) Send(topic, std::move(events));
+  }
+
+  void ServeReplay() {
+    for (;;) {
+      std::vector<std::string> frames;
+      for (;;) {
+        zmq_msg_t msg;
+        zmq_msg_init(&msg);
+        if (zmq_msg_recv(&msg, replay.get(), ZMQ_DONTWAIT) < 0) {
+          zmq_msg_close(&msg);
+          if (frames.empty()) return;  // nothing waiting
+          break;
+        }
+        frames.emplace_back(static_cast<const char*>(zmq_msg_data(&msg)), zmq_msg_size(&msg));
+        const bool more = zmq_msg_more(&msg);
+        zmq_msg_close(&msg);
+        if (!more) break;
+      }
+      // [identity, "", start] or [identity, "", start, topic]; anything else is ignored, as
+      // vLLM does.
+      if ((frames.size() != 3 && frames.size() != 4) || !frames[1].empty() ||
+          frames[2].size() != 8) {
+        KV_LOG(WARNING) << "kv-events: ignoring a malformed replay request of " << frames.size()
+                        << " frames";
+        continue;
+      }
+      int64_t start = 0;
+      for (unsigned char c : frames[2]) start = (start << 8) | c;
+      const std::string* topic = frames.size() == 4 ? &frames[3] : nullptr;
+      auto reply = [&](const std::string& seq, const std::string& payload) {
+        zmq_send(replay.get(), frames[0].data(), frames[0].size(), ZMQ_SNDMORE | ZMQ_DONTWAIT);
+        zmq_send(replay.get(), "", 0, ZMQ_SNDMORE | ZMQ_DONTWAIT);
+        zmq_send(replay.get(), seq.data(), seq.size(), ZMQ_SNDMORE | ZMQ_DONTWAIT);
+        zmq_send(replay.get(), payload.data(), payload.size(), ZMQ_DONTWAIT);
+      };
+      for (const Retained& r : retained) {
+        if (r.sequence < start || (topic != nullptr && r.topic != *topic)) continue;
+        reply(BigEndian(r.sequence), r.payload);
+      }
+      reply(BigEndian(-1), "");
+    }
+  }
+
+  void Run() {
+    uint64_t next = store->last_sequence() + 1;
+    SendState();
+    while (!stop.load(std::memory_order_acquire)) {
+      if (replay) ServeReplay();
+      absl::StatusOr<std::vector<StoreEvent>> events =
+          store->EventsSince(next, 4096, absl::Now() + absl::Milliseconds(50));
+      if (!events.ok()) {
+        // Fell behind the store's retention: resend everyone's state from here.
+        KV_LOG(WARNING) << "kv-events: " << events.status() << "; resending the full state";
+        next = store->last_sequence() + 1;
+        SendState();
+        continue;
+      }
+      // Per topic, in sequence order; topics are independent streams.
+      std::map<std::string, std::vector<KvEvent>> by_topic;
+      for (const StoreEvent& e : *events) {
+        next = e.sequence + 1;
+        if (e.kind == StoreEvent::Kind::kNodeLeft) {
+          // The node's process is gone (deregistered, replaced or forgotten): so are its blocks.
+          by_topic[Topic(e.node.node_id)].emplace_back(std::in_place_type<AllBlocksCleared>);
+          medium.erase(e.node.node_id);  // a re-registered node may bring other tiers
+          continue;
+        }
+        if (e.kind != StoreEvent::Kind::kStored && e.kind != StoreEvent::Kind::kRemoved) continue;
+        for (const std::string& node : e.node_ids) {
+          std::vector<KvEvent>& out = by_topic[Topic(node)];
+          switch (e.kind) {
+            case StoreEvent::Kind::kStored:
+              out.emplace_back(std::in_place_type<BlockStored>, Stored(e.hash, e.parent, node));
+              break;
+            case StoreEvent::Kind::kRemoved:
+              out.emplace_back(std::in_place_type<BlockRemoved>,
+                               BlockRemoved{{e.hash.hi}, Medium(node), 0});
+              break;
+            default:
+              break;
+          }
+        }
+      }
+      for (auto& [topic, out] : by_topic) Send(topic, std::move(out));
+    }
+  }
+};
+
+KvEventPublisher::KvEventPublisher(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+KvEventPublisher::~KvEventPublisher() {
+  impl_->stop.store(true, std::memory_order_release);
+  if (impl_->thread.joinable()) impl_->thread.join();
+}
+
+absl::StatusOr<std::unique_ptr<KvEventPublisher>> KvEventPublisher::Start(CacheStore* store,
+                                                                          KvEventsOptions options) {
+  if (options.endpoint.empty()) {
+    if (!options.replay_endpoint.empty()) {
+      return absl::InvalidArgumentError(
+          "--kv-events-replay-endpoint needs --kv-events-endpoint as well");
+    }
+    return std::unique_ptr<KvEventPublisher>();
+  }
+  if (options.model.empty() || absl::StrContains(options.model, "@")) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--kv-events-model: must be non-empty without '@', got '", options.model, "'"));
+  }
+  if (options.block_size <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--kv-events-block-size: must be positive, got ", options.block_size));
+  }
+  if (options.replay_batches < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--kv-events-replay-batches: must be >= 0, got ", options.replay_batches));
+  }
+  auto impl = std::make_unique<Impl>(store, std::move(options));
+  impl->context.reset(zmq_ctx_new());
+  if (!impl->context) return ZmqError("zmq_ctx_new");
+  const int linger = 0, hwm = 100000;
+  impl->pub.reset(zmq_socket(impl->context.get(), ZMQ_PUB));
+  if (!impl->pub) return ZmqError("zmq_socket(PUB)");
+  zmq_setsockopt(impl->pub.get(), ZMQ_LINGER, &linger, sizeof(linger));
+  zmq_setsockopt(impl->pub.get(), ZMQ_SNDHWM, &hwm, sizeof(hwm));
+  if (zmq_bind(impl->pub.get(), impl->options.endpoint.c_str()) != 0) {
+    return ZmqError(absl::StrCat("--kv-events-endpoint: cannot bind ", impl->options.endpoint));
+  }
+  if (!impl->options.replay_endpoint.empty()) {
+    impl->replay.reset(zmq_socket(impl->context.get(), ZMQ_ROUTER));
+    if (!impl->replay) return ZmqError("zmq_socket(ROUTER)");
+    zmq_setsockopt(impl->replay.get(), ZMQ_LINGER, &linger, sizeof(linger));
+    if (zmq_bind(impl->replay.get(), impl->options.replay_endpoint.c_str()) != 0) {
+      return ZmqError(
+          absl::StrCat("--kv-events-replay-endpoint: cannot bind ", impl->options.replay_endpoint));
+    }
+  }
+  Impl* raw = impl.get();
+  // The thread takes the sockets over; nothing else touches them until it is joined.
+  raw->thread = std::thread([raw] { raw->Run(); });
+  KV_LOG(INFO) << "cachestore: kv-events on " << raw->options.endpoint
+               << (raw->options.replay_endpoint.empty()
+                       ? std::string()
+                       : absl::StrCat(" replay ", raw->options.replay_endpoint));
+  return std::unique_ptr<KvEventPublisher>(new KvEventPublisher(std::move(impl)));
+}
+
+}  // namespace kvrelay::cachestore::kvevents

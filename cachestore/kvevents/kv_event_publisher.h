@@ -1,0 +1,66 @@
+#pragma once
+
+// Publishes the cache store's block events in vLLM's KV-event wire format, so routers that
+// consume vLLM's events (llm-d's KV-cache indexer, Dynamo) can follow kvrelay's cache:
+//   ZeroMQ PUB, multipart [topic, 8-byte big-endian sequence, msgpack KVEventBatch],
+//   one topic per node: "kv@<node id>@<model>", with its own sequence (0, 1, 2, ...), so each
+//   node's stream looks like one vLLM instance's.
+// Events: BlockStored when a block is committed (once per replica node), BlockRemoved when it
+// leaves the store, AllBlocksCleared when a node expires or re-registers with a new spec (its
+// blocks that live on elsewhere lose only that replica). block_hashes are kv::BlockHash::hi, the
+// first 8 bytes of kvrelay's 128-bit chained hash read big-endian; token_ids are empty (the store
+// sees hashes, never tokens). See cachestore/README.md "KV events".
+//
+// On start (and whenever it falls behind the store's event retention) the publisher sends every
+// node's state: AllBlocksCleared, then BlockStored for each block it holds, so a subscriber's
+// index is exact after a store restart. Replay: a ROUTER socket takes [empty, 8-byte start
+// sequence] (vLLM's request) or [empty, start sequence, topic] and answers each retained batch
+// with sequence >= start as [empty, sequence, payload] (of that topic only, when given), then
+// [empty, -1, ""].
+//
+// One thread owns both sockets and reads CacheStore::EventsSince. Start/destroy from one thread.
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/status/statusor.h"
+#include "cachestore/cache_store.h"
+#include "common/flags.h"
+
+namespace kvrelay::cachestore::kvevents {
+
+struct KvEventsOptions {
+  std::string endpoint;         // PUB endpoint to bind, e.g. tcp://127.0.0.1:5557; empty = off
+  std::string replay_endpoint;  // ROUTER endpoint to bind; empty = no replay
+  std::string model = "kvrelay";
+  int32_t block_size = 16;         // tokens per block, as BlockStored.block_size
+  int64_t replay_batches = 10000;  // batches retained for replay (all topics)
+  int32_t data_parallel_rank = 0;
+};
+
+// --kv-events-endpoint, --kv-events-replay-endpoint, --kv-events-model,
+// --kv-events-block-size, --kv-events-replay-batches.
+void AddKvEventsFlags(FlagSet& flags, KvEventsOptions* options);
+
+class KvEventPublisher {
+ public:
+  // Binds the sockets and starts the thread; nullptr when options.endpoint is empty.
+  // InvalidArgument for a bad option, Unavailable when an endpoint cannot be bound.
+  // `store` must outlive the publisher.
+  static absl::StatusOr<std::unique_ptr<KvEventPublisher>> Start(CacheStore* store,
+                                                                 KvEventsOptions options);
+  ~KvEventPublisher();  // stops the thread, closes the sockets (linger 0)
+  KvEventPublisher(const KvEventPublisher&) = delete;
+  KvEventPublisher& operator=(const KvEventPublisher&) = delete;
+
+  struct Impl;
+
+ private:
+  explicit KvEventPublisher(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvrelay::cachestore::kvevents

@@ -1,0 +1,222 @@
+// vLLM-format KV events from the real `kvrelay cachestore` process: an independent subscriber
+// (kv_events_subscriber.py: Debian's python3-zmq + python3-msgpack) decodes the ZeroMQ stream,
+// checks every batch against vLLM's KVEventBatch schema and rebuilds the per-node block index,
+// which must equal the store's, including after a node expires and across a store restart.
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <map>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "cachestore/client/cache_store_client.h"
+#include "common/file_util.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kv/block_hash.h"
+#include "nlohmann/json.hpp"
+#include "tests/testing/process_harness.h"
+#include "tests/testing/status_matchers.h"
+#include "tests/testing/test_env.h"
+
+namespace kvrelay::cachestore {
+namespace {
+
+using ::kvrelay::testing::ChildProcess;
+using ::kvrelay::testing::IsOk;
+using Index = std::map<std::string, std::set<std::string>>;  // node -> 64-bit hashes (decimal)
+
+std::vector<kv::BlockHash> Chain(const std::string& salt, int n, int start) {
+  std::vector<int32_t> tokens;
+  for (int i = 0; i < n * 16; ++i) tokens.push_back(start + i);
+  return kv::HashChain(kv::LayoutFingerprint{}, salt, tokens, 16);
+}
+
+class KvEventsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (::access("/usr/bin/python3", X_OK) != 0) GTEST_SKIP() << "no /usr/bin/python3";
+    pub_ = absl::StrCat("tcp://127.0.0.1:", testing::PickUnusedPort());
+    replay_ = absl::StrCat("tcp://127.0.0.1:", testing::PickUnusedPort());
+  }
+
+  void StartStore() {
+    std::vector<std::string> argv = {testing::BinaryPath("kvrelay"),
+                                     "cachestore",
+                                     "--port",
+                                     "0",
+                                     "--metrics-port",
+                                     "0",
+                                     "--data-dir",
+                                     dir_.File("data"),
+                                     "--tick",
+                                     "20ms",
+                                     "--kv-events-endpoint",
+                                     pub_,
+                                     "--kv-events-replay-endpoint",
+                                     replay_,
+                                     "--kv-events-model",
+                                     "tiny-llama"};
+    KV_ASSERT_OK_AND_ASSIGN(store_, ChildProcess::Start(argv));
+    KV_ASSERT_OK_AND_ASSIGN(std::string line,
+                            store_->WaitForOutput("cachestore listening on", absl::Seconds(30)));
+    std::vector<std::string> words = absl::StrSplit(line, ' ', absl::SkipEmpty());
+    ASSERT_GE(words.size(), 4u) << line;
+    KV_ASSERT_OK_AND_ASSIGN(client_, CacheStoreClient::Connect(words[3]));
+    ASSERT_THAT(client_->WaitForReady(absl::Seconds(10)), IsOk());
+  }
+
+  void StopStore() {
+    client_.reset();
+    store_->Signal(SIGTERM);
+    KV_ASSERT_OK_AND_ASSIGN(int code, store_->Wait(absl::Seconds(30)));
+    EXPECT_EQ(code, 0) << store_->Stderr();
+  }
+
+  void Register(const std::string& node, int64_t ttl_ms) {
+    v1::RegisterNodeRequest req;
+    req.set_node_id(node);
+    req.mutable_address()->set_kind("ucx");
+    req.mutable_address()->set_address("127.0.0.1:1");
+    v1::Segment* s = req.add_segments();
+    s->set_segment_id("host0");
+    s->set_tier(v1::TIER_HOST);
+    s->set_capacity_slots(64);
+    s->set_slot_bytes(1 << 20);
+    s->set_memory_key("rkey");
+    req.set_ttl_ms(ttl_ms);
+    ASSERT_THAT(client_->RegisterNode(req), IsOk());
+  }
+
+  // Stores `chain` on `node` and records it in the expected index.
+  void Store(const std::vector<kv::BlockHash>& chain, const std::string& node) {
+    KV_ASSERT_OK_AND_ASSIGN(v1::AllocateResponse a,
+                            client_->AllocateChain(chain, 1 << 20, {}, node));
+    ASSERT_EQ(a.blocks_size(), static_cast<int>(chain.size()));
+    for (const v1::Allocation& b : a.blocks()) {
+      ASSERT_EQ(b.replicas_size(), 1);
+      ASSERT_EQ(b.replicas(0).node_id(), node);
+    }
+    KV_ASSERT_OK_AND_ASSIGN(int n, client_->Commit(a.allocation_id()));
+    ASSERT_EQ(n, static_cast<int>(chain.size()));
+    for (const kv::BlockHash& h : chain) expected_[node].insert(absl::StrCat(h.hi));
+    chains_[node].push_back(chain);
+  }
+
+  // The store's own view agrees with the expected index: every expected chain matches whole.
+  void ExpectStoreHoldsExpected() {
+    for (const auto& [node, chains] : chains_) {
+      for (const auto& chain : chains) {
+        absl::StatusOr<v1::MatchPrefixResponse> m = client_->MatchPrefix(chain);
+        ASSERT_THAT(m, IsOk());
+        EXPECT_EQ(m->matched(), expected_[node].empty() ? 0 : static_cast<int>(chain.size()))
+            << node;
+      }
+    }
+  }
+
+  nlohmann::json ReadState() {
+    absl::StatusOr<std::string> text = ReadFileToString(dir_.File("state.json"));
+    if (!text.ok()) return nlohmann::json();
+    nlohmann::json j = nlohmann::json::parse(*text, nullptr, false);
+    return j.is_discarded() ? nlohmann::json() : j;
+  }
+
+  static Index NonEmpty(Index index) {
+    std::erase_if(index, [](const auto& kv) { return kv.second.empty(); });
+    return index;
+  }
+
+  // Waits (bounded) until the subscriber's index equals the expected one.
+  void ExpectSubscriberConverges() {
+    Index seen;
+    nlohmann::json state;
+    for (int i = 0; i < 200; ++i) {
+      state = ReadState();
+      seen.clear();
+      if (state.contains("nodes")) {
+        for (const auto& [node, hashes] : state["nodes"].items()) {
+          for (const auto& h : hashes) seen[node].insert(h.get<std::string>());
+        }
+      }
+      if (NonEmpty(seen) == NonEmpty(expected_)) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    EXPECT_EQ(NonEmpty(seen), NonEmpty(expected_)) << state.dump() << "\n" << subscriber_->Stderr();
+    ASSERT_TRUE(state.contains("errors"));
+    EXPECT_TRUE(state["errors"].empty()) << state["errors"].dump();
+  }
+
+  testing::TempDir dir_;
+  std::string pub_, replay_;
+  std::unique_ptr<ChildProcess> store_, subscriber_;
+  std::unique_ptr<CacheStoreClient> client_;
+  Index expected_;
+  std::map<std::string, std::vector<std::vector<kv::BlockHash>>> chains_;
+};
+
+TEST_F(KvEventsTest, SubscriberRebuildsTheIndexAcrossExpiryAndRestart) {
+  StartStore();
+  if (HasFatalFailure()) return;
+  KV_ASSERT_OK_AND_ASSIGN(
+      subscriber_,
+      ChildProcess::Start({"/usr/bin/python3",
+                           testing::SourceDir() + "/tests/cachestore/kv_events_subscriber.py",
+                           "--endpoint", pub_, "--replay", replay_, "--model", "tiny-llama",
+                           "--state", dir_.File("state.json")}));
+  ASSERT_THAT(subscriber_->WaitForOutput("subscriber ready", absl::Seconds(30)), IsOk());
+
+  Register("prefill-a", 60000);
+  Register("decode-b", 60000);
+  Register("short-lived", 400);
+  Store(Chain("tenant-1", 3, 0), "prefill-a");
+  Store(Chain("tenant-2", 2, 0), "prefill-a");  // same tokens, other tenant salt: other hashes
+  Store(Chain("tenant-1", 2, 500), "decode-b");
+  Store(Chain("tenant-1", 2, 900), "short-lived");
+  // short-lived stops heartbeating: its blocks go (BlockRemoved) and it is cleared.
+  expected_["short-lived"].clear();
+  for (int i = 0; i < 200; ++i) {
+    KV_ASSERT_OK_AND_ASSIGN(bool known, client_->Heartbeat("prefill-a"));
+    ASSERT_TRUE(known);
+    absl::StatusOr<v1::MatchPrefixResponse> m = client_->MatchPrefix(Chain("tenant-1", 2, 900));
+    if (m.ok() && m->matched() == 0) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ExpectStoreHoldsExpected();
+  ExpectSubscriberConverges();
+
+  // Restart: the store recovers its index from the WAL; the subscriber reconnects, replays each
+  // node from sequence 0 (its full state) and keeps following new events.
+  StopStore();
+  StartStore();
+  if (HasFatalFailure()) return;
+  Store(Chain("tenant-1", 2, 2000), "decode-b");
+  Store(Chain("tenant-3", 2, 0), "prefill-a");
+  ExpectStoreHoldsExpected();
+  ExpectSubscriberConverges();
+  const nlohmann::json state = ReadState();
+  EXPECT_GE(state["replays"].get<int>(), 2);  // the restart was replayed, not guessed
+}
+
+TEST_F(KvEventsTest, BadFlagsAreRefused) {
+  absl::StatusOr<testing::CommandResult> r =
+      testing::RunCommand({testing::BinaryPath("kvrelay"), "cachestore", "--port", "0",
+                           "--kv-events-endpoint", "bogus://x"});
+  ASSERT_THAT(r, IsOk());
+  EXPECT_NE(r->exit_code, 0);
+  EXPECT_THAT(r->stderr_text, ::testing::HasSubstr("--kv-events-endpoint"));
+  r = testing::RunCommand({testing::BinaryPath("kvrelay"), "cachestore", "--port", "0",
+                           "--kv-events-replay-endpoint", replay_});
+  ASSERT_THAT(r, IsOk());
+  EXPECT_EQ(r->exit_code, 2);
+  EXPECT_THAT(r->stderr_text, ::testing::HasSubstr("needs --kv-events-endpoint"));
+}
+
+}  // namespace
+}  // namespace kvrelay::cachestore
