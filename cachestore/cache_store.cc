@@ -237,6 +237,7 @@ absl::StatusOr<MatchResult> CacheStore::MatchPrefix(absl::Span<const BlockHash> 
   std::vector<MatchedBlock> found;
   found.reserve(chain.size());
   MatchResult result;
+  policy_->OnRequest(chain);  // adaptive policies learn from the request stream
   result.matched = index_->MatchPrefix(chain, /*touch=*/true, lease, &found);
   counters_.prefix_queries.fetch_add(1, std::memory_order_relaxed);
   counters_.prefix_query_blocks.fetch_add(static_cast<int64_t>(chain.size()),

@@ -11,6 +11,7 @@ PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev
   libxxhash-dev libssl-dev libopenblas-dev nlohmann-json3-dev libyaml-cpp-dev
   redis-server iproute2 procps python3
+  python3-matplotlib  # kvrelay plan --plot (cachestore/tools)
 )
 
 missing=()

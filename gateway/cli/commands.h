@@ -15,7 +15,6 @@ int RunGenerateCommand(const std::vector<std::string>& args);  // gateway/cli
 int RunPrefillCommand(const std::vector<std::string>& args);  // prefill/
 int RunLayoutCommand(const std::vector<std::string>& args);
 int RunUpCommand(const std::vector<std::string>& args);  // gateway/cli
-int RunTraceReplayCommand(const std::vector<std::string>& args);  // cachestore/server
 int RunTransferBenchCommand(const std::vector<std::string>& args);  // transfer/ucx
 // model/test_model.cc
 int RunMakeTestModelCommand(const std::vector<std::string>& args);

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "common/flags.h"
+#include "cachestore/tools/commands.h"
 #include "gateway/cli/commands.h"
 
 namespace {
@@ -30,10 +31,14 @@ constexpr Subcommand kSubcommands[] = {
      kvrelay::cli::RunLayoutCommand},
     {"make-test-model", "write a small random-weight model (config.json + safetensors)",
      kvrelay::cli::RunMakeTestModelCommand},
+    {"plan", "capacity planner: hit rate, compute saved, bytes moved per memory size and model",
+     kvrelay::cachestore::RunPlanCommand},
     {"prefill", "run a prefill worker (computes or reuses KV, pushes it to decode)",
      kvrelay::cli::RunPrefillCommand},
     {"trace-replay", "replay a request trace through the cache store's eviction code",
-     kvrelay::cli::RunTraceReplayCommand},
+     kvrelay::cachestore::RunTraceReplayCommand},
+    {"trace-gen", "write a generated request trace (multiturn, agent, scan, shift)",
+     kvrelay::cachestore::RunTraceGenCommand},
     {"transfer-bench", "UCX block transfer bandwidth/latency between two local processes",
      kvrelay::cli::RunTransferBenchCommand},
     {"up", "start a local cluster (cache store, workers, gateway) on loopback",
