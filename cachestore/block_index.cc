@@ -375,6 +375,10 @@ void BlockIndex::ReleaseLeases(absl::Span<const BlockHash> hashes) {
 std::optional<RemovedBlock> BlockIndex::EvictOne(
     const std::function<bool(const RemovedBlock&)>& accept) {
   absl::MutexLock evict_lock(&evict_mu_);
+  if (const uint64_t epoch = policy().epoch(); epoch != heap_epoch_) {
+    heap_epoch_ = epoch;
+    RerankHeap();
+  }
   std::vector<HeapEntry> vetoed;
   std::optional<RemovedBlock> result;
   // Bounded: every iteration pops one heap entry; re-pushes happen only when a priority grew,
@@ -434,6 +438,27 @@ std::optional<RemovedBlock> BlockIndex::EvictOne(
     }
   }
   return result;
+}
+
+void BlockIndex::RerankHeap() {
+  // Lock order is shard -> heap_mu_, so take the entries out, re-rank each under its shard lock,
+  // and merge them back with whatever was queued meanwhile.
+  std::vector<HeapEntry> entries;
+  {
+    absl::MutexLock lock(&heap_mu_);
+    entries.swap(heap_);
+  }
+  for (HeapEntry& e : entries) {
+    Shard& s = shards_[ShardOfId(e.id)];
+    absl::MutexLock lock(&s.mu);
+    const uint32_t local = LocalOf(e.id);
+    if (local >= s.next_unused) continue;
+    const Record& r = Rec(s, local);
+    if (r.gen == e.gen) e.priority = policy().Priority(r.stats);  // stale ones stay stale
+  }
+  absl::MutexLock lock(&heap_mu_);
+  heap_.insert(heap_.end(), entries.begin(), entries.end());
+  std::make_heap(heap_.begin(), heap_.end(), std::greater<HeapEntry>());
 }
 
 std::vector<RemovedBlock> BlockIndex::RemoveNode(uint16_t node) {

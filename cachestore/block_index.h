@@ -223,6 +223,9 @@ class BlockIndex {
   absl::Mutex evict_mu_ ACQUIRED_BEFORE(heap_mu_);
   mutable absl::Mutex heap_mu_;
   std::vector<HeapEntry> heap_ ABSL_GUARDED_BY(heap_mu_);  // min-heap via std::greater
+  // policy().epoch() the heap's priorities were computed under; a change re-ranks the heap.
+  uint64_t heap_epoch_ ABSL_GUARDED_BY(evict_mu_) = 0;
+  void RerankHeap() ABSL_EXCLUSIVE_LOCKS_REQUIRED(evict_mu_);
 
   // Relaxed: a resize only needs to be seen eventually.
   std::atomic<size_t> ghost_capacity_;

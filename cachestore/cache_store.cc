@@ -397,6 +397,7 @@ absl::StatusOr<MatchResult> CacheStore::MatchPrefix(absl::Span<const BlockHash> 
   std::vector<MatchedBlock> found;
   found.reserve(chain.size());
   MatchResult result;
+  policy_->OnRequest(chain);  // adaptive policies learn from the request stream
   // A node removed while we resolve indices could hand its index to a new incarnation: retry
   // then (rare), so a location never names a process other than the one holding the block.
   for (int attempt = 0;; ++attempt) {

@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "cachestore/adaptive_policy.h"
 
 namespace kvrelay::cachestore {
 
@@ -48,8 +49,10 @@ absl::StatusOr<EvictionPolicyPtr> MakeEvictionPolicy(std::string_view name,
     return EvictionPolicyPtr(
         new LrfuPolicy(kLrfuHalfLifeCaches * static_cast<double>(capacity_blocks)));
   }
-  return absl::InvalidArgumentError(
-      absl::StrCat("policy: unknown eviction policy '", std::string(name), "' (want lru, leaf-lru or lrfu)"));
+  if (name == "adaptive") return EvictionPolicyPtr(new AdaptivePolicy(capacity_blocks));
+  return absl::InvalidArgumentError(absl::StrCat("policy: unknown eviction policy '",
+                                                 std::string(name),
+                                                 "' (want lru, leaf-lru, lrfu or adaptive)"));
 }
 
 }  // namespace kvrelay::cachestore

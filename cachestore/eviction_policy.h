@@ -15,6 +15,7 @@
 //   "lru"       plain LRU over blocks, not prefix-aware: any committed block may go, even one
 //               whose children stay. The baseline of `kvrelay trace-replay`; not for the service.
 //   "leaf-lru"  LRU over leaves only: a block is never evicted before its descendants.
+//   "adaptive"  leaf-LRU or LRFU, chosen online by shadow caches: adaptive_policy.h.
 //   "lrfu"      (default) leaf-first LRFU: frequency and recency with exponential aging. Each
 //               access adds 1 to a combined recency-frequency value (crf) that halves every
 //               `half_life` block accesses (Lee et al., "LRFU", IEEE ToC 2001). Stats of evicted
@@ -35,6 +36,8 @@
 #include <string_view>
 
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "kv/block_hash.h"
 
 namespace kvrelay::cachestore {
 
@@ -59,11 +62,18 @@ class EvictionPolicy {
   // Tells the policy how many blocks the cache holds; policies whose aging scales with the cache
   // (LRFU) use it. Safe to call at any time.
   virtual void SetCapacityHint(int64_t capacity_blocks) const { (void)capacity_blocks; }
+  // The chain of one request, as it arrives (before its blocks are accessed). Adaptive policies
+  // learn from it (AdaptivePolicy replays it into shadow caches); others ignore it.
+  virtual void OnRequest(absl::Span<const kv::BlockHash> chain) const { (void)chain; }
+  // Changes when Priority() re-ranks blocks other than by access (an adaptive policy switched
+  // rankings); the index then rebuilds its eviction heap once.
+  virtual uint64_t epoch() const { return 0; }
 };
 
 using EvictionPolicyPtr = std::unique_ptr<const EvictionPolicy>;
 
-// "lru", "leaf-lru" or "lrfu" (see above). InvalidArgument naming the value otherwise.
+// "lru", "leaf-lru", "lrfu" (see above) or "adaptive" (adaptive_policy.h: leaf-LRU or LRFU,
+// whichever wins in shadow caches right now). InvalidArgument naming the value otherwise.
 // `capacity_blocks` (> 0) sets the LRFU half-life to kLrfuHalfLifeCaches cache-fulls of accesses.
 absl::StatusOr<EvictionPolicyPtr> MakeEvictionPolicy(std::string_view name,
                                                      int64_t capacity_blocks);

@@ -1,6 +1,12 @@
 #include "cachestore/trace_replay.h"
 
+#include <cmath>
+#include <limits>
+#include <queue>
+
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
+#include "cachestore/adaptive_policy.h"
 #include "cachestore/block_index.h"
 #include "common/file_util.h"
 #include "common/status_macros.h"
@@ -9,16 +15,19 @@
 namespace kvrelay::cachestore {
 
 namespace {
+constexpr int64_t kTraceBlockTokensForCheck = 512;
+
+}  // namespace
+
 // Trace ids are small integers; spread them over the hash space (shard bits are the top bits of
 // lo) with a fixed bijective mix so the index sees hash-like keys.
-BlockHash TraceHash(uint64_t id) {
+BlockHash TraceBlockHash(uint64_t id) {
   uint64_t x = id + 0x9e3779b97f4a7c15ull;
   x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
   x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
   x ^= x >> 31;
   return BlockHash{id, x};
 }
-}  // namespace
 
 absl::StatusOr<std::vector<TraceRequest>> ParseTrace(std::string_view text) {
   std::vector<TraceRequest> out;
@@ -33,7 +42,8 @@ absl::StatusOr<std::vector<TraceRequest>> ParseTrace(std::string_view text) {
     if (line.find_first_not_of(" \t\r") == std::string_view::npos) continue;
     nlohmann::json j = nlohmann::json::parse(line.begin(), line.end(), nullptr, false);
     if (j.is_discarded() || !j.is_object()) {
-      return absl::InvalidArgumentError(absl::StrCat("trace line ", line_no, ": not a JSON object"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("trace line ", line_no, ": not a JSON object"));
     }
     auto it = j.find("hash_ids");
     if (it == j.end() || !it->is_array()) {
@@ -41,6 +51,24 @@ absl::StatusOr<std::vector<TraceRequest>> ParseTrace(std::string_view text) {
           absl::StrCat("trace line ", line_no, ": hash_ids: missing or not an array"));
     }
     TraceRequest r;
+    for (const auto& [field, target] :
+         {std::pair<const char*, int64_t*>{"input_length", &r.input_length},
+          {"output_length", &r.output_length},
+          {"timestamp", &r.timestamp_ms}}) {
+      auto f = j.find(field);
+      if (f == j.end()) continue;
+      if (!f->is_number() ||
+          (!f->is_number_integer() && f->get<double>() != std::floor(f->get<double>()))) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("trace line ", line_no, ": ", field, ": want a non-negative integer"));
+      }
+      const double v = f->get<double>();
+      if (v < 0 || v > 9e15) {
+        return absl::InvalidArgumentError(absl::StrCat("trace line ", line_no, ": ", field,
+                                                       ": want a non-negative integer, got ", v));
+      }
+      *target = static_cast<int64_t>(v);
+    }
     r.hash_ids.reserve(it->size());
     for (const auto& v : *it) {
       if (!v.is_number_integer() || v.get<int64_t>() < 0) {
@@ -48,6 +76,14 @@ absl::StatusOr<std::vector<TraceRequest>> ParseTrace(std::string_view text) {
             absl::StrCat("trace line ", line_no, ": hash_ids: want non-negative integers"));
       }
       r.hash_ids.push_back(v.get<uint64_t>());
+    }
+    if (r.input_length >= 0 &&
+        (r.input_length + kTraceBlockTokensForCheck - 1) / kTraceBlockTokensForCheck !=
+            static_cast<int64_t>(r.hash_ids.size())) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("trace line ", line_no, ": input_length ", r.input_length, " needs ",
+                       (r.input_length + kTraceBlockTokensForCheck - 1) / kTraceBlockTokensForCheck,
+                       " blocks of 512 tokens but hash_ids has ", r.hash_ids.size()));
     }
     out.push_back(std::move(r));
   }
@@ -65,6 +101,7 @@ absl::StatusOr<ReplayResult> ReplayTrace(const std::vector<TraceRequest>& trace,
     return absl::InvalidArgumentError(
         absl::StrCat("capacity-blocks: must be positive, got ", capacity_blocks));
   }
+  if (policy_name == "belady") return ReplayBelady(trace, capacity_blocks);
   KV_ASSIGN_OR_RETURN(EvictionPolicyPtr policy, MakeEvictionPolicy(policy_name, capacity_blocks));
   BlockIndex::Options options;
   options.policy = policy.get();
@@ -76,39 +113,85 @@ absl::StatusOr<ReplayResult> ReplayTrace(const std::vector<TraceRequest>& trace,
   result.capacity_blocks = capacity_blocks;
   int64_t cached = 0;
   std::vector<BlockHash> chain;
-  std::vector<BlockHash> leased;
   for (const TraceRequest& request : trace) {
     chain.clear();
-    for (uint64_t id : request.hash_ids) chain.push_back(TraceHash(id));
+    for (uint64_t id : request.hash_ids) chain.push_back(TraceBlockHash(id));
     ++result.requests;
     result.blocks += static_cast<int64_t>(chain.size());
-    result.hit_blocks += index.MatchPrefix(chain, /*touch=*/false, /*lease=*/false, nullptr);
-    leased.clear();
-    BlockHash parent;
-    for (const BlockHash& h : chain) {
-      if (index.Touch(h, /*lease=*/true)) {
-        leased.push_back(h);
-        parent = h;
-        continue;
-      }
-      while (cached >= capacity_blocks) {
-        if (!index.EvictOne().has_value()) break;
-        --cached;
-        ++result.evictions;
-      }
-      // A request longer than the whole cache: the rest of it cannot be stored.
-      if (cached >= capacity_blocks) break;
-      NewBlock block;
-      block.hash = h;
-      block.parent = parent;
-      if (!index.Insert(block, BlockState::kCommitted, /*lease=*/true).ok()) break;
-      ++cached;
-      leased.push_back(h);
-      parent = h;
-    }
-    index.ReleaseLeases(leased);
+    policy->OnRequest(chain);
+    result.hit_blocks +=
+        ReplayRequestInto(index, chain, capacity_blocks, &cached, &result.evictions);
   }
   return result;
+}
+
+ReplayResult ReplayBelady(const std::vector<TraceRequest>& trace, int64_t capacity_blocks) {
+  constexpr int64_t kNever = std::numeric_limits<int64_t>::max();
+  // next_use[i][j]: index of the next request that touches block j of request i.
+  std::vector<std::vector<int64_t>> next_use(trace.size());
+  {
+    absl::flat_hash_map<uint64_t, int64_t> next;
+    for (int64_t i = static_cast<int64_t>(trace.size()) - 1; i >= 0; --i) {
+      const auto& ids = trace[i].hash_ids;
+      next_use[i].resize(ids.size());
+      for (size_t j = 0; j < ids.size(); ++j) {
+        auto it = next.find(ids[j]);
+        next_use[i][j] = it == next.end() ? kNever : it->second;
+      }
+      for (uint64_t id : ids) next[id] = i;
+    }
+  }
+  ReplayResult result;
+  result.policy = "belady";
+  result.capacity_blocks = capacity_blocks;
+  absl::flat_hash_map<uint64_t, int64_t> cached;  // id -> its next use
+  // Max-heap of (next use, id); entries whose next use no longer matches are stale.
+  std::priority_queue<std::pair<int64_t, uint64_t>> heap;
+  for (size_t i = 0; i < trace.size(); ++i) {
+    const auto& ids = trace[i].hash_ids;
+    ++result.requests;
+    result.blocks += static_cast<int64_t>(ids.size());
+    size_t hits = 0;
+    while (hits < ids.size() && cached.contains(ids[hits])) ++hits;
+    result.hit_blocks += static_cast<int64_t>(hits);
+    for (size_t j = 0; j < ids.size(); ++j) {
+      const int64_t nu = next_use[i][j];
+      auto it = cached.find(ids[j]);
+      if (it != cached.end()) {
+        it->second = nu;
+        heap.push({nu, ids[j]});
+        continue;
+      }
+      if (static_cast<int64_t>(cached.size()) >= capacity_blocks) {
+        while (true) {
+          auto top = heap.top();
+          auto c = cached.find(top.second);
+          if (c != cached.end() && c->second == top.first) break;
+          heap.pop();
+        }
+        if (heap.top().first <= nu) continue;  // the newcomer is needed last: do not cache it
+        cached.erase(heap.top().second);
+        heap.pop();
+        ++result.evictions;
+      }
+      cached[ids[j]] = nu;
+      heap.push({nu, ids[j]});
+    }
+  }
+  return result;
+}
+
+absl::StatusOr<std::vector<ReplayResult>> ReplaySweep(const std::vector<TraceRequest>& trace,
+                                                      const std::vector<int64_t>& capacities,
+                                                      const std::vector<std::string>& policies) {
+  std::vector<ReplayResult> out;
+  for (int64_t capacity : capacities) {
+    for (const std::string& policy : policies) {
+      KV_ASSIGN_OR_RETURN(ReplayResult r, ReplayTrace(trace, capacity, policy));
+      out.push_back(std::move(r));
+    }
+  }
+  return out;
 }
 
 }  // namespace kvrelay::cachestore

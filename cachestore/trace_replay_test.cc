@@ -1,5 +1,7 @@
 #include "cachestore/trace_replay.h"
 
+#include "cachestore/eviction_policy.h"
+
 #include <unistd.h>
 
 #include <cstdio>
@@ -114,8 +116,8 @@ TEST(ReplayTraceTest, MooncakeTraceMatchesReferenceLruAndDefaultNeverLower) {
   } kCases[] = {{2000, 0.1439}, {6000, 0.3107}, {20000, 0.5715}};
   for (const auto& c : kCases) {
     KV_ASSERT_OK_AND_ASSIGN(ReplayResult lru, ReplayTrace(trace, c.capacity, "lru"));
-    KV_ASSERT_OK_AND_ASSIGN(ReplayResult def, ReplayTrace(trace, c.capacity, "lrfu"));
-    std::printf("capacity %lld: lru %.4f lrfu %.4f (x%.3f)\n",
+    KV_ASSERT_OK_AND_ASSIGN(ReplayResult def, ReplayTrace(trace, c.capacity, kDefaultPolicy));
+    std::printf("capacity %lld: lru %.4f default %.4f (x%.3f)\n",
                 static_cast<long long>(c.capacity), lru.hit_rate(), def.hit_rate(),
                 def.hit_rate() / lru.hit_rate());
     EXPECT_NEAR(lru.hit_rate(), c.reference_lru, 0.002) << "capacity " << c.capacity;

@@ -18,6 +18,7 @@
 #include "tokenizer/tokenize_command.h"
 #include "transfer/ucx/transfer_bench.h"
 #include "cli/bench_serve/bench_serve_command.h"
+#include "cachestore/tools/commands.h"
 
 namespace {
 
@@ -45,12 +46,16 @@ constexpr Subcommand kSubcommands[] = {
      kvrelay::cli::RunLayoutCommand},
     {"make-test-model", "write a small random-weight model (config.json + safetensors)",
      kvrelay::cli::RunMakeTestModelCommand},
+    {"plan", "capacity planner: hit rate, compute saved, bytes moved per memory size and model",
+     kvrelay::cachestore::RunPlanCommand},
     {"prefill", "run a prefill worker (computes or reuses KV, pushes it to decode)",
      kvrelay::prefill::server::RunPrefillCommand},
     {"tokenize", "encode text or decode ids with a model's tokenizer.json",
      kvrelay::tokenizer::RunTokenizeCommand},
     {"trace-replay", "replay a request trace through the cache store's eviction code",
-     kvrelay::cachestore::server::RunTraceReplayCommand},
+     kvrelay::cachestore::RunTraceReplayCommand},
+    {"trace-gen", "write a generated request trace (multiturn, agent, scan, shift)",
+     kvrelay::cachestore::RunTraceGenCommand},
     {"transfer-bench", "UCX block transfer bandwidth/latency between two local processes",
      kvrelay::cli::RunTransferBenchCommand},
     {"up", "start a local cluster (cache store, workers, gateway) on loopback",

@@ -1,4 +1,4 @@
-// `kvrelay cachestore` and `kvrelay trace-replay`.
+// `kvrelay cachestore` (`kvrelay trace-replay` lives in cachestore/tools).
 
 #include <cstdio>
 #include <iostream>
@@ -11,7 +11,6 @@
 #include "cachestore/kvevents/kv_event_publisher.h"
 #include "cachestore/server/command.h"
 #include "cachestore/server/service.h"
-#include "cachestore/trace_replay.h"
 #include "common/flags.h"
 #include "common/logging.h"
 #include "common/server/server_flags.h"
@@ -41,7 +40,7 @@ int RunCacheStoreCommand(const std::vector<std::string>& args) {
   kvrelay::cachestore::kvevents::KvEventsOptions kv_events;
   kvrelay::cachestore::kvevents::AddKvEventsFlags(flags, &kv_events);
   flags.AddString("data-dir", &data_dir, "WAL + snapshot directory; empty = no durability");
-  flags.AddString("policy", &policy, "eviction policy: lrfu (default) or leaf-lru");
+  flags.AddString("policy", &policy, "eviction policy: lrfu (default), adaptive or leaf-lru");
   flags.AddDuration("node-ttl", &node_ttl,
                     "default heartbeat TTL of a node; past it the node is suspect (its blocks "
                     "are skipped, not dropped)");
@@ -116,61 +115,5 @@ int RunCacheStoreCommand(const std::vector<std::string>& args) {
   return 0;
 }
 
-int RunTraceReplayCommand(const std::vector<std::string>& args) {
-  FlagSet flags("trace-replay",
-                "Replays a Mooncake-format trace through the cache store's index and eviction "
-                "code and prints the prefix hit rate.");
-  std::string trace;
-  int64_t capacity = 0;
-  std::string policy(kvrelay::cachestore::kDefaultPolicy);
-  bool json = false;
-  flags.AddString("trace", &trace, "JSON-lines trace with hash_ids (required)");
-  flags.AddInt64("capacity-blocks", &capacity, "cache capacity in blocks (required, > 0)");
-  flags.AddString("policy", &policy, "lru (plain baseline), leaf-lru or lrfu (default)");
-  flags.AddBool("json", &json, "print one JSON object");
-  if (absl::Status s = flags.Parse(args); !s.ok()) {
-    std::fprintf(stderr, "kvrelay trace-replay: %s\n", std::string(s.message()).c_str());
-    return 2;
-  }
-  if (flags.help_requested()) {
-    std::cout << flags.Usage();
-    return 0;
-  }
-  if (trace.empty()) {
-    std::fprintf(stderr, "kvrelay trace-replay: trace: required\n");
-    return 2;
-  }
-  if (capacity <= 0) {
-    std::fprintf(stderr, "kvrelay trace-replay: capacity-blocks: must be positive, got %lld\n",
-                 static_cast<long long>(capacity));
-    return 2;
-  }
-  absl::StatusOr<std::vector<kvrelay::cachestore::TraceRequest>> requests = kvrelay::cachestore::LoadTrace(trace);
-  if (!requests.ok()) {
-    std::fprintf(stderr, "kvrelay trace-replay: %s\n", requests.status().ToString().c_str());
-    return absl::IsInvalidArgument(requests.status()) ? 2 : 1;
-  }
-  absl::StatusOr<kvrelay::cachestore::ReplayResult> r =
-      kvrelay::cachestore::ReplayTrace(*requests, capacity, policy);
-  if (!r.ok()) {
-    std::fprintf(stderr, "kvrelay trace-replay: %s\n", r.status().ToString().c_str());
-    return 2;
-  }
-  if (json) {
-    std::printf(
-        "{\"policy\": \"%s\", \"capacity_blocks\": %lld, \"hit_rate\": %.6f, \"requests\": %lld, "
-        "\"blocks\": %lld, \"hit_blocks\": %lld, \"evictions\": %lld}\n",
-        r->policy.c_str(), static_cast<long long>(r->capacity_blocks), r->hit_rate(),
-        static_cast<long long>(r->requests), static_cast<long long>(r->blocks),
-        static_cast<long long>(r->hit_blocks), static_cast<long long>(r->evictions));
-  } else {
-    std::printf("policy %s capacity %lld blocks: hit rate %.4f (%lld of %lld blocks, %lld "
-                "requests, %lld evictions)\n",
-                r->policy.c_str(), static_cast<long long>(r->capacity_blocks), r->hit_rate(),
-                static_cast<long long>(r->hit_blocks), static_cast<long long>(r->blocks),
-                static_cast<long long>(r->requests), static_cast<long long>(r->evictions));
-  }
-  return 0;
-}
 
 }  // namespace kvrelay::cachestore::server

@@ -1,0 +1,234 @@
+// `kvrelay plan`: the capacity planner (see planner.h).
+
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <iostream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "cachestore/tools/commands.h"
+#include "cachestore/tools/planner.h"
+#include "common/file_util.h"
+#include "common/flags.h"
+
+extern char** environ;
+
+namespace kvrelay::cachestore {
+
+namespace {
+
+int Fail(const absl::Status& status) {
+  std::fprintf(stderr, "kvrelay plan: %s\n", std::string(status.message()).c_str());
+  return absl::IsInvalidArgument(status) || absl::IsNotFound(status) ? 2 : 1;
+}
+
+// Hit rate vs memory, one curve per (model, policy), drawn by Debian's python3-matplotlib.
+constexpr char kPlotScript[] = R"PY(
+import json, sys
+import matplotlib
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+data = json.load(open(sys.argv[1]))
+fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+for curve in data["curves"]:
+    ax.plot(curve["gib"], curve["hit_rate"], marker="o", label=curve["label"],
+            linestyle="--" if curve["policy"] == "belady" else "-")
+if data.get("target"):
+    ax.axhline(data["target"], color="grey", linewidth=0.8, linestyle=":")
+ax.set_xscale("log", base=2)
+ticks = sorted({g for c in data["curves"] for g in c["gib"]})
+ax.set_xticks(ticks)
+ax.set_xticklabels(["%g" % t for t in ticks])
+ax.set_xlabel("KV cache memory per node (GiB)")
+ax.set_ylabel("prefix hit rate (blocks)")
+ax.set_ylim(0, 1)
+ax.set_title(data["title"])
+ax.grid(True, which="both", alpha=0.3)
+ax.legend(fontsize=8)
+fig.tight_layout()
+fig.savefig(sys.argv[2])
+)PY";
+
+std::string JsonString(const std::string& s) {
+  std::string out = "\"";
+  for (char c : s) {
+    if (c == '"' || c == '\\') out += '\\';
+    if (static_cast<unsigned char>(c) >= 0x20) out += c;
+  }
+  return out + "\"";
+}
+
+absl::Status WritePlot(const std::string& png, const std::string& title, double target,
+                       const std::vector<PlanRow>& rows) {
+  std::map<std::pair<std::string, std::string>, std::vector<const PlanRow*>> curves;
+  for (const PlanRow& r : rows) curves[{r.model, r.policy}].push_back(&r);
+  std::string json =
+      absl::StrCat("{\"title\": ", JsonString(title), ", \"target\": ", target, ", \"curves\": [");
+  bool first = true;
+  for (const auto& [key, points] : curves) {
+    std::string gib, hit;
+    for (const PlanRow* p : points) {
+      absl::StrAppend(&gib, gib.empty() ? "" : ", ", p->memory_gib);
+      absl::StrAppend(&hit, hit.empty() ? "" : ", ", p->hit_rate);
+    }
+    absl::StrAppend(&json, first ? "" : ", ",
+                    "{\"label\": ", JsonString(key.first + " " + key.second),
+                    ", \"policy\": ", JsonString(key.second), ", \"gib\": [", gib,
+                    "], \"hit_rate\": [", hit, "]}");
+    first = false;
+  }
+  json += "]}\n";
+  const std::string data_path = png + ".data.json";
+  if (absl::Status s = WriteFileAtomically(data_path, json); !s.ok()) return s;
+  std::vector<std::string> argv_s = {"/usr/bin/python3", "-c", kPlotScript, data_path, png};
+  std::vector<char*> argv;
+  for (std::string& a : argv_s) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  pid_t pid = 0;
+  int rc = posix_spawn(&pid, argv[0], nullptr, nullptr, argv.data(), environ);
+  if (rc != 0) {
+    unlink(data_path.c_str());
+    return absl::FailedPreconditionError(
+        absl::StrCat("plot: cannot run /usr/bin/python3 (install python3-matplotlib): errno ", rc));
+  }
+  int status = 0;
+  while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  unlink(data_path.c_str());
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+    return absl::FailedPreconditionError(
+        "plot: /usr/bin/python3 with matplotlib failed (Debian package python3-matplotlib)");
+  }
+  return absl::OkStatus();
+}
+
+std::string Bytes(double b) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (b >= 1024 && u < 4) {
+    b /= 1024;
+    ++u;
+  }
+  return absl::StrFormat("%.1f %s", b, units[u]);
+}
+
+}  // namespace
+
+int RunPlanCommand(const std::vector<std::string>& args) {
+  FlagSet flags("plan",
+                "Capacity planner: replays a trace per model and memory size and prints prefix "
+                "hit rate, prefill compute saved and KV bytes moved per request.");
+  TraceSourceFlags source;
+  std::string models_text = "llama3-70b,deepseek-v3";
+  std::string memory_text = "8,16,32,64,128,256";
+  std::string policies_text = "lrfu";
+  bool window_aware = true;
+  double target = 0.5;
+  std::string plot;
+  bool json = false;
+  source.Register(flags);
+  flags.AddString("model", &models_text, "comma list of presets or config.json paths");
+  flags.AddString("memory-gib", &memory_text, "comma list of KV cache memory per node, GiB");
+  flags.AddString("policy", &policies_text, "comma list: lru, leaf-lru, lrfu, adaptive, belady");
+  flags.AddBool("window-aware", &window_aware,
+                "keep sliding-window parts apart and reclaim interior ones first");
+  flags.AddDouble("target-hit-rate", &target,
+                  "print the least memory (interpolated) that reaches this hit rate");
+  flags.AddString("plot", &plot, "write a PNG: hit rate vs memory, one curve per model");
+  flags.AddBool("json", &json, "one JSON object per row");
+  if (absl::Status s = flags.Parse(args); !s.ok()) return Fail(s);
+  if (flags.help_requested()) {
+    std::cout << flags.Usage();
+    return 0;
+  }
+  if (!(target > 0 && target < 1)) {
+    return Fail(absl::InvalidArgumentError(
+        absl::StrCat("target-hit-rate: want a fraction in (0, 1), got ", target)));
+  }
+  PlanOptions options;
+  options.window_aware = window_aware;
+  absl::StatusOr<std::vector<double>> memory = ParsePositiveDoubles("memory-gib", memory_text);
+  if (!memory.ok()) return Fail(memory.status());
+  options.memory_gib = *memory;
+  absl::StatusOr<std::vector<std::string>> policies = ParsePolicyList("policy", policies_text);
+  if (!policies.ok()) return Fail(policies.status());
+  options.policies = *policies;
+  std::vector<PlanModel> models;
+  for (absl::string_view spec : absl::StrSplit(models_text, ',')) {
+    absl::StatusOr<PlanModel> m = LoadPlanModel(std::string(spec));
+    if (!m.ok()) return Fail(m.status());
+    models.push_back(*std::move(m));
+  }
+  absl::StatusOr<LoadedTrace> trace = source.Load();
+  if (!trace.ok()) return Fail(trace.status());
+  std::vector<PlanRow> all;
+  if (!json) {
+    std::printf("trace %s: %zu requests\n", trace->name.c_str(), trace->requests.size());
+    std::printf("%-14s %-9s %9s %10s %8s %10s %12s %12s\n", "model", "policy", "GiB/node", "blocks",
+                "hit", "compute", "read/req", "written/req");
+  }
+  for (const PlanModel& m : models) {
+    absl::StatusOr<std::vector<PlanRow>> rows = Plan(*trace, m, options);
+    if (!rows.ok()) return Fail(rows.status());
+    for (const PlanRow& r : *rows) {
+      const std::string compute =
+          r.compute_saved < 0 ? "-" : absl::StrFormat("%.1f%%", 100 * r.compute_saved);
+      if (json) {
+        std::printf(
+            "{\"model\": %s, \"policy\": \"%s\", \"memory_gib\": %g, \"capacity_blocks\": "
+            "%lld, \"hit_rate\": %.6f, \"compute_saved\": %.6f, "
+            "\"bytes_read_per_request\": %.0f, \"bytes_written_per_request\": %.0f}\n",
+            JsonString(r.model).c_str(), r.policy.c_str(), r.memory_gib,
+            static_cast<long long>(r.capacity_blocks), r.hit_rate, r.compute_saved,
+            r.bytes_read_per_request, r.bytes_written_per_request);
+      } else {
+        std::printf("%-14s %-9s %9g %10lld %7.1f%% %10s %12s %12s\n", r.model.c_str(),
+                    r.policy.c_str(), r.memory_gib, static_cast<long long>(r.capacity_blocks),
+                    100 * r.hit_rate, compute.c_str(), Bytes(r.bytes_read_per_request).c_str(),
+                    Bytes(r.bytes_written_per_request).c_str());
+      }
+    }
+    // Least memory reaching the target, interpolated in log2(memory) between measured sizes.
+    for (const std::string& policy : options.policies) {
+      const PlanRow* prev = nullptr;
+      std::string answer = "not reached in the given range";
+      for (const PlanRow& r : *rows) {
+        if (r.policy != policy) continue;
+        if (r.hit_rate >= target) {
+          double gib = r.memory_gib;
+          if (prev != nullptr && r.hit_rate > prev->hit_rate) {
+            const double f = (target - prev->hit_rate) / (r.hit_rate - prev->hit_rate);
+            gib = std::exp2(std::log2(prev->memory_gib) +
+                            f * (std::log2(r.memory_gib) - std::log2(prev->memory_gib)));
+          }
+          answer = absl::StrFormat("%.1f GiB per node", gib);
+          break;
+        }
+        prev = &r;
+      }
+      if (!json) {
+        std::printf("  %s %s: %.0f%% prefix hits need %s\n", m.name.c_str(), policy.c_str(),
+                    100 * target, answer.c_str());
+      }
+    }
+    all.insert(all.end(), rows->begin(), rows->end());
+  }
+  if (!plot.empty()) {
+    absl::Status s = WritePlot(plot, absl::StrCat("prefix hit rate vs memory, trace ", trace->name),
+                               target, all);
+    if (!s.ok()) return Fail(s);
+    if (!json) std::printf("wrote %s\n", plot.c_str());
+  }
+  return 0;
+}
+
+}  // namespace kvrelay::cachestore

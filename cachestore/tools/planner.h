@@ -1,0 +1,84 @@
+#pragma once
+
+// The capacity planner behind `kvrelay plan`, and the trace-source flags the offline tools
+// share. A plan replays one trace (the requests one node sees) per model and memory size through
+// the cache store's index and policy, sized in that model's exact bytes per 512-token block
+// (kv::ModelLayout: MHA / GQA / MLA / sliding window / SSM state), and reports per request the
+// prefix hit rate, the prefill compute saved and the KV bytes moved.
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "cachestore/trace_replay.h"
+#include "cachestore/window_store.h"
+#include "common/flags.h"
+#include "kv/hf_config.h"
+
+namespace kvrelay::cachestore {
+
+// "--trace FILE" or a generated trace ("--shape multiturn --seed 1 --requests 3000").
+struct LoadedTrace {
+  std::string name;  // file base name or "gen:<shape>"
+  std::vector<TraceRequest> requests;
+};
+struct TraceSourceFlags {
+  std::string trace;
+  std::string shape;
+  int64_t seed = 1;
+  int64_t requests = 3000;
+  void Register(FlagSet& flags);
+  // InvalidArgument naming the flag (both or neither of --trace / --shape) or the trace line.
+  absl::StatusOr<LoadedTrace> Load() const;
+};
+
+// "1,2,3" -> {1,2,3}; InvalidArgument naming `flag` for an empty list, a non-number or a value
+// <= 0.
+absl::StatusOr<std::vector<int64_t>> ParsePositiveList(const std::string& flag,
+                                                       const std::string& text);
+absl::StatusOr<std::vector<double>> ParsePositiveDoubles(const std::string& flag,
+                                                         const std::string& text);
+// Comma list of policy names ("all" = lru, leaf-lru, lrfu, belady); InvalidArgument
+// naming `flag` and the unknown name.
+absl::StatusOr<std::vector<std::string>> ParsePolicyList(const std::string& flag,
+                                                         const std::string& text);
+
+// What the planner needs to know about one model.
+struct PlanModel {
+  std::string name;
+  kv::ModelConfig config;               // layout with 512-token blocks
+  BlockParts parts;                     // bytes of one 512-token block: full part, window part
+  double linear_flops_per_token = 0;    // 2 x parameters a token passes through (dense estimate)
+  double attention_flops_per_pair = 0;  // per (query, key) pair, summed over full layers
+  double window_flops_per_pair = 0;     // same, over sliding-window layers
+  int64_t window_tokens = 0;
+};
+// A preset name (kv/presets.h) or a path to a Hugging Face config.json. NotFound /
+// InvalidArgument naming the model.
+absl::StatusOr<PlanModel> LoadPlanModel(const std::string& spec);
+// FLOPs to prefill the first n tokens of a sequence (linear layers + attention score/value).
+double PrefillFlops(const PlanModel& model, int64_t n);
+
+struct PlanRow {
+  std::string model;
+  std::string policy;
+  double memory_gib = 0;
+  int64_t capacity_blocks = 0;           // whole blocks (both parts) that fit
+  double hit_rate = 0;                   // usable prefix blocks / all blocks
+  double compute_saved = 0;              // prefill FLOPs skipped / prefill FLOPs of all prompts
+  double bytes_read_per_request = 0;     // KV read from the cache (hit blocks, parts needed)
+  double bytes_written_per_request = 0;  // KV of newly computed full blocks stored
+};
+
+struct PlanOptions {
+  std::vector<double> memory_gib;     // per node
+  std::vector<std::string> policies;  // policies (belady allowed: sized in whole blocks)
+  bool window_aware = true;           // split sliding-window parts (no effect without them)
+};
+// InvalidArgument naming the flag for an empty or non-positive memory list, or a memory size
+// smaller than one block of the model.
+absl::StatusOr<std::vector<PlanRow>> Plan(const LoadedTrace& trace, const PlanModel& model,
+                                          const PlanOptions& options);
+
+}  // namespace kvrelay::cachestore

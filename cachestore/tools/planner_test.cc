@@ -1,0 +1,61 @@
+#include "cachestore/tools/planner.h"
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/testing/status_matchers.h"
+
+namespace kvrelay::cachestore {
+namespace {
+
+using ::kvrelay::testing::StatusIs;
+using ::testing::HasSubstr;
+
+TEST(PlanModelTest, BlockPartsFollowTheLayout) {
+  KV_ASSERT_OK_AND_ASSIGN(PlanModel llama, LoadPlanModel("llama3-70b"));
+  // 80 layers x 8 KV heads x 128 x (K, V) x 2 bytes = 320 KiB per token.
+  EXPECT_EQ(llama.parts.full_bytes, 512 * 327680);
+  EXPECT_EQ(llama.parts.window_bytes, 0);
+  KV_ASSERT_OK_AND_ASSIGN(PlanModel dsv3, LoadPlanModel("deepseek-v3"));
+  EXPECT_EQ(dsv3.parts.full_bytes, 512 * 70272);  // 61 x (512 + 64) x 2
+  KV_ASSERT_OK_AND_ASSIGN(PlanModel gemma, LoadPlanModel("gemma3-27b"));
+  // 10 global + 52 sliding layers, 16 KV heads x 128, window 1024 tokens = 2 blocks.
+  EXPECT_EQ(gemma.parts.full_bytes, int64_t{512} * 10 * 16 * 128 * 2 * 2);
+  EXPECT_EQ(gemma.parts.window_bytes, int64_t{512} * 52 * 16 * 128 * 2 * 2);
+  EXPECT_EQ(gemma.parts.window_blocks, 2);
+  // Prefill FLOPs grow faster than linearly (attention) and saving a prefix saves its FLOPs.
+  EXPECT_GT(PrefillFlops(llama, 2000), 2 * PrefillFlops(llama, 1000));
+  EXPECT_THAT(LoadPlanModel("llama9"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("model: 'llama9'")));
+}
+
+TEST(PlanTest, HitRateGrowsWithMemoryAndBadParametersAreNamed) {
+  TraceSourceFlags source;
+  source.shape = "agent";
+  source.requests = 300;
+  KV_ASSERT_OK_AND_ASSIGN(LoadedTrace trace, source.Load());
+  KV_ASSERT_OK_AND_ASSIGN(PlanModel model, LoadPlanModel("deepseek-v3"));
+  PlanOptions options;
+  options.memory_gib = {1, 4, 16};
+  options.policies = {"lrfu"};
+  KV_ASSERT_OK_AND_ASSIGN(auto rows, Plan(trace, model, options));
+  ASSERT_EQ(rows.size(), 3u);
+  EXPECT_LE(rows[0].hit_rate, rows[1].hit_rate);
+  EXPECT_LE(rows[1].hit_rate, rows[2].hit_rate);
+  EXPECT_GT(rows[2].hit_rate, 0.3);
+  EXPECT_GT(rows[2].compute_saved, rows[0].compute_saved);
+  EXPECT_GT(rows[2].bytes_read_per_request, rows[0].bytes_read_per_request);
+  options.memory_gib = {0.001};  // 1 MiB: less than one 34 MiB block
+  EXPECT_THAT(Plan(trace, model, options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("memory-gib")));
+  EXPECT_THAT(ParsePositiveDoubles("memory-gib", "8,-1"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("memory-gib")));
+  EXPECT_THAT(ParsePolicyList("policy", "lru,mru"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("'mru'")));
+  TraceSourceFlags both;
+  both.trace = "x.jsonl";
+  both.shape = "scan";
+  EXPECT_THAT(both.Load(), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--trace")));
+}
+
+}  // namespace
+}  // namespace kvrelay::cachestore
