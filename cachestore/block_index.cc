@@ -325,6 +325,27 @@ std::vector<RemovedBlock> BlockIndex::RemoveSubtree(const BlockHash& hash) {
   return removed;
 }
 
+absl::Status BlockIndex::AddReplica(const BlockHash& hash, const Replica& replica) {
+  Shard& s = shards_[ShardOf(hash)];
+  absl::MutexLock lock(&s.mu);
+  auto it = s.map.find(hash);
+  if (it == s.map.end()) return absl::NotFoundError(absl::StrCat("block ", hash.ToHex(), " absent"));
+  const uint32_t local = it->second;
+  Record& r = Rec(s, local);
+  const int n = r.flags & kReplicaMask;
+  if (r.state != BlockState::kCommitted || n >= kReplicaMask || n == 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("block ", hash.ToHex(), " is uncommitted or has no room for a replica"));
+  }
+  Replicas reps = ReplicasOf(s, local, r);
+  for (const Replica& x : reps) {
+    if (x == replica) return absl::AlreadyExistsError("replica already listed");
+  }
+  s.extra_replicas[local].push_back(replica);
+  r.flags = static_cast<uint8_t>((r.flags & ~kReplicaMask) | (n + 1));
+  return absl::OkStatus();
+}
+
 bool BlockIndex::Touch(const BlockHash& hash, bool lease) {
   Shard& s = shards_[ShardOf(hash)];
   absl::MutexLock lock(&s.mu);

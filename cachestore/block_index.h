@@ -115,6 +115,10 @@ class BlockIndex {
   // first). Used by WAL replay of removals. Absent hashes are ignored.
   std::vector<RemovedBlock> RemoveSubtree(const BlockHash& hash);
 
+  // Adds a replica to a committed block (a node re-announcing a copy it holds). AlreadyExists
+  // if listed, NotFound if absent, FailedPrecondition if uncommitted or at the replica limit.
+  absl::Status AddReplica(const BlockHash& hash, const Replica& replica);
+
   // Counts an access to a present block (any state); with `lease`, pins it. False if absent.
   bool Touch(const BlockHash& hash, bool lease);
   void ReleaseLeases(absl::Span<const BlockHash> hashes);

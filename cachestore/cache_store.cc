@@ -2,7 +2,9 @@
 
 #include <algorithm>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
+#include "cachestore/random_id.h"
 #include "common/file_util.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
@@ -12,6 +14,14 @@ namespace kvrelay::cachestore {
 namespace {
 constexpr char kWalFile[] = "/wal.log";
 constexpr char kSnapshotFile[] = "/snapshot";
+// Sequence numbers reserved per logged high-water mark.
+constexpr uint64_t kSequenceReservation = 1024;
+
+NodeSpec WithoutSegments(const NodeSpec& spec) {
+  NodeSpec out = spec;
+  out.segments.clear();
+  return out;
+}
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<CacheStore>> CacheStore::Create(CacheStoreOptions options) {
@@ -33,7 +43,9 @@ absl::StatusOr<std::unique_ptr<CacheStore>> CacheStore::Create(CacheStoreOptions
 CacheStore::CacheStore(CacheStoreOptions options, EvictionPolicyPtr policy)
     : options_(std::move(options)),
       clock_(options_.clock != nullptr ? options_.clock : Clock::Real()),
-      policy_(std::move(policy)) {
+      store_incarnation_(RandomId()),
+      policy_(std::move(policy)),
+      registry_(options_.limits.max_nodes) {
   BlockIndex::Options index_options;
   index_options.policy = policy_.get();
   index_ = std::make_unique<BlockIndex>(index_options);
@@ -45,6 +57,9 @@ absl::Status CacheStore::Recover() {
   absl::MutexLock lock(&mu_);
   if (options_.data_dir.empty()) return absl::OkStatus();
   KV_RETURN_IF_ERROR(MakeDirectories(options_.data_dir));
+  // Replay rebuilds state; it publishes no events (their numbers are already spent).
+  replaying_ = true;
+  absl::Cleanup done_replaying = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS { replaying_ = false; };
   uint64_t max_seq = 0;
   int64_t applied = 0;
   absl::StatusOr<std::vector<WalOp>> snapshot = ReadSnapshot(options_.data_dir + kSnapshotFile);
@@ -69,6 +84,8 @@ absl::Status CacheStore::Recover() {
     absl::MutexLock events_lock(&events_mu_);
     next_sequence_ = max_seq + 1;
   }
+  // The first event after the restart logs a fresh mark before it is handed out.
+  sequence_reserved_ = max_seq;
   if (applied > 0) {
     KV_LOG(INFO) << "cachestore: recovered " << registry_.size() << " nodes and "
                  << index_->committed_count() << " blocks from " << options_.data_dir << " ("
@@ -81,20 +98,43 @@ absl::Status CacheStore::ApplyOp(const WalOp& op, uint64_t* max_seq) {
   *max_seq = std::max(*max_seq, op.sequence);
   switch (op.type) {
     case WalOp::Type::kRegisterNode: {
-      KV_ASSIGN_OR_RETURN(auto r, registry_.Register(op.node, clock_->Now()));
+      NodeSpec spec = op.node;
+      if (spec.incarnation == 0) spec.incarnation = RandomId();  // logged before incarnations
+      KV_ASSIGN_OR_RETURN(auto r, registry_.Register(spec, clock_->Now(), /*force_replace=*/true));
       if (r.replaced) {
-        RemoveNodeLocked(r.index, /*log=*/false);
-        KV_ASSIGN_OR_RETURN(r, registry_.Register(op.node, clock_->Now()));
+        RemoveNodeLocked(r.index, /*log=*/false, "replaced (log replay)");
+        KV_ASSIGN_OR_RETURN(r, registry_.Register(spec, clock_->Now(), /*force_replace=*/true));
       }
       return absl::OkStatus();
     }
     case WalOp::Type::kRemoveNode: {
       std::optional<uint16_t> node = registry_.Find(op.node_id);
-      if (node.has_value()) RemoveNodeLocked(*node, /*log=*/false);
+      if (node.has_value()) RemoveNodeLocked(*node, /*log=*/false, "removed (log replay)");
       return absl::OkStatus();
     }
+    case WalOp::Type::kSequenceMark:
+      return absl::OkStatus();
     case WalOp::Type::kCommitBlock: {
-      if (index_->Contains(op.hash)) return absl::OkStatus();
+      if (index_->Contains(op.hash)) {
+        // A replica announced after the first commit: add what the index lacks.
+        for (const WalReplica& r : op.replicas) {
+          std::optional<uint16_t> node = registry_.Find(r.node_id);
+          if (!node.has_value()) continue;
+          std::optional<uint16_t> seg = registry_.FindSegment(*node, r.segment_id);
+          if (!seg.has_value()) continue;
+          Replica rep{*node, *seg, r.slot};
+          if (index_->StateOf(op.hash) != BlockState::kCommitted) break;
+          std::vector<MatchedBlock> found;
+          index_->MatchPrefix(absl::MakeConstSpan(&op.hash, 1), false, false, &found);
+          bool listed = false;
+          for (const MatchedBlock& b : found) {
+            for (const Replica& x : b.replicas) listed |= (x == rep);
+          }
+          if (listed || !registry_.MarkUsed(rep)) continue;
+          if (!index_->AddReplica(op.hash, rep).ok()) registry_.FreeSlot(rep);
+        }
+        return absl::OkStatus();
+      }
       NewBlock block;
       block.hash = op.hash;
       block.parent = op.parent;
@@ -148,7 +188,21 @@ std::vector<WalReplica> CacheStore::WalReplicas(const Replicas& replicas) const 
 }
 
 uint64_t CacheStore::Publish(StoreEvent event) {
+  if (replaying_) return 0;
   absl::MutexLock lock(&events_mu_);
+  if (wal_ != nullptr && next_sequence_ > sequence_reserved_) {
+    // Log the high-water mark before handing the number out, so no number is ever reused
+    // after kill -9 (removal events of a dropped node, for one, are not logged one by one).
+    WalOp mark;
+    mark.type = WalOp::Type::kSequenceMark;
+    mark.sequence = next_sequence_ + kSequenceReservation - 1;
+    absl::Status s = wal_->Append({mark});
+    if (s.ok()) {
+      sequence_reserved_ = mark.sequence;
+    } else {
+      KV_LOG(ERROR) << "cachestore: logging the event sequence mark failed: " << s;
+    }
+  }
   event.sequence = next_sequence_++;
   const uint64_t seq = event.sequence;
   events_.push_back(std::move(event));
@@ -190,12 +244,38 @@ void CacheStore::OnRemoved(const std::vector<RemovedBlock>& removed, std::vector
   }
 }
 
-void CacheStore::RemoveNodeLocked(uint16_t node, bool log) {
-  std::optional<std::string> id = registry_.NodeId(node);
+void CacheStore::RemoveNodeLocked(uint16_t node, bool log, std::string_view why) {
+  std::optional<NodeSpec> spec = registry_.Spec(node);
+  std::optional<std::string> id;
+  if (spec.has_value()) id = spec->node_id;
+  if (id.has_value()) {
+    // Its allocations end (their blocks are on it anyway with own-node placement) and its
+    // leases are released: nothing of this incarnation outlives it.
+    for (auto it = allocations_.begin(); it != allocations_.end();) {
+      if (it->second.owner.node_id == *id) {
+        const int64_t n = static_cast<int64_t>(it->second.hashes.size());
+        const int64_t before = allocated_blocks_;
+        AbortLocked(it->second);
+        allocated_blocks_ = before - n;
+        allocations_.erase(it++);
+      } else {
+        ++it;
+      }
+    }
+    for (std::vector<BlockHash>& blocks : leases_.RemoveOwner(*id)) index_->ReleaseLeases(blocks);
+  }
   std::vector<RemovedBlock> removed = index_->RemoveNode(node);
   OnRemoved(removed, nullptr);  // replay of kRemoveNode repeats the same sweep
   registry_.Remove(node);
+  ReapOrphansLocked();
   UpdateCapacityHint();
+  if (spec.has_value()) {
+    if (!replaying_) {
+      KV_LOG(INFO) << "cachestore: node " << spec->node_id << " incarnation " << spec->incarnation
+                   << " " << why << "; dropped it and " << removed.size() << " blocks";
+    }
+    PublishNodeEventLocked(StoreEvent::Kind::kNodeLeft, *spec);
+  }
   if (log && id.has_value()) {
     WalOp op;
     op.type = WalOp::Type::kRemoveNode;
@@ -204,40 +284,166 @@ void CacheStore::RemoveNodeLocked(uint16_t node, bool log) {
   }
 }
 
-absl::StatusOr<absl::Duration> CacheStore::RegisterNode(NodeSpec spec) {
-  if (spec.ttl <= absl::ZeroDuration()) spec.ttl = options_.default_node_ttl;
-  absl::MutexLock lock(&mu_);
-  KV_ASSIGN_OR_RETURN(auto r, registry_.Register(spec, clock_->Now()));
-  if (r.replaced) {
-    KV_LOG(INFO) << "cachestore: node " << spec.node_id << " re-registered with a new spec; "
-                 << "dropping its old blocks";
-    RemoveNodeLocked(r.index, /*log=*/true);
-    KV_ASSIGN_OR_RETURN(r, registry_.Register(spec, clock_->Now()));
-  }
-  WalOp op;
-  op.type = WalOp::Type::kRegisterNode;
-  op.node = spec;
-  AppendWal({op});
-  UpdateCapacityHint();
-  return spec.ttl;
+void CacheStore::PublishNodeEventLocked(StoreEvent::Kind kind, const NodeSpec& spec) {
+  StoreEvent e;
+  e.kind = kind;
+  e.node = WithoutSegments(spec);
+  e.node_ids = {spec.node_id};
+  Publish(std::move(e));
 }
 
-bool CacheStore::Heartbeat(const std::string& node_id) {
-  return registry_.Heartbeat(node_id, clock_->Now());
+absl::StatusOr<RegisterResult> CacheStore::RegisterNode(NodeSpec spec) {
+  if (spec.ttl <= absl::ZeroDuration()) spec.ttl = options_.default_node_ttl;
+  uint64_t total_bytes = 0;
+  for (const SegmentSpec& seg : spec.segments) {
+    if (seg.capacity_slots < 1 || seg.capacity_slots > options_.limits.max_capacity_slots) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "segments.capacity_slots: want 1-", options_.limits.max_capacity_slots, ", got ",
+          seg.capacity_slots));
+    }
+    if (seg.slot_bytes < 1 || seg.slot_bytes > options_.limits.max_slot_bytes) {
+      return absl::InvalidArgumentError(absl::StrCat("segments.slot_bytes: want 1-",
+                                                     options_.limits.max_slot_bytes, ", got ",
+                                                     seg.slot_bytes));
+    }
+    total_bytes += static_cast<uint64_t>(seg.capacity_slots) * seg.slot_bytes;
+  }
+  if (total_bytes > options_.limits.max_node_capacity_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "segments: a node may advertise at most ", options_.limits.max_node_capacity_bytes,
+        " bytes in all, got ", total_bytes));
+  }
+  const bool assigned = spec.incarnation == 0;
+  if (assigned) spec.incarnation = RandomId();  // legacy client: every registration is new
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<NodeRegistry::RegisterResult> r = registry_.Register(spec, clock_->Now());
+  if (!r.ok()) {
+    counters_.refused_registrations.fetch_add(1, std::memory_order_relaxed);
+    KV_LOG(WARNING) << "cachestore: refused registration of " << spec.node_id << ": "
+                    << r.status().message();
+    return r.status();
+  }
+  if (r->replaced) {
+    RemoveNodeLocked(r->index, /*log=*/true,
+                     absl::StrCat("was suspect and is replaced by incarnation ", spec.incarnation));
+    r = registry_.Register(spec, clock_->Now());
+    if (!r.ok()) return r.status();
+  }
+  if (r->added) {
+    WalOp op;
+    op.type = WalOp::Type::kRegisterNode;
+    op.node = spec;
+    AppendWal({op});
+    UpdateCapacityHint();
+    KV_LOG(INFO) << "cachestore: node " << spec.node_id << " (" << NodeRoleName(spec.role)
+                 << ") registered, incarnation " << spec.incarnation;
+    PublishNodeEventLocked(StoreEvent::Kind::kNodeJoined, spec);
+  } else if (r->revived) {
+    PublishNodeEventLocked(StoreEvent::Kind::kNodeLive, spec);
+  }
+  return RegisterResult{spec.ttl, spec.incarnation, r->revived};
+}
+
+absl::Status CacheStore::DeregisterNode(const Caller& node) {
+  absl::MutexLock lock(&mu_);
+  KV_ASSIGN_OR_RETURN(uint16_t index, registry_.Check(node.node_id, node.incarnation));
+  RemoveNodeLocked(index, /*log=*/true, "deregistered");
+  return absl::OkStatus();
+}
+
+absl::StatusOr<HeartbeatResult> CacheStore::Heartbeat(const std::string& node_id,
+                                                      uint64_t incarnation,
+                                                      const NodeLoad* load) {
+  NodeRegistry::HeartbeatResult r = registry_.Heartbeat(node_id, incarnation, clock_->Now(), load);
+  switch (r.outcome) {
+    case NodeRegistry::HeartbeatOutcome::kUnknown:
+      return HeartbeatResult{false, NodeState::kLive};
+    case NodeRegistry::HeartbeatOutcome::kWrongIncarnation:
+      return IdentityError(absl::FailedPreconditionError(absl::StrCat(
+                               "incarnation: node '", node_id, "' is registered with incarnation ",
+                               r.registered_incarnation, ", not ", incarnation,
+                               " (this process was replaced or forgotten): register again")),
+                           node_id);
+    case NodeRegistry::HeartbeatOutcome::kRevived: {
+      absl::MutexLock lock(&mu_);
+      if (std::optional<NodeSpec> spec = registry_.Spec(r.index)) {
+        KV_LOG(INFO) << "cachestore: node " << node_id << " is back within the grace period";
+        PublishNodeEventLocked(StoreEvent::Kind::kNodeLive, *spec);
+      }
+      return HeartbeatResult{true, NodeState::kSuspect};
+    }
+    case NodeRegistry::HeartbeatOutcome::kOk:
+      break;
+  }
+  return HeartbeatResult{true, NodeState::kLive};
 }
 
 absl::StatusOr<MatchResult> CacheStore::MatchPrefix(absl::Span<const BlockHash> chain,
-                                                    absl::Duration lease_ttl) {
+                                                    absl::Duration lease_ttl,
+                                                    const Caller& caller) {
   if (lease_ttl > options_.max_lease_ttl) {
     return absl::InvalidArgumentError(absl::StrCat("lease_ttl_ms: at most ",
                                                    absl::ToInt64Milliseconds(options_.max_lease_ttl),
                                                    ", got ", absl::ToInt64Milliseconds(lease_ttl)));
   }
   const bool lease = lease_ttl > absl::ZeroDuration();
+  if (lease && !caller.anonymous()) {
+    KV_RETURN_IF_ERROR(registry_.Check(caller.node_id, caller.incarnation).status());
+  }
   std::vector<MatchedBlock> found;
   found.reserve(chain.size());
   MatchResult result;
-  result.matched = index_->MatchPrefix(chain, /*touch=*/true, lease, &found);
+  // A node removed while we resolve indices could hand its index to a new incarnation: retry
+  // then (rare), so a location never names a process other than the one holding the block.
+  for (int attempt = 0;; ++attempt) {
+    const uint64_t removals = registry_.removals();
+    found.clear();
+    result = MatchResult{};
+    result.matched = index_->MatchPrefix(chain, /*touch=*/attempt == 0, lease, &found);
+    if (registry_.suspect_count() > 0) {
+      // Replicas on suspect nodes are skipped; the prefix ends at a block with none left.
+      for (int i = 0; i < result.matched; ++i) {
+        Replicas& reps = found[i].replicas;
+        reps.erase(std::remove_if(reps.begin(), reps.end(),
+                                  [&](const Replica& r) { return registry_.IsSuspect(r.node); }),
+                   reps.end());
+        if (reps.empty()) {
+          std::vector<BlockHash> unpinned;
+          for (int j = i; j < result.matched; ++j) unpinned.push_back(found[j].hash);
+          if (lease) index_->ReleaseLeases(unpinned);
+          result.matched = i;
+          found.resize(i);
+          break;
+        }
+      }
+    }
+    // Resolve each distinct (node, segment) once; chains usually live on one or two segments.
+    result.blocks.reserve(found.size());
+    absl::InlinedVector<std::pair<uint32_t, uint32_t>, 4> seen;  // (node << 16 | segment, ref)
+    for (MatchedBlock& b : found) {
+      MatchResult::Block out{b.hash, b.size_bytes, {}};
+      for (const Replica& r : b.replicas) {
+        const uint32_t key = (static_cast<uint32_t>(r.node) << 16) | r.segment;
+        uint32_t ref = UINT32_MAX;
+        for (const auto& [k, v] : seen) {
+          if (k == key) ref = v;
+        }
+        if (ref == UINT32_MAX) {
+          ref = static_cast<uint32_t>(result.segments.size());
+          result.segments.push_back(registry_.Describe(Replica{r.node, r.segment, 0}));
+          seen.push_back({key, ref});
+        }
+        out.replicas.push_back({ref, r.slot});
+      }
+      result.blocks.push_back(std::move(out));
+    }
+    if (registry_.removals() == removals) break;
+    if (lease) {
+      std::vector<BlockHash> pinned;
+      for (const MatchedBlock& b : found) pinned.push_back(b.hash);
+      index_->ReleaseLeases(pinned);
+    }
+  }
   counters_.prefix_queries.fetch_add(1, std::memory_order_relaxed);
   counters_.prefix_query_blocks.fetch_add(static_cast<int64_t>(chain.size()),
                                           std::memory_order_relaxed);
@@ -246,27 +452,8 @@ absl::StatusOr<MatchResult> CacheStore::MatchPrefix(absl::Span<const BlockHash> 
     std::vector<BlockHash> hashes;
     hashes.reserve(found.size());
     for (const MatchedBlock& b : found) hashes.push_back(b.hash);
-    result.lease_id = leases_.Add(std::move(hashes), clock_->Now() + lease_ttl);
-  }
-  // Resolve each distinct (node, segment) once; chains usually live on one or two segments.
-  result.blocks.reserve(found.size());
-  absl::InlinedVector<std::pair<uint32_t, uint32_t>, 4> seen;  // (node << 16 | segment, ref)
-  for (MatchedBlock& b : found) {
-    MatchResult::Block out{b.hash, b.size_bytes, {}};
-    for (const Replica& r : b.replicas) {
-      const uint32_t key = (static_cast<uint32_t>(r.node) << 16) | r.segment;
-      uint32_t ref = UINT32_MAX;
-      for (const auto& [k, v] : seen) {
-        if (k == key) ref = v;
-      }
-      if (ref == UINT32_MAX) {
-        ref = static_cast<uint32_t>(result.segments.size());
-        result.segments.push_back(registry_.Describe(Replica{r.node, r.segment, 0}));
-        seen.push_back({key, ref});
-      }
-      out.replicas.push_back({ref, r.slot});
-    }
-    result.blocks.push_back(std::move(out));
+    result.lease_id = leases_.Add(std::move(hashes), clock_->Now() + lease_ttl,
+                                  LeaseTable::Owner{caller.node_id, caller.incarnation});
   }
   return result;
 }
@@ -277,6 +464,7 @@ std::vector<NodePrefix> CacheStore::QueryPrefix(absl::Span<const BlockHash> chai
   absl::flat_hash_map<uint16_t, int> run;  // node -> leading blocks held, while unbroken
   for (size_t i = 0; i < found.size(); ++i) {
     for (const Replica& r : found[i].replicas) {
+      if (registry_.IsSuspect(r.node)) continue;
       auto it = run.find(r.node);
       if (i == 0) {
         run[r.node] = 1;
@@ -295,31 +483,151 @@ std::vector<NodePrefix> CacheStore::QueryPrefix(absl::Span<const BlockHash> chai
   return out;
 }
 
+absl::StatusOr<std::vector<const SegmentView*>> CacheStore::PlaceLocked(
+    const AllocateArgs& args, size_t i, std::optional<uint16_t> only_node,
+    std::optional<uint16_t> prefer_node, absl::Time deadline, std::vector<SegmentView>* views,
+    std::vector<WalOp>* wal) {
+  const AllocateArgs::Block& b = args.blocks[i];
+  const int replicas = only_node.has_value() ? 1 : std::max(1, args.replicas);
+  // Candidate segments on one node (own-node / preferred placement) or anywhere.
+  auto on_node = [&](uint16_t node) {
+    std::vector<SegmentView> out;
+    for (const SegmentView& v : *views) {
+      if (v.node == node) out.push_back(v);
+    }
+    return out;
+  };
+  // Evicts (leaf-first, by policy) one block with a replica in a fitting segment of `scope`
+  // (all when nullopt); false when nothing there is evictable.
+  auto evict_one = [&](std::optional<uint16_t> scope) -> absl::StatusOr<bool> {
+    if (clock_->Now() > deadline && options_.clock == nullptr) {
+      return absl::DeadlineExceededError("allocate: deadline passed while evicting");
+    }
+    std::vector<SegmentView> fits;
+    for (const SegmentView& v : *views) {
+      if (v.slot_bytes >= b.size_bytes && (!scope.has_value() || v.node == *scope)) {
+        fits.push_back(v);
+      }
+    }
+    if (fits.empty()) return false;
+    auto evicted = index_->EvictOne([&](const RemovedBlock& candidate) {
+      for (const Replica& r : candidate.replicas) {
+        for (const SegmentView& v : fits) {
+          if (v.node == r.node && v.segment == r.segment) return true;
+        }
+      }
+      return false;
+    });
+    if (!evicted.has_value()) return false;
+    counters_.evicted_blocks.fetch_add(1, std::memory_order_relaxed);
+    OnRemoved({*evicted}, wal);
+    *views = registry_.Segments(only_node);
+    return true;
+  };
+  const std::optional<uint16_t> local = only_node.has_value() ? only_node : prefer_node;
+  if (local.has_value()) {
+    while (true) {
+      std::vector<SegmentView> mine = on_node(*local);
+      std::vector<const SegmentView*> chosen =
+          ChoosePlacement(mine, b.size_bytes, "", args.preferred_tier, 1);
+      if (!chosen.empty()) {
+        // Map back into *views so the pointers stay valid for the caller.
+        for (const SegmentView& v : *views) {
+          if (v.node == chosen[0]->node && v.segment == chosen[0]->segment) {
+            std::vector<const SegmentView*> out = {&v};
+            if (replicas > 1) {
+              std::vector<SegmentView> others;
+              for (const SegmentView& o : *views) {
+                if (o.node != v.node) others.push_back(o);
+              }
+              for (const SegmentView* o :
+                   ChoosePlacement(others, b.size_bytes, "", args.preferred_tier, replicas - 1)) {
+                for (const SegmentView& w : *views) {
+                  if (w.node == o->node && w.segment == o->segment) out.push_back(&w);
+                }
+              }
+            }
+            return out;
+          }
+        }
+      }
+      KV_ASSIGN_OR_RETURN(bool evicted, evict_one(*local));
+      if (!evicted) break;
+    }
+    if (only_node.has_value()) {
+      const std::string node = registry_.NodeId(*only_node).value_or("?");
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "blocks[", i, "]: node '", node, "' has no free slot of at least ", b.size_bytes,
+          " bytes and nothing evictable there (all leased, uncommitted or too small)"));
+    }
+  }
+  std::vector<const SegmentView*> chosen =
+      ChoosePlacement(*views, b.size_bytes, args.preferred_node, args.preferred_tier, replicas);
+  while (chosen.empty()) {
+    KV_ASSIGN_OR_RETURN(bool evicted, evict_one(std::nullopt));
+    if (!evicted) break;
+    chosen =
+        ChoosePlacement(*views, b.size_bytes, args.preferred_node, args.preferred_tier, replicas);
+  }
+  if (chosen.empty()) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "blocks[", i, "]: no segment with a free slot of at least ", b.size_bytes,
+        " bytes, and nothing evictable (all leased, uncommitted or too small)"));
+  }
+  return chosen;
+}
+
 absl::StatusOr<AllocateResult> CacheStore::Allocate(const AllocateArgs& args,
                                                     absl::Time deadline) {
   if (args.blocks.empty()) return absl::InvalidArgumentError("blocks: at least one block needed");
   const int replicas = args.replicas == 0 ? 1 : args.replicas;
-  if (replicas < 1 || replicas > 4) {
-    return absl::InvalidArgumentError(absl::StrCat("replicas: want 1-4, got ", args.replicas));
+  if (replicas < 1 || replicas > options_.limits.max_replicas) {
+    return absl::InvalidArgumentError(absl::StrCat("replicas: want 1-",
+                                                   options_.limits.max_replicas, ", got ",
+                                                   args.replicas));
   }
   absl::MutexLock lock(&mu_);
+  // A node allocating for itself places in its own segments only (issue 10.9: spilling onto
+  // another node made the caller abort the blocks, and nothing was ever evicted).
+  std::optional<uint16_t> only_node, prefer_node;
+  if (!args.caller.anonymous()) {
+    KV_ASSIGN_OR_RETURN(uint16_t caller, registry_.Check(args.caller.node_id,
+                                                         args.caller.incarnation));
+    const bool has_segments = registry_.Spec(caller).has_value() &&
+                              !registry_.Spec(caller)->segments.empty();
+    if (has_segments && (args.preferred_node.empty() || args.preferred_node == args.caller.node_id)) {
+      only_node = caller;
+    }
+  }
+  if (!only_node.has_value() && !args.preferred_node.empty()) {
+    prefer_node = registry_.Find(args.preferred_node);
+    if (prefer_node.has_value() && registry_.IsSuspect(*prefer_node)) prefer_node.reset();
+  }
+  AllocateArgs effective = args;
+  effective.replicas = replicas;
   AllocateResult result;
   PendingAllocation pending;
+  pending.owner = args.caller;
+  if (!args.caller.anonymous() && pending.owner.incarnation == 0 && only_node.has_value()) {
+    pending.owner.incarnation = registry_.Spec(*only_node)->incarnation;
+  }
   std::vector<WalOp> wal;
   auto fail = [&](absl::Status status) {
     AbortLocked(pending);
     AppendWal(wal);
     return status;
   };
+  std::vector<SegmentView> views = registry_.Segments(only_node);
   absl::flat_hash_map<BlockHash, int> in_request;
   for (size_t i = 0; i < args.blocks.size(); ++i) {
     const AllocateArgs::Block& b = args.blocks[i];
     if (b.hash.IsZero()) {
       return fail(absl::InvalidArgumentError(absl::StrCat("blocks[", i, "].hash: must not be zero")));
     }
-    if (b.size_bytes == 0 || b.size_bytes > 0xFFFFFFFFull) {
-      return fail(absl::InvalidArgumentError(
-          absl::StrCat("blocks[", i, "].size_bytes: want 1 to 2^32-1, got ", b.size_bytes)));
+    if (b.size_bytes == 0 || b.size_bytes > options_.limits.max_slot_bytes) {
+      return fail(absl::InvalidArgumentError(absl::StrCat(
+          "blocks[", i, "].size_bytes: want 1-", options_.limits.max_slot_bytes, ", got ",
+          b.size_bytes)));
     }
     if (in_request.contains(b.hash)) {
       return fail(absl::InvalidArgumentError(
@@ -344,48 +652,18 @@ absl::StatusOr<AllocateResult> CacheStore::Allocate(const AllocateArgs& args,
           absl::StrCat("blocks[", i, "].parent: ", b.parent.ToHex(),
                        " is neither stored nor allocated earlier in this request")));
     }
-    // Placement; evict (leaf-first, by policy) only while nothing fits.
-    std::vector<SegmentView> views = registry_.Segments();
-    std::vector<const SegmentView*> chosen =
-        ChoosePlacement(views, b.size_bytes, args.preferred_node, args.preferred_tier, replicas);
-    while (chosen.empty()) {
-      if (clock_->Now() > deadline && options_.clock == nullptr) {
-        return fail(absl::DeadlineExceededError("allocate: deadline passed while evicting"));
-      }
-      const uint64_t size = b.size_bytes;
-      std::vector<SegmentView> fits;
-      for (const SegmentView& v : views) {
-        if (v.slot_bytes >= size) fits.push_back(v);
-      }
-      if (fits.empty()) break;
-      auto evicted = index_->EvictOne([&](const RemovedBlock& candidate) {
-        for (const Replica& r : candidate.replicas) {
-          for (const SegmentView& v : fits) {
-            if (v.node == r.node && v.segment == r.segment) return true;
-          }
-        }
-        return false;
-      });
-      if (!evicted.has_value()) break;
-      counters_.evicted_blocks.fetch_add(1, std::memory_order_relaxed);
-      OnRemoved({*evicted}, &wal);
-      views = registry_.Segments();
-      chosen =
-          ChoosePlacement(views, b.size_bytes, args.preferred_node, args.preferred_tier, replicas);
-    }
-    if (chosen.empty()) {
-      return fail(absl::ResourceExhaustedError(absl::StrCat(
-          "blocks[", i, "]: no segment with a free slot of at least ", b.size_bytes,
-          " bytes, and nothing evictable (all leased, uncommitted or too small)")));
-    }
+    absl::StatusOr<std::vector<const SegmentView*>> chosen =
+        PlaceLocked(effective, i, only_node, prefer_node, deadline, &views, &wal);
+    if (!chosen.ok()) return fail(chosen.status());
     NewBlock nb;
     nb.hash = b.hash;
     nb.parent = b.parent;
     nb.size_bytes = static_cast<uint32_t>(b.size_bytes);
-    for (const SegmentView* v : chosen) {
+    for (const SegmentView* v : *chosen) {
       std::optional<uint32_t> slot = registry_.ReserveSlot(v->node, v->segment);
       if (slot.has_value()) nb.replicas.push_back(Replica{v->node, v->segment, *slot});
     }
+    views = registry_.Segments(only_node);
     if (nb.replicas.empty()) {
       return fail(absl::ResourceExhaustedError(
           absl::StrCat("blocks[", i, "]: the chosen segments filled up; retry")));
@@ -404,7 +682,9 @@ absl::StatusOr<AllocateResult> CacheStore::Allocate(const AllocateArgs& args,
                                        std::memory_order_relaxed);
   result.commit_timeout = options_.commit_timeout;
   if (!pending.hashes.empty()) {
-    result.allocation_id = next_allocation_id_++;
+    uint64_t id = RandomId();
+    while (allocations_.contains(id)) id = RandomId();
+    result.allocation_id = id;
     pending.deadline = clock_->Now() + options_.commit_timeout;
     allocated_blocks_ += static_cast<int64_t>(pending.hashes.size());
     allocations_[result.allocation_id] = std::move(pending);
@@ -412,14 +692,38 @@ absl::StatusOr<AllocateResult> CacheStore::Allocate(const AllocateArgs& args,
   return result;
 }
 
+absl::Status CacheStore::CheckOwner(uint64_t allocation_id, const PendingAllocation& pending,
+                                    const Caller& caller) const {
+  const Caller& owner = pending.owner;
+  if (owner.anonymous()) return absl::OkStatus();
+  if (caller.node_id != owner.node_id) {
+    return IdentityError(
+        absl::PermissionDeniedError(absl::StrCat(
+            "allocation_id: allocation ", allocation_id, " belongs to node '", owner.node_id,
+            "', not to ",
+            caller.anonymous() ? std::string("an anonymous caller")
+                               : absl::StrCat("node '", caller.node_id, "'"))),
+        caller.node_id);
+  }
+  if (caller.incarnation != owner.incarnation) {
+    return IdentityError(absl::FailedPreconditionError(absl::StrCat(
+                             "incarnation: allocation ", allocation_id, " belongs to node '",
+                             owner.node_id, "' incarnation ", owner.incarnation,
+                             ", not incarnation ", caller.incarnation)),
+                         caller.node_id);
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<int> CacheStore::Commit(uint64_t allocation_id,
-                                       absl::Span<const BlockHash> hashes) {
+                                       absl::Span<const BlockHash> hashes, const Caller& caller) {
   absl::MutexLock lock(&mu_);
   auto it = allocations_.find(allocation_id);
   if (it == allocations_.end()) {
     return absl::NotFoundError(absl::StrCat("allocation_id: ", allocation_id,
                                             " is unknown (committed, aborted or reclaimed)"));
   }
+  KV_RETURN_IF_ERROR(CheckOwner(allocation_id, it->second, caller));
   PendingAllocation& pending = it->second;
   std::vector<bool> wanted(pending.hashes.size(), hashes.empty());
   for (size_t i = 0; i < hashes.size(); ++i) {
@@ -478,20 +782,51 @@ void CacheStore::AbortLocked(PendingAllocation& pending) {
   // Children first: reverse of the parent-first allocation order.
   for (auto it = pending.hashes.rbegin(); it != pending.hashes.rend(); ++it) {
     absl::StatusOr<RemovedBlock> removed = index_->RemoveAllocated(*it);
-    if (!removed.ok()) continue;  // lost with its node already
+    if (!removed.ok()) {
+      // A child in another allocation still points at it: it goes when that one ends.
+      if (index_->StateOf(*it) == BlockState::kAllocated) orphans_.push_back(*it);
+      continue;  // else lost with its node already
+    }
     for (const Replica& r : removed->replicas) registry_.FreeSlot(r);
     --allocated_blocks_;
   }
   pending.hashes.clear();
+  ReapOrphansLocked();
 }
 
-absl::Status CacheStore::Abort(uint64_t allocation_id) {
+void CacheStore::ReapOrphansLocked() {
+  // Each pass removes the childless ones; a removal can free its parent for the next pass.
+  bool progress = true;
+  while (progress && !orphans_.empty()) {
+    progress = false;
+    for (size_t i = 0; i < orphans_.size();) {
+      if (index_->StateOf(orphans_[i]) != BlockState::kAllocated) {
+        orphans_[i] = orphans_.back();  // committed meanwhile can't happen; gone with a node can
+        orphans_.pop_back();
+        continue;
+      }
+      absl::StatusOr<RemovedBlock> removed = index_->RemoveAllocated(orphans_[i]);
+      if (!removed.ok()) {
+        ++i;
+        continue;
+      }
+      for (const Replica& r : removed->replicas) registry_.FreeSlot(r);
+      counters_.reclaimed_blocks.fetch_add(1, std::memory_order_relaxed);
+      orphans_[i] = orphans_.back();
+      orphans_.pop_back();
+      progress = true;
+    }
+  }
+}
+
+absl::Status CacheStore::Abort(uint64_t allocation_id, const Caller& caller) {
   absl::MutexLock lock(&mu_);
   auto it = allocations_.find(allocation_id);
   if (it == allocations_.end()) {
     return absl::NotFoundError(absl::StrCat("allocation_id: ", allocation_id,
                                             " is unknown (committed, aborted or reclaimed)"));
   }
+  KV_RETURN_IF_ERROR(CheckOwner(allocation_id, it->second, caller));
   // allocated_blocks_ was raised by the full count; AbortLocked lowers it per removed block.
   const int64_t n = static_cast<int64_t>(it->second.hashes.size());
   const int64_t before = allocated_blocks_;
@@ -502,19 +837,129 @@ absl::Status CacheStore::Abort(uint64_t allocation_id) {
   return absl::OkStatus();
 }
 
-absl::Status CacheStore::ReleaseLease(uint64_t lease_id) {
-  std::optional<std::vector<BlockHash>> blocks = leases_.Release(lease_id);
-  if (!blocks.has_value()) {
-    return absl::NotFoundError(
-        absl::StrCat("lease_id: ", lease_id, " is unknown, released or expired"));
-  }
-  index_->ReleaseLeases(*blocks);
+absl::Status CacheStore::ReleaseLease(uint64_t lease_id, const Caller& caller) {
+  KV_ASSIGN_OR_RETURN(std::vector<BlockHash> blocks,
+                      leases_.Release(lease_id, LeaseTable::Owner{caller.node_id,
+                                                                  caller.incarnation}));
+  index_->ReleaseLeases(blocks);
   return absl::OkStatus();
+}
+
+absl::StatusOr<AnnounceResult> CacheStore::AnnounceBlocks(const Caller& node,
+                                                          const std::string& segment_id,
+                                                          absl::Span<const AnnouncedBlock> blocks) {
+  if (node.anonymous()) return absl::InvalidArgumentError("node_id: must not be empty");
+  if (static_cast<int>(blocks.size()) > options_.limits.max_announce) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "blocks: at most ", options_.limits.max_announce, " per call, got ", blocks.size()));
+  }
+  absl::MutexLock lock(&mu_);
+  KV_ASSIGN_OR_RETURN(uint16_t index, registry_.Check(node.node_id, node.incarnation));
+  std::optional<uint16_t> segment = registry_.FindSegment(index, segment_id);
+  if (!segment.has_value()) {
+    return absl::NotFoundError(absl::StrCat("segment_id: node '", node.node_id,
+                                            "' registered no segment '", segment_id, "'"));
+  }
+  std::optional<NodeSpec> spec = registry_.Spec(index);
+  const SegmentSpec& seg = spec->segments[*segment];
+  AnnounceResult result;
+  std::vector<WalOp> wal;
+  auto log_commit = [&](const BlockHash& hash, const BlockHash& parent) {
+    std::vector<MatchedBlock> found;
+    index_->MatchPrefix(absl::MakeConstSpan(&hash, 1), false, false, &found);
+    if (found.empty()) return;
+    WalOp op;
+    op.type = WalOp::Type::kCommitBlock;
+    op.hash = hash;
+    op.parent = parent;
+    op.size_bytes = found[0].size_bytes;
+    op.replicas = WalReplicas(found[0].replicas);
+    std::vector<std::string> nodes;
+    for (const WalReplica& r : op.replicas) nodes.push_back(r.node_id);
+    op.sequence = Publish({0, StoreEvent::Kind::kStored, hash, parent, std::move(nodes), {}});
+    wal.push_back(std::move(op));
+  };
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    const AnnouncedBlock& b = blocks[i];
+    const int at = static_cast<int>(i);
+    if (b.hash.IsZero() || b.size_bytes == 0 || b.size_bytes > seg.slot_bytes ||
+        static_cast<int64_t>(b.slot) >= seg.capacity_slots) {
+      result.rejected.push_back({at, AnnounceRejection::kBadInput});
+      continue;
+    }
+    const Replica rep{index, *segment, b.slot};
+    std::optional<BlockState> state = index_->StateOf(b.hash);
+    if (state == BlockState::kAllocated) {
+      result.rejected.push_back({at, AnnounceRejection::kInFlight});
+      continue;
+    }
+    if (state == BlockState::kCommitted) {
+      std::vector<MatchedBlock> found;
+      index_->MatchPrefix(absl::MakeConstSpan(&b.hash, 1), false, false, &found);
+      bool exact = false, same_node = false;
+      for (const MatchedBlock& m : found) {
+        for (const Replica& x : m.replicas) {
+          exact |= (x == rep);
+          same_node |= (x.node == index);
+        }
+      }
+      if (exact) {
+        ++result.already_present;
+      } else if (same_node) {
+        result.rejected.push_back({at, AnnounceRejection::kConflict});
+      } else if (!registry_.MarkUsed(rep)) {
+        result.rejected.push_back({at, AnnounceRejection::kSlotInUse});
+      } else if (!index_->AddReplica(b.hash, rep).ok()) {
+        registry_.FreeSlot(rep);
+        result.rejected.push_back({at, AnnounceRejection::kConflict});
+      } else {
+        ++result.accepted;
+        log_commit(b.hash, b.parent);
+      }
+      continue;
+    }
+    if (!b.parent.IsZero() && index_->StateOf(b.parent) != BlockState::kCommitted) {
+      result.rejected.push_back({at, AnnounceRejection::kParentMissing});
+      continue;
+    }
+    if (!registry_.MarkUsed(rep)) {
+      result.rejected.push_back({at, AnnounceRejection::kSlotInUse});
+      continue;
+    }
+    NewBlock nb;
+    nb.hash = b.hash;
+    nb.parent = b.parent;
+    nb.size_bytes = static_cast<uint32_t>(b.size_bytes);
+    nb.replicas.push_back(rep);
+    if (!index_->Insert(nb, BlockState::kCommitted).ok()) {
+      registry_.FreeSlot(rep);
+      result.rejected.push_back({at, AnnounceRejection::kParentMissing});
+      continue;
+    }
+    ++result.accepted;
+    log_commit(b.hash, b.parent);
+  }
+  AppendWal(wal);
+  counters_.announced_blocks.fetch_add(result.accepted, std::memory_order_relaxed);
+  MaybeSnapshotLocked();
+  return result;
+}
+
+std::vector<NodeInfo> CacheStore::ListNodes() const { return registry_.List(clock_->Now()); }
+
+std::optional<NodeRole> CacheStore::RoleOf(const std::string& node_id) const {
+  std::optional<uint16_t> index = registry_.Find(node_id);
+  if (!index.has_value()) return std::nullopt;
+  std::optional<NodeSpec> spec = registry_.Spec(*index);
+  if (!spec.has_value()) return std::nullopt;
+  return spec->role;
 }
 
 StoreStats CacheStore::Stats() const {
   StoreStats s;
-  s.nodes = registry_.size();
+  s.nodes = registry_.live_count();
+  s.suspect_nodes = registry_.size() - s.nodes;
+  s.store_incarnation = store_incarnation_;
   s.committed_blocks = index_->committed_count();
   s.allocated_blocks = index_->size() - s.committed_blocks;
   s.active_leases = leases_.active();
@@ -532,10 +977,18 @@ void CacheStore::Tick() {
     counters_.expired_leases.fetch_add(1, std::memory_order_relaxed);
   }
   absl::MutexLock lock(&mu_);
-  for (uint16_t node : registry_.Expired(now)) {
-    KV_LOG(WARNING) << "cachestore: node " << registry_.NodeId(node).value_or("?")
-                    << " missed its heartbeat TTL; dropping it and its blocks";
-    RemoveNodeLocked(node, /*log=*/true);
+  NodeRegistry::Sweep sweep = registry_.Expire(now, options_.suspect_grace);
+  for (uint16_t node : sweep.suspected) {
+    std::optional<NodeSpec> spec = registry_.Spec(node);
+    if (!spec.has_value()) continue;
+    KV_LOG(WARNING) << "cachestore: node " << spec->node_id << " missed its heartbeat TTL ("
+                    << spec->ttl << "); suspect: its blocks are skipped, and dropped after "
+                    << options_.suspect_grace << " more";
+    counters_.suspected_nodes.fetch_add(1, std::memory_order_relaxed);
+    PublishNodeEventLocked(StoreEvent::Kind::kNodeSuspect, *spec);
+  }
+  for (uint16_t node : sweep.forget) {
+    RemoveNodeLocked(node, /*log=*/true, "stayed silent past its TTL and the grace period");
     counters_.expired_nodes.fetch_add(1, std::memory_order_relaxed);
   }
   for (auto it = allocations_.begin(); it != allocations_.end();) {
@@ -545,6 +998,7 @@ void CacheStore::Tick() {
       AbortLocked(it->second);
       allocated_blocks_ = before - n;
       counters_.reclaimed_blocks.fetch_add(n, std::memory_order_relaxed);
+      // (AbortLocked reaps orphans the allocation released.)
       allocations_.erase(it++);
     } else {
       ++it;
@@ -623,9 +1077,9 @@ absl::Status CacheStore::SnapshotLocked() {
   std::stable_sort(order.begin(), order.end(),
                    [&](size_t a, size_t b) { return depth[a] < depth[b]; });
   for (size_t i : order) ops.push_back(std::move(blocks[i]));
-  WalOp marker;  // carries the last sequence number across the log reset
-  marker.type = WalOp::Type::kRemoveBlock;
-  marker.sequence = last_sequence();
+  WalOp marker;  // carries the sequence high-water mark across the log reset
+  marker.type = WalOp::Type::kSequenceMark;
+  marker.sequence = std::max(last_sequence(), sequence_reserved_);
   ops.push_back(marker);
   KV_RETURN_IF_ERROR(WriteSnapshot(options_.data_dir + kSnapshotFile, ops));
   return wal_->Reset();
@@ -640,15 +1094,20 @@ absl::StatusOr<std::vector<StoreEvent>> CacheStore::EventsSince(uint64_t from, s
     return absl::OutOfRangeError(absl::StrCat("from_sequence: ", from,
                                               " is older than the oldest retained event ", oldest));
   }
+  if (from > next_sequence_) {
+    return absl::OutOfRangeError(absl::StrCat(
+        "from_sequence: ", from, " is ahead of the next sequence ", next_sequence_,
+        " (did the store restart without its data dir? compare store_incarnation)"));
+  }
   while (next_sequence_ <= from) {
     if (events_cv_.WaitWithDeadline(&events_mu_, deadline)) break;
   }
   std::vector<StoreEvent> out;
-  if (events_.empty()) return out;
-  const uint64_t first = events_.front().sequence;
-  for (uint64_t seq = std::max(from, first); seq < next_sequence_ && out.size() < max; ++seq) {
-    out.push_back(events_[seq - first]);
-  }
+  // Never index by arithmetic on sequence numbers (issue 13.5: events_ and the numbers diverged
+  // after a log replay and this read past the deque): search, then walk within bounds.
+  auto it = std::lower_bound(events_.begin(), events_.end(), from,
+                             [](const StoreEvent& e, uint64_t seq) { return e.sequence < seq; });
+  for (; it != events_.end() && out.size() < max; ++it) out.push_back(*it);
   return out;
 }
 

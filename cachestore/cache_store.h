@@ -8,12 +8,21 @@
 //   mu_ (mutations: register, allocate, commit, abort, tick, snapshot)
 //     -> BlockIndex locks (see block_index.h) -> registry / lease table (leaf locks)
 //     -> events_mu_ (leaf)
-// MatchPrefix / QueryPrefix / Heartbeat / ReleaseLease never take mu_: they use the index's
-// shard locks and the leaf locks only, so lookups are not serialized behind writers.
+// MatchPrefix / QueryPrefix / Heartbeat / ReleaseLease never take mu_ (Heartbeat only to
+// publish a suspect node's return): they use the index's shard locks and the leaf locks only,
+// so lookups are not serialized behind writers.
 //
-// Time comes from the injected Clock; Tick() does all time-driven work (node expiry, lease
-// expiry, reclaiming abandoned allocations, watermark eviction, snapshots). The server calls it
-// periodically; tests call it after SimulatedClock::Advance.
+// Time comes from the injected Clock; Tick() does all time-driven work (node suspicion and
+// expiry, lease expiry, reclaiming abandoned allocations, watermark eviction, snapshots). The
+// server calls it periodically; tests call it after SimulatedClock::Advance.
+//
+// Identity: nodes are (node_id, incarnation) (see node_registry.h). Allocations and leases taken
+// by a Caller are bound to it: only the same node and incarnation may commit, abort or release
+// them, and their ids are random. When a node is forgotten or replaced, its blocks, allocations
+// and leases go with it before its registry index can be reused.
+//
+// Event sequence numbers are strictly increasing across restarts, kill -9 included: before a
+// number past the logged high-water mark is handed out, a new mark (1024 ahead) is logged.
 
 #include <atomic>
 #include <cstdint>
@@ -30,6 +39,7 @@
 #include "cachestore/block_index.h"
 #include "cachestore/eviction_policy.h"
 #include "cachestore/lease_table.h"
+#include "cachestore/limits.h"
 #include "cachestore/node_registry.h"
 #include "cachestore/wal.h"
 #include "common/clock.h"
@@ -41,7 +51,11 @@ struct CacheStoreOptions {
   std::string data_dir;                              // empty: no durability
   bool wal_fsync = true;
   Clock* clock = nullptr;                            // not owned; default Clock::Real()
+  // Long enough to ride out a multi-second CPU stall; a node past it only becomes suspect.
   absl::Duration default_node_ttl = absl::Seconds(10);
+  // How long a suspect node (silent past its TTL) keeps its blocks before it is forgotten.
+  absl::Duration suspect_grace = absl::Seconds(30);
+  Limits limits;
   absl::Duration commit_timeout = absl::Seconds(30);
   absl::Duration max_lease_ttl = absl::Minutes(10);
   // Watermark eviction (fractions of all registered slots), run by Tick().
@@ -79,6 +93,14 @@ struct MatchResult {
   }
 };
 
+// Who is calling: a registered node (node_id + incarnation), or nobody (empty node_id: legacy
+// clients and read-only tools). incarnation 0 = "whatever is registered" (legacy).
+struct Caller {
+  std::string node_id;
+  uint64_t incarnation = 0;
+  bool anonymous() const { return node_id.empty(); }
+};
+
 struct NodePrefix {
   std::string node_id;
   int matched = 0;
@@ -94,6 +116,10 @@ struct AllocateArgs {
   std::string preferred_node;
   Tier preferred_tier = Tier::kUnspecified;
   int replicas = 1;
+  // A node allocating for itself places only in its own segments, evicting there (leaf-first,
+  // by policy) when they are full; never on another node. Anonymous: placement by preference
+  // (a preferred node's full segment is evicted into before spilling elsewhere).
+  Caller caller;
 };
 
 struct AllocateResult {
@@ -108,16 +134,60 @@ struct AllocateResult {
 };
 
 struct StoreEvent {
-  enum class Kind { kStored = 1, kRemoved = 2 };
+  // Same numbers as kvrelay.v1.Event.Kind.
+  enum class Kind {
+    kStored = 1,
+    kRemoved = 2,
+    kNodeJoined = 3,   // registered (a new incarnation)
+    kNodeSuspect = 4,  // missed its TTL: its blocks are skipped
+    kNodeLive = 5,     // back within the grace period: its blocks count again
+    kNodeLeft = 6,     // deregistered, replaced or forgotten: its blocks are gone
+  };
   uint64_t sequence = 0;
   Kind kind = Kind::kStored;
+  BlockHash hash;    // block events
+  BlockHash parent;  // block events
+  std::vector<std::string> node_ids;  // kStored: replica nodes; kRemoved: nodes it was on
+  NodeSpec node;     // node events (segments left out)
+};
+
+struct RegisterResult {
+  absl::Duration ttl;
+  uint64_t incarnation = 0;  // as registered (assigned when the request had 0)
+  bool revived = false;      // the same incarnation was suspect and is live again
+};
+
+struct HeartbeatResult {
+  bool known = false;  // false: not registered (forgotten or never): register again
+  NodeState state = NodeState::kLive;  // state before this heartbeat
+};
+
+// A block a (re-)registered node still holds, re-announced so the index converges without
+// recompute.
+struct AnnouncedBlock {
   BlockHash hash;
-  BlockHash parent;
-  std::vector<std::string> node_ids;
+  BlockHash parent;  // zero for a root; must be committed or announced earlier in the batch
+  uint32_t slot = 0;
+  uint64_t size_bytes = 0;
+};
+// Same numbers as kvrelay.v1.AnnounceRejection.Reason.
+enum class AnnounceRejection {
+  kBadInput = 1,      // zero hash, size over the slot, slot out of range
+  kSlotInUse = 2,     // the store has another block in that slot
+  kParentMissing = 3, // parent neither committed nor earlier in the batch
+  kInFlight = 4,      // the hash is being written by an allocation
+  kConflict = 5,      // the store lists the block on this node at another slot
+};
+struct AnnounceResult {
+  int accepted = 0;         // newly indexed (block or replica)
+  int already_present = 0;  // the store already listed this exact replica
+  std::vector<std::pair<int, AnnounceRejection>> rejected;  // (index in the batch, why)
 };
 
 struct StoreStats {
-  int64_t nodes = 0;
+  int64_t nodes = 0;          // live
+  int64_t suspect_nodes = 0;
+  uint64_t store_incarnation = 0;
   int64_t committed_blocks = 0;
   int64_t allocated_blocks = 0;
   int64_t active_leases = 0;
@@ -138,6 +208,9 @@ struct StoreCounters {
   std::atomic<int64_t> reclaimed_blocks{0};
   std::atomic<int64_t> evicted_blocks{0};
   std::atomic<int64_t> expired_nodes{0};
+  std::atomic<int64_t> suspected_nodes{0};
+  std::atomic<int64_t> refused_registrations{0};
+  std::atomic<int64_t> announced_blocks{0};
   std::atomic<int64_t> expired_leases{0};
 };
 
@@ -147,19 +220,40 @@ class CacheStore {
   static absl::StatusOr<std::unique_ptr<CacheStore>> Create(CacheStoreOptions options);
   ~CacheStore();
 
-  // Returns the TTL applied. InvalidArgument naming a bad field.
-  absl::StatusOr<absl::Duration> RegisterNode(NodeSpec spec);
-  bool Heartbeat(const std::string& node_id);
-  // lease_ttl > 0 takes a lease on the matched blocks (none when nothing matched).
+  // Registers (node_id, incarnation); see NodeRegistry::Register for the identity rules. An
+  // incarnation of 0 (legacy clients) gets a random one, returned. InvalidArgument naming a bad
+  // field, AlreadyExists naming the live holder of the id.
+  absl::StatusOr<RegisterResult> RegisterNode(NodeSpec spec);
+  // Drops the node, its blocks, allocations and leases at once (a clean shutdown).
+  absl::Status DeregisterNode(const Caller& node);
+  // known=false when the id is not registered. FailedPrecondition naming the node when the
+  // incarnation differs (the caller was replaced). `load` (optional) is kept for ListNodes.
+  absl::StatusOr<HeartbeatResult> Heartbeat(const std::string& node_id, uint64_t incarnation = 0,
+                                            const NodeLoad* load = nullptr);
+  // Longest prefix whose every block has a replica on a live node; lease_ttl > 0 takes a lease
+  // (bound to a non-anonymous caller) on the matched blocks (none when nothing matched).
+  // Replicas on suspect nodes are left out.
   absl::StatusOr<MatchResult> MatchPrefix(absl::Span<const BlockHash> chain,
-                                          absl::Duration lease_ttl);
+                                          absl::Duration lease_ttl, const Caller& caller = {});
   std::vector<NodePrefix> QueryPrefix(absl::Span<const BlockHash> chain);
   // ResourceExhausted only when eviction cannot make room; nothing is reserved on failure.
   absl::StatusOr<AllocateResult> Allocate(const AllocateArgs& args, absl::Time deadline);
-  // Commits the named blocks of the allocation (all when empty); returns how many.
-  absl::StatusOr<int> Commit(uint64_t allocation_id, absl::Span<const BlockHash> hashes);
-  absl::Status Abort(uint64_t allocation_id);
-  absl::Status ReleaseLease(uint64_t lease_id);
+  // Commits the named blocks of the allocation (all when empty); returns how many. An
+  // allocation taken by a node can be committed / aborted only by that node and incarnation
+  // (PermissionDenied naming both nodes; FailedPrecondition for another incarnation).
+  absl::StatusOr<int> Commit(uint64_t allocation_id, absl::Span<const BlockHash> hashes,
+                             const Caller& caller = {});
+  absl::Status Abort(uint64_t allocation_id, const Caller& caller = {});
+  absl::Status ReleaseLease(uint64_t lease_id, const Caller& caller = {});
+  // Re-announces blocks `node` still holds in `segment_id` (idempotent); see AnnouncedBlock.
+  absl::StatusOr<AnnounceResult> AnnounceBlocks(const Caller& node, const std::string& segment_id,
+                                                absl::Span<const AnnouncedBlock> blocks);
+  // The role a registered node gave (nullopt when not registered).
+  std::optional<NodeRole> RoleOf(const std::string& node_id) const;
+  // Registered nodes (live and suspect) with their addresses, role, load and liveness.
+  std::vector<NodeInfo> ListNodes() const;
+  // Random per process start: lets nodes and watchers notice a store restart.
+  uint64_t store_incarnation() const { return store_incarnation_; }
   StoreStats Stats() const;
   const StoreCounters& counters() const { return counters_; }
   const EvictionPolicy& policy() const { return *policy_; }
@@ -181,6 +275,7 @@ class CacheStore {
 
  private:
   struct PendingAllocation {
+    Caller owner;  // anonymous: committed / aborted by whoever holds the (random) id
     absl::Time deadline;
     std::vector<BlockHash> hashes;  // parent-first order; committed ones are removed
     absl::flat_hash_map<BlockHash, BlockHash> parents;
@@ -189,7 +284,23 @@ class CacheStore {
   explicit CacheStore(CacheStoreOptions options, EvictionPolicyPtr policy);
   absl::Status Recover();
   absl::Status ApplyOp(const WalOp& op, uint64_t* max_seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void RemoveNodeLocked(uint16_t node, bool log) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops the node, its blocks, the allocations it owns and its leases; publishes kNodeLeft.
+  void RemoveNodeLocked(uint16_t node, bool log, std::string_view why)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Allocation ownership check (see Commit).
+  absl::Status CheckOwner(uint64_t allocation_id, const PendingAllocation& pending,
+                          const Caller& caller) const;
+  // Finds segments for one block (replicas on distinct nodes), evicting by policy while
+  // nothing fits: only on `only_node` when set, else first on `prefer_node` then anywhere.
+  absl::StatusOr<std::vector<const SegmentView*>> PlaceLocked(
+      const AllocateArgs& args, size_t i, std::optional<uint16_t> only_node,
+      std::optional<uint16_t> prefer_node, absl::Time deadline, std::vector<SegmentView>* views,
+      std::vector<WalOp>* wal) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Allocated blocks whose allocation ended while a child in another allocation still pointed
+  // at them: removed as soon as they are childless.
+  void ReapOrphansLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void PublishNodeEventLocked(StoreEvent::Kind kind, const NodeSpec& spec)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Frees slots, logs and publishes a removal for each block.
   void OnRemoved(const std::vector<RemovedBlock>& removed, std::vector<WalOp>* wal)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -197,13 +308,15 @@ class CacheStore {
   void AppendWal(const std::vector<WalOp>& ops) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MaybeSnapshotLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status SnapshotLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  uint64_t Publish(StoreEvent event);  // assigns and returns the sequence
+  // Assigns and returns the sequence (0 while replaying the log: nothing is published).
+  uint64_t Publish(StoreEvent event) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::vector<Location> Describe(const Replicas& replicas) const;
   std::vector<WalReplica> WalReplicas(const Replicas& replicas) const;
   void UpdateCapacityHint();
 
   const CacheStoreOptions options_;
   Clock* const clock_;
+  const uint64_t store_incarnation_;
   const EvictionPolicyPtr policy_;
   NodeRegistry registry_;
   std::unique_ptr<BlockIndex> index_;
@@ -212,8 +325,11 @@ class CacheStore {
 
   absl::Mutex mu_;
   std::unique_ptr<Wal> wal_ ABSL_GUARDED_BY(mu_);
-  uint64_t next_allocation_id_ ABSL_GUARDED_BY(mu_) = 1;
   absl::flat_hash_map<uint64_t, PendingAllocation> allocations_ ABSL_GUARDED_BY(mu_);
+  std::vector<BlockHash> orphans_ ABSL_GUARDED_BY(mu_);
+  bool replaying_ ABSL_GUARDED_BY(mu_) = false;
+  // Sequence numbers up to this are covered by a logged kSequenceMark.
+  uint64_t sequence_reserved_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t allocated_blocks_ ABSL_GUARDED_BY(mu_) = 0;
 
   mutable absl::Mutex events_mu_;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 
 namespace kvrelay::cachestore {
@@ -19,27 +20,73 @@ std::string_view TierName(Tier tier) {
   }
 }
 
+absl::Status IdentityError(absl::Status status, std::string_view node_id) {
+  status.SetPayload(kIdentityPayload, absl::Cord(std::string(node_id)));
+  return status;
+}
+
+std::string_view NodeRoleName(NodeRole role) {
+  switch (role) {
+    case NodeRole::kPrefill:
+      return "prefill";
+    case NodeRole::kDecode:
+      return "decode";
+    case NodeRole::kCache:
+      return "cache";
+    default:
+      return "unspecified";
+  }
+}
+
+void NodeRegistry::SetSuspect(uint16_t index, bool suspect) {
+  Node& n = nodes_[index];
+  const bool was = n.state == NodeState::kSuspect;
+  if (was == suspect) return;
+  n.state = suspect ? NodeState::kSuspect : NodeState::kLive;
+  suspect_[index].store(suspect ? 1 : 0, std::memory_order_release);
+  suspect_count_.fetch_add(suspect ? 1 : -1, std::memory_order_acq_rel);
+}
+
 absl::StatusOr<NodeRegistry::RegisterResult> NodeRegistry::Register(const NodeSpec& spec,
-                                                                    absl::Time now) {
+                                                                    absl::Time now,
+                                                                    bool force_replace) {
   absl::MutexLock lock(&mu_);
   auto it = by_id_.find(spec.node_id);
   if (it != by_id_.end()) {
     Node& n = nodes_[it->second];
-    if (n.spec == spec) {
+    if (n.spec.incarnation == spec.incarnation) {
+      if (!(n.spec == spec)) {
+        if (force_replace) return RegisterResult{it->second, true, false, false};
+        return IdentityError(absl::FailedPreconditionError(absl::StrCat(
+            "node_id: node '", spec.node_id, "' incarnation ", spec.incarnation,
+            " is already registered with different addresses, segments or TTL; a new spec needs "
+            "a new incarnation")), spec.node_id);
+      }
       n.last_heartbeat = now;
-      return RegisterResult{it->second, false};
+      const bool revived = n.state == NodeState::kSuspect;
+      SetSuspect(it->second, false);
+      return RegisterResult{it->second, false, revived, false};
     }
-    return RegisterResult{it->second, true};
+    if (n.state == NodeState::kLive && !force_replace) {
+      return IdentityError(absl::AlreadyExistsError(absl::StrCat(
+          "node_id: '", spec.node_id, "' is registered by a live process (incarnation ",
+          n.spec.incarnation, ", data plane ", n.spec.transport_address,
+          n.spec.grpc_address.empty() ? "" : ", gRPC ", n.spec.grpc_address,
+          "); refusing incarnation ", spec.incarnation, ": give each process its own node id")),
+          spec.node_id);
+    }
+    return RegisterResult{it->second, true, false, false};
+  }
+  if (static_cast<int>(by_id_.size()) >= std::min(max_nodes_, kMaxNodes)) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("node_id: at most ", std::min(max_nodes_, kMaxNodes),
+                     " nodes may be registered at once"));
   }
   uint16_t index;
   if (!free_indices_.empty()) {
-    index = free_indices_.back();
-    free_indices_.pop_back();
+    index = free_indices_.front();
+    free_indices_.pop_front();
   } else {
-    if (nodes_.size() >= static_cast<size_t>(kMaxNodes)) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("node_id: at most ", kMaxNodes, " nodes may be registered"));
-    }
     index = static_cast<uint16_t>(nodes_.size());
     nodes_.emplace_back();
   }
@@ -50,38 +97,84 @@ absl::StatusOr<NodeRegistry::RegisterResult> NodeRegistry::Register(const NodeSp
   n.live = true;
   for (const SegmentSpec& s : spec.segments) n.segments.push_back(Segment{s});
   by_id_[spec.node_id] = index;
-  return RegisterResult{index, false};
+  return RegisterResult{index, false, false, true};
 }
 
-bool NodeRegistry::Heartbeat(const std::string& node_id, absl::Time now) {
+NodeRegistry::HeartbeatResult NodeRegistry::Heartbeat(const std::string& node_id,
+                                                      uint64_t incarnation, absl::Time now,
+                                                      const NodeLoad* load) {
   absl::MutexLock lock(&mu_);
+  HeartbeatResult r;
   auto it = by_id_.find(node_id);
-  if (it == by_id_.end()) return false;
-  nodes_[it->second].last_heartbeat = now;
-  return true;
+  if (it == by_id_.end()) return r;
+  Node& n = nodes_[it->second];
+  r.index = it->second;
+  r.registered_incarnation = n.spec.incarnation;
+  if (incarnation != 0 && incarnation != n.spec.incarnation) {
+    r.outcome = HeartbeatOutcome::kWrongIncarnation;
+    return r;
+  }
+  n.last_heartbeat = now;
+  if (load != nullptr) n.load = *load;
+  r.outcome = n.state == NodeState::kSuspect ? HeartbeatOutcome::kRevived : HeartbeatOutcome::kOk;
+  SetSuspect(it->second, false);
+  return r;
 }
 
-std::vector<uint16_t> NodeRegistry::Expired(absl::Time now) const {
+NodeRegistry::Sweep NodeRegistry::Expire(absl::Time now, absl::Duration grace) {
   absl::MutexLock lock(&mu_);
-  std::vector<uint16_t> out;
+  Sweep out;
   for (size_t i = 0; i < nodes_.size(); ++i) {
-    const Node& n = nodes_[i];
-    if (n.live && now - n.last_heartbeat > n.spec.ttl) out.push_back(static_cast<uint16_t>(i));
+    Node& n = nodes_[i];
+    if (!n.live || now - n.last_heartbeat <= n.spec.ttl) continue;
+    if (n.state == NodeState::kLive) {
+      SetSuspect(static_cast<uint16_t>(i), true);
+      n.suspect_since = now;
+      out.suspected.push_back(static_cast<uint16_t>(i));
+    }
+    if (now - n.last_heartbeat > n.spec.ttl + grace) out.forget.push_back(static_cast<uint16_t>(i));
   }
   return out;
 }
 
 void NodeRegistry::TouchAll(absl::Time now) {
   absl::MutexLock lock(&mu_);
-  for (Node& n : nodes_) n.last_heartbeat = now;
+  for (size_t i = 0; i < nodes_.size(); ++i) {
+    nodes_[i].last_heartbeat = now;
+    if (nodes_[i].live) SetSuspect(static_cast<uint16_t>(i), false);
+  }
 }
 
 void NodeRegistry::Remove(uint16_t node) {
   absl::MutexLock lock(&mu_);
   if (node >= nodes_.size() || !nodes_[node].live) return;
+  SetSuspect(node, false);
   by_id_.erase(nodes_[node].spec.node_id);
   nodes_[node] = Node{};
   free_indices_.push_back(node);
+  removals_.fetch_add(1, std::memory_order_acq_rel);
+}
+
+absl::StatusOr<uint16_t> NodeRegistry::Check(const std::string& node_id,
+                                             uint64_t incarnation) const {
+  absl::MutexLock lock(&mu_);
+  auto it = by_id_.find(node_id);
+  if (it == by_id_.end()) {
+    return IdentityError(absl::NotFoundError(absl::StrCat(
+                             "node_id: node '", node_id,
+                             "' is not registered (expired, replaced or never registered): "
+                             "register again")),
+                         node_id);
+  }
+  const uint64_t registered = nodes_[it->second].spec.incarnation;
+  if (incarnation != 0 && incarnation != registered) {
+    return IdentityError(absl::FailedPreconditionError(absl::StrCat(
+                             "incarnation: node '", node_id, "' is registered with incarnation ",
+                             registered, ", not ", incarnation,
+                             " (an earlier or different process)")),
+                         node_id);
+  }
+  return it->second;
 }
 
 std::optional<uint16_t> NodeRegistry::Find(const std::string& node_id) const {
@@ -126,6 +219,35 @@ std::optional<uint16_t> NodeRegistry::FindSegment(uint16_t node,
 int64_t NodeRegistry::size() const {
   absl::MutexLock lock(&mu_);
   return static_cast<int64_t>(by_id_.size());
+}
+
+int64_t NodeRegistry::live_count() const {
+  absl::MutexLock lock(&mu_);
+  int64_t n = 0;
+  for (const Node& node : nodes_) n += (node.live && node.state == NodeState::kLive) ? 1 : 0;
+  return n;
+}
+
+std::vector<NodeInfo> NodeRegistry::List(absl::Time now) const {
+  absl::MutexLock lock(&mu_);
+  std::vector<NodeInfo> out;
+  for (const Node& n : nodes_) {
+    if (!n.live) continue;
+    NodeInfo info;
+    info.spec = n.spec;
+    info.state = n.state;
+    info.load = n.load;
+    info.since_heartbeat = std::max(absl::ZeroDuration(), now - n.last_heartbeat);
+    for (const Segment& s : n.segments) {
+      info.capacity_slots += s.spec.capacity_slots;
+      info.used_slots += s.used;
+    }
+    out.push_back(std::move(info));
+  }
+  std::sort(out.begin(), out.end(), [](const NodeInfo& a, const NodeInfo& b) {
+    return a.spec.node_id < b.spec.node_id;
+  });
+  return out;
 }
 
 std::optional<uint32_t> NodeRegistry::ReserveSlot(uint16_t node, uint16_t segment) {
@@ -175,12 +297,13 @@ bool NodeRegistry::MarkUsed(const Replica& r) {
   return true;
 }
 
-std::vector<SegmentView> NodeRegistry::Segments() const {
+std::vector<SegmentView> NodeRegistry::Segments(std::optional<uint16_t> include) const {
   absl::MutexLock lock(&mu_);
   std::vector<SegmentView> out;
   for (size_t i = 0; i < nodes_.size(); ++i) {
     const Node& n = nodes_[i];
     if (!n.live) continue;
+    if (n.state == NodeState::kSuspect && include != static_cast<uint16_t>(i)) continue;
     for (size_t j = 0; j < n.segments.size(); ++j) {
       const Segment& s = n.segments[j];
       out.push_back(SegmentView{static_cast<uint16_t>(i), static_cast<uint16_t>(j), s.spec.tier,
@@ -198,6 +321,7 @@ Location NodeRegistry::Describe(const Replica& r) const {
   if (r.node >= nodes_.size() || !nodes_[r.node].live) return loc;
   const Node& n = nodes_[r.node];
   loc.node_id = n.spec.node_id;
+  loc.incarnation = n.spec.incarnation;
   if (r.segment < n.segments.size()) {
     const SegmentSpec& s = n.segments[r.segment].spec;
     loc.segment_id = s.segment_id;

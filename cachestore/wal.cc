@@ -98,8 +98,15 @@ std::string EncodeWalOp(const WalOp& op) {
         PutU64(&s, seg.slot_bytes);
         PutStr(&s, seg.memory_key);
       }
+      // Identity and discovery fields, appended so logs written before them still decode.
+      PutU64(&s, n.incarnation);
+      PutU8(&s, static_cast<uint8_t>(n.role));
+      PutStr(&s, n.grpc_address);
       break;
     }
+    case WalOp::Type::kSequenceMark:
+      PutU64(&s, op.sequence);
+      break;
     case WalOp::Type::kRemoveNode:
       PutStr(&s, op.node_id);
       break;
@@ -150,8 +157,19 @@ absl::StatusOr<WalOp> DecodeWalOp(std::string_view payload) {
         seg.capacity_slots = static_cast<int64_t>(cap);
         op.node.segments.push_back(std::move(seg));
       }
+      if (!r.done()) {
+        uint8_t role;
+        if (!r.U64(&op.node.incarnation) || !r.U8(&role) || role > 3 ||
+            !r.Str(&op.node.grpc_address)) {
+          return Bad("truncated node identity");
+        }
+        op.node.role = static_cast<NodeRole>(role);
+      }
       break;
     }
+    case WalOp::Type::kSequenceMark:
+      if (!r.U64(&op.sequence)) return Bad("truncated sequence mark");
+      break;
     case WalOp::Type::kRemoveNode:
       if (!r.Str(&op.node_id)) return Bad("truncated node id");
       break;

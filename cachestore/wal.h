@@ -35,11 +35,13 @@ struct WalOp {
     kRemoveNode = 2,
     kCommitBlock = 3,
     kRemoveBlock = 4,
+    // High-water mark: event sequence numbers up to `sequence` may have been handed out.
+    kSequenceMark = 5,
   };
   Type type = Type::kCommitBlock;
   NodeSpec node;          // kRegisterNode
   std::string node_id;    // kRemoveNode
-  uint64_t sequence = 0;  // block ops: the event sequence number they produced
+  uint64_t sequence = 0;  // block ops: the event sequence number they produced; kSequenceMark
   kv::BlockHash hash;     // block ops
   kv::BlockHash parent;   // kCommitBlock
   uint32_t size_bytes = 0;

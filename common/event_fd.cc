@@ -13,7 +13,7 @@ namespace kvrelay {
 
 absl::StatusOr<EventFd> EventFd::Create() {
   int fd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-  if (fd < 0) return absl::InternalError(absl::StrCat("eventfd: ", std::strerror(errno)));
+  if (fd < 0) return absl::ErrnoToStatus(errno, "eventfd");
   return EventFd(ScopedFd(fd));
 }
 

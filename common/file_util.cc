@@ -13,11 +13,10 @@
 namespace kvrelay {
 namespace {
 
+// One errno -> Status mapping for the whole code base: Abseil's (ENOENT -> NotFound, EACCES ->
+// PermissionDenied, ENOSPC -> ResourceExhausted, ...).
 absl::Status ErrnoStatus(absl::string_view what, const std::string& path, int err) {
-  std::string message = absl::StrCat(what, " ", path, ": ", std::strerror(err));
-  if (err == ENOENT) return absl::NotFoundError(message);
-  if (err == EACCES || err == EPERM) return absl::PermissionDeniedError(message);
-  return absl::InternalError(message);
+  return absl::ErrnoToStatus(err, absl::StrCat(what, " ", path));
 }
 
 absl::Status WriteAll(int fd, std::string_view data, const std::string& path) {

@@ -1,6 +1,7 @@
 #include "common/http_server.h"
 
 #include <arpa/inet.h>
+#include <netdb.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
@@ -31,30 +32,40 @@ const char* Reason(int status) {
 
 absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const std::string& host, int port,
                                                               HttpHandler handler) {
-  ScopedFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
-  if (!fd.valid()) return absl::InternalError(absl::StrCat("socket: ", std::strerror(errno)));
+  if (port < 0 || port > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat("metrics port must be in [0, 65535], got ", port));
+  }
+  // Hostnames, IPv4 and IPv6 literals alike.
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* resolved = nullptr;
+  const std::string service = absl::StrCat(port);
+  if (int rc = ::getaddrinfo(host.c_str(), service.c_str(), &hints, &resolved); rc != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("metrics host '", host, "' does not resolve: ", ::gai_strerror(rc)));
+  }
+  std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> addresses(resolved, &::freeaddrinfo);
+  ScopedFd fd(::socket(resolved->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!fd.valid()) return absl::ErrnoToStatus(errno, "socket");
   int one = 1;
   ::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  if (::inet_pton(AF_INET, host.c_str(), &addr.sin_addr) != 1) {
-    return absl::InvalidArgumentError(absl::StrCat("metrics host must be an IPv4 address, got '",
-                                                   host, "'"));
+  if (::bind(fd.get(), resolved->ai_addr, resolved->ai_addrlen) != 0) {
+    return absl::ErrnoToStatus(errno, absl::StrCat("metrics-port: bind ", host, ":", port));
   }
-  if (::bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    return absl::UnavailableError(
-        absl::StrCat("bind ", host, ":", port, ": ", std::strerror(errno)));
-  }
-  if (::listen(fd.get(), 16) != 0) {
-    return absl::InternalError(absl::StrCat("listen: ", std::strerror(errno)));
-  }
-  socklen_t len = sizeof(addr);
-  ::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&addr), &len);
+  if (::listen(fd.get(), 16) != 0) return absl::ErrnoToStatus(errno, "listen");
+  sockaddr_storage bound{};
+  socklen_t len = sizeof(bound);
+  ::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&bound), &len);
+  const int bound_port =
+      bound.ss_family == AF_INET6
+          ? ntohs(reinterpret_cast<const sockaddr_in6*>(&bound)->sin6_port)
+          : ntohs(reinterpret_cast<const sockaddr_in*>(&bound)->sin_port);
   absl::StatusOr<EventFd> stop = EventFd::Create();
   if (!stop.ok()) return stop.status();
   return std::unique_ptr<HttpServer>(
-      new HttpServer(std::move(fd), ntohs(addr.sin_port), *std::move(stop), std::move(handler)));
+      new HttpServer(std::move(fd), bound_port, *std::move(stop), std::move(handler)));
 }
 
 HttpServer::HttpServer(ScopedFd listener, int port, EventFd stop, HttpHandler handler)
@@ -120,7 +131,9 @@ void HttpServer::Serve(int fd) {
 
 HttpHandler MetricsHandler(const MetricsRegistry* registry) {
   return [registry](const std::string& path) -> HttpResponse {
-    if (path == "/metrics") return {200, "text/plain; version=0.0.4", registry->RenderText()};
+    if (path == "/metrics") {
+      return {200, "text/plain; version=0.0.4", registry != nullptr ? registry->RenderText() : ""};
+    }
     if (path == "/healthz") return {200, "text/plain", "ok\n"};
     return {404, "text/plain", "not found\n"};
   };

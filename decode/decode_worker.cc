@@ -7,25 +7,32 @@
 #include "common/status_macros.h"
 #include "kv/block_hash.h"
 #include "kv/checksum.h"
+#include "kv/prompt_validation.h"
+#include "proto/limits.h"
 #include "model/sampler.h"
 #include "proto/grpc_status.h"
 
 namespace kvrelay::decode {
 namespace {
 
-constexpr int32_t kMaxPromptTokens = 32768;
-constexpr int32_t kMaxGenerateTokens = 4096;
-constexpr size_t kMaxRequestIdBytes = 64;
+using ::kvrelay::proto::Attribute;
+
 constexpr absl::Duration kReleaseGrace = absl::Seconds(30);
 
-grpc::Status Invalid(const std::string& message) {
-  return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, message);
+// Bad input from the caller: never the worker's fault, never worth a retry elsewhere.
+absl::Status Invalid(const std::string& message) {
+  return Attribute(absl::InvalidArgumentError(message), kvrelay::v1::ROLE_CLIENT, "",
+                   kvrelay::v1::FAILURE_INVALID_REQUEST);
+}
+
+std::string FingerprintBytes(const kv::LayoutFingerprint& fp) {
+  return std::string(reinterpret_cast<const char*>(fp.bytes.data()), fp.bytes.size());
 }
 
 absl::Status CheckRequestId(const std::string& id) {
-  if (id.empty() || id.size() > kMaxRequestIdBytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("request_id must be 1-", kMaxRequestIdBytes, " bytes, got ", id.size()));
+  if (id.empty() || id.size() > limits::kMaxRequestIdBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "request_id must be 1-", limits::kMaxRequestIdBytes, " bytes, got ", id.size()));
   }
   for (char c : id) {
     if (!std::isalnum(static_cast<unsigned char>(c)) && c != '.' && c != '_' && c != ':' &&
@@ -46,6 +53,7 @@ struct DecodeWorker::Reservation {
   std::vector<std::vector<kv::SlotId>> slots;  // [group][block], -1 = not wanted
   int32_t expected_layers = 0;
   absl::Time expires;
+  std::vector<int64_t> budget;  // booked blocks per group; moves to the Active on Generate
   // Guarded by DecodeWorker::mu_.
   int32_t layers_received = 0;
   int64_t bytes_received = 0;
@@ -61,10 +69,12 @@ struct DecodeWorker::Active {
   std::vector<int32_t> tail;  // prompt tokens the scheduler computes before decoding
   int32_t max_tokens = 0;
   float temperature = 0;
+  float top_p = 1.0f;
   std::unique_ptr<model::Sampler> sampler;
   int32_t eos_token = -1;
   std::string tenant_salt;
   int32_t pushed_blocks = 0;
+  std::vector<int64_t> budget;  // returned when the sequence ends
   // Scheduler-only.
   int32_t generated = 0;
   int32_t last_token = -1;
@@ -90,20 +100,54 @@ DecodeWorker::DecodeWorker(DecodeWorkerOptions options, MetricsRegistry* metrics
   step_seconds_ = metrics_->GetHistogram("kvrelay_decode_step_seconds",
                                          "Time of one batched decode step.",
                                          LatencyBucketsSeconds());
+  refused_overloaded_ =
+      metrics_->GetCounter("kvrelay_decode_refused_total",
+                           "Requests refused at admission, by reason.", {{"reason", "capacity"}});
+}
+
+absl::Status DecodeWorker::Own(absl::Status status, kvrelay::v1::FailureReason reason) const {
+  kvrelay::v1::ErrorInfo info;
+  info.set_role(kvrelay::v1::ROLE_DECODE);
+  info.set_node_id(core_->node_id);
+  info.set_incarnation(core_->incarnation);
+  info.set_address(core_->transport_address);
+  info.set_reason(reason);
+  return proto::WithErrorInfo(std::move(status), info);
+}
+
+std::vector<int64_t> DecodeWorker::BlockBudget(int64_t tokens) const {
+  const kv::ModelLayout& layout = runner_->layout();
+  std::vector<int64_t> budget(layout.groups().size());
+  for (size_t g = 0; g < budget.size(); ++g) {
+    budget[g] = layout.BlocksNeeded(static_cast<int>(g), tokens);
+    // A sliding window briefly holds one block more while the next is written.
+    if (layout.groups()[g].kind == kv::LayerKind::kSlidingWindow) ++budget[g];
+  }
+  return budget;
+}
+
+void DecodeWorker::ReturnBudget(const std::vector<int64_t>& budget) {
+  for (size_t g = 0; g < budget.size() && g < booked_.size(); ++g) booked_[g] -= budget[g];
 }
 
 absl::StatusOr<std::unique_ptr<DecodeWorker>> DecodeWorker::Create(DecodeWorkerOptions options,
-                                                                   MetricsRegistry* metrics) {
+                                                                   MetricsRegistry* metrics,
+                                                                   worker::WorkerCoreDeps deps) {
   auto worker = std::unique_ptr<DecodeWorker>(new DecodeWorker(std::move(options), metrics));
-  KV_RETURN_IF_ERROR(worker->Init());
+  KV_RETURN_IF_ERROR(worker->Init(std::move(deps)));
   return worker;
 }
 
-absl::Status DecodeWorker::Init() {
-  KV_ASSIGN_OR_RETURN(core_, worker::WorkerCore::Create(options_.core, [this](transfer::InboundEvent e) {
-                        OnInbound(std::move(e));
-                      }));
+absl::Status DecodeWorker::Init(worker::WorkerCoreDeps deps) {
+  KV_ASSIGN_OR_RETURN(
+      core_, worker::WorkerCore::Create(
+                 options_.core, [this](transfer::InboundEvent e) { OnInbound(std::move(e)); },
+                 std::move(deps)));
   runner_ = core_->runner.get();
+  {
+    absl::MutexLock lock(&mu_);
+    booked_.assign(runner_->layout().groups().size(), 0);
+  }
   kv_ = core_->kv.get();
   store_ = core_->store.get();
   scheduler_ = std::thread([this] { SchedulerLoop(); });
@@ -153,83 +197,81 @@ void DecodeWorker::OnInbound(transfer::InboundEvent event) {
   if (!event.status.ok() && r.transfer_status.ok()) r.transfer_status = event.status;
 }
 
-absl::Status DecodeWorker::ValidatePrompt(const google::protobuf::RepeatedField<int32_t>& tokens,
-                                          int32_t max_tokens) const {
-  const kv::ModelConfig& config = runner_->config();
-  if (tokens.empty()) return absl::InvalidArgumentError("tokens: the prompt is empty");
-  const int32_t limit =
-      config.max_position_embeddings > 0
-          ? std::min(kMaxPromptTokens, config.max_position_embeddings)
-          : kMaxPromptTokens;
-  if (tokens.size() > limit) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("tokens: prompt of ", tokens.size(), " tokens exceeds the maximum ", limit));
+absl::StatusOr<kvrelay::v1::ReserveResponse> DecodeWorker::Reserve(
+    const kvrelay::v1::ReserveRequest& request) {
+  if (absl::Status s = CheckRequestId(request.request_id()); !s.ok()) {
+    return Invalid(std::string(s.message()));
   }
-  for (int i = 0; i < tokens.size(); ++i) {
-    if (tokens[i] < 0 || tokens[i] >= config.vocab_size) {
-      return absl::InvalidArgumentError(absl::StrCat("tokens[", i, "] = ", tokens[i],
-                                                     " is outside the vocabulary [0, ",
-                                                     config.vocab_size, ")"));
-    }
-  }
-  if (max_tokens < 1 || max_tokens > kMaxGenerateTokens) {
-    return absl::InvalidArgumentError(absl::StrCat("max_tokens must be in [1, ",
-                                                   kMaxGenerateTokens, "], got ", max_tokens));
-  }
-  if (config.max_position_embeddings > 0 &&
-      tokens.size() + max_tokens > config.max_position_embeddings) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "prompt (", tokens.size(), ") + max_tokens (", max_tokens,
-        ") exceeds max_position_embeddings ", config.max_position_embeddings));
-  }
-  return absl::OkStatus();
-}
-
-grpc::Status DecodeWorker::Reserve(grpc::ServerContext*, const kvrelay::v1::ReserveRequest* request,
-                                   kvrelay::v1::ReserveResponse* response) {
-  if (absl::Status s = CheckRequestId(request->request_id()); !s.ok()) {
-    return proto::ToGrpcStatus(s);
-  }
-  if (!options_.model_name.empty() && request->model() != options_.model_name) {
+  if (!options_.model_name.empty() && request.model() != options_.model_name) {
     return Invalid(absl::StrCat("model: this worker serves '", options_.model_name, "', not '",
-                                request->model(), "'"));
+                                request.model(), "'"));
   }
   const kv::ModelLayout& layout = runner_->layout();
-  if (request->prompt_tokens() < 1 || request->prompt_tokens() > kMaxPromptTokens) {
-    return Invalid(absl::StrCat("prompt_tokens must be in [1, ", kMaxPromptTokens, "], got ",
-                                request->prompt_tokens()));
+  if (request.layout_fingerprint() != FingerprintBytes(layout.fingerprint())) {
+    return Own(absl::FailedPreconditionError(absl::StrCat(
+                   "layout_fingerprint: decode node ", core_->node_id, " serves layout ",
+                   layout.fingerprint().ToHex(), ", the request was routed for another")),
+               kvrelay::v1::FAILURE_IDENTITY);
   }
+  if (request.prompt_tokens() < 1 || request.prompt_tokens() > limits::kMaxPromptTokens) {
+    return Invalid(absl::StrCat("prompt_tokens must be in [1, ", limits::kMaxPromptTokens,
+                                "], got ", request.prompt_tokens()));
+  }
+  if (request.max_tokens() < 1 || request.max_tokens() > limits::kMaxGenerateTokens) {
+    return Invalid(absl::StrCat("max_tokens must be in [1, ", limits::kMaxGenerateTokens,
+                                "], got ", request.max_tokens()));
+  }
+  Clock* clock = core_->clock;
   auto r = std::make_shared<Reservation>();
-  r->request_id = request->request_id();
+  r->request_id = request.request_id();
   r->tag = worker::RequestTag(r->request_id);
-  r->prompt_tokens = request->prompt_tokens();
+  r->prompt_tokens = request.prompt_tokens();
   // The last prompt token is always computed here: its logits give the first output token.
   r->full_blocks = (r->prompt_tokens - 1) / layout.block_tokens();
   r->expected_layers = r->full_blocks > 0 ? layout.num_layers() : 0;
-  r->expires = absl::Now() + options_.reservation_ttl;
+  r->expires = clock->Now() + options_.reservation_ttl;
+  r->budget = BlockBudget(int64_t{request.prompt_tokens()} + request.max_tokens());
   const int64_t first_query = static_cast<int64_t>(r->full_blocks) * layout.block_tokens();
   r->slots.resize(layout.groups().size());
 
   absl::MutexLock lock(&mu_);
-  if (draining_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "decode worker is draining");
+  if (draining_) {
+    return Own(absl::UnavailableError(absl::StrCat("decode node ", core_->node_id,
+                                                   " is draining")),
+               kvrelay::v1::FAILURE_DRAINING);
+  }
   // Sweep expired or released reservations whose pushes can no longer land.
-  const absl::Time now = absl::Now();
+  const absl::Time now = clock->Now();
   for (auto it = reservations_.begin(); it != reservations_.end();) {
     Reservation& old = *it->second;
     const bool expired = !old.claimed && now > old.expires;
     const bool released_and_quiet =
-        old.released && (old.layers_received >= old.expected_layers ||
-                         now > old.released_at + kReleaseGrace);
+        old.released &&
+        (old.layers_received >= old.expected_layers || now > old.released_at + kReleaseGrace);
     if ((expired && !old.released) || released_and_quiet) {
       ReleaseReservationSlots(old);
+      ReturnBudget(old.budget);
+      old.budget.clear();
       reservations_.erase(it++);
     } else {
       ++it;
     }
   }
   if (reservations_.contains(r->tag)) {
-    return grpc::Status(grpc::StatusCode::ALREADY_EXISTS,
-                        absl::StrCat("request_id '", r->request_id, "' is already reserved"));
+    return Invalid(absl::StrCat("request_id '", r->request_id, "' is already reserved"));
+  }
+  // Admission: book everything the request can ever hold, or refuse now. Admitted requests
+  // then never run out of KV mid-stream.
+  for (size_t g = 0; g < layout.groups().size(); ++g) {
+    const int64_t capacity = kv_->cache().pool(static_cast<int>(g)).num_slots();
+    if (booked_[g] + r->budget[g] > capacity) {
+      refused_overloaded_->Increment();
+      return Own(absl::ResourceExhaustedError(absl::StrCat(
+                     "decode node ", core_->node_id, ": KV capacity: the request needs ",
+                     r->budget[g], " blocks of group ", g, ", ", capacity - booked_[g],
+                     " of ", capacity, " are free")),
+                 kvrelay::v1::FAILURE_OVERLOADED);
+    }
   }
   for (size_t g = 0; g < layout.groups().size(); ++g) {
     std::vector<int64_t> wanted;
@@ -242,19 +284,25 @@ grpc::Status DecodeWorker::Reserve(grpc::ServerContext*, const kvrelay::v1::Rese
         kv_->cache().pool(static_cast<int>(g)).AllocateMany(static_cast<int64_t>(wanted.size()));
     if (!slots.ok()) {
       ReleaseReservationSlots(*r);
-      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                          absl::StrCat("decode KV pool full: ", slots.status().message()));
+      return Own(absl::ResourceExhaustedError(absl::StrCat(
+                     "decode node ", core_->node_id, ": KV pool full: ", slots.status().message())),
+                 kvrelay::v1::FAILURE_OVERLOADED);
     }
     r->slots[g].assign(static_cast<size_t>(r->full_blocks), -1);
     for (size_t i = 0; i < wanted.size(); ++i) r->slots[g][wanted[i]] = (*slots)[i];
   }
-  response->mutable_transport()->set_kind("ucx");
-  response->mutable_transport()->set_address(core_->transport_address);
-  response->set_full_blocks(r->full_blocks);
-  response->set_block_tokens(layout.block_tokens());
-  response->set_ttl_ms(absl::ToInt64Milliseconds(options_.reservation_ttl));
+  for (size_t g = 0; g < layout.groups().size(); ++g) booked_[g] += r->budget[g];
+  kvrelay::v1::ReserveResponse response;
+  response.mutable_transport()->set_kind(core_->transport_kind);
+  response.mutable_transport()->set_address(core_->transport_address);
+  response.set_full_blocks(r->full_blocks);
+  response.set_block_tokens(layout.block_tokens());
+  response.set_ttl_ms(absl::ToInt64Milliseconds(options_.reservation_ttl));
+  response.set_layout_fingerprint(FingerprintBytes(layout.fingerprint()));
+  response.set_node_id(core_->node_id);
+  response.set_incarnation(core_->incarnation);
   for (size_t g = 0; g < layout.groups().size(); ++g) {
-    kvrelay::v1::GroupTarget* target = response->add_groups();
+    kvrelay::v1::GroupTarget* target = response.add_groups();
     const kv::BlockPool& pool = kv_->cache().pool(static_cast<int>(g));
     target->set_region_id(kv_->region(static_cast<int>(g)).id());
     target->set_slot_stride_bytes(pool.slot_stride());
@@ -262,74 +310,121 @@ grpc::Status DecodeWorker::Reserve(grpc::ServerContext*, const kvrelay::v1::Rese
     for (kv::SlotId s : r->slots[g]) target->add_slots(s);
   }
   reservations_[r->tag] = std::move(r);
-  return grpc::Status::OK;
+  return response;
 }
 
-grpc::Status DecodeWorker::Release(grpc::ServerContext*, const kvrelay::v1::ReleaseRequest* request,
-                                   kvrelay::v1::ReleaseResponse*) {
+void DecodeWorker::Release(const std::string& request_id) {
   absl::MutexLock lock(&mu_);
-  auto it = reservations_.find(worker::RequestTag(request->request_id()));
+  auto it = reservations_.find(worker::RequestTag(request_id));
   if (it != reservations_.end() && !it->second->claimed && !it->second->released) {
     // Slots stay quarantined until the push finished or the grace period passed, so a late
     // write can never land in a slot that belongs to someone else.
     it->second->released = true;
-    it->second->released_at = absl::Now();
+    it->second->released_at = core_->clock->Now();
   }
-  return grpc::Status::OK;
 }
 
-grpc::Status DecodeWorker::Generate(grpc::ServerContext* context,
-                                    const kvrelay::v1::DecodeRequest* request,
-                                    grpc::ServerWriter<kvrelay::v1::DecodeChunk>* writer) {
-  if (absl::Status s = CheckRequestId(request->request_id()); !s.ok()) {
-    return proto::ToGrpcStatus(s);
+absl::Status DecodeWorker::Generate(const kvrelay::v1::DecodeRequest& request, absl::Time deadline,
+                                    const ChunkWriter& write,
+                                    const std::function<bool()>& cancelled) {
+  if (absl::Status s = CheckRequestId(request.request_id()); !s.ok()) {
+    return Invalid(std::string(s.message()));
   }
-  if (absl::Status s = ValidatePrompt(request->tokens(), request->max_tokens()); !s.ok()) {
-    return proto::ToGrpcStatus(s);
+  if (absl::Status s = kv::ValidatePrompt(request.tokens(), request.max_tokens(),
+                                          runner_->config());
+      !s.ok()) {
+    return Invalid(std::string(s.message()));
   }
-  if (request->sampling().temperature() < 0 || request->sampling().temperature() > 100) {
-    return Invalid("sampling.temperature must be in [0, 100]");
+  const float temperature = request.sampling().temperature();
+  if (!(temperature >= 0 && temperature <= limits::kMaxTemperature)) {
+    return Invalid(absl::StrCat("sampling.temperature must be in [0, ", limits::kMaxTemperature,
+                                "]"));
   }
-  if (request->tenant_salt().size() > 64) return Invalid("tenant_salt is over 64 bytes");
+  const float top_p = request.sampling().top_p();
+  if (!(top_p >= 0 && top_p <= 1)) return Invalid("sampling.top_p must be in (0, 1]");
+  if (request.tenant_salt().size() > limits::kMaxTenantSaltBytes) {
+    return Invalid(absl::StrCat("tenant_salt is over ", limits::kMaxTenantSaltBytes, " bytes"));
+  }
   const kv::ModelLayout& layout = runner_->layout();
-  std::vector<int32_t> tokens(request->tokens().begin(), request->tokens().end());
+  if (request.layout_fingerprint() != FingerprintBytes(layout.fingerprint())) {
+    return Own(absl::FailedPreconditionError(absl::StrCat(
+                   "layout_fingerprint: decode node ", core_->node_id, " serves layout ",
+                   layout.fingerprint().ToHex(), ", the request was routed for another")),
+               kvrelay::v1::FAILURE_IDENTITY);
+  }
+  std::vector<int32_t> tokens(request.tokens().begin(), request.tokens().end());
 
-  // Wait for the pushed prefix, bounded by the RPC deadline and transfer_wait.
+  // Wait for the pushed prefix, bounded by the caller's deadline and transfer_wait.
   std::shared_ptr<Reservation> r;
-  const absl::Time wait_deadline =
-      std::min(absl::Now() + options_.transfer_wait, absl::FromChrono(context->deadline()));
+  std::vector<int64_t> budget;
+  const absl::Time wait_deadline = std::min(absl::Now() + options_.transfer_wait, deadline);
   {
     absl::MutexLock lock(&mu_);
-    if (draining_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "decode worker is draining");
-    auto it = reservations_.find(worker::RequestTag(request->request_id()));
+    if (draining_) {
+      return Own(absl::UnavailableError(absl::StrCat("decode node ", core_->node_id,
+                                                     " is draining")),
+                 kvrelay::v1::FAILURE_DRAINING);
+    }
+    auto it = reservations_.find(worker::RequestTag(request.request_id()));
     if (it != reservations_.end() && !it->second->released) {
       r = it->second;
-      if (r->claimed) {
-        return grpc::Status(grpc::StatusCode::ALREADY_EXISTS, "request already generating");
-      }
+      if (r->claimed) return Invalid("request_id: this request is already generating");
       if (r->prompt_tokens != static_cast<int32_t>(tokens.size())) {
         return Invalid(absl::StrCat("tokens: reserved for ", r->prompt_tokens,
                                     " prompt tokens, got ", tokens.size()));
       }
       r->claimed = true;
+      budget = std::move(r->budget);
+      r->budget.clear();
       auto arrived = [&r]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
         return r->layers_received >= r->expected_layers || !r->transfer_status.ok();
       };
       mu_.AwaitWithDeadline(absl::Condition(&arrived), wait_deadline);
       reservations_.erase(it->first);
     }
+    // Admission for a request that did not reserve (or whose reservation lapsed), and the bound
+    // on requests waiting for a batch slot.
+    const bool queue_full =
+        running_count_ + static_cast<int32_t>(pending_.size()) >=
+        options_.max_batch + options_.max_queued;
+    bool fits = !budget.empty();
+    if (budget.empty()) {
+      std::vector<int64_t> need = BlockBudget(int64_t{request.max_tokens()} + tokens.size());
+      fits = true;
+      for (size_t g = 0; g < need.size(); ++g) {
+        if (booked_[g] + need[g] > kv_->cache().pool(static_cast<int>(g)).num_slots()) {
+          fits = false;
+        }
+      }
+      if (fits) {
+        for (size_t g = 0; g < need.size(); ++g) booked_[g] += need[g];
+        budget = std::move(need);
+      }
+    }
+    if (!fits || queue_full) {
+      if (r != nullptr) ReleaseReservationSlots(*r);
+      ReturnBudget(budget);
+      refused_overloaded_->Increment();
+      return Own(absl::ResourceExhaustedError(absl::StrCat(
+                     "decode node ", core_->node_id, ": ",
+                     queue_full ? "the batch and its queue are full" : "no KV capacity left")),
+                 kvrelay::v1::FAILURE_OVERLOADED);
+    }
   }
 
   auto active = std::make_shared<Active>();
-  active->request_id = request->request_id();
+  active->request_id = request.request_id();
   active->seq = std::make_unique<model::Sequence>(&kv_->cache());
-  active->max_tokens = request->max_tokens();
-  active->temperature = request->sampling().temperature();
-  active->sampler = std::make_unique<model::Sampler>(request->sampling().seed());
-  active->eos_token = request->eos_token() >= 0 && request->eos_token() < runner_->config().vocab_size
-                          ? request->eos_token()
-                          : -1;
-  active->tenant_salt = request->tenant_salt();
+  active->max_tokens = request.max_tokens();
+  active->temperature = temperature;
+  active->top_p = top_p > 0 ? top_p : 1.0f;
+  active->sampler = std::make_unique<model::Sampler>(request.sampling().seed());
+  active->eos_token =
+      request.eos_token() >= 0 && request.eos_token() < runner_->config().vocab_size
+          ? request.eos_token()
+          : -1;
+  active->tenant_salt = request.tenant_salt();
+  active->budget = std::move(budget);
   int64_t received_bytes = 0;
   bool use_pushed = false;
   if (r != nullptr) {
@@ -337,10 +432,10 @@ grpc::Status DecodeWorker::Generate(grpc::ServerContext* context,
     received_bytes = r->bytes_received;
     use_pushed = r->expected_layers > 0 && r->layers_received >= r->expected_layers &&
                  r->transfer_status.ok() &&
-                 request->pushed_tokens() == r->full_blocks * layout.block_tokens();
+                 request.pushed_tokens() == r->full_blocks * layout.block_tokens();
     if (r->expected_layers > 0 && !use_pushed) {
       recomputed_requests_->Increment();
-      KV_LOG(WARNING) << request->request_id() << ": pushed KV unusable ("
+      KV_LOG(WARNING) << request.request_id() << ": pushed KV unusable ("
                       << (r->transfer_status.ok() ? "incomplete" : r->transfer_status.ToString())
                       << "); computing the prompt here";
     }
@@ -352,7 +447,11 @@ grpc::Status DecodeWorker::Generate(grpc::ServerContext* context,
     absl::Status adopted = active->seq->AdoptPrefix(
         absl::MakeConstSpan(tokens).subspan(0, static_cast<size_t>(prefix_tokens)),
         std::move(slots));
-    if (!adopted.ok()) return proto::ToGrpcStatus(adopted);
+    if (!adopted.ok()) {
+      absl::MutexLock lock(&mu_);
+      ReturnBudget(active->budget);
+      return Own(adopted, kvrelay::v1::FAILURE_COMPUTE);
+    }
     active->tail.assign(tokens.begin() + prefix_tokens, tokens.end());
     active->pushed_blocks = r->full_blocks;
     received_bytes_->Increment(static_cast<double>(received_bytes));
@@ -370,8 +469,9 @@ grpc::Status DecodeWorker::Generate(grpc::ServerContext* context,
     ++active_count_;
   }
 
-  // Stream tokens as the scheduler produces them.
+  // Stream tokens as the scheduler produces them, until done, cancelled or the deadline.
   absl::Status final_status;
+  bool deadline_passed = false;
   while (true) {
     std::vector<int32_t> batch;
     bool done = false;
@@ -380,12 +480,17 @@ grpc::Status DecodeWorker::Generate(grpc::ServerContext* context,
       auto ready = [&active]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(active->mu) {
         return !active->out.empty() || active->done;
       };
-      active->mu.AwaitWithTimeout(absl::Condition(&ready), absl::Milliseconds(100));
+      active->mu.AwaitWithDeadline(absl::Condition(&ready),
+                                   std::min(deadline, absl::Now() + absl::Milliseconds(100)));
       batch.swap(active->out);
       done = active->done;
       final_status = active->status;
-      if (context->IsCancelled()) active->cancelled = true;
-      if (active->cancelled) break;
+      if (cancelled && cancelled()) active->cancelled = true;
+      if (!done && absl::Now() >= deadline) {
+        deadline_passed = true;
+        active->cancelled = true;
+      }
+      if (active->cancelled && batch.empty()) break;
     }
     if (!batch.empty() || done) {
       kvrelay::v1::DecodeChunk chunk;
@@ -395,19 +500,29 @@ grpc::Status DecodeWorker::Generate(grpc::ServerContext* context,
         chunk.set_received_bytes(received_bytes);
         chunk.set_computed_tokens(computed_tokens);
       }
-      if ((!batch.empty() || chunk.done()) && !writer->Write(chunk)) {
+      if ((!batch.empty() || chunk.done()) && !write(chunk)) {
         absl::MutexLock lock(&active->mu);
         active->cancelled = true;
         break;
       }
     }
     if (done) break;
+    absl::MutexLock lock(&active->mu);
+    if (active->cancelled) break;
+  }
+  if (deadline_passed) {
+    return Attribute(absl::DeadlineExceededError("the request's deadline passed while decoding"),
+                     kvrelay::v1::ROLE_CLIENT, "", kvrelay::v1::FAILURE_CALLER_DEADLINE);
   }
   {
     absl::MutexLock lock(&active->mu);
-    if (active->cancelled) return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
+    if (active->cancelled) {
+      return Attribute(absl::CancelledError("client went away"), kvrelay::v1::ROLE_CLIENT, "",
+                       kvrelay::v1::FAILURE_CALLER_DEADLINE);
+    }
   }
-  return proto::ToGrpcStatus(final_status);
+  if (!final_status.ok()) return Own(final_status, kvrelay::v1::FAILURE_COMPUTE);
+  return absl::OkStatus();
 }
 
 void DecodeWorker::SchedulerLoop() {
@@ -423,6 +538,11 @@ void DecodeWorker::SchedulerLoop() {
       if (!committed.ok()) KV_LOG(WARNING) << a->request_id << ": commit: " << committed.status();
     }
     a->seq.reset();  // frees the slots
+    {
+      absl::MutexLock lock(&mu_);
+      ReturnBudget(a->budget);
+      a->budget.clear();
+    }
     absl::MutexLock lock(&a->mu);
     a->done = true;
     a->status = std::move(status);
@@ -463,7 +583,7 @@ void DecodeWorker::SchedulerLoop() {
         finish(a, logits.status());
         continue;
       }
-      emit(*a, a->sampler->Sample(*logits, a->temperature));
+      emit(*a, a->sampler->Sample(*logits, a->temperature, a->top_p));
       if (finished(*a)) {
         finish(a, absl::OkStatus());
       } else {
@@ -495,7 +615,7 @@ void DecodeWorker::SchedulerLoop() {
         for (size_t i = 0; i < running.size(); ++i) {
           Active& a = *running[i];
           emit(a, a.sampler->Sample(absl::MakeConstSpan(logits->data() + i * vocab, vocab),
-                                    a.temperature));
+                                    a.temperature, a.top_p));
           if (finished(a)) finish(running[i], absl::OkStatus());
         }
         running.erase(std::remove_if(running.begin(), running.end(),
@@ -507,6 +627,7 @@ void DecodeWorker::SchedulerLoop() {
     }
     {
       absl::MutexLock lock(&mu_);
+      running_count_ = static_cast<int32_t>(running.size());
       active_count_ = static_cast<int32_t>(running.size() + pending_.size());
       active_gauge_->Set(active_count_);
     }
@@ -514,20 +635,27 @@ void DecodeWorker::SchedulerLoop() {
   for (auto& a : running) finish(a, absl::UnavailableError("decode worker stopping"));
 }
 
-grpc::Status DecodeWorker::Status(grpc::ServerContext*, const kvrelay::v1::DecodeStatusRequest*,
-                                  kvrelay::v1::DecodeStatusResponse* response) {
+kvrelay::v1::DecodeStatusResponse DecodeWorker::Describe() {
+  kvrelay::v1::DecodeStatusResponse response;
   absl::MutexLock lock(&mu_);
-  response->set_model(options_.model_name);
-  response->set_active_requests(active_count_);
-  response->set_reserved_requests(static_cast<int32_t>(reservations_.size()));
+  response.set_model(options_.model_name);
+  response.set_node_id(core_->node_id);
+  response.set_incarnation(core_->incarnation);
+  response.set_layout_fingerprint(FingerprintBytes(runner_->layout().fingerprint()));
+  response.set_active_requests(active_count_);
+  response.set_queued_requests(static_cast<int32_t>(pending_.size()));
+  response.set_max_queued(options_.max_queued);
+  response.set_reserved_requests(static_cast<int32_t>(reservations_.size()));
+  // Capacity as admission sees it: blocks not booked, in the tightest group.
   int64_t free_slots = INT64_MAX, total = 0;
   for (int g = 0; g < kv_->cache().num_groups(); ++g) {
-    free_slots = std::min(free_slots, kv_->cache().pool(g).free_slots());
-    total = kv_->cache().pool(g).num_slots();
+    const int64_t slots = kv_->cache().pool(g).num_slots();
+    free_slots = std::min(free_slots, slots - booked_[g]);
+    total = slots;
   }
-  response->set_free_slots(free_slots);
-  response->set_total_slots(total);
-  return grpc::Status::OK;
+  response.set_free_slots(free_slots);
+  response.set_total_slots(total);
+  return response;
 }
 
 }  // namespace kvrelay::decode

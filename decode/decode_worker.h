@@ -15,10 +15,20 @@
 //            (first token), then runs one batched DecodeStep over all active sequences per
 //            iteration (continuous batching: sequences join and leave between steps).
 //
+// Admission: Reserve books the KV blocks a request can ever need (prompt + max_tokens, windows
+// capped) against the pool; a request that does not fit is refused at once with
+// RESOURCE_EXHAUSTED, so every admitted request can finish. At most max_batch sequences decode
+// at once and at most max_queued more wait; beyond that Generate is refused too.
+//
+// Domain logic only: the gRPC glue is decode/server/DecodeService. Failures carry a
+// kvrelay.v1.ErrorInfo naming the role and node. Expiry decisions use the injected Clock;
+// deadlines are absolute real times that bound blocking waits.
+//
 // Thread-safe. Owns the transport, the KV memory, the model runner and the scheduler thread.
 
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -29,7 +39,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "common/metrics.h"
-#include "kvrelay/v1/decode.grpc.pb.h"
+#include "kvrelay/v1/decode.pb.h"
 #include "model/model_runner.h"
 #include "transfer/transport.h"
 #include "worker/worker_core.h"
@@ -37,31 +47,36 @@
 namespace kvrelay::decode {
 
 struct DecodeWorkerOptions {
-  // cachestore_address empty: no multi-turn commits. Default node id "decode-0".
-  worker::WorkerCoreOptions core{.node_id = "decode-0"};
+  // cachestore_address empty: no multi-turn commits.
+  worker::WorkerCoreOptions core{.role = "decode"};
   std::string model_name;  // what requests must name; empty accepts any
   int32_t max_batch = 32;
+  int32_t max_queued = 64;
   absl::Duration reservation_ttl = absl::Seconds(60);
   absl::Duration transfer_wait = absl::Seconds(30);  // upper bound on waiting for a push
 };
 
-class DecodeWorker final : public kvrelay::v1::Decode::Service {
+// Receives the stream's chunks in order; returns false when the client went away.
+using ChunkWriter = std::function<bool(const kvrelay::v1::DecodeChunk&)>;
+
+class DecodeWorker {
  public:
   static absl::StatusOr<std::unique_ptr<DecodeWorker>> Create(DecodeWorkerOptions options,
-                                                               MetricsRegistry* metrics);
-  ~DecodeWorker() override;
+                                                               MetricsRegistry* metrics,
+                                                               worker::WorkerCoreDeps deps = {});
+  ~DecodeWorker();
 
-  grpc::Status Reserve(grpc::ServerContext* context, const kvrelay::v1::ReserveRequest* request,
-                       kvrelay::v1::ReserveResponse* response) override;
-  grpc::Status Generate(grpc::ServerContext* context, const kvrelay::v1::DecodeRequest* request,
-                        grpc::ServerWriter<kvrelay::v1::DecodeChunk>* writer) override;
-  grpc::Status Release(grpc::ServerContext* context, const kvrelay::v1::ReleaseRequest* request,
-                       kvrelay::v1::ReleaseResponse* response) override;
-  grpc::Status Status(grpc::ServerContext* context,
-                      const kvrelay::v1::DecodeStatusRequest* request,
-                      kvrelay::v1::DecodeStatusResponse* response) override;
+  absl::StatusOr<kvrelay::v1::ReserveResponse> Reserve(const kvrelay::v1::ReserveRequest& request);
+  // Streams the request's tokens through `write` until done, the deadline, or `cancelled()`.
+  absl::Status Generate(const kvrelay::v1::DecodeRequest& request, absl::Time deadline,
+                        const ChunkWriter& write, const std::function<bool()>& cancelled);
+  // Idempotent; a late push into released slots can never land in someone else's.
+  void Release(const std::string& request_id);
+  kvrelay::v1::DecodeStatusResponse Describe();
 
   const std::string& transport_address() const;
+  const std::string& node_id() const { return core_->node_id; }
+  uint64_t incarnation() const { return core_->incarnation; }
   // Stops admitting work (SIGTERM drain); in-flight sequences finish.
   void Drain();
 
@@ -69,12 +84,14 @@ class DecodeWorker final : public kvrelay::v1::Decode::Service {
   struct Reservation;
   struct Active;
   explicit DecodeWorker(DecodeWorkerOptions options, MetricsRegistry* metrics);
-  absl::Status Init();
+  absl::Status Init(worker::WorkerCoreDeps deps);
+  absl::Status Own(absl::Status status, kvrelay::v1::FailureReason reason) const;
+  // KV blocks per group a request of `tokens` total tokens can ever hold.
+  std::vector<int64_t> BlockBudget(int64_t tokens) const;
+  void ReturnBudget(const std::vector<int64_t>& budget) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void OnInbound(transfer::InboundEvent event);
   void SchedulerLoop();
   void ReleaseReservationSlots(Reservation& r);
-  absl::Status ValidatePrompt(const google::protobuf::RepeatedField<int32_t>& tokens,
-                              int32_t max_tokens) const;
 
   const DecodeWorkerOptions options_;
   MetricsRegistry* metrics_;
@@ -86,6 +103,9 @@ class DecodeWorker final : public kvrelay::v1::Decode::Service {
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool draining_ ABSL_GUARDED_BY(mu_) = false;
   int32_t active_count_ ABSL_GUARDED_BY(mu_) = 0;
+  int32_t running_count_ ABSL_GUARDED_BY(mu_) = 0;
+  // Blocks per group booked by live reservations and sequences (never above the pool size).
+  std::vector<int64_t> booked_ ABSL_GUARDED_BY(mu_);
   std::thread scheduler_;
 
   Counter* generated_tokens_;
@@ -93,6 +113,7 @@ class DecodeWorker final : public kvrelay::v1::Decode::Service {
   Counter* recomputed_requests_;
   Gauge* active_gauge_;
   Histogram* step_seconds_;
+  Counter* refused_overloaded_;
 
   // Declared last: destroyed first, so the transport stops calling OnInbound before the
   // reservations it touches go away.

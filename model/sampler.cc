@@ -1,5 +1,6 @@
 #include "model/sampler.h"
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -21,7 +22,7 @@ double Sampler::NextUniform() {
   return static_cast<double>(z >> 11) * 0x1.0p-53;
 }
 
-int32_t Sampler::Sample(absl::Span<const float> logits, float temperature) {
+int32_t Sampler::Sample(absl::Span<const float> logits, float temperature, float top_p) {
   if (!(temperature > 0.0f)) return Greedy(logits);
   const int32_t best = Greedy(logits);
   const double max_logit = logits[best];
@@ -30,6 +31,20 @@ int32_t Sampler::Sample(absl::Span<const float> logits, float temperature) {
   for (size_t i = 0; i < logits.size(); ++i) {
     p[i] = std::exp((static_cast<double>(logits[i]) - max_logit) / temperature);
     sum += p[i];
+  }
+  if (top_p > 0.0f && top_p < 1.0f) {
+    // Nucleus: keep the most likely tokens whose mass reaches top_p (ties by id, so the kept
+    // set is deterministic), drop the rest, sample from what is left.
+    std::vector<int32_t> order(p.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int32_t>(i);
+    std::stable_sort(order.begin(), order.end(),
+                     [&p](int32_t a, int32_t b) { return p[a] > p[b]; });
+    const double keep_mass = static_cast<double>(top_p) * sum;
+    double kept = 0.0;
+    size_t k = 0;
+    while (k < order.size() && kept < keep_mass) kept += p[order[k++]];
+    for (size_t j = k; j < order.size(); ++j) p[order[j]] = 0.0;
+    sum = kept;
   }
   const double target = NextUniform() * sum;
   double acc = 0.0;

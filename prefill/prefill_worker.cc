@@ -4,12 +4,24 @@
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "kv/block_hash.h"
+#include "kv/prompt_validation.h"
+#include "proto/limits.h"
 #include "proto/grpc_status.h"
 
 namespace kvrelay::prefill {
 namespace {
 
-constexpr int32_t kMaxPromptTokens = 32768;
+using ::kvrelay::proto::Attribute;
+
+std::string FingerprintBytes(const kv::LayoutFingerprint& fp) {
+  return std::string(reinterpret_cast<const char*>(fp.bytes.data()), fp.bytes.size());
+}
+
+// Bad input from the caller: never the worker's fault, never worth a retry elsewhere.
+absl::Status CallerError(absl::Status status) {
+  return Attribute(std::move(status), kvrelay::v1::ROLE_CLIENT, "",
+                   kvrelay::v1::FAILURE_INVALID_REQUEST);
+}
 
 }  // namespace
 
@@ -31,20 +43,29 @@ PrefillWorker::PrefillWorker(PrefillWorkerOptions options, MetricsRegistry* metr
   active_ = metrics_->GetGauge("kvrelay_prefill_active_requests", "Requests in progress.");
 }
 
-absl::StatusOr<std::unique_ptr<PrefillWorker>> PrefillWorker::Create(PrefillWorkerOptions options,
-                                                                     MetricsRegistry* metrics) {
+absl::StatusOr<std::unique_ptr<PrefillWorker>> PrefillWorker::Create(
+    PrefillWorkerOptions options, MetricsRegistry* metrics, worker::WorkerCoreDeps deps) {
   auto worker = std::unique_ptr<PrefillWorker>(new PrefillWorker(std::move(options), metrics));
-  KV_RETURN_IF_ERROR(worker->Init());
+  KV_RETURN_IF_ERROR(worker->Init(std::move(deps)));
   return worker;
+}
+
+absl::Status PrefillWorker::Own(absl::Status status, kvrelay::v1::FailureReason reason) const {
+  kvrelay::v1::ErrorInfo info;
+  info.set_role(kvrelay::v1::ROLE_PREFILL);
+  info.set_node_id(core_->node_id);
+  info.set_incarnation(core_->incarnation);
+  info.set_reason(reason);
+  return proto::WithErrorInfo(std::move(status), info);
 }
 
 PrefillWorker::~PrefillWorker() = default;
 
-absl::Status PrefillWorker::Init() {
+absl::Status PrefillWorker::Init(worker::WorkerCoreDeps deps) {
   if (options_.core.cachestore_address.empty()) {
     return absl::InvalidArgumentError("--cachestore is required");
   }
-  KV_ASSIGN_OR_RETURN(core_, worker::WorkerCore::Create(options_.core, {}));
+  KV_ASSIGN_OR_RETURN(core_, worker::WorkerCore::Create(options_.core, {}, std::move(deps)));
   runner_ = core_->runner.get();
   transport_ = core_->transport.get();
   kv_ = core_->kv.get();
@@ -54,29 +75,17 @@ absl::Status PrefillWorker::Init() {
 }
 
 absl::Status PrefillWorker::Validate(const kvrelay::v1::PrefillRequest& request) const {
-  const kv::ModelConfig& config = runner_->config();
   const kv::ModelLayout& layout = runner_->layout();
   if (!options_.model_name.empty() && request.model() != options_.model_name) {
     return absl::InvalidArgumentError(absl::StrCat("model: this worker serves '",
                                                    options_.model_name, "', not '",
                                                    request.model(), "'"));
   }
+  KV_RETURN_IF_ERROR(kv::ValidatePrompt(request.tokens(), /*max_tokens=*/-1, runner_->config()));
   const int n = request.tokens_size();
-  if (n == 0) return absl::InvalidArgumentError("tokens: the prompt is empty");
-  if (n > kMaxPromptTokens ||
-      (config.max_position_embeddings > 0 && n > config.max_position_embeddings)) {
-    return absl::InvalidArgumentError(absl::StrCat("tokens: prompt of ", n,
-                                                   " tokens exceeds the maximum"));
-  }
-  for (int i = 0; i < n; ++i) {
-    if (request.tokens(i) < 0 || request.tokens(i) >= config.vocab_size) {
-      return absl::InvalidArgumentError(absl::StrCat("tokens[", i, "] = ", request.tokens(i),
-                                                     " is outside the vocabulary [0, ",
-                                                     config.vocab_size, ")"));
-    }
-  }
-  if (request.tenant_salt().size() > 64) {
-    return absl::InvalidArgumentError("tenant_salt is over 64 bytes");
+  if (request.tenant_salt().size() > limits::kMaxTenantSaltBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("tenant_salt is over ",
+                                                   limits::kMaxTenantSaltBytes, " bytes"));
   }
   const kvrelay::v1::ReserveResponse& target = request.target();
   if (target.block_tokens() != layout.block_tokens()) {
@@ -126,8 +135,26 @@ absl::StatusOr<transfer::PeerId> PrefillWorker::PeerFor(const std::string& addre
 
 absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
     const kvrelay::v1::PrefillRequest& request, absl::Time deadline) {
-  KV_RETURN_IF_ERROR(Validate(request));
-  const absl::Time start = absl::Now();
+  if (absl::Status s = Validate(request); !s.ok()) return CallerError(std::move(s));
+  // The layout (model, dtype, block size, groups) the caller hashed for, this worker's and the
+  // target's must be one and the same, or blocks would be read as another layout's.
+  const std::string own_fingerprint = FingerprintBytes(runner_->layout().fingerprint());
+  if (request.layout_fingerprint() != own_fingerprint) {
+    return Own(absl::FailedPreconditionError(
+                   absl::StrCat("layout_fingerprint: prefill node ", core_->node_id,
+                                " serves layout ", runner_->layout().fingerprint().ToHex(),
+                                ", the request was routed for another")),
+               kvrelay::v1::FAILURE_IDENTITY);
+  }
+  if (request.target().layout_fingerprint() != own_fingerprint) {
+    return Attribute(absl::FailedPreconditionError(absl::StrCat(
+                         "target.layout_fingerprint: decode node ", request.target().node_id(),
+                         " serves another layout than prefill node ", core_->node_id)),
+                     kvrelay::v1::ROLE_DECODE, request.target().node_id(),
+                     kvrelay::v1::FAILURE_IDENTITY, request.target().transport().address());
+  }
+  Clock* clock = core_->clock;
+  const absl::Time start = clock->Now();
   active_->Add(1);
   struct ActiveGuard {
     Gauge* g;
@@ -150,6 +177,7 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
       absl::MakeConstSpan(tokens).subspan(0, static_cast<size_t>(full_tokens)), block_tokens);
   prefix_query_tokens_->Increment(static_cast<double>(full_tokens));
   absl::StatusOr<worker::PrefixMatch> match = store_->MatchPrefix(chain, options_.lease_ttl);
+  // A store outage costs reuse, not the request: everything is computed instead.
   if (!match.ok()) {
     KV_LOG(WARNING) << request.request_id() << ": MatchPrefix failed (" << match.status()
                     << "); computing everything";
@@ -187,7 +215,25 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
   KV_RETURN_IF_ERROR(seq.EnsureBlocks(full_tokens));
 
   // 3. One slice per (group, wanted block, layer), posted layer by layer.
-  KV_ASSIGN_OR_RETURN(transfer::PeerId peer, PeerFor(target.transport().address(), deadline));
+  auto decode_failed = [&](absl::Status s, kvrelay::v1::FailureReason reason) {
+    kvrelay::v1::ErrorInfo info;
+    info.set_role(kvrelay::v1::ROLE_DECODE);
+    info.set_node_id(target.node_id());
+    info.set_incarnation(target.incarnation());
+    info.set_address(target.transport().address());
+    info.set_reason(reason);
+    return proto::WithErrorInfo(std::move(s), info);
+  };
+  absl::StatusOr<transfer::PeerId> connected = PeerFor(target.transport().address(), deadline);
+  if (!connected.ok()) {
+    return decode_failed(
+        absl::Status(connected.status().code(),
+                     absl::StrCat("data plane: cannot reach decode node ", target.node_id(), " at ",
+                                  target.transport().address(), ": ",
+                                  connected.status().message())),
+        kvrelay::v1::FAILURE_UNREACHABLE);
+  }
+  const transfer::PeerId peer = *connected;
   transfer::TransferBatch batch;
   batch.peer = peer;
   batch.direction = transfer::Direction::kPut;
@@ -240,7 +286,7 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
         seq, absl::MakeConstSpan(tokens).subspan(static_cast<size_t>(compute_from),
                                                   static_cast<size_t>(full_tokens - compute_from)),
         prefill_options);
-    if (!logits.ok()) return logits.status();
+    if (!logits.ok()) return Own(logits.status(), kvrelay::v1::FAILURE_COMPUTE);
   } else {
     for (int32_t layer = 0; layer < layout.num_layers(); ++layer) post_layer(layer);
   }
@@ -258,9 +304,20 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
     metrics_->GetCounter("kvrelay_prefill_failures_total", "Failed prefill requests by reason.",
                          {{"reason", "transfer"}})
         ->Increment();
-    return absl::Status(transfer_status.code(),
-                        absl::StrCat("push to decode worker ", target.transport().address(),
-                                     " failed: ", transfer_status.message()));
+    // The caller's own deadline is not the decode worker's fault.
+    if (absl::IsDeadlineExceeded(transfer_status) && absl::Now() >= deadline) {
+      return Attribute(absl::DeadlineExceededError(
+                           absl::StrCat("the request's deadline passed while pushing to decode "
+                                        "node ", target.node_id())),
+                       kvrelay::v1::ROLE_CLIENT, "", kvrelay::v1::FAILURE_CALLER_DEADLINE);
+    }
+    return decode_failed(
+        absl::Status(transfer_status.code(),
+                     absl::StrCat("data plane: push to decode node ", target.node_id(), " at ",
+                                  target.transport().address(), " failed: ",
+                                  transfer_status.message())),
+        absl::IsDataLoss(transfer_status) ? kvrelay::v1::FAILURE_CORRUPT
+                                          : kvrelay::v1::FAILURE_TRANSFER);
   }
   pushed_bytes_->Increment(static_cast<double>(pushed));
 
@@ -271,7 +328,7 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
   }
   prefix_hit_tokens_->Increment(static_cast<double>(hit_blocks * block_tokens));
   computed_tokens_->Increment(static_cast<double>(full_tokens - compute_from));
-  prefill_seconds_->Observe(absl::ToDoubleSeconds(absl::Now() - start));
+  prefill_seconds_->Observe(absl::ToDoubleSeconds(clock->Now() - start));
   response.set_prefix_hit_tokens(static_cast<int32_t>(hit_blocks * block_tokens));
   response.set_computed_tokens(static_cast<int32_t>(full_tokens - compute_from));
   response.set_pushed_bytes(pushed);
@@ -279,25 +336,16 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
   return response;
 }
 
-grpc::Status PrefillWorker::Prefill(grpc::ServerContext* context,
-                                    const kvrelay::v1::PrefillRequest* request,
-                                    kvrelay::v1::PrefillResponse* response) {
-  absl::Time deadline = absl::FromChrono(context->deadline());
-  if (deadline > absl::Now() + absl::Minutes(10)) deadline = absl::Now() + absl::Minutes(2);
-  absl::StatusOr<kvrelay::v1::PrefillResponse> result = Run(*request, deadline);
-  if (!result.ok()) return proto::ToGrpcStatus(result.status());
-  *response = *std::move(result);
-  return grpc::Status::OK;
-}
-
-grpc::Status PrefillWorker::Status(grpc::ServerContext*, const kvrelay::v1::PrefillStatusRequest*,
-                                   kvrelay::v1::PrefillStatusResponse* response) {
-  response->set_model(options_.model_name);
-  response->set_node_id(options_.core.node_id);
-  response->set_active_requests(static_cast<int32_t>(active_->value()));
-  response->set_computed_tokens_total(static_cast<int64_t>(computed_tokens_->value()));
-  response->set_prefix_hit_tokens_total(static_cast<int64_t>(prefix_hit_tokens_->value()));
-  return grpc::Status::OK;
+kvrelay::v1::PrefillStatusResponse PrefillWorker::Describe() const {
+  kvrelay::v1::PrefillStatusResponse response;
+  response.set_model(options_.model_name);
+  response.set_node_id(core_->node_id);
+  response.set_incarnation(core_->incarnation);
+  response.set_active_requests(static_cast<int32_t>(active_->value()));
+  response.set_computed_tokens_total(static_cast<int64_t>(computed_tokens_->value()));
+  response.set_prefix_hit_tokens_total(static_cast<int64_t>(prefix_hit_tokens_->value()));
+  response.set_layout_fingerprint(FingerprintBytes(runner_->layout().fingerprint()));
+  return response;
 }
 
 }  // namespace kvrelay::prefill

@@ -10,6 +10,9 @@
 // -> wait for every layer -> commit the new blocks to the cache store (copies in the segment)
 // -> release the lease.
 //
+// Domain logic only: the gRPC glue is prefill/server/PrefillService. Every failure carries a
+// kvrelay.v1.ErrorInfo saying which role and node failed (proto/grpc_status.h).
+//
 // Thread-safe; one model computation at a time (the runner is shared), transfers of earlier
 // requests overlap later computations.
 
@@ -22,7 +25,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "common/metrics.h"
-#include "kvrelay/v1/prefill.grpc.pb.h"
+#include "kvrelay/v1/prefill.pb.h"
 #include "model/model_runner.h"
 #include "transfer/transport.h"
 #include "worker/worker_core.h"
@@ -31,34 +34,35 @@ namespace kvrelay::prefill {
 
 struct PrefillWorkerOptions {
   // cachestore_address is required; pool_blocks are shared by all requests in flight.
-  worker::WorkerCoreOptions core{
-      .node_id = "prefill-0", .pool_blocks = 4096, .cache_slots = 1024};
+  worker::WorkerCoreOptions core{.role = "prefill", .pool_blocks = 4096, .cache_slots = 1024};
   std::string model_name;
   absl::Duration transfer_timeout = absl::Seconds(30);
   absl::Duration lease_ttl = absl::Seconds(60);
 };
 
-class PrefillWorker final : public kvrelay::v1::Prefill::Service {
+class PrefillWorker {
  public:
   static absl::StatusOr<std::unique_ptr<PrefillWorker>> Create(PrefillWorkerOptions options,
-                                                                MetricsRegistry* metrics);
-  ~PrefillWorker() override;
+                                                                MetricsRegistry* metrics,
+                                                                worker::WorkerCoreDeps deps = {});
+  ~PrefillWorker();
 
-  grpc::Status Prefill(grpc::ServerContext* context, const kvrelay::v1::PrefillRequest* request,
-                       kvrelay::v1::PrefillResponse* response) override;
-  grpc::Status Status(grpc::ServerContext* context,
-                      const kvrelay::v1::PrefillStatusRequest* request,
-                      kvrelay::v1::PrefillStatusResponse* response) override;
-
-  const std::string& transport_address() const { return core_->transport_address; }
-
-  // The work behind the RPC, for callers in this process.
+  // Computes or reuses the prompt's full blocks and pushes them into request.target by
+  // `deadline` (the caller's; transfers are bounded by options.transfer_timeout too).
   absl::StatusOr<kvrelay::v1::PrefillResponse> Run(const kvrelay::v1::PrefillRequest& request,
                                                    absl::Time deadline);
+  kvrelay::v1::PrefillStatusResponse Describe() const;
+
+  const std::string& transport_address() const { return core_->transport_address; }
+  const std::string& node_id() const { return core_->node_id; }
+  uint64_t incarnation() const { return core_->incarnation; }
+  Clock* clock() const { return core_->clock; }
 
  private:
   explicit PrefillWorker(PrefillWorkerOptions options, MetricsRegistry* metrics);
-  absl::Status Init();
+  absl::Status Init(worker::WorkerCoreDeps deps);
+  // `status` attributed to this node with `reason`.
+  absl::Status Own(absl::Status status, kvrelay::v1::FailureReason reason) const;
   absl::Status Validate(const kvrelay::v1::PrefillRequest& request) const;
   absl::StatusOr<transfer::PeerId> PeerFor(const std::string& address, absl::Time deadline);
 

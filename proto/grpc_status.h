@@ -1,25 +1,31 @@
 #pragma once
 
-// absl::Status <-> grpc::Status. Abseil's codes follow google.rpc.Code, as gRPC's do, so the
-// conversion is a cast.
+// absl::Status <-> grpc::Status, carrying kvrelay.v1.ErrorInfo across the wire.
+//
+// Abseil's codes follow google.rpc.Code, as gRPC's do, so the code conversion is a cast. The
+// structured detail travels as an absl::Status payload under kErrorInfoTypeUrl inside a process
+// and as a google.rpc.Status-compatible RpcStatus in grpc::Status::error_details() on the wire.
 
+#include <optional>
 #include <string>
 
 #include "absl/status/status.h"
 #include "grpcpp/support/status.h"
+#include "kvrelay/v1/common.pb.h"
 
 namespace kvrelay::proto {
 
-inline grpc::Status ToGrpcStatus(const absl::Status& status) {
-  if (status.ok()) return grpc::Status::OK;
-  return grpc::Status(static_cast<grpc::StatusCode>(status.code()),
-                      std::string(status.message()));
-}
+inline constexpr char kErrorInfoTypeUrl[] = "type.googleapis.com/kvrelay.v1.ErrorInfo";
 
-inline absl::Status FromGrpcStatus(const grpc::Status& status) {
-  if (status.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
-                      status.error_message());
-}
+// `status` with `info` attached (replacing an earlier ErrorInfo). OK stays OK.
+absl::Status WithErrorInfo(absl::Status status, const kvrelay::v1::ErrorInfo& info);
+// Shorthand: attributes `status` to (role, node, reason).
+absl::Status Attribute(absl::Status status, kvrelay::v1::Role role, const std::string& node_id,
+                       kvrelay::v1::FailureReason reason, const std::string& address = "");
+// The attached ErrorInfo, if any.
+std::optional<kvrelay::v1::ErrorInfo> GetErrorInfo(const absl::Status& status);
+
+grpc::Status ToGrpcStatus(const absl::Status& status);
+absl::Status FromGrpcStatus(const grpc::Status& status);
 
 }  // namespace kvrelay::proto

@@ -16,6 +16,27 @@ TEST(GrpcStatus, RoundTripsEveryCode) {
   }
 }
 
+TEST(GrpcStatus, CarriesErrorInfoAcrossTheWire) {
+  absl::Status status = Attribute(absl::UnavailableError("push failed"), kvrelay::v1::ROLE_DECODE,
+                                  "decode-a", kvrelay::v1::FAILURE_TRANSFER, "10.0.0.3:7000");
+  grpc::Status wire = ToGrpcStatus(status);
+  EXPECT_FALSE(wire.error_details().empty());
+  absl::Status back = FromGrpcStatus(wire);
+  EXPECT_EQ(back.code(), absl::StatusCode::kUnavailable);
+  std::optional<kvrelay::v1::ErrorInfo> info = GetErrorInfo(back);
+  ASSERT_TRUE(info.has_value());
+  EXPECT_EQ(info->role(), kvrelay::v1::ROLE_DECODE);
+  EXPECT_EQ(info->node_id(), "decode-a");
+  EXPECT_EQ(info->reason(), kvrelay::v1::FAILURE_TRANSFER);
+  EXPECT_EQ(info->address(), "10.0.0.3:7000");
+  // No detail: nothing attached, nothing invented.
+  EXPECT_FALSE(GetErrorInfo(FromGrpcStatus(ToGrpcStatus(absl::InternalError("x")))).has_value());
+  // Garbage details are ignored, not fatal.
+  EXPECT_FALSE(GetErrorInfo(FromGrpcStatus(grpc::Status(grpc::StatusCode::INTERNAL, "x",
+                                                        "\xff\xff garbage")))
+                   .has_value());
+}
+
 TEST(CommonProto, BlockLocationSerializes) {
   kvrelay::v1::BlockLocation location;
   location.set_node_id("decode-0");

@@ -2,41 +2,43 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
-#include "grpcpp/grpcpp.h"
-#include "proto/grpc_status.h"
+#include "common/status_macros.h"
 
 namespace kvrelay::worker {
 namespace {
-
-void ToProto(const kv::BlockHash& h, kvrelay::v1::BlockHash* out) {
-  out->set_hi(h.hi);
-  out->set_lo(h.lo);
-}
 
 constexpr char kSegmentId[] = "kv";
 
 }  // namespace
 
-StoreLink::StoreLink(StoreLinkOptions options, const CacheSegment* segment)
-    : options_(std::move(options)), segment_(segment) {
-  stub_ = kvrelay::v1::CacheStore::NewStub(
-      grpc::CreateChannel(options_.cachestore_address, grpc::InsecureChannelCredentials()));
-}
+StoreLink::StoreLink(StoreLinkOptions options, const CacheSegment* segment, Clock* clock,
+                     std::unique_ptr<cachestore::CacheStoreClient> client)
+    : options_(std::move(options)), segment_(segment), clock_(clock), client_(std::move(client)) {}
 
 absl::StatusOr<std::unique_ptr<StoreLink>> StoreLink::Connect(StoreLinkOptions options,
                                                               const CacheSegment* segment,
-                                                              absl::Time deadline) {
-  auto link = std::unique_ptr<StoreLink>(new StoreLink(std::move(options), segment));
+                                                              Clock* clock, absl::Time deadline) {
+  KV_ASSIGN_OR_RETURN(std::shared_ptr<grpc::Channel> channel,
+                      server::MakeChannel(options.cachestore_address, options.security));
+  auto client = cachestore::CacheStoreClient::FromChannel(
+      std::move(channel), cachestore::CacheStoreClient::Options{.timeout = options.rpc_timeout});
+  auto link = std::unique_ptr<StoreLink>(
+      new StoreLink(std::move(options), segment, clock, std::move(client)));
   absl::Status status;
   while (true) {
     status = link->Register();
-    if (status.ok() || absl::Now() > deadline) break;
+    // A refused registration (another live process holds this node id) is final.
+    if (status.ok() || absl::IsAlreadyExists(status) || absl::IsInvalidArgument(status) ||
+        absl::Now() > deadline) {
+      break;
+    }
     absl::SleepFor(absl::Milliseconds(200));
   }
   if (!status.ok()) {
-    return absl::UnavailableError(absl::StrCat("cannot register with the cache store at ",
-                                               link->options_.cachestore_address, ": ",
-                                               status.message()));
+    return absl::Status(status.code(),
+                        absl::StrCat("cannot register node ", link->options_.node_id,
+                                     " with the cache store at ",
+                                     link->options_.cachestore_address, ": ", status.message()));
   }
   link->heartbeat_ = std::thread([l = link.get()] { l->HeartbeatLoop(); });
   return link;
@@ -45,13 +47,6 @@ absl::StatusOr<std::unique_ptr<StoreLink>> StoreLink::Connect(StoreLinkOptions o
 StoreLink::~StoreLink() {
   stop_.Notify();
   if (heartbeat_.joinable()) heartbeat_.join();
-}
-
-std::unique_ptr<grpc::ClientContext> StoreLink::Context() const {
-  auto context = std::make_unique<grpc::ClientContext>();
-  context->set_deadline(std::chrono::system_clock::now() +
-                        std::chrono::milliseconds(absl::ToInt64Milliseconds(options_.rpc_timeout)));
-  return context;
 }
 
 absl::Status StoreLink::Register() {
@@ -69,21 +64,14 @@ absl::Status StoreLink::Register() {
     s->set_slot_bytes(segment_->slot_stride());
     s->set_memory_key(absl::StrCat(segment_->region().id()));
   }
-  kvrelay::v1::RegisterNodeResponse response;
-  auto context = Context();
-  context->set_wait_for_ready(true);
-  return proto::FromGrpcStatus(stub_->RegisterNode(context.get(), request, &response));
+  return client_->RegisterNode(request).status();
 }
 
 void StoreLink::HeartbeatLoop() {
-  const absl::Duration interval = options_.ttl / 3;
+  const absl::Duration interval = options_.ttl / 4;
   while (!stop_.WaitForNotificationWithTimeout(interval)) {
-    kvrelay::v1::HeartbeatRequest request;
-    request.set_node_id(options_.node_id);
-    kvrelay::v1::HeartbeatResponse response;
-    auto context = Context();
-    grpc::Status status = stub_->Heartbeat(context.get(), request, &response);
-    if (status.ok() && !response.known()) {
+    absl::StatusOr<bool> known = client_->Heartbeat(options_.node_id);
+    if (known.ok() && !*known) {
       KV_LOG(WARNING) << options_.node_id << ": the cache store forgot this node; registering";
       if (absl::Status s = Register(); !s.ok()) {
         KV_LOG(WARNING) << options_.node_id << ": register failed: " << s;
@@ -96,20 +84,14 @@ absl::StatusOr<PrefixMatch> StoreLink::MatchPrefix(const std::vector<kv::BlockHa
                                                    absl::Duration lease_ttl) {
   PrefixMatch match;
   if (chain.empty()) return match;
-  kvrelay::v1::MatchPrefixRequest request;
-  for (const kv::BlockHash& h : chain) ToProto(h, request.add_chain());
-  request.set_lease_ttl_ms(absl::ToInt64Milliseconds(lease_ttl));
-  kvrelay::v1::MatchPrefixResponse response;
-  auto context = Context();
-  if (absl::Status s = proto::FromGrpcStatus(stub_->MatchPrefix(context.get(), request, &response));
-      !s.ok()) {
-    return s;
-  }
+  KV_ASSIGN_OR_RETURN(kvrelay::v1::MatchPrefixResponse response,
+                      client_->MatchPrefix(chain, lease_ttl));
   match.matched = response.matched();
   match.lease_id = response.lease_id();
-  for (int i = 0; i < response.matched() && i < response.blocks_size(); ++i) {
+  const auto locations = cachestore::CacheStoreClient::Locations(response);
+  for (int i = 0; i < response.matched() && i < static_cast<int>(locations.size()); ++i) {
     int64_t slot = -1;
-    for (const auto& replica : response.blocks(i).replicas()) {
+    for (const auto& replica : locations[i]) {
       if (replica.node_id() == options_.node_id && replica.segment_id() == kSegmentId) {
         slot = replica.slot();
         break;
@@ -122,12 +104,9 @@ absl::StatusOr<PrefixMatch> StoreLink::MatchPrefix(const std::vector<kv::BlockHa
 
 void StoreLink::ReleaseLease(uint64_t lease_id) {
   if (lease_id == 0) return;
-  kvrelay::v1::ReleaseLeaseRequest request;
-  request.set_lease_id(lease_id);
-  kvrelay::v1::ReleaseLeaseResponse response;
-  auto context = Context();
-  grpc::Status status = stub_->ReleaseLease(context.get(), request, &response);
-  if (!status.ok()) KV_LOG(WARNING) << "ReleaseLease: " << status.error_message();
+  if (absl::Status s = client_->ReleaseLease(lease_id); !s.ok()) {
+    KV_LOG(WARNING) << "ReleaseLease: " << s;
+  }
 }
 
 absl::StatusOr<int32_t> StoreLink::CommitBlocks(const std::vector<kv::BlockHash>& chain,
@@ -137,24 +116,16 @@ absl::StatusOr<int32_t> StoreLink::CommitBlocks(const std::vector<kv::BlockHash>
   kvrelay::v1::AllocateRequest request;
   for (int64_t i = first; i < last; ++i) {
     auto* block = request.add_blocks();
-    ToProto(chain[i], block->mutable_hash());
-    ToProto(i == 0 ? kv::BlockHash{} : chain[i - 1], block->mutable_parent());
+    cachestore::CacheStoreClient::ToProto(chain[i], block->mutable_hash());
+    cachestore::CacheStoreClient::ToProto(i == 0 ? kv::BlockHash{} : chain[i - 1],
+                                          block->mutable_parent());
     block->set_size_bytes(segment_->block_bytes());
   }
   request.set_preferred_node(options_.node_id);
   request.set_preferred_tier(kvrelay::v1::TIER_HOST);
   request.set_replicas(1);
-  kvrelay::v1::AllocateResponse allocation;
-  {
-    auto context = Context();
-    if (absl::Status s =
-            proto::FromGrpcStatus(stub_->Allocate(context.get(), request, &allocation));
-        !s.ok()) {
-      return s;
-    }
-  }
-  kvrelay::v1::CommitRequest commit;
-  commit.set_allocation_id(allocation.allocation_id());
+  KV_ASSIGN_OR_RETURN(kvrelay::v1::AllocateResponse allocation, client_->Allocate(request));
+  std::vector<kv::BlockHash> stored;
   for (int i = 0; i < allocation.blocks_size(); ++i) {
     const auto& block = allocation.blocks(i);
     if (block.already_committed()) continue;
@@ -165,27 +136,18 @@ absl::StatusOr<int32_t> StoreLink::CommitBlocks(const std::vector<kv::BlockHash>
       }
     }
     if (!all_here) continue;
-    bool stored = true;
+    bool ok = true;
     for (const auto& replica : block.replicas()) {
-      if (!segment_->StoreBlock(seq, first + i, replica.slot()).ok()) stored = false;
+      if (!segment_->StoreBlock(seq, first + i, replica.slot()).ok()) ok = false;
     }
-    if (stored) *commit.add_hashes() = block.hash();
+    if (ok) stored.push_back(cachestore::CacheStoreClient::FromProto(block.hash()));
   }
-  if (commit.hashes_size() == 0) {
-    kvrelay::v1::AbortRequest abort;
-    abort.set_allocation_id(allocation.allocation_id());
-    kvrelay::v1::AbortResponse ignored;
-    auto context = Context();
-    stub_->Abort(context.get(), abort, &ignored);
+  if (stored.empty()) {
+    (void)client_->Abort(allocation.allocation_id());
     return 0;
   }
-  kvrelay::v1::CommitResponse committed;
-  auto context = Context();
-  if (absl::Status s = proto::FromGrpcStatus(stub_->Commit(context.get(), commit, &committed));
-      !s.ok()) {
-    return s;
-  }
-  return committed.committed();
+  KV_ASSIGN_OR_RETURN(int committed, client_->Commit(allocation.allocation_id(), stored));
+  return committed;
 }
 
 }  // namespace kvrelay::worker

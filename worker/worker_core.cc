@@ -1,23 +1,52 @@
 #include "worker/worker_core.h"
 
-#include <cstdio>
-#include <iostream>
+#include <unistd.h>
 
-#include "common/config_file.h"
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/server/server_flags.h"
 #include "common/status_macros.h"
 #include "transfer/ucx/ucx_transport.h"
 
 namespace kvrelay::worker {
+namespace {
+
+uint64_t RandomU64() {
+  std::random_device device;
+  return (static_cast<uint64_t>(device()) << 32) ^ device();
+}
+
+}  // namespace
+
+std::string DefaultNodeId(const std::string& role) {
+  char host[256] = {};
+  if (::gethostname(host, sizeof(host) - 1) != 0 || host[0] == '\0') {
+    std::snprintf(host, sizeof(host), "host");
+  }
+  return absl::StrFormat("%s-%s-%08x", role, host, static_cast<uint32_t>(RandomU64()));
+}
 
 absl::StatusOr<std::unique_ptr<WorkerCore>> WorkerCore::Create(const WorkerCoreOptions& options,
-                                                               transfer::InboundHandler inbound) {
+                                                               transfer::InboundHandler inbound,
+                                                               WorkerCoreDeps deps) {
   auto core = std::make_unique<WorkerCore>();
+  core->clock = deps.clock != nullptr ? deps.clock : Clock::Real();
+  core->node_id = options.node_id.empty() ? DefaultNodeId(options.role) : options.node_id;
+  core->incarnation = RandomU64() | 1;  // never 0: 0 means "unknown" on the wire
   model::RunnerOptions runner_options;
   runner_options.threads = options.threads;
   KV_ASSIGN_OR_RETURN(core->runner, model::ModelRunner::Load(options.model_dir, runner_options));
-  transfer::UcxTransportOptions ucx;
-  ucx.listen_host = options.transport_host;
-  KV_ASSIGN_OR_RETURN(core->transport, transfer::MakeUcxTransport(ucx));
+  if (deps.transport != nullptr) {
+    core->transport = std::move(deps.transport);
+    core->transport_kind = deps.transport_kind;
+  } else {
+    core->transport_kind = "ucx";
+    transfer::UcxTransportOptions ucx;
+    ucx.listen_host = options.transport_host;
+    KV_ASSIGN_OR_RETURN(core->transport, transfer::MakeUcxTransport(ucx));
+  }
   core->transport_address = core->transport->address();
   if (inbound) core->transport->SetInboundHandler(std::move(inbound));
   KV_ASSIGN_OR_RETURN(core->kv, RegisteredKvCache::Create(core->runner->layout(),
@@ -29,23 +58,27 @@ absl::StatusOr<std::unique_ptr<WorkerCore>> WorkerCore::Create(const WorkerCoreO
                                              core->transport.get()));
     StoreLinkOptions link;
     link.cachestore_address = options.cachestore_address;
-    link.node_id = options.node_id;
+    link.node_id = core->node_id;
+    link.incarnation = core->incarnation;
     link.transport_address = core->transport_address;
-    KV_ASSIGN_OR_RETURN(core->store, StoreLink::Connect(link, core->segment.get(),
-                                                        absl::Now() + absl::Seconds(30)));
+    link.transport_kind = core->transport_kind;
+    link.security = options.security;
+    KV_ASSIGN_OR_RETURN(core->store,
+                        StoreLink::Connect(link, core->segment.get(), core->clock,
+                                           absl::Now() + absl::Seconds(30)));
   }
   return core;
 }
 
 void WorkerFlags::AddFlags(FlagSet& flags) {
-  flags.AddString("host", &host_.host, "address to listen on");
-  flags.AddInt32("port", &host_.port, "gRPC port (0: any free port)");
-  flags.AddInt32("metrics-port", &host_.metrics_port, "Prometheus /metrics port (0: any free port)");
+  server::AddServerFlags(flags, host_);
   flags.AddString("cachestore", &core_.cachestore_address, "cache store HOST:PORT");
   flags.AddString("model", &core_.model_dir, "model directory (config.json + safetensors)");
   flags.AddString("model-name", &model_name_,
                   "model name requests must use (default: the directory's base name)");
-  flags.AddString("node-id", &core_.node_id, "node id in the cache store");
+  flags.AddString("node-id", &core_.node_id,
+                  "node id in the cache store (default: <role>-<hostname>-<random>, unique per "
+                  "process)");
   flags.AddString("transport-host", &core_.transport_host, "data-plane listen address");
   flags.AddInt32("threads", &core_.threads, "compute threads");
   flags.AddInt64("pool-blocks", &core_.pool_blocks, "request KV slots per layer group");
@@ -54,32 +87,33 @@ void WorkerFlags::AddFlags(FlagSet& flags) {
 
 std::optional<int> WorkerFlags::Parse(FlagSet& flags, const std::vector<std::string>& raw_args,
                                       bool cachestore_required) {
-  const char* name = host_.name.c_str();
-  absl::StatusOr<std::vector<std::string>> args = ExpandConfigFile(raw_args);
-  absl::Status parsed = args.ok() ? flags.Parse(*args) : args.status();
-  if (!parsed.ok()) {
-    std::fprintf(stderr, "kvrelay %s: %s\n", name, std::string(parsed.message()).c_str());
-    return 2;
+  const std::string& name = host_.name;
+  core_.role = name;
+  if (std::optional<int> exit_code =
+          server::ParseCommandLine(flags, raw_args, name, &host_.security)) {
+    return exit_code;
   }
-  if (flags.help_requested()) {
-    std::cout << flags.Usage();
-    return 0;
-  }
-  if (core_.model_dir.empty()) {
-    std::fprintf(stderr, "kvrelay %s: --model is required\n", name);
-    return 2;
-  }
+  core_.security = host_.security;
+  if (core_.model_dir.empty()) return server::UsageError(name, "--model is required");
   if (cachestore_required && core_.cachestore_address.empty()) {
-    std::fprintf(stderr, "kvrelay %s: --cachestore is required\n", name);
-    return 2;
+    return server::UsageError(name, "--cachestore is required");
+  }
+  if (!core_.cachestore_address.empty()) {
+    if (absl::Status s = server::CheckHostPort(core_.cachestore_address, "--cachestore");
+        !s.ok()) {
+      return server::UsageError(name, std::string(s.message()));
+    }
   }
   if (core_.threads < 1 || core_.pool_blocks < 1 || core_.cache_slots < 1) {
-    std::fprintf(stderr, "kvrelay %s: --threads, --pool-blocks and --cache-slots must be positive\n",
-                 name);
-    return 2;
+    return server::UsageError(name, "--threads, --pool-blocks and --cache-slots must be positive");
   }
   if (model_name_.empty()) model_name_ = ModelNameFromDir(core_.model_dir);
   return std::nullopt;
+}
+
+std::string ModelNameFromDir(std::string dir) {
+  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+  return dir.substr(dir.rfind('/') + 1);
 }
 
 }  // namespace kvrelay::worker

@@ -1,8 +1,12 @@
 #pragma once
 
-// WorkerCore: what a prefill and a decode worker both own — the model runner, the UCX
+// WorkerCore: what a prefill and a decode worker both own — the model runner, the data-plane
 // transport, the request KV cache in transport memory, and (with a cache store) a cache
 // segment plus the store link that registers and heartbeats it.
+//
+// The transport and the clock are injected (WorkerCoreDeps), so the serving core runs over the
+// in-process or fault-injecting transport and a SimulatedClock in one-process tests, and over
+// UCX with the real clock in `kvrelay prefill|decode`.
 //
 // Members are declared in creation order, so destruction stops the heartbeat first and the
 // transport after every region allocated from it.
@@ -14,55 +18,77 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/clock.h"
 #include "common/flags.h"
+#include "common/server/service_host.h"
 #include "model/model_runner.h"
 #include "transfer/transport.h"
 #include "worker/kv_memory.h"
-#include "worker/service_host.h"
 #include "worker/store_link.h"
 
 namespace kvrelay::worker {
 
 struct WorkerCoreOptions {
+  std::string role;      // "prefill" or "decode": default node ids and error attribution
   std::string model_dir;
-  std::string node_id;
+  std::string node_id;   // empty: "<role>-<hostname>-<random>", unique per process
   std::string cachestore_address;  // empty: no cache segment, no store link
   std::string transport_host = "127.0.0.1";
   int32_t threads = 1;
   int64_t pool_blocks = 1024;  // request KV slots per layer group
   int64_t cache_slots = 256;   // whole-block slots offered to the store
+  server::SecurityOptions security;  // for the channel to the store
+};
+
+struct WorkerCoreDeps {
+  transfer::TransportPtr transport;  // null: a UCX transport listening on transport_host
+  std::string transport_kind = "inproc";  // what peers are told (ignored when transport is null)
+  Clock* clock = Clock::Real();      // not owned; must outlive the core
 };
 
 struct WorkerCore {
   // `inbound` (may be empty) is installed before the transport can accept peers.
   static absl::StatusOr<std::unique_ptr<WorkerCore>> Create(const WorkerCoreOptions& options,
-                                                            transfer::InboundHandler inbound);
+                                                            transfer::InboundHandler inbound,
+                                                            WorkerCoreDeps deps = {});
 
+  Clock* clock = nullptr;
+  std::string node_id;
+  uint64_t incarnation = 0;  // random per process start
   std::unique_ptr<model::ModelRunner> runner;
   transfer::TransportPtr transport;
+  std::string transport_kind;  // "ucx" or "inproc"
   std::string transport_address;
   std::unique_ptr<RegisteredKvCache> kv;
   std::unique_ptr<CacheSegment> segment;  // null without a store
   std::unique_ptr<StoreLink> store;       // null without a store
 };
 
+// "<role>-<hostname>-<8 hex digits>": unique per process, so two replicas of one deployment
+// never share an id by accident.
+std::string DefaultNodeId(const std::string& role);
+
 // Command-line handling shared by `kvrelay prefill` and `kvrelay decode`: registers the server
-// address flags, the WorkerCoreOptions flags and --model-name on `flags`, then parses
+// flags (common/server), the WorkerCoreOptions flags and --model-name on `flags`, then parses
 // `raw_args` (with --config). Returns an exit code to return at once (0 after --help, 2 with a
 // one-line message for bad usage), or nullopt when the command should go on; fills the model
 // name's default from the directory. Call AddFlags, add command-specific flags, then Parse.
 class WorkerFlags {
  public:
-  WorkerFlags(ServiceHostOptions& host, WorkerCoreOptions& core, std::string& model_name)
+  WorkerFlags(server::ServiceHostOptions& host, WorkerCoreOptions& core, std::string& model_name)
       : host_(host), core_(core), model_name_(model_name) {}
   void AddFlags(FlagSet& flags);
   std::optional<int> Parse(FlagSet& flags, const std::vector<std::string>& raw_args,
                            bool cachestore_required);
 
  private:
-  ServiceHostOptions& host_;
+  server::ServiceHostOptions& host_;
   WorkerCoreOptions& core_;
   std::string& model_name_;
 };
+
+// A model's default served name: the base name of its directory ("/models/tiny-llama/" ->
+// "tiny-llama").
+std::string ModelNameFromDir(std::string dir);
 
 }  // namespace kvrelay::worker

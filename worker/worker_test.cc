@@ -1,22 +1,17 @@
 #include <cstring>
 
 #include "gmock/gmock.h"
-#include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
-#include "grpcpp/health_check_service_interface.h"
 #include "gtest/gtest.h"
 #include "kv/presets.h"
-#include "kvrelay/v1/prefill.grpc.pb.h"
 #include "model/kv_cache.h"
 #include "tests/testing/status_matchers.h"
 #include "transfer/inproc/in_process_transport.h"
 #include "worker/kv_memory.h"
-#include "worker/service_host.h"
+#include "worker/worker_core.h"
 
 namespace kvrelay::worker {
 namespace {
-
-using ::testing::HasSubstr;
 
 kv::ModelLayout Layout(const char* preset) { return kv::LoadPreset(preset)->layout; }
 
@@ -79,45 +74,9 @@ TEST(SliceOfLayer, LayersAreContiguousInsideAUnit) {
   EXPECT_EQ(expected_offset, static_cast<uint64_t>(layout.BlockBytes(0)));
 }
 
-TEST(ServiceHost, ServesHealthAndDrainsOnRequest) {
-  MetricsRegistry metrics;
-  metrics.GetCounter("kvrelay_test_total", "t")->Increment();
-  ServiceHostOptions options;
-  options.name = "test";
-  options.drain_timeout = absl::Seconds(1);
-  kvrelay::v1::Prefill::Service unimplemented;  // any service: gRPC needs one to serve
-  KV_ASSERT_OK_AND_ASSIGN(auto host, ServiceHost::Start(options, {&unimplemented}, &metrics));
-  ASSERT_GT(host->port(), 0);
-  auto channel = grpc::CreateChannel(host->address(), grpc::InsecureChannelCredentials());
-  grpc::ByteBuffer request_buffer, response_buffer;
-  // grpc.health.v1.Health/Check with an empty HealthCheckRequest -> SERVING (field 1 = 1).
-  grpc::GenericStub stub(channel);
-  grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-  grpc::Slice empty("", 0);
-  grpc::ByteBuffer request(&empty, 1);
-  grpc::CompletionQueue cq;
-  auto call = stub.PrepareUnaryCall(&context, "/grpc.health.v1.Health/Check", request, &cq);
-  call->StartCall();
-  grpc::ByteBuffer response;
-  grpc::Status status;
-  call->Finish(&response, &status, reinterpret_cast<void*>(1));
-  void* tag;
-  bool ok;
-  ASSERT_TRUE(cq.Next(&tag, &ok));
-  ASSERT_TRUE(status.ok()) << status.error_message();
-  std::vector<grpc::Slice> slices;
-  ASSERT_TRUE(response.Dump(&slices).ok());
-  std::string bytes;
-  for (const auto& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
-  EXPECT_EQ(bytes, std::string("\x08\x01", 2));  // status: SERVING
-  host->RequestShutdown();
-  host->WaitForShutdown();
-  EXPECT_TRUE(host->draining());
-  EXPECT_THAT(CheckHostPort("127.0.0.1:0", "--x"),
-              testing::StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--x")));
-  KV_EXPECT_OK(CheckHostPort("10.0.0.1:50051", "--x"));
+TEST(ModelNameFromDir, IsTheDirectorysBaseName) {
   EXPECT_EQ(ModelNameFromDir("/models/tiny-llama/"), "tiny-llama");
+  EXPECT_EQ(ModelNameFromDir("tiny"), "tiny");
 }
 
 }  // namespace

@@ -1,24 +1,71 @@
 #pragma once
 
-// CacheStoreClient: a small typed wrapper over the kvrelay.v1.CacheStore stub for prefill /
-// decode workers and the gateway. Every call has a deadline (Options::timeout unless given) and
-// returns absl::Status / StatusOr converted from the gRPC status.
+// CacheStoreClient: the typed client of kvrelay.v1.CacheStore for prefill / decode workers and
+// the gateway. Every call has a deadline: Options::timeout, or sooner when the call's
+// CallOptions::deadline says so. Every call returns absl::Status / StatusOr converted from the
+// gRPC status (codes, never message text, are what callers decide on).
 //
-// Thread-safe (gRPC stubs are); one client per process per cache store is enough.
+// A worker's life with the store:
+//
+//   CacheStoreClient::Options o;
+//   o.node = {CacheStoreClient::DefaultNodeId("prefill"), CacheStoreClient::NewIncarnation()};
+//   auto store = CacheStoreClient::Connect("store:7000", o);        // no I/O yet
+//   CacheStoreClient::Registration reg;                             // role, addresses, segments
+//   reg.role = v1::NODE_ROLE_PREFILL; reg.grpc_address = "10.0.0.5:7100";
+//   reg.transport_kind = "ucx"; reg.transport_address = "10.0.0.5:13337";
+//   reg.segments.push_back(segment);                                // v1::Segment
+//   KV_RETURN_IF_ERROR((*store)->Register(reg).status());  // ALREADY_EXISTS: id taken by a live
+//                                                          // process: pick another id
+//   every ttl/3:  Heartbeat(load) -> known=false: Register again, then Announce(...) what the
+//                 segment still holds; FAILED_PRECONDITION: this incarnation was replaced: stop
+//                 serving cached blocks and exit / re-register with a new incarnation.
+//   per request:  MatchPrefix(chain, lease) -> Locations(resp) (each carries the holder's
+//                 incarnation) ... ReleaseLease(lease_id);
+//                 AllocateChain(chain, bytes) -> write blocks into the returned slots (always
+//                 this node's segment) -> Commit(allocation_id) or Abort(allocation_id).
+//   shutdown:     Deregister().
+//
+// The identity in Options::node (node_id + incarnation) is sent with every call that names a
+// node: the store binds allocations and leases to it, so only this process can commit, abort
+// or release them. A client without an identity (the gateway, tools) is anonymous: it can
+// match, query, list and watch.
+//
+// Discovery (gateway): ListNodes() for role, gRPC address, data-plane address, load and
+// liveness of every registered node, then WatchEvents(last_sequence + 1, ...) for
+// KIND_NODE_JOINED / SUSPECT / LIVE / LEFT as they happen. A changed store_incarnation means
+// the store restarted: list again.
+//
+// Thread-safe (gRPC stubs are; SetNode may be called while other calls run).
 
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "common/server/credentials.h"
 #include "kv/block_hash.h"
 #include "kvrelay/v1/cachestore.grpc.pb.h"
 
 namespace kvrelay::cachestore {
+
+// A node process: its id and the random incarnation it picked at start.
+struct NodeIdentity {
+  std::string node_id;
+  uint64_t incarnation = 0;
+  bool empty() const { return node_id.empty(); }
+};
+
+// Per-call options. The effective deadline is min(now + Options::timeout, deadline).
+struct CallOptions {
+  absl::Time deadline = absl::InfiniteFuture();
+};
 
 class CacheStoreClient {
  public:
@@ -27,6 +74,12 @@ class CacheStoreClient {
     // Give this client its own TCP connection instead of sharing one with every other channel
     // to the same target in the process (gRPC's global subchannel pool).
     bool own_connection = false;
+    // gRPC keepalive pings on the channel (server::MakeChannel), so a dead store or a cut link
+    // is noticed even when no call is running.
+    absl::Duration keepalive = absl::Seconds(10);
+    server::SecurityOptions security;  // plain text unless TLS files are given
+    // The calling node; empty for anonymous clients (gateway, tools).
+    NodeIdentity node;
   };
   // `target` is host:port. Does not wait for the connection.
   static absl::StatusOr<std::unique_ptr<CacheStoreClient>> Connect(const std::string& target,
@@ -35,36 +88,87 @@ class CacheStoreClient {
     return Connect(target, Options{});
   }
 
+  // A client over a channel made elsewhere (server::MakeChannel: credentials and keepalive).
+  static std::unique_ptr<CacheStoreClient> FromChannel(std::shared_ptr<grpc::Channel> channel,
+                                                       Options options);
+
+  // A random non-zero incarnation (kernel CSPRNG); call once per process start.
+  static uint64_t NewIncarnation();
+  // "<role>-<hostname>-<8 random hex digits>": unique per process unless an id is configured.
+  static std::string DefaultNodeId(std::string_view role);
+
   // Waits until the channel is ready or `timeout` passes (Unavailable then).
   absl::Status WaitForReady(absl::Duration timeout);
 
-  absl::StatusOr<v1::RegisterNodeResponse> RegisterNode(const v1::RegisterNodeRequest& req);
-  // False when the server does not know the node (it must register again).
-  absl::StatusOr<bool> Heartbeat(const std::string& node_id);
-  absl::StatusOr<v1::MatchPrefixResponse> MatchPrefix(absl::Span<const kv::BlockHash> chain,
-                                                      absl::Duration lease_ttl = absl::ZeroDuration());
-  absl::StatusOr<v1::QueryPrefixResponse> QueryPrefix(absl::Span<const kv::BlockHash> chain);
-  absl::StatusOr<v1::AllocateResponse> Allocate(const v1::AllocateRequest& req);
-  // Allocates a chain: block i's parent is block i-1 (block 0's is `first_parent`).
+  NodeIdentity node() const;
+  // Replaces the identity (e.g. the incarnation the store assigned to a legacy registration).
+  void SetNode(NodeIdentity node);
+
+  // --- Node lifecycle (need Options::node) ---
+  struct Registration {
+    v1::NodeRole role = v1::NODE_ROLE_UNSPECIFIED;
+    std::string grpc_address;       // this node's gRPC service (host:port), for discovery
+    std::string transport_kind;     // data plane, e.g. "ucx"
+    std::string transport_address;  // data plane host:port
+    std::vector<v1::Segment> segments;
+    absl::Duration ttl = absl::Seconds(10);  // tolerate multi-second stalls
+  };
+  // ALREADY_EXISTS: another live process holds the id. Idempotent for the same incarnation.
+  absl::StatusOr<v1::RegisterNodeResponse> Register(const Registration& reg,
+                                                    const CallOptions& call = {});
+  // Raw form (legacy callers); fills node_id / incarnation from Options::node when empty.
+  absl::StatusOr<v1::RegisterNodeResponse> RegisterNode(const v1::RegisterNodeRequest& req,
+                                                        const CallOptions& call = {});
+  absl::Status Deregister(const CallOptions& call = {});
+  // known=false: register again (then Announce). FAILED_PRECONDITION: replaced.
+  absl::StatusOr<v1::HeartbeatResponse> Heartbeat(const v1::NodeLoad* load = nullptr,
+                                                  const CallOptions& call = {});
+  // Legacy form: heartbeat for `node_id` without an incarnation; false = must register.
+  absl::StatusOr<bool> Heartbeat(const std::string& node_id, const CallOptions& call = {});
+  // Re-announces blocks this node still holds in `segment_id`, parents first; sent in batches
+  // of at most 4096 (counts summed; rejected indices refer to `blocks`).
+  absl::StatusOr<v1::AnnounceBlocksResponse> Announce(const std::string& segment_id,
+                                                      absl::Span<const v1::AnnouncedBlock> blocks,
+                                                      const CallOptions& call = {});
+
+  // --- Lookups ---
+  // With lease_ttl > 0 the matched blocks are pinned under a lease bound to this node (if any).
+  absl::StatusOr<v1::MatchPrefixResponse> MatchPrefix(
+      absl::Span<const kv::BlockHash> chain, absl::Duration lease_ttl = absl::ZeroDuration(),
+      const CallOptions& call = {});
+  absl::StatusOr<v1::QueryPrefixResponse> QueryPrefix(absl::Span<const kv::BlockHash> chain,
+                                                      const CallOptions& call = {});
+  absl::Status ReleaseLease(uint64_t lease_id, const CallOptions& call = {});
+
+  // --- Writes ---
+  // Fills node_id / incarnation from Options::node when empty.
+  absl::StatusOr<v1::AllocateResponse> Allocate(const v1::AllocateRequest& req,
+                                                const CallOptions& call = {});
+  // Allocates a chain: block i's parent is block i-1 (block 0's is `first_parent`). With an
+  // identity and no preferred_node, blocks go into this node's own segments (evicting there).
   absl::StatusOr<v1::AllocateResponse> AllocateChain(absl::Span<const kv::BlockHash> chain,
                                                      uint64_t size_bytes,
                                                      kv::BlockHash first_parent = {},
-                                                     const std::string& preferred_node = "");
-  absl::StatusOr<int> Commit(uint64_t allocation_id, absl::Span<const kv::BlockHash> hashes = {});
-  absl::Status Abort(uint64_t allocation_id);
-  absl::Status ReleaseLease(uint64_t lease_id);
-  absl::StatusOr<v1::StatsResponse> Stats();
+                                                     const std::string& preferred_node = "",
+                                                     const CallOptions& call = {});
+  absl::StatusOr<int> Commit(uint64_t allocation_id, absl::Span<const kv::BlockHash> hashes = {},
+                             const CallOptions& call = {});
+  absl::Status Abort(uint64_t allocation_id, const CallOptions& call = {});
+
+  // --- Discovery and monitoring ---
+  absl::StatusOr<v1::ListNodesResponse> ListNodes(const CallOptions& call = {});
+  absl::StatusOr<v1::StatsResponse> Stats(const CallOptions& call = {});
   // Streams events from `from_sequence` until `on_event` returns false, the stream ends or
-  // `timeout` passes (then OK). OutOfRange when from_sequence is no longer retained.
+  // `timeout` passes (then OK). OutOfRange when from_sequence is no longer retained or is
+  // ahead of the store (it restarted without its log).
   absl::Status WatchEvents(uint64_t from_sequence, absl::Duration timeout,
                            const std::function<bool(const v1::Event&)>& on_event);
 
   v1::CacheStore::Stub& stub() { return *stub_; }
 
   // MatchPrefix asks for the columnar answer; this expands it: result[i] = locations of chain
-  // block i.
-  static std::vector<std::vector<v1::BlockLocation>> Locations(
-      const v1::MatchPrefixResponse& resp);
+  // block i (with the holder's incarnation).
+  static std::vector<std::vector<v1::BlockLocation>> Locations(const v1::MatchPrefixResponse& resp);
 
   static void ToProto(const kv::BlockHash& h, v1::BlockHash* out) {
     out->set_hi(h.hi);
@@ -74,11 +178,13 @@ class CacheStoreClient {
 
  private:
   CacheStoreClient(std::shared_ptr<grpc::Channel> channel, Options options);
-  void SetDeadline(grpc::ClientContext* ctx) const;
+  void SetDeadline(grpc::ClientContext* ctx, const CallOptions& call) const;
 
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::CacheStore::Stub> stub_;
-  Options options_;
+  const Options options_;
+  mutable absl::Mutex mu_;
+  NodeIdentity node_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace kvrelay::cachestore

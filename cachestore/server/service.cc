@@ -14,11 +14,29 @@ namespace {
 
 using ::kvrelay::proto::ToGrpcStatus;
 
+// Bad input is the caller's own failure (never counted against a node).
+grpc::Status ClientError(absl::Status status) {
+  v1::ErrorInfo info;
+  info.set_role(v1::ROLE_CLIENT);
+  info.set_reason(v1::FAILURE_INVALID_REQUEST);
+  return ToGrpcStatus(proto::WithErrorInfo(std::move(status), info));
+}
 grpc::Status Invalid(const std::string& msg) {
-  return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, msg);
+  return ClientError(absl::InvalidArgumentError(msg));
 }
 grpc::Status Exhausted(const std::string& msg) {
-  return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, msg);
+  return ClientError(absl::ResourceExhaustedError(msg));
+}
+
+v1::Role ToRole(NodeRole role) {
+  switch (role) {
+    case NodeRole::kPrefill:
+      return v1::ROLE_PREFILL;
+    case NodeRole::kDecode:
+      return v1::ROLE_DECODE;
+    default:
+      return v1::ROLE_UNSPECIFIED;
+  }
 }
 
 kv::BlockHash FromProto(const v1::BlockHash& h) { return kv::BlockHash{h.hi(), h.lo()}; }
@@ -102,6 +120,7 @@ absl::Time DeadlineOf(grpc::ServerContext* ctx, absl::Duration cap) {
 
 void ToProto(const Location& loc, v1::BlockLocation* out) {
   out->set_node_id(loc.node_id);
+  out->set_incarnation(loc.incarnation);
   out->set_segment_id(loc.segment_id);
   out->set_slot(loc.slot);
   out->set_tier(static_cast<v1::Tier>(loc.tier));
@@ -149,11 +168,99 @@ void LatencyHistogram::Render(const std::string& name, const std::string& rpc,
 }
 
 const char* CacheStoreService::RpcName(int rpc) {
-  static const char* kNames[] = {"RegisterNode", "Heartbeat", "MatchPrefix", "QueryPrefix",
-                                 "Allocate",     "Commit",    "Abort",       "ReleaseLease",
-                                 "Stats",        "WatchEvents"};
+  static const char* kNames[] = {"RegisterNode", "Heartbeat",      "MatchPrefix", "QueryPrefix",
+                                 "Allocate",     "Commit",         "Abort",       "ReleaseLease",
+                                 "Stats",        "WatchEvents",    "DeregisterNode",
+                                 "AnnounceBlocks", "ListNodes"};
   return kNames[rpc];
 }
+
+grpc::Status CacheStoreService::ParseCaller(const std::string& node_id, uint64_t incarnation,
+                                            bool required, Caller* out) const {
+  if (node_id.empty()) {
+    if (required) return Invalid("node_id: must not be empty");
+    if (incarnation != 0) return Invalid("incarnation: set without node_id");
+    return grpc::Status::OK;
+  }
+  if (auto s = CheckId(node_id, "node_id", limits_.max_id_bytes); !s.ok()) return s;
+  if (incarnation == 0) {
+    return Invalid(absl::StrCat("incarnation: node '", node_id,
+                                "' must send its non-zero incarnation"));
+  }
+  out->node_id = node_id;
+  out->incarnation = incarnation;
+  return grpc::Status::OK;
+}
+
+grpc::Status CacheStoreService::Fail(absl::Status status, bool ids_expire) const {
+  if (status.ok()) return grpc::Status::OK;
+  v1::ErrorInfo info;
+  if (absl::optional<absl::Cord> node = status.GetPayload(kIdentityPayload)) {
+    // About who the caller (or the node it named) is: structured, with that node's role.
+    status.ErasePayload(kIdentityPayload);
+    info.set_node_id(std::string(*node));
+    info.set_role(ToRole(store_->RoleOf(info.node_id()).value_or(NodeRole::kUnspecified)));
+    info.set_reason(v1::FAILURE_IDENTITY);
+    return ToGrpcStatus(proto::WithErrorInfo(std::move(status), info));
+  }
+  switch (status.code()) {
+    case absl::StatusCode::kInvalidArgument:
+    case absl::StatusCode::kOutOfRange:
+      info.set_role(v1::ROLE_CLIENT);
+      info.set_reason(v1::FAILURE_INVALID_REQUEST);
+      break;
+    case absl::StatusCode::kDeadlineExceeded:
+      info.set_role(v1::ROLE_CLIENT);
+      info.set_reason(v1::FAILURE_CALLER_DEADLINE);
+      break;
+    case absl::StatusCode::kResourceExhausted:
+      info.set_role(v1::ROLE_STORE);
+      info.set_reason(v1::FAILURE_OVERLOADED);
+      break;
+    case absl::StatusCode::kNotFound:
+      info.set_role(v1::ROLE_STORE);
+      info.set_reason(ids_expire ? v1::FAILURE_EXPIRED : v1::FAILURE_UNSPECIFIED);
+      break;
+    default:
+      info.set_role(v1::ROLE_STORE);
+      info.set_reason(v1::FAILURE_UNSPECIFIED);
+  }
+  return ToGrpcStatus(proto::WithErrorInfo(std::move(status), info));
+}
+
+namespace {
+
+v1::NodeState ToProto(NodeState s) {
+  return s == NodeState::kSuspect ? v1::NODE_STATE_SUSPECT : v1::NODE_STATE_LIVE;
+}
+
+void ToProto(const NodeSpec& spec, v1::NodeInfo* out) {
+  out->set_node_id(spec.node_id);
+  out->set_incarnation(spec.incarnation);
+  out->set_role(static_cast<v1::NodeRole>(spec.role));
+  out->set_grpc_address(spec.grpc_address);
+  out->mutable_address()->set_kind(spec.transport_kind);
+  out->mutable_address()->set_address(spec.transport_address);
+  out->set_ttl_ms(absl::ToInt64Milliseconds(spec.ttl));
+}
+
+grpc::Status ParseLoad(const v1::NodeLoad& in, int64_t max, NodeLoad* out) {
+  const std::pair<const char*, int64_t> fields[] = {
+      {"load.active_requests", in.active_requests()},
+      {"load.queued_requests", in.queued_requests()},
+      {"load.free_kv_blocks", in.free_kv_blocks()},
+      {"load.total_kv_blocks", in.total_kv_blocks()}};
+  for (const auto& [name, v] : fields) {
+    if (v < 0 || v >= max) return Invalid(absl::StrCat(name, ": want 0 to ", max - 1, ", got ", v));
+  }
+  out->active_requests = in.active_requests();
+  out->queued_requests = in.queued_requests();
+  out->free_kv_blocks = in.free_kv_blocks();
+  out->total_kv_blocks = in.total_kv_blocks();
+  return grpc::Status::OK;
+}
+
+}  // namespace
 
 grpc::Status CacheStoreService::RegisterNode(grpc::ServerContext* ctx,
                                              const v1::RegisterNodeRequest* req,
@@ -161,14 +268,21 @@ grpc::Status CacheStoreService::RegisterNode(grpc::ServerContext* ctx,
   RpcTimer t(&latency_[kRegister], &errors_[kRegister]);
   if (auto s = CheckDeadline(ctx); !s.ok()) return t.Done(s);
   if (auto s = CheckId(req->node_id(), "node_id", limits_.max_id_bytes); !s.ok()) return t.Done(s);
-  if (req->segments().empty()) return t.Done(Invalid("segments: at least one segment needed"));
+  if (req->role() < v1::NODE_ROLE_UNSPECIFIED || req->role() > v1::NODE_ROLE_CACHE) {
+    return t.Done(Invalid(absl::StrCat("role: unknown role ", static_cast<int>(req->role()))));
+  }
+  if (static_cast<int>(req->grpc_address().size()) > limits_.max_address_bytes) {
+    return t.Done(Invalid(absl::StrCat("grpc_address: at most ", limits_.max_address_bytes,
+                                       " bytes, got ", req->grpc_address().size())));
+  }
   if (req->segments_size() > limits_.max_segments) {
     return t.Done(Exhausted(absl::StrCat("segments: at most ", limits_.max_segments, ", got ",
                                          req->segments_size())));
   }
-  if (req->ttl_ms() != 0 && (req->ttl_ms() < 100 || req->ttl_ms() > limits_.max_ttl_ms)) {
-    return t.Done(Invalid(absl::StrCat("ttl_ms: want 0 or 100-", limits_.max_ttl_ms, ", got ",
-                                       req->ttl_ms())));
+  if (req->ttl_ms() != 0 &&
+      (req->ttl_ms() < limits_.min_ttl_ms || req->ttl_ms() > limits_.max_ttl_ms)) {
+    return t.Done(Invalid(absl::StrCat("ttl_ms: want 0 or ", limits_.min_ttl_ms, "-",
+                                       limits_.max_ttl_ms, ", got ", req->ttl_ms())));
   }
   if (static_cast<int>(req->address().kind().size()) > 32) {
     return t.Done(Invalid("address.kind: at most 32 bytes"));
@@ -179,6 +293,9 @@ grpc::Status CacheStoreService::RegisterNode(grpc::ServerContext* ctx,
   }
   NodeSpec spec;
   spec.node_id = req->node_id();
+  spec.incarnation = req->incarnation();
+  spec.role = static_cast<NodeRole>(req->role());
+  spec.grpc_address = req->grpc_address();
   spec.transport_kind = req->address().kind();
   spec.transport_address = req->address().address();
   spec.ttl = absl::Milliseconds(req->ttl_ms());
@@ -197,13 +314,14 @@ grpc::Status CacheStoreService::RegisterNode(grpc::ServerContext* ctx,
       return t.Done(Invalid(absl::StrCat(f, ".tier: want GPU, HOST or SSD, got ",
                                          static_cast<int>(s.tier()))));
     }
-    if (s.capacity_slots() < 1 || s.capacity_slots() >= (int64_t{1} << 31)) {
-      return t.Done(Invalid(absl::StrCat(f, ".capacity_slots: want 1 to 2^31-1, got ",
+    if (s.capacity_slots() < 1 || s.capacity_slots() > limits_.max_capacity_slots) {
+      return t.Done(Invalid(absl::StrCat(f, ".capacity_slots: want 1 to ",
+                                         limits_.max_capacity_slots, ", got ",
                                          s.capacity_slots())));
     }
-    if (s.slot_bytes() < 1 || s.slot_bytes() >= (uint64_t{1} << 32)) {
-      return t.Done(
-          Invalid(absl::StrCat(f, ".slot_bytes: want 1 to 2^32-1, got ", s.slot_bytes())));
+    if (s.slot_bytes() < 1 || s.slot_bytes() > limits_.max_slot_bytes) {
+      return t.Done(Invalid(absl::StrCat(f, ".slot_bytes: want 1 to ", limits_.max_slot_bytes,
+                                         ", got ", s.slot_bytes())));
     }
     if (static_cast<int>(s.memory_key().size()) > limits_.max_memory_key_bytes) {
       return t.Done(Exhausted(absl::StrCat(f, ".memory_key: at most ",
@@ -213,9 +331,90 @@ grpc::Status CacheStoreService::RegisterNode(grpc::ServerContext* ctx,
     spec.segments.push_back(SegmentSpec{s.segment_id(), static_cast<Tier>(s.tier()),
                                         s.capacity_slots(), s.slot_bytes(), s.memory_key()});
   }
-  absl::StatusOr<absl::Duration> ttl = store_->RegisterNode(std::move(spec));
-  if (!ttl.ok()) return t.Done(ToGrpcStatus(ttl.status()));
-  resp->set_ttl_ms(absl::ToInt64Milliseconds(*ttl));
+  absl::StatusOr<RegisterResult> r = store_->RegisterNode(std::move(spec));
+  if (!r.ok()) return t.Done(Fail(r.status()));
+  resp->set_ttl_ms(absl::ToInt64Milliseconds(r->ttl));
+  resp->set_incarnation(r->incarnation);
+  resp->set_store_incarnation(store_->store_incarnation());
+  resp->set_revived(r->revived);
+  return t.Done(grpc::Status::OK);
+}
+
+grpc::Status CacheStoreService::DeregisterNode(grpc::ServerContext* ctx,
+                                               const v1::DeregisterNodeRequest* req,
+                                               v1::DeregisterNodeResponse*) {
+  RpcTimer t(&latency_[kDeregister], &errors_[kDeregister]);
+  if (auto s = CheckDeadline(ctx); !s.ok()) return t.Done(s);
+  Caller caller;
+  if (auto s = ParseCaller(req->node_id(), req->incarnation(), true, &caller); !s.ok()) {
+    return t.Done(s);
+  }
+  return t.Done(Fail(store_->DeregisterNode(caller)));
+}
+
+grpc::Status CacheStoreService::AnnounceBlocks(grpc::ServerContext* ctx,
+                                               const v1::AnnounceBlocksRequest* req,
+                                               v1::AnnounceBlocksResponse* resp) {
+  RpcTimer t(&latency_[kAnnounce], &errors_[kAnnounce]);
+  if (auto s = CheckDeadline(ctx); !s.ok()) return t.Done(s);
+  Caller caller;
+  if (auto s = ParseCaller(req->node_id(), req->incarnation(), true, &caller); !s.ok()) {
+    return t.Done(s);
+  }
+  if (auto s = CheckId(req->segment_id(), "segment_id", limits_.max_id_bytes); !s.ok()) {
+    return t.Done(s);
+  }
+  if (req->blocks().empty()) return t.Done(Invalid("blocks: at least one block needed"));
+  if (req->blocks_size() > limits_.max_announce) {
+    return t.Done(Exhausted(absl::StrCat("blocks: at most ", limits_.max_announce, ", got ",
+                                         req->blocks_size())));
+  }
+  std::vector<AnnouncedBlock> blocks;
+  blocks.reserve(req->blocks_size());
+  for (int i = 0; i < req->blocks_size(); ++i) {
+    const v1::AnnouncedBlock& b = req->blocks(i);
+    if (b.slot() < 0 || b.slot() >= limits_.max_capacity_slots) {
+      return t.Done(Invalid(absl::StrCat("blocks[", i, "].slot: want 0 to ",
+                                         limits_.max_capacity_slots - 1, ", got ", b.slot())));
+    }
+    if (b.size_bytes() < 1 || b.size_bytes() > limits_.max_slot_bytes) {
+      return t.Done(Invalid(absl::StrCat("blocks[", i, "].size_bytes: want 1 to ",
+                                         limits_.max_slot_bytes, ", got ", b.size_bytes())));
+    }
+    blocks.push_back({FromProto(b.hash()), FromProto(b.parent()), static_cast<uint32_t>(b.slot()),
+                      b.size_bytes()});
+  }
+  absl::StatusOr<AnnounceResult> r = store_->AnnounceBlocks(caller, req->segment_id(), blocks);
+  if (!r.ok()) return t.Done(Fail(r.status()));
+  resp->set_accepted(r->accepted);
+  resp->set_already_present(r->already_present);
+  for (const auto& [index, reason] : r->rejected) {
+    v1::AnnounceRejection* rej = resp->add_rejected();
+    rej->set_index(static_cast<uint32_t>(index));
+    rej->set_reason(static_cast<v1::AnnounceRejection::Reason>(reason));
+  }
+  return t.Done(grpc::Status::OK);
+}
+
+grpc::Status CacheStoreService::ListNodes(grpc::ServerContext* ctx, const v1::ListNodesRequest*,
+                                          v1::ListNodesResponse* resp) {
+  RpcTimer t(&latency_[kListNodes], &errors_[kListNodes]);
+  if (auto s = CheckDeadline(ctx); !s.ok()) return t.Done(s);
+  // The sequence first: whatever changes after it shows up in events after it.
+  resp->set_last_sequence(store_->last_sequence());
+  resp->set_store_incarnation(store_->store_incarnation());
+  for (const NodeInfo& n : store_->ListNodes()) {
+    v1::NodeInfo* out = resp->add_nodes();
+    ToProto(n.spec, out);
+    out->set_state(ToProto(n.state));
+    out->mutable_load()->set_active_requests(n.load.active_requests);
+    out->mutable_load()->set_queued_requests(n.load.queued_requests);
+    out->mutable_load()->set_free_kv_blocks(n.load.free_kv_blocks);
+    out->mutable_load()->set_total_kv_blocks(n.load.total_kv_blocks);
+    out->set_since_heartbeat_ms(absl::ToInt64Milliseconds(n.since_heartbeat));
+    out->set_capacity_slots(n.capacity_slots);
+    out->set_used_slots(n.used_slots);
+  }
   return t.Done(grpc::Status::OK);
 }
 
@@ -225,7 +424,16 @@ grpc::Status CacheStoreService::Heartbeat(grpc::ServerContext* ctx,
   RpcTimer t(&latency_[kHeartbeat], &errors_[kHeartbeat]);
   if (auto s = CheckDeadline(ctx); !s.ok()) return t.Done(s);
   if (auto s = CheckId(req->node_id(), "node_id", limits_.max_id_bytes); !s.ok()) return t.Done(s);
-  resp->set_known(store_->Heartbeat(req->node_id()));
+  NodeLoad load;
+  if (req->has_load()) {
+    if (auto s = ParseLoad(req->load(), limits_.max_load_value, &load); !s.ok()) return t.Done(s);
+  }
+  absl::StatusOr<HeartbeatResult> r =
+      store_->Heartbeat(req->node_id(), req->incarnation(), req->has_load() ? &load : nullptr);
+  if (!r.ok()) return t.Done(Fail(r.status()));
+  resp->set_known(r->known);
+  resp->set_store_incarnation(store_->store_incarnation());
+  if (r->known) resp->set_previous_state(ToProto(r->state));
   return t.Done(grpc::Status::OK);
 }
 
@@ -243,9 +451,13 @@ grpc::Status CacheStoreService::MatchPrefix(grpc::ServerContext* ctx,
     return t.Done(Invalid(absl::StrCat("lease_ttl_ms: want 0-", limits_.max_ttl_ms, ", got ",
                                        req->lease_ttl_ms())));
   }
+  Caller caller;
+  if (auto s = ParseCaller(req->node_id(), req->incarnation(), false, &caller); !s.ok()) {
+    return t.Done(s);
+  }
   absl::StatusOr<MatchResult> r =
-      store_->MatchPrefix(chain, absl::Milliseconds(req->lease_ttl_ms()));
-  if (!r.ok()) return t.Done(ToGrpcStatus(r.status()));
+      store_->MatchPrefix(chain, absl::Milliseconds(req->lease_ttl_ms()), caller);
+  if (!r.ok()) return t.Done(Fail(r.status()));
   resp->set_matched(r->matched);
   resp->set_lease_id(r->lease_id);
   if (!req->columnar()) {
@@ -264,6 +476,7 @@ grpc::Status CacheStoreService::MatchPrefix(grpc::ServerContext* ctx,
     ref->set_segment_id(seg.segment_id);
     ref->set_tier(static_cast<v1::Tier>(seg.tier));
     ref->set_slot_bytes(seg.slot_bytes);
+    ref->set_incarnation(seg.incarnation);
   }
   resp->mutable_replica_counts()->Reserve(static_cast<int>(r->blocks.size()));
   resp->mutable_replica_segment()->Reserve(static_cast<int>(r->blocks.size()));
@@ -312,7 +525,14 @@ grpc::Status CacheStoreService::Allocate(grpc::ServerContext* ctx, const v1::All
     return t.Done(Invalid(absl::StrCat("preferred_tier: unknown tier ",
                                        static_cast<int>(req->preferred_tier()))));
   }
+  if (req->replicas() < 0 || req->replicas() > limits_.max_replicas) {
+    return t.Done(Invalid(absl::StrCat("replicas: want 0-", limits_.max_replicas, ", got ",
+                                       req->replicas())));
+  }
   AllocateArgs args;
+  if (auto s = ParseCaller(req->node_id(), req->incarnation(), false, &args.caller); !s.ok()) {
+    return t.Done(s);
+  }
   args.preferred_node = req->preferred_node();
   args.preferred_tier = static_cast<Tier>(req->preferred_tier());
   args.replicas = req->replicas();
@@ -320,7 +540,7 @@ grpc::Status CacheStoreService::Allocate(grpc::ServerContext* ctx, const v1::All
     args.blocks.push_back({FromProto(b.hash()), FromProto(b.parent()), b.size_bytes()});
   }
   absl::StatusOr<AllocateResult> r = store_->Allocate(args, DeadlineOf(ctx, absl::Seconds(30)));
-  if (!r.ok()) return t.Done(ToGrpcStatus(r.status()));
+  if (!r.ok()) return t.Done(Fail(r.status()));
   resp->set_allocation_id(r->allocation_id);
   resp->set_commit_timeout_ms(absl::ToInt64Milliseconds(r->commit_timeout));
   for (const AllocateResult::Block& b : r->blocks) {
@@ -343,8 +563,12 @@ grpc::Status CacheStoreService::Commit(grpc::ServerContext* ctx, const v1::Commi
       return t.Done(s);
     }
   }
-  absl::StatusOr<int> n = store_->Commit(req->allocation_id(), hashes);
-  if (!n.ok()) return t.Done(ToGrpcStatus(n.status()));
+  Caller caller;
+  if (auto s = ParseCaller(req->node_id(), req->incarnation(), false, &caller); !s.ok()) {
+    return t.Done(s);
+  }
+  absl::StatusOr<int> n = store_->Commit(req->allocation_id(), hashes, caller);
+  if (!n.ok()) return t.Done(Fail(n.status(), /*ids_expire=*/true));
   resp->set_committed(*n);
   return t.Done(grpc::Status::OK);
 }
@@ -354,7 +578,11 @@ grpc::Status CacheStoreService::Abort(grpc::ServerContext* ctx, const v1::AbortR
   RpcTimer t(&latency_[kAbort], &errors_[kAbort]);
   if (auto s = CheckDeadline(ctx); !s.ok()) return t.Done(s);
   if (req->allocation_id() == 0) return t.Done(Invalid("allocation_id: must not be zero"));
-  return t.Done(ToGrpcStatus(store_->Abort(req->allocation_id())));
+  Caller caller;
+  if (auto s = ParseCaller(req->node_id(), req->incarnation(), false, &caller); !s.ok()) {
+    return t.Done(s);
+  }
+  return t.Done(Fail(store_->Abort(req->allocation_id(), caller), /*ids_expire=*/true));
 }
 
 grpc::Status CacheStoreService::ReleaseLease(grpc::ServerContext* ctx,
@@ -363,7 +591,11 @@ grpc::Status CacheStoreService::ReleaseLease(grpc::ServerContext* ctx,
   RpcTimer t(&latency_[kRelease], &errors_[kRelease]);
   if (auto s = CheckDeadline(ctx); !s.ok()) return t.Done(s);
   if (req->lease_id() == 0) return t.Done(Invalid("lease_id: must not be zero"));
-  return t.Done(ToGrpcStatus(store_->ReleaseLease(req->lease_id())));
+  Caller caller;
+  if (auto s = ParseCaller(req->node_id(), req->incarnation(), false, &caller); !s.ok()) {
+    return t.Done(s);
+  }
+  return t.Done(Fail(store_->ReleaseLease(req->lease_id(), caller), /*ids_expire=*/true));
 }
 
 grpc::Status CacheStoreService::Stats(grpc::ServerContext* ctx, const v1::StatsRequest*,
@@ -378,6 +610,8 @@ grpc::Status CacheStoreService::Stats(grpc::ServerContext* ctx, const v1::StatsR
   resp->set_evictions(s.evictions);
   resp->set_last_sequence(s.last_sequence);
   resp->set_policy(s.policy);
+  resp->set_suspect_nodes(s.suspect_nodes);
+  resp->set_store_incarnation(s.store_incarnation);
   for (const TierUsage& u : s.tiers) {
     v1::TierStats* ts = resp->add_tiers();
     ts->set_tier(static_cast<v1::Tier>(u.tier));
@@ -399,14 +633,21 @@ grpc::Status CacheStoreService::WatchEvents(grpc::ServerContext* ctx,
     if (ctx->deadline() < std::chrono::system_clock::now()) break;
     absl::StatusOr<std::vector<StoreEvent>> events =
         store_->EventsSince(next, 1024, absl::Now() + absl::Milliseconds(100));
-    if (!events.ok()) return t.Done(ToGrpcStatus(events.status()));
+    if (!events.ok()) return t.Done(Fail(events.status()));
     for (const StoreEvent& e : *events) {
       v1::Event out;
       out.set_sequence(e.sequence);
-      out.set_kind(e.kind == StoreEvent::Kind::kStored ? v1::Event::KIND_BLOCK_STORED
-                                                       : v1::Event::KIND_BLOCK_REMOVED);
-      ToProto(e.hash, out.mutable_hash());
-      ToProto(e.parent, out.mutable_parent());
+      out.set_kind(static_cast<v1::Event::Kind>(e.kind));
+      out.set_store_incarnation(store_->store_incarnation());
+      if (e.kind == StoreEvent::Kind::kStored || e.kind == StoreEvent::Kind::kRemoved) {
+        ToProto(e.hash, out.mutable_hash());
+        ToProto(e.parent, out.mutable_parent());
+      } else {
+        ToProto(e.node, out.mutable_node());
+        out.mutable_node()->set_state(e.kind == StoreEvent::Kind::kNodeSuspect
+                                          ? v1::NODE_STATE_SUSPECT
+                                          : v1::NODE_STATE_LIVE);
+      }
       for (const std::string& n : e.node_ids) out.add_node_ids(n);
       if (!writer->Write(out)) return t.Done(grpc::Status::OK);
       next = e.sequence + 1;
@@ -442,10 +683,20 @@ std::string CacheStoreService::RenderMetrics() const {
   counter("kvrelay_cachestore_reclaimed_blocks_total",
           "Allocated blocks reclaimed after the commit timeout.", c.reclaimed_blocks.load(rl));
   counter("kvrelay_cachestore_evictions_total", "Blocks evicted.", c.evicted_blocks.load(rl));
-  counter("kvrelay_cachestore_expired_nodes_total", "Nodes dropped for a missed heartbeat.",
+  counter("kvrelay_cachestore_expired_nodes_total",
+          "Nodes forgotten after their TTL and the suspect grace period.",
           c.expired_nodes.load(rl));
+  counter("kvrelay_cachestore_suspected_nodes_total", "Nodes that missed their heartbeat TTL.",
+          c.suspected_nodes.load(rl));
+  counter("kvrelay_cachestore_refused_registrations_total",
+          "Registrations refused (duplicate live node id, bad spec, too many nodes).",
+          c.refused_registrations.load(rl));
+  counter("kvrelay_cachestore_announced_blocks_total", "Blocks indexed from AnnounceBlocks.",
+          c.announced_blocks.load(rl));
   StoreStats s = store_->Stats();
-  gauge("kvrelay_cachestore_nodes", "Registered nodes.", s.nodes);
+  gauge("kvrelay_cachestore_nodes", "Live registered nodes.", s.nodes);
+  gauge("kvrelay_cachestore_suspect_nodes", "Nodes past their TTL, within the grace period.",
+        s.suspect_nodes);
   gauge("kvrelay_cachestore_blocks", "Committed blocks.", s.committed_blocks);
   gauge("kvrelay_cachestore_active_leases", "Read leases held.", s.active_leases);
   absl::StrAppend(&out, "# HELP kvrelay_cachestore_used_bytes Bytes of slots in use by tier.\n",

@@ -11,19 +11,13 @@
 #include <string>
 
 #include "cachestore/cache_store.h"
+#include "cachestore/limits.h"
 #include "kvrelay/v1/cachestore.grpc.pb.h"
 
 namespace kvrelay::cachestore::server {
 
-struct Limits {
-  int max_chain = 4096;           // chain / blocks / hashes entries per call
-  int max_segments = 64;          // per node
-  int max_id_bytes = 128;         // node_id, segment_id
-  int max_memory_key_bytes = 4096;
-  int max_address_bytes = 256;
-  int64_t max_ttl_ms = 600000;    // node TTL and lease TTL
-  int max_message_bytes = 4 << 20;
-};
+// The bounds live in cachestore/limits.h; the store and the service share one instance.
+using Limits = ::kvrelay::cachestore::Limits;
 
 // Latency histogram with fixed Prometheus buckets (seconds). Lock-free.
 class LatencyHistogram {
@@ -47,8 +41,14 @@ class CacheStoreService final : public kvrelay::v1::CacheStore::Service {
 
   grpc::Status RegisterNode(grpc::ServerContext* ctx, const v1::RegisterNodeRequest* req,
                             v1::RegisterNodeResponse* resp) override;
+  grpc::Status DeregisterNode(grpc::ServerContext* ctx, const v1::DeregisterNodeRequest* req,
+                              v1::DeregisterNodeResponse* resp) override;
   grpc::Status Heartbeat(grpc::ServerContext* ctx, const v1::HeartbeatRequest* req,
                          v1::HeartbeatResponse* resp) override;
+  grpc::Status AnnounceBlocks(grpc::ServerContext* ctx, const v1::AnnounceBlocksRequest* req,
+                              v1::AnnounceBlocksResponse* resp) override;
+  grpc::Status ListNodes(grpc::ServerContext* ctx, const v1::ListNodesRequest* req,
+                         v1::ListNodesResponse* resp) override;
   grpc::Status MatchPrefix(grpc::ServerContext* ctx, const v1::MatchPrefixRequest* req,
                            v1::MatchPrefixResponse* resp) override;
   grpc::Status QueryPrefix(grpc::ServerContext* ctx, const v1::QueryPrefixRequest* req,
@@ -73,7 +73,14 @@ class CacheStoreService final : public kvrelay::v1::CacheStore::Service {
 
  private:
   enum Rpc { kRegister, kHeartbeat, kMatch, kQuery, kAllocate, kCommit, kAbort, kRelease,
-             kStats, kWatch, kNumRpcs };
+             kStats, kWatch, kDeregister, kAnnounce, kListNodes, kNumRpcs };
+  // node_id + incarnation of a request that names its caller. `required`: node_id must be set.
+  grpc::Status ParseCaller(const std::string& node_id, uint64_t incarnation, bool required,
+                           Caller* out) const;
+  // The store's failure with kvrelay.v1.ErrorInfo attached: identity errors name the node they
+  // are about (FAILURE_IDENTITY), bad input is the client's, the rest the store's. `ids_expire`:
+  // NOT_FOUND means an allocation or lease id that expired (FAILURE_EXPIRED).
+  grpc::Status Fail(absl::Status status, bool ids_expire = false) const;
   static const char* RpcName(int rpc);
 
   CacheStore* const store_;

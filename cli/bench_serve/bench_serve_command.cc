@@ -22,8 +22,8 @@
 #include "cli/bench_serve/workload.h"
 #include "common/file_util.h"
 #include "common/flags.h"
-#include "gateway/cli/gateway_client.h"
-#include "gateway/cli/health_check.h"
+#include "cli/gateway_client.h"
+#include "cli/up/health_check.h"
 #include "kv/hf_config.h"
 
 namespace kvrelay::cli {

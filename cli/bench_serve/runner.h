@@ -15,7 +15,7 @@
 #include "absl/time/time.h"
 #include "cli/bench_serve/stats.h"
 #include "cli/bench_serve/workload.h"
-#include "gateway/cli/gateway_client.h"
+#include "cli/gateway_client.h"
 
 namespace kvrelay::bench_serve {
 

@@ -8,7 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "cli/bench_serve/runner.h"
-#include "gateway/cli/colocated.h"
+#include "cli/colocated.h"
 
 namespace kvrelay::bench_serve {
 

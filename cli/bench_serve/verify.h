@@ -1,7 +1,7 @@
 #pragma once
 
 // --verify: regenerates requests with prefill and decode co-located in this process (the
-// reference disaggregated serving must match token for token, gateway/cli/colocated.h) and counts
+// reference disaggregated serving must match token for token, cli/colocated.h) and counts
 // the streamed tokens that differ.
 
 #include <cstdint>

@@ -10,7 +10,7 @@
 #include <set>
 
 #include "common/file_util.h"
-#include "gateway/gateway_service.h"
+#include "gateway/gateway.h"
 #include "gmock/gmock.h"
 #include "kv/block_hash.h"
 #include "gtest/gtest.h"

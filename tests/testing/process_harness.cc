@@ -13,6 +13,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "common/scoped_fd.h"
+#include "common/status_macros.h"
+#include "common/subprocess.h"
 
 namespace kvrelay::testing {
 namespace {
@@ -24,12 +27,6 @@ std::string ReadAll(const std::string& path) {
   return ss.str();
 }
 
-int DecodeWaitStatus(int status) {
-  if (WIFEXITED(status)) return WEXITSTATUS(status);
-  if (WIFSIGNALED(status)) return -WTERMSIG(status);
-  return -1;
-}
-
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<ChildProcess>> ChildProcess::Start(
@@ -39,23 +36,15 @@ absl::StatusOr<std::unique_ptr<ChildProcess>> ChildProcess::Start(
   child->dir_ = std::make_unique<TempDir>();
   const std::string out_path = child->dir_->File("stdout");
   const std::string err_path = child->dir_->File("stderr");
-  std::vector<char*> args;
-  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-  args.push_back(nullptr);
-  pid_t pid = ::fork();
-  if (pid < 0) return absl::InternalError(absl::StrCat("fork: ", std::strerror(errno)));
-  if (pid == 0) {
-    // Child: own process group so a test can kill the whole tree.
-    ::setpgid(0, 0);
-    int out = ::open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    int err = ::open(err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    if (out >= 0) ::dup2(out, STDOUT_FILENO);
-    if (err >= 0) ::dup2(err, STDERR_FILENO);
-    for (const auto& [name, value] : env) ::setenv(name.c_str(), value.c_str(), 1);
-    ::execv(args[0], args.data());
-    std::fprintf(stderr, "execv %s: %s\n", args[0], std::strerror(errno));
-    ::_exit(127);
-  }
+  ScopedFd out(::open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+  ScopedFd err(::open(err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+  if (!out.valid() || !err.valid()) return absl::ErrnoToStatus(errno, "open child log");
+  // Own process group so a test can kill the whole tree.
+  KV_ASSIGN_OR_RETURN(const pid_t pid, Spawn({.argv = argv,
+                                              .env = env,
+                                              .stdout_fd = out.get(),
+                                              .stderr_fd = err.get(),
+                                              .own_process_group = true}));
   child->pid_ = pid;
   return child;
 }

@@ -1,0 +1,178 @@
+// `kvrelay generate` (co-located path and argument errors) and `kvrelay up` argument errors,
+// through the real binary; ParseListeningLine directly.
+
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "cli/colocated.h"
+#include "cli/up/supervisor.h"
+#include "gateway/tokenizer/byte_tokenizer.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "model/test_model.h"
+#include "tests/testing/process_harness.h"
+#include "tests/testing/status_matchers.h"
+#include "tests/testing/test_env.h"
+
+namespace kvrelay::cli {
+namespace {
+
+using ::testing::HasSubstr;
+
+testing::CommandResult Kvrelay(std::vector<std::string> args) {
+  args.insert(args.begin(), testing::BinaryPath("kvrelay"));
+  absl::StatusOr<testing::CommandResult> r = testing::RunCommand(args, absl::Seconds(60));
+  EXPECT_TRUE(r.ok()) << r.status();
+  return r.ok() ? *r : testing::CommandResult{};
+}
+
+class CliClientTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new testing::TempDir();
+    model::TestModelOptions options;
+    options.arch = "llama";
+    options.seed = 3;
+    ASSERT_TRUE(model::WriteTestModel(model_dir(), options).ok());
+  }
+  static void TearDownTestSuite() {
+    delete dir_;
+    dir_ = nullptr;
+  }
+  static std::string model_dir() { return dir_->File("llama"); }
+  static testing::TempDir* dir_;
+};
+testing::TempDir* CliClientTest::dir_ = nullptr;
+
+TEST_F(CliClientTest, ColocatedJsonMatchesTheLibrary) {
+  KV_ASSERT_OK_AND_ASSIGN(auto generator, ColocatedGenerator::Load(model_dir()));
+  GenerationRequest request;
+  request.tokens = {5, 17, 300, 4, 4, 9, 100, 511, 0, 42, 7, 8, 1, 2, 3, 4, 5, 6, 7};
+  request.max_tokens = 6;
+  KV_ASSERT_OK_AND_ASSIGN(GenerationResult expected, generator->Generate(request));
+  ASSERT_EQ(expected.tokens.size(), 6u);
+
+  testing::CommandResult r =
+      Kvrelay({"generate", "--colocated", "--model", model_dir(), "--tokens",
+               "5,17,300,4,4,9,100,511,0,42,7,8,1,2,3,4,5,6,7", "--max-tokens", "6", "--json"});
+  ASSERT_EQ(r.exit_code, 0) << r.stderr_text;
+  nlohmann::json j = nlohmann::json::parse(r.stdout_text);
+  EXPECT_EQ(j["tokens"].get<std::vector<int32_t>>(), expected.tokens);
+  EXPECT_EQ(j["prompt_tokens"], 19);
+  EXPECT_EQ(j["computed_prompt_tokens"], 19);
+  EXPECT_EQ(j["prefix_hit_tokens"], 0);
+  EXPECT_EQ(j["transferred_bytes"], 0);
+  EXPECT_EQ(j["generated_tokens"], 6);
+  EXPECT_GT(j["ttft_ms"].get<double>(), 0.0);
+  EXPECT_EQ(j["mode"], "colocated");
+
+  // --prompt is the byte-level encoding of the text.
+  request.tokens = gateway::EncodeBytes("kvrelay moves KV blocks");
+  KV_ASSERT_OK_AND_ASSIGN(expected, generator->Generate(request));
+  r = Kvrelay({"generate", "--colocated", "--model", model_dir(), "--prompt",
+               "kvrelay moves KV blocks", "--max-tokens", "6", "--json"});
+  ASSERT_EQ(r.exit_code, 0) << r.stderr_text;
+  j = nlohmann::json::parse(r.stdout_text);
+  EXPECT_EQ(j["tokens"].get<std::vector<int32_t>>(), expected.tokens);
+  EXPECT_EQ(j["text"], gateway::DecodeForDisplay(expected.tokens));
+
+  // Human output names the tokens and the summary.
+  r = Kvrelay({"generate", "--colocated", "--model", model_dir(), "--prompt", "hi",
+               "--max-tokens", "3"});
+  ASSERT_EQ(r.exit_code, 0) << r.stderr_text;
+  EXPECT_THAT(r.stdout_text, HasSubstr("tokens: "));
+  EXPECT_THAT(r.stdout_text, HasSubstr("ttft "));
+}
+
+TEST_F(CliClientTest, SeededSamplingRepeats) {
+  std::vector<std::string> args = {"generate", "--colocated", "--model", model_dir(),
+                                   "--tokens", "1,2,3,4", "--max-tokens", "12",
+                                   "--temperature", "1.5", "--seed", "99", "--json"};
+  testing::CommandResult a = Kvrelay(args);
+  testing::CommandResult b = Kvrelay(args);
+  ASSERT_EQ(a.exit_code, 0) << a.stderr_text;
+  ASSERT_EQ(b.exit_code, 0) << b.stderr_text;
+  EXPECT_EQ(nlohmann::json::parse(a.stdout_text)["tokens"],
+            nlohmann::json::parse(b.stdout_text)["tokens"]);
+}
+
+TEST_F(CliClientTest, StopsAtEos) {
+  KV_ASSERT_OK_AND_ASSIGN(auto generator, ColocatedGenerator::Load(model_dir()));
+  GenerationRequest request;
+  request.tokens = {9, 8, 7};
+  request.max_tokens = 8;
+  KV_ASSERT_OK_AND_ASSIGN(GenerationResult full, generator->Generate(request));
+  request.eos_token = full.tokens[2];
+  KV_ASSERT_OK_AND_ASSIGN(GenerationResult stopped, generator->Generate(request));
+  // Stops at the first occurrence of the eos token, which is included.
+  size_t first = 0;
+  while (full.tokens[first] != request.eos_token) ++first;
+  EXPECT_EQ(stopped.tokens,
+            std::vector<int32_t>(full.tokens.begin(), full.tokens.begin() + first + 1));
+}
+
+TEST_F(CliClientTest, BadInputExitsTwoWithOneLine) {
+  const std::string m = model_dir();
+  const std::vector<std::vector<std::string>> cases = {
+      {"generate", "--tokens", "1,2"},                                   // no mode
+      {"generate", "--colocated", "--gateway", "x:1", "--tokens", "1"},  // both modes
+      {"generate", "--colocated", "--tokens", "1"},                      // no model
+      {"generate", "--colocated", "--model", m},                         // no prompt
+      {"generate", "--colocated", "--model", m, "--tokens", "1", "--prompt", "a"},
+      {"generate", "--colocated", "--model", m, "--tokens", ""},
+      {"generate", "--colocated", "--model", m, "--prompt", ""},
+      {"generate", "--colocated", "--model", m, "--tokens", "1,two"},
+      {"generate", "--colocated", "--model", m, "--tokens", "1,512"},   // vocab is 512
+      {"generate", "--colocated", "--model", m, "--tokens", "-1"},
+      {"generate", "--colocated", "--model", m, "--tokens", "1", "--max-tokens", "0"},
+      {"generate", "--colocated", "--model", m, "--tokens", "1", "--max-tokens", "100000"},
+      {"generate", "--colocated", "--model", m, "--tokens", "1", "--temperature", "-1"},
+      {"generate", "--colocated", "--model", "/nonexistent", "--tokens", "1"},
+      {"generate", "--bogus"},
+      {"generate", "--gateway", "127.0.0.1:1", "--model", m, "--tokens", "1"},
+      {"up", "--prefill", "0"},
+      {"up", "--decode", "17"},
+      {"up", "--gateway-address", "localhost"},
+      {"up", "--gateway-address", "127.0.0.1:99999"},
+      {"up", "--arch", "gpt5"},
+      {"up", "--arch", "llama", "--model", m},
+      {"up", "--model", "/nonexistent"},
+  };
+  for (const std::vector<std::string>& args : cases) {
+    testing::CommandResult r = Kvrelay(args);
+    const std::string what = absl::StrJoin(args, " ");
+    EXPECT_EQ(r.exit_code, 2) << what << "\n" << r.stderr_text;
+    EXPECT_THAT(r.stderr_text, HasSubstr("kvrelay " + args[0] + ":")) << what;
+    EXPECT_EQ(std::count(r.stderr_text.begin(), r.stderr_text.end(), '\n'), 1)
+        << what << "\n" << r.stderr_text;
+  }
+}
+
+TEST_F(CliClientTest, UnreachableGatewayIsARuntimeFailure) {
+  const int port = testing::PickUnusedPort();  // nothing listens there
+  testing::CommandResult r = Kvrelay({"generate", "--gateway", absl::StrCat("127.0.0.1:", port),
+                                      "--tokens", "1,2,3", "--timeout", "3s"});
+  EXPECT_EQ(r.exit_code, 1) << r.stderr_text;
+  EXPECT_THAT(r.stderr_text, HasSubstr("kvrelay generate: "));
+  EXPECT_EQ(std::count(r.stderr_text.begin(), r.stderr_text.end(), '\n'), 1) << r.stderr_text;
+}
+
+TEST(ParseListeningLine, ReadsAddresses) {
+  std::optional<Endpoint> e =
+      ParseListeningLine("decode listening on 127.0.0.1:4000 metrics 127.0.0.1:4001");
+  ASSERT_TRUE(e.has_value());
+  EXPECT_EQ(e->address, "127.0.0.1:4000");
+  EXPECT_EQ(e->metrics_address, "127.0.0.1:4001");
+  e = ParseListeningLine("[x] gateway listening on [::1]:5");
+  ASSERT_TRUE(e.has_value());
+  EXPECT_EQ(e->address, "[::1]:5");
+  EXPECT_EQ(e->metrics_address, "");
+  EXPECT_FALSE(ParseListeningLine("prefill: loading model").has_value());
+  EXPECT_FALSE(ParseListeningLine("listening on nothing").has_value());
+  EXPECT_EQ(DescribeExit(3), "exit status 3");
+  EXPECT_THAT(DescribeExit(-9), HasSubstr("signal 9"));
+}
+
+}  // namespace
+}  // namespace kvrelay::cli

@@ -1,0 +1,66 @@
+#pragma once
+
+// Co-located generation: prefill and decode in one process with model::ModelRunner. It is the
+// reference that disaggregated serving must match token for token (see DESIGN.md, "One request,
+// end to end"): Prefill over the whole prompt (bit-identical to the prefill worker's full blocks
+// plus the decode worker's tail, because prefill GEMMs are tiled at block boundaries), the first
+// token sampled from its logits, then one DecodeStep per further token with the same Sampler
+// and seed the decode worker uses.
+//
+// Thread safety: a ColocatedGenerator runs one Generate at a time (ModelRunner's rule).
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "model/model_runner.h"
+
+namespace kvrelay::cli {
+
+struct GenerationRequest {
+  std::vector<int32_t> tokens;  // the prompt, 1 .. max_position_embeddings - max_tokens
+  int32_t max_tokens = 16;      // [1, 4096]
+  float temperature = 0.0f;     // 0 = greedy
+  float top_p = 1.0f;           // (0, 1]: nucleus sampling
+  uint64_t seed = 0;
+  int32_t eos_token = -1;       // stop after producing this token; -1 = none
+};
+
+// What `kvrelay generate --json` prints; the gateway fills the same fields from its
+// GenerateSummary. A co-located run has no prefix hits and moves no bytes.
+struct GenerationResult {
+  std::vector<int32_t> tokens;
+  double ttft_ms = 0;
+  double total_ms = 0;
+  int32_t prefix_hit_tokens = 0;
+  int32_t computed_prompt_tokens = 0;
+  int64_t transferred_bytes = 0;
+  int64_t fetched_bytes = 0;
+  int32_t prompt_tokens = 0;
+  int32_t generated_tokens = 0;
+  std::string prefill_worker;
+  std::string decode_worker;
+  int32_t attempts = 0;
+};
+
+class ColocatedGenerator {
+ public:
+  // Loads <model_dir>/config.json + safetensors. `threads` as RunnerOptions::threads.
+  static absl::StatusOr<std::unique_ptr<ColocatedGenerator>> Load(const std::string& model_dir,
+                                                                  int32_t threads = 1);
+
+  // InvalidArgument for an empty prompt, a token id outside [0, vocab), max_tokens outside
+  // [1, 4096] or a prompt + max_tokens longer than the model's max_position_embeddings.
+  absl::StatusOr<GenerationResult> Generate(const GenerationRequest& request) const;
+
+  const model::ModelRunner& runner() const { return *runner_; }
+
+ private:
+  explicit ColocatedGenerator(std::unique_ptr<model::ModelRunner> runner)
+      : runner_(std::move(runner)) {}
+  std::unique_ptr<model::ModelRunner> runner_;
+};
+
+}  // namespace kvrelay::cli

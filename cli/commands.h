@@ -1,0 +1,15 @@
+#pragma once
+
+// The client-side commands that live in cli/ itself. Each returns the process exit code: 0 on
+// success, 1 on a runtime failure, 2 on bad usage (with a one-line message on stderr). Server
+// commands are declared by their modules (`<module>/server/command.h`).
+
+#include <string>
+#include <vector>
+
+namespace kvrelay::cli {
+
+int RunGenerateCommand(const std::vector<std::string>& args);
+int RunLayoutCommand(const std::vector<std::string>& args);
+
+}  // namespace kvrelay::cli

@@ -1,0 +1,86 @@
+#include "cli/gateway_client.h"
+
+#include "absl/strings/str_cat.h"
+#include "grpcpp/client_context.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
+#include "proto/grpc_status.h"
+
+namespace kvrelay::cli {
+
+namespace {
+
+std::shared_ptr<grpc::Channel> ChannelOrBroken(const std::string& address,
+                                               const server::SecurityOptions& security) {
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = server::MakeChannel(address, security);
+  // Unreadable TLS files: a channel that fails every call with the reason is clearer than a
+  // crash; the CLI checks the files before it gets here.
+  if (!channel.ok()) return grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
+  return *std::move(channel);
+}
+
+}  // namespace
+
+GatewayClient::GatewayClient(const std::string& address, const server::SecurityOptions& security)
+    : stub_(v1::Gateway::NewStub(ChannelOrBroken(address, security))) {}
+
+absl::StatusOr<GenerationResult> GatewayClient::Generate(const GatewayRequest& request,
+                                                         absl::Duration timeout,
+                                                         const TokenCallback& on_tokens) const {
+  v1::GenerateRequest proto;
+  for (int32_t t : request.generation.tokens) proto.add_tokens(t);
+  proto.set_model(request.model);
+  proto.set_tenant(request.tenant);
+  proto.set_max_tokens(request.generation.max_tokens);
+  proto.mutable_sampling()->set_temperature(request.generation.temperature);
+  proto.mutable_sampling()->set_seed(request.generation.seed);
+  if (request.generation.eos_token >= 0) {
+    proto.set_eos_token(request.generation.eos_token);
+    proto.set_has_eos_token(true);
+  } else {
+    proto.set_eos_token(-1);
+  }
+  return GenerateRaw(proto, timeout, on_tokens);
+}
+
+absl::StatusOr<GenerationResult> GatewayClient::GenerateRaw(const v1::GenerateRequest& request,
+                                                            absl::Duration timeout,
+                                                            const TokenCallback& on_tokens) const {
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+  std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> reader =
+      stub_->Generate(&context, request);
+  GenerationResult result;
+  bool have_summary = false;
+  v1::GenerateResponse response;
+  while (reader->Read(&response)) {
+    for (int32_t t : response.tokens()) result.tokens.push_back(t);
+    if (on_tokens && response.tokens_size() > 0) {
+      on_tokens(std::vector<int32_t>(response.tokens().begin(), response.tokens().end()));
+    }
+    if (response.has_summary()) {
+      have_summary = true;
+      const v1::GenerateSummary& s = response.summary();
+      result.ttft_ms = s.ttft_ms();
+      result.total_ms = s.total_ms();
+      result.prefix_hit_tokens = s.prefix_hit_tokens();
+      result.computed_prompt_tokens = s.computed_prompt_tokens();
+      result.transferred_bytes = s.transferred_bytes();
+      result.fetched_bytes = s.fetched_bytes();
+      result.prompt_tokens = s.prompt_tokens();
+      result.generated_tokens = s.generated_tokens();
+      result.prefill_worker = s.prefill_worker();
+      result.decode_worker = s.decode_worker();
+      result.attempts = s.attempts();
+    }
+  }
+  grpc::Status status = reader->Finish();
+  if (!status.ok()) return proto::FromGrpcStatus(status);
+  if (!have_summary) {
+    return absl::DataLossError(absl::StrCat("gateway stream ended after ", result.tokens.size(),
+                                            " tokens without a summary"));
+  }
+  return result;
+}
+
+}  // namespace kvrelay::cli

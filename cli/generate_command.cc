@@ -1,0 +1,171 @@
+// `kvrelay generate`: one request, either through a running gateway (--gateway ADDR) or in this
+// process with prefill and decode co-located (--colocated --model DIR), the reference that
+// disaggregated serving must match.
+
+#include <cstdio>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "common/flags.h"
+#include "cli/colocated.h"
+#include "cli/commands.h"
+#include "cli/gateway_client.h"
+#include "gateway/tokenizer/byte_tokenizer.h"
+
+namespace kvrelay::cli {
+namespace {
+
+int UsageError(const std::string& message) {
+  std::fprintf(stderr, "kvrelay generate: %s\n", message.c_str());
+  return 2;
+}
+
+// "1,2,3" (spaces allowed) -> ids; InvalidArgument naming the bad entry.
+absl::StatusOr<std::vector<int32_t>> ParseTokenList(const std::string& text) {
+  std::vector<int32_t> tokens;
+  if (absl::StripAsciiWhitespace(text).empty()) return tokens;
+  int index = 0;
+  for (absl::string_view part : absl::StrSplit(text, ',')) {
+    int32_t id;
+    if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(part), &id)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--tokens: entry ", index, " ('", part, "') is not an integer"));
+    }
+    tokens.push_back(id);
+    ++index;
+  }
+  return tokens;
+}
+
+nlohmann::json ResultJson(const GenerationResult& r, const std::string& mode, bool with_text) {
+  nlohmann::json j = {{"mode", mode},
+                      {"tokens", r.tokens},
+                      {"ttft_ms", r.ttft_ms},
+                      {"total_ms", r.total_ms},
+                      {"prefix_hit_tokens", r.prefix_hit_tokens},
+                      {"computed_prompt_tokens", r.computed_prompt_tokens},
+                      {"transferred_bytes", r.transferred_bytes},
+                      {"fetched_bytes", r.fetched_bytes},
+                      {"prompt_tokens", r.prompt_tokens},
+                      {"generated_tokens", r.generated_tokens},
+                      {"prefill_worker", r.prefill_worker},
+                      {"decode_worker", r.decode_worker},
+                      {"attempts", r.attempts}};
+  if (with_text) j["text"] = gateway::DecodeForDisplay(r.tokens);
+  return j;
+}
+
+void PrintHuman(const GenerationResult& r, bool with_text) {
+  if (with_text) std::printf("text:   %s\n", gateway::DecodeForDisplay(r.tokens).c_str());
+  std::printf("tokens: %s\n", absl::StrJoin(r.tokens, ",").c_str());
+  std::printf(
+      "ttft %.2f ms, total %.2f ms; prompt %d tokens (%d from cache, %d computed); "
+      "%d generated; KV moved %lld B, fetched %lld B; prefill %s, decode %s, attempts %d\n",
+      r.ttft_ms, r.total_ms, r.prompt_tokens, r.prefix_hit_tokens, r.computed_prompt_tokens,
+      r.generated_tokens, static_cast<long long>(r.transferred_bytes),
+      static_cast<long long>(r.fetched_bytes), r.prefill_worker.c_str(), r.decode_worker.c_str(),
+      r.attempts);
+}
+
+}  // namespace
+
+int RunGenerateCommand(const std::vector<std::string>& args) {
+  std::string gateway_address, model_dir, model_id, tokens_text, prompt, tenant = "default";
+  bool colocated = false, json = false;
+  int32_t max_tokens = 16, threads = 1, eos = -1;
+  int64_t seed = 0;
+  double temperature = 0.0;
+  absl::Duration timeout = absl::Seconds(120);
+  FlagSet flags("generate",
+                "Generates tokens for one prompt through a gateway, or co-located in this "
+                "process (the reference).");
+  flags.AddString("gateway", &gateway_address, "gateway address HOST:PORT");
+  flags.AddBool("colocated", &colocated, "prefill and decode in this process (needs --model)");
+  flags.AddString("model", &model_dir, "model directory for --colocated");
+  flags.AddString("model-name", &model_id,
+                  "model name sent to the gateway (default: the model the gateway serves)");
+  flags.AddString("tokens", &tokens_text, "prompt token ids, comma-separated: 1,2,3");
+  flags.AddString("prompt", &prompt, "prompt text (byte-level tokenizer: one token per byte)");
+  flags.AddInt32("max-tokens", &max_tokens, "tokens to generate, 1-4096");
+  flags.AddString("tenant", &tenant, "tenant identity (prefix reuse never crosses tenants)");
+  flags.AddDouble("temperature", &temperature, "sampling temperature; 0 = greedy");
+  flags.AddInt64("seed", &seed, "sampling seed (>= 0)");
+  flags.AddInt32("eos", &eos, "stop after this token id; -1 = none");
+  flags.AddInt32("threads", &threads, "compute threads for --colocated");
+  flags.AddDuration("timeout", &timeout, "deadline of the whole request");
+  flags.AddBool("json", &json, "print one JSON object");
+  if (absl::Status s = flags.Parse(args); !s.ok()) return UsageError(std::string(s.message()));
+  if (flags.help_requested()) {
+    std::cout << flags.Usage();
+    return 0;
+  }
+  if (colocated == !gateway_address.empty()) {
+    return UsageError("give exactly one of --gateway ADDR or --colocated");
+  }
+  if (colocated && model_dir.empty()) return UsageError("--colocated needs --model DIR");
+  if (!colocated && !model_dir.empty()) {
+    return UsageError("--model is for --colocated; with --gateway use --model-name");
+  }
+  if (flags.WasSet("tokens") == flags.WasSet("prompt")) {
+    return UsageError("give exactly one of --tokens 1,2,3 or --prompt TEXT");
+  }
+  GenerationRequest request;
+  const bool with_text = flags.WasSet("prompt");
+  if (with_text) {
+    request.tokens = gateway::EncodeBytes(prompt);
+  } else {
+    absl::StatusOr<std::vector<int32_t>> parsed = ParseTokenList(tokens_text);
+    if (!parsed.ok()) return UsageError(std::string(parsed.status().message()));
+    request.tokens = *std::move(parsed);
+  }
+  if (request.tokens.empty()) return UsageError("the prompt is empty");
+  if (max_tokens < 1) return UsageError(absl::StrCat("--max-tokens must be >= 1, got ", max_tokens));
+  if (temperature < 0 || temperature > 100) {
+    return UsageError(absl::StrCat("--temperature must be in [0, 100], got ", temperature));
+  }
+  if (seed < 0) return UsageError(absl::StrCat("--seed must be >= 0, got ", seed));
+  if (timeout <= absl::ZeroDuration()) return UsageError("--timeout must be positive");
+  request.max_tokens = max_tokens;
+  request.temperature = static_cast<float>(temperature);
+  request.seed = static_cast<uint64_t>(seed);
+  request.eos_token = eos;
+
+  absl::StatusOr<GenerationResult> result;
+  std::string mode;
+  if (colocated) {
+    mode = "colocated";
+    absl::StatusOr<std::unique_ptr<ColocatedGenerator>> generator =
+        ColocatedGenerator::Load(model_dir, threads);
+    if (!generator.ok()) {
+      return UsageError(absl::StrCat("--model ", model_dir, ": ", generator.status().message()));
+    }
+    result = (*generator)->Generate(request);
+  } else {
+    mode = "gateway";
+    GatewayRequest gateway_request;
+    gateway_request.generation = request;
+    gateway_request.tenant = tenant;
+    gateway_request.model = model_id;
+    result = GatewayClient(gateway_address).Generate(gateway_request, timeout);
+  }
+  if (!result.ok()) {
+    std::fprintf(stderr, "kvrelay generate: %s\n", result.status().ToString().c_str());
+    return result.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
+  }
+  if (json) {
+    std::cout << ResultJson(*result, mode, with_text).dump() << std::endl;
+  } else {
+    PrintHuman(*result, with_text);
+  }
+  return 0;
+}
+
+}  // namespace kvrelay::cli

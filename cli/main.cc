@@ -1,0 +1,84 @@
+// The kvrelay binary: one executable, one subcommand per job. This table only dispatches: each
+// server module declares its command in `<module>/server/command.h`, the client-side commands
+// live in cli/. Adding a command touches its own folder and one line here.
+
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "cachestore/server/command.h"
+#include "cli/bench_serve/bench_serve_command.h"
+#include "cli/commands.h"
+#include "cli/up/up_command.h"
+#include "common/flags.h"
+#include "decode/server/command.h"
+#include "gateway/server/command.h"
+#include "model/test_model.h"
+#include "prefill/server/command.h"
+#include "transfer/ucx/transfer_bench.h"
+
+namespace {
+
+struct Subcommand {
+  const char* name;
+  const char* summary;
+  int (*run)(const std::vector<std::string>& args);
+};
+
+// Keep sorted by name.
+constexpr Subcommand kSubcommands[] = {
+    {"bench-serve", "load-test a gateway: trace replay or synthetic, latency/goodput/hit rate",
+     kvrelay::cli::RunBenchServeCommand},
+    {"cachestore", "run the cache store service (block index, placement, eviction)",
+     kvrelay::cachestore::server::RunCacheStoreCommand},
+    {"decode", "run a decode worker (receives KV, continuous-batching decode)",
+     kvrelay::decode::server::RunDecodeCommand},
+    {"gateway", "run the gateway (Generate with KV-aware routing)",
+     kvrelay::gateway::server::RunGatewayCommand},
+    {"generate", "generate tokens through a gateway, or co-located in this process",
+     kvrelay::cli::RunGenerateCommand},
+    {"health", "check a server's grpc.health.v1 status (exit 0 when SERVING)",
+     kvrelay::cli::RunHealthCommand},
+    {"layout", "KV-cache bytes of a model: per token, per block, per sequence",
+     kvrelay::cli::RunLayoutCommand},
+    {"make-test-model", "write a small random-weight model (config.json + safetensors)",
+     kvrelay::cli::RunMakeTestModelCommand},
+    {"prefill", "run a prefill worker (computes or reuses KV, pushes it to decode)",
+     kvrelay::prefill::server::RunPrefillCommand},
+    {"trace-replay", "replay a request trace through the cache store's eviction code",
+     kvrelay::cachestore::server::RunTraceReplayCommand},
+    {"transfer-bench", "UCX block transfer bandwidth/latency between two local processes",
+     kvrelay::cli::RunTransferBenchCommand},
+    {"up", "start a local cluster (cache store, workers, gateway) on loopback",
+     kvrelay::cli::RunUpCommand},
+};
+
+void PrintUsage(FILE* out) {
+  std::fprintf(out,
+               "kvrelay: a disaggregated KV-cache service for LLM serving.\n\n"
+               "Usage: kvrelay <command> [flags]   (kvrelay <command> --help for its flags)\n\n"
+               "Commands:\n");
+  for (const Subcommand& c : kSubcommands) std::fprintf(out, "  %-16s %s\n", c.name, c.summary);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    PrintUsage(stderr);
+    return 2;
+  }
+  const char* name = argv[1];
+  if (std::strcmp(name, "--help") == 0 || std::strcmp(name, "-h") == 0 ||
+      std::strcmp(name, "help") == 0) {
+    PrintUsage(stdout);
+    return 0;
+  }
+  for (const Subcommand& c : kSubcommands) {
+    if (std::strcmp(c.name, name) == 0) return c.run(kvrelay::ArgsFrom(argc, argv, 2));
+  }
+  std::fprintf(stderr, "kvrelay: unknown command '%s'\n\n", name);
+  PrintUsage(stderr);
+  return 2;
+}

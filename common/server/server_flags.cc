@@ -1,0 +1,71 @@
+#include "common/server/server_flags.h"
+
+#include <cstdio>
+#include <iostream>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "common/config_file.h"
+
+namespace kvrelay::server {
+
+void AddSecurityFlags(FlagSet& flags, SecurityOptions& security) {
+  flags.AddString("tls-cert", &security.cert_file,
+                  "PEM certificate of this component (mutual TLS with --tls-key, --tls-ca)");
+  flags.AddString("tls-key", &security.key_file, "PEM private key of --tls-cert");
+  flags.AddString("tls-ca", &security.ca_file, "PEM CA bundle peers' certificates must chain to");
+  flags.AddBool("insecure", &security.insecure,
+                "plain-text gRPC without authentication (used when no --tls-* flag is given)");
+}
+
+void AddServerFlags(FlagSet& flags, ServiceHostOptions& options) {
+  flags.AddString("host", &options.host, "address to listen on (gRPC and metrics)");
+  flags.AddInt32("port", &options.port, "gRPC port (0: any free port)");
+  flags.AddInt32("metrics-port", &options.metrics_port,
+                 "Prometheus /metrics port (0: any free port)");
+  flags.AddDuration("drain-timeout", &options.drain_timeout,
+                    "on SIGTERM, how long in-flight RPCs may finish");
+  AddSecurityFlags(flags, options.security);
+}
+
+int UsageError(const std::string& command, const std::string& message, int exit_code) {
+  std::fprintf(stderr, "kvrelay %s: %s\n", command.c_str(), message.c_str());
+  return exit_code;
+}
+
+std::optional<int> ParseCommandLine(FlagSet& flags, const std::vector<std::string>& raw_args,
+                                    const std::string& command, SecurityOptions* security) {
+  absl::StatusOr<std::vector<std::string>> args = ExpandConfigFile(raw_args);
+  absl::Status parsed = args.ok() ? flags.Parse(*args) : args.status();
+  if (!parsed.ok()) return UsageError(command, std::string(parsed.message()));
+  if (flags.help_requested()) {
+    std::cout << flags.Usage();
+    return 0;
+  }
+  if (security != nullptr) {
+    const bool any_tls = !security->cert_file.empty() || !security->key_file.empty() ||
+                         !security->ca_file.empty();
+    if (any_tls && flags.WasSet("insecure") && security->insecure) {
+      return UsageError(command, "--insecure and --tls-* exclude each other");
+    }
+    security->insecure = !any_tls;
+    if (any_tls && (security->cert_file.empty() || security->key_file.empty() ||
+                    security->ca_file.empty())) {
+      return UsageError(command, "mutual TLS needs all of --tls-cert, --tls-key and --tls-ca");
+    }
+  }
+  return std::nullopt;
+}
+
+absl::Status CheckHostPort(const std::string& address, const std::string& what) {
+  const size_t colon = address.rfind(':');
+  int port = 0;
+  if (colon == std::string::npos || colon == 0 ||
+      !absl::SimpleAtoi(address.substr(colon + 1), &port) || port < 1 || port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " must be HOST:PORT, got '", address, "'"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace kvrelay::server

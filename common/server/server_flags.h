@@ -1,0 +1,36 @@
+#pragma once
+
+// Command-line handling every server subcommand shares: the listening and security flags, and
+// the parse step (--config FILE.yaml expansion, --help, one-line usage errors).
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "common/flags.h"
+#include "common/server/service_host.h"
+
+namespace kvrelay::server {
+
+// Registers --host, --port, --metrics-port, --drain-timeout, --tls-cert, --tls-key, --tls-ca and
+// --insecure, writing into `options` (which must outlive Parse).
+void AddServerFlags(FlagSet& flags, ServiceHostOptions& options);
+
+// Registers only the client-side security flags (--tls-cert, --tls-key, --tls-ca, --insecure).
+void AddSecurityFlags(FlagSet& flags, SecurityOptions& security);
+
+// Expands --config, parses, handles --help. Returns an exit code to return at once (0 after
+// --help, 2 with "kvrelay <command>: <message>" on stderr for bad usage), or nullopt to go on.
+// Also settles `security` (TLS when any --tls-* flag is given).
+std::optional<int> ParseCommandLine(FlagSet& flags, const std::vector<std::string>& raw_args,
+                                    const std::string& command, SecurityOptions* security = nullptr);
+
+// Parses "host:port" with 1 <= port <= 65535 and a non-empty host. InvalidArgument naming
+// `what` otherwise.
+absl::Status CheckHostPort(const std::string& address, const std::string& what);
+
+// Prints "kvrelay <command>: <message>" and returns `exit_code` (for usage errors after Parse).
+int UsageError(const std::string& command, const std::string& message, int exit_code = 2);
+
+}  // namespace kvrelay::server

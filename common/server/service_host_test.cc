@@ -1,0 +1,110 @@
+#include "common/server/service_host.h"
+
+#include <atomic>
+
+#include "common/http_server.h"
+#include "common/server/server_flags.h"
+#include "gmock/gmock.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "gtest/gtest.h"
+#include "kvrelay/v1/prefill.grpc.pb.h"
+#include "tests/testing/status_matchers.h"
+
+namespace kvrelay::server {
+namespace {
+
+using ::testing::HasSubstr;
+
+grpc::health::v1::HealthCheckResponse::ServingStatus Check(grpc::Channel* channel,
+                                                            const std::string& service) {
+  auto stub = grpc::health::v1::Health::NewStub(
+      std::shared_ptr<grpc::Channel>(channel, [](grpc::Channel*) {}));
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  grpc::health::v1::HealthCheckRequest request;
+  request.set_service(service);
+  grpc::health::v1::HealthCheckResponse response;
+  grpc::Status status = stub->Check(&context, request, &response);
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  return response.status();
+}
+
+TEST(ServiceHost, ServesHealthMetricsAndDrainsOnRequest) {
+  MetricsRegistry metrics;
+  metrics.GetCounter("kvrelay_test_total", "t")->Increment();
+  ServiceHostOptions options;
+  options.name = "test";
+  options.drain_timeout = absl::Seconds(1);
+  options.health_services = {"kvrelay.v1.Prefill"};
+  kvrelay::v1::Prefill::Service unimplemented;  // any service: gRPC needs one to serve
+  KV_ASSERT_OK_AND_ASSIGN(
+      auto host, ServiceHost::Start(options, {&unimplemented}, &metrics,
+                                    [] { return std::string("kvrelay_extra 1\n"); }));
+  ASSERT_GT(host->port(), 0);
+  KV_ASSERT_OK_AND_ASSIGN(auto channel, MakeChannel(host->address(), SecurityOptions{}));
+  EXPECT_EQ(Check(channel.get(), ""), grpc::health::v1::HealthCheckResponse::SERVING);
+  EXPECT_EQ(Check(channel.get(), "kvrelay.v1.Prefill"),
+            grpc::health::v1::HealthCheckResponse::SERVING);
+  EXPECT_EQ(Check(host->InProcessChannel().get(), ""),
+            grpc::health::v1::HealthCheckResponse::SERVING);
+
+  std::atomic<int> ticks{0};
+  std::thread stopper([&] {
+    while (ticks.load() < 2) absl::SleepFor(absl::Milliseconds(5));
+    host->RequestShutdown();
+  });
+  bool drained = false;
+  host->WaitForShutdown({.on_drain = [&] { drained = true; },
+                         .on_tick = [&] { ticks.fetch_add(1); },
+                         .tick = absl::Milliseconds(10)});
+  stopper.join();
+  EXPECT_TRUE(drained);
+  EXPECT_TRUE(host->draining());
+  EXPECT_GE(ticks.load(), 2);
+}
+
+TEST(ServerFlags, ParsesConfigSecurityAndRejectsBadUsage) {
+  ServiceHostOptions options;
+  FlagSet flags("test", "t");
+  AddServerFlags(flags, options);
+  EXPECT_EQ(ParseCommandLine(flags, {"--port", "7", "--metrics-port=8"}, "test",
+                             &options.security),
+            std::nullopt);
+  EXPECT_EQ(options.port, 7);
+  EXPECT_EQ(options.metrics_port, 8);
+  EXPECT_TRUE(options.security.insecure);
+
+  ServiceHostOptions partial;
+  FlagSet partial_flags("test", "t");
+  AddServerFlags(partial_flags, partial);
+  EXPECT_EQ(ParseCommandLine(partial_flags, {"--tls-cert", "a.pem"}, "test", &partial.security),
+            std::optional<int>(2));
+
+  ServiceHostOptions bad;
+  FlagSet bad_flags("test", "t");
+  AddServerFlags(bad_flags, bad);
+  EXPECT_EQ(ParseCommandLine(bad_flags, {"--no-such-flag"}, "test", &bad.security),
+            std::optional<int>(2));
+}
+
+TEST(ServerFlags, CheckHostPort) {
+  EXPECT_THAT(CheckHostPort("127.0.0.1:0", "--x"),
+              testing::StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--x")));
+  EXPECT_THAT(CheckHostPort(":80", "--x"), testing::StatusIs(absl::StatusCode::kInvalidArgument));
+  KV_EXPECT_OK(CheckHostPort("10.0.0.1:50051", "--x"));
+  KV_EXPECT_OK(CheckHostPort("store-0.kvrelay-store:50050", "--x"));
+}
+
+TEST(Credentials, TlsWithoutFilesIsAClearError) {
+  SecurityOptions tls;
+  tls.insecure = false;
+  EXPECT_THAT(ServerCredentialsFor(tls).status(),
+              testing::StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--tls-cert")));
+  tls.cert_file = "/nonexistent/cert.pem";
+  tls.key_file = "/nonexistent/key.pem";
+  tls.ca_file = "/nonexistent/ca.pem";
+  EXPECT_FALSE(MakeChannel("127.0.0.1:1", tls).ok());
+}
+
+}  // namespace
+}  // namespace kvrelay::server

@@ -1,0 +1,41 @@
+#include "decode/server/decode_service.h"
+
+#include "proto/grpc_status.h"
+
+namespace kvrelay::decode::server {
+
+grpc::Status DecodeService::Reserve(grpc::ServerContext*,
+                                    const kvrelay::v1::ReserveRequest* request,
+                                    kvrelay::v1::ReserveResponse* response) {
+  absl::StatusOr<kvrelay::v1::ReserveResponse> result = worker_->Reserve(*request);
+  if (!result.ok()) return proto::ToGrpcStatus(result.status());
+  *response = *std::move(result);
+  return grpc::Status::OK;
+}
+
+grpc::Status DecodeService::Generate(grpc::ServerContext* context,
+                                     const kvrelay::v1::DecodeRequest* request,
+                                     grpc::ServerWriter<kvrelay::v1::DecodeChunk>* writer) {
+  // A stream without a deadline still ends: an hour bounds any sane generation.
+  absl::Time deadline = absl::FromChrono(context->deadline());
+  if (deadline > absl::Now() + absl::Hours(1)) deadline = absl::Now() + absl::Hours(1);
+  return proto::ToGrpcStatus(worker_->Generate(
+      *request, deadline,
+      [writer](const kvrelay::v1::DecodeChunk& chunk) { return writer->Write(chunk); },
+      [context] { return context->IsCancelled(); }));
+}
+
+grpc::Status DecodeService::Release(grpc::ServerContext*,
+                                    const kvrelay::v1::ReleaseRequest* request,
+                                    kvrelay::v1::ReleaseResponse*) {
+  worker_->Release(request->request_id());
+  return grpc::Status::OK;
+}
+
+grpc::Status DecodeService::Status(grpc::ServerContext*, const kvrelay::v1::DecodeStatusRequest*,
+                                   kvrelay::v1::DecodeStatusResponse* response) {
+  *response = worker_->Describe();
+  return grpc::Status::OK;
+}
+
+}  // namespace kvrelay::decode::server

@@ -1,0 +1,74 @@
+#include "gateway/circuit_breaker.h"
+
+#include <algorithm>
+
+namespace kvrelay::gateway {
+
+bool CircuitBreaker::Allow() {
+  std::lock_guard<std::mutex> lock(mu_);
+  const absl::Time now = clock_->Now();
+  if (state_ == State::kOpen && now >= open_until_) {
+    state_ = State::kHalfOpen;
+    probe_in_flight_ = false;
+  }
+  switch (state_) {
+    case State::kClosed:
+      return now >= busy_until_;
+    case State::kOpen:
+      return false;
+    case State::kHalfOpen:
+      if (probe_in_flight_) return false;
+      probe_in_flight_ = true;
+      return true;
+  }
+  return false;
+}
+
+bool CircuitBreaker::Healthy() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return state_ == State::kClosed && clock_->Now() >= busy_until_;
+}
+
+void CircuitBreaker::RecordSuccess() {
+  std::lock_guard<std::mutex> lock(mu_);
+  state_ = State::kClosed;
+  probe_in_flight_ = false;
+  current_open_for_ = absl::ZeroDuration();
+}
+
+void CircuitBreaker::RecordFailure() {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++failures_;
+  // A failed probe doubles the pause; a first failure opens for the base duration.
+  current_open_for_ = state_ == State::kHalfOpen
+                          ? std::min(current_open_for_ * 2, options_.max_open_for)
+                          : std::max(current_open_for_, options_.open_for);
+  if (current_open_for_ <= absl::ZeroDuration()) current_open_for_ = options_.open_for;
+  state_ = State::kOpen;
+  probe_in_flight_ = false;
+  open_until_ = clock_->Now() + current_open_for_;
+}
+
+void CircuitBreaker::RecordBusy() {
+  std::lock_guard<std::mutex> lock(mu_);
+  busy_until_ = clock_->Now() + options_.busy_for;
+  if (state_ == State::kHalfOpen) {
+    // The probe reached a live node that is merely full: it is alive.
+    state_ = State::kClosed;
+    probe_in_flight_ = false;
+    current_open_for_ = absl::ZeroDuration();
+  }
+}
+
+CircuitBreaker::State CircuitBreaker::state() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (state_ == State::kOpen && clock_->Now() >= open_until_) return State::kHalfOpen;
+  return state_;
+}
+
+int64_t CircuitBreaker::failures() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return failures_;
+}
+
+}  // namespace kvrelay::gateway

@@ -1,0 +1,58 @@
+#include "gateway/circuit_breaker.h"
+
+#include "gtest/gtest.h"
+
+namespace kvrelay::gateway {
+namespace {
+
+using State = CircuitBreaker::State;
+
+TEST(CircuitBreaker, OpensOnFailureProbesOnceThenCloses) {
+  SimulatedClock clock;
+  CircuitBreaker breaker(&clock, {.open_for = absl::Seconds(1), .max_open_for = absl::Seconds(8)});
+  EXPECT_TRUE(breaker.Allow());
+  breaker.RecordFailure();
+  EXPECT_EQ(breaker.state(), State::kOpen);
+  EXPECT_FALSE(breaker.Allow());
+  EXPECT_FALSE(breaker.Healthy());
+  clock.Advance(absl::Milliseconds(1001));
+  EXPECT_EQ(breaker.state(), State::kHalfOpen);
+  EXPECT_TRUE(breaker.Allow());   // the probe
+  EXPECT_FALSE(breaker.Allow());  // only one probe at a time
+  breaker.RecordSuccess();
+  EXPECT_EQ(breaker.state(), State::kClosed);
+  EXPECT_TRUE(breaker.Allow());
+  EXPECT_EQ(breaker.failures(), 1);
+}
+
+TEST(CircuitBreaker, FailedProbesBackOffUpToTheCap) {
+  SimulatedClock clock;
+  CircuitBreaker breaker(&clock, {.open_for = absl::Seconds(1), .max_open_for = absl::Seconds(4)});
+  breaker.RecordFailure();  // open for 1 s
+  clock.Advance(absl::Milliseconds(1001));
+  ASSERT_TRUE(breaker.Allow());
+  breaker.RecordFailure();  // failed probe: 2 s
+  for (absl::Duration open_for : {absl::Seconds(2), absl::Seconds(4), absl::Seconds(4)}) {
+    clock.Advance(open_for - absl::Milliseconds(1));
+    EXPECT_FALSE(breaker.Allow()) << open_for;
+    clock.Advance(absl::Milliseconds(2));
+    EXPECT_EQ(breaker.state(), State::kHalfOpen) << open_for;
+    ASSERT_TRUE(breaker.Allow());
+    breaker.RecordFailure();  // doubles, capped at 4 s
+  }
+}
+
+TEST(CircuitBreaker, BusyIsNotAFailure) {
+  SimulatedClock clock;
+  CircuitBreaker breaker(&clock, {.busy_for = absl::Milliseconds(200)});
+  breaker.RecordBusy();
+  EXPECT_EQ(breaker.state(), State::kClosed);
+  EXPECT_FALSE(breaker.Healthy());
+  EXPECT_FALSE(breaker.Allow());
+  clock.Advance(absl::Milliseconds(201));
+  EXPECT_TRUE(breaker.Healthy());
+  EXPECT_EQ(breaker.failures(), 0);
+}
+
+}  // namespace
+}  // namespace kvrelay::gateway

@@ -1,0 +1,483 @@
+#include "gateway/gateway.h"
+
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
+
+#include <algorithm>
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
+#include "kv/block_hash.h"
+#include "kv/prompt_validation.h"
+#include "proto/grpc_status.h"
+#include "proto/limits.h"
+
+namespace kvrelay::gateway {
+namespace {
+
+std::string FingerprintBytes(const kv::LayoutFingerprint& fp) {
+  return std::string(reinterpret_cast<const char*>(fp.bytes.data()), fp.bytes.size());
+}
+
+absl::Status CallerError(absl::Status status) {
+  return proto::Attribute(std::move(status), kvrelay::v1::ROLE_CLIENT, "",
+                          kvrelay::v1::FAILURE_INVALID_REQUEST);
+}
+
+bool IsOverload(const absl::Status& s) {
+  if (!absl::IsResourceExhausted(s)) return false;
+  std::optional<kvrelay::v1::ErrorInfo> info = proto::GetErrorInfo(s);
+  return !info.has_value() || info->reason() == kvrelay::v1::FAILURE_OVERLOADED;
+}
+
+}  // namespace
+
+std::string DeriveTenantSalt(const std::string& secret, const std::string& tenant) {
+  unsigned char digest[EVP_MAX_MD_SIZE];
+  unsigned int length = 0;
+  HMAC(EVP_sha256(), secret.data(), static_cast<int>(secret.size()),
+       reinterpret_cast<const unsigned char*>(tenant.data()), tenant.size(), digest, &length);
+  return std::string(reinterpret_cast<char*>(digest), 16);
+}
+
+Gateway::Gateway(GatewayOptions options, kv::ModelConfig config, MetricsRegistry* metrics,
+                 Clock* clock)
+    : options_(std::move(options)),
+      config_(std::move(config)),
+      layout_fingerprint_(FingerprintBytes(config_.layout.fingerprint())),
+      metrics_(metrics),
+      clock_(clock),
+      instance_id_(absl::StrCat(absl::ToUnixMicros(absl::Now()) % 1000000000)) {
+  ttft_seconds_ = metrics_->GetHistogram("kvrelay_gateway_ttft_seconds", "Time to first token.",
+                                         LatencyBucketsSeconds());
+  tpot_seconds_ = metrics_->GetHistogram("kvrelay_gateway_time_per_output_token_seconds",
+                                         "Mean time per output token after the first.",
+                                         LatencyBucketsSeconds());
+  prefix_query_tokens_ = metrics_->GetCounter("kvrelay_gateway_prompt_tokens_total",
+                                              "Prompt tokens received.");
+  prefix_hit_tokens_ = metrics_->GetCounter("kvrelay_gateway_prefix_hit_tokens_total",
+                                            "Prompt tokens served from cached KV.");
+  transferred_bytes_ = metrics_->GetCounter("kvrelay_gateway_transferred_kv_bytes_total",
+                                            "KV bytes moved prefill -> decode.");
+  failovers_ = metrics_->GetCounter("kvrelay_gateway_failovers_total",
+                                    "Attempts retried on another worker pair.");
+}
+
+absl::StatusOr<std::unique_ptr<Gateway>> Gateway::Create(
+    GatewayOptions options, Workers workers, std::unique_ptr<cachestore::CacheStoreClient> store,
+    MetricsRegistry* metrics, Clock* clock) {
+  if (workers.prefill.empty() || workers.decode.empty()) {
+    return absl::InvalidArgumentError("at least one prefill and one decode worker is needed");
+  }
+  if (options.max_attempts < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_attempts must be positive, got ", options.max_attempts));
+  }
+  KV_ASSIGN_OR_RETURN(kv::ModelConfig config,
+                      kv::LoadHfConfig(options.model_dir + "/config.json"));
+  auto gateway = std::unique_ptr<Gateway>(
+      new Gateway(std::move(options), std::move(config), metrics, clock));
+  gateway->store_ = std::move(store);
+  for (auto& endpoint : workers.prefill) {
+    auto node = std::make_unique<Node>(clock, gateway->options_.breaker);
+    node->prefill = std::move(endpoint);
+    gateway->prefills_.push_back(std::move(node));
+  }
+  for (auto& endpoint : workers.decode) {
+    auto node = std::make_unique<Node>(clock, gateway->options_.breaker);
+    node->decode = std::move(endpoint);
+    gateway->decodes_.push_back(std::move(node));
+  }
+  return gateway;
+}
+
+absl::Status Gateway::Validate(const kvrelay::v1::GenerateRequest& request) const {
+  if (!request.model().empty() && request.model() != options_.model_name) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("model: unknown model '", request.model(), "' (this gateway serves '",
+                     options_.model_name, "')"));
+  }
+  if (request.tenant().empty() || request.tenant().size() > limits::kMaxTenantBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("tenant must be 1-", limits::kMaxTenantBytes,
+                                                   " bytes, got ", request.tenant().size()));
+  }
+  KV_RETURN_IF_ERROR(kv::ValidatePrompt(request.tokens(), request.max_tokens(), config_));
+  const float t = request.sampling().temperature();
+  if (!(t >= 0 && t <= limits::kMaxTemperature)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("sampling.temperature must be in [0, ", limits::kMaxTemperature, "]"));
+  }
+  const float top_p = request.sampling().top_p();
+  if (!(top_p >= 0 && top_p <= 1)) {
+    return absl::InvalidArgumentError("sampling.top_p must be in (0, 1] (0 = unset)");
+  }
+  return absl::OkStatus();
+}
+
+Gateway::Node* Gateway::PickPrefill(const std::vector<int32_t>& prompt, const std::string& salt,
+                                    const std::vector<Node*>& excluded, absl::Time deadline) {
+  auto usable = [&](Node* n) {
+    return std::find(excluded.begin(), excluded.end(), n) == excluded.end() &&
+           n->breaker.Healthy();
+  };
+  // Node ids, learned from each worker's Status until known (routing matches the store's
+  // per-node answer by id).
+  for (auto& n : prefills_) {
+    if (!n->NodeId().empty() || !usable(n.get())) continue;
+    absl::StatusOr<kvrelay::v1::PrefillStatusResponse> status =
+        n->prefill->Status(std::min(deadline, absl::Now() + options_.route_timeout));
+    if (status.ok()) n->SetNodeId(status->node_id());
+  }
+  std::vector<int32_t> matched(prefills_.size(), 0);
+  const int32_t block_tokens = config_.layout.block_tokens();
+  const int64_t full_blocks = (static_cast<int64_t>(prompt.size()) - 1) / block_tokens;
+  if (store_ != nullptr && full_blocks > 0) {
+    std::vector<kv::BlockHash> chain =
+        kv::HashChain(config_.layout.fingerprint(), salt,
+                      absl::MakeConstSpan(prompt).subspan(0, full_blocks * block_tokens),
+                      block_tokens);
+    // A store that does not answer costs reuse, not the request.
+    absl::StatusOr<kvrelay::v1::QueryPrefixResponse> answer = store_->QueryPrefix(chain);
+    if (answer.ok()) {
+      for (const auto& node : answer->nodes()) {
+        for (size_t i = 0; i < prefills_.size(); ++i) {
+          if (prefills_[i]->NodeId() == node.node_id()) matched[i] = node.matched();
+        }
+      }
+    }
+  }
+  for (auto& n : prefills_) {
+    if (std::find(excluded.begin(), excluded.end(), n.get()) == excluded.end() &&
+        n->breaker.state() == CircuitBreaker::State::kHalfOpen && n->breaker.Allow()) {
+      return n.get();  // its probe (see PickDecode)
+    }
+  }
+  // Longest prefix first; among equals, the least loaded; ties rotate. Nodes whose breaker is
+  // open or busy are skipped.
+  const uint64_t rotation = prefill_rotation_.fetch_add(1, std::memory_order_relaxed);
+  Node* best = nullptr;
+  int64_t best_score = std::numeric_limits<int64_t>::min();
+  for (size_t k = 0; k < prefills_.size(); ++k) {
+    const size_t i = (rotation + k) % prefills_.size();
+    Node* n = prefills_[i].get();
+    if (!usable(n)) continue;
+    const int64_t score = int64_t{matched[i]} * 1000 - n->in_flight.load(std::memory_order_relaxed);
+    if (score > best_score) {
+      best_score = score;
+      best = n;
+    }
+  }
+  return best;
+}
+
+Gateway::Node* Gateway::PickDecode(const std::vector<Node*>& excluded) {
+  auto is_excluded = [&](Node* n) {
+    return std::find(excluded.begin(), excluded.end(), n) != excluded.end();
+  };
+  // A node whose breaker just turned half-open gets this request as its probe, so a node that
+  // came back rejoins on the next request instead of waiting for every other node to fail.
+  for (auto& n : decodes_) {
+    if (!is_excluded(n.get()) && n->breaker.state() == CircuitBreaker::State::kHalfOpen &&
+        n->breaker.Allow()) {
+      return n.get();
+    }
+  }
+  const uint64_t rotation = decode_rotation_.fetch_add(1, std::memory_order_relaxed);
+  Node* best = nullptr;
+  int32_t best_load = std::numeric_limits<int32_t>::max();
+  for (size_t k = 0; k < decodes_.size(); ++k) {
+    Node* n = decodes_[(rotation + k) % decodes_.size()].get();
+    if (is_excluded(n) || !n->breaker.Healthy()) continue;
+    const int32_t load = n->in_flight.load(std::memory_order_relaxed);
+    if (load < best_load) {
+      best_load = load;
+      best = n;
+    }
+  }
+  return best;
+}
+
+Gateway::Blame Gateway::Attribute(const absl::Status& status, Blame called,
+                                  absl::Time deadline) const {
+  if (status.ok()) return Blame::kNone;
+  // The caller's own deadline or cancellation is never a worker's fault.
+  if ((absl::IsDeadlineExceeded(status) || absl::IsCancelled(status)) && absl::Now() >= deadline) {
+    return Blame::kNone;
+  }
+  if (std::optional<kvrelay::v1::ErrorInfo> info = proto::GetErrorInfo(status)) {
+    switch (info->role()) {
+      case kvrelay::v1::ROLE_CLIENT:
+        return Blame::kNone;
+      case kvrelay::v1::ROLE_PREFILL:
+        return Blame::kPrefill;
+      case kvrelay::v1::ROLE_DECODE:
+        return Blame::kDecode;
+      default:
+        break;
+    }
+  }
+  // No detail (the call did not reach kvrelay code: connection refused, per-attempt timeout):
+  // the node that was called.
+  if (absl::IsInvalidArgument(status)) return Blame::kNone;
+  return called;
+}
+
+void Gateway::CountFailure(const absl::Status& status, const char* role) {
+  std::string reason = std::string(absl::StatusCodeToString(status.code()));
+  if (std::optional<kvrelay::v1::ErrorInfo> info = proto::GetErrorInfo(status)) {
+    reason = kvrelay::v1::FailureReason_Name(info->reason());
+  }
+  metrics_
+      ->GetCounter("kvrelay_gateway_worker_failures_total",
+                   "Failed attempts attributed to a worker, by role and reason.",
+                   {{"role", role}, {"reason", reason}})
+      ->Increment();
+}
+
+absl::Status Gateway::Generate(const kvrelay::v1::GenerateRequest& request, absl::Time deadline,
+                               const GenerateSink& sink, const std::function<bool()>& cancelled) {
+  if (absl::Status s = Validate(request); !s.ok()) return CallerError(std::move(s));
+  const absl::Time start = absl::Now();
+  const absl::Time clock_start = clock_->Now();
+  deadline = std::min(deadline, start + options_.default_deadline);
+  const std::string salt = DeriveTenantSalt(options_.tenant_secret, request.tenant());
+  const std::vector<int32_t> prompt(request.tokens().begin(), request.tokens().end());
+  const int32_t eos = request.has_eos_token() ? request.eos_token() : -1;
+  prefix_query_tokens_->Increment(static_cast<double>(prompt.size()));
+
+  std::vector<int32_t> generated;
+  kvrelay::v1::GenerateSummary summary;
+  summary.set_prompt_tokens(static_cast<int32_t>(prompt.size()));
+  absl::Time first_token_time = absl::InfiniteFuture();
+  std::vector<Node*> failed_prefill, failed_decode;
+  absl::Status last_error =
+      proto::Attribute(absl::UnavailableError("no usable worker pair"),
+                       kvrelay::v1::ROLE_GATEWAY, "", kvrelay::v1::FAILURE_UNREACHABLE);
+  int32_t failures = 0, attempts = 0, overloaded = 0;
+  bool done = false;
+  bool client_gone = false;
+  bool stop_requested = false;
+
+  auto finished_generating = [&] {
+    return static_cast<int32_t>(generated.size()) >= request.max_tokens() ||
+           (eos >= 0 && !generated.empty() && generated.back() == eos);
+  };
+  auto blame_node = [&](Blame blame, Node* p, Node* d, const absl::Status& s) {
+    if (blame == Blame::kPrefill) {
+      p->breaker.RecordFailure();
+      failed_prefill.push_back(p);
+      CountFailure(s, "prefill");
+    } else if (blame == Blame::kDecode) {
+      d->breaker.RecordFailure();
+      failed_decode.push_back(d);
+      CountFailure(s, "decode");
+    }
+  };
+
+  while (!done && failures < options_.max_attempts && absl::Now() < deadline) {
+    if (cancelled && cancelled()) {
+      client_gone = true;
+      break;
+    }
+    std::vector<int32_t> tokens = prompt;
+    tokens.insert(tokens.end(), generated.begin(), generated.end());
+    const int32_t remaining = request.max_tokens() - static_cast<int32_t>(generated.size());
+    Node* d = PickDecode(failed_decode);
+    if (d == nullptr) {
+      if (overloaded > 0) {
+        last_error = proto::Attribute(
+            absl::ResourceExhaustedError(absl::StrCat(
+                "every decode worker is at capacity (", overloaded, " refused); retry later")),
+            kvrelay::v1::ROLE_GATEWAY, "", kvrelay::v1::FAILURE_OVERLOADED);
+      } else {
+        last_error = proto::Attribute(
+            absl::UnavailableError(absl::StrCat("no healthy decode worker (", decodes_.size(),
+                                                " known, ", failed_decode.size(),
+                                                " failed for this request)")),
+            kvrelay::v1::ROLE_GATEWAY, "", kvrelay::v1::FAILURE_UNREACHABLE);
+      }
+      break;
+    }
+    Node* p = PickPrefill(tokens, salt, failed_prefill, deadline);
+    if (p == nullptr) {
+      last_error = proto::Attribute(
+          absl::UnavailableError(absl::StrCat("no healthy prefill worker (", prefills_.size(),
+                                              " known, ", failed_prefill.size(),
+                                              " failed for this request)")),
+          kvrelay::v1::ROLE_GATEWAY, "", kvrelay::v1::FAILURE_UNREACHABLE);
+      break;
+    }
+    ++attempts;
+    if (attempts > 1) failovers_->Increment();
+    const std::string request_id =
+        absl::StrCat("gw", instance_id_, "-", next_request_.fetch_add(1), "-", attempts);
+    p->in_flight.fetch_add(1, std::memory_order_relaxed);
+    d->in_flight.fetch_add(1, std::memory_order_relaxed);
+    struct InFlight {
+      Node* p;
+      Node* d;
+      ~InFlight() {
+        p->in_flight.fetch_sub(1, std::memory_order_relaxed);
+        d->in_flight.fetch_sub(1, std::memory_order_relaxed);
+      }
+    } in_flight{p, d};
+
+    // 1. Reserve on decode.
+    kvrelay::v1::ReserveRequest reserve;
+    reserve.set_request_id(request_id);
+    reserve.set_model(options_.model_name);
+    reserve.set_prompt_tokens(static_cast<int32_t>(tokens.size()));
+    reserve.set_max_tokens(remaining);
+    reserve.set_layout_fingerprint(layout_fingerprint_);
+    absl::StatusOr<kvrelay::v1::ReserveResponse> target =
+        d->decode->Reserve(reserve, std::min(deadline, absl::Now() + options_.reserve_timeout));
+    if (!target.ok()) {
+      last_error = target.status();
+      if (IsOverload(target.status())) {
+        d->breaker.RecordBusy();
+        failed_decode.push_back(d);
+        ++overloaded;
+        continue;
+      }
+      const Blame blame = Attribute(target.status(), Blame::kDecode, deadline);
+      if (blame == Blame::kNone) return target.status();
+      blame_node(blame, p, d, target.status());
+      ++failures;
+      continue;
+    }
+    d->SetNodeId(target->node_id());
+
+    // 2. Prefill pushes into the reserved slots.
+    kvrelay::v1::PrefillRequest prefill;
+    prefill.set_request_id(request_id);
+    prefill.set_model(options_.model_name);
+    *prefill.mutable_tokens() = {tokens.begin(), tokens.end()};
+    prefill.set_tenant_salt(salt);
+    prefill.set_layout_fingerprint(layout_fingerprint_);
+    *prefill.mutable_target() = *target;
+    absl::StatusOr<kvrelay::v1::PrefillResponse> prefilled =
+        p->prefill->Prefill(prefill, std::min(deadline, absl::Now() + options_.prefill_timeout));
+    std::optional<kvrelay::v1::ErrorInfo> prefill_error =
+        prefilled.ok() ? std::nullopt : proto::GetErrorInfo(prefilled.status());
+    if (prefill_error.has_value() && prefill_error->reason() == kvrelay::v1::FAILURE_CORRUPT) {
+      // The decode worker refused corrupted KV (checksums); it computes the prompt itself.
+      KV_LOG(WARNING) << "request " << request_id << ": pushed KV was corrupted ("
+                      << prefilled.status() << "); the decode worker recomputes it";
+      CountFailure(prefilled.status(), "decode");
+      prefilled = kvrelay::v1::PrefillResponse();
+    }
+    if (!prefilled.ok()) {
+      d->decode->Release(request_id, absl::Now() + absl::Seconds(1));
+      last_error = prefilled.status();
+      const Blame blame = Attribute(prefilled.status(), Blame::kPrefill, deadline);
+      if (blame == Blame::kNone) return prefilled.status();
+      blame_node(blame, p, d, prefilled.status());
+      ++failures;
+      continue;
+    }
+    p->breaker.RecordSuccess();
+    if (summary.prefill_worker().empty()) {
+      summary.set_prefix_hit_tokens(prefilled->prefix_hit_tokens());
+    }
+    summary.set_transferred_bytes(summary.transferred_bytes() + prefilled->pushed_bytes());
+    summary.set_fetched_bytes(summary.fetched_bytes() + prefilled->fetched_bytes());
+    summary.set_prefill_worker(p->address());
+    summary.set_decode_worker(d->address());
+
+    // 3. Decode streams the tokens.
+    kvrelay::v1::DecodeRequest decode;
+    decode.set_request_id(request_id);
+    *decode.mutable_tokens() = {tokens.begin(), tokens.end()};
+    decode.set_max_tokens(remaining);
+    *decode.mutable_sampling() = request.sampling();
+    decode.set_pushed_tokens(prefilled->pushed_tokens());
+    decode.set_eos_token(eos);
+    decode.set_tenant_salt(salt);
+    decode.set_layout_fingerprint(layout_fingerprint_);
+    int32_t computed_here = prefilled->computed_tokens();
+    bool stream_done = false;
+    absl::Status s = d->decode->Generate(
+        decode, deadline, options_.chunk_timeout, [&](const kvrelay::v1::DecodeChunk& chunk) {
+          if (chunk.tokens_size() > 0) {
+            if (first_token_time == absl::InfiniteFuture()) {
+              first_token_time = absl::Now();
+              ttft_seconds_->Observe(absl::ToDoubleSeconds(first_token_time - start));
+            }
+            kvrelay::v1::GenerateResponse out;
+            for (int32_t t : chunk.tokens()) {
+              out.add_tokens(t);
+              generated.push_back(t);
+            }
+            if (!sink(out)) {
+              stop_requested = true;  // the caller has what it wants (e.g. a stop string)
+              return false;
+            }
+          }
+          if (chunk.done()) {
+            computed_here += chunk.computed_tokens();
+            stream_done = true;
+          }
+          return !(cancelled && cancelled());
+        });
+    summary.set_computed_prompt_tokens(summary.computed_prompt_tokens() + computed_here);
+    if (cancelled && cancelled()) {
+      client_gone = true;
+      break;
+    }
+    if (stop_requested) {
+      done = true;
+      break;
+    }
+    if (s.ok() && stream_done) {
+      d->breaker.RecordSuccess();
+      done = true;
+      break;
+    }
+    if (s.ok()) s = absl::UnavailableError("the decode stream ended early");
+    last_error = s;
+    if (finished_generating()) {
+      done = true;  // every token arrived; only the closing message was lost
+      break;
+    }
+    const Blame blame = Attribute(s, Blame::kDecode, deadline);
+    if (blame == Blame::kNone) return s;
+    KV_LOG(WARNING) << "request " << request_id << " fails over after " << generated.size()
+                    << " tokens: " << s;
+    blame_node(blame, p, d, s);
+    ++failures;
+  }
+  if (client_gone) {
+    return proto::Attribute(absl::CancelledError("client went away"), kvrelay::v1::ROLE_CLIENT,
+                            "", kvrelay::v1::FAILURE_CALLER_DEADLINE);
+  }
+  if (!done) {
+    if (absl::Now() >= deadline && last_error.ok()) {
+      last_error = absl::DeadlineExceededError("the request's deadline passed");
+    }
+    metrics_
+        ->GetCounter("kvrelay_gateway_failures_total", "Failed requests by status code.",
+                     {{"reason", std::string(absl::StatusCodeToString(last_error.code()))}})
+        ->Increment();
+    return last_error;
+  }
+  const absl::Time end = absl::Now();
+  summary.set_attempts(attempts);
+  summary.set_generated_tokens(static_cast<int32_t>(generated.size()));
+  summary.set_ttft_ms(absl::ToDoubleMilliseconds(first_token_time - start));
+  summary.set_total_ms(absl::ToDoubleMilliseconds(end - start));
+  if (generated.size() > 1) {
+    tpot_seconds_->Observe(absl::ToDoubleSeconds(end - first_token_time) /
+                           static_cast<double>(generated.size() - 1));
+  }
+  (void)clock_start;
+  prefix_hit_tokens_->Increment(summary.prefix_hit_tokens());
+  transferred_bytes_->Increment(static_cast<double>(summary.transferred_bytes()));
+  kvrelay::v1::GenerateResponse last;
+  *last.mutable_summary() = summary;
+  sink(last);
+  return absl::OkStatus();
+}
+
+}  // namespace kvrelay::gateway

@@ -1,0 +1,138 @@
+#pragma once
+
+// Gateway: the front door's logic (served as kvrelay.v1.Gateway by gateway/server/).
+//
+// Generate validates the request, derives the tenant's block-hash salt from the tenant id and
+// a server-side secret (HMAC-SHA256; a client never chooses a salt), then per attempt picks a
+// prefill worker (longest cached prefix from the cache store's QueryPrefix, then least load)
+// and a decode worker (least load with room) — separate pickers per role, each skipping nodes
+// whose circuit breaker is open — and drives Reserve (decode) -> Prefill -> Generate (decode
+// stream), forwarding tokens as they come.
+//
+// Failure handling: every step has its own timeout below the request's deadline (reserve,
+// prefill, the wait for each decode chunk), so an unreachable or stopped worker fails the
+// attempt quickly. Which node failed is read from the kvrelay.v1.ErrorInfo the failure carries
+// (never from message text); that node's breaker opens and the request retries on another
+// pair, continuing from the tokens already streamed. The client's own deadline or cancellation
+// and invalid input are never counted against a worker. A request every decode worker refuses
+// for capacity ends at once with RESOURCE_EXHAUSTED.
+//
+// Thread-safe. Endpoints, the store client and the clock must outlive the gateway.
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "cachestore/client/cache_store_client.h"
+#include "common/clock.h"
+#include "common/metrics.h"
+#include "gateway/circuit_breaker.h"
+#include "gateway/worker_endpoints.h"
+#include "kv/hf_config.h"
+#include "kvrelay/v1/gateway.pb.h"
+
+namespace kvrelay::gateway {
+
+struct GatewayOptions {
+  std::string model_dir;   // for the model's layout, vocabulary and limits
+  std::string model_name;  // what requests must name (empty in a request = this model)
+  std::string tenant_secret;
+  int32_t max_attempts = 3;
+  absl::Duration default_deadline = absl::Seconds(120);
+  // Per-attempt bounds, each below the request's deadline.
+  absl::Duration reserve_timeout = absl::Seconds(2);
+  absl::Duration prefill_timeout = absl::Seconds(30);
+  absl::Duration chunk_timeout = absl::Seconds(5);  // first token and every gap after it
+  absl::Duration route_timeout = absl::Milliseconds(500);  // QueryPrefix / worker Status
+  CircuitBreakerOptions breaker;
+};
+
+// HMAC-SHA256(secret, tenant), first 16 bytes.
+std::string DeriveTenantSalt(const std::string& secret, const std::string& tenant);
+
+// Receives the response stream (tokens as they come, then one message with the summary).
+// Returning false stops generation early (the caller has what it wants, e.g. a stop string);
+// the request still ends OK with its summary. A client that went away is reported through
+// Generate's `cancelled` callback instead.
+using GenerateSink = std::function<bool(const kvrelay::v1::GenerateResponse&)>;
+
+class Gateway {
+ public:
+  struct Workers {
+    std::vector<std::unique_ptr<PrefillEndpoint>> prefill;
+    std::vector<std::unique_ptr<DecodeEndpoint>> decode;
+  };
+  // `store` may be null (no prefix-aware routing). `clock` defaults to the real clock.
+  static absl::StatusOr<std::unique_ptr<Gateway>> Create(
+      GatewayOptions options, Workers workers,
+      std::unique_ptr<cachestore::CacheStoreClient> store, MetricsRegistry* metrics,
+      Clock* clock = Clock::Real());
+
+  absl::Status Generate(const kvrelay::v1::GenerateRequest& request, absl::Time deadline,
+                        const GenerateSink& sink, const std::function<bool()>& cancelled);
+
+  const kv::ModelConfig& config() const { return config_; }
+
+ private:
+  // One worker as the gateway tracks it.
+  struct Node {
+    Node(Clock* clock, CircuitBreakerOptions breaker_options) : breaker(clock, breaker_options) {}
+    std::unique_ptr<PrefillEndpoint> prefill;  // exactly one of prefill / decode
+    std::unique_ptr<DecodeEndpoint> decode;
+    CircuitBreaker breaker;
+    std::atomic<int32_t> in_flight{0};
+    mutable std::mutex mu;
+    std::string node_id ABSL_GUARDED_BY(mu);  // learned from Status / Reserve
+    const std::string& address() const {
+      return prefill != nullptr ? prefill->address() : decode->address();
+    }
+    std::string NodeId() const {
+      std::lock_guard<std::mutex> lock(mu);
+      return node_id;
+    }
+    void SetNodeId(const std::string& id) {
+      std::lock_guard<std::mutex> lock(mu);
+      node_id = id;
+    }
+  };
+  enum class Blame { kNone, kPrefill, kDecode };
+
+  Gateway(GatewayOptions options, kv::ModelConfig config, MetricsRegistry* metrics, Clock* clock);
+  absl::Status Validate(const kvrelay::v1::GenerateRequest& request) const;
+  Node* PickPrefill(const std::vector<int32_t>& prompt, const std::string& salt,
+                    const std::vector<Node*>& excluded, absl::Time deadline);
+  Node* PickDecode(const std::vector<Node*>& excluded);
+  // Which node a failed step is attributed to, from its ErrorInfo (the node called when the
+  // failure carries none). kNone for the caller's own deadline, cancellation or bad input.
+  Blame Attribute(const absl::Status& status, Blame called, absl::Time deadline) const;
+  void CountFailure(const absl::Status& status, const char* role);
+
+  const GatewayOptions options_;
+  const kv::ModelConfig config_;
+  const std::string layout_fingerprint_;
+  MetricsRegistry* metrics_;
+  Clock* const clock_;
+  std::unique_ptr<cachestore::CacheStoreClient> store_;
+  std::vector<std::unique_ptr<Node>> prefills_;
+  std::vector<std::unique_ptr<Node>> decodes_;
+  std::atomic<uint64_t> next_request_{1};
+  // One rotation per role, so ties are broken independently for each picker.
+  std::atomic<uint64_t> prefill_rotation_{0};
+  std::atomic<uint64_t> decode_rotation_{0};
+  const std::string instance_id_;
+
+  Histogram* ttft_seconds_;
+  Histogram* tpot_seconds_;
+  Counter* prefix_query_tokens_;
+  Counter* prefix_hit_tokens_;
+  Counter* transferred_bytes_;
+  Counter* failovers_;
+};
+
+}  // namespace kvrelay::gateway

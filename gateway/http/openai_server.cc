@@ -1,0 +1,590 @@
+#include "gateway/http/openai_server.h"
+
+#include <httplib.h>
+
+#include <algorithm>
+#include <atomic>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "common/logging.h"
+#include "gateway/tokenizer/byte_tokenizer.h"
+#include "nlohmann/json.hpp"
+#include "proto/grpc_status.h"
+#include "proto/limits.h"
+
+namespace kvrelay::gateway {
+namespace {
+
+using Json = nlohmann::json;
+
+constexpr int kMaxStops = 4;
+constexpr size_t kMaxStopBytes = 256;
+
+class ByteTextCodec final : public TextCodec {
+ public:
+  absl::StatusOr<std::vector<int32_t>> Encode(std::string_view text) const override {
+    return EncodeBytes(text);
+  }
+  std::string Decode(absl::Span<const int32_t> tokens) const override {
+    std::string text;
+    for (int32_t t : tokens) {
+      if (t >= 0 && t < kByteVocabSize) text.push_back(static_cast<char>(t));
+    }
+    return text;
+  }
+  std::string ApplyChatTemplate(
+      const std::vector<std::pair<std::string, std::string>>& messages) const override {
+    std::string text;
+    for (const auto& [role, content] : messages) absl::StrAppend(&text, "<|", role, "|>\n", content, "\n");
+    absl::StrAppend(&text, "<|assistant|>\n");
+    return text;
+  }
+};
+
+// An OpenAI-shaped error.
+struct HttpError {
+  int status = 400;
+  std::string type = "invalid_request_error";
+  std::string message;
+  std::string param;  // the offending field, when one is
+  std::string code;
+};
+
+HttpError FromStatus(const absl::Status& s) {
+  HttpError e;
+  e.message = std::string(s.message());
+  switch (s.code()) {
+    case absl::StatusCode::kInvalidArgument:
+    case absl::StatusCode::kOutOfRange:
+      e.status = 400;
+      break;
+    case absl::StatusCode::kUnauthenticated:
+      e.status = 401;
+      e.type = "authentication_error";
+      break;
+    case absl::StatusCode::kPermissionDenied:
+      e.status = 403;
+      e.type = "permission_error";
+      break;
+    case absl::StatusCode::kNotFound:
+      e.status = 404;
+      e.type = "not_found_error";
+      break;
+    case absl::StatusCode::kResourceExhausted:
+      e.status = 429;
+      e.type = "rate_limit_error";
+      break;
+    case absl::StatusCode::kUnavailable:
+      e.status = 503;
+      e.type = "service_unavailable";
+      break;
+    case absl::StatusCode::kDeadlineExceeded:
+      e.status = 504;
+      e.type = "timeout";
+      break;
+    default:
+      e.status = 500;
+      e.type = "server_error";
+  }
+  // Gateway validation messages start with the field name ("tokens: ...", "max_tokens must").
+  if (e.status == 400) {
+    const std::string_view m = e.message;
+    for (const char* field : {"max_tokens", "temperature", "top_p", "tokens", "model"}) {
+      if (m.rfind(field, 0) == 0 || m.find(std::string("sampling.") + field) == 0) {
+        e.param = std::string(field) == "tokens" ? "prompt" : field;
+      }
+    }
+  }
+  return e;
+}
+
+std::string ErrorBody(const HttpError& e) {
+  Json j;
+  j["error"]["message"] = e.message;
+  j["error"]["type"] = e.type;
+  j["error"]["param"] = e.param.empty() ? Json(nullptr) : Json(e.param);
+  j["error"]["code"] = e.code.empty() ? Json(nullptr) : Json(e.code);
+  return j.dump(-1, ' ', false, Json::error_handler_t::replace);
+}
+
+void SendError(httplib::Response& res, const HttpError& e) {
+  res.status = e.status;
+  res.set_content(ErrorBody(e), "application/json");
+}
+
+HttpError Bad(std::string param, std::string message) {
+  HttpError e;
+  e.param = std::move(param);
+  e.message = std::move(message);
+  return e;
+}
+
+struct Parsed {
+  bool chat = false;
+  std::vector<int32_t> prompt;
+  int32_t max_tokens = 16;
+  float temperature = 1.0f;
+  float top_p = 1.0f;
+  uint64_t seed = 0;
+  std::vector<std::string> stops;
+  bool stream = false;
+  bool include_usage = false;
+};
+
+// Reads an optional number field; false (with `error`) when present but not a number in range.
+bool ReadNumber(const Json& body, const char* field, double lo, double hi, double* out,
+                HttpError* error) {
+  auto it = body.find(field);
+  if (it == body.end() || it->is_null()) return true;
+  if (!it->is_number()) {
+    *error = Bad(field, absl::StrCat(field, " must be a number"));
+    return false;
+  }
+  const double v = it->get<double>();
+  if (!(v >= lo && v <= hi)) {
+    *error = Bad(field, absl::StrCat(field, " must be in [", lo, ", ", hi, "], got ", v));
+    return false;
+  }
+  *out = v;
+  return true;
+}
+
+std::optional<HttpError> Parse(const Json& body, bool chat, const OpenAiHttpOptions& options,
+                               const TextCodec& codec, Parsed* out) {
+  out->chat = chat;
+  out->max_tokens = options.default_max_tokens;
+  if (!body.is_object()) return Bad("", "the request body must be a JSON object");
+  auto model = body.find("model");
+  if (model == body.end() || !model->is_string()) {
+    return Bad("model", "model is required and must be a string");
+  }
+  if (model->get<std::string>() != options.model_name) {
+    HttpError e;
+    e.status = 404;
+    e.type = "invalid_request_error";
+    e.param = "model";
+    e.code = "model_not_found";
+    e.message = absl::StrCat("The model '", model->get<std::string>(),
+                             "' does not exist; this server serves '", options.model_name, "'");
+    return e;
+  }
+  if (chat) {
+    auto messages = body.find("messages");
+    if (messages == body.end() || !messages->is_array() || messages->empty()) {
+      return Bad("messages", "messages must be a non-empty array");
+    }
+    std::vector<std::pair<std::string, std::string>> turns;
+    for (size_t i = 0; i < messages->size(); ++i) {
+      const Json& m = (*messages)[i];
+      const std::string where = absl::StrCat("messages[", i, "]");
+      if (!m.is_object()) return Bad(where, absl::StrCat(where, " must be an object"));
+      auto role = m.find("role");
+      auto content = m.find("content");
+      if (role == m.end() || !role->is_string()) {
+        return Bad(where + ".role", absl::StrCat(where, ".role must be a string"));
+      }
+      const std::string r = role->get<std::string>();
+      if (r != "system" && r != "user" && r != "assistant" && r != "developer" && r != "tool") {
+        return Bad(where + ".role", absl::StrCat(where, ".role '", r, "' is not a known role"));
+      }
+      std::string text;
+      if (content != m.end() && content->is_string()) {
+        text = content->get<std::string>();
+      } else if (content != m.end() && content->is_array()) {
+        for (const Json& part : *content) {
+          if (!part.is_object() || part.value("type", "") != "text" ||
+              !part.contains("text") || !part["text"].is_string()) {
+            return Bad(where + ".content", "only text content parts are supported");
+          }
+          text += part["text"].get<std::string>();
+        }
+      } else {
+        return Bad(where + ".content", absl::StrCat(where, ".content must be a string"));
+      }
+      turns.emplace_back(r, std::move(text));
+    }
+    absl::StatusOr<std::vector<int32_t>> ids = codec.Encode(codec.ApplyChatTemplate(turns));
+    if (!ids.ok()) return Bad("messages", std::string(ids.status().message()));
+    out->prompt = *std::move(ids);
+  } else {
+    auto prompt = body.find("prompt");
+    if (prompt == body.end()) return Bad("prompt", "prompt is required");
+    if (prompt->is_string()) {
+      absl::StatusOr<std::vector<int32_t>> ids = codec.Encode(prompt->get<std::string>());
+      if (!ids.ok()) return Bad("prompt", std::string(ids.status().message()));
+      out->prompt = *std::move(ids);
+    } else if (prompt->is_array() && !prompt->empty() && (*prompt)[0].is_number_integer()) {
+      for (const Json& t : *prompt) {
+        if (!t.is_number_integer()) return Bad("prompt", "prompt token ids must be integers");
+        const int64_t id = t.get<int64_t>();
+        if (id < 0 || id > INT32_MAX) return Bad("prompt", absl::StrCat("token id ", id, " is out of range"));
+        out->prompt.push_back(static_cast<int32_t>(id));
+      }
+    } else {
+      return Bad("prompt", "prompt must be a string or an array of token ids (one prompt)");
+    }
+  }
+  if (out->prompt.empty()) return Bad(chat ? "messages" : "prompt", "the prompt is empty");
+
+  HttpError error;
+  double v = out->max_tokens;
+  const char* max_field = body.contains("max_completion_tokens") ? "max_completion_tokens"
+                                                                 : "max_tokens";
+  if (!ReadNumber(body, max_field, 1, limits::kMaxGenerateTokens, &v, &error)) return error;
+  if (v != static_cast<int32_t>(v)) return Bad(max_field, absl::StrCat(max_field, " must be an integer"));
+  out->max_tokens = static_cast<int32_t>(v);
+  v = out->temperature;
+  if (!ReadNumber(body, "temperature", 0, 2, &v, &error)) return error;
+  out->temperature = static_cast<float>(v);
+  v = out->top_p;
+  if (!ReadNumber(body, "top_p", 0, 1, &v, &error)) return error;
+  if (v <= 0) return Bad("top_p", "top_p must be in (0, 1]");
+  out->top_p = static_cast<float>(v);
+  if (auto seed = body.find("seed"); seed != body.end() && !seed->is_null()) {
+    if (!seed->is_number_integer()) return Bad("seed", "seed must be an integer");
+    out->seed = static_cast<uint64_t>(seed->get<int64_t>());
+  }
+  if (auto stop = body.find("stop"); stop != body.end() && !stop->is_null()) {
+    if (stop->is_string()) {
+      out->stops.push_back(stop->get<std::string>());
+    } else if (stop->is_array() && stop->size() <= kMaxStops) {
+      for (const Json& s : *stop) {
+        if (!s.is_string()) return Bad("stop", "stop entries must be strings");
+        out->stops.push_back(s.get<std::string>());
+      }
+    } else {
+      return Bad("stop", absl::StrCat("stop must be a string or up to ", kMaxStops, " strings"));
+    }
+    for (const std::string& s : out->stops) {
+      if (s.empty() || s.size() > kMaxStopBytes) {
+        return Bad("stop", absl::StrCat("stop strings must be 1-", kMaxStopBytes, " bytes"));
+      }
+    }
+  }
+  if (auto stream = body.find("stream"); stream != body.end() && !stream->is_null()) {
+    if (!stream->is_boolean()) return Bad("stream", "stream must be a boolean");
+    out->stream = stream->get<bool>();
+  }
+  if (auto so = body.find("stream_options"); so != body.end() && !so->is_null()) {
+    if (!so->is_object()) return Bad("stream_options", "stream_options must be an object");
+    if (auto iu = so->find("include_usage"); iu != so->end()) {
+      if (!iu->is_boolean()) {
+        return Bad("stream_options.include_usage", "include_usage must be a boolean");
+      }
+      out->include_usage = iu->get<bool>();
+    }
+  }
+  if (auto n = body.find("n"); n != body.end() && !n->is_null() && !(n->is_number_integer() && n->get<int64_t>() == 1)) {
+    return Bad("n", "only n = 1 is supported");
+  }
+  return std::nullopt;
+}
+
+// Follows the generated text: holds back what could still be the start of a stop string or an
+// unfinished UTF-8 character, and ends the text at the first stop string.
+class TextTracker {
+ public:
+  TextTracker(const TextCodec* codec, std::vector<std::string> stops)
+      : codec_(codec), stops_(std::move(stops)) {
+    for (const std::string& s : stops_) hold_ = std::max(hold_, s.size() - 1);
+  }
+  // Adds tokens; returns the text that can be released now.
+  std::string Add(absl::Span<const int32_t> tokens) {
+    tokens_.insert(tokens_.end(), tokens.begin(), tokens.end());
+    const std::string text = codec_->Decode(tokens_);
+    size_t end = text.size();
+    for (const std::string& s : stops_) {
+      const size_t at = text.find(s);
+      if (at != std::string::npos && at < end) {
+        end = at;
+        stopped_ = true;
+      }
+    }
+    if (!stopped_) {
+      end = text.size() > hold_ ? text.size() - hold_ : 0;
+      // Never split a UTF-8 character.
+      while (end > released_ && end < text.size() &&
+             (static_cast<unsigned char>(text[end]) & 0xC0) == 0x80) {
+        --end;
+      }
+    }
+    return Release(text, end);
+  }
+  std::string Finish() {
+    if (stopped_) return "";
+    const std::string text = codec_->Decode(tokens_);
+    return Release(text, text.size());
+  }
+  bool stopped() const { return stopped_; }
+  const std::vector<int32_t>& tokens() const { return tokens_; }
+
+ private:
+  std::string Release(const std::string& text, size_t end) {
+    if (end <= released_) return "";
+    std::string out = text.substr(released_, end - released_);
+    released_ = end;
+    return out;
+  }
+  const TextCodec* codec_;
+  const std::vector<std::string> stops_;
+  size_t hold_ = 0;
+  std::vector<int32_t> tokens_;
+  size_t released_ = 0;
+  bool stopped_ = false;
+};
+
+int64_t NowSeconds() { return absl::ToUnixSeconds(absl::Now()); }
+
+std::string NewId(const char* prefix) {
+  static std::atomic<uint64_t> next{1};
+  return absl::StrCat(prefix, absl::ToUnixMicros(absl::Now()), "-", next.fetch_add(1));
+}
+
+Json Usage(int32_t prompt_tokens, int32_t completion_tokens, int32_t cached_tokens) {
+  Json usage;
+  usage["prompt_tokens"] = prompt_tokens;
+  usage["completion_tokens"] = completion_tokens;
+  usage["total_tokens"] = prompt_tokens + completion_tokens;
+  usage["prompt_tokens_details"]["cached_tokens"] = cached_tokens;
+  return usage;
+}
+
+}  // namespace
+
+std::unique_ptr<TextCodec> MakeByteTextCodec() { return std::make_unique<ByteTextCodec>(); }
+
+OpenAiHttpServer::OpenAiHttpServer(OpenAiHttpOptions options, Gateway* gateway,
+                                   const TextCodec* codec)
+    : options_(std::move(options)), gateway_(gateway), codec_(codec) {}
+
+absl::StatusOr<std::unique_ptr<OpenAiHttpServer>> OpenAiHttpServer::Start(
+    OpenAiHttpOptions options, Gateway* gateway, const TextCodec* codec) {
+  if (!options.resolve_tenant) {
+    return absl::InvalidArgumentError("OpenAiHttpServer needs a tenant resolver");
+  }
+  auto server =
+      std::unique_ptr<OpenAiHttpServer>(new OpenAiHttpServer(std::move(options), gateway, codec));
+  const ::kvrelay::server::SecurityOptions& tls = server->options_.security;
+  if (!tls.insecure && !tls.cert_file.empty()) {
+    auto https = std::make_unique<httplib::SSLServer>(tls.cert_file.c_str(), tls.key_file.c_str());
+    if (!https->is_valid()) {
+      return absl::InvalidArgumentError(absl::StrCat("HTTPS: cannot load --tls-cert ",
+                                                     tls.cert_file, " / --tls-key ", tls.key_file));
+    }
+    server->http_ = std::move(https);
+  } else {
+    server->http_ = std::make_unique<httplib::Server>();
+  }
+  server->http_->set_payload_max_length(server->options_.max_body_bytes);
+  server->http_->set_read_timeout(10, 0);
+  server->Routes();
+  const std::string& host = server->options_.host;
+  if (server->options_.port == 0) {
+    server->port_ = server->http_->bind_to_any_port(host);
+  } else if (server->http_->bind_to_port(host, server->options_.port)) {
+    server->port_ = server->options_.port;
+  }
+  if (server->port_ <= 0) {
+    return absl::UnavailableError(
+        absl::StrCat("http-port: cannot listen on ", host, ":", server->options_.port));
+  }
+  httplib::Server* http = server->http_.get();
+  server->thread_ = std::thread([http] { http->listen_after_bind(); });
+  return server;
+}
+
+OpenAiHttpServer::~OpenAiHttpServer() {
+  if (http_ != nullptr) http_->stop();
+  if (thread_.joinable()) thread_.join();
+}
+
+void OpenAiHttpServer::Routes() {
+  http_->Get("/v1/models", [this](const httplib::Request& req, httplib::Response& res) {
+    if (absl::StatusOr<std::string> tenant =
+            options_.resolve_tenant(req.get_header_value("Authorization"));
+        !tenant.ok()) {
+      SendError(res, FromStatus(tenant.status()));
+      return;
+    }
+    Json model;
+    model["id"] = options_.model_name;
+    model["object"] = "model";
+    model["created"] = 0;
+    model["owned_by"] = "kvrelay";
+    Json list;
+    list["object"] = "list";
+    list["data"] = Json::array({model});
+    res.set_content(list.dump(-1, ' ', false, Json::error_handler_t::replace), "application/json");
+  });
+
+  auto generate = [this](bool chat) {
+    return [this, chat](const httplib::Request& req, httplib::Response& res) {
+      absl::StatusOr<std::string> tenant =
+          options_.resolve_tenant(req.get_header_value("Authorization"));
+      if (!tenant.ok()) {
+        SendError(res, FromStatus(tenant.status()));
+        return;
+      }
+      Json body = Json::parse(req.body, nullptr, /*allow_exceptions=*/false);
+      if (body.is_discarded()) {
+        SendError(res, Bad("", "the request body is not valid JSON"));
+        return;
+      }
+      Parsed p;
+      if (std::optional<HttpError> e = Parse(body, chat, options_, *codec_, &p)) {
+        SendError(res, *e);
+        return;
+      }
+      auto request = std::make_shared<kvrelay::v1::GenerateRequest>();
+      for (int32_t t : p.prompt) request->add_tokens(t);
+      request->set_model(options_.model_name);
+      request->set_tenant(*tenant);
+      request->set_max_tokens(p.max_tokens);
+      request->mutable_sampling()->set_temperature(p.temperature);
+      request->mutable_sampling()->set_top_p(p.top_p);
+      request->mutable_sampling()->set_seed(p.seed);
+      request->set_eos_token(-1);
+      const std::string id = NewId(chat ? "chatcmpl-" : "cmpl-");
+      const int64_t created = NowSeconds();
+      const std::string object = chat ? "chat.completion" : "text_completion";
+      const absl::Time deadline = absl::Now() + options_.request_timeout;
+
+      auto choice_json = [chat](const std::string& text, const std::vector<int32_t>& ids,
+                                bool streaming, const Json& finish_reason, bool first) {
+        Json choice;
+        choice["index"] = 0;
+        if (chat) {
+          Json message;
+          if (!streaming || first) message["role"] = "assistant";
+          message["content"] = text;
+          choice[streaming ? "delta" : "message"] = message;
+        } else {
+          choice["text"] = text;
+          choice["logprobs"] = nullptr;
+        }
+        choice["token_ids"] = ids;
+        choice["finish_reason"] = finish_reason;
+        return choice;
+      };
+      auto finish_reason = [max_tokens = p.max_tokens](
+                               const TextTracker& tracker,
+                               const kvrelay::v1::GenerateSummary& summary) {
+        if (tracker.stopped()) return std::string("stop");
+        return summary.generated_tokens() >= max_tokens ? std::string("length")
+                                                         : std::string("stop");
+      };
+
+      if (!p.stream) {
+        TextTracker tracker(codec_, p.stops);
+        std::string text;
+        kvrelay::v1::GenerateSummary summary;
+        absl::Status s = gateway_->Generate(
+            *request, deadline,
+            [&](const kvrelay::v1::GenerateResponse& r) {
+              if (r.has_summary()) summary = r.summary();
+              text += tracker.Add(r.tokens());
+              return !tracker.stopped();
+            },
+            [] { return false; });
+        if (!s.ok()) {
+          SendError(res, FromStatus(s));
+          return;
+        }
+        text += tracker.Finish();
+        Json out;
+        out["id"] = id;
+        out["object"] = object;
+        out["created"] = created;
+        out["model"] = options_.model_name;
+        out["choices"] = Json::array(
+            {choice_json(text, tracker.tokens(), false, finish_reason(tracker, summary), true)});
+        out["usage"] = Usage(static_cast<int32_t>(p.prompt.size()),
+                             static_cast<int32_t>(tracker.tokens().size()),
+                             summary.prefix_hit_tokens());
+        res.set_content(out.dump(-1, ' ', false, Json::error_handler_t::replace), "application/json");
+        return;
+      }
+
+      res.set_header("Cache-Control", "no-cache");
+      res.set_chunked_content_provider(
+          "text/event-stream",
+          [this, request, p, id, created, chat, deadline, choice_json, finish_reason](
+              size_t, httplib::DataSink& sink) {
+            const std::string chunk_object = chat ? "chat.completion.chunk" : "text_completion";
+            bool client_gone = false;
+            bool first = true;
+            auto send = [&](const Json& event) {
+              if (client_gone) return false;
+              const std::string line = absl::StrCat("data: ", event.dump(-1, ' ', false, Json::error_handler_t::replace), "\n\n");
+              if (!sink.write(line.data(), line.size())) client_gone = true;
+              return !client_gone;
+            };
+            auto envelope = [&](Json choices) {
+              Json event;
+              event["id"] = id;
+              event["object"] = chunk_object;
+              event["created"] = created;
+              event["model"] = options_.model_name;
+              event["choices"] = std::move(choices);
+              return event;
+            };
+            TextTracker tracker(codec_, p.stops);
+            kvrelay::v1::GenerateSummary summary;
+            absl::Status s = gateway_->Generate(
+                *request, deadline,
+                [&](const kvrelay::v1::GenerateResponse& r) {
+                  if (r.has_summary()) {
+                    summary = r.summary();
+                    return true;
+                  }
+                  const std::string delta = tracker.Add(r.tokens());
+                  const std::vector<int32_t> ids(r.tokens().begin(), r.tokens().end());
+                  if (!send(envelope(Json::array(
+                          {choice_json(delta, ids, true, nullptr, first)})))) {
+                    return false;
+                  }
+                  first = false;
+                  return !tracker.stopped();
+                },
+                [&client_gone] { return client_gone; });
+            if (client_gone) return false;
+            if (!s.ok()) {
+              // Headers are gone already: the error travels as an event, as OpenAI does.
+              const HttpError e = FromStatus(s);
+              const std::string line = absl::StrCat("data: ", ErrorBody(e), "\n\n");
+              sink.write(line.data(), line.size());
+            } else {
+              const std::string rest = tracker.Finish();
+              send(envelope(Json::array({choice_json(rest, {}, true,
+                                                     finish_reason(tracker, summary), first)})));
+              if (p.include_usage) {
+                Json usage = envelope(Json::array());
+                usage["usage"] = Usage(static_cast<int32_t>(p.prompt.size()),
+                                       static_cast<int32_t>(tracker.tokens().size()),
+                                       summary.prefix_hit_tokens());
+                send(usage);
+              }
+            }
+            const std::string done = "data: [DONE]\n\n";
+            sink.write(done.data(), done.size());
+            sink.done();
+            return true;
+          });
+    };
+  };
+  http_->Post("/v1/completions", generate(false));
+  http_->Post("/v1/chat/completions", generate(true));
+  http_->set_error_handler([](const httplib::Request& req, httplib::Response& res) {
+    if (!res.body.empty()) return;  // a handler already answered
+    HttpError e;
+    e.status = res.status;
+    e.type = res.status == 404 ? "not_found_error" : "invalid_request_error";
+    e.message = res.status == 404 ? absl::StrCat("no route ", req.method, " ", req.path)
+                                  : absl::StrCat("HTTP ", res.status);
+    if (res.status == 413) e.message = "the request body is too large";
+    res.set_content(ErrorBody(e), "application/json");
+  });
+}
+
+}  // namespace kvrelay::gateway

@@ -1,0 +1,174 @@
+// `kvrelay gateway`: runs the gateway until SIGTERM.
+
+#include "gateway/server/command.h"
+
+#include <cstdio>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "common/file_util.h"
+#include "common/flags.h"
+#include "common/logging.h"
+#include "common/server/server_flags.h"
+#include "common/server/service_host.h"
+#include "gateway/gateway.h"
+#include "gateway/http/openai_server.h"
+#include "gateway/server/gateway_service.h"
+
+namespace kvrelay::gateway::server {
+namespace {
+
+std::string ModelNameFromDir(std::string dir) {
+  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+  return dir.substr(dir.rfind('/') + 1);
+}
+
+}  // namespace
+
+int RunGatewayCommand(const std::vector<std::string>& raw_args) {
+  kvrelay::server::ServiceHost::BlockShutdownSignals();
+  GatewayOptions options;
+  kvrelay::server::ServiceHostOptions host;
+  host.name = "gateway";
+  host.port = 50051;
+  host.health_services = {"kvrelay.v1.Gateway"};
+  std::string cachestore, prefill, decode, secret_file;
+  FlagSet flags("gateway", "Runs the gateway: Generate with KV-aware routing.");
+  kvrelay::server::AddServerFlags(flags, host);
+  flags.AddString("cachestore", &cachestore, "cache store HOST:PORT (prefix-aware routing)");
+  flags.AddString("prefill", &prefill, "prefill workers, HOST:PORT[,HOST:PORT...]");
+  flags.AddString("decode", &decode, "decode workers, HOST:PORT[,HOST:PORT...]");
+  flags.AddString("model", &options.model_dir, "model directory the workers serve");
+  flags.AddString("model-name", &options.model_name,
+                  "model name requests use (default: the directory's base name)");
+  flags.AddString("tenant-secret-file", &secret_file,
+                  "file with the secret mixed into tenant salts (default: a fixed dev secret)");
+  flags.AddInt32("max-attempts", &options.max_attempts, "failed worker pairs tried per request");
+  flags.AddDuration("reserve-timeout", &options.reserve_timeout,
+                    "per-attempt bound on a decode worker's Reserve");
+  flags.AddDuration("prefill-timeout", &options.prefill_timeout,
+                    "per-attempt bound on a prefill (compute + push)");
+  flags.AddDuration("chunk-timeout", &options.chunk_timeout,
+                    "per-attempt bound on the wait for the first and every next token");
+  int32_t http_port = -1;
+  std::string http_host;
+  flags.AddInt32("http-port", &http_port,
+                 "OpenAI-compatible HTTP port (/v1/completions, /v1/chat/completions, "
+                 "/v1/models); -1: off, 0: any free port");
+  flags.AddString("http-host", &http_host, "address the HTTP port listens on (default: --host)");
+  flags.AddDuration("breaker-open", &options.breaker.open_for,
+                    "how long a failed worker is skipped before a probe (doubles per failed "
+                    "probe)");
+  if (std::optional<int> exit_code =
+          kvrelay::server::ParseCommandLine(flags, raw_args, "gateway", &host.security)) {
+    return *exit_code;
+  }
+  std::vector<std::string> prefill_addresses, decode_addresses;
+  for (absl::string_view a : absl::StrSplit(prefill, ',', absl::SkipEmpty())) {
+    prefill_addresses.emplace_back(a);
+  }
+  for (absl::string_view a : absl::StrSplit(decode, ',', absl::SkipEmpty())) {
+    decode_addresses.emplace_back(a);
+  }
+  if (prefill_addresses.empty() || decode_addresses.empty()) {
+    return kvrelay::server::UsageError("gateway",
+                                       "at least one --prefill and one --decode worker is needed");
+  }
+  for (const auto& list : {prefill_addresses, decode_addresses}) {
+    for (const std::string& a : list) {
+      if (absl::Status s = kvrelay::server::CheckHostPort(a, "--prefill/--decode entry");
+          !s.ok()) {
+        return kvrelay::server::UsageError("gateway", std::string(s.message()));
+      }
+    }
+  }
+  if (!cachestore.empty()) {
+    if (absl::Status s = kvrelay::server::CheckHostPort(cachestore, "--cachestore"); !s.ok()) {
+      return kvrelay::server::UsageError("gateway", std::string(s.message()));
+    }
+  }
+  if (options.model_dir.empty()) return kvrelay::server::UsageError("gateway", "--model is required");
+  if (options.model_name.empty()) options.model_name = ModelNameFromDir(options.model_dir);
+  if (secret_file.empty()) {
+    options.tenant_secret = "kvrelay-development-secret";
+    KV_LOG(WARNING) << "no --tenant-secret-file: using the development secret";
+  } else {
+    absl::StatusOr<std::string> secret = ReadFileToString(secret_file);
+    if (!secret.ok() || absl::StripAsciiWhitespace(*secret).empty()) {
+      return kvrelay::server::UsageError(
+          "gateway", absl::StrCat("--tenant-secret-file: ",
+                                  secret.ok() ? "empty" : std::string(secret.status().message())));
+    }
+    options.tenant_secret = std::string(absl::StripAsciiWhitespace(*secret));
+  }
+
+  Gateway::Workers workers;
+  for (const std::string& a : prefill_addresses) {
+    absl::StatusOr<std::unique_ptr<PrefillEndpoint>> e = MakeGrpcPrefillEndpoint(a, host.security);
+    if (!e.ok()) return kvrelay::server::UsageError("gateway", e.status().ToString(), 1);
+    workers.prefill.push_back(*std::move(e));
+  }
+  for (const std::string& a : decode_addresses) {
+    absl::StatusOr<std::unique_ptr<DecodeEndpoint>> e = MakeGrpcDecodeEndpoint(a, host.security);
+    if (!e.ok()) return kvrelay::server::UsageError("gateway", e.status().ToString(), 1);
+    workers.decode.push_back(*std::move(e));
+  }
+  std::unique_ptr<cachestore::CacheStoreClient> store;
+  if (!cachestore.empty()) {
+    absl::StatusOr<std::shared_ptr<grpc::Channel>> channel =
+        kvrelay::server::MakeChannel(cachestore, host.security);
+    if (!channel.ok()) return kvrelay::server::UsageError("gateway", channel.status().ToString(), 1);
+    store = cachestore::CacheStoreClient::FromChannel(
+        *std::move(channel),
+        cachestore::CacheStoreClient::Options{.timeout = options.route_timeout});
+  }
+  MetricsRegistry metrics;
+  absl::StatusOr<std::unique_ptr<Gateway>> gateway =
+      Gateway::Create(options, std::move(workers), std::move(store), &metrics);
+  if (!gateway.ok()) {
+    std::fprintf(stderr, "kvrelay gateway: %s\n", gateway.status().ToString().c_str());
+    return gateway.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
+  }
+  GatewayService service(gateway->get());
+  absl::StatusOr<std::unique_ptr<kvrelay::server::ServiceHost>> server =
+      kvrelay::server::ServiceHost::Start(host, {&service}, &metrics);
+  if (!server.ok()) {
+    std::fprintf(stderr, "kvrelay gateway: %s\n", server.status().ToString().c_str());
+    return 1;
+  }
+  std::unique_ptr<TextCodec> codec = MakeByteTextCodec();
+  std::unique_ptr<OpenAiHttpServer> http;
+  if (http_port >= 0) {
+    OpenAiHttpOptions http_options;
+    http_options.host = http_host.empty() ? host.host : http_host;
+    http_options.port = http_port;
+    http_options.model_name = options.model_name;
+    http_options.security = host.security;
+    // TODO(security): verified bearer tokens; until then only the plain-text dev mode has a
+    // tenant for HTTP callers, and it is one shared tenant.
+    const bool insecure = host.security.insecure;
+    http_options.resolve_tenant =
+        [insecure](const std::string& authorization) -> absl::StatusOr<std::string> {
+      if (insecure) return std::string("anonymous");
+      if (authorization.empty()) {
+        return absl::UnauthenticatedError("an Authorization: Bearer token is required");
+      }
+      return absl::PermissionDeniedError("no bearer-token verifier is configured");
+    };
+    absl::StatusOr<std::unique_ptr<OpenAiHttpServer>> started =
+        OpenAiHttpServer::Start(std::move(http_options), gateway->get(), codec.get());
+    if (!started.ok()) {
+      std::fprintf(stderr, "kvrelay gateway: %s\n", started.status().ToString().c_str());
+      return 1;
+    }
+    http = *std::move(started);
+    std::printf("gateway http listening on %s:%d\n",
+                (http_host.empty() ? host.host : http_host).c_str(), http->port());
+    std::fflush(stdout);
+  }
+  (*server)->WaitForShutdown({.on_drain = [&http] { http.reset(); }});
+  return 0;
+}
+
+}  // namespace kvrelay::gateway::server

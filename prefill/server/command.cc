@@ -1,0 +1,41 @@
+// `kvrelay prefill`: runs a prefill worker until SIGTERM.
+
+#include "prefill/server/command.h"
+
+#include <cstdio>
+
+#include "common/flags.h"
+#include "common/server/server_flags.h"
+#include "common/server/service_host.h"
+#include "prefill/prefill_worker.h"
+#include "prefill/server/prefill_service.h"
+#include "worker/worker_core.h"
+
+namespace kvrelay::prefill::server {
+
+int RunPrefillCommand(const std::vector<std::string>& raw_args) {
+  kvrelay::server::ServiceHost::BlockShutdownSignals();
+  PrefillWorkerOptions options;
+  kvrelay::server::ServiceHostOptions host;
+  host.name = "prefill";
+  host.health_services = {"kvrelay.v1.Prefill"};
+  FlagSet flags("prefill", "Runs a prefill worker: computes or reuses KV, pushes it to decode.");
+  worker::WorkerFlags worker_flags(host, options.core, options.model_name);
+  worker_flags.AddFlags(flags);
+  if (std::optional<int> exit_code =
+          worker_flags.Parse(flags, raw_args, /*cachestore_required=*/true)) {
+    return *exit_code;
+  }
+  MetricsRegistry metrics;
+  absl::StatusOr<std::unique_ptr<PrefillWorker>> worker = PrefillWorker::Create(options, &metrics);
+  if (!worker.ok()) {
+    std::fprintf(stderr, "kvrelay prefill: %s\n", worker.status().ToString().c_str());
+    return 1;
+  }
+  std::fprintf(stderr, "prefill: model %s, node %s, data plane %s\n", options.model_name.c_str(),
+               (*worker)->node_id().c_str(), (*worker)->transport_address().c_str());
+  PrefillService service(worker->get());
+  return kvrelay::server::ServeUntilSignal(host, {&service}, &metrics);
+}
+
+}  // namespace kvrelay::prefill::server

@@ -1,0 +1,26 @@
+#include "prefill/server/prefill_service.h"
+
+#include "proto/grpc_status.h"
+
+namespace kvrelay::prefill::server {
+
+grpc::Status PrefillService::Prefill(grpc::ServerContext* context,
+                                     const kvrelay::v1::PrefillRequest* request,
+                                     kvrelay::v1::PrefillResponse* response) {
+  // A call without a deadline still ends: two minutes is far above any sane prefill.
+  absl::Time deadline = absl::FromChrono(context->deadline());
+  if (deadline > absl::Now() + absl::Minutes(10)) deadline = absl::Now() + absl::Minutes(2);
+  absl::StatusOr<kvrelay::v1::PrefillResponse> result = worker_->Run(*request, deadline);
+  if (!result.ok()) return proto::ToGrpcStatus(result.status());
+  *response = *std::move(result);
+  return grpc::Status::OK;
+}
+
+grpc::Status PrefillService::Status(grpc::ServerContext*,
+                                    const kvrelay::v1::PrefillStatusRequest*,
+                                    kvrelay::v1::PrefillStatusResponse* response) {
+  *response = worker_->Describe();
+  return grpc::Status::OK;
+}
+
+}  // namespace kvrelay::prefill::server

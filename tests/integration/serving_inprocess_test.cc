@@ -1,0 +1,305 @@
+// One-process serving tests: the real cache store (gRPC on loopback), real prefill and decode
+// workers over the in-process transport (optionally behind the fault-injecting transport), and
+// the real gateway logic, with expiry driven by a SimulatedClock. Each case runs in well under
+// a second; the process-level tests in tests/e2e cover the same paths across processes.
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cachestore/cache_store.h"
+#include "cachestore/client/cache_store_client.h"
+#include "cachestore/server/service.h"
+#include "cli/colocated.h"
+#include "common/server/service_host.h"
+#include "decode/decode_worker.h"
+#include "gateway/gateway.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "model/test_model.h"
+#include "prefill/prefill_worker.h"
+#include "proto/grpc_status.h"
+#include "tests/integration/local_endpoints.h"
+#include "tests/testing/status_matchers.h"
+#include "tests/testing/test_env.h"
+#include "transfer/faulty_transport.h"
+#include "transfer/inproc/in_process_transport.h"
+
+namespace kvrelay::testing {
+namespace {
+
+using ::testing::ElementsAreArray;
+
+constexpr int kPrefill = 1;
+constexpr int kDecode = 2;
+
+class InProcessCluster : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    model_dir_ = dir_.File("model");
+    model::TestModelOptions model_options;
+    model_options.arch = "llama";
+    model_options.seed = 7;
+    KV_ASSERT_OK(model::WriteTestModel(model_dir_, model_options));
+    KV_ASSERT_OK_AND_ASSIGN(reference_, cli::ColocatedGenerator::Load(model_dir_));
+
+    cachestore::CacheStoreOptions store_options;
+    store_options.clock = &store_clock_;
+    store_options.default_node_ttl = absl::Seconds(2);
+    KV_ASSERT_OK_AND_ASSIGN(store_, cachestore::CacheStore::Create(store_options));
+    store_service_ =
+        std::make_unique<cachestore::server::CacheStoreService>(store_.get(),
+                                                                cachestore::server::Limits{});
+    server::ServiceHostOptions host;
+    host.name = "cachestore";
+    KV_ASSERT_OK_AND_ASSIGN(store_host_,
+                            server::ServiceHost::Start(host, {store_service_.get()}, nullptr));
+
+    for (int i = 0; i < kPrefill; ++i) {
+      prefill::PrefillWorkerOptions options;
+      options.core.model_dir = model_dir_;
+      options.core.node_id = "prefill-" + std::to_string(i);
+      options.core.cachestore_address = store_host_->address();
+      options.core.pool_blocks = 256;
+      options.core.cache_slots = 64;
+      options.model_name = "tiny";
+      KV_ASSERT_OK_AND_ASSIGN(auto transport, transfer::MakeInProcessTransport());
+      auto faulty = std::make_unique<transfer::FaultyTransport>(std::move(transport));
+      prefill_faults_.push_back(faulty.get());
+      KV_ASSERT_OK_AND_ASSIGN(
+          auto worker, prefill::PrefillWorker::Create(
+                           options, &metrics_,
+                           {.transport = std::move(faulty), .clock = &worker_clock_}));
+      prefills_.push_back(std::move(worker));
+    }
+    for (int i = 0; i < kDecode; ++i) {
+      decode::DecodeWorkerOptions options;
+      options.core.model_dir = model_dir_;
+      options.core.node_id = "decode-" + std::to_string(i);
+      options.core.pool_blocks = 64;
+      options.model_name = "tiny";
+      options.max_batch = 4;
+      options.max_queued = 4;
+      options.reservation_ttl = absl::Seconds(10);
+      KV_ASSERT_OK_AND_ASSIGN(auto transport, transfer::MakeInProcessTransport());
+      KV_ASSERT_OK_AND_ASSIGN(
+          auto worker, decode::DecodeWorker::Create(
+                           options, &metrics_,
+                           {.transport = std::move(transport), .clock = &worker_clock_}));
+      decodes_.push_back(std::move(worker));
+    }
+    gateway::Gateway::Workers workers;
+    for (auto& p : prefills_) {
+      auto endpoint = std::make_unique<LocalPrefillEndpoint>(p.get());
+      prefill_endpoints_.push_back(endpoint.get());
+      workers.prefill.push_back(std::move(endpoint));
+    }
+    for (auto& d : decodes_) {
+      auto endpoint = std::make_unique<LocalDecodeEndpoint>(d.get());
+      decode_endpoints_.push_back(endpoint.get());
+      workers.decode.push_back(std::move(endpoint));
+    }
+    gateway::GatewayOptions options;
+    options.model_dir = model_dir_;
+    options.model_name = "tiny";
+    options.tenant_secret = "test-secret";
+    options.breaker.open_for = absl::Seconds(1);
+    KV_ASSERT_OK_AND_ASSIGN(auto store_client,
+                            cachestore::CacheStoreClient::Connect(store_host_->address()));
+    KV_ASSERT_OK_AND_ASSIGN(gateway_, gateway::Gateway::Create(options, std::move(workers),
+                                                               std::move(store_client), &metrics_,
+                                                               &worker_clock_));
+  }
+
+  void TearDown() override {
+    gateway_.reset();
+    decodes_.clear();
+    prefills_.clear();
+    store_host_.reset();
+  }
+
+  std::vector<int32_t> Prompt(int n, int salt = 0) const {
+    std::vector<int32_t> tokens(n);
+    for (int i = 0; i < n; ++i) tokens[i] = (i * 31 + salt * 7 + 3) % 250 + 1;
+    return tokens;
+  }
+
+  struct Outcome {
+    absl::Status status;
+    std::vector<int32_t> tokens;
+    kvrelay::v1::GenerateSummary summary;
+  };
+  Outcome Generate(const std::vector<int32_t>& prompt, int max_tokens = 8,
+                   absl::Duration timeout = absl::Seconds(30)) {
+    kvrelay::v1::GenerateRequest request;
+    for (int32_t t : prompt) request.add_tokens(t);
+    request.set_tenant("tenant-a");
+    request.set_max_tokens(max_tokens);
+    Outcome out;
+    out.status = gateway_->Generate(
+        request, absl::Now() + timeout,
+        [&](const kvrelay::v1::GenerateResponse& r) {
+          out.tokens.insert(out.tokens.end(), r.tokens().begin(), r.tokens().end());
+          if (r.has_summary()) out.summary = r.summary();
+          return true;
+        },
+        [] { return false; });
+    return out;
+  }
+
+  std::vector<int32_t> Reference(const std::vector<int32_t>& prompt, int max_tokens = 8) {
+    cli::GenerationRequest request;
+    request.tokens = prompt;
+    request.max_tokens = max_tokens;
+    absl::StatusOr<cli::GenerationResult> result = reference_->Generate(request);
+    EXPECT_TRUE(result.ok()) << result.status();
+    return result.ok() ? result->tokens : std::vector<int32_t>{};
+  }
+
+  TempDir dir_;
+  std::string model_dir_;
+  std::unique_ptr<cli::ColocatedGenerator> reference_;
+  SimulatedClock store_clock_;
+  SimulatedClock worker_clock_;
+  MetricsRegistry metrics_;
+  std::unique_ptr<cachestore::CacheStore> store_;
+  std::unique_ptr<cachestore::server::CacheStoreService> store_service_;
+  std::unique_ptr<server::ServiceHost> store_host_;
+  std::vector<transfer::FaultyTransport*> prefill_faults_;
+  std::vector<std::unique_ptr<prefill::PrefillWorker>> prefills_;
+  std::vector<std::unique_ptr<decode::DecodeWorker>> decodes_;
+  std::vector<LocalPrefillEndpoint*> prefill_endpoints_;
+  std::vector<LocalDecodeEndpoint*> decode_endpoints_;
+  std::unique_ptr<gateway::Gateway> gateway_;
+};
+
+TEST_F(InProcessCluster, DisaggregatedTokensEqualColocatedAndPrefixesAreReused) {
+  const std::vector<int32_t> prompt = Prompt(70);
+  Outcome first = Generate(prompt);
+  KV_ASSERT_OK(first.status);
+  EXPECT_THAT(first.tokens, ElementsAreArray(Reference(prompt)));
+  EXPECT_EQ(first.summary.prefix_hit_tokens(), 0);
+  EXPECT_GT(first.summary.transferred_bytes(), 0);
+
+  Outcome second = Generate(prompt);
+  KV_ASSERT_OK(second.status);
+  EXPECT_THAT(second.tokens, ElementsAreArray(first.tokens));
+  EXPECT_EQ(second.summary.prefix_hit_tokens(), 64);  // 4 full blocks of 16 reused
+}
+
+TEST_F(InProcessCluster, CorruptPushIsDetectedAndRecomputed) {
+  prefill_faults_[0]->SetFaults({.corrupt = true});
+  const std::vector<int32_t> prompt = Prompt(50, 1);
+  Outcome out = Generate(prompt);
+  KV_ASSERT_OK(out.status);
+  EXPECT_THAT(out.tokens, ElementsAreArray(Reference(prompt)));
+  // The decode worker refused the corrupted blocks and computed the whole prompt itself.
+  EXPECT_EQ(out.summary.computed_prompt_tokens(), 50);
+}
+
+TEST_F(InProcessCluster, DecodeDyingMidStreamFailsOverWithCorrectTokens) {
+  const std::vector<int32_t> prompt = Prompt(40, 2);
+  const std::vector<int32_t> expected = Reference(prompt, 12);
+  // Whichever decode worker the gateway picks first dies after 5 tokens; the other survives.
+  auto deaths = std::make_shared<std::atomic<int>>(1);
+  for (LocalDecodeEndpoint* e : decode_endpoints_) e->DieAfterTokens(5, deaths);
+  Outcome out = Generate(prompt, 12);
+  KV_ASSERT_OK(out.status);
+  EXPECT_THAT(out.tokens, ElementsAreArray(expected));
+  EXPECT_EQ(out.summary.attempts(), 2);
+}
+
+TEST_F(InProcessCluster, DeadWorkerIsSkippedThenProbedAfterItsBreakerOpenTime) {
+  decode_endpoints_[0]->Kill();
+  const std::vector<int32_t> prompt = Prompt(33, 3);
+  const std::vector<int32_t> expected = Reference(prompt);
+  for (int i = 0; i < 4; ++i) {
+    Outcome out = Generate(prompt);
+    KV_ASSERT_OK(out.status) << i;
+    EXPECT_THAT(out.tokens, ElementsAreArray(expected));
+  }
+  // decode-0 is back; after the breaker's open time (simulated) a probe reaches it again.
+  decode_endpoints_[0]->Revive();
+  worker_clock_.Advance(absl::Seconds(2));
+  int served_by_0 = 0;
+  for (int i = 0; i < 4; ++i) {
+    Outcome out = Generate(prompt);
+    KV_ASSERT_OK(out.status);
+    if (out.summary.decode_worker() == decode_endpoints_[0]->address()) ++served_by_0;
+  }
+  EXPECT_GT(served_by_0, 0);
+}
+
+TEST_F(InProcessCluster, OverloadIsRefusedAtOnceNotCollapsed) {
+  // 64 slots per decode worker, 16-token blocks: a 900-token request with 100 new tokens needs
+  // 63 blocks, so one fits per worker and a third is refused with RESOURCE_EXHAUSTED.
+  kvrelay::v1::ReserveRequest big;
+  big.set_model("tiny");
+  big.set_prompt_tokens(900);
+  big.set_max_tokens(100);
+  big.set_layout_fingerprint(gateway_->config().layout.fingerprint().bytes.data(),
+                             gateway_->config().layout.fingerprint().bytes.size());
+  for (int i = 0; i < kDecode; ++i) {
+    big.set_request_id("hold-" + std::to_string(i));
+    KV_ASSERT_OK(decodes_[i]->Reserve(big).status());
+  }
+  Outcome refused = Generate(Prompt(900, 4), 100);
+  EXPECT_THAT(refused.status, StatusIs(absl::StatusCode::kResourceExhausted));
+  std::optional<kvrelay::v1::ErrorInfo> info = proto::GetErrorInfo(refused.status);
+  ASSERT_TRUE(info.has_value());
+  EXPECT_EQ(info->reason(), kvrelay::v1::FAILURE_OVERLOADED);
+  // A small request still fits beside the big ones? No: 63 of 64 booked. Release one hold.
+  decodes_[0]->Release("hold-0");
+  worker_clock_.Advance(absl::Seconds(31));  // past the release grace: the slots come back
+  Outcome small = Generate(Prompt(20, 5), 4);
+  KV_ASSERT_OK(small.status);
+}
+
+TEST_F(InProcessCluster, UnclaimedReservationsExpireOnTheClock) {
+  kvrelay::v1::ReserveRequest r;
+  r.set_model("tiny");
+  r.set_prompt_tokens(100);
+  r.set_max_tokens(8);
+  r.set_layout_fingerprint(gateway_->config().layout.fingerprint().bytes.data(),
+                           gateway_->config().layout.fingerprint().bytes.size());
+  r.set_request_id("lapsed");
+  KV_ASSERT_OK(decodes_[0]->Reserve(r).status());
+  const int64_t free_before = decodes_[0]->Describe().free_slots();
+  worker_clock_.Advance(absl::Seconds(11));  // past reservation_ttl
+  r.set_request_id("next");
+  KV_ASSERT_OK(decodes_[0]->Reserve(r).status());
+  kvrelay::v1::DecodeStatusResponse status = decodes_[0]->Describe();
+  EXPECT_EQ(status.reserved_requests(), 1);        // the lapsed one was swept
+  EXPECT_EQ(status.free_slots(), free_before);     // and its blocks returned
+}
+
+TEST_F(InProcessCluster, LayoutMismatchIsRefusedNotServed) {
+  kvrelay::v1::ReserveRequest r;
+  r.set_request_id("wrong-layout");
+  r.set_model("tiny");
+  r.set_prompt_tokens(40);
+  r.set_max_tokens(4);
+  r.set_layout_fingerprint(std::string(16, '\x01'));
+  absl::StatusOr<kvrelay::v1::ReserveResponse> refused = decodes_[0]->Reserve(r);
+  EXPECT_THAT(refused.status(), StatusIs(absl::StatusCode::kFailedPrecondition));
+  ASSERT_TRUE(proto::GetErrorInfo(refused.status()).has_value());
+  EXPECT_EQ(proto::GetErrorInfo(refused.status())->reason(), kvrelay::v1::FAILURE_IDENTITY);
+}
+
+TEST_F(InProcessCluster, HeartbeatLossDropsTheNodesBlocksAndReuseComesBack) {
+  const std::vector<int32_t> prompt = Prompt(70, 6);
+  KV_ASSERT_OK(Generate(prompt).status);
+  Outcome hit = Generate(prompt);
+  KV_ASSERT_OK(hit.status);
+  EXPECT_EQ(hit.summary.prefix_hit_tokens(), 64);
+  // The store stops hearing from every node (simulated): they expire with their blocks.
+  store_clock_.Advance(absl::Minutes(10));
+  store_->Tick();
+  Outcome miss = Generate(prompt);
+  KV_ASSERT_OK(miss.status);
+  EXPECT_EQ(miss.summary.prefix_hit_tokens(), 0);
+  EXPECT_THAT(miss.tokens, ElementsAreArray(hit.tokens));
+}
+
+}  // namespace
+}  // namespace kvrelay::testing
