@@ -201,8 +201,8 @@ void BenchServerSide(const Options& opt) {
   spec.node_id = "bench-node";
   spec.ttl = absl::Hours(1);
   constexpr int kChains = 64;
-  spec.segments.push_back({"host0", kvrelay::cachestore::Tier::kHost, kChains * kChainLen * 2,
-                           1 << 20, "key"});
+  spec.segments.push_back(
+      {"host0", kvrelay::cachestore::Tier::kHost, kChains * kChainLen * 2, 1 << 20, "key"});
   (void)(*store)->RegisterNode(spec);
   absl::flat_hash_map<BlockHash, uint32_t> baseline;
   std::vector<std::vector<BlockHash>> chains;
@@ -269,8 +269,8 @@ void BenchGrpcVsRedis(const Options& opt) {
     return;
   }
   int out_fd = -1;
-  const pid_t cs = Spawn({kvrelay_bin, "cachestore", "--port", "0", "--metrics-port", "0"},
-                         &out_fd);
+  const pid_t cs =
+      Spawn({kvrelay_bin, "cachestore", "--port", "0", "--metrics-port", "0"}, &out_fd);
   const std::string line = ReadLine(out_fd);
   // "cachestore listening on 127.0.0.1:PORT metrics ..."
   const size_t at = line.find("on ");
@@ -353,10 +353,10 @@ void BenchGrpcVsRedis(const Options& opt) {
   // Redis: same hashes as 32-hex-digit keys.
   const int port = FreePort();
   int rfd = -1;
-  const pid_t redis = Spawn({"/usr/bin/redis-server", "--port", std::to_string(port), "--bind",
-                             "127.0.0.1", "--save", "", "--appendonly", "no", "--daemonize", "no",
-                             "--loglevel", "warning"},
-                            &rfd);
+  const pid_t redis =
+      Spawn({"/usr/bin/redis-server", "--port", std::to_string(port), "--bind", "127.0.0.1",
+             "--save", "", "--appendonly", "no", "--daemonize", "no", "--loglevel", "warning"},
+            &rfd);
   int setup_fd = -1;
   for (int i = 0; i < 200 && setup_fd < 0; ++i) {
     setup_fd = ConnectLoopback(port);
@@ -421,8 +421,7 @@ void BenchGrpcVsRedis(const Options& opt) {
   ::close(rfd);
   std::printf("  kvrelay cachestore (gRPC MatchPrefix)   : %12.0f blocks/s\n", ours);
   std::printf("  redis-server (pipeline of 256 EXISTS)   : %12.0f blocks/s\n", theirs);
-  std::printf("  ratio ours / redis                      : %12.2fx  (goal >= 1x)\n",
-              ours / theirs);
+  std::printf("  ratio ours / redis                      : %12.2fx  (goal >= 1x)\n", ours / theirs);
 }
 
 // --- 3. memory --------------------------------------------------------------------------------
@@ -457,18 +456,19 @@ void BenchMemory(const Options& opt) {
     absl::flat_hash_map<BlockHash, uint64_t> bare;
     bare.reserve(0);
     for (int64_t i = 0; i < n; ++i) bare[H(static_cast<uint64_t>(i) + (1ull << 41))] = i;
-    baseline_per_block = static_cast<double>(bare.capacity() * (sizeof(std::pair<BlockHash,
-                                                  uint64_t>) + 1)) / static_cast<double>(n);
+    baseline_per_block =
+        static_cast<double>(bare.capacity() * (sizeof(std::pair<BlockHash, uint64_t>) + 1)) /
+        static_cast<double>(n);
   }
   (void)rss_b0;
   std::printf("  inserted in %.1f s (%.0f blocks/s)\n", secs, n / secs);
   std::printf("  index accounting : %6.1f bytes/block (goal <= 200)\n",
               static_cast<double>(index->MemoryUsageBytes()) / n);
   std::printf("  RSS growth       : %6.1f bytes/block\n", static_cast<double>(rss1 - rss0) / n);
-  std::printf("  baseline bare absl::flat_hash_map<BlockHash, uint64_t>: %.1f bytes/block "
-              "(ratio %.2fx)\n",
-              baseline_per_block,
-              static_cast<double>(index->MemoryUsageBytes()) / n / baseline_per_block);
+  std::printf(
+      "  baseline bare absl::flat_hash_map<BlockHash, uint64_t>: %.1f bytes/block "
+      "(ratio %.2fx)\n",
+      baseline_per_block, static_cast<double>(index->MemoryUsageBytes()) / n / baseline_per_block);
 }
 
 // --- 4. trace replay --------------------------------------------------------------------------

@@ -10,10 +10,9 @@
 
 #include <chrono>
 #include <cstdio>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "common/flags.h"
 #include "common/status_macros.h"
@@ -26,8 +25,7 @@ namespace kvrelay::model::cuda {
 namespace {
 
 double Now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 // TFLOP/s of one bf16 GEMM [m x k] x [k x n] with fp32 output, best of 5.
@@ -123,10 +121,10 @@ Result Run(const kv::ModelConfig& c, int prompt, int batch, int steps) {
     best = std::min(best, Now() - t0);
   }
   res.prefill_tps = prompt / best;
-  const double attn_flops = 4.0 * c.num_hidden_layers * c.num_attention_heads *
-                            (c.kv_lora_rank > 0 ? (2.0 * c.kv_lora_rank + c.qk_rope_head_dim)
-                                                : 2.0 * c.head_dim) /
-                            2 * prompt * (prompt + 1) / 2;
+  const double attn_flops =
+      4.0 * c.num_hidden_layers * c.num_attention_heads *
+      (c.kv_lora_rank > 0 ? (2.0 * c.kv_lora_rank + c.qk_rope_head_dim) : 2.0 * c.head_dim) / 2 *
+      prompt * (prompt + 1) / 2;
   res.prefill_tflops =
       (LinearFlopsPerToken(c) * prompt + attn_flops + 2.0 * c.hidden_size * c.vocab_size) / best /
       1e12;

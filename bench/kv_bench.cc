@@ -28,15 +28,16 @@ const kv::LayoutFingerprint& Fingerprint() {
 void BM_HashChain(benchmark::State& state) {
   const int32_t block_tokens = static_cast<int32_t>(state.range(0));
   std::vector<int32_t> tokens(32768);
-  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int32_t>(i * 2654435761u % 128256);
+  for (size_t i = 0; i < tokens.size(); ++i)
+    tokens[i] = static_cast<int32_t>(i * 2654435761u % 128256);
   for (auto _ : state) {
     auto chain = kv::HashChain(Fingerprint(), "tenant-salt", tokens, block_tokens);
     benchmark::DoNotOptimize(chain.data());
   }
   state.SetBytesProcessed(state.iterations() * tokens.size() * sizeof(int32_t));
-  state.counters["blocks/s"] = benchmark::Counter(
-      static_cast<double>(state.iterations()) * (tokens.size() / block_tokens),
-      benchmark::Counter::kIsRate);
+  state.counters["blocks/s"] =
+      benchmark::Counter(static_cast<double>(state.iterations()) * (tokens.size() / block_tokens),
+                         benchmark::Counter::kIsRate);
 }
 BENCHMARK(BM_HashChain)->Arg(16)->Arg(64)->Arg(512);
 

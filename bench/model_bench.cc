@@ -15,8 +15,8 @@
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
-#include <string>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "common/flags.h"
@@ -142,8 +142,8 @@ double BatchedDecodeTokensPerS(const std::string& dir, int threads, int batch, b
       auto out = (*runner)->DecodeStep(ptrs, next);
       if (!out.ok()) std::exit(1);
       for (int b = 0; b < batch; ++b) {
-        next[b] = Greedy(absl::MakeConstSpan(*out).subspan(
-            static_cast<size_t>(b) * c.vocab_size, c.vocab_size));
+        next[b] = Greedy(
+            absl::MakeConstSpan(*out).subspan(static_cast<size_t>(b) * c.vocab_size, c.vocab_size));
       }
     }
     best = std::min(best, Seconds(std::chrono::steady_clock::now() - t0));
@@ -186,8 +186,7 @@ int Main(int argc, char** argv) {
   mid.heads = 16;
   mid.kv_heads = 4;
   mid.vocab = 32000;
-  const ModelCase cases[] = {{"tiny-llama (4L, h256)", tiny},
-                             {"mid-llama (8L, h1024)", mid}};
+  const ModelCase cases[] = {{"tiny-llama (4L, h256)", tiny}, {"mid-llama (8L, h1024)", mid}};
 
   SetBlasThreads(threads);
   // Baseline: the sgemm rate of this machine at the runner's largest GEMM shapes.
@@ -214,11 +213,12 @@ int Main(int argc, char** argv) {
   std::printf("model_bench: %d threads, %d-token prompt, best of %d\n", threads, tokens, reps);
   std::printf("baseline OpenBLAS sgemm [%d x 256] x [256 x 512]:    %8.1f GFLOP/s\n", tokens,
               sgemm_tiny);
-  std::printf("baseline OpenBLAS sgemm [%d x 1024] x [1024 x 2816]: %8.1f GFLOP/s "
-              "(as 16-row tiles: %.1f)\n",
-              tokens, sgemm_mid, sgemm_mid_tile16);
-  std::printf("%-24s %-10s %14s %12s %14s %14s\n", "model", "gemm tile", "prefill tok/s",
-              "GFLOP/s", "of sgemm rate*", "decode tok/s");
+  std::printf(
+      "baseline OpenBLAS sgemm [%d x 1024] x [1024 x 2816]: %8.1f GFLOP/s "
+      "(as 16-row tiles: %.1f)\n",
+      tokens, sgemm_mid, sgemm_mid_tile16);
+  std::printf("%-24s %-10s %14s %12s %14s %14s\n", "model", "gemm tile", "prefill tok/s", "GFLOP/s",
+              "of sgemm rate*", "decode tok/s");
   for (const ModelCase& mc : cases) {
     if (quick && mc.options.layers) continue;
     const std::string dir = root + "/" + (mc.options.layers ? "mid" : "tiny");
@@ -236,8 +236,8 @@ int Main(int argc, char** argv) {
       };
       const double before = baseline_now();
       const Figures f = Measure(dir, threads, tokens, reps, tile);
-      const double baseline = std::max({before, baseline_now(),
-                                        mc.options.layers ? sgemm_mid : sgemm_tiny});
+      const double baseline =
+          std::max({before, baseline_now(), mc.options.layers ? sgemm_mid : sgemm_tiny});
       std::printf("%-24s %-10s %14.0f %12.1f %13.1f%% %14.1f\n", mc.name,
                   tile == 0 ? "16 (block)" : "256", f.prefill_tokens_per_s, f.prefill_gflops,
                   100.0 * f.prefill_gflops / baseline, f.decode_tokens_per_s);

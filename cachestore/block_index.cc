@@ -75,8 +75,8 @@ bool BlockIndex::Evictable(const Record& r) const {
 void BlockIndex::MaybeQueue(Shard& s, uint32_t local, Record& r) {
   if ((r.flags & kInHeap) != 0 || !Evictable(r)) return;
   r.flags |= kInHeap;
-  const HeapEntry e{policy().Priority(r.stats), MakeId(static_cast<int>(&s - shards_.data()), local),
-                    r.gen};
+  const HeapEntry e{policy().Priority(r.stats),
+                    MakeId(static_cast<int>(&s - shards_.data()), local), r.gen};
   absl::MutexLock lock(&heap_mu_);
   heap_.push_back(e);
   std::push_heap(heap_.begin(), heap_.end(), std::greater<HeapEntry>());
@@ -108,8 +108,7 @@ void BlockIndex::RememberGhost(const BlockHash& hash, const AccessStats& stats) 
   ghost_fifo_.emplace_back(hash, serial);
   // Drop the oldest live ghosts beyond capacity, and stale FIFO entries as they surface (the
   // FIFO is kept within 2x capacity so stale entries cannot pile up).
-  while (!ghost_fifo_.empty() &&
-         (ghosts_.size() > capacity || ghost_fifo_.size() > 2 * capacity)) {
+  while (!ghost_fifo_.empty() && (ghosts_.size() > capacity || ghost_fifo_.size() > 2 * capacity)) {
     const auto [h, s] = ghost_fifo_.front();
     ghost_fifo_.pop_front();
     auto it = ghosts_.find(h);
@@ -131,8 +130,7 @@ int BlockIndex::MatchPrefix(absl::Span<const BlockHash> chain, bool touch, bool 
                             std::vector<MatchedBlock>* out) {
   int matched = 0;
   // One atomic per call: block i of the chain gets tick base + i + 1 (parents before children).
-  const uint64_t base =
-      touch ? tick_.fetch_add(chain.size(), std::memory_order_relaxed) : 0;
+  const uint64_t base = touch ? tick_.fetch_add(chain.size(), std::memory_order_relaxed) : 0;
   for (const BlockHash& h : chain) {
     Shard& s = shards_[ShardOf(h)];
     absl::MutexLock lock(&s.mu);
@@ -153,8 +151,8 @@ int BlockIndex::MatchPrefix(absl::Span<const BlockHash> chain, bool touch, bool 
 
 absl::Status BlockIndex::Insert(const NewBlock& block, BlockState state, bool lease) {
   if (block.replicas.size() > kReplicaMask) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("replicas: at most ", kReplicaMask, " per block, got ", block.replicas.size()));
+    return absl::InvalidArgumentError(absl::StrCat("replicas: at most ", kReplicaMask,
+                                                   " per block, got ", block.replicas.size()));
   }
   // Plain (non-prefix-aware) policies may evict a parent before its children, so parent links
   // would dangle: they are not kept at all.
@@ -217,8 +215,8 @@ absl::Status BlockIndex::Commit(const BlockHash& hash) {
     const Shard& ps = shards_[ShardOfId(parent)];
     absl::MutexLock lock(&ps.mu);
     if (RecC(ps, LocalOf(parent)).state != BlockState::kCommitted) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "parent of block ", hash.ToHex(), " is not committed; commit parents first"));
+      return absl::FailedPreconditionError(absl::StrCat("parent of block ", hash.ToHex(),
+                                                        " is not committed; commit parents first"));
     }
   }
   absl::MutexLock lock(&s.mu);
@@ -329,7 +327,8 @@ absl::Status BlockIndex::AddReplica(const BlockHash& hash, const Replica& replic
   Shard& s = shards_[ShardOf(hash)];
   absl::MutexLock lock(&s.mu);
   auto it = s.map.find(hash);
-  if (it == s.map.end()) return absl::NotFoundError(absl::StrCat("block ", hash.ToHex(), " absent"));
+  if (it == s.map.end())
+    return absl::NotFoundError(absl::StrCat("block ", hash.ToHex(), " absent"));
   const uint32_t local = it->second;
   Record& r = Rec(s, local);
   const int n = r.flags & kReplicaMask;

@@ -141,7 +141,7 @@ class BlockIndex {
   bool Contains(const BlockHash& hash) const;
   std::optional<BlockState> StateOf(const BlockHash& hash) const;
   int LeasesOf(const BlockHash& hash) const;
-  int64_t size() const;            // present blocks, any state
+  int64_t size() const;  // present blocks, any state
   int64_t committed_count() const;
   size_t ghost_size() const;
   // Resizes the ghost history (CacheStore keeps it at kGhostCaches x registered slots).
@@ -152,16 +152,16 @@ class BlockIndex {
 
  private:
   struct Record {
-    BlockHash hash;             // 16
-    AccessStats stats;          // 16
-    RecordId parent;            // 4
-    uint32_t num_children;      // 4
-    uint32_t size_bytes;        // 4
-    Replica replica0;           // 8
-    uint16_t leases;            // 2
-    uint16_t gen;               // 2: bumped when the slot is freed; heap entries carry it
-    BlockState state;           // 1
-    uint8_t flags;              // 1: kInHeap | replica count (low 4 bits)
+    BlockHash hash;         // 16
+    AccessStats stats;      // 16
+    RecordId parent;        // 4
+    uint32_t num_children;  // 4
+    uint32_t size_bytes;    // 4
+    Replica replica0;       // 8
+    uint16_t leases;        // 2
+    uint16_t gen;           // 2: bumped when the slot is freed; heap entries carry it
+    BlockState state;       // 1
+    uint8_t flags;          // 1: kInHeap | replica count (low 4 bits)
   };
   static constexpr uint8_t kInHeap = 0x80;
   static constexpr uint8_t kReplicaMask = 0x0F;

@@ -110,8 +110,8 @@ TEST_F(BlockIndexTest, ConcurrentMatchesDuringEvictionStayConsistent) {
         for (int i = 0; i < kLen; ++i) chain[i] = H(c * kLen + i);
         const int n = index_->MatchPrefix(chain, true, true, nullptr);
         // While leased, the matched prefix cannot be evicted.
-        if (index_->MatchPrefix(absl::MakeConstSpan(chain).subspan(0, n), false, false,
-                                nullptr) != n) {
+        if (index_->MatchPrefix(absl::MakeConstSpan(chain).subspan(0, n), false, false, nullptr) !=
+            n) {
           bad = true;
         }
         index_->ReleaseLeases(absl::MakeConstSpan(chain).subspan(0, n));

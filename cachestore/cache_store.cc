@@ -72,7 +72,8 @@ absl::Status CacheStore::Recover() {
     return snapshot.status();
   }
   Wal::Recovered recovered;
-  KV_ASSIGN_OR_RETURN(wal_, Wal::Open(options_.data_dir + kWalFile, options_.wal_fsync, &recovered));
+  KV_ASSIGN_OR_RETURN(wal_,
+                      Wal::Open(options_.data_dir + kWalFile, options_.wal_fsync, &recovered));
   for (const WalOp& op : recovered.ops) {
     KV_RETURN_IF_ERROR(ApplyOp(op, &max_seq));
     ++applied;
@@ -301,9 +302,9 @@ absl::StatusOr<RegisterResult> CacheStore::RegisterNode(NodeSpec spec) {
   uint64_t total_bytes = 0;
   for (const SegmentSpec& seg : spec.segments) {
     if (seg.capacity_slots < 1 || seg.capacity_slots > options_.limits.max_capacity_slots) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "segments.capacity_slots: want 1-", options_.limits.max_capacity_slots, ", got ",
-          seg.capacity_slots));
+      return absl::InvalidArgumentError(absl::StrCat("segments.capacity_slots: want 1-",
+                                                     options_.limits.max_capacity_slots, ", got ",
+                                                     seg.capacity_slots));
     }
     if (seg.slot_bytes < 1 || seg.slot_bytes > options_.limits.max_slot_bytes) {
       return absl::InvalidArgumentError(absl::StrCat("segments.slot_bytes: want 1-",
@@ -313,9 +314,9 @@ absl::StatusOr<RegisterResult> CacheStore::RegisterNode(NodeSpec spec) {
     total_bytes += static_cast<uint64_t>(seg.capacity_slots) * seg.slot_bytes;
   }
   if (total_bytes > options_.limits.max_node_capacity_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "segments: a node may advertise at most ", options_.limits.max_node_capacity_bytes,
-        " bytes in all, got ", total_bytes));
+    return absl::InvalidArgumentError(absl::StrCat("segments: a node may advertise at most ",
+                                                   options_.limits.max_node_capacity_bytes,
+                                                   " bytes in all, got ", total_bytes));
   }
   const bool assigned = spec.incarnation == 0;
   if (assigned) spec.incarnation = RandomId();  // legacy client: every registration is new
@@ -356,8 +357,7 @@ absl::Status CacheStore::DeregisterNode(const Caller& node) {
 }
 
 absl::StatusOr<HeartbeatResult> CacheStore::Heartbeat(const std::string& node_id,
-                                                      uint64_t incarnation,
-                                                      const NodeLoad* load) {
+                                                      uint64_t incarnation, const NodeLoad* load) {
   NodeRegistry::HeartbeatResult r = registry_.Heartbeat(node_id, incarnation, clock_->Now(), load);
   switch (r.outcome) {
     case NodeRegistry::HeartbeatOutcome::kUnknown:
@@ -386,9 +386,9 @@ absl::StatusOr<MatchResult> CacheStore::MatchPrefix(absl::Span<const BlockHash> 
                                                     absl::Duration lease_ttl,
                                                     const Caller& caller) {
   if (lease_ttl > options_.max_lease_ttl) {
-    return absl::InvalidArgumentError(absl::StrCat("lease_ttl_ms: at most ",
-                                                   absl::ToInt64Milliseconds(options_.max_lease_ttl),
-                                                   ", got ", absl::ToInt64Milliseconds(lease_ttl)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("lease_ttl_ms: at most ", absl::ToInt64Milliseconds(options_.max_lease_ttl),
+                     ", got ", absl::ToInt64Milliseconds(lease_ttl)));
   }
   const bool lease = lease_ttl > absl::ZeroDuration();
   if (lease && !caller.anonymous()) {
@@ -575,32 +575,31 @@ absl::StatusOr<std::vector<const SegmentView*>> CacheStore::PlaceLocked(
         ChoosePlacement(*views, b.size_bytes, args.preferred_node, args.preferred_tier, replicas);
   }
   if (chosen.empty()) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "blocks[", i, "]: no segment with a free slot of at least ", b.size_bytes,
-        " bytes, and nothing evictable (all leased, uncommitted or too small)"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("blocks[", i, "]: no segment with a free slot of at least ", b.size_bytes,
+                     " bytes, and nothing evictable (all leased, uncommitted or too small)"));
   }
   return chosen;
 }
 
-absl::StatusOr<AllocateResult> CacheStore::Allocate(const AllocateArgs& args,
-                                                    absl::Time deadline) {
+absl::StatusOr<AllocateResult> CacheStore::Allocate(const AllocateArgs& args, absl::Time deadline) {
   if (args.blocks.empty()) return absl::InvalidArgumentError("blocks: at least one block needed");
   const int replicas = args.replicas == 0 ? 1 : args.replicas;
   if (replicas < 1 || replicas > options_.limits.max_replicas) {
-    return absl::InvalidArgumentError(absl::StrCat("replicas: want 1-",
-                                                   options_.limits.max_replicas, ", got ",
-                                                   args.replicas));
+    return absl::InvalidArgumentError(
+        absl::StrCat("replicas: want 1-", options_.limits.max_replicas, ", got ", args.replicas));
   }
   absl::MutexLock lock(&mu_);
   // A node allocating for itself places in its own segments only (issue 10.9: spilling onto
   // another node made the caller abort the blocks, and nothing was ever evicted).
   std::optional<uint16_t> only_node, prefer_node;
   if (!args.caller.anonymous()) {
-    KV_ASSIGN_OR_RETURN(uint16_t caller, registry_.Check(args.caller.node_id,
-                                                         args.caller.incarnation));
-    const bool has_segments = registry_.Spec(caller).has_value() &&
-                              !registry_.Spec(caller)->segments.empty();
-    if (has_segments && (args.preferred_node.empty() || args.preferred_node == args.caller.node_id)) {
+    KV_ASSIGN_OR_RETURN(uint16_t caller,
+                        registry_.Check(args.caller.node_id, args.caller.incarnation));
+    const bool has_segments =
+        registry_.Spec(caller).has_value() && !registry_.Spec(caller)->segments.empty();
+    if (has_segments &&
+        (args.preferred_node.empty() || args.preferred_node == args.caller.node_id)) {
       only_node = caller;
     }
   }
@@ -627,12 +626,13 @@ absl::StatusOr<AllocateResult> CacheStore::Allocate(const AllocateArgs& args,
   for (size_t i = 0; i < args.blocks.size(); ++i) {
     const AllocateArgs::Block& b = args.blocks[i];
     if (b.hash.IsZero()) {
-      return fail(absl::InvalidArgumentError(absl::StrCat("blocks[", i, "].hash: must not be zero")));
+      return fail(
+          absl::InvalidArgumentError(absl::StrCat("blocks[", i, "].hash: must not be zero")));
     }
     if (b.size_bytes == 0 || b.size_bytes > options_.limits.max_slot_bytes) {
-      return fail(absl::InvalidArgumentError(absl::StrCat(
-          "blocks[", i, "].size_bytes: want 1-", options_.limits.max_slot_bytes, ", got ",
-          b.size_bytes)));
+      return fail(absl::InvalidArgumentError(absl::StrCat("blocks[", i, "].size_bytes: want 1-",
+                                                          options_.limits.max_slot_bytes, ", got ",
+                                                          b.size_bytes)));
     }
     if (in_request.contains(b.hash)) {
       return fail(absl::InvalidArgumentError(
@@ -702,26 +702,25 @@ absl::Status CacheStore::CheckOwner(uint64_t allocation_id, const PendingAllocat
   const Caller& owner = pending.owner;
   if (owner.anonymous()) return absl::OkStatus();
   if (caller.node_id != owner.node_id) {
-    return IdentityError(
-        absl::PermissionDeniedError(absl::StrCat(
-            "allocation_id: allocation ", allocation_id, " belongs to node '", owner.node_id,
-            "', not to ",
-            caller.anonymous() ? std::string("an anonymous caller")
-                               : absl::StrCat("node '", caller.node_id, "'"))),
-        caller.node_id);
+    return IdentityError(absl::PermissionDeniedError(absl::StrCat(
+                             "allocation_id: allocation ", allocation_id, " belongs to node '",
+                             owner.node_id, "', not to ",
+                             caller.anonymous() ? std::string("an anonymous caller")
+                                                : absl::StrCat("node '", caller.node_id, "'"))),
+                         caller.node_id);
   }
   if (caller.incarnation != owner.incarnation) {
-    return IdentityError(absl::FailedPreconditionError(absl::StrCat(
-                             "incarnation: allocation ", allocation_id, " belongs to node '",
-                             owner.node_id, "' incarnation ", owner.incarnation,
-                             ", not incarnation ", caller.incarnation)),
-                         caller.node_id);
+    return IdentityError(
+        absl::FailedPreconditionError(absl::StrCat(
+            "incarnation: allocation ", allocation_id, " belongs to node '", owner.node_id,
+            "' incarnation ", owner.incarnation, ", not incarnation ", caller.incarnation)),
+        caller.node_id);
   }
   return absl::OkStatus();
 }
 
-absl::StatusOr<int> CacheStore::Commit(uint64_t allocation_id,
-                                       absl::Span<const BlockHash> hashes, const Caller& caller) {
+absl::StatusOr<int> CacheStore::Commit(uint64_t allocation_id, absl::Span<const BlockHash> hashes,
+                                       const Caller& caller) {
   absl::MutexLock lock(&mu_);
   auto it = allocations_.find(allocation_id);
   if (it == allocations_.end()) {
@@ -734,9 +733,9 @@ absl::StatusOr<int> CacheStore::Commit(uint64_t allocation_id,
   for (size_t i = 0; i < hashes.size(); ++i) {
     auto pos = std::find(pending.hashes.begin(), pending.hashes.end(), hashes[i]);
     if (pos == pending.hashes.end()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "hashes[", i, "]: ", hashes[i].ToHex(), " is not an uncommitted block of allocation ",
-          allocation_id));
+      return absl::InvalidArgumentError(absl::StrCat("hashes[", i, "]: ", hashes[i].ToHex(),
+                                                     " is not an uncommitted block of allocation ",
+                                                     allocation_id));
     }
     wanted[pos - pending.hashes.begin()] = true;
   }
@@ -843,9 +842,9 @@ absl::Status CacheStore::Abort(uint64_t allocation_id, const Caller& caller) {
 }
 
 absl::Status CacheStore::ReleaseLease(uint64_t lease_id, const Caller& caller) {
-  KV_ASSIGN_OR_RETURN(std::vector<BlockHash> blocks,
-                      leases_.Release(lease_id, LeaseTable::Owner{caller.node_id,
-                                                                  caller.incarnation}));
+  KV_ASSIGN_OR_RETURN(
+      std::vector<BlockHash> blocks,
+      leases_.Release(lease_id, LeaseTable::Owner{caller.node_id, caller.incarnation}));
   index_->ReleaseLeases(blocks);
   return absl::OkStatus();
 }
@@ -1096,13 +1095,13 @@ absl::StatusOr<std::vector<StoreEvent>> CacheStore::EventsSince(uint64_t from, s
   if (from == 0) from = next_sequence_;
   const uint64_t oldest = events_.empty() ? next_sequence_ : events_.front().sequence;
   if (from < oldest) {
-    return absl::OutOfRangeError(absl::StrCat("from_sequence: ", from,
-                                              " is older than the oldest retained event ", oldest));
+    return absl::OutOfRangeError(
+        absl::StrCat("from_sequence: ", from, " is older than the oldest retained event ", oldest));
   }
   if (from > next_sequence_) {
-    return absl::OutOfRangeError(absl::StrCat(
-        "from_sequence: ", from, " is ahead of the next sequence ", next_sequence_,
-        " (did the store restart without its data dir? compare store_incarnation)"));
+    return absl::OutOfRangeError(
+        absl::StrCat("from_sequence: ", from, " is ahead of the next sequence ", next_sequence_,
+                     " (did the store restart without its data dir? compare store_incarnation)"));
   }
   while (next_sequence_ <= from) {
     if (events_cv_.WaitWithDeadline(&events_mu_, deadline)) break;

@@ -50,7 +50,7 @@ struct CacheStoreOptions {
   std::string policy = std::string(kDefaultPolicy);  // a prefix-aware policy: lrfu | leaf-lru
   std::string data_dir;                              // empty: no durability
   bool wal_fsync = true;
-  Clock* clock = nullptr;                            // not owned; default Clock::Real()
+  Clock* clock = nullptr;  // not owned; default Clock::Real()
   // Long enough to ride out a multi-second CPU stall; a node past it only becomes suspect.
   absl::Duration default_node_ttl = absl::Seconds(10);
   // How long a suspect node (silent past its TTL) keeps its blocks before it is forgotten.
@@ -145,10 +145,10 @@ struct StoreEvent {
   };
   uint64_t sequence = 0;
   Kind kind = Kind::kStored;
-  BlockHash hash;    // block events
-  BlockHash parent;  // block events
+  BlockHash hash;                     // block events
+  BlockHash parent;                   // block events
   std::vector<std::string> node_ids;  // kStored: replica nodes; kRemoved: nodes it was on
-  NodeSpec node;     // node events (segments left out)
+  NodeSpec node;                      // node events (segments left out)
 };
 
 struct RegisterResult {
@@ -158,7 +158,7 @@ struct RegisterResult {
 };
 
 struct HeartbeatResult {
-  bool known = false;  // false: not registered (forgotten or never): register again
+  bool known = false;                  // false: not registered (forgotten or never): register again
   NodeState state = NodeState::kLive;  // state before this heartbeat
 };
 
@@ -172,11 +172,11 @@ struct AnnouncedBlock {
 };
 // Same numbers as kvrelay.v1.AnnounceRejection.Reason.
 enum class AnnounceRejection {
-  kBadInput = 1,      // zero hash, size over the slot, slot out of range
-  kSlotInUse = 2,     // the store has another block in that slot
-  kParentMissing = 3, // parent neither committed nor earlier in the batch
-  kInFlight = 4,      // the hash is being written by an allocation
-  kConflict = 5,      // the store lists the block on this node at another slot
+  kBadInput = 1,       // zero hash, size over the slot, slot out of range
+  kSlotInUse = 2,      // the store has another block in that slot
+  kParentMissing = 3,  // parent neither committed nor earlier in the batch
+  kInFlight = 4,       // the hash is being written by an allocation
+  kConflict = 5,       // the store lists the block on this node at another slot
 };
 struct AnnounceResult {
   int accepted = 0;         // newly indexed (block or replica)
@@ -185,7 +185,7 @@ struct AnnounceResult {
 };
 
 struct StoreStats {
-  int64_t nodes = 0;          // live
+  int64_t nodes = 0;  // live
   int64_t suspect_nodes = 0;
   uint64_t store_incarnation = 0;
   int64_t committed_blocks = 0;

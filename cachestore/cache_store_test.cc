@@ -62,8 +62,7 @@ class Scenario {
     ASSERT_THAT(store_->RegisterNode(spec), IsOk());
   }
   absl::StatusOr<AllocateResult> Allocate(const std::vector<BlockHash>& chain,
-                                          const std::string& on = "",
-                                          BlockHash first_parent = {}) {
+                                          const std::string& on = "", BlockHash first_parent = {}) {
     AllocateArgs args;
     BlockHash parent = first_parent;
     for (const BlockHash& h : chain) {
@@ -199,7 +198,7 @@ TEST(ScenarioTest, EvictionTakesLeavesFirstEvenWhenTheRootIsOlder) {
   auto b = Chain("t", 1, 900);
   ASSERT_THAT(s.Commit(b), IsOk());
   ASSERT_THAT(s.Commit(Chain("t", 1, 950)), IsOk());  // needs one eviction
-  EXPECT_EQ(s.Match(a), 2);                          // A's leaf went; its root and middle stay
+  EXPECT_EQ(s.Match(a), 2);                           // A's leaf went; its root and middle stay
   ASSERT_THAT(s.Commit(Chain("t", 1, 990)), IsOk());
   ASSERT_THAT(s.Commit(Chain("t", 1, 995)), IsOk());
   // Leaves go before parents at every step: A shrinks from the end, never loses its root early.

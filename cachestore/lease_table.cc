@@ -44,11 +44,11 @@ absl::StatusOr<std::vector<kv::BlockHash>> LeaseTable::Release(uint64_t lease_id
           caller.node_id);
     }
     if (caller.incarnation != owner.incarnation) {
-      return IdentityError(absl::FailedPreconditionError(absl::StrCat(
-                               "incarnation: lease ", lease_id, " belongs to node '",
-                               owner.node_id, "' incarnation ", owner.incarnation,
-                               ", not incarnation ", caller.incarnation)),
-                           caller.node_id);
+      return IdentityError(
+          absl::FailedPreconditionError(absl::StrCat(
+              "incarnation: lease ", lease_id, " belongs to node '", owner.node_id,
+              "' incarnation ", owner.incarnation, ", not incarnation ", caller.incarnation)),
+          caller.node_id);
     }
   }
   EraseExpiryEntry(lease_id, it->second.expiry);

@@ -57,10 +57,13 @@ absl::StatusOr<NodeRegistry::RegisterResult> NodeRegistry::Register(const NodeSp
     if (n.spec.incarnation == spec.incarnation) {
       if (!(n.spec == spec)) {
         if (force_replace) return RegisterResult{it->second, true, false, false};
-        return IdentityError(absl::FailedPreconditionError(absl::StrCat(
-            "node_id: node '", spec.node_id, "' incarnation ", spec.incarnation,
-            " is already registered with different addresses, segments or TTL; a new spec needs "
-            "a new incarnation")), spec.node_id);
+        return IdentityError(
+            absl::FailedPreconditionError(
+                absl::StrCat("node_id: node '", spec.node_id, "' incarnation ", spec.incarnation,
+                             " is already registered with different addresses, segments or TTL; a "
+                             "new spec needs "
+                             "a new incarnation")),
+            spec.node_id);
       }
       n.last_heartbeat = now;
       const bool revived = n.state == NodeState::kSuspect;
@@ -68,19 +71,19 @@ absl::StatusOr<NodeRegistry::RegisterResult> NodeRegistry::Register(const NodeSp
       return RegisterResult{it->second, false, revived, false};
     }
     if (n.state == NodeState::kLive && !force_replace) {
-      return IdentityError(absl::AlreadyExistsError(absl::StrCat(
-          "node_id: '", spec.node_id, "' is registered by a live process (incarnation ",
-          n.spec.incarnation, ", data plane ", n.spec.transport_address,
-          n.spec.grpc_address.empty() ? "" : ", gRPC ", n.spec.grpc_address,
-          "); refusing incarnation ", spec.incarnation, ": give each process its own node id")),
+      return IdentityError(
+          absl::AlreadyExistsError(absl::StrCat(
+              "node_id: '", spec.node_id, "' is registered by a live process (incarnation ",
+              n.spec.incarnation, ", data plane ", n.spec.transport_address,
+              n.spec.grpc_address.empty() ? "" : ", gRPC ", n.spec.grpc_address,
+              "); refusing incarnation ", spec.incarnation, ": give each process its own node id")),
           spec.node_id);
     }
     return RegisterResult{it->second, true, false, false};
   }
   if (static_cast<int>(by_id_.size()) >= std::min(max_nodes_, kMaxNodes)) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("node_id: at most ", std::min(max_nodes_, kMaxNodes),
-                     " nodes may be registered at once"));
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "node_id: at most ", std::min(max_nodes_, kMaxNodes), " nodes may be registered at once"));
   }
   uint16_t index;
   if (!free_indices_.empty()) {
@@ -168,11 +171,11 @@ absl::StatusOr<uint16_t> NodeRegistry::Check(const std::string& node_id,
   }
   const uint64_t registered = nodes_[it->second].spec.incarnation;
   if (incarnation != 0 && incarnation != registered) {
-    return IdentityError(absl::FailedPreconditionError(absl::StrCat(
-                             "incarnation: node '", node_id, "' is registered with incarnation ",
-                             registered, ", not ", incarnation,
-                             " (an earlier or different process)")),
-                         node_id);
+    return IdentityError(
+        absl::FailedPreconditionError(
+            absl::StrCat("incarnation: node '", node_id, "' is registered with incarnation ",
+                         registered, ", not ", incarnation, " (an earlier or different process)")),
+        node_id);
   }
   return it->second;
 }
@@ -244,9 +247,8 @@ std::vector<NodeInfo> NodeRegistry::List(absl::Time now) const {
     }
     out.push_back(std::move(info));
   }
-  std::sort(out.begin(), out.end(), [](const NodeInfo& a, const NodeInfo& b) {
-    return a.spec.node_id < b.spec.node_id;
-  });
+  std::sort(out.begin(), out.end(),
+            [](const NodeInfo& a, const NodeInfo& b) { return a.spec.node_id < b.spec.node_id; });
   return out;
 }
 
@@ -379,8 +381,8 @@ std::vector<const SegmentView*> ChoosePlacement(const std::vector<SegmentView>& 
     const int tier_rank = preferred_tier == Tier::kUnspecified
                               ? static_cast<int>(s->tier)
                               : (s->tier == preferred_tier ? 0 : 1 + static_cast<int>(s->tier));
-    const double free_fraction =
-        static_cast<double>(s->free_slots) / static_cast<double>(std::max<int64_t>(1, s->capacity_slots));
+    const double free_fraction = static_cast<double>(s->free_slots) /
+                                 static_cast<double>(std::max<int64_t>(1, s->capacity_slots));
     return std::make_tuple(node_match ? 0 : 1, tier_rank, -free_fraction, s->node, s->segment);
   };
   std::sort(eligible.begin(), eligible.end(),

@@ -67,8 +67,8 @@ struct NodeSpec {
   // clients that send 0).
   uint64_t incarnation = 0;
   NodeRole role = NodeRole::kUnspecified;
-  std::string grpc_address;       // where the node's own gRPC service listens (discovery)
-  std::string transport_kind;     // data plane
+  std::string grpc_address;    // where the node's own gRPC service listens (discovery)
+  std::string transport_kind;  // data plane
   std::string transport_address;
   std::vector<SegmentSpec> segments;
   absl::Duration ttl = absl::Seconds(10);
@@ -179,7 +179,7 @@ class NodeRegistry {
   std::vector<NodeSpec> AllSpecs() const;
   std::vector<NodeInfo> List(absl::Time now) const;
   std::optional<uint16_t> FindSegment(uint16_t node, const std::string& segment_id) const;
-  int64_t size() const;        // registered (live + suspect)
+  int64_t size() const;  // registered (live + suspect)
   int64_t live_count() const;
 
   // Lock-free liveness for the lookup path: true while the node at `node` is suspect.
@@ -231,7 +231,7 @@ class NodeRegistry {
   std::deque<uint16_t> free_indices_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, uint16_t> by_id_ ABSL_GUARDED_BY(mu_);
   // Written under mu_, read lock-free (acquire) by lookups.
-  std::unique_ptr<std::atomic<uint8_t>[]> suspect_{new std::atomic<uint8_t>[kMaxNodes + 1]()};
+  std::unique_ptr<std::atomic<uint8_t>[]> suspect_ { new std::atomic<uint8_t>[ kMaxNodes + 1 ]() };
   std::atomic<int> suspect_count_{0};
   std::atomic<uint64_t> removals_{0};
 };

@@ -1,12 +1,11 @@
 #include "cachestore/trace_replay.h"
 
-#include "cachestore/eviction_policy.h"
-
 #include <unistd.h>
 
 #include <cstdio>
 #include <string>
 
+#include "cachestore/eviction_policy.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/status_matchers.h"
@@ -31,7 +30,8 @@ std::string TracePath() {
 }
 
 TEST(ParseTraceTest, ReadsHashIdsAndNamesBadLines) {
-  KV_ASSERT_OK_AND_ASSIGN(auto trace, ParseTrace("{\"hash_ids\": [1, 2, 3]}\n\n{\"hash_ids\": []}\n"));
+  KV_ASSERT_OK_AND_ASSIGN(auto trace,
+                          ParseTrace("{\"hash_ids\": [1, 2, 3]}\n\n{\"hash_ids\": []}\n"));
   ASSERT_EQ(trace.size(), 2u);
   EXPECT_THAT(trace[0].hash_ids, ::testing::ElementsAre(1, 2, 3));
   EXPECT_THAT(ParseTrace("{\"hash_ids\": [1]}\nnot json\n"),

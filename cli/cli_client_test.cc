@@ -78,17 +78,17 @@ TEST_F(CliClientTest, ColocatedJsonMatchesTheLibrary) {
   EXPECT_EQ(j["text"], gateway::DecodeForDisplay(expected.tokens));
 
   // Human output names the tokens and the summary.
-  r = Kvrelay({"generate", "--colocated", "--model", model_dir(), "--prompt", "hi",
-               "--max-tokens", "3"});
+  r = Kvrelay(
+      {"generate", "--colocated", "--model", model_dir(), "--prompt", "hi", "--max-tokens", "3"});
   ASSERT_EQ(r.exit_code, 0) << r.stderr_text;
   EXPECT_THAT(r.stdout_text, HasSubstr("tokens: "));
   EXPECT_THAT(r.stdout_text, HasSubstr("ttft "));
 }
 
 TEST_F(CliClientTest, SeededSamplingRepeats) {
-  std::vector<std::string> args = {"generate", "--colocated", "--model", model_dir(),
-                                   "--tokens", "1,2,3,4", "--max-tokens", "12",
-                                   "--temperature", "1.5", "--seed", "99", "--json"};
+  std::vector<std::string> args = {
+      "generate", "--colocated",   "--model", model_dir(), "--tokens", "1,2,3,4", "--max-tokens",
+      "12",       "--temperature", "1.5",     "--seed",    "99",       "--json"};
   testing::CommandResult a = Kvrelay(args);
   testing::CommandResult b = Kvrelay(args);
   ASSERT_EQ(a.exit_code, 0) << a.stderr_text;
@@ -123,7 +123,7 @@ TEST_F(CliClientTest, BadInputExitsTwoWithOneLine) {
       {"generate", "--colocated", "--model", m, "--tokens", ""},
       {"generate", "--colocated", "--model", m, "--prompt", ""},
       {"generate", "--colocated", "--model", m, "--tokens", "1,two"},
-      {"generate", "--colocated", "--model", m, "--tokens", "1,512"},   // vocab is 512
+      {"generate", "--colocated", "--model", m, "--tokens", "1,512"},  // vocab is 512
       {"generate", "--colocated", "--model", m, "--tokens", "-1"},
       {"generate", "--colocated", "--model", m, "--tokens", "1", "--max-tokens", "0"},
       {"generate", "--colocated", "--model", m, "--tokens", "1", "--max-tokens", "100000"},
@@ -144,8 +144,8 @@ TEST_F(CliClientTest, BadInputExitsTwoWithOneLine) {
     const std::string what = absl::StrJoin(args, " ");
     EXPECT_EQ(r.exit_code, 2) << what << "\n" << r.stderr_text;
     EXPECT_THAT(r.stderr_text, HasSubstr("kvrelay " + args[0] + ":")) << what;
-    EXPECT_EQ(std::count(r.stderr_text.begin(), r.stderr_text.end(), '\n'), 1)
-        << what << "\n" << r.stderr_text;
+    EXPECT_EQ(std::count(r.stderr_text.begin(), r.stderr_text.end(), '\n'), 1) << what << "\n"
+                                                                               << r.stderr_text;
   }
 }
 

@@ -10,9 +10,7 @@
 namespace kvrelay::cli {
 namespace {
 
-double MillisSince(absl::Time start) {
-  return absl::ToDoubleMilliseconds(absl::Now() - start);
-}
+double MillisSince(absl::Time start) { return absl::ToDoubleMilliseconds(absl::Now() - start); }
 
 }  // namespace
 

@@ -25,7 +25,7 @@ struct GenerationRequest {
   float temperature = 0.0f;     // 0 = greedy
   float top_p = 1.0f;           // (0, 1]: nucleus sampling
   uint64_t seed = 0;
-  int32_t eos_token = -1;       // stop after producing this token; -1 = none
+  int32_t eos_token = -1;  // stop after producing this token; -1 = none
 };
 
 // What `kvrelay generate --json` prints; the gateway fills the same fields from its

@@ -20,7 +20,7 @@ namespace kvrelay::cli {
 
 struct GatewayRequest {
   GenerationRequest generation;
-  std::string model;   // model id; "" lets the gateway use the one model it serves
+  std::string model;  // model id; "" lets the gateway use the one model it serves
   std::string tenant = "default";
 };
 
@@ -30,14 +30,12 @@ class GatewayClient {
   using TokenCallback = std::function<void(const std::vector<int32_t>& new_tokens)>;
 
   // `address` is host:port; connects lazily.
-  explicit GatewayClient(const std::string& address,
-                         const server::SecurityOptions& security = {});
+  explicit GatewayClient(const std::string& address, const server::SecurityOptions& security = {});
 
   // The gateway's error as an absl::Status with the same code (INVALID_ARGUMENT for bad input,
   // UNAVAILABLE when no worker could serve, DEADLINE_EXCEEDED past `timeout`). A stream that
   // ends OK without a summary is DataLoss.
-  absl::StatusOr<GenerationResult> Generate(const GatewayRequest& request,
-                                            absl::Duration timeout,
+  absl::StatusOr<GenerationResult> Generate(const GatewayRequest& request, absl::Duration timeout,
                                             const TokenCallback& on_tokens = nullptr) const;
 
   // The same, for a raw proto (tests send malformed requests this way).

@@ -5,21 +5,20 @@
 #include <cstdio>
 #include <iostream>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
-#include "common/flags.h"
 #include "cli/colocated.h"
 #include "cli/commands.h"
 #include "cli/gateway_client.h"
+#include "common/flags.h"
 #include "gateway/tokenizer/byte_tokenizer.h"
 #include "tokenizer/tokenizer.h"
 
@@ -153,7 +152,8 @@ int RunGenerateCommand(const std::vector<std::string>& args) {
     request.tokens = *std::move(parsed);
   }
   if (request.tokens.empty()) return UsageError("the prompt is empty");
-  if (max_tokens < 1) return UsageError(absl::StrCat("--max-tokens must be >= 1, got ", max_tokens));
+  if (max_tokens < 1)
+    return UsageError(absl::StrCat("--max-tokens must be >= 1, got ", max_tokens));
   if (temperature < 0 || temperature > 100) {
     return UsageError(absl::StrCat("--temperature must be in [0, 100], got ", temperature));
   }

@@ -2,16 +2,15 @@
 
 #include <cstdio>
 #include <iostream>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "common/flags.h"
 #include "cli/commands.h"
+#include "common/flags.h"
 #include "kv/hf_config.h"
 #include "kv/presets.h"
 
@@ -35,7 +34,8 @@ std::string HumanBytes(double bytes) {
     bytes /= 1024;
     ++unit;
   }
-  return unit == 0 ? absl::StrFormat("%.0f B", bytes) : absl::StrFormat("%.1f %s", bytes, units[unit]);
+  return unit == 0 ? absl::StrFormat("%.0f B", bytes)
+                   : absl::StrFormat("%.1f %s", bytes, units[unit]);
 }
 
 std::string GroupShape(const kv::LayerGroup& g) {
@@ -43,8 +43,7 @@ std::string GroupShape(const kv::LayerGroup& g) {
     case kv::LayerKind::kFullAttention:
       return absl::StrCat(g.num_kv_heads, " KV heads x ", g.head_dim);
     case kv::LayerKind::kSlidingWindow:
-      return absl::StrCat(g.num_kv_heads, " KV heads x ", g.head_dim, ", window ",
-                          g.window_tokens);
+      return absl::StrCat(g.num_kv_heads, " KV heads x ", g.head_dim, ", window ", g.window_tokens);
     case kv::LayerKind::kMlaLatent:
       return absl::StrCat("latent ", g.latent_dim, " + rope ", g.rope_dim);
     case kv::LayerKind::kSsmState:
@@ -97,9 +96,9 @@ void PrintLayoutTable(const kv::ModelLayout& layout, int64_t tokens) {
   for (size_t i = 0; i < layout.groups().size(); ++i) {
     const kv::LayerGroup& g = layout.groups()[i];
     const int gi = static_cast<int>(i);
-    std::printf("%-16s %6d  %-34s %14s %14s %16s\n",
-                std::string(kv::LayerKindName(g.kind)).c_str(), g.num_layers(),
-                GroupShape(g).c_str(), WithCommas(layout.GroupBytesPerToken(gi)).c_str(),
+    std::printf("%-16s %6d  %-34s %14s %14s %16s\n", std::string(kv::LayerKindName(g.kind)).c_str(),
+                g.num_layers(), GroupShape(g).c_str(),
+                WithCommas(layout.GroupBytesPerToken(gi)).c_str(),
                 WithCommas(layout.BlockBytes(gi)).c_str(),
                 WithCommas(layout.GroupBytesForTokens(gi, tokens)).c_str());
   }
@@ -148,8 +147,8 @@ int PrintSeedTable() {
   all_global.window_tokens = 0;
   all_global.layer_ids.clear();
   for (int32_t i = 0; i < swa.num_layers(); ++i) all_global.layer_ids.push_back(i);
-  absl::StatusOr<kv::ModelLayout> global =
-      kv::ModelLayout::Create("gemma3-27b-all-global", swa.dtype(), swa.block_tokens(), {all_global});
+  absl::StatusOr<kv::ModelLayout> global = kv::ModelLayout::Create(
+      "gemma3-27b-all-global", swa.dtype(), swa.block_tokens(), {all_global});
   if (!global.ok()) return 1;
 
   int local_layers = 0;
@@ -174,7 +173,8 @@ int PrintSeedTable() {
               HumanBytes(static_cast<double>(m.BytesForTokens(1))).c_str());
   std::printf("%8s %18s\n", "tokens", "bytes/sequence");
   for (int64_t tokens : {1024, 8192, 32768}) {
-    std::printf("%8s %18s\n", WithCommas(tokens).c_str(), WithCommas(m.BytesForTokens(tokens)).c_str());
+    std::printf("%8s %18s\n", WithCommas(tokens).c_str(),
+                WithCommas(m.BytesForTokens(tokens)).c_str());
   }
   return 0;
 }

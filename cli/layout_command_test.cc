@@ -2,12 +2,12 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/file_util.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/process_harness.h"
 #include "tests/testing/status_matchers.h"
 #include "tests/testing/test_env.h"
-#include "common/file_util.h"
 
 namespace kvrelay {
 namespace {
@@ -33,8 +33,8 @@ TEST(LayoutCommand, SeedTable) {
 }
 
 TEST(LayoutCommand, JsonForPresetAndConfig) {
-  testing::CommandResult r = Kvrelay({"layout", "--preset", "deepseek-v3", "--tokens", "1000",
-                                      "--json"});
+  testing::CommandResult r =
+      Kvrelay({"layout", "--preset", "deepseek-v3", "--tokens", "1000", "--json"});
   ASSERT_EQ(r.exit_code, 0) << r.stderr_text;
   nlohmann::json j = nlohmann::json::parse(r.stdout_text);
   EXPECT_EQ(j["model"], "deepseek-v3");

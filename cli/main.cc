@@ -8,6 +8,8 @@
 #include <vector>
 
 #include "cachestore/server/command.h"
+#include "cachestore/tools/commands.h"
+#include "cli/bench_serve/bench_serve_command.h"
 #include "cli/commands.h"
 #include "cli/up/up_command.h"
 #include "common/flags.h"
@@ -17,8 +19,6 @@
 #include "prefill/server/command.h"
 #include "tokenizer/tokenize_command.h"
 #include "transfer/ucx/transfer_bench.h"
-#include "cli/bench_serve/bench_serve_command.h"
-#include "cachestore/tools/commands.h"
 
 namespace {
 

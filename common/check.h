@@ -14,9 +14,9 @@ namespace kvrelay::internal {
 }
 }  // namespace kvrelay::internal
 
-#define KV_CHECK(cond)                                                          \
-  do {                                                                          \
-    if (!(cond)) ::kvrelay::internal::CheckFailed(__FILE__, __LINE__, #cond);   \
+#define KV_CHECK(cond)                                                        \
+  do {                                                                        \
+    if (!(cond)) ::kvrelay::internal::CheckFailed(__FILE__, __LINE__, #cond); \
   } while (false)
 
 #ifdef NDEBUG

@@ -3,9 +3,9 @@
 // Time comes from an injected Clock so policy code runs on a SimulatedClock in tests, never
 // on sleeps.
 
-#include "absl/base/thread_annotations.h"
 #include <mutex>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 

@@ -1,17 +1,16 @@
-#include <poll.h>
-
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include "common/clock.h"
 #include "common/config_file.h"
-#include "common/http_server.h"
-#include "common/metrics.h"
 #include "common/event_fd.h"
 #include "common/file_util.h"
 #include "common/flags.h"
+#include "common/http_server.h"
+#include "common/metrics.h"
 #include "common/status_macros.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -83,8 +82,8 @@ TEST(FlagSet, ParsesEveryKindAndNamesBadFlags) {
   flags.AddDouble("ratio", &ratio, "ratio");
   flags.AddBool("json", &json, "json");
   flags.AddDuration("ttl", &ttl, "ttl");
-  KV_ASSERT_OK(flags.Parse({"--name", "abc", "--count=42", "--small", "7", "--ratio=0.25",
-                            "--json", "--ttl", "30s"}));
+  KV_ASSERT_OK(flags.Parse(
+      {"--name", "abc", "--count=42", "--small", "7", "--ratio=0.25", "--json", "--ttl", "30s"}));
   EXPECT_EQ(name, "abc");
   EXPECT_EQ(count, 42);
   EXPECT_EQ(small, 7);
@@ -102,7 +101,8 @@ TEST(FlagSet, ParsesEveryKindAndNamesBadFlags) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--bogus")));
   EXPECT_THAT(bad.Parse({"--count"}),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("missing value")));
-  EXPECT_THAT(bad.Parse({"stray"}), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("stray")));
+  EXPECT_THAT(bad.Parse({"stray"}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("stray")));
 }
 
 TEST(Metrics, RendersPrometheusText) {
@@ -147,7 +147,8 @@ std::string HttpGet(int port, const std::string& path) {
 TEST(HttpServer, ServesMetricsOverRealSocket) {
   MetricsRegistry registry;
   registry.GetCounter("kvrelay_test_total", "Test.")->Increment(7);
-  KV_ASSERT_OK_AND_ASSIGN(auto server, HttpServer::Start("127.0.0.1", 0, MetricsHandler(&registry)));
+  KV_ASSERT_OK_AND_ASSIGN(auto server,
+                          HttpServer::Start("127.0.0.1", 0, MetricsHandler(&registry)));
   ASSERT_GT(server->port(), 0);
   std::string r = HttpGet(server->port(), "/metrics");
   EXPECT_THAT(r, HasSubstr("HTTP/1.0 200"));

@@ -88,7 +88,8 @@ absl::Status MakeDirectories(const std::string& path) {
   }
   struct stat st;
   if (::stat(path.c_str(), &st) != 0) return ErrnoStatus("stat", path, errno);
-  if (!S_ISDIR(st.st_mode)) return absl::FailedPreconditionError(absl::StrCat(path, " is not a directory"));
+  if (!S_ISDIR(st.st_mode))
+    return absl::FailedPreconditionError(absl::StrCat(path, " is not a directory"));
   return absl::OkStatus();
 }
 

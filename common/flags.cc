@@ -94,8 +94,8 @@ absl::Status FlagSet::Parse(const std::vector<std::string>& args) {
       name = name.substr(0, eq);
       has_value = true;
     }
-    auto it = std::find_if(flags_.begin(), flags_.end(),
-                           [&](const Flag& f) { return f.name == name; });
+    auto it =
+        std::find_if(flags_.begin(), flags_.end(), [&](const Flag& f) { return f.name == name; });
     if (it == flags_.end()) {
       return absl::InvalidArgumentError(
           absl::StrCat(command_, ": unknown flag --", name, " (see --help)"));

@@ -21,10 +21,14 @@ constexpr size_t kMaxRequestBytes = 8192;
 
 const char* Reason(int status) {
   switch (status) {
-    case 200: return "OK";
-    case 404: return "Not Found";
-    case 405: return "Method Not Allowed";
-    default: return "Error";
+    case 200:
+      return "OK";
+    case 404:
+      return "Not Found";
+    case 405:
+      return "Method Not Allowed";
+    default:
+      return "Error";
   }
 }
 
@@ -33,7 +37,8 @@ const char* Reason(int status) {
 absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const std::string& host, int port,
                                                               HttpHandler handler) {
   if (port < 0 || port > 65535) {
-    return absl::InvalidArgumentError(absl::StrCat("metrics port must be in [0, 65535], got ", port));
+    return absl::InvalidArgumentError(
+        absl::StrCat("metrics port must be in [0, 65535], got ", port));
   }
   // Hostnames, IPv4 and IPv6 literals alike.
   addrinfo hints{};
@@ -58,10 +63,9 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const std::string&
   sockaddr_storage bound{};
   socklen_t len = sizeof(bound);
   ::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&bound), &len);
-  const int bound_port =
-      bound.ss_family == AF_INET6
-          ? ntohs(reinterpret_cast<const sockaddr_in6*>(&bound)->sin6_port)
-          : ntohs(reinterpret_cast<const sockaddr_in*>(&bound)->sin_port);
+  const int bound_port = bound.ss_family == AF_INET6
+                             ? ntohs(reinterpret_cast<const sockaddr_in6*>(&bound)->sin6_port)
+                             : ntohs(reinterpret_cast<const sockaddr_in*>(&bound)->sin_port);
   absl::StatusOr<EventFd> stop = EventFd::Create();
   if (!stop.ok()) return stop.status();
   return std::unique_ptr<HttpServer>(

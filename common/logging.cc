@@ -28,10 +28,14 @@ std::atomic<int>& MinSeverityStorage() {
 
 char SeverityLetter(LogSeverity severity) {
   switch (severity) {
-    case LogSeverity::kDebug: return 'D';
-    case LogSeverity::kInfo: return 'I';
-    case LogSeverity::kWarning: return 'W';
-    case LogSeverity::kError: return 'E';
+    case LogSeverity::kDebug:
+      return 'D';
+    case LogSeverity::kInfo:
+      return 'I';
+    case LogSeverity::kWarning:
+      return 'W';
+    case LogSeverity::kError:
+      return 'E';
   }
   return '?';
 }

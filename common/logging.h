@@ -42,8 +42,8 @@ struct LogVoidify {
 #define KV_LOG_SEVERITY_ERROR ::kvrelay::LogSeverity::kError
 
 // An expression, not an if/else, so `if (x) KV_LOG(INFO) << y;` has no dangling else.
-#define KV_LOG(level)                                                                  \
-  (KV_LOG_SEVERITY_##level < ::kvrelay::MinLogSeverity())                              \
-      ? (void)0                                                                        \
-      : ::kvrelay::internal::LogVoidify() &                                            \
+#define KV_LOG(level)                                     \
+  (KV_LOG_SEVERITY_##level < ::kvrelay::MinLogSeverity()) \
+      ? (void)0                                           \
+      : ::kvrelay::internal::LogVoidify() &               \
             ::kvrelay::internal::LogMessage(KV_LOG_SEVERITY_##level, __FILE__, __LINE__).stream()

@@ -47,8 +47,7 @@ std::string LabelText(const MetricLabels& labels, const std::string& extra_key =
 }  // namespace
 
 Histogram::Histogram(std::vector<double> upper_bounds)
-    : bounds_(std::move(upper_bounds)),
-      buckets_(new std::atomic<uint64_t>[bounds_.size() + 1]) {
+    : bounds_(std::move(upper_bounds)), buckets_(new std::atomic<uint64_t>[bounds_.size() + 1]) {
   for (size_t i = 0; i <= bounds_.size(); ++i) buckets_[i].store(0, std::memory_order_relaxed);
 }
 
@@ -74,8 +73,8 @@ std::vector<uint64_t> Histogram::CumulativeCounts() const {
 uint64_t Histogram::count() const { return CumulativeCounts().back(); }
 
 std::vector<double> LatencyBucketsSeconds() {
-  return {0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
-          0.1,    0.25,    0.5,    1,     2.5,    5,     10,   25,    50,   100};
+  return {0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+          0.25,   0.5,     1,      2.5,   5,      10,    25,   50,    100};
 }
 
 MetricsRegistry::Family& MetricsRegistry::GetFamily(const std::string& name, Type type,
@@ -133,11 +132,11 @@ std::string MetricsRegistry::RenderText() const {
       std::vector<uint64_t> counts = h->CumulativeCounts();
       for (size_t i = 0; i < h->upper_bounds().size(); ++i) {
         absl::StrAppend(&out, name, "_bucket",
-                        LabelText(labels, "le", FormatValue(h->upper_bounds()[i])), " ",
-                        counts[i], "\n");
+                        LabelText(labels, "le", FormatValue(h->upper_bounds()[i])), " ", counts[i],
+                        "\n");
       }
-      absl::StrAppend(&out, name, "_bucket", LabelText(labels, "le", "+Inf"), " ",
-                      counts.back(), "\n");
+      absl::StrAppend(&out, name, "_bucket", LabelText(labels, "le", "+Inf"), " ", counts.back(),
+                      "\n");
       absl::StrAppend(&out, name, "_sum", LabelText(labels), " ", FormatValue(h->sum()), "\n");
       absl::StrAppend(&out, name, "_count", LabelText(labels), " ", counts.back(), "\n");
     }

@@ -10,11 +10,11 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include <mutex>
 
 namespace kvrelay {
 
@@ -75,8 +75,7 @@ class MetricsRegistry {
   Gauge* GetGauge(const std::string& name, const std::string& help,
                   const MetricLabels& labels = {});
   Histogram* GetHistogram(const std::string& name, const std::string& help,
-                          const std::vector<double>& upper_bounds,
-                          const MetricLabels& labels = {});
+                          const std::vector<double>& upper_bounds, const MetricLabels& labels = {});
   std::string RenderText() const;
 
  private:

@@ -26,7 +26,8 @@ absl::StatusOr<pid_t> Spawn(const SpawnOptions& options) {
     const std::string name = entry.substr(0, entry.find('='));
     if (!options.env.contains(name)) env_storage.push_back(entry);
   }
-  for (const auto& [name, value] : options.env) env_storage.push_back(absl::StrCat(name, "=", value));
+  for (const auto& [name, value] : options.env)
+    env_storage.push_back(absl::StrCat(name, "=", value));
   std::vector<char*> envp;
   for (std::string& e : env_storage) envp.push_back(e.data());
   envp.push_back(nullptr);

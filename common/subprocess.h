@@ -16,12 +16,12 @@
 namespace kvrelay {
 
 struct SpawnOptions {
-  std::vector<std::string> argv;             // argv[0] is the executable's path
-  std::map<std::string, std::string> env;    // added to (overriding) the parent's environment
-  int stdout_fd = -1;                        // dup2'ed onto the child's stdout; -1 = inherit
-  int stderr_fd = -1;                        // ... stderr; -1 = inherit
-  bool own_process_group = true;             // kill(-pid) reaches the child's whole tree
-  int parent_death_signal = 0;               // e.g. SIGTERM: sent to the child if we die
+  std::vector<std::string> argv;           // argv[0] is the executable's path
+  std::map<std::string, std::string> env;  // added to (overriding) the parent's environment
+  int stdout_fd = -1;                      // dup2'ed onto the child's stdout; -1 = inherit
+  int stderr_fd = -1;                      // ... stderr; -1 = inherit
+  bool own_process_group = true;           // kill(-pid) reaches the child's whole tree
+  int parent_death_signal = 0;             // e.g. SIGTERM: sent to the child if we die
 };
 
 // Starts the child and returns its pid. The child's fds other than 0-2 close on exec only if

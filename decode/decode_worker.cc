@@ -8,9 +8,9 @@
 #include "kv/block_hash.h"
 #include "kv/checksum.h"
 #include "kv/prompt_validation.h"
-#include "proto/limits.h"
 #include "model/sampler.h"
 #include "proto/grpc_status.h"
+#include "proto/limits.h"
 
 namespace kvrelay::decode {
 namespace {
@@ -97,9 +97,8 @@ DecodeWorker::DecodeWorker(DecodeWorkerOptions options, MetricsRegistry* metrics
                            "Requests whose pushed KV was unusable and was recomputed, by reason.",
                            {{"reason", "transfer"}});
   active_gauge_ = metrics_->GetGauge("kvrelay_decode_active_sequences", "Sequences decoding.");
-  step_seconds_ = metrics_->GetHistogram("kvrelay_decode_step_seconds",
-                                         "Time of one batched decode step.",
-                                         LatencyBucketsSeconds());
+  step_seconds_ = metrics_->GetHistogram(
+      "kvrelay_decode_step_seconds", "Time of one batched decode step.", LatencyBucketsSeconds());
   refused_overloaded_ =
       metrics_->GetCounter("kvrelay_decode_refused_total",
                            "Requests refused at admission, by reason.", {{"reason", "capacity"}});
@@ -190,8 +189,8 @@ void DecodeWorker::OnInbound(transfer::InboundEvent event) {
     return;
   }
   Reservation& r = *it->second;
-  r.layers_received += std::max(0, std::min(event.layers.end, runner_->layout().num_layers()) -
-                                       event.layers.begin);
+  r.layers_received +=
+      std::max(0, std::min(event.layers.end, runner_->layout().num_layers()) - event.layers.begin);
   for (const transfer::ReceivedBlock& b : event.blocks) r.bytes_received += b.length;
   if (!event.status.ok() && r.transfer_status.ok()) r.transfer_status = event.status;
 }
@@ -217,8 +216,8 @@ absl::StatusOr<kvrelay::v1::ReserveResponse> DecodeWorker::Reserve(
                                 "], got ", request.prompt_tokens()));
   }
   if (request.max_tokens() < 1 || request.max_tokens() > limits::kMaxGenerateTokens) {
-    return Invalid(absl::StrCat("max_tokens must be in [1, ", limits::kMaxGenerateTokens,
-                                "], got ", request.max_tokens()));
+    return Invalid(absl::StrCat("max_tokens must be in [1, ", limits::kMaxGenerateTokens, "], got ",
+                                request.max_tokens()));
   }
   Clock* clock = core_->clock;
   auto r = std::make_shared<Reservation>();
@@ -235,8 +234,7 @@ absl::StatusOr<kvrelay::v1::ReserveResponse> DecodeWorker::Reserve(
 
   absl::MutexLock lock(&mu_);
   if (draining_) {
-    return Own(absl::UnavailableError(absl::StrCat("decode node ", core_->node_id,
-                                                   " is draining")),
+    return Own(absl::UnavailableError(absl::StrCat("decode node ", core_->node_id, " is draining")),
                kvrelay::v1::FAILURE_DRAINING);
   }
   // Sweep expired or released reservations whose pushes can no longer land.
@@ -244,9 +242,8 @@ absl::StatusOr<kvrelay::v1::ReserveResponse> DecodeWorker::Reserve(
   for (auto it = reservations_.begin(); it != reservations_.end();) {
     Reservation& old = *it->second;
     const bool expired = !old.claimed && now > old.expires;
-    const bool released_and_quiet =
-        old.released &&
-        (old.layers_received >= old.expected_layers || now > old.released_at + kReleaseGrace);
+    const bool released_and_quiet = old.released && (old.layers_received >= old.expected_layers ||
+                                                     now > old.released_at + kReleaseGrace);
     if ((expired && !old.released) || released_and_quiet) {
       ReleaseReservationSlots(old);
       ReturnBudget(old.budget);
@@ -265,11 +262,11 @@ absl::StatusOr<kvrelay::v1::ReserveResponse> DecodeWorker::Reserve(
     const int64_t capacity = kv_->cache().pool(static_cast<int>(g)).num_slots();
     if (booked_[g] + r->budget[g] > capacity) {
       refused_overloaded_->Increment();
-      return Own(absl::ResourceExhaustedError(absl::StrCat(
-                     "decode node ", core_->node_id, ": KV capacity: the request needs ",
-                     r->budget[g], " blocks of group ", g, ", ", capacity - booked_[g],
-                     " of ", capacity, " are free")),
-                 kvrelay::v1::FAILURE_OVERLOADED);
+      return Own(
+          absl::ResourceExhaustedError(absl::StrCat(
+              "decode node ", core_->node_id, ": KV capacity: the request needs ", r->budget[g],
+              " blocks of group ", g, ", ", capacity - booked_[g], " of ", capacity, " are free")),
+          kvrelay::v1::FAILURE_OVERLOADED);
     }
   }
   for (size_t g = 0; g < layout.groups().size(); ++g) {
@@ -329,15 +326,15 @@ absl::Status DecodeWorker::Generate(const kvrelay::v1::DecodeRequest& request, a
   if (absl::Status s = CheckRequestId(request.request_id()); !s.ok()) {
     return Invalid(std::string(s.message()));
   }
-  if (absl::Status s = kv::ValidatePrompt(request.tokens(), request.max_tokens(),
-                                          runner_->config());
+  if (absl::Status s =
+          kv::ValidatePrompt(request.tokens(), request.max_tokens(), runner_->config());
       !s.ok()) {
     return Invalid(std::string(s.message()));
   }
   const float temperature = request.sampling().temperature();
   if (!(temperature >= 0 && temperature <= limits::kMaxTemperature)) {
-    return Invalid(absl::StrCat("sampling.temperature must be in [0, ", limits::kMaxTemperature,
-                                "]"));
+    return Invalid(
+        absl::StrCat("sampling.temperature must be in [0, ", limits::kMaxTemperature, "]"));
   }
   const float top_p = request.sampling().top_p();
   if (!(top_p >= 0 && top_p <= 1)) return Invalid("sampling.top_p must be in (0, 1]");
@@ -360,9 +357,9 @@ absl::Status DecodeWorker::Generate(const kvrelay::v1::DecodeRequest& request, a
   {
     absl::MutexLock lock(&mu_);
     if (draining_) {
-      return Own(absl::UnavailableError(absl::StrCat("decode node ", core_->node_id,
-                                                     " is draining")),
-                 kvrelay::v1::FAILURE_DRAINING);
+      return Own(
+          absl::UnavailableError(absl::StrCat("decode node ", core_->node_id, " is draining")),
+          kvrelay::v1::FAILURE_DRAINING);
     }
     auto it = reservations_.find(worker::RequestTag(request.request_id()));
     if (it != reservations_.end() && !it->second->released) {
@@ -383,9 +380,8 @@ absl::Status DecodeWorker::Generate(const kvrelay::v1::DecodeRequest& request, a
     }
     // Admission for a request that did not reserve (or whose reservation lapsed), and the bound
     // on requests waiting for a batch slot.
-    const bool queue_full =
-        running_count_ + static_cast<int32_t>(pending_.size()) >=
-        options_.max_batch + options_.max_queued;
+    const bool queue_full = running_count_ + static_cast<int32_t>(pending_.size()) >=
+                            options_.max_batch + options_.max_queued;
     bool fits = !budget.empty();
     if (budget.empty()) {
       std::vector<int64_t> need = BlockBudget(int64_t{request.max_tokens()} + tokens.size());
@@ -418,10 +414,9 @@ absl::Status DecodeWorker::Generate(const kvrelay::v1::DecodeRequest& request, a
   active->temperature = temperature;
   active->top_p = top_p > 0 ? top_p : 1.0f;
   active->sampler = std::make_unique<model::Sampler>(request.sampling().seed());
-  active->eos_token =
-      request.eos_token() >= 0 && request.eos_token() < runner_->config().vocab_size
-          ? request.eos_token()
-          : -1;
+  active->eos_token = request.eos_token() >= 0 && request.eos_token() < runner_->config().vocab_size
+                          ? request.eos_token()
+                          : -1;
   active->tenant_salt = request.tenant_salt();
   active->budget = std::move(budget);
   int64_t received_bytes = 0;
@@ -531,10 +526,10 @@ void DecodeWorker::SchedulerLoop() {
     if (status.ok() && store != nullptr) {
       // Multi-turn reuse: publish the full blocks this worker computed (after the pushed ones).
       const kv::ModelLayout& layout = runner_->layout();
-      std::vector<kv::BlockHash> chain = kv::HashChain(
-          layout.fingerprint(), a->tenant_salt, a->seq->tokens(), layout.block_tokens());
-      absl::StatusOr<int32_t> committed = store->CommitBlocks(
-          chain, a->pushed_blocks, static_cast<int64_t>(chain.size()), *a->seq);
+      std::vector<kv::BlockHash> chain = kv::HashChain(layout.fingerprint(), a->tenant_salt,
+                                                       a->seq->tokens(), layout.block_tokens());
+      absl::StatusOr<int32_t> committed =
+          store->CommitBlocks(chain, a->pushed_blocks, static_cast<int64_t>(chain.size()), *a->seq);
       if (!committed.ok()) KV_LOG(WARNING) << a->request_id << ": commit: " << committed.status();
     }
     a->seq.reset();  // frees the slots
@@ -594,9 +589,10 @@ void DecodeWorker::SchedulerLoop() {
     for (auto& a : running) {
       if (is_cancelled(*a)) finish(a, absl::CancelledError("client went away"));
     }
-    running.erase(std::remove_if(running.begin(), running.end(),
-                                 [](const std::shared_ptr<Active>& a) { return a->seq == nullptr; }),
-                  running.end());
+    running.erase(
+        std::remove_if(running.begin(), running.end(),
+                       [](const std::shared_ptr<Active>& a) { return a->seq == nullptr; }),
+        running.end());
     if (!running.empty()) {
       std::vector<model::Sequence*> seqs;
       std::vector<int32_t> last;
@@ -618,11 +614,10 @@ void DecodeWorker::SchedulerLoop() {
                                     a.temperature, a.top_p));
           if (finished(a)) finish(running[i], absl::OkStatus());
         }
-        running.erase(std::remove_if(running.begin(), running.end(),
-                                     [](const std::shared_ptr<Active>& a) {
-                                       return a->seq == nullptr;
-                                     }),
-                      running.end());
+        running.erase(
+            std::remove_if(running.begin(), running.end(),
+                           [](const std::shared_ptr<Active>& a) { return a->seq == nullptr; }),
+            running.end());
       }
     }
     {

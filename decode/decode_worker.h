@@ -63,8 +63,8 @@ using ChunkWriter = std::function<bool(const kvrelay::v1::DecodeChunk&)>;
 class DecodeWorker {
  public:
   static absl::StatusOr<std::unique_ptr<DecodeWorker>> Create(DecodeWorkerOptions options,
-                                                               MetricsRegistry* metrics,
-                                                               worker::WorkerCoreDeps deps = {});
+                                                              MetricsRegistry* metrics,
+                                                              worker::WorkerCoreDeps deps = {});
   ~DecodeWorker();
 
   absl::StatusOr<kvrelay::v1::ReserveResponse> Reserve(const kvrelay::v1::ReserveRequest& request);

@@ -55,8 +55,8 @@ Gateway::Gateway(GatewayOptions options, kv::ModelConfig config, MetricsRegistry
   tpot_seconds_ = metrics_->GetHistogram("kvrelay_gateway_time_per_output_token_seconds",
                                          "Mean time per output token after the first.",
                                          LatencyBucketsSeconds());
-  prefix_query_tokens_ = metrics_->GetCounter("kvrelay_gateway_prompt_tokens_total",
-                                              "Prompt tokens received.");
+  prefix_query_tokens_ =
+      metrics_->GetCounter("kvrelay_gateway_prompt_tokens_total", "Prompt tokens received.");
   prefix_hit_tokens_ = metrics_->GetCounter("kvrelay_gateway_prefix_hit_tokens_total",
                                             "Prompt tokens served from cached KV.");
   transferred_bytes_ = metrics_->GetCounter("kvrelay_gateway_transferred_kv_bytes_total",
@@ -79,10 +79,9 @@ absl::StatusOr<std::unique_ptr<Gateway>> Gateway::Create(
     return absl::InvalidArgumentError(
         absl::StrCat("max_attempts must be positive, got ", options.max_attempts));
   }
-  KV_ASSIGN_OR_RETURN(kv::ModelConfig config,
-                      kv::LoadHfConfig(options.model_dir + "/config.json"));
-  auto gateway = std::unique_ptr<Gateway>(
-      new Gateway(std::move(options), std::move(config), metrics, clock));
+  KV_ASSIGN_OR_RETURN(kv::ModelConfig config, kv::LoadHfConfig(options.model_dir + "/config.json"));
+  auto gateway =
+      std::unique_ptr<Gateway>(new Gateway(std::move(options), std::move(config), metrics, clock));
   gateway->store_ = std::move(store);
   {
     std::lock_guard<std::mutex> lock(gateway->nodes_mu_);
@@ -207,9 +206,9 @@ absl::Status Gateway::RefreshFromRegistry() {
 
 absl::Status Gateway::Validate(const kvrelay::v1::GenerateRequest& request) const {
   if (!request.model().empty() && request.model() != options_.model_name) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("model: unknown model '", request.model(), "' (this gateway serves '",
-                     options_.model_name, "')"));
+    return absl::InvalidArgumentError(absl::StrCat("model: unknown model '", request.model(),
+                                                   "' (this gateway serves '", options_.model_name,
+                                                   "')"));
   }
   if (request.tenant().empty() || request.tenant().size() > limits::kMaxTenantBytes) {
     return absl::InvalidArgumentError(absl::StrCat("tenant must be 1-", limits::kMaxTenantBytes,
@@ -247,10 +246,9 @@ Gateway::Node* Gateway::PickPrefill(const NodeList& prefills, const std::vector<
   const int32_t block_tokens = config_.layout.block_tokens();
   const int64_t full_blocks = (static_cast<int64_t>(prompt.size()) - 1) / block_tokens;
   if (store_ != nullptr && full_blocks > 0) {
-    std::vector<kv::BlockHash> chain =
-        kv::HashChain(config_.layout.fingerprint(), salt,
-                      absl::MakeConstSpan(prompt).subspan(0, full_blocks * block_tokens),
-                      block_tokens);
+    std::vector<kv::BlockHash> chain = kv::HashChain(
+        config_.layout.fingerprint(), salt,
+        absl::MakeConstSpan(prompt).subspan(0, full_blocks * block_tokens), block_tokens);
     // A store that does not answer costs reuse, not the request.
     absl::StatusOr<kvrelay::v1::QueryPrefixResponse> answer = store_->QueryPrefix(chain);
     if (answer.ok()) {
@@ -369,8 +367,8 @@ absl::Status Gateway::Generate(const kvrelay::v1::GenerateRequest& request, absl
   std::vector<Node*> failed_prefill, failed_decode;
   NodeList keep_alive;  // nodes discovery may drop stay valid while this request names them
   absl::Status last_error =
-      proto::Attribute(absl::UnavailableError("no usable worker pair"),
-                       kvrelay::v1::ROLE_GATEWAY, "", kvrelay::v1::FAILURE_UNREACHABLE);
+      proto::Attribute(absl::UnavailableError("no usable worker pair"), kvrelay::v1::ROLE_GATEWAY,
+                       "", kvrelay::v1::FAILURE_UNREACHABLE);
   int32_t failures = 0, attempts = 0, overloaded = 0;
   bool done = false;
   bool client_gone = false;
@@ -412,25 +410,25 @@ absl::Status Gateway::Generate(const kvrelay::v1::GenerateRequest& request, absl
     if (d == nullptr) {
       if (overloaded > 0) {
         last_error = proto::Attribute(
-            absl::ResourceExhaustedError(absl::StrCat(
-                "every decode worker is at capacity (", overloaded, " refused); retry later")),
+            absl::ResourceExhaustedError(absl::StrCat("every decode worker is at capacity (",
+                                                      overloaded, " refused); retry later")),
             kvrelay::v1::ROLE_GATEWAY, "", kvrelay::v1::FAILURE_OVERLOADED);
       } else {
-        last_error = proto::Attribute(
-            absl::UnavailableError(absl::StrCat("no healthy decode worker (", decodes.size(),
-                                                " known, ", failed_decode.size(),
-                                                " failed for this request)")),
-            kvrelay::v1::ROLE_GATEWAY, "", kvrelay::v1::FAILURE_UNREACHABLE);
+        last_error =
+            proto::Attribute(absl::UnavailableError(absl::StrCat(
+                                 "no healthy decode worker (", decodes.size(), " known, ",
+                                 failed_decode.size(), " failed for this request)")),
+                             kvrelay::v1::ROLE_GATEWAY, "", kvrelay::v1::FAILURE_UNREACHABLE);
       }
       break;
     }
     Node* p = PickPrefill(prefills, tokens, salt, failed_prefill, deadline);
     if (p == nullptr) {
-      last_error = proto::Attribute(
-          absl::UnavailableError(absl::StrCat("no healthy prefill worker (", prefills.size(),
-                                              " known, ", failed_prefill.size(),
-                                              " failed for this request)")),
-          kvrelay::v1::ROLE_GATEWAY, "", kvrelay::v1::FAILURE_UNREACHABLE);
+      last_error =
+          proto::Attribute(absl::UnavailableError(absl::StrCat(
+                               "no healthy prefill worker (", prefills.size(), " known, ",
+                               failed_prefill.size(), " failed for this request)")),
+                           kvrelay::v1::ROLE_GATEWAY, "", kvrelay::v1::FAILURE_UNREACHABLE);
       break;
     }
     ++attempts;
@@ -573,8 +571,8 @@ absl::Status Gateway::Generate(const kvrelay::v1::GenerateRequest& request, absl
     ++failures;
   }
   if (client_gone) {
-    return proto::Attribute(absl::CancelledError("client went away"), kvrelay::v1::ROLE_CLIENT,
-                            "", kvrelay::v1::FAILURE_CALLER_DEADLINE);
+    return proto::Attribute(absl::CancelledError("client went away"), kvrelay::v1::ROLE_CLIENT, "",
+                            kvrelay::v1::FAILURE_CALLER_DEADLINE);
   }
   if (!done) {
     if (absl::Now() >= deadline && last_error.ok()) {

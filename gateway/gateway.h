@@ -21,12 +21,12 @@
 
 #include <atomic>
 #include <condition_variable>
-#include <thread>
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -50,7 +50,7 @@ struct GatewayOptions {
   // Per-attempt bounds, each below the request's deadline.
   absl::Duration reserve_timeout = absl::Seconds(2);
   absl::Duration prefill_timeout = absl::Seconds(30);
-  absl::Duration chunk_timeout = absl::Seconds(5);  // first token and every gap after it
+  absl::Duration chunk_timeout = absl::Seconds(5);         // first token and every gap after it
   absl::Duration route_timeout = absl::Milliseconds(500);  // QueryPrefix / worker Status
   CircuitBreakerOptions breaker;
   // With a store and endpoint factories: how often the registry is read for workers that
@@ -76,15 +76,13 @@ class Gateway {
     // Discovery: endpoints for workers the store's registry lists (by their gRPC address).
     std::function<absl::StatusOr<std::unique_ptr<PrefillEndpoint>>(const std::string&)>
         make_prefill;
-    std::function<absl::StatusOr<std::unique_ptr<DecodeEndpoint>>(const std::string&)>
-        make_decode;
+    std::function<absl::StatusOr<std::unique_ptr<DecodeEndpoint>>(const std::string&)> make_decode;
   };
   // `store` may be null (no prefix-aware routing, no discovery). `clock` defaults to the real
   // clock.
   static absl::StatusOr<std::unique_ptr<Gateway>> Create(
-      GatewayOptions options, Workers workers,
-      std::unique_ptr<cachestore::CacheStoreClient> store, MetricsRegistry* metrics,
-      Clock* clock = Clock::Real());
+      GatewayOptions options, Workers workers, std::unique_ptr<cachestore::CacheStoreClient> store,
+      MetricsRegistry* metrics, Clock* clock = Clock::Real());
 
   ~Gateway();
 
@@ -108,8 +106,8 @@ class Gateway {
     std::unique_ptr<DecodeEndpoint> decode;
     CircuitBreaker breaker;
     std::atomic<int32_t> in_flight{0};
-    bool discovered = false;          // from the registry (may be dropped), not a fixed address
-    uint64_t incarnation = 0;         // discovered: the registered process
+    bool discovered = false;           // from the registry (may be dropped), not a fixed address
+    uint64_t incarnation = 0;          // discovered: the registered process
     std::atomic<bool> suspect{false};  // the registry marks it suspect: skipped
     mutable std::mutex mu;
     std::string node_id ABSL_GUARDED_BY(mu);  // learned from Status / Reserve
@@ -146,7 +144,7 @@ class Gateway {
   MetricsRegistry* metrics_;
   Clock* const clock_;
   std::unique_ptr<cachestore::CacheStoreClient> store_;
-  Workers factories_;  // make_prefill / make_decode only
+  Workers factories_;            // make_prefill / make_decode only
   mutable std::mutex nodes_mu_;  // guards the two lists (not the nodes)
   NodeList prefills_ ABSL_GUARDED_BY(nodes_mu_);
   NodeList decodes_ ABSL_GUARDED_BY(nodes_mu_);

@@ -1,7 +1,6 @@
 #include "kv/hf_config.h"
 
 #include <cmath>
-
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/escaping.h"
@@ -177,16 +176,15 @@ absl::Status ReadRopeScaling(const ConfigReader& r, ModelConfig& c) {
                       NumberField(rs, "rope_scaling", "original_max_position_embeddings", 0));
   s.original_max_position_embeddings = static_cast<int32_t>(original);
   if (type == "llama3") {
-    for (const char* key : {"low_freq_factor", "high_freq_factor",
-                            "original_max_position_embeddings"}) {
+    for (const char* key :
+         {"low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}) {
       if (!rs.contains(key) || rs.at(key).is_null()) {
         return absl::InvalidArgumentError(
             absl::StrCat("config: rope_scaling (llama3) needs ", key));
       }
     }
     KV_ASSIGN_OR_RETURN(s.low_freq_factor, NumberField(rs, "rope_scaling", "low_freq_factor", 0));
-    KV_ASSIGN_OR_RETURN(s.high_freq_factor,
-                        NumberField(rs, "rope_scaling", "high_freq_factor", 0));
+    KV_ASSIGN_OR_RETURN(s.high_freq_factor, NumberField(rs, "rope_scaling", "high_freq_factor", 0));
     if (!(s.high_freq_factor > s.low_freq_factor) || !(s.low_freq_factor > 0) ||
         s.original_max_position_embeddings <= 0) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -268,9 +266,9 @@ absl::Status ReadLlamaLike(const ConfigReader& r, ModelConfig& c, bool tie_defau
     KV_ASSIGN_OR_RETURN(c.head_dim, r.PositiveInt("head_dim"));
   } else {
     if (c.hidden_size % c.num_attention_heads != 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "config: head_dim is missing and hidden_size ", c.hidden_size,
-          " is not divisible by num_attention_heads ", c.num_attention_heads));
+      return absl::InvalidArgumentError(
+          absl::StrCat("config: head_dim is missing and hidden_size ", c.hidden_size,
+                       " is not divisible by num_attention_heads ", c.num_attention_heads));
     }
     c.head_dim = c.hidden_size / c.num_attention_heads;
   }
@@ -329,9 +327,9 @@ absl::StatusOr<std::vector<bool>> ReadLayerTypes(const ConfigReader& r, int32_t 
     } else if (t.is_string() && t.get<std::string>() == "full_attention") {
       sliding[i] = false;
     } else {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "config: layer_types[", i, "] must be sliding_attention or full_attention, got ",
-          t.dump()));
+      return absl::InvalidArgumentError(
+          absl::StrCat("config: layer_types[", i,
+                       "] must be sliding_attention or full_attention, got ", t.dump()));
     }
   }
   return sliding;
@@ -342,9 +340,8 @@ absl::StatusOr<std::vector<LayerGroup>> ParseGpt2(const ConfigReader& r, ModelCo
   KV_ASSIGN_OR_RETURN(c.num_hidden_layers, r.PositiveInt("n_layer"));
   KV_ASSIGN_OR_RETURN(c.num_attention_heads, r.PositiveInt("n_head"));
   if (c.hidden_size % c.num_attention_heads != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("config: n_embd ", c.hidden_size,
-                                                   " is not divisible by n_head ",
-                                                   c.num_attention_heads));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config: n_embd ", c.hidden_size, " is not divisible by n_head ", c.num_attention_heads));
   }
   c.num_key_value_heads = c.num_attention_heads;
   c.head_dim = c.hidden_size / c.num_attention_heads;
@@ -455,8 +452,7 @@ absl::StatusOr<std::vector<LayerGroup>> ParseGemma3(const ConfigReader& r, Model
   // transformers' default is 256, not head_dim.
   KV_ASSIGN_OR_RETURN(c.query_pre_attn_scalar, r.PositiveDoubleOr("query_pre_attn_scalar", 256));
   KV_ASSIGN_OR_RETURN(c.attn_logit_softcapping, r.PositiveDoubleOr("attn_logit_softcapping", 0));
-  KV_ASSIGN_OR_RETURN(c.final_logit_softcapping,
-                      r.PositiveDoubleOr("final_logit_softcapping", 0));
+  KV_ASSIGN_OR_RETURN(c.final_logit_softcapping, r.PositiveDoubleOr("final_logit_softcapping", 0));
   KV_RETURN_IF_ERROR(ReadActivation(r, "hidden_activation", "gelu_pytorch_tanh", c));
   KV_RETURN_IF_ERROR(RefuseIfSet(r, "use_bidirectional_attention", false, c));
   std::vector<bool> sliding(c.num_hidden_layers);
@@ -487,9 +483,10 @@ absl::StatusOr<std::vector<LayerGroup>> ParseMamba(const ConfigReader& r, ModelC
     KV_ASSIGN_OR_RETURN(c.time_step_rank, r.PositiveInt("time_step_rank"));
   } else if (r.Has("time_step_rank") &&
              r.object().at("time_step_rank").get<std::string>() != "auto") {
-    return absl::InvalidArgumentError(absl::StrCat("config: time_step_rank must be an integer or "
-                                                   "\"auto\", got ",
-                                                   r.object().at("time_step_rank").dump()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("config: time_step_rank must be an integer or "
+                     "\"auto\", got ",
+                     r.object().at("time_step_rank").dump()));
   }
   KV_ASSIGN_OR_RETURN(c.hidden_act, r.StringOr("hidden_act", "silu"));
   if (c.hidden_act != "silu") Unsupported(c, "hidden_act", Json(c.hidden_act));
@@ -498,8 +495,8 @@ absl::StatusOr<std::vector<LayerGroup>> ParseMamba(const ConfigReader& r, ModelC
   g.layer_ids = Range(c.num_hidden_layers);
   // Per layer: the convolution window [intermediate, conv_kernel] and the SSM state
   // [intermediate, state_size], as transformers' MambaCache holds them.
-  g.state_bytes = int64_t{c.intermediate_size} * (c.conv_kernel + c.ssm_state_size) *
-                  DTypeBytes(c.dtype);
+  g.state_bytes =
+      int64_t{c.intermediate_size} * (c.conv_kernel + c.ssm_state_size) * DTypeBytes(c.dtype);
   return std::vector<LayerGroup>{g};
 }
 
@@ -541,7 +538,8 @@ absl::StatusOr<ModelConfig> ParseHfConfig(std::string_view json_text,
   } else if (!dtype_name.empty()) {
     absl::StatusOr<DType> dtype = ParseDType(dtype_name);
     if (!dtype.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat("config: torch_dtype: ", dtype.status().message()));
+      return absl::InvalidArgumentError(
+          absl::StrCat("config: torch_dtype: ", dtype.status().message()));
     }
     c.dtype = *dtype;
   } else {
@@ -565,10 +563,10 @@ absl::StatusOr<ModelConfig> ParseHfConfig(std::string_view json_text,
   } else if (t == "mamba") {
     groups = ParseMamba(r, c);
   } else {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "config: unsupported model_type '", t,
-        "' (supported: gpt2, llama, mistral, qwen2, deepseek_v2, deepseek_v3, gemma3, "
-        "gemma3_text, mamba)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("config: unsupported model_type '", t,
+                     "' (supported: gpt2, llama, mistral, qwen2, deepseek_v2, deepseek_v3, gemma3, "
+                     "gemma3_text, mamba)"));
   }
   if (!groups.ok()) return groups.status();
 
@@ -576,7 +574,8 @@ absl::StatusOr<ModelConfig> ParseHfConfig(std::string_view json_text,
   if (model_id.empty()) {
     std::array<uint8_t, 32> digest = internal::Sha256(json_text);
     model_id = absl::StrCat(
-        t, "-", absl::BytesToHexString(absl::string_view(reinterpret_cast<char*>(digest.data()), 4)));
+        t, "-",
+        absl::BytesToHexString(absl::string_view(reinterpret_cast<char*>(digest.data()), 4)));
   }
   KV_ASSIGN_OR_RETURN(c.layout, ModelLayout::Create(std::move(model_id), c.dtype,
                                                     options.block_tokens, *std::move(groups)));

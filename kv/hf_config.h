@@ -16,9 +16,9 @@
 namespace kvrelay::kv {
 
 struct ConfigOptions {
-  std::optional<DType> dtype;          // overrides torch_dtype
+  std::optional<DType> dtype;  // overrides torch_dtype
   int32_t block_tokens = 16;
-  std::string model_id;                // empty: "<model_type>" + "-" + short config digest
+  std::string model_id;  // empty: "<model_type>" + "-" + short config digest
 };
 
 // config.json "rope_scaling" (or "rope_parameters"), as transformers' modeling_rope_utils reads
@@ -67,7 +67,7 @@ struct ModelConfig {
   int32_t sliding_window = 0;
   // gemma3: query_pre_attn_scalar (attention scale = 1/sqrt of it)
   double query_pre_attn_scalar = 0.0;
-  RopeScaling rope_scaling;  // global layers (gemma3: local layers always use default RoPE)
+  RopeScaling rope_scaling;      // global layers (gemma3: local layers always use default RoPE)
   bool rope_interleave = false;  // MLA: DeepSeek's interleaved RoPE pairing (HF default true)
   // Activation of the MLP: silu, gelu_pytorch_tanh / gelu_new (tanh approximation), gelu (erf).
   std::string hidden_act = "silu";

@@ -1,11 +1,11 @@
 #include "kv/hf_config.h"
 
+#include "common/file_util.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kv/presets.h"
 #include "tests/testing/status_matchers.h"
 #include "tests/testing/test_env.h"
-#include "common/file_util.h"
 
 namespace kvrelay::kv {
 namespace {
@@ -125,11 +125,10 @@ TEST(HfConfig, Gemma3ExplicitLayerTypes) {
   ASSERT_EQ(c.layout.groups().size(), 2u);
   EXPECT_EQ(c.layout.groups()[0].layer_ids, std::vector<int32_t>({0}));
   EXPECT_EQ(c.layout.groups()[1].layer_ids, std::vector<int32_t>({1, 2}));
-  EXPECT_THAT(
-      ParseHfConfig(R"({"model_type":"gemma3_text","hidden_size":64,"num_attention_heads":2,
+  EXPECT_THAT(ParseHfConfig(R"({"model_type":"gemma3_text","hidden_size":64,"num_attention_heads":2,
           "num_key_value_heads":1,"head_dim":32,"num_hidden_layers":2,"sliding_window":8,
           "layer_types":["full_attention","banana"]})"),
-      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("layer_types[1]")));
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("layer_types[1]")));
 }
 
 TEST(HfConfig, MambaState) {
@@ -277,8 +276,7 @@ TEST(HfConfig, LoadFromFileNamesThePath) {
 }
 
 TEST(Presets, UnknownPresetListsKnownOnes) {
-  EXPECT_THAT(LoadPreset("gpt5"),
-              StatusIs(absl::StatusCode::kNotFound, HasSubstr("llama3-8b")));
+  EXPECT_THAT(LoadPreset("gpt5"), StatusIs(absl::StatusCode::kNotFound, HasSubstr("llama3-8b")));
 }
 
 }  // namespace

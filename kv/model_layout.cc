@@ -61,8 +61,8 @@ absl::Status ValidateGroup(const LayerGroup& g, int index) {
   return absl::InvalidArgumentError(absl::StrCat(prefix, "kind is not a known LayerKind"));
 }
 
-LayoutFingerprint ComputeFingerprint(const std::string& model_id, DType dtype,
-                                     int32_t block_tokens, const std::vector<LayerGroup>& groups) {
+LayoutFingerprint ComputeFingerprint(const std::string& model_id, DType dtype, int32_t block_tokens,
+                                     const std::vector<LayerGroup>& groups) {
   internal::ByteWriter w;
   w.Bytes("kvrelay.layout.v1");
   w.LengthPrefixed(model_id);
@@ -103,10 +103,14 @@ int32_t DTypeBytes(DType dtype) {
 
 std::string_view DTypeName(DType dtype) {
   switch (dtype) {
-    case DType::kBf16: return "bf16";
-    case DType::kFp16: return "fp16";
-    case DType::kFp8: return "fp8";
-    case DType::kFp32: return "fp32";
+    case DType::kBf16:
+      return "bf16";
+    case DType::kFp16:
+      return "fp16";
+    case DType::kFp8:
+      return "fp8";
+    case DType::kFp32:
+      return "fp32";
   }
   return "unknown";
 }
@@ -119,16 +123,20 @@ absl::StatusOr<DType> ParseDType(std::string_view name) {
     return DType::kFp8;
   }
   if (lower == "fp32" || lower == "float32" || lower == "float") return DType::kFp32;
-  return absl::InvalidArgumentError(absl::StrCat(
-      "unknown dtype '", std::string(name), "' (expected bf16, fp16, fp8 or fp32)"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown dtype '", std::string(name), "' (expected bf16, fp16, fp8 or fp32)"));
 }
 
 std::string_view LayerKindName(LayerKind kind) {
   switch (kind) {
-    case LayerKind::kFullAttention: return "full_attention";
-    case LayerKind::kMlaLatent: return "mla_latent";
-    case LayerKind::kSlidingWindow: return "sliding_window";
-    case LayerKind::kSsmState: return "ssm_state";
+    case LayerKind::kFullAttention:
+      return "full_attention";
+    case LayerKind::kMlaLatent:
+      return "mla_latent";
+    case LayerKind::kSlidingWindow:
+      return "sliding_window";
+    case LayerKind::kSsmState:
+      return "ssm_state";
   }
   return "unknown";
 }
@@ -171,8 +179,8 @@ absl::StatusOr<ModelLayout> ModelLayout::Create(std::string model_id, DType dtyp
   }
   const int32_t num_layers = static_cast<int32_t>(seen.size());
   if (*seen.rbegin() != num_layers - 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "layer_ids must cover 0..", num_layers - 1, " without gaps, got max ", *seen.rbegin()));
+    return absl::InvalidArgumentError(absl::StrCat("layer_ids must cover 0..", num_layers - 1,
+                                                   " without gaps, got max ", *seen.rbegin()));
   }
   ModelLayout layout;
   layout.fingerprint_ = ComputeFingerprint(model_id, dtype, block_tokens, groups);

@@ -48,12 +48,12 @@ struct LayerGroup {
   LayerKind kind = LayerKind::kFullAttention;
   // Model layer indices in this group, ascending. num_layers() == layer_ids.size().
   std::vector<int32_t> layer_ids;
-  int32_t num_kv_heads = 0;  // attention kinds: MQA = 1
-  int32_t head_dim = 0;      // attention kinds
-  int32_t latent_dim = 0;    // MLA: kv_lora_rank (DeepSeek V3: 512)
-  int32_t rope_dim = 0;      // MLA: qk_rope_head_dim (DeepSeek V3: 64)
-  int32_t window_tokens = 0; // sliding window only
-  int64_t state_bytes = 0;   // SSM only: per sequence per layer
+  int32_t num_kv_heads = 0;   // attention kinds: MQA = 1
+  int32_t head_dim = 0;       // attention kinds
+  int32_t latent_dim = 0;     // MLA: kv_lora_rank (DeepSeek V3: 512)
+  int32_t rope_dim = 0;       // MLA: qk_rope_head_dim (DeepSeek V3: 64)
+  int32_t window_tokens = 0;  // sliding window only
+  int64_t state_bytes = 0;    // SSM only: per sequence per layer
 
   int32_t num_layers() const { return static_cast<int32_t>(layer_ids.size()); }
   bool IsAttention() const {
@@ -85,8 +85,8 @@ class ModelLayout {
   // An empty layout (no groups); only useful as a placeholder to assign to.
   ModelLayout() = default;
 
-  static absl::StatusOr<ModelLayout> Create(std::string model_id, DType dtype,
-                                            int32_t block_tokens, std::vector<LayerGroup> groups);
+  static absl::StatusOr<ModelLayout> Create(std::string model_id, DType dtype, int32_t block_tokens,
+                                            std::vector<LayerGroup> groups);
 
   const std::string& model_id() const { return model_id_; }
   DType dtype() const { return dtype_; }

@@ -1,8 +1,8 @@
 #include "kv/model_layout.h"
 
+#include "common/check.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "common/check.h"
 #include "kv/presets.h"
 #include "tests/testing/status_matchers.h"
 
@@ -19,10 +19,10 @@ ModelLayout Preset(const char* name) {
 }
 
 TEST(ModelLayout, SeedBytesPerToken) {
-  EXPECT_EQ(Preset("gpt2-xl").BytesPerToken(), 307200);      // 300 KiB
-  EXPECT_EQ(Preset("llama3-8b").BytesPerToken(), 131072);    // 128 KiB
-  EXPECT_EQ(Preset("llama3-70b").BytesPerToken(), 327680);   // 320 KiB
-  EXPECT_EQ(Preset("deepseek-v3").BytesPerToken(), 70272);   // 68.6 KiB
+  EXPECT_EQ(Preset("gpt2-xl").BytesPerToken(), 307200);     // 300 KiB
+  EXPECT_EQ(Preset("llama3-8b").BytesPerToken(), 131072);   // 128 KiB
+  EXPECT_EQ(Preset("llama3-70b").BytesPerToken(), 327680);  // 320 KiB
+  EXPECT_EQ(Preset("deepseek-v3").BytesPerToken(), 70272);  // 68.6 KiB
   // Gemma 3 27B: 62 layers x 2 x 16 heads x 128 x 2 bytes before any window fills.
   EXPECT_EQ(Preset("gemma3-27b").BytesPerToken(), 62 * 2 * 16 * 128 * 2);
   EXPECT_EQ(Preset("mamba-2.8b").BytesPerToken(), 0);
@@ -52,8 +52,7 @@ TEST(ModelLayout, GemmaWindowCapsLocalLayers) {
   // Below the window every layer grows; above it only the 10 global layers do.
   EXPECT_EQ(l.BytesForTokens(1000), 1000 * 62 * per_layer_token);
   EXPECT_EQ(l.BytesForTokens(1024), 1024 * 62 * per_layer_token);
-  EXPECT_EQ(l.BytesForTokens(32768),
-            32768 * 10 * per_layer_token + 1024 * 52 * per_layer_token);
+  EXPECT_EQ(l.BytesForTokens(32768), 32768 * 10 * per_layer_token + 1024 * 52 * per_layer_token);
   EXPECT_EQ(l.GroupBytesForTokens(1, 32768), l.GroupBytesForTokens(1, 1024));
 }
 

@@ -97,8 +97,8 @@ std::vector<std::string> PresetNames() {
 absl::StatusOr<std::string> PresetConfigJson(std::string_view name) {
   auto it = Presets().find(name);
   if (it == Presets().end()) {
-    return absl::NotFoundError(absl::StrCat("unknown preset '", std::string(name), "' (known: ",
-                                            absl::StrJoin(PresetNames(), ", "), ")"));
+    return absl::NotFoundError(absl::StrCat("unknown preset '", std::string(name),
+                                            "' (known: ", absl::StrJoin(PresetNames(), ", "), ")"));
   }
   return it->second;
 }

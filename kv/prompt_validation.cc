@@ -32,9 +32,9 @@ absl::Status ValidatePrompt(absl::Span<const int32_t> tokens, int32_t max_tokens
         "max_tokens must be in [1, ", limits::kMaxGenerateTokens, "], got ", max_tokens));
   }
   if (config.max_position_embeddings > 0 && n + max_tokens > config.max_position_embeddings) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "prompt (", n, ") + max_tokens (", max_tokens,
-        ") exceeds the model's max_position_embeddings ", config.max_position_embeddings));
+    return absl::InvalidArgumentError(absl::StrCat("prompt (", n, ") + max_tokens (", max_tokens,
+                                                   ") exceeds the model's max_position_embeddings ",
+                                                   config.max_position_embeddings));
   }
   return absl::OkStatus();
 }

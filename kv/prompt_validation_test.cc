@@ -8,8 +8,8 @@
 namespace kvrelay::kv {
 namespace {
 
-using ::testing::HasSubstr;
 using ::kvrelay::testing::StatusIs;
+using ::testing::HasSubstr;
 
 ModelConfig Config(int32_t vocab, int32_t max_positions) {
   ModelConfig c;
@@ -43,8 +43,7 @@ TEST(ValidatePrompt, NamesWhatIsWrong) {
   EXPECT_THAT(ValidatePrompt(ok, limits::kMaxGenerateTokens + 1, Config(100, 0)),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("max_tokens")));
   EXPECT_THAT(ValidatePrompt(ok, 7, config),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("max_position_embeddings 8")));
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("max_position_embeddings 8")));
   std::vector<int32_t> over_limit(limits::kMaxPromptTokens + 1, 1);
   EXPECT_THAT(ValidatePrompt(over_limit, 1, Config(100, 0)),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("exceeds the maximum")));

@@ -33,8 +33,8 @@ void ForEachTile(int64_t rows, int64_t first_position, int64_t tile, Fn fn) {
 
 // Batch-invariant y = x w^T: blocks of weight rows stay in cache while every x row passes;
 // each element is one fixed-order Dot.
-void RowwiseLinear(const float* x, int64_t rows, int64_t in, const float* w, int64_t out,
-                   float* y, int64_t ldx, int64_t ldy) {
+void RowwiseLinear(const float* x, int64_t rows, int64_t in, const float* w, int64_t out, float* y,
+                   int64_t ldx, int64_t ldy) {
   constexpr int64_t kBlock = 32;
   const int64_t blocks = (out + kBlock - 1) / kBlock;
   ParallelFor(BlasThreads(), blocks, [&](int64_t b0, int64_t b1) {
@@ -78,9 +78,8 @@ void Linear(const float* x, int64_t rows, int64_t in, const float* w, int64_t ou
   ForEachTile(rows, first_row_position, tile_rows, [&](int64_t r, int64_t m) {
     if (m == 1) {
       // One row (decode): sgemv streams the weights once instead of packing them.
-      cblas_sgemv(CblasRowMajor, CblasNoTrans, static_cast<blasint>(out),
-                  static_cast<blasint>(in), 1.0f, w, static_cast<blasint>(in), x + r * ldx, 1,
-                  0.0f, y + r * ldy, 1);
+      cblas_sgemv(CblasRowMajor, CblasNoTrans, static_cast<blasint>(out), static_cast<blasint>(in),
+                  1.0f, w, static_cast<blasint>(in), x + r * ldx, 1, 0.0f, y + r * ldy, 1);
       return;
     }
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<blasint>(m),
@@ -90,9 +89,9 @@ void Linear(const float* x, int64_t rows, int64_t in, const float* w, int64_t ou
   });
 }
 
-void LinearNoTrans(const float* x, int64_t rows, int64_t in, const float* w, int64_t out,
-                   float* y, int64_t first_row_position, int64_t tile_rows, int64_t ldx,
-                   int64_t ldw, int64_t ldy) {
+void LinearNoTrans(const float* x, int64_t rows, int64_t in, const float* w, int64_t out, float* y,
+                   int64_t first_row_position, int64_t tile_rows, int64_t ldx, int64_t ldw,
+                   int64_t ldy) {
   if (tile_rows == kRowwiseTiles) {
     RowwiseLinearNoTrans(x, rows, in, w, out, y, ldx, ldw, ldy);
     return;
@@ -202,8 +201,8 @@ void SoftCap(float* x, int64_t n, float cap) {
   for (int64_t i = 0; i < n; ++i) x[i] = cap * std::tanh(x[i] / cap);
 }
 
-void LayerNorm(const float* x, int64_t rows, int64_t dim, const float* w, const float* b,
-               float eps, float* out) {
+void LayerNorm(const float* x, int64_t rows, int64_t dim, const float* w, const float* b, float eps,
+               float* out) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * dim;
     float* o = out + r * dim;
@@ -217,9 +216,8 @@ void LayerNorm(const float* x, int64_t rows, int64_t dim, const float* w, const 
       const float d = xr[i] - mean;
       sq[i % 8] += d * d;
     }
-    const float var =
-        (((sq[0] + sq[1]) + (sq[2] + sq[3])) + ((sq[4] + sq[5]) + (sq[6] + sq[7]))) /
-        static_cast<float>(dim);
+    const float var = (((sq[0] + sq[1]) + (sq[2] + sq[3])) + ((sq[4] + sq[5]) + (sq[6] + sq[7]))) /
+                      static_cast<float>(dim);
     const float inv = 1.0f / std::sqrt(var + eps);
     for (int64_t i = 0; i < dim; ++i) o[i] = (xr[i] - mean) * inv * w[i] + b[i];
   }

@@ -27,9 +27,9 @@ void Linear(const float* x, int64_t rows, int64_t in, const float* w, int64_t ou
             int64_t first_row_position = 0, int64_t tile_rows = 0, int64_t ldx = 0,
             int64_t ldy = 0);
 // y[rows, out] = x[rows, in] * w[in, out] (w not transposed), same tiling.
-void LinearNoTrans(const float* x, int64_t rows, int64_t in, const float* w, int64_t out,
-                   float* y, int64_t first_row_position, int64_t tile_rows, int64_t ldx,
-                   int64_t ldw, int64_t ldy);
+void LinearNoTrans(const float* x, int64_t rows, int64_t in, const float* w, int64_t out, float* y,
+                   int64_t first_row_position, int64_t tile_rows, int64_t ldx, int64_t ldw,
+                   int64_t ldy);
 
 // out[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * w. out may alias x. x row stride ldx.
 void RmsNorm(const float* x, int64_t rows, int64_t dim, const float* w, float eps, float* out,
@@ -68,8 +68,8 @@ void SoftCap(float* x, int64_t n, float cap);
 
 // out[r, :] = (x[r, :] - mean) / sqrt(var + eps) * w + b (torch LayerNorm, biased variance).
 // out may alias x.
-void LayerNorm(const float* x, int64_t rows, int64_t dim, const float* w, const float* b,
-               float eps, float* out);
+void LayerNorm(const float* x, int64_t rows, int64_t dim, const float* w, const float* b, float eps,
+               float* out);
 
 // fp32 <-> cache dtype (bf16, fp16 or fp32).
 void StoreCacheValues(const float* src, int64_t n, kv::DType dtype, uint8_t* dst);

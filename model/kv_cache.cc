@@ -34,16 +34,15 @@ absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(const kv::ModelLayout& 
 absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Wrap(const kv::ModelLayout& layout,
                                                        std::vector<kv::BlockPool*> pools) {
   if (pools.size() != layout.groups().size()) {
-    return absl::InvalidArgumentError(absl::StrCat("kv cache: layout has ",
-                                                   layout.groups().size(), " groups, got ",
-                                                   pools.size(), " pools"));
+    return absl::InvalidArgumentError(absl::StrCat("kv cache: layout has ", layout.groups().size(),
+                                                   " groups, got ", pools.size(), " pools"));
   }
   for (size_t g = 0; g < pools.size(); ++g) {
     if (pools[g] == nullptr || pools[g]->memory_kind() == kv::MemoryKind::kDevice ||
         pools[g]->slot_bytes() != static_cast<size_t>(layout.BlockBytes(static_cast<int>(g)))) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "kv cache: pool for group ", g, " must be host memory with slot_bytes ",
-          layout.BlockBytes(static_cast<int>(g))));
+      return absl::InvalidArgumentError(absl::StrCat("kv cache: pool for group ", g,
+                                                     " must be host memory with slot_bytes ",
+                                                     layout.BlockBytes(static_cast<int>(g))));
     }
   }
   std::unique_ptr<KvCache> cache(new KvCache(layout));
@@ -117,22 +116,20 @@ absl::Status Sequence::AdoptPrefix(absl::Span<const int32_t> tokens,
   const kv::ModelLayout& layout = cache_->layout();
   const int64_t bt = layout.block_tokens();
   if (static_cast<int64_t>(tokens.size()) % bt != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "AdoptPrefix: prefix of ", tokens.size(), " tokens is not a whole number of ", bt,
-        "-token blocks"));
+    return absl::InvalidArgumentError(absl::StrCat("AdoptPrefix: prefix of ", tokens.size(),
+                                                   " tokens is not a whole number of ", bt,
+                                                   "-token blocks"));
   }
   if (blocks.size() != blocks_.size()) {
     return absl::InvalidArgumentError(absl::StrCat("AdoptPrefix: ", blocks.size(),
-                                                   " block lists for ", blocks_.size(),
-                                                   " groups"));
+                                                   " block lists for ", blocks_.size(), " groups"));
   }
   const int64_t n_blocks = static_cast<int64_t>(tokens.size()) / bt;
   for (int g = 0; g < static_cast<int>(blocks.size()); ++g) {
     const kv::LayerGroup& group = layout.groups()[g];
     if (static_cast<int64_t>(blocks[g].size()) != n_blocks) {
-      return absl::InvalidArgumentError(absl::StrCat("AdoptPrefix: group ", g, " has ",
-                                                     blocks[g].size(), " blocks, prefix needs ",
-                                                     n_blocks));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "AdoptPrefix: group ", g, " has ", blocks[g].size(), " blocks, prefix needs ", n_blocks));
     }
     // Blocks a later token can still attend to must be present.
     const int64_t first_needed =
@@ -194,8 +191,7 @@ absl::Status Sequence::EnsureBlocks(int64_t end_tokens) {
         for (kv::SlotId s : fresh[h]) (void)cache_->pool(h).Release(s);
       }
       return absl::ResourceExhaustedError(absl::StrCat("kv cache: group ", g, " needs ", missing,
-                                                       " more blocks: ",
-                                                       slots.status().message()));
+                                                       " more blocks: ", slots.status().message()));
     }
     fresh[g] = *std::move(slots);
   }

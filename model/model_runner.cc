@@ -59,8 +59,8 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(kv::ModelConfig
         absl::StrCat("runner: threads must be in [1, 256], got ", options.threads));
   }
   if (options.gemm_tile_tokens < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "runner: gemm_tile_tokens must be >= 0, got ", options.gemm_tile_tokens));
+    return absl::InvalidArgumentError(
+        absl::StrCat("runner: gemm_tile_tokens must be >= 0, got ", options.gemm_tile_tokens));
   }
   if (config.layout.dtype() == kv::DType::kFp8) {
     return absl::UnimplementedError("runner: fp8 KV cache is not implemented on CPU");
@@ -92,11 +92,11 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(kv::ModelConfig
   }
   if (arch == Arch::kGemma3) {
     // Gemma 3's local layers use plain RoPE at rope_local_base_freq, whatever rope_scaling says.
-    KV_ASSIGN_OR_RETURN(rope_local,
-                        ComputeRopeFrequencies(kv::RopeScaling{},
-                                               config.rope_local_theta > 0 ? config.rope_local_theta
-                                                                           : config.rope_theta,
-                                               rope_dim, config.max_position_embeddings));
+    KV_ASSIGN_OR_RETURN(
+        rope_local, ComputeRopeFrequencies(
+                        kv::RopeScaling{},
+                        config.rope_local_theta > 0 ? config.rope_local_theta : config.rope_theta,
+                        rope_dim, config.max_position_embeddings));
   }
   SetBlasThreads(opts.threads);
   auto runner = std::unique_ptr<ModelRunner>(
@@ -109,31 +109,28 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(kv::ModelConfig
 
 absl::Status ModelRunner::CheckPositions(int64_t end) const {
   if (arch_ == Arch::kGpt2 && end > config_.max_position_embeddings) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "runner: gpt2 has learned positions for ", config_.max_position_embeddings,
-        " tokens (n_positions); this sequence would reach ", end));
+    return absl::InvalidArgumentError(
+        absl::StrCat("runner: gpt2 has learned positions for ", config_.max_position_embeddings,
+                     " tokens (n_positions); this sequence would reach ", end));
   }
   if (rope_.max_positions > 0 && end > rope_.max_positions) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "runner: rope_scaling dynamic is served only below max_position_embeddings (",
-        rope_.max_positions, "); this sequence would reach ", end,
-        " tokens (transformers would re-rotate with new frequencies past it)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("runner: rope_scaling dynamic is served only below max_position_embeddings (",
+                     rope_.max_positions, "); this sequence would reach ", end,
+                     " tokens (transformers would re-rotate with new frequencies past it)"));
   }
   return absl::OkStatus();
 }
 
 ModelRunner::ModelRunner(kv::ModelConfig config, ModelWeights weights, Arch arch,
                          RunnerOptions options)
-    : config_(std::move(config)),
-      weights_(std::move(weights)),
-      arch_(arch),
-      options_(options) {}
+    : config_(std::move(config)), weights_(std::move(weights)), arch_(arch), options_(options) {}
 
 absl::Status ModelRunner::CheckSequence(const Sequence& seq) const {
   if (!(seq.cache().layout().fingerprint() == layout().fingerprint())) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "runner: sequence's cache has layout ", seq.cache().layout().model_id(),
-        " but the model's is ", layout().model_id()));
+    return absl::InvalidArgumentError(absl::StrCat("runner: sequence's cache has layout ",
+                                                   seq.cache().layout().model_id(),
+                                                   " but the model's is ", layout().model_id()));
   }
   return absl::OkStatus();
 }
@@ -198,8 +195,8 @@ absl::StatusOr<std::vector<float>> ModelRunner::DecodeStep(absl::Span<Sequence* 
                                                            absl::Span<const int32_t> tokens) const {
   if (seqs.empty()) return absl::InvalidArgumentError("decode: empty batch");
   if (seqs.size() != tokens.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("decode: ", seqs.size(), " sequences but ",
-                                                   tokens.size(), " tokens"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("decode: ", seqs.size(), " sequences but ", tokens.size(), " tokens"));
   }
   absl::flat_hash_set<const Sequence*> seen;
   for (size_t i = 0; i < seqs.size(); ++i) {
@@ -238,9 +235,8 @@ std::vector<float> ModelRunner::Forward(const std::vector<Row>& rows,
   const int64_t inter = c.intermediate_size;
   const float eps = static_cast<float>(c.rms_norm_eps);
   const int64_t origin = tile > 0 ? rows[0].position - tile_origin : 0;
-  const int64_t attn_width = arch_ == Arch::kMla
-                                 ? int64_t{c.num_attention_heads} * c.v_head_dim
-                                 : int64_t{c.num_attention_heads} * c.head_dim;
+  const int64_t attn_width = arch_ == Arch::kMla ? int64_t{c.num_attention_heads} * c.v_head_dim
+                                                 : int64_t{c.num_attention_heads} * c.head_dim;
 
   // h: [r, hidden] residual stream.
   float* h = Scratch(ws_.h, r * hidden);
@@ -341,8 +337,8 @@ std::vector<float> ModelRunner::Forward(const std::vector<Row>& rows,
              logits.data() + i * c.vocab_size);
     }
   } else {
-    Linear(last.data(), nl, hidden, weights_.output_weights().data(), c.vocab_size,
-           logits.data(), 0, tile < 0 ? tile : 0);
+    Linear(last.data(), nl, hidden, weights_.output_weights().data(), c.vocab_size, logits.data(),
+           0, tile < 0 ? tile : 0);
   }
   if (c.final_logit_softcapping > 0) {
     SoftCap(logits.data(), static_cast<int64_t>(logits.size()),
@@ -399,13 +395,12 @@ void ModelRunner::CacheAttention(int32_t layer, const std::vector<Row>& rows, co
     }
     std::vector<const uint8_t*> units(seq.blocks(group).size(), nullptr);
     for (int64_t b = lo / bt; b * bt < hi; ++b) {
-      units[b] = static_cast<const uint8_t*>(
-          seq.cache().pool(group).SlotAddress(seq.blocks(group)[b]));
+      units[b] =
+          static_cast<const uint8_t*>(seq.cache().pool(group).SlotAddress(seq.blocks(group)[b]));
     }
     float* k_buf = Scratch(ws_.k_buf, (hi - lo) * kv_width);
     float* v_buf = mla ? nullptr : Scratch(ws_.v_buf, (hi - lo) * kv_width);
-    GatherLayer(layout(), group, index, units, lo, hi, k_buf,
-                mla ? nullptr : v_buf);
+    GatherLayer(layout(), group, index, units, lo, hi, k_buf, mla ? nullptr : v_buf);
     const float* v_base = mla ? k_buf : v_buf;
     const int64_t units_n = static_cast<int64_t>(run_end - run_begin) * heads;
     ParallelFor(options_.threads, units_n, [&](int64_t ub, int64_t ue) {
@@ -470,8 +465,8 @@ void ModelRunner::GqaAttention(int32_t layer, const std::vector<Row>& rows, cons
     for (int64_t i = 0; i < r; ++i) positions[i] = rows[i].position;
     ApplyRope(q, r, heads, hd, int64_t{heads} * hd, hd, positions.data(), rope->inv_freq,
               rope->attention_factor, RopeStyle::kHalf);
-    ApplyRope(k, r, kv_heads, hd, int64_t{kv_heads} * hd, hd, positions.data(),
-              rope->inv_freq, rope->attention_factor, RopeStyle::kHalf);
+    ApplyRope(k, r, kv_heads, hd, int64_t{kv_heads} * hd, hd, positions.data(), rope->inv_freq,
+              rope->attention_factor, RopeStyle::kHalf);
   }
   WriteCache(layer, rows, k, v, int64_t{kv_heads} * hd);
   CacheAttention(layer, rows, q, hd, hd, scale, softcap, out);
@@ -522,11 +517,11 @@ void ModelRunner::MlaAttention(int32_t layer, const std::vector<Row>& rows, cons
   float* qcat = Scratch(ws_.qcat, r * heads * entry);
   for (int32_t h = 0; h < heads; ++h) {
     const float* w_uk = w.kv_b_proj.data() + int64_t{h} * (nope + vd) * lora;
-    LinearNoTrans(q + h * qk, r, nope, w_uk, lora, qcat + h * entry, origin, tile,
-                  heads * qk, lora, heads * entry);
+    LinearNoTrans(q + h * qk, r, nope, w_uk, lora, qcat + h * entry, origin, tile, heads * qk, lora,
+                  heads * entry);
     for (int64_t i = 0; i < r; ++i) {
-      std::memcpy(qcat + (i * heads + h) * entry + lora,
-                  q + (i * heads + h) * qk + nope, sizeof(float) * rope);
+      std::memcpy(qcat + (i * heads + h) * entry + lora, q + (i * heads + h) * qk + nope,
+                  sizeof(float) * rope);
     }
   }
   // Attention in latent space: keys are whole entries, values their latent part.
@@ -538,8 +533,8 @@ void ModelRunner::MlaAttention(int32_t layer, const std::vector<Row>& rows, cons
   // W_UV applied after attention: out[:, h] = olat_h * W_UV_h^T.
   for (int32_t h = 0; h < heads; ++h) {
     const float* w_uv = w.kv_b_proj.data() + (int64_t{h} * (nope + vd) + nope) * lora;
-    Linear(olat + h * lora, r, lora, w_uv, vd, out + h * vd, origin, tile,
-           int64_t{heads} * lora, int64_t{heads} * vd);
+    Linear(olat + h * lora, r, lora, w_uv, vd, out + h * vd, origin, tile, int64_t{heads} * lora,
+           int64_t{heads} * vd);
   }
 }
 

@@ -48,7 +48,7 @@
 namespace kvrelay::model {
 
 struct RunnerOptions {
-  int32_t threads = 1;       // attention threads; also sets OpenBLAS's (process-wide) count
+  int32_t threads = 1;        // attention threads; also sets OpenBLAS's (process-wide) count
   int32_t block_tokens = 16;  // tokens per cache block
   std::optional<kv::DType> cache_dtype;  // default: the config's torch_dtype (bf16, fp16, fp32)
   int32_t gemm_tile_tokens = 0;          // 0: block_tokens; see the determinism note above
@@ -127,9 +127,9 @@ class ModelRunner {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Attention over the cache for rows grouped by sequence; q is [rows, heads, qk_dim],
   // out [rows, heads, v_dim].
-  void CacheAttention(int32_t layer, const std::vector<Row>& rows, const float* q,
-                      int32_t qk_dim, int32_t v_dim, float scale, float softcap,
-                      float* out) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void CacheAttention(int32_t layer, const std::vector<Row>& rows, const float* q, int32_t qk_dim,
+                      int32_t v_dim, float scale, float softcap, float* out) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void WriteCache(int32_t layer, const std::vector<Row>& rows, const float* k, const float* v,
                   int64_t width) const;
 

@@ -1,15 +1,15 @@
 #include "model/model_runner.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <utility>
 #include <cstring>
 #include <map>
 #include <memory>
 #include <set>
-#include <algorithm>
-#include <thread>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "common/file_util.h"
@@ -68,8 +68,8 @@ class ModelTest : public ::testing::TestWithParam<std::string> {
   static std::string Dir(const std::string& arch) { return dir_->File(arch); }
 
   std::unique_ptr<ModelRunner> Load(RunnerOptions options = {}) {
-    absl::StatusOr<std::unique_ptr<ModelRunner>> runner = ModelRunner::Load(Dir(GetParam()),
-                                                                            options);
+    absl::StatusOr<std::unique_ptr<ModelRunner>> runner =
+        ModelRunner::Load(Dir(GetParam()), options);
     EXPECT_TRUE(runner.ok()) << runner.status();
     return runner.ok() ? *std::move(runner) : nullptr;
   }
@@ -197,8 +197,7 @@ TEST_P(ModelTest, PrefillFromCopiedPrefixIsBitExact) {
     }
   }
   Sequence resumed(other_cache.get());
-  KV_ASSERT_OK(resumed.AdoptPrefix(absl::MakeConstSpan(tokens).first(prefix_blocks * bt),
-                                   copied));
+  KV_ASSERT_OK(resumed.AdoptPrefix(absl::MakeConstSpan(tokens).first(prefix_blocks * bt), copied));
   int layers_done = 0;
   PrefillOptions options;
   options.on_layer_done = [&](int32_t layer) { EXPECT_EQ(layer, layers_done++); };
@@ -376,10 +375,10 @@ TEST_P(ModelTest, TestModelLogitsCompete) {
   }
   std::sort(margins.begin(), margins.end());
   const double median_margin = margins[margins.size() / 2];
-  std::printf("[ %s ] %d distinct of %d greedy tokens, %d repeat the previous token, median "
-              "top-2 margin %.3f logit std\n",
-              GetParam().c_str(), static_cast<int>(distinct.size()), steps, repeats_last,
-              median_margin);
+  std::printf(
+      "[ %s ] %d distinct of %d greedy tokens, %d repeat the previous token, median "
+      "top-2 margin %.3f logit std\n",
+      GetParam().c_str(), static_cast<int>(distinct.size()), steps, repeats_last, median_margin);
   // The old tied gemma3 test model repeated the prompt's last token at every step (4 distinct
   // of 64, 64 repeats); now (seed 7): llama 55 distinct / 0 repeats, deepseek_v3 57 / 0,
   // gemma3 36 / 22, gpt2 14 / 16.
@@ -471,13 +470,12 @@ INSTANTIATE_TEST_SUITE_P(Archs, ModelTest,
 TEST(CacheBytesTest, MlaHoldsLatentPlusRopePerLayer) {
   KV_ASSERT_OK_AND_ASSIGN(kv::ModelConfig c, kv::LoadPreset("tiny-deepseek-v3"));
   KV_ASSERT_OK_AND_ASSIGN(auto cache, KvCache::Create(c.layout, 4));
-  const int64_t per_token = int64_t{c.kv_lora_rank + c.qk_rope_head_dim} *
-                            c.num_hidden_layers * 2;  // bf16
+  const int64_t per_token =
+      int64_t{c.kv_lora_rank + c.qk_rope_head_dim} * c.num_hidden_layers * 2;  // bf16
   EXPECT_EQ(per_token, (64 + 16) * 4 * 2);
   EXPECT_EQ(c.layout.BytesPerToken(), per_token);
   ASSERT_EQ(cache->num_groups(), 1);
-  EXPECT_EQ(cache->pool(0).slot_bytes(),
-            static_cast<size_t>(per_token * c.layout.block_tokens()));
+  EXPECT_EQ(cache->pool(0).slot_bytes(), static_cast<size_t>(per_token * c.layout.block_tokens()));
   // Written entries sit where the layout says: layer l, token t at (l * bt + t) * entry.
   EXPECT_EQ(cache->EntryAddress(2, 0, 3, 0) - static_cast<uint8_t*>(cache->pool(0).SlotAddress(0)),
             (2 * c.layout.block_tokens() + 3) * (64 + 16) * 2);
@@ -486,12 +484,11 @@ TEST(CacheBytesTest, MlaHoldsLatentPlusRopePerLayer) {
 TEST(CacheBytesTest, GqaHoldsKeysAndValuesPerKvHead) {
   KV_ASSERT_OK_AND_ASSIGN(kv::ModelConfig c, kv::LoadPreset("tiny-llama"));
   KV_ASSERT_OK_AND_ASSIGN(auto cache, KvCache::Create(c.layout, 4));
-  const int64_t per_token = 2 * int64_t{c.num_key_value_heads} * c.head_dim *
-                            c.num_hidden_layers * 2;  // bf16
+  const int64_t per_token =
+      2 * int64_t{c.num_key_value_heads} * c.head_dim * c.num_hidden_layers * 2;  // bf16
   EXPECT_EQ(per_token, 2 * 2 * 32 * 4 * 2);
   EXPECT_EQ(c.layout.BytesPerToken(), per_token);
-  EXPECT_EQ(cache->pool(0).slot_bytes(),
-            static_cast<size_t>(per_token * c.layout.block_tokens()));
+  EXPECT_EQ(cache->pool(0).slot_bytes(), static_cast<size_t>(per_token * c.layout.block_tokens()));
   const kv::BlockStrides s = c.layout.Strides(0);
   EXPECT_EQ(cache->EntryAddress(1, 0, 5, 1) - static_cast<uint8_t*>(cache->pool(0).SlotAddress(0)),
             (s.layer + s.kv + 5 * s.token) * 2);
@@ -608,8 +605,8 @@ TEST(LoadTest, TruncatedWeightsRejected) {
   testing::TempDir dir;
   KV_ASSERT_OK(WriteTestModel(dir.path(), {}));
   KV_ASSERT_OK_AND_ASSIGN(std::string bytes, ReadFileToString(dir.File("model.safetensors")));
-  KV_ASSERT_OK(WriteFileAtomically(dir.File("model.safetensors"),
-                                   bytes.substr(0, bytes.size() / 2)));
+  KV_ASSERT_OK(
+      WriteFileAtomically(dir.File("model.safetensors"), bytes.substr(0, bytes.size() / 2)));
   EXPECT_THAT(ModelRunner::Load(dir.path()),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("truncated")));
 }

@@ -56,7 +56,7 @@ inline uint16_t FloatToFp16(float f) {
   std::memcpy(&bits, &f, sizeof(bits));
   const uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
   const uint32_t abs = bits & 0x7fffffffu;
-  if (abs > 0x7f800000u) return sign | 0x7e00u;  // NaN
+  if (abs > 0x7f800000u) return sign | 0x7e00u;   // NaN
   if (abs >= 0x477ff000u) return sign | 0x7c00u;  // overflow (>= 65520 rounds to inf)
   if (abs < 0x38800000u) {                        // subnormal or zero in fp16
     if (abs < 0x33000000u) return sign;           // < 2^-25 rounds to 0

@@ -31,8 +31,7 @@ Vec MatVec(const std::vector<float>& w, int64_t out, int64_t in, const Vec& x,
   return y;
 }
 
-Vec Rms(const Vec& x, const std::vector<float>& w, double eps, size_t begin = 0,
-        size_t n = 0) {
+Vec Rms(const Vec& x, const std::vector<float>& w, double eps, size_t begin = 0, size_t n = 0) {
   if (n == 0) n = x.size();
   double ss = 0;
   for (size_t i = 0; i < n; ++i) ss += x[begin + i] * x[begin + i];
@@ -354,8 +353,7 @@ INSTANTIATE_TEST_SUITE_P(
                     "mscale_all_dim":null,"original_max_position_embeddings":1024}})"},
         // q_a/kv_a_layernorm keep eps 1e-6 whatever rms_norm_eps says.
         Variant{"deepseek_v3_norm_eps", "deepseek_v3", R"({"rms_norm_eps":0.01})"},
-        Variant{"gemma3", "gemma3", ""},
-        Variant{"gpt2", "gpt2", ""},
+        Variant{"gemma3", "gemma3", ""}, Variant{"gpt2", "gpt2", ""},
         Variant{"gpt2_inverse_layer_scale", "gpt2",
                 R"({"scale_attn_by_inverse_layer_idx":true,"layer_norm_epsilon":0.01})"},
         Variant{"gemma3_softcap_bias", "gemma3",

@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
@@ -275,9 +274,8 @@ std::vector<std::string> SafetensorsModel::Names() const {
   return names;
 }
 
-absl::StatusOr<std::string> SerializeSafetensors(absl::Span<const TensorToWrite> tensors,
-                                                 const std::map<std::string, std::string>&
-                                                     metadata) {
+absl::StatusOr<std::string> SerializeSafetensors(
+    absl::Span<const TensorToWrite> tensors, const std::map<std::string, std::string>& metadata) {
   std::vector<const TensorToWrite*> sorted;
   for (const TensorToWrite& t : tensors) sorted.push_back(&t);
   std::sort(sorted.begin(), sorted.end(),
@@ -298,8 +296,8 @@ absl::StatusOr<std::string> SerializeSafetensors(absl::Span<const TensorToWrite>
       elements *= static_cast<uint64_t>(d);
     }
     if (elements != t.values.size()) {
-      return absl::InvalidArgumentError(absl::StrCat("tensor ", t.name, ": shape holds ",
-                                                     elements, " values, got ", t.values.size()));
+      return absl::InvalidArgumentError(absl::StrCat("tensor ", t.name, ": shape holds ", elements,
+                                                     " values, got ", t.values.size()));
     }
     const uint64_t bytes = elements * TensorDTypeBytes(t.dtype);
     header[t.name] = {{"dtype", std::string(TensorDTypeName(t.dtype))},
@@ -348,8 +346,8 @@ absl::Status WriteSafetensors(const std::string& path, absl::Span<const TensorTo
 absl::Status WriteSafetensorsModel(const std::string& dir, absl::Span<const TensorToWrite> tensors,
                                    int num_shards) {
   if (num_shards < 1 || num_shards > 99999) {
-    return absl::InvalidArgumentError(absl::StrCat("shards must be in [1, 99999], got ",
-                                                   num_shards));
+    return absl::InvalidArgumentError(
+        absl::StrCat("shards must be in [1, 99999], got ", num_shards));
   }
   KV_RETURN_IF_ERROR(MakeDirectories(dir));
   if (num_shards == 1) return WriteSafetensors(dir + "/model.safetensors", tensors);
@@ -359,8 +357,7 @@ absl::Status WriteSafetensorsModel(const std::string& dir, absl::Span<const Tens
   uint64_t total_bytes = 0;
   for (size_t i = 0; i < tensors.size(); ++i) {
     const int s = static_cast<int>(i % num_shards);
-    const std::string file =
-        absl::StrFormat("model-%05d-of-%05d.safetensors", s + 1, num_shards);
+    const std::string file = absl::StrFormat("model-%05d-of-%05d.safetensors", s + 1, num_shards);
     weight_map[tensors[i].name] = file;
     total_bytes += tensors[i].values.size() * TensorDTypeBytes(tensors[i].dtype);
     shards[s].push_back(tensors[i]);

@@ -98,9 +98,9 @@ struct TensorToWrite {
 };
 
 // Serialises tensors into safetensors bytes (header sorted by name, padded to 8 bytes).
-absl::StatusOr<std::string> SerializeSafetensors(absl::Span<const TensorToWrite> tensors,
-                                                 const std::map<std::string, std::string>&
-                                                     metadata = {});
+absl::StatusOr<std::string> SerializeSafetensors(
+    absl::Span<const TensorToWrite> tensors,
+    const std::map<std::string, std::string>& metadata = {});
 // Writes one file atomically.
 absl::Status WriteSafetensors(const std::string& path, absl::Span<const TensorToWrite> tensors);
 // Writes tensors as `num_shards` files model-0000i-of-0000n.safetensors plus

@@ -140,11 +140,11 @@ TEST_F(BadFileTest, HeaderNotJson) {
 }
 
 TEST_F(BadFileTest, OffsetsDisagreeWithShape) {
-  const std::string header =
-      R"({"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 12]}})";
-  EXPECT_THAT(SafetensorsFile::Open(Write(WithHeader(header, 16))),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("tensor w: data_offsets span 12 bytes but shape and dtype need 16")));
+  const std::string header = R"({"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 12]}})";
+  EXPECT_THAT(
+      SafetensorsFile::Open(Write(WithHeader(header, 16))),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               HasSubstr("tensor w: data_offsets span 12 bytes but shape and dtype need 16")));
 }
 
 TEST_F(BadFileTest, UnknownDtypeNamed) {
@@ -163,9 +163,9 @@ TEST_F(BadFileTest, OverlappingTensors) {
 
 TEST_F(BadFileTest, IndexNamingAbsentTensor) {
   KV_ASSERT_OK(WriteSafetensorsModel(dir_.path(), SampleTensors(), 2));
-  KV_ASSERT_OK(WriteFileAtomically(
-      dir_.File("model.safetensors.index.json"),
-      R"({"weight_map": {"ghost": "model-00001-of-00002.safetensors"}})"));
+  KV_ASSERT_OK(
+      WriteFileAtomically(dir_.File("model.safetensors.index.json"),
+                          R"({"weight_map": {"ghost": "model-00001-of-00002.safetensors"}})"));
   EXPECT_THAT(SafetensorsModel::Open(dir_.path()),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("tensor ghost")));
 }

@@ -4,7 +4,6 @@
 #include <cmath>
 #include <cstdio>
 #include <iostream>
-
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
@@ -66,8 +65,8 @@ absl::StatusOr<std::string> TestModelPreset(const std::string& arch) {
   if (arch == "gemma3") return std::string("tiny-gemma3");
   if (arch == "gpt2") return std::string("tiny-gpt2");
   if (arch == "mamba") return std::string("tiny-mamba");
-  return absl::InvalidArgumentError(absl::StrCat(
-      "--arch must be llama, deepseek_v3, gemma3, gpt2 or mamba, got '", arch, "'"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("--arch must be llama, deepseek_v3, gemma3, gpt2 or mamba, got '", arch, "'"));
 }
 
 absl::StatusOr<std::string> TestModelConfigJson(const TestModelOptions& o) {
@@ -79,13 +78,14 @@ absl::StatusOr<std::string> TestModelConfigJson(const TestModelOptions& o) {
   if (!overridden) return text;
   Json config = Json::parse(text, nullptr, false);
   if (config.is_discarded()) return absl::InternalError("preset is not JSON");
-  for (int32_t v : {o.layers, o.hidden, o.intermediate, o.heads, o.kv_heads, o.vocab,
-                    o.sliding_window}) {
+  for (int32_t v :
+       {o.layers, o.hidden, o.intermediate, o.heads, o.kv_heads, o.vocab, o.sliding_window}) {
     if (v < 0) return absl::InvalidArgumentError("model sizes must be positive");
   }
   const bool gpt2 = o.arch == "gpt2";
   if (o.arch == "mamba" && (o.heads || o.kv_heads || o.sliding_window)) {
-    return absl::InvalidArgumentError("--heads/--kv-heads/--sliding-window: mamba has no attention");
+    return absl::InvalidArgumentError(
+        "--heads/--kv-heads/--sliding-window: mamba has no attention");
   }
   if (o.layers) config[gpt2 ? "n_layer" : "num_hidden_layers"] = o.layers;
   if (o.hidden) config[gpt2 ? "n_embd" : "hidden_size"] = o.hidden;
@@ -108,8 +108,8 @@ absl::StatusOr<std::string> TestModelConfigJson(const TestModelOptions& o) {
       const int32_t hidden = config["hidden_size"].get<int32_t>();
       const int32_t heads = config["num_attention_heads"].get<int32_t>();
       if (hidden % heads != 0) {
-        return absl::InvalidArgumentError(absl::StrCat("--hidden ", hidden,
-                                                       " is not divisible by --heads ", heads));
+        return absl::InvalidArgumentError(
+            absl::StrCat("--hidden ", hidden, " is not divisible by --heads ", heads));
       }
       config["head_dim"] = hidden / heads;
       // Keep query_pre_attn_scalar != head_dim (as Gemma 3 27B: 168 vs 128), so a runner
@@ -150,7 +150,8 @@ absl::StatusOr<std::vector<TensorToWrite>> TestModelTensors(const TestModelOptio
   // multiplies by sqrt(hidden), undone here) so the layers, not the input token, decide the
   // logits; the final norm scales logits back to a std of about 3.
   float embed_std_tied = 0.02f;
-  float final_norm_tied = 3.0f / (embed_std_tied * std::sqrt(static_cast<float>(config.hidden_size)));
+  float final_norm_tied =
+      3.0f / (embed_std_tied * std::sqrt(static_cast<float>(config.hidden_size)));
   if (config.model_type == "gemma3" || config.model_type == "gemma3_text") {
     embed_std_tied /= std::sqrt(static_cast<float>(config.hidden_size));
     final_norm_tied *= std::sqrt(static_cast<float>(config.hidden_size));
@@ -181,8 +182,7 @@ absl::StatusOr<std::vector<TensorToWrite>> TestModelTensors(const TestModelOptio
              t.name == "backbone.norm_f.weight")) {
           mean = final_norm_tied;
         }
-        FillUniform(t.values, o.seed, t.name, spec.gemma_norm ? mean - 1.0f : mean,
-                    0.05f * mean);
+        FillUniform(t.values, o.seed, t.name, spec.gemma_norm ? mean - 1.0f : mean, 0.05f * mean);
         break;
       }
       case TensorInit::kBias:
@@ -204,8 +204,8 @@ absl::StatusOr<std::vector<TensorToWrite>> TestModelTensors(const TestModelOptio
         // Mamba's dt init: softplus(bias) log-uniform in [0.001, 0.1].
         FillUniform(t.values, o.seed, t.name, 0.5f, 0.25f);
         for (float& v : t.values) {
-          const double dt = std::exp(std::log(0.001) + std::clamp(v, 0.0f, 1.0f) *
-                                                           (std::log(0.1) - std::log(0.001)));
+          const double dt = std::exp(std::log(0.001) +
+                                     std::clamp(v, 0.0f, 1.0f) * (std::log(0.1) - std::log(0.001)));
           v = static_cast<float>(dt + std::log(-std::expm1(-dt)));
         }
         break;

@@ -21,15 +21,15 @@ struct TestModelOptions {
   std::string arch = "llama";  // llama | deepseek_v3 | gemma3 | gpt2 | mamba
   // 0 keeps the preset's value.
   int32_t layers = 0;
-  int32_t hidden = 0;        // llama/gemma3: head_dim becomes hidden / heads
+  int32_t hidden = 0;  // llama/gemma3: head_dim becomes hidden / heads
   int32_t intermediate = 0;
   int32_t heads = 0;
-  int32_t kv_heads = 0;      // llama/gemma3
+  int32_t kv_heads = 0;  // llama/gemma3
   int32_t vocab = 0;
   int32_t sliding_window = 0;  // gemma3
   uint64_t seed = 0;
   TensorDType dtype = TensorDType::kBf16;
-  int shards = 1;            // >1: sharded files + model.safetensors.index.json
+  int shards = 1;  // >1: sharded files + model.safetensors.index.json
   // JSON object merged into the config last (RFC 7386 merge patch), e.g.
   // {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}. Empty: none.
   std::string config_patch;

@@ -40,8 +40,8 @@ absl::StatusOr<Arch> ArchFor(const kv::ModelConfig& c) {
         "gemma3_text, gpt2, mamba)"));
   }
   if (!c.unsupported.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "config: the model runner does not implement ", absl::StrJoin(c.unsupported, "; ")));
+    return absl::InvalidArgumentError(absl::StrCat("config: the model runner does not implement ",
+                                                   absl::StrJoin(c.unsupported, "; ")));
   }
   KV_RETURN_IF_ERROR(Need(c.vocab_size, "vocab_size"));
   KV_RETURN_IF_ERROR(Need(c.hidden_size, "hidden_size"));
@@ -80,8 +80,7 @@ absl::StatusOr<Arch> ArchFor(const kv::ModelConfig& c) {
   return arch;
 }
 
-absl::StatusOr<std::vector<TensorSpec>> TensorSpecs(const kv::ModelConfig& c,
-                                                    ModelWeights* w) {
+absl::StatusOr<std::vector<TensorSpec>> TensorSpecs(const kv::ModelConfig& c, ModelWeights* w) {
   KV_ASSIGN_OR_RETURN(Arch arch, ArchFor(c));
   const int64_t hidden = c.hidden_size;
   const int64_t heads = c.num_attention_heads;
@@ -107,7 +106,8 @@ absl::StatusOr<std::vector<TensorSpec>> TensorSpecs(const kv::ModelConfig& c,
       const std::string p = absl::StrCat("backbone.layers.", i, ".");
       add(p + "norm.weight", {hidden}, TensorInit::kNorm, &l.input_norm);
       add(p + "mixer.in_proj.weight", {2 * inter, hidden}, TensorInit::kLinear, &l.in_proj);
-      if (c.use_bias) add(p + "mixer.in_proj.bias", {2 * inter}, TensorInit::kBias, &l.in_proj_bias);
+      if (c.use_bias)
+        add(p + "mixer.in_proj.bias", {2 * inter}, TensorInit::kBias, &l.in_proj_bias);
       add(p + "mixer.conv1d.weight", {inter, 1, c.conv_kernel}, TensorInit::kLinear,
           &l.conv_weight);
       if (c.use_conv_bias) {
@@ -165,15 +165,13 @@ absl::StatusOr<std::vector<TensorSpec>> TensorSpecs(const kv::ModelConfig& c,
     LayerWeights& l = w->layers[i];
     const std::string p = absl::StrCat("model.layers.", i, ".");
     add(p + "input_layernorm.weight", {hidden}, TensorInit::kNorm, &l.input_norm);
-    add(p + "post_attention_layernorm.weight", {hidden}, TensorInit::kNorm,
-        &l.post_attention_norm);
+    add(p + "post_attention_layernorm.weight", {hidden}, TensorInit::kNorm, &l.post_attention_norm);
     if (arch == Arch::kMla) {
       const int64_t qk = c.qk_nope_head_dim + c.qk_rope_head_dim;
       if (c.q_lora_rank > 0) {
         add(p + "self_attn.q_a_proj.weight", {c.q_lora_rank, hidden}, TensorInit::kLinear,
             &l.q_a_proj);
-        add(p + "self_attn.q_a_layernorm.weight", {c.q_lora_rank}, TensorInit::kNorm,
-            &l.q_a_norm);
+        add(p + "self_attn.q_a_layernorm.weight", {c.q_lora_rank}, TensorInit::kNorm, &l.q_a_norm);
         add(p + "self_attn.q_b_proj.weight", {heads * qk, c.q_lora_rank}, TensorInit::kLinear,
             &l.q_b_proj);
       } else {
@@ -181,8 +179,7 @@ absl::StatusOr<std::vector<TensorSpec>> TensorSpecs(const kv::ModelConfig& c,
       }
       add(p + "self_attn.kv_a_proj_with_mqa.weight", {c.kv_lora_rank + c.qk_rope_head_dim, hidden},
           TensorInit::kLinear, &l.kv_a_proj);
-      add(p + "self_attn.kv_a_layernorm.weight", {c.kv_lora_rank}, TensorInit::kNorm,
-          &l.kv_a_norm);
+      add(p + "self_attn.kv_a_layernorm.weight", {c.kv_lora_rank}, TensorInit::kNorm, &l.kv_a_norm);
       add(p + "self_attn.kv_b_proj.weight",
           {heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank}, TensorInit::kLinear,
           &l.kv_b_proj);
@@ -205,8 +202,7 @@ absl::StatusOr<std::vector<TensorSpec>> TensorSpecs(const kv::ModelConfig& c,
         add(p + "self_attn.q_norm.weight", {hd}, TensorInit::kNorm, &l.q_norm);
         add(p + "self_attn.k_norm.weight", {hd}, TensorInit::kNorm, &l.k_norm);
         add(p + "pre_feedforward_layernorm.weight", {hidden}, TensorInit::kNorm, &l.pre_ffn_norm);
-        add(p + "post_feedforward_layernorm.weight", {hidden}, TensorInit::kNorm,
-            &l.post_ffn_norm);
+        add(p + "post_feedforward_layernorm.weight", {hidden}, TensorInit::kNorm, &l.post_ffn_norm);
       }
     }
     add(p + "mlp.gate_proj.weight", {c.intermediate_size, hidden}, TensorInit::kLinear,

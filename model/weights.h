@@ -77,10 +77,10 @@ struct LayerWeights {
 };
 
 struct ModelWeights {
-  std::vector<float> embed_tokens;  // [vocab, hidden]
-  std::vector<float> final_norm;    // [hidden]
-  std::vector<float> lm_head;       // [vocab, hidden]; empty when tie_word_embeddings
-  std::vector<float> pos_embed;     // gpt2: [n_positions, hidden]
+  std::vector<float> embed_tokens;     // [vocab, hidden]
+  std::vector<float> final_norm;       // [hidden]
+  std::vector<float> lm_head;          // [vocab, hidden]; empty when tie_word_embeddings
+  std::vector<float> pos_embed;        // gpt2: [n_positions, hidden]
   std::vector<float> final_norm_bias;  // gpt2
   std::vector<LayerWeights> layers;
 

@@ -5,8 +5,8 @@
 #include "common/status_macros.h"
 #include "kv/block_hash.h"
 #include "kv/prompt_validation.h"
-#include "proto/limits.h"
 #include "proto/grpc_status.h"
+#include "proto/limits.h"
 
 namespace kvrelay::prefill {
 namespace {
@@ -43,8 +43,9 @@ PrefillWorker::PrefillWorker(PrefillWorkerOptions options, MetricsRegistry* metr
   active_ = metrics_->GetGauge("kvrelay_prefill_active_requests", "Requests in progress.");
 }
 
-absl::StatusOr<std::unique_ptr<PrefillWorker>> PrefillWorker::Create(
-    PrefillWorkerOptions options, MetricsRegistry* metrics, worker::WorkerCoreDeps deps) {
+absl::StatusOr<std::unique_ptr<PrefillWorker>> PrefillWorker::Create(PrefillWorkerOptions options,
+                                                                     MetricsRegistry* metrics,
+                                                                     worker::WorkerCoreDeps deps) {
   auto worker = std::unique_ptr<PrefillWorker>(new PrefillWorker(std::move(options), metrics));
   KV_RETURN_IF_ERROR(worker->Init(std::move(deps)));
   return worker;
@@ -76,15 +77,14 @@ absl::Status PrefillWorker::Init(worker::WorkerCoreDeps deps) {
 absl::Status PrefillWorker::Validate(const kvrelay::v1::PrefillRequest& request) const {
   const kv::ModelLayout& layout = runner_->layout();
   if (!options_.model_name.empty() && request.model() != options_.model_name) {
-    return absl::InvalidArgumentError(absl::StrCat("model: this worker serves '",
-                                                   options_.model_name, "', not '",
-                                                   request.model(), "'"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "model: this worker serves '", options_.model_name, "', not '", request.model(), "'"));
   }
   KV_RETURN_IF_ERROR(kv::ValidatePrompt(request.tokens(), /*max_tokens=*/-1, runner_->config()));
   const int n = request.tokens_size();
   if (request.tenant_salt().size() > limits::kMaxTenantSaltBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("tenant_salt is over ",
-                                                   limits::kMaxTenantSaltBytes, " bytes"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("tenant_salt is over ", limits::kMaxTenantSaltBytes, " bytes"));
   }
   const kvrelay::v1::ReserveResponse& target = request.target();
   if (target.block_tokens() != layout.block_tokens()) {
@@ -92,8 +92,8 @@ absl::Status PrefillWorker::Validate(const kvrelay::v1::PrefillRequest& request)
                                                    " != this model's ", layout.block_tokens()));
   }
   if (target.full_blocks() < 0 || int64_t{target.full_blocks()} * layout.block_tokens() > n) {
-    return absl::InvalidArgumentError(absl::StrCat("target.full_blocks ", target.full_blocks(),
-                                                   " exceeds the prompt"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("target.full_blocks ", target.full_blocks(), " exceeds the prompt"));
   }
   if (target.groups_size() != static_cast<int>(layout.groups().size())) {
     return absl::InvalidArgumentError(absl::StrCat("target.groups has ", target.groups_size(),
@@ -107,9 +107,9 @@ absl::Status PrefillWorker::Validate(const kvrelay::v1::PrefillRequest& request)
           absl::StrCat("target.groups[", g, "].slots must have full_blocks entries"));
     }
     if (group.block_bytes() != static_cast<uint64_t>(layout.BlockBytes(g))) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "target.groups[", g, "].block_bytes ", group.block_bytes(), " != layout's ",
-          layout.BlockBytes(g), " (different model or dtype?)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("target.groups[", g, "].block_bytes ", group.block_bytes(), " != layout's ",
+                       layout.BlockBytes(g), " (different model or dtype?)"));
     }
   }
   return absl::OkStatus();
@@ -139,11 +139,11 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
   // target's must be one and the same, or blocks would be read as another layout's.
   const std::string own_fingerprint = FingerprintBytes(runner_->layout().fingerprint());
   if (request.layout_fingerprint() != own_fingerprint) {
-    return Own(absl::FailedPreconditionError(
-                   absl::StrCat("layout_fingerprint: prefill node ", core_->node_id,
-                                " serves layout ", runner_->layout().fingerprint().ToHex(),
-                                ", the request was routed for another")),
-               kvrelay::v1::FAILURE_IDENTITY);
+    return Own(
+        absl::FailedPreconditionError(absl::StrCat(
+            "layout_fingerprint: prefill node ", core_->node_id, " serves layout ",
+            runner_->layout().fingerprint().ToHex(), ", the request was routed for another")),
+        kvrelay::v1::FAILURE_IDENTITY);
   }
   if (request.target().layout_fingerprint() != own_fingerprint) {
     return Attribute(absl::FailedPreconditionError(absl::StrCat(
@@ -232,10 +232,10 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
   absl::StatusOr<transfer::PeerId> connected = PeerFor(target.transport().address(), deadline);
   if (!connected.ok()) {
     return decode_failed(
-        absl::Status(connected.status().code(),
-                     absl::StrCat("data plane: cannot reach decode node ", target.node_id(), " at ",
-                                  target.transport().address(), ": ",
-                                  connected.status().message())),
+        absl::Status(
+            connected.status().code(),
+            absl::StrCat("data plane: cannot reach decode node ", target.node_id(), " at ",
+                         target.transport().address(), ": ", connected.status().message())),
         kvrelay::v1::FAILURE_UNREACHABLE);
   }
   const transfer::PeerId peer = *connected;
@@ -253,11 +253,11 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
       if (remote_slot < 0) continue;
       transfer::BlockTransfer t;
       t.local = &kv_->region(g);
-      t.local_offset = static_cast<uint64_t>(seq.blocks(g)[b]) * pool.slot_stride() +
-                       slice.offset_in_unit;
+      t.local_offset =
+          static_cast<uint64_t>(seq.blocks(g)[b]) * pool.slot_stride() + slice.offset_in_unit;
       t.remote_region = group_target.region_id();
-      t.remote_offset =
-          static_cast<uint64_t>(remote_slot) * group_target.slot_stride_bytes() + slice.offset_in_unit;
+      t.remote_offset = static_cast<uint64_t>(remote_slot) * group_target.slot_stride_bytes() +
+                        slice.offset_in_unit;
       t.length = slice.length;
       t.layer = layer;
       batch.blocks.push_back(t);
@@ -288,8 +288,9 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
     prefill_options.on_layer_done = post_layer;
     absl::MutexLock lock(&compute_mu_);
     absl::StatusOr<std::vector<float>> logits = runner_->Prefill(
-        seq, absl::MakeConstSpan(tokens).subspan(static_cast<size_t>(compute_from),
-                                                  static_cast<size_t>(full_tokens - compute_from)),
+        seq,
+        absl::MakeConstSpan(tokens).subspan(static_cast<size_t>(compute_from),
+                                            static_cast<size_t>(full_tokens - compute_from)),
         prefill_options);
     if (!logits.ok()) return Own(logits.status(), kvrelay::v1::FAILURE_COMPUTE);
   } else {
@@ -306,21 +307,23 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
     transfer_seconds_->Observe(absl::ToDoubleSeconds(absl::Now() - first_post));
   }
   if (!transfer_status.ok()) {
-    metrics_->GetCounter("kvrelay_prefill_failures_total", "Failed prefill requests by reason.",
-                         {{"reason", "transfer"}})
+    metrics_
+        ->GetCounter("kvrelay_prefill_failures_total", "Failed prefill requests by reason.",
+                     {{"reason", "transfer"}})
         ->Increment();
     // The caller's own deadline is not the decode worker's fault.
     if (absl::IsDeadlineExceeded(transfer_status) && absl::Now() >= deadline) {
       return Attribute(absl::DeadlineExceededError(
                            absl::StrCat("the request's deadline passed while pushing to decode "
-                                        "node ", target.node_id())),
+                                        "node ",
+                                        target.node_id())),
                        kvrelay::v1::ROLE_CLIENT, "", kvrelay::v1::FAILURE_CALLER_DEADLINE);
     }
     return decode_failed(
-        absl::Status(transfer_status.code(),
-                     absl::StrCat("data plane: push to decode node ", target.node_id(), " at ",
-                                  target.transport().address(), " failed: ",
-                                  transfer_status.message())),
+        absl::Status(
+            transfer_status.code(),
+            absl::StrCat("data plane: push to decode node ", target.node_id(), " at ",
+                         target.transport().address(), " failed: ", transfer_status.message())),
         absl::IsDataLoss(transfer_status) ? kvrelay::v1::FAILURE_CORRUPT
                                           : kvrelay::v1::FAILURE_TRANSFER);
   }

@@ -44,8 +44,8 @@ struct PrefillWorkerOptions {
 class PrefillWorker {
  public:
   static absl::StatusOr<std::unique_ptr<PrefillWorker>> Create(PrefillWorkerOptions options,
-                                                                MetricsRegistry* metrics,
-                                                                worker::WorkerCoreDeps deps = {});
+                                                               MetricsRegistry* metrics,
+                                                               worker::WorkerCoreDeps deps = {});
   ~PrefillWorker();
 
   // Computes or reuses the prompt's full blocks and pushes them into request.target by
@@ -73,10 +73,10 @@ class PrefillWorker {
   const PrefillWorkerOptions options_;
   MetricsRegistry* metrics_;
   std::unique_ptr<worker::WorkerCore> core_;
-  model::ModelRunner* runner_ = nullptr;     // core_->runner
-  transfer::Transport* transport_ = nullptr; // core_->transport
-  worker::RegisteredKvCache* kv_ = nullptr;  // core_->kv
-  worker::CacheSegment* segment_ = nullptr;  // core_->segment
+  model::ModelRunner* runner_ = nullptr;      // core_->runner
+  transfer::Transport* transport_ = nullptr;  // core_->transport
+  worker::RegisteredKvCache* kv_ = nullptr;   // core_->kv
+  worker::CacheSegment* segment_ = nullptr;   // core_->segment
   // core_->store once ConnectStore ran; release by ConnectStore, acquire by requests.
   std::atomic<worker::StoreLink*> store_{nullptr};
 

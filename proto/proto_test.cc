@@ -1,7 +1,6 @@
-#include "kvrelay/v1/common.pb.h"
-
 #include "absl/status/status.h"
 #include "gtest/gtest.h"
+#include "kvrelay/v1/common.pb.h"
 #include "proto/grpc_status.h"
 
 namespace kvrelay::proto {
@@ -32,8 +31,8 @@ TEST(GrpcStatus, CarriesErrorInfoAcrossTheWire) {
   // No detail: nothing attached, nothing invented.
   EXPECT_FALSE(GetErrorInfo(FromGrpcStatus(ToGrpcStatus(absl::InternalError("x")))).has_value());
   // Garbage details are ignored, not fatal.
-  EXPECT_FALSE(GetErrorInfo(FromGrpcStatus(grpc::Status(grpc::StatusCode::INTERNAL, "x",
-                                                        "\xff\xff garbage")))
+  EXPECT_FALSE(GetErrorInfo(FromGrpcStatus(
+                                grpc::Status(grpc::StatusCode::INTERNAL, "x", "\xff\xff garbage")))
                    .has_value());
 }
 

@@ -18,9 +18,9 @@ absl::StatusOr<std::unique_ptr<RegisteredKvCache>> RegisteredKvCache::Create(
     transfer::RegionMemoryResource* raw_resource = resource.get();
     KV_ASSIGN_OR_RETURN(
         std::unique_ptr<kv::BlockPool> pool,
-        kv::BlockPool::Create({static_cast<size_t>(layout.BlockBytes(static_cast<int>(g))),
-                               blocks_per_group},
-                              std::move(resource)));
+        kv::BlockPool::Create(
+            {static_cast<size_t>(layout.BlockBytes(static_cast<int>(g))), blocks_per_group},
+            std::move(resource)));
     out->regions_.push_back(raw_resource->region());
     raw.push_back(pool.get());
     out->pools_.push_back(std::move(pool));
@@ -29,8 +29,9 @@ absl::StatusOr<std::unique_ptr<RegisteredKvCache>> RegisteredKvCache::Create(
   return out;
 }
 
-absl::StatusOr<std::unique_ptr<CacheSegment>> CacheSegment::Create(
-    const kv::ModelLayout& layout, int64_t num_slots, transfer::Transport* transport) {
+absl::StatusOr<std::unique_ptr<CacheSegment>> CacheSegment::Create(const kv::ModelLayout& layout,
+                                                                   int64_t num_slots,
+                                                                   transfer::Transport* transport) {
   auto out = std::unique_ptr<CacheSegment>(new CacheSegment());
   out->layout_ = layout;
   for (size_t g = 0; g < layout.groups().size(); ++g) {
@@ -39,8 +40,8 @@ absl::StatusOr<std::unique_ptr<CacheSegment>> CacheSegment::Create(
   }
   auto resource = std::make_unique<transfer::RegionMemoryResource>(transport);
   transfer::RegionMemoryResource* raw_resource = resource.get();
-  KV_ASSIGN_OR_RETURN(out->pool_, kv::BlockPool::Create({out->block_bytes_, num_slots},
-                                                        std::move(resource)));
+  KV_ASSIGN_OR_RETURN(out->pool_,
+                      kv::BlockPool::Create({out->block_bytes_, num_slots}, std::move(resource)));
   out->region_ = raw_resource->region();
   return out;
 }
@@ -82,8 +83,7 @@ absl::Status CacheSegment::LoadBlock(int64_t slot, model::KvCache& cache,
   return absl::OkStatus();
 }
 
-LayerSlice SliceOfLayer(const kv::ModelLayout& layout, const model::KvCache& cache,
-                        int32_t layer) {
+LayerSlice SliceOfLayer(const kv::ModelLayout& layout, const model::KvCache& cache, int32_t layer) {
   const int g = cache.group_of_layer(layer);
   const uint64_t layer_bytes = static_cast<uint64_t>(layout.BlockBytes(g)) /
                                static_cast<uint64_t>(layout.groups()[g].num_layers());

@@ -75,8 +75,7 @@ struct LayerSlice {
   uint64_t offset_in_unit = 0;
   uint64_t length = 0;
 };
-LayerSlice SliceOfLayer(const kv::ModelLayout& layout, const model::KvCache& cache,
-                        int32_t layer);
+LayerSlice SliceOfLayer(const kv::ModelLayout& layout, const model::KvCache& cache, int32_t layer);
 
 // The decode worker's choice of which full prompt blocks it wants per group: every block for
 // full attention and MLA; for sliding-window groups only the blocks a query at position

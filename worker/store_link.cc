@@ -40,10 +40,10 @@ absl::StatusOr<std::unique_ptr<StoreLink>> StoreLink::Connect(StoreLinkOptions o
     absl::SleepFor(absl::Milliseconds(200));
   }
   if (!status.ok()) {
-    return absl::Status(status.code(),
-                        absl::StrCat("cannot register node ", link->options_.node_id,
-                                     " with the cache store at ",
-                                     link->options_.cachestore_address, ": ", status.message()));
+    return absl::Status(
+        status.code(),
+        absl::StrCat("cannot register node ", link->options_.node_id, " with the cache store at ",
+                     link->options_.cachestore_address, ": ", status.message()));
   }
   link->heartbeat_ = std::thread([l = link.get()] { l->HeartbeatLoop(); });
   return link;
@@ -135,8 +135,8 @@ void StoreLink::HeartbeatLoop() {
       }
     } else if (!r.ok() && absl::IsFailedPrecondition(r.status()) && !replaced_logged) {
       // Another process registered this id after we were forgotten: we must not serve as it.
-      KV_LOG(ERROR) << options_.node_id << ": the store holds another incarnation of this id: "
-                    << r.status();
+      KV_LOG(ERROR) << options_.node_id
+                    << ": the store holds another incarnation of this id: " << r.status();
       replaced_logged = true;
     }
   }

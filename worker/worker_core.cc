@@ -49,13 +49,13 @@ absl::StatusOr<std::unique_ptr<WorkerCore>> WorkerCore::Create(const WorkerCoreO
   }
   core->transport_address = core->transport->address();
   if (inbound) core->transport->SetInboundHandler(std::move(inbound));
-  KV_ASSIGN_OR_RETURN(core->kv, RegisteredKvCache::Create(core->runner->layout(),
-                                                          options.pool_blocks,
-                                                          core->transport.get()));
+  KV_ASSIGN_OR_RETURN(core->kv,
+                      RegisteredKvCache::Create(core->runner->layout(), options.pool_blocks,
+                                                core->transport.get()));
   if (!options.cachestore_address.empty()) {
-    KV_ASSIGN_OR_RETURN(core->segment,
-                        CacheSegment::Create(core->runner->layout(), options.cache_slots,
-                                             core->transport.get()));
+    KV_ASSIGN_OR_RETURN(
+        core->segment,
+        CacheSegment::Create(core->runner->layout(), options.cache_slots, core->transport.get()));
   }
   core->options = options;
   return core;
@@ -68,15 +68,15 @@ absl::Status WorkerCore::ConnectStore(const std::string& grpc_address,
   link.cachestore_address = options.cachestore_address;
   link.node_id = node_id;
   link.incarnation = incarnation;
-  link.role = options.role == "prefill" ? kvrelay::v1::NODE_ROLE_PREFILL
-                                        : kvrelay::v1::NODE_ROLE_DECODE;
+  link.role =
+      options.role == "prefill" ? kvrelay::v1::NODE_ROLE_PREFILL : kvrelay::v1::NODE_ROLE_DECODE;
   link.grpc_address = grpc_address;
   link.transport_address = transport_address;
   link.transport_kind = transport_kind;
   link.security = options.security;
   link.load = std::move(load);
-  KV_ASSIGN_OR_RETURN(store,
-                      StoreLink::Connect(link, segment.get(), clock, absl::Now() + absl::Seconds(30)));
+  KV_ASSIGN_OR_RETURN(
+      store, StoreLink::Connect(link, segment.get(), clock, absl::Now() + absl::Seconds(30)));
   return absl::OkStatus();
 }
 
@@ -113,8 +113,7 @@ std::optional<int> WorkerFlags::Parse(FlagSet& flags, const std::vector<std::str
     return server::UsageError(name, "--cachestore is required");
   }
   if (!core_.cachestore_address.empty()) {
-    if (absl::Status s = server::CheckHostPort(core_.cachestore_address, "--cachestore");
-        !s.ok()) {
+    if (absl::Status s = server::CheckHostPort(core_.cachestore_address, "--cachestore"); !s.ok()) {
       return server::UsageError(name, std::string(s.message()));
     }
   }

@@ -30,24 +30,24 @@
 namespace kvrelay::worker {
 
 struct WorkerCoreOptions {
-  std::string role;      // "prefill" or "decode": default node ids and error attribution
+  std::string role;  // "prefill" or "decode": default node ids and error attribution
   std::string model_dir;
-  std::string node_id;   // empty: "<role>-<hostname>-<random>", unique per process
+  std::string node_id;             // empty: "<role>-<hostname>-<random>", unique per process
   std::string cachestore_address;  // empty: no cache segment, no store link
   std::string transport_host = "127.0.0.1";
   // The host others use to reach this node (gRPC and data plane); empty: derived from the bind
   // addresses (never a wildcard such as 0.0.0.0).
   std::string advertise_host;
   int32_t threads = 1;
-  int64_t pool_blocks = 1024;  // request KV slots per layer group
-  int64_t cache_slots = 256;   // whole-block slots offered to the store
+  int64_t pool_blocks = 1024;        // request KV slots per layer group
+  int64_t cache_slots = 256;         // whole-block slots offered to the store
   server::SecurityOptions security;  // for the channel to the store
 };
 
 struct WorkerCoreDeps {
-  transfer::TransportPtr transport;  // null: a UCX transport listening on transport_host
+  transfer::TransportPtr transport;       // null: a UCX transport listening on transport_host
   std::string transport_kind = "inproc";  // what peers are told (ignored when transport is null)
-  Clock* clock = Clock::Real();      // not owned; must outlive the core
+  Clock* clock = Clock::Real();           // not owned; must outlive the core
 };
 
 struct WorkerCore {

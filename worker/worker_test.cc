@@ -55,11 +55,14 @@ TEST(CacheSegment, StoresAndLoadsWholeBlocksAcrossGroups) {
   for (int g = 0; g < 2; ++g) {
     const uint8_t* p = static_cast<uint8_t*>(kv->cache().pool(g).SlotAddress(loaded[g][0]));
     EXPECT_EQ(p[0], 10 * g + 2);
-    EXPECT_EQ(std::memcmp(p, segment->GroupUnit(3, g), static_cast<size_t>(layout.BlockBytes(g))), 0);
+    EXPECT_EQ(std::memcmp(p, segment->GroupUnit(3, g), static_cast<size_t>(layout.BlockBytes(g))),
+              0);
     KV_ASSERT_OK(kv->cache().pool(g).Release(loaded[g][0]));
   }
-  EXPECT_THAT(segment->StoreBlock(seq, 5, 0), testing::StatusIs(absl::StatusCode::kFailedPrecondition));
-  EXPECT_THAT(segment->StoreBlock(seq, 0, 9), testing::StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(segment->StoreBlock(seq, 5, 0),
+              testing::StatusIs(absl::StatusCode::kFailedPrecondition));
+  EXPECT_THAT(segment->StoreBlock(seq, 0, 9),
+              testing::StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
 TEST(SliceOfLayer, LayersAreContiguousInsideAUnit) {

@@ -115,5 +115,4 @@ int RunCacheStoreCommand(const std::vector<std::string>& args) {
   return 0;
 }
 
-
 }  // namespace kvrelay::cachestore::server

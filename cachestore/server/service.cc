@@ -85,13 +85,12 @@ uint64_t LoadBigEndian64(const char* p) {
 
 // chain (repeated BlockHash) or chain_packed (16-byte big-endian hashes), exactly one.
 grpc::Status ParseEitherChain(const google::protobuf::RepeatedPtrField<v1::BlockHash>& chain,
-                              const std::string& packed, int max,
-                              std::vector<kv::BlockHash>* out) {
+                              const std::string& packed, int max, std::vector<kv::BlockHash>* out) {
   if (packed.empty()) return ParseChain(chain, "chain", max, out);
   if (!chain.empty()) return Invalid("chain, chain_packed: set one of them, not both");
   if (packed.size() % 16 != 0) {
-    return Invalid(absl::StrCat("chain_packed: length must be a multiple of 16, got ",
-                                packed.size()));
+    return Invalid(
+        absl::StrCat("chain_packed: length must be a multiple of 16, got ", packed.size()));
   }
   const size_t n = packed.size() / 16;
   if (n > static_cast<size_t>(max)) {
@@ -163,15 +162,15 @@ void LatencyHistogram::Render(const std::string& name, const std::string& rpc,
   }
   absl::StrAppend(out, name, "_sum{rpc=\"", rpc, "\"} ",
                   absl::StrFormat("%.9f", sum_ns_.load(std::memory_order_relaxed) / 1e9), "\n");
-  absl::StrAppend(out, name, "_count{rpc=\"", rpc, "\"} ",
-                  count_.load(std::memory_order_relaxed), "\n");
+  absl::StrAppend(out, name, "_count{rpc=\"", rpc, "\"} ", count_.load(std::memory_order_relaxed),
+                  "\n");
 }
 
 const char* CacheStoreService::RpcName(int rpc) {
-  static const char* kNames[] = {"RegisterNode", "Heartbeat",      "MatchPrefix", "QueryPrefix",
-                                 "Allocate",     "Commit",         "Abort",       "ReleaseLease",
-                                 "Stats",        "WatchEvents",    "DeregisterNode",
-                                 "AnnounceBlocks", "ListNodes"};
+  static const char* kNames[] = {"RegisterNode", "Heartbeat",   "MatchPrefix",    "QueryPrefix",
+                                 "Allocate",     "Commit",      "Abort",          "ReleaseLease",
+                                 "Stats",        "WatchEvents", "DeregisterNode", "AnnounceBlocks",
+                                 "ListNodes"};
   return kNames[rpc];
 }
 
@@ -184,8 +183,8 @@ grpc::Status CacheStoreService::ParseCaller(const std::string& node_id, uint64_t
   }
   if (auto s = CheckId(node_id, "node_id", limits_.max_id_bytes); !s.ok()) return s;
   if (incarnation == 0) {
-    return Invalid(absl::StrCat("incarnation: node '", node_id,
-                                "' must send its non-zero incarnation"));
+    return Invalid(
+        absl::StrCat("incarnation: node '", node_id, "' must send its non-zero incarnation"));
   }
   out->node_id = node_id;
   out->incarnation = incarnation;
@@ -245,11 +244,10 @@ void ToProto(const NodeSpec& spec, v1::NodeInfo* out) {
 }
 
 grpc::Status ParseLoad(const v1::NodeLoad& in, int64_t max, NodeLoad* out) {
-  const std::pair<const char*, int64_t> fields[] = {
-      {"load.active_requests", in.active_requests()},
-      {"load.queued_requests", in.queued_requests()},
-      {"load.free_kv_blocks", in.free_kv_blocks()},
-      {"load.total_kv_blocks", in.total_kv_blocks()}};
+  const std::pair<const char*, int64_t> fields[] = {{"load.active_requests", in.active_requests()},
+                                                    {"load.queued_requests", in.queued_requests()},
+                                                    {"load.free_kv_blocks", in.free_kv_blocks()},
+                                                    {"load.total_kv_blocks", in.total_kv_blocks()}};
   for (const auto& [name, v] : fields) {
     if (v < 0 || v >= max) return Invalid(absl::StrCat(name, ": want 0 to ", max - 1, ", got ", v));
   }
@@ -276,8 +274,8 @@ grpc::Status CacheStoreService::RegisterNode(grpc::ServerContext* ctx,
                                        " bytes, got ", req->grpc_address().size())));
   }
   if (req->segments_size() > limits_.max_segments) {
-    return t.Done(Exhausted(absl::StrCat("segments: at most ", limits_.max_segments, ", got ",
-                                         req->segments_size())));
+    return t.Done(Exhausted(
+        absl::StrCat("segments: at most ", limits_.max_segments, ", got ", req->segments_size())));
   }
   if (req->ttl_ms() != 0 &&
       (req->ttl_ms() < limits_.min_ttl_ms || req->ttl_ms() > limits_.max_ttl_ms)) {
@@ -288,8 +286,8 @@ grpc::Status CacheStoreService::RegisterNode(grpc::ServerContext* ctx,
     return t.Done(Invalid("address.kind: at most 32 bytes"));
   }
   if (static_cast<int>(req->address().address().size()) > limits_.max_address_bytes) {
-    return t.Done(Invalid(absl::StrCat("address.address: at most ", limits_.max_address_bytes,
-                                       " bytes")));
+    return t.Done(
+        Invalid(absl::StrCat("address.address: at most ", limits_.max_address_bytes, " bytes")));
   }
   NodeSpec spec;
   spec.node_id = req->node_id();
@@ -311,22 +309,21 @@ grpc::Status CacheStoreService::RegisterNode(grpc::ServerContext* ctx,
       }
     }
     if (s.tier() < v1::TIER_GPU || s.tier() > v1::TIER_SSD) {
-      return t.Done(Invalid(absl::StrCat(f, ".tier: want GPU, HOST or SSD, got ",
-                                         static_cast<int>(s.tier()))));
+      return t.Done(Invalid(
+          absl::StrCat(f, ".tier: want GPU, HOST or SSD, got ", static_cast<int>(s.tier()))));
     }
     if (s.capacity_slots() < 1 || s.capacity_slots() > limits_.max_capacity_slots) {
-      return t.Done(Invalid(absl::StrCat(f, ".capacity_slots: want 1 to ",
-                                         limits_.max_capacity_slots, ", got ",
-                                         s.capacity_slots())));
+      return t.Done(
+          Invalid(absl::StrCat(f, ".capacity_slots: want 1 to ", limits_.max_capacity_slots,
+                               ", got ", s.capacity_slots())));
     }
     if (s.slot_bytes() < 1 || s.slot_bytes() > limits_.max_slot_bytes) {
       return t.Done(Invalid(absl::StrCat(f, ".slot_bytes: want 1 to ", limits_.max_slot_bytes,
                                          ", got ", s.slot_bytes())));
     }
     if (static_cast<int>(s.memory_key().size()) > limits_.max_memory_key_bytes) {
-      return t.Done(Exhausted(absl::StrCat(f, ".memory_key: at most ",
-                                           limits_.max_memory_key_bytes, " bytes, got ",
-                                           s.memory_key().size())));
+      return t.Done(Exhausted(absl::StrCat(f, ".memory_key: at most ", limits_.max_memory_key_bytes,
+                                           " bytes, got ", s.memory_key().size())));
     }
     spec.segments.push_back(SegmentSpec{s.segment_id(), static_cast<Tier>(s.tier()),
                                         s.capacity_slots(), s.slot_bytes(), s.memory_key()});
@@ -366,8 +363,8 @@ grpc::Status CacheStoreService::AnnounceBlocks(grpc::ServerContext* ctx,
   }
   if (req->blocks().empty()) return t.Done(Invalid("blocks: at least one block needed"));
   if (req->blocks_size() > limits_.max_announce) {
-    return t.Done(Exhausted(absl::StrCat("blocks: at most ", limits_.max_announce, ", got ",
-                                         req->blocks_size())));
+    return t.Done(Exhausted(
+        absl::StrCat("blocks: at most ", limits_.max_announce, ", got ", req->blocks_size())));
   }
   std::vector<AnnouncedBlock> blocks;
   blocks.reserve(req->blocks_size());
@@ -418,8 +415,7 @@ grpc::Status CacheStoreService::ListNodes(grpc::ServerContext* ctx, const v1::Li
   return t.Done(grpc::Status::OK);
 }
 
-grpc::Status CacheStoreService::Heartbeat(grpc::ServerContext* ctx,
-                                          const v1::HeartbeatRequest* req,
+grpc::Status CacheStoreService::Heartbeat(grpc::ServerContext* ctx, const v1::HeartbeatRequest* req,
                                           v1::HeartbeatResponse* resp) {
   RpcTimer t(&latency_[kHeartbeat], &errors_[kHeartbeat]);
   if (auto s = CheckDeadline(ctx); !s.ok()) return t.Done(s);
@@ -448,8 +444,8 @@ grpc::Status CacheStoreService::MatchPrefix(grpc::ServerContext* ctx,
     return t.Done(s);
   }
   if (req->lease_ttl_ms() < 0 || req->lease_ttl_ms() > limits_.max_ttl_ms) {
-    return t.Done(Invalid(absl::StrCat("lease_ttl_ms: want 0-", limits_.max_ttl_ms, ", got ",
-                                       req->lease_ttl_ms())));
+    return t.Done(Invalid(
+        absl::StrCat("lease_ttl_ms: want 0-", limits_.max_ttl_ms, ", got ", req->lease_ttl_ms())));
   }
   Caller caller;
   if (auto s = ParseCaller(req->node_id(), req->incarnation(), false, &caller); !s.ok()) {
@@ -514,20 +510,20 @@ grpc::Status CacheStoreService::Allocate(grpc::ServerContext* ctx, const v1::All
   if (auto s = CheckDeadline(ctx); !s.ok()) return t.Done(s);
   if (req->blocks().empty()) return t.Done(Invalid("blocks: at least one block needed"));
   if (req->blocks_size() > limits_.max_chain) {
-    return t.Done(Exhausted(absl::StrCat("blocks: at most ", limits_.max_chain, ", got ",
-                                         req->blocks_size())));
+    return t.Done(Exhausted(
+        absl::StrCat("blocks: at most ", limits_.max_chain, ", got ", req->blocks_size())));
   }
   if (auto s = CheckId(req->preferred_node(), "preferred_node", limits_.max_id_bytes, true);
       !s.ok()) {
     return t.Done(s);
   }
   if (req->preferred_tier() < v1::TIER_UNSPECIFIED || req->preferred_tier() > v1::TIER_SSD) {
-    return t.Done(Invalid(absl::StrCat("preferred_tier: unknown tier ",
-                                       static_cast<int>(req->preferred_tier()))));
+    return t.Done(Invalid(
+        absl::StrCat("preferred_tier: unknown tier ", static_cast<int>(req->preferred_tier()))));
   }
   if (req->replicas() < 0 || req->replicas() > limits_.max_replicas) {
-    return t.Done(Invalid(absl::StrCat("replicas: want 0-", limits_.max_replicas, ", got ",
-                                       req->replicas())));
+    return t.Done(Invalid(
+        absl::StrCat("replicas: want 0-", limits_.max_replicas, ", got ", req->replicas())));
   }
   AllocateArgs args;
   if (auto s = ParseCaller(req->node_id(), req->incarnation(), false, &args.caller); !s.ok()) {

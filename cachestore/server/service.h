@@ -72,8 +72,22 @@ class CacheStoreService final : public kvrelay::v1::CacheStore::Service {
   void StopStreams() { stopping_.store(true, std::memory_order_release); }
 
  private:
-  enum Rpc { kRegister, kHeartbeat, kMatch, kQuery, kAllocate, kCommit, kAbort, kRelease,
-             kStats, kWatch, kDeregister, kAnnounce, kListNodes, kNumRpcs };
+  enum Rpc {
+    kRegister,
+    kHeartbeat,
+    kMatch,
+    kQuery,
+    kAllocate,
+    kCommit,
+    kAbort,
+    kRelease,
+    kStats,
+    kWatch,
+    kDeregister,
+    kAnnounce,
+    kListNodes,
+    kNumRpcs
+  };
   // node_id + incarnation of a request that names its caller. `required`: node_id must be set.
   grpc::Status ParseCaller(const std::string& node_id, uint64_t incarnation, bool required,
                            Caller* out) const;

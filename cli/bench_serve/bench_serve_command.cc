@@ -20,10 +20,10 @@
 #include "cli/bench_serve/trace.h"
 #include "cli/bench_serve/verify.h"
 #include "cli/bench_serve/workload.h"
-#include "common/file_util.h"
-#include "common/flags.h"
 #include "cli/gateway_client.h"
 #include "cli/up/health_check.h"
+#include "common/file_util.h"
+#include "common/flags.h"
 #include "kv/hf_config.h"
 
 namespace kvrelay::cli {

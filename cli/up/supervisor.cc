@@ -180,8 +180,8 @@ std::vector<int> Supervisor::Poll(absl::Duration timeout) {
       owners.push_back({c.get(), true});
     }
   }
-  const int ms = static_cast<int>(std::clamp<int64_t>(absl::ToInt64Milliseconds(timeout), 0,
-                                                      60000));
+  const int ms =
+      static_cast<int>(std::clamp<int64_t>(absl::ToInt64Milliseconds(timeout), 0, 60000));
   int n = ::poll(fds.data(), fds.size(), ms);
   if (n > 0) {
     for (size_t i = 1; i < fds.size(); ++i) {
@@ -208,9 +208,9 @@ absl::StatusOr<Endpoint> Supervisor::WaitListening(int index, absl::Duration tim
   while (true) {
     if (c.endpoint.has_value()) return *c.endpoint;
     if (c.exit_code.has_value()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          c.name, " (pid ", c.pid, ") ended with ", DescribeExit(*c.exit_code),
-          " before it was listening"));
+      return absl::FailedPreconditionError(absl::StrCat(c.name, " (pid ", c.pid, ") ended with ",
+                                                        DescribeExit(*c.exit_code),
+                                                        " before it was listening"));
     }
     if (stop_requested()) {
       return absl::CancelledError(absl::StrCat("stopped by signal ", stop_signal_));

@@ -6,6 +6,8 @@
 // SIGTERM, a grace period, SIGKILL). A worker that dies is reported and the cluster keeps
 // serving through the others; if the gateway or the cache store dies, everything stops.
 
+#include "cli/up/up_command.h"
+
 #include <unistd.h>
 
 #include <cstdio>
@@ -21,12 +23,11 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "cli/up/health_check.h"
+#include "cli/up/supervisor.h"
 #include "common/file_util.h"
 #include "common/flags.h"
 #include "common/status_macros.h"
-#include "cli/up/up_command.h"
-#include "cli/up/health_check.h"
-#include "cli/up/supervisor.h"
 #include "kv/hf_config.h"
 #include "model/test_model.h"
 
@@ -131,8 +132,8 @@ int RunUpCommand(const std::vector<std::string>& args) {
   if (colon == std::string::npos || colon == 0 ||
       !absl::SimpleAtoi(gateway_address.substr(colon + 1), &gateway_port) || gateway_port < 0 ||
       gateway_port > 65535) {
-    return UsageError(absl::StrCat("--gateway-address must be HOST:PORT, got '",
-                                   gateway_address, "'"));
+    return UsageError(
+        absl::StrCat("--gateway-address must be HOST:PORT, got '", gateway_address, "'"));
   }
   const std::string gateway_host = gateway_address.substr(0, colon);
   std::string http_host = gateway_host, http_port = "-1";
@@ -140,8 +141,7 @@ int RunUpCommand(const std::vector<std::string>& args) {
     const size_t http_colon = http_address.rfind(':');
     int port = -1;
     if (http_colon == std::string::npos || http_colon == 0 ||
-        !absl::SimpleAtoi(http_address.substr(http_colon + 1), &port) || port < 0 ||
-        port > 65535) {
+        !absl::SimpleAtoi(http_address.substr(http_colon + 1), &port) || port < 0 || port > 65535) {
       return UsageError(
           absl::StrCat("--http-address must be HOST:PORT or empty, got '", http_address, "'"));
     }
@@ -152,8 +152,8 @@ int RunUpCommand(const std::vector<std::string>& args) {
     return UsageError("give --model DIR or --arch A, not both");
   }
   if (model_dir.empty() && (!model::TestModelPreset(arch).ok() || arch == "mamba")) {
-    return UsageError(absl::StrCat("--arch must be llama, deepseek_v3, gemma3 or gpt2, got '", arch,
-                                   "'"));
+    return UsageError(
+        absl::StrCat("--arch must be llama, deepseek_v3, gemma3 or gpt2, got '", arch, "'"));
   }
 
   // Before any thread exists: the supervisor blocks SIGINT/SIGTERM/SIGCHLD process-wide.
@@ -185,8 +185,7 @@ int RunUpCommand(const std::vector<std::string>& args) {
   absl::StatusOr<std::string> self = SelfPath();
   if (!self.ok()) return Fail(std::string(self.status().message()));
   std::printf("kvrelay up: model %s (%s, %lld KV bytes per token)\n", model_dir.c_str(),
-              config->model_type.c_str(),
-              static_cast<long long>(config->layout.BytesPerToken()));
+              config->model_type.c_str(), static_cast<long long>(config->layout.BytesPerToken()));
   std::fflush(stdout);
 
   std::vector<Service> services;
@@ -219,12 +218,12 @@ int RunUpCommand(const std::vector<std::string>& args) {
       if (absl::Now() > deadline) break;
       sup.Poll(absl::Milliseconds(200));
     }
-    return absl::DeadlineExceededError(absl::StrCat(
-        s.name, " at ", s.endpoint.address, " is not SERVING after ",
-        absl::FormatDuration(start_timeout), ": ", health.message()));
+    return absl::DeadlineExceededError(
+        absl::StrCat(s.name, " at ", s.endpoint.address, " is not SERVING after ",
+                     absl::FormatDuration(start_timeout), ": ", health.message()));
   };
-  const std::vector<std::string> common = {"--host", "127.0.0.1", "--port", "0",
-                                           "--metrics-port", "0"};
+  const std::vector<std::string> common = {"--host", "127.0.0.1",      "--port",
+                                           "0",      "--metrics-port", "0"};
   auto with_common = [&](std::vector<std::string> head, std::vector<std::string> tail) {
     head.insert(head.end(), common.begin(), common.end());
     head.insert(head.end(), tail.begin(), tail.end());
@@ -259,19 +258,19 @@ int RunUpCommand(const std::vector<std::string>& args) {
     const std::string threads = absl::StrCat(worker_threads);
     for (int i = 0; i < num_prefill; ++i) {
       const std::string id = absl::StrCat("prefill-", i);
-      KV_RETURN_IF_ERROR(launch(id,
-                                with_common({"prefill"}, {"--cachestore", store, "--model",
-                                                          model_dir, "--node-id", id,
-                                                          "--threads", threads}),
-                                prefill_args));
+      KV_RETURN_IF_ERROR(
+          launch(id,
+                 with_common({"prefill"}, {"--cachestore", store, "--model", model_dir, "--node-id",
+                                           id, "--threads", threads}),
+                 prefill_args));
     }
     for (int i = 0; i < num_decode; ++i) {
       const std::string id = absl::StrCat("decode-", i);
-      KV_RETURN_IF_ERROR(launch(id,
-                                with_common({"decode"}, {"--cachestore", store, "--model",
-                                                         model_dir, "--node-id", id,
-                                                         "--threads", threads}),
-                                decode_args));
+      KV_RETURN_IF_ERROR(
+          launch(id,
+                 with_common({"decode"}, {"--cachestore", store, "--model", model_dir, "--node-id",
+                                          id, "--threads", threads}),
+                 decode_args));
     }
     std::vector<std::string> prefill_addrs, decode_addrs;
     for (size_t i = 1; i < services.size(); ++i) {
@@ -279,19 +278,18 @@ int RunUpCommand(const std::vector<std::string>& args) {
       (services[i].name.rfind("prefill", 0) == 0 ? prefill_addrs : decode_addrs)
           .push_back(services[i].endpoint.address);
     }
-    KV_RETURN_IF_ERROR(launch(
-        "gateway",
-        {"gateway", "--host", gateway_host, "--port", absl::StrCat(gateway_port),
-         "--metrics-port", "0", "--cachestore", store, "--prefill",
-         absl::StrJoin(prefill_addrs, ","), "--decode", absl::StrJoin(decode_addrs, ","),
-         "--model", model_dir, "--http-host", http_host, "--http-port", http_port},
-        gateway_args));
+    KV_RETURN_IF_ERROR(
+        launch("gateway",
+               {"gateway", "--host", gateway_host, "--port", absl::StrCat(gateway_port),
+                "--metrics-port", "0", "--cachestore", store, "--prefill",
+                absl::StrJoin(prefill_addrs, ","), "--decode", absl::StrJoin(decode_addrs, ","),
+                "--model", model_dir, "--http-host", http_host, "--http-port", http_port},
+               gateway_args));
     return wait_ready(services.back());
   }();
   if (!started.ok()) {
     if (sup.stop_requested()) {
-      std::fprintf(stderr, "kvrelay up: stopping (signal %d during start-up)\n",
-                   sup.stop_signal());
+      std::fprintf(stderr, "kvrelay up: stopping (signal %d during start-up)\n", sup.stop_signal());
       stop_all();
       return 1;
     }
@@ -303,9 +301,8 @@ int RunUpCommand(const std::vector<std::string>& args) {
 
   std::printf("kvrelay up: endpoints\n");
   for (const Service& s : services) {
-    std::printf("  %-12s %-22s metrics %-22s pid %d\n", s.name.c_str(),
-                s.endpoint.address.c_str(), s.endpoint.metrics_address.c_str(),
-                static_cast<int>(sup.child(s.index).pid));
+    std::printf("  %-12s %-22s metrics %-22s pid %d\n", s.name.c_str(), s.endpoint.address.c_str(),
+                s.endpoint.metrics_address.c_str(), static_cast<int>(sup.child(s.index).pid));
   }
   std::printf("kvrelay up: ready; gateway %s (Ctrl-C or SIGTERM stops the cluster)\n",
               services.back().endpoint.address.c_str());

@@ -21,10 +21,10 @@
 namespace kvrelay::server {
 
 struct SecurityOptions {
-  bool insecure = true;     // plain text; servers log it loudly
-  std::string cert_file;    // PEM certificate chain of this component
-  std::string key_file;     // PEM private key
-  std::string ca_file;      // PEM CA bundle that peers' certificates must chain to
+  bool insecure = true;   // plain text; servers log it loudly
+  std::string cert_file;  // PEM certificate chain of this component
+  std::string key_file;   // PEM private key
+  std::string ca_file;    // PEM CA bundle that peers' certificates must chain to
 };
 
 struct ChannelOptions {

@@ -49,14 +49,14 @@ std::optional<int> ParseCommandLine(FlagSet& flags, const std::vector<std::strin
     return 0;
   }
   if (security != nullptr) {
-    const bool any_tls = !security->cert_file.empty() || !security->key_file.empty() ||
-                         !security->ca_file.empty();
+    const bool any_tls =
+        !security->cert_file.empty() || !security->key_file.empty() || !security->ca_file.empty();
     if (any_tls && flags.WasSet("insecure") && security->insecure) {
       return UsageError(command, "--insecure and --tls-* exclude each other");
     }
     security->insecure = !any_tls;
-    if (any_tls && (security->cert_file.empty() || security->key_file.empty() ||
-                    security->ca_file.empty())) {
+    if (any_tls &&
+        (security->cert_file.empty() || security->key_file.empty() || security->ca_file.empty())) {
       return UsageError(command, "mutual TLS needs all of --tls-cert, --tls-key and --tls-ca");
     }
   }

@@ -24,7 +24,8 @@ void AddSecurityFlags(FlagSet& flags, SecurityOptions& security);
 // --help, 2 with "kvrelay <command>: <message>" on stderr for bad usage), or nullopt to go on.
 // Also settles `security` (TLS when any --tls-* flag is given).
 std::optional<int> ParseCommandLine(FlagSet& flags, const std::vector<std::string>& raw_args,
-                                    const std::string& command, SecurityOptions* security = nullptr);
+                                    const std::string& command,
+                                    SecurityOptions* security = nullptr);
 
 // Parses "host:port" with 1 <= port <= 65535 and a non-empty host. InvalidArgument naming
 // `what` otherwise.

@@ -75,8 +75,8 @@ absl::StatusOr<std::unique_ptr<ServiceHost>> ServiceHost::Start(
   return host;
 }
 
-ServiceHost::ServiceHost(ServiceHostOptions options, std::unique_ptr<grpc::Server> server,
-                         int port, std::unique_ptr<HttpServer> http)
+ServiceHost::ServiceHost(ServiceHostOptions options, std::unique_ptr<grpc::Server> server, int port,
+                         std::unique_ptr<HttpServer> http)
     : options_(std::move(options)),
       server_(std::move(server)),
       port_(port),

@@ -16,7 +16,7 @@ namespace {
 using ::testing::HasSubstr;
 
 grpc::health::v1::HealthCheckResponse::ServingStatus Check(grpc::Channel* channel,
-                                                            const std::string& service) {
+                                                           const std::string& service) {
   auto stub = grpc::health::v1::Health::NewStub(
       std::shared_ptr<grpc::Channel>(channel, [](grpc::Channel*) {}));
   grpc::ClientContext context;
@@ -37,9 +37,9 @@ TEST(ServiceHost, ServesHealthMetricsAndDrainsOnRequest) {
   options.drain_timeout = absl::Seconds(1);
   options.health_services = {"kvrelay.v1.Prefill"};
   kvrelay::v1::Prefill::Service unimplemented;  // any service: gRPC needs one to serve
-  KV_ASSERT_OK_AND_ASSIGN(
-      auto host, ServiceHost::Start(options, {&unimplemented}, &metrics,
-                                    [] { return std::string("kvrelay_extra 1\n"); }));
+  KV_ASSERT_OK_AND_ASSIGN(auto host, ServiceHost::Start(options, {&unimplemented}, &metrics, [] {
+                            return std::string("kvrelay_extra 1\n");
+                          }));
   ASSERT_GT(host->port(), 0);
   KV_ASSERT_OK_AND_ASSIGN(auto channel, MakeChannel(host->address(), SecurityOptions{}));
   EXPECT_EQ(Check(channel.get(), ""), grpc::health::v1::HealthCheckResponse::SERVING);
@@ -67,8 +67,7 @@ TEST(ServerFlags, ParsesConfigSecurityAndRejectsBadUsage) {
   ServiceHostOptions options;
   FlagSet flags("test", "t");
   AddServerFlags(flags, options);
-  EXPECT_EQ(ParseCommandLine(flags, {"--port", "7", "--metrics-port=8"}, "test",
-                             &options.security),
+  EXPECT_EQ(ParseCommandLine(flags, {"--port", "7", "--metrics-port=8"}, "test", &options.security),
             std::nullopt);
   EXPECT_EQ(options.port, 7);
   EXPECT_EQ(options.metrics_port, 8);

@@ -5,7 +5,6 @@
 #include <cstdio>
 
 #include "absl/strings/str_cat.h"
-
 #include "common/flags.h"
 #include "common/server/server_flags.h"
 #include "common/server/service_host.h"
@@ -55,9 +54,9 @@ int RunDecodeCommand(const std::vector<std::string>& raw_args) {
     return 1;
   }
   // Registered only now that the gateway can reach the advertised gRPC address.
-  const std::string advertised = absl::StrCat(
-      kvrelay::server::AdvertisedHost(host.host, options.core.advertise_host), ":",
-      (*server)->port());
+  const std::string advertised =
+      absl::StrCat(kvrelay::server::AdvertisedHost(host.host, options.core.advertise_host), ":",
+                   (*server)->port());
   if (absl::Status s = (*worker)->ConnectStore(advertised); !s.ok()) {
     std::fprintf(stderr, "kvrelay decode: %s\n", s.ToString().c_str());
     return 1;

@@ -21,8 +21,7 @@ class DecodeService final : public kvrelay::v1::Decode::Service {
                         grpc::ServerWriter<kvrelay::v1::DecodeChunk>* writer) override;
   grpc::Status Release(grpc::ServerContext* context, const kvrelay::v1::ReleaseRequest* request,
                        kvrelay::v1::ReleaseResponse* response) override;
-  grpc::Status Status(grpc::ServerContext* context,
-                      const kvrelay::v1::DecodeStatusRequest* request,
+  grpc::Status Status(grpc::ServerContext* context, const kvrelay::v1::DecodeStatusRequest* request,
                       kvrelay::v1::DecodeStatusResponse* response) override;
 
  private:

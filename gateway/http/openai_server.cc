@@ -36,7 +36,8 @@ class ByteTextCodec final : public TextCodec {
   std::string ApplyChatTemplate(
       const std::vector<std::pair<std::string, std::string>>& messages) const override {
     std::string text;
-    for (const auto& [role, content] : messages) absl::StrAppend(&text, "<|", role, "|>\n", content, "\n");
+    for (const auto& [role, content] : messages)
+      absl::StrAppend(&text, "<|", role, "|>\n", content, "\n");
     absl::StrAppend(&text, "<|assistant|>\n");
     return text;
   }
@@ -193,8 +194,8 @@ std::optional<HttpError> Parse(const Json& body, bool chat, const OpenAiHttpOpti
         text = content->get<std::string>();
       } else if (content != m.end() && content->is_array()) {
         for (const Json& part : *content) {
-          if (!part.is_object() || part.value("type", "") != "text" ||
-              !part.contains("text") || !part["text"].is_string()) {
+          if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") ||
+              !part["text"].is_string()) {
             return Bad(where + ".content", "only text content parts are supported");
           }
           text += part["text"].get<std::string>();
@@ -218,7 +219,8 @@ std::optional<HttpError> Parse(const Json& body, bool chat, const OpenAiHttpOpti
       for (const Json& t : *prompt) {
         if (!t.is_number_integer()) return Bad("prompt", "prompt token ids must be integers");
         const int64_t id = t.get<int64_t>();
-        if (id < 0 || id > INT32_MAX) return Bad("prompt", absl::StrCat("token id ", id, " is out of range"));
+        if (id < 0 || id > INT32_MAX)
+          return Bad("prompt", absl::StrCat("token id ", id, " is out of range"));
         out->prompt.push_back(static_cast<int32_t>(id));
       }
     } else {
@@ -229,10 +231,11 @@ std::optional<HttpError> Parse(const Json& body, bool chat, const OpenAiHttpOpti
 
   HttpError error;
   double v = out->max_tokens;
-  const char* max_field = body.contains("max_completion_tokens") ? "max_completion_tokens"
-                                                                 : "max_tokens";
+  const char* max_field =
+      body.contains("max_completion_tokens") ? "max_completion_tokens" : "max_tokens";
   if (!ReadNumber(body, max_field, 1, limits::kMaxGenerateTokens, &v, &error)) return error;
-  if (v != static_cast<int32_t>(v)) return Bad(max_field, absl::StrCat(max_field, " must be an integer"));
+  if (v != static_cast<int32_t>(v))
+    return Bad(max_field, absl::StrCat(max_field, " must be an integer"));
   out->max_tokens = static_cast<int32_t>(v);
   v = out->temperature;
   if (!ReadNumber(body, "temperature", 0, 2, &v, &error)) return error;
@@ -275,7 +278,8 @@ std::optional<HttpError> Parse(const Json& body, bool chat, const OpenAiHttpOpti
       out->include_usage = iu->get<bool>();
     }
   }
-  if (auto n = body.find("n"); n != body.end() && !n->is_null() && !(n->is_number_integer() && n->get<int64_t>() == 1)) {
+  if (auto n = body.find("n");
+      n != body.end() && !n->is_null() && !(n->is_number_integer() && n->get<int64_t>() == 1)) {
     return Bad("n", "only n = 1 is supported");
   }
   return std::nullopt;
@@ -358,8 +362,9 @@ OpenAiHttpServer::OpenAiHttpServer(OpenAiHttpOptions options, Gateway* gateway,
                                    const TextCodec* codec)
     : options_(std::move(options)), gateway_(gateway), codec_(codec) {}
 
-absl::StatusOr<std::unique_ptr<OpenAiHttpServer>> OpenAiHttpServer::Start(
-    OpenAiHttpOptions options, Gateway* gateway, const TextCodec* codec) {
+absl::StatusOr<std::unique_ptr<OpenAiHttpServer>> OpenAiHttpServer::Start(OpenAiHttpOptions options,
+                                                                          Gateway* gateway,
+                                                                          const TextCodec* codec) {
   if (!options.resolve_tenant) {
     return absl::InvalidArgumentError("OpenAiHttpServer needs a tenant resolver");
   }
@@ -472,7 +477,7 @@ void OpenAiHttpServer::Routes() {
                                const kvrelay::v1::GenerateSummary& summary) {
         if (tracker.stopped()) return std::string("stop");
         return summary.generated_tokens() >= max_tokens ? std::string("length")
-                                                         : std::string("stop");
+                                                        : std::string("stop");
       };
 
       if (!p.stream) {
@@ -499,78 +504,78 @@ void OpenAiHttpServer::Routes() {
         out["model"] = options_.model_name;
         out["choices"] = Json::array(
             {choice_json(text, tracker.tokens(), false, finish_reason(tracker, summary), true)});
-        out["usage"] = Usage(static_cast<int32_t>(p.prompt.size()),
-                             static_cast<int32_t>(tracker.tokens().size()),
-                             summary.prefix_hit_tokens());
-        res.set_content(out.dump(-1, ' ', false, Json::error_handler_t::replace), "application/json");
+        out["usage"] =
+            Usage(static_cast<int32_t>(p.prompt.size()),
+                  static_cast<int32_t>(tracker.tokens().size()), summary.prefix_hit_tokens());
+        res.set_content(out.dump(-1, ' ', false, Json::error_handler_t::replace),
+                        "application/json");
         return;
       }
 
       res.set_header("Cache-Control", "no-cache");
-      res.set_chunked_content_provider(
-          "text/event-stream",
-          [this, request, p, id, created, chat, deadline, choice_json, finish_reason](
-              size_t, httplib::DataSink& sink) {
-            const std::string chunk_object = chat ? "chat.completion.chunk" : "text_completion";
-            bool client_gone = false;
-            bool first = true;
-            auto send = [&](const Json& event) {
-              if (client_gone) return false;
-              const std::string line = absl::StrCat("data: ", event.dump(-1, ' ', false, Json::error_handler_t::replace), "\n\n");
-              if (!sink.write(line.data(), line.size())) client_gone = true;
-              return !client_gone;
-            };
-            auto envelope = [&](Json choices) {
-              Json event;
-              event["id"] = id;
-              event["object"] = chunk_object;
-              event["created"] = created;
-              event["model"] = options_.model_name;
-              event["choices"] = std::move(choices);
-              return event;
-            };
-            TextTracker tracker(codec_, p.stops);
-            kvrelay::v1::GenerateSummary summary;
-            absl::Status s = gateway_->Generate(
-                *request, deadline,
-                [&](const kvrelay::v1::GenerateResponse& r) {
-                  if (r.has_summary()) {
-                    summary = r.summary();
-                    return true;
-                  }
-                  const std::string delta = tracker.Add(r.tokens());
-                  const std::vector<int32_t> ids(r.tokens().begin(), r.tokens().end());
-                  if (!send(envelope(Json::array(
-                          {choice_json(delta, ids, true, nullptr, first)})))) {
-                    return false;
-                  }
-                  first = false;
-                  return !tracker.stopped();
-                },
-                [&client_gone] { return client_gone; });
-            if (client_gone) return false;
-            if (!s.ok()) {
-              // Headers are gone already: the error travels as an event, as OpenAI does.
-              const HttpError e = FromStatus(s);
-              const std::string line = absl::StrCat("data: ", ErrorBody(e), "\n\n");
-              sink.write(line.data(), line.size());
-            } else {
-              const std::string rest = tracker.Finish();
-              send(envelope(Json::array({choice_json(rest, {}, true,
-                                                     finish_reason(tracker, summary), first)})));
-              if (p.include_usage) {
-                Json usage = envelope(Json::array());
-                usage["usage"] = Usage(static_cast<int32_t>(p.prompt.size()),
-                                       static_cast<int32_t>(tracker.tokens().size()),
-                                       summary.prefix_hit_tokens());
-                send(usage);
+      res.set_chunked_content_provider("text/event-stream", [this, request, p, id, created, chat,
+                                                             deadline, choice_json, finish_reason](
+                                                                size_t, httplib::DataSink& sink) {
+        const std::string chunk_object = chat ? "chat.completion.chunk" : "text_completion";
+        bool client_gone = false;
+        bool first = true;
+        auto send = [&](const Json& event) {
+          if (client_gone) return false;
+          const std::string line = absl::StrCat(
+              "data: ", event.dump(-1, ' ', false, Json::error_handler_t::replace), "\n\n");
+          if (!sink.write(line.data(), line.size())) client_gone = true;
+          return !client_gone;
+        };
+        auto envelope = [&](Json choices) {
+          Json event;
+          event["id"] = id;
+          event["object"] = chunk_object;
+          event["created"] = created;
+          event["model"] = options_.model_name;
+          event["choices"] = std::move(choices);
+          return event;
+        };
+        TextTracker tracker(codec_, p.stops);
+        kvrelay::v1::GenerateSummary summary;
+        absl::Status s = gateway_->Generate(
+            *request, deadline,
+            [&](const kvrelay::v1::GenerateResponse& r) {
+              if (r.has_summary()) {
+                summary = r.summary();
+                return true;
               }
-            }
-            const std::string done = "data: [DONE]\n\n";
-            sink.write(done.data(), done.size());
-            sink.done();
-            return true;
-          });
+              const std::string delta = tracker.Add(r.tokens());
+              const std::vector<int32_t> ids(r.tokens().begin(), r.tokens().end());
+              if (!send(envelope(Json::array({choice_json(delta, ids, true, nullptr, first)})))) {
+                return false;
+              }
+              first = false;
+              return !tracker.stopped();
+            },
+            [&client_gone] { return client_gone; });
+        if (client_gone) return false;
+        if (!s.ok()) {
+          // Headers are gone already: the error travels as an event, as OpenAI does.
+          const HttpError e = FromStatus(s);
+          const std::string line = absl::StrCat("data: ", ErrorBody(e), "\n\n");
+          sink.write(line.data(), line.size());
+        } else {
+          const std::string rest = tracker.Finish();
+          send(envelope(
+              Json::array({choice_json(rest, {}, true, finish_reason(tracker, summary), first)})));
+          if (p.include_usage) {
+            Json usage = envelope(Json::array());
+            usage["usage"] =
+                Usage(static_cast<int32_t>(p.prompt.size()),
+                      static_cast<int32_t>(tracker.tokens().size()), summary.prefix_hit_tokens());
+            send(usage);
+          }
+        }
+        const std::string done = "data: [DONE]\n\n";
+        sink.write(done.data(), done.size());
+        sink.done();
+        return true;
+      });
     };
   };
   http_->Post("/v1/completions", generate(false));

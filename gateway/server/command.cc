@@ -84,8 +84,7 @@ int RunGatewayCommand(const std::vector<std::string>& raw_args) {
   }
   for (const auto& list : {prefill_addresses, decode_addresses}) {
     for (const std::string& a : list) {
-      if (absl::Status s = kvrelay::server::CheckHostPort(a, "--prefill/--decode entry");
-          !s.ok()) {
+      if (absl::Status s = kvrelay::server::CheckHostPort(a, "--prefill/--decode entry"); !s.ok()) {
         return kvrelay::server::UsageError("gateway", std::string(s.message()));
       }
     }
@@ -95,7 +94,8 @@ int RunGatewayCommand(const std::vector<std::string>& raw_args) {
       return kvrelay::server::UsageError("gateway", std::string(s.message()));
     }
   }
-  if (options.model_dir.empty()) return kvrelay::server::UsageError("gateway", "--model is required");
+  if (options.model_dir.empty())
+    return kvrelay::server::UsageError("gateway", "--model is required");
   if (options.model_name.empty()) options.model_name = ModelNameFromDir(options.model_dir);
   if (secret_file.empty()) {
     options.tenant_secret = "kvrelay-development-secret";
@@ -132,7 +132,8 @@ int RunGatewayCommand(const std::vector<std::string>& raw_args) {
   if (!cachestore.empty()) {
     absl::StatusOr<std::shared_ptr<grpc::Channel>> channel =
         kvrelay::server::MakeChannel(cachestore, host.security);
-    if (!channel.ok()) return kvrelay::server::UsageError("gateway", channel.status().ToString(), 1);
+    if (!channel.ok())
+      return kvrelay::server::UsageError("gateway", channel.status().ToString(), 1);
     store = cachestore::CacheStoreClient::FromChannel(
         *std::move(channel),
         cachestore::CacheStoreClient::Options{.timeout = options.route_timeout});

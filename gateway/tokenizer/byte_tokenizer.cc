@@ -31,8 +31,8 @@ absl::StatusOr<std::string> DecodeBytes(absl::Span<const int32_t> tokens) {
   text.reserve(tokens.size());
   for (size_t i = 0; i < tokens.size(); ++i) {
     if (!IsByte(tokens[i])) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "token ", i, " is ", tokens[i], ", which is not a byte token (ids 0-255)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("token ", i, " is ", tokens[i], ", which is not a byte token (ids 0-255)"));
     }
     text.push_back(static_cast<char>(tokens[i]));
   }

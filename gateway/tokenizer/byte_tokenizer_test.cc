@@ -24,15 +24,14 @@ TEST(ByteTokenizer, RoundTripsUtf8) {
 }
 
 TEST(ByteTokenizer, RejectsNonByteIds) {
-  EXPECT_THAT(DecodeBytes({65, 300}), StatusIs(absl::StatusCode::kInvalidArgument,
-                                               HasSubstr("token 1 is 300")));
+  EXPECT_THAT(DecodeBytes({65, 300}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("token 1 is 300")));
   EXPECT_THAT(DecodeBytes({-1}), StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
 TEST(ByteTokenizer, DisplayEscapesWhatIsNotText) {
   // 0x01 control byte, a lone continuation byte, a truncated 2-byte sequence, an id >= 256.
-  EXPECT_EQ(DecodeForDisplay({'a', 0x01, 0x80, 'b', 0xC3, 'c', 511}),
-            "a\\x01\\x80b\\xc3c<511>");
+  EXPECT_EQ(DecodeForDisplay({'a', 0x01, 0x80, 'b', 0xC3, 'c', 511}), "a\\x01\\x80b\\xc3c<511>");
 }
 
 }  // namespace

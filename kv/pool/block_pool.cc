@@ -41,9 +41,8 @@ absl::StatusOr<std::unique_ptr<BlockPool>> BlockPool::Create(BlockPoolOptions op
   const size_t size_bytes = stride * static_cast<size_t>(options.num_slots);
   absl::StatusOr<void*> memory = resource->Allocate(size_bytes);
   if (!memory.ok()) return memory.status();
-  return std::unique_ptr<BlockPool>(new BlockPool(options, resource, nullptr,
-                                                  static_cast<uint8_t*>(*memory), size_bytes,
-                                                  stride));
+  return std::unique_ptr<BlockPool>(new BlockPool(
+      options, resource, nullptr, static_cast<uint8_t*>(*memory), size_bytes, stride));
 }
 
 BlockPool::BlockPool(BlockPoolOptions options, MemoryResource* resource,

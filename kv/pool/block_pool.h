@@ -14,12 +14,12 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include <mutex>
 #include "kv/pool/memory_resource.h"
 
 namespace kvrelay::kv {
@@ -27,8 +27,8 @@ namespace kvrelay::kv {
 using SlotId = int32_t;
 
 struct BlockPoolOptions {
-  size_t slot_bytes = 0;   // > 0; rounded up to slot_alignment
-  int64_t num_slots = 0;   // > 0, < 2^31
+  size_t slot_bytes = 0;        // > 0; rounded up to slot_alignment
+  int64_t num_slots = 0;        // > 0, < 2^31
   size_t slot_alignment = 256;  // power of two; 256 keeps GPU and DMA engines happy
 };
 
@@ -69,8 +69,7 @@ class BlockPool {
 
  private:
   BlockPool(BlockPoolOptions options, MemoryResource* resource,
-            std::unique_ptr<MemoryResource> owned, uint8_t* base, size_t size_bytes,
-            size_t stride);
+            std::unique_ptr<MemoryResource> owned, uint8_t* base, size_t size_bytes, size_t stride);
   absl::Status CheckSlot(SlotId slot) const;
 
   // Constant after construction.

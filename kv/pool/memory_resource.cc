@@ -82,9 +82,12 @@ class HostMemoryResource final : public MemoryResource {
 
 std::string_view MemoryKindName(MemoryKind kind) {
   switch (kind) {
-    case MemoryKind::kHost: return "host";
-    case MemoryKind::kPinnedHost: return "pinned_host";
-    case MemoryKind::kDevice: return "device";
+    case MemoryKind::kHost:
+      return "host";
+    case MemoryKind::kPinnedHost:
+      return "pinned_host";
+    case MemoryKind::kDevice:
+      return "device";
   }
   return "unknown";
 }

@@ -30,12 +30,12 @@ absl::Status FromCublas(cublasStatus_t s, const char* what) {
   return absl::InternalError(absl::StrCat(what, ": cuBLAS status ", static_cast<int>(s)));
 }
 
-#define KV_RETURN_IF_CUBLAS_ERROR(expr)                        \
-  do {                                                         \
-    cublasStatus_t kv_cublas_status_ = (expr);                 \
-    if (kv_cublas_status_ != CUBLAS_STATUS_SUCCESS) {          \
-      return FromCublas(kv_cublas_status_, #expr);             \
-    }                                                          \
+#define KV_RETURN_IF_CUBLAS_ERROR(expr)               \
+  do {                                                \
+    cublasStatus_t kv_cublas_status_ = (expr);        \
+    if (kv_cublas_status_ != CUBLAS_STATUS_SUCCESS) { \
+      return FromCublas(kv_cublas_status_, #expr);    \
+    }                                                 \
   } while (false)
 
 struct Matrix {
@@ -45,10 +45,10 @@ struct Matrix {
 
 struct Layer {
   Matrix input_norm, post_norm;
-  Matrix qkv;                                 // GQA: [(heads + 2 kv) * hd, hidden]
+  Matrix qkv;                                     // GQA: [(heads + 2 kv) * hd, hidden]
   Matrix q, q_a, q_a_norm, q_b, kv_a, kv_a_norm;  // MLA (q when q_lora_rank == 0)
-  Matrix kv_b;                                // MLA, always fp32 (batched per-head GEMMs)
-  Matrix o, gate_up, down;                    // gate_up: [2 * intermediate, hidden]
+  Matrix kv_b;                                    // MLA, always fp32 (batched per-head GEMMs)
+  Matrix o, gate_up, down;                        // gate_up: [2 * intermediate, hidden]
 };
 
 }  // namespace
@@ -65,7 +65,7 @@ struct CudaModel::Impl {
   std::vector<DeviceBuffer> buffers;  // every allocation; the structs below point into them
   Matrix embed, final_norm, lm_head;
   std::vector<Layer> layers;
-  std::vector<void*> cache;           // per group: num_blocks * BlockBytes(g)
+  std::vector<void*> cache;  // per group: num_blocks * BlockBytes(g)
   // Scratch sized for options.max_rows.
   float *h = nullptr, *xn = nullptr, *big = nullptr, *attn = nullptr, *proj = nullptr,
         *mid = nullptr, *score = nullptr, *qcat = nullptr, *olat = nullptr, *contig = nullptr;
@@ -76,7 +76,8 @@ struct CudaModel::Impl {
   float* logits = nullptr;
 
   absl::StatusOr<void*> Alloc(size_t bytes) {
-    KV_ASSIGN_OR_RETURN(DeviceBuffer b, DeviceBuffer::Allocate(device, std::max<size_t>(bytes, 256)));
+    KV_ASSIGN_OR_RETURN(DeviceBuffer b,
+                        DeviceBuffer::Allocate(device, std::max<size_t>(bytes, 256)));
     void* p = b.data();
     buffers.push_back(std::move(b));
     return p;
@@ -86,12 +87,12 @@ struct CudaModel::Impl {
   absl::Status Gemm(const Matrix& w, const float* x, int64_t rows, int64_t ldx, float* y,
                     int64_t ldy) {
     const float one = 1.0f, zero = 0.0f;
-    const int m = static_cast<int>(w.rows), n = static_cast<int>(rows), k = static_cast<int>(w.cols);
+    const int m = static_cast<int>(w.rows), n = static_cast<int>(rows),
+              k = static_cast<int>(w.cols);
     if (options.weight_dtype == WeightDType::kFp32) {
-      KV_RETURN_IF_CUBLAS_ERROR(cublasSgemm(cublas, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &one,
-                                            static_cast<const float*>(w.data), k, x,
-                                            static_cast<int>(ldx), &zero, y,
-                                            static_cast<int>(ldy)));
+      KV_RETURN_IF_CUBLAS_ERROR(cublasSgemm(
+          cublas, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &one, static_cast<const float*>(w.data), k, x,
+          static_cast<int>(ldx), &zero, y, static_cast<int>(ldy)));
       return absl::OkStatus();
     }
     const float* src = x;
@@ -100,10 +101,10 @@ struct CudaModel::Impl {
       src = contig;
     }
     KV_RETURN_IF_ERROR(ConvertToBf16(src, rows * w.cols, x_bf16, stream->get()));
-    KV_RETURN_IF_CUBLAS_ERROR(cublasGemmEx(cublas, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &one,
-                                           w.data, CUDA_R_16BF, k, x_bf16, CUDA_R_16BF, k, &zero,
-                                           y, CUDA_R_32F, static_cast<int>(ldy),
-                                           CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    KV_RETURN_IF_CUBLAS_ERROR(cublasGemmEx(cublas, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &one, w.data,
+                                           CUDA_R_16BF, k, x_bf16, CUDA_R_16BF, k, &zero, y,
+                                           CUDA_R_32F, static_cast<int>(ldy), CUBLAS_COMPUTE_32F,
+                                           CUBLAS_GEMM_DEFAULT));
     return absl::OkStatus();
   }
 };
@@ -150,8 +151,8 @@ absl::Status Upload(Matrix& m, const std::vector<float>& host, bool bf16, cudaSt
     KV_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream));
     return absl::OkStatus();
   }
-  KV_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(m.data, host.data(), host.size() * 4,
-                                          cudaMemcpyHostToDevice, stream));
+  KV_RETURN_IF_CUDA_ERROR(
+      cudaMemcpyAsync(m.data, host.data(), host.size() * 4, cudaMemcpyHostToDevice, stream));
   KV_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream));
   return absl::OkStatus();
 }
@@ -197,7 +198,7 @@ absl::StatusOr<std::unique_ptr<CudaModel::Impl>> Build(const kv::ModelConfig& c,
             [&](Matrix& m, const std::vector<float>* host, uint64_t name_seed, int kind,
                 bool bf16) -> absl::Status {
               if (host != nullptr) return Upload(m, *host, bf16, s);
-              const float stddev = kind == 0 ? 1.0f / std::sqrt(static_cast<float>(m.cols))
+              const float stddev = kind == 0   ? 1.0f / std::sqrt(static_cast<float>(m.cols))
                                    : kind == 1 ? 0.05f
                                                : 1.0f;
               return FillRandom(m.data, bf16, m.rows * m.cols, seed * 1000003u + name_seed,
@@ -206,11 +207,11 @@ absl::StatusOr<std::unique_ptr<CudaModel::Impl>> Build(const kv::ModelConfig& c,
   const ModelWeights* w = weights;
   const int64_t hidden = c.hidden_size, heads = c.num_attention_heads;
   uint64_t id = 1;
-  KV_RETURN_IF_ERROR(b.Make(impl->embed, c.vocab_size, hidden, w ? &w->embed_tokens : nullptr,
-                            id++, 2));
+  KV_RETURN_IF_ERROR(
+      b.Make(impl->embed, c.vocab_size, hidden, w ? &w->embed_tokens : nullptr, id++, 2));
   KV_RETURN_IF_ERROR(b.Make(impl->final_norm, 1, hidden, w ? &w->final_norm : nullptr, id++, 1));
-  KV_RETURN_IF_ERROR(b.Make(impl->lm_head, c.vocab_size, hidden,
-                            w ? &w->output_weights() : nullptr, id++, 0));
+  KV_RETURN_IF_ERROR(
+      b.Make(impl->lm_head, c.vocab_size, hidden, w ? &w->output_weights() : nullptr, id++, 0));
   impl->layers.resize(c.num_hidden_layers);
   for (int32_t i = 0; i < c.num_hidden_layers; ++i) {
     Layer& L = impl->layers[i];
@@ -234,8 +235,8 @@ absl::StatusOr<std::unique_ptr<CudaModel::Impl>> Build(const kv::ModelConfig& c,
                                 lw ? &lw->kv_a_proj : nullptr, id++, 0));
       KV_RETURN_IF_ERROR(
           b.Make(L.kv_a_norm, 1, c.kv_lora_rank, lw ? &lw->kv_a_norm : nullptr, id++, 1));
-      KV_RETURN_IF_ERROR(b.Make(L.kv_b, heads * (c.qk_nope_head_dim + c.v_head_dim),
-                                c.kv_lora_rank, lw ? &lw->kv_b_proj : nullptr, id++, 0,
+      KV_RETURN_IF_ERROR(b.Make(L.kv_b, heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank,
+                                lw ? &lw->kv_b_proj : nullptr, id++, 0,
                                 /*fp32_only=*/true));
       KV_RETURN_IF_ERROR(
           b.Make(L.o, hidden, heads * c.v_head_dim, lw ? &lw->o_proj : nullptr, id++, 0));
@@ -251,15 +252,15 @@ absl::StatusOr<std::unique_ptr<CudaModel::Impl>> Build(const kv::ModelConfig& c,
     if (lw) gate_up = Concat({&lw->gate_proj, &lw->up_proj});
     KV_RETURN_IF_ERROR(b.Make(L.gate_up, 2 * int64_t{c.intermediate_size}, hidden,
                               lw ? &gate_up : nullptr, id++, 0));
-    KV_RETURN_IF_ERROR(b.Make(L.down, hidden, c.intermediate_size,
-                              lw ? &lw->down_proj : nullptr, id++, 0));
+    KV_RETURN_IF_ERROR(
+        b.Make(L.down, hidden, c.intermediate_size, lw ? &lw->down_proj : nullptr, id++, 0));
   }
   // Cache pools, one per group, with the CPU pools' unit layout (no slot padding).
   for (int g = 0; g < static_cast<int>(c.layout.groups().size()); ++g) {
-    KV_ASSIGN_OR_RETURN(void* p, impl->Alloc(static_cast<size_t>(options.num_blocks *
-                                                                 c.layout.BlockBytes(g))));
-    KV_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(
-        p, 0, static_cast<size_t>(options.num_blocks * c.layout.BlockBytes(g)), s));
+    KV_ASSIGN_OR_RETURN(
+        void* p, impl->Alloc(static_cast<size_t>(options.num_blocks * c.layout.BlockBytes(g))));
+    KV_RETURN_IF_CUDA_ERROR(
+        cudaMemsetAsync(p, 0, static_cast<size_t>(options.num_blocks * c.layout.BlockBytes(g)), s));
     impl->cache.push_back(p);
   }
   // Scratch.
@@ -269,14 +270,14 @@ absl::StatusOr<std::unique_ptr<CudaModel::Impl>> Build(const kv::ModelConfig& c,
   int64_t attn_width = heads * c.head_dim;
   if (arch == Arch::kMla) {
     const int64_t qk = c.qk_nope_head_dim + c.qk_rope_head_dim;
-    wide = std::max({wide, heads * qk, int64_t{c.kv_lora_rank} + c.qk_rope_head_dim,
-                     int64_t{c.q_lora_rank}});
+    wide = std::max(
+        {wide, heads * qk, int64_t{c.kv_lora_rank} + c.qk_rope_head_dim, int64_t{c.q_lora_rank}});
     attn_width = heads * c.v_head_dim;
   } else {
     wide = std::max(wide, (heads + 2 * int64_t{c.num_key_value_heads}) * c.head_dim);
   }
-  const int64_t widest_input = std::max({hidden, inter, attn_width, int64_t{c.q_lora_rank},
-                                         int64_t{c.kv_lora_rank}});
+  const int64_t widest_input =
+      std::max({hidden, inter, attn_width, int64_t{c.q_lora_rank}, int64_t{c.kv_lora_rank}});
   auto floats = [&](int64_t n) -> absl::StatusOr<float*> {
     KV_ASSIGN_OR_RETURN(void* p, impl->Alloc(static_cast<size_t>(n) * 4));
     return static_cast<float*>(p);
@@ -300,8 +301,8 @@ absl::StatusOr<std::unique_ptr<CudaModel::Impl>> Build(const kv::ModelConfig& c,
   impl->tokens = static_cast<int32_t*>(tok);
   KV_ASSIGN_OR_RETURN(void* pos, impl->Alloc(static_cast<size_t>(R) * 8));
   impl->positions = static_cast<int64_t*>(pos);
-  impl->table_capacity = R * ((options.max_context + c.layout.block_tokens() - 1) /
-                              c.layout.block_tokens());
+  impl->table_capacity =
+      R * ((options.max_context + c.layout.block_tokens() - 1) / c.layout.block_tokens());
   KV_ASSIGN_OR_RETURN(void* tab, impl->Alloc(static_cast<size_t>(impl->table_capacity) * 4));
   impl->tables = static_cast<int32_t*>(tab);
   KV_ASSIGN_OR_RETURN(impl->logits, floats(R * c.vocab_size));
@@ -367,10 +368,10 @@ absl::StatusOr<std::vector<float>> CudaModel::Forward(const CudaBatch& batch) {
   }
   DeviceGuard guard(m.device);
   cudaStream_t s = m.stream->get();
-  KV_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(m.tokens, batch.tokens.data(), R * 4,
-                                          cudaMemcpyHostToDevice, s));
-  KV_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(m.positions, batch.positions.data(), R * 8,
-                                          cudaMemcpyHostToDevice, s));
+  KV_RETURN_IF_CUDA_ERROR(
+      cudaMemcpyAsync(m.tokens, batch.tokens.data(), R * 4, cudaMemcpyHostToDevice, s));
+  KV_RETURN_IF_CUDA_ERROR(
+      cudaMemcpyAsync(m.positions, batch.positions.data(), R * 8, cudaMemcpyHostToDevice, s));
   KV_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(m.tables, batch.block_tables.data(),
                                           batch.block_tables.size() * 4, cudaMemcpyHostToDevice,
                                           s));
@@ -378,7 +379,8 @@ absl::StatusOr<std::vector<float>> CudaModel::Forward(const CudaBatch& batch) {
   const int32_t heads = c.num_attention_heads;
   const float eps = static_cast<float>(c.rms_norm_eps);
   constexpr float kLoraNormEps = 1e-6f;  // transformers: q_a/kv_a layernorms use the default eps
-  KV_RETURN_IF_ERROR(Embed(m.embed.data, m.options.weight_dtype == WeightDType::kBf16, m.tokens, R, static_cast<int32_t>(hidden), 1.0f, m.h, s));
+  KV_RETURN_IF_ERROR(Embed(m.embed.data, m.options.weight_dtype == WeightDType::kBf16, m.tokens, R,
+                           static_cast<int32_t>(hidden), 1.0f, m.h, s));
   // Layer -> (group, index in group).
   std::vector<int> group_of(c.num_hidden_layers), index_of(c.num_hidden_layers);
   for (int g = 0; g < static_cast<int>(c.layout.groups().size()); ++g) {
@@ -401,8 +403,8 @@ absl::StatusOr<std::vector<float>> CudaModel::Forward(const CudaBatch& batch) {
     const Layer& L = m.layers[layer];
     const int g = group_of[layer];
     const kv::LayerGroup& grp = c.layout.groups()[g];
-    const PagedLayer paged = MakePagedLayer(c.layout, g, index_of[layer], m.cache[g],
-                                            c.layout.BlockBytes(g));
+    const PagedLayer paged =
+        MakePagedLayer(c.layout, g, index_of[layer], m.cache[g], c.layout.BlockBytes(g));
     KV_RETURN_IF_ERROR(RmsNorm(m.h, R, static_cast<int32_t>(hidden),
                                static_cast<const float*>(L.input_norm.data), eps, m.xn, hidden,
                                hidden, s));
@@ -422,10 +424,10 @@ absl::StatusOr<std::vector<float>> CudaModel::Forward(const CudaBatch& batch) {
       float* kva = m.mid;  // [R, entry]
       KV_RETURN_IF_ERROR(m.Gemm(L.kv_a, m.xn, R, hidden, kva, entry));
       KV_RETURN_IF_ERROR(RmsNorm(kva, R, static_cast<int32_t>(lora),
-                                 static_cast<const float*>(L.kv_a_norm.data), kLoraNormEps, kva, entry,
-                                 entry, s));
-      KV_RETURN_IF_ERROR(Rope(kva + lora, R, 1, static_cast<int32_t>(rope), entry, 0,
-                              m.positions, c.rope_theta, RopeStyle::kInterleaved, s));
+                                 static_cast<const float*>(L.kv_a_norm.data), kLoraNormEps, kva,
+                                 entry, entry, s));
+      KV_RETURN_IF_ERROR(Rope(kva + lora, R, 1, static_cast<int32_t>(rope), entry, 0, m.positions,
+                              c.rope_theta, RopeStyle::kInterleaved, s));
       KV_RETURN_IF_ERROR(Rope(q + nope, R, heads, static_cast<int32_t>(rope), heads * qk, qk,
                               m.positions, c.rope_theta, RopeStyle::kInterleaved, s));
       KV_RETURN_IF_ERROR(WriteCache(paged, kva, nullptr, entry, entry, entry, R, m.positions,
@@ -436,8 +438,8 @@ absl::StatusOr<std::vector<float>> CudaModel::Forward(const CudaBatch& batch) {
       KV_RETURN_IF_CUBLAS_ERROR(cublasSgemmStridedBatched(
           m.cublas, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(lora), static_cast<int>(R),
           static_cast<int>(nope), &one, kv_b, static_cast<int>(lora), (nope + vd) * lora, q,
-          static_cast<int>(heads * qk), qk, &zero, m.qcat, static_cast<int>(heads * entry),
-          entry, heads));
+          static_cast<int>(heads * qk), qk, &zero, m.qcat, static_cast<int>(heads * entry), entry,
+          heads));
       KV_RETURN_IF_ERROR(CopyRows(q + nope, qk, m.qcat + lora, entry, R * heads, rope, s));
       ap.q = m.qcat;
       ap.q_row_stride = heads * entry;
@@ -465,9 +467,8 @@ absl::StatusOr<std::vector<float>> CudaModel::Forward(const CudaBatch& batch) {
       KV_RETURN_IF_ERROR(Rope(qkv + heads * hd, R, static_cast<int32_t>(kvh),
                               static_cast<int32_t>(hd), width, hd, m.positions, c.rope_theta,
                               RopeStyle::kHalf, s));
-      KV_RETURN_IF_ERROR(WriteCache(paged, qkv + heads * hd, qkv + (heads + kvh) * hd, width,
-                                    width, kvh * hd, R, m.positions, m.tables, batch.max_blocks,
-                                    s));
+      KV_RETURN_IF_ERROR(WriteCache(paged, qkv + heads * hd, qkv + (heads + kvh) * hd, width, width,
+                                    kvh * hd, R, m.positions, m.tables, batch.max_blocks, s));
       ap.q = qkv;
       ap.q_row_stride = width;
       ap.group_size = static_cast<int32_t>(heads / kvh);
@@ -497,14 +498,13 @@ absl::StatusOr<std::vector<float>> CudaModel::Forward(const CudaBatch& batch) {
     return out;
   }
   for (int64_t i = 0; i < nl; ++i) {
-    KV_RETURN_IF_ERROR(RmsNorm(m.h + batch.logit_rows[i] * hidden, 1,
-                               static_cast<int32_t>(hidden),
-                               static_cast<const float*>(m.final_norm.data), eps,
-                               m.xn + i * hidden, hidden, hidden, s));
+    KV_RETURN_IF_ERROR(RmsNorm(m.h + batch.logit_rows[i] * hidden, 1, static_cast<int32_t>(hidden),
+                               static_cast<const float*>(m.final_norm.data), eps, m.xn + i * hidden,
+                               hidden, hidden, s));
   }
   KV_RETURN_IF_ERROR(m.Gemm(m.lm_head, m.xn, nl, hidden, m.logits, c.vocab_size));
-  KV_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(out.data(), m.logits, out.size() * 4,
-                                          cudaMemcpyDeviceToHost, s));
+  KV_RETURN_IF_CUDA_ERROR(
+      cudaMemcpyAsync(out.data(), m.logits, out.size() * 4, cudaMemcpyDeviceToHost, s));
   KV_RETURN_IF_ERROR(Synchronize());
   return out;
 }

@@ -23,9 +23,9 @@ enum class WeightDType { kFp32, kBf16 };
 
 struct CudaModelOptions {
   WeightDType weight_dtype = WeightDType::kBf16;
-  int64_t num_blocks = 64;      // cache blocks per layer group
-  int64_t max_rows = 256;       // tokens per Forward (prefill length or decode batch)
-  int64_t max_context = 4096;   // longest sequence
+  int64_t num_blocks = 64;     // cache blocks per layer group
+  int64_t max_rows = 256;      // tokens per Forward (prefill length or decode batch)
+  int64_t max_context = 4096;  // longest sequence
   int device = 0;
 };
 
@@ -62,7 +62,7 @@ class CudaModel {
   void* stream() const;
   const kv::ModelConfig& config() const { return config_; }
 
- struct Impl;  // opaque: device state, defined in cuda_model.cc
+  struct Impl;  // opaque: device state, defined in cuda_model.cc
 
  private:
   CudaModel(kv::ModelConfig config, std::unique_ptr<Impl> impl);

@@ -125,8 +125,8 @@ absl::Status WriteCache(const PagedLayer& layer, const float* k, const float* v,
                         const int32_t* block_tables, int32_t max_blocks, cudaStream_t stream) {
   absl::StatusOr<internal::PagedLayerDesc> d = Desc(layer);
   if (!d.ok()) return d.status();
-  return Check(internal::LaunchWriteCache(*d, k, v, ldk, ldv, width, rows, positions,
-                                          block_tables, max_blocks, stream),
+  return Check(internal::LaunchWriteCache(*d, k, v, ldk, ldv, width, rows, positions, block_tables,
+                                          max_blocks, stream),
                "WriteCacheKernel");
 }
 
@@ -152,9 +152,10 @@ absl::Status PagedAttention(const PagedLayer& layer, const AttentionParams& p,
     return absl::InvalidArgumentError(
         absl::StrCat("cuda PagedAttention: qk_dim ", p.qk_dim, " exceeds 12288"));
   }
-  internal::AttentionDesc a{p.q,    p.q_row_stride, p.heads,      p.group_size, p.qk_dim,
-                            p.v_dim, p.window,      p.scale,      p.rows,       p.positions,
-                            p.block_tables, p.max_blocks, p.max_context, p.scratch, p.out};
+  internal::AttentionDesc a{p.q,           p.q_row_stride, p.heads,        p.group_size,
+                            p.qk_dim,      p.v_dim,        p.window,       p.scale,
+                            p.rows,        p.positions,    p.block_tables, p.max_blocks,
+                            p.max_context, p.scratch,      p.out};
   return Check(internal::LaunchPagedAttention(*d, a, stream), "PagedAttentionKernel");
 }
 

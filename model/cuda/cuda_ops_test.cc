@@ -88,8 +88,8 @@ TEST_F(CudaOpsTest, RopeMatchesCpuBothStyles) {
     Dev<float> dx(x);
     Dev<int64_t> dpos(pos);
     ApplyRope(x.data(), rows, heads, dim, row_stride, dim, pos.data(), 10000.0, style);
-    KV_ASSERT_OK(Rope(dx.get(), rows, heads, dim, row_stride, dim, dpos.get(), 10000.0, style,
-                      nullptr));
+    KV_ASSERT_OK(
+        Rope(dx.get(), rows, heads, dim, row_stride, dim, dpos.get(), 10000.0, style, nullptr));
     const std::vector<float> got = dx.Host();
     for (size_t i = 0; i < x.size(); ++i) ASSERT_NEAR(got[i], x[i], 2e-6 * 2) << i;
   }
@@ -166,8 +166,8 @@ void CheckCacheRoundTrip(const char* preset, kv::DType dtype) {
   GatherLayer(layout, 0, 1, units, 1, 11, want_k.data(), mla ? nullptr : want_v.data());
   Dev<float> gk(static_cast<size_t>(rows * width)), gv(static_cast<size_t>(rows * width));
   Dev<int32_t> dtable(table);
-  KV_ASSERT_OK(GatherCache(paged, dtable.get(), 1, 11, width, gk.get(),
-                           mla ? nullptr : gv.get(), nullptr));
+  KV_ASSERT_OK(
+      GatherCache(paged, dtable.get(), 1, 11, width, gk.get(), mla ? nullptr : gv.get(), nullptr));
   EXPECT_EQ(gk.Host(), want_k);
   if (!mla) {
     EXPECT_EQ(gv.Host(), want_v);
@@ -217,16 +217,15 @@ void CheckAttention(const char* preset, int64_t window) {
   for (int64_t b = 0; b < n_blocks; ++b) {
     units[b] = pool_host.data() + table[b] * layout.BlockBytes(0);
   }
-  std::vector<float> kbuf(ctx * width), vbuf(ctx * width), want(rows * heads * v_dim),
-      scratch(ctx);
+  std::vector<float> kbuf(ctx * width), vbuf(ctx * width), want(rows * heads * v_dim), scratch(ctx);
   GatherLayer(layout, 0, 0, units, 0, ctx, kbuf.data(), mla ? nullptr : vbuf.data());
   const float* vbase = mla ? kbuf.data() : vbuf.data();
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t first = window > 0 ? std::max<int64_t>(0, pos[r] - window + 1) : 0;
     for (int32_t h = 0; h < heads; ++h) {
       const int64_t off = first * width + (mla ? 0 : (h / (heads / kv_heads)) * g.head_dim);
-      AttendOne(q.data() + (r * heads + h) * qk_dim, qk_dim, kbuf.data() + off, width,
-                vbase + off, width, v_dim, pos[r] - first + 1, scale, scratch.data(),
+      AttendOne(q.data() + (r * heads + h) * qk_dim, qk_dim, kbuf.data() + off, width, vbase + off,
+                width, v_dim, pos[r] - first + 1, scale, scratch.data(),
                 want.data() + (r * heads + h) * v_dim);
     }
   }
@@ -253,8 +252,8 @@ void CheckAttention(const char* preset, int64_t window) {
   p.max_context = ctx;
   p.scratch = dscratch.get();
   p.out = dout.get();
-  KV_ASSERT_OK(PagedAttention(MakePagedLayer(layout, 0, 0, pool.get(), layout.BlockBytes(0)), p,
-                              nullptr));
+  KV_ASSERT_OK(
+      PagedAttention(MakePagedLayer(layout, 0, 0, pool.get(), layout.BlockBytes(0)), p, nullptr));
   EXPECT_LE(MaxRelErr(dout.Host(), want), 2e-5) << preset << " window " << window;
 }
 

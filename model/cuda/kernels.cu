@@ -24,9 +24,9 @@ cudaError_t LaunchRmsNorm(const float* x, int64_t rows, int32_t dim, const float
   return cudaGetLastError();
 }
 
-cudaError_t LaunchRope(float* x, int64_t rows, int32_t num_heads, int32_t dim,
-                       int64_t row_stride, int64_t head_stride, const int64_t* positions,
-                       double theta, bool interleaved, cudaStream_t stream) {
+cudaError_t LaunchRope(float* x, int64_t rows, int32_t num_heads, int32_t dim, int64_t row_stride,
+                       int64_t head_stride, const int64_t* positions, double theta,
+                       bool interleaved, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
   const size_t shared = sizeof(float) * static_cast<size_t>(num_heads) * dim;
   RopeKernel<<<static_cast<unsigned>(rows), kThreads, shared, stream>>>(
@@ -34,9 +34,8 @@ cudaError_t LaunchRope(float* x, int64_t rows, int32_t num_heads, int32_t dim,
   return cudaGetLastError();
 }
 
-cudaError_t LaunchGatedActivation(float* a, const float* b, int64_t rows, int64_t n,
-                                  int64_t lda, int64_t ldb, bool gelu_tanh,
-                                  cudaStream_t stream) {
+cudaError_t LaunchGatedActivation(float* a, const float* b, int64_t rows, int64_t n, int64_t lda,
+                                  int64_t ldb, bool gelu_tanh, cudaStream_t stream) {
   if (rows == 0 || n == 0) return cudaSuccess;
   dim3 grid(std::min<unsigned>(GridFor(n), 1024), static_cast<unsigned>(rows));
   GatedActivationKernel<<<grid, kThreads, 0, stream>>>(a, b, n, lda, ldb, gelu_tanh);
@@ -58,15 +57,14 @@ cudaError_t LaunchConvertToBf16(const float* src, int64_t n, uint16_t* dst, cuda
 cudaError_t LaunchEmbed(const void* table, bool table_bf16, const int32_t* tokens, int64_t rows,
                         int32_t dim, float scale, float* out, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
-  EmbedKernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(table, table_bf16, tokens,
-                                                                    dim, scale, out);
+  EmbedKernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(table, table_bf16, tokens, dim,
+                                                                    scale, out);
   return cudaGetLastError();
 }
 
 cudaError_t LaunchWriteCache(PagedLayerDesc layer, const float* k, const float* v, int64_t ldk,
                              int64_t ldv, int64_t width, int64_t rows, const int64_t* positions,
-                             const int32_t* block_tables, int32_t max_blocks,
-                             cudaStream_t stream) {
+                             const int32_t* block_tables, int32_t max_blocks, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
   WriteCacheKernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
       layer, k, v, ldk, ldv, width, positions, block_tables, max_blocks);
@@ -82,8 +80,7 @@ cudaError_t LaunchGatherCache(PagedLayerDesc layer, const int32_t* block_table, 
   return cudaGetLastError();
 }
 
-cudaError_t LaunchPagedAttention(PagedLayerDesc layer, AttentionDesc params,
-                                 cudaStream_t stream) {
+cudaError_t LaunchPagedAttention(PagedLayerDesc layer, AttentionDesc params, cudaStream_t stream) {
   if (params.rows == 0) return cudaSuccess;
   const size_t shared = sizeof(float) * static_cast<size_t>(params.qk_dim);
   const unsigned blocks = static_cast<unsigned>(params.rows * params.heads);

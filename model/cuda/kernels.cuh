@@ -103,8 +103,8 @@ __global__ void RopeKernel(float* x, int32_t num_heads, int32_t dim, int64_t row
   }
 }
 
-__global__ void GatedActivationKernel(float* a, const float* b, int64_t n, int64_t lda,
-                                      int64_t ldb, bool gelu_tanh) {
+__global__ void GatedActivationKernel(float* a, const float* b, int64_t n, int64_t lda, int64_t ldb,
+                                      bool gelu_tanh) {
   const int64_t r = blockIdx.y;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -133,8 +133,8 @@ __global__ void ToBf16Kernel(const float* src, int64_t n, uint16_t* dst) {
   }
 }
 
-__global__ void EmbedKernel(const void* table, bool table_bf16, const int32_t* tokens,
-                            int32_t dim, float scale, float* out) {
+__global__ void EmbedKernel(const void* table, bool table_bf16, const int32_t* tokens, int32_t dim,
+                            float scale, float* out) {
   const int64_t row = blockIdx.x;
   const int64_t base = static_cast<int64_t>(tokens[row]) * dim;
   for (int i = threadIdx.x; i < dim; i += blockDim.x) {
@@ -232,8 +232,7 @@ __global__ void PagedAttentionKernel(PagedLayerDesc l, AttentionDesc p) {
   }
 }
 
-__global__ void CopyRowsKernel(const float* src, int64_t lds, float* dst, int64_t ldd,
-                               int64_t n) {
+__global__ void CopyRowsKernel(const float* src, int64_t lds, float* dst, int64_t ldd, int64_t n) {
   const int64_t r = blockIdx.x;
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) dst[r * ldd + i] = src[r * lds + i];
 }

@@ -43,24 +43,22 @@ struct AttentionDesc {
 
 cudaError_t LaunchRmsNorm(const float* x, int64_t rows, int32_t dim, const float* w, float eps,
                           float* out, int64_t ldx, int64_t ldout, cudaStream_t stream);
-cudaError_t LaunchRope(float* x, int64_t rows, int32_t num_heads, int32_t dim,
-                       int64_t row_stride, int64_t head_stride, const int64_t* positions,
-                       double theta, bool interleaved, cudaStream_t stream);
-cudaError_t LaunchGatedActivation(float* a, const float* b, int64_t rows, int64_t n,
-                                  int64_t lda, int64_t ldb, bool gelu_tanh, cudaStream_t stream);
+cudaError_t LaunchRope(float* x, int64_t rows, int32_t num_heads, int32_t dim, int64_t row_stride,
+                       int64_t head_stride, const int64_t* positions, double theta,
+                       bool interleaved, cudaStream_t stream);
+cudaError_t LaunchGatedActivation(float* a, const float* b, int64_t rows, int64_t n, int64_t lda,
+                                  int64_t ldb, bool gelu_tanh, cudaStream_t stream);
 cudaError_t LaunchAddInPlace(float* a, const float* b, int64_t n, cudaStream_t stream);
 cudaError_t LaunchConvertToBf16(const float* src, int64_t n, uint16_t* dst, cudaStream_t stream);
 cudaError_t LaunchEmbed(const void* table, bool table_bf16, const int32_t* tokens, int64_t rows,
                         int32_t dim, float scale, float* out, cudaStream_t stream);
 cudaError_t LaunchWriteCache(PagedLayerDesc layer, const float* k, const float* v, int64_t ldk,
                              int64_t ldv, int64_t width, int64_t rows, const int64_t* positions,
-                             const int32_t* block_tables, int32_t max_blocks,
-                             cudaStream_t stream);
+                             const int32_t* block_tables, int32_t max_blocks, cudaStream_t stream);
 cudaError_t LaunchGatherCache(PagedLayerDesc layer, const int32_t* block_table, int64_t begin,
                               int64_t end, int64_t width, float* k_out, float* v_out,
                               cudaStream_t stream);
-cudaError_t LaunchPagedAttention(PagedLayerDesc layer, AttentionDesc params,
-                                 cudaStream_t stream);
+cudaError_t LaunchPagedAttention(PagedLayerDesc layer, AttentionDesc params, cudaStream_t stream);
 cudaError_t LaunchCopyRows(const float* src, int64_t lds, float* dst, int64_t ldd, int64_t rows,
                            int64_t n, cudaStream_t stream);
 cudaError_t LaunchFillRandom(void* dst, bool bf16, int64_t n, uint64_t seed, float mean,

@@ -76,16 +76,15 @@ absl::StatusOr<std::unique_ptr<DevicePlatform>> MakeCudaPlatform() {
   // Any error means "no GPU": no driver, insufficient driver, no device.
   if (cudaError_t e = cudaGetDeviceCount(&count); e != cudaSuccess) {
     cudaGetLastError();  // clear the sticky error so later probes start clean
-    return absl::FailedPreconditionError(
-        absl::StrCat("no CUDA device: ", cudaGetErrorString(e)));
+    return absl::FailedPreconditionError(absl::StrCat("no CUDA device: ", cudaGetErrorString(e)));
   }
   if (count == 0) return absl::FailedPreconditionError("no CUDA device: device count is 0");
   std::vector<DeviceInfo> devices;
   for (int i = 0; i < count; ++i) {
     cudaDeviceProp prop{};
     if (cudaGetDeviceProperties(&prop, i) != cudaSuccess) continue;
-    devices.push_back({i, prop.name, static_cast<int64_t>(prop.totalGlobalMem),
-                       prop.major * 10 + prop.minor});
+    devices.push_back(
+        {i, prop.name, static_cast<int64_t>(prop.totalGlobalMem), prop.major * 10 + prop.minor});
   }
   if (devices.empty()) return absl::FailedPreconditionError("no CUDA device answered");
   return std::unique_ptr<DevicePlatform>(new CudaPlatform(std::move(devices)));

@@ -18,10 +18,11 @@ namespace kvrelay::platform::cuda {
 // everything else Internal. The message names the call and CUDA's own text.
 absl::Status FromCuda(cudaError_t error, const char* what);
 
-#define KV_RETURN_IF_CUDA_ERROR(expr)                                                 \
-  do {                                                                                \
-    cudaError_t kv_cuda_error_ = (expr);                                              \
-    if (kv_cuda_error_ != cudaSuccess) return ::kvrelay::platform::cuda::FromCuda(kv_cuda_error_, #expr); \
+#define KV_RETURN_IF_CUDA_ERROR(expr)                                    \
+  do {                                                                   \
+    cudaError_t kv_cuda_error_ = (expr);                                 \
+    if (kv_cuda_error_ != cudaSuccess)                                   \
+      return ::kvrelay::platform::cuda::FromCuda(kv_cuda_error_, #expr); \
   } while (false)
 
 // Sets the current device for the scope and restores the previous one.
@@ -56,7 +57,8 @@ class CudaStream {
 class CudaEvent {
  public:
   static absl::StatusOr<CudaEvent> Create(int device);
-  CudaEvent(CudaEvent&& o) noexcept : device_(o.device_), event_(std::exchange(o.event_, nullptr)) {}
+  CudaEvent(CudaEvent&& o) noexcept
+      : device_(o.device_), event_(std::exchange(o.event_, nullptr)) {}
   CudaEvent& operator=(CudaEvent&& o) noexcept;
   ~CudaEvent();
   cudaEvent_t get() const { return event_; }

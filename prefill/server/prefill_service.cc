@@ -16,8 +16,7 @@ grpc::Status PrefillService::Prefill(grpc::ServerContext* context,
   return grpc::Status::OK;
 }
 
-grpc::Status PrefillService::Status(grpc::ServerContext*,
-                                    const kvrelay::v1::PrefillStatusRequest*,
+grpc::Status PrefillService::Status(grpc::ServerContext*, const kvrelay::v1::PrefillStatusRequest*,
                                     kvrelay::v1::PrefillStatusResponse* response) {
   *response = worker_->Describe();
   return grpc::Status::OK;

@@ -58,11 +58,16 @@ std::string HttpGet(int port, const std::string& path) {
 class CacheStoreProcessTest : public ::testing::Test {
  protected:
   void Start(const std::vector<std::string>& extra = {}) {
-    std::vector<std::string> argv = {testing::BinaryPath("kvrelay"), "cachestore",
-                                     "--port",     "0",
-                                     "--metrics-port", "0",
-                                     "--data-dir", dir_.File("data"),
-                                     "--tick",     "20ms"};
+    std::vector<std::string> argv = {testing::BinaryPath("kvrelay"),
+                                     "cachestore",
+                                     "--port",
+                                     "0",
+                                     "--metrics-port",
+                                     "0",
+                                     "--data-dir",
+                                     dir_.File("data"),
+                                     "--tick",
+                                     "20ms"};
     argv.insert(argv.end(), extra.begin(), extra.end());
     KV_ASSERT_OK_AND_ASSIGN(proc_, ChildProcess::Start(argv));
     KV_ASSERT_OK_AND_ASSIGN(std::string line,
@@ -111,7 +116,8 @@ class CacheStoreProcessTest : public ::testing::Test {
     EXPECT_THAT(c, IsOk());
     return c.ok() ? *std::move(c) : nullptr;
   }
-  static CacheStoreClient::Registration Reg(int64_t slots, v1::NodeRole role = v1::NODE_ROLE_PREFILL,
+  static CacheStoreClient::Registration Reg(int64_t slots,
+                                            v1::NodeRole role = v1::NODE_ROLE_PREFILL,
                                             absl::Duration ttl = absl::Seconds(60)) {
     CacheStoreClient::Registration reg;
     reg.role = role;
@@ -333,10 +339,10 @@ TEST_F(CacheStoreProcessTest, BadInputIsRejectedByFieldAndTheServerKeepsServing)
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("size_bytes")));
   EXPECT_THAT(client_->AllocateChain(Chain("t", 1), 1 << 21),  // bigger than any slot
               StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("blocks[0]")));
-  EXPECT_THAT(client_->Commit(0), StatusIs(absl::StatusCode::kInvalidArgument,
-                                           HasSubstr("allocation_id")));
-  EXPECT_THAT(client_->ReleaseLease(77), StatusIs(absl::StatusCode::kNotFound,
-                                                  HasSubstr("lease_id")));
+  EXPECT_THAT(client_->Commit(0),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("allocation_id")));
+  EXPECT_THAT(client_->ReleaseLease(77),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("lease_id")));
   v1::RegisterNodeRequest huge;  // over the 4 MiB message limit
   huge.set_node_id("huge");
   huge.add_segments()->set_memory_key(std::string(5 << 20, 'x'));
@@ -386,8 +392,8 @@ TEST_F(CacheStoreProcessTest, SecondProcessWithTheSameNodeIdIsRefused) {
                        ::testing::AllOf(HasSubstr("prefill-0"), HasSubstr("127.0.0.1:13337"))));
   EXPECT_THAT(first->Register(Reg(16)), IsOk());  // idempotent for the same incarnation
   // The second process cannot act for the node either.
-  EXPECT_THAT(second->Heartbeat(), StatusIs(absl::StatusCode::kFailedPrecondition,
-                                            HasSubstr("prefill-0")));
+  EXPECT_THAT(second->Heartbeat(),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("prefill-0")));
   EXPECT_THAT(second->AllocateChain(Chain("t", 2), 1 << 20),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("prefill-0")));
   // Unguessable, caller-bound ids: another node cannot commit, abort or release.
@@ -455,9 +461,9 @@ TEST_F(CacheStoreProcessTest, SilentNodeIsSuspectThenServesAgainWithItsBlocks) {
               IsOk());
   ASSERT_GE(kinds.size(), 3u);
   kinds.resize(3);  // on a loaded machine it may have turned suspect again since
-  EXPECT_EQ(kinds, (std::vector<v1::Event::Kind>{v1::Event::KIND_NODE_JOINED,
-                                                 v1::Event::KIND_NODE_SUSPECT,
-                                                 v1::Event::KIND_NODE_LIVE}));
+  EXPECT_EQ(kinds,
+            (std::vector<v1::Event::Kind>{v1::Event::KIND_NODE_JOINED, v1::Event::KIND_NODE_SUSPECT,
+                                          v1::Event::KIND_NODE_LIVE}));
 }
 
 TEST_F(CacheStoreProcessTest, NodeReannouncesItsBlocksAfterAStoreRestartWithoutItsLog) {
@@ -547,8 +553,8 @@ TEST_F(CacheStoreProcessTest, NumericInputsAreBoundedAndNamed) {
                                             HasSubstr("segments[0].capacity_slots")));
   reg = Reg(16);
   reg.segments[0].set_slot_bytes(uint64_t{1} << 40);
-  EXPECT_THAT(node->Register(reg), StatusIs(absl::StatusCode::kInvalidArgument,
-                                            HasSubstr("segments[0].slot_bytes")));
+  EXPECT_THAT(node->Register(reg),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("segments[0].slot_bytes")));
   reg = Reg(16);
   reg.ttl = absl::Milliseconds(5);
   EXPECT_THAT(node->Register(reg),
@@ -583,13 +589,13 @@ TEST_F(CacheStoreProcessTest, NumericInputsAreBoundedAndNamed) {
 }
 
 TEST(CacheStoreCommandTest, BadFlagsAreUsageErrors) {
-  KV_ASSERT_OK_AND_ASSIGN(auto r, testing::RunCommand({testing::BinaryPath("kvrelay"),
-                                                       "cachestore", "--policy", "fifo"}));
+  KV_ASSERT_OK_AND_ASSIGN(auto r, testing::RunCommand({testing::BinaryPath("kvrelay"), "cachestore",
+                                                       "--policy", "fifo"}));
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_THAT(r.stderr_text, HasSubstr("policy"));
-  KV_ASSERT_OK_AND_ASSIGN(r, testing::RunCommand({testing::BinaryPath("kvrelay"), "trace-replay",
-                                                  "--trace", "/nonexistent", "--capacity-blocks",
-                                                  "0"}));
+  KV_ASSERT_OK_AND_ASSIGN(
+      r, testing::RunCommand({testing::BinaryPath("kvrelay"), "trace-replay", "--trace",
+                              "/nonexistent", "--capacity-blocks", "0"}));
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_THAT(r.stderr_text, HasSubstr("capacity-blocks"));
 }
@@ -603,10 +609,9 @@ TEST(TraceReplayCommandTest, PrintsJsonForASmallTrace) {
     std::fputs("{\"hash_ids\": [1, 2, 3]}\n{\"hash_ids\": [1, 2, 4]}\n", f);
     std::fclose(f);
   }
-  KV_ASSERT_OK_AND_ASSIGN(auto r, testing::RunCommand({testing::BinaryPath("kvrelay"),
-                                                       "trace-replay", "--trace", path,
-                                                       "--capacity-blocks", "10", "--policy",
-                                                       "lru", "--json"}));
+  KV_ASSERT_OK_AND_ASSIGN(
+      auto r, testing::RunCommand({testing::BinaryPath("kvrelay"), "trace-replay", "--trace", path,
+                                   "--capacity-blocks", "10", "--policy", "lru", "--json"}));
   EXPECT_EQ(r.exit_code, 0) << r.stderr_text;
   EXPECT_THAT(r.stdout_text, HasSubstr("\"hit_rate\": 0.333333"));  // 2 of 6 blocks
   EXPECT_THAT(r.stdout_text, HasSubstr("\"policy\": \"lru\""));

@@ -45,8 +45,8 @@ inline std::vector<absl::StatusOr<cli::GenerationResult>> GenerateConcurrently(
     const std::string& gateway, const std::vector<cli::GatewayRequest>& requests,
     absl::Duration timeout) {
   cli::GatewayClient client(gateway);
-  std::vector<absl::StatusOr<cli::GenerationResult>> results(
-      requests.size(), absl::UnknownError("not run"));
+  std::vector<absl::StatusOr<cli::GenerationResult>> results(requests.size(),
+                                                             absl::UnknownError("not run"));
   std::vector<std::thread> threads;
   for (size_t i = 0; i < requests.size(); ++i) {
     threads.emplace_back([&, i] { results[i] = client.Generate(requests[i], timeout); });
@@ -56,8 +56,8 @@ inline std::vector<absl::StatusOr<cli::GenerationResult>> GenerateConcurrently(
 }
 
 inline absl::StatusOr<v1::StatsResponse> CacheStoreStats(const std::string& address) {
-  auto stub = v1::CacheStore::NewStub(
-      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  auto stub =
+      v1::CacheStore::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
   v1::StatsResponse response;

@@ -12,8 +12,8 @@
 #include "common/file_util.h"
 #include "gateway/gateway.h"
 #include "gmock/gmock.h"
-#include "kv/block_hash.h"
 #include "gtest/gtest.h"
+#include "kv/block_hash.h"
 #include "tests/e2e/e2e_util.h"
 #include "tests/e2e/local_cluster.h"
 #include "tests/testing/status_matchers.h"
@@ -161,8 +161,10 @@ TEST(DecodeWorkerKilled, RequestsFailOverOthersUnaffectedStoreDropsBlocks) {
                             reference->Generate(requests[i].generation));
     EXPECT_EQ(r.tokens, expected.tokens);
   }
-  std::printf("after kill -9 of decode-1: %d requests failed over, %d ended UNAVAILABLE, %d "
-              "unaffected\n", failed_over, unavailable, unaffected);
+  std::printf(
+      "after kill -9 of decode-1: %d requests failed over, %d ended UNAVAILABLE, %d "
+      "unaffected\n",
+      failed_over, unavailable, unaffected);
   EXPECT_GT(failed_over + unavailable, 0) << "the kill hit no request";
   EXPECT_GT(unaffected, 0) << "no request stayed on decode-0";
 

@@ -92,8 +92,7 @@ std::string LocalCluster::Log() const {
   return absl::StrCat("--- stdout\n", up_->Stdout(), "--- stderr\n", up_->Stderr());
 }
 
-absl::StatusOr<double> ScrapeMetric(const std::string& metrics_address,
-                                    const std::string& metric) {
+absl::StatusOr<double> ScrapeMetric(const std::string& metrics_address, const std::string& metric) {
   const size_t colon = metrics_address.rfind(':');
   int port;
   if (colon == std::string::npos || !absl::SimpleAtoi(metrics_address.substr(colon + 1), &port)) {
@@ -110,8 +109,8 @@ absl::StatusOr<double> ScrapeMetric(const std::string& metrics_address,
     return absl::InvalidArgumentError(absl::StrCat("bad metrics host in ", metrics_address));
   }
   if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    return absl::UnavailableError(absl::StrCat("connect ", metrics_address, ": ",
-                                               std::strerror(errno)));
+    return absl::UnavailableError(
+        absl::StrCat("connect ", metrics_address, ": ", std::strerror(errno)));
   }
   const std::string request = "GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n";
   if (::write(fd.get(), request.data(), request.size()) != static_cast<ssize_t>(request.size())) {

@@ -1,18 +1,17 @@
 // End to end on real processes (`kvrelay up`: cache store, 1 prefill worker, 2 decode workers
 // and a gateway, UCX on loopback): disaggregated tokens equal co-located tokens for a GQA
 // (llama), an MLA (deepseek_v3), a sliding-window (gemma3) and an MHA (gpt2) model under 16
-// concurrent requests; a shared prefix is reused, not recomputed; the KV bytes moved are exactly the
-// layout's; bad input is INVALID_ARGUMENT and the servers keep serving; the CLI client agrees
+// concurrent requests; a shared prefix is reused, not recomputed; the KV bytes moved are exactly
+// the layout's; bad input is INVALID_ARGUMENT and the servers keep serving; the CLI client agrees
 // with the co-located reference; seeded sampling draws the same tokens as co-located.
 
 #include <map>
+#include <nlohmann/json.hpp>
 #include <set>
 
-#include <nlohmann/json.hpp>
-
+#include "common/status_macros.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "common/status_macros.h"
 #include "kv/hf_config.h"
 #include "tests/e2e/e2e_util.h"
 #include "tests/e2e/local_cluster.h"
@@ -25,8 +24,8 @@ namespace {
 
 using ::kvrelay::testing::StatusIs;
 using ::testing::HasSubstr;
-using ::testing::Not;
 using ::testing::IsEmpty;
+using ::testing::Not;
 
 constexpr absl::Duration kRequestTimeout = absl::Seconds(60);
 
@@ -42,7 +41,10 @@ class Clusters : public ::testing::Environment {
   };
 
   static Clusters* Get() { return instance_; }
-  static void Install() { instance_ = new Clusters(); ::testing::AddGlobalTestEnvironment(instance_); }
+  static void Install() {
+    instance_ = new Clusters();
+    ::testing::AddGlobalTestEnvironment(instance_);
+  }
 
   absl::StatusOr<Entry*> For(const std::string& arch) {
     auto it = entries_.find(arch);
@@ -111,9 +113,8 @@ TEST_P(Disaggregated, TokensEqualColocatedUnder16ConcurrentRequests) {
     KV_ASSERT_OK_AND_ASSIGN(cli::GenerationResult expected,
                             e->reference->Generate(requests[i].generation));
     const cli::GenerationResult& got = *results[i];
-    EXPECT_EQ(got.tokens, expected.tokens) << "request " << i << " ("
-                                           << requests[i].generation.tokens.size()
-                                           << " prompt tokens)";
+    EXPECT_EQ(got.tokens, expected.tokens)
+        << "request " << i << " (" << requests[i].generation.tokens.size() << " prompt tokens)";
     EXPECT_EQ(got.prompt_tokens, static_cast<int32_t>(requests[i].generation.tokens.size()));
     EXPECT_EQ(got.generated_tokens, 8);
     EXPECT_EQ(got.attempts, 1);
@@ -168,14 +169,14 @@ TEST(SharedPrefix, SecondRequestComputesOnlyNewTokens) {
   EXPECT_EQ(cold.prefix_hit_tokens, 0);
   EXPECT_EQ(cold.computed_prompt_tokens, 200);
 
-  KV_ASSERT_OK_AND_ASSIGN(double computed_before,
-                          ScrapeMetric(prefill.metrics_address,
-                                       "kvrelay_prefill_computed_tokens_total"));
+  KV_ASSERT_OK_AND_ASSIGN(
+      double computed_before,
+      ScrapeMetric(prefill.metrics_address, "kvrelay_prefill_computed_tokens_total"));
   KV_ASSERT_OK_AND_ASSIGN(cli::GenerationResult warm,
                           client.Generate(Request(second, 6, "shared"), kRequestTimeout));
-  KV_ASSERT_OK_AND_ASSIGN(double computed_after,
-                          ScrapeMetric(prefill.metrics_address,
-                                       "kvrelay_prefill_computed_tokens_total"));
+  KV_ASSERT_OK_AND_ASSIGN(
+      double computed_after,
+      ScrapeMetric(prefill.metrics_address, "kvrelay_prefill_computed_tokens_total"));
   EXPECT_EQ(warm.prefix_hit_tokens, 176);
   EXPECT_EQ(warm.computed_prompt_tokens, 200 - 176);
   EXPECT_EQ(computed_after - computed_before, 16.0) << "prefill computed more than block 12";
@@ -213,8 +214,7 @@ TEST(BytesOnTheWire, EqualTheLayoutBytesOfThePushedTokens) {
     if (arch == "gpt2") {
       // MHA: 2 (K, V) x layers x heads x head_dim x dtype per token.
       EXPECT_EQ(layout.BytesPerToken(), 2 * e->config.num_hidden_layers *
-                                            e->config.num_attention_heads * e->config.head_dim *
-                                            2);
+                                            e->config.num_attention_heads * e->config.head_dim * 2);
     }
     ASSERT_EQ(layout.block_tokens(), 16);
     int64_t block_bytes = 0;
@@ -317,8 +317,7 @@ TEST(BadInput, IsInvalidArgumentAndServersKeepServing) {
   // Still serving, and correctly.
   cli::GatewayRequest good = Request(RandomPrompt(20, 9), 4, "bad-input");
   KV_ASSERT_OK_AND_ASSIGN(cli::GenerationResult r, client.Generate(good, kRequestTimeout));
-  KV_ASSERT_OK_AND_ASSIGN(cli::GenerationResult expected,
-                          e->reference->Generate(good.generation));
+  KV_ASSERT_OK_AND_ASSIGN(cli::GenerationResult expected, e->reference->Generate(good.generation));
   EXPECT_EQ(r.tokens, expected.tokens);
   for (const ServiceInfo& s : e->cluster->services()) {
     EXPECT_EQ(::kill(s.pid, 0), 0) << s.name << " is gone";
@@ -337,8 +336,8 @@ TEST(GenerateCommand, GatewayJsonMatchesColocated) {
   ASSERT_EQ(via_gateway.exit_code, 0) << via_gateway.stderr_text;
   KV_ASSERT_OK_AND_ASSIGN(
       testing::CommandResult colocated,
-      testing::RunCommand({kvrelay, "generate", "--colocated", "--model", e->model_dir,
-                           "--prompt", prompt, "--max-tokens", "10", "--json"}));
+      testing::RunCommand({kvrelay, "generate", "--colocated", "--model", e->model_dir, "--prompt",
+                           prompt, "--max-tokens", "10", "--json"}));
   ASSERT_EQ(colocated.exit_code, 0) << colocated.stderr_text;
   nlohmann::json g = nlohmann::json::parse(via_gateway.stdout_text);
   nlohmann::json c = nlohmann::json::parse(colocated.stdout_text);
@@ -347,10 +346,9 @@ TEST(GenerateCommand, GatewayJsonMatchesColocated) {
   EXPECT_EQ(g["mode"], "gateway");
   EXPECT_EQ(g["prompt_tokens"], static_cast<int>(prompt.size()));
   EXPECT_EQ(g["transferred_bytes"].get<int64_t>(),
-            static_cast<int64_t>((prompt.size() - 1) / 16 * 16) *
-                e->config.layout.BytesPerToken());
-  for (const char* key : {"ttft_ms", "prefix_hit_tokens", "computed_prompt_tokens",
-                          "decode_worker", "prefill_worker", "attempts", "total_ms"}) {
+            static_cast<int64_t>((prompt.size() - 1) / 16 * 16) * e->config.layout.BytesPerToken());
+  for (const char* key : {"ttft_ms", "prefix_hit_tokens", "computed_prompt_tokens", "decode_worker",
+                          "prefill_worker", "attempts", "total_ms"}) {
     EXPECT_TRUE(g.contains(key)) << key;
   }
 

@@ -47,9 +47,8 @@ class InProcessCluster : public ::testing::Test {
     store_options.clock = &store_clock_;
     store_options.default_node_ttl = absl::Seconds(2);
     KV_ASSERT_OK_AND_ASSIGN(store_, cachestore::CacheStore::Create(store_options));
-    store_service_ =
-        std::make_unique<cachestore::server::CacheStoreService>(store_.get(),
-                                                                cachestore::server::Limits{});
+    store_service_ = std::make_unique<cachestore::server::CacheStoreService>(
+        store_.get(), cachestore::server::Limits{});
     server::ServiceHostOptions host;
     host.name = "cachestore";
     KV_ASSERT_OK_AND_ASSIGN(store_host_,
@@ -67,9 +66,9 @@ class InProcessCluster : public ::testing::Test {
       auto faulty = std::make_unique<transfer::FaultyTransport>(std::move(transport));
       prefill_faults_.push_back(faulty.get());
       KV_ASSERT_OK_AND_ASSIGN(
-          auto worker, prefill::PrefillWorker::Create(
-                           options, &metrics_,
-                           {.transport = std::move(faulty), .clock = &worker_clock_}));
+          auto worker,
+          prefill::PrefillWorker::Create(
+              options, &metrics_, {.transport = std::move(faulty), .clock = &worker_clock_}));
       KV_ASSERT_OK(worker->ConnectStore("in-process"));
       prefills_.push_back(std::move(worker));
     }
@@ -84,9 +83,9 @@ class InProcessCluster : public ::testing::Test {
       options.reservation_ttl = absl::Seconds(10);
       KV_ASSERT_OK_AND_ASSIGN(auto transport, transfer::MakeInProcessTransport());
       KV_ASSERT_OK_AND_ASSIGN(
-          auto worker, decode::DecodeWorker::Create(
-                           options, &metrics_,
-                           {.transport = std::move(transport), .clock = &worker_clock_}));
+          auto worker,
+          decode::DecodeWorker::Create(
+              options, &metrics_, {.transport = std::move(transport), .clock = &worker_clock_}));
       decodes_.push_back(std::move(worker));
     }
     gateway::Gateway::Workers workers;
@@ -107,9 +106,9 @@ class InProcessCluster : public ::testing::Test {
     options.breaker.open_for = absl::Seconds(1);
     KV_ASSERT_OK_AND_ASSIGN(auto store_client,
                             cachestore::CacheStoreClient::Connect(store_host_->address()));
-    KV_ASSERT_OK_AND_ASSIGN(gateway_, gateway::Gateway::Create(options, std::move(workers),
-                                                               std::move(store_client), &metrics_,
-                                                               &worker_clock_));
+    KV_ASSERT_OK_AND_ASSIGN(
+        gateway_, gateway::Gateway::Create(options, std::move(workers), std::move(store_client),
+                                           &metrics_, &worker_clock_));
   }
 
   void TearDown() override {
@@ -270,8 +269,8 @@ TEST_F(InProcessCluster, UnclaimedReservationsExpireOnTheClock) {
   r.set_request_id("next");
   KV_ASSERT_OK(decodes_[0]->Reserve(r).status());
   kvrelay::v1::DecodeStatusResponse status = decodes_[0]->Describe();
-  EXPECT_EQ(status.reserved_requests(), 1);        // the lapsed one was swept
-  EXPECT_EQ(status.free_slots(), free_before);     // and its blocks returned
+  EXPECT_EQ(status.reserved_requests(), 1);     // the lapsed one was swept
+  EXPECT_EQ(status.free_slots(), free_before);  // and its blocks returned
 }
 
 TEST_F(InProcessCluster, LayoutMismatchIsRefusedNotServed) {

@@ -56,9 +56,8 @@ TEST(MakeTestModelCli, WritesLoadableModelForEveryArch) {
 TEST(MakeTestModelCli, OverridesAndShards) {
   testing::TempDir dir;
   testing::CommandResult r =
-      Kvrelay({"make-test-model", "--arch", "llama", "--layers", "2", "--hidden", "128",
-               "--heads", "4", "--shards", "2", "--dtype", "fp16", "--seed", "1", "--out",
-               dir.path()});
+      Kvrelay({"make-test-model", "--arch", "llama", "--layers", "2", "--hidden", "128", "--heads",
+               "4", "--shards", "2", "--dtype", "fp16", "--seed", "1", "--out", dir.path()});
   ASSERT_EQ(r.exit_code, 0) << r.stderr_text;
   KV_ASSERT_OK_AND_ASSIGN(auto runner, model::ModelRunner::Load(dir.path()));
   EXPECT_EQ(runner->config().num_hidden_layers, 2);

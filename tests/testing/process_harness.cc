@@ -83,14 +83,13 @@ absl::StatusOr<std::string> ChildProcess::WaitForOutput(const std::string& needl
       }
     }
     if (!Running()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("process exited with ", *exit_code_, " before printing '", needle,
-                       "'; stderr:\n", Stderr()));
+      return absl::FailedPreconditionError(absl::StrCat("process exited with ", *exit_code_,
+                                                        " before printing '", needle,
+                                                        "'; stderr:\n", Stderr()));
     }
     if (absl::Now() > deadline) {
-      return absl::DeadlineExceededError(
-          absl::StrCat("no '", needle, "' within ", absl::FormatDuration(timeout),
-                       "; stderr:\n", Stderr()));
+      return absl::DeadlineExceededError(absl::StrCat(
+          "no '", needle, "' within ", absl::FormatDuration(timeout), "; stderr:\n", Stderr()));
     }
     absl::SleepFor(absl::Milliseconds(20));
   }

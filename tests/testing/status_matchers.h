@@ -49,7 +49,7 @@ MATCHER_P2(StatusIs, code, message_matcher,
 #define KV_EXPECT_OK(expr) EXPECT_THAT(expr, ::kvrelay::testing::IsOk())
 #define KV_ASSERT_OK_AND_ASSIGN(lhs, expr) \
   KV_ASSERT_OK_AND_ASSIGN_IMPL_(KV_STATUS_CONCAT_(kv_test_statusor_, __LINE__), lhs, expr)
-#define KV_ASSERT_OK_AND_ASSIGN_IMPL_(statusor, lhs, expr)  \
+#define KV_ASSERT_OK_AND_ASSIGN_IMPL_(statusor, lhs, expr) \
   auto statusor = (expr);                                  \
   ASSERT_TRUE(statusor.ok()) << statusor.status();         \
   lhs = std::move(statusor).value()

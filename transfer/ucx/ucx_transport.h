@@ -5,12 +5,12 @@
 // Per transport: one ucp context + worker owned by one ProgressThread, a ControlChannel (TCP
 // listener + one control connection per peer: hello, regions, DONE/ACK, heartbeats, liveness)
 // and per peer one UCX data endpoint created from the peer's worker address (so tcp and shared
-// memory both work; a sockaddr listener would work over tcp only on UCX 1.13). Puts/gets are split into chunks, issued with
-// many in flight under a byte and op cap, and a put batch ends with one ucp_ep_flush_nbx, after
-// which a DONE frame carrying the per-block checksums goes over the control connection; the
-// receiver verifies, tells its handler, and ACKs each block. Dead peers are noticed by TCP EOF
-// (process death), the UCX endpoint error callback (error mode PEER), or missing heartbeats
-// (for shared memory, whose endpoints run with error mode NONE on this UCX version).
+// memory both work; a sockaddr listener would work over tcp only on UCX 1.13). Puts/gets are split
+// into chunks, issued with many in flight under a byte and op cap, and a put batch ends with one
+// ucp_ep_flush_nbx, after which a DONE frame carrying the per-block checksums goes over the control
+// connection; the receiver verifies, tells its handler, and ACKs each block. Dead peers are noticed
+// by TCP EOF (process death), the UCX endpoint error callback (error mode PEER), or missing
+// heartbeats (for shared memory, whose endpoints run with error mode NONE on this UCX version).
 //
 // Honours UCX_TLS and UCX_NET_DEVICES (read once, at Create). Thread-safe (see Transport).
 
