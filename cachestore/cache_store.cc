@@ -283,7 +283,6 @@ void CacheStore::RemoveNodeLocked(uint16_t node, bool log, std::string_view why)
   if (log && id.has_value()) {
     WalOp op;
     op.type = WalOp::Type::kRemoveNode;
-    op.sequence = seq;  // keeps sequence numbers unique across a restart
     op.node_id = *id;
     AppendWal({op});
   }

@@ -4,6 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
+# Formatting drift fails the run (scripts/check_format.sh --fix repairs it).
+scripts/check_format.sh
 BUILD_DIR=${BUILD_DIR:-build}
 BUILD_DIR="$BUILD_DIR" scripts/build.sh -DKVRELAY_BUILD_TESTS=ON -DKVRELAY_BUILD_BENCH=ON "$@"
 cd "$BUILD_DIR"

@@ -45,6 +45,8 @@ absl::StatusOr<std::unique_ptr<WorkerCore>> WorkerCore::Create(const WorkerCoreO
     core->transport_kind = "ucx";
     transfer::UcxTransportOptions ucx;
     ucx.listen_host = options.transport_host;
+    ucx.listen_port = options.transport_port;
+    ucx.advertise_host = options.advertise_host;
     KV_ASSIGN_OR_RETURN(core->transport, transfer::MakeUcxTransport(ucx));
   }
   core->transport_address = core->transport->address();
@@ -90,6 +92,8 @@ void WorkerFlags::AddFlags(FlagSet& flags) {
                   "node id in the cache store (default: <role>-<hostname>-<random>, unique per "
                   "process)");
   flags.AddString("transport-host", &core_.transport_host, "data-plane listen address");
+  flags.AddInt32("transport-port", &core_.transport_port,
+                 "fixed data-plane port (0: any free port)");
   flags.AddString("advertise-address", &core_.advertise_host,
                   "host (name or address) other nodes use to reach this one, for gRPC and the "
                   "data plane (default: the bind address; a wildcard such as 0.0.0.0 is never "
@@ -116,6 +120,9 @@ std::optional<int> WorkerFlags::Parse(FlagSet& flags, const std::vector<std::str
     if (absl::Status s = server::CheckHostPort(core_.cachestore_address, "--cachestore"); !s.ok()) {
       return server::UsageError(name, std::string(s.message()));
     }
+  }
+  if (core_.transport_port < 0 || core_.transport_port > 65535) {
+    return server::UsageError(name, "--transport-port must be in [0, 65535]");
   }
   if (core_.threads < 1 || core_.pool_blocks < 1 || core_.cache_slots < 1) {
     return server::UsageError(name, "--threads, --pool-blocks and --cache-slots must be positive");

@@ -35,6 +35,7 @@ struct WorkerCoreOptions {
   std::string node_id;             // empty: "<role>-<hostname>-<random>", unique per process
   std::string cachestore_address;  // empty: no cache segment, no store link
   std::string transport_host = "127.0.0.1";
+  int32_t transport_port = 0;  // fixed data-plane port; 0: any
   // The host others use to reach this node (gRPC and data plane); empty: derived from the bind
   // addresses (never a wildcard such as 0.0.0.0).
   std::string advertise_host;

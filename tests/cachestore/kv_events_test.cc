@@ -47,22 +47,12 @@ class KvEventsTest : public ::testing::Test {
   }
 
   void StartStore() {
-    std::vector<std::string> argv = {testing::BinaryPath("kvrelay"),
-                                     "cachestore",
-                                     "--port",
-                                     "0",
-                                     "--metrics-port",
-                                     "0",
-                                     "--data-dir",
-                                     dir_.File("data"),
-                                     "--tick",
-                                     "20ms",
-                                     "--kv-events-endpoint",
-                                     pub_,
-                                     "--kv-events-replay-endpoint",
-                                     replay_,
-                                     "--kv-events-model",
-                                     "tiny-llama"};
+    std::vector<std::string> argv = {
+        testing::BinaryPath("kvrelay"), "cachestore", "--port", "0", "--metrics-port", "0",
+        "--data-dir", dir_.File("data"), "--tick", "20ms",
+        // An expired node is forgotten (AllBlocksCleared) at once.
+        "--suspect-grace", "0s", "--kv-events-endpoint", pub_, "--kv-events-replay-endpoint",
+        replay_, "--kv-events-model", "tiny-llama"};
     KV_ASSERT_OK_AND_ASSIGN(store_, ChildProcess::Start(argv));
     KV_ASSERT_OK_AND_ASSIGN(std::string line,
                             store_->WaitForOutput("cachestore listening on", absl::Seconds(30)));
