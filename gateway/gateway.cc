@@ -353,7 +353,6 @@ absl::Status Gateway::Generate(const kvrelay::v1::GenerateRequest& request, absl
                                const GenerateSink& sink, const std::function<bool()>& cancelled) {
   if (absl::Status s = Validate(request); !s.ok()) return CallerError(std::move(s));
   const absl::Time start = absl::Now();
-  const absl::Time clock_start = clock_->Now();
   deadline = std::min(deadline, start + options_.default_deadline);
   const std::string salt = DeriveTenantSalt(options_.tenant_secret, request.tenant());
   const std::vector<int32_t> prompt(request.tokens().begin(), request.tokens().end());
@@ -593,7 +592,6 @@ absl::Status Gateway::Generate(const kvrelay::v1::GenerateRequest& request, absl
     tpot_seconds_->Observe(absl::ToDoubleSeconds(end - first_token_time) /
                            static_cast<double>(generated.size() - 1));
   }
-  (void)clock_start;
   prefix_hit_tokens_->Increment(summary.prefix_hit_tokens());
   transferred_bytes_->Increment(static_cast<double>(summary.transferred_bytes()));
   kvrelay::v1::GenerateResponse last;

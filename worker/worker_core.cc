@@ -127,13 +127,8 @@ std::optional<int> WorkerFlags::Parse(FlagSet& flags, const std::vector<std::str
   if (core_.threads < 1 || core_.pool_blocks < 1 || core_.cache_slots < 1) {
     return server::UsageError(name, "--threads, --pool-blocks and --cache-slots must be positive");
   }
-  if (model_name_.empty()) model_name_ = ModelNameFromDir(core_.model_dir);
+  if (model_name_.empty()) model_name_ = server::ModelNameFromDir(core_.model_dir);
   return std::nullopt;
-}
-
-std::string ModelNameFromDir(std::string dir) {
-  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
-  return dir.substr(dir.rfind('/') + 1);
 }
 
 }  // namespace kvrelay::worker

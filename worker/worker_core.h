@@ -98,8 +98,4 @@ class WorkerFlags {
   std::string& model_name_;
 };
 
-// A model's default served name: the base name of its directory ("/models/tiny-llama/" ->
-// "tiny-llama").
-std::string ModelNameFromDir(std::string dir);
-
 }  // namespace kvrelay::worker

@@ -77,10 +77,5 @@ TEST(SliceOfLayer, LayersAreContiguousInsideAUnit) {
   EXPECT_EQ(expected_offset, static_cast<uint64_t>(layout.BlockBytes(0)));
 }
 
-TEST(ModelNameFromDir, IsTheDirectorysBaseName) {
-  EXPECT_EQ(ModelNameFromDir("/models/tiny-llama/"), "tiny-llama");
-  EXPECT_EQ(ModelNameFromDir("tiny"), "tiny");
-}
-
 }  // namespace
 }  // namespace kvrelay::worker

@@ -101,4 +101,9 @@ std::string AdvertisedHost(const std::string& bind_host, const std::string& adve
   return "127.0.0.1";
 }
 
+std::string ModelNameFromDir(std::string dir) {
+  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+  return dir.substr(dir.rfind('/') + 1);
+}
+
 }  // namespace kvrelay::server

@@ -43,4 +43,8 @@ namespace kvrelay::server {
 // advertised — then the first non-loopback IPv4 address of this machine (or its hostname).
 std::string AdvertisedHost(const std::string& bind_host, const std::string& advertise_host);
 
+// A model's default served name: the base name of its directory ("/models/tiny-llama/" ->
+// "tiny-llama").
+std::string ModelNameFromDir(std::string dir);
+
 }  // namespace kvrelay::server

@@ -94,6 +94,11 @@ TEST(ServerFlags, CheckHostPort) {
   KV_EXPECT_OK(CheckHostPort("store-0.kvrelay-store:50050", "--x"));
 }
 
+TEST(ServerFlags, ModelNameFromDirIsTheDirectorysBaseName) {
+  EXPECT_EQ(ModelNameFromDir("/models/tiny-llama/"), "tiny-llama");
+  EXPECT_EQ(ModelNameFromDir("tiny"), "tiny");
+}
+
 TEST(Credentials, TlsWithoutFilesIsAClearError) {
   SecurityOptions tls;
   tls.insecure = false;

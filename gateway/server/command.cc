@@ -17,15 +17,6 @@
 #include "gateway/server/gateway_service.h"
 
 namespace kvrelay::gateway::server {
-namespace {
-
-std::string ModelNameFromDir(std::string dir) {
-  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
-  return dir.substr(dir.rfind('/') + 1);
-}
-
-}  // namespace
-
 int RunGatewayCommand(const std::vector<std::string>& raw_args) {
   kvrelay::server::ServiceHost::BlockShutdownSignals();
   GatewayOptions options;
@@ -96,7 +87,8 @@ int RunGatewayCommand(const std::vector<std::string>& raw_args) {
   }
   if (options.model_dir.empty())
     return kvrelay::server::UsageError("gateway", "--model is required");
-  if (options.model_name.empty()) options.model_name = ModelNameFromDir(options.model_dir);
+  if (options.model_name.empty())
+    options.model_name = kvrelay::server::ModelNameFromDir(options.model_dir);
   if (secret_file.empty()) {
     options.tenant_secret = "kvrelay-development-secret";
     KV_LOG(WARNING) << "no --tenant-secret-file: using the development secret";
