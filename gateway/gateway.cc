@@ -149,6 +149,17 @@ absl::Status Gateway::RefreshFromRegistry() {
         prefill_role ? kvrelay::v1::NODE_ROLE_PREFILL : kvrelay::v1::NODE_ROLE_DECODE;
     NodeList kept;
     for (auto& n : nodes) {
+      for (const auto& info : listed.nodes()) {
+        const bool same =
+            n->discovered ? info.node_id() == n->NodeId() && info.incarnation() == n->incarnation
+                          : info.grpc_address() == n->address();
+        if (info.role() == role && same) {
+          n->reported_load.store(static_cast<int32_t>(std::min<int64_t>(
+                                     info.load().active_requests() + info.load().queued_requests(),
+                                     std::numeric_limits<int32_t>::max())),
+                                 std::memory_order_relaxed);
+        }
+      }
       if (!n->discovered) {
         kept.push_back(n);
         continue;
@@ -162,6 +173,7 @@ absl::Status Gateway::RefreshFromRegistry() {
                            std::memory_order_relaxed);
         }
       }
+
       // Forgotten, or replaced by a new process: in-flight requests keep their reference.
       if (listed_same) kept.push_back(n);
     }
@@ -279,8 +291,7 @@ Gateway::Node* Gateway::PickPrefill(const NodeList& prefills, const std::vector<
       const size_t i = (rotation + k) % prefills.size();
       Node* n = prefills[i].get();
       if (!usable(n)) continue;
-      const int64_t score =
-          int64_t{matched[i]} * 1000 - n->in_flight.load(std::memory_order_relaxed);
+      const int64_t score = int64_t{matched[i]} * 1000 - n->Load();
       if (score > best_score) {
         best_score = score;
         best = n;
@@ -314,7 +325,7 @@ Gateway::Node* Gateway::PickDecode(const NodeList& decodes, const std::vector<No
           !n->breaker.Healthy()) {
         continue;
       }
-      const int32_t load = n->in_flight.load(std::memory_order_relaxed);
+      const int32_t load = n->Load();
       if (load < best_load) {
         best_load = load;
         best = n;
