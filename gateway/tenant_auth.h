@@ -35,6 +35,10 @@ class TenantTokenVerifier {
   // key, not yet valid or expired.
   absl::StatusOr<std::string> Verify(absl::string_view token, absl::Time now) const;
 
+  // A token for `tenant` valid until `expiry`, signed with the first configured key.
+  std::string SignWithFirstKey(absl::string_view tenant, absl::Time expiry) const {
+    return Sign(keys_.front(), tenant, expiry);
+  }
   // A token for `tenant` valid until `expiry`, signed with `key`.
   static std::string Sign(absl::string_view key, absl::string_view tenant, absl::Time expiry);
 
