@@ -202,8 +202,8 @@ int RunGenerateCommand(const std::vector<std::string>& args) {
     gateway_request.generation = request;
     gateway_request.tenant = tenant;
     gateway_request.model = model_id;
-    result = GatewayClient(gateway_address, security, bearer_token)
-                 .Generate(gateway_request, timeout);
+    result =
+        GatewayClient(gateway_address, security, bearer_token).Generate(gateway_request, timeout);
   }
   if (!result.ok()) {
     std::fprintf(stderr, "kvrelay generate: %s\n", result.status().ToString().c_str());

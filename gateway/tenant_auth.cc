@@ -66,9 +66,8 @@ absl::StatusOr<TenantTokenVerifier> TenantTokenVerifier::FromKeyFile(const std::
 std::string TenantTokenVerifier::Sign(absl::string_view key, absl::string_view tenant,
                                       absl::Time expiry) {
   nlohmann::json claims = {{"sub", std::string(tenant)}, {"exp", absl::ToUnixSeconds(expiry)}};
-  const std::string signing_input =
-      absl::StrCat(absl::WebSafeBase64Escape(std::string(kHeader)), ".",
-                   absl::WebSafeBase64Escape(claims.dump()));
+  const std::string signing_input = absl::StrCat(absl::WebSafeBase64Escape(std::string(kHeader)),
+                                                 ".", absl::WebSafeBase64Escape(claims.dump()));
   return absl::StrCat(signing_input, ".",
                       absl::WebSafeBase64Escape(HmacSha256(key, signing_input)));
 }
@@ -152,9 +151,8 @@ absl::StatusOr<std::string> ResolveTenant(const ::kvrelay::server::Peer& peer, b
         " names no tenant")));
   }
   if (!requested.empty() && requested != tenant) {
-    return server::Unauthorized(absl::PermissionDeniedError(
-        absl::StrCat("tenant '", requested, "' requested, but the credential is for tenant '",
-                     tenant, "'")));
+    return server::Unauthorized(absl::PermissionDeniedError(absl::StrCat(
+        "tenant '", requested, "' requested, but the credential is for tenant '", tenant, "'")));
   }
   return tenant;
 }

@@ -14,10 +14,10 @@
 // Thread-safe; immutable after construction.
 
 #include <string>
-#include "absl/strings/string_view.h"
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "common/server/auth.h"
 

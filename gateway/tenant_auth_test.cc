@@ -54,15 +54,14 @@ TEST(TenantToken, ForgedOrTamperedTokensAreRefused) {
 
 TEST(ResolveTenant, CredentialDecidesNeverTheRequestField) {
   TenantTokenVerifier verifier({kKey});
-  const server::Peer alice_cert{.authenticated = true, .role = server::PeerRole::kClient,
-                                .id = "alice"};
+  const server::Peer alice_cert{
+      .authenticated = true, .role = server::PeerRole::kClient, .id = "alice"};
   const server::Peer admin{.authenticated = true, .role = server::PeerRole::kAdmin, .id = "ops"};
   const std::string bob_token =
       "Bearer " + TenantTokenVerifier::Sign(kKey, "bob", kNow + absl::Hours(1));
 
   EXPECT_THAT(ResolveTenant(alice_cert, true, "", "", &verifier, kNow), IsOkAndHolds("alice"));
-  EXPECT_THAT(ResolveTenant(alice_cert, true, "", "alice", &verifier, kNow),
-              IsOkAndHolds("alice"));
+  EXPECT_THAT(ResolveTenant(alice_cert, true, "", "alice", &verifier, kNow), IsOkAndHolds("alice"));
   EXPECT_THAT(ResolveTenant(alice_cert, true, "", "bob", &verifier, kNow),
               StatusIs(absl::StatusCode::kPermissionDenied));
   EXPECT_THAT(ResolveTenant(admin, true, bob_token, "", &verifier, kNow), IsOkAndHolds("bob"));

@@ -356,14 +356,31 @@ int RunUpCommand(const std::vector<std::string>& args) {
       (services[i].name.rfind("prefill", 0) == 0 ? prefill_addrs : decode_addrs)
           .push_back(services[i].endpoint.address);
     }
-    KV_RETURN_IF_ERROR(
-        launch("gateway",
-               {"gateway", "--host", gateway_host, "--port", absl::StrCat(gateway_port),
-                "--metrics-port", "0", "--cachestore", store, "--prefill",
-                absl::StrJoin(prefill_addrs, ","), "--decode", absl::StrJoin(decode_addrs, ","),
-                "--model", model_dir, "--http-host", http_host, "--http-port", http_port,
-                "--tenant-secret-file", secret_file, "--tenant-token-keys", token_keys_file},
-               gateway_args, server::PeerRole::kGateway, "gateway"));
+    KV_RETURN_IF_ERROR(launch("gateway",
+                              {"gateway",
+                               "--host",
+                               gateway_host,
+                               "--port",
+                               absl::StrCat(gateway_port),
+                               "--metrics-port",
+                               "0",
+                               "--cachestore",
+                               store,
+                               "--prefill",
+                               absl::StrJoin(prefill_addrs, ","),
+                               "--decode",
+                               absl::StrJoin(decode_addrs, ","),
+                               "--model",
+                               model_dir,
+                               "--http-host",
+                               http_host,
+                               "--http-port",
+                               http_port,
+                               "--tenant-secret-file",
+                               secret_file,
+                               "--tenant-token-keys",
+                               token_keys_file},
+                              gateway_args, server::PeerRole::kGateway, "gateway"));
     return wait_ready(services.back());
   }();
   if (!started.ok()) {
@@ -386,10 +403,11 @@ int RunUpCommand(const std::vector<std::string>& args) {
   if (insecure) {
     std::printf("kvrelay up: PLAIN TEXT (--insecure): no authentication, tenants as requested\n");
   } else {
-    std::printf("kvrelay up: mutual TLS; client flags --tls-cert %s --tls-key %s --tls-ca %s "
-                "(tenant %s); bearer-token keys %s\n",
-                client_security.cert_file.c_str(), client_security.key_file.c_str(),
-                client_security.ca_file.c_str(), tenant.c_str(), token_keys_file.c_str());
+    std::printf(
+        "kvrelay up: mutual TLS; client flags --tls-cert %s --tls-key %s --tls-ca %s "
+        "(tenant %s); bearer-token keys %s\n",
+        client_security.cert_file.c_str(), client_security.key_file.c_str(),
+        client_security.ca_file.c_str(), tenant.c_str(), token_keys_file.c_str());
   }
   std::printf("kvrelay up: ready; gateway %s (Ctrl-C or SIGTERM stops the cluster)\n",
               services.back().endpoint.address.c_str());

@@ -18,7 +18,7 @@ namespace kvrelay::server {
 namespace {
 
 constexpr absl::string_view kRoleNames[kNumPeerRoles] = {"gateway", "prefill", "decode",
-                                                        "store",   "client",  "admin"};
+                                                         "store",   "client",  "admin"};
 constexpr size_t kMaxIdBytes = 128;
 
 bool IsIdChar(char c) {
@@ -100,7 +100,7 @@ absl::StatusOr<Peer> IdentityOfCertificatePem(absl::string_view pem) {
     if (name->type != GEN_URI) continue;
     const ASN1_STRING* value = name->d.uniformResourceIdentifier;
     absl::string_view uri(reinterpret_cast<const char*>(ASN1_STRING_get0_data(value)),
-                         static_cast<size_t>(ASN1_STRING_length(value)));
+                          static_cast<size_t>(ASN1_STRING_length(value)));
     if (uri.substr(0, kSpiffePrefix.size()) != kSpiffePrefix) continue;
     if (found.has_value()) {
       return absl::InvalidArgumentError("certificate carries more than one kvrelay identity URI");
@@ -108,8 +108,8 @@ absl::StatusOr<Peer> IdentityOfCertificatePem(absl::string_view pem) {
     KV_ASSIGN_OR_RETURN(found, ParseSpiffeUri(uri));
   }
   if (!found.has_value()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "certificate carries no ", kSpiffePrefix, "<role>/<id> URI subject alternative name"));
+    return absl::InvalidArgumentError(absl::StrCat("certificate carries no ", kSpiffePrefix,
+                                                   "<role>/<id> URI subject alternative name"));
   }
   return *found;
 }
@@ -189,8 +189,8 @@ absl::StatusOr<Peer> Authorizer::Identify(const grpc::ServerContext& context) co
     found = *std::move(peer);
   }
   if (!found.has_value()) {
-    return Unauthorized(absl::UnauthenticatedError(absl::StrCat(
-        "certificate carries no ", kSpiffePrefix, "<role>/<id> identity (URI SAN)")));
+    return Unauthorized(absl::UnauthenticatedError(
+        absl::StrCat("certificate carries no ", kSpiffePrefix, "<role>/<id> identity (URI SAN)")));
   }
   return *found;
 }

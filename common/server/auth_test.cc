@@ -83,7 +83,8 @@ class AuthOverTls : public ::testing::Test {
   }
 
   grpc::Status CallStatus(const SecurityOptions& security, std::string* who) {
-    absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = MakeChannel(host_->address(), security);
+    absl::StatusOr<std::shared_ptr<grpc::Channel>> channel =
+        MakeChannel(host_->address(), security);
     EXPECT_TRUE(channel.ok()) << channel.status();
     auto stub = kvrelay::v1::Prefill::NewStub(*channel);
     grpc::ClientContext context;
@@ -119,8 +120,7 @@ TEST_F(AuthOverTls, WrongRoleIsPermissionDeniedWithErrorInfo) {
   grpc::Status status = CallStatus(decode, &who);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::PERMISSION_DENIED);
   EXPECT_THAT(status.error_message(), HasSubstr("not decode 'decode-0'"));
-  std::optional<kvrelay::v1::ErrorInfo> info =
-      proto::GetErrorInfo(proto::FromGrpcStatus(status));
+  std::optional<kvrelay::v1::ErrorInfo> info = proto::GetErrorInfo(proto::FromGrpcStatus(status));
   ASSERT_TRUE(info.has_value());
   EXPECT_EQ(info->role(), kvrelay::v1::ROLE_CLIENT);
   EXPECT_EQ(info->reason(), kvrelay::v1::FAILURE_UNAUTHORIZED);

@@ -49,8 +49,8 @@ absl::Status AddExtension(X509* cert, X509* issuer, int nid, const std::string& 
 
 // An unsigned certificate for `key` named `common_name`, issued by `issuer` (self-issued when
 // null); the caller adds extensions and signs it.
-absl::StatusOr<X509Ptr> NewCertificate(EVP_PKEY* key, const std::string& common_name,
-                                       X509* issuer, absl::Duration valid_for) {
+absl::StatusOr<X509Ptr> NewCertificate(EVP_PKEY* key, const std::string& common_name, X509* issuer,
+                                       absl::Duration valid_for) {
   X509Ptr cert(X509_new(), &X509_free);
   if (cert == nullptr) return OpenSslError("X509_new");
   X509_set_version(cert.get(), 2);
@@ -131,10 +131,29 @@ absl::StatusOr<std::unique_ptr<DevCertificateAuthority>> DevCertificateAuthority
   KV_RETURN_IF_ERROR(AddExtension(ca, ca, NID_subject_key_identifier, "hash"));
   if (X509_sign(ca, keys->ca_key.get(), EVP_sha256()) == 0) return OpenSslError("X509_sign (CA)");
   KV_ASSIGN_OR_RETURN(std::string pem, ToPem(ca));
+  KV_ASSIGN_OR_RETURN(std::string key_pem, ToPem(keys->ca_key.get()));
   auto authority = std::unique_ptr<DevCertificateAuthority>(
       new DevCertificateAuthority(dir, valid_for, std::move(keys)));
+  KV_RETURN_IF_ERROR(WritePrivate(dir + "/ca.key", key_pem));
   KV_RETURN_IF_ERROR(WriteFileAtomically(authority->ca_file_, pem));
   return authority;
+}
+
+absl::StatusOr<std::unique_ptr<DevCertificateAuthority>> DevCertificateAuthority::Open(
+    const std::string& dir, absl::Duration valid_for) {
+  KV_ASSIGN_OR_RETURN(std::string cert_pem, ReadFileToString(dir + "/ca.pem"));
+  KV_ASSIGN_OR_RETURN(std::string key_pem, ReadFileToString(dir + "/ca.key"));
+  auto keys = std::make_unique<Keys>();
+  BioPtr cert_bio(BIO_new_mem_buf(cert_pem.data(), static_cast<int>(cert_pem.size())), &BIO_free);
+  BioPtr key_bio(BIO_new_mem_buf(key_pem.data(), static_cast<int>(key_pem.size())), &BIO_free);
+  if (cert_bio == nullptr || key_bio == nullptr) return OpenSslError("BIO_new_mem_buf");
+  keys->ca_cert.reset(PEM_read_bio_X509(cert_bio.get(), nullptr, nullptr, nullptr));
+  keys->ca_key.reset(PEM_read_bio_PrivateKey(key_bio.get(), nullptr, nullptr, nullptr));
+  if (keys->ca_cert == nullptr || keys->ca_key == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(dir, ": ca.pem / ca.key are not a PEM CA"));
+  }
+  return std::unique_ptr<DevCertificateAuthority>(
+      new DevCertificateAuthority(dir, valid_for, std::move(keys)));
 }
 
 absl::StatusOr<SecurityOptions> DevCertificateAuthority::Issue(
@@ -143,9 +162,8 @@ absl::StatusOr<SecurityOptions> DevCertificateAuthority::Issue(
   KV_RETURN_IF_ERROR(ParseSpiffeUri(uri).status());
   KV_ASSIGN_OR_RETURN(PkeyPtr key, NewKey());
   X509* ca = keys_->ca_cert.get();
-  KV_ASSIGN_OR_RETURN(X509Ptr cert,
-                      NewCertificate(key.get(), absl::StrCat(RoleName(role), " ", id), ca,
-                                     valid_for_));
+  KV_ASSIGN_OR_RETURN(X509Ptr cert, NewCertificate(key.get(), absl::StrCat(RoleName(role), " ", id),
+                                                   ca, valid_for_));
   std::string san = absl::StrCat("URI:", uri);
   for (const std::string& host : hosts) {
     absl::StrAppend(&san, ",", IsIpAddress(host) ? "IP:" : "DNS:", host);
@@ -173,8 +191,8 @@ absl::StatusOr<SecurityOptions> DevCertificateAuthority::Issue(
 }
 
 std::vector<std::string> DevCertificateAuthority::Flags(const SecurityOptions& options) {
-  return {"--tls-cert", options.cert_file, "--tls-key", options.key_file,
-          "--tls-ca",   options.ca_file};
+  return {"--tls-cert",     options.cert_file, "--tls-key",
+          options.key_file, "--tls-ca",        options.ca_file};
 }
 
 }  // namespace kvrelay::server

@@ -10,10 +10,10 @@
 
 #include <memory>
 #include <string>
-#include "absl/strings/string_view.h"
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "common/server/auth.h"
 #include "common/server/credentials.h"
@@ -22,9 +22,13 @@ namespace kvrelay::server {
 
 class DevCertificateAuthority {
  public:
-  // Creates <dir>/ca.pem (and keeps its key in memory only). `dir` must exist.
+  // Creates <dir>/ca.pem and its key <dir>/ca.key (mode 0600, so more dev certificates can be
+  // issued later with Open). `dir` must exist and should be private (0700).
   static absl::StatusOr<std::unique_ptr<DevCertificateAuthority>> Create(
       const std::string& dir, absl::Duration valid_for = absl::Hours(24 * 7));
+  // The authority Create wrote into `dir`.
+  static absl::StatusOr<std::unique_ptr<DevCertificateAuthority>> Open(
+      const std::string& dir, absl::Duration valid_for = absl::Hours(24));
   ~DevCertificateAuthority();
   DevCertificateAuthority(const DevCertificateAuthority&) = delete;
   DevCertificateAuthority& operator=(const DevCertificateAuthority&) = delete;

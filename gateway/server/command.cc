@@ -219,8 +219,8 @@ int RunTokenCommand(const std::vector<std::string>& raw_args) {
   if (ttl <= absl::ZeroDuration()) return kvrelay::server::UsageError("token", "--ttl must be > 0");
   absl::StatusOr<TenantTokenVerifier> keys = TenantTokenVerifier::FromKeyFile(keys_file);
   if (!keys.ok()) {
-    return kvrelay::server::UsageError("token", absl::StrCat("--tenant-token-keys: ",
-                                                             keys.status().message()));
+    return kvrelay::server::UsageError(
+        "token", absl::StrCat("--tenant-token-keys: ", keys.status().message()));
   }
   const std::string token = keys->SignWithFirstKey(tenant, absl::Now() + ttl);
   // Refuse to print what the gateway would refuse (bad tenant names).

@@ -67,7 +67,8 @@ class CacheStoreProcessTest : public ::testing::Test {
                                      "--data-dir",
                                      dir_.File("data"),
                                      "--tick",
-                                     "20ms"};
+                                     "20ms",
+                                     "--insecure"};
     argv.insert(argv.end(), extra.begin(), extra.end());
     KV_ASSERT_OK_AND_ASSIGN(proc_, ChildProcess::Start(argv));
     KV_ASSERT_OK_AND_ASSIGN(std::string line,

@@ -52,7 +52,7 @@ class KvEventsTest : public ::testing::Test {
         "--data-dir", dir_.File("data"), "--tick", "20ms",
         // An expired node is forgotten (AllBlocksCleared) at once.
         "--suspect-grace", "0s", "--kv-events-endpoint", pub_, "--kv-events-replay-endpoint",
-        replay_, "--kv-events-model", "tiny-llama"};
+        replay_, "--kv-events-model", "tiny-llama", "--insecure"};
     KV_ASSERT_OK_AND_ASSIGN(store_, ChildProcess::Start(argv));
     KV_ASSERT_OK_AND_ASSIGN(std::string line,
                             store_->WaitForOutput("cachestore listening on", absl::Seconds(30)));
