@@ -591,7 +591,7 @@ TEST_F(CacheStoreProcessTest, NumericInputsAreBoundedAndNamed) {
 
 TEST(CacheStoreCommandTest, BadFlagsAreUsageErrors) {
   KV_ASSERT_OK_AND_ASSIGN(auto r, testing::RunCommand({testing::BinaryPath("kvrelay"), "cachestore",
-                                                       "--policy", "fifo"}));
+                                                       "--policy", "fifo", "--insecure"}));
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_THAT(r.stderr_text, HasSubstr("policy"));
   KV_ASSERT_OK_AND_ASSIGN(

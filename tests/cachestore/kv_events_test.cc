@@ -197,12 +197,12 @@ TEST_F(KvEventsTest, SubscriberRebuildsTheIndexAcrossExpiryAndRestart) {
 TEST_F(KvEventsTest, BadFlagsAreRefused) {
   absl::StatusOr<testing::CommandResult> r =
       testing::RunCommand({testing::BinaryPath("kvrelay"), "cachestore", "--port", "0",
-                           "--kv-events-endpoint", "bogus://x"});
+                           "--kv-events-endpoint", "bogus://x", "--insecure"});
   ASSERT_THAT(r, IsOk());
   EXPECT_NE(r->exit_code, 0);
   EXPECT_THAT(r->stderr_text, ::testing::HasSubstr("--kv-events-endpoint"));
   r = testing::RunCommand({testing::BinaryPath("kvrelay"), "cachestore", "--port", "0",
-                           "--kv-events-replay-endpoint", replay_});
+                           "--kv-events-replay-endpoint", replay_, "--insecure"});
   ASSERT_THAT(r, IsOk());
   EXPECT_EQ(r->exit_code, 2);
   EXPECT_THAT(r->stderr_text, ::testing::HasSubstr("needs --kv-events-endpoint"));
