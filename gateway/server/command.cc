@@ -181,7 +181,13 @@ int RunGatewayCommand(const std::vector<std::string>& raw_args) {
     http_options.resolve_tenant =
         [insecure, verifier = verifier.get()](
             const std::string& authorization) -> absl::StatusOr<std::string> {
-      if (insecure && authorization.empty()) return std::string("anonymous");
+      if (insecure) {
+        // Plain-text dev mode, as before: a token that verifies names its tenant, anything else
+        // (no header, a placeholder API key) is the shared "anonymous" tenant.
+        absl::StatusOr<std::string> tenant = ResolveTenant(
+            kvrelay::server::Peer{}, /*enforcing=*/true, authorization, "", verifier, absl::Now());
+        return tenant.ok() ? *tenant : std::string("anonymous");
+      }
       if (authorization.empty()) {
         return kvrelay::server::Unauthorized(
             absl::UnauthenticatedError("an Authorization: Bearer token is required"));

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_split.h"
 #include "cli/colocated.h"
 #include "cli/gateway_client.h"
 #include "common/server/auth.h"
@@ -22,16 +23,17 @@
 #include "proto/grpc_status.h"
 #include "tests/e2e/e2e_util.h"
 #include "tests/e2e/local_cluster.h"
+#include "tests/testing/process_harness.h"
 #include "tests/testing/status_matchers.h"
 #include "tests/testing/test_env.h"
 
 namespace kvrelay::e2e {
 namespace {
 
-using ::testing::AnyOf;
-using ::testing::Eq;
 using server::PeerRole;
 using server::SecurityOptions;
+using ::testing::AnyOf;
+using ::testing::Eq;
 
 std::chrono::system_clock::time_point In(absl::Duration d) {
   return absl::ToChronoTime(absl::Now() + d);
@@ -39,8 +41,8 @@ std::chrono::system_clock::time_point In(absl::Duration d) {
 
 // A denial the caller is blamed for, never a worker.
 void ExpectDenied(const grpc::Status& status, const std::string& what) {
-  EXPECT_THAT(status.error_code(), AnyOf(Eq(grpc::StatusCode::PERMISSION_DENIED),
-                                         Eq(grpc::StatusCode::UNAUTHENTICATED)))
+  EXPECT_THAT(status.error_code(),
+              AnyOf(Eq(grpc::StatusCode::PERMISSION_DENIED), Eq(grpc::StatusCode::UNAUTHENTICATED)))
       << what << ": " << status.error_code() << " " << status.error_message();
   std::optional<v1::ErrorInfo> info = proto::GetErrorInfo(proto::FromGrpcStatus(status));
   ASSERT_TRUE(info.has_value()) << what << ": no ErrorInfo";
@@ -92,8 +94,7 @@ class SecurityTest : public ::testing::Test {
   template <typename Service>
   static std::unique_ptr<typename Service::Stub> Stub(const std::string& address,
                                                       const SecurityOptions& security) {
-    absl::StatusOr<std::shared_ptr<grpc::Channel>> channel =
-        server::MakeChannel(address, security);
+    absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = server::MakeChannel(address, security);
     EXPECT_TRUE(channel.ok()) << channel.status();
     return Service::NewStub(*channel);
   }
@@ -132,7 +133,8 @@ TEST_F(SecurityTest, ClientsWithoutACertificateCannotConnect) {
     context.set_deadline(In(absl::Seconds(5)));
     v1::DecodeStatusResponse response;
     grpc::Status s = stub->Status(&context, {}, &response);
-    EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE) << service << ": " << s.error_message();
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE)
+        << service << ": " << s.error_message();
   }
   // TLS, but a certificate from another CA.
   testing::TempDir other;
@@ -239,9 +241,9 @@ TEST_F(SecurityTest, NodesRegisterOnlyAsThemselvesWithBoundedCapacity) {
     grpc::ClientContext context;
     context.set_deadline(In(absl::Seconds(10)));
     v1::RegisterNodeResponse response;
-    ExpectDenied(store->RegisterNode(&context, registration(victim, v1::NODE_ROLE_DECODE, 64),
-                                     &response),
-                 "RegisterNode as " + victim);
+    ExpectDenied(
+        store->RegisterNode(&context, registration(victim, v1::NODE_ROLE_DECODE, 64), &response),
+        "RegisterNode as " + victim);
   }
   {
     grpc::ClientContext context;  // its own id, but the certificate says prefill
@@ -256,8 +258,7 @@ TEST_F(SecurityTest, NodesRegisterOnlyAsThemselvesWithBoundedCapacity) {
     context.set_deadline(In(absl::Seconds(10)));
     v1::RegisterNodeResponse response;
     grpc::Status s = store->RegisterNode(
-        &context, registration("prefill-evil", v1::NODE_ROLE_PREFILL, int64_t{1} << 50),
-        &response);
+        &context, registration("prefill-evil", v1::NODE_ROLE_PREFILL, int64_t{1} << 50), &response);
     EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
   }
   // Heartbeat / Deregister of a victim node.
@@ -309,13 +310,11 @@ TEST_F(SecurityTest, TenantsAreAuthenticatedAndIsolated) {
   const std::string carol = keys.SignWithFirstKey("carol", absl::Now() + absl::Minutes(5));
   KV_ASSERT_OK_AND_ASSIGN(cli::GenerationResult as_carol, generate(admin, "", carol));
   EXPECT_EQ(as_carol.prefix_hit_tokens, 0);
-  const std::string forged = gateway::TenantTokenVerifier::Sign(
-      "not-the-cluster-key-0123", "alice", absl::Now() + absl::Minutes(5));
-  EXPECT_THAT(generate(admin, "", forged),
-              testing::StatusIs(absl::StatusCode::kUnauthenticated));
+  const std::string forged = gateway::TenantTokenVerifier::Sign("not-the-cluster-key-0123", "alice",
+                                                                absl::Now() + absl::Minutes(5));
+  EXPECT_THAT(generate(admin, "", forged), testing::StatusIs(absl::StatusCode::kUnauthenticated));
   const std::string expired = keys.SignWithFirstKey("alice", absl::Now() - absl::Seconds(1));
-  EXPECT_THAT(generate(admin, "", expired),
-              testing::StatusIs(absl::StatusCode::kUnauthenticated));
+  EXPECT_THAT(generate(admin, "", expired), testing::StatusIs(absl::StatusCode::kUnauthenticated));
   EXPECT_THAT(generate(admin, "", ""), testing::StatusIs(absl::StatusCode::kUnauthenticated));
 
   // A tenant sees neither the event stream, nor prefix matches, nor the registry.
@@ -354,6 +353,51 @@ TEST_F(SecurityTest, TenantsAreAuthenticatedAndIsolated) {
     ExpectDenied(store->ListNodes(&context, {}, &response), "ListNodes");
   }
   ExpectVictimUnharmed(106);
+}
+
+// scripts/certs.sh (openssl) makes certificates the servers accept, with the roles they name.
+TEST(CertsScript, IssuesCertificatesTheServersAccept) {
+  testing::TempDir dir;
+  const std::string certs = dir.File("certs");
+  KV_ASSERT_OK_AND_ASSIGN(
+      testing::CommandResult made,
+      testing::RunCommand({"/bin/bash", testing::SourceDir() + "/scripts/certs.sh", certs,
+                           "store/cachestore", "admin/ops", "client/eve"}));
+  ASSERT_EQ(made.exit_code, 0) << made.stderr_text;
+  KV_ASSERT_OK_AND_ASSIGN(
+      auto store,
+      testing::ChildProcess::Start(
+          {testing::BinaryPath("kvrelay"), "cachestore", "--port", "0", "--metrics-port", "0",
+           "--tls-cert", certs + "/store-cachestore.pem", "--tls-key",
+           certs + "/store-cachestore.key", "--tls-ca", certs + "/ca.pem"}));
+  KV_ASSERT_OK_AND_ASSIGN(std::string line,
+                          store->WaitForOutput("listening on", absl::Seconds(30)));
+  // "cachestore listening on HOST:PORT metrics HOST:PORT"
+  std::vector<std::string> words = absl::StrSplit(line, ' ', absl::SkipEmpty());
+  ASSERT_GE(words.size(), 4u) << line;
+  const std::string address = words[3];
+  auto stats = [&](const std::string& who) {
+    SecurityOptions security;
+    security.insecure = false;
+    security.cert_file = absl::StrCat(certs, "/", who, ".pem");
+    security.key_file = absl::StrCat(certs, "/", who, ".key");
+    security.ca_file = certs + "/ca.pem";
+    absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = server::MakeChannel(address, security);
+    EXPECT_TRUE(channel.ok());
+    grpc::ClientContext context;
+    context.set_deadline(In(absl::Seconds(10)));
+    v1::StatsResponse response;
+    return v1::CacheStore::NewStub(*channel)->Stats(&context, {}, &response);
+  };
+  grpc::Status as_admin = stats("admin-ops");
+  EXPECT_TRUE(as_admin.ok()) << as_admin.error_message();
+  ExpectDenied(stats("client-eve"), "Stats as a client");
+  // The store refuses to start in plain text unless told so.
+  KV_ASSERT_OK_AND_ASSIGN(testing::CommandResult plain,
+                          testing::RunCommand({testing::BinaryPath("kvrelay"), "cachestore",
+                                               "--port", "0", "--metrics-port", "0"}));
+  EXPECT_EQ(plain.exit_code, 2);
+  EXPECT_THAT(plain.stderr_text, ::testing::HasSubstr("--insecure"));
 }
 
 }  // namespace
