@@ -17,6 +17,7 @@
 #include "gateway/tenant_auth.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "httplib.h"
 #include "kvrelay/v1/cachestore.grpc.pb.h"
 #include "kvrelay/v1/decode.grpc.pb.h"
 #include "kvrelay/v1/prefill.grpc.pb.h"
@@ -65,6 +66,7 @@ class SecurityTest : public ::testing::Test {
     options.prefill = 1;
     options.decode = 2;
     options.tls = true;
+    options.extra_args = {"--http-address", "127.0.0.1:0"};
     absl::StatusOr<std::unique_ptr<LocalCluster>> cluster = LocalCluster::Start(options);
     ASSERT_THAT(cluster, testing::IsOk());
     cluster_ = cluster->release();
@@ -353,6 +355,43 @@ TEST_F(SecurityTest, TenantsAreAuthenticatedAndIsolated) {
     ExpectDenied(store->ListNodes(&context, {}, &response), "ListNodes");
   }
   ExpectVictimUnharmed(106);
+}
+
+// The OpenAI-compatible HTTP front end (HTTPS with TLS on) takes the tenant only from a bearer
+// token it verifies.
+TEST_F(SecurityTest, HttpTakesTheTenantFromAVerifiedBearerToken) {
+  // "[gateway] gateway http listening on 127.0.0.1:PORT" in up's output.
+  const std::string log = cluster_->Log();
+  const std::string marker = "gateway http listening on 127.0.0.1:";
+  const size_t at = log.find(marker);
+  ASSERT_NE(at, std::string::npos) << log;
+  const int port = std::atoi(log.c_str() + at + marker.size());
+  ASSERT_GT(port, 0);
+  httplib::SSLClient client("127.0.0.1", port);
+  client.set_ca_cert_path(cluster_->client_security().ca_file.c_str());
+  client.enable_server_certificate_verification(true);
+  client.set_read_timeout(60, 0);
+  const std::string body =
+      R"({"model": "llama", "prompt": [5, 6, 7, 8, 9, 10, 11, 12], "max_tokens": 3})";
+  auto post = [&](const std::string& authorization) {
+    httplib::Headers headers;
+    if (!authorization.empty()) headers.emplace("Authorization", authorization);
+    return client.Post("/v1/completions", headers, body, "application/json");
+  };
+  KV_ASSERT_OK_AND_ASSIGN(auto keys, gateway::TenantTokenVerifier::FromKeyFile(
+                                         cluster_->data_dir() + "/tenant-token-keys"));
+  httplib::Result ok =
+      post("Bearer " + keys.SignWithFirstKey("dave", absl::Now() + absl::Hours(1)));
+  ASSERT_TRUE(ok) << httplib::to_string(ok.error());
+  EXPECT_EQ(ok->status, 200) << ok->body;
+  httplib::Result none = post("");
+  ASSERT_TRUE(none);
+  EXPECT_EQ(none->status, 401) << none->body;
+  httplib::Result forged =
+      post("Bearer " + gateway::TenantTokenVerifier::Sign("some-other-key-0123456", "dave",
+                                                          absl::Now() + absl::Hours(1)));
+  ASSERT_TRUE(forged);
+  EXPECT_EQ(forged->status, 401) << forged->body;
 }
 
 // scripts/certs.sh (openssl) makes certificates the servers accept, with the roles they name.
