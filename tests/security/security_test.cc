@@ -5,7 +5,9 @@
 // leave the victims' tokens equal to `generate --colocated`.
 
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_split.h"
@@ -108,7 +110,11 @@ class SecurityTest : public ::testing::Test {
     request.generation.tokens = RandomPrompt(70, seed);
     request.generation.max_tokens = 12;
     request.tenant = "";
-    absl::StatusOr<cli::GenerationResult> expected = reference_->Generate(request.generation);
+    absl::StatusOr<cli::GenerationResult> expected;
+    {
+      std::lock_guard<std::mutex> lock(reference_mu_);  // one Generate at a time
+      expected = reference_->Generate(request.generation);
+    }
     ASSERT_THAT(expected, testing::IsOk());
     cli::GatewayClient client(cluster_->gateway(), cluster_->client_security());
     absl::StatusOr<cli::GenerationResult> got = client.Generate(request, absl::Seconds(60));
@@ -117,12 +123,14 @@ class SecurityTest : public ::testing::Test {
   }
 
   static testing::TempDir* dir_;
+  static std::mutex reference_mu_;
   static cli::ColocatedGenerator* reference_;
   static LocalCluster* cluster_;
   static server::DevCertificateAuthority* ca_;
 };
 
 testing::TempDir* SecurityTest::dir_ = nullptr;
+std::mutex SecurityTest::reference_mu_;
 cli::ColocatedGenerator* SecurityTest::reference_ = nullptr;
 LocalCluster* SecurityTest::cluster_ = nullptr;
 server::DevCertificateAuthority* SecurityTest::ca_ = nullptr;
@@ -152,38 +160,44 @@ TEST_F(SecurityTest, ClientsWithoutACertificateCannotConnect) {
   ExpectVictimUnharmed(100);
 }
 
-// Attack 1: a Prefill call that names decode slots, from anyone but a gateway.
+// Attack 1: Prefill calls that name decode slots, from anyone but a gateway, while two victims
+// generate (the issue's replay: 32 calls overwrote every slot of both decode workers).
 TEST_F(SecurityTest, OnlyGatewaysPrefillAndReserve) {
   const SecurityOptions mallory = Issue(PeerRole::kClient, "mallory");
   const SecurityOptions rogue_decode = Issue(PeerRole::kDecode, "decode-0");  // a real node id
-  for (const SecurityOptions* attacker : {&mallory, &rogue_decode}) {
-    auto prefill = Stub<v1::Prefill>(Address("prefill-0"), *attacker);
-    v1::PrefillRequest request;
-    request.set_request_id("attack-1");
-    for (int32_t t : RandomPrompt(64, 7)) request.add_tokens(t);
-    // Every slot of group 0 of a decode worker, as the issue's attacker named them.
-    request.mutable_target()->set_full_blocks(4);
-    request.mutable_target()->set_block_tokens(16);
-    v1::GroupTarget* group = request.mutable_target()->add_groups();
-    for (int slot = 0; slot < 4; ++slot) group->add_slots(slot);
-    grpc::ClientContext context;
-    context.set_deadline(In(absl::Seconds(10)));
-    v1::PrefillResponse response;
-    ExpectDenied(prefill->Prefill(&context, request, &response), "Prefill/Prefill");
+  std::vector<std::thread> victims;
+  for (uint32_t seed : {201u, 202u}) victims.emplace_back([seed] { ExpectVictimUnharmed(seed); });
+  for (int round = 0; round < 16; ++round) {
+    for (const SecurityOptions* attacker : {&mallory, &rogue_decode}) {
+      auto prefill = Stub<v1::Prefill>(Address("prefill-0"), *attacker);
+      v1::PrefillRequest request;
+      request.set_request_id("attack-1");
+      for (int32_t t : RandomPrompt(64, 7)) request.add_tokens(t);
+      // Every slot of group 0 of a decode worker, as the issue's attacker named them.
+      request.mutable_target()->set_full_blocks(4);
+      request.mutable_target()->set_block_tokens(16);
+      v1::GroupTarget* group = request.mutable_target()->add_groups();
+      for (int slot = 0; slot < 4; ++slot) group->add_slots(slot);
+      grpc::ClientContext context;
+      context.set_deadline(In(absl::Seconds(10)));
+      v1::PrefillResponse response;
+      ExpectDenied(prefill->Prefill(&context, request, &response), "Prefill/Prefill");
 
-    // Attack 4's last part: Reserve calls that would fill every decode worker's slots.
-    for (const char* decode : {"decode-0", "decode-1"}) {
-      auto stub = Stub<v1::Decode>(Address(decode), *attacker);
-      v1::ReserveRequest reserve;
-      reserve.set_request_id("attack-4");
-      reserve.set_prompt_tokens(32000);
-      reserve.set_max_tokens(4096);
-      grpc::ClientContext reserve_context;
-      reserve_context.set_deadline(In(absl::Seconds(10)));
-      v1::ReserveResponse reserved;
-      ExpectDenied(stub->Reserve(&reserve_context, reserve, &reserved), "Decode/Reserve");
+      // Attack 4's last part: Reserve calls that would fill every decode worker's slots.
+      for (const char* decode : {"decode-0", "decode-1"}) {
+        auto stub = Stub<v1::Decode>(Address(decode), *attacker);
+        v1::ReserveRequest reserve;
+        reserve.set_request_id("attack-4");
+        reserve.set_prompt_tokens(32000);
+        reserve.set_max_tokens(4096);
+        grpc::ClientContext reserve_context;
+        reserve_context.set_deadline(In(absl::Seconds(10)));
+        v1::ReserveResponse reserved;
+        ExpectDenied(stub->Reserve(&reserve_context, reserve, &reserved), "Decode/Reserve");
+      }
     }
   }
+  for (std::thread& t : victims) t.join();
   ExpectVictimUnharmed(101);
   ExpectVictimUnharmed(102);
 }
