@@ -8,6 +8,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/str_split.h"
@@ -415,7 +416,7 @@ TEST(CertsScript, IssuesCertificatesTheServersAccept) {
   KV_ASSERT_OK_AND_ASSIGN(
       testing::CommandResult made,
       testing::RunCommand({"/bin/bash", testing::SourceDir() + "/scripts/certs.sh", certs,
-                           "store/cachestore", "admin/ops", "client/eve"}));
+                           "store/cachestore", "admin/ops", "client/eve", "prefill/prefill-a"}));
   ASSERT_EQ(made.exit_code, 0) << made.stderr_text;
   KV_ASSERT_OK_AND_ASSIGN(
       auto store,
@@ -445,6 +446,22 @@ TEST(CertsScript, IssuesCertificatesTheServersAccept) {
   grpc::Status as_admin = stats("admin-ops");
   EXPECT_TRUE(as_admin.ok()) << as_admin.error_message();
   ExpectDenied(stats("client-eve"), "Stats as a client");
+  // A worker is the node its certificate names: another --node-id or role does not start.
+  const std::vector<std::string> prefill_tls = {"--tls-cert",   certs + "/prefill-prefill-a.pem",
+                                                "--tls-key",    certs + "/prefill-prefill-a.key",
+                                                "--tls-ca",     certs + "/ca.pem",
+                                                "--model",      dir.path(),
+                                                "--cachestore", address};
+  for (const auto& [command, extra, complaint] :
+       std::vector<std::tuple<std::string, std::string, std::string>>{
+           {"prefill", "prefill-b", "differs from the certificate's node id"},
+           {"decode", "prefill-a", "is a prefill certificate, not a decode one"}}) {
+    std::vector<std::string> argv = {testing::BinaryPath("kvrelay"), command, "--node-id", extra};
+    argv.insert(argv.end(), prefill_tls.begin(), prefill_tls.end());
+    KV_ASSERT_OK_AND_ASSIGN(testing::CommandResult r, testing::RunCommand(argv));
+    EXPECT_EQ(r.exit_code, 2) << command;
+    EXPECT_THAT(r.stderr_text, ::testing::HasSubstr(complaint)) << r.stderr_text;
+  }
   // The store refuses to start in plain text unless told so.
   KV_ASSERT_OK_AND_ASSIGN(testing::CommandResult plain,
                           testing::RunCommand({testing::BinaryPath("kvrelay"), "cachestore",
