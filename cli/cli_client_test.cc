@@ -7,13 +7,13 @@
 #include "absl/strings/str_join.h"
 #include "cli/colocated.h"
 #include "cli/up/supervisor.h"
-#include "gateway/tokenizer/byte_tokenizer.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "model/test_model.h"
 #include "tests/testing/process_harness.h"
 #include "tests/testing/status_matchers.h"
 #include "tests/testing/test_env.h"
+#include "tokenizer/byte_tokenizer.h"
 
 namespace kvrelay::cli {
 namespace {
@@ -68,14 +68,14 @@ TEST_F(CliClientTest, ColocatedJsonMatchesTheLibrary) {
   EXPECT_EQ(j["mode"], "colocated");
 
   // --prompt is the byte-level encoding of the text.
-  request.tokens = gateway::EncodeBytes("kvrelay moves KV blocks");
+  request.tokens = *tokenizer::ByteTokenizer().Encode("kvrelay moves KV blocks");
   KV_ASSERT_OK_AND_ASSIGN(expected, generator->Generate(request));
   r = Kvrelay({"generate", "--colocated", "--model", model_dir(), "--prompt",
                "kvrelay moves KV blocks", "--max-tokens", "6", "--json"});
   ASSERT_EQ(r.exit_code, 0) << r.stderr_text;
   j = nlohmann::json::parse(r.stdout_text);
   EXPECT_EQ(j["tokens"].get<std::vector<int32_t>>(), expected.tokens);
-  EXPECT_EQ(j["text"], gateway::DecodeForDisplay(expected.tokens));
+  EXPECT_EQ(j["text"], tokenizer::DecodeBytesForDisplay(expected.tokens));
 
   // Human output names the tokens and the summary.
   r = Kvrelay(

@@ -124,6 +124,20 @@ TEST(Metrics, RendersPrometheusText) {
   EXPECT_THAT(text, HasSubstr("kvrelay_latency_seconds_count 3"));
 }
 
+TEST(Metrics, RendersFunctionMetricsAtEachScrape) {
+  MetricsRegistry registry;
+  double hits = 5;
+  registry.AddCounterFunc("kvrelay_hits_total", "Hits.", {}, [&hits] { return hits; });
+  registry.AddGaugeFunc("kvrelay_bytes", "Bytes.", {{"tier", "host"}}, [] { return 8388608.0; });
+  EXPECT_THAT(registry.RenderText(), HasSubstr("# TYPE kvrelay_hits_total counter\n"
+                                               "kvrelay_hits_total 5\n"));
+  hits = 7;
+  const std::string text = registry.RenderText();
+  EXPECT_THAT(text, HasSubstr("kvrelay_hits_total 7\n"));
+  EXPECT_THAT(text,
+              HasSubstr("# TYPE kvrelay_bytes gauge\nkvrelay_bytes{tier=\"host\"} 8388608\n"));
+}
+
 std::string HttpGet(int port, const std::string& path) {
   int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};

@@ -20,9 +20,9 @@ void AddServerFlags(FlagSet& flags, ServiceHostOptions& options);
 // Registers only the client-side security flags (--tls-cert, --tls-key, --tls-ca, --insecure).
 void AddSecurityFlags(FlagSet& flags, SecurityOptions& security);
 
-// Expands --config, parses, handles --help. Returns an exit code to return at once (0 after
-// --help, 2 with "kvrelay <command>: <message>" on stderr for bad usage), or nullopt to go on.
-// Also settles `security` (TLS when any --tls-* flag is given).
+// Expands --config, then kvrelay::ParseCommandLine (common/flags.h): returns an exit code to
+// return at once (0 after --help, 2 with "kvrelay <command>: <message>" on stderr for bad
+// usage), or nullopt to go on. Also settles `security` (TLS when any --tls-* flag is given).
 std::optional<int> ParseCommandLine(FlagSet& flags, const std::vector<std::string>& raw_args,
                                     const std::string& command,
                                     SecurityOptions* security = nullptr);
@@ -32,7 +32,7 @@ std::optional<int> ParseCommandLine(FlagSet& flags, const std::vector<std::strin
 absl::Status CheckHostPort(const std::string& address, const std::string& what);
 
 // Prints "kvrelay <command>: <message>" and returns `exit_code` (for usage errors after Parse).
-int UsageError(const std::string& command, const std::string& message, int exit_code = 2);
+using ::kvrelay::UsageError;
 
 }  // namespace kvrelay::server
 

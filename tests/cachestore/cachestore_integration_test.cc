@@ -198,6 +198,35 @@ TEST_F(CacheStoreProcessTest, RegisterAllocateCommitMatchQueryAndMetrics) {
   EXPECT_THAT(metrics, HasSubstr("kvrelay_cachestore_prefix_hit_blocks_total 16"));
   EXPECT_THAT(metrics, HasSubstr("kvrelay_cachestore_used_bytes{tier=\"host\"} 8388608"));
   EXPECT_THAT(metrics, HasSubstr("kvrelay_cachestore_rpc_seconds_count{rpc=\"MatchPrefix\"}"));
+  // Every family the store exports, each with its type (one renderer: common/metrics).
+  for (const char* family : {"prefix_queries_total counter",
+                             "prefix_query_blocks_total counter",
+                             "prefix_hit_blocks_total counter",
+                             "allocated_blocks_total counter",
+                             "committed_blocks_total counter",
+                             "aborted_blocks_total counter",
+                             "reclaimed_blocks_total counter",
+                             "evictions_total counter",
+                             "expired_nodes_total counter",
+                             "suspected_nodes_total counter",
+                             "refused_registrations_total counter",
+                             "announced_blocks_total counter",
+                             "nodes gauge",
+                             "suspect_nodes gauge",
+                             "blocks gauge",
+                             "active_leases gauge",
+                             "used_bytes gauge",
+                             "capacity_bytes gauge",
+                             "rpc_errors_total counter",
+                             "rpc_seconds histogram"}) {
+    EXPECT_THAT(metrics, HasSubstr(absl::StrCat("# TYPE kvrelay_cachestore_", family, "\n")));
+  }
+  EXPECT_THAT(metrics, HasSubstr("kvrelay_cachestore_nodes 2\n"));
+  EXPECT_THAT(metrics, HasSubstr("kvrelay_cachestore_blocks 8\n"));
+  EXPECT_THAT(metrics, HasSubstr("kvrelay_cachestore_capacity_bytes{tier=\"gpu\"} 0\n"));
+  EXPECT_THAT(metrics, HasSubstr("kvrelay_cachestore_rpc_errors_total{rpc=\"Commit\"} 0\n"));
+  EXPECT_THAT(metrics,
+              HasSubstr("kvrelay_cachestore_rpc_seconds_bucket{rpc=\"MatchPrefix\",le=\"5e-05\"}"));
   EXPECT_THAT(HttpGet(metrics_port_, "/nope"), HasSubstr("404"));
 }
 
