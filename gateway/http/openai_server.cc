@@ -333,7 +333,7 @@ class TextTracker {
     released_ = end;
     return out;
   }
-  static constexpr std::string_view kReplacementCharacter = "\xEF\xBF\xBD";
+  static constexpr absl::string_view kReplacementCharacter = "\xEF\xBF\xBD";
   const tokenizer::Tokenizer* tokenizer_;
   const std::vector<std::string> stops_;
   size_t hold_ = 0;
