@@ -138,36 +138,16 @@ TEST(Metrics, RendersFunctionMetricsAtEachScrape) {
               HasSubstr("# TYPE kvrelay_bytes gauge\nkvrelay_bytes{tier=\"host\"} 8388608\n"));
 }
 
-std::string HttpGet(int port, const std::string& path) {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    ::close(fd);
-    return "";
-  }
-  const std::string request = "GET " + path + " HTTP/1.0\r\n\r\n";
-  (void)::send(fd, request.data(), request.size(), 0);
-  std::string response;
-  char buf[4096];
-  ssize_t n;
-  while ((n = ::recv(fd, buf, sizeof(buf), 0)) > 0) response.append(buf, static_cast<size_t>(n));
-  ::close(fd);
-  return response;
-}
-
 TEST(HttpServer, ServesMetricsOverRealSocket) {
   MetricsRegistry registry;
   registry.GetCounter("kvrelay_test_total", "Test.")->Increment(7);
   KV_ASSERT_OK_AND_ASSIGN(auto server,
                           HttpServer::Start("127.0.0.1", 0, MetricsHandler(&registry)));
   ASSERT_GT(server->port(), 0);
-  std::string r = HttpGet(server->port(), "/metrics");
+  std::string r = testing::HttpGet(server->port(), "/metrics");
   EXPECT_THAT(r, HasSubstr("HTTP/1.0 200"));
   EXPECT_THAT(r, HasSubstr("kvrelay_test_total 7"));
-  EXPECT_THAT(HttpGet(server->port(), "/nope"), HasSubstr("404"));
+  EXPECT_THAT(testing::HttpGet(server->port(), "/nope"), HasSubstr("404"));
   EXPECT_THAT(HttpServer::Start("not-an-ip", 0, MetricsHandler(&registry)),
               StatusIs(absl::StatusCode::kInvalidArgument));
 }

@@ -37,24 +37,6 @@ std::vector<kv::BlockHash> Chain(const std::string& salt, int n, int start = 0) 
   return kv::HashChain(kv::LayoutFingerprint{}, salt, tokens, 16);
 }
 
-std::string HttpGet(int port, const std::string& path) {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  std::string out;
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
-    const std::string req = "GET " + path + " HTTP/1.0\r\n\r\n";
-    ::send(fd, req.data(), req.size(), 0);
-    char buf[4096];
-    ssize_t n;
-    while ((n = ::recv(fd, buf, sizeof(buf), 0)) > 0) out.append(buf, static_cast<size_t>(n));
-  }
-  ::close(fd);
-  return out;
-}
-
 class CacheStoreProcessTest : public ::testing::Test {
  protected:
   void Start(const std::vector<std::string>& extra = {}) {
@@ -193,7 +175,7 @@ TEST_F(CacheStoreProcessTest, RegisterAllocateCommitMatchQueryAndMetrics) {
   EXPECT_EQ(st.nodes(), 2);
   EXPECT_EQ(st.committed_blocks(), 8);
   EXPECT_EQ(st.policy(), "lrfu");
-  const std::string metrics = HttpGet(metrics_port_, "/metrics");
+  const std::string metrics = testing::HttpGet(metrics_port_, "/metrics");
   EXPECT_THAT(metrics, HasSubstr("200 OK"));
   EXPECT_THAT(metrics, HasSubstr("kvrelay_cachestore_prefix_hit_blocks_total 16"));
   EXPECT_THAT(metrics, HasSubstr("kvrelay_cachestore_used_bytes{tier=\"host\"} 8388608"));
@@ -227,7 +209,7 @@ TEST_F(CacheStoreProcessTest, RegisterAllocateCommitMatchQueryAndMetrics) {
   EXPECT_THAT(metrics, HasSubstr("kvrelay_cachestore_rpc_errors_total{rpc=\"Commit\"} 0\n"));
   EXPECT_THAT(metrics,
               HasSubstr("kvrelay_cachestore_rpc_seconds_bucket{rpc=\"MatchPrefix\",le=\"5e-05\"}"));
-  EXPECT_THAT(HttpGet(metrics_port_, "/nope"), HasSubstr("404"));
+  EXPECT_THAT(testing::HttpGet(metrics_port_, "/nope"), HasSubstr("404"));
 }
 
 TEST_F(CacheStoreProcessTest, WatchEventsResumesFromASequenceNumber) {

@@ -17,6 +17,8 @@
 #include "common/scoped_fd.h"
 #include "common/status_macros.h"
 #include "common/subprocess.h"
+#include "gtest/gtest.h"
+#include "tests/testing/test_env.h"
 
 namespace kvrelay::testing {
 namespace {
@@ -131,6 +133,13 @@ absl::StatusOr<CommandResult> RunCommand(const std::vector<std::string>& argv,
   result.stdout_text = (*child)->Stdout();
   result.stderr_text = (*child)->Stderr();
   return result;
+}
+
+CommandResult RunKvrelay(std::vector<std::string> args, absl::Duration timeout) {
+  args.insert(args.begin(), BinaryPath("kvrelay"));
+  absl::StatusOr<CommandResult> result = RunCommand(args, timeout);
+  EXPECT_TRUE(result.ok()) << result.status();
+  return result.ok() ? *std::move(result) : CommandResult{};
 }
 
 }  // namespace kvrelay::testing
