@@ -145,6 +145,17 @@ absl::Status Gateway::RefreshFromRegistry() {
         prefill_role ? kvrelay::v1::NODE_ROLE_PREFILL : kvrelay::v1::NODE_ROLE_DECODE;
     NodeList kept;
     for (auto& n : nodes) {
+      for (const auto& info : listed.nodes()) {
+        const bool same =
+            n->discovered ? info.node_id() == n->NodeId() && info.incarnation() == n->incarnation
+                          : info.grpc_address() == n->address();
+        if (info.role() == role && same) {
+          n->reported_load.store(static_cast<int32_t>(std::min<int64_t>(
+                                     info.load().active_requests() + info.load().queued_requests(),
+                                     std::numeric_limits<int32_t>::max())),
+                                 std::memory_order_relaxed);
+        }
+      }
       if (!n->discovered) {
         kept.push_back(n);
         continue;
@@ -158,6 +169,7 @@ absl::Status Gateway::RefreshFromRegistry() {
                            std::memory_order_relaxed);
         }
       }
+
       // Forgotten, or replaced by a new process: in-flight requests keep their reference.
       if (listed_same) kept.push_back(n);
     }
@@ -226,9 +238,12 @@ absl::Status Gateway::Validate(const kvrelay::v1::GenerateRequest& request) cons
 Gateway::Node* Gateway::PickPrefill(const NodeList& prefills, const std::vector<int32_t>& prompt,
                                     const std::string& salt, const std::vector<Node*>& excluded,
                                     absl::Time deadline) {
+  // Suspect nodes (the store lost their heartbeats; this gateway may still reach them) are
+  // taken only when no other node is usable: a partitioned store must not stop serving.
+  bool allow_suspect = false;
   auto usable = [&](Node* n) {
     return std::find(excluded.begin(), excluded.end(), n) == excluded.end() &&
-           !n->suspect.load(std::memory_order_relaxed) && n->breaker.Healthy();
+           (allow_suspect || !n->suspect.load(std::memory_order_relaxed)) && n->breaker.Healthy();
   };
   // Node ids, learned from each worker's Status until known (routing matches the store's
   // per-node answer by id).
@@ -265,16 +280,20 @@ Gateway::Node* Gateway::PickPrefill(const NodeList& prefills, const std::vector<
   // open or busy are skipped.
   const uint64_t rotation = prefill_rotation_.fetch_add(1, std::memory_order_relaxed);
   Node* best = nullptr;
-  int64_t best_score = std::numeric_limits<int64_t>::min();
-  for (size_t k = 0; k < prefills.size(); ++k) {
-    const size_t i = (rotation + k) % prefills.size();
-    Node* n = prefills[i].get();
-    if (!usable(n)) continue;
-    const int64_t score = int64_t{matched[i]} * 1000 - n->in_flight.load(std::memory_order_relaxed);
-    if (score > best_score) {
-      best_score = score;
-      best = n;
+  for (bool with_suspect : {false, true}) {
+    allow_suspect = with_suspect;
+    int64_t best_score = std::numeric_limits<int64_t>::min();
+    for (size_t k = 0; k < prefills.size(); ++k) {
+      const size_t i = (rotation + k) % prefills.size();
+      Node* n = prefills[i].get();
+      if (!usable(n)) continue;
+      const int64_t score = int64_t{matched[i]} * 1000 - n->Load();
+      if (score > best_score) {
+        best_score = score;
+        best = n;
+      }
     }
+    if (best != nullptr) break;
   }
   return best;
 }
@@ -293,17 +312,22 @@ Gateway::Node* Gateway::PickDecode(const NodeList& decodes, const std::vector<No
   }
   const uint64_t rotation = decode_rotation_.fetch_add(1, std::memory_order_relaxed);
   Node* best = nullptr;
-  int32_t best_load = std::numeric_limits<int32_t>::max();
-  for (size_t k = 0; k < decodes.size(); ++k) {
-    Node* n = decodes[(rotation + k) % decodes.size()].get();
-    if (is_excluded(n) || n->suspect.load(std::memory_order_relaxed) || !n->breaker.Healthy()) {
-      continue;
+  // Suspect nodes only when nothing else is usable (see PickPrefill).
+  for (bool with_suspect : {false, true}) {
+    int32_t best_load = std::numeric_limits<int32_t>::max();
+    for (size_t k = 0; k < decodes.size(); ++k) {
+      Node* n = decodes[(rotation + k) % decodes.size()].get();
+      if (is_excluded(n) || (!with_suspect && n->suspect.load(std::memory_order_relaxed)) ||
+          !n->breaker.Healthy()) {
+        continue;
+      }
+      const int32_t load = n->Load();
+      if (load < best_load) {
+        best_load = load;
+        best = n;
+      }
     }
-    const int32_t load = n->in_flight.load(std::memory_order_relaxed);
-    if (load < best_load) {
-      best_load = load;
-      best = n;
-    }
+    if (best != nullptr) break;
   }
   return best;
 }

@@ -19,6 +19,7 @@
 //
 // Thread-safe. Endpoints, the store client and the clock must outlive the gateway.
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -106,9 +107,18 @@ class Gateway {
     std::unique_ptr<DecodeEndpoint> decode;
     CircuitBreaker breaker;
     std::atomic<int32_t> in_flight{0};
+    // Active + queued requests the node last reported to the store (every gateway's, not only
+    // this one's); refreshed by each discovery pass.
+    std::atomic<int32_t> reported_load{0};
+    // What the pickers rank by: this gateway's own count reacts at once, the reported one sees
+    // the other gateways' traffic.
+    int32_t Load() const {
+      return std::max(in_flight.load(std::memory_order_relaxed),
+                      reported_load.load(std::memory_order_relaxed));
+    }
     bool discovered = false;           // from the registry (may be dropped), not a fixed address
     uint64_t incarnation = 0;          // discovered: the registered process
-    std::atomic<bool> suspect{false};  // the registry marks it suspect: skipped
+    std::atomic<bool> suspect{false};  // the registry marks it suspect: picked last
     mutable std::mutex mu;
     std::string node_id ABSL_GUARDED_BY(mu);  // learned from Status / Reserve
     const std::string& address() const {
