@@ -4,8 +4,11 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cerrno>
+
 #include "common/clock.h"
 #include "common/config_file.h"
+#include "common/errno_status.h"
 #include "common/event_fd.h"
 #include "common/file_util.h"
 #include "common/flags.h"
@@ -103,6 +106,38 @@ TEST(FlagSet, ParsesEveryKindAndNamesBadFlags) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("missing value")));
   EXPECT_THAT(bad.Parse({"stray"}),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("stray")));
+}
+
+TEST(ErrnoToStatus, AbseilCodesWithLostPeersUnavailableAndTheOperationNamed) {
+  EXPECT_THAT(ErrnoToStatus(ENOENT, "open /x/wal.log"),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("open /x/wal.log: ")));
+  EXPECT_THAT(ErrnoToStatus(EACCES, "open f"), StatusIs(absl::StatusCode::kPermissionDenied));
+  EXPECT_THAT(ErrnoToStatus(ENOSPC, "append f"), StatusIs(absl::StatusCode::kResourceExhausted));
+  EXPECT_THAT(ErrnoToStatus(EADDRINUSE, "bind :1"),
+              StatusIs(absl::StatusCode::kFailedPrecondition));
+  // A peer that is gone is Unavailable, whatever Abseil's table says (never DeadlineExceeded,
+  // which callers read as their own deadline).
+  for (int err : {ECONNREFUSED, ECONNRESET, EHOSTUNREACH, EPIPE, ETIMEDOUT, EADDRNOTAVAIL}) {
+    EXPECT_THAT(ErrnoToStatus(err, "connect to peer"), StatusIs(absl::StatusCode::kUnavailable))
+        << err;
+  }
+  EXPECT_THAT(ErrnoToStatus(EPIPE, "send to 10.0.0.1:7"),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("send to 10.0.0.1:7: ")));
+}
+
+TEST(CommandLine, ParseHelpAndUsageErrorsGiveExitCodes) {
+  std::string name = "x";
+  FlagSet flags("demo", "A demo command.");
+  flags.AddString("name", &name, "a name");
+  EXPECT_EQ(ParseCommandLine(flags, {"--name", "y"}), std::nullopt);
+  EXPECT_EQ(name, "y");
+  FlagSet bad("demo", "A demo command.");
+  EXPECT_EQ(ParseCommandLine(bad, {"--bogus"}), 2);
+  FlagSet help("demo", "A demo command.");
+  EXPECT_EQ(ParseCommandLine(help, {"--help"}), 0);
+  EXPECT_EQ(CommandFailed("demo", absl::NotFoundError("no file")), 2);
+  EXPECT_EQ(CommandFailed("demo", absl::UnavailableError("down")), 1);
+  EXPECT_EQ(UsageError("demo", "bad", 3), 3);
 }
 
 TEST(Metrics, RendersPrometheusText) {
