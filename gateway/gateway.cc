@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <limits>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
@@ -369,9 +370,38 @@ void Gateway::CountFailure(const absl::Status& status, const char* role) {
       ->Increment();
 }
 
+absl::Status Gateway::TakeTenantSlot(const std::string& tenant) {
+  if (options_.max_inflight_per_tenant <= 0) return absl::OkStatus();
+  std::lock_guard<std::mutex> lock(tenants_mu_);
+  int32_t& in_flight = tenant_in_flight_[tenant];
+  if (in_flight >= options_.max_inflight_per_tenant) {
+    if (in_flight == 0) tenant_in_flight_.erase(tenant);
+    metrics_
+        ->GetCounter("kvrelay_gateway_tenant_quota_refusals_total",
+                     "Requests refused because their tenant had its quota in flight.")
+        ->Increment();
+    return proto::Attribute(absl::ResourceExhaustedError(absl::StrCat(
+                                "tenant '", tenant, "' already has ", in_flight,
+                                " requests in flight (quota --max-inflight-per-tenant ",
+                                options_.max_inflight_per_tenant, ")")),
+                            kvrelay::v1::ROLE_CLIENT, "", kvrelay::v1::FAILURE_OVERLOADED);
+  }
+  ++in_flight;
+  return absl::OkStatus();
+}
+
+void Gateway::ReleaseTenantSlot(const std::string& tenant) {
+  if (options_.max_inflight_per_tenant <= 0) return;
+  std::lock_guard<std::mutex> lock(tenants_mu_);
+  auto it = tenant_in_flight_.find(tenant);
+  if (it != tenant_in_flight_.end() && --it->second <= 0) tenant_in_flight_.erase(it);
+}
+
 absl::Status Gateway::Generate(const kvrelay::v1::GenerateRequest& request, absl::Time deadline,
                                const GenerateSink& sink, const std::function<bool()>& cancelled) {
   if (absl::Status s = Validate(request); !s.ok()) return CallerError(std::move(s));
+  KV_RETURN_IF_ERROR(TakeTenantSlot(request.tenant()));
+  absl::Cleanup release_tenant = [&] { ReleaseTenantSlot(request.tenant()); };
   const absl::Time start = absl::Now();
   deadline = std::min(deadline, start + options_.default_deadline);
   const std::string salt = DeriveTenantSalt(options_.tenant_secret, request.tenant());

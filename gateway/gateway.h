@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "cachestore/client/cache_store_client.h"
 #include "common/clock.h"
@@ -54,6 +55,9 @@ struct GatewayOptions {
   absl::Duration chunk_timeout = absl::Seconds(5);         // first token and every gap after it
   absl::Duration route_timeout = absl::Milliseconds(500);  // QueryPrefix / worker Status
   CircuitBreakerOptions breaker;
+  // Requests one tenant may have in flight at once (0: no limit); more are refused with
+  // RESOURCE_EXHAUSTED naming the tenant, so one tenant cannot take every decode slot.
+  int32_t max_inflight_per_tenant = 64;
   // With a store and endpoint factories: how often the registry is read for workers that
   // joined or left (ListNodes); zero turns discovery off.
   absl::Duration discovery_interval = absl::Seconds(1);
@@ -147,6 +151,10 @@ class Gateway {
   // failure carries none). kNone for the caller's own deadline, cancellation or bad input.
   Blame Attribute(const absl::Status& status, Blame called, absl::Time deadline) const;
   void CountFailure(const absl::Status& status, const char* role);
+  // Takes one of `tenant`'s in-flight slots (RESOURCE_EXHAUSTED when it has none left);
+  // ReleaseTenantSlot gives it back.
+  absl::Status TakeTenantSlot(const std::string& tenant);
+  void ReleaseTenantSlot(const std::string& tenant);
 
   const GatewayOptions options_;
   const kv::ModelConfig config_;
@@ -167,6 +175,8 @@ class Gateway {
   std::atomic<uint64_t> prefill_rotation_{0};
   std::atomic<uint64_t> decode_rotation_{0};
   const std::string instance_id_;
+  std::mutex tenants_mu_;
+  absl::flat_hash_map<std::string, int32_t> tenant_in_flight_ ABSL_GUARDED_BY(tenants_mu_);
 
   Histogram* ttft_seconds_;
   Histogram* tpot_seconds_;

@@ -93,7 +93,8 @@ int RunCacheStoreCommand(const std::vector<std::string>& args) {
   }
   host.max_message_bytes = limits.max_message_bytes;
   MetricsRegistry metrics;
-  CacheStoreService service(store->get(), limits, &metrics);
+  CacheStoreService service(store->get(), limits, &metrics,
+                            kvrelay::server::Authorizer(host.security));
   absl::StatusOr<std::unique_ptr<kvrelay::server::ServiceHost>> server =
       kvrelay::server::ServiceHost::Start(host, {&service}, &metrics);
   if (!server.ok()) {

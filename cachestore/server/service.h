@@ -15,6 +15,7 @@
 #include "cachestore/cache_store.h"
 #include "cachestore/limits.h"
 #include "common/metrics.h"
+#include "common/server/auth.h"
 #include "kvrelay/v1/cachestore.grpc.pb.h"
 
 namespace kvrelay::cachestore::server {
@@ -24,8 +25,10 @@ using Limits = ::kvrelay::cachestore::Limits;
 
 class CacheStoreService final : public kvrelay::v1::CacheStore::Service {
  public:
-  // `store` and `metrics` are not owned and must outlive the service.
-  CacheStoreService(CacheStore* store, Limits limits, MetricsRegistry* metrics);
+  // `store` and `metrics` are not owned and must outlive the service. `authorizer` checks every
+  // RPC against common/server/auth.h's table (the default checks nothing: --insecure).
+  CacheStoreService(CacheStore* store, Limits limits, MetricsRegistry* metrics,
+                    kvrelay::server::Authorizer authorizer = {});
 
   grpc::Status RegisterNode(grpc::ServerContext* ctx, const v1::RegisterNodeRequest* req,
                             v1::RegisterNodeResponse* resp) override;
@@ -82,11 +85,14 @@ class CacheStoreService final : public kvrelay::v1::CacheStore::Service {
   // NOT_FOUND means an allocation or lease id that expired (FAILURE_EXPIRED).
   grpc::Status Fail(absl::Status status, bool ids_expire = false) const;
   static const char* RpcName(int rpc);
+  // OK when the caller's certificate may make `rpc` (as `node_id`, for node-scoped RPCs).
+  grpc::Status Authorize(grpc::ServerContext* ctx, Rpc rpc, const std::string& node_id) const;
   // The kvrelay_cachestore_* families: RPC latency and errors, the store's counters and gauges.
   void RegisterMetrics(MetricsRegistry* metrics);
 
   CacheStore* const store_;
   const Limits limits_;
+  const kvrelay::server::Authorizer authorizer_;
   std::array<Histogram*, kNumRpcs> latency_{};  // owned by the registry
   std::array<Counter*, kNumRpcs> errors_{};
   // Release/acquire pair: StopStreams() publishes, WatchEvents loops observe.
