@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "common/errno_status.h"
 #include "common/file_util.h"
 #include "common/logging.h"
 #include "xxhash.h"
@@ -246,8 +247,7 @@ absl::StatusOr<std::unique_ptr<Wal>> Wal::Open(const std::string& path, bool fsy
                                                Recovered* recovered) {
   ScopedFd fd(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
   if (!fd.valid()) {
-    return absl::UnavailableError(
-        absl::StrCat("data-dir: cannot open ", path, ": ", std::strerror(errno)));
+    return ErrnoToStatus(errno, absl::StrCat("data-dir: open ", path));
   }
   std::string data;
   char buf[1 << 16];
@@ -255,7 +255,7 @@ absl::StatusOr<std::unique_ptr<Wal>> Wal::Open(const std::string& path, bool fsy
     const ssize_t n = ::read(fd.get(), buf, sizeof(buf));
     if (n < 0) {
       if (errno == EINTR) continue;
-      return absl::UnavailableError(absl::StrCat("read ", path, ": ", std::strerror(errno)));
+      return ErrnoToStatus(errno, absl::StrCat("read ", path));
     }
     if (n == 0) break;
     data.append(buf, static_cast<size_t>(n));
@@ -269,12 +269,12 @@ absl::StatusOr<std::unique_ptr<Wal>> Wal::Open(const std::string& path, bool fsy
     KV_LOG(WARNING) << "wal " << path << ": " << error << "; cutting " << recovered->cut_bytes
                     << " bytes after " << recovered->ops.size() << " intact records";
     if (::ftruncate(fd.get(), good) != 0) {
-      return absl::UnavailableError(absl::StrCat("truncate ", path, ": ", std::strerror(errno)));
+      return ErrnoToStatus(errno, absl::StrCat("truncate ", path));
     }
     if (fsync) ::fdatasync(fd.get());
   }
   if (::lseek(fd.get(), good, SEEK_SET) < 0) {
-    return absl::UnavailableError(absl::StrCat("seek ", path, ": ", std::strerror(errno)));
+    return ErrnoToStatus(errno, absl::StrCat("seek ", path));
   }
   auto wal = std::unique_ptr<Wal>(new Wal(std::move(fd), path, fsync, good));
   wal->records_ = static_cast<int64_t>(recovered->ops.size());
@@ -290,12 +290,12 @@ absl::Status Wal::Append(const std::vector<WalOp>& ops) {
     const ssize_t n = ::write(fd_.get(), framed.data() + off, framed.size() - off);
     if (n < 0) {
       if (errno == EINTR) continue;
-      return absl::UnavailableError(absl::StrCat("append ", path_, ": ", std::strerror(errno)));
+      return ErrnoToStatus(errno, absl::StrCat("append ", path_));
     }
     off += static_cast<size_t>(n);
   }
   if (fsync_ && ::fdatasync(fd_.get()) != 0) {
-    return absl::UnavailableError(absl::StrCat("fdatasync ", path_, ": ", std::strerror(errno)));
+    return ErrnoToStatus(errno, absl::StrCat("fdatasync ", path_));
   }
   size_ += static_cast<int64_t>(framed.size());
   records_ += static_cast<int64_t>(ops.size());
@@ -304,7 +304,7 @@ absl::Status Wal::Append(const std::vector<WalOp>& ops) {
 
 absl::Status Wal::Reset() {
   if (::ftruncate(fd_.get(), 0) != 0 || ::lseek(fd_.get(), 0, SEEK_SET) < 0) {
-    return absl::UnavailableError(absl::StrCat("truncate ", path_, ": ", std::strerror(errno)));
+    return ErrnoToStatus(errno, absl::StrCat("truncate ", path_));
   }
   if (fsync_) ::fdatasync(fd_.get());
   size_ = 0;

@@ -7,25 +7,18 @@
 #include "absl/strings/str_join.h"
 #include "cli/colocated.h"
 #include "cli/up/supervisor.h"
-#include "gateway/tokenizer/byte_tokenizer.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "model/test_model.h"
 #include "tests/testing/process_harness.h"
 #include "tests/testing/status_matchers.h"
 #include "tests/testing/test_env.h"
+#include "tokenizer/byte_tokenizer.h"
 
 namespace kvrelay::cli {
 namespace {
 
 using ::testing::HasSubstr;
-
-testing::CommandResult Kvrelay(std::vector<std::string> args) {
-  args.insert(args.begin(), testing::BinaryPath("kvrelay"));
-  absl::StatusOr<testing::CommandResult> r = testing::RunCommand(args, absl::Seconds(60));
-  EXPECT_TRUE(r.ok()) << r.status();
-  return r.ok() ? *r : testing::CommandResult{};
-}
 
 class CliClientTest : public ::testing::Test {
  protected:
@@ -53,9 +46,9 @@ TEST_F(CliClientTest, ColocatedJsonMatchesTheLibrary) {
   KV_ASSERT_OK_AND_ASSIGN(GenerationResult expected, generator->Generate(request));
   ASSERT_EQ(expected.tokens.size(), 6u);
 
-  testing::CommandResult r =
-      Kvrelay({"generate", "--colocated", "--model", model_dir(), "--tokens",
-               "5,17,300,4,4,9,100,511,0,42,7,8,1,2,3,4,5,6,7", "--max-tokens", "6", "--json"});
+  testing::CommandResult r = testing::RunKvrelay(
+      {"generate", "--colocated", "--model", model_dir(), "--tokens",
+       "5,17,300,4,4,9,100,511,0,42,7,8,1,2,3,4,5,6,7", "--max-tokens", "6", "--json"});
   ASSERT_EQ(r.exit_code, 0) << r.stderr_text;
   nlohmann::json j = nlohmann::json::parse(r.stdout_text);
   EXPECT_EQ(j["tokens"].get<std::vector<int32_t>>(), expected.tokens);
@@ -68,17 +61,17 @@ TEST_F(CliClientTest, ColocatedJsonMatchesTheLibrary) {
   EXPECT_EQ(j["mode"], "colocated");
 
   // --prompt is the byte-level encoding of the text.
-  request.tokens = gateway::EncodeBytes("kvrelay moves KV blocks");
+  request.tokens = *tokenizer::ByteTokenizer().Encode("kvrelay moves KV blocks");
   KV_ASSERT_OK_AND_ASSIGN(expected, generator->Generate(request));
-  r = Kvrelay({"generate", "--colocated", "--model", model_dir(), "--prompt",
-               "kvrelay moves KV blocks", "--max-tokens", "6", "--json"});
+  r = testing::RunKvrelay({"generate", "--colocated", "--model", model_dir(), "--prompt",
+                           "kvrelay moves KV blocks", "--max-tokens", "6", "--json"});
   ASSERT_EQ(r.exit_code, 0) << r.stderr_text;
   j = nlohmann::json::parse(r.stdout_text);
   EXPECT_EQ(j["tokens"].get<std::vector<int32_t>>(), expected.tokens);
-  EXPECT_EQ(j["text"], gateway::DecodeForDisplay(expected.tokens));
+  EXPECT_EQ(j["text"], tokenizer::DecodeBytesForDisplay(expected.tokens));
 
   // Human output names the tokens and the summary.
-  r = Kvrelay(
+  r = testing::RunKvrelay(
       {"generate", "--colocated", "--model", model_dir(), "--prompt", "hi", "--max-tokens", "3"});
   ASSERT_EQ(r.exit_code, 0) << r.stderr_text;
   EXPECT_THAT(r.stdout_text, HasSubstr("tokens: "));
@@ -89,8 +82,8 @@ TEST_F(CliClientTest, SeededSamplingRepeats) {
   std::vector<std::string> args = {
       "generate", "--colocated",   "--model", model_dir(), "--tokens", "1,2,3,4", "--max-tokens",
       "12",       "--temperature", "1.5",     "--seed",    "99",       "--json"};
-  testing::CommandResult a = Kvrelay(args);
-  testing::CommandResult b = Kvrelay(args);
+  testing::CommandResult a = testing::RunKvrelay(args);
+  testing::CommandResult b = testing::RunKvrelay(args);
   ASSERT_EQ(a.exit_code, 0) << a.stderr_text;
   ASSERT_EQ(b.exit_code, 0) << b.stderr_text;
   EXPECT_EQ(nlohmann::json::parse(a.stdout_text)["tokens"],
@@ -140,7 +133,7 @@ TEST_F(CliClientTest, BadInputExitsTwoWithOneLine) {
       {"up", "--model", "/nonexistent"},
   };
   for (const std::vector<std::string>& args : cases) {
-    testing::CommandResult r = Kvrelay(args);
+    testing::CommandResult r = testing::RunKvrelay(args);
     const std::string what = absl::StrJoin(args, " ");
     EXPECT_EQ(r.exit_code, 2) << what << "\n" << r.stderr_text;
     EXPECT_THAT(r.stderr_text, HasSubstr("kvrelay " + args[0] + ":")) << what;
@@ -151,8 +144,9 @@ TEST_F(CliClientTest, BadInputExitsTwoWithOneLine) {
 
 TEST_F(CliClientTest, UnreachableGatewayIsARuntimeFailure) {
   const int port = testing::PickUnusedPort();  // nothing listens there
-  testing::CommandResult r = Kvrelay({"generate", "--gateway", absl::StrCat("127.0.0.1:", port),
-                                      "--tokens", "1,2,3", "--timeout", "3s", "--insecure"});
+  testing::CommandResult r =
+      testing::RunKvrelay({"generate", "--gateway", absl::StrCat("127.0.0.1:", port), "--tokens",
+                           "1,2,3", "--timeout", "3s", "--insecure"});
   EXPECT_EQ(r.exit_code, 1) << r.stderr_text;
   EXPECT_THAT(r.stderr_text, HasSubstr("kvrelay generate: "));
   EXPECT_EQ(std::count(r.stderr_text.begin(), r.stderr_text.end(), '\n'), 1) << r.stderr_text;

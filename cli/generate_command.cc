@@ -22,16 +22,13 @@
 #include "common/file_util.h"
 #include "common/flags.h"
 #include "common/server/server_flags.h"
-#include "gateway/tokenizer/byte_tokenizer.h"
+#include "tokenizer/byte_tokenizer.h"
 #include "tokenizer/tokenizer.h"
 
 namespace kvrelay::cli {
 namespace {
 
-int UsageError(const std::string& message) {
-  std::fprintf(stderr, "kvrelay generate: %s\n", message.c_str());
-  return 2;
-}
+int UsageError(const std::string& message) { return ::kvrelay::UsageError("generate", message); }
 
 // "1,2,3" (spaces allowed) -> ids; InvalidArgument naming the bad entry.
 absl::StatusOr<std::vector<int32_t>> ParseTokenList(const std::string& text) {
@@ -51,9 +48,10 @@ absl::StatusOr<std::vector<int32_t>> ParseTokenList(const std::string& text) {
 }
 
 // The text of generated ids: --tokenizer's decoding, or the byte tokenizer's display form.
-std::string DisplayText(const std::vector<int32_t>& ids, const tokenizer::Tokenizer* tokenizer) {
-  if (tokenizer == nullptr) return gateway::DecodeForDisplay(ids);
-  absl::StatusOr<std::string> text = tokenizer->Decode(ids);
+std::string DisplayText(const std::vector<int32_t>& ids, const tokenizer::Tokenizer& tokenizer,
+                        bool byte_tokens) {
+  if (byte_tokens) return tokenizer::DecodeBytesForDisplay(ids);
+  absl::StatusOr<std::string> text = tokenizer.Decode(ids);
   return text.ok() ? *text : absl::StrCat("<", text.status().message(), ">");
 }
 
@@ -126,11 +124,7 @@ int RunGenerateCommand(const std::vector<std::string>& args) {
   flags.AddInt32("threads", &threads, "compute threads for --colocated");
   flags.AddDuration("timeout", &timeout, "deadline of the whole request");
   flags.AddBool("json", &json, "print one JSON object");
-  if (absl::Status s = flags.Parse(args); !s.ok()) return UsageError(std::string(s.message()));
-  if (flags.help_requested()) {
-    std::cout << flags.Usage();
-    return 0;
-  }
+  if (std::optional<int> exit_code = ParseCommandLine(flags, args)) return *exit_code;
   if (colocated == !gateway_address.empty()) {
     return UsageError("give exactly one of --gateway ADDR or --colocated");
   }
@@ -155,19 +149,16 @@ int RunGenerateCommand(const std::vector<std::string>& args) {
   }
   GenerationRequest request;
   const bool with_text = flags.WasSet("prompt");
-  std::unique_ptr<tokenizer::Tokenizer> text_tokenizer;  // null: the byte tokenizer
-  if (tokenizer_spec != "byte") {
-    absl::StatusOr<std::unique_ptr<tokenizer::Tokenizer>> loaded =
-        tokenizer::LoadTokenizer(tokenizer_spec);
-    if (!loaded.ok()) return UsageError(absl::StrCat("--tokenizer: ", loaded.status().message()));
-    text_tokenizer = *std::move(loaded);
+  const bool byte_tokens = tokenizer_spec == "byte";
+  absl::StatusOr<std::unique_ptr<tokenizer::Tokenizer>> text_tokenizer =
+      tokenizer::LoadTokenizer(tokenizer_spec);
+  if (!text_tokenizer.ok()) {
+    return UsageError(absl::StrCat("--tokenizer: ", text_tokenizer.status().message()));
   }
-  if (with_text && text_tokenizer != nullptr) {
-    absl::StatusOr<std::vector<int32_t>> ids = text_tokenizer->Encode(prompt);
+  if (with_text) {
+    absl::StatusOr<std::vector<int32_t>> ids = (*text_tokenizer)->Encode(prompt);
     if (!ids.ok()) return UsageError(absl::StrCat("--prompt: ", ids.status().message()));
     request.tokens = *std::move(ids);
-  } else if (with_text) {
-    request.tokens = gateway::EncodeBytes(prompt);
   } else {
     absl::StatusOr<std::vector<int32_t>> parsed = ParseTokenList(tokens_text);
     if (!parsed.ok()) return UsageError(std::string(parsed.status().message()));
@@ -210,7 +201,7 @@ int RunGenerateCommand(const std::vector<std::string>& args) {
     return result.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
   }
   std::optional<std::string> text;
-  if (with_text) text = DisplayText(result->tokens, text_tokenizer.get());
+  if (with_text) text = DisplayText(result->tokens, **text_tokenizer, byte_tokens);
   if (json) {
     std::cout << ResultJson(*result, mode, text).dump() << std::endl;
   } else {

@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -195,14 +196,7 @@ int RunLayoutCommand(const std::vector<std::string>& args) {
   flags.AddInt32("block-tokens", &block_tokens, "tokens per cache block");
   flags.AddBool("json", &json, "print one JSON object");
   flags.AddBool("seed-table", &seed_table, "print the comparison of the seed models");
-  if (absl::Status s = flags.Parse(args); !s.ok()) {
-    std::fprintf(stderr, "kvrelay layout: %s\n", std::string(s.message()).c_str());
-    return 2;
-  }
-  if (flags.help_requested()) {
-    std::cout << flags.Usage();
-    return 0;
-  }
+  if (std::optional<int> exit_code = ParseCommandLine(flags, args)) return *exit_code;
   if (seed_table) return PrintSeedTable();
   if (preset.empty() == config_path.empty()) {
     std::fprintf(stderr, "kvrelay layout: give exactly one of --preset or --config\n");

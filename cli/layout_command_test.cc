@@ -14,15 +14,8 @@ namespace {
 
 using ::testing::HasSubstr;
 
-testing::CommandResult Kvrelay(std::vector<std::string> args) {
-  args.insert(args.begin(), testing::BinaryPath("kvrelay"));
-  absl::StatusOr<testing::CommandResult> r = testing::RunCommand(args);
-  EXPECT_TRUE(r.ok()) << r.status();
-  return r.ok() ? *r : testing::CommandResult{};
-}
-
 TEST(LayoutCommand, SeedTable) {
-  testing::CommandResult r = Kvrelay({"layout", "--seed-table"});
+  testing::CommandResult r = testing::RunKvrelay({"layout", "--seed-table"});
   ASSERT_EQ(r.exit_code, 0) << r.stderr_text;
   EXPECT_THAT(r.stdout_text, HasSubstr("307,200"));
   EXPECT_THAT(r.stdout_text, HasSubstr("131,072"));
@@ -34,7 +27,7 @@ TEST(LayoutCommand, SeedTable) {
 
 TEST(LayoutCommand, JsonForPresetAndConfig) {
   testing::CommandResult r =
-      Kvrelay({"layout", "--preset", "deepseek-v3", "--tokens", "1000", "--json"});
+      testing::RunKvrelay({"layout", "--preset", "deepseek-v3", "--tokens", "1000", "--json"});
   ASSERT_EQ(r.exit_code, 0) << r.stderr_text;
   nlohmann::json j = nlohmann::json::parse(r.stdout_text);
   EXPECT_EQ(j["model"], "deepseek-v3");
@@ -50,13 +43,15 @@ TEST(LayoutCommand, JsonForPresetAndConfig) {
                                   R"({"model_type":"llama","hidden_size":4096,
       "num_attention_heads":32,"num_key_value_heads":8,"num_hidden_layers":32})")
                   .ok());
-  r = Kvrelay({"layout", "--config", dir.File("config.json"), "--dtype", "fp8", "--json"});
+  r = testing::RunKvrelay(
+      {"layout", "--config", dir.File("config.json"), "--dtype", "fp8", "--json"});
   ASSERT_EQ(r.exit_code, 0) << r.stderr_text;
   EXPECT_EQ(nlohmann::json::parse(r.stdout_text)["bytes_per_token"], 65536);
 }
 
 TEST(LayoutCommand, HumanTable) {
-  testing::CommandResult r = Kvrelay({"layout", "--preset", "gemma3-27b", "--tokens", "32768"});
+  testing::CommandResult r =
+      testing::RunKvrelay({"layout", "--preset", "gemma3-27b", "--tokens", "32768"});
   ASSERT_EQ(r.exit_code, 0) << r.stderr_text;
   EXPECT_THAT(r.stdout_text, HasSubstr("sliding_window"));
   EXPECT_THAT(r.stdout_text, HasSubstr("full_attention"));
@@ -70,12 +65,12 @@ TEST(LayoutCommand, BadInputExitsNonZeroWithOneLine) {
                                              {"layout", "--config", "/nonexistent/config.json"},
                                              {"layout", "--bogus"},
                                              {"layout"}}) {
-    testing::CommandResult r = Kvrelay(args);
+    testing::CommandResult r = testing::RunKvrelay(args);
     EXPECT_EQ(r.exit_code, 2) << args.back();
     EXPECT_THAT(r.stderr_text, HasSubstr("kvrelay layout:")) << args.back();
     EXPECT_EQ(std::count(r.stderr_text.begin(), r.stderr_text.end(), '\n'), 1) << r.stderr_text;
   }
-  testing::CommandResult r = Kvrelay({"no-such-command"});
+  testing::CommandResult r = testing::RunKvrelay({"no-such-command"});
   EXPECT_EQ(r.exit_code, 2);
 }
 

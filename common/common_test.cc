@@ -4,8 +4,11 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cerrno>
+
 #include "common/clock.h"
 #include "common/config_file.h"
+#include "common/errno_status.h"
 #include "common/event_fd.h"
 #include "common/file_util.h"
 #include "common/flags.h"
@@ -105,6 +108,38 @@ TEST(FlagSet, ParsesEveryKindAndNamesBadFlags) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("stray")));
 }
 
+TEST(ErrnoToStatus, AbseilCodesWithLostPeersUnavailableAndTheOperationNamed) {
+  EXPECT_THAT(ErrnoToStatus(ENOENT, "open /x/wal.log"),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("open /x/wal.log: ")));
+  EXPECT_THAT(ErrnoToStatus(EACCES, "open f"), StatusIs(absl::StatusCode::kPermissionDenied));
+  EXPECT_THAT(ErrnoToStatus(ENOSPC, "append f"), StatusIs(absl::StatusCode::kResourceExhausted));
+  EXPECT_THAT(ErrnoToStatus(EADDRINUSE, "bind :1"),
+              StatusIs(absl::StatusCode::kFailedPrecondition));
+  // A peer that is gone is Unavailable, whatever Abseil's table says (never DeadlineExceeded,
+  // which callers read as their own deadline).
+  for (int err : {ECONNREFUSED, ECONNRESET, EHOSTUNREACH, EPIPE, ETIMEDOUT, EADDRNOTAVAIL}) {
+    EXPECT_THAT(ErrnoToStatus(err, "connect to peer"), StatusIs(absl::StatusCode::kUnavailable))
+        << err;
+  }
+  EXPECT_THAT(ErrnoToStatus(EPIPE, "send to 10.0.0.1:7"),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("send to 10.0.0.1:7: ")));
+}
+
+TEST(CommandLine, ParseHelpAndUsageErrorsGiveExitCodes) {
+  std::string name = "x";
+  FlagSet flags("demo", "A demo command.");
+  flags.AddString("name", &name, "a name");
+  EXPECT_EQ(ParseCommandLine(flags, {"--name", "y"}), std::nullopt);
+  EXPECT_EQ(name, "y");
+  FlagSet bad("demo", "A demo command.");
+  EXPECT_EQ(ParseCommandLine(bad, {"--bogus"}), 2);
+  FlagSet help("demo", "A demo command.");
+  EXPECT_EQ(ParseCommandLine(help, {"--help"}), 0);
+  EXPECT_EQ(CommandFailed("demo", absl::NotFoundError("no file")), 2);
+  EXPECT_EQ(CommandFailed("demo", absl::UnavailableError("down")), 1);
+  EXPECT_EQ(UsageError("demo", "bad", 3), 3);
+}
+
 TEST(Metrics, RendersPrometheusText) {
   MetricsRegistry registry;
   registry.GetCounter("kvrelay_requests_total", "Requests.", {{"code", "ok"}})->Increment(3);
@@ -124,24 +159,18 @@ TEST(Metrics, RendersPrometheusText) {
   EXPECT_THAT(text, HasSubstr("kvrelay_latency_seconds_count 3"));
 }
 
-std::string HttpGet(int port, const std::string& path) {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    ::close(fd);
-    return "";
-  }
-  const std::string request = "GET " + path + " HTTP/1.0\r\n\r\n";
-  (void)::send(fd, request.data(), request.size(), 0);
-  std::string response;
-  char buf[4096];
-  ssize_t n;
-  while ((n = ::recv(fd, buf, sizeof(buf), 0)) > 0) response.append(buf, static_cast<size_t>(n));
-  ::close(fd);
-  return response;
+TEST(Metrics, RendersFunctionMetricsAtEachScrape) {
+  MetricsRegistry registry;
+  double hits = 5;
+  registry.AddCounterFunc("kvrelay_hits_total", "Hits.", {}, [&hits] { return hits; });
+  registry.AddGaugeFunc("kvrelay_bytes", "Bytes.", {{"tier", "host"}}, [] { return 8388608.0; });
+  EXPECT_THAT(registry.RenderText(), HasSubstr("# TYPE kvrelay_hits_total counter\n"
+                                               "kvrelay_hits_total 5\n"));
+  hits = 7;
+  const std::string text = registry.RenderText();
+  EXPECT_THAT(text, HasSubstr("kvrelay_hits_total 7\n"));
+  EXPECT_THAT(text,
+              HasSubstr("# TYPE kvrelay_bytes gauge\nkvrelay_bytes{tier=\"host\"} 8388608\n"));
 }
 
 TEST(HttpServer, ServesMetricsOverRealSocket) {
@@ -150,10 +179,10 @@ TEST(HttpServer, ServesMetricsOverRealSocket) {
   KV_ASSERT_OK_AND_ASSIGN(auto server,
                           HttpServer::Start("127.0.0.1", 0, MetricsHandler(&registry)));
   ASSERT_GT(server->port(), 0);
-  std::string r = HttpGet(server->port(), "/metrics");
+  std::string r = testing::HttpGet(server->port(), "/metrics");
   EXPECT_THAT(r, HasSubstr("HTTP/1.0 200"));
   EXPECT_THAT(r, HasSubstr("kvrelay_test_total 7"));
-  EXPECT_THAT(HttpGet(server->port(), "/nope"), HasSubstr("404"));
+  EXPECT_THAT(testing::HttpGet(server->port(), "/nope"), HasSubstr("404"));
   EXPECT_THAT(HttpServer::Start("not-an-ip", 0, MetricsHandler(&registry)),
               StatusIs(absl::StatusCode::kInvalidArgument));
 }

@@ -8,12 +8,13 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "common/errno_status.h"
 
 namespace kvrelay {
 
 absl::StatusOr<EventFd> EventFd::Create() {
   int fd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-  if (fd < 0) return absl::ErrnoToStatus(errno, "eventfd");
+  if (fd < 0) return ErrnoToStatus(errno, "eventfd");
   return EventFd(ScopedFd(fd));
 }
 

@@ -8,15 +8,14 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "common/errno_status.h"
 #include "common/scoped_fd.h"
 
 namespace kvrelay {
 namespace {
 
-// One errno -> Status mapping for the whole code base: Abseil's (ENOENT -> NotFound, EACCES ->
-// PermissionDenied, ENOSPC -> ResourceExhausted, ...).
 absl::Status ErrnoStatus(absl::string_view what, const std::string& path, int err) {
-  return absl::ErrnoToStatus(err, absl::StrCat(what, " ", path));
+  return ErrnoToStatus(err, absl::StrCat(what, " ", path));
 }
 
 absl::Status WriteAll(int fd, std::string_view data, const std::string& path) {

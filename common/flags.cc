@@ -1,6 +1,8 @@
 #include "common/flags.h"
 
 #include <algorithm>
+#include <cstdio>
+#include <iostream>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -137,6 +139,28 @@ std::vector<std::string> ArgsFrom(int argc, char** argv, int first) {
   std::vector<std::string> args;
   for (int i = first; i < argc; ++i) args.emplace_back(argv[i]);
   return args;
+}
+
+std::optional<int> ParseCommandLine(FlagSet& flags, const std::vector<std::string>& args) {
+  if (absl::Status parsed = flags.Parse(args); !parsed.ok()) {
+    return UsageError(flags.command(), parsed.message());
+  }
+  if (flags.help_requested()) {
+    std::cout << flags.Usage();
+    return 0;
+  }
+  return std::nullopt;
+}
+
+int UsageError(absl::string_view command, absl::string_view message, int exit_code) {
+  std::fprintf(stderr, "kvrelay %.*s: %.*s\n", static_cast<int>(command.size()), command.data(),
+               static_cast<int>(message.size()), message.data());
+  return exit_code;
+}
+
+int CommandFailed(absl::string_view command, const absl::Status& status) {
+  const bool bad_input = absl::IsInvalidArgument(status) || absl::IsNotFound(status);
+  return UsageError(command, status.message(), bad_input ? 2 : 1);
 }
 
 }  // namespace kvrelay

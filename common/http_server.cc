@@ -12,6 +12,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "common/errno_status.h"
 #include "common/metrics.h"
 
 namespace kvrelay {
@@ -53,13 +54,13 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const std::string&
   }
   std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> addresses(resolved, &::freeaddrinfo);
   ScopedFd fd(::socket(resolved->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
-  if (!fd.valid()) return absl::ErrnoToStatus(errno, "socket");
+  if (!fd.valid()) return ErrnoToStatus(errno, "socket");
   int one = 1;
   ::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
   if (::bind(fd.get(), resolved->ai_addr, resolved->ai_addrlen) != 0) {
-    return absl::ErrnoToStatus(errno, absl::StrCat("metrics-port: bind ", host, ":", port));
+    return ErrnoToStatus(errno, absl::StrCat("metrics-port: bind ", host, ":", port));
   }
-  if (::listen(fd.get(), 16) != 0) return absl::ErrnoToStatus(errno, "listen");
+  if (::listen(fd.get(), 16) != 0) return ErrnoToStatus(errno, "listen");
   sockaddr_storage bound{};
   socklen_t len = sizeof(bound);
   ::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&bound), &len);

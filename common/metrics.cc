@@ -114,6 +114,18 @@ Histogram* MetricsRegistry::GetHistogram(const std::string& name, const std::str
   return slot.get();
 }
 
+void MetricsRegistry::AddCounterFunc(const std::string& name, const std::string& help,
+                                     const MetricLabels& labels, std::function<double()> read) {
+  std::lock_guard<std::mutex> lock(mu_);
+  GetFamily(name, Type::kCounter, help).funcs[labels] = std::move(read);
+}
+
+void MetricsRegistry::AddGaugeFunc(const std::string& name, const std::string& help,
+                                   const MetricLabels& labels, std::function<double()> read) {
+  std::lock_guard<std::mutex> lock(mu_);
+  GetFamily(name, Type::kGauge, help).funcs[labels] = std::move(read);
+}
+
 std::string MetricsRegistry::RenderText() const {
   std::lock_guard<std::mutex> lock(mu_);
   std::string out;
@@ -127,6 +139,9 @@ std::string MetricsRegistry::RenderText() const {
     }
     for (const auto& [labels, g] : family.gauges) {
       absl::StrAppend(&out, name, LabelText(labels), " ", FormatValue(g->value()), "\n");
+    }
+    for (const auto& [labels, read] : family.funcs) {
+      absl::StrAppend(&out, name, LabelText(labels), " ", FormatValue(read()), "\n");
     }
     for (const auto& [labels, h] : family.histograms) {
       std::vector<uint64_t> counts = h->CumulativeCounts();

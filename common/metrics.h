@@ -1,13 +1,17 @@
 #pragma once
 
 // Prometheus metrics: counters, gauges and histograms rendered in the text exposition format
-// (version 0.0.4) by MetricsRegistry::RenderText(), served by MetricsHttpServer.
+// (version 0.0.4) by MetricsRegistry::RenderText(), the one renderer every server's /metrics
+// uses (served by HttpServer through ServiceHost).
 //
 // Thread-safe. Metric objects are owned by the registry and live as long as it does; updates
 // are lock-free (relaxed atomics: a scrape may see one metric a moment ahead of another).
+// Components that already keep their own atomics (the cache store's counters) register them as
+// function metrics, read at each scrape, instead of mirroring them.
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -76,6 +80,13 @@ class MetricsRegistry {
                   const MetricLabels& labels = {});
   Histogram* GetHistogram(const std::string& name, const std::string& help,
                           const std::vector<double>& upper_bounds, const MetricLabels& labels = {});
+  // A counter or gauge whose value `read` returns at each scrape (like Prometheus' CounterFunc /
+  // GaugeFunc). `read` runs under the registry's lock: it must be cheap, thread-safe and must
+  // not call back into this registry. The same (name, labels) again replaces the function.
+  void AddCounterFunc(const std::string& name, const std::string& help, const MetricLabels& labels,
+                      std::function<double()> read);
+  void AddGaugeFunc(const std::string& name, const std::string& help, const MetricLabels& labels,
+                    std::function<double()> read);
   std::string RenderText() const;
 
  private:
@@ -86,6 +97,7 @@ class MetricsRegistry {
     std::map<MetricLabels, std::unique_ptr<Counter>> counters;
     std::map<MetricLabels, std::unique_ptr<Gauge>> gauges;
     std::map<MetricLabels, std::unique_ptr<Histogram>> histograms;
+    std::map<MetricLabels, std::function<double()>> funcs;  // counter or gauge, as `type`
   };
   Family& GetFamily(const std::string& name, Type type, const std::string& help)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

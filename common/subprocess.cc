@@ -10,6 +10,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "common/errno_status.h"
 
 namespace kvrelay {
 
@@ -34,7 +35,7 @@ absl::StatusOr<pid_t> Spawn(const SpawnOptions& options) {
 
   const pid_t parent = ::getpid();
   const pid_t pid = ::fork();
-  if (pid < 0) return absl::ErrnoToStatus(errno, "fork");
+  if (pid < 0) return ErrnoToStatus(errno, "fork");
   if (pid == 0) {
     if (options.own_process_group) ::setpgid(0, 0);
     if (options.stdout_fd >= 0) ::dup2(options.stdout_fd, STDOUT_FILENO);

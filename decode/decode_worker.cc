@@ -25,10 +25,6 @@ absl::Status Invalid(const std::string& message) {
                    kvrelay::v1::FAILURE_INVALID_REQUEST);
 }
 
-std::string FingerprintBytes(const kv::LayoutFingerprint& fp) {
-  return std::string(reinterpret_cast<const char*>(fp.bytes.data()), fp.bytes.size());
-}
-
 absl::Status CheckRequestId(const std::string& id) {
   if (id.empty() || id.size() > limits::kMaxRequestIdBytes) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -112,6 +108,15 @@ absl::Status DecodeWorker::Own(absl::Status status, kvrelay::v1::FailureReason r
   info.set_address(core_->transport_address);
   info.set_reason(reason);
   return proto::WithErrorInfo(std::move(status), info);
+}
+
+absl::Status DecodeWorker::CheckLayoutFingerprint(const std::string& fingerprint) const {
+  const kv::LayoutFingerprint& own = runner_->layout().fingerprint();
+  if (fingerprint == own.ToBytes()) return absl::OkStatus();
+  return Own(absl::FailedPreconditionError(
+                 absl::StrCat("layout_fingerprint: decode node ", core_->node_id, " serves layout ",
+                              own.ToHex(), ", the request was routed for another")),
+             kvrelay::v1::FAILURE_IDENTITY);
 }
 
 std::vector<int64_t> DecodeWorker::BlockBudget(int64_t tokens) const {
@@ -204,13 +209,8 @@ absl::StatusOr<kvrelay::v1::ReserveResponse> DecodeWorker::Reserve(
     return Invalid(absl::StrCat("model: this worker serves '", options_.model_name, "', not '",
                                 request.model(), "'"));
   }
+  if (absl::Status s = CheckLayoutFingerprint(request.layout_fingerprint()); !s.ok()) return s;
   const kv::ModelLayout& layout = runner_->layout();
-  if (request.layout_fingerprint() != FingerprintBytes(layout.fingerprint())) {
-    return Own(absl::FailedPreconditionError(absl::StrCat(
-                   "layout_fingerprint: decode node ", core_->node_id, " serves layout ",
-                   layout.fingerprint().ToHex(), ", the request was routed for another")),
-               kvrelay::v1::FAILURE_IDENTITY);
-  }
   if (request.prompt_tokens() < 1 || request.prompt_tokens() > limits::kMaxPromptTokens) {
     return Invalid(absl::StrCat("prompt_tokens must be in [1, ", limits::kMaxPromptTokens,
                                 "], got ", request.prompt_tokens()));
@@ -294,7 +294,7 @@ absl::StatusOr<kvrelay::v1::ReserveResponse> DecodeWorker::Reserve(
   response.set_full_blocks(r->full_blocks);
   response.set_block_tokens(layout.block_tokens());
   response.set_ttl_ms(absl::ToInt64Milliseconds(options_.reservation_ttl));
-  response.set_layout_fingerprint(FingerprintBytes(layout.fingerprint()));
+  response.set_layout_fingerprint(layout.fingerprint().ToBytes());
   response.set_node_id(core_->node_id);
   response.set_incarnation(core_->incarnation);
   for (size_t g = 0; g < layout.groups().size(); ++g) {
@@ -341,13 +341,8 @@ absl::Status DecodeWorker::Generate(const kvrelay::v1::DecodeRequest& request, a
   if (request.tenant_salt().size() > limits::kMaxTenantSaltBytes) {
     return Invalid(absl::StrCat("tenant_salt is over ", limits::kMaxTenantSaltBytes, " bytes"));
   }
+  if (absl::Status s = CheckLayoutFingerprint(request.layout_fingerprint()); !s.ok()) return s;
   const kv::ModelLayout& layout = runner_->layout();
-  if (request.layout_fingerprint() != FingerprintBytes(layout.fingerprint())) {
-    return Own(absl::FailedPreconditionError(absl::StrCat(
-                   "layout_fingerprint: decode node ", core_->node_id, " serves layout ",
-                   layout.fingerprint().ToHex(), ", the request was routed for another")),
-               kvrelay::v1::FAILURE_IDENTITY);
-  }
   std::vector<int32_t> tokens(request.tokens().begin(), request.tokens().end());
 
   // Wait for the pushed prefix, bounded by the caller's deadline and transfer_wait.
@@ -650,7 +645,7 @@ kvrelay::v1::DecodeStatusResponse DecodeWorker::Describe() {
   response.set_model(options_.model_name);
   response.set_node_id(core_->node_id);
   response.set_incarnation(core_->incarnation);
-  response.set_layout_fingerprint(FingerprintBytes(runner_->layout().fingerprint()));
+  response.set_layout_fingerprint(runner_->layout().fingerprint().ToBytes());
   response.set_active_requests(active_count_);
   response.set_queued_requests(static_cast<int32_t>(pending_.size()));
   response.set_max_queued(options_.max_queued);

@@ -90,6 +90,8 @@ class DecodeWorker {
   explicit DecodeWorker(DecodeWorkerOptions options, MetricsRegistry* metrics);
   absl::Status Init(worker::WorkerCoreDeps deps);
   absl::Status Own(absl::Status status, kvrelay::v1::FailureReason reason) const;
+  // FailedPrecondition (FAILURE_IDENTITY) unless `fingerprint` is this worker's layout's.
+  absl::Status CheckLayoutFingerprint(const std::string& fingerprint) const;
   // KV blocks per group a request of `tokens` total tokens can ever hold.
   std::vector<int64_t> BlockBudget(int64_t tokens) const;
   void ReturnBudget(const std::vector<int64_t>& budget) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

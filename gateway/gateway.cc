@@ -18,10 +18,6 @@
 namespace kvrelay::gateway {
 namespace {
 
-std::string FingerprintBytes(const kv::LayoutFingerprint& fp) {
-  return std::string(reinterpret_cast<const char*>(fp.bytes.data()), fp.bytes.size());
-}
-
 absl::Status CallerError(absl::Status status) {
   return proto::Attribute(std::move(status), kvrelay::v1::ROLE_CLIENT, "",
                           kvrelay::v1::FAILURE_INVALID_REQUEST);
@@ -47,7 +43,7 @@ Gateway::Gateway(GatewayOptions options, kv::ModelConfig config, MetricsRegistry
                  Clock* clock)
     : options_(std::move(options)),
       config_(std::move(config)),
-      layout_fingerprint_(FingerprintBytes(config_.layout.fingerprint())),
+      layout_fingerprint_(config_.layout.fingerprint().ToBytes()),
       metrics_(metrics),
       clock_(clock),
       instance_id_(absl::StrCat(absl::ToUnixMicros(absl::Now()) % 1000000000)) {

@@ -141,9 +141,10 @@ std::string_view LayerKindName(LayerKind kind) {
   return "unknown";
 }
 
-std::string LayoutFingerprint::ToHex() const {
-  return absl::BytesToHexString(
-      absl::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()));
+std::string LayoutFingerprint::ToHex() const { return absl::BytesToHexString(ToBytes()); }
+
+std::string LayoutFingerprint::ToBytes() const {
+  return std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size());
 }
 
 absl::StatusOr<ModelLayout> ModelLayout::Create(std::string model_id, DType dtype,

@@ -74,6 +74,8 @@ struct BlockStrides {
 struct LayoutFingerprint {
   std::array<uint8_t, 16> bytes{};
   std::string ToHex() const;
+  // The 16 bytes as they travel in every `layout_fingerprint` field of the wire protocol.
+  std::string ToBytes() const;
   friend bool operator==(const LayoutFingerprint&, const LayoutFingerprint&) = default;
 };
 

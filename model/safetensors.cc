@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/errno_status.h"
 #include "common/file_util.h"
 #include "common/scoped_fd.h"
 #include "common/status_macros.h"
@@ -87,14 +88,10 @@ std::vector<float> TensorView::ToFloat() const {
 
 absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::string& path) {
   ScopedFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (!fd.valid()) {
-    const int err = errno;
-    if (err == ENOENT) return absl::NotFoundError(absl::StrCat(path, ": no such file"));
-    return absl::InvalidArgumentError(absl::StrCat(path, ": open: ", std::strerror(err)));
-  }
+  if (!fd.valid()) return ErrnoToStatus(errno, absl::StrCat("open ", path));
   struct stat st;
   if (::fstat(fd.get(), &st) != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(path, ": fstat: ", std::strerror(errno)));
+    return ErrnoToStatus(errno, absl::StrCat("fstat ", path));
   }
   const uint64_t file_bytes = static_cast<uint64_t>(st.st_size);
   if (file_bytes < 8) {
@@ -105,7 +102,7 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
   file->path_ = path;
   void* map = ::mmap(nullptr, file_bytes, PROT_READ, MAP_PRIVATE, fd.get(), 0);
   if (map == MAP_FAILED) {
-    return absl::InvalidArgumentError(absl::StrCat(path, ": mmap: ", std::strerror(errno)));
+    return ErrnoToStatus(errno, absl::StrCat("mmap ", path));
   }
   file->mapping_ = map;
   file->mapping_bytes_ = file_bytes;

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "common/file_util.h"
@@ -252,19 +253,8 @@ int RunMakeTestModelCommand(const std::vector<std::string>& args) {
   flags.AddInt32("sliding-window", &o.sliding_window, "gemma3 sliding_window (0: preset)");
   flags.AddString("dtype", &dtype, "weight dtype: bf16 | fp16 | fp32");
   flags.AddInt32("shards", &shards, "number of safetensors files (>1 writes an index)");
-  absl::Status parsed = flags.Parse(args);
-  if (!parsed.ok()) {
-    std::fprintf(stderr, "make-test-model: %s\n", std::string(parsed.message()).c_str());
-    return 2;
-  }
-  if (flags.help_requested()) {
-    std::cout << flags.Usage();
-    return 0;
-  }
-  if (out.empty()) {
-    std::fprintf(stderr, "make-test-model: --out is required\n");
-    return 2;
-  }
+  if (std::optional<int> exit_code = ParseCommandLine(flags, args)) return *exit_code;
+  if (out.empty()) return UsageError(flags.command(), "--out is required");
   if (dtype == "bf16") {
     o.dtype = model::TensorDType::kBf16;
   } else if (dtype == "fp16") {
@@ -272,24 +262,20 @@ int RunMakeTestModelCommand(const std::vector<std::string>& args) {
   } else if (dtype == "fp32") {
     o.dtype = model::TensorDType::kFp32;
   } else {
-    std::fprintf(stderr, "make-test-model: --dtype must be bf16, fp16 or fp32, got '%s'\n",
-                 dtype.c_str());
-    return 2;
+    return UsageError(flags.command(),
+                      absl::StrCat("--dtype must be bf16, fp16 or fp32, got '", dtype, "'"));
   }
   if (shards < 1 || shards > 64) {
-    std::fprintf(stderr, "make-test-model: --shards must be in [1, 64], got %d\n", shards);
-    return 2;
+    return UsageError(flags.command(), absl::StrCat("--shards must be in [1, 64], got ", shards));
   }
   o.shards = shards;
   o.seed = static_cast<uint64_t>(seed);
   if (absl::StatusOr<std::string> preset = model::TestModelPreset(o.arch); !preset.ok()) {
-    std::fprintf(stderr, "make-test-model: %s\n", std::string(preset.status().message()).c_str());
-    return 2;
+    return UsageError(flags.command(), preset.status().message());
   }
   absl::Status status = model::WriteTestModel(out, o);
   if (!status.ok()) {
-    std::fprintf(stderr, "make-test-model: %s\n", status.ToString().c_str());
-    return absl::IsInvalidArgument(status) ? 2 : 1;
+    return UsageError(flags.command(), status.ToString(), absl::IsInvalidArgument(status) ? 2 : 1);
   }
   std::printf("wrote %s model to %s\n", o.arch.c_str(), out.c_str());
   return 0;

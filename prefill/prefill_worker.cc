@@ -13,10 +13,6 @@ namespace {
 
 using ::kvrelay::proto::Attribute;
 
-std::string FingerprintBytes(const kv::LayoutFingerprint& fp) {
-  return std::string(reinterpret_cast<const char*>(fp.bytes.data()), fp.bytes.size());
-}
-
 // Bad input from the caller: never the worker's fault, never worth a retry elsewhere.
 absl::Status CallerError(absl::Status status) {
   return Attribute(std::move(status), kvrelay::v1::ROLE_CLIENT, "",
@@ -137,7 +133,7 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
   if (absl::Status s = Validate(request); !s.ok()) return CallerError(std::move(s));
   // The layout (model, dtype, block size, groups) the caller hashed for, this worker's and the
   // target's must be one and the same, or blocks would be read as another layout's.
-  const std::string own_fingerprint = FingerprintBytes(runner_->layout().fingerprint());
+  const std::string own_fingerprint = runner_->layout().fingerprint().ToBytes();
   if (request.layout_fingerprint() != own_fingerprint) {
     return Own(
         absl::FailedPreconditionError(absl::StrCat(
@@ -362,7 +358,7 @@ kvrelay::v1::PrefillStatusResponse PrefillWorker::Describe() const {
   response.set_active_requests(static_cast<int32_t>(active_->value()));
   response.set_computed_tokens_total(static_cast<int64_t>(computed_tokens_->value()));
   response.set_prefix_hit_tokens_total(static_cast<int64_t>(prefix_hit_tokens_->value()));
-  response.set_layout_fingerprint(FingerprintBytes(runner_->layout().fingerprint()));
+  response.set_layout_fingerprint(runner_->layout().fingerprint().ToBytes());
   return response;
 }
 

@@ -2,6 +2,7 @@
 
 #include <cstdio>
 #include <iostream>
+#include <optional>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -13,12 +14,7 @@
 namespace kvrelay::tokenizer {
 namespace {
 
-int Fail(const absl::Status& s) {
-  std::fprintf(stderr, "kvrelay tokenize: %s\n", s.ToString().c_str());
-  return s.code() == absl::StatusCode::kInvalidArgument || s.code() == absl::StatusCode::kNotFound
-             ? 2
-             : 1;
-}
+int Fail(const absl::Status& s) { return CommandFailed("tokenize", s); }
 
 }  // namespace
 
@@ -39,12 +35,7 @@ int RunTokenizeCommand(const std::vector<std::string>& args) {
   flags.AddBool("generation-prompt", &generation_prompt,
                 "with --user: end with the assistant's header");
   flags.AddBool("skip-special-tokens", &skip_special, "with --ids: leave special tokens out");
-  if (absl::Status s = flags.Parse(args); !s.ok())
-    return Fail(absl::InvalidArgumentError(s.message()));
-  if (flags.help_requested()) {
-    std::cout << flags.Usage();
-    return 0;
-  }
+  if (std::optional<int> exit_code = ParseCommandLine(flags, args)) return *exit_code;
   const int modes = flags.WasSet("text") + flags.WasSet("ids") + flags.WasSet("user");
   if (modes != 1)
     return Fail(absl::InvalidArgumentError("give exactly one of --text, --ids, --user"));

@@ -90,8 +90,33 @@ TEST(ByteTokenizerTest, OneIdPerByte) {
   EXPECT_EQ(*t.Decode(*ids), "h\xC3\xA9");
   EXPECT_THAT(t.Decode({1, 300}),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("300 at position 1")));
-  EXPECT_THAT(t.ApplyChatTemplate({{"user", "x"}}, true),
-              StatusIs(absl::StatusCode::kUnimplemented));
+  EXPECT_THAT(t.Decode({-1}), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_TRUE(t.Encode("")->empty());
+  EXPECT_EQ(t.vocab_size(), 256);
+}
+
+TEST(ByteTokenizerTest, RoundTripsUtf8) {
+  ByteTokenizer t;
+  const std::string text = "h\xC3\xA9llo, w\xC3\xB6rld \xF0\x9F\x99\x82\n";
+  KV_ASSERT_OK_AND_ASSIGN(std::vector<int32_t> ids, t.Encode(text));
+  EXPECT_EQ(ids.size(), text.size());
+  EXPECT_EQ(t.Encode("\xff")->at(0), 255);
+  EXPECT_EQ(*t.Decode(ids), text);
+  EXPECT_EQ(DecodeBytesForDisplay(ids), text);
+}
+
+TEST(ByteTokenizerTest, DisplayEscapesWhatIsNotText) {
+  // 0x01 control byte, a lone continuation byte, a truncated 2-byte sequence, an id >= 256.
+  EXPECT_EQ(DecodeBytesForDisplay({'a', 0x01, 0x80, 'b', 0xC3, 'c', 511}),
+            "a\\x01\\x80b\\xc3c<511>");
+}
+
+// The demo models' chat format (the OpenAI HTTP API's /v1/chat/completions uses it for them).
+TEST(ByteTokenizerTest, PlainChatTemplate) {
+  ByteTokenizer t;
+  EXPECT_EQ(*t.ApplyChatTemplate({{"system", "S"}, {"user", "U"}}, true),
+            "<|system|>\nS\n<|user|>\nU\n<|assistant|>\n");
+  EXPECT_EQ(*t.ApplyChatTemplate({{"user", "U"}}, false), "<|user|>\nU\n");
 }
 
 // A tiny hand-written tokenizer.json: byte-level BPE over "ab" with one merge.

@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <cstdio>
 #include <random>
 
 #include "absl/strings/str_cat.h"
@@ -147,6 +148,26 @@ std::optional<int> WorkerFlags::Parse(FlagSet& flags, const std::vector<std::str
   }
   if (model_name_.empty()) model_name_ = server::ModelNameFromDir(core_.model_dir);
   return std::nullopt;
+}
+
+int ServeWorker(const server::ServiceHostOptions& host, grpc::Service* service,
+                const MetricsRegistry* metrics, const std::string& advertise_host,
+                const std::function<absl::Status(const std::string& grpc_address)>& connect_store,
+                std::function<void()> on_drain) {
+  absl::StatusOr<std::unique_ptr<server::ServiceHost>> server =
+      server::ServiceHost::Start(host, {service}, metrics);
+  absl::Status status = server.status();
+  // Registered only now that the gateway can reach the advertised gRPC address.
+  if (status.ok()) {
+    status = connect_store(
+        absl::StrCat(server::AdvertisedHost(host.host, advertise_host), ":", (*server)->port()));
+  }
+  if (!status.ok()) {
+    std::fprintf(stderr, "kvrelay %s: %s\n", host.name.c_str(), status.ToString().c_str());
+    return 1;
+  }
+  (*server)->WaitForShutdown({.on_drain = std::move(on_drain)});
+  return 0;
 }
 
 }  // namespace kvrelay::worker

@@ -98,4 +98,14 @@ class WorkerFlags {
   std::string& model_name_;
 };
 
+// The tail `kvrelay prefill` and `kvrelay decode` share: serves `service` on `host`, then,
+// once the gRPC address is reachable, registers the worker with the store under that address
+// as others see it (`advertise_host`, see server::AdvertisedHost) through `connect_store`, and
+// serves until SIGTERM/SIGINT, then drains (`on_drain` first). Returns the exit code: 0, or 1
+// with "kvrelay <host.name>: <status>" on stderr when the server or the registration fails.
+int ServeWorker(const server::ServiceHostOptions& host, grpc::Service* service,
+                const MetricsRegistry* metrics, const std::string& advertise_host,
+                const std::function<absl::Status(const std::string& grpc_address)>& connect_store,
+                std::function<void()> on_drain = {});
+
 }  // namespace kvrelay::worker

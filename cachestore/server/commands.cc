@@ -13,6 +13,7 @@
 #include "cachestore/server/service.h"
 #include "common/flags.h"
 #include "common/logging.h"
+#include "common/metrics.h"
 #include "common/server/server_flags.h"
 #include "common/server/service_host.h"
 
@@ -91,10 +92,11 @@ int RunCacheStoreCommand(const std::vector<std::string>& args) {
     return absl::IsInvalidArgument(publisher.status()) ? 2 : 1;
   }
   host.max_message_bytes = limits.max_message_bytes;
-  CacheStoreService service(store->get(), limits, kvrelay::server::Authorizer(host.security));
+  MetricsRegistry metrics;
+  CacheStoreService service(store->get(), limits, &metrics,
+                            kvrelay::server::Authorizer(host.security));
   absl::StatusOr<std::unique_ptr<kvrelay::server::ServiceHost>> server =
-      kvrelay::server::ServiceHost::Start(host, {&service}, /*metrics=*/nullptr,
-                                          [&service] { return service.RenderMetrics(); });
+      kvrelay::server::ServiceHost::Start(host, {&service}, &metrics);
   if (!server.ok()) {
     std::fprintf(stderr, "kvrelay cachestore: %s\n", server.status().ToString().c_str());
     return 1;

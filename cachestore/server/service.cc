@@ -129,41 +129,38 @@ void ToProto(const Location& loc, v1::BlockLocation* out) {
 
 class RpcTimer {
  public:
-  RpcTimer(LatencyHistogram* h, std::atomic<int64_t>* errors) : h_(h), errors_(errors) {}
+  RpcTimer(Histogram* h, Counter* errors) : h_(h), errors_(errors) {}
   ~RpcTimer() { h_->Observe(absl::ToDoubleSeconds(absl::Now() - start_)); }
   grpc::Status Done(grpc::Status s) {
-    if (!s.ok()) errors_->fetch_add(1, std::memory_order_relaxed);
+    if (!s.ok()) errors_->Increment();
     return s;
   }
 
  private:
-  LatencyHistogram* h_;
-  std::atomic<int64_t>* errors_;
+  Histogram* h_;
+  Counter* errors_;
   absl::Time start_ = absl::Now();
 };
 
-}  // namespace
-
-void LatencyHistogram::Observe(double seconds) {
-  size_t i = 0;
-  while (i < kBounds.size() && seconds > kBounds[i]) ++i;
-  buckets_[i].fetch_add(1, std::memory_order_relaxed);
-  count_.fetch_add(1, std::memory_order_relaxed);
-  sum_ns_.fetch_add(static_cast<int64_t>(seconds * 1e9), std::memory_order_relaxed);
+// Finer than LatencyBucketsSeconds() at the low end: most store RPCs take tens of microseconds.
+std::vector<double> RpcBucketsSeconds() {
+  return {0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 1.0, 10.0};
 }
 
-void LatencyHistogram::Render(const std::string& name, const std::string& rpc,
-                              std::string* out) const {
-  int64_t cumulative = 0;
-  for (size_t i = 0; i <= kBounds.size(); ++i) {
-    cumulative += buckets_[i].load(std::memory_order_relaxed);
-    const std::string le = i < kBounds.size() ? absl::StrFormat("%g", kBounds[i]) : "+Inf";
-    absl::StrAppend(out, name, "_bucket{rpc=\"", rpc, "\",le=\"", le, "\"} ", cumulative, "\n");
+const TierUsage& UsageOf(const StoreStats& stats, Tier tier) {
+  static const TierUsage kNone;
+  for (const TierUsage& u : stats.tiers) {
+    if (u.tier == tier) return u;
   }
-  absl::StrAppend(out, name, "_sum{rpc=\"", rpc, "\"} ",
-                  absl::StrFormat("%.9f", sum_ns_.load(std::memory_order_relaxed) / 1e9), "\n");
-  absl::StrAppend(out, name, "_count{rpc=\"", rpc, "\"} ", count_.load(std::memory_order_relaxed),
-                  "\n");
+  return kNone;
+}
+
+}  // namespace
+
+CacheStoreService::CacheStoreService(CacheStore* store, Limits limits, MetricsRegistry* metrics,
+                                     kvrelay::server::Authorizer authorizer)
+    : store_(store), limits_(limits), authorizer_(std::move(authorizer)) {
+  RegisterMetrics(metrics);
 }
 
 const char* CacheStoreService::RpcName(int rpc) {
@@ -278,7 +275,7 @@ grpc::Status ParseLoad(const v1::NodeLoad& in, int64_t max, NodeLoad* out) {
 grpc::Status CacheStoreService::RegisterNode(grpc::ServerContext* ctx,
                                              const v1::RegisterNodeRequest* req,
                                              v1::RegisterNodeResponse* resp) {
-  RpcTimer t(&latency_[kRegister], &errors_[kRegister]);
+  RpcTimer t(latency_[kRegister], errors_[kRegister]);
   if (auto s = CheckDeadline(ctx); !s.ok()) return t.Done(s);
   if (auto s = Authorize(ctx, kRegister, req->node_id()); !s.ok()) return t.Done(s);
   if (auto s = CheckId(req->node_id(), "node_id", limits_.max_id_bytes); !s.ok()) return t.Done(s);
@@ -370,7 +367,7 @@ grpc::Status CacheStoreService::RegisterNode(grpc::ServerContext* ctx,
 grpc::Status CacheStoreService::DeregisterNode(grpc::ServerContext* ctx,
                                                const v1::DeregisterNodeRequest* req,
                                                v1::DeregisterNodeResponse*) {
-  RpcTimer t(&latency_[kDeregister], &errors_[kDeregister]);
+  RpcTimer t(latency_[kDeregister], errors_[kDeregister]);
   if (auto s = CheckDeadline(ctx); !s.ok()) return t.Done(s);
   if (auto s = Authorize(ctx, kDeregister, req->node_id()); !s.ok()) return t.Done(s);
   Caller caller;
@@ -383,7 +380,7 @@ grpc::Status CacheStoreService::DeregisterNode(grpc::ServerContext* ctx,
 grpc::Status CacheStoreService::AnnounceBlocks(grpc::ServerContext* ctx,
                                                const v1::AnnounceBlocksRequest* req,
                                                v1::AnnounceBlocksResponse* resp) {
-  RpcTimer t(&latency_[kAnnounce], &errors_[kAnnounce]);
+  RpcTimer t(latency_[kAnnounce], errors_[kAnnounce]);
   if (auto s = CheckDeadline(ctx); !s.ok()) return t.Done(s);
   if (auto s = Authorize(ctx, kAnnounce, req->node_id()); !s.ok()) return t.Done(s);
   Caller caller;
@@ -427,7 +424,7 @@ grpc::Status CacheStoreService::AnnounceBlocks(grpc::ServerContext* ctx,
 
 grpc::Status CacheStoreService::ListNodes(grpc::ServerContext* ctx, const v1::ListNodesRequest*,
                                           v1::ListNodesResponse* resp) {
-  RpcTimer t(&latency_[kListNodes], &errors_[kListNodes]);
+  RpcTimer t(latency_[kListNodes], errors_[kListNodes]);
   if (auto s = CheckDeadline(ctx); !s.ok()) return t.Done(s);
   if (auto s = Authorize(ctx, kListNodes, ""); !s.ok()) return t.Done(s);
   // The sequence first: whatever changes after it shows up in events after it.
@@ -450,7 +447,7 @@ grpc::Status CacheStoreService::ListNodes(grpc::ServerContext* ctx, const v1::Li
 
 grpc::Status CacheStoreService::Heartbeat(grpc::ServerContext* ctx, const v1::HeartbeatRequest* req,
                                           v1::HeartbeatResponse* resp) {
-  RpcTimer t(&latency_[kHeartbeat], &errors_[kHeartbeat]);
+  RpcTimer t(latency_[kHeartbeat], errors_[kHeartbeat]);
   if (auto s = CheckDeadline(ctx); !s.ok()) return t.Done(s);
   if (auto s = Authorize(ctx, kHeartbeat, req->node_id()); !s.ok()) return t.Done(s);
   if (auto s = CheckId(req->node_id(), "node_id", limits_.max_id_bytes); !s.ok()) return t.Done(s);
@@ -470,7 +467,7 @@ grpc::Status CacheStoreService::Heartbeat(grpc::ServerContext* ctx, const v1::He
 grpc::Status CacheStoreService::MatchPrefix(grpc::ServerContext* ctx,
                                             const v1::MatchPrefixRequest* req,
                                             v1::MatchPrefixResponse* resp) {
-  RpcTimer t(&latency_[kMatch], &errors_[kMatch]);
+  RpcTimer t(latency_[kMatch], errors_[kMatch]);
   if (auto s = CheckDeadline(ctx); !s.ok()) return t.Done(s);
   if (auto s = Authorize(ctx, kMatch, req->node_id()); !s.ok()) return t.Done(s);
   std::vector<kv::BlockHash> chain;
@@ -525,7 +522,7 @@ grpc::Status CacheStoreService::MatchPrefix(grpc::ServerContext* ctx,
 grpc::Status CacheStoreService::QueryPrefix(grpc::ServerContext* ctx,
                                             const v1::QueryPrefixRequest* req,
                                             v1::QueryPrefixResponse* resp) {
-  RpcTimer t(&latency_[kQuery], &errors_[kQuery]);
+  RpcTimer t(latency_[kQuery], errors_[kQuery]);
   if (auto s = CheckDeadline(ctx); !s.ok()) return t.Done(s);
   if (auto s = Authorize(ctx, kQuery, ""); !s.ok()) return t.Done(s);
   std::vector<kv::BlockHash> chain;
@@ -542,7 +539,7 @@ grpc::Status CacheStoreService::QueryPrefix(grpc::ServerContext* ctx,
 
 grpc::Status CacheStoreService::Allocate(grpc::ServerContext* ctx, const v1::AllocateRequest* req,
                                          v1::AllocateResponse* resp) {
-  RpcTimer t(&latency_[kAllocate], &errors_[kAllocate]);
+  RpcTimer t(latency_[kAllocate], errors_[kAllocate]);
   if (auto s = CheckDeadline(ctx); !s.ok()) return t.Done(s);
   if (auto s = Authorize(ctx, kAllocate, req->node_id()); !s.ok()) return t.Done(s);
   if (req->blocks().empty()) return t.Done(Invalid("blocks: at least one block needed"));
@@ -587,7 +584,7 @@ grpc::Status CacheStoreService::Allocate(grpc::ServerContext* ctx, const v1::All
 
 grpc::Status CacheStoreService::Commit(grpc::ServerContext* ctx, const v1::CommitRequest* req,
                                        v1::CommitResponse* resp) {
-  RpcTimer t(&latency_[kCommit], &errors_[kCommit]);
+  RpcTimer t(latency_[kCommit], errors_[kCommit]);
   if (auto s = CheckDeadline(ctx); !s.ok()) return t.Done(s);
   if (auto s = Authorize(ctx, kCommit, req->node_id()); !s.ok()) return t.Done(s);
   if (req->allocation_id() == 0) return t.Done(Invalid("allocation_id: must not be zero"));
@@ -609,7 +606,7 @@ grpc::Status CacheStoreService::Commit(grpc::ServerContext* ctx, const v1::Commi
 
 grpc::Status CacheStoreService::Abort(grpc::ServerContext* ctx, const v1::AbortRequest* req,
                                       v1::AbortResponse*) {
-  RpcTimer t(&latency_[kAbort], &errors_[kAbort]);
+  RpcTimer t(latency_[kAbort], errors_[kAbort]);
   if (auto s = CheckDeadline(ctx); !s.ok()) return t.Done(s);
   if (auto s = Authorize(ctx, kAbort, req->node_id()); !s.ok()) return t.Done(s);
   if (req->allocation_id() == 0) return t.Done(Invalid("allocation_id: must not be zero"));
@@ -623,7 +620,7 @@ grpc::Status CacheStoreService::Abort(grpc::ServerContext* ctx, const v1::AbortR
 grpc::Status CacheStoreService::ReleaseLease(grpc::ServerContext* ctx,
                                              const v1::ReleaseLeaseRequest* req,
                                              v1::ReleaseLeaseResponse*) {
-  RpcTimer t(&latency_[kRelease], &errors_[kRelease]);
+  RpcTimer t(latency_[kRelease], errors_[kRelease]);
   if (auto s = CheckDeadline(ctx); !s.ok()) return t.Done(s);
   if (auto s = Authorize(ctx, kRelease, req->node_id()); !s.ok()) return t.Done(s);
   if (req->lease_id() == 0) return t.Done(Invalid("lease_id: must not be zero"));
@@ -636,7 +633,7 @@ grpc::Status CacheStoreService::ReleaseLease(grpc::ServerContext* ctx,
 
 grpc::Status CacheStoreService::Stats(grpc::ServerContext* ctx, const v1::StatsRequest*,
                                       v1::StatsResponse* resp) {
-  RpcTimer t(&latency_[kStats], &errors_[kStats]);
+  RpcTimer t(latency_[kStats], errors_[kStats]);
   if (auto s = CheckDeadline(ctx); !s.ok()) return t.Done(s);
   if (auto s = Authorize(ctx, kStats, ""); !s.ok()) return t.Done(s);
   StoreStats s = store_->Stats();
@@ -661,7 +658,7 @@ grpc::Status CacheStoreService::Stats(grpc::ServerContext* ctx, const v1::StatsR
 grpc::Status CacheStoreService::WatchEvents(grpc::ServerContext* ctx,
                                             const v1::WatchEventsRequest* req,
                                             grpc::ServerWriter<v1::Event>* writer) {
-  RpcTimer t(&latency_[kWatch], &errors_[kWatch]);
+  RpcTimer t(latency_[kWatch], errors_[kWatch]);
   if (auto s = Authorize(ctx, kWatch, ""); !s.ok()) return t.Done(s);
   uint64_t next = req->from_sequence();
   if (next == 0) next = store_->last_sequence() + 1;
@@ -694,73 +691,65 @@ grpc::Status CacheStoreService::WatchEvents(grpc::ServerContext* ctx,
   return t.Done(grpc::Status::OK);
 }
 
-std::string CacheStoreService::RenderMetrics() const {
-  std::string out;
-  const StoreCounters& c = store_->counters();
-  auto counter = [&](const char* name, const char* help, int64_t v) {
-    absl::StrAppend(&out, "# HELP ", name, " ", help, "\n# TYPE ", name, " counter\n", name, " ", v,
-                    "\n");
+void CacheStoreService::RegisterMetrics(MetricsRegistry* metrics) {
+  for (int i = 0; i < kNumRpcs; ++i) {
+    const MetricLabels rpc = {{"rpc", RpcName(i)}};
+    latency_[i] = metrics->GetHistogram("kvrelay_cachestore_rpc_seconds", "RPC handling latency.",
+                                        RpcBucketsSeconds(), rpc);
+    errors_[i] = metrics->GetCounter("kvrelay_cachestore_rpc_errors_total", "Failed RPCs.", rpc);
+  }
+  // The store keeps these as its own atomics (trace-replay and tests read them too); the
+  // registry reads them at each scrape.
+  const StoreCounters* c = &store_->counters();
+  auto counter = [metrics](const char* name, const char* help, const std::atomic<int64_t>* value) {
+    metrics->AddCounterFunc(name, help, {}, [value] {
+      return static_cast<double>(value->load(std::memory_order_relaxed));
+    });
   };
-  auto gauge = [&](const char* name, const char* help, int64_t v) {
-    absl::StrAppend(&out, "# HELP ", name, " ", help, "\n# TYPE ", name, " gauge\n", name, " ", v,
-                    "\n");
-  };
-  const auto rl = std::memory_order_relaxed;
-  counter("kvrelay_cachestore_prefix_queries_total", "MatchPrefix calls.",
-          c.prefix_queries.load(rl));
+  counter("kvrelay_cachestore_prefix_queries_total", "MatchPrefix calls.", &c->prefix_queries);
   counter("kvrelay_cachestore_prefix_query_blocks_total", "Blocks asked for in MatchPrefix.",
-          c.prefix_query_blocks.load(rl));
+          &c->prefix_query_blocks);
   counter("kvrelay_cachestore_prefix_hit_blocks_total", "Blocks found by MatchPrefix.",
-          c.prefix_hit_blocks.load(rl));
+          &c->prefix_hit_blocks);
   counter("kvrelay_cachestore_allocated_blocks_total", "Blocks reserved by Allocate.",
-          c.allocated_blocks.load(rl));
-  counter("kvrelay_cachestore_committed_blocks_total", "Blocks committed.",
-          c.committed_blocks.load(rl));
+          &c->allocated_blocks);
+  counter("kvrelay_cachestore_committed_blocks_total", "Blocks committed.", &c->committed_blocks);
   counter("kvrelay_cachestore_aborted_blocks_total", "Allocated blocks aborted.",
-          c.aborted_blocks.load(rl));
+          &c->aborted_blocks);
   counter("kvrelay_cachestore_reclaimed_blocks_total",
-          "Allocated blocks reclaimed after the commit timeout.", c.reclaimed_blocks.load(rl));
-  counter("kvrelay_cachestore_evictions_total", "Blocks evicted.", c.evicted_blocks.load(rl));
+          "Allocated blocks reclaimed after the commit timeout.", &c->reclaimed_blocks);
+  counter("kvrelay_cachestore_evictions_total", "Blocks evicted.", &c->evicted_blocks);
   counter("kvrelay_cachestore_expired_nodes_total",
-          "Nodes forgotten after their TTL and the suspect grace period.",
-          c.expired_nodes.load(rl));
+          "Nodes forgotten after their TTL and the suspect grace period.", &c->expired_nodes);
   counter("kvrelay_cachestore_suspected_nodes_total", "Nodes that missed their heartbeat TTL.",
-          c.suspected_nodes.load(rl));
+          &c->suspected_nodes);
   counter("kvrelay_cachestore_refused_registrations_total",
           "Registrations refused (duplicate live node id, bad spec, too many nodes).",
-          c.refused_registrations.load(rl));
+          &c->refused_registrations);
   counter("kvrelay_cachestore_announced_blocks_total", "Blocks indexed from AnnounceBlocks.",
-          c.announced_blocks.load(rl));
-  StoreStats s = store_->Stats();
-  gauge("kvrelay_cachestore_nodes", "Live registered nodes.", s.nodes);
-  gauge("kvrelay_cachestore_suspect_nodes", "Nodes past their TTL, within the grace period.",
-        s.suspect_nodes);
-  gauge("kvrelay_cachestore_blocks", "Committed blocks.", s.committed_blocks);
-  gauge("kvrelay_cachestore_active_leases", "Read leases held.", s.active_leases);
-  absl::StrAppend(&out, "# HELP kvrelay_cachestore_used_bytes Bytes of slots in use by tier.\n",
-                  "# TYPE kvrelay_cachestore_used_bytes gauge\n");
-  for (const TierUsage& u : s.tiers) {
-    absl::StrAppend(&out, "kvrelay_cachestore_used_bytes{tier=\"", std::string(TierName(u.tier)),
-                    "\"} ", u.used_bytes, "\n");
+          &c->announced_blocks);
+  // Gauges from the store's Stats() (a few locks and counts; scrapes are seconds apart).
+  CacheStore* store = store_;
+  auto gauge = [metrics, store](const char* name, const char* help, const MetricLabels& labels,
+                                std::function<double(const StoreStats&)> read) {
+    metrics->AddGaugeFunc(name, help, labels,
+                          [store, read = std::move(read)] { return read(store->Stats()); });
+  };
+  gauge("kvrelay_cachestore_nodes", "Live registered nodes.", {},
+        [](const StoreStats& s) { return s.nodes; });
+  gauge("kvrelay_cachestore_suspect_nodes", "Nodes past their TTL, within the grace period.", {},
+        [](const StoreStats& s) { return s.suspect_nodes; });
+  gauge("kvrelay_cachestore_blocks", "Committed blocks.", {},
+        [](const StoreStats& s) { return s.committed_blocks; });
+  gauge("kvrelay_cachestore_active_leases", "Read leases held.", {},
+        [](const StoreStats& s) { return s.active_leases; });
+  for (Tier tier : {Tier::kGpu, Tier::kHost, Tier::kSsd}) {
+    const MetricLabels labels = {{"tier", std::string(TierName(tier))}};
+    gauge("kvrelay_cachestore_used_bytes", "Bytes of slots in use by tier.", labels,
+          [tier](const StoreStats& s) { return UsageOf(s, tier).used_bytes; });
+    gauge("kvrelay_cachestore_capacity_bytes", "Registered bytes by tier.", labels,
+          [tier](const StoreStats& s) { return UsageOf(s, tier).capacity_bytes; });
   }
-  absl::StrAppend(&out, "# HELP kvrelay_cachestore_capacity_bytes Registered bytes by tier.\n",
-                  "# TYPE kvrelay_cachestore_capacity_bytes gauge\n");
-  for (const TierUsage& u : s.tiers) {
-    absl::StrAppend(&out, "kvrelay_cachestore_capacity_bytes{tier=\"",
-                    std::string(TierName(u.tier)), "\"} ", u.capacity_bytes, "\n");
-  }
-  absl::StrAppend(&out, "# HELP kvrelay_cachestore_rpc_errors_total Failed RPCs.\n",
-                  "# TYPE kvrelay_cachestore_rpc_errors_total counter\n");
-  for (int i = 0; i < kNumRpcs; ++i) {
-    absl::StrAppend(&out, "kvrelay_cachestore_rpc_errors_total{rpc=\"", RpcName(i), "\"} ",
-                    errors_[i].load(rl), "\n");
-  }
-  absl::StrAppend(&out, "# HELP kvrelay_cachestore_rpc_seconds RPC handling latency.\n",
-                  "# TYPE kvrelay_cachestore_rpc_seconds histogram\n");
-  for (int i = 0; i < kNumRpcs; ++i) {
-    latency_[i].Render("kvrelay_cachestore_rpc_seconds", RpcName(i), &out);
-  }
-  return out;
 }
 
 }  // namespace kvrelay::cachestore::server

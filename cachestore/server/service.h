@@ -2,7 +2,9 @@
 
 // CacheStoreService: the thin gRPC glue for kvrelay.v1.CacheStore. It validates every field
 // (size limits answered with INVALID_ARGUMENT / RESOURCE_EXHAUSTED naming the field), converts
-// proto <-> domain, calls the CacheStore and records per-RPC latency for /metrics.
+// proto <-> domain, calls the CacheStore and records per-RPC latency and errors in the server's
+// MetricsRegistry, where it also registers the store's own counters and gauges (read at each
+// scrape), so the store's /metrics comes from the one renderer like every other server's.
 //
 // Thread-safe (gRPC's sync server calls handlers from its thread pool).
 
@@ -12,6 +14,7 @@
 
 #include "cachestore/cache_store.h"
 #include "cachestore/limits.h"
+#include "common/metrics.h"
 #include "common/server/auth.h"
 #include "kvrelay/v1/cachestore.grpc.pb.h"
 
@@ -20,27 +23,12 @@ namespace kvrelay::cachestore::server {
 // The bounds live in cachestore/limits.h; the store and the service share one instance.
 using Limits = ::kvrelay::cachestore::Limits;
 
-// Latency histogram with fixed Prometheus buckets (seconds). Lock-free.
-class LatencyHistogram {
- public:
-  static constexpr std::array<double, 12> kBounds = {
-      0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 1.0, 10.0};
-  void Observe(double seconds);
-  // Appends `name{rpc="..",le=".."}` lines.
-  void Render(const std::string& name, const std::string& rpc, std::string* out) const;
-
- private:
-  std::array<std::atomic<int64_t>, kBounds.size() + 1> buckets_{};
-  std::atomic<int64_t> count_{0};
-  std::atomic<int64_t> sum_ns_{0};
-};
-
 class CacheStoreService final : public kvrelay::v1::CacheStore::Service {
  public:
-  // `store` is not owned and must outlive the service. `authorizer` checks every RPC against
-  // common/server/auth.h's table (the default checks nothing: --insecure).
-  CacheStoreService(CacheStore* store, Limits limits, kvrelay::server::Authorizer authorizer = {})
-      : store_(store), limits_(limits), authorizer_(authorizer) {}
+  // `store` and `metrics` are not owned and must outlive the service. `authorizer` checks every
+  // RPC against common/server/auth.h's table (the default checks nothing: --insecure).
+  CacheStoreService(CacheStore* store, Limits limits, MetricsRegistry* metrics,
+                    kvrelay::server::Authorizer authorizer = {});
 
   grpc::Status RegisterNode(grpc::ServerContext* ctx, const v1::RegisterNodeRequest* req,
                             v1::RegisterNodeResponse* resp) override;
@@ -69,8 +57,6 @@ class CacheStoreService final : public kvrelay::v1::CacheStore::Service {
   grpc::Status WatchEvents(grpc::ServerContext* ctx, const v1::WatchEventsRequest* req,
                            grpc::ServerWriter<v1::Event>* writer) override;
 
-  // Prometheus text exposition of the store's counters, gauges and the RPC histograms.
-  std::string RenderMetrics() const;
   // Makes WatchEvents streams end (server shutdown).
   void StopStreams() { stopping_.store(true, std::memory_order_release); }
 
@@ -101,12 +87,14 @@ class CacheStoreService final : public kvrelay::v1::CacheStore::Service {
   static const char* RpcName(int rpc);
   // OK when the caller's certificate may make `rpc` (as `node_id`, for node-scoped RPCs).
   grpc::Status Authorize(grpc::ServerContext* ctx, Rpc rpc, const std::string& node_id) const;
+  // The kvrelay_cachestore_* families: RPC latency and errors, the store's counters and gauges.
+  void RegisterMetrics(MetricsRegistry* metrics);
 
   CacheStore* const store_;
   const Limits limits_;
   const kvrelay::server::Authorizer authorizer_;
-  std::array<LatencyHistogram, kNumRpcs> latency_;
-  std::array<std::atomic<int64_t>, kNumRpcs> errors_{};
+  std::array<Histogram*, kNumRpcs> latency_{};  // owned by the registry
+  std::array<Counter*, kNumRpcs> errors_{};
   // Release/acquire pair: StopStreams() publishes, WatchEvents loops observe.
   std::atomic<bool> stopping_{false};
 };

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <iostream>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -26,10 +27,7 @@ namespace kvrelay::cachestore {
 
 namespace {
 
-int Fail(const absl::Status& status) {
-  std::fprintf(stderr, "kvrelay plan: %s\n", std::string(status.message()).c_str());
-  return absl::IsInvalidArgument(status) || absl::IsNotFound(status) ? 2 : 1;
-}
+int Fail(const absl::Status& status) { return CommandFailed("plan", status); }
 
 // Hit rate vs memory, one curve per (model, policy), drawn by Debian's python3-matplotlib.
 constexpr char kPlotScript[] = R"PY(
@@ -145,11 +143,7 @@ int RunPlanCommand(const std::vector<std::string>& args) {
                   "print the least memory (interpolated) that reaches this hit rate");
   flags.AddString("plot", &plot, "write a PNG: hit rate vs memory, one curve per model");
   flags.AddBool("json", &json, "one JSON object per row");
-  if (absl::Status s = flags.Parse(args); !s.ok()) return Fail(s);
-  if (flags.help_requested()) {
-    std::cout << flags.Usage();
-    return 0;
-  }
+  if (std::optional<int> exit_code = ParseCommandLine(flags, args)) return *exit_code;
   if (!(target > 0 && target < 1)) {
     return Fail(absl::InvalidArgumentError(
         absl::StrCat("target-hit-rate: want a fraction in (0, 1), got ", target)));

@@ -2,6 +2,7 @@
 
 #include <cstdio>
 #include <iostream>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -18,14 +19,7 @@
 
 namespace kvrelay::cachestore {
 
-namespace {
-
-int Fail(const char* command, const absl::Status& status) {
-  std::fprintf(stderr, "kvrelay %s: %s\n", command, std::string(status.message()).c_str());
-  return absl::IsInvalidArgument(status) || absl::IsNotFound(status) ? 2 : 1;
-}
-
-}  // namespace
+namespace {}  // namespace
 
 int RunTraceReplayCommand(const std::vector<std::string>& args) {
   FlagSet flags("trace-replay",
@@ -42,21 +36,17 @@ int RunTraceReplayCommand(const std::vector<std::string>& args) {
   flags.AddString("policy", &policies_text,
                   "comma list of lru, leaf-lru, lrfu (default), adaptive, belady; all = each");
   flags.AddBool("json", &json, "one JSON object per result");
-  if (absl::Status s = flags.Parse(args); !s.ok()) return Fail("trace-replay", s);
-  if (flags.help_requested()) {
-    std::cout << flags.Usage();
-    return 0;
-  }
+  if (std::optional<int> exit_code = ParseCommandLine(flags, args)) return *exit_code;
   absl::StatusOr<std::vector<int64_t>> capacities =
       ParsePositiveList("capacity-blocks", capacities_text);
-  if (!capacities.ok()) return Fail("trace-replay", capacities.status());
+  if (!capacities.ok()) return CommandFailed("trace-replay", capacities.status());
   absl::StatusOr<std::vector<std::string>> policies = ParsePolicyList("policy", policies_text);
-  if (!policies.ok()) return Fail("trace-replay", policies.status());
+  if (!policies.ok()) return CommandFailed("trace-replay", policies.status());
   absl::StatusOr<LoadedTrace> trace = source.Load();
-  if (!trace.ok()) return Fail("trace-replay", trace.status());
+  if (!trace.ok()) return CommandFailed("trace-replay", trace.status());
   absl::StatusOr<std::vector<ReplayResult>> results =
       ReplaySweep(trace->requests, *capacities, *policies);
-  if (!results.ok()) return Fail("trace-replay", results.status());
+  if (!results.ok()) return CommandFailed("trace-replay", results.status());
   for (const ReplayResult& r : *results) {
     if (json) {
       std::printf(
@@ -90,20 +80,17 @@ int RunTraceGenCommand(const std::vector<std::string>& args) {
   flags.AddInt64("seed", &seed, "generator seed (same seed, same trace)");
   flags.AddInt64("requests", &requests, "number of requests (1..10000000)");
   flags.AddString("out", &out, "output file; empty = stdout");
-  if (absl::Status s = flags.Parse(args); !s.ok()) return Fail("trace-gen", s);
-  if (flags.help_requested()) {
-    std::cout << flags.Usage();
-    return 0;
-  }
+  if (std::optional<int> exit_code = ParseCommandLine(flags, args)) return *exit_code;
   absl::StatusOr<std::vector<TraceRequest>> trace =
       GenerateTrace(shape, static_cast<uint64_t>(seed), requests);
-  if (!trace.ok()) return Fail("trace-gen", trace.status());
+  if (!trace.ok()) return CommandFailed("trace-gen", trace.status());
   const std::string text = TraceToJsonLines(*trace);
   if (out.empty()) {
     std::fwrite(text.data(), 1, text.size(), stdout);
     return 0;
   }
-  if (absl::Status s = WriteFileAtomically(out, text); !s.ok()) return Fail("trace-gen", s);
+  if (absl::Status s = WriteFileAtomically(out, text); !s.ok())
+    return CommandFailed("trace-gen", s);
   return 0;
 }
 

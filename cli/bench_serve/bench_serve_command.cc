@@ -33,10 +33,7 @@ namespace {
 using bench_serve::RunReport;
 using bench_serve::WorkloadRequest;
 
-int UsageError(const std::string& message) {
-  std::fprintf(stderr, "kvrelay bench-serve: %s\n", message.c_str());
-  return 2;
-}
+int UsageError(const std::string& message) { return ::kvrelay::UsageError("bench-serve", message); }
 
 absl::StatusOr<std::vector<double>> ParseRates(const std::string& text) {
   std::vector<double> rates;
@@ -175,11 +172,7 @@ int RunBenchServeCommand(const std::vector<std::string>& args) {
   flags.AddDuration("wait-ready", &wait_ready,
                     "first wait up to this for the gateway to serve one request (0 = don't)");
   flags.AddBool("quiet", &quiet, "no progress line");
-  if (absl::Status s = flags.Parse(args); !s.ok()) return UsageError(std::string(s.message()));
-  if (flags.help_requested()) {
-    std::cout << flags.Usage();
-    return 0;
-  }
+  if (std::optional<int> exit_code = ParseCommandLine(flags, args)) return *exit_code;
   if (gateway.empty()) return UsageError("--gateway HOST:PORT is required");
   if (max_requests < 1)
     return UsageError(absl::StrCat("--max-requests must be >= 1, got ", max_requests));

@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "common/errno_status.h"
 #include "common/subprocess.h"
 
 namespace kvrelay::cli {
@@ -64,10 +65,10 @@ absl::StatusOr<std::unique_ptr<Supervisor>> Supervisor::Create() {
   // Blocked here, inherited by every thread created later (gRPC's included), so the signals
   // are only ever delivered through the signalfd.
   if (int rc = pthread_sigmask(SIG_BLOCK, &set, nullptr); rc != 0) {
-    return absl::ErrnoToStatus(rc, "pthread_sigmask");
+    return ErrnoToStatus(rc, "pthread_sigmask");
   }
   int fd = ::signalfd(-1, &set, SFD_CLOEXEC | SFD_NONBLOCK);
-  if (fd < 0) return absl::ErrnoToStatus(errno, "signalfd");
+  if (fd < 0) return ErrnoToStatus(errno, "signalfd");
   s->signal_fd_.Reset(fd);
   // A closed stdout (`kvrelay up | head`) must not kill the supervisor and orphan the children.
   ::signal(SIGPIPE, SIG_IGN);
@@ -88,12 +89,12 @@ absl::StatusOr<int> Supervisor::Start(const std::string& name,
                                       const std::vector<std::string>& argv) {
   if (argv.empty()) return absl::InvalidArgumentError("Start: empty argv");
   int out[2], err[2];
-  if (::pipe2(out, O_CLOEXEC) != 0) return absl::ErrnoToStatus(errno, "pipe");
+  if (::pipe2(out, O_CLOEXEC) != 0) return ErrnoToStatus(errno, "pipe");
   if (::pipe2(err, O_CLOEXEC) != 0) {
     const int saved = errno;
     ::close(out[0]);
     ::close(out[1]);
-    return absl::ErrnoToStatus(saved, "pipe");
+    return ErrnoToStatus(saved, "pipe");
   }
   // Its own process group, so a Ctrl-C in the terminal reaches only the supervisor, which then
   // stops the services in order (a service that already drains on SIGINT would take the

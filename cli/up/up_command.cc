@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <iostream>
+#include <optional>
 #include <string>
 #include <system_error>
 #include <vector>
@@ -37,15 +38,9 @@
 namespace kvrelay::cli {
 namespace {
 
-int UsageError(const std::string& message) {
-  std::fprintf(stderr, "kvrelay up: %s\n", message.c_str());
-  return 2;
-}
+int UsageError(const std::string& message) { return ::kvrelay::UsageError("up", message); }
 
-int Fail(const std::string& message) {
-  std::fprintf(stderr, "kvrelay up: %s\n", message.c_str());
-  return 1;
-}
+int Fail(const std::string& message) { return ::kvrelay::UsageError("up", message, 1); }
 
 std::vector<std::string> SplitArgs(const std::string& text) {
   return absl::StrSplit(text, absl::ByAnyChar(" \t"), absl::SkipEmpty());
@@ -144,11 +139,7 @@ int RunUpCommand(const std::vector<std::string>& args) {
                 "certificates in the data directory)");
   std::string tenant = "default";
   flags.AddString("tenant", &tenant, "tenant of the client certificate `up` issues");
-  if (absl::Status s = flags.Parse(args); !s.ok()) return UsageError(std::string(s.message()));
-  if (flags.help_requested()) {
-    std::cout << flags.Usage();
-    return 0;
-  }
+  if (std::optional<int> exit_code = ParseCommandLine(flags, args)) return *exit_code;
   if (num_prefill < 1 || num_prefill > 16) {
     return UsageError(absl::StrCat("--prefill must be in [1, 16], got ", num_prefill));
   }

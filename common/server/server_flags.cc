@@ -56,19 +56,12 @@ absl::Status SettleSecurity(const FlagSet& flags, SecurityOptions& security) {
   return absl::OkStatus();
 }
 
-int UsageError(const std::string& command, const std::string& message, int exit_code) {
-  std::fprintf(stderr, "kvrelay %s: %s\n", command.c_str(), message.c_str());
-  return exit_code;
-}
-
 std::optional<int> ParseCommandLine(FlagSet& flags, const std::vector<std::string>& raw_args,
                                     const std::string& command, SecurityOptions* security) {
   absl::StatusOr<std::vector<std::string>> args = ExpandConfigFile(raw_args);
-  absl::Status parsed = args.ok() ? flags.Parse(*args) : args.status();
-  if (!parsed.ok()) return UsageError(command, std::string(parsed.message()));
-  if (flags.help_requested()) {
-    std::cout << flags.Usage();
-    return 0;
+  if (!args.ok()) return UsageError(command, args.status().message());
+  if (std::optional<int> exit_code = ::kvrelay::ParseCommandLine(flags, *args)) {
+    return exit_code;
   }
   if (security != nullptr) {
     if (absl::Status s = SettleSecurity(flags, *security); !s.ok()) {

@@ -20,9 +20,9 @@ void AddServerFlags(FlagSet& flags, ServiceHostOptions& options);
 // Registers only the client-side security flags (--tls-cert, --tls-key, --tls-ca, --insecure).
 void AddSecurityFlags(FlagSet& flags, SecurityOptions& security);
 
-// Expands --config, parses, handles --help. Returns an exit code to return at once (0 after
-// --help, 2 with "kvrelay <command>: <message>" on stderr for bad usage), or nullopt to go on.
-// Also settles `security` (SettleSecurity).
+// Expands --config, then kvrelay::ParseCommandLine (common/flags.h): returns an exit code to
+// return at once (0 after --help, 2 with "kvrelay <command>: <message>" on stderr for bad
+// usage), or nullopt to go on. Also settles `security` (SettleSecurity).
 std::optional<int> ParseCommandLine(FlagSet& flags, const std::vector<std::string>& raw_args,
                                     const std::string& command,
                                     SecurityOptions* security = nullptr);
@@ -36,7 +36,7 @@ absl::Status SettleSecurity(const FlagSet& flags, SecurityOptions& security);
 absl::Status CheckHostPort(const std::string& address, const std::string& what);
 
 // Prints "kvrelay <command>: <message>" and returns `exit_code` (for usage errors after Parse).
-int UsageError(const std::string& command, const std::string& message, int exit_code = 2);
+using ::kvrelay::UsageError;
 
 }  // namespace kvrelay::server
 

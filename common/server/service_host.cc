@@ -20,7 +20,7 @@ void ServiceHost::BlockShutdownSignals() {
 
 absl::StatusOr<std::unique_ptr<ServiceHost>> ServiceHost::Start(
     const ServiceHostOptions& options, const std::vector<grpc::Service*>& services,
-    const MetricsRegistry* metrics, ExtraMetrics extra_metrics) {
+    const MetricsRegistry* metrics) {
   if (options.port < 0 || options.port > 65535) {
     return absl::InvalidArgumentError(
         absl::StrCat("--port must be in [0, 65535], got ", options.port));
@@ -32,17 +32,8 @@ absl::StatusOr<std::unique_ptr<ServiceHost>> ServiceHost::Start(
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
       ServerCredentialsFor(options.security);
   if (!credentials.ok()) return credentials.status();
-  HttpHandler metrics_handler = MetricsHandler(metrics);
-  if (extra_metrics) {
-    metrics_handler = [base = std::move(metrics_handler),
-                       extra = std::move(extra_metrics)](const std::string& path) {
-      HttpResponse response = base(path);
-      if (path == "/metrics") response.body += extra();
-      return response;
-    };
-  }
   absl::StatusOr<std::unique_ptr<HttpServer>> http =
-      HttpServer::Start(options.host, options.metrics_port, std::move(metrics_handler));
+      HttpServer::Start(options.host, options.metrics_port, MetricsHandler(metrics));
   if (!http.ok()) return http.status();
 
   grpc::EnableDefaultHealthCheckService(true);
@@ -133,10 +124,9 @@ void ServiceHost::WaitForShutdown(const ShutdownHooks& hooks) {
 }
 
 int ServeUntilSignal(const ServiceHostOptions& options, const std::vector<grpc::Service*>& services,
-                     const MetricsRegistry* metrics, const ShutdownHooks& hooks,
-                     ExtraMetrics extra_metrics) {
+                     const MetricsRegistry* metrics, const ShutdownHooks& hooks) {
   absl::StatusOr<std::unique_ptr<ServiceHost>> server =
-      ServiceHost::Start(options, services, metrics, std::move(extra_metrics));
+      ServiceHost::Start(options, services, metrics);
   if (!server.ok()) {
     std::fprintf(stderr, "kvrelay %s: %s\n", options.name.c_str(),
                  server.status().ToString().c_str());

@@ -41,9 +41,6 @@ struct ServiceHostOptions {
   std::vector<std::string> health_services;
 };
 
-// Appended to the registry's text on /metrics (for components that keep their own counters).
-using ExtraMetrics = std::function<std::string()>;
-
 struct ShutdownHooks {
   std::function<void()> on_drain;  // after health turned NOT_SERVING, before the server stops
   std::function<void()> on_tick;   // periodically on the waiting thread until the signal
@@ -58,7 +55,7 @@ class ServiceHost {
 
   static absl::StatusOr<std::unique_ptr<ServiceHost>> Start(
       const ServiceHostOptions& options, const std::vector<grpc::Service*>& services,
-      const MetricsRegistry* metrics, ExtraMetrics extra_metrics = {});
+      const MetricsRegistry* metrics);
   ~ServiceHost();
 
   int port() const { return port_; }
@@ -88,7 +85,6 @@ class ServiceHost {
 // The tail of every server subcommand: serves `services` until SIGTERM/SIGINT, then drains.
 // Returns the process exit code (1 when the server cannot start).
 int ServeUntilSignal(const ServiceHostOptions& options, const std::vector<grpc::Service*>& services,
-                     const MetricsRegistry* metrics, const ShutdownHooks& hooks = {},
-                     ExtraMetrics extra_metrics = {});
+                     const MetricsRegistry* metrics, const ShutdownHooks& hooks = {});
 
 }  // namespace kvrelay::server

@@ -37,9 +37,7 @@ TEST(ServiceHost, ServesHealthMetricsAndDrainsOnRequest) {
   options.drain_timeout = absl::Seconds(1);
   options.health_services = {"kvrelay.v1.Prefill"};
   kvrelay::v1::Prefill::Service unimplemented;  // any service: gRPC needs one to serve
-  KV_ASSERT_OK_AND_ASSIGN(auto host, ServiceHost::Start(options, {&unimplemented}, &metrics, [] {
-                            return std::string("kvrelay_extra 1\n");
-                          }));
+  KV_ASSERT_OK_AND_ASSIGN(auto host, ServiceHost::Start(options, {&unimplemented}, &metrics));
   ASSERT_GT(host->port(), 0);
   KV_ASSERT_OK_AND_ASSIGN(auto channel, MakeChannel(host->address(), SecurityOptions{}));
   EXPECT_EQ(Check(channel.get(), ""), grpc::health::v1::HealthCheckResponse::SERVING);

@@ -47,22 +47,10 @@ int RunDecodeCommand(const std::vector<std::string>& raw_args) {
   std::fprintf(stderr, "decode: model %s, node %s, data plane %s\n", options.model_name.c_str(),
                (*worker)->node_id().c_str(), (*worker)->transport_address().c_str());
   DecodeService service(worker->get(), kvrelay::server::Authorizer(host.security));
-  absl::StatusOr<std::unique_ptr<kvrelay::server::ServiceHost>> server =
-      kvrelay::server::ServiceHost::Start(host, {&service}, &metrics);
-  if (!server.ok()) {
-    std::fprintf(stderr, "kvrelay decode: %s\n", server.status().ToString().c_str());
-    return 1;
-  }
-  // Registered only now that the gateway can reach the advertised gRPC address.
-  const std::string advertised =
-      absl::StrCat(kvrelay::server::AdvertisedHost(host.host, options.core.advertise_host), ":",
-                   (*server)->port());
-  if (absl::Status s = (*worker)->ConnectStore(advertised); !s.ok()) {
-    std::fprintf(stderr, "kvrelay decode: %s\n", s.ToString().c_str());
-    return 1;
-  }
-  (*server)->WaitForShutdown({.on_drain = [&] { (*worker)->Drain(); }});
-  return 0;
+  return worker::ServeWorker(
+      host, &service, &metrics, options.core.advertise_host,
+      [&](const std::string& grpc_address) { return (*worker)->ConnectStore(grpc_address); },
+      [&] { (*worker)->Drain(); });
 }
 
 }  // namespace kvrelay::decode::server

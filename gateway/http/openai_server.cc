@@ -1,17 +1,19 @@
 #include "gateway/http/openai_server.h"
 
 #include <httplib.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
-#include "gateway/tokenizer/byte_tokenizer.h"
 #include "nlohmann/json.hpp"
 #include "proto/grpc_status.h"
 #include "proto/limits.h"
+#include "tokenizer/byte_tokenizer.h"
 
 namespace kvrelay::gateway {
 namespace {
@@ -21,27 +23,19 @@ using Json = nlohmann::json;
 constexpr int kMaxStops = 4;
 constexpr size_t kMaxStopBytes = 256;
 
-class ByteTextCodec final : public TextCodec {
- public:
-  absl::StatusOr<std::vector<int32_t>> Encode(std::string_view text) const override {
-    return EncodeBytes(text);
+// Best-effort text of generated ids: ids without text in this tokenizer (a random-weight demo
+// model's upper half, padding rows of an embedding) are left out; special tokens too, as
+// OpenAI-compatible servers do by default.
+std::string DecodeGenerated(const tokenizer::Tokenizer& tokenizer,
+                            absl::Span<const int32_t> tokens) {
+  std::vector<int32_t> known;
+  known.reserve(tokens.size());
+  for (int32_t t : tokens) {
+    if (t >= 0 && t < tokenizer.vocab_size()) known.push_back(t);
   }
-  std::string Decode(absl::Span<const int32_t> tokens) const override {
-    std::string text;
-    for (int32_t t : tokens) {
-      if (t >= 0 && t < kByteVocabSize) text.push_back(static_cast<char>(t));
-    }
-    return text;
-  }
-  std::string ApplyChatTemplate(
-      const std::vector<std::pair<std::string, std::string>>& messages) const override {
-    std::string text;
-    for (const auto& [role, content] : messages)
-      absl::StrAppend(&text, "<|", role, "|>\n", content, "\n");
-    absl::StrAppend(&text, "<|assistant|>\n");
-    return text;
-  }
-};
+  absl::StatusOr<std::string> text = tokenizer.Decode(known, {.skip_special_tokens = true});
+  return text.ok() ? *std::move(text) : std::string();
+}
 
 // An OpenAI-shaped error.
 struct HttpError {
@@ -152,7 +146,7 @@ bool ReadNumber(const Json& body, const char* field, double lo, double hi, doubl
 }
 
 std::optional<HttpError> Parse(const Json& body, bool chat, const OpenAiHttpOptions& options,
-                               const TextCodec& codec, Parsed* out) {
+                               const tokenizer::Tokenizer& tokenizer, Parsed* out) {
   out->chat = chat;
   out->max_tokens = options.default_max_tokens;
   if (!body.is_object()) return Bad("", "the request body must be a JSON object");
@@ -175,7 +169,7 @@ std::optional<HttpError> Parse(const Json& body, bool chat, const OpenAiHttpOpti
     if (messages == body.end() || !messages->is_array() || messages->empty()) {
       return Bad("messages", "messages must be a non-empty array");
     }
-    std::vector<std::pair<std::string, std::string>> turns;
+    std::vector<tokenizer::ChatMessage> turns;
     for (size_t i = 0; i < messages->size(); ++i) {
       const Json& m = (*messages)[i];
       const std::string where = absl::StrCat("messages[", i, "]");
@@ -203,16 +197,20 @@ std::optional<HttpError> Parse(const Json& body, bool chat, const OpenAiHttpOpti
       } else {
         return Bad(where + ".content", absl::StrCat(where, ".content must be a string"));
       }
-      turns.emplace_back(r, std::move(text));
+      turns.push_back({r, std::move(text)});
     }
-    absl::StatusOr<std::vector<int32_t>> ids = codec.Encode(codec.ApplyChatTemplate(turns));
+    absl::StatusOr<std::string> prompt = tokenizer.ApplyChatTemplate(turns, true);
+    if (!prompt.ok()) return Bad("messages", std::string(prompt.status().message()));
+    // The template already holds whatever BOS the model wants.
+    absl::StatusOr<std::vector<int32_t>> ids =
+        tokenizer.Encode(*prompt, {.add_special_tokens = false});
     if (!ids.ok()) return Bad("messages", std::string(ids.status().message()));
     out->prompt = *std::move(ids);
   } else {
     auto prompt = body.find("prompt");
     if (prompt == body.end()) return Bad("prompt", "prompt is required");
     if (prompt->is_string()) {
-      absl::StatusOr<std::vector<int32_t>> ids = codec.Encode(prompt->get<std::string>());
+      absl::StatusOr<std::vector<int32_t>> ids = tokenizer.Encode(prompt->get<std::string>());
       if (!ids.ok()) return Bad("prompt", std::string(ids.status().message()));
       out->prompt = *std::move(ids);
     } else if (prompt->is_array() && !prompt->empty() && (*prompt)[0].is_number_integer()) {
@@ -289,14 +287,14 @@ std::optional<HttpError> Parse(const Json& body, bool chat, const OpenAiHttpOpti
 // unfinished UTF-8 character, and ends the text at the first stop string.
 class TextTracker {
  public:
-  TextTracker(const TextCodec* codec, std::vector<std::string> stops)
-      : codec_(codec), stops_(std::move(stops)) {
+  TextTracker(const tokenizer::Tokenizer* tokenizer, std::vector<std::string> stops)
+      : tokenizer_(tokenizer), stops_(std::move(stops)) {
     for (const std::string& s : stops_) hold_ = std::max(hold_, s.size() - 1);
   }
   // Adds tokens; returns the text that can be released now.
   std::string Add(absl::Span<const int32_t> tokens) {
     tokens_.insert(tokens_.end(), tokens.begin(), tokens.end());
-    const std::string text = codec_->Decode(tokens_);
+    const std::string text = DecodeGenerated(*tokenizer_, tokens_);
     size_t end = text.size();
     for (const std::string& s : stops_) {
       const size_t at = text.find(s);
@@ -307,6 +305,11 @@ class TextTracker {
     }
     if (!stopped_) {
       end = text.size() > hold_ ? text.size() - hold_ : 0;
+      // A trailing U+FFFD may be a character whose last bytes (byte-fallback ids) are still to
+      // come: hold it back until the next token settles it.
+      if (absl::EndsWith(text, kReplacementCharacter)) {
+        end = std::min(end, text.size() - kReplacementCharacter.size());
+      }
       // Never split a UTF-8 character.
       while (end > released_ && end < text.size() &&
              (static_cast<unsigned char>(text[end]) & 0xC0) == 0x80) {
@@ -317,7 +320,7 @@ class TextTracker {
   }
   std::string Finish() {
     if (stopped_) return "";
-    const std::string text = codec_->Decode(tokens_);
+    const std::string text = DecodeGenerated(*tokenizer_, tokens_);
     return Release(text, text.size());
   }
   bool stopped() const { return stopped_; }
@@ -330,7 +333,8 @@ class TextTracker {
     released_ = end;
     return out;
   }
-  const TextCodec* codec_;
+  static constexpr absl::string_view kReplacementCharacter = "\xEF\xBF\xBD";
+  const tokenizer::Tokenizer* tokenizer_;
   const std::vector<std::string> stops_;
   size_t hold_ = 0;
   std::vector<int32_t> tokens_;
@@ -356,20 +360,25 @@ Json Usage(int32_t prompt_tokens, int32_t completion_tokens, int32_t cached_toke
 
 }  // namespace
 
-std::unique_ptr<TextCodec> MakeByteTextCodec() { return std::make_unique<ByteTextCodec>(); }
+absl::StatusOr<std::unique_ptr<tokenizer::Tokenizer>> LoadServedTokenizer(
+    const std::string& model_dir) {
+  for (const char* file : {"/tokenizer.json", "/tokenizer.json.gz"}) {
+    if (::access((model_dir + file).c_str(), F_OK) == 0) return tokenizer::LoadTokenizer(model_dir);
+  }
+  return std::unique_ptr<tokenizer::Tokenizer>(new tokenizer::ByteTokenizer());
+}
 
 OpenAiHttpServer::OpenAiHttpServer(OpenAiHttpOptions options, Gateway* gateway,
-                                   const TextCodec* codec)
-    : options_(std::move(options)), gateway_(gateway), codec_(codec) {}
+                                   const tokenizer::Tokenizer* tokenizer)
+    : options_(std::move(options)), gateway_(gateway), tokenizer_(tokenizer) {}
 
-absl::StatusOr<std::unique_ptr<OpenAiHttpServer>> OpenAiHttpServer::Start(OpenAiHttpOptions options,
-                                                                          Gateway* gateway,
-                                                                          const TextCodec* codec) {
+absl::StatusOr<std::unique_ptr<OpenAiHttpServer>> OpenAiHttpServer::Start(
+    OpenAiHttpOptions options, Gateway* gateway, const tokenizer::Tokenizer* tokenizer) {
   if (!options.resolve_tenant) {
     return absl::InvalidArgumentError("OpenAiHttpServer needs a tenant resolver");
   }
-  auto server =
-      std::unique_ptr<OpenAiHttpServer>(new OpenAiHttpServer(std::move(options), gateway, codec));
+  auto server = std::unique_ptr<OpenAiHttpServer>(
+      new OpenAiHttpServer(std::move(options), gateway, tokenizer));
   const ::kvrelay::server::SecurityOptions& tls = server->options_.security;
   if (!tls.insecure && !tls.cert_file.empty()) {
     auto https = std::make_unique<httplib::SSLServer>(tls.cert_file.c_str(), tls.key_file.c_str());
@@ -437,7 +446,7 @@ void OpenAiHttpServer::Routes() {
         return;
       }
       Parsed p;
-      if (std::optional<HttpError> e = Parse(body, chat, options_, *codec_, &p)) {
+      if (std::optional<HttpError> e = Parse(body, chat, options_, *tokenizer_, &p)) {
         SendError(res, *e);
         return;
       }
@@ -481,7 +490,7 @@ void OpenAiHttpServer::Routes() {
       };
 
       if (!p.stream) {
-        TextTracker tracker(codec_, p.stops);
+        TextTracker tracker(tokenizer_, p.stops);
         std::string text;
         kvrelay::v1::GenerateSummary summary;
         absl::Status s = gateway_->Generate(
@@ -535,7 +544,7 @@ void OpenAiHttpServer::Routes() {
           event["choices"] = std::move(choices);
           return event;
         };
-        TextTracker tracker(codec_, p.stops);
+        TextTracker tracker(tokenizer_, p.stops);
         kvrelay::v1::GenerateSummary summary;
         absl::Status s = gateway_->Generate(
             *request, deadline,

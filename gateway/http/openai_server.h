@@ -5,7 +5,7 @@
 //
 //   GET  /v1/models
 //   POST /v1/completions        prompt as text or token ids
-//   POST /v1/chat/completions   messages -> the model's chat template (TextCodec)
+//   POST /v1/chat/completions   messages -> the model's chat template (its Tokenizer)
 //
 // Both POSTs stream as server-sent events (`stream: true`, ending with `data: [DONE]`) or answer
 // once. Supported fields: model, max_tokens (max_completion_tokens), temperature, top_p, seed,
@@ -20,7 +20,10 @@
 // from the body.
 //
 // Built on cpp-httplib (Debian's libcpp-httplib-dev): a thread pool, one request per thread.
-// Thread-safe; the gateway and the codec must outlive the server.
+// Text goes through the served model's tokenizer (tokenizer/: its tokenizer.json, or the byte
+// tokenizer of the demo models; see LoadServedTokenizer).
+//
+// Thread-safe; the gateway and the tokenizer must outlive the server.
 
 #include <cstdint>
 #include <functional>
@@ -36,6 +39,7 @@
 #include "absl/types/span.h"
 #include "common/server/credentials.h"
 #include "gateway/gateway.h"
+#include "tokenizer/tokenizer.h"
 
 namespace httplib {
 class Server;
@@ -43,21 +47,11 @@ class Server;
 
 namespace kvrelay::gateway {
 
-// Text <-> token ids for the served model.
-class TextCodec {
- public:
-  virtual ~TextCodec() = default;
-  virtual absl::StatusOr<std::vector<int32_t>> Encode(std::string_view text) const = 0;
-  // Best-effort text of `tokens` (ids without text render as nothing or a placeholder).
-  virtual std::string Decode(absl::Span<const int32_t> tokens) const = 0;
-  // The prompt for a chat: [(role, content)] -> text, ending where the assistant speaks.
-  virtual std::string ApplyChatTemplate(
-      const std::vector<std::pair<std::string, std::string>>& messages) const = 0;
-};
-
-// The byte tokenizer (one token per UTF-8 byte) with a plain chat template
-// "<|role|>\ncontent\n" ... "<|assistant|>\n": the demo models' codec.
-std::unique_ptr<TextCodec> MakeByteTextCodec();
+// The tokenizer of the model in `model_dir`: its tokenizer.json (or tokenizer.json.gz) when the
+// directory has one, else the byte tokenizer of the demo models (one token per UTF-8 byte, with
+// the plain chat template "<|role|>\ncontent\n" ... "<|assistant|>\n").
+absl::StatusOr<std::unique_ptr<tokenizer::Tokenizer>> LoadServedTokenizer(
+    const std::string& model_dir);
 
 // Authorization header value ("" when absent) -> the authenticated tenant, or
 // Unauthenticated / PermissionDenied.
@@ -77,19 +71,19 @@ struct OpenAiHttpOptions {
 
 class OpenAiHttpServer {
  public:
-  static absl::StatusOr<std::unique_ptr<OpenAiHttpServer>> Start(OpenAiHttpOptions options,
-                                                                 Gateway* gateway,
-                                                                 const TextCodec* codec);
+  static absl::StatusOr<std::unique_ptr<OpenAiHttpServer>> Start(
+      OpenAiHttpOptions options, Gateway* gateway, const tokenizer::Tokenizer* tokenizer);
   ~OpenAiHttpServer();  // stops accepting, joins
   int port() const { return port_; }
 
  private:
-  OpenAiHttpServer(OpenAiHttpOptions options, Gateway* gateway, const TextCodec* codec);
+  OpenAiHttpServer(OpenAiHttpOptions options, Gateway* gateway,
+                   const tokenizer::Tokenizer* tokenizer);
   void Routes();
 
   const OpenAiHttpOptions options_;
   Gateway* const gateway_;
-  const TextCodec* const codec_;
+  const tokenizer::Tokenizer* const tokenizer_;
   std::unique_ptr<httplib::Server> http_;
   int port_ = 0;
   std::thread thread_;

@@ -159,6 +159,16 @@ int RunGatewayCommand(const std::vector<std::string>& raw_args) {
     std::fprintf(stderr, "kvrelay gateway: %s\n", gateway.status().ToString().c_str());
     return gateway.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
   }
+  // Text of the OpenAI HTTP API goes through the served model's tokenizer.
+  absl::StatusOr<std::unique_ptr<tokenizer::Tokenizer>> text_tokenizer;
+  if (http_port >= 0) {
+    text_tokenizer = LoadServedTokenizer(options.model_dir);
+    if (!text_tokenizer.ok()) {
+      return kvrelay::server::UsageError(
+          "gateway",
+          absl::StrCat("--model ", options.model_dir, ": ", text_tokenizer.status().ToString()));
+    }
+  }
   const kvrelay::server::Authorizer authorizer(host.security);
   GatewayService service(gateway->get(), authorizer, verifier.get());
   absl::StatusOr<std::unique_ptr<kvrelay::server::ServiceHost>> server =
@@ -167,7 +177,6 @@ int RunGatewayCommand(const std::vector<std::string>& raw_args) {
     std::fprintf(stderr, "kvrelay gateway: %s\n", server.status().ToString().c_str());
     return 1;
   }
-  std::unique_ptr<TextCodec> codec = MakeByteTextCodec();
   std::unique_ptr<OpenAiHttpServer> http;
   if (http_port >= 0) {
     OpenAiHttpOptions http_options;
@@ -196,7 +205,7 @@ int RunGatewayCommand(const std::vector<std::string>& raw_args) {
                            absl::Now());
     };
     absl::StatusOr<std::unique_ptr<OpenAiHttpServer>> started =
-        OpenAiHttpServer::Start(std::move(http_options), gateway->get(), codec.get());
+        OpenAiHttpServer::Start(std::move(http_options), gateway->get(), text_tokenizer->get());
     if (!started.ok()) {
       std::fprintf(stderr, "kvrelay gateway: %s\n", started.status().ToString().c_str());
       return 1;

@@ -11,6 +11,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
+#include "common/errno_status.h"
 
 namespace kvrelay::kv {
 namespace {
@@ -39,8 +40,7 @@ class HostMemoryResource final : public MemoryResource {
     void* p = ::mmap(nullptr, RoundUp(bytes, PageBytes()), PROT_READ | PROT_WRITE,
                      MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("mmap of ", bytes, " bytes failed: ", std::strerror(errno)));
+      return ErrnoToStatus(errno, absl::StrCat("mmap of ", bytes, " bytes"));
     }
     // Transparent huge pages cut TLB misses on large pools; advisory only.
     if (try_huge_pages_ && bytes >= kHugePageBytes) ::madvise(p, bytes, MADV_HUGEPAGE);

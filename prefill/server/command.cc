@@ -36,22 +36,9 @@ int RunPrefillCommand(const std::vector<std::string>& raw_args) {
   std::fprintf(stderr, "prefill: model %s, node %s, data plane %s\n", options.model_name.c_str(),
                (*worker)->node_id().c_str(), (*worker)->transport_address().c_str());
   PrefillService service(worker->get(), kvrelay::server::Authorizer(host.security));
-  absl::StatusOr<std::unique_ptr<kvrelay::server::ServiceHost>> server =
-      kvrelay::server::ServiceHost::Start(host, {&service}, &metrics);
-  if (!server.ok()) {
-    std::fprintf(stderr, "kvrelay prefill: %s\n", server.status().ToString().c_str());
-    return 1;
-  }
-  // Registered only now that the gateway can reach the advertised gRPC address.
-  const std::string advertised =
-      absl::StrCat(kvrelay::server::AdvertisedHost(host.host, options.core.advertise_host), ":",
-                   (*server)->port());
-  if (absl::Status s = (*worker)->ConnectStore(advertised); !s.ok()) {
-    std::fprintf(stderr, "kvrelay prefill: %s\n", s.ToString().c_str());
-    return 1;
-  }
-  (*server)->WaitForShutdown({});
-  return 0;
+  return worker::ServeWorker(
+      host, &service, &metrics, options.core.advertise_host,
+      [&](const std::string& grpc_address) { return (*worker)->ConnectStore(grpc_address); });
 }
 
 }  // namespace kvrelay::prefill::server

@@ -37,24 +37,6 @@ std::vector<kv::BlockHash> Chain(const std::string& salt, int n, int start = 0) 
   return kv::HashChain(kv::LayoutFingerprint{}, salt, tokens, 16);
 }
 
-std::string HttpGet(int port, const std::string& path) {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  std::string out;
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
-    const std::string req = "GET " + path + " HTTP/1.0\r\n\r\n";
-    ::send(fd, req.data(), req.size(), 0);
-    char buf[4096];
-    ssize_t n;
-    while ((n = ::recv(fd, buf, sizeof(buf), 0)) > 0) out.append(buf, static_cast<size_t>(n));
-  }
-  ::close(fd);
-  return out;
-}
-
 class CacheStoreProcessTest : public ::testing::Test {
  protected:
   void Start(const std::vector<std::string>& extra = {}) {
@@ -194,12 +176,41 @@ TEST_F(CacheStoreProcessTest, RegisterAllocateCommitMatchQueryAndMetrics) {
   EXPECT_EQ(st.nodes(), 2);
   EXPECT_EQ(st.committed_blocks(), 8);
   EXPECT_EQ(st.policy(), "lrfu");
-  const std::string metrics = HttpGet(metrics_port_, "/metrics");
+  const std::string metrics = testing::HttpGet(metrics_port_, "/metrics");
   EXPECT_THAT(metrics, HasSubstr("200 OK"));
   EXPECT_THAT(metrics, HasSubstr("kvrelay_cachestore_prefix_hit_blocks_total 16"));
   EXPECT_THAT(metrics, HasSubstr("kvrelay_cachestore_used_bytes{tier=\"host\"} 8388608"));
   EXPECT_THAT(metrics, HasSubstr("kvrelay_cachestore_rpc_seconds_count{rpc=\"MatchPrefix\"}"));
-  EXPECT_THAT(HttpGet(metrics_port_, "/nope"), HasSubstr("404"));
+  // Every family the store exports, each with its type (one renderer: common/metrics).
+  for (const char* family : {"prefix_queries_total counter",
+                             "prefix_query_blocks_total counter",
+                             "prefix_hit_blocks_total counter",
+                             "allocated_blocks_total counter",
+                             "committed_blocks_total counter",
+                             "aborted_blocks_total counter",
+                             "reclaimed_blocks_total counter",
+                             "evictions_total counter",
+                             "expired_nodes_total counter",
+                             "suspected_nodes_total counter",
+                             "refused_registrations_total counter",
+                             "announced_blocks_total counter",
+                             "nodes gauge",
+                             "suspect_nodes gauge",
+                             "blocks gauge",
+                             "active_leases gauge",
+                             "used_bytes gauge",
+                             "capacity_bytes gauge",
+                             "rpc_errors_total counter",
+                             "rpc_seconds histogram"}) {
+    EXPECT_THAT(metrics, HasSubstr(absl::StrCat("# TYPE kvrelay_cachestore_", family, "\n")));
+  }
+  EXPECT_THAT(metrics, HasSubstr("kvrelay_cachestore_nodes 2\n"));
+  EXPECT_THAT(metrics, HasSubstr("kvrelay_cachestore_blocks 8\n"));
+  EXPECT_THAT(metrics, HasSubstr("kvrelay_cachestore_capacity_bytes{tier=\"gpu\"} 0\n"));
+  EXPECT_THAT(metrics, HasSubstr("kvrelay_cachestore_rpc_errors_total{rpc=\"Commit\"} 0\n"));
+  EXPECT_THAT(metrics,
+              HasSubstr("kvrelay_cachestore_rpc_seconds_bucket{rpc=\"MatchPrefix\",le=\"5e-05\"}"));
+  EXPECT_THAT(testing::HttpGet(metrics_port_, "/nope"), HasSubstr("404"));
 }
 
 TEST_F(CacheStoreProcessTest, WatchEventsResumesFromASequenceNumber) {

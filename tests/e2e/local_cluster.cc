@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "common/errno_status.h"
 #include "common/scoped_fd.h"
 
 namespace kvrelay::e2e {
@@ -121,8 +122,7 @@ absl::StatusOr<double> ScrapeMetric(const std::string& metrics_address, const st
     return absl::InvalidArgumentError(absl::StrCat("bad metrics host in ", metrics_address));
   }
   if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    return absl::UnavailableError(
-        absl::StrCat("connect ", metrics_address, ": ", std::strerror(errno)));
+    return ErrnoToStatus(errno, absl::StrCat("connect ", metrics_address));
   }
   const std::string request = "GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n";
   if (::write(fd.get(), request.data(), request.size()) != static_cast<ssize_t>(request.size())) {

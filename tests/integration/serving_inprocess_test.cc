@@ -3,6 +3,8 @@
 // the real gateway logic, with expiry driven by a SimulatedClock. Each case runs in well under
 // a second; the process-level tests in tests/e2e cover the same paths across processes.
 
+#include <httplib.h>
+
 #include <memory>
 #include <string>
 #include <vector>
@@ -11,17 +13,21 @@
 #include "cachestore/client/cache_store_client.h"
 #include "cachestore/server/service.h"
 #include "cli/colocated.h"
+#include "common/file_util.h"
 #include "common/server/service_host.h"
 #include "decode/decode_worker.h"
 #include "gateway/gateway.h"
+#include "gateway/http/openai_server.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "model/test_model.h"
+#include "nlohmann/json.hpp"
 #include "prefill/prefill_worker.h"
 #include "proto/grpc_status.h"
 #include "tests/integration/local_endpoints.h"
 #include "tests/testing/status_matchers.h"
 #include "tests/testing/test_env.h"
+#include "tokenizer/byte_tokenizer.h"
 #include "transfer/faulty_transport.h"
 #include "transfer/inproc/in_process_transport.h"
 
@@ -48,7 +54,7 @@ class InProcessCluster : public ::testing::Test {
     store_options.default_node_ttl = absl::Seconds(2);
     KV_ASSERT_OK_AND_ASSIGN(store_, cachestore::CacheStore::Create(store_options));
     store_service_ = std::make_unique<cachestore::server::CacheStoreService>(
-        store_.get(), cachestore::server::Limits{});
+        store_.get(), cachestore::server::Limits{}, &metrics_);
     server::ServiceHostOptions host;
     host.name = "cachestore";
     KV_ASSERT_OK_AND_ASSIGN(store_host_,
@@ -239,8 +245,7 @@ TEST_F(InProcessCluster, OverloadIsRefusedAtOnceNotCollapsed) {
   big.set_model("tiny");
   big.set_prompt_tokens(900);
   big.set_max_tokens(100);
-  big.set_layout_fingerprint(gateway_->config().layout.fingerprint().bytes.data(),
-                             gateway_->config().layout.fingerprint().bytes.size());
+  big.set_layout_fingerprint(gateway_->config().layout.fingerprint().ToBytes());
   for (int i = 0; i < kDecode; ++i) {
     big.set_request_id("hold-" + std::to_string(i));
     KV_ASSERT_OK(decodes_[i]->Reserve(big).status());
@@ -298,8 +303,7 @@ TEST_F(InProcessCluster, UnclaimedReservationsExpireOnTheClock) {
   r.set_model("tiny");
   r.set_prompt_tokens(100);
   r.set_max_tokens(8);
-  r.set_layout_fingerprint(gateway_->config().layout.fingerprint().bytes.data(),
-                           gateway_->config().layout.fingerprint().bytes.size());
+  r.set_layout_fingerprint(gateway_->config().layout.fingerprint().ToBytes());
   r.set_request_id("lapsed");
   KV_ASSERT_OK(decodes_[0]->Reserve(r).status());
   const int64_t free_before = decodes_[0]->Describe().free_slots();
@@ -348,6 +352,53 @@ TEST_F(InProcessCluster, HeartbeatLossDropsTheNodesBlocksAndReuseComesBack) {
     hits = again.summary.prefix_hit_tokens();
   }
   EXPECT_EQ(hits, 64);
+}
+
+// The OpenAI HTTP front end encodes text with the tokenizer of the served model's directory
+// (here a SentencePiece-style BPE tokenizer.json copied beside config.json), and its tokens are
+// the co-located reference's for the same ids.
+TEST_F(InProcessCluster, OpenAiHttpTextGoesThroughTheModelDirsTokenizer) {
+  KV_ASSERT_OK_AND_ASSIGN(std::unique_ptr<tokenizer::Tokenizer> byte,
+                          gateway::LoadServedTokenizer(model_dir_));
+  EXPECT_EQ(byte->name(), "byte");  // no tokenizer.json: the demo models' byte tokenizer
+  KV_ASSERT_OK_AND_ASSIGN(
+      std::string json,
+      ReadFileToString(SourceDir() + "/tokenizer/testdata/models/tiny_sp/tokenizer.json"));
+  KV_ASSERT_OK(WriteFileAtomically(model_dir_ + "/tokenizer.json", json));
+  KV_ASSERT_OK_AND_ASSIGN(std::unique_ptr<tokenizer::Tokenizer> served,
+                          gateway::LoadServedTokenizer(model_dir_));
+  ASSERT_NE(served->name(), "byte");
+  ASSERT_GT(served->vocab_size(), tokenizer::kByteVocabSize);
+
+  gateway::OpenAiHttpOptions options;
+  options.model_name = "tiny";
+  options.resolve_tenant = [](const std::string&) -> absl::StatusOr<std::string> {
+    return std::string("anonymous");
+  };
+  KV_ASSERT_OK_AND_ASSIGN(
+      std::unique_ptr<gateway::OpenAiHttpServer> http,
+      gateway::OpenAiHttpServer::Start(std::move(options), gateway_.get(), served.get()));
+  const std::string prompt = "hello world, hello";
+  KV_ASSERT_OK_AND_ASSIGN(std::vector<int32_t> ids, served->Encode(prompt));
+  ASSERT_FALSE(ids.empty());
+  httplib::Client client("127.0.0.1", http->port());
+  client.set_read_timeout(30, 0);
+  nlohmann::json body = {
+      {"model", "tiny"}, {"prompt", prompt}, {"max_tokens", 6}, {"temperature", 0}};
+  httplib::Result res = client.Post("/v1/completions", body.dump(), "application/json");
+  ASSERT_TRUE(res) << httplib::to_string(res.error());
+  ASSERT_EQ(res->status, 200) << res->body;
+  nlohmann::json reply = nlohmann::json::parse(res->body);
+  EXPECT_EQ(reply["usage"]["prompt_tokens"].get<size_t>(), ids.size());
+  const std::vector<int32_t> tokens = reply["choices"][0]["token_ids"].get<std::vector<int32_t>>();
+  EXPECT_THAT(tokens, ElementsAreArray(Reference(ids, 6)));
+  // The text is the tokenizer's decoding of the ids it knows (the model's vocab is larger).
+  std::vector<int32_t> known;
+  for (int32_t t : tokens) {
+    if (t < served->vocab_size()) known.push_back(t);
+  }
+  KV_ASSERT_OK_AND_ASSIGN(std::string text, served->Decode(known, {.skip_special_tokens = true}));
+  EXPECT_EQ(reply["choices"][0]["text"].get<std::string>(), text);
 }
 
 }  // namespace

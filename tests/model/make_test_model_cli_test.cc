@@ -20,19 +20,12 @@ namespace {
 
 using ::testing::HasSubstr;
 
-testing::CommandResult Kvrelay(std::vector<std::string> args) {
-  args.insert(args.begin(), testing::BinaryPath("kvrelay"));
-  absl::StatusOr<testing::CommandResult> r = testing::RunCommand(args);
-  EXPECT_TRUE(r.ok()) << r.status();
-  return r.ok() ? *r : testing::CommandResult{};
-}
-
 TEST(MakeTestModelCli, WritesLoadableModelForEveryArch) {
   testing::TempDir dir;
   for (const std::string arch : {"llama", "deepseek_v3", "gemma3", "gpt2", "mamba"}) {
     const std::string out = dir.File(arch);
     testing::CommandResult r =
-        Kvrelay({"make-test-model", "--arch", arch, "--seed", "5", "--out", out});
+        testing::RunKvrelay({"make-test-model", "--arch", arch, "--seed", "5", "--out", out});
     ASSERT_EQ(r.exit_code, 0) << r.stderr_text;
     KV_ASSERT_OK_AND_ASSIGN(std::string config, ReadFileToString(out + "/config.json"));
     const std::string preset = arch == "deepseek_v3" ? "tiny-deepseek-v3" : "tiny-" + arch;
@@ -55,9 +48,9 @@ TEST(MakeTestModelCli, WritesLoadableModelForEveryArch) {
 
 TEST(MakeTestModelCli, OverridesAndShards) {
   testing::TempDir dir;
-  testing::CommandResult r =
-      Kvrelay({"make-test-model", "--arch", "llama", "--layers", "2", "--hidden", "128", "--heads",
-               "4", "--shards", "2", "--dtype", "fp16", "--seed", "1", "--out", dir.path()});
+  testing::CommandResult r = testing::RunKvrelay(
+      {"make-test-model", "--arch", "llama", "--layers", "2", "--hidden", "128", "--heads", "4",
+       "--shards", "2", "--dtype", "fp16", "--seed", "1", "--out", dir.path()});
   ASSERT_EQ(r.exit_code, 0) << r.stderr_text;
   KV_ASSERT_OK_AND_ASSIGN(auto runner, model::ModelRunner::Load(dir.path()));
   EXPECT_EQ(runner->config().num_hidden_layers, 2);
@@ -69,13 +62,15 @@ TEST(MakeTestModelCli, OverridesAndShards) {
 
 TEST(MakeTestModelCli, BadUsageExitsTwo) {
   testing::TempDir dir;
-  testing::CommandResult r = Kvrelay({"make-test-model", "--arch", "gpt5", "--out", dir.path()});
+  testing::CommandResult r =
+      testing::RunKvrelay({"make-test-model", "--arch", "gpt5", "--out", dir.path()});
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_THAT(r.stderr_text, HasSubstr("--arch"));
-  r = Kvrelay({"make-test-model", "--arch", "llama"});
+  r = testing::RunKvrelay({"make-test-model", "--arch", "llama"});
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_THAT(r.stderr_text, HasSubstr("--out"));
-  r = Kvrelay({"make-test-model", "--arch", "llama", "--dtype", "int4", "--out", dir.path()});
+  r = testing::RunKvrelay(
+      {"make-test-model", "--arch", "llama", "--dtype", "int4", "--out", dir.path()});
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_THAT(r.stderr_text, HasSubstr("--dtype"));
 }

@@ -13,9 +13,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "common/errno_status.h"
 #include "common/scoped_fd.h"
 #include "common/status_macros.h"
 #include "common/subprocess.h"
+#include "gtest/gtest.h"
+#include "tests/testing/test_env.h"
 
 namespace kvrelay::testing {
 namespace {
@@ -38,7 +41,7 @@ absl::StatusOr<std::unique_ptr<ChildProcess>> ChildProcess::Start(
   const std::string err_path = child->dir_->File("stderr");
   ScopedFd out(::open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
   ScopedFd err(::open(err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
-  if (!out.valid() || !err.valid()) return absl::ErrnoToStatus(errno, "open child log");
+  if (!out.valid() || !err.valid()) return ErrnoToStatus(errno, "open child log");
   // Own process group so a test can kill the whole tree.
   KV_ASSIGN_OR_RETURN(const pid_t pid, Spawn({.argv = argv,
                                               .env = env,
@@ -130,6 +133,13 @@ absl::StatusOr<CommandResult> RunCommand(const std::vector<std::string>& argv,
   result.stdout_text = (*child)->Stdout();
   result.stderr_text = (*child)->Stderr();
   return result;
+}
+
+CommandResult RunKvrelay(std::vector<std::string> args, absl::Duration timeout) {
+  args.insert(args.begin(), BinaryPath("kvrelay"));
+  absl::StatusOr<CommandResult> result = RunCommand(args, timeout);
+  EXPECT_TRUE(result.ok()) << result.status();
+  return result.ok() ? *std::move(result) : CommandResult{};
 }
 
 }  // namespace kvrelay::testing

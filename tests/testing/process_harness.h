@@ -31,6 +31,11 @@ absl::StatusOr<CommandResult> RunCommand(const std::vector<std::string>& argv,
                                          absl::Duration timeout = absl::Seconds(120),
                                          const std::map<std::string, std::string>& env = {});
 
+// Runs build/bin/kvrelay with `args` (RunCommand); a failure to run it at all is a test
+// failure, and the result is then empty (exit_code -1).
+CommandResult RunKvrelay(std::vector<std::string> args,
+                         absl::Duration timeout = absl::Seconds(120));
+
 class ChildProcess {
  public:
   static absl::StatusOr<std::unique_ptr<ChildProcess>> Start(

@@ -71,4 +71,25 @@ std::string SourceDir() {
   return ".";
 }
 
+std::string HttpGet(int port, const std::string& path) {
+  ScopedFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  std::string response;
+  if (!fd.valid() || ::connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    return response;
+  }
+  const std::string request = "GET " + path + " HTTP/1.0\r\n\r\n";
+  if (::send(fd.get(), request.data(), request.size(), 0) != static_cast<ssize_t>(request.size())) {
+    return response;
+  }
+  char buf[4096];
+  ssize_t n;
+  while ((n = ::recv(fd.get(), buf, sizeof(buf), 0)) > 0)
+    response.append(buf, static_cast<size_t>(n));
+  return response;
+}
+
 }  // namespace kvrelay::testing

@@ -37,6 +37,10 @@ class ScopedEnv {
 // A TCP port on 127.0.0.1 that was free when asked (bound with port 0, then released).
 int PickUnusedPort();
 
+// GET `path` from 127.0.0.1:`port` over HTTP/1.0: the whole response (status line, headers,
+// body), or "" when nothing answers.
+std::string HttpGet(int port, const std::string& path);
+
 // build/bin, from $KVRELAY_BIN_DIR (set by ctest) or next to the test binary's directory.
 std::string BinDir();
 // Path of build/bin/<name>.

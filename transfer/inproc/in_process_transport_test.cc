@@ -2,7 +2,7 @@
 
 #include "kv/pool/block_pool.h"
 #include "transfer/region_memory_resource.h"
-#include "transfer/transport_conformance.h"
+#include "transfer/testing/transport_conformance.h"
 
 namespace kvrelay::transfer {
 namespace {

@@ -179,6 +179,7 @@ void ControlChannel::OnConnEvent(PeerId id, short revents) {
     Close(id, absl::UnavailableError(absl::StrCat("peer ", id, " closed the control connection")),
           PeerDownKind::kLost, /*say_bye=*/false);
   } else if (read_errno != 0) {
+    // Whatever recv says, the peer is lost to us: Unavailable, not the errno's own code.
     Close(id,
           absl::UnavailableError(
               absl::StrCat("control connection to peer ", id, ": ", std::strerror(read_errno))),

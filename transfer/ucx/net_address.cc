@@ -14,19 +14,10 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/errno_status.h"
 
 namespace kvrelay::transfer::ucx {
 namespace {
-
-absl::Status Errno(int e, std::string_view what) {
-  std::string msg = absl::StrCat(std::string(what), ": ", std::strerror(e));
-  if (e == ECONNREFUSED || e == ECONNRESET || e == EHOSTUNREACH || e == ENETUNREACH || e == EPIPE ||
-      e == ETIMEDOUT || e == EADDRNOTAVAIL || e == ENETDOWN) {
-    return absl::UnavailableError(msg);
-  }
-  if (e == EADDRINUSE || e == EACCES) return absl::FailedPreconditionError(msg);
-  return absl::InternalError(msg);
-}
 
 std::string NumericHost(const sockaddr* sa, socklen_t len) {
   char host[NI_MAXHOST];
@@ -121,14 +112,14 @@ absl::StatusOr<ScopedFd> ListenTcp(std::string_view host_view, int port, int* bo
   absl::Status last;
   for (const ResolvedAddress& a : *addrs) {
     ScopedFd fd(::socket(a.family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
-    if (!fd.valid()) return Errno(errno, "socket");
+    if (!fd.valid()) return ErrnoToStatus(errno, "socket");
     int one = 1;
     ::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
     if (::bind(fd.get(), reinterpret_cast<const sockaddr*>(&a.addr), a.len) != 0) {
-      last = Errno(errno, absl::StrCat("bind ", FormatHostPort(host, port)));
+      last = ErrnoToStatus(errno, absl::StrCat("bind ", FormatHostPort(host, port)));
       continue;
     }
-    if (::listen(fd.get(), 128) != 0) return Errno(errno, "listen");
+    if (::listen(fd.get(), 128) != 0) return ErrnoToStatus(errno, "listen");
     sockaddr_storage bound = {};
     socklen_t len = sizeof(bound);
     ::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&bound), &len);
@@ -149,10 +140,10 @@ absl::StatusOr<ScopedFd> ConnectTcp(std::string_view address_view, absl::Time de
   absl::Status last = absl::UnavailableError(absl::StrCat("cannot connect to ", address));
   for (const ResolvedAddress& a : *addrs) {
     ScopedFd fd(::socket(a.family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
-    if (!fd.valid()) return Errno(errno, "socket");
+    if (!fd.valid()) return ErrnoToStatus(errno, "socket");
     if (::connect(fd.get(), reinterpret_cast<const sockaddr*>(&a.addr), a.len) == 0) return fd;
     if (errno != EINPROGRESS) {
-      last = Errno(errno, absl::StrCat("connect to ", address));
+      last = ErrnoToStatus(errno, absl::StrCat("connect to ", address));
       continue;
     }
     bool ready = false;
@@ -168,13 +159,13 @@ absl::StatusOr<ScopedFd> ConnectTcp(std::string_view address_view, absl::Time de
         ready = true;
         break;
       }
-      if (n < 0 && errno != EINTR) return Errno(errno, "poll");
+      if (n < 0 && errno != EINTR) return ErrnoToStatus(errno, "poll");
     }
     int err = 0;
     socklen_t len = sizeof(err);
     ::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len);
     if (ready && err == 0) return fd;
-    last = Errno(err, absl::StrCat("connect to ", address));
+    last = ErrnoToStatus(err, absl::StrCat("connect to ", address));
   }
   return last;
 }
@@ -210,7 +201,7 @@ absl::StatusOr<std::string> PrimaryHostAddress(int family) {
     }
   }
   ifaddrs* list = nullptr;
-  if (::getifaddrs(&list) != 0) return Errno(errno, "getifaddrs");
+  if (::getifaddrs(&list) != 0) return ErrnoToStatus(errno, "getifaddrs");
   std::string found;
   for (ifaddrs* i = list; i != nullptr && found.empty(); i = i->ifa_next) {
     if (i->ifa_addr == nullptr || i->ifa_addr->sa_family != family) continue;

@@ -8,6 +8,7 @@
 
 #include "absl/synchronization/notification.h"
 #include "common/check.h"
+#include "common/errno_status.h"
 #include "common/logging.h"
 #include "transfer/ucx/ucx_handles.h"
 
@@ -112,7 +113,7 @@ bool ProgressThread::PollOnce(int timeout_ms) {
   int n = ::poll(fds.data(), fds.size(), timeout_ms);
   if (n <= 0) {
     if (n < 0 && errno != EINTR) {
-      KV_LOG(ERROR) << "poll failed, errno " << errno;
+      KV_LOG(ERROR) << ErrnoToStatus(errno, "progress thread: poll");
     }
     return false;
   }

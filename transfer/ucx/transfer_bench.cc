@@ -14,6 +14,7 @@
 #include <deque>
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -69,10 +70,7 @@ int RunTransferReceiver(const std::vector<std::string>& args) {
   flags.AddString("listen-host", &listen_host, "control listener address");
   flags.AddInt32("listen-port", &listen_port, "control listener port (0: any)");
   flags.AddString("role", &role, "receiver");
-  if (absl::Status s = flags.Parse(args); !s.ok()) {
-    std::fprintf(stderr, "transfer receiver: %s\n", std::string(s.message()).c_str());
-    return 2;
-  }
+  if (std::optional<int> exit_code = ParseCommandLine(flags, args)) return *exit_code;
   if (region_bytes <= 0) {
     std::fprintf(stderr, "transfer receiver: --region-bytes must be positive\n");
     return 2;
@@ -167,10 +165,7 @@ int RunTransferSender(const std::vector<std::string>& args) {
   flags.AddInt32("duration-s", &duration_s, "stop after this long");
   flags.AddInt32("heartbeat-ms", &heartbeat_ms, "transport heartbeat interval");
   flags.AddInt32("peer-timeout-ms", &peer_timeout_ms, "peer declared dead after this silence");
-  if (absl::Status s = flags.Parse(args); !s.ok()) {
-    std::fprintf(stderr, "transfer sender: %s\n", std::string(s.message()).c_str());
-    return 2;
-  }
+  if (std::optional<int> exit_code = ParseCommandLine(flags, args)) return *exit_code;
   if (connect.empty() || block_bytes <= 0 || interval_ms < 0 || duration_s <= 0) {
     std::fprintf(stderr,
                  "transfer sender: --connect is required; --block-bytes and --duration-s must "
@@ -553,14 +548,7 @@ int RunTransferBenchCommand(const std::vector<std::string>& args) {
   flags.AddInt64("max-inflight-bytes", &cfg.max_inflight_bytes, "UCX bytes in flight, at most");
   flags.AddInt64("region-bytes", &cfg.region_bytes,
                  "transport-allocated bytes on each side (a decode pool's size; default 1 GiB)");
-  if (absl::Status s = flags.Parse(args); !s.ok()) {
-    std::fprintf(stderr, "transfer-bench: %s\n", std::string(s.message()).c_str());
-    return 2;
-  }
-  if (flags.help_requested()) {
-    std::cout << flags.Usage();
-    return 0;
-  }
+  if (std::optional<int> exit_code = ParseCommandLine(flags, args)) return *exit_code;
   if (cfg.block_bytes <= 0 || cfg.blocks < 0 || cfg.inflight <= 0 || cfg.layers < 0 ||
       cfg.posts_inflight <= 0 || cfg.chunk_bytes <= 0 || cfg.max_inflight_bytes <= 0 ||
       cfg.region_bytes < cfg.block_bytes) {

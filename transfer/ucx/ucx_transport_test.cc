@@ -9,7 +9,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "transfer/transport_conformance.h"
+#include "transfer/testing/transport_conformance.h"
 
 namespace kvrelay::transfer {
 namespace {
