@@ -517,6 +517,7 @@ absl::Status Gateway::Generate(const kvrelay::v1::GenerateRequest& request, absl
     decode.set_eos_token(eos);
     decode.set_tenant_salt(salt);
     decode.set_layout_fingerprint(layout_fingerprint_);
+    decode.set_reservation_token(target->reservation_token());
     int32_t computed_here = prefilled->computed_tokens();
     bool stream_done = false;
     absl::Status s = d->decode->Generate(

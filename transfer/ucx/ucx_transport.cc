@@ -73,6 +73,7 @@ struct Transfer {
   PeerId peer = 0;
   Direction direction = Direction::kPut;
   uint64_t tag = 0;
+  std::string credential;  // put: sent with the DONE
   LayerRange layers;
   std::vector<BlockTransfer> blocks;
   std::vector<Chunk> chunks;
@@ -132,7 +133,9 @@ class UcxTransport final : public Transport, private ControlChannel::Delegate {
   uint64_t incarnation() const override { return incarnation_; }
   absl::StatusOr<MemoryRegionPtr> RegisterMemory(MemorySpan span, MemoryKind kind) override;
   absl::StatusOr<MemoryRegionPtr> AllocateMemory(size_t bytes) override;
-  absl::StatusOr<PeerId> Connect(std::string_view address, absl::Time deadline) override;
+  using Transport::Connect;
+  absl::StatusOr<PeerId> Connect(std::string_view address, absl::Time deadline,
+                                 const ConnectOptions& options) override;
   absl::Status Disconnect(PeerId peer) override;
   absl::StatusOr<std::vector<RemoteRegionInfo>> RemoteRegions(PeerId peer) const override;
   absl::StatusOr<PeerStatus> GetPeerStatus(PeerId peer) const override;
@@ -141,6 +144,9 @@ class UcxTransport final : public Transport, private ControlChannel::Delegate {
   absl::StatusOr<TransferHandlePtr> Post(const TransferPlan& plan, LayerRange layers,
                                          PostOptions options) override;
   absl::Status SendControl(PeerId peer, uint64_t tag, std::string_view message) override;
+  void SetAcceptKey(std::string key) override {
+    progress_->RunSync([this, &key] { channel_->SetAcceptKey(std::move(key)); });
+  }
   void SetInboundHandler(InboundHandler handler) override {
     absl::MutexLock lock(&handler_mu_);
     handler_ = std::move(handler);
@@ -459,8 +465,13 @@ void UcxTransport::Deregister(RegionId id) {
   });
 }
 
-absl::StatusOr<PeerId> UcxTransport::Connect(std::string_view address_view, absl::Time deadline) {
+absl::StatusOr<PeerId> UcxTransport::Connect(std::string_view address_view, absl::Time deadline,
+                                             const ConnectOptions& options) {
   const std::string address(address_view);
+  if (options.peer_key.size() > kMaxPeerKeyBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("peer_key of ", options.peer_key.size(),
+                                                   " bytes exceeds ", kMaxPeerKeyBytes));
+  }
   KV_RETURN_IF_ERROR(ucx::ParseHostPort(address).status());
   {
     // A live connection we opened to this address is reused; a dead one never is.
@@ -471,8 +482,8 @@ absl::StatusOr<PeerId> UcxTransport::Connect(std::string_view address_view, absl
   }
   KV_ASSIGN_OR_RETURN(ScopedFd fd, ucx::ConnectTcp(address, deadline));
   auto waiter = std::make_shared<ConnectWaiter>();
-  progress_->Post([this, fd = std::move(fd), address, waiter]() mutable {
-    channel_->Adopt(std::move(fd), /*outgoing=*/true, address, waiter);
+  progress_->Post([this, fd = std::move(fd), address, waiter, key = options.peer_key]() mutable {
+    channel_->Adopt(std::move(fd), /*outgoing=*/true, address, waiter, std::move(key));
   });
   if (!waiter->done.WaitForNotificationWithDeadline(deadline)) {
     progress_->Post([this, waiter] {
@@ -573,6 +584,7 @@ absl::StatusOr<TransferHandlePtr> UcxTransport::Post(const TransferPlan& plan, L
   t->peer = plan.peer;
   t->direction = plan.direction;
   t->tag = plan.tag;
+  t->credential = plan.credential;
   t->layers = layers;
   t->deadline = options.deadline;
   t->blocks = internal::BlocksForPost(plan, layers);
@@ -1083,6 +1095,7 @@ void UcxTransport::Retire(Peer& p, Transfer& t) {
     w.U8(b.checksum.has_value() ? 1 : 0);
     w.U64(b.checksum.value_or(0));
   }
+  w.Str(t.credential);
   channel_->Send(p.id, std::move(w).Finish());
 }
 
@@ -1122,6 +1135,9 @@ absl::Status UcxTransport::HandleDone(Peer& p, wire::Reader& r) {
     }
     statuses.push_back(b.status);
     event.blocks.push_back(std::move(b));
+  }
+  if (!r.Str(&event.credential) || event.credential.size() > kMaxCredentialBytes) {
+    return absl::InvalidArgumentError("done frame without a valid credential");
   }
   event.status = internal::SummarizeBlocks(statuses);
   wire::Writer w(FrameType::kAck);
