@@ -245,13 +245,13 @@ void DecodeWorker::OnPushClaim(const transfer::InboundEvent& event) {
       // One answer for "no such reservation" and "wrong token": a claim learns nothing.
       if (it == reservations_.end() || it->second->request_id != claim.request_id() ||
           !kv::SecretEquals(it->second->token, claim.reservation_token())) {
-        return absl::PermissionDeniedError(absl::StrCat(
-            "no live reservation of request '", claim.request_id(), "' has this token"));
+        return absl::PermissionDeniedError(absl::StrCat("no live reservation of request '",
+                                                        claim.request_id(), "' has this token"));
       }
       Reservation& r = *it->second;
       if (r.released || (!r.claimed && core_->clock->Now() > r.expires)) {
-        return absl::PermissionDeniedError(
-            absl::StrCat("the reservation of request '", r.request_id, "' expired or was released"));
+        return absl::PermissionDeniedError(absl::StrCat("the reservation of request '",
+                                                        r.request_id, "' expired or was released"));
       }
       if (r.push_claimed) {
         return absl::PermissionDeniedError(
@@ -270,9 +270,9 @@ void DecodeWorker::OnPushClaim(const transfer::InboundEvent& event) {
         }
         for (int b = 0; b < target.slots_size(); ++b) {
           if (target.slots(b) >= 0 && target.slots(b) != r.slots[g][b]) {
-            return absl::PermissionDeniedError(absl::StrCat(
-                "claim group ", g, " block ", b, ": slot ", target.slots(b),
-                " is not the reservation's"));
+            return absl::PermissionDeniedError(absl::StrCat("claim group ", g, " block ", b,
+                                                            ": slot ", target.slots(b),
+                                                            " is not the reservation's"));
           }
         }
       }
@@ -283,8 +283,8 @@ void DecodeWorker::OnPushClaim(const transfer::InboundEvent& event) {
   }
   if (!verdict.ok()) {
     refused_pushes_->Increment();
-    KV_LOG(WARNING) << "data plane: push claim from peer " << event.peer << " refused: "
-                    << verdict.message();
+    KV_LOG(WARNING) << "data plane: push claim from peer " << event.peer
+                    << " refused: " << verdict.message();
   }
   kvrelay::v1::PushVerdict answer;
   answer.set_code(static_cast<int32_t>(verdict.code()));

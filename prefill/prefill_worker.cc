@@ -91,8 +91,8 @@ absl::Status PrefillWorker::Validate(const kvrelay::v1::PrefillRequest& request)
   }
   const kvrelay::v1::ReserveResponse& target = request.target();
   if (target.reservation_token().size() > transfer::kMaxCredentialBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("target.reservation_token is over ",
-                                                   transfer::kMaxCredentialBytes, " bytes"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("target.reservation_token is over ", transfer::kMaxCredentialBytes, " bytes"));
   }
   if (target.data_plane_key().size() > transfer::kMaxPeerKeyBytes) {
     return absl::InvalidArgumentError(
@@ -302,9 +302,9 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
   absl::StatusOr<transfer::PeerId> connected =
       PeerFor(target.transport().address(), target.data_plane_key(), deadline);
   if (absl::IsPermissionDenied(connected.status())) {
-    return Attribute(absl::PermissionDeniedError(absl::StrCat(
-                         "target.data_plane_key: decode node ", target.node_id(), " at ",
-                         target.transport().address(), " refused it")),
+    return Attribute(absl::PermissionDeniedError(
+                         absl::StrCat("target.data_plane_key: decode node ", target.node_id(),
+                                      " at ", target.transport().address(), " refused it")),
                      kvrelay::v1::ROLE_CLIENT, "", kvrelay::v1::FAILURE_UNAUTHORIZED);
   }
   if (!connected.ok()) {
@@ -344,19 +344,19 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
   KV_ASSIGN_OR_RETURN(transfer::TransferPlan plan, transport_->Prepare(batch));
   // Nothing is written before the decode worker agreed that these slots are this
   // reservation's (a caller naming another request's slots gets PERMISSION_DENIED here).
-  if (absl::Status claimed = ClaimPush(
-          peer, request, std::min(deadline, absl::Now() + options_.transfer_timeout));
+  if (absl::Status claimed =
+          ClaimPush(peer, request, std::min(deadline, absl::Now() + options_.transfer_timeout));
       !claimed.ok()) {
     if (absl::IsPermissionDenied(claimed)) {
-      return Attribute(absl::PermissionDeniedError(absl::StrCat(
-                           "target: decode node ", target.node_id(),
-                           " refused the push: ", claimed.message())),
-                       kvrelay::v1::ROLE_CLIENT, "", kvrelay::v1::FAILURE_UNAUTHORIZED);
+      return Attribute(
+          absl::PermissionDeniedError(absl::StrCat("target: decode node ", target.node_id(),
+                                                   " refused the push: ", claimed.message())),
+          kvrelay::v1::ROLE_CLIENT, "", kvrelay::v1::FAILURE_UNAUTHORIZED);
     }
-    return decode_failed(absl::Status(claimed.code(),
-                                      absl::StrCat("data plane: push claim to decode node ",
-                                                   target.node_id(), ": ", claimed.message())),
-                         kvrelay::v1::FAILURE_TRANSFER);
+    return decode_failed(
+        absl::Status(claimed.code(), absl::StrCat("data plane: push claim to decode node ",
+                                                  target.node_id(), ": ", claimed.message())),
+        kvrelay::v1::FAILURE_TRANSFER);
   }
   std::vector<transfer::TransferHandlePtr> handles;
   absl::Status post_status;

@@ -33,7 +33,7 @@ struct ControlChannel::Conn {
   absl::Time last_recv;
   absl::Time last_send;
   std::shared_ptr<ConnectWaiter> waiter;
-  std::string peer_key;  // outgoing: what our hello presents
+  std::string peer_key;          // outgoing: what our hello presents
   bool hello_delivered = false;  // the delegate saw OnHello, so it hears OnPeerDown
 };
 

@@ -469,8 +469,8 @@ absl::StatusOr<PeerId> UcxTransport::Connect(std::string_view address_view, absl
                                              const ConnectOptions& options) {
   const std::string address(address_view);
   if (options.peer_key.size() > kMaxPeerKeyBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("peer_key of ", options.peer_key.size(),
-                                                   " bytes exceeds ", kMaxPeerKeyBytes));
+    return absl::InvalidArgumentError(
+        absl::StrCat("peer_key of ", options.peer_key.size(), " bytes exceeds ", kMaxPeerKeyBytes));
   }
   KV_RETURN_IF_ERROR(ucx::ParseHostPort(address).status());
   {
