@@ -15,6 +15,7 @@
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "transfer/internal/handle_state.h"
+#include "transfer/ucx/frames.h"
 
 namespace kvrelay::transfer::ucx {
 
@@ -192,20 +193,20 @@ void ControlChannel::OnConnEvent(PeerId id, short revents) {
 
 bool ControlChannel::DrainFrames(PeerId id) {
   Conn* c = Find(id);
-  while (c != nullptr && c->rbuf.size() - c->roff >= 4) {
-    uint32_t len;
-    std::memcpy(&len, c->rbuf.data() + c->roff, 4);
-    if (len == 0 || len > wire::kMaxFrameBytes) {
-      Close(id, absl::UnavailableError(absl::StrCat("peer sent a bad frame length ", len)),
+  while (c != nullptr) {
+    absl::StatusOr<std::optional<frames::Frame>> next =
+        frames::NextFrame(std::string_view(c->rbuf).substr(c->roff));
+    if (!next.ok()) {
+      Close(id, absl::UnavailableError(absl::StrCat("peer sent a ", next.status().message())),
             PeerDownKind::kLost, false);
       return false;
     }
-    if (c->rbuf.size() - c->roff - 4 < len) break;
-    const auto type = static_cast<FrameType>(c->rbuf[c->roff + 4]);
+    if (!next->has_value()) break;
+    const FrameType type = (*next)->type;
     // Stays valid even if the frame closes the connection: closed connections are destroyed
     // only at the next Tick.
-    const std::string_view payload(c->rbuf.data() + c->roff + 5, len - 1);
-    c->roff += 4 + len;
+    const std::string_view payload = (*next)->payload;
+    c->roff += (*next)->consumed;
     wire::Reader r(payload);
     absl::Status st;
     if (type == FrameType::kHello) {
@@ -249,21 +250,10 @@ bool ControlChannel::DrainFrames(PeerId id) {
 
 absl::Status ControlChannel::HandleHello(Conn& c, wire::Reader& r) {
   if (c.state != Conn::State::kHandshake) return absl::InvalidArgumentError("second hello");
-  uint32_t magic, version;
-  if (!r.U32(&magic) || !r.U32(&version) || magic != wire::kMagic) {
-    return absl::InvalidArgumentError("not a kvrelay transfer peer");
-  }
-  if (version != wire::kVersion) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("peer speaks protocol version ", version, ", we speak ", wire::kVersion));
-  }
-  PeerHello hello;
-  std::string key;
-  if (!r.U64(&hello.incarnation) || !r.Str(&hello.advertised_address) || !r.Str(&key) ||
-      hello.incarnation == 0 || hello.advertised_address.size() > 1024 ||
-      key.size() > kMaxPeerKeyBytes) {
-    return absl::InvalidArgumentError("truncated or invalid hello");
-  }
+  KV_ASSIGN_OR_RETURN(frames::HelloHeader header, frames::DecodeHelloHeader(r));
+  PeerHello hello{.incarnation = header.incarnation,
+                  .advertised_address = std::move(header.advertised_address)};
+  const std::string& key = header.key;
   if (!c.outgoing && !internal::PeerKeyAccepted(accept_key_, key)) {
     // Refused before the delegate sees the peer: it learns nothing of our memory.
     KV_LOG(WARNING) << "data plane: refused a connection from " << hello.advertised_address

@@ -74,6 +74,11 @@ class Reader {
     return true;
   }
   bool done() const { return in_.empty(); }
+  // Everything not read yet; the reader is then exhausted.
+  void Rest(std::string_view* rest) {
+    *rest = in_;
+    in_ = {};
+  }
   size_t remaining() const { return in_.size(); }
 
  private:
