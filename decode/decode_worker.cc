@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
+#include "decode/request_validation.h"
 #include "kv/block_hash.h"
 #include "kv/checksum.h"
 #include "kv/prompt_validation.h"
@@ -38,19 +39,7 @@ std::string FingerprintBytes(const kv::LayoutFingerprint& fp) {
   return std::string(reinterpret_cast<const char*>(fp.bytes.data()), fp.bytes.size());
 }
 
-absl::Status CheckRequestId(const std::string& id) {
-  if (id.empty() || id.size() > limits::kMaxRequestIdBytes) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "request_id must be 1-", limits::kMaxRequestIdBytes, " bytes, got ", id.size()));
-  }
-  for (char c : id) {
-    if (!std::isalnum(static_cast<unsigned char>(c)) && c != '.' && c != '_' && c != ':' &&
-        c != '-') {
-      return absl::InvalidArgumentError("request_id may hold only [A-Za-z0-9._:-]");
-    }
-  }
-  return absl::OkStatus();
-}
+absl::Status CheckRequestId(const std::string& id) { return ValidateRequestId(id); }
 
 }  // namespace
 
@@ -326,27 +315,14 @@ void DecodeWorker::OnInbound(transfer::InboundEvent event) {
 
 absl::StatusOr<kvrelay::v1::ReserveResponse> DecodeWorker::Reserve(
     const kvrelay::v1::ReserveRequest& request) {
-  if (absl::Status s = CheckRequestId(request.request_id()); !s.ok()) {
-    return Invalid(std::string(s.message()));
-  }
-  if (!options_.model_name.empty() && request.model() != options_.model_name) {
-    return Invalid(absl::StrCat("model: this worker serves '", options_.model_name, "', not '",
-                                request.model(), "'"));
-  }
   const kv::ModelLayout& layout = runner_->layout();
-  if (request.layout_fingerprint() != FingerprintBytes(layout.fingerprint())) {
-    return Own(absl::FailedPreconditionError(absl::StrCat(
-                   "layout_fingerprint: decode node ", core_->node_id, " serves layout ",
-                   layout.fingerprint().ToHex(), ", the request was routed for another")),
-               kvrelay::v1::FAILURE_IDENTITY);
-  }
-  if (request.prompt_tokens() < 1 || request.prompt_tokens() > limits::kMaxPromptTokens) {
-    return Invalid(absl::StrCat("prompt_tokens must be in [1, ", limits::kMaxPromptTokens,
-                                "], got ", request.prompt_tokens()));
-  }
-  if (request.max_tokens() < 1 || request.max_tokens() > limits::kMaxGenerateTokens) {
-    return Invalid(absl::StrCat("max_tokens must be in [1, ", limits::kMaxGenerateTokens, "], got ",
-                                request.max_tokens()));
+  if (absl::Status s = ValidateReserveRequest(request, options_.model_name, layout); !s.ok()) {
+    if (absl::IsFailedPrecondition(s)) {
+      return Own(absl::FailedPreconditionError(
+                     absl::StrCat("decode node ", core_->node_id, ": ", s.message())),
+                 kvrelay::v1::FAILURE_IDENTITY);
+    }
+    return Invalid(std::string(s.message()));
   }
   Clock* clock = core_->clock;
   auto r = std::make_shared<Reservation>();

@@ -68,9 +68,8 @@ absl::StatusOr<Done> DecodeDone(std::string_view payload) {
   wire::Reader r(payload);
   Done d;
   uint32_t n;
-  if (!r.U64(&d.transfer_id) || !r.U64(&d.tag) || !r.I32(&d.layer_begin) ||
-      !r.I32(&d.layer_end) || !r.U32(&n) || n > kMaxBlocksPerFrame ||
-      r.remaining() / 33 < n) {
+  if (!r.U64(&d.transfer_id) || !r.U64(&d.tag) || !r.I32(&d.layer_begin) || !r.I32(&d.layer_end) ||
+      !r.U32(&n) || n > kMaxBlocksPerFrame || r.remaining() / 33 < n) {
     return absl::InvalidArgumentError("truncated done frame");
   }
   d.blocks.resize(n);

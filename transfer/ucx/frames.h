@@ -18,7 +18,7 @@ namespace kvrelay::transfer::ucx::frames {
 
 // Bounds on what a peer may send (beyond wire::kMaxFrameBytes for a whole frame).
 inline constexpr size_t kMaxAddressBytes = 1024;
-inline constexpr size_t kMaxKeyBytes = 256;         // = transfer::kMaxPeerKeyBytes
+inline constexpr size_t kMaxKeyBytes = 256;          // = transfer::kMaxPeerKeyBytes
 inline constexpr size_t kMaxCredentialBytes = 1024;  // = transfer::kMaxCredentialBytes
 inline constexpr uint32_t kMaxRegions = 1u << 20;
 inline constexpr uint32_t kMaxBlocksPerFrame = 1u << 22;
