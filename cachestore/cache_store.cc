@@ -320,7 +320,9 @@ absl::StatusOr<RegisterResult> CacheStore::RegisterNode(NodeSpec spec) {
   const bool assigned = spec.incarnation == 0;
   if (assigned) spec.incarnation = RandomId();  // legacy client: every registration is new
   absl::MutexLock lock(&mu_);
-  absl::StatusOr<NodeRegistry::RegisterResult> r = registry_.Register(spec, clock_->Now());
+  absl::StatusOr<NodeRegistry::RegisterResult> r =
+      registry_.Register(spec, clock_->Now(), /*force_replace=*/false,
+                         /*allow_successor=*/!assigned);
   if (!r.ok()) {
     counters_.refused_registrations.fetch_add(1, std::memory_order_relaxed);
     KV_LOG(WARNING) << "cachestore: refused registration of " << spec.node_id << ": "
@@ -329,7 +331,8 @@ absl::StatusOr<RegisterResult> CacheStore::RegisterNode(NodeSpec spec) {
   }
   if (r->replaced) {
     RemoveNodeLocked(r->index, /*log=*/true,
-                     absl::StrCat("was suspect and is replaced by incarnation ", spec.incarnation));
+                     absl::StrCat("is gone (suspect, or its address is now incarnation ",
+                                  spec.incarnation, "'s) and is replaced by it"));
     r = registry_.Register(spec, clock_->Now());
     if (!r.ok()) return r.status();
   }

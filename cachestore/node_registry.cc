@@ -49,7 +49,8 @@ void NodeRegistry::SetSuspect(uint16_t index, bool suspect) {
 
 absl::StatusOr<NodeRegistry::RegisterResult> NodeRegistry::Register(const NodeSpec& spec,
                                                                     absl::Time now,
-                                                                    bool force_replace) {
+                                                                    bool force_replace,
+                                                                    bool allow_successor) {
   absl::MutexLock lock(&mu_);
   auto it = by_id_.find(spec.node_id);
   if (it != by_id_.end()) {
@@ -70,7 +71,9 @@ absl::StatusOr<NodeRegistry::RegisterResult> NodeRegistry::Register(const NodeSp
       SetSuspect(it->second, false);
       return RegisterResult{it->second, false, revived, false};
     }
-    if (n.state == NodeState::kLive && !force_replace) {
+    const bool successor = allow_successor && !spec.grpc_address.empty() &&
+                           spec.grpc_address == n.spec.grpc_address && spec.role == n.spec.role;
+    if (n.state == NodeState::kLive && !force_replace && !successor) {
       return IdentityError(
           absl::AlreadyExistsError(absl::StrCat(
               "node_id: '", spec.node_id, "' is registered by a live process (incarnation ",

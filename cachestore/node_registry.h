@@ -134,8 +134,11 @@ class NodeRegistry {
 
   // Adds a node, or refreshes it when the same (id, incarnation) registers again with the same
   // spec (idempotent; a suspect node becomes live: `revived`). Another incarnation of a live id:
-  // AlreadyExists naming the id and the address holding it. Another incarnation of a suspect id
-  // (or any other incarnation with `force_replace`, used by WAL replay): `replaced` is set and
+  // AlreadyExists naming the id and the address holding it — unless it registers from the same
+  // role and gRPC address as the live holder: servers bind without SO_REUSEPORT, so a process
+  // that listens on the holder's address is its successor (the holder is gone; a pod or host
+  // restarted faster than its TTL). Another incarnation of a suspect id (or any other
+  // incarnation with `force_replace`, used by WAL replay): `replaced` is set and
   // the caller must drop the old node's blocks, Remove() it and Register again. The same
   // incarnation with a different spec: FailedPrecondition. ResourceExhausted past max_nodes.
   struct RegisterResult {
@@ -144,8 +147,10 @@ class NodeRegistry {
     bool revived = false;
     bool added = false;
   };
+  // `allow_successor` false: a live holder is never replaced by address (a registration whose
+  // incarnation the store assigned says nothing about which process it is).
   absl::StatusOr<RegisterResult> Register(const NodeSpec& spec, absl::Time now,
-                                          bool force_replace = false);
+                                          bool force_replace = false, bool allow_successor = true);
 
   enum class HeartbeatOutcome { kUnknown, kOk, kRevived, kWrongIncarnation };
   struct HeartbeatResult {

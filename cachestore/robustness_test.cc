@@ -130,8 +130,11 @@ class StoreFixture {
 TEST(IdentityTest, SecondLiveIncarnationOfAnIdIsRefusedNamingTheHolder) {
   StoreFixture f;
   ASSERT_THAT(f.Register("prefill-0", 111, 8), IsOk());
-  // Two replicas started with the same default id (issue 10.1): the second is refused.
-  EXPECT_THAT(f.Register("prefill-0", 222, 8),
+  // Two replicas started with the same default id (issue 10.1) on two hosts: the second is
+  // refused.
+  NodeSpec elsewhere = StoreFixture::Spec("prefill-0", 222, 8);
+  elsewhere.grpc_address = "prefill-1.grpc:7100";
+  EXPECT_THAT(f.store().RegisterNode(elsewhere),
               StatusIs(absl::StatusCode::kAlreadyExists,
                        AllOf(HasSubstr("prefill-0"), HasSubstr("prefill-0.data:13337"),
                              HasSubstr("incarnation 111"))));
@@ -143,6 +146,23 @@ TEST(IdentityTest, SecondLiveIncarnationOfAnIdIsRefusedNamingTheHolder) {
   // The same incarnation with another spec is a bug in the node, not a restart.
   EXPECT_THAT(f.Register("prefill-0", 111, 16),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("new incarnation")));
+}
+
+TEST(IdentityTest, ARestartOnTheSameAddressReplacesTheGoneProcessAndItsBlocks) {
+  StoreFixture f;
+  const Caller old_proc{"decode-0", 111};
+  ASSERT_THAT(f.Register("decode-0", 111, 8, NodeRole::kDecode), IsOk());
+  ASSERT_THAT(f.Commit(old_proc, Chain("t", 3)), IsOk());
+  ASSERT_EQ(f.Match(Chain("t", 3)), 3);
+  // kill -9 and a restart within the TTL: the new process listens on the old one's gRPC address
+  // (servers bind without SO_REUSEPORT), so the old one is gone; its blocks went with it.
+  KV_ASSERT_OK_AND_ASSIGN(RegisterResult next, f.Register("decode-0", 222, 8, NodeRole::kDecode));
+  EXPECT_EQ(next.incarnation, 222u);
+  EXPECT_EQ(f.Match(Chain("t", 3)), 0);
+  EXPECT_EQ(f.store().Stats().nodes, 1);
+  // Another role at that address is not a successor.
+  EXPECT_THAT(f.Register("decode-0", 333, 8, NodeRole::kPrefill),
+              StatusIs(absl::StatusCode::kAlreadyExists));
 }
 
 TEST(IdentityTest, LegacyRegistrationGetsAnIncarnationAndADuplicateIsStillRefused) {

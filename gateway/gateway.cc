@@ -212,9 +212,12 @@ absl::Status Gateway::Validate(const kvrelay::v1::GenerateRequest& request) cons
 Gateway::Node* Gateway::PickPrefill(const NodeList& prefills, const std::vector<int32_t>& prompt,
                                     const std::string& salt, const std::vector<Node*>& excluded,
                                     absl::Time deadline) {
+  // Suspect nodes (the store lost their heartbeats; this gateway may still reach them) are
+  // taken only when no other node is usable: a partitioned store must not stop serving.
+  bool allow_suspect = false;
   auto usable = [&](Node* n) {
     return std::find(excluded.begin(), excluded.end(), n) == excluded.end() &&
-           !n->suspect.load(std::memory_order_relaxed) && n->breaker.Healthy();
+           (allow_suspect || !n->suspect.load(std::memory_order_relaxed)) && n->breaker.Healthy();
   };
   // Node ids, learned from each worker's Status until known (routing matches the store's
   // per-node answer by id).
@@ -251,16 +254,21 @@ Gateway::Node* Gateway::PickPrefill(const NodeList& prefills, const std::vector<
   // open or busy are skipped.
   const uint64_t rotation = prefill_rotation_.fetch_add(1, std::memory_order_relaxed);
   Node* best = nullptr;
-  int64_t best_score = std::numeric_limits<int64_t>::min();
-  for (size_t k = 0; k < prefills.size(); ++k) {
-    const size_t i = (rotation + k) % prefills.size();
-    Node* n = prefills[i].get();
-    if (!usable(n)) continue;
-    const int64_t score = int64_t{matched[i]} * 1000 - n->in_flight.load(std::memory_order_relaxed);
-    if (score > best_score) {
-      best_score = score;
-      best = n;
+  for (bool with_suspect : {false, true}) {
+    allow_suspect = with_suspect;
+    int64_t best_score = std::numeric_limits<int64_t>::min();
+    for (size_t k = 0; k < prefills.size(); ++k) {
+      const size_t i = (rotation + k) % prefills.size();
+      Node* n = prefills[i].get();
+      if (!usable(n)) continue;
+      const int64_t score =
+          int64_t{matched[i]} * 1000 - n->in_flight.load(std::memory_order_relaxed);
+      if (score > best_score) {
+        best_score = score;
+        best = n;
+      }
     }
+    if (best != nullptr) break;
   }
   return best;
 }
@@ -279,17 +287,22 @@ Gateway::Node* Gateway::PickDecode(const NodeList& decodes, const std::vector<No
   }
   const uint64_t rotation = decode_rotation_.fetch_add(1, std::memory_order_relaxed);
   Node* best = nullptr;
-  int32_t best_load = std::numeric_limits<int32_t>::max();
-  for (size_t k = 0; k < decodes.size(); ++k) {
-    Node* n = decodes[(rotation + k) % decodes.size()].get();
-    if (is_excluded(n) || n->suspect.load(std::memory_order_relaxed) || !n->breaker.Healthy()) {
-      continue;
+  // Suspect nodes only when nothing else is usable (see PickPrefill).
+  for (bool with_suspect : {false, true}) {
+    int32_t best_load = std::numeric_limits<int32_t>::max();
+    for (size_t k = 0; k < decodes.size(); ++k) {
+      Node* n = decodes[(rotation + k) % decodes.size()].get();
+      if (is_excluded(n) || (!with_suspect && n->suspect.load(std::memory_order_relaxed)) ||
+          !n->breaker.Healthy()) {
+        continue;
+      }
+      const int32_t load = n->in_flight.load(std::memory_order_relaxed);
+      if (load < best_load) {
+        best_load = load;
+        best = n;
+      }
     }
-    const int32_t load = n->in_flight.load(std::memory_order_relaxed);
-    if (load < best_load) {
-      best_load = load;
-      best = n;
-    }
+    if (best != nullptr) break;
   }
   return best;
 }

@@ -108,7 +108,7 @@ class Gateway {
     std::atomic<int32_t> in_flight{0};
     bool discovered = false;           // from the registry (may be dropped), not a fixed address
     uint64_t incarnation = 0;          // discovered: the registered process
-    std::atomic<bool> suspect{false};  // the registry marks it suspect: skipped
+    std::atomic<bool> suspect{false};  // the registry marks it suspect: picked last
     mutable std::mutex mu;
     std::string node_id ABSL_GUARDED_BY(mu);  // learned from Status / Reserve
     const std::string& address() const {

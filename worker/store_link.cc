@@ -30,8 +30,22 @@ absl::StatusOr<std::unique_ptr<StoreLink>> StoreLink::Connect(StoreLinkOptions o
   auto link = std::unique_ptr<StoreLink>(
       new StoreLink(std::move(options), segment, clock, std::move(client)));
   absl::Status status;
+  // Another live process holds this id: it may be this node's earlier process, gone without
+  // deregistering from another address (a pod rescheduled with a new IP), which the store
+  // forgets within one TTL. A real duplicate keeps heartbeating and is still refused then.
+  const absl::Time holder_gone_by = absl::Now() + link->options_.ttl + absl::Seconds(1);
+  bool waiting_logged = false;
   while (true) {
     status = link->Register();
+    if (absl::IsAlreadyExists(status) && absl::Now() < std::min(deadline, holder_gone_by)) {
+      if (!waiting_logged) {
+        KV_LOG(WARNING) << link->options_.node_id << ": " << status.message()
+                        << "; retrying until that registration's TTL has passed";
+        waiting_logged = true;
+      }
+      absl::SleepFor(absl::Milliseconds(500));
+      continue;
+    }
     // Refused (another live process holds this id) or malformed: retrying will not help.
     if (status.ok() || absl::IsAlreadyExists(status) || absl::IsInvalidArgument(status) ||
         absl::IsFailedPrecondition(status) || absl::Now() > deadline) {

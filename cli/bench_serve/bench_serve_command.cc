@@ -14,6 +14,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
+#include "cli/bench_serve/fault_contract.h"
 #include "cli/bench_serve/report.h"
 #include "cli/bench_serve/runner.h"
 #include "cli/bench_serve/stats.h"
@@ -92,7 +93,7 @@ absl::Status WaitReady(const std::string& gateway, const GatewayClient& client,
 int RunBenchServeCommand(const std::vector<std::string>& args) {
   std::string gateway, trace_path, model_dir, model_name, slo_text, sweep_text, arrival = "poisson";
   std::string json_path, csv_path, plot_path, events_path, start_file, python = "/usr/bin/python3";
-  std::string tenant = "bench";
+  std::string tenant = "bench", contract_text;
   double time_scale = 1.0, rate = 0, shared_prefix_ratio = 0, temperature = 0;
   int32_t tokens_per_hash_id = 512, trace_block_tokens = 512, vocab = 0, block_tokens = 16;
   int32_t max_output_tokens = 64, input_tokens = 256, output_tokens = 16, prefix_groups = 4;
@@ -160,6 +161,12 @@ int RunBenchServeCommand(const std::vector<std::string>& args) {
   flags.AddString("csv", &csv_path, "write one CSV row per request here");
   flags.AddString("plot", &plot_path, "write a PNG plot here");
   flags.AddString("python", &python, "python with matplotlib, for --plot");
+  flags.AddString("fault-contract", &contract_text,
+                  "check the fault contract against --events and exit 4 when it is broken: "
+                  "'serve-again=5s,hits-again=5s,deadline-slack=1s' (any subset; 'default' for "
+                  "these values): failures at most those in flight on the faulted node, a node "
+                  "that is back serves (the store: with prefix hits) within the limit, no "
+                  "request outlives --timeout, a duplicate node id is refused");
   flags.AddString("events", &events_path,
                   "fault events file, read after the run: '<start unix s> <end unix s|-> label' "
                   "per line (scripts/cluster writes it)");
@@ -193,6 +200,14 @@ int RunBenchServeCommand(const std::vector<std::string>& args) {
   if (seed < 0) return UsageError(absl::StrCat("--seed must be >= 0, got ", seed));
   absl::StatusOr<bench_serve::Slo> slo = bench_serve::ParseSlo(slo_text);
   if (!slo.ok()) return UsageError(std::string(slo.status().message()));
+  std::optional<bench_serve::FaultContract> contract;
+  if (!contract_text.empty()) {
+    absl::StatusOr<bench_serve::FaultContract> parsed =
+        bench_serve::ParseFaultContract(contract_text == "default" ? std::string() : contract_text);
+    if (!parsed.ok()) return UsageError(std::string(parsed.status().message()));
+    if (events_path.empty()) return UsageError("--fault-contract needs --events FILE");
+    contract = *parsed;
+  }
   absl::StatusOr<std::vector<double>> sweep = ParseRates(sweep_text);
   if (!sweep.ok()) return UsageError(std::string(sweep.status().message()));
 
@@ -365,6 +380,11 @@ int RunBenchServeCommand(const std::vector<std::string>& args) {
         exit_code = 1;
       } else {
         run.faults = bench_serve::CostOfFaults(run.records, *events, *slo, end_s);
+        if (contract.has_value()) {
+          run.contract = bench_serve::CheckFaultContract(run.records, *events,
+                                                         bench_serve::ParseNodeAddresses(*text),
+                                                         *contract, absl::ToDoubleSeconds(timeout));
+        }
       }
     }
   }
@@ -407,6 +427,13 @@ int RunBenchServeCommand(const std::vector<std::string>& args) {
   if (ok == 0) {
     std::fprintf(stderr, "kvrelay bench-serve: no request succeeded\n");
     return 1;
+  }
+  for (const RunReport& run : runs) {
+    if (run.contract.has_value() && !run.contract->kept()) {
+      std::fprintf(stderr, "kvrelay bench-serve: the fault contract was broken (%zu violations)\n",
+                   run.contract->violations.size());
+      return 4;
+    }
   }
   return exit_code;
 }

@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "cli/bench_serve/fault_contract.h"
 #include "cli/bench_serve/report.h"
 #include "cli/bench_serve/stats.h"
 #include "cli/bench_serve/trace.h"
@@ -352,6 +353,77 @@ TEST(StatsTest, FaultCostCountsFailuresInItsWindowAndRecovery) {
   EXPECT_DOUBLE_EQ(costs[0].recovery_s, 3);  // 13 - 10
   EXPECT_THAT(ParseFaultEvents("10 kill\n", 0, 1).status().message(),
               HasSubstr("fault events line 1"));
+}
+
+RequestRecord On(RequestRecord r, const std::string& prefill, const std::string& decode) {
+  r.prefill_worker = prefill;
+  r.decode_worker = decode;
+  return r;
+}
+
+TEST(FaultContractTest, FailuresOnlyInFlightOnTheNodeAndItServesAgain) {
+  const std::string events_text =
+      "@node decode-0 10.0.0.3:7200,10.0.0.3:7201\n"
+      "@node decode-1 10.0.0.4:7200\n"
+      "1010.0 1016.0 stop decode-0 for 6s\n"
+      "1030 1031 restart store\n"
+      "1040 1040 dup prefill-0 refused\n"
+      "1045 1045 dup prefill-1 accepted\n";
+  absl::StatusOr<std::vector<FaultEvent>> events = ParseFaultEvents(events_text, 1000.0, 60);
+  ASSERT_TRUE(events.ok()) << events.status();
+  ASSERT_EQ(events->size(), 4u);
+  const auto nodes = ParseNodeAddresses(events_text);
+  ASSERT_EQ(nodes.at("decode-0").size(), 2u);
+  const std::string p = "10.0.0.1:7100", d0 = "10.0.0.3:7200", d1 = "10.0.0.4:7200";
+  RequestRecord failed_on_d0 = Failed(9, 12, absl::StatusCode::kUnavailable, "x");
+  failed_on_d0.error_node_id = "decode-0";
+  std::vector<RequestRecord> records = {
+      On(Ok(1, 2, 50, 10, 10, 0), p, d0),
+      failed_on_d0,                            // in flight on decode-0 when it stopped: allowed
+      On(Ok(9.5, 11, 50, 10, 10, 0), p, d1),   // in flight elsewhere
+      On(Ok(16.5, 18, 50, 10, 10, 0), p, d0),  // decode-0 serves 2 s after SIGCONT
+      On(Ok(31.5, 32, 50, 10, 10, 0), p, d1),  // after the store: no hits yet
+      On(Ok(32.5, 34, 50, 10, 10, 8), p, d1),  // hits 3 s after it
+  };
+  ContractReport report = CheckFaultContract(records, *events, nodes, FaultContract{}, 20);
+  ASSERT_EQ(report.verdicts.size(), 4u);
+  const FaultVerdict& stop = report.verdicts[0];
+  EXPECT_EQ(stop.action, "stop");
+  EXPECT_EQ(stop.target, "decode-0");
+  EXPECT_EQ(stop.in_flight, 2);
+  EXPECT_EQ(stop.in_flight_on_target, 1);
+  EXPECT_EQ(stop.failed, 1);
+  EXPECT_DOUBLE_EQ(stop.served_again_s, 2);
+  EXPECT_TRUE(stop.violations.empty());
+  EXPECT_DOUBLE_EQ(report.verdicts[1].served_again_s, 1);
+  EXPECT_DOUBLE_EQ(report.verdicts[1].hits_again_s, 3);
+  EXPECT_TRUE(report.verdicts[2].violations.empty());
+  ASSERT_EQ(report.violations.size(), 1u);  // only the accepted duplicate
+  EXPECT_THAT(report.violations[0], HasSubstr("not refused"));
+
+  // A failure nobody was in flight for, one before any fault, a node that never comes back,
+  // hits that come too late, and a request past its deadline: each is named.
+  RequestRecord failed_elsewhere = Failed(12, 13, absl::StatusCode::kUnavailable, "y");
+  failed_elsewhere.error_node_id = "decode-1";
+  records = {Failed(1, 2, absl::StatusCode::kUnavailable, "early"), failed_elsewhere,
+             On(Ok(31.5, 40, 50, 10, 10, 8), p, d1), On(Ok(41, 70, 50, 10, 10, 8), p, d1)};
+  FaultContract strict;
+  strict.hits_again_s = 5;
+  report = CheckFaultContract(records, {(*events)[0], (*events)[1]}, nodes, strict, 20);
+  EXPECT_FALSE(report.kept());
+  EXPECT_EQ(report.failed_without_fault, 1);
+  EXPECT_EQ(report.over_deadline, 1);
+  EXPECT_EQ(report.verdicts[0].failed, 1);
+  EXPECT_EQ(report.verdicts[0].in_flight_on_target, 0);
+  EXPECT_THAT(report.verdicts[0].violations,
+              ElementsAre(HasSubstr("more than the 0 in flight on decode-0"),
+                          HasSubstr("decode-0 never served")));
+  EXPECT_THAT(report.verdicts[1].violations, ElementsAre(HasSubstr("store served again 9.0 s"),
+                                                         HasSubstr("prefix hits came back 9.0 s")));
+
+  EXPECT_TRUE(ParseFaultContract("serve-again=3s,hits-again=500ms").ok());
+  EXPECT_THAT(ParseFaultContract("serve-again=soon").status().message(), HasSubstr("serve-again"));
+  EXPECT_THAT(ParseFaultContract("recover=1s").status().message(), HasSubstr("unknown key"));
 }
 
 TEST(VerifyTest, WrongTokensCountMismatchesExtrasAndMissingOnlyWhenComplete) {

@@ -96,6 +96,28 @@ std::string FormatRun(const ReportContext& c, const RunReport& run) {
                     "but missed the SLO;\n         recovery: until a request sent after "
                     "the last bad one completed well)\n");
   }
+  if (run.contract.has_value()) {
+    const ContractReport& k = *run.contract;
+    absl::StrAppend(&out, absl::StrFormat("contract %6s  %-28s %9s %6s %11s %10s\n", "at", "what",
+                                          "in flight", "failed", "serves again", "hits again"));
+    auto seconds = [](double s) { return s < 0 ? std::string("-") : absl::StrFormat("%.1f s", s); };
+    for (const FaultVerdict& v : k.verdicts) {
+      absl::StrAppend(
+          &out, absl::StrFormat("        %6.1fs  %-28s %4d/%-4d %6d %11s %10s\n", v.fault.start_s,
+                                v.fault.label.substr(0, 28), v.in_flight_on_target, v.in_flight,
+                                v.failed, seconds(v.served_again_s), seconds(v.hits_again_s)));
+    }
+    absl::StrAppend(&out, absl::StrFormat("        (in flight: on the faulted node / in all; "
+                                          "failed without a fault: %d; longest request %.0f ms)\n",
+                                          k.failed_without_fault, k.max_e2e_ms));
+    if (k.kept()) {
+      absl::StrAppend(&out, "contract        kept\n");
+    } else {
+      for (const std::string& v : k.violations) {
+        absl::StrAppend(&out, "contract        VIOLATED: ", v, "\n");
+      }
+    }
+  }
   return out;
 }
 
@@ -191,6 +213,29 @@ nlohmann::json ReportJson(const ReportContext& c, const std::vector<RunReport>& 
                              {"wrong_tokens", f.wrong_tokens},
                              {"ttft_p99_ms", Finite(f.ttft_p99_ms)},
                              {"recovery_s", f.recovery_s}});
+    }
+    if (run.contract.has_value()) {
+      const ContractReport& k = *run.contract;
+      nlohmann::json verdicts = nlohmann::json::array();
+      for (const FaultVerdict& v : k.verdicts) {
+        verdicts.push_back({{"label", v.fault.label},
+                            {"action", v.action},
+                            {"target", v.target},
+                            {"start_s", v.fault.start_s},
+                            {"recovered_s", v.recovered_s},
+                            {"in_flight", v.in_flight},
+                            {"in_flight_on_target", v.in_flight_on_target},
+                            {"failed", v.failed},
+                            {"served_again_s", v.served_again_s},
+                            {"hits_again_s", v.hits_again_s},
+                            {"violations", v.violations}});
+      }
+      r["contract"] = {{"kept", k.kept()},
+                       {"faults", verdicts},
+                       {"failed_without_fault", k.failed_without_fault},
+                       {"over_deadline", k.over_deadline},
+                       {"max_e2e_ms", k.max_e2e_ms},
+                       {"violations", k.violations}};
     }
     if (with_requests) {
       nlohmann::json reqs = nlohmann::json::array();

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "cli/bench_serve/fault_contract.h"
 #include "cli/bench_serve/stats.h"
 
 namespace kvrelay::bench_serve {
@@ -18,6 +19,7 @@ struct RunReport {
   std::optional<double> rate;  // set for a sweep step (requests/s)
   Summary summary;
   std::vector<FaultCost> faults;
+  std::optional<ContractReport> contract;  // with --fault-contract
   std::vector<RequestRecord> records;
   int64_t not_sent = 0;
   bool stopped_by_duration = false;

@@ -5,10 +5,12 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
+#include <optional>
 #include <thread>
 
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "proto/grpc_status.h"
 
 namespace kvrelay::bench_serve {
 namespace {
@@ -87,6 +89,10 @@ RequestRecord SendOne(const cli::GatewayClient& client, const WorkloadRequest& w
   if (!result.ok()) {
     r.code = result.status().code();
     r.error = std::string(result.status().message());
+    if (std::optional<kvrelay::v1::ErrorInfo> info = proto::GetErrorInfo(result.status())) {
+      r.error_node_id = info->node_id();
+      r.error_address = info->address();
+    }
     r.cut = capped && absl::IsDeadlineExceeded(result.status());
     return r;
   }

@@ -101,7 +101,7 @@ absl::StatusOr<std::vector<FaultEvent>> ParseFaultEvents(const std::string& text
   for (absl::string_view raw : absl::StrSplit(text, '\n')) {
     ++line;
     const absl::string_view l = absl::StripAsciiWhitespace(raw);
-    if (l.empty() || l[0] == '#') continue;
+    if (l.empty() || l[0] == '#' || l[0] == '@') continue;  // '@node' lines: ParseNodeAddresses
     std::vector<absl::string_view> f = absl::StrSplit(l, absl::MaxSplits(' ', 2));
     double start = 0, end = 0;
     if (f.size() < 3 || !absl::SimpleAtod(f[0], &start) ||

@@ -21,7 +21,9 @@ struct RequestRecord {
   double send_s = 0;       // when it was sent, from the start of the run
   double end_s = 0;        // when the stream ended
   absl::StatusCode code = absl::StatusCode::kOk;
-  std::string error;    // the status message when not OK
+  std::string error;  // the status message when not OK
+  // Who failed, from the status's structured ErrorInfo (empty when it names nobody).
+  std::string error_node_id, error_address;
   bool cut = false;     // ended by --max-duration, not by the service
   double ttft_ms = -1;  // client-side: send to first streamed token; -1 = none came
   double e2e_ms = 0;
@@ -67,8 +69,9 @@ struct FaultEvent {
   std::string label;   // "stop decode-0 for 6s"
 };
 
-// Events file lines: `<start unix s> <end unix s | -> <label...>`; '#' lines and blank lines
-// skipped. `run_start_unix` maps them to run time. InvalidArgument naming the line otherwise.
+// Events file lines: `<start unix s> <end unix s | -> <label...>`; '#' lines, '@' lines (see
+// ParseNodeAddresses) and blank lines skipped. `run_start_unix` maps them to run time.
+// InvalidArgument naming the line otherwise.
 absl::StatusOr<std::vector<FaultEvent>> ParseFaultEvents(const std::string& text,
                                                          double run_start_unix, double run_end_s);
 

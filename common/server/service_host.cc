@@ -54,6 +54,9 @@ absl::StatusOr<std::unique_ptr<ServiceHost>> ServiceHost::Start(
   // Clients ping every 10 s (server::MakeChannel); accept that instead of answering GOAWAY.
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 5000);
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  // Two live processes never share a port: the cache store takes a registration from a live
+  // node's gRPC address as that node's successor (see cachestore::NodeRegistry::Register).
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   for (grpc::Service* service : services) builder.RegisterService(service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {

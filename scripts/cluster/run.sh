@@ -12,12 +12,20 @@
 #   scripts/cluster/run.sh [options] [-- bench-serve flags...]
 # Options:
 #   --prefill M --decode K --gateways G   workers and gateways (default 2 2 1)
+#   --spare-prefill M --spare-decode K    workers with a namespace but not started: 'add' starts
+#                                         them while the cluster runs (default 0 0)
+#   --fixed-workers                       gateways take fixed worker lists (--prefill/--decode)
+#                                         instead of discovering workers from the store
 #   --model DIR | --arch A                model to serve (default: a generated tiny llama)
 #   --threads N                           compute threads per worker (default 1)
 #   --pool-blocks N --cache-slots N       per-worker KV slots (default 1024 / 4096)
 #   --fault 'at=20s kill decode-1'        repeatable; also 'at=T stop NODE for D', 'at=T cut NODE
 #                                         for D' (link down), 'at=T shape NODE 200mbit' (tc tbf,
-#                                         both directions, until the end), 'at=T restart NODE'
+#                                         both directions, until the end), 'at=T restart NODE',
+#                                         'at=T kill NODE for D' (SIGKILL, started again after D),
+#                                         'at=T add NODE' (start a spare worker), 'at=T dup NODE'
+#                                         (start a second process with NODE's node id on another
+#                                         host; it must be refused)
 #   --out DIR                             logs, report.json, requests.csv, plot.png
 #   --subnet 10.77.0                      first three octets of the namespace addresses
 #   --name ID                             namespace prefix (default kvr<pid>): ID-hub, ID-store..
@@ -25,15 +33,19 @@
 #                                         hosts (faults are not available there)
 #   --print-commands                      print the command each node runs (for a real
 #                                         multi-host deployment), then exit
-# Node names: store, prefill-0.., decode-0.., gateway-0.., client. bench-serve gets --gateway,
-# --model, --events and --start-file from here; everything after `--` is passed on.
-# Exit: bench-serve's status (3 = wrong tokens), 77 when network namespaces are unavailable.
+# Node names: store, prefill-0.., decode-0.., gateway-0.., client, dup (the host of 'dup'
+# processes). bench-serve gets --gateway, --model, --events and --start-file from here; everything
+# after `--` is passed on. The events file also lists every node's addresses ('@node NAME
+# GRPC,DATA'), which bench-serve's --fault-contract uses to tell which requests a node served.
+# Exit: bench-serve's status (3 = wrong tokens, 4 = fault contract broken), 77 when network
+# namespaces are unavailable.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 BIN=${KVRELAY_BIN_DIR:-$ROOT/build/bin}
 KVRELAY="$BIN/kvrelay"
 PREFILL=2 DECODE=2 GATEWAYS=1 THREADS=1 POOL_BLOCKS=1024 CACHE_SLOTS=4096
+SPARE_PREFILL=0 SPARE_DECODE=0 FIXED_WORKERS=0
 MODEL="" ARCH=llama OUT="" SUBNET=10.77.0 EXTERNAL="" PRINT_ONLY=0 ID="kvr$$"
 FAULTS=()
 BENCH_ARGS=()
@@ -44,6 +56,9 @@ while (($#)); do
     --prefill) PREFILL=$2; shift 2 ;;
     --decode) DECODE=$2; shift 2 ;;
     --gateways) GATEWAYS=$2; shift 2 ;;
+    --spare-prefill) SPARE_PREFILL=$2; shift 2 ;;
+    --spare-decode) SPARE_DECODE=$2; shift 2 ;;
+    --fixed-workers) FIXED_WORKERS=1; shift ;;
     --model) MODEL=$2; shift 2 ;;
     --arch) ARCH=$2; shift 2 ;;
     --threads) THREADS=$2; shift 2 ;;
@@ -63,6 +78,11 @@ done
 for n in PREFILL DECODE GATEWAYS THREADS; do
   [[ ${!n} =~ ^[0-9]+$ ]] && ((${!n} >= 1 && ${!n} <= 16)) || die "--${n,,} must be 1-16, got '${!n}'"
 done
+for n in SPARE_PREFILL SPARE_DECODE; do
+  [[ ${!n} =~ ^[0-9]+$ ]] && ((${!n} <= 8)) || die "--${n,,} must be 0-8, got '${!n}'"
+done
+((FIXED_WORKERS == 0 || SPARE_PREFILL + SPARE_DECODE == 0)) ||
+  die "spare workers are found by discovery: drop --fixed-workers"
 [[ $SUBNET =~ ^10\.[0-9]+\.[0-9]+$ ]] || die "--subnet must be 10.A.B, got '$SUBNET'"
 [[ $ID =~ ^[a-z][a-z0-9]{0,11}$ ]] || die "--name must be 1-12 lowercase letters/digits, got '$ID'"
 [[ -x $KVRELAY ]] || die "no $KVRELAY; build it first (TARGETS=kvrelay scripts/build.sh)"
@@ -88,10 +108,13 @@ MODEL=$(cd "$MODEL" && pwd)
 # --- nodes: name -> address, command --------------------------------------------------------------
 HUB="$ID-hub"
 NODES=(store)
-for ((i = 0; i < PREFILL; i++)); do NODES+=("prefill-$i"); done
-for ((i = 0; i < DECODE; i++)); do NODES+=("decode-$i"); done
+for ((i = 0; i < PREFILL + SPARE_PREFILL; i++)); do NODES+=("prefill-$i"); done
+for ((i = 0; i < DECODE + SPARE_DECODE; i++)); do NODES+=("decode-$i"); done
 for ((i = 0; i < GATEWAYS; i++)); do NODES+=("gateway-$i"); done
-NODES+=(client)
+NODES+=(client dup)
+declare -A SPARE
+for ((i = PREFILL; i < PREFILL + SPARE_PREFILL; i++)); do SPARE[prefill-$i]=1; done
+for ((i = DECODE; i < DECODE + SPARE_DECODE; i++)); do SPARE[decode-$i]=1; done
 declare -A ADDR INDEX
 for ((k = 0; k < ${#NODES[@]}; k++)); do
   ADDR[${NODES[k]}]="$SUBNET.$((k + 10))"
@@ -102,25 +125,39 @@ prefill_list() { local i out=(); for ((i = 0; i < PREFILL; i++)); do out+=("${AD
 decode_list() { local i out=(); for ((i = 0; i < DECODE; i++)); do out+=("${ADDR[decode-$i]}:7200"); done; local IFS=,; echo "${out[*]}"; }
 gateway_list() { local i out=(); for ((i = 0; i < GATEWAYS; i++)); do out+=("${ADDR[gateway-$i]}:8000"); done; local IFS=,; echo "${out[*]}"; }
 
-# The kvrelay arguments of a node (also what --print-commands shows for a real deployment).
+# The kvrelay arguments of a node (also what --print-commands shows for a real deployment);
+# `host` (default: the node's own address) runs it elsewhere under the same node id ('dup').
 node_args() {
-  local name=$1 a=${ADDR[$1]}
+  local name=$1 a=${2:-${ADDR[$1]}}
   case "$name" in
     store) echo "cachestore --host $a --port 7000 --metrics-port 0 --data-dir $OUT/store-data" ;;
     prefill-*) echo "prefill --host $a --port 7100 --metrics-port 0 --transport-host $a" \
-                    "--cachestore $STORE --model $MODEL --node-id $name --threads $THREADS" \
-                    "--pool-blocks $POOL_BLOCKS --cache-slots $CACHE_SLOTS" ;;
+                    "--transport-port 7300 --cachestore $STORE --model $MODEL --node-id $name" \
+                    "--threads $THREADS --pool-blocks $POOL_BLOCKS --cache-slots $CACHE_SLOTS" ;;
     decode-*) echo "decode --host $a --port 7200 --metrics-port 0 --transport-host $a" \
-                   "--cachestore $STORE --model $MODEL --node-id $name --threads $THREADS" \
-                   "--pool-blocks $POOL_BLOCKS --cache-slots $CACHE_SLOTS" ;;
-    gateway-*) echo "gateway --host $a --port 8000 --metrics-port 0 --cachestore $STORE" \
-                    "--prefill $(prefill_list) --decode $(decode_list) --model $MODEL" ;;
+                   "--transport-port 7300 --cachestore $STORE --model $MODEL --node-id $name" \
+                   "--threads $THREADS --pool-blocks $POOL_BLOCKS --cache-slots $CACHE_SLOTS" ;;
+    gateway-*)
+      if ((FIXED_WORKERS)); then
+        echo "gateway --host $a --port 8000 --metrics-port 0 --cachestore $STORE" \
+             "--prefill $(prefill_list) --decode $(decode_list) --model $MODEL"
+      else  # workers are discovered from the store's registry
+        echo "gateway --host $a --port 8000 --metrics-port 0 --cachestore $STORE --model $MODEL"
+      fi ;;
+  esac
+}
+node_addresses() {  # the addresses a gateway or an error may name the node by
+  case "$1" in
+    prefill-*) echo "${ADDR[$1]}:7100,${ADDR[$1]}:7300" ;;
+    decode-*) echo "${ADDR[$1]}:7200,${ADDR[$1]}:7300" ;;
+    store) echo "${ADDR[$1]}:7000" ;;
+    gateway-*) echo "${ADDR[$1]}:8000" ;;
   esac
 }
 
 if ((PRINT_ONLY)); then
   for name in "${NODES[@]}"; do
-    [[ $name == client ]] && continue
+    [[ $name == client || $name == dup ]] && continue
     echo "# $name (${ADDR[$name]}): UCX_TLS=tcp kvrelay $(node_args "$name")"
   done
   echo "# client: kvrelay bench-serve --gateway $(gateway_list) --model $MODEL ${BENCH_ARGS[*]}"
@@ -201,6 +238,27 @@ start_node() {
   echo $! >"$OUT/pids/$name"
   disown "$!"  # killed by faults on purpose: no "Killed" job notices; teardown uses the pid files
 }
+# A second process with `target`'s node id, on the 'dup' host. Prints "refused" when it exits
+# non-zero naming ALREADY_EXISTS within 30 s, else "accepted" (and stops it).
+start_duplicate() {
+  local target=$1 log="$OUT/logs/dup-$1.log" pid deadline
+  # shellcheck disable=SC2046
+  ip netns exec "$ID-dup" env UCX_TLS=tcp UCX_NET_DEVICES=eth0 \
+    "$KVRELAY" $(node_args "$target" "${ADDR[dup]}") >>"$log" 2>&1 &
+  pid=$!
+  echo "$pid" >"$OUT/pids/dup-$target"
+  deadline=$((SECONDS + 30))
+  while kill -0 "$pid" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.1; done
+  if kill -0 "$pid" 2>/dev/null; then
+    kill -KILL "$pid" 2>/dev/null || true
+    wait "$pid" 2>/dev/null || true
+    echo accepted
+  elif ! wait "$pid" && grep -q ALREADY_EXISTS "$log"; then
+    echo refused
+  else
+    echo accepted
+  fi
+}
 node_pid() { cat "$OUT/pids/$1"; }
 
 listen_count() {  # how many times a node's log says it listens (once per start)
@@ -226,11 +284,12 @@ echo "cluster: ${#NODES[@]} namespaces ($ID-*), store $STORE, prefill $(prefill_
      "decode $(decode_list), gateway $(gateway_list); logs in $OUT/logs" >&2
 start_node store
 wait_listening store
+is_worker() { [[ ($1 == prefill-* || $1 == decode-*) && -z ${SPARE[$1]:-} ]]; }
 for name in "${NODES[@]}"; do
-  [[ $name == prefill-* || $name == decode-* ]] && start_node "$name"
+  if is_worker "$name"; then start_node "$name"; fi
 done
 for name in "${NODES[@]}"; do
-  [[ $name == prefill-* || $name == decode-* ]] && wait_listening "$name"
+  if is_worker "$name"; then wait_listening "$name"; fi
 done
 for ((i = 0; i < GATEWAYS; i++)); do start_node "gateway-$i"; done
 for ((i = 0; i < GATEWAYS; i++)); do wait_listening "gateway-$i"; done
@@ -239,6 +298,9 @@ for ((i = 0; i < GATEWAYS; i++)); do wait_listening "gateway-$i"; done
 EVENTS=$OUT/events.txt
 START_FILE=$OUT/start.txt
 : >"$EVENTS"
+for name in "${NODES[@]}"; do
+  [[ $name == client || $name == dup ]] || echo "@node $name $(node_addresses "$name")" >>"$EVENTS"
+done
 rm -f "$START_FILE"
 now() { date +%s.%N; }
 seconds() {  # "20s" / "20" / "1.5s" -> 20 / 1.5
@@ -250,13 +312,20 @@ check_fault() {
   local spec=$1 at action target rest
   read -r at action target rest <<<"$spec"
   [[ $at == at=* ]] && seconds "${at#at=}" >/dev/null || fault_error "$spec" "want 'at=<seconds>s ...'"
-  [[ -n ${ADDR[$target]:-} && $target != client ]] || fault_error "$spec" "unknown node '$target'"
+  [[ -n ${ADDR[$target]:-} && $target != client && $target != dup ]] ||
+    fault_error "$spec" "unknown node '$target'"
   case "$action" in
-    kill|restart) [[ -z $rest ]] || fault_error "$spec" "'$action NODE' takes nothing more" ;;
+    restart) [[ -z $rest ]] || fault_error "$spec" "'$action NODE' takes nothing more" ;;
+    kill) [[ -z $rest || ($rest =~ ^for\ ([0-9.]+s?)$ && -n $(seconds "${BASH_REMATCH[1]}")) ]] ||
+            fault_error "$spec" "want 'kill NODE' or 'kill NODE for <seconds>s'" ;;
+    add) [[ -z $rest && -n ${SPARE[$target]:-} ]] ||
+           fault_error "$spec" "'add NODE' takes a spare worker (--spare-prefill/--spare-decode)" ;;
+    dup) [[ -z $rest && ($target == prefill-* || $target == decode-*) ]] ||
+           fault_error "$spec" "'dup NODE' takes a worker" ;;
     stop|cut) [[ $rest =~ ^for\ ([0-9.]+s?)$ ]] && seconds "${BASH_REMATCH[1]}" >/dev/null ||
                 fault_error "$spec" "want '$action NODE for <seconds>s'" ;;
     shape) [[ $rest =~ ^[0-9]+(kbit|mbit|gbit)$ ]] || fault_error "$spec" "want 'shape NODE 200mbit'" ;;
-    *) fault_error "$spec" "unknown action '$action' (kill, stop, cut, shape, restart)" ;;
+    *) fault_error "$spec" "unknown action '$action' (kill, stop, cut, shape, restart, add, dup)" ;;
   esac
 }
 for spec in "${FAULTS[@]}"; do check_fault "$spec"; done
@@ -272,8 +341,24 @@ run_fault() {
   start=$(now)
   case "$action" in
     kill)
+      local seen
+      seen=$(listen_count "$target")
       kill -KILL "$(node_pid "$target")" 2>/dev/null || true
-      echo "$start $start kill $target" >>"$EVENTS" ;;
+      if [[ -z $rest ]]; then
+        echo "$start $start kill $target" >>"$EVENTS"
+      else  # kill NODE for D: the host comes back after D with a new process (a new incarnation)
+        d=$(seconds "${rest#for }")
+        sleep "$d"
+        start_node "$target"
+        wait_listening "$target" 60 $((seen + 1)) || true
+        echo "$start $(now) kill $target for ${d}s" >>"$EVENTS"
+      fi ;;
+    add)
+      start_node "$target"
+      wait_listening "$target" 60 || true
+      echo "$(now) $(now) add $target" >>"$EVENTS" ;;
+    dup)
+      echo "$start $(now) dup $target $(start_duplicate "$target")" >>"$EVENTS" ;;
     stop)
       d=$(seconds "${rest#for }")
       echo "$start $(awk -v a="$start" -v b="$d" 'BEGIN{printf "%.3f", a + b}') stop $target for ${d}s" >>"$EVENTS"

@@ -387,7 +387,9 @@ TEST_F(CacheStoreProcessTest, SecondProcessWithTheSameNodeIdIsRefused) {
   KV_ASSERT_OK_AND_ASSIGN(v1::RegisterNodeResponse r, first->Register(Reg(16)));
   EXPECT_EQ(r.incarnation(), first->node().incarnation);
   EXPECT_NE(r.store_incarnation(), 0u);
-  EXPECT_THAT(second->Register(Reg(16)),
+  CacheStoreClient::Registration elsewhere = Reg(16);  // another host (the same one would be
+  elsewhere.grpc_address = "127.0.0.2:7100";           // the first process's successor)
+  EXPECT_THAT(second->Register(elsewhere),
               StatusIs(absl::StatusCode::kAlreadyExists,
                        ::testing::AllOf(HasSubstr("prefill-0"), HasSubstr("127.0.0.1:13337"))));
   EXPECT_THAT(first->Register(Reg(16)), IsOk());  // idempotent for the same incarnation

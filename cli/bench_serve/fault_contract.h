@@ -1,0 +1,66 @@
+#pragma once
+
+// The fault contract a cluster must keep (issue 10), checked from the request records of one run
+// and the cluster scripts' events file:
+//   - no wrong token (checked by --verify, reported beside this);
+//   - the requests a fault may fail are at most those in flight on the faulted node when it
+//     struck (every request touches the store, so for the store that is all in flight);
+//   - a node that comes back (SIGCONT, link up, restart, or a node added to the cluster) serves
+//     a request again within `serve_again`; after the store comes back, a request is served with
+//     prefix hits within `hits_again`;
+//   - no request outlives its deadline (--timeout) by more than `deadline_slack`;
+//   - no request fails while no fault is active;
+//   - a duplicate node id is refused.
+// A verdict is data; the caller decides what to do with violations (bench-serve exits 4).
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "cli/bench_serve/stats.h"
+
+namespace kvrelay::bench_serve {
+
+// `--fault-contract serve-again=5s,hits-again=5s,deadline-slack=1s` (any subset; defaults
+// below). InvalidArgument naming the key otherwise.
+struct FaultContract {
+  double serve_again_s = 5;
+  double hits_again_s = 5;
+  double deadline_slack_s = 1;
+};
+absl::StatusOr<FaultContract> ParseFaultContract(const std::string& text);
+
+// `@node NAME ADDRESS[,ADDRESS...]` lines of the events file: the addresses a gateway may name a
+// node by (its gRPC and data-plane addresses). Other lines are ignored.
+std::map<std::string, std::vector<std::string>> ParseNodeAddresses(const std::string& text);
+
+struct FaultVerdict {
+  FaultEvent fault;
+  std::string action, target;  // the label's first two words: "stop", "decode-0"
+  double recovered_s = -1;     // when the node was back (-1: it does not come back)
+  int64_t in_flight = 0;       // requests in flight when the fault struck
+  int64_t in_flight_on_target = 0;
+  int64_t failed = 0;          // failed requests attributed to this fault
+  double served_again_s = -1;  // recovery -> first OK request sent after it served by the node
+  double hits_again_s = -1;    // store: recovery -> first OK request sent after it with hits
+  std::vector<std::string> violations;
+};
+
+struct ContractReport {
+  std::vector<FaultVerdict> verdicts;
+  int64_t failed_without_fault = 0;  // failed before any fault struck
+  int64_t over_deadline = 0;         // requests that ended later than --timeout + slack
+  double max_e2e_ms = 0;
+  std::vector<std::string> violations;  // all of them, the verdicts' included
+  bool kept() const { return violations.empty(); }
+};
+
+// `timeout_s` is the per-request deadline the run used.
+ContractReport CheckFaultContract(const std::vector<RequestRecord>& records,
+                                  const std::vector<FaultEvent>& faults,
+                                  const std::map<std::string, std::vector<std::string>>& nodes,
+                                  const FaultContract& contract, double timeout_s);
+
+}  // namespace kvrelay::bench_serve

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# Multi-host fault contract (issue 10), on network namespaces, one host per service, UCX over tcp:
+# store, 2 prefill, 2 decode (+1 spare), 1 gateway that discovers workers from the store, under a
+# steady stream of verified requests (about 2 minutes on 2 cores). Faults, in order:
+#   dup prefill-0          a second process with prefill-0's node id, on another host: refused
+#   stop decode-0 for 6s   SIGSTOP (a hung host)
+#   cut decode-1 for 10s   its link down (a partition)
+#   cut store for 10s      the store's link down
+#   restart store          kill -9 and start again (recovers from its WAL)
+#   kill decode-0 for 2s   kill -9, back 2 s later as a new incarnation
+#   add decode-2           a worker joins while the gateway runs
+# bench-serve --fault-contract checks, for every fault: wrong tokens 0 (--verify on every
+# request); failed requests at most those in flight on the faulted node when it struck; the node
+# serves again within 5 s of being back (the store: a request with prefix hits within 5 s); no
+# request outlives its deadline; the duplicate was refused; the added worker served within 5 s.
+# Skips (exit 77) where `ip netns add` is not allowed.
+set -euo pipefail
+ROOT=${KVRELAY_SOURCE_DIR:-$(cd "$(dirname "$0")/../.." && pwd)}
+export KVRELAY_BIN_DIR=${KVRELAY_BIN_DIR:-$ROOT/build/bin}
+WORK=$(mktemp -d /tmp/kvrelay-faults-test-XXXXXX)
+KEEP=${KVRELAY_KEEP_TEST_DIR:-0}
+trap '((KEEP)) || rm -rf "$WORK"' EXIT
+fail() { echo "FAIL: $*" >&2; exit 1; }
+
+MODEL=$WORK/model
+"$KVRELAY_BIN_DIR/kvrelay" make-test-model --arch llama --seed 5 --out "$MODEL" >/dev/null
+
+NAME=kvf$$
+set +e
+"$ROOT/scripts/cluster/run.sh" --name "$NAME" --prefill 2 --decode 2 --spare-decode 1 \
+  --model "$MODEL" --out "$WORK/run" \
+  --fault "at=4s dup prefill-0" \
+  --fault "at=10s stop decode-0 for 6s" \
+  --fault "at=24s cut decode-1 for 10s" \
+  --fault "at=42s cut store for 10s" \
+  --fault "at=62s restart store" \
+  --fault "at=74s kill decode-0 for 2s" \
+  --fault "at=86s add decode-2" \
+  -- --rate 2.5 --arrival fixed --num-requests 600 --max-duration 100s --input-tokens 80 \
+  --output-tokens 8 --shared-prefix-ratio 0.8 --prefix-groups 3 --concurrency 64 --timeout 20s \
+  --verify --slo ttft=2s --fault-contract default \
+  >"$WORK/out.txt" 2>"$WORK/err.txt"
+rc=$?
+set -e
+if ((rc == 77)); then
+  cat "$WORK/err.txt" >&2
+  echo "SKIP: network namespaces are not available here"
+  exit 77
+fi
+cat "$WORK/out.txt"
+if ((rc != 0)); then
+  tail -30 "$WORK/err.txt" >&2
+  KEEP=1
+  fail "bench-serve exited $rc (3 = wrong tokens, 4 = fault contract broken); logs in $WORK/run/logs"
+fi
+leftover=$(ip netns list 2>/dev/null | grep -E "^$NAME-" || true)
+[[ -z $leftover ]] || fail "namespaces left: $leftover"
+/usr/bin/python3 - "$WORK/run/report.json" <<'PY' || { KEEP=1; fail "bad report (in $WORK)"; }
+import json, sys
+run = json.load(open(sys.argv[1]))["runs"][0]
+s, k = run["summary"], run["contract"]
+print(f"requests {s['requests']} ok {s['ok']} failed {s['failed']} verified {s['verified']} "
+      f"wrong {s['wrong_tokens']} hit rate {s['hit_rate']:.3f}")
+assert s["wrong_tokens"] == 0 and s["verified"] == s["ok"] > 150, s
+assert k["kept"], k["violations"]
+actions = [(f["action"], f["target"]) for f in k["faults"]]
+want = [("dup", "prefill-0"), ("stop", "decode-0"), ("cut", "decode-1"), ("cut", "store"),
+        ("restart", "store"), ("kill", "decode-0"), ("add", "decode-2")]
+assert actions == want, actions
+for f in k["faults"]:
+    print(f"  {f['label']:<28} in flight on node {f['in_flight_on_target']}/{f['in_flight']} "
+          f"failed {f['failed']} serves again {f['served_again_s']:.1f}s "
+          f"hits again {f['hits_again_s']:.1f}s")
+PY
+echo PASS
