@@ -21,7 +21,7 @@ using ::kvrelay::proto::Attribute;
 
 constexpr absl::Duration kReleaseGrace = absl::Seconds(30);
 constexpr size_t kTokenBytes = 32;  // reservation tokens and the data-plane key: 256 bits
-constexpr size_t kMaxClaimBytes = 64 << 10;
+constexpr size_t kMaxClaimBytes = 256 << 10;
 
 // A push or Generate that does not hold the reservation: the caller's doing.
 absl::Status Denied(const std::string& message) {
@@ -224,6 +224,7 @@ absl::Status DecodeWorker::AuthorizeBlocks(const Reservation& r,
 void DecodeWorker::OnPushClaim(const transfer::InboundEvent& event) {
   kvrelay::v1::PushClaim claim;
   absl::Status verdict;
+  bool expired = false;
   if (event.message.size() > kMaxClaimBytes ||
       !claim.ParseFromArray(event.message.data(), static_cast<int>(event.message.size()))) {
     verdict = absl::InvalidArgumentError("malformed push claim");
@@ -234,11 +235,13 @@ void DecodeWorker::OnPushClaim(const transfer::InboundEvent& event) {
       // One answer for "no such reservation" and "wrong token": a claim learns nothing.
       if (it == reservations_.end() || it->second->request_id != claim.request_id() ||
           !kv::SecretEquals(it->second->token, claim.reservation_token())) {
-        return absl::PermissionDeniedError(absl::StrCat("no live reservation of request '",
-                                                        claim.request_id(), "' has this token"));
+        return absl::PermissionDeniedError(absl::StrCat(
+            "no live reservation of request '",
+            claim.request_id().substr(0, limits::kMaxRequestIdBytes), "' has this token"));
       }
       Reservation& r = *it->second;
       if (r.released || (!r.claimed && core_->clock->Now() > r.expires)) {
+        expired = true;
         return absl::PermissionDeniedError(absl::StrCat("the reservation of request '",
                                                         r.request_id, "' expired or was released"));
       }
@@ -278,6 +281,9 @@ void DecodeWorker::OnPushClaim(const transfer::InboundEvent& event) {
   kvrelay::v1::PushVerdict answer;
   answer.set_code(static_cast<int32_t>(verdict.code()));
   answer.set_message(std::string(verdict.message()).substr(0, 1024));
+  if (!verdict.ok()) {
+    answer.set_reason(expired ? kvrelay::v1::FAILURE_EXPIRED : kvrelay::v1::FAILURE_UNAUTHORIZED);
+  }
   absl::Status sent =
       core_->transport->SendControl(event.peer, event.tag, answer.SerializeAsString());
   if (!sent.ok()) KV_LOG(WARNING) << "data plane: cannot answer a push claim: " << sent;

@@ -32,9 +32,9 @@ absl::Status ValidateReserveRequest(const kvrelay::v1::ReserveRequest& request,
   const kv::LayoutFingerprint& fp = layout.fingerprint();
   if (request.layout_fingerprint() !=
       std::string_view(reinterpret_cast<const char*>(fp.bytes.data()), fp.bytes.size())) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "layout_fingerprint: this worker serves layout ", fp.ToHex(),
-        ", the request was routed for another"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("layout_fingerprint: this worker serves layout ", fp.ToHex(),
+                     ", the request was routed for another"));
   }
   if (request.prompt_tokens() < 1 || request.prompt_tokens() > limits::kMaxPromptTokens) {
     return absl::InvalidArgumentError(absl::StrCat("prompt_tokens must be in [1, ",
@@ -42,9 +42,8 @@ absl::Status ValidateReserveRequest(const kvrelay::v1::ReserveRequest& request,
                                                    request.prompt_tokens()));
   }
   if (request.max_tokens() < 1 || request.max_tokens() > limits::kMaxGenerateTokens) {
-    return absl::InvalidArgumentError(absl::StrCat("max_tokens must be in [1, ",
-                                                   limits::kMaxGenerateTokens, "], got ",
-                                                   request.max_tokens()));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_tokens must be in [1, ", limits::kMaxGenerateTokens, "], got ", request.max_tokens()));
   }
   return absl::OkStatus();
 }

@@ -55,7 +55,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         break;
       case 1:
         Call<v1::HeartbeatRequest, v1::HeartbeatResponse>(service, &CacheStoreService::Heartbeat,
-                                                           bytes);
+                                                          bytes);
         break;
       case 2:
         Call<v1::AnnounceBlocksRequest, v1::AnnounceBlocksResponse>(
@@ -71,7 +71,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         break;
       case 5:
         Call<v1::AllocateRequest, v1::AllocateResponse>(service, &CacheStoreService::Allocate,
-                                                         bytes);
+                                                        bytes);
         break;
       case 6:
         Call<v1::CommitRequest, v1::CommitResponse>(service, &CacheStoreService::Commit, bytes);
@@ -89,7 +89,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         break;
       case 10:
         Call<v1::ListNodesRequest, v1::ListNodesResponse>(service, &CacheStoreService::ListNodes,
-                                                           bytes);
+                                                          bytes);
         break;
       case 11:
         Call<v1::StatsRequest, v1::StatsResponse>(service, &CacheStoreService::Stats, bytes);

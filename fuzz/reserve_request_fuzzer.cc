@@ -23,8 +23,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     request.set_layout_fingerprint(fp.bytes.data(), fp.bytes.size());
   }
   absl::Status s = kvrelay::decode::ValidateReserveRequest(request, "llama3-8b", config->layout);
-  if (s.ok() && (request.prompt_tokens() < 1 || request.max_tokens() < 1 ||
-                 request.request_id().empty())) {
+  if (s.ok() &&
+      (request.prompt_tokens() < 1 || request.max_tokens() < 1 || request.request_id().empty())) {
     __builtin_trap();
   }
   if (!s.ok() && !absl::IsInvalidArgument(s) && !absl::IsFailedPrecondition(s)) __builtin_trap();

@@ -145,6 +145,13 @@ void PrefillWorker::OnInbound(transfer::InboundEvent event) {
   } else {
     verdict = absl::Status(static_cast<absl::StatusCode>(answer.code()),
                            absl::StrCat("decode worker: ", answer.message()));
+    // The reason travels as the status's ErrorInfo (read back by Run).
+    if (!verdict.ok()) {
+      kvrelay::v1::ErrorInfo info;
+      info.set_role(kvrelay::v1::ROLE_DECODE);
+      info.set_reason(answer.reason());
+      verdict = proto::WithErrorInfo(std::move(verdict), info);
+    }
   }
   absl::MutexLock lock(&verdicts_mu_);
   auto it = verdicts_.find({event.peer, event.tag});
@@ -347,6 +354,15 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
   if (absl::Status claimed =
           ClaimPush(peer, request, std::min(deadline, absl::Now() + options_.transfer_timeout));
       !claimed.ok()) {
+    std::optional<kvrelay::v1::ErrorInfo> why = proto::GetErrorInfo(claimed);
+    if (absl::IsPermissionDenied(claimed) && why.has_value() &&
+        why->reason() == kvrelay::v1::FAILURE_EXPIRED) {
+      // A reservation that lapsed before the push: the pair's timing, worth a retry elsewhere.
+      return decode_failed(
+          absl::PermissionDeniedError(absl::StrCat("target: decode node ", target.node_id(),
+                                                   " refused the push: ", claimed.message())),
+          kvrelay::v1::FAILURE_EXPIRED);
+    }
     if (absl::IsPermissionDenied(claimed)) {
       return Attribute(
           absl::PermissionDeniedError(absl::StrCat("target: decode node ", target.node_id(),

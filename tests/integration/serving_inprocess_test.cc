@@ -431,7 +431,13 @@ TEST_F(InProcessCluster, ExpiredReservationTokenIsRefused) {
   const std::vector<int32_t> prompt = Prompt(40, 10);
   kvrelay::v1::ReserveResponse lapsed = Reserve(0, "lapsed-push", prompt);
   worker_clock_.Advance(absl::Seconds(11));  // past reservation_ttl
-  ExpectUnauthorized(Prefill("lapsed-push", prompt, lapsed).status());
+  absl::Status refused = Prefill("lapsed-push", prompt, lapsed).status();
+  EXPECT_THAT(refused, StatusIs(absl::StatusCode::kPermissionDenied));
+  // The decode side's timing, not the caller's doing: attributed to the decode worker.
+  std::optional<kvrelay::v1::ErrorInfo> info = proto::GetErrorInfo(refused);
+  ASSERT_TRUE(info.has_value());
+  EXPECT_EQ(info->reason(), kvrelay::v1::FAILURE_EXPIRED);
+  EXPECT_EQ(info->role(), kvrelay::v1::ROLE_DECODE);
 }
 
 // A peer that holds the data-plane key but skips the claim, or claims its own reservation and
