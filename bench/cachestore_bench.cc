@@ -269,8 +269,8 @@ void BenchGrpcVsRedis(const Options& opt) {
     return;
   }
   int out_fd = -1;
-  const pid_t cs =
-      Spawn({kvrelay_bin, "cachestore", "--port", "0", "--metrics-port", "0"}, &out_fd);
+  const pid_t cs = Spawn(
+      {kvrelay_bin, "cachestore", "--port", "0", "--metrics-port", "0", "--insecure"}, &out_fd);
   const std::string line = ReadLine(out_fd);
   // "cachestore listening on 127.0.0.1:PORT metrics ..."
   const size_t at = line.find("on ");

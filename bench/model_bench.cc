@@ -117,7 +117,10 @@ double BatchedDecodeTokensPerS(const std::string& dir, int threads, int batch, b
   options.threads = threads;
   options.batch_invariant_decode = invariant;
   auto runner = ModelRunner::Load(dir, options);
-  if (!runner.ok()) std::exit(1);
+  if (!runner.ok()) {
+    std::fprintf(stderr, "load %s: %s\n", dir.c_str(), runner.status().ToString().c_str());
+    std::exit(1);
+  }
   const kv::ModelConfig& c = (*runner)->config();
   const int prompt_tokens = 64, steps = 16;
   auto cache = KvCache::Create((*runner)->layout(),
@@ -249,6 +252,7 @@ int Main(int argc, char** argv) {
   std::printf("\n%-24s %6s %22s %18s %8s\n", "decode model", "batch", "batch-invariant tok/s",
               "batched sgemm tok/s", "ratio");
   for (const ModelCase& mc : cases) {
+    if (quick && mc.options.layers) continue;  // --quick wrote the tiny model only
     const std::string dir = root + "/" + (mc.options.layers ? "mid" : "tiny");
     for (int batch : {1, 8, 32}) {
       const double invariant = BatchedDecodeTokensPerS(dir, threads, batch, true, reps);

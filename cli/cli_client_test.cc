@@ -152,7 +152,7 @@ TEST_F(CliClientTest, BadInputExitsTwoWithOneLine) {
 TEST_F(CliClientTest, UnreachableGatewayIsARuntimeFailure) {
   const int port = testing::PickUnusedPort();  // nothing listens there
   testing::CommandResult r = Kvrelay({"generate", "--gateway", absl::StrCat("127.0.0.1:", port),
-                                      "--tokens", "1,2,3", "--timeout", "3s"});
+                                      "--tokens", "1,2,3", "--timeout", "3s", "--insecure"});
   EXPECT_EQ(r.exit_code, 1) << r.stderr_text;
   EXPECT_THAT(r.stderr_text, HasSubstr("kvrelay generate: "));
   EXPECT_EQ(std::count(r.stderr_text.begin(), r.stderr_text.end(), '\n'), 1) << r.stderr_text;

@@ -21,8 +21,10 @@ std::shared_ptr<grpc::Channel> ChannelOrBroken(const std::string& address,
 
 }  // namespace
 
-GatewayClient::GatewayClient(const std::string& address, const server::SecurityOptions& security)
-    : stub_(v1::Gateway::NewStub(ChannelOrBroken(address, security))) {}
+GatewayClient::GatewayClient(const std::string& address, const server::SecurityOptions& security,
+                             std::string bearer_token)
+    : stub_(v1::Gateway::NewStub(ChannelOrBroken(address, security))),
+      bearer_token_(std::move(bearer_token)) {}
 
 absl::StatusOr<GenerationResult> GatewayClient::Generate(const GatewayRequest& request,
                                                          absl::Duration timeout,
@@ -48,6 +50,7 @@ absl::StatusOr<GenerationResult> GatewayClient::GenerateRaw(const v1::GenerateRe
                                                             const TokenCallback& on_tokens) const {
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+  if (!bearer_token_.empty()) context.AddMetadata("authorization", "Bearer " + bearer_token_);
   std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> reader =
       stub_->Generate(&context, request);
   GenerationResult result;

@@ -29,8 +29,10 @@ class GatewayClient {
   // Called on the calling thread with each streamed message's tokens, as they arrive.
   using TokenCallback = std::function<void(const std::vector<int32_t>& new_tokens)>;
 
-  // `address` is host:port; connects lazily.
-  explicit GatewayClient(const std::string& address, const server::SecurityOptions& security = {});
+  // `address` is host:port; connects lazily. `bearer_token` (a JWT naming the tenant, see
+  // gateway/tenant_auth.h) goes with every call as "authorization: Bearer ..." when non-empty.
+  explicit GatewayClient(const std::string& address, const server::SecurityOptions& security = {},
+                         std::string bearer_token = "");
 
   // The gateway's error as an absl::Status with the same code (INVALID_ARGUMENT for bad input,
   // UNAVAILABLE when no worker could serve, DEADLINE_EXCEEDED past `timeout`). A stream that
@@ -45,6 +47,7 @@ class GatewayClient {
 
  private:
   std::unique_ptr<v1::Gateway::Stub> stub_;
+  const std::string bearer_token_;
 };
 
 }  // namespace kvrelay::cli

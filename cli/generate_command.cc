@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -18,7 +19,9 @@
 #include "cli/colocated.h"
 #include "cli/commands.h"
 #include "cli/gateway_client.h"
+#include "common/file_util.h"
 #include "common/flags.h"
+#include "common/server/server_flags.h"
 #include "gateway/tokenizer/byte_tokenizer.h"
 #include "tokenizer/tokenizer.h"
 
@@ -88,7 +91,8 @@ void PrintHuman(const GenerationResult& r, const std::optional<std::string>& tex
 }  // namespace
 
 int RunGenerateCommand(const std::vector<std::string>& args) {
-  std::string gateway_address, model_dir, model_id, tokens_text, prompt, tenant = "default";
+  std::string gateway_address, model_dir, model_id, tokens_text, prompt, tenant, token_file;
+  server::SecurityOptions security;
   bool colocated = false, json = false;
   int32_t max_tokens = 16, threads = 1, eos = -1;
   int64_t seed = 0;
@@ -109,7 +113,13 @@ int RunGenerateCommand(const std::vector<std::string>& args) {
                   "byte (one token per byte, the demo models) or a model's tokenizer.json "
                   "directory/file (tokenizer/README.md)");
   flags.AddInt32("max-tokens", &max_tokens, "tokens to generate, 1-4096");
-  flags.AddString("tenant", &tenant, "tenant identity (prefix reuse never crosses tenants)");
+  flags.AddString("tenant", &tenant,
+                  "tenant (prefix reuse never crosses tenants); with TLS it must be the one the "
+                  "client certificate or --token-file names (default: that one; with "
+                  "--insecure: 'default')");
+  flags.AddString("token-file", &token_file,
+                  "file holding a bearer token (JWT) that names the tenant (`kvrelay token`)");
+  server::AddSecurityFlags(flags, security);
   flags.AddDouble("temperature", &temperature, "sampling temperature; 0 = greedy");
   flags.AddInt64("seed", &seed, "sampling seed (>= 0)");
   flags.AddInt32("eos", &eos, "stop after this token id; -1 = none");
@@ -125,6 +135,18 @@ int RunGenerateCommand(const std::vector<std::string>& args) {
     return UsageError("give exactly one of --gateway ADDR or --colocated");
   }
   if (colocated && model_dir.empty()) return UsageError("--colocated needs --model DIR");
+  if (!colocated) {
+    if (absl::Status s = server::SettleSecurity(flags, security); !s.ok()) {
+      return UsageError(std::string(s.message()));
+    }
+    if (security.insecure && tenant.empty()) tenant = "default";
+  }
+  std::string bearer_token;
+  if (!token_file.empty()) {
+    absl::StatusOr<std::string> token = ReadFileToString(token_file);
+    if (!token.ok()) return UsageError(absl::StrCat("--token-file: ", token.status().message()));
+    bearer_token = std::string(absl::StripAsciiWhitespace(*token));
+  }
   if (!colocated && !model_dir.empty()) {
     return UsageError("--model is for --colocated; with --gateway use --model-name");
   }
@@ -180,7 +202,8 @@ int RunGenerateCommand(const std::vector<std::string>& args) {
     gateway_request.generation = request;
     gateway_request.tenant = tenant;
     gateway_request.model = model_id;
-    result = GatewayClient(gateway_address).Generate(gateway_request, timeout);
+    result =
+        GatewayClient(gateway_address, security, bearer_token).Generate(gateway_request, timeout);
   }
   if (!result.ok()) {
     std::fprintf(stderr, "kvrelay generate: %s\n", result.status().ToString().c_str());

@@ -50,6 +50,8 @@ constexpr Subcommand kSubcommands[] = {
      kvrelay::cachestore::RunPlanCommand},
     {"prefill", "run a prefill worker (computes or reuses KV, pushes it to decode)",
      kvrelay::prefill::server::RunPrefillCommand},
+    {"token", "print a bearer token (JWT) naming a tenant, for gateway --tenant-token-keys",
+     kvrelay::gateway::server::RunTokenCommand},
     {"tokenize", "encode text or decode ids with a model's tokenizer.json",
      kvrelay::tokenizer::RunTokenizeCommand},
     {"trace-replay", "replay a request trace through the cache store's eviction code",

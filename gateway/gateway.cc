@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <limits>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
@@ -150,6 +151,17 @@ absl::Status Gateway::RefreshFromRegistry() {
         prefill_role ? kvrelay::v1::NODE_ROLE_PREFILL : kvrelay::v1::NODE_ROLE_DECODE;
     NodeList kept;
     for (auto& n : nodes) {
+      for (const auto& info : listed.nodes()) {
+        const bool same =
+            n->discovered ? info.node_id() == n->NodeId() && info.incarnation() == n->incarnation
+                          : info.grpc_address() == n->address();
+        if (info.role() == role && same) {
+          n->reported_load.store(static_cast<int32_t>(std::min<int64_t>(
+                                     info.load().active_requests() + info.load().queued_requests(),
+                                     std::numeric_limits<int32_t>::max())),
+                                 std::memory_order_relaxed);
+        }
+      }
       if (!n->discovered) {
         kept.push_back(n);
         continue;
@@ -163,6 +175,7 @@ absl::Status Gateway::RefreshFromRegistry() {
                            std::memory_order_relaxed);
         }
       }
+
       // Forgotten, or replaced by a new process: in-flight requests keep their reference.
       if (listed_same) kept.push_back(n);
     }
@@ -261,8 +274,7 @@ Gateway::Node* Gateway::PickPrefill(const NodeList& prefills, const std::vector<
       const size_t i = (rotation + k) % prefills.size();
       Node* n = prefills[i].get();
       if (!usable(n)) continue;
-      const int64_t score =
-          int64_t{matched[i]} * 1000 - n->in_flight.load(std::memory_order_relaxed);
+      const int64_t score = int64_t{matched[i]} * 1000 - n->Load();
       if (score > best_score) {
         best_score = score;
         best = n;
@@ -296,7 +308,7 @@ Gateway::Node* Gateway::PickDecode(const NodeList& decodes, const std::vector<No
           !n->breaker.Healthy()) {
         continue;
       }
-      const int32_t load = n->in_flight.load(std::memory_order_relaxed);
+      const int32_t load = n->Load();
       if (load < best_load) {
         best_load = load;
         best = n;
@@ -344,9 +356,38 @@ void Gateway::CountFailure(const absl::Status& status, const char* role) {
       ->Increment();
 }
 
+absl::Status Gateway::TakeTenantSlot(const std::string& tenant) {
+  if (options_.max_inflight_per_tenant <= 0) return absl::OkStatus();
+  std::lock_guard<std::mutex> lock(tenants_mu_);
+  int32_t& in_flight = tenant_in_flight_[tenant];
+  if (in_flight >= options_.max_inflight_per_tenant) {
+    if (in_flight == 0) tenant_in_flight_.erase(tenant);
+    metrics_
+        ->GetCounter("kvrelay_gateway_tenant_quota_refusals_total",
+                     "Requests refused because their tenant had its quota in flight.")
+        ->Increment();
+    return proto::Attribute(absl::ResourceExhaustedError(absl::StrCat(
+                                "tenant '", tenant, "' already has ", in_flight,
+                                " requests in flight (quota --max-inflight-per-tenant ",
+                                options_.max_inflight_per_tenant, ")")),
+                            kvrelay::v1::ROLE_CLIENT, "", kvrelay::v1::FAILURE_OVERLOADED);
+  }
+  ++in_flight;
+  return absl::OkStatus();
+}
+
+void Gateway::ReleaseTenantSlot(const std::string& tenant) {
+  if (options_.max_inflight_per_tenant <= 0) return;
+  std::lock_guard<std::mutex> lock(tenants_mu_);
+  auto it = tenant_in_flight_.find(tenant);
+  if (it != tenant_in_flight_.end() && --it->second <= 0) tenant_in_flight_.erase(it);
+}
+
 absl::Status Gateway::Generate(const kvrelay::v1::GenerateRequest& request, absl::Time deadline,
                                const GenerateSink& sink, const std::function<bool()>& cancelled) {
   if (absl::Status s = Validate(request); !s.ok()) return CallerError(std::move(s));
+  KV_RETURN_IF_ERROR(TakeTenantSlot(request.tenant()));
+  absl::Cleanup release_tenant = [&] { ReleaseTenantSlot(request.tenant()); };
   const absl::Time start = absl::Now();
   deadline = std::min(deadline, start + options_.default_deadline);
   const std::string salt = DeriveTenantSalt(options_.tenant_secret, request.tenant());

@@ -19,6 +19,7 @@
 //
 // Thread-safe. Endpoints, the store client and the clock must outlive the gateway.
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -30,6 +31,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "cachestore/client/cache_store_client.h"
 #include "common/clock.h"
@@ -53,6 +55,9 @@ struct GatewayOptions {
   absl::Duration chunk_timeout = absl::Seconds(5);         // first token and every gap after it
   absl::Duration route_timeout = absl::Milliseconds(500);  // QueryPrefix / worker Status
   CircuitBreakerOptions breaker;
+  // Requests one tenant may have in flight at once (0: no limit); more are refused with
+  // RESOURCE_EXHAUSTED naming the tenant, so one tenant cannot take every decode slot.
+  int32_t max_inflight_per_tenant = 64;
   // With a store and endpoint factories: how often the registry is read for workers that
   // joined or left (ListNodes); zero turns discovery off.
   absl::Duration discovery_interval = absl::Seconds(1);
@@ -106,6 +111,15 @@ class Gateway {
     std::unique_ptr<DecodeEndpoint> decode;
     CircuitBreaker breaker;
     std::atomic<int32_t> in_flight{0};
+    // Active + queued requests the node last reported to the store (every gateway's, not only
+    // this one's); refreshed by each discovery pass.
+    std::atomic<int32_t> reported_load{0};
+    // What the pickers rank by: this gateway's own count reacts at once, the reported one sees
+    // the other gateways' traffic.
+    int32_t Load() const {
+      return std::max(in_flight.load(std::memory_order_relaxed),
+                      reported_load.load(std::memory_order_relaxed));
+    }
     bool discovered = false;           // from the registry (may be dropped), not a fixed address
     uint64_t incarnation = 0;          // discovered: the registered process
     std::atomic<bool> suspect{false};  // the registry marks it suspect: picked last
@@ -137,6 +151,10 @@ class Gateway {
   // failure carries none). kNone for the caller's own deadline, cancellation or bad input.
   Blame Attribute(const absl::Status& status, Blame called, absl::Time deadline) const;
   void CountFailure(const absl::Status& status, const char* role);
+  // Takes one of `tenant`'s in-flight slots (RESOURCE_EXHAUSTED when it has none left);
+  // ReleaseTenantSlot gives it back.
+  absl::Status TakeTenantSlot(const std::string& tenant);
+  void ReleaseTenantSlot(const std::string& tenant);
 
   const GatewayOptions options_;
   const kv::ModelConfig config_;
@@ -157,6 +175,8 @@ class Gateway {
   std::atomic<uint64_t> prefill_rotation_{0};
   std::atomic<uint64_t> decode_rotation_{0};
   const std::string instance_id_;
+  std::mutex tenants_mu_;
+  absl::flat_hash_map<std::string, int32_t> tenant_in_flight_ ABSL_GUARDED_BY(tenants_mu_);
 
   Histogram* ttft_seconds_;
   Histogram* tpot_seconds_;

@@ -31,9 +31,10 @@ trap cleanup EXIT
 # A ~300-byte "system prompt" every request shares (byte-level tokenizer: one token per byte).
 SYSTEM="You are kvrelay's demo assistant. Answer briefly and precisely. The cluster moves KV-cache blocks from a prefill worker to a decode worker over UCX, layer by layer, and a cache store remembers where every block lives so that a later request sharing the prefix reuses it instead of computing it again. "
 
-generate() {  # generate OUT_JSON PROMPT
+generate() {  # generate OUT_JSON PROMPT (as tenant "demo", with the client certificate)
+  # shellcheck disable=SC2086
   timeout "$STEP_TIMEOUT" "$KVRELAY" generate --gateway "$GATEWAY" --prompt "$2" \
-    --max-tokens 12 --tenant demo --json --timeout "${STEP_TIMEOUT}s" >"$1"
+    --max-tokens 12 --json --timeout "${STEP_TIMEOUT}s" $CLIENT_TLS >"$1"
 }
 
 report() {  # report LAYOUT_JSON BLOCK_TOKENS LABEL:FILE...
@@ -64,8 +65,9 @@ run_cluster() {  # run_cluster ARCH
   echo "== $arch: kvrelay up --model $dir/model --prefill 1 --decode 2"
   "$KVRELAY" make-test-model --arch "$arch" --seed 7 --out "$dir/model" >/dev/null
   "$KVRELAY" layout --config "$dir/model/config.json" --json >"$dir/layout.json"
+  # Mutual TLS on: `up` makes a throwaway CA and certificates under $dir/data/tls.
   "$KVRELAY" up --model "$dir/model" --prefill 1 --decode 2 --gateway-address 127.0.0.1:0 \
-    --data-dir "$dir/data" >"$dir/up.log" 2>&1 &
+    --data-dir "$dir/data" --tenant demo >"$dir/up.log" 2>&1 &
   UP_PID=$!
   GATEWAY=""
   for _ in $(seq 1 $((STEP_TIMEOUT * 10))); do
@@ -80,6 +82,11 @@ run_cluster() {  # run_cluster ARCH
     exit 1
   fi
   sed -n '/^kvrelay up: endpoints/,/^kvrelay up: ready/p' "$dir/up.log"
+  CLIENT_TLS=$(sed -n 's/^kvrelay up: mutual TLS; client flags \(--tls-cert [^ ]* --tls-key [^ ]* --tls-ca [^ ]*\).*/\1/p' "$dir/up.log")
+  if [[ -z "$CLIENT_TLS" ]]; then
+    echo "demo: kvrelay up printed no client certificate" >&2
+    exit 1
+  fi
 
   # The second request shares the system prompt and "Question: " (~90% of its bytes).
   local cold="$SYSTEM Question: what does the cache store do with cold blocks?"

@@ -13,6 +13,7 @@ PACKAGES=(
   libxxhash-dev libssl-dev libcpp-httplib-dev libopenblas-dev nlohmann-json3-dev libyaml-cpp-dev
   libre2-dev libicu-dev zlib1g-dev libzmq3-dev libmsgpack-dev
   redis-server iproute2 procps python3 python3-matplotlib python3-zmq python3-msgpack
+  etcd-server etcd-client
 )
 
 install_missing() {
@@ -48,6 +49,15 @@ fi
 
 if ((${#missing[@]} > 0)); then
   install_missing
+fi
+# etcd's v3 gRPC protos for cachestore/etcd (from Debian's golang-etcd-server-dev, unpacked).
+ETCD_PROTO_DIR=/usr/local/share/kvrelay/etcd-proto
+if [[ ! -s $ETCD_PROTO_DIR/etcd/etcdserver/etcdserverpb/rpc.proto ]]; then
+  if [[ $(id -u) -ne 0 ]]; then
+    sudo "$(dirname "$0")/etcd_protos.sh" "$ETCD_PROTO_DIR"
+  else
+    "$(dirname "$0")/etcd_protos.sh" "$ETCD_PROTO_DIR"
+  fi
 fi
 if [[ $SETUP_DEPLOY_CHECKS == 1 ]]; then
   "$(dirname "$0")/../deploy/ci/setup.sh"

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/server/auth.h"
 #include "common/server/server_flags.h"
 #include "common/status_macros.h"
 #include "transfer/ucx/ucx_transport.h"
@@ -115,6 +116,23 @@ std::optional<int> WorkerFlags::Parse(FlagSet& flags, const std::vector<std::str
     return exit_code;
   }
   core_.security = host_.security;
+  if (!host_.security.insecure) {
+    // The certificate names this node: its role must be ours, and it is the node id (the cache
+    // store accepts node-scoped calls only from the node's own certificate).
+    absl::StatusOr<server::Peer> own = server::IdentityOfCertificateFile(host_.security.cert_file);
+    if (!own.ok())
+      return server::UsageError(name, absl::StrCat("--tls-cert: ", own.status().message()));
+    if (server::RoleName(own->role) != name) {
+      return server::UsageError(name, absl::StrCat("--tls-cert is a ", server::RoleName(own->role),
+                                                   " certificate, not a ", name, " one"));
+    }
+    if (core_.node_id.empty()) core_.node_id = own->id;
+    if (core_.node_id != own->id) {
+      return server::UsageError(
+          name, absl::StrCat("--node-id '", core_.node_id,
+                             "' differs from the certificate's node id '", own->id, "'"));
+    }
+  }
   if (core_.model_dir.empty()) return server::UsageError(name, "--model is required");
   if (cachestore_required && core_.cachestore_address.empty()) {
     return server::UsageError(name, "--cachestore is required");

@@ -91,7 +91,7 @@ int RunCacheStoreCommand(const std::vector<std::string>& args) {
     return absl::IsInvalidArgument(publisher.status()) ? 2 : 1;
   }
   host.max_message_bytes = limits.max_message_bytes;
-  CacheStoreService service(store->get(), limits);
+  CacheStoreService service(store->get(), limits, kvrelay::server::Authorizer(host.security));
   absl::StatusOr<std::unique_ptr<kvrelay::server::ServiceHost>> server =
       kvrelay::server::ServiceHost::Start(host, {&service}, /*metrics=*/nullptr,
                                           [&service] { return service.RenderMetrics(); });

@@ -227,6 +227,21 @@ grpc::Status CacheStoreService::Fail(absl::Status status, bool ids_expire) const
   return ToGrpcStatus(proto::WithErrorInfo(std::move(status), info));
 }
 
+grpc::Status CacheStoreService::Authorize(grpc::ServerContext* ctx, Rpc rpc,
+                                          const std::string& node_id) const {
+  if (!authorizer_.enforcing()) return grpc::Status::OK;
+  static const auto* const kMethods = [] {
+    auto* methods = new std::array<std::string, kNumRpcs>();
+    for (int i = 0; i < kNumRpcs; ++i) {
+      (*methods)[i] = absl::StrCat("/kvrelay.v1.CacheStore/", RpcName(i));
+    }
+    return methods;
+  }();
+  absl::StatusOr<kvrelay::server::Peer> peer =
+      authorizer_.Authorize(*ctx, (*kMethods)[rpc], node_id);
+  return peer.ok() ? grpc::Status::OK : ToGrpcStatus(peer.status());
+}
+
 namespace {
 
 v1::NodeState ToProto(NodeState s) {
@@ -265,9 +280,24 @@ grpc::Status CacheStoreService::RegisterNode(grpc::ServerContext* ctx,
                                              v1::RegisterNodeResponse* resp) {
   RpcTimer t(&latency_[kRegister], &errors_[kRegister]);
   if (auto s = CheckDeadline(ctx); !s.ok()) return t.Done(s);
+  if (auto s = Authorize(ctx, kRegister, req->node_id()); !s.ok()) return t.Done(s);
   if (auto s = CheckId(req->node_id(), "node_id", limits_.max_id_bytes); !s.ok()) return t.Done(s);
   if (req->role() < v1::NODE_ROLE_UNSPECIFIED || req->role() > v1::NODE_ROLE_CACHE) {
     return t.Done(Invalid(absl::StrCat("role: unknown role ", static_cast<int>(req->role()))));
+  }
+  if (authorizer_.enforcing()) {
+    // A worker registers only in the role its certificate names (Authorize checked the id).
+    absl::StatusOr<kvrelay::server::Peer> peer = authorizer_.Identify(*ctx);
+    if (!peer.ok()) return t.Done(ToGrpcStatus(peer.status()));
+    const v1::NodeRole certified = peer->role == kvrelay::server::PeerRole::kPrefill
+                                       ? v1::NODE_ROLE_PREFILL
+                                       : v1::NODE_ROLE_DECODE;
+    if (req->role() != certified) {
+      return t.Done(
+          ToGrpcStatus(kvrelay::server::Unauthorized(absl::PermissionDeniedError(absl::StrCat(
+              "RegisterNode: role ", v1::NodeRole_Name(req->role()), " for node '", req->node_id(),
+              "' but its certificate is for ", kvrelay::server::RoleName(peer->role))))));
+    }
   }
   if (static_cast<int>(req->grpc_address().size()) > limits_.max_address_bytes) {
     return t.Done(Invalid(absl::StrCat("grpc_address: at most ", limits_.max_address_bytes,
@@ -342,6 +372,7 @@ grpc::Status CacheStoreService::DeregisterNode(grpc::ServerContext* ctx,
                                                v1::DeregisterNodeResponse*) {
   RpcTimer t(&latency_[kDeregister], &errors_[kDeregister]);
   if (auto s = CheckDeadline(ctx); !s.ok()) return t.Done(s);
+  if (auto s = Authorize(ctx, kDeregister, req->node_id()); !s.ok()) return t.Done(s);
   Caller caller;
   if (auto s = ParseCaller(req->node_id(), req->incarnation(), true, &caller); !s.ok()) {
     return t.Done(s);
@@ -354,6 +385,7 @@ grpc::Status CacheStoreService::AnnounceBlocks(grpc::ServerContext* ctx,
                                                v1::AnnounceBlocksResponse* resp) {
   RpcTimer t(&latency_[kAnnounce], &errors_[kAnnounce]);
   if (auto s = CheckDeadline(ctx); !s.ok()) return t.Done(s);
+  if (auto s = Authorize(ctx, kAnnounce, req->node_id()); !s.ok()) return t.Done(s);
   Caller caller;
   if (auto s = ParseCaller(req->node_id(), req->incarnation(), true, &caller); !s.ok()) {
     return t.Done(s);
@@ -397,6 +429,7 @@ grpc::Status CacheStoreService::ListNodes(grpc::ServerContext* ctx, const v1::Li
                                           v1::ListNodesResponse* resp) {
   RpcTimer t(&latency_[kListNodes], &errors_[kListNodes]);
   if (auto s = CheckDeadline(ctx); !s.ok()) return t.Done(s);
+  if (auto s = Authorize(ctx, kListNodes, ""); !s.ok()) return t.Done(s);
   // The sequence first: whatever changes after it shows up in events after it.
   resp->set_last_sequence(store_->last_sequence());
   resp->set_store_incarnation(store_->store_incarnation());
@@ -419,6 +452,7 @@ grpc::Status CacheStoreService::Heartbeat(grpc::ServerContext* ctx, const v1::He
                                           v1::HeartbeatResponse* resp) {
   RpcTimer t(&latency_[kHeartbeat], &errors_[kHeartbeat]);
   if (auto s = CheckDeadline(ctx); !s.ok()) return t.Done(s);
+  if (auto s = Authorize(ctx, kHeartbeat, req->node_id()); !s.ok()) return t.Done(s);
   if (auto s = CheckId(req->node_id(), "node_id", limits_.max_id_bytes); !s.ok()) return t.Done(s);
   NodeLoad load;
   if (req->has_load()) {
@@ -438,6 +472,7 @@ grpc::Status CacheStoreService::MatchPrefix(grpc::ServerContext* ctx,
                                             v1::MatchPrefixResponse* resp) {
   RpcTimer t(&latency_[kMatch], &errors_[kMatch]);
   if (auto s = CheckDeadline(ctx); !s.ok()) return t.Done(s);
+  if (auto s = Authorize(ctx, kMatch, req->node_id()); !s.ok()) return t.Done(s);
   std::vector<kv::BlockHash> chain;
   if (auto s = ParseEitherChain(req->chain(), req->chain_packed(), limits_.max_chain, &chain);
       !s.ok()) {
@@ -492,6 +527,7 @@ grpc::Status CacheStoreService::QueryPrefix(grpc::ServerContext* ctx,
                                             v1::QueryPrefixResponse* resp) {
   RpcTimer t(&latency_[kQuery], &errors_[kQuery]);
   if (auto s = CheckDeadline(ctx); !s.ok()) return t.Done(s);
+  if (auto s = Authorize(ctx, kQuery, ""); !s.ok()) return t.Done(s);
   std::vector<kv::BlockHash> chain;
   if (auto s = ParseChain(req->chain(), "chain", limits_.max_chain, &chain); !s.ok()) {
     return t.Done(s);
@@ -508,6 +544,7 @@ grpc::Status CacheStoreService::Allocate(grpc::ServerContext* ctx, const v1::All
                                          v1::AllocateResponse* resp) {
   RpcTimer t(&latency_[kAllocate], &errors_[kAllocate]);
   if (auto s = CheckDeadline(ctx); !s.ok()) return t.Done(s);
+  if (auto s = Authorize(ctx, kAllocate, req->node_id()); !s.ok()) return t.Done(s);
   if (req->blocks().empty()) return t.Done(Invalid("blocks: at least one block needed"));
   if (req->blocks_size() > limits_.max_chain) {
     return t.Done(Exhausted(
@@ -552,6 +589,7 @@ grpc::Status CacheStoreService::Commit(grpc::ServerContext* ctx, const v1::Commi
                                        v1::CommitResponse* resp) {
   RpcTimer t(&latency_[kCommit], &errors_[kCommit]);
   if (auto s = CheckDeadline(ctx); !s.ok()) return t.Done(s);
+  if (auto s = Authorize(ctx, kCommit, req->node_id()); !s.ok()) return t.Done(s);
   if (req->allocation_id() == 0) return t.Done(Invalid("allocation_id: must not be zero"));
   std::vector<kv::BlockHash> hashes;
   if (!req->hashes().empty()) {
@@ -573,6 +611,7 @@ grpc::Status CacheStoreService::Abort(grpc::ServerContext* ctx, const v1::AbortR
                                       v1::AbortResponse*) {
   RpcTimer t(&latency_[kAbort], &errors_[kAbort]);
   if (auto s = CheckDeadline(ctx); !s.ok()) return t.Done(s);
+  if (auto s = Authorize(ctx, kAbort, req->node_id()); !s.ok()) return t.Done(s);
   if (req->allocation_id() == 0) return t.Done(Invalid("allocation_id: must not be zero"));
   Caller caller;
   if (auto s = ParseCaller(req->node_id(), req->incarnation(), false, &caller); !s.ok()) {
@@ -586,6 +625,7 @@ grpc::Status CacheStoreService::ReleaseLease(grpc::ServerContext* ctx,
                                              v1::ReleaseLeaseResponse*) {
   RpcTimer t(&latency_[kRelease], &errors_[kRelease]);
   if (auto s = CheckDeadline(ctx); !s.ok()) return t.Done(s);
+  if (auto s = Authorize(ctx, kRelease, req->node_id()); !s.ok()) return t.Done(s);
   if (req->lease_id() == 0) return t.Done(Invalid("lease_id: must not be zero"));
   Caller caller;
   if (auto s = ParseCaller(req->node_id(), req->incarnation(), false, &caller); !s.ok()) {
@@ -598,6 +638,7 @@ grpc::Status CacheStoreService::Stats(grpc::ServerContext* ctx, const v1::StatsR
                                       v1::StatsResponse* resp) {
   RpcTimer t(&latency_[kStats], &errors_[kStats]);
   if (auto s = CheckDeadline(ctx); !s.ok()) return t.Done(s);
+  if (auto s = Authorize(ctx, kStats, ""); !s.ok()) return t.Done(s);
   StoreStats s = store_->Stats();
   resp->set_nodes(s.nodes);
   resp->set_committed_blocks(s.committed_blocks);
@@ -621,6 +662,7 @@ grpc::Status CacheStoreService::WatchEvents(grpc::ServerContext* ctx,
                                             const v1::WatchEventsRequest* req,
                                             grpc::ServerWriter<v1::Event>* writer) {
   RpcTimer t(&latency_[kWatch], &errors_[kWatch]);
+  if (auto s = Authorize(ctx, kWatch, ""); !s.ok()) return t.Done(s);
   uint64_t next = req->from_sequence();
   if (next == 0) next = store_->last_sequence() + 1;
   // Streams until the client cancels, its deadline passes or the server stops; each wait is

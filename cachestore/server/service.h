@@ -12,6 +12,7 @@
 
 #include "cachestore/cache_store.h"
 #include "cachestore/limits.h"
+#include "common/server/auth.h"
 #include "kvrelay/v1/cachestore.grpc.pb.h"
 
 namespace kvrelay::cachestore::server {
@@ -36,8 +37,10 @@ class LatencyHistogram {
 
 class CacheStoreService final : public kvrelay::v1::CacheStore::Service {
  public:
-  // `store` is not owned and must outlive the service.
-  CacheStoreService(CacheStore* store, Limits limits) : store_(store), limits_(limits) {}
+  // `store` is not owned and must outlive the service. `authorizer` checks every RPC against
+  // common/server/auth.h's table (the default checks nothing: --insecure).
+  CacheStoreService(CacheStore* store, Limits limits, kvrelay::server::Authorizer authorizer = {})
+      : store_(store), limits_(limits), authorizer_(authorizer) {}
 
   grpc::Status RegisterNode(grpc::ServerContext* ctx, const v1::RegisterNodeRequest* req,
                             v1::RegisterNodeResponse* resp) override;
@@ -96,9 +99,12 @@ class CacheStoreService final : public kvrelay::v1::CacheStore::Service {
   // NOT_FOUND means an allocation or lease id that expired (FAILURE_EXPIRED).
   grpc::Status Fail(absl::Status status, bool ids_expire = false) const;
   static const char* RpcName(int rpc);
+  // OK when the caller's certificate may make `rpc` (as `node_id`, for node-scoped RPCs).
+  grpc::Status Authorize(grpc::ServerContext* ctx, Rpc rpc, const std::string& node_id) const;
 
   CacheStore* const store_;
   const Limits limits_;
+  const kvrelay::server::Authorizer authorizer_;
   std::array<LatencyHistogram, kNumRpcs> latency_;
   std::array<std::atomic<int64_t>, kNumRpcs> errors_{};
   // Release/acquire pair: StopStreams() publishes, WatchEvents loops observe.

@@ -8,6 +8,8 @@
 
 #include "cli/up/up_command.h"
 
+#include <openssl/rand.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -27,6 +29,7 @@
 #include "cli/up/supervisor.h"
 #include "common/file_util.h"
 #include "common/flags.h"
+#include "common/server/dev_certs.h"
 #include "common/status_macros.h"
 #include "kv/hf_config.h"
 #include "model/test_model.h"
@@ -72,6 +75,29 @@ class OwnedDir {
   std::string path_;
 };
 
+// `bytes` random bytes as lowercase hex (a secret for a file).
+absl::StatusOr<std::string> RandomHex(int bytes) {
+  std::string raw(static_cast<size_t>(bytes), '\0');
+  if (RAND_bytes(reinterpret_cast<unsigned char*>(raw.data()), bytes) != 1) {
+    return absl::InternalError("RAND_bytes failed");
+  }
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string hex;
+  for (unsigned char c : raw) {
+    hex.push_back(kHex[c >> 4]);
+    hex.push_back(kHex[c & 15]);
+  }
+  return hex;
+}
+
+absl::Status WriteSecretFile(const std::string& path, const std::string& contents) {
+  KV_RETURN_IF_ERROR(WriteFileAtomically(path, contents + "\n"));
+  if (::chmod(path.c_str(), 0600) != 0) {
+    return absl::PermissionDeniedError(absl::StrCat("chmod 0600 ", path));
+  }
+  return absl::OkStatus();
+}
+
 struct Service {
   std::string name;
   int index = -1;  // in the supervisor
@@ -112,6 +138,12 @@ int RunUpCommand(const std::vector<std::string>& args) {
   flags.AddString("prefill-args", &prefill_args, "extra flags for every prefill worker");
   flags.AddString("decode-args", &decode_args, "extra flags for every decode worker");
   flags.AddString("gateway-args", &gateway_args, "extra flags for the gateway");
+  bool insecure = false;
+  flags.AddBool("insecure", &insecure,
+                "plain-text gRPC without authentication (default: mutual TLS with throwaway "
+                "certificates in the data directory)");
+  std::string tenant = "default";
+  flags.AddString("tenant", &tenant, "tenant of the client certificate `up` issues");
   if (absl::Status s = flags.Parse(args); !s.ok()) return UsageError(std::string(s.message()));
   if (flags.help_requested()) {
     std::cout << flags.Usage();
@@ -180,6 +212,49 @@ int RunUpCommand(const std::vector<std::string>& args) {
       return Fail(absl::StrCat("generating the ", arch, " test model: ", s.message()));
     }
   }
+  // Throwaway credentials: a random tenant secret and bearer-token key, and (unless --insecure)
+  // a CA with one certificate per service, one for the client and one for `up`'s own checks.
+  const std::string secret_file = data_dir + "/tenant-secret";
+  const std::string token_keys_file = data_dir + "/tenant-token-keys";
+  for (const std::string& path : {secret_file, token_keys_file}) {
+    absl::StatusOr<std::string> secret = RandomHex(32);
+    if (!secret.ok()) return Fail(std::string(secret.status().message()));
+    if (absl::Status s = WriteSecretFile(path, *secret); !s.ok()) {
+      return Fail(std::string(s.message()));
+    }
+  }
+  std::unique_ptr<server::DevCertificateAuthority> ca;
+  server::SecurityOptions admin_security;  // insecure by default
+  server::SecurityOptions client_security;
+  const std::string tls_dir = data_dir + "/tls";
+  // The flags that give service `role`/`id` its certificate (or --insecure).
+  auto security_flags = [&](server::PeerRole role,
+                            const std::string& id) -> absl::StatusOr<std::vector<std::string>> {
+    if (insecure) return std::vector<std::string>{"--insecure"};
+    std::vector<std::string> hosts = {"localhost", "127.0.0.1"};
+    if (role == server::PeerRole::kGateway && gateway_host != "127.0.0.1" &&
+        gateway_host != "localhost" && !gateway_host.empty()) {
+      hosts.push_back(gateway_host);
+    }
+    KV_ASSIGN_OR_RETURN(server::SecurityOptions issued, ca->Issue(role, id, hosts));
+    return server::DevCertificateAuthority::Flags(issued);
+  };
+  if (!insecure) {
+    if (absl::Status s = MakeDirectories(tls_dir); !s.ok()) return Fail(std::string(s.message()));
+    ::chmod(tls_dir.c_str(), 0700);
+    absl::StatusOr<std::unique_ptr<server::DevCertificateAuthority>> made =
+        server::DevCertificateAuthority::Create(tls_dir);
+    if (!made.ok()) return Fail(absl::StrCat("TLS: ", made.status().message()));
+    ca = *std::move(made);
+    absl::StatusOr<server::SecurityOptions> admin = ca->Issue(server::PeerRole::kAdmin, "up");
+    absl::StatusOr<server::SecurityOptions> client = ca->Issue(server::PeerRole::kClient, tenant);
+    if (!admin.ok() || !client.ok()) {
+      return Fail(absl::StrCat("TLS: ", (admin.ok() ? client.status() : admin.status()).message()));
+    }
+    admin_security = *admin;
+    client_security = *client;
+  }
+
   absl::StatusOr<kv::ModelConfig> config = kv::LoadHfConfig(model_dir + "/config.json");
   if (!config.ok()) return UsageError(absl::StrCat("--model: ", config.status().message()));
   absl::StatusOr<std::string> self = SelfPath();
@@ -192,8 +267,11 @@ int RunUpCommand(const std::vector<std::string>& args) {
   bool failed = false;
   // Starts a service and waits until it listens and answers SERVING.
   auto launch = [&](const std::string& name, std::vector<std::string> argv,
-                    const std::string& extra) -> absl::Status {
+                    const std::string& extra, server::PeerRole role,
+                    const std::string& id) -> absl::Status {
     argv.insert(argv.begin(), *self);
+    KV_ASSIGN_OR_RETURN(std::vector<std::string> security, security_flags(role, id));
+    argv.insert(argv.end(), security.begin(), security.end());
     for (std::string& a : SplitArgs(extra)) argv.push_back(std::move(a));
     absl::StatusOr<int> index = sup.Start(name, argv);
     if (!index.ok()) return index.status();
@@ -207,7 +285,7 @@ int RunUpCommand(const std::vector<std::string>& args) {
     s.endpoint = *endpoint;
     absl::Status health;
     while (true) {
-      health = CheckServing(s.endpoint.address, absl::Seconds(2));
+      health = CheckServing(s.endpoint.address, absl::Seconds(2), admin_security);
       if (health.ok()) return health;
       if (sup.child(s.index).exit_code.has_value()) {
         return absl::FailedPreconditionError(
@@ -252,7 +330,7 @@ int RunUpCommand(const std::vector<std::string>& args) {
   absl::Status started = [&]() -> absl::Status {
     KV_RETURN_IF_ERROR(launch("cachestore",
                               with_common({"cachestore"}, {"--data-dir", data_dir + "/cachestore"}),
-                              cachestore_args));
+                              cachestore_args, server::PeerRole::kStore, "cachestore"));
     KV_RETURN_IF_ERROR(wait_ready(services.back()));
     const std::string store = services.back().endpoint.address;
     const std::string threads = absl::StrCat(worker_threads);
@@ -262,7 +340,7 @@ int RunUpCommand(const std::vector<std::string>& args) {
           launch(id,
                  with_common({"prefill"}, {"--cachestore", store, "--model", model_dir, "--node-id",
                                            id, "--threads", threads}),
-                 prefill_args));
+                 prefill_args, server::PeerRole::kPrefill, id));
     }
     for (int i = 0; i < num_decode; ++i) {
       const std::string id = absl::StrCat("decode-", i);
@@ -270,7 +348,7 @@ int RunUpCommand(const std::vector<std::string>& args) {
           launch(id,
                  with_common({"decode"}, {"--cachestore", store, "--model", model_dir, "--node-id",
                                           id, "--threads", threads}),
-                 decode_args));
+                 decode_args, server::PeerRole::kDecode, id));
     }
     std::vector<std::string> prefill_addrs, decode_addrs;
     for (size_t i = 1; i < services.size(); ++i) {
@@ -278,13 +356,31 @@ int RunUpCommand(const std::vector<std::string>& args) {
       (services[i].name.rfind("prefill", 0) == 0 ? prefill_addrs : decode_addrs)
           .push_back(services[i].endpoint.address);
     }
-    KV_RETURN_IF_ERROR(
-        launch("gateway",
-               {"gateway", "--host", gateway_host, "--port", absl::StrCat(gateway_port),
-                "--metrics-port", "0", "--cachestore", store, "--prefill",
-                absl::StrJoin(prefill_addrs, ","), "--decode", absl::StrJoin(decode_addrs, ","),
-                "--model", model_dir, "--http-host", http_host, "--http-port", http_port},
-               gateway_args));
+    KV_RETURN_IF_ERROR(launch("gateway",
+                              {"gateway",
+                               "--host",
+                               gateway_host,
+                               "--port",
+                               absl::StrCat(gateway_port),
+                               "--metrics-port",
+                               "0",
+                               "--cachestore",
+                               store,
+                               "--prefill",
+                               absl::StrJoin(prefill_addrs, ","),
+                               "--decode",
+                               absl::StrJoin(decode_addrs, ","),
+                               "--model",
+                               model_dir,
+                               "--http-host",
+                               http_host,
+                               "--http-port",
+                               http_port,
+                               "--tenant-secret-file",
+                               secret_file,
+                               "--tenant-token-keys",
+                               token_keys_file},
+                              gateway_args, server::PeerRole::kGateway, "gateway"));
     return wait_ready(services.back());
   }();
   if (!started.ok()) {
@@ -303,6 +399,15 @@ int RunUpCommand(const std::vector<std::string>& args) {
   for (const Service& s : services) {
     std::printf("  %-12s %-22s metrics %-22s pid %d\n", s.name.c_str(), s.endpoint.address.c_str(),
                 s.endpoint.metrics_address.c_str(), static_cast<int>(sup.child(s.index).pid));
+  }
+  if (insecure) {
+    std::printf("kvrelay up: PLAIN TEXT (--insecure): no authentication, tenants as requested\n");
+  } else {
+    std::printf(
+        "kvrelay up: mutual TLS; client flags --tls-cert %s --tls-key %s --tls-ca %s "
+        "(tenant %s); bearer-token keys %s\n",
+        client_security.cert_file.c_str(), client_security.key_file.c_str(),
+        client_security.ca_file.c_str(), tenant.c_str(), token_keys_file.c_str());
   }
   std::printf("kvrelay up: ready; gateway %s (Ctrl-C or SIGTERM stops the cluster)\n",
               services.back().endpoint.address.c_str());

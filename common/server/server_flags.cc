@@ -34,6 +34,28 @@ void AddServerFlags(FlagSet& flags, ServiceHostOptions& options) {
   AddSecurityFlags(flags, options.security);
 }
 
+absl::Status SettleSecurity(const FlagSet& flags, SecurityOptions& security) {
+  const bool any_tls =
+      !security.cert_file.empty() || !security.key_file.empty() || !security.ca_file.empty();
+  const bool asked_insecure = flags.WasSet("insecure") && security.insecure;
+  if (any_tls && asked_insecure) {
+    return absl::InvalidArgumentError("--insecure and --tls-* exclude each other");
+  }
+  if (!any_tls && !asked_insecure) {
+    // No silent plain text: an operator who forgot the certificates must not get a cluster
+    // anyone on the network can drive.
+    return absl::InvalidArgumentError(
+        "mutual TLS needs --tls-cert, --tls-key and --tls-ca (scripts/certs.sh makes them); "
+        "plain text only with an explicit --insecure");
+  }
+  security.insecure = !any_tls;
+  if (any_tls &&
+      (security.cert_file.empty() || security.key_file.empty() || security.ca_file.empty())) {
+    return absl::InvalidArgumentError("mutual TLS needs all of --tls-cert, --tls-key and --tls-ca");
+  }
+  return absl::OkStatus();
+}
+
 int UsageError(const std::string& command, const std::string& message, int exit_code) {
   std::fprintf(stderr, "kvrelay %s: %s\n", command.c_str(), message.c_str());
   return exit_code;
@@ -49,15 +71,8 @@ std::optional<int> ParseCommandLine(FlagSet& flags, const std::vector<std::strin
     return 0;
   }
   if (security != nullptr) {
-    const bool any_tls =
-        !security->cert_file.empty() || !security->key_file.empty() || !security->ca_file.empty();
-    if (any_tls && flags.WasSet("insecure") && security->insecure) {
-      return UsageError(command, "--insecure and --tls-* exclude each other");
-    }
-    security->insecure = !any_tls;
-    if (any_tls &&
-        (security->cert_file.empty() || security->key_file.empty() || security->ca_file.empty())) {
-      return UsageError(command, "mutual TLS needs all of --tls-cert, --tls-key and --tls-ca");
+    if (absl::Status s = SettleSecurity(flags, *security); !s.ok()) {
+      return UsageError(command, std::string(s.message()));
     }
   }
   return std::nullopt;

@@ -22,10 +22,14 @@ void AddSecurityFlags(FlagSet& flags, SecurityOptions& security);
 
 // Expands --config, parses, handles --help. Returns an exit code to return at once (0 after
 // --help, 2 with "kvrelay <command>: <message>" on stderr for bad usage), or nullopt to go on.
-// Also settles `security` (TLS when any --tls-* flag is given).
+// Also settles `security` (SettleSecurity).
 std::optional<int> ParseCommandLine(FlagSet& flags, const std::vector<std::string>& raw_args,
                                     const std::string& command,
                                     SecurityOptions* security = nullptr);
+
+// After Parse: mutual TLS when --tls-cert/--tls-key/--tls-ca are all given, plain text only with
+// an explicit --insecure; InvalidArgument otherwise (neither, both, or only some --tls-*).
+absl::Status SettleSecurity(const FlagSet& flags, SecurityOptions& security);
 
 // Parses "host:port" with 1 <= port <= 65535 and a non-empty host. InvalidArgument naming
 // `what` otherwise.

@@ -67,11 +67,33 @@ TEST(ServerFlags, ParsesConfigSecurityAndRejectsBadUsage) {
   ServiceHostOptions options;
   FlagSet flags("test", "t");
   AddServerFlags(flags, options);
-  EXPECT_EQ(ParseCommandLine(flags, {"--port", "7", "--metrics-port=8"}, "test", &options.security),
+  EXPECT_EQ(ParseCommandLine(flags, {"--port", "7", "--metrics-port=8", "--insecure"}, "test",
+                             &options.security),
             std::nullopt);
   EXPECT_EQ(options.port, 7);
   EXPECT_EQ(options.metrics_port, 8);
   EXPECT_TRUE(options.security.insecure);
+
+  // Plain text is never the silent default.
+  ServiceHostOptions silent;
+  FlagSet silent_flags("test", "t");
+  AddServerFlags(silent_flags, silent);
+  EXPECT_EQ(ParseCommandLine(silent_flags, {"--port", "7"}, "test", &silent.security),
+            std::optional<int>(2));
+  ServiceHostOptions both;
+  FlagSet both_flags("test", "t");
+  AddServerFlags(both_flags, both);
+  EXPECT_EQ(ParseCommandLine(both_flags,
+                             {"--insecure", "--tls-cert", "a", "--tls-key", "b", "--tls-ca", "c"},
+                             "test", &both.security),
+            std::optional<int>(2));
+  ServiceHostOptions tls;
+  FlagSet tls_flags("test", "t");
+  AddServerFlags(tls_flags, tls);
+  EXPECT_EQ(ParseCommandLine(tls_flags, {"--tls-cert", "a", "--tls-key", "b", "--tls-ca", "c"},
+                             "test", &tls.security),
+            std::nullopt);
+  EXPECT_FALSE(tls.security.insecure);
 
   ServiceHostOptions partial;
   FlagSet partial_flags("test", "t");

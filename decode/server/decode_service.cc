@@ -4,9 +4,13 @@
 
 namespace kvrelay::decode::server {
 
-grpc::Status DecodeService::Reserve(grpc::ServerContext*,
+grpc::Status DecodeService::Reserve(grpc::ServerContext* context,
                                     const kvrelay::v1::ReserveRequest* request,
                                     kvrelay::v1::ReserveResponse* response) {
+  if (absl::Status allowed = authorizer_.Authorize(*context, "/kvrelay.v1.Decode/Reserve").status();
+      !allowed.ok()) {
+    return proto::ToGrpcStatus(allowed);
+  }
   absl::StatusOr<kvrelay::v1::ReserveResponse> result = worker_->Reserve(*request);
   if (!result.ok()) return proto::ToGrpcStatus(result.status());
   *response = *std::move(result);
@@ -16,6 +20,11 @@ grpc::Status DecodeService::Reserve(grpc::ServerContext*,
 grpc::Status DecodeService::Generate(grpc::ServerContext* context,
                                      const kvrelay::v1::DecodeRequest* request,
                                      grpc::ServerWriter<kvrelay::v1::DecodeChunk>* writer) {
+  if (absl::Status allowed =
+          authorizer_.Authorize(*context, "/kvrelay.v1.Decode/Generate").status();
+      !allowed.ok()) {
+    return proto::ToGrpcStatus(allowed);
+  }
   // A stream without a deadline still ends: an hour bounds any sane generation.
   absl::Time deadline = absl::FromChrono(context->deadline());
   if (deadline > absl::Now() + absl::Hours(1)) deadline = absl::Now() + absl::Hours(1);
@@ -25,15 +34,24 @@ grpc::Status DecodeService::Generate(grpc::ServerContext* context,
       [context] { return context->IsCancelled(); }));
 }
 
-grpc::Status DecodeService::Release(grpc::ServerContext*,
+grpc::Status DecodeService::Release(grpc::ServerContext* context,
                                     const kvrelay::v1::ReleaseRequest* request,
                                     kvrelay::v1::ReleaseResponse*) {
+  if (absl::Status allowed = authorizer_.Authorize(*context, "/kvrelay.v1.Decode/Release").status();
+      !allowed.ok()) {
+    return proto::ToGrpcStatus(allowed);
+  }
   worker_->Release(request->request_id());
   return grpc::Status::OK;
 }
 
-grpc::Status DecodeService::Status(grpc::ServerContext*, const kvrelay::v1::DecodeStatusRequest*,
+grpc::Status DecodeService::Status(grpc::ServerContext* context,
+                                   const kvrelay::v1::DecodeStatusRequest*,
                                    kvrelay::v1::DecodeStatusResponse* response) {
+  if (absl::Status allowed = authorizer_.Authorize(*context, "/kvrelay.v1.Decode/Status").status();
+      !allowed.ok()) {
+    return proto::ToGrpcStatus(allowed);
+  }
   *response = worker_->Describe();
   return grpc::Status::OK;
 }

@@ -6,6 +6,7 @@
 //
 // Thread-safe. The worker must outlive the service.
 
+#include "common/server/auth.h"
 #include "decode/decode_worker.h"
 #include "kvrelay/v1/decode.grpc.pb.h"
 
@@ -13,7 +14,9 @@ namespace kvrelay::decode::server {
 
 class DecodeService final : public kvrelay::v1::Decode::Service {
  public:
-  explicit DecodeService(DecodeWorker* worker) : worker_(worker) {}
+  // `authorizer` checks each caller against common/server/auth.h (default: nothing checked).
+  explicit DecodeService(DecodeWorker* worker, kvrelay::server::Authorizer authorizer = {})
+      : worker_(worker), authorizer_(authorizer) {}
 
   grpc::Status Reserve(grpc::ServerContext* context, const kvrelay::v1::ReserveRequest* request,
                        kvrelay::v1::ReserveResponse* response) override;
@@ -26,6 +29,7 @@ class DecodeService final : public kvrelay::v1::Decode::Service {
 
  private:
   DecodeWorker* const worker_;
+  const kvrelay::server::Authorizer authorizer_;
 };
 
 }  // namespace kvrelay::decode::server

@@ -425,10 +425,24 @@ export async function checkObjects(objects, ctx) {
         if (grpcPort === undefined) creport("has no container port named grpc");
         for (const probe of ["startupProbe", "readinessProbe", "livenessProbe"]) {
           const p = c[probe];
+          // A grpc probe, or (the kubelet's gRPC probe cannot do mutual TLS) an exec probe that
+          // runs `kvrelay health --address=127.0.0.1:<grpc port>` with the pod's TLS flags.
+          const health = p?.exec?.command ?? [];
+          const address = health.find((a) => String(a).startsWith("--address="));
+          const execPort = address ? Number(String(address).split(":").pop()) : undefined;
           if (!p) creport(`has no ${probe}`);
-          else if (!p.grpc) creport(`${probe} is not a grpc (grpc.health.v1) probe`);
-          else if (grpcPort !== undefined && p.grpc.port !== grpcPort) {
-            creport(`${probe} checks port ${p.grpc.port}, the grpc port is ${grpcPort}`);
+          else if (p.grpc) {
+            if (grpcPort !== undefined && p.grpc.port !== grpcPort) {
+              creport(`${probe} checks port ${p.grpc.port}, the grpc port is ${grpcPort}`);
+            }
+          } else if (!(String(health[0] ?? "").endsWith("/kvrelay") && health[1] === "health")) {
+            creport(`${probe} is neither a grpc probe nor an exec of \`kvrelay health\``);
+          } else if (grpcPort !== undefined && execPort !== grpcPort) {
+            creport(`${probe} checks ${address ?? "no --address"}, the grpc port is ${grpcPort}`);
+          } else if (!health.includes("--insecure") &&
+                     !["--tls-cert=", "--tls-key=", "--tls-ca="].every(
+                         (f) => health.some((a) => String(a).startsWith(f)))) {
+            creport(`${probe} runs kvrelay health without --tls-cert/--tls-key/--tls-ca or --insecure`);
           }
         }
         const metricsPort = (c.ports ?? []).find((p) => p.name === "metrics")?.containerPort;

@@ -20,9 +20,13 @@ cmd_json=$(grep -A1 '^HEALTHCHECK' "$repo/deploy/docker/Dockerfile" | sed -n 's/
 [[ -n $cmd_json ]] || fail "no HEALTHCHECK CMD [...] in deploy/docker/Dockerfile"
 mapfile -t health_cmd < <(/usr/bin/python3 -c 'import json,sys; print("\n".join(json.loads(sys.argv[1])))' "$cmd_json")
 mkdir -p "$work/bin" && ln -s "$kvrelay" "$work/bin/kvrelay"
-run_healthcheck() { PATH="$work/bin:$PATH" KVRELAY_HEALTH_ADDRESS="$1" "${health_cmd[@]}"; }
+# The store below is plain text, so the check runs with --insecure instead of the image's TLS
+# flags (the same variable the image sets).
+run_healthcheck() {
+  PATH="$work/bin:$PATH" KVRELAY_HEALTH_ADDRESS="$1" KVRELAY_HEALTH_TLS=--insecure "${health_cmd[@]}"
+}
 
-"$kvrelay" cachestore --host 127.0.0.1 --port 0 --metrics-port 0 >"$work/store.out" 2>"$work/store.err" &
+"$kvrelay" cachestore --host 127.0.0.1 --port 0 --metrics-port 0 --insecure >"$work/store.out" 2>"$work/store.err" &
 store_pid=$!
 for _ in $(seq 100); do
   grep -q "listening on" "$work/store.out" 2>/dev/null && break
@@ -37,7 +41,7 @@ out=$(run_healthcheck "$address") || fail "healthcheck against a serving store e
 echo "serving store: exit 0 ($out)"
 
 set +e
-"$kvrelay" health --address not-an-address 2>"$work/usage.err"; rc=$?
+"$kvrelay" health --address not-an-address --insecure 2>"$work/usage.err"; rc=$?
 set -e
 [[ $rc == 2 ]] || fail "malformed address: exit $rc, want 2"
 echo "malformed address: exit 2 ($(cat "$work/usage.err"))"

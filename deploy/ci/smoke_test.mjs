@@ -139,8 +139,9 @@ function startServer(pod, container, args, env) {
 async function waitHealthy(server, budgetMs) {
   const deadline = Date.now() + budgetMs;
   for (;;) {
+    // The dev overlay runs in plain text (insecure: true in its configs), as its probes check.
     const r = spawnSync(KVRELAY, ["health", "--address", `127.0.0.1:${server.pod.grpcPort}`,
-                                  "--timeout", "1s"], { encoding: "utf8" });
+                                  "--timeout", "1s", "--insecure"], { encoding: "utf8" });
     if (r.status === 0) return;
     assert.ok(server.child.exitCode === null,
               `${server.pod.name} exited ${server.child.exitCode}: ${server.out.err}`);
@@ -186,7 +187,8 @@ test("the dev overlay's rendered pods serve a request on loopback and drain on S
   const modelDir = gateway.local.mounts.get("/models") + "/tiny-llama";
   const tokens = Array.from({ length: 40 }, (_, i) => (i * 7 + 3) % 200).join(",");
   const viaGateway = spawnSync(KVRELAY, ["generate", "--gateway", `127.0.0.1:${gateway.pod.grpcPort}`,
-                                          "--tokens", tokens, "--max-tokens", "6", "--json"],
+                                          "--tokens", tokens, "--max-tokens", "6", "--json",
+                                          "--insecure"],
                                { encoding: "utf8", timeout: 120000 });
   assert.equal(viaGateway.status, 0, viaGateway.stderr);
   const reference = spawnSync(KVRELAY, ["generate", "--colocated", "--model", modelDir,
@@ -213,7 +215,8 @@ test("the dev overlay's rendered pods serve a request on loopback and drain on S
   const longReference = spawnSync(KVRELAY, ["generate", "--colocated", "--model", modelDir, ...longArgs],
                                   { encoding: "utf8", timeout: 120000 });
   assert.equal(longReference.status, 0, longReference.stderr);
-  const inFlight = spawn(KVRELAY, ["generate", "--gateway", `127.0.0.1:${gateway.pod.grpcPort}`, ...longArgs],
+  const inFlight = spawn(KVRELAY, ["generate", "--gateway", `127.0.0.1:${gateway.pod.grpcPort}`, ...longArgs,
+                                   "--insecure"],
                          { stdio: ["ignore", "pipe", "pipe"] });
   children.push(inFlight);
   let streamed = "";

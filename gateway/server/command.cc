@@ -15,6 +15,7 @@
 #include "gateway/gateway.h"
 #include "gateway/http/openai_server.h"
 #include "gateway/server/gateway_service.h"
+#include "gateway/tenant_auth.h"
 
 namespace kvrelay::gateway::server {
 int RunGatewayCommand(const std::vector<std::string>& raw_args) {
@@ -24,7 +25,7 @@ int RunGatewayCommand(const std::vector<std::string>& raw_args) {
   host.name = "gateway";
   host.port = 50051;
   host.health_services = {"kvrelay.v1.Gateway"};
-  std::string cachestore, prefill, decode, secret_file;
+  std::string cachestore, prefill, decode, secret_file, token_keys_file;
   FlagSet flags("gateway", "Runs the gateway: Generate with KV-aware routing.");
   kvrelay::server::AddServerFlags(flags, host);
   flags.AddString("cachestore", &cachestore, "cache store HOST:PORT (prefix-aware routing)");
@@ -39,7 +40,13 @@ int RunGatewayCommand(const std::vector<std::string>& raw_args) {
   flags.AddString("model-name", &options.model_name,
                   "model name requests use (default: the directory's base name)");
   flags.AddString("tenant-secret-file", &secret_file,
-                  "file with the secret mixed into tenant salts (default: a fixed dev secret)");
+                  "file with the secret mixed into tenant salts (required; no default)");
+  flags.AddString("tenant-token-keys", &token_keys_file,
+                  "file with HS256 keys (one per line) that sign tenants' bearer tokens "
+                  "(JWT: sub = tenant, exp); without it tenants come only from client "
+                  "certificates");
+  flags.AddInt32("max-inflight-per-tenant", &options.max_inflight_per_tenant,
+                 "requests one tenant may have in flight (0: no limit)");
   flags.AddInt32("max-attempts", &options.max_attempts, "failed worker pairs tried per request");
   flags.AddDuration("reserve-timeout", &options.reserve_timeout,
                     "per-attempt bound on a decode worker's Reserve");
@@ -89,17 +96,32 @@ int RunGatewayCommand(const std::vector<std::string>& raw_args) {
     return kvrelay::server::UsageError("gateway", "--model is required");
   if (options.model_name.empty())
     options.model_name = kvrelay::server::ModelNameFromDir(options.model_dir);
+  // No default: a known secret makes every tenant's block hashes computable offline.
   if (secret_file.empty()) {
-    options.tenant_secret = "kvrelay-development-secret";
-    KV_LOG(WARNING) << "no --tenant-secret-file: using the development secret";
-  } else {
+    return kvrelay::server::UsageError(
+        "gateway", "--tenant-secret-file is required (e.g. `head -c 32 /dev/urandom | base64`)");
+  }
+  {
     absl::StatusOr<std::string> secret = ReadFileToString(secret_file);
-    if (!secret.ok() || absl::StripAsciiWhitespace(*secret).empty()) {
+    if (!secret.ok() || absl::StripAsciiWhitespace(*secret).size() < 16) {
       return kvrelay::server::UsageError(
           "gateway", absl::StrCat("--tenant-secret-file: ",
-                                  secret.ok() ? "empty" : std::string(secret.status().message())));
+                                  secret.ok() ? "want at least 16 bytes of secret"
+                                              : std::string(secret.status().message())));
     }
     options.tenant_secret = std::string(absl::StripAsciiWhitespace(*secret));
+  }
+  if (options.max_inflight_per_tenant < 0) {
+    return kvrelay::server::UsageError("gateway", "--max-inflight-per-tenant must be >= 0");
+  }
+  std::unique_ptr<TenantTokenVerifier> verifier;
+  if (!token_keys_file.empty()) {
+    absl::StatusOr<TenantTokenVerifier> loaded = TenantTokenVerifier::FromKeyFile(token_keys_file);
+    if (!loaded.ok()) {
+      return kvrelay::server::UsageError(
+          "gateway", absl::StrCat("--tenant-token-keys: ", loaded.status().message()));
+    }
+    verifier = std::make_unique<TenantTokenVerifier>(*std::move(loaded));
   }
 
   Gateway::Workers workers;
@@ -137,7 +159,8 @@ int RunGatewayCommand(const std::vector<std::string>& raw_args) {
     std::fprintf(stderr, "kvrelay gateway: %s\n", gateway.status().ToString().c_str());
     return gateway.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
   }
-  GatewayService service(gateway->get());
+  const kvrelay::server::Authorizer authorizer(host.security);
+  GatewayService service(gateway->get(), authorizer, verifier.get());
   absl::StatusOr<std::unique_ptr<kvrelay::server::ServiceHost>> server =
       kvrelay::server::ServiceHost::Start(host, {&service}, &metrics);
   if (!server.ok()) {
@@ -152,16 +175,25 @@ int RunGatewayCommand(const std::vector<std::string>& raw_args) {
     http_options.port = http_port;
     http_options.model_name = options.model_name;
     http_options.security = host.security;
-    // TODO(security): verified bearer tokens; until then only the plain-text dev mode has a
-    // tenant for HTTP callers, and it is one shared tenant.
+    // HTTP callers name their tenant with a verified bearer token; only the plain-text dev
+    // mode (--insecure) has a shared "anonymous" tenant for callers without one.
     const bool insecure = host.security.insecure;
     http_options.resolve_tenant =
-        [insecure](const std::string& authorization) -> absl::StatusOr<std::string> {
-      if (insecure) return std::string("anonymous");
-      if (authorization.empty()) {
-        return absl::UnauthenticatedError("an Authorization: Bearer token is required");
+        [insecure, verifier = verifier.get()](
+            const std::string& authorization) -> absl::StatusOr<std::string> {
+      if (insecure) {
+        // Plain-text dev mode, as before: a token that verifies names its tenant, anything else
+        // (no header, a placeholder API key) is the shared "anonymous" tenant.
+        absl::StatusOr<std::string> tenant = ResolveTenant(
+            kvrelay::server::Peer{}, /*enforcing=*/true, authorization, "", verifier, absl::Now());
+        return tenant.ok() ? *tenant : std::string("anonymous");
       }
-      return absl::PermissionDeniedError("no bearer-token verifier is configured");
+      if (authorization.empty()) {
+        return kvrelay::server::Unauthorized(
+            absl::UnauthenticatedError("an Authorization: Bearer token is required"));
+      }
+      return ResolveTenant(kvrelay::server::Peer{}, /*enforcing=*/true, authorization, "", verifier,
+                           absl::Now());
     };
     absl::StatusOr<std::unique_ptr<OpenAiHttpServer>> started =
         OpenAiHttpServer::Start(std::move(http_options), gateway->get(), codec.get());
@@ -175,6 +207,33 @@ int RunGatewayCommand(const std::vector<std::string>& raw_args) {
     std::fflush(stdout);
   }
   (*server)->WaitForShutdown({.on_drain = [&http] { http.reset(); }});
+  return 0;
+}
+
+int RunTokenCommand(const std::vector<std::string>& raw_args) {
+  std::string tenant, keys_file;
+  absl::Duration ttl = absl::Hours(1);
+  FlagSet flags("token", "Prints a bearer token (JWT HS256) that names a tenant.");
+  flags.AddString("tenant", &tenant, "the tenant the token names (1-128 of [A-Za-z0-9._:-])");
+  flags.AddString("tenant-token-keys", &keys_file,
+                  "the gateway's --tenant-token-keys file (its first key signs)");
+  flags.AddDuration("ttl", &ttl, "how long the token is valid");
+  if (std::optional<int> exit_code = kvrelay::server::ParseCommandLine(flags, raw_args, "token")) {
+    return *exit_code;
+  }
+  if (tenant.empty()) return kvrelay::server::UsageError("token", "--tenant is required");
+  if (ttl <= absl::ZeroDuration()) return kvrelay::server::UsageError("token", "--ttl must be > 0");
+  absl::StatusOr<TenantTokenVerifier> keys = TenantTokenVerifier::FromKeyFile(keys_file);
+  if (!keys.ok()) {
+    return kvrelay::server::UsageError(
+        "token", absl::StrCat("--tenant-token-keys: ", keys.status().message()));
+  }
+  const std::string token = keys->SignWithFirstKey(tenant, absl::Now() + ttl);
+  // Refuse to print what the gateway would refuse (bad tenant names).
+  if (absl::Status s = keys->Verify(token, absl::Now()).status(); !s.ok()) {
+    return kvrelay::server::UsageError("token", std::string(s.message()));
+  }
+  std::printf("%s\n", token.c_str());
   return 0;
 }
 

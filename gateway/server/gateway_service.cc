@@ -7,6 +7,23 @@ namespace kvrelay::gateway::server {
 grpc::Status GatewayService::Generate(grpc::ServerContext* context,
                                       const kvrelay::v1::GenerateRequest* request,
                                       grpc::ServerWriter<kvrelay::v1::GenerateResponse>* writer) {
+  absl::StatusOr<kvrelay::server::Peer> peer =
+      authorizer_.Authorize(*context, "/kvrelay.v1.Gateway/Generate");
+  if (!peer.ok()) return proto::ToGrpcStatus(peer.status());
+  absl::string_view authorization;
+  const auto& metadata = context->client_metadata();
+  if (auto it = metadata.find("authorization"); it != metadata.end()) {
+    authorization = absl::string_view(it->second.data(), it->second.size());
+  }
+  absl::StatusOr<std::string> tenant = ResolveTenant(*peer, authorizer_.enforcing(), authorization,
+                                                     request->tenant(), verifier_, absl::Now());
+  if (!tenant.ok()) return proto::ToGrpcStatus(tenant.status());
+  kvrelay::v1::GenerateRequest authenticated;
+  if (*tenant != request->tenant()) {
+    authenticated = *request;
+    authenticated.set_tenant(*tenant);
+    request = &authenticated;
+  }
   return proto::ToGrpcStatus(gateway_->Generate(
       *request, absl::FromChrono(context->deadline()),
       [writer](const kvrelay::v1::GenerateResponse& response) { return writer->Write(response); },

@@ -35,7 +35,7 @@ int RunPrefillCommand(const std::vector<std::string>& raw_args) {
   }
   std::fprintf(stderr, "prefill: model %s, node %s, data plane %s\n", options.model_name.c_str(),
                (*worker)->node_id().c_str(), (*worker)->transport_address().c_str());
-  PrefillService service(worker->get());
+  PrefillService service(worker->get(), kvrelay::server::Authorizer(host.security));
   absl::StatusOr<std::unique_ptr<kvrelay::server::ServiceHost>> server =
       kvrelay::server::ServiceHost::Start(host, {&service}, &metrics);
   if (!server.ok()) {

@@ -7,6 +7,11 @@ namespace kvrelay::prefill::server {
 grpc::Status PrefillService::Prefill(grpc::ServerContext* context,
                                      const kvrelay::v1::PrefillRequest* request,
                                      kvrelay::v1::PrefillResponse* response) {
+  if (absl::Status allowed =
+          authorizer_.Authorize(*context, "/kvrelay.v1.Prefill/Prefill").status();
+      !allowed.ok()) {
+    return proto::ToGrpcStatus(allowed);
+  }
   // A call without a deadline still ends: two minutes is far above any sane prefill.
   absl::Time deadline = absl::FromChrono(context->deadline());
   if (deadline > absl::Now() + absl::Minutes(10)) deadline = absl::Now() + absl::Minutes(2);
@@ -16,8 +21,13 @@ grpc::Status PrefillService::Prefill(grpc::ServerContext* context,
   return grpc::Status::OK;
 }
 
-grpc::Status PrefillService::Status(grpc::ServerContext*, const kvrelay::v1::PrefillStatusRequest*,
+grpc::Status PrefillService::Status(grpc::ServerContext* context,
+                                    const kvrelay::v1::PrefillStatusRequest*,
                                     kvrelay::v1::PrefillStatusResponse* response) {
+  if (absl::Status allowed = authorizer_.Authorize(*context, "/kvrelay.v1.Prefill/Status").status();
+      !allowed.ok()) {
+    return proto::ToGrpcStatus(allowed);
+  }
   *response = worker_->Describe();
   return grpc::Status::OK;
 }

@@ -5,6 +5,7 @@
 //
 // Thread-safe. The worker must outlive the service.
 
+#include "common/server/auth.h"
 #include "kvrelay/v1/prefill.grpc.pb.h"
 #include "prefill/prefill_worker.h"
 
@@ -12,7 +13,9 @@ namespace kvrelay::prefill::server {
 
 class PrefillService final : public kvrelay::v1::Prefill::Service {
  public:
-  explicit PrefillService(PrefillWorker* worker) : worker_(worker) {}
+  // `authorizer` checks each caller against common/server/auth.h (default: nothing checked).
+  explicit PrefillService(PrefillWorker* worker, kvrelay::server::Authorizer authorizer = {})
+      : worker_(worker), authorizer_(authorizer) {}
 
   grpc::Status Prefill(grpc::ServerContext* context, const kvrelay::v1::PrefillRequest* request,
                        kvrelay::v1::PrefillResponse* response) override;
@@ -22,6 +25,7 @@ class PrefillService final : public kvrelay::v1::Prefill::Service {
 
  private:
   PrefillWorker* const worker_;
+  const kvrelay::server::Authorizer authorizer_;
 };
 
 }  // namespace kvrelay::prefill::server

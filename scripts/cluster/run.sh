@@ -89,6 +89,8 @@ done
 OUT=${OUT:-$(mktemp -d /tmp/kvrelay-cluster-XXXXXX)}
 mkdir -p "$OUT/logs" "$OUT/pids"
 OUT=$(cd "$OUT" && pwd)
+# The gateway has no default tenant secret; a random one per cluster.
+[[ -s $OUT/tenant-secret ]] || (umask 077 && head -c 32 /dev/urandom | base64 >"$OUT/tenant-secret")
 
 # --- external mode: real hosts, nothing started here --------------------------------------------
 if [[ -n $EXTERNAL ]]; then
@@ -130,19 +132,24 @@ gateway_list() { local i out=(); for ((i = 0; i < GATEWAYS; i++)); do out+=("${A
 node_args() {
   local name=$1 a=${2:-${ADDR[$1]}}
   case "$name" in
-    store) echo "cachestore --host $a --port 7000 --metrics-port 0 --data-dir $OUT/store-data" ;;
+    store) echo "cachestore --host $a --port 7000 --metrics-port 0 --data-dir $OUT/store-data" \
+                "--insecure" ;;
     prefill-*) echo "prefill --host $a --port 7100 --metrics-port 0 --transport-host $a" \
                     "--transport-port 7300 --cachestore $STORE --model $MODEL --node-id $name" \
-                    "--threads $THREADS --pool-blocks $POOL_BLOCKS --cache-slots $CACHE_SLOTS" ;;
+                    "--threads $THREADS --pool-blocks $POOL_BLOCKS --cache-slots $CACHE_SLOTS" \
+                    "--insecure" ;;
     decode-*) echo "decode --host $a --port 7200 --metrics-port 0 --transport-host $a" \
                    "--transport-port 7300 --cachestore $STORE --model $MODEL --node-id $name" \
-                   "--threads $THREADS --pool-blocks $POOL_BLOCKS --cache-slots $CACHE_SLOTS" ;;
+                   "--threads $THREADS --pool-blocks $POOL_BLOCKS --cache-slots $CACHE_SLOTS" \
+                   "--insecure" ;;
     gateway-*)
       if ((FIXED_WORKERS)); then
         echo "gateway --host $a --port 8000 --metrics-port 0 --cachestore $STORE" \
-             "--prefill $(prefill_list) --decode $(decode_list) --model $MODEL"
+             "--prefill $(prefill_list) --decode $(decode_list) --model $MODEL" \
+             "--tenant-secret-file $OUT/tenant-secret --insecure"
       else  # workers are discovered from the store's registry
-        echo "gateway --host $a --port 8000 --metrics-port 0 --cachestore $STORE --model $MODEL"
+        echo "gateway --host $a --port 8000 --metrics-port 0 --cachestore $STORE --model $MODEL" \
+             "--tenant-secret-file $OUT/tenant-secret --insecure"
       fi ;;
   esac
 }

@@ -67,7 +67,8 @@ class CacheStoreProcessTest : public ::testing::Test {
                                      "--data-dir",
                                      dir_.File("data"),
                                      "--tick",
-                                     "20ms"};
+                                     "20ms",
+                                     "--insecure"};
     argv.insert(argv.end(), extra.begin(), extra.end());
     KV_ASSERT_OK_AND_ASSIGN(proc_, ChildProcess::Start(argv));
     KV_ASSERT_OK_AND_ASSIGN(std::string line,
@@ -592,7 +593,7 @@ TEST_F(CacheStoreProcessTest, NumericInputsAreBoundedAndNamed) {
 
 TEST(CacheStoreCommandTest, BadFlagsAreUsageErrors) {
   KV_ASSERT_OK_AND_ASSIGN(auto r, testing::RunCommand({testing::BinaryPath("kvrelay"), "cachestore",
-                                                       "--policy", "fifo"}));
+                                                       "--policy", "fifo", "--insecure"}));
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_THAT(r.stderr_text, HasSubstr("policy"));
   KV_ASSERT_OK_AND_ASSIGN(

@@ -52,7 +52,7 @@ class KvEventsTest : public ::testing::Test {
         "--data-dir", dir_.File("data"), "--tick", "20ms",
         // An expired node is forgotten (AllBlocksCleared) at once.
         "--suspect-grace", "0s", "--kv-events-endpoint", pub_, "--kv-events-replay-endpoint",
-        replay_, "--kv-events-model", "tiny-llama"};
+        replay_, "--kv-events-model", "tiny-llama", "--insecure"};
     KV_ASSERT_OK_AND_ASSIGN(store_, ChildProcess::Start(argv));
     KV_ASSERT_OK_AND_ASSIGN(std::string line,
                             store_->WaitForOutput("cachestore listening on", absl::Seconds(30)));
@@ -197,12 +197,12 @@ TEST_F(KvEventsTest, SubscriberRebuildsTheIndexAcrossExpiryAndRestart) {
 TEST_F(KvEventsTest, BadFlagsAreRefused) {
   absl::StatusOr<testing::CommandResult> r =
       testing::RunCommand({testing::BinaryPath("kvrelay"), "cachestore", "--port", "0",
-                           "--kv-events-endpoint", "bogus://x"});
+                           "--kv-events-endpoint", "bogus://x", "--insecure"});
   ASSERT_THAT(r, IsOk());
   EXPECT_NE(r->exit_code, 0);
   EXPECT_THAT(r->stderr_text, ::testing::HasSubstr("--kv-events-endpoint"));
   r = testing::RunCommand({testing::BinaryPath("kvrelay"), "cachestore", "--port", "0",
-                           "--kv-events-replay-endpoint", replay_});
+                           "--kv-events-replay-endpoint", replay_, "--insecure"});
   ASSERT_THAT(r, IsOk());
   EXPECT_EQ(r->exit_code, 2);
   EXPECT_THAT(r->stderr_text, ::testing::HasSubstr("needs --kv-events-endpoint"));

@@ -33,6 +33,7 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(const ClusterO
                                    cluster->data_->path(),
                                    "--start-timeout",
                                    absl::StrCat(absl::ToInt64Seconds(options.start_timeout), "s")};
+  if (!options.tls) argv.push_back("--insecure");
   argv.insert(argv.end(), options.extra_args.begin(), options.extra_args.end());
   absl::StatusOr<std::unique_ptr<testing::ChildProcess>> up = testing::ChildProcess::Start(argv);
   if (!up.ok()) return up.status();
@@ -52,8 +53,19 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(const ClusterO
       in_table = true;
       continue;
     }
-    if (absl::StartsWith(line, "kvrelay up: ready")) break;
     if (!in_table) continue;
+    if (absl::StartsWith(line, "kvrelay up: mutual TLS; client flags ")) {
+      // "... client flags --tls-cert C --tls-key K --tls-ca A (tenant T); ..."
+      std::vector<std::string> w = absl::StrSplit(line, ' ', absl::SkipEmpty());
+      for (size_t i = 0; i + 1 < w.size(); ++i) {
+        if (w[i] == "--tls-cert") cluster->client_security_.cert_file = w[i + 1];
+        if (w[i] == "--tls-key") cluster->client_security_.key_file = w[i + 1];
+        if (w[i] == "--tls-ca") cluster->client_security_.ca_file = w[i + 1];
+      }
+      cluster->client_security_.insecure = false;
+      continue;
+    }
+    if (absl::StartsWith(line, "kvrelay up:")) break;
     std::vector<std::string> w = absl::StrSplit(line, ' ', absl::SkipEmpty());
     if (w.size() != 6 || w[2] != "metrics" || w[4] != "pid") {
       return absl::InternalError(absl::StrCat("unexpected endpoints line: '", line, "'"));

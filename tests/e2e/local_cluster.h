@@ -16,6 +16,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/server/credentials.h"
 #include "tests/testing/process_harness.h"
 #include "tests/testing/test_env.h"
 
@@ -28,6 +29,9 @@ struct ClusterOptions {
   // Extra `kvrelay up` flags, e.g. {"--cachestore-args", "--node-ttl 2s"}.
   std::vector<std::string> extra_args;
   absl::Duration start_timeout = absl::Seconds(90);
+  // Mutual TLS with `kvrelay up`'s throwaway certificates (client_security() then holds the
+  // client certificate); plain text (--insecure) otherwise, for tests not about security.
+  bool tls = false;
 };
 
 struct ServiceInfo {
@@ -43,6 +47,10 @@ class LocalCluster {
   ~LocalCluster();  // SIGKILLs `kvrelay up` if still running (its children follow)
 
   const std::string& gateway() const { return gateway_; }
+  // The client certificate `kvrelay up` issued (tenant "default"); insecure without tls.
+  const server::SecurityOptions& client_security() const { return client_security_; }
+  // Where `kvrelay up` keeps its data: tls/ (the CA, every certificate), tenant-token-keys.
+  const std::string& data_dir() const { return data_->path(); }
   const std::vector<ServiceInfo>& services() const { return services_; }
   // The service named `name`; NotFound otherwise.
   absl::StatusOr<ServiceInfo> Service(const std::string& name) const;
@@ -58,6 +66,7 @@ class LocalCluster {
   std::unique_ptr<testing::TempDir> data_;
   std::unique_ptr<testing::ChildProcess> up_;
   std::string gateway_;
+  server::SecurityOptions client_security_;
   std::vector<ServiceInfo> services_;
 };
 

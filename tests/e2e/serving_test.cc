@@ -454,7 +454,8 @@ TEST(GenerateCommand, GatewayJsonMatchesColocated) {
   KV_ASSERT_OK_AND_ASSIGN(
       testing::CommandResult via_gateway,
       testing::RunCommand({kvrelay, "generate", "--gateway", e->cluster->gateway(), "--prompt",
-                           prompt, "--max-tokens", "10", "--tenant", "cli", "--json"}));
+                           prompt, "--max-tokens", "10", "--tenant", "cli", "--insecure",
+                           "--json"}));
   ASSERT_EQ(via_gateway.exit_code, 0) << via_gateway.stderr_text;
   KV_ASSERT_OK_AND_ASSIGN(
       testing::CommandResult colocated,
@@ -478,7 +479,7 @@ TEST(GenerateCommand, GatewayJsonMatchesColocated) {
   KV_ASSERT_OK_AND_ASSIGN(
       testing::CommandResult bad,
       testing::RunCommand({kvrelay, "generate", "--gateway", e->cluster->gateway(), "--tokens",
-                           "1,2,999", "--json"}));
+                           "1,2,999", "--insecure", "--json"}));
   EXPECT_EQ(bad.exit_code, 2) << bad.stderr_text;
   EXPECT_THAT(bad.stderr_text, HasSubstr("INVALID_ARGUMENT"));
 }

@@ -106,6 +106,7 @@ class InProcessCluster : public ::testing::Test {
     options.model_dir = model_dir_;
     options.model_name = "tiny";
     options.tenant_secret = "test-secret";
+    options.max_inflight_per_tenant = tenant_quota_;
     options.breaker.open_for = absl::Seconds(1);
     KV_ASSERT_OK_AND_ASSIGN(auto store_client,
                             cachestore::CacheStoreClient::Connect(store_host_->address()));
@@ -222,6 +223,7 @@ class InProcessCluster : public ::testing::Test {
     EXPECT_EQ(info->reason(), kvrelay::v1::FAILURE_UNAUTHORIZED) << status;
   }
 
+  int32_t tenant_quota_ = 64;  // GatewayOptions::max_inflight_per_tenant
   TempDir dir_;
   std::string model_dir_;
   std::unique_ptr<cli::ColocatedGenerator> reference_;
@@ -319,6 +321,42 @@ TEST_F(InProcessCluster, OverloadIsRefusedAtOnceNotCollapsed) {
   worker_clock_.Advance(absl::Seconds(31));  // past the release grace: the slots come back
   Outcome small = Generate(Prompt(20, 5), 4);
   KV_ASSERT_OK(small.status);
+}
+
+class InProcessClusterWithTenantQuota : public InProcessCluster {
+ protected:
+  InProcessClusterWithTenantQuota() { tenant_quota_ = 1; }
+};
+
+TEST_F(InProcessClusterWithTenantQuota, ATenantOverItsQuotaIsRefusedNamingIt) {
+  // While tenant-a's request is in flight (its sink is running), its next one is refused at once.
+  Outcome nested;
+  bool checked = false;
+  kvrelay::v1::GenerateRequest request;
+  for (int32_t t : Prompt(40, 6)) request.add_tokens(t);
+  request.set_tenant("tenant-a");
+  request.set_max_tokens(4);
+  std::vector<int32_t> tokens;
+  KV_ASSERT_OK(gateway_->Generate(
+      request, absl::Now() + absl::Seconds(30),
+      [&](const kvrelay::v1::GenerateResponse& r) {
+        tokens.insert(tokens.end(), r.tokens().begin(), r.tokens().end());
+        if (!checked) {
+          checked = true;
+          nested = Generate(Prompt(20, 7), 2);
+        }
+        return true;
+      },
+      [] { return false; }));
+  ASSERT_TRUE(checked);
+  EXPECT_THAT(nested.status, StatusIs(absl::StatusCode::kResourceExhausted));
+  EXPECT_THAT(nested.status.message(), ::testing::HasSubstr("tenant 'tenant-a'"));
+  std::optional<kvrelay::v1::ErrorInfo> info = proto::GetErrorInfo(nested.status);
+  ASSERT_TRUE(info.has_value());
+  EXPECT_EQ(info->role(), kvrelay::v1::ROLE_CLIENT);  // never blamed on a worker
+  EXPECT_EQ(tokens, Reference(Prompt(40, 6), 4));
+  // The slot came back with the request's end.
+  KV_EXPECT_OK(Generate(Prompt(20, 7), 2).status);
 }
 
 TEST_F(InProcessCluster, UnclaimedReservationsExpireOnTheClock) {

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Multi-host fault contract (issue 10), on network namespaces, one host per service, UCX over tcp:
 # store, 2 prefill, 2 decode (+1 spare), 1 gateway that discovers workers from the store, under a
-# steady stream of verified requests (about 2 minutes on 2 cores). Faults, in order:
+# steady stream of verified requests (5/s, about 2.5 minutes on 2 cores). Each fault strikes 30 ms
+# after a request was sent, so requests are in flight on the faulted node. Faults, in order:
 #   dup prefill-0          a second process with prefill-0's node id, on another host: refused
 #   stop decode-0 for 6s   SIGSTOP (a hung host)
 #   cut decode-1 for 10s   its link down (a partition)
@@ -30,14 +31,14 @@ set +e
 "$ROOT/scripts/cluster/run.sh" --name "$NAME" --prefill 2 --decode 2 --spare-decode 1 \
   --model "$MODEL" --out "$WORK/run" \
   --fault "at=4s dup prefill-0" \
-  --fault "at=10s stop decode-0 for 6s" \
-  --fault "at=24s cut decode-1 for 10s" \
-  --fault "at=42s cut store for 10s" \
-  --fault "at=62s restart store" \
-  --fault "at=74s kill decode-0 for 2s" \
+  --fault "at=10.03s stop decode-0 for 6s" \
+  --fault "at=24.03s cut decode-1 for 10s" \
+  --fault "at=42.03s cut store for 10s" \
+  --fault "at=62.03s restart store" \
+  --fault "at=74.03s kill decode-0 for 2s" \
   --fault "at=86s add decode-2" \
-  -- --rate 2.5 --arrival fixed --num-requests 600 --max-duration 100s --input-tokens 80 \
-  --output-tokens 8 --shared-prefix-ratio 0.8 --prefix-groups 3 --concurrency 64 --timeout 20s \
+  -- --rate 5 --arrival fixed --num-requests 700 --max-duration 100s --input-tokens 80 \
+  --output-tokens 96 --shared-prefix-ratio 0.8 --prefix-groups 3 --concurrency 64 --timeout 20s \
   --verify --slo ttft=2s --fault-contract default \
   >"$WORK/out.txt" 2>"$WORK/err.txt"
 rc=$?

@@ -43,6 +43,15 @@ MATCHER_P2(StatusIs, code, message_matcher,
                                        result_listener);
 }
 
+// A StatusOr that is OK and whose value matches `value_matcher`.
+MATCHER_P(IsOkAndHolds, value_matcher, "is OK and holds a matching value") {
+  if (!arg.ok()) {
+    *result_listener << "status is " << arg.status();
+    return false;
+  }
+  return ::testing::ExplainMatchResult(value_matcher, *arg, result_listener);
+}
+
 }  // namespace kvrelay::testing
 
 #define KV_ASSERT_OK(expr) ASSERT_THAT(expr, ::kvrelay::testing::IsOk())

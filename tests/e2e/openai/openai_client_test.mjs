@@ -27,7 +27,8 @@ function freePort() {
 
 const dataDir = mkdtempSync(path.join(os.tmpdir(), 'kvrelay-openai-'));
 const httpPort = await freePort();
-const up = spawn(bin, ['up', '--gateway-address', '127.0.0.1:0', '--http-address',
+// Plain text: this test is about the HTTP API, not about security (tests/security covers TLS).
+const up = spawn(bin, ['up', '--insecure', '--gateway-address', '127.0.0.1:0', '--http-address',
                        `127.0.0.1:${httpPort}`, '--data-dir', dataDir],
                  { stdio: ['ignore', 'pipe', 'pipe'] });
 let log = '';
