@@ -23,7 +23,7 @@ for arch in llama deepseek_v3 gemma3 gpt2 mamba; do
     "$KVRELAY" make-test-model --arch "$arch" --out "$tmp/$arch" --layers 1 --seed 1 >/dev/null
   cp "$tmp/$arch/config.json" "$C/hf_config_fuzzer/$arch.json"
   st=$(ls "$tmp/$arch"/*.safetensors | head -1)
-  if [[ $(stat -c %s "$st") -le 65536 ]]; then cp "$st" "$C/safetensors_fuzzer/$arch.safetensors"; fi
+  if [[ $(stat -c %s "$st") -le 16384 ]]; then cp "$st" "$C/safetensors_fuzzer/$arch.safetensors"; fi
 done
 
 PROTO="protoc -I proto"
