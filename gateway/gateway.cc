@@ -247,8 +247,19 @@ Gateway::Node* Gateway::PickPrefill(const NodeList& prefills, const std::vector<
     std::vector<kv::BlockHash> chain = kv::HashChain(
         config_.layout.fingerprint(), salt,
         absl::MakeConstSpan(prompt).subspan(0, full_blocks * block_tokens), block_tokens);
-    // A store that does not answer costs reuse, not the request.
-    absl::StatusOr<kvrelay::v1::QueryPrefixResponse> answer = store_->QueryPrefix(chain);
+    // A store that does not answer costs reuse, not the request: after a failure, requests
+    // route without it for a second (one probes again after that) instead of each waiting out
+    // route_timeout.
+    absl::StatusOr<kvrelay::v1::QueryPrefixResponse> answer =
+        absl::UnavailableError("cache store skipped after a failure");
+    const int64_t now_us = absl::ToUnixMicros(absl::Now());
+    if (now_us >= skip_query_until_us_.load(std::memory_order_relaxed)) {
+      answer = store_->QueryPrefix(chain);
+      if (absl::IsUnavailable(answer.status()) || absl::IsDeadlineExceeded(answer.status())) {
+        skip_query_until_us_.store(now_us + absl::ToInt64Microseconds(absl::Seconds(1)),
+                                   std::memory_order_relaxed);
+      }
+    }
     if (answer.ok()) {
       for (const auto& node : answer->nodes()) {
         for (size_t i = 0; i < prefills.size(); ++i) {

@@ -169,6 +169,7 @@ class Gateway {
   std::mutex discovery_mu_;
   std::condition_variable discovery_cv_;
   bool stopping_ ABSL_GUARDED_BY(discovery_mu_) = false;
+  std::atomic<int64_t> skip_query_until_us_{0};  // QueryPrefix skipped until (unix micros)
   std::thread discovery_;
   std::atomic<uint64_t> next_request_{1};
   // One rotation per role, so ties are broken independently for each picker.

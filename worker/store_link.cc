@@ -161,12 +161,38 @@ int64_t StoreLink::held_blocks() const {
   return static_cast<int64_t>(held_.size());
 }
 
+absl::Status StoreLink::RequestPathOpen() const {
+  if (absl::ToUnixMicros(absl::Now()) < skip_store_until_us_.load(std::memory_order_relaxed)) {
+    return absl::UnavailableError(
+        absl::StrCat("the cache store at ", options_.cachestore_address,
+                     " did not answer a request-path call just now; skipping it for up to ",
+                     absl::FormatDuration(options_.store_backoff)));
+  }
+  return absl::OkStatus();
+}
+
+cachestore::CallOptions StoreLink::RequestCall() const {
+  cachestore::CallOptions call;
+  call.deadline = absl::Now() + options_.request_timeout;
+  return call;
+}
+
+void StoreLink::NoteRequestPath(const absl::Status& status) {
+  if (absl::IsUnavailable(status) || absl::IsDeadlineExceeded(status)) {
+    skip_store_until_us_.store(absl::ToUnixMicros(absl::Now() + options_.store_backoff),
+                               std::memory_order_relaxed);
+  }
+}
+
 absl::StatusOr<PrefixMatch> StoreLink::MatchPrefix(const std::vector<kv::BlockHash>& chain,
                                                    absl::Duration lease_ttl) {
   PrefixMatch match;
   if (chain.empty()) return match;
-  KV_ASSIGN_OR_RETURN(kvrelay::v1::MatchPrefixResponse response,
-                      client_->MatchPrefix(chain, lease_ttl));
+  KV_RETURN_IF_ERROR(RequestPathOpen());
+  absl::StatusOr<kvrelay::v1::MatchPrefixResponse> answered =
+      client_->MatchPrefix(chain, lease_ttl, RequestCall());
+  NoteRequestPath(answered.status());
+  KV_ASSIGN_OR_RETURN(kvrelay::v1::MatchPrefixResponse response, std::move(answered));
   match.matched = response.matched();
   match.lease_id = response.lease_id();
   const auto locations = cachestore::CacheStoreClient::Locations(response);
@@ -187,9 +213,11 @@ absl::StatusOr<PrefixMatch> StoreLink::MatchPrefix(const std::vector<kv::BlockHa
 
 void StoreLink::ReleaseLease(uint64_t lease_id) {
   if (lease_id == 0) return;
-  if (absl::Status s = client_->ReleaseLease(lease_id); !s.ok()) {
-    KV_LOG(WARNING) << "ReleaseLease: " << s;
-  }
+  // On a request's path too; a lease not released expires at the store on its own.
+  if (!RequestPathOpen().ok()) return;
+  absl::Status s = client_->ReleaseLease(lease_id, RequestCall());
+  NoteRequestPath(s);
+  if (!s.ok()) KV_LOG(WARNING) << "ReleaseLease: " << s;
 }
 
 absl::StatusOr<int32_t> StoreLink::CommitBlocks(const std::vector<kv::BlockHash>& chain,
@@ -206,7 +234,11 @@ absl::StatusOr<int32_t> StoreLink::CommitBlocks(const std::vector<kv::BlockHash>
   }
   request.set_preferred_tier(kvrelay::v1::TIER_HOST);
   request.set_replicas(1);
-  KV_ASSIGN_OR_RETURN(kvrelay::v1::AllocateResponse allocation, client_->Allocate(request));
+  KV_RETURN_IF_ERROR(RequestPathOpen());
+  absl::StatusOr<kvrelay::v1::AllocateResponse> allocated =
+      client_->Allocate(request, RequestCall());
+  NoteRequestPath(allocated.status());
+  KV_ASSIGN_OR_RETURN(kvrelay::v1::AllocateResponse allocation, std::move(allocated));
   std::vector<kv::BlockHash> stored;
   std::vector<kvrelay::v1::AnnouncedBlock> written;
   for (int i = 0; i < allocation.blocks_size(); ++i) {
@@ -241,10 +273,14 @@ absl::StatusOr<int32_t> StoreLink::CommitBlocks(const std::vector<kv::BlockHash>
     if (ok) stored.push_back(cachestore::CacheStoreClient::FromProto(block.hash()));
   }
   if (stored.empty()) {
-    (void)client_->Abort(allocation.allocation_id());
+    (void)client_->Abort(allocation.allocation_id(), RequestCall());
     return 0;
   }
-  KV_ASSIGN_OR_RETURN(int committed, client_->Commit(allocation.allocation_id(), stored));
+  // A commit that times out is not retried: the store aborts the allocation after its own
+  // timeout and the slots go back to it; the bytes written there are never matched.
+  absl::StatusOr<int> commit = client_->Commit(allocation.allocation_id(), stored, RequestCall());
+  NoteRequestPath(commit.status());
+  KV_ASSIGN_OR_RETURN(int committed, std::move(commit));
   absl::MutexLock lock(&mu_);
   for (auto& a : written) {
     const int64_t slot = a.slot();

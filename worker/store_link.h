@@ -14,6 +14,7 @@
 //
 // Thread-safe. The segment (if any) and the clock must outlive the link.
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -46,6 +47,11 @@ struct StoreLinkOptions {
   std::string transport_address;  // where peers reach this node's data plane
   absl::Duration ttl = absl::Seconds(10);
   absl::Duration rpc_timeout = absl::Seconds(5);
+  // Store calls on a request's critical path (MatchPrefix, the commit after a prefill) get this
+  // long: a store that does not answer costs reuse, not seconds of TTFT. After such a call
+  // fails, they are skipped for `store_backoff` (one request probes again after it).
+  absl::Duration request_timeout = absl::Milliseconds(500);
+  absl::Duration store_backoff = absl::Seconds(1);
   server::SecurityOptions security;
   std::function<kvrelay::v1::NodeLoad()> load;  // reported with each heartbeat (optional)
 };
@@ -85,6 +91,11 @@ class StoreLink {
   // Re-announces every held block (after the store forgot this node).
   void Reannounce();
   void HeartbeatLoop();
+  // Unavailable while request-path calls are skipped after a failure; else OK.
+  absl::Status RequestPathOpen() const;
+  // Options for a request-path call; records a store that did not answer.
+  cachestore::CallOptions RequestCall() const;
+  void NoteRequestPath(const absl::Status& status);
 
   const StoreLinkOptions options_;
   const CacheSegment* segment_;
@@ -93,6 +104,7 @@ class StoreLink {
   mutable absl::Mutex mu_;
   // slot -> the committed block it holds (hash, parent, size).
   absl::flat_hash_map<int64_t, kvrelay::v1::AnnouncedBlock> held_ ABSL_GUARDED_BY(mu_);
+  std::atomic<int64_t> skip_store_until_us_{0};  // unix micros
   absl::Notification stop_;
   std::thread heartbeat_;
 };

@@ -33,6 +33,16 @@ std::string ChannelTarget(const std::string& address) {
   return inet_pton(AF_INET, host.c_str(), &unused) == 1 ? "ipv4:" + address : address;
 }
 
+// The transaction goes through only while `key`'s create revision is `revision` (0: absent).
+void RequireCreateRevision(etcdserverpb::TxnRequest& txn, const std::string& key,
+                           int64_t revision) {
+  etcdserverpb::Compare* c = txn.add_compare();
+  c->set_key(key);
+  c->set_target(etcdserverpb::Compare::CREATE);
+  c->set_result(etcdserverpb::Compare::EQUAL);
+  c->set_create_revision(revision);
+}
+
 KeyValue FromProto(const mvccpb::KeyValue& kv) {
   KeyValue out;
   out.key = kv.key();
@@ -221,11 +231,7 @@ absl::StatusOr<EtcdClient::CreateResult> EtcdClient::CreateIfAbsent(const std::s
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
     etcdserverpb::TxnRequest txn;
-    etcdserverpb::Compare* absent = txn.add_compare();
-    absent->set_key(key);
-    absent->set_target(etcdserverpb::Compare::CREATE);
-    absent->set_result(etcdserverpb::Compare::EQUAL);
-    absent->set_create_revision(0);
+    RequireCreateRevision(txn, key, 0);
     etcdserverpb::PutRequest* put = txn.add_success()->mutable_request_put();
     put->set_key(key);
     put->set_value(value);
@@ -258,11 +264,7 @@ absl::StatusOr<bool> EtcdClient::DeleteIfCreatedAt(const std::string& key,
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
     etcdserverpb::TxnRequest txn;
-    etcdserverpb::Compare* ours = txn.add_compare();
-    ours->set_key(key);
-    ours->set_target(etcdserverpb::Compare::CREATE);
-    ours->set_result(etcdserverpb::Compare::EQUAL);
-    ours->set_create_revision(create_revision);
+    RequireCreateRevision(txn, key, create_revision);
     txn.add_success()->mutable_request_delete_range()->set_key(key);
     etcdserverpb::TxnResponse resp;
     absl::Status st = FromGrpc(e.kv->Txn(&ctx, txn, &resp), "Txn", e.address);
@@ -281,11 +283,7 @@ absl::StatusOr<bool> EtcdClient::PutIfGuardCreatedAt(const std::string& guard_ke
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
     etcdserverpb::TxnRequest txn;
-    etcdserverpb::Compare* fence = txn.add_compare();
-    fence->set_key(guard_key);
-    fence->set_target(etcdserverpb::Compare::CREATE);
-    fence->set_result(etcdserverpb::Compare::EQUAL);
-    fence->set_create_revision(guard_revision);
+    RequireCreateRevision(txn, guard_key, guard_revision);
     etcdserverpb::PutRequest* put = txn.add_success()->mutable_request_put();
     put->set_key(key);
     put->set_value(value);
