@@ -5,9 +5,11 @@
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
+#include "decode/request_validation.h"
 #include "kv/block_hash.h"
 #include "kv/checksum.h"
 #include "kv/prompt_validation.h"
+#include "kv/secret.h"
 #include "model/sampler.h"
 #include "proto/grpc_status.h"
 #include "proto/limits.h"
@@ -18,6 +20,14 @@ namespace {
 using ::kvrelay::proto::Attribute;
 
 constexpr absl::Duration kReleaseGrace = absl::Seconds(30);
+constexpr size_t kTokenBytes = 32;  // reservation tokens and the data-plane key: 256 bits
+constexpr size_t kMaxClaimBytes = 256 << 10;
+
+// A push or Generate that does not hold the reservation: the caller's doing.
+absl::Status Denied(const std::string& message) {
+  return Attribute(absl::PermissionDeniedError(message), kvrelay::v1::ROLE_CLIENT, "",
+                   kvrelay::v1::FAILURE_UNAUTHORIZED);
+}
 
 // Bad input from the caller: never the worker's fault, never worth a retry elsewhere.
 absl::Status Invalid(const std::string& message) {
@@ -25,25 +35,14 @@ absl::Status Invalid(const std::string& message) {
                    kvrelay::v1::FAILURE_INVALID_REQUEST);
 }
 
-absl::Status CheckRequestId(const std::string& id) {
-  if (id.empty() || id.size() > limits::kMaxRequestIdBytes) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "request_id must be 1-", limits::kMaxRequestIdBytes, " bytes, got ", id.size()));
-  }
-  for (char c : id) {
-    if (!std::isalnum(static_cast<unsigned char>(c)) && c != '.' && c != '_' && c != ':' &&
-        c != '-') {
-      return absl::InvalidArgumentError("request_id may hold only [A-Za-z0-9._:-]");
-    }
-  }
-  return absl::OkStatus();
-}
+absl::Status CheckRequestId(const std::string& id) { return ValidateRequestId(id); }
 
 }  // namespace
 
 struct DecodeWorker::Reservation {
   std::string request_id;
   uint64_t tag = 0;
+  std::string token;  // kTokenBytes from the CSPRNG; never logged
   int32_t prompt_tokens = 0;
   int32_t full_blocks = 0;
   std::vector<std::vector<kv::SlotId>> slots;  // [group][block], -1 = not wanted
@@ -57,6 +56,9 @@ struct DecodeWorker::Reservation {
   bool claimed = false;
   bool released = false;
   absl::Time released_at;
+  // Set by an allowed PushClaim: only this data-plane peer's blocks count.
+  bool push_claimed = false;
+  transfer::PeerId pusher = 0;
 };
 
 struct DecodeWorker::Active {
@@ -98,6 +100,10 @@ DecodeWorker::DecodeWorker(DecodeWorkerOptions options, MetricsRegistry* metrics
   refused_overloaded_ =
       metrics_->GetCounter("kvrelay_decode_refused_total",
                            "Requests refused at admission, by reason.", {{"reason", "capacity"}});
+  refused_pushes_ = metrics_->GetCounter(
+      "kvrelay_decode_refused_pushes_total",
+      "Data-plane claims and block deliveries refused: wrong or expired reservation token, "
+      "another peer's reservation, or slots outside the reservation.");
 }
 
 absl::Status DecodeWorker::Own(absl::Status status, kvrelay::v1::FailureReason reason) const {
@@ -143,9 +149,12 @@ absl::StatusOr<std::unique_ptr<DecodeWorker>> DecodeWorker::Create(DecodeWorkerO
 }
 
 absl::Status DecodeWorker::Init(worker::WorkerCoreDeps deps) {
+  KV_ASSIGN_OR_RETURN(data_plane_key_, kv::RandomSecret(kTokenBytes));
+  worker::WorkerCoreOptions core_options = options_.core;
+  core_options.transport_accept_key = data_plane_key_;
   KV_ASSIGN_OR_RETURN(
       core_, worker::WorkerCore::Create(
-                 options_.core, [this](transfer::InboundEvent e) { OnInbound(std::move(e)); },
+                 core_options, [this](transfer::InboundEvent e) { OnInbound(std::move(e)); },
                  std::move(deps)));
   runner_ = core_->runner.get();
   {
@@ -185,7 +194,111 @@ void DecodeWorker::ReleaseReservationSlots(Reservation& r) {
   }
 }
 
+absl::Status DecodeWorker::AuthorizeBlocks(const Reservation& r,
+                                           const transfer::InboundEvent& event) const {
+  if (!kv::SecretEquals(r.token, event.credential)) {
+    return absl::PermissionDeniedError("wrong reservation token");
+  }
+  if (!r.push_claimed || r.pusher != event.peer) {
+    return absl::PermissionDeniedError("blocks from a peer that did not claim the reservation");
+  }
+  for (const transfer::ReceivedBlock& b : event.blocks) {
+    bool inside = false;
+    for (size_t g = 0; g < r.slots.size() && !inside; ++g) {
+      if (kv_->region(static_cast<int>(g)).id() != b.region) continue;
+      const uint64_t stride = kv_->cache().pool(static_cast<int>(g)).slot_stride();
+      const uint64_t slot = b.offset / stride;
+      const uint64_t within = b.offset % stride;
+      if (b.length > stride - within) continue;
+      for (kv::SlotId s : r.slots[g]) {
+        if (s >= 0 && static_cast<uint64_t>(s) == slot) {
+          inside = true;
+          break;
+        }
+      }
+    }
+    if (!inside) {
+      return absl::PermissionDeniedError(absl::StrCat("block [", b.offset, ", +", b.length,
+                                                      ") of region ", b.region,
+                                                      " is outside the reservation's slots"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+void DecodeWorker::OnPushClaim(const transfer::InboundEvent& event) {
+  kvrelay::v1::PushClaim claim;
+  absl::Status verdict;
+  bool expired = false;
+  if (event.message.size() > kMaxClaimBytes ||
+      !claim.ParseFromArray(event.message.data(), static_cast<int>(event.message.size()))) {
+    verdict = absl::InvalidArgumentError("malformed push claim");
+  } else {
+    verdict = [&]() -> absl::Status {
+      absl::MutexLock lock(&mu_);
+      auto it = reservations_.find(worker::RequestTag(claim.request_id()));
+      // One answer for "no such reservation" and "wrong token": a claim learns nothing.
+      if (it == reservations_.end() || it->second->request_id != claim.request_id() ||
+          !kv::SecretEquals(it->second->token, claim.reservation_token())) {
+        return absl::PermissionDeniedError(absl::StrCat(
+            "no live reservation of request '",
+            claim.request_id().substr(0, limits::kMaxRequestIdBytes), "' has this token"));
+      }
+      Reservation& r = *it->second;
+      if (r.released || (!r.claimed && core_->clock->Now() > r.expires)) {
+        expired = true;
+        return absl::PermissionDeniedError(absl::StrCat("the reservation of request '",
+                                                        r.request_id, "' expired or was released"));
+      }
+      if (r.push_claimed) {
+        return absl::PermissionDeniedError(
+            absl::StrCat("the reservation of request '", r.request_id, "' was already claimed"));
+      }
+      if (claim.groups_size() != static_cast<int>(r.slots.size())) {
+        return absl::PermissionDeniedError("claim names another number of layer groups");
+      }
+      for (int g = 0; g < claim.groups_size(); ++g) {
+        const kvrelay::v1::GroupTarget& target = claim.groups(g);
+        if (target.region_id() != kv_->region(g).id() ||
+            target.slot_stride_bytes() != kv_->cache().pool(g).slot_stride() ||
+            target.slots_size() != static_cast<int>(r.slots[g].size())) {
+          return absl::PermissionDeniedError(
+              absl::StrCat("claim group ", g, " is not the reservation's region or slot count"));
+        }
+        for (int b = 0; b < target.slots_size(); ++b) {
+          if (target.slots(b) >= 0 && target.slots(b) != r.slots[g][b]) {
+            return absl::PermissionDeniedError(absl::StrCat("claim group ", g, " block ", b,
+                                                            ": slot ", target.slots(b),
+                                                            " is not the reservation's"));
+          }
+        }
+      }
+      r.push_claimed = true;
+      r.pusher = event.peer;
+      return absl::OkStatus();
+    }();
+  }
+  if (!verdict.ok()) {
+    refused_pushes_->Increment();
+    KV_LOG(WARNING) << "data plane: push claim from peer " << event.peer
+                    << " refused: " << verdict.message();
+  }
+  kvrelay::v1::PushVerdict answer;
+  answer.set_code(static_cast<int32_t>(verdict.code()));
+  answer.set_message(std::string(verdict.message()).substr(0, 1024));
+  if (!verdict.ok()) {
+    answer.set_reason(expired ? kvrelay::v1::FAILURE_EXPIRED : kvrelay::v1::FAILURE_UNAUTHORIZED);
+  }
+  absl::Status sent =
+      core_->transport->SendControl(event.peer, event.tag, answer.SerializeAsString());
+  if (!sent.ok()) KV_LOG(WARNING) << "data plane: cannot answer a push claim: " << sent;
+}
+
 void DecodeWorker::OnInbound(transfer::InboundEvent event) {
+  if (event.kind == transfer::InboundEvent::Kind::kControl) {
+    OnPushClaim(event);
+    return;
+  }
   if (event.kind != transfer::InboundEvent::Kind::kBlocks) return;
   absl::MutexLock lock(&mu_);
   auto it = reservations_.find(event.tag);
@@ -194,6 +307,17 @@ void DecodeWorker::OnInbound(transfer::InboundEvent event) {
     return;
   }
   Reservation& r = *it->second;
+  if (absl::Status allowed = AuthorizeBlocks(r, event); !allowed.ok()) {
+    refused_pushes_->Increment();
+    KV_LOG(WARNING) << "data plane: blocks from peer " << event.peer << " for request '"
+                    << r.request_id << "' refused: " << allowed.message();
+    // The holder of the token wrote outside its slots: its reservation is not used. Without
+    // the token (or from another peer), the reservation is not the sender's to spoil.
+    if (r.push_claimed && r.pusher == event.peer && r.transfer_status.ok()) {
+      r.transfer_status = allowed;
+    }
+    return;
+  }
   r.layers_received +=
       std::max(0, std::min(event.layers.end, runner_->layout().num_layers()) - event.layers.begin);
   for (const transfer::ReceivedBlock& b : event.blocks) r.bytes_received += b.length;
@@ -202,25 +326,18 @@ void DecodeWorker::OnInbound(transfer::InboundEvent event) {
 
 absl::StatusOr<kvrelay::v1::ReserveResponse> DecodeWorker::Reserve(
     const kvrelay::v1::ReserveRequest& request) {
-  if (absl::Status s = CheckRequestId(request.request_id()); !s.ok()) {
-    return Invalid(std::string(s.message()));
-  }
-  if (!options_.model_name.empty() && request.model() != options_.model_name) {
-    return Invalid(absl::StrCat("model: this worker serves '", options_.model_name, "', not '",
-                                request.model(), "'"));
-  }
-  if (absl::Status s = CheckLayoutFingerprint(request.layout_fingerprint()); !s.ok()) return s;
   const kv::ModelLayout& layout = runner_->layout();
-  if (request.prompt_tokens() < 1 || request.prompt_tokens() > limits::kMaxPromptTokens) {
-    return Invalid(absl::StrCat("prompt_tokens must be in [1, ", limits::kMaxPromptTokens,
-                                "], got ", request.prompt_tokens()));
-  }
-  if (request.max_tokens() < 1 || request.max_tokens() > limits::kMaxGenerateTokens) {
-    return Invalid(absl::StrCat("max_tokens must be in [1, ", limits::kMaxGenerateTokens, "], got ",
-                                request.max_tokens()));
+  if (absl::Status s = ValidateReserveRequest(request, options_.model_name, layout); !s.ok()) {
+    if (absl::IsFailedPrecondition(s)) {
+      return Own(absl::FailedPreconditionError(
+                     absl::StrCat("decode node ", core_->node_id, ": ", s.message())),
+                 kvrelay::v1::FAILURE_IDENTITY);
+    }
+    return Invalid(std::string(s.message()));
   }
   Clock* clock = core_->clock;
   auto r = std::make_shared<Reservation>();
+  KV_ASSIGN_OR_RETURN(r->token, kv::RandomSecret(kTokenBytes));
   r->request_id = request.request_id();
   r->tag = worker::RequestTag(r->request_id);
   r->prompt_tokens = request.prompt_tokens();
@@ -297,6 +414,8 @@ absl::StatusOr<kvrelay::v1::ReserveResponse> DecodeWorker::Reserve(
   response.set_layout_fingerprint(layout.fingerprint().ToBytes());
   response.set_node_id(core_->node_id);
   response.set_incarnation(core_->incarnation);
+  response.set_reservation_token(r->token);
+  response.set_data_plane_key(data_plane_key_);
   for (size_t g = 0; g < layout.groups().size(); ++g) {
     kvrelay::v1::GroupTarget* target = response.add_groups();
     const kv::BlockPool& pool = kv_->cache().pool(static_cast<int>(g));
@@ -358,6 +477,11 @@ absl::Status DecodeWorker::Generate(const kvrelay::v1::DecodeRequest& request, a
     }
     auto it = reservations_.find(worker::RequestTag(request.request_id()));
     if (it != reservations_.end() && !it->second->released) {
+      if (!kv::SecretEquals(it->second->token, request.reservation_token())) {
+        refused_pushes_->Increment();
+        return Denied(absl::StrCat("reservation_token: request '", request.request_id(),
+                                   "' is reserved, and this is not its token"));
+      }
       r = it->second;
       if (r->claimed) return Invalid("request_id: this request is already generating");
       if (r->prompt_tokens != static_cast<int32_t>(tokens.size())) {

@@ -4,9 +4,18 @@
 //
 //  Reserve   allocates KV slots for a request's full prompt blocks (sliding-window groups only
 //            for blocks the first query can still see) and says where a prefill worker must
-//            write them: region id + slot offsets per layer group.
+//            write them: region id + slot offsets per layer group, an unguessable reservation
+//            token bound to those slots, the request and the expiry, and the data-plane key
+//            without which the transport accepts no connection.
+//  (claim)   before writing, the prefill worker sends a PushClaim (token + the slots it will
+//            write) over the data plane; it is allowed only for a live, unclaimed reservation
+//            whose token matches and whose slots include every one claimed, and binds the
+//            reservation to that connection. Anything else: PushVerdict PERMISSION_DENIED.
 //  (data)    the prefill worker pushes one transport Post per model layer, tagged with the
-//            request; the inbound handler counts layers and records verification failures.
+//            request and carrying the token; the inbound handler accepts a Post only from the
+//            claiming connection, with the token, and only into the reservation's slots (else
+//            the reservation is not used: the prompt is computed here), counts layers and
+//            records verification failures. Tokens are compared in constant time.
 //  Generate  waits for every layer (bounded by the RPC deadline), adopts the blocks as the
 //            sequence's prefix, hands it to the scheduler and streams tokens. If a transfer
 //            failed or a checksum did not match, the pushed blocks are dropped and the worker
@@ -92,6 +101,13 @@ class DecodeWorker {
   absl::Status Own(absl::Status status, kvrelay::v1::FailureReason reason) const;
   // FailedPrecondition (FAILURE_IDENTITY) unless `fingerprint` is this worker's layout's.
   absl::Status CheckLayoutFingerprint(const std::string& fingerprint) const;
+  // Checks a PushClaim (control message `event`) and answers it; binds the reservation to the
+  // claiming peer when allowed.
+  void OnPushClaim(const transfer::InboundEvent& event);
+  // Whether a kBlocks event may count for reservation `r`: from its claiming peer, with its
+  // token, every block inside one of its slots. REQUIRES: mu_ held.
+  absl::Status AuthorizeBlocks(const Reservation& r, const transfer::InboundEvent& event) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // KV blocks per group a request of `tokens` total tokens can ever hold.
   std::vector<int64_t> BlockBudget(int64_t tokens) const;
   void ReturnBudget(const std::vector<int64_t>& budget) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -101,6 +117,8 @@ class DecodeWorker {
 
   const DecodeWorkerOptions options_;
   MetricsRegistry* metrics_;
+  std::string data_plane_key_;  // constant after Init; what Reserve hands out
+  Counter* refused_pushes_;
 
   // Lock order: mu_ before any Active::mu.
   absl::Mutex mu_;

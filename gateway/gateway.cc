@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
+#include "gateway/request_validation.h"
 #include "kv/block_hash.h"
 #include "kv/prompt_validation.h"
 #include "proto/grpc_status.h"
@@ -214,26 +215,7 @@ absl::Status Gateway::RefreshFromRegistry() {
 }
 
 absl::Status Gateway::Validate(const kvrelay::v1::GenerateRequest& request) const {
-  if (!request.model().empty() && request.model() != options_.model_name) {
-    return absl::InvalidArgumentError(absl::StrCat("model: unknown model '", request.model(),
-                                                   "' (this gateway serves '", options_.model_name,
-                                                   "')"));
-  }
-  if (request.tenant().empty() || request.tenant().size() > limits::kMaxTenantBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("tenant must be 1-", limits::kMaxTenantBytes,
-                                                   " bytes, got ", request.tenant().size()));
-  }
-  KV_RETURN_IF_ERROR(kv::ValidatePrompt(request.tokens(), request.max_tokens(), config_));
-  const float t = request.sampling().temperature();
-  if (!(t >= 0 && t <= limits::kMaxTemperature)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("sampling.temperature must be in [0, ", limits::kMaxTemperature, "]"));
-  }
-  const float top_p = request.sampling().top_p();
-  if (!(top_p >= 0 && top_p <= 1)) {
-    return absl::InvalidArgumentError("sampling.top_p must be in (0, 1] (0 = unset)");
-  }
-  return absl::OkStatus();
+  return ValidateGenerateRequest(request, options_.model_name, config_);
 }
 
 Gateway::Node* Gateway::PickPrefill(const NodeList& prefills, const std::vector<int32_t>& prompt,
@@ -578,6 +560,7 @@ absl::Status Gateway::Generate(const kvrelay::v1::GenerateRequest& request, absl
     decode.set_eos_token(eos);
     decode.set_tenant_salt(salt);
     decode.set_layout_fingerprint(layout_fingerprint_);
+    decode.set_reservation_token(target->reservation_token());
     int32_t computed_here = prefilled->computed_tokens();
     bool stream_done = false;
     absl::Status s = d->decode->Generate(

@@ -106,8 +106,25 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
   }
   file->mapping_ = map;
   file->mapping_bytes_ = file_bytes;
-  const uint8_t* base = static_cast<const uint8_t*>(map);
+  KV_RETURN_IF_ERROR(file->Index(static_cast<const uint8_t*>(map), file_bytes));
+  return file;
+}
 
+absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::FromBytes(
+    std::string_view bytes, const std::string& name) {
+  if (bytes.size() < 8) {
+    return Bad(name, absl::StrCat("truncated: ", bytes.size(),
+                                  " bytes is shorter than the 8-byte header length"));
+  }
+  std::unique_ptr<SafetensorsFile> file(new SafetensorsFile());
+  file->path_ = name;
+  KV_RETURN_IF_ERROR(file->Index(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()));
+  return file;
+}
+
+absl::Status SafetensorsFile::Index(const uint8_t* base, uint64_t file_bytes) {
+  const std::string& path = path_;
+  SafetensorsFile* file = this;
   uint64_t header_bytes = 0;
   for (int i = 7; i >= 0; --i) header_bytes = (header_bytes << 8) | base[i];
   if (header_bytes > kMaxSafetensorsHeaderBytes) {
@@ -164,9 +181,13 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
       if (!d.is_number_unsigned() || d.get<uint64_t>() > (1ull << 40)) {
         return Bad(path, absl::StrCat(where, ": shape entry ", d.dump(), " is not a valid size"));
       }
-      view.shape.push_back(static_cast<int64_t>(d.get<uint64_t>()));
-      elements *= d.get<uint64_t>();
-      if (elements > (1ull << 40)) return Bad(path, absl::StrCat(where, ": shape too large"));
+      const uint64_t dim = d.get<uint64_t>();
+      view.shape.push_back(static_cast<int64_t>(dim));
+      // Checked before multiplying: [2^40, 2^40] would wrap to 0 elements and pass.
+      if (dim != 0 && elements > (1ull << 40) / dim) {
+        return Bad(path, absl::StrCat(where, ": shape too large"));
+      }
+      elements *= dim;
     }
     const uint64_t begin = (*offsets_it)[0].get<uint64_t>();
     const uint64_t end = (*offsets_it)[1].get<uint64_t>();
@@ -193,7 +214,7 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
       return Bad(path, "tensor byte ranges overlap");
     }
   }
-  return file;
+  return absl::OkStatus();
 }
 
 SafetensorsFile::~SafetensorsFile() {

@@ -52,6 +52,10 @@ class SafetensorsFile {
   // that is not JSON, an unknown dtype, a tensor whose byte range does not match its shape or
   // lies outside the data; NotFound when the file does not exist.
   static absl::StatusOr<std::unique_ptr<SafetensorsFile>> Open(const std::string& path);
+  // The same checks over bytes already in memory (`name` stands for the path in errors). The
+  // tensors point into `bytes`, which must outlive the result.
+  static absl::StatusOr<std::unique_ptr<SafetensorsFile>> FromBytes(std::string_view bytes,
+                                                                    const std::string& name);
   ~SafetensorsFile();
   SafetensorsFile(const SafetensorsFile&) = delete;
   SafetensorsFile& operator=(const SafetensorsFile&) = delete;
@@ -64,6 +68,8 @@ class SafetensorsFile {
 
  private:
   SafetensorsFile() = default;
+  // Parses the header of the `bytes` at `base` and indexes the tensors (views into them).
+  absl::Status Index(const uint8_t* base, uint64_t bytes);
   std::string path_;
   void* mapping_ = nullptr;  // owned: munmap in the destructor
   size_t mapping_bytes_ = 0;

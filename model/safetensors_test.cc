@@ -153,6 +153,17 @@ TEST_F(BadFileTest, UnknownDtypeNamed) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("tensor w: dtype I8")));
 }
 
+// [2^40, 2^24] elements wrap to 0 in 64 bits; once that passed with data_offsets [0, 0].
+TEST_F(BadFileTest, ShapeWhoseElementCountOverflowsIsRefused) {
+  const std::string header =
+      R"({"w": {"dtype": "F32", "shape": [1099511627776, 16777216], "data_offsets": [0, 0]}})";
+  const std::string bytes = WithHeader(header, 0);
+  EXPECT_THAT(SafetensorsFile::FromBytes(bytes, "overflow.safetensors"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("shape too large")));
+  EXPECT_THAT(SafetensorsFile::Open(Write(bytes)),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("shape too large")));
+}
+
 TEST_F(BadFileTest, OverlappingTensors) {
   const std::string header =
       R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},

@@ -62,7 +62,10 @@ absl::Status PrefillWorker::Init(worker::WorkerCoreDeps deps) {
   if (options_.core.cachestore_address.empty()) {
     return absl::InvalidArgumentError("--cachestore is required");
   }
-  KV_ASSIGN_OR_RETURN(core_, worker::WorkerCore::Create(options_.core, {}, std::move(deps)));
+  KV_ASSIGN_OR_RETURN(
+      core_, worker::WorkerCore::Create(
+                 options_.core, [this](transfer::InboundEvent e) { OnInbound(std::move(e)); },
+                 std::move(deps)));
   runner_ = core_->runner.get();
   transport_ = core_->transport.get();
   kv_ = core_->kv.get();
@@ -83,6 +86,14 @@ absl::Status PrefillWorker::Validate(const kvrelay::v1::PrefillRequest& request)
         absl::StrCat("tenant_salt is over ", limits::kMaxTenantSaltBytes, " bytes"));
   }
   const kvrelay::v1::ReserveResponse& target = request.target();
+  if (target.reservation_token().size() > transfer::kMaxCredentialBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("target.reservation_token is over ", transfer::kMaxCredentialBytes, " bytes"));
+  }
+  if (target.data_plane_key().size() > transfer::kMaxPeerKeyBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("target.data_plane_key is over ", transfer::kMaxPeerKeyBytes, " bytes"));
+  }
   if (target.block_tokens() != layout.block_tokens()) {
     return absl::InvalidArgumentError(absl::StrCat("target.block_tokens ", target.block_tokens(),
                                                    " != this model's ", layout.block_tokens()));
@@ -111,7 +122,72 @@ absl::Status PrefillWorker::Validate(const kvrelay::v1::PrefillRequest& request)
   return absl::OkStatus();
 }
 
+void PrefillWorker::OnInbound(transfer::InboundEvent event) {
+  if (event.kind == transfer::InboundEvent::Kind::kPeerDown) {
+    absl::MutexLock lock(&verdicts_mu_);
+    for (auto& [key, verdict] : verdicts_) {
+      if (key.first == event.peer && !verdict.has_value()) {
+        verdict = absl::UnavailableError(
+            absl::StrCat("data plane: the decode worker went away: ", event.status.message()));
+      }
+    }
+    return;
+  }
+  if (event.kind != transfer::InboundEvent::Kind::kControl) return;
+  kvrelay::v1::PushVerdict answer;
+  absl::Status verdict;
+  if (!answer.ParseFromString(event.message) || answer.code() < 0 || answer.code() > 16) {
+    verdict = absl::InternalError("data plane: malformed push verdict from the decode worker");
+  } else {
+    verdict = absl::Status(static_cast<absl::StatusCode>(answer.code()),
+                           absl::StrCat("decode worker: ", answer.message()));
+    // The reason travels as the status's ErrorInfo (read back by Run).
+    if (!verdict.ok()) {
+      kvrelay::v1::ErrorInfo info;
+      info.set_role(kvrelay::v1::ROLE_DECODE);
+      info.set_reason(answer.reason());
+      verdict = proto::WithErrorInfo(std::move(verdict), info);
+    }
+  }
+  absl::MutexLock lock(&verdicts_mu_);
+  auto it = verdicts_.find({event.peer, event.tag});
+  if (it != verdicts_.end() && !it->second.has_value()) it->second = std::move(verdict);
+}
+
+absl::Status PrefillWorker::ClaimPush(transfer::PeerId peer,
+                                      const kvrelay::v1::PrefillRequest& request,
+                                      absl::Time deadline) {
+  const uint64_t tag = worker::RequestTag(request.request_id());
+  const std::pair<transfer::PeerId, uint64_t> key{peer, tag};
+  {
+    absl::MutexLock lock(&verdicts_mu_);
+    if (!verdicts_.try_emplace(key, std::nullopt).second) {
+      return absl::AlreadyExistsError(absl::StrCat("request '", request.request_id(),
+                                                   "' is already pushing to this decode worker"));
+    }
+  }
+  kvrelay::v1::PushClaim claim;
+  claim.set_request_id(request.request_id());
+  claim.set_reservation_token(request.target().reservation_token());
+  *claim.mutable_groups() = request.target().groups();
+  absl::Status sent = transport_->SendControl(peer, tag, claim.SerializeAsString());
+  absl::MutexLock lock(&verdicts_mu_);
+  if (sent.ok()) {
+    auto arrived = [this, &key]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(verdicts_mu_) {
+      return verdicts_[key].has_value();
+    };
+    if (!verdicts_mu_.AwaitWithDeadline(absl::Condition(&arrived), deadline)) {
+      sent = absl::DeadlineExceededError("data plane: no answer to the push claim in time");
+    } else {
+      sent = *verdicts_[key];
+    }
+  }
+  verdicts_.erase(key);
+  return sent;
+}
+
 absl::StatusOr<transfer::PeerId> PrefillWorker::PeerFor(const std::string& address,
+                                                        const std::string& key,
                                                         absl::Time deadline) {
   {
     absl::MutexLock lock(&peers_mu_);
@@ -122,7 +198,8 @@ absl::StatusOr<transfer::PeerId> PrefillWorker::PeerFor(const std::string& addre
       peers_.erase(it);
     }
   }
-  KV_ASSIGN_OR_RETURN(transfer::PeerId peer, transport_->Connect(address, deadline));
+  KV_ASSIGN_OR_RETURN(transfer::PeerId peer,
+                      transport_->Connect(address, deadline, {.peer_key = key}));
   absl::MutexLock lock(&peers_mu_);
   peers_[address] = peer;
   return peer;
@@ -225,7 +302,14 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
     info.set_reason(reason);
     return proto::WithErrorInfo(std::move(s), info);
   };
-  absl::StatusOr<transfer::PeerId> connected = PeerFor(target.transport().address(), deadline);
+  absl::StatusOr<transfer::PeerId> connected =
+      PeerFor(target.transport().address(), target.data_plane_key(), deadline);
+  if (absl::IsPermissionDenied(connected.status())) {
+    return Attribute(absl::PermissionDeniedError(
+                         absl::StrCat("target.data_plane_key: decode node ", target.node_id(),
+                                      " at ", target.transport().address(), " refused it")),
+                     kvrelay::v1::ROLE_CLIENT, "", kvrelay::v1::FAILURE_UNAUTHORIZED);
+  }
   if (!connected.ok()) {
     return decode_failed(
         absl::Status(
@@ -239,6 +323,7 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
   batch.peer = peer;
   batch.direction = transfer::Direction::kPut;
   batch.tag = worker::RequestTag(request.request_id());
+  batch.credential = target.reservation_token();
   for (int32_t layer = 0; layer < layout.num_layers(); ++layer) {
     const int g = kv_->cache().group_of_layer(layer);
     const worker::LayerSlice slice = worker::SliceOfLayer(layout, kv_->cache(), layer);
@@ -260,6 +345,31 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
     }
   }
   KV_ASSIGN_OR_RETURN(transfer::TransferPlan plan, transport_->Prepare(batch));
+  // Nothing is written before the decode worker agreed that these slots are this
+  // reservation's (a caller naming another request's slots gets PERMISSION_DENIED here).
+  if (absl::Status claimed =
+          ClaimPush(peer, request, std::min(deadline, absl::Now() + options_.transfer_timeout));
+      !claimed.ok()) {
+    std::optional<kvrelay::v1::ErrorInfo> why = proto::GetErrorInfo(claimed);
+    if (absl::IsPermissionDenied(claimed) && why.has_value() &&
+        why->reason() == kvrelay::v1::FAILURE_EXPIRED) {
+      // A reservation that lapsed before the push: the pair's timing, worth a retry elsewhere.
+      return decode_failed(
+          absl::PermissionDeniedError(absl::StrCat("target: decode node ", target.node_id(),
+                                                   " refused the push: ", claimed.message())),
+          kvrelay::v1::FAILURE_EXPIRED);
+    }
+    if (absl::IsPermissionDenied(claimed)) {
+      return Attribute(
+          absl::PermissionDeniedError(absl::StrCat("target: decode node ", target.node_id(),
+                                                   " refused the push: ", claimed.message())),
+          kvrelay::v1::ROLE_CLIENT, "", kvrelay::v1::FAILURE_UNAUTHORIZED);
+    }
+    return decode_failed(
+        absl::Status(claimed.code(), absl::StrCat("data plane: push claim to decode node ",
+                                                  target.node_id(), ": ", claimed.message())),
+        kvrelay::v1::FAILURE_TRANSFER);
+  }
   std::vector<transfer::TransferHandlePtr> handles;
   absl::Status post_status;
   absl::Time first_post = absl::InfiniteFuture();

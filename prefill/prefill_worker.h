@@ -19,7 +19,9 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
+#include <utility>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
@@ -68,7 +70,13 @@ class PrefillWorker {
   // `status` attributed to this node with `reason`.
   absl::Status Own(absl::Status status, kvrelay::v1::FailureReason reason) const;
   absl::Status Validate(const kvrelay::v1::PrefillRequest& request) const;
-  absl::StatusOr<transfer::PeerId> PeerFor(const std::string& address, absl::Time deadline);
+  absl::StatusOr<transfer::PeerId> PeerFor(const std::string& address, const std::string& key,
+                                           absl::Time deadline);
+  // Sends the PushClaim for `request` over `peer` and waits (until `deadline`) for the decode
+  // worker's verdict: OK, or PERMISSION_DENIED when the reservation is not the request's.
+  absl::Status ClaimPush(transfer::PeerId peer, const kvrelay::v1::PrefillRequest& request,
+                         absl::Time deadline);
+  void OnInbound(transfer::InboundEvent event);
 
   const PrefillWorkerOptions options_;
   MetricsRegistry* metrics_;
@@ -83,6 +91,10 @@ class PrefillWorker {
   absl::Mutex compute_mu_;  // one forward pass at a time; taken before peers_mu_ never
   absl::Mutex peers_mu_;
   absl::flat_hash_map<std::string, transfer::PeerId> peers_ ABSL_GUARDED_BY(peers_mu_);
+  // Verdicts on push claims in flight, by (peer, request tag): nullopt until it arrives.
+  absl::Mutex verdicts_mu_;
+  absl::flat_hash_map<std::pair<transfer::PeerId, uint64_t>, std::optional<absl::Status>> verdicts_
+      ABSL_GUARDED_BY(verdicts_mu_);
 
   Counter* prefix_query_tokens_;
   Counter* prefix_hit_tokens_;

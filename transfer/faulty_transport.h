@@ -44,8 +44,10 @@ class FaultyTransport final : public Transport {
   absl::StatusOr<MemoryRegionPtr> AllocateMemory(size_t bytes) override {
     return inner_->AllocateMemory(bytes);
   }
-  absl::StatusOr<PeerId> Connect(std::string_view address, absl::Time deadline) override {
-    return inner_->Connect(address, deadline);
+  using Transport::Connect;
+  absl::StatusOr<PeerId> Connect(std::string_view address, absl::Time deadline,
+                                 const ConnectOptions& options) override {
+    return inner_->Connect(address, deadline, options);
   }
   absl::Status Disconnect(PeerId peer) override { return inner_->Disconnect(peer); }
   absl::StatusOr<std::vector<RemoteRegionInfo>> RemoteRegions(PeerId peer) const override {
@@ -66,6 +68,7 @@ class FaultyTransport final : public Transport {
   void SetInboundHandler(InboundHandler handler) override {
     inner_->SetInboundHandler(std::move(handler));
   }
+  void SetAcceptKey(std::string key) override { inner_->SetAcceptKey(std::move(key)); }
 
  private:
   class Impl;

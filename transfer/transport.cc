@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kv/checksum.h"
+#include "kv/secret.h"
 #include "transfer/internal/handle_state.h"
 
 namespace kvrelay::transfer {
@@ -211,6 +212,11 @@ absl::StatusOr<TransferPlan> BuildPlan(
     const std::function<bool(const MemoryRegion*)>& is_local_region,
     const std::function<absl::StatusOr<uint64_t>(RegionId)>& remote_region_size) {
   if (batch.blocks.empty()) return absl::InvalidArgumentError("transfer batch has no blocks");
+  if (batch.credential.size() > kMaxCredentialBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("transfer credential of ",
+                                                   batch.credential.size(), " bytes exceeds ",
+                                                   kMaxCredentialBytes));
+  }
   for (size_t i = 0; i < batch.blocks.size(); ++i) {
     const BlockTransfer& b = batch.blocks[i];
     if (b.local == nullptr) {
@@ -246,6 +252,7 @@ absl::StatusOr<TransferPlan> BuildPlan(
   plan.direction = batch.direction;
   plan.tag = batch.tag;
   plan.compute_checksums = batch.compute_checksums;
+  plan.credential = batch.credential;
   plan.blocks = batch.blocks;
   std::stable_sort(
       plan.blocks.begin(), plan.blocks.end(),
@@ -304,6 +311,10 @@ absl::Status VerifyBlock(const uint8_t* data, uint64_t length, std::optional<uin
   return absl::DataLossError(absl::StrCat("checksum mismatch in region ", region, " at offset ",
                                           offset, " (", length, " bytes): expected ", *checksum,
                                           ", got ", actual));
+}
+
+bool PeerKeyAccepted(const std::string& accept_key, std::string_view presented) {
+  return accept_key.empty() || kv::SecretEquals(accept_key, presented);
 }
 
 absl::Status SummarizeBlocks(const std::vector<absl::Status>& blocks) {

@@ -148,6 +148,9 @@ struct TransferBatch {
   Direction direction = Direction::kPut;
   uint64_t tag = 0;               // opaque to the transport; handed to the receiver (request id)
   bool compute_checksums = true;  // put only: fill in missing checksums at Post()
+  // Put only: opaque to the transport, handed to the receiver with the blocks
+  // (InboundEvent::credential), e.g. the decode reservation's token. At most 1 KiB.
+  std::string credential;
   std::vector<BlockTransfer> blocks;
 };
 
@@ -179,6 +182,7 @@ struct TransferPlan {
   Direction direction = Direction::kPut;
   uint64_t tag = 0;
   bool compute_checksums = true;
+  std::string credential;
   std::vector<BlockTransfer> blocks;
   std::vector<Segment> segments;
   // Blocks and segments are sorted by layer, so one layer is a contiguous index range.
@@ -245,8 +249,19 @@ struct InboundEvent {
   std::vector<ReceivedBlock> blocks;
   std::string message;
   absl::Status status;  // kBlocks: OK iff every block is OK
+  // kBlocks: the sender's TransferBatch::credential, as sent (the receiver decides).
+  std::string credential;
 };
 using InboundHandler = std::function<void(InboundEvent)>;
+
+struct ConnectOptions {
+  // Presented in the data-plane hello: a transport created with an accept key (e.g.
+  // UcxTransportOptions::accept_key) refuses, before it tells the peer anything about its
+  // memory, a connection whose hello carries another key. Ignored by peers without one.
+  std::string peer_key;
+};
+inline constexpr size_t kMaxPeerKeyBytes = 256;
+inline constexpr size_t kMaxCredentialBytes = 1024;
 
 class Transport {
  public:
@@ -273,7 +288,12 @@ class Transport {
   // a dead one never is: a peer that went away (process restarted, network cut) gets a new
   // connection and a new PeerId. Unavailable when nobody answers, DeadlineExceeded when the
   // handshake is not done in time, InvalidArgument for a malformed address.
-  virtual absl::StatusOr<PeerId> Connect(std::string_view address, absl::Time deadline) = 0;
+  // PermissionDenied when the peer requires a key and `options.peer_key` is not it.
+  virtual absl::StatusOr<PeerId> Connect(std::string_view address, absl::Time deadline,
+                                         const ConnectOptions& options) = 0;
+  absl::StatusOr<PeerId> Connect(std::string_view address, absl::Time deadline) {
+    return Connect(address, deadline, ConnectOptions{});
+  }
   // NotFound for an unknown peer. Transfers in flight to it fail with Cancelled.
   virtual absl::Status Disconnect(PeerId peer) = 0;
   // Regions the peer has published: NotFound for an unknown peer, Unavailable (with why) once
@@ -299,6 +319,11 @@ class Transport {
 
   // Set before peers connect; replaces any previous handler.
   virtual void SetInboundHandler(InboundHandler handler) = 0;
+  // Set before peers connect. Non-empty: a peer's Connect must present this key
+  // (ConnectOptions::peer_key), or it is refused with PermissionDenied before it learns
+  // anything about this transport's memory (UCX: worker address, regions, rkeys). Empty
+  // (the default): every peer is accepted. See transfer/README.md for what this guarantees.
+  virtual void SetAcceptKey(std::string key) = 0;
 };
 using TransportPtr = std::unique_ptr<Transport>;
 

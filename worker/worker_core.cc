@@ -52,6 +52,9 @@ absl::StatusOr<std::unique_ptr<WorkerCore>> WorkerCore::Create(const WorkerCoreO
     KV_ASSIGN_OR_RETURN(core->transport, transfer::MakeUcxTransport(ucx));
   }
   core->transport_address = core->transport->address();
+  if (!options.transport_accept_key.empty()) {
+    core->transport->SetAcceptKey(options.transport_accept_key);
+  }
   if (inbound) core->transport->SetInboundHandler(std::move(inbound));
   KV_ASSIGN_OR_RETURN(core->kv,
                       RegisteredKvCache::Create(core->runner->layout(), options.pool_blocks,

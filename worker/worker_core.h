@@ -43,6 +43,9 @@ struct WorkerCoreOptions {
   int64_t pool_blocks = 1024;        // request KV slots per layer group
   int64_t cache_slots = 256;         // whole-block slots offered to the store
   server::SecurityOptions security;  // for the channel to the store
+  // Non-empty: the data-plane key peers must present to connect (Transport::SetAcceptKey),
+  // installed before the inbound handler. The decode worker sets its own random one.
+  std::string transport_accept_key;
 };
 
 struct WorkerCoreDeps {

@@ -5,6 +5,8 @@
 // the layout's; bad input is INVALID_ARGUMENT and the servers keep serving; the CLI client agrees
 // with the co-located reference; seeded sampling draws the same tokens as co-located.
 
+#include <algorithm>
+#include <atomic>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -13,6 +15,8 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kv/hf_config.h"
+#include "kvrelay/v1/decode.grpc.pb.h"
+#include "kvrelay/v1/prefill.grpc.pb.h"
 #include "tests/e2e/e2e_util.h"
 #include "tests/e2e/local_cluster.h"
 #include "tests/testing/process_harness.h"
@@ -205,7 +209,8 @@ TEST(SharedPrefix, SecondRequestComputesOnlyNewTokens) {
 // first token): a 100-token prompt pushes 6 blocks (96 tokens), a 96-token prompt 5 blocks.
 // Control traffic is not KV and is not counted: per layer, one 'done' frame on the transfer
 // control connection (4-byte length, 1-byte type, 28 bytes of header and 33 bytes per block:
-// region, offset, length, checksum flag and value) and its ack.
+// region, offset, length, checksum flag and value, then the 4 + 32 bytes of the reservation
+// token) and its ack.
 TEST(BytesOnTheWire, EqualTheLayoutBytesOfThePushedTokens) {
   for (const std::string arch : {"llama", "deepseek_v3", "gpt2"}) {
     SCOPED_TRACE(arch);
@@ -322,6 +327,123 @@ TEST(BadInput, IsInvalidArgumentAndServersKeepServing) {
   for (const ServiceInfo& s : e->cluster->services()) {
     EXPECT_EQ(::kill(s.pid, 0), 0) << s.name << " is gone";
   }
+}
+
+// Attack 1 of issue 13, replayed on real processes: while victims generate through the
+// gateway, a caller that reaches the workers' gRPC ports reserves slots on each decode worker
+// itself and then asks the prefill worker to push its own prompt into every slot of that
+// worker (with its own token, with no token, with a guessed one). Every such call is refused
+// with PERMISSION_DENIED before a byte moves, and every victim's tokens equal co-located.
+TEST(TransfersOnlyWhereTheyBelong, PrefillNamingAnotherRequestsSlotsIsRefused) {
+  KV_ASSERT_OK_AND_ASSIGN(Clusters::Entry * e, Clusters::Get()->For("llama"));
+  KV_ASSERT_OK_AND_ASSIGN(ServiceInfo prefill, e->cluster->Service("prefill-0"));
+  auto prefill_stub = v1::Prefill::NewStub(
+      grpc::CreateChannel(prefill.address, grpc::InsecureChannelCredentials()));
+  std::vector<cli::GatewayRequest> victims;
+  for (int i = 0; i < 4; ++i) victims.push_back(Request(RandomPrompt(150, 500 + i), 16, "victim"));
+
+  std::atomic<bool> victims_done{false};
+  std::atomic<int> refused{0};
+  std::atomic<int> accepted{0};
+  std::vector<std::string> unexpected;  // attacker thread only until joined
+  std::thread attacker([&] {
+    const std::vector<int32_t> prompt = RandomPrompt(150, 999);
+    for (int round = 0; !victims_done.load() || round < 2; ++round) {
+      for (int d = 0; d < 2; ++d) {
+        absl::StatusOr<ServiceInfo> decode = e->cluster->Service(absl::StrCat("decode-", d));
+        if (!decode.ok()) continue;
+        auto decode_stub = v1::Decode::NewStub(
+            grpc::CreateChannel(decode->address, grpc::InsecureChannelCredentials()));
+        v1::DecodeStatusResponse status;
+        {
+          grpc::ClientContext context;
+          context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+          if (!decode_stub->Status(&context, v1::DecodeStatusRequest(), &status).ok()) continue;
+        }
+        v1::ReserveRequest reserve;
+        reserve.set_request_id(absl::StrCat("attacker-", round, "-", d));
+        reserve.set_model(status.model());
+        reserve.set_prompt_tokens(static_cast<int32_t>(prompt.size()));
+        reserve.set_max_tokens(1);
+        reserve.set_layout_fingerprint(status.layout_fingerprint());
+        v1::ReserveResponse own;
+        {
+          grpc::ClientContext context;
+          context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+          grpc::Status s = decode_stub->Reserve(&context, reserve, &own);
+          if (!s.ok()) continue;  // full: the victims hold it
+        }
+        // Slots [first, first + full_blocks) of every group, over the whole pool.
+        for (int64_t first = 0; first < status.total_slots(); first += own.full_blocks()) {
+          for (int variant = 0; variant < 3; ++variant) {
+            v1::PrefillRequest attack;
+            attack.set_request_id(reserve.request_id());
+            attack.set_model(status.model());
+            for (int32_t t : prompt) attack.add_tokens(t);
+            attack.set_tenant_salt("attacker");
+            attack.set_layout_fingerprint(status.layout_fingerprint());
+            *attack.mutable_target() = own;
+            if (variant == 1) attack.mutable_target()->clear_reservation_token();
+            if (variant == 2) attack.mutable_target()->set_reservation_token(std::string(32, 'g'));
+            bool own_slots = true;
+            for (v1::GroupTarget& g : *attack.mutable_target()->mutable_groups()) {
+              for (int b = 0; b < g.slots_size(); ++b) {
+                const int64_t slot = std::min<int64_t>(first + b, status.total_slots() - 1);
+                own_slots = own_slots && g.slots(b) == slot;
+                g.set_slots(b, slot);
+              }
+            }
+            if (variant == 0 && own_slots) continue;  // its own slots: a legitimate push
+            grpc::ClientContext context;
+            context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
+            v1::PrefillResponse ignored;
+            grpc::Status s = prefill_stub->Prefill(&context, attack, &ignored);
+            if (s.error_code() == grpc::StatusCode::PERMISSION_DENIED) {
+              ++refused;
+            } else if (s.ok()) {
+              ++accepted;  // only possible if the forged slots happen to be its own
+            } else {
+              unexpected.push_back(absl::StrCat("slots from ", first, " variant ", variant, ": ",
+                                                s.error_code(), " ", s.error_message()));
+            }
+          }
+        }
+        grpc::ClientContext context;
+        context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+        v1::ReleaseRequest release;
+        release.set_request_id(reserve.request_id());
+        v1::ReleaseResponse ignored;
+        (void)decode_stub->Release(&context, release, &ignored);
+      }
+    }
+  });
+  // Three rounds of concurrent victims while the attack runs.
+  for (int round = 0; round < 3; ++round) {
+    std::vector<absl::StatusOr<cli::GenerationResult>> results =
+        GenerateConcurrently(e->cluster->gateway(), victims, kRequestTimeout);
+    for (size_t i = 0; i < victims.size(); ++i) {
+      absl::StatusOr<cli::GenerationResult> expected =
+          e->reference->Generate(victims[i].generation);
+      EXPECT_TRUE(results[i].ok() && expected.ok())
+          << "victim " << i << ": " << results[i].status() << " / " << expected.status();
+      if (!results[i].ok() || !expected.ok()) continue;
+      EXPECT_EQ(results[i]->tokens, expected->tokens) << "round " << round << " victim " << i;
+    }
+  }
+  victims_done = true;
+  attacker.join();
+  EXPECT_THAT(unexpected, IsEmpty());
+  EXPECT_GT(refused.load(), 100);
+  EXPECT_EQ(accepted.load(), 0);
+  // The decode workers saw the refused claims (nothing was written before them).
+  double refused_at_decode = 0;
+  for (int d = 0; d < 2; ++d) {
+    KV_ASSERT_OK_AND_ASSIGN(ServiceInfo decode, e->cluster->Service(absl::StrCat("decode-", d)));
+    KV_ASSERT_OK_AND_ASSIGN(
+        double n, ScrapeMetric(decode.metrics_address, "kvrelay_decode_refused_pushes_total"));
+    refused_at_decode += n;
+  }
+  EXPECT_GE(refused_at_decode, refused.load());
 }
 
 // The command-line client through the gateway prints what the co-located run prints.

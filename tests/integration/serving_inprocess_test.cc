@@ -5,6 +5,7 @@
 
 #include <httplib.h>
 
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <vector>
@@ -15,6 +16,7 @@
 #include "cli/colocated.h"
 #include "common/file_util.h"
 #include "common/server/service_host.h"
+#include "common/status_macros.h"
 #include "decode/decode_worker.h"
 #include "gateway/gateway.h"
 #include "gateway/http/openai_server.h"
@@ -30,6 +32,7 @@
 #include "tokenizer/byte_tokenizer.h"
 #include "transfer/faulty_transport.h"
 #include "transfer/inproc/in_process_transport.h"
+#include "worker/kv_memory.h"
 
 namespace kvrelay::testing {
 namespace {
@@ -161,6 +164,69 @@ class InProcessCluster : public ::testing::Test {
     absl::StatusOr<cli::GenerationResult> result = reference_->Generate(request);
     EXPECT_TRUE(result.ok()) << result.status();
     return result.ok() ? result->tokens : std::vector<int32_t>{};
+  }
+
+  // Reserve + Prefill (+ Generate) straight on the workers, as a caller that bypasses the
+  // gateway would.
+  kvrelay::v1::ReserveResponse Reserve(int decode, const std::string& id,
+                                       const std::vector<int32_t>& prompt, int max_tokens = 8) {
+    kvrelay::v1::ReserveRequest r;
+    r.set_request_id(id);
+    r.set_model("tiny");
+    r.set_prompt_tokens(static_cast<int32_t>(prompt.size()));
+    r.set_max_tokens(max_tokens);
+    r.set_layout_fingerprint(Fingerprint());
+    absl::StatusOr<kvrelay::v1::ReserveResponse> reserved = decodes_[decode]->Reserve(r);
+    EXPECT_TRUE(reserved.ok()) << reserved.status();
+    return reserved.ok() ? *reserved : kvrelay::v1::ReserveResponse();
+  }
+  std::string Fingerprint() const {
+    const kv::LayoutFingerprint& fp = gateway_->config().layout.fingerprint();
+    return std::string(reinterpret_cast<const char*>(fp.bytes.data()), fp.bytes.size());
+  }
+  absl::StatusOr<kvrelay::v1::PrefillResponse> Prefill(const std::string& id,
+                                                       const std::vector<int32_t>& prompt,
+                                                       const kvrelay::v1::ReserveResponse& target) {
+    kvrelay::v1::PrefillRequest p;
+    p.set_request_id(id);
+    p.set_model("tiny");
+    for (int32_t t : prompt) p.add_tokens(t);
+    p.set_tenant_salt("salt-of-" + id);
+    p.set_layout_fingerprint(Fingerprint());
+    *p.mutable_target() = target;
+    return prefills_[0]->Run(p, absl::Now() + absl::Seconds(30));
+  }
+  struct DecodeOutcome {
+    absl::Status status;
+    std::vector<int32_t> tokens;
+    int32_t computed_tokens = -1;
+  };
+  DecodeOutcome Decode(int decode, const std::string& id, const std::vector<int32_t>& prompt,
+                       const std::string& token, int32_t pushed_tokens, int max_tokens = 8) {
+    kvrelay::v1::DecodeRequest d;
+    d.set_request_id(id);
+    for (int32_t t : prompt) d.add_tokens(t);
+    d.set_max_tokens(max_tokens);
+    d.set_pushed_tokens(pushed_tokens);
+    d.set_eos_token(-1);
+    d.set_layout_fingerprint(Fingerprint());
+    d.set_reservation_token(token);
+    DecodeOutcome out;
+    out.status = decodes_[decode]->Generate(
+        d, absl::Now() + absl::Seconds(30),
+        [&out](const kvrelay::v1::DecodeChunk& c) {
+          out.tokens.insert(out.tokens.end(), c.tokens().begin(), c.tokens().end());
+          if (c.done()) out.computed_tokens = c.computed_tokens();
+          return true;
+        },
+        [] { return false; });
+    return out;
+  }
+  static void ExpectUnauthorized(const absl::Status& status) {
+    EXPECT_THAT(status, StatusIs(absl::StatusCode::kPermissionDenied));
+    std::optional<kvrelay::v1::ErrorInfo> info = proto::GetErrorInfo(status);
+    ASSERT_TRUE(info.has_value()) << status;
+    EXPECT_EQ(info->reason(), kvrelay::v1::FAILURE_UNAUTHORIZED) << status;
   }
 
   int32_t tenant_quota_ = 64;  // GatewayOptions::max_inflight_per_tenant
@@ -399,6 +465,125 @@ TEST_F(InProcessCluster, OpenAiHttpTextGoesThroughTheModelDirsTokenizer) {
   }
   KV_ASSERT_OK_AND_ASSIGN(std::string text, served->Decode(known, {.skip_special_tokens = true}));
   EXPECT_EQ(reply["choices"][0]["text"].get<std::string>(), text);
+}
+
+TEST_F(InProcessCluster, ReservationsHandOutUnguessableTokensAndADataPlaneKey) {
+  const std::vector<int32_t> prompt = Prompt(40, 7);
+  kvrelay::v1::ReserveResponse a = Reserve(0, "token-a", prompt);
+  kvrelay::v1::ReserveResponse b = Reserve(0, "token-b", prompt);
+  EXPECT_EQ(a.reservation_token().size(), 32u);
+  EXPECT_NE(a.reservation_token(), b.reservation_token());
+  EXPECT_EQ(a.data_plane_key().size(), 32u);
+  EXPECT_EQ(a.data_plane_key(), b.data_plane_key());  // one per decode worker process
+  EXPECT_NE(a.data_plane_key(), Reserve(1, "token-c", prompt).data_plane_key());
+}
+
+// Attack 1 of issue 13, one process: a Prefill call that names another request's slots (with
+// its own token, a guessed token or an expired one) is refused before a byte is written, and
+// the victim's pushed KV is used and gives the co-located tokens.
+TEST_F(InProcessCluster, PushIntoAnotherReservationsSlotsIsRefusedAndTheVictimIsUnharmed) {
+  const std::vector<int32_t> victim_prompt = Prompt(70, 8);
+  const std::vector<int32_t> attacker_prompt = Prompt(70, 9);
+  kvrelay::v1::ReserveResponse victim = Reserve(0, "victim", victim_prompt);
+
+  // A guessed token for the victim's own request and slots, before the victim's push.
+  kvrelay::v1::ReserveResponse guessed = victim;
+  guessed.set_reservation_token(std::string(32, '\x5a'));
+  ExpectUnauthorized(Prefill("victim", attacker_prompt, guessed).status());
+  kvrelay::v1::ReserveResponse no_token = victim;
+  no_token.clear_reservation_token();
+  ExpectUnauthorized(Prefill("victim", attacker_prompt, no_token).status());
+
+  // The attacker's own reservation and token, pointed at the victim's slots.
+  kvrelay::v1::ReserveResponse own = Reserve(0, "attacker", attacker_prompt);
+  kvrelay::v1::ReserveResponse forged = own;
+  *forged.mutable_groups() = victim.groups();
+  ExpectUnauthorized(Prefill("attacker", attacker_prompt, forged).status());
+
+  // The victim's legitimate push, then the same attacks again after it.
+  absl::StatusOr<kvrelay::v1::PrefillResponse> pushed = Prefill("victim", victim_prompt, victim);
+  KV_ASSERT_OK(pushed.status());
+  EXPECT_EQ(pushed->pushed_tokens(), 64);
+  ExpectUnauthorized(Prefill("attacker", attacker_prompt, forged).status());
+  // Even the victim's real token cannot push twice (the reservation is bound to its pusher).
+  ExpectUnauthorized(Prefill("victim", attacker_prompt, victim).status());
+
+  // Generate presents the token: a wrong one is refused and leaves the reservation as it was.
+  ExpectUnauthorized(Decode(0, "victim", victim_prompt, guessed.reservation_token(), 64).status);
+  DecodeOutcome out = Decode(0, "victim", victim_prompt, victim.reservation_token(), 64);
+  KV_ASSERT_OK(out.status);
+  EXPECT_THAT(out.tokens, ElementsAreArray(Reference(victim_prompt)));
+  EXPECT_EQ(out.computed_tokens, 6);  // the pushed 64 tokens were used, only the tail computed
+}
+
+TEST_F(InProcessCluster, ExpiredReservationTokenIsRefused) {
+  const std::vector<int32_t> prompt = Prompt(40, 10);
+  kvrelay::v1::ReserveResponse lapsed = Reserve(0, "lapsed-push", prompt);
+  worker_clock_.Advance(absl::Seconds(11));  // past reservation_ttl
+  absl::Status refused = Prefill("lapsed-push", prompt, lapsed).status();
+  EXPECT_THAT(refused, StatusIs(absl::StatusCode::kPermissionDenied));
+  // The decode side's timing, not the caller's doing: attributed to the decode worker.
+  std::optional<kvrelay::v1::ErrorInfo> info = proto::GetErrorInfo(refused);
+  ASSERT_TRUE(info.has_value());
+  EXPECT_EQ(info->reason(), kvrelay::v1::FAILURE_EXPIRED);
+  EXPECT_EQ(info->role(), kvrelay::v1::ROLE_DECODE);
+}
+
+// A peer that holds the data-plane key but skips the claim, or claims its own reservation and
+// writes outside it: the decode worker does not count those blocks, and a reservation whose
+// pusher wrote outside its slots is not used (the prompt is computed, tokens stay right).
+TEST_F(InProcessCluster, BlocksWithoutAClaimOrOutsideTheReservationAreNotUsed) {
+  const std::vector<int32_t> prompt = Prompt(40, 11);
+  kvrelay::v1::ReserveResponse own = Reserve(0, "rogue", prompt);
+  ASSERT_EQ(own.full_blocks(), 2);
+  KV_ASSERT_OK_AND_ASSIGN(transfer::TransportPtr rogue, transfer::MakeInProcessTransport());
+  // Without the key the decode worker's transport refuses the connection.
+  EXPECT_THAT(rogue->Connect(own.transport().address(), absl::Now() + absl::Seconds(5),
+                             {.peer_key = std::string(32, 'k')}),
+              StatusIs(absl::StatusCode::kPermissionDenied));
+  KV_ASSERT_OK_AND_ASSIGN(transfer::PeerId peer,
+                          rogue->Connect(own.transport().address(), absl::Now() + absl::Seconds(5),
+                                         {.peer_key = own.data_plane_key()}));
+  const kvrelay::v1::GroupTarget& g0 = own.groups(0);
+  std::vector<uint8_t> junk(g0.block_bytes(), 0xab);
+  KV_ASSERT_OK_AND_ASSIGN(transfer::MemoryRegionPtr src,
+                          rogue->RegisterMemory({junk.data(), junk.size()}, kv::MemoryKind::kHost));
+  auto push = [&](int64_t slot, const std::string& credential) -> absl::Status {
+    transfer::TransferBatch batch{.peer = peer,
+                                  .direction = transfer::Direction::kPut,
+                                  .tag = worker::RequestTag("rogue"),
+                                  .credential = credential};
+    batch.blocks.push_back({.local = src.get(),
+                            .remote_region = g0.region_id(),
+                            .remote_offset = static_cast<uint64_t>(slot) * g0.slot_stride_bytes(),
+                            .length = g0.block_bytes(),
+                            .layer = 0});
+    KV_ASSIGN_OR_RETURN(transfer::TransferPlan plan, rogue->Prepare(batch));
+    KV_ASSIGN_OR_RETURN(transfer::TransferHandlePtr h,
+                        rogue->Post(plan, transfer::LayerRange::All()));
+    return h->Wait(absl::Now() + absl::Seconds(10));
+  };
+  // Unclaimed, right token: not counted. Then a claim of its own slots, and a write outside.
+  KV_ASSERT_OK(push(g0.slots(0), own.reservation_token()));
+  kvrelay::v1::PushClaim claim;
+  claim.set_request_id("rogue");
+  claim.set_reservation_token(own.reservation_token());
+  *claim.mutable_groups() = own.groups();
+  transfer::InboundQueue answers;
+  rogue->SetInboundHandler(answers.Handler());
+  KV_ASSERT_OK(rogue->SendControl(peer, worker::RequestTag("rogue"), claim.SerializeAsString()));
+  KV_ASSERT_OK_AND_ASSIGN(
+      transfer::InboundEvent answer,
+      answers.NextOfKind(transfer::InboundEvent::Kind::kControl, absl::Now() + absl::Seconds(10)));
+  kvrelay::v1::PushVerdict verdict;
+  ASSERT_TRUE(verdict.ParseFromString(answer.message));
+  EXPECT_EQ(verdict.code(), 0) << verdict.message();
+  const int64_t outside = std::max(g0.slots(0), g0.slots(1)) + 1;
+  KV_ASSERT_OK(push(outside, own.reservation_token()));
+  DecodeOutcome out = Decode(0, "rogue", prompt, own.reservation_token(), 32);
+  KV_ASSERT_OK(out.status);
+  EXPECT_THAT(out.tokens, ElementsAreArray(Reference(prompt)));
+  EXPECT_EQ(out.computed_tokens, 40);  // nothing pushed was used
 }
 
 }  // namespace

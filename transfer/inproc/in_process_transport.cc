@@ -31,6 +31,7 @@ struct Core {
   // deregister, shutdown.
   absl::Mutex mu;
   bool alive ABSL_GUARDED_BY(mu) = true;
+  std::string accept_key ABSL_GUARDED_BY(mu);  // Transport::SetAcceptKey
   absl::flat_hash_map<RegionId, MemorySpan> regions ABSL_GUARDED_BY(mu);
   struct PeerLink {
     std::shared_ptr<Core> remote;
@@ -111,6 +112,7 @@ struct Job {
   PeerId peer = 0;
   Direction direction = Direction::kPut;
   uint64_t tag = 0;
+  std::string credential;
   LayerRange layers;
   std::vector<BlockTransfer> blocks;
   absl::Time deadline = absl::InfiniteFuture();
@@ -202,7 +204,9 @@ class InProcessTransport final : public Transport {
                                              /*owns_memory=*/true);
   }
 
-  absl::StatusOr<PeerId> Connect(std::string_view address_view, absl::Time) override {
+  using Transport::Connect;
+  absl::StatusOr<PeerId> Connect(std::string_view address_view, absl::Time,
+                                 const ConnectOptions& options) override {
     const std::string address(address_view);
     if (!absl::StartsWith(address, "inproc:")) {
       return absl::InvalidArgumentError(
@@ -214,6 +218,13 @@ class InProcessTransport final : public Transport {
     }
     if (remote == core_) {
       return absl::InvalidArgumentError("an in-process transport cannot connect to itself");
+    }
+    {
+      absl::ReaderMutexLock lock(&remote->mu);
+      if (!internal::PeerKeyAccepted(remote->accept_key, options.peer_key)) {
+        return absl::PermissionDeniedError(
+            absl::StrCat(address, " refused the connection: wrong data-plane key"));
+      }
     }
     {
       absl::ReaderMutexLock lock(&core_->mu);
@@ -319,6 +330,7 @@ class InProcessTransport final : public Transport {
     job.peer = plan.peer;
     job.direction = plan.direction;
     job.tag = plan.tag;
+    job.credential = plan.credential;
     job.layers = layers;
     job.blocks = internal::BlocksForPost(plan, layers);
     job.deadline = options.deadline;
@@ -348,6 +360,11 @@ class InProcessTransport final : public Transport {
   void SetInboundHandler(InboundHandler handler) override {
     absl::MutexLock lock(&core_->handler_mu);
     core_->handler = std::move(handler);
+  }
+
+  void SetAcceptKey(std::string key) override {
+    absl::MutexLock lock(&core_->mu);
+    core_->accept_key = std::move(key);
   }
 
  private:
@@ -474,7 +491,8 @@ class InProcessTransport final : public Transport {
     InboundEvent event{.kind = InboundEvent::Kind::kBlocks,
                        .peer = link->second,
                        .tag = job.tag,
-                       .layers = job.layers};
+                       .layers = job.layers,
+                       .credential = job.credential};
     {
       absl::ReaderMutexLock lock(&remote.mu);
       for (size_t i = 0; i < job.blocks.size(); ++i) {

@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <functional>
 #include <optional>
+#include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -80,6 +82,10 @@ std::vector<BlockTransfer> BlocksForPost(const TransferPlan& plan, LayerRange la
 // Verifies received/read bytes against a block's checksum: OK, or DataLoss naming the block.
 absl::Status VerifyBlock(const uint8_t* data, uint64_t length, std::optional<uint64_t> checksum,
                          RegionId region, uint64_t offset);
+
+// Whether a connecting peer's hello key opens a transport whose accept key is `accept_key`:
+// always with no accept key, else only the same bytes (compared in constant time).
+bool PeerKeyAccepted(const std::string& accept_key, std::string_view presented);
 
 // Combines per-block results into a handle status: OK, or the first failure with a count.
 absl::Status SummarizeBlocks(const std::vector<absl::Status>& blocks);

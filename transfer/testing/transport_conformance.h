@@ -169,6 +169,37 @@ TEST_P(TransportConformanceTest, PutDeliversBytesAndVerifiedChecksums) {
   }
 }
 
+TEST_P(TransportConformanceTest, PutCarriesItsCredentialToTheReceiver) {
+  TransferBatch batch = Batch(Direction::kPut, {Block(0, 0, 4096)}, 9);
+  batch.credential = std::string("\x00token\xff", 7);
+  KV_ASSERT_OK_AND_ASSIGN(TransferPlan plan, a_->Prepare(batch));
+  KV_ASSERT_OK_AND_ASSIGN(TransferHandlePtr h, a_->Post(plan, LayerRange::All()));
+  KV_ASSERT_OK(h->Wait(Deadline()));
+  KV_ASSERT_OK_AND_ASSIGN(InboundEvent ev,
+                          inbound_.NextOfKind(InboundEvent::Kind::kBlocks, Deadline()));
+  EXPECT_EQ(ev.credential, batch.credential);
+  batch.credential.assign(kMaxCredentialBytes + 1, 'x');
+  EXPECT_THAT(a_->Prepare(batch), StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+// A transport with an accept key tells a peer without it nothing: Connect is refused with
+// PermissionDenied, and the refused peer sees none of its regions.
+TEST_P(TransportConformanceTest, AcceptKeyRefusesPeersWithoutIt) {
+  auto guarded = GetParam().make();
+  ASSERT_TRUE(guarded.ok()) << guarded.status();
+  (*guarded)->SetAcceptKey("the-data-plane-key");
+  auto client = GetParam().make();
+  ASSERT_TRUE(client.ok()) << client.status();
+  EXPECT_THAT((*client)->Connect((*guarded)->address(), Deadline()),
+              StatusIs(absl::StatusCode::kPermissionDenied));
+  EXPECT_THAT((*client)->Connect((*guarded)->address(), Deadline(), {.peer_key = "the-data-plane"}),
+              StatusIs(absl::StatusCode::kPermissionDenied));
+  EXPECT_TRUE((*client)->Peers().empty());
+  KV_ASSERT_OK_AND_ASSIGN(PeerId p, (*client)->Connect((*guarded)->address(), Deadline(),
+                                                       {.peer_key = "the-data-plane-key"}));
+  KV_EXPECT_OK((*client)->RemoteRegions(p).status());
+}
+
 TEST_P(TransportConformanceTest, GetReadsRemoteBytesAndVerifiesExpectedChecksums) {
   b_buf_->Fill(99);
   std::vector<BlockTransfer> blocks = {Block(0, 0, 65536), Block(1 << 20, 5 << 20, 3 << 20)};

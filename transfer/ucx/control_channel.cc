@@ -14,6 +14,8 @@
 #include "common/check.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
+#include "transfer/internal/handle_state.h"
+#include "transfer/ucx/frames.h"
 
 namespace kvrelay::transfer::ucx {
 
@@ -32,6 +34,7 @@ struct ControlChannel::Conn {
   absl::Time last_recv;
   absl::Time last_send;
   std::shared_ptr<ConnectWaiter> waiter;
+  std::string peer_key;          // outgoing: what our hello presents
   bool hello_delivered = false;  // the delegate saw OnHello, so it hears OnPeerDown
 };
 
@@ -51,12 +54,12 @@ void ControlChannel::OnListenerReadable() {
   while (true) {
     int fd = ::accept4(listener_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (fd < 0) return;  // EAGAIN, or a transient error; poll tells us again
-    Adopt(ScopedFd(fd), /*outgoing=*/false, "", nullptr);
+    Adopt(ScopedFd(fd), /*outgoing=*/false, "", nullptr, "");
   }
 }
 
 PeerId ControlChannel::Adopt(ScopedFd fd, bool outgoing, std::string address,
-                             std::shared_ptr<ConnectWaiter> waiter) {
+                             std::shared_ptr<ConnectWaiter> waiter, std::string peer_key) {
   KV_DCHECK(OnLoop());
   int one = 1;
   ::setsockopt(fd.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
@@ -68,6 +71,7 @@ PeerId ControlChannel::Adopt(ScopedFd fd, bool outgoing, std::string address,
   c.address = std::move(address);
   c.last_recv = c.last_send = absl::Now();
   c.waiter = std::move(waiter);
+  c.peer_key = std::move(peer_key);
   if (c.waiter) c.waiter->peer = c.id;
   const PeerId id = c.id;
   const int raw = c.fd.get();
@@ -75,18 +79,19 @@ PeerId ControlChannel::Adopt(ScopedFd fd, bool outgoing, std::string address,
   progress_->WatchFd(raw, POLLIN, [this, id](short revents) { OnConnEvent(id, revents); });
   if (outgoing) {
     Conn* p = Find(id);
-    p->wbuf = HelloFrame();
+    p->wbuf = HelloFrame(p->peer_key);
     FlushWrites(*p);
   }
   return id;
 }
 
-std::string ControlChannel::HelloFrame() {
+std::string ControlChannel::HelloFrame(const std::string& key) {
   wire::Writer w(FrameType::kHello);
   w.U32(wire::kMagic);
   w.U32(wire::kVersion);
   w.U64(options_.incarnation);
   w.Str(options_.advertised_address);
+  w.Str(key);
   delegate_->WriteHelloBody(w);
   return std::move(w).Finish();
 }
@@ -189,24 +194,31 @@ void ControlChannel::OnConnEvent(PeerId id, short revents) {
 
 bool ControlChannel::DrainFrames(PeerId id) {
   Conn* c = Find(id);
-  while (c != nullptr && c->rbuf.size() - c->roff >= 4) {
-    uint32_t len;
-    std::memcpy(&len, c->rbuf.data() + c->roff, 4);
-    if (len == 0 || len > wire::kMaxFrameBytes) {
-      Close(id, absl::UnavailableError(absl::StrCat("peer sent a bad frame length ", len)),
+  while (c != nullptr) {
+    absl::StatusOr<std::optional<frames::Frame>> next =
+        frames::NextFrame(std::string_view(c->rbuf).substr(c->roff));
+    if (!next.ok()) {
+      Close(id, absl::UnavailableError(absl::StrCat("peer sent a ", next.status().message())),
             PeerDownKind::kLost, false);
       return false;
     }
-    if (c->rbuf.size() - c->roff - 4 < len) break;
-    const auto type = static_cast<FrameType>(c->rbuf[c->roff + 4]);
+    if (!next->has_value()) break;
+    const FrameType type = (*next)->type;
     // Stays valid even if the frame closes the connection: closed connections are destroyed
     // only at the next Tick.
-    const std::string_view payload(c->rbuf.data() + c->roff + 5, len - 1);
-    c->roff += 4 + len;
+    const std::string_view payload = (*next)->payload;
+    c->roff += (*next)->consumed;
     wire::Reader r(payload);
     absl::Status st;
     if (type == FrameType::kHello) {
       st = HandleHello(*c, r);
+    } else if (type == FrameType::kRefuse && c->state == Conn::State::kHandshake && c->outgoing) {
+      std::string reason;
+      r.Str(&reason);
+      if (reason.size() > 1024) reason.resize(1024);
+      Close(id, absl::PermissionDeniedError(absl::StrCat("peer refused the connection: ", reason)),
+            PeerDownKind::kLocal, false);
+      return false;
     } else if (c->state != Conn::State::kReady) {
       st = absl::InvalidArgumentError("frame before hello");
     } else if (type == FrameType::kHeartbeat) {
@@ -239,18 +251,21 @@ bool ControlChannel::DrainFrames(PeerId id) {
 
 absl::Status ControlChannel::HandleHello(Conn& c, wire::Reader& r) {
   if (c.state != Conn::State::kHandshake) return absl::InvalidArgumentError("second hello");
-  uint32_t magic, version;
-  if (!r.U32(&magic) || !r.U32(&version) || magic != wire::kMagic) {
-    return absl::InvalidArgumentError("not a kvrelay transfer peer");
-  }
-  if (version != wire::kVersion) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("peer speaks protocol version ", version, ", we speak ", wire::kVersion));
-  }
-  PeerHello hello;
-  if (!r.U64(&hello.incarnation) || !r.Str(&hello.advertised_address) || hello.incarnation == 0 ||
-      hello.advertised_address.size() > 1024) {
-    return absl::InvalidArgumentError("truncated or invalid hello");
+  KV_ASSIGN_OR_RETURN(frames::HelloHeader header, frames::DecodeHelloHeader(r));
+  PeerHello hello{.incarnation = header.incarnation,
+                  .advertised_address = std::move(header.advertised_address)};
+  const std::string& key = header.key;
+  if (!c.outgoing && !internal::PeerKeyAccepted(accept_key_, key)) {
+    // Refused before the delegate sees the peer: it learns nothing of our memory.
+    KV_LOG(WARNING) << "data plane: refused a connection from " << hello.advertised_address
+                    << ": its hello carries " << (key.empty() ? "no" : "a wrong")
+                    << " data-plane key";
+    wire::Writer w(FrameType::kRefuse);
+    w.Str("wrong data-plane key");
+    const std::string refuse = std::move(w).Finish();
+    ::send(c.fd.get(), refuse.data(), refuse.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+    Close(c.id, absl::PermissionDeniedError("wrong data-plane key"), PeerDownKind::kLocal, false);
+    return absl::OkStatus();
   }
   if (hello.incarnation == options_.incarnation) {
     return absl::InvalidArgumentError("a transport cannot connect to itself");
@@ -266,7 +281,7 @@ absl::Status ControlChannel::HandleHello(Conn& c, wire::Reader& r) {
       still->wbuf.clear();
       still->woff = 0;
     }
-    still->wbuf.append(HelloFrame());
+    still->wbuf.append(HelloFrame(""));
     still->last_send = absl::Now();
     FlushWrites(*still);
   }

@@ -27,6 +27,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
+#include "common/check.h"
 #include "common/scoped_fd.h"
 #include "transfer/transport.h"
 #include "transfer/ucx/progress_thread.h"
@@ -95,9 +96,10 @@ class ControlChannel {
   // Accepts connections on `listener` (already listening).
   void Start(ScopedFd listener);
   // Takes over a connected socket. Outgoing connections send our hello at once; `waiter`
-  // (outgoing only) finishes when the handshake completes or fails. Returns the PeerId.
+  // (outgoing only) finishes when the handshake completes or fails (PermissionDenied when the
+  // peer refused `peer_key`, which our hello presents). Returns the PeerId.
   PeerId Adopt(ScopedFd fd, bool outgoing, std::string address,
-               std::shared_ptr<ConnectWaiter> waiter);
+               std::shared_ptr<ConnectWaiter> waiter, std::string peer_key = "");
   // Queues a frame; false if the peer is unknown or not past its handshake.
   bool Send(PeerId peer, std::string frame);
   // Sends `frame` to every peer past its handshake.
@@ -110,6 +112,13 @@ class ControlChannel {
   // Heartbeats and liveness; returns when it next wants to run.
   absl::Time Tick(absl::Time now);
   bool IsReady(PeerId peer) const;
+  // Non-empty: an incoming hello must carry this key (constant-time compare), or the
+  // connection is refused (kRefuse, then closed) before our hello, with the transport's worker
+  // address and memory keys, is sent. Applies to connections whose hello arrives later.
+  void SetAcceptKey(std::string key) {
+    KV_DCHECK(OnLoop());
+    accept_key_ = std::move(key);
+  }
 
  private:
   struct Conn;
@@ -119,7 +128,7 @@ class ControlChannel {
   // Parses complete frames from c's read buffer; false if the connection ended meanwhile.
   bool DrainFrames(PeerId id);
   absl::Status HandleHello(Conn& c, wire::Reader& r);
-  std::string HelloFrame();
+  std::string HelloFrame(const std::string& key);
   Conn* Find(PeerId id);
   bool OnLoop() const { return progress_->IsOnProgressThread(); }
 
@@ -127,6 +136,7 @@ class ControlChannel {
   Delegate* const delegate_;
   const Options options_;
   ScopedFd listener_;
+  std::string accept_key_;  // progress thread only
   // Progress thread only.
   absl::flat_hash_map<PeerId, std::unique_ptr<Conn>> conns_;
   PeerId next_peer_ = 1;

@@ -17,6 +17,7 @@
 #include "transfer/internal/handle_state.h"
 #include "transfer/internal/populate.h"
 #include "transfer/ucx/control_channel.h"
+#include "transfer/ucx/frames.h"
 #include "transfer/ucx/net_address.h"
 #include "transfer/ucx/progress_thread.h"
 #include "transfer/ucx/ucx_handles.h"
@@ -25,6 +26,7 @@
 namespace kvrelay::transfer {
 namespace {
 
+namespace frames = ::kvrelay::transfer::ucx::frames;
 using internal::HandleState;
 using ucx::ConnectWaiter;
 using ucx::ControlChannel;
@@ -73,6 +75,7 @@ struct Transfer {
   PeerId peer = 0;
   Direction direction = Direction::kPut;
   uint64_t tag = 0;
+  std::string credential;  // put: sent with the DONE
   LayerRange layers;
   std::vector<BlockTransfer> blocks;
   std::vector<Chunk> chunks;
@@ -132,7 +135,9 @@ class UcxTransport final : public Transport, private ControlChannel::Delegate {
   uint64_t incarnation() const override { return incarnation_; }
   absl::StatusOr<MemoryRegionPtr> RegisterMemory(MemorySpan span, MemoryKind kind) override;
   absl::StatusOr<MemoryRegionPtr> AllocateMemory(size_t bytes) override;
-  absl::StatusOr<PeerId> Connect(std::string_view address, absl::Time deadline) override;
+  using Transport::Connect;
+  absl::StatusOr<PeerId> Connect(std::string_view address, absl::Time deadline,
+                                 const ConnectOptions& options) override;
   absl::Status Disconnect(PeerId peer) override;
   absl::StatusOr<std::vector<RemoteRegionInfo>> RemoteRegions(PeerId peer) const override;
   absl::StatusOr<PeerStatus> GetPeerStatus(PeerId peer) const override;
@@ -141,6 +146,9 @@ class UcxTransport final : public Transport, private ControlChannel::Delegate {
   absl::StatusOr<TransferHandlePtr> Post(const TransferPlan& plan, LayerRange layers,
                                          PostOptions options) override;
   absl::Status SendControl(PeerId peer, uint64_t tag, std::string_view message) override;
+  void SetAcceptKey(std::string key) override {
+    progress_->RunSync([this, &key] { channel_->SetAcceptKey(std::move(key)); });
+  }
   void SetInboundHandler(InboundHandler handler) override {
     absl::MutexLock lock(&handler_mu_);
     handler_ = std::move(handler);
@@ -194,8 +202,8 @@ class UcxTransport final : public Transport, private ControlChannel::Delegate {
     return it == peers_.end() ? nullptr : it->second.get();
   }
   absl::Status CreateEndpoint(Peer& p, const std::string& worker_address);
-  absl::Status HandleDone(Peer& p, wire::Reader& r);
-  absl::Status HandleAck(Peer& p, wire::Reader& r);
+  absl::Status HandleDone(Peer& p, std::string_view payload);
+  absl::Status HandleAck(Peer& p, std::string_view payload);
   std::string RegionFrame(RegionId id, const LocalRegion& region) const;
   // Unpacks the region's rkey on the peer's endpoint and, where UCX maps the peer's memory
   // into this process, schedules populating that mapping.
@@ -459,8 +467,13 @@ void UcxTransport::Deregister(RegionId id) {
   });
 }
 
-absl::StatusOr<PeerId> UcxTransport::Connect(std::string_view address_view, absl::Time deadline) {
+absl::StatusOr<PeerId> UcxTransport::Connect(std::string_view address_view, absl::Time deadline,
+                                             const ConnectOptions& options) {
   const std::string address(address_view);
+  if (options.peer_key.size() > kMaxPeerKeyBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("peer_key of ", options.peer_key.size(), " bytes exceeds ", kMaxPeerKeyBytes));
+  }
   KV_RETURN_IF_ERROR(ucx::ParseHostPort(address).status());
   {
     // A live connection we opened to this address is reused; a dead one never is.
@@ -471,8 +484,8 @@ absl::StatusOr<PeerId> UcxTransport::Connect(std::string_view address_view, absl
   }
   KV_ASSIGN_OR_RETURN(ScopedFd fd, ucx::ConnectTcp(address, deadline));
   auto waiter = std::make_shared<ConnectWaiter>();
-  progress_->Post([this, fd = std::move(fd), address, waiter]() mutable {
-    channel_->Adopt(std::move(fd), /*outgoing=*/true, address, waiter);
+  progress_->Post([this, fd = std::move(fd), address, waiter, key = options.peer_key]() mutable {
+    channel_->Adopt(std::move(fd), /*outgoing=*/true, address, waiter, std::move(key));
   });
   if (!waiter->done.WaitForNotificationWithDeadline(deadline)) {
     progress_->Post([this, waiter] {
@@ -573,6 +586,7 @@ absl::StatusOr<TransferHandlePtr> UcxTransport::Post(const TransferPlan& plan, L
   t->peer = plan.peer;
   t->direction = plan.direction;
   t->tag = plan.tag;
+  t->credential = plan.credential;
   t->layers = layers;
   t->deadline = options.deadline;
   t->blocks = internal::BlocksForPost(plan, layers);
@@ -649,11 +663,7 @@ std::string UcxTransport::RegionFrame(RegionId id, const LocalRegion& r) const {
 absl::Status UcxTransport::OnHello(PeerId id, bool outgoing, const std::string& address,
                                    const PeerHello& hello, wire::Reader& r) {
   KV_DCHECK(OnLoop());
-  uint32_t n;
-  std::string worker_address;
-  if (!r.Str(&worker_address) || !r.U32(&n) || n > (1u << 20)) {
-    return absl::InvalidArgumentError("truncated hello");
-  }
+  KV_ASSIGN_OR_RETURN(frames::HelloBody body, frames::DecodeHelloBody(r));
   // Registered first, so that OnPeerDown cleans up whatever a failure below leaves.
   auto owned = std::make_unique<Peer>();
   Peer& p = *owned;
@@ -663,17 +673,15 @@ absl::Status UcxTransport::OnHello(PeerId id, bool outgoing, const std::string& 
   info.outgoing = outgoing;
   info.address = address;
   info.incarnation = hello.incarnation;
-  for (uint32_t i = 0; i < n; ++i) {
-    uint64_t rid;
+  for (frames::Region& announced : body.regions) {
     RemoteRegion region;
-    if (!r.U64(&rid) || !r.U64(&region.base) || !r.U64(&region.size) ||
-        !r.Str(&region.packed_rkey)) {
-      return absl::InvalidArgumentError("truncated hello region");
-    }
-    info.region_sizes[rid] = region.size;
-    p.regions[rid] = std::move(region);
+    region.base = announced.base;
+    region.size = announced.size;
+    region.packed_rkey = std::move(announced.packed_rkey);
+    info.region_sizes[announced.id] = region.size;
+    p.regions[announced.id] = std::move(region);
   }
-  KV_RETURN_IF_ERROR(CreateEndpoint(p, worker_address));
+  KV_RETURN_IF_ERROR(CreateEndpoint(p, body.worker_address));
   for (auto& [rid, region] : p.regions) {
     KV_RETURN_IF_ERROR(MapRemoteRegion(p, region));
     if (region.mapped != nullptr) info.unpopulated_bytes += region.size;
@@ -689,13 +697,14 @@ absl::Status UcxTransport::OnFrame(PeerId id, FrameType type, wire::Reader& r) {
   if (p == nullptr) return absl::InternalError(absl::StrCat("no state for peer ", id));
   switch (type) {
     case FrameType::kRegionAdd: {
-      uint64_t rid, base, size;
+      absl::StatusOr<frames::Region> announced = frames::DecodeRegion(r);
+      if (!announced.ok()) return absl::InvalidArgumentError("truncated region frame");
+      const uint64_t rid = announced->id;
+      const uint64_t size = announced->size;
       RemoteRegion region;
-      if (!r.U64(&rid) || !r.U64(&base) || !r.U64(&size) || !r.Str(&region.packed_rkey)) {
-        return absl::InvalidArgumentError("truncated region frame");
-      }
-      region.base = base;
+      region.base = announced->base;
       region.size = size;
+      region.packed_rkey = std::move(announced->packed_rkey);
       KV_RETURN_IF_ERROR(MapRemoteRegion(*p, region));
       p->regions[rid] = std::move(region);
       absl::MutexLock lock(&mu_);
@@ -710,16 +719,24 @@ absl::Status UcxTransport::OnFrame(PeerId id, FrameType type, wire::Reader& r) {
       peer_info_[id].region_sizes.erase(rid);
       return absl::OkStatus();
     }
-    case FrameType::kDone:
-      return HandleDone(*p, r);
-    case FrameType::kAck:
-      return HandleAck(*p, r);
+    case FrameType::kDone: {
+      std::string_view rest;
+      r.Rest(&rest);
+      return HandleDone(*p, rest);
+    }
+    case FrameType::kAck: {
+      std::string_view rest;
+      r.Rest(&rest);
+      return HandleAck(*p, rest);
+    }
     case FrameType::kControl: {
-      uint64_t tag;
-      std::string msg;
-      if (!r.U64(&tag) || !r.Str(&msg)) return absl::InvalidArgumentError("truncated control");
-      Deliver(InboundEvent{
-          .kind = InboundEvent::Kind::kControl, .peer = id, .tag = tag, .message = std::move(msg)});
+      std::string_view rest;
+      r.Rest(&rest);
+      KV_ASSIGN_OR_RETURN(frames::Control control, frames::DecodeControl(rest));
+      Deliver(InboundEvent{.kind = InboundEvent::Kind::kControl,
+                           .peer = id,
+                           .tag = control.tag,
+                           .message = std::move(control.message)});
       return absl::OkStatus();
     }
     default:
@@ -1083,32 +1100,28 @@ void UcxTransport::Retire(Peer& p, Transfer& t) {
     w.U8(b.checksum.has_value() ? 1 : 0);
     w.U64(b.checksum.value_or(0));
   }
+  w.Str(t.credential);
   channel_->Send(p.id, std::move(w).Finish());
 }
 
-absl::Status UcxTransport::HandleDone(Peer& p, wire::Reader& r) {
-  uint64_t id, tag;
-  int32_t lb, le;
-  uint32_t n;
-  if (!r.U64(&id) || !r.U64(&tag) || !r.I32(&lb) || !r.I32(&le) || !r.U32(&n) ||
-      r.remaining() < static_cast<size_t>(n) * 33) {
-    return absl::InvalidArgumentError("truncated done frame");
-  }
-  InboundEvent event{
-      .kind = InboundEvent::Kind::kBlocks, .peer = p.id, .tag = tag, .layers = LayerRange{lb, le}};
+absl::Status UcxTransport::HandleDone(Peer& p, std::string_view payload) {
+  KV_ASSIGN_OR_RETURN(frames::Done done, frames::DecodeDone(payload));
+  const uint64_t id = done.transfer_id;
+  const uint32_t n = static_cast<uint32_t>(done.blocks.size());
+  InboundEvent event{.kind = InboundEvent::Kind::kBlocks,
+                     .peer = p.id,
+                     .tag = done.tag,
+                     .layers = LayerRange{done.layer_begin, done.layer_end},
+                     .credential = std::move(done.credential)};
   event.blocks.reserve(n);
   std::vector<absl::Status> statuses;
   statuses.reserve(n);
-  for (uint32_t i = 0; i < n; ++i) {
+  for (const frames::DoneBlock& sent : done.blocks) {
     ReceivedBlock b;
-    uint8_t has = 0;
-    uint64_t ck = 0;
-    r.U64(&b.region);
-    r.U64(&b.offset);
-    r.U64(&b.length);
-    r.U8(&has);
-    r.U64(&ck);
-    if (has) b.checksum = ck;
+    b.region = sent.region;
+    b.offset = sent.offset;
+    b.length = sent.length;
+    b.checksum = sent.checksum;
     auto it = local_regions_.find(b.region);
     if (it == local_regions_.end()) {
       b.status = absl::InvalidArgumentError(absl::StrCat("no local region ", b.region));
@@ -1139,20 +1152,14 @@ absl::Status UcxTransport::HandleDone(Peer& p, wire::Reader& r) {
   return absl::OkStatus();
 }
 
-absl::Status UcxTransport::HandleAck(Peer& p, wire::Reader& r) {
-  uint64_t id;
-  uint32_t n;
-  if (!r.U64(&id) || !r.U32(&n) || r.remaining() < n) {
-    return absl::InvalidArgumentError("truncated ack frame");
-  }
+absl::Status UcxTransport::HandleAck(Peer& p, std::string_view payload) {
+  KV_ASSIGN_OR_RETURN(frames::Ack ack, frames::DecodeAck(payload));
+  const uint64_t id = ack.transfer_id;
+  const std::string& first_error = ack.first_error;
   std::vector<absl::Status> statuses;
-  statuses.reserve(n);
-  std::vector<uint8_t> codes(n);
-  for (uint32_t i = 0; i < n; ++i) r.U8(&codes[i]);
-  std::string first_error;
-  r.Str(&first_error);
+  statuses.reserve(ack.codes.size());
   bool first = true;
-  for (uint8_t code : codes) {
+  for (uint8_t code : ack.codes) {
     if (code == 0) {
       statuses.push_back(absl::OkStatus());
       continue;

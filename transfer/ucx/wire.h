@@ -15,7 +15,9 @@ namespace kvrelay::transfer::ucx::wire {
 
 inline constexpr uint32_t kMagic = 0x5852564b;  // "KVRX"
 // 2: the hello carries the sender's incarnation and advertised address.
-inline constexpr uint32_t kVersion = 2;
+// 3: the hello carries the connector's data-plane key (empty from the acceptor), a refused
+//    hello is answered with kRefuse, and DONE ends with the sender's credential.
+inline constexpr uint32_t kVersion = 3;
 inline constexpr uint32_t kMaxFrameBytes = 64u << 20;
 
 enum class FrameType : uint8_t {
@@ -27,6 +29,7 @@ enum class FrameType : uint8_t {
   kControl = 6,       // tag, message
   kHeartbeat = 7,     // empty
   kBye = 8,           // empty: orderly disconnect
+  kRefuse = 9,        // reason: the acceptor refused the hello (wrong data-plane key)
 };
 
 class Writer {
@@ -71,6 +74,11 @@ class Reader {
     return true;
   }
   bool done() const { return in_.empty(); }
+  // Everything not read yet; the reader is then exhausted.
+  void Rest(std::string_view* rest) {
+    *rest = in_;
+    in_ = {};
+  }
   size_t remaining() const { return in_.size(); }
 
  private:
