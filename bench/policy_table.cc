@@ -4,7 +4,7 @@
 // same run. Then prefix hit rate vs cache bytes for a Gemma-3-27B-shaped layout, window-aware vs
 // every layer alike.
 //
-//   build/bin/policy_table [--trace PATH] [--requests N]
+//   build/bin/policy_table [--trace PATH] [--requests N] [--no-window]
 
 #include <cstdio>
 #include <cstring>
@@ -20,9 +20,18 @@ using namespace kvrelay::cachestore;
 int main(int argc, char** argv) {
   std::string mooncake = "/work/shared/data/traces/synthetic_trace.jsonl";
   int64_t requests = 4000;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    if (std::strcmp(argv[i], "--trace") == 0) mooncake = argv[i + 1];
-    if (std::strcmp(argv[i], "--requests") == 0) requests = std::atoll(argv[i + 1]);
+  bool window = true;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--no-window") == 0) {
+      window = false;
+    } else if (i + 1 < argc && std::strcmp(argv[i], "--trace") == 0) {
+      mooncake = argv[++i];
+    } else if (i + 1 < argc && std::strcmp(argv[i], "--requests") == 0) {
+      requests = std::atoll(argv[++i]);
+    } else {
+      std::fprintf(stderr, "usage: policy_table [--trace PATH] [--requests N] [--no-window]\n");
+      return 2;
+    }
   }
   struct Named {
     std::string name;
@@ -42,7 +51,7 @@ int main(int argc, char** argv) {
   const std::vector<std::string> policies = {"lru", "leaf-lru", "lrfu", "adaptive", "belady"};
   const std::vector<int64_t> capacities = {1000, 2000, 6000, 20000};
   std::printf(
-      "| trace | blocks | capacity | lru | leaf-lru | lrfu (default) | adaptive | belady | "
+      "| trace | blocks | capacity | lru | leaf-lru | lrfu | adaptive (default) | belady | "
       "adaptive/lru "
       "| gap closed (adaptive) |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
   for (const Named& t : traces) {
@@ -62,6 +71,7 @@ int main(int argc, char** argv) {
                       : "-");
     }
   }
+  if (!window) return 0;
   // Gemma 3 27B per 512-token block: 10 global layers (full part) and 52 sliding-window layers
   // (1,024 tokens = 2 blocks), 16 KV heads x 128, bf16 K and V.
   const BlockParts gemma{int64_t{512} * 10 * 16 * 128 * 4, int64_t{512} * 52 * 16 * 128 * 4, 2};

@@ -53,7 +53,8 @@ struct AdaptivePolicy::Shadow {
 };
 
 AdaptivePolicy::AdaptivePolicy(int64_t capacity_blocks)
-    : lrfu_(kLrfuHalfLifeCaches * static_cast<double>(std::max<int64_t>(capacity_blocks, 1))) {
+    : fast_(kFastHalfLifeCaches * static_cast<double>(std::max<int64_t>(capacity_blocks, 1))),
+      slow_(kSlowHalfLifeCaches * static_cast<double>(std::max<int64_t>(capacity_blocks, 1))) {
   absl::MutexLock lock(&mu_);
   ResetShadows(capacity_blocks);
 }
@@ -64,29 +65,47 @@ void AdaptivePolicy::ResetShadows(int64_t capacity_blocks) const {
   capacity_ = std::max<int64_t>(capacity_blocks, 1);
   int64_t shadow_capacity = capacity_;
   while (shadow_capacity > kMaxShadowBlocks) shadow_capacity /= 2;
-  lru_shadow_ =
+  const double cap = static_cast<double>(shadow_capacity);
+  shadows_[0] =
       std::make_unique<Shadow>(std::make_unique<LruPolicy>(/*leaf_only=*/true), shadow_capacity);
-  lrfu_shadow_ = std::make_unique<Shadow>(
-      std::make_unique<LrfuPolicy>(kLrfuHalfLifeCaches * static_cast<double>(shadow_capacity)),
-      shadow_capacity);
-  score_ = 0;
+  shadows_[1] = std::make_unique<Shadow>(std::make_unique<LrfuPolicy>(kFastHalfLifeCaches * cap),
+                                         shadow_capacity);
+  shadows_[2] = std::make_unique<Shadow>(std::make_unique<LrfuPolicy>(kSlowHalfLifeCaches * cap),
+                                         shadow_capacity);
+  lead_ = {};
+  spread_ = {};
 }
 
 void AdaptivePolicy::OnInsert(AccessStats& stats, uint64_t tick, const AccessStats* ghost) const {
-  lrfu_.OnInsert(stats, tick, ghost);
+  stats.crf =
+      ghost == nullptr ? kFirstSightCrf : fast_.InsertedCrf(ghost->crf, ghost->last_tick, tick);
+  stats.crf_slow = ghost == nullptr ? kFirstSightCrf
+                                    : slow_.InsertedCrf(ghost->crf_slow, ghost->last_tick, tick);
+  stats.last_tick = tick;
 }
 
 void AdaptivePolicy::OnAccess(AccessStats& stats, uint64_t tick) const {
-  lrfu_.OnAccess(stats, tick);
+  // Both values decay from the same last_tick, so update both before moving it.
+  stats.crf = fast_.AccessedCrf(stats.crf, stats.last_tick, tick);
+  stats.crf_slow = slow_.AccessedCrf(stats.crf_slow, stats.last_tick, tick);
+  stats.last_tick = tick;
 }
 
 double AdaptivePolicy::Priority(const AccessStats& stats) const {
-  return use_lrfu_.load(std::memory_order_relaxed) ? lrfu_.Priority(stats) : lru_.Priority(stats);
+  switch (ranking_.load(std::memory_order_relaxed)) {
+    case 1:
+      return fast_.PriorityOf(stats.crf, stats.last_tick);
+    case 2:
+      return slow_.PriorityOf(stats.crf_slow, stats.last_tick);
+    default:
+      return lru_.Priority(stats);
+  }
 }
 
 void AdaptivePolicy::SetCapacityHint(int64_t capacity_blocks) const {
   if (capacity_blocks <= 0) return;
-  lrfu_.SetCapacityHint(capacity_blocks);
+  fast_.SetHalfLife(kFastHalfLifeCaches * static_cast<double>(capacity_blocks));
+  slow_.SetHalfLife(kSlowHalfLifeCaches * static_cast<double>(capacity_blocks));
   absl::MutexLock lock(&mu_);
   if (capacity_blocks != capacity_) ResetShadows(capacity_blocks);
 }
@@ -94,22 +113,40 @@ void AdaptivePolicy::SetCapacityHint(int64_t capacity_blocks) const {
 void AdaptivePolicy::OnRequest(absl::Span<const BlockHash> chain) const {
   if (chain.empty()) return;
   absl::MutexLock lock(&mu_);
-  const int64_t shadow_capacity = lru_shadow_->capacity;
+  const int64_t shadow_capacity = shadows_[0]->capacity;
   if (shadow_capacity < capacity_) {
     // Sample whole chains by their root so shared prefixes stay together.
     const uint64_t rate = static_cast<uint64_t>(capacity_ / shadow_capacity);
     if ((chain[0].hi % rate) != 0) return;
   }
-  const int lru_hits = ReplayRequestInto(lru_shadow_->index, chain, lru_shadow_->capacity,
-                                         &lru_shadow_->cached, &lru_shadow_->evictions);
-  const int lrfu_hits = ReplayRequestInto(lrfu_shadow_->index, chain, lrfu_shadow_->capacity,
-                                          &lrfu_shadow_->cached, &lrfu_shadow_->evictions);
-  score_ = score_ * std::exp2(-static_cast<double>(chain.size()) /
-                              (kScoreMemoryCaches * static_cast<double>(shadow_capacity))) +
-           (lrfu_hits - lru_hits);
-  const bool want_lrfu = score_ > 0 ? true : score_ < 0 ? false : use_lrfu_.load();
-  if (want_lrfu != use_lrfu_.load(std::memory_order_relaxed)) {
-    use_lrfu_.store(want_lrfu, std::memory_order_relaxed);
+  std::array<double, kRankings> hits{};
+  for (int i = 0; i < kRankings; ++i) {
+    Shadow& s = *shadows_[i];
+    hits[i] = ReplayRequestInto(s.index, chain, s.capacity, &s.cached, &s.evictions);
+  }
+  const double keep = std::exp2(-static_cast<double>(chain.size()) /
+                                (kScoreMemoryCaches * static_cast<double>(shadow_capacity)));
+  for (int a = 0; a < kRankings; ++a) {
+    for (int b = 0; b < kRankings; ++b) {
+      const double d = hits[a] - hits[b];
+      lead_[a][b] = lead_[a][b] * keep + d;
+      spread_[a][b] = spread_[a][b] * keep + d * d;
+    }
+  }
+  // Move to the ranking with the most significant lead over the current one, if any.
+  const int current = ranking_.load(std::memory_order_relaxed);
+  int best = current;
+  double best_z = kSwitchZ;
+  for (int c = 0; c < kRankings; ++c) {
+    if (c == current || spread_[c][current] <= 0) continue;
+    const double z = lead_[c][current] / std::sqrt(spread_[c][current]);
+    if (z > best_z) {
+      best_z = z;
+      best = c;
+    }
+  }
+  if (best != current) {
+    ranking_.store(best, std::memory_order_relaxed);
     epoch_.fetch_add(1, std::memory_order_release);
   }
 }

@@ -15,23 +15,33 @@ double Decay(double crf, uint64_t from_tick, uint64_t to_tick, double half_life)
 }
 }  // namespace
 
+float LrfuPolicy::InsertedCrf(float ghost_crf, uint64_t ghost_tick, uint64_t tick) const {
+  if (ghost_crf < 0) return kFirstSightCrf;
+  return static_cast<float>(1.0 + Decay(ghost_crf, ghost_tick, tick, half_life()));
+}
+
+float LrfuPolicy::AccessedCrf(float crf, uint64_t last_tick, uint64_t tick) const {
+  // A repeated access at the same tick (one request touching a block twice) does not count twice.
+  if (tick == last_tick) return crf;
+  return static_cast<float>(Decay(crf, last_tick, tick, half_life()) + 1.0);
+}
+
+double LrfuPolicy::PriorityOf(float crf, uint64_t last_tick) const {
+  return std::log2(std::max(crf, 1e-30f)) + static_cast<double>(last_tick) / half_life();
+}
+
 void LrfuPolicy::OnInsert(AccessStats& stats, uint64_t tick, const AccessStats* ghost) const {
-  double crf = kFirstSightCrf;
-  if (ghost != nullptr) crf = 1.0 + Decay(ghost->crf, ghost->last_tick, tick, half_life());
-  stats.crf = static_cast<float>(crf);
+  stats.crf = ghost == nullptr ? kFirstSightCrf : InsertedCrf(ghost->crf, ghost->last_tick, tick);
   stats.last_tick = tick;
 }
 
 void LrfuPolicy::OnAccess(AccessStats& stats, uint64_t tick) const {
-  // A repeated access at the same tick (one request touching a block twice) does not count twice.
-  if (tick == stats.last_tick) return;
-  stats.crf = static_cast<float>(Decay(stats.crf, stats.last_tick, tick, half_life()) + 1.0);
+  stats.crf = AccessedCrf(stats.crf, stats.last_tick, tick);
   stats.last_tick = tick;
 }
 
 double LrfuPolicy::Priority(const AccessStats& stats) const {
-  return std::log2(std::max(stats.crf, 1e-30f)) +
-         static_cast<double>(stats.last_tick) / half_life();
+  return PriorityOf(stats.crf, stats.last_tick);
 }
 
 void LrfuPolicy::SetCapacityHint(int64_t capacity_blocks) const {

@@ -15,8 +15,9 @@
 //   "lru"       plain LRU over blocks, not prefix-aware: any committed block may go, even one
 //               whose children stay. The baseline of `kvrelay trace-replay`; not for the service.
 //   "leaf-lru"  LRU over leaves only: a block is never evicted before its descendants.
-//   "adaptive"  leaf-LRU or LRFU, chosen online by shadow caches: adaptive_policy.h.
-//   "lrfu"      (default) leaf-first LRFU: frequency and recency with exponential aging. Each
+//   "adaptive"  (default) leaf-LRU or leaf-LRFU with a fast or a slow half-life, chosen online
+//               by shadow caches and a significance test: adaptive_policy.h.
+//   "lrfu"      leaf-first LRFU: frequency and recency with exponential aging. Each
 //               access adds 1 to a combined recency-frequency value (crf) that halves every
 //               `half_life` block accesses (Lee et al., "LRFU", IEEE ToC 2001). Stats of evicted
 //               blocks are kept in a bounded ghost history (kGhostCaches x capacity) so a block
@@ -45,6 +46,9 @@ namespace kvrelay::cachestore {
 struct AccessStats {
   uint64_t last_tick = 0;  // logical access clock (one tick per block access) at the last access
   float crf = 0;           // LRFU combined recency-frequency at last_tick; unused by LRU
+  // A second LRFU value with a longer half-life (AdaptivePolicy ranks by either). Fills the
+  // padding after crf, so the record does not grow.
+  float crf_slow = 0;
 };
 
 class EvictionPolicy {
@@ -73,12 +77,13 @@ class EvictionPolicy {
 using EvictionPolicyPtr = std::unique_ptr<const EvictionPolicy>;
 
 // "lru", "leaf-lru", "lrfu" (see above) or "adaptive" (adaptive_policy.h: leaf-LRU or LRFU,
-// whichever wins in shadow caches right now). InvalidArgument naming the value otherwise.
-// `capacity_blocks` (> 0) sets the LRFU half-life to kLrfuHalfLifeCaches cache-fulls of accesses.
+// whichever wins significantly in shadow caches right now). InvalidArgument naming the value
+// otherwise. `capacity_blocks` (> 0) sets the LRFU half-life to kLrfuHalfLifeCaches cache-fulls of
+// accesses.
 absl::StatusOr<EvictionPolicyPtr> MakeEvictionPolicy(std::string_view name,
                                                      int64_t capacity_blocks);
 
-inline constexpr std::string_view kDefaultPolicy = "lrfu";
+inline constexpr std::string_view kDefaultPolicy = "adaptive";
 // LRFU aging: a block's weight halves after this many cache-fulls of block accesses. At 2 a
 // block touched once is worth as much as one touched twice half-life ago; see README.md.
 inline constexpr double kLrfuHalfLifeCaches = 2.0;
@@ -116,7 +121,16 @@ class LrfuPolicy final : public EvictionPolicy {
   // comparing this, because decay multiplies every crf by 2^(-(t - last_tick) / half_life).
   double Priority(const AccessStats& stats) const override;
   void SetCapacityHint(int64_t capacity_blocks) const override;
+  // REQUIRES: half_life_accesses > 0.
+  void SetHalfLife(double half_life_accesses) const {
+    half_life_.store(half_life_accesses, std::memory_order_relaxed);
+  }
   double half_life() const { return half_life_.load(std::memory_order_relaxed); }
+  // The crf update rules on one value, for a policy that keeps several (AdaptivePolicy).
+  // `ghost_crf` / `ghost_tick`: the value when the block was last evicted, or negative crf.
+  float InsertedCrf(float ghost_crf, uint64_t ghost_tick, uint64_t tick) const;
+  float AccessedCrf(float crf, uint64_t last_tick, uint64_t tick) const;
+  double PriorityOf(float crf, uint64_t last_tick) const;
 
  private:
   // Relaxed: a stale value only makes one heap comparison approximate; the lazy heap re-checks.
