@@ -54,7 +54,7 @@ struct AdaptivePolicy::Shadow {
 
 AdaptivePolicy::AdaptivePolicy(int64_t capacity_blocks)
     : fast_(kFastHalfLifeCaches * static_cast<double>(std::max<int64_t>(capacity_blocks, 1))),
-      slow_(kSlowHalfLifeCaches * static_cast<double>(std::max<int64_t>(capacity_blocks, 1))) {
+      probation_(std::max<int64_t>(capacity_blocks, 1)) {
   absl::MutexLock lock(&mu_);
   ResetShadows(capacity_blocks);
 }
@@ -70,25 +70,22 @@ void AdaptivePolicy::ResetShadows(int64_t capacity_blocks) const {
       std::make_unique<Shadow>(std::make_unique<LruPolicy>(/*leaf_only=*/true), shadow_capacity);
   shadows_[1] = std::make_unique<Shadow>(std::make_unique<LrfuPolicy>(kFastHalfLifeCaches * cap),
                                          shadow_capacity);
-  shadows_[2] = std::make_unique<Shadow>(std::make_unique<LrfuPolicy>(kSlowHalfLifeCaches * cap),
+  shadows_[2] = std::make_unique<Shadow>(std::make_unique<ProbationLruPolicy>(shadow_capacity),
                                          shadow_capacity);
   lead_ = {};
   spread_ = {};
 }
 
-void AdaptivePolicy::OnInsert(AccessStats& stats, uint64_t tick, const AccessStats* ghost) const {
+void AdaptivePolicy::OnInsert(AccessStats& stats, const BlockHash& hash, uint64_t tick,
+                              const AccessStats* ghost) const {
   stats.crf =
       ghost == nullptr ? kFirstSightCrf : fast_.InsertedCrf(ghost->crf, ghost->last_tick, tick);
-  stats.crf_slow = ghost == nullptr ? kFirstSightCrf
-                                    : slow_.InsertedCrf(ghost->crf_slow, ghost->last_tick, tick);
-  stats.last_tick = tick;
+  probation_.OnInsert(stats, hash, tick, ghost);  // sets probation and last_tick
 }
 
-void AdaptivePolicy::OnAccess(AccessStats& stats, uint64_t tick) const {
-  // Both values decay from the same last_tick, so update both before moving it.
+void AdaptivePolicy::OnAccess(AccessStats& stats, const BlockHash& hash, uint64_t tick) const {
   stats.crf = fast_.AccessedCrf(stats.crf, stats.last_tick, tick);
-  stats.crf_slow = slow_.AccessedCrf(stats.crf_slow, stats.last_tick, tick);
-  stats.last_tick = tick;
+  probation_.OnAccess(stats, hash, tick);  // clears probation, sets last_tick
 }
 
 double AdaptivePolicy::Priority(const AccessStats& stats) const {
@@ -96,7 +93,7 @@ double AdaptivePolicy::Priority(const AccessStats& stats) const {
     case 1:
       return fast_.PriorityOf(stats.crf, stats.last_tick);
     case 2:
-      return slow_.PriorityOf(stats.crf_slow, stats.last_tick);
+      return ProbationLruPolicy::PriorityOf(stats);
     default:
       return lru_.Priority(stats);
   }
@@ -105,7 +102,7 @@ double AdaptivePolicy::Priority(const AccessStats& stats) const {
 void AdaptivePolicy::SetCapacityHint(int64_t capacity_blocks) const {
   if (capacity_blocks <= 0) return;
   fast_.SetHalfLife(kFastHalfLifeCaches * static_cast<double>(capacity_blocks));
-  slow_.SetHalfLife(kSlowHalfLifeCaches * static_cast<double>(capacity_blocks));
+  probation_.SetCapacityHint(capacity_blocks);
   absl::MutexLock lock(&mu_);
   if (capacity_blocks != capacity_) ResetShadows(capacity_blocks);
 }

@@ -4,10 +4,10 @@
 // leaf-first rankings is significantly winning on the workload the store sees right now:
 //   0  LRU (pure recency),
 //   1  LRFU with a half-life of 1 cache-full of block accesses (recency-leaning frequency),
-//   2  LRFU with a half-life of 4 cache-fulls (frequency with long memory),
-// each with the ghost history and first-sight penalty of eviction_policy.h. The half-lives are a
-// log-spaced grid in units of the cache's own size (LRU is the zero end), not fitted to a trace:
-// which point of the grid fits is decided online.
+//   2  probation-LRU (eviction_policy.h): LRU, but a block not seen within the last 8 caches of
+//      accesses ranks below all others until its next access (a doorkeeper against one-off tails),
+// LRFU with the ghost history and first-sight penalty of eviction_policy.h. Recency, frequency
+// and admission are the three classic answers; which one fits is decided online.
 //
 // The decision comes from three shadow caches of the same capacity that replay every request's
 // chain (OnRequest), in the spirit of set dueling (Qureshi et al., ISCA 2007) and miniature
@@ -49,9 +49,8 @@ class AdaptivePolicy final : public EvictionPolicy {
  public:
   static constexpr int kRankings = 3;
   static constexpr int64_t kMaxShadowBlocks = 1 << 16;
-  // LRFU half-lives of rankings 1 and 2, in cache-fulls of block accesses.
+  // LRFU half-life of ranking 1, in cache-fulls of block accesses.
   static constexpr double kFastHalfLifeCaches = 1.0;
-  static constexpr double kSlowHalfLifeCaches = 4.0;
   // The hit-difference sums forget with a half-life of this many shadow caches of block
   // accesses, so a workload that shifts is followed.
   static constexpr double kScoreMemoryCaches = 4.0;
@@ -66,14 +65,15 @@ class AdaptivePolicy final : public EvictionPolicy {
 
   std::string_view name() const override { return "adaptive"; }
   bool prefix_aware() const override { return true; }
-  void OnInsert(AccessStats& stats, uint64_t tick, const AccessStats* ghost) const override;
-  void OnAccess(AccessStats& stats, uint64_t tick) const override;
+  void OnInsert(AccessStats& stats, const BlockHash& hash, uint64_t tick,
+                const AccessStats* ghost) const override;
+  void OnAccess(AccessStats& stats, const BlockHash& hash, uint64_t tick) const override;
   double Priority(const AccessStats& stats) const override;
   void SetCapacityHint(int64_t capacity_blocks) const override;
   void OnRequest(absl::Span<const BlockHash> chain) const override;
   uint64_t epoch() const override { return epoch_.load(std::memory_order_acquire); }
 
-  // 0 = LRU, 1 = fast LRFU, 2 = slow LRFU (see above).
+  // 0 = LRU, 1 = LRFU, 2 = probation-LRU (see above).
   int ranking() const { return ranking_.load(std::memory_order_relaxed); }
   int64_t switches() const { return static_cast<int64_t>(epoch()); }
 
@@ -81,9 +81,9 @@ class AdaptivePolicy final : public EvictionPolicy {
   struct Shadow;
   void ResetShadows(int64_t capacity_blocks) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  // Live stats: last_tick (LRU), crf (fast LRFU), crf_slow (slow LRFU), all kept up to date.
+  // Live stats: last_tick (LRU), crf (LRFU), probation (probation-LRU), all kept up to date.
   LrfuPolicy fast_;
-  LrfuPolicy slow_;
+  ProbationLruPolicy probation_;
   LruPolicy lru_{/*leaf_only=*/true};
   // Relaxed: which ranking a heap comparison uses; epoch_ (release on switch, acquire in
   // epoch()) tells the index to re-rank after a change.
