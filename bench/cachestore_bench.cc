@@ -185,12 +185,15 @@ struct Options {
   bool grpc = true, memory = true, trace = true;
   std::string trace_path = "/work/shared/data/traces/synthetic_trace.jsonl";
   int64_t memory_blocks = 10'000'000;
+  std::string policy = std::string(kvrelay::cachestore::kDefaultPolicy);  // server-side section
 };
 
 // --- 1. server side -------------------------------------------------------------------------
 void BenchServerSide(const Options& opt) {
-  std::printf("== MatchPrefix, 256-block chain, server side, 1 thread ==\n");
+  std::printf("== MatchPrefix, 256-block chain, server side, 1 thread (policy %s) ==\n",
+              opt.policy.c_str());
   kvrelay::cachestore::CacheStoreOptions so;
+  so.policy = opt.policy;
   so.max_ghost_blocks = 0;
   auto store = kvrelay::cachestore::CacheStore::Create(so);
   if (!store.ok()) {
@@ -519,6 +522,8 @@ int main(int argc, char** argv) {
       if (s.find("grpc") != std::string::npos) opt.grpc = false;
       if (s.find("memory") != std::string::npos) opt.memory = false;
       if (s.find("trace") != std::string::npos) opt.trace = false;
+    } else if (a.rfind("--policy=", 0) == 0) {
+      opt.policy = a.substr(9);
     } else if (a.rfind("--trace=", 0) == 0) {
       opt.trace_path = a.substr(8);
     } else if (a.rfind("--blocks=", 0) == 0) {
@@ -529,7 +534,7 @@ int main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: cachestore_bench [--quick] [--skip=grpc,memory,trace] [--trace=PATH] "
-                   "[--blocks=N]\n");
+                   "[--blocks=N] [--policy=NAME]\n");
       return 2;
     }
   }

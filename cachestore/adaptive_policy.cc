@@ -59,7 +59,39 @@ AdaptivePolicy::AdaptivePolicy(int64_t capacity_blocks)
   ResetShadows(capacity_blocks);
 }
 
-AdaptivePolicy::~AdaptivePolicy() = default;
+AdaptivePolicy::~AdaptivePolicy() {
+  {
+    absl::MutexLock lock(&queue_mu_);
+    stop_ = true;
+  }
+  if (learner_.joinable()) learner_.join();
+}
+
+void AdaptivePolicy::LearnInBackground() const {
+  absl::MutexLock lock(&queue_mu_);
+  if (background_) return;
+  background_ = true;
+  learner_ = std::thread([this] { LearnerLoop(); });
+}
+
+void AdaptivePolicy::LearnerLoop() const {
+  while (true) {
+    std::vector<BlockHash> chain;
+    {
+      absl::MutexLock lock(&queue_mu_);
+      queue_mu_.Await(absl::Condition(
+          +[](AdaptivePolicy* p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(p->queue_mu_) {
+            return p->stop_ || !p->queue_.empty();
+          },
+          const_cast<AdaptivePolicy*>(this)));
+      if (stop_) return;
+      chain = std::move(queue_.front());
+      queue_.pop_front();
+      queued_.store(queue_.size(), std::memory_order_relaxed);
+    }
+    Learn(chain);
+  }
+}
 
 void AdaptivePolicy::ResetShadows(int64_t capacity_blocks) const {
   capacity_ = std::max<int64_t>(capacity_blocks, 1);
@@ -109,6 +141,22 @@ void AdaptivePolicy::SetCapacityHint(int64_t capacity_blocks) const {
 
 void AdaptivePolicy::OnRequest(absl::Span<const BlockHash> chain) const {
   if (chain.empty()) return;
+  // Relaxed: a stale count only lets one chain more or less into the queue.
+  if (queued_.load(std::memory_order_relaxed) >= kMaxQueuedRequests) return;
+  {
+    absl::MutexLock lock(&queue_mu_);
+    if (background_) {
+      if (queue_.size() < kMaxQueuedRequests) {
+        queue_.emplace_back(chain.begin(), chain.end());
+        queued_.store(queue_.size(), std::memory_order_relaxed);
+      }
+      return;
+    }
+  }
+  Learn(chain);
+}
+
+void AdaptivePolicy::Learn(absl::Span<const BlockHash> chain) const {
   absl::MutexLock lock(&mu_);
   const int64_t shadow_capacity = shadows_[0]->capacity;
   if (shadow_capacity < capacity_) {

@@ -28,7 +28,10 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <deque>
 #include <memory>
+#include <thread>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
@@ -71,6 +74,9 @@ class AdaptivePolicy final : public EvictionPolicy {
   double Priority(const AccessStats& stats) const override;
   void SetCapacityHint(int64_t capacity_blocks) const override;
   void OnRequest(absl::Span<const BlockHash> chain) const override;
+  void LearnInBackground() const override;
+  // Chains queued for the background learner at most (beyond: skipped, a sample).
+  static constexpr size_t kMaxQueuedRequests = 256;
   uint64_t epoch() const override { return epoch_.load(std::memory_order_acquire); }
 
   // 0 = LRU, 1 = LRFU, 2 = probation-LRU (see above).
@@ -80,6 +86,9 @@ class AdaptivePolicy final : public EvictionPolicy {
  private:
   struct Shadow;
   void ResetShadows(int64_t capacity_blocks) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Replays one chain into the shadows and maybe switches the live ranking.
+  void Learn(absl::Span<const BlockHash> chain) const ABSL_LOCKS_EXCLUDED(mu_);
+  void LearnerLoop() const;
 
   // Live stats: last_tick (LRU), crf (LRFU), probation (probation-LRU), all kept up to date.
   LrfuPolicy fast_;
@@ -97,6 +106,15 @@ class AdaptivePolicy final : public EvictionPolicy {
   // spread_[a][b]: decayed sum of its squares (the sum's variance if a and b were equal).
   mutable std::array<std::array<double, kRankings>, kRankings> lead_ ABSL_GUARDED_BY(mu_){};
   mutable std::array<std::array<double, kRankings>, kRankings> spread_ ABSL_GUARDED_BY(mu_){};
+
+  // Background learning (LearnInBackground): chains waiting for LearnerLoop.
+  mutable absl::Mutex queue_mu_ ABSL_ACQUIRED_AFTER(mu_);
+  mutable std::deque<std::vector<BlockHash>> queue_ ABSL_GUARDED_BY(queue_mu_);
+  mutable bool background_ ABSL_GUARDED_BY(queue_mu_) = false;
+  // queue_.size(), readable without the lock: a lookup that finds the queue full skips at once.
+  mutable std::atomic<size_t> queued_{0};
+  mutable bool stop_ ABSL_GUARDED_BY(queue_mu_) = false;
+  mutable std::thread learner_;
 };
 
 }  // namespace kvrelay::cachestore

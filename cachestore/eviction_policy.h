@@ -70,6 +70,10 @@ class EvictionPolicy {
   // The chain of one request, as it arrives (before its blocks are accessed). Adaptive policies
   // learn from it (AdaptivePolicy replays it into shadow caches); others ignore it.
   virtual void OnRequest(absl::Span<const kv::BlockHash> chain) const { (void)chain; }
+  // From now on OnRequest only queues the chain and a background thread learns from it, so
+  // lookups never wait on learning (the service calls this; replay tools learn inline, so their
+  // results are deterministic). Chains arriving while the queue is full are skipped.
+  virtual void LearnInBackground() const {}
   // Changes when Priority() re-ranks blocks other than by access (an adaptive policy switched
   // rankings); the index then rebuilds its eviction heap once.
   virtual uint64_t epoch() const { return 0; }
