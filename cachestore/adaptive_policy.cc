@@ -158,6 +158,11 @@ void AdaptivePolicy::OnRequest(absl::Span<const BlockHash> chain) const {
 
 void AdaptivePolicy::Learn(absl::Span<const BlockHash> chain) const {
   absl::MutexLock lock(&mu_);
+  // Counted once the lock is released (after the ranking decision), whatever the path out.
+  struct CountOnExit {
+    std::atomic<int64_t>& n;
+    ~CountOnExit() { n.fetch_add(1, std::memory_order_release); }
+  } count{learned_};
   const int64_t shadow_capacity = shadows_[0]->capacity;
   if (shadow_capacity < capacity_) {
     // Sample whole chains by their root so shared prefixes stay together.

@@ -82,6 +82,8 @@ class AdaptivePolicy final : public EvictionPolicy {
   // 0 = LRU, 1 = LRFU, 2 = probation-LRU (see above).
   int ranking() const { return ranking_.load(std::memory_order_relaxed); }
   int64_t switches() const { return static_cast<int64_t>(epoch()); }
+  // Chains the shadows have learned from (or skipped by sampling) so far.
+  int64_t learned_requests() const { return learned_.load(std::memory_order_acquire); }
 
  private:
   struct Shadow;
@@ -98,6 +100,7 @@ class AdaptivePolicy final : public EvictionPolicy {
   // epoch()) tells the index to re-rank after a change.
   mutable std::atomic<int> ranking_{0};
   mutable std::atomic<uint64_t> epoch_{0};
+  mutable std::atomic<int64_t> learned_{0};
 
   mutable absl::Mutex mu_;
   mutable int64_t capacity_ ABSL_GUARDED_BY(mu_) = 0;
