@@ -1,5 +1,8 @@
 #include "cachestore/adaptive_policy.h"
 
+#include <pthread.h>
+#include <signal.h>
+
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -71,7 +74,14 @@ void AdaptivePolicy::LearnInBackground() const {
   absl::MutexLock lock(&queue_mu_);
   if (background_) return;
   background_ = true;
+  // The learner starts with every signal blocked, so SIGTERM / SIGINT always reach a thread
+  // that handles them (a process that waits for signals in one thread would otherwise be killed
+  // when the kernel picks this one).
+  sigset_t all, previous;
+  sigfillset(&all);
+  pthread_sigmask(SIG_SETMASK, &all, &previous);
   learner_ = std::thread([this] { LearnerLoop(); });
+  pthread_sigmask(SIG_SETMASK, &previous, nullptr);
 }
 
 void AdaptivePolicy::LearnerLoop() const {
