@@ -4,7 +4,7 @@
 // same run. Then prefix hit rate vs cache bytes for a Gemma-3-27B-shaped layout, window-aware vs
 // every layer alike.
 //
-//   build/bin/policy_table [--trace PATH] [--requests N]
+//   build/bin/policy_table [--trace PATH] [--requests N] [--no-window]
 
 #include <cstdio>
 #include <cstring>
@@ -20,9 +20,18 @@ using namespace kvrelay::cachestore;
 int main(int argc, char** argv) {
   std::string mooncake = "/work/shared/data/traces/synthetic_trace.jsonl";
   int64_t requests = 4000;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    if (std::strcmp(argv[i], "--trace") == 0) mooncake = argv[i + 1];
-    if (std::strcmp(argv[i], "--requests") == 0) requests = std::atoll(argv[i + 1]);
+  bool window = true;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--no-window") == 0) {
+      window = false;
+    } else if (i + 1 < argc && std::strcmp(argv[i], "--trace") == 0) {
+      mooncake = argv[++i];
+    } else if (i + 1 < argc && std::strcmp(argv[i], "--requests") == 0) {
+      requests = std::atoll(argv[++i]);
+    } else {
+      std::fprintf(stderr, "usage: policy_table [--trace PATH] [--requests N] [--no-window]\n");
+      return 2;
+    }
   }
   struct Named {
     std::string name;
@@ -39,22 +48,25 @@ int main(int argc, char** argv) {
     if (!t.ok()) return 1;
     traces.push_back({"gen:" + shape, *std::move(t)});
   }
-  const std::vector<std::string> policies = {"lru", "leaf-lru", "lrfu", "adaptive", "belady"};
+  const std::vector<std::string> policies = {"lru",           "leaf-lru", "lrfu",
+                                             "probation-lru", "adaptive", "belady"};
   const std::vector<int64_t> capacities = {1000, 2000, 6000, 20000};
   std::printf(
-      "| trace | blocks | capacity | lru | leaf-lru | lrfu (default) | adaptive | belady | "
+      "| trace | blocks | capacity | lru | leaf-lru | lrfu | probation-lru | adaptive (default) | "
+      "belady | "
       "adaptive/lru "
-      "| gap closed (adaptive) |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+      "| gap closed (adaptive) |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
   for (const Named& t : traces) {
     int64_t blocks = 0;
     for (const TraceRequest& r : t.trace) blocks += static_cast<int64_t>(r.hash_ids.size());
     for (int64_t c : capacities) {
       auto rs = ReplaySweep(t.trace, {c}, policies);
       if (!rs.ok()) return 1;
-      const double lru = (*rs)[0].hit_rate(), ada = (*rs)[3].hit_rate(), bel = (*rs)[4].hit_rate();
-      std::printf("| %s | %lld | %lld | %.4f | %.4f | %.4f | %.4f | %.4f | %.3fx | %s |\n",
+      const double lru = (*rs)[0].hit_rate(), ada = (*rs)[4].hit_rate(), bel = (*rs)[5].hit_rate();
+      std::printf("| %s | %lld | %lld | %.4f | %.4f | %.4f | %.4f | %.4f | %.4f | %.3fx | %s |\n",
                   t.name.c_str(), static_cast<long long>(blocks), static_cast<long long>(c), lru,
-                  (*rs)[1].hit_rate(), (*rs)[2].hit_rate(), ada, bel, lru > 0 ? ada / lru : 0.0,
+                  (*rs)[1].hit_rate(), (*rs)[2].hit_rate(), (*rs)[3].hit_rate(), ada, bel,
+                  lru > 0 ? ada / lru : 0.0,
                   bel - lru > 1e-9
                       ? std::to_string(static_cast<int>(100 * (ada - lru) / (bel - lru)))
                             .append("%")
@@ -62,6 +74,7 @@ int main(int argc, char** argv) {
                       : "-");
     }
   }
+  if (!window) return 0;
   // Gemma 3 27B per 512-token block: 10 global layers (full part) and 52 sliding-window layers
   // (1,024 tokens = 2 blocks), 16 KV heads x 128, bf16 K and V.
   const BlockParts gemma{int64_t{512} * 10 * 16 * 128 * 4, int64_t{512} * 52 * 16 * 128 * 4, 2};

@@ -1,5 +1,8 @@
 #include "cachestore/adaptive_policy.h"
 
+#include <pthread.h>
+#include <signal.h>
+
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -53,63 +56,157 @@ struct AdaptivePolicy::Shadow {
 };
 
 AdaptivePolicy::AdaptivePolicy(int64_t capacity_blocks)
-    : lrfu_(kLrfuHalfLifeCaches * static_cast<double>(std::max<int64_t>(capacity_blocks, 1))) {
+    : fast_(kFastHalfLifeCaches * static_cast<double>(std::max<int64_t>(capacity_blocks, 1))),
+      probation_(std::max<int64_t>(capacity_blocks, 1)) {
   absl::MutexLock lock(&mu_);
   ResetShadows(capacity_blocks);
 }
 
-AdaptivePolicy::~AdaptivePolicy() = default;
+AdaptivePolicy::~AdaptivePolicy() {
+  {
+    absl::MutexLock lock(&queue_mu_);
+    stop_ = true;
+  }
+  if (learner_.joinable()) learner_.join();
+}
+
+void AdaptivePolicy::LearnInBackground() const {
+  absl::MutexLock lock(&queue_mu_);
+  if (background_) return;
+  background_ = true;
+  // The learner starts with every signal blocked, so SIGTERM / SIGINT always reach a thread
+  // that handles them (a process that waits for signals in one thread would otherwise be killed
+  // when the kernel picks this one).
+  sigset_t all, previous;
+  sigfillset(&all);
+  pthread_sigmask(SIG_SETMASK, &all, &previous);
+  learner_ = std::thread([this] { LearnerLoop(); });
+  pthread_sigmask(SIG_SETMASK, &previous, nullptr);
+}
+
+void AdaptivePolicy::LearnerLoop() const {
+  while (true) {
+    std::vector<BlockHash> chain;
+    {
+      absl::MutexLock lock(&queue_mu_);
+      queue_mu_.Await(absl::Condition(
+          +[](AdaptivePolicy* p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(p->queue_mu_) {
+            return p->stop_ || !p->queue_.empty();
+          },
+          const_cast<AdaptivePolicy*>(this)));
+      if (stop_) return;
+      chain = std::move(queue_.front());
+      queue_.pop_front();
+      queued_.store(queue_.size(), std::memory_order_relaxed);
+    }
+    Learn(chain);
+  }
+}
 
 void AdaptivePolicy::ResetShadows(int64_t capacity_blocks) const {
   capacity_ = std::max<int64_t>(capacity_blocks, 1);
   int64_t shadow_capacity = capacity_;
   while (shadow_capacity > kMaxShadowBlocks) shadow_capacity /= 2;
-  lru_shadow_ =
+  const double cap = static_cast<double>(shadow_capacity);
+  shadows_[0] =
       std::make_unique<Shadow>(std::make_unique<LruPolicy>(/*leaf_only=*/true), shadow_capacity);
-  lrfu_shadow_ = std::make_unique<Shadow>(
-      std::make_unique<LrfuPolicy>(kLrfuHalfLifeCaches * static_cast<double>(shadow_capacity)),
-      shadow_capacity);
-  score_ = 0;
+  shadows_[1] = std::make_unique<Shadow>(std::make_unique<LrfuPolicy>(kFastHalfLifeCaches * cap),
+                                         shadow_capacity);
+  shadows_[2] = std::make_unique<Shadow>(std::make_unique<ProbationLruPolicy>(shadow_capacity),
+                                         shadow_capacity);
+  lead_ = {};
+  spread_ = {};
 }
 
-void AdaptivePolicy::OnInsert(AccessStats& stats, uint64_t tick, const AccessStats* ghost) const {
-  lrfu_.OnInsert(stats, tick, ghost);
+void AdaptivePolicy::OnInsert(AccessStats& stats, const BlockHash& hash, uint64_t tick,
+                              const AccessStats* ghost) const {
+  stats.crf =
+      ghost == nullptr ? kFirstSightCrf : fast_.InsertedCrf(ghost->crf, ghost->last_tick, tick);
+  probation_.OnInsert(stats, hash, tick, ghost);  // sets probation and last_tick
 }
 
-void AdaptivePolicy::OnAccess(AccessStats& stats, uint64_t tick) const {
-  lrfu_.OnAccess(stats, tick);
+void AdaptivePolicy::OnAccess(AccessStats& stats, const BlockHash& hash, uint64_t tick) const {
+  stats.crf = fast_.AccessedCrf(stats.crf, stats.last_tick, tick);
+  probation_.OnAccess(stats, hash, tick);  // clears probation, sets last_tick
 }
 
 double AdaptivePolicy::Priority(const AccessStats& stats) const {
-  return use_lrfu_.load(std::memory_order_relaxed) ? lrfu_.Priority(stats) : lru_.Priority(stats);
+  switch (ranking_.load(std::memory_order_relaxed)) {
+    case 1:
+      return fast_.PriorityOf(stats.crf, stats.last_tick);
+    case 2:
+      return ProbationLruPolicy::PriorityOf(stats);
+    default:
+      return lru_.Priority(stats);
+  }
 }
 
 void AdaptivePolicy::SetCapacityHint(int64_t capacity_blocks) const {
   if (capacity_blocks <= 0) return;
-  lrfu_.SetCapacityHint(capacity_blocks);
+  fast_.SetHalfLife(kFastHalfLifeCaches * static_cast<double>(capacity_blocks));
+  probation_.SetCapacityHint(capacity_blocks);
   absl::MutexLock lock(&mu_);
   if (capacity_blocks != capacity_) ResetShadows(capacity_blocks);
 }
 
 void AdaptivePolicy::OnRequest(absl::Span<const BlockHash> chain) const {
   if (chain.empty()) return;
+  // Relaxed: a stale count only lets one chain more or less into the queue.
+  if (queued_.load(std::memory_order_relaxed) >= kMaxQueuedRequests) return;
+  {
+    absl::MutexLock lock(&queue_mu_);
+    if (background_) {
+      if (queue_.size() < kMaxQueuedRequests) {
+        queue_.emplace_back(chain.begin(), chain.end());
+        queued_.store(queue_.size(), std::memory_order_relaxed);
+      }
+      return;
+    }
+  }
+  Learn(chain);
+}
+
+void AdaptivePolicy::Learn(absl::Span<const BlockHash> chain) const {
   absl::MutexLock lock(&mu_);
-  const int64_t shadow_capacity = lru_shadow_->capacity;
+  // Counted once the lock is released (after the ranking decision), whatever the path out.
+  struct CountOnExit {
+    std::atomic<int64_t>& n;
+    ~CountOnExit() { n.fetch_add(1, std::memory_order_release); }
+  } count{learned_};
+  const int64_t shadow_capacity = shadows_[0]->capacity;
   if (shadow_capacity < capacity_) {
     // Sample whole chains by their root so shared prefixes stay together.
     const uint64_t rate = static_cast<uint64_t>(capacity_ / shadow_capacity);
     if ((chain[0].hi % rate) != 0) return;
   }
-  const int lru_hits = ReplayRequestInto(lru_shadow_->index, chain, lru_shadow_->capacity,
-                                         &lru_shadow_->cached, &lru_shadow_->evictions);
-  const int lrfu_hits = ReplayRequestInto(lrfu_shadow_->index, chain, lrfu_shadow_->capacity,
-                                          &lrfu_shadow_->cached, &lrfu_shadow_->evictions);
-  score_ = score_ * std::exp2(-static_cast<double>(chain.size()) /
-                              (kScoreMemoryCaches * static_cast<double>(shadow_capacity))) +
-           (lrfu_hits - lru_hits);
-  const bool want_lrfu = score_ > 0 ? true : score_ < 0 ? false : use_lrfu_.load();
-  if (want_lrfu != use_lrfu_.load(std::memory_order_relaxed)) {
-    use_lrfu_.store(want_lrfu, std::memory_order_relaxed);
+  std::array<double, kRankings> hits{};
+  for (int i = 0; i < kRankings; ++i) {
+    Shadow& s = *shadows_[i];
+    hits[i] = ReplayRequestInto(s.index, chain, s.capacity, &s.cached, &s.evictions);
+  }
+  const double keep = std::exp2(-static_cast<double>(chain.size()) /
+                                (kScoreMemoryCaches * static_cast<double>(shadow_capacity)));
+  for (int a = 0; a < kRankings; ++a) {
+    for (int b = 0; b < kRankings; ++b) {
+      const double d = hits[a] - hits[b];
+      lead_[a][b] = lead_[a][b] * keep + d;
+      spread_[a][b] = spread_[a][b] * keep + d * d;
+    }
+  }
+  // Move to the ranking with the most significant lead over the current one, if any.
+  const int current = ranking_.load(std::memory_order_relaxed);
+  int best = current;
+  double best_z = kSwitchZ;
+  for (int c = 0; c < kRankings; ++c) {
+    if (c == current || spread_[c][current] <= 0) continue;
+    const double z = lead_[c][current] / std::sqrt(spread_[c][current]);
+    if (z > best_z) {
+      best_z = z;
+      best = c;
+    }
+  }
+  if (best != current) {
+    ranking_.store(best, std::memory_order_relaxed);
     epoch_.fetch_add(1, std::memory_order_release);
   }
 }

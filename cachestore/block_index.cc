@@ -142,7 +142,7 @@ int BlockIndex::MatchPrefix(absl::Span<const BlockHash> chain, bool touch, bool 
       if (r.leases == kMaxLeases) break;
       ++r.leases;
     }
-    if (touch) policy().OnAccess(r.stats, base + static_cast<uint64_t>(matched) + 1);
+    if (touch) policy().OnAccess(r.stats, h, base + static_cast<uint64_t>(matched) + 1);
     if (out != nullptr) out->push_back({h, r.size_bytes, ReplicasOf(s, it->second, r)});
     ++matched;
   }
@@ -191,7 +191,7 @@ absl::Status BlockIndex::Insert(const NewBlock& block, BlockState state, bool le
     if (block.replicas.size() > 1) {
       s.extra_replicas[local] = Replicas(block.replicas.begin() + 1, block.replicas.end());
     }
-    policy().OnInsert(r.stats, NextTick(), ghost ? &*ghost : nullptr);
+    policy().OnInsert(r.stats, block.hash, NextTick(), ghost ? &*ghost : nullptr);
     s.map.emplace(block.hash, local);
     if (state == BlockState::kCommitted) ++s.committed;
     MaybeQueue(s, local, r);
@@ -355,7 +355,7 @@ bool BlockIndex::Touch(const BlockHash& hash, bool lease) {
     if (r.leases == kMaxLeases) return false;
     ++r.leases;
   }
-  policy().OnAccess(r.stats, NextTick());
+  policy().OnAccess(r.stats, hash, NextTick());
   return true;
 }
 

@@ -27,10 +27,12 @@ NodeSpec WithoutSegments(const NodeSpec& spec) {
 absl::StatusOr<std::unique_ptr<CacheStore>> CacheStore::Create(CacheStoreOptions options) {
   KV_ASSIGN_OR_RETURN(EvictionPolicyPtr policy, MakeEvictionPolicy(options.policy, 0));
   if (!policy->prefix_aware()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "policy: '", options.policy,
-        "' is the non-prefix-aware trace-replay baseline; the service needs lrfu or leaf-lru"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("policy: '", options.policy,
+                     "' is the non-prefix-aware trace-replay baseline; the service needs adaptive, "
+                     "lrfu, probation-lru or leaf-lru"));
   }
+  policy->LearnInBackground();  // lookups queue chains for the adaptive policy's shadows
   if (!(options.low_watermark > 0 && options.low_watermark <= options.high_watermark &&
         options.high_watermark <= 1.0)) {
     return absl::InvalidArgumentError("watermarks: want 0 < low <= high <= 1");

@@ -47,7 +47,7 @@
 namespace kvrelay::cachestore {
 
 struct CacheStoreOptions {
-  std::string policy = std::string(kDefaultPolicy);  // a prefix-aware policy: lrfu | leaf-lru
+  std::string policy = std::string(kDefaultPolicy);  // adaptive|lrfu|probation-lru|leaf-lru
   std::string data_dir;                              // empty: no durability
   bool wal_fsync = true;
   Clock* clock = nullptr;  // not owned; default Clock::Real()

@@ -15,8 +15,9 @@
 //   "lru"       plain LRU over blocks, not prefix-aware: any committed block may go, even one
 //               whose children stay. The baseline of `kvrelay trace-replay`; not for the service.
 //   "leaf-lru"  LRU over leaves only: a block is never evicted before its descendants.
-//   "adaptive"  leaf-LRU or LRFU, chosen online by shadow caches: adaptive_policy.h.
-//   "lrfu"      (default) leaf-first LRFU: frequency and recency with exponential aging. Each
+//   "adaptive"  (default) leaf-LRU or leaf-LRFU with a fast or a slow half-life, chosen online
+//               by shadow caches and a significance test: adaptive_policy.h.
+//   "lrfu"      leaf-first LRFU: frequency and recency with exponential aging. Each
 //               access adds 1 to a combined recency-frequency value (crf) that halves every
 //               `half_life` block accesses (Lee et al., "LRFU", IEEE ToC 2001). Stats of evicted
 //               blocks are kept in a bounded ghost history (kGhostCaches x capacity) so a block
@@ -45,6 +46,9 @@ namespace kvrelay::cachestore {
 struct AccessStats {
   uint64_t last_tick = 0;  // logical access clock (one tick per block access) at the last access
   float crf = 0;           // LRFU combined recency-frequency at last_tick; unused by LRU
+  // ProbationLruPolicy: 1 while the block is on probation (inserted without having been seen
+  // recently, not accessed since). Fills the padding after crf, so the record does not grow.
+  uint32_t probation = 0;
 };
 
 class EvictionPolicy {
@@ -53,10 +57,11 @@ class EvictionPolicy {
   virtual std::string_view name() const = 0;
   // True when only leaves may be evicted (children always go before their parent).
   virtual bool prefix_aware() const = 0;
-  // Stats of a block first stored at `tick`. `ghost` is its stats when it was last evicted (from
-  // the index's bounded ghost history) or null.
-  virtual void OnInsert(AccessStats& stats, uint64_t tick, const AccessStats* ghost) const = 0;
-  virtual void OnAccess(AccessStats& stats, uint64_t tick) const = 0;
+  // Stats of block `hash` first stored at `tick`. `ghost` is its stats when it was last evicted
+  // (from the index's bounded ghost history) or null.
+  virtual void OnInsert(AccessStats& stats, const kv::BlockHash& hash, uint64_t tick,
+                        const AccessStats* ghost) const = 0;
+  virtual void OnAccess(AccessStats& stats, const kv::BlockHash& hash, uint64_t tick) const = 0;
   // Lower goes first. Constant between accesses; never lowered by OnAccess.
   virtual double Priority(const AccessStats& stats) const = 0;
   // Tells the policy how many blocks the cache holds; policies whose aging scales with the cache
@@ -65,20 +70,49 @@ class EvictionPolicy {
   // The chain of one request, as it arrives (before its blocks are accessed). Adaptive policies
   // learn from it (AdaptivePolicy replays it into shadow caches); others ignore it.
   virtual void OnRequest(absl::Span<const kv::BlockHash> chain) const { (void)chain; }
+  // From now on OnRequest only queues the chain and a background thread learns from it, so
+  // lookups never wait on learning (the service calls this; replay tools learn inline, so their
+  // results are deterministic). Chains arriving while the queue is full are skipped.
+  virtual void LearnInBackground() const {}
   // Changes when Priority() re-ranks blocks other than by access (an adaptive policy switched
   // rankings); the index then rebuilds its eviction heap once.
   virtual uint64_t epoch() const { return 0; }
 };
 
+// RecentFilter: "was this block accessed within the last kProbationHistoryCaches cache-fulls of
+// block accesses?" (TinyLFU's doorkeeper, as a clock instead of a periodically cleared bit set).
+// A table of kProbationHistoryCaches x capacity entries in 4-way buckets; an entry is a 16-bit
+// fingerprint of the hash and the 16-bit epoch (one cache-full of accesses) of its last access;
+// a miss replaces the bucket's oldest entry. 32 bytes per cache slot, O(1), lock-free (relaxed
+// atomics: a lost or torn update only changes one admission). A fingerprint collision (1 in
+// 65,536) says "seen" wrongly; an entry pushed out says "not seen" for a block that was.
+class RecentFilter {
+ public:
+  // Sized for `capacity_blocks` (>= 1); a larger cache later only shortens the history.
+  explicit RecentFilter(int64_t capacity_blocks);
+  // Reports whether `hash` was stamped recently, then stamps it at `tick`.
+  bool SeenThenStamp(const kv::BlockHash& hash, uint64_t tick) const;
+  void SetCapacity(int64_t capacity_blocks) const;
+
+ private:
+  static constexpr int kWays = 4;
+  std::unique_ptr<std::atomic<uint32_t>[]> entries_;
+  uint64_t mask_ = 0;
+  mutable std::atomic<int64_t> epoch_ticks_;
+};
+
+inline constexpr int64_t kProbationHistoryCaches = 8;
+
 using EvictionPolicyPtr = std::unique_ptr<const EvictionPolicy>;
 
 // "lru", "leaf-lru", "lrfu" (see above) or "adaptive" (adaptive_policy.h: leaf-LRU or LRFU,
-// whichever wins in shadow caches right now). InvalidArgument naming the value otherwise.
-// `capacity_blocks` (> 0) sets the LRFU half-life to kLrfuHalfLifeCaches cache-fulls of accesses.
+// whichever wins significantly in shadow caches right now). InvalidArgument naming the value
+// otherwise. `capacity_blocks` (> 0) sets the LRFU half-life to kLrfuHalfLifeCaches cache-fulls of
+// accesses.
 absl::StatusOr<EvictionPolicyPtr> MakeEvictionPolicy(std::string_view name,
                                                      int64_t capacity_blocks);
 
-inline constexpr std::string_view kDefaultPolicy = "lrfu";
+inline constexpr std::string_view kDefaultPolicy = "adaptive";
 // LRFU aging: a block's weight halves after this many cache-fulls of block accesses. At 2 a
 // block touched once is worth as much as one touched twice half-life ago; see README.md.
 inline constexpr double kLrfuHalfLifeCaches = 2.0;
@@ -92,10 +126,13 @@ class LruPolicy final : public EvictionPolicy {
   explicit LruPolicy(bool leaf_only) : leaf_only_(leaf_only) {}
   std::string_view name() const override { return leaf_only_ ? "leaf-lru" : "lru"; }
   bool prefix_aware() const override { return leaf_only_; }
-  void OnInsert(AccessStats& stats, uint64_t tick, const AccessStats*) const override {
+  void OnInsert(AccessStats& stats, const kv::BlockHash&, uint64_t tick,
+                const AccessStats*) const override {
     stats.last_tick = tick;
   }
-  void OnAccess(AccessStats& stats, uint64_t tick) const override { stats.last_tick = tick; }
+  void OnAccess(AccessStats& stats, const kv::BlockHash&, uint64_t tick) const override {
+    stats.last_tick = tick;
+  }
   double Priority(const AccessStats& stats) const override {
     return static_cast<double>(stats.last_tick);
   }
@@ -104,19 +141,57 @@ class LruPolicy final : public EvictionPolicy {
   const bool leaf_only_;
 };
 
+// "probation-lru": leaf-first LRU with a doorkeeper (in the spirit of 2Q's A1 queue, S3-FIFO's
+// small FIFO and TinyLFU's doorkeeper): a block inserted without having been accessed within
+// the last kProbationHistoryCaches cache-fulls of accesses is on probation and ranks below every
+// other block (LRU among themselves); its next access ends probation. One-off request tails and
+// scans leave first; anything seen twice within the history is kept by recency.
+class ProbationLruPolicy final : public EvictionPolicy {
+ public:
+  explicit ProbationLruPolicy(int64_t capacity_blocks) : recent_(capacity_blocks) {}
+  std::string_view name() const override { return "probation-lru"; }
+  bool prefix_aware() const override { return true; }
+  // Probation unless the filter saw the block accessed recently or it has a ghost (evicted
+  // recently). Every access stamps the filter.
+  void OnInsert(AccessStats& stats, const kv::BlockHash& hash, uint64_t tick,
+                const AccessStats* ghost) const override;
+  void OnAccess(AccessStats& stats, const kv::BlockHash& hash, uint64_t tick) const override;
+  double Priority(const AccessStats& stats) const override { return PriorityOf(stats); }
+  void SetCapacityHint(int64_t capacity_blocks) const override {
+    if (capacity_blocks > 0) recent_.SetCapacity(capacity_blocks);
+  }
+  // Probation sinks a block by 2^52 ticks (more accesses than any store makes).
+  static double PriorityOf(const AccessStats& stats) {
+    return static_cast<double>(stats.last_tick) - (stats.probation != 0 ? 0x1p52 : 0.0);
+  }
+
+ private:
+  RecentFilter recent_;
+};
+
 class LrfuPolicy final : public EvictionPolicy {
  public:
   // REQUIRES: half_life_accesses > 0.
   explicit LrfuPolicy(double half_life_accesses) : half_life_(half_life_accesses) {}
   std::string_view name() const override { return "lrfu"; }
   bool prefix_aware() const override { return true; }
-  void OnInsert(AccessStats& stats, uint64_t tick, const AccessStats* ghost) const override;
-  void OnAccess(AccessStats& stats, uint64_t tick) const override;
+  void OnInsert(AccessStats& stats, const kv::BlockHash& hash, uint64_t tick,
+                const AccessStats* ghost) const override;
+  void OnAccess(AccessStats& stats, const kv::BlockHash& hash, uint64_t tick) const override;
   // log2(crf) + last_tick / half_life: comparing crf decayed to any common time t is the same as
   // comparing this, because decay multiplies every crf by 2^(-(t - last_tick) / half_life).
   double Priority(const AccessStats& stats) const override;
   void SetCapacityHint(int64_t capacity_blocks) const override;
+  // REQUIRES: half_life_accesses > 0.
+  void SetHalfLife(double half_life_accesses) const {
+    half_life_.store(half_life_accesses, std::memory_order_relaxed);
+  }
   double half_life() const { return half_life_.load(std::memory_order_relaxed); }
+  // The crf update rules on one value, for a policy that keeps several (AdaptivePolicy).
+  // `ghost_crf` / `ghost_tick`: the value when the block was last evicted, or negative crf.
+  float InsertedCrf(float ghost_crf, uint64_t ghost_tick, uint64_t tick) const;
+  float AccessedCrf(float crf, uint64_t last_tick, uint64_t tick) const;
+  double PriorityOf(float crf, uint64_t last_tick) const;
 
  private:
   // Relaxed: a stale value only makes one heap comparison approximate; the lazy heap re-checks.

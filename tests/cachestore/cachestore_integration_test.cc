@@ -175,7 +175,7 @@ TEST_F(CacheStoreProcessTest, RegisterAllocateCommitMatchQueryAndMetrics) {
   KV_ASSERT_OK_AND_ASSIGN(v1::StatsResponse st, client_->Stats());
   EXPECT_EQ(st.nodes(), 2);
   EXPECT_EQ(st.committed_blocks(), 8);
-  EXPECT_EQ(st.policy(), "lrfu");
+  EXPECT_EQ(st.policy(), "adaptive");
   const std::string metrics = testing::HttpGet(metrics_port_, "/metrics");
   EXPECT_THAT(metrics, HasSubstr("200 OK"));
   EXPECT_THAT(metrics, HasSubstr("kvrelay_cachestore_prefix_hit_blocks_total 16"));
