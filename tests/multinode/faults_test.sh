@@ -62,7 +62,8 @@ run = json.load(open(sys.argv[1]))["runs"][0]
 s, k = run["summary"], run["contract"]
 print(f"requests {s['requests']} ok {s['ok']} failed {s['failed']} verified {s['verified']} "
       f"wrong {s['wrong_tokens']} hit rate {s['hit_rate']:.3f}")
-assert s["wrong_tokens"] == 0 and s["verified"] == s["ok"] > 150, s
+# Requests cut by --max-duration at the end are verified as far as they got.
+assert s["wrong_tokens"] == 0 and s["verified"] >= s["ok"] > 150, s
 assert k["kept"], k["violations"]
 actions = [(f["action"], f["target"]) for f in k["faults"]]
 want = [("dup", "prefill-0"), ("stop", "decode-0"), ("cut", "decode-1"), ("cut", "store"),
