@@ -167,6 +167,8 @@ absl::Status DecodeWorker::Init(worker::WorkerCoreDeps deps) {
 }
 
 DecodeWorker::~DecodeWorker() {
+  // No more inbound events (see ~PrefillWorker): they touch reservations_ and mu_.
+  if (core_ != nullptr && core_->transport != nullptr) core_->transport->SetInboundHandler(nullptr);
   {
     absl::MutexLock lock(&mu_);
     stopping_ = true;

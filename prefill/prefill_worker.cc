@@ -56,7 +56,11 @@ absl::Status PrefillWorker::Own(absl::Status status, kvrelay::v1::FailureReason 
   return proto::WithErrorInfo(std::move(status), info);
 }
 
-PrefillWorker::~PrefillWorker() = default;
+PrefillWorker::~PrefillWorker() {
+  // The transport's threads call OnInbound until the handler is replaced (the replacement waits
+  // for a running call): before any member it touches is destroyed.
+  if (transport_ != nullptr) transport_->SetInboundHandler(nullptr);
+}
 
 absl::Status PrefillWorker::Init(worker::WorkerCoreDeps deps) {
   if (options_.core.cachestore_address.empty()) {
