@@ -40,8 +40,9 @@ struct UcxTransportOptions {
   // UCX's own tcp transport listens on ports of its own (the data connections over tcp);
   // "LOW-HIGH" confines them (UCX_TCP_PORT_RANGE), empty: UCX_TCP_PORT_RANGE or any port.
   std::string ucx_tcp_port_range;
-  // Endpoint error handling. kAuto: PEER where the transports support it, else NONE (shared
-  // memory on UCX 1.13), relying on the heartbeat.
+  // Endpoint error handling. kAuto: NONE on UCX 1.13 (its PEER mode aborts the process in
+  // wireup when a tcp peer goes away at the wrong moment; see ucx_transport.cc) and for shared
+  // memory, relying on the control channel's heartbeat; PEER on later UCX over a network.
   enum class ErrorMode { kAuto, kPeer, kNone };
   ErrorMode error_mode = ErrorMode::kAuto;
   uint64_t chunk_bytes = 1 << 20;          // larger blocks are split (tcp collapses on 16 MiB)
