@@ -14,6 +14,7 @@
 #include "cachestore/cache_store.h"
 #include "cachestore/server/service.h"
 #include "common/clock.h"
+#include "common/metrics.h"
 #include "grpcpp/server_context.h"
 
 namespace {
@@ -40,7 +41,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   absl::StatusOr<std::unique_ptr<kvrelay::cachestore::CacheStore>> store =
       kvrelay::cachestore::CacheStore::Create(options);
   if (!store.ok()) __builtin_trap();
-  CacheStoreService service(store->get(), kvrelay::cachestore::Limits{});
+  kvrelay::MetricsRegistry metrics;
+  CacheStoreService service(store->get(), kvrelay::cachestore::Limits{}, &metrics);
   std::string_view in(reinterpret_cast<const char*>(data), size);
   for (int calls = 0; in.size() >= 3 && calls < 64; ++calls) {
     const uint8_t call = static_cast<uint8_t>(in[0]);
