@@ -2,6 +2,7 @@
 
 #include <signal.h>
 
+#include <atomic>
 #include <cstdio>
 
 #include "absl/strings/str_cat.h"
@@ -9,6 +10,17 @@
 #include "grpcpp/health_check_service_interface.h"
 
 namespace kvrelay::server {
+namespace {
+
+// Threads that libraries start before main (OpenBLAS's pool, at load time) do not block
+// SIGTERM; the kernel hands a process-directed signal to one of them whenever the main thread is
+// not inside sigtimedwait, and the default action would kill the process. A handler makes that
+// harmless: it records the signal, and WaitForShutdown picks it up on its next tick.
+std::atomic<int> pending_shutdown_signal{0};
+
+void RecordShutdownSignal(int signo) { pending_shutdown_signal.store(signo); }
+
+}  // namespace
 
 void ServiceHost::BlockShutdownSignals() {
   sigset_t set;
@@ -16,6 +28,11 @@ void ServiceHost::BlockShutdownSignals() {
   sigaddset(&set, SIGTERM);
   sigaddset(&set, SIGINT);
   pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  struct sigaction action = {};
+  action.sa_handler = &RecordShutdownSignal;
+  sigemptyset(&action.sa_mask);
+  ::sigaction(SIGTERM, &action, nullptr);
+  ::sigaction(SIGINT, &action, nullptr);
 }
 
 absl::StatusOr<std::unique_ptr<ServiceHost>> ServiceHost::Start(
@@ -104,7 +121,8 @@ void ServiceHost::WaitForShutdown(const ShutdownHooks& hooks) {
   const timespec wait = absl::ToTimespec(tick);
   absl::Time next_tick = absl::Now() + hooks.tick;
   while (!shutdown_requested_.load(std::memory_order_acquire)) {
-    const int signo = sigtimedwait(&set, nullptr, &wait);
+    int signo = sigtimedwait(&set, nullptr, &wait);
+    if (signo < 0) signo = pending_shutdown_signal.exchange(0);
     if (signo == SIGTERM || signo == SIGINT) {
       KV_LOG(INFO) << options_.name << ": signal " << signo << ", draining";
       break;
