@@ -22,9 +22,6 @@ bool EndpointDown(const absl::Status& s) {
   return absl::IsUnavailable(s) || absl::IsDeadlineExceeded(s);
 }
 
-// The smallest key greater than every key with prefix `key`... for one key: key + '\0'.
-std::string KeyEnd(const std::string& key) { return key + std::string(1, '\0'); }
-
 // A numeric IPv4 address goes straight to gRPC's ipv4 resolver: the DNS resolver waits between
 // re-resolutions, which keeps a channel failing for seconds after etcd came back.
 std::string ChannelTarget(const std::string& address) {
@@ -129,6 +126,10 @@ const std::string& EtcdClient::endpoint() const {
   return endpoints_[current_.load() % endpoints_.size()]->address;
 }
 
+void EtcdClient::SetCallDeadline(grpc::ClientContext& ctx) const {
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
+}
+
 template <typename Call>
 absl::Status EtcdClient::WithEndpoint(Call&& call) {
   absl::Status last;
@@ -152,7 +153,7 @@ absl::StatusOr<int64_t> EtcdClient::GrantLease(absl::Duration ttl) {
   int64_t id = 0;
   absl::Status s = WithEndpoint([&](const Stubs& e) {
     grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
+    SetCallDeadline(ctx);
     etcdserverpb::LeaseGrantRequest req;
     req.set_ttl(seconds);
     etcdserverpb::LeaseGrantResponse resp;
@@ -170,7 +171,7 @@ absl::StatusOr<int64_t> EtcdClient::GrantLease(absl::Duration ttl) {
 absl::Status EtcdClient::RevokeLease(int64_t lease) {
   return WithEndpoint([&](const Stubs& e) {
     grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
+    SetCallDeadline(ctx);
     etcdserverpb::LeaseRevokeRequest req;
     req.set_id(lease);
     etcdserverpb::LeaseRevokeResponse resp;
@@ -182,7 +183,7 @@ absl::StatusOr<absl::Duration> EtcdClient::KeepAlive(int64_t lease) {
   int64_t ttl = 0;
   absl::Status s = WithEndpoint([&](const Stubs& e) {
     grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
+    SetCallDeadline(ctx);
     auto stream = e.lease->LeaseKeepAlive(&ctx);
     etcdserverpb::LeaseKeepAliveRequest req;
     req.set_id(lease);
@@ -210,7 +211,7 @@ absl::StatusOr<std::optional<KeyValue>> EtcdClient::Get(const std::string& key) 
   std::optional<KeyValue> out;
   absl::Status s = WithEndpoint([&](const Stubs& e) {
     grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
+    SetCallDeadline(ctx);
     etcdserverpb::RangeRequest req;
     req.set_key(key);
     etcdserverpb::RangeResponse resp;
@@ -229,7 +230,7 @@ absl::StatusOr<EtcdClient::CreateResult> EtcdClient::CreateIfAbsent(const std::s
   CreateResult result;
   absl::Status s = WithEndpoint([&](const Stubs& e) {
     grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
+    SetCallDeadline(ctx);
     etcdserverpb::TxnRequest txn;
     RequireCreateRevision(txn, key, 0);
     etcdserverpb::PutRequest* put = txn.add_success()->mutable_request_put();
@@ -262,7 +263,7 @@ absl::StatusOr<bool> EtcdClient::DeleteIfCreatedAt(const std::string& key,
   bool deleted = false;
   absl::Status s = WithEndpoint([&](const Stubs& e) {
     grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
+    SetCallDeadline(ctx);
     etcdserverpb::TxnRequest txn;
     RequireCreateRevision(txn, key, create_revision);
     txn.add_success()->mutable_request_delete_range()->set_key(key);
@@ -281,7 +282,7 @@ absl::StatusOr<bool> EtcdClient::PutIfGuardCreatedAt(const std::string& guard_ke
   bool written = false;
   absl::Status s = WithEndpoint([&](const Stubs& e) {
     grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
+    SetCallDeadline(ctx);
     etcdserverpb::TxnRequest txn;
     RequireCreateRevision(txn, guard_key, guard_revision);
     etcdserverpb::PutRequest* put = txn.add_success()->mutable_request_put();
@@ -306,8 +307,7 @@ absl::StatusOr<bool> EtcdClient::WaitForChange(const std::string& key, int64_t a
   auto stream = e.watch->Watch(&ctx);
   etcdserverpb::WatchRequest req;
   etcdserverpb::WatchCreateRequest* create = req.mutable_create_request();
-  create->set_key(key);
-  create->set_range_end(KeyEnd(key));
+  create->set_key(key);  // no range_end: this one key
   create->set_start_revision(after_revision + 1);
   if (!stream->Write(req)) {
     absl::Status st = FromGrpc(stream->Finish(), "Watch", e.address);

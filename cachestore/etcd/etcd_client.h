@@ -81,6 +81,7 @@ class EtcdClient {
   // Runs `call` against the current endpoint, moving on to the next one when it does not answer.
   template <typename Call>
   absl::Status WithEndpoint(Call&& call);
+  void SetCallDeadline(grpc::ClientContext& ctx) const;  // now + rpc_timeout
 
   struct Stubs {
     std::string address;
