@@ -43,6 +43,10 @@ struct GenerationResult {
   std::string prefill_worker;
   std::string decode_worker;
   int32_t attempts = 0;
+  // Where the reused prefix came from (GenerateSummary.prefix_source; "local" co-located) and
+  // leading blocks the decode worker already held.
+  std::string prefix_source;
+  int32_t decode_held_blocks = 0;
 };
 
 class ColocatedGenerator {

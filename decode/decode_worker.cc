@@ -46,6 +46,10 @@ struct DecodeWorker::Reservation {
   int32_t prompt_tokens = 0;
   int32_t full_blocks = 0;
   std::vector<std::vector<kv::SlotId>> slots;  // [group][block], -1 = not wanted
+  // Leading blocks loaded from this worker's cache segment at Reserve (slots [0, held) of every
+  // group hold them; nobody pushes into them), and the hashes the gateway named for them.
+  int32_t held_blocks = 0;
+  std::vector<kv::BlockHash> held_hashes;
   int32_t expected_layers = 0;
   absl::Time expires;
   std::vector<int64_t> budget;  // booked blocks per group; moves to the Active on Generate
@@ -72,6 +76,7 @@ struct DecodeWorker::Active {
   int32_t eos_token = -1;
   std::string tenant_salt;
   int32_t pushed_blocks = 0;
+  int32_t held_blocks = 0;      // of the pushed ones, already in the cache segment
   std::vector<int64_t> budget;  // returned when the sequence ends
   // Scheduler-only.
   int32_t generated = 0;
@@ -95,6 +100,9 @@ DecodeWorker::DecodeWorker(DecodeWorkerOptions options, MetricsRegistry* metrics
                            "Requests whose pushed KV was unusable and was recomputed, by reason.",
                            {{"reason", "transfer"}});
   active_gauge_ = metrics_->GetGauge("kvrelay_decode_active_sequences", "Sequences decoding.");
+  held_blocks_ = metrics_->GetCounter(
+      "kvrelay_decode_held_blocks_total",
+      "Leading prompt blocks found in this worker's own cache at Reserve (not pushed again).");
   step_seconds_ = metrics_->GetHistogram(
       "kvrelay_decode_step_seconds", "Time of one batched decode step.", LatencyBucketsSeconds());
   refused_overloaded_ =
@@ -212,7 +220,8 @@ absl::Status DecodeWorker::AuthorizeBlocks(const Reservation& r,
       const uint64_t slot = b.offset / stride;
       const uint64_t within = b.offset % stride;
       if (b.length > stride - within) continue;
-      for (kv::SlotId s : r.slots[g]) {
+      for (size_t b = static_cast<size_t>(r.held_blocks); b < r.slots[g].size(); ++b) {
+        const kv::SlotId s = r.slots[g][b];
         if (s >= 0 && static_cast<uint64_t>(s) == slot) {
           inside = true;
           break;
@@ -268,7 +277,7 @@ void DecodeWorker::OnPushClaim(const transfer::InboundEvent& event) {
               absl::StrCat("claim group ", g, " is not the reservation's region or slot count"));
         }
         for (int b = 0; b < target.slots_size(); ++b) {
-          if (target.slots(b) >= 0 && target.slots(b) != r.slots[g][b]) {
+          if (target.slots(b) >= 0 && (b < r.held_blocks || target.slots(b) != r.slots[g][b])) {
             return absl::PermissionDeniedError(absl::StrCat("claim group ", g, " block ", b,
                                                             ": slot ", target.slots(b),
                                                             " is not the reservation's"));
@@ -350,6 +359,17 @@ absl::StatusOr<kvrelay::v1::ReserveResponse> DecodeWorker::Reserve(
   r->budget = BlockBudget(int64_t{request.prompt_tokens()} + request.max_tokens());
   const int64_t first_query = static_cast<int64_t>(r->full_blocks) * layout.block_tokens();
   r->slots.resize(layout.groups().size());
+  if (request.chain_packed().size() % 16 != 0 ||
+      request.chain_packed().size() / 16 > static_cast<size_t>(limits::kMaxChainBlocks)) {
+    return Invalid(absl::StrCat("chain_packed: want a multiple of 16 bytes, at most ",
+                                limits::kMaxChainBlocks, " hashes; got ",
+                                request.chain_packed().size(), " bytes"));
+  }
+  for (size_t i = 0;
+       i * 16 < request.chain_packed().size() && static_cast<int64_t>(i) < r->full_blocks; ++i) {
+    r->held_hashes.push_back(kv::BlockHash::FromBytes(absl::MakeConstSpan(
+        reinterpret_cast<const uint8_t*>(request.chain_packed().data()) + i * 16, 16)));
+  }
 
   absl::MutexLock lock(&mu_);
   if (draining_) {
@@ -388,9 +408,19 @@ absl::StatusOr<kvrelay::v1::ReserveResponse> DecodeWorker::Reserve(
           kvrelay::v1::FAILURE_OVERLOADED);
     }
   }
+  // Leading blocks this worker kept from earlier requests: loaded now (the store's policy may
+  // evict them from the segment later), never pushed again.
+  std::vector<std::vector<kv::SlotId>> held_slots;
+  worker::StoreLink* store = store_.load(std::memory_order_acquire);
+  if (store != nullptr && !r->held_hashes.empty()) {
+    r->held_blocks =
+        static_cast<int32_t>(store->LoadHeldPrefix(r->held_hashes, kv_->cache(), held_slots));
+  }
+  r->held_hashes.resize(static_cast<size_t>(r->held_blocks));
+  if (r->held_blocks >= r->full_blocks) r->expected_layers = 0;
   for (size_t g = 0; g < layout.groups().size(); ++g) {
     std::vector<int64_t> wanted;
-    for (int64_t b = 0; b < r->full_blocks; ++b) {
+    for (int64_t b = r->held_blocks; b < r->full_blocks; ++b) {
       if (worker::BlockWanted(layout.groups()[g], layout.block_tokens(), b, first_query)) {
         wanted.push_back(b);
       }
@@ -399,12 +429,24 @@ absl::StatusOr<kvrelay::v1::ReserveResponse> DecodeWorker::Reserve(
         kv_->cache().pool(static_cast<int>(g)).AllocateMany(static_cast<int64_t>(wanted.size()));
     if (!slots.ok()) {
       ReleaseReservationSlots(*r);
+      for (size_t h = 0; h < held_slots.size(); ++h) {
+        for (kv::SlotId s : held_slots[h]) (void)kv_->cache().pool(static_cast<int>(h)).Release(s);
+      }
       return Own(absl::ResourceExhaustedError(absl::StrCat(
                      "decode node ", core_->node_id, ": KV pool full: ", slots.status().message())),
                  kvrelay::v1::FAILURE_OVERLOADED);
     }
     r->slots[g].assign(static_cast<size_t>(r->full_blocks), -1);
     for (size_t i = 0; i < wanted.size(); ++i) r->slots[g][wanted[i]] = (*slots)[i];
+    for (int64_t b = 0; b < r->held_blocks; ++b) {
+      const kv::SlotId held = held_slots[g][b];
+      if (worker::BlockWanted(layout.groups()[g], layout.block_tokens(), b, first_query)) {
+        r->slots[g][b] = held;
+      } else {
+        (void)kv_->cache().pool(static_cast<int>(g)).Release(held);  // outside the window
+      }
+    }
+    if (g < held_slots.size()) held_slots[g].clear();
   }
   for (size_t g = 0; g < layout.groups().size(); ++g) booked_[g] += r->budget[g];
   kvrelay::v1::ReserveResponse response;
@@ -424,8 +466,12 @@ absl::StatusOr<kvrelay::v1::ReserveResponse> DecodeWorker::Reserve(
     target->set_region_id(kv_->region(static_cast<int>(g)).id());
     target->set_slot_stride_bytes(pool.slot_stride());
     target->set_block_bytes(static_cast<uint64_t>(layout.BlockBytes(static_cast<int>(g))));
-    for (kv::SlotId s : r->slots[g]) target->add_slots(s);
+    for (int64_t b = 0; b < r->full_blocks; ++b) {
+      target->add_slots(b < r->held_blocks ? -1 : r->slots[g][b]);
+    }
   }
+  response.set_held_blocks(r->held_blocks);
+  held_blocks_->Increment(r->held_blocks);
   reservations_[r->tag] = std::move(r);
   return response;
 }
@@ -545,10 +591,25 @@ absl::Status DecodeWorker::Generate(const kvrelay::v1::DecodeRequest& request, a
   if (r != nullptr) {
     absl::MutexLock lock(&mu_);
     received_bytes = r->bytes_received;
-    use_pushed = r->expected_layers > 0 && r->layers_received >= r->expected_layers &&
+    // Held blocks count only if they are this prompt's: the hashes the gateway named at Reserve
+    // must be the prompt's own (tokens, tenant, layout).
+    bool held_ok = true;
+    if (r->held_blocks > 0) {
+      const std::vector<kv::BlockHash> own =
+          kv::HashChain(layout.fingerprint(), request.tenant_salt(),
+                        absl::MakeConstSpan(tokens).subspan(
+                            0, static_cast<size_t>(r->held_blocks) * layout.block_tokens()),
+                        layout.block_tokens());
+      held_ok = own == r->held_hashes;
+      if (!held_ok) {
+        KV_LOG(WARNING) << request.request_id()
+                        << ": the prefix named at Reserve is not this prompt's; recomputing";
+      }
+    }
+    use_pushed = r->full_blocks > 0 && held_ok && r->layers_received >= r->expected_layers &&
                  r->transfer_status.ok() &&
                  request.pushed_tokens() == r->full_blocks * layout.block_tokens();
-    if (r->expected_layers > 0 && !use_pushed) {
+    if (r->full_blocks > 0 && !use_pushed) {
       recomputed_requests_->Increment();
       KV_LOG(WARNING) << request.request_id() << ": pushed KV unusable ("
                       << (r->transfer_status.ok() ? "incomplete" : r->transfer_status.ToString())
@@ -569,6 +630,7 @@ absl::Status DecodeWorker::Generate(const kvrelay::v1::DecodeRequest& request, a
     }
     active->tail.assign(tokens.begin() + prefix_tokens, tokens.end());
     active->pushed_blocks = r->full_blocks;
+    active->held_blocks = r->held_blocks;
     received_bytes_->Increment(static_cast<double>(received_bytes));
   } else {
     if (r != nullptr) {
@@ -645,12 +707,15 @@ void DecodeWorker::SchedulerLoop() {
   auto finish = [this](const std::shared_ptr<Active>& a, absl::Status status) {
     worker::StoreLink* store = store_.load(std::memory_order_acquire);
     if (status.ok() && store != nullptr) {
-      // Multi-turn reuse: publish the full blocks this worker computed (after the pushed ones).
+      // Multi-turn reuse: keep every full block of the sequence in the cache segment — the
+      // ones received (a copy beside the prefill node's) and the ones computed here — so a
+      // later turn routed here receives only what is new.
       const kv::ModelLayout& layout = runner_->layout();
       std::vector<kv::BlockHash> chain = kv::HashChain(layout.fingerprint(), a->tenant_salt,
                                                        a->seq->tokens(), layout.block_tokens());
       absl::StatusOr<int32_t> committed =
-          store->CommitBlocks(chain, a->pushed_blocks, static_cast<int64_t>(chain.size()), *a->seq);
+          store->CommitBlocks(chain, a->held_blocks, static_cast<int64_t>(chain.size()), *a->seq,
+                              /*keep_copies=*/true);
       if (!committed.ok()) KV_LOG(WARNING) << a->request_id << ": commit: " << committed.status();
     }
     a->seq.reset();  // frees the slots

@@ -135,6 +135,7 @@ class DecodeWorker {
   Counter* generated_tokens_;
   Counter* received_bytes_;
   Counter* recomputed_requests_;
+  Counter* held_blocks_;  // leading blocks found in the cache segment at Reserve
   Gauge* active_gauge_;
   Histogram* step_seconds_;
   Counter* refused_overloaded_;

@@ -39,6 +39,7 @@
 #include "gateway/circuit_breaker.h"
 #include "gateway/worker_endpoints.h"
 #include "kv/hf_config.h"
+#include "kv/reuse_cost.h"
 #include "kvrelay/v1/gateway.pb.h"
 
 namespace kvrelay::gateway {
@@ -61,6 +62,10 @@ struct GatewayOptions {
   // With a store and endpoint factories: how often the registry is read for workers that
   // joined or left (ListNodes); zero turns discovery off.
   absl::Duration discovery_interval = absl::Seconds(1);
+  // Route to the prefill node that holds the prompt's prefix when the cost model
+  // (kv::RouteSeconds: its queue vs the compute the others would do) says so. Off: prefill
+  // nodes are picked by load alone, and they pull or recompute what others hold.
+  bool prefix_routing = true;
 };
 
 // HMAC-SHA256(secret, tenant), first 16 bytes.
@@ -120,6 +125,10 @@ class Gateway {
       return std::max(in_flight.load(std::memory_order_relaxed),
                       reported_load.load(std::memory_order_relaxed));
     }
+    // Prefill nodes: how long a Prefill call takes, and prompt tokens computed per second of it
+    // (the cost model's inputs for routing).
+    kv::RateMeter prefill_calls;
+    kv::RateMeter prefill_tokens;
     bool discovered = false;           // from the registry (may be dropped), not a fixed address
     uint64_t incarnation = 0;          // discovered: the registered process
     std::atomic<bool> suspect{false};  // the registry marks it suspect: picked last
@@ -142,10 +151,17 @@ class Gateway {
   Gateway(GatewayOptions options, kv::ModelConfig config, MetricsRegistry* metrics, Clock* clock);
   absl::Status Validate(const kvrelay::v1::GenerateRequest& request) const;
   using NodeList = std::vector<std::shared_ptr<Node>>;
-  Node* PickPrefill(const NodeList& prefills, const std::vector<int32_t>& prompt,
-                    const std::string& salt, const std::vector<Node*>& excluded,
-                    absl::Time deadline);
-  Node* PickDecode(const NodeList& decodes, const std::vector<Node*>& excluded);
+  // Leading blocks of `chain` each node holds (node id -> blocks), from the store; empty when
+  // the store is unknown, skipped after a failure, or did not answer.
+  absl::flat_hash_map<std::string, int32_t> QueryHoldings(const std::vector<kv::BlockHash>& chain);
+  // `routed` is set when the prefix, not the load alone, decided the pick.
+  Node* PickPrefill(const NodeList& prefills, const absl::flat_hash_map<std::string, int32_t>& held,
+                    int64_t full_blocks, const std::vector<Node*>& excluded, absl::Time deadline,
+                    bool* routed);
+  // The least loaded decode node; among those within one request of it, the one holding the
+  // longest prefix (it is not sent again).
+  Node* PickDecode(const NodeList& decodes, const absl::flat_hash_map<std::string, int32_t>& held,
+                   const std::vector<Node*>& excluded);
   void DiscoveryLoop();
   // Which node a failed step is attributed to, from its ErrorInfo (the node called when the
   // failure carries none). kNone for the caller's own deadline, cancellation or bad input.

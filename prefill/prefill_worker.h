@@ -28,6 +28,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "common/metrics.h"
+#include "kv/reuse_cost.h"
 #include "kvrelay/v1/prefill.pb.h"
 #include "model/model_runner.h"
 #include "transfer/transport.h"
@@ -41,6 +42,12 @@ struct PrefillWorkerOptions {
   std::string model_name;
   absl::Duration transfer_timeout = absl::Seconds(30);
   absl::Duration lease_ttl = absl::Seconds(60);
+  // Pulling a prefix held on another node: at most this long (then the rest is recomputed).
+  absl::Duration fetch_timeout = absl::Seconds(2);
+  // A link the cost model judged too slow is tried again after this long (it may be fast now).
+  absl::Duration fetch_reprobe_interval = absl::Seconds(5);
+  // Off: blocks held on other nodes are always recomputed (the behaviour before pulls).
+  bool pull_remote_prefix = true;
 };
 
 class PrefillWorker {
@@ -77,6 +84,19 @@ class PrefillWorker {
   absl::Status ClaimPush(transfer::PeerId peer, const kvrelay::v1::PrefillRequest& request,
                          absl::Time deadline);
   void OnInbound(transfer::InboundEvent event);
+  struct PulledPrefix {
+    int64_t blocks = 0;
+    uint64_t bytes = 0;
+    bool attempted = false;
+    kv::PullOrRecompute decision;
+  };
+  // Blocks [first, matched) of `chain` held on other nodes: pulled (appended to `slots`) or
+  // left for recompute, as the cost model decides. Never fails the request.
+  PulledPrefix PullHeldElsewhere(const worker::PrefixMatch& match,
+                                 const std::vector<kv::BlockHash>& chain, int64_t first,
+                                 int64_t wanted_end, const std::string& request_id,
+                                 absl::Time deadline, std::vector<std::vector<kv::SlotId>>& slots);
+  kv::RateMeter& LinkMeter(const std::string& address);
 
   const PrefillWorkerOptions options_;
   MetricsRegistry* metrics_;
@@ -96,7 +116,17 @@ class PrefillWorker {
   absl::flat_hash_map<std::pair<transfer::PeerId, uint64_t>, std::optional<absl::Status>> verdicts_
       ABSL_GUARDED_BY(verdicts_mu_);
 
+  // Pulls: one at a time (they share the slot-entry scratch region).
+  absl::Mutex fetch_mu_;
+  transfer::MemoryRegionPtr fetch_scratch_;
+  absl::Mutex meters_mu_;
+  absl::flat_hash_map<std::string, std::unique_ptr<kv::RateMeter>> link_meters_
+      ABSL_GUARDED_BY(meters_mu_);
+  kv::RateMeter prefill_rate_;  // prompt tokens per second of compute here
+
   Counter* prefix_query_tokens_;
+  Counter* fetched_bytes_;
+  Counter* fetched_tokens_;
   Counter* prefix_hit_tokens_;
   Counter* computed_tokens_;
   Counter* pushed_bytes_;

@@ -48,6 +48,9 @@ int RunGatewayCommand(const std::vector<std::string>& raw_args) {
   flags.AddInt32("max-inflight-per-tenant", &options.max_inflight_per_tenant,
                  "requests one tenant may have in flight (0: no limit)");
   flags.AddInt32("max-attempts", &options.max_attempts, "failed worker pairs tried per request");
+  flags.AddBool("prefix-routing", &options.prefix_routing,
+                "route to the prefill node holding the prompt's prefix when its queue is worth it "
+                "(false: by load alone; workers pull or recompute what others hold)");
   flags.AddDuration("reserve-timeout", &options.reserve_timeout,
                     "per-attempt bound on a decode worker's Reserve");
   flags.AddDuration("prefill-timeout", &options.prefill_timeout,

@@ -39,7 +39,6 @@ namespace {
 
 using ::testing::ElementsAreArray;
 
-constexpr int kPrefill = 1;
 constexpr int kDecode = 2;
 
 class InProcessCluster : public ::testing::Test {
@@ -63,7 +62,7 @@ class InProcessCluster : public ::testing::Test {
     KV_ASSERT_OK_AND_ASSIGN(store_host_,
                             server::ServiceHost::Start(host, {store_service_.get()}, nullptr));
 
-    for (int i = 0; i < kPrefill; ++i) {
+    for (int i = 0; i < num_prefill_; ++i) {
       prefill::PrefillWorkerOptions options;
       options.core.model_dir = model_dir_;
       options.core.node_id = "prefill-" + std::to_string(i);
@@ -196,6 +195,20 @@ class InProcessCluster : public ::testing::Test {
     *p.mutable_target() = target;
     return prefills_[0]->Run(p, absl::Now() + absl::Seconds(30));
   }
+  // A prefill on worker `index` with a given tenant salt (requests sharing it share blocks).
+  absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillOn(int index, const std::string& id,
+                                                         const std::vector<int32_t>& prompt,
+                                                         const kvrelay::v1::ReserveResponse& target,
+                                                         const std::string& salt) {
+    kvrelay::v1::PrefillRequest p;
+    p.set_request_id(id);
+    p.set_model("tiny");
+    for (int32_t t : prompt) p.add_tokens(t);
+    p.set_tenant_salt(salt);
+    p.set_layout_fingerprint(Fingerprint());
+    *p.mutable_target() = target;
+    return prefills_[index]->Run(p, absl::Now() + absl::Seconds(30));
+  }
   struct DecodeOutcome {
     absl::Status status;
     std::vector<int32_t> tokens;
@@ -230,6 +243,7 @@ class InProcessCluster : public ::testing::Test {
   }
 
   int32_t tenant_quota_ = 64;  // GatewayOptions::max_inflight_per_tenant
+  int num_prefill_ = 1;
   TempDir dir_;
   std::string model_dir_;
   std::unique_ptr<cli::ColocatedGenerator> reference_;
@@ -584,6 +598,55 @@ TEST_F(InProcessCluster, BlocksWithoutAClaimOrOutsideTheReservationAreNotUsed) {
   KV_ASSERT_OK(out.status);
   EXPECT_THAT(out.tokens, ElementsAreArray(Reference(prompt)));
   EXPECT_EQ(out.computed_tokens, 40);  // nothing pushed was used
+}
+
+// Two prefill nodes: the second pulls what the first computed. Through a transport that flips a
+// byte of every fetched block, the pull is refused by its checksum and the blocks are
+// recomputed (never used); without the fault the same pull delivers every block.
+class TwoPrefillNodes : public InProcessCluster {
+ protected:
+  TwoPrefillNodes() { num_prefill_ = 2; }
+};
+
+TEST_F(TwoPrefillNodes, ACorruptedPulledBlockIsDetectedAndRecomputed) {
+  const std::vector<int32_t> prompt = Prompt(70, 9);  // 4 full blocks pushed
+  const std::vector<int32_t> expected = Reference(prompt);
+  const kv::ModelLayout& layout = gateway_->config().layout;
+  int64_t block_bytes = 0;
+  for (size_t g = 0; g < layout.groups().size(); ++g) {
+    block_bytes += layout.BlockBytes(static_cast<int>(g));
+  }
+  auto run = [&](int prefill, const std::string& id) -> kvrelay::v1::PrefillResponse {
+    kvrelay::v1::ReserveResponse target = Reserve(0, id, prompt);
+    absl::StatusOr<kvrelay::v1::PrefillResponse> r =
+        PrefillOn(prefill, id, prompt, target, "shared-salt");
+    EXPECT_TRUE(r.ok()) << r.status();
+    DecodeOutcome out = Decode(0, id, prompt, target.reservation_token(), 64);
+    EXPECT_TRUE(out.status.ok()) << out.status;
+    EXPECT_THAT(out.tokens, ElementsAreArray(expected)) << id;
+    return r.ok() ? *r : kvrelay::v1::PrefillResponse();
+  };
+  kvrelay::v1::PrefillResponse computed = run(0, "computed");
+  EXPECT_EQ(computed.computed_tokens(), 64);
+
+  prefill_faults_[1]->SetFaults({.corrupt = true, .only = transfer::Direction::kGet});
+  kvrelay::v1::PrefillResponse refused = run(1, "corrupted-pull");
+  EXPECT_EQ(refused.prefix_source(), "recomputed");
+  EXPECT_EQ(refused.fetched_bytes(), 0);
+  EXPECT_EQ(refused.computed_tokens(), 64);
+  EXPECT_EQ(metrics_
+                .GetCounter("kvrelay_prefill_fetch_failures_total",
+                            "Pulls from other nodes that did not deliver every block, by reason.",
+                            {{"reason", "corrupt"}})
+                ->value(),
+            1);
+
+  prefill_faults_[1]->SetFaults({});
+  kvrelay::v1::PrefillResponse pulled = run(1, "clean-pull");
+  EXPECT_EQ(pulled.prefix_source(), "pulled");
+  EXPECT_EQ(pulled.fetched_bytes(), 4 * block_bytes);
+  EXPECT_EQ(pulled.fetched_tokens(), 64);
+  EXPECT_EQ(pulled.computed_tokens(), 0);
 }
 
 }  // namespace
