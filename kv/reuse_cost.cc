@@ -13,6 +13,14 @@ void RateMeter::Observe(double units, double seconds, absl::Time now) {
   last_ = now;
 }
 
+void RateMeter::ObserveCeiling(double units, double seconds, absl::Time now) {
+  if (!(seconds > 0) || !(units >= 0)) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  const double ceiling = units / seconds;
+  rate_ = rate_ == 0 ? ceiling : std::min(rate_, ceiling);
+  last_ = now;
+}
+
 double RateMeter::rate() const {
   std::lock_guard<std::mutex> lock(mu_);
   return rate_;
@@ -43,18 +51,18 @@ PullOrRecompute ChoosePullOrRecompute(const PullOrRecomputeInputs& in) {
   }
   const bool both_known = in.link_bytes_per_second > 0 && in.prefill_tokens_per_second > 0;
   out.choice = both_known && out.recompute_seconds < out.pull_seconds ? ReuseChoice::kRecompute
-                                                                       : ReuseChoice::kPull;
+                                                                      : ReuseChoice::kPull;
   return out;
 }
 
 double RouteSeconds(int64_t queue_ahead, double seconds_per_request, int64_t tokens_to_compute,
                     double tokens_per_second) {
-  const double queue = static_cast<double>(std::max<int64_t>(0, queue_ahead)) *
-                       std::max(0.0, seconds_per_request);
-  const double compute = tokens_per_second > 0
-                             ? static_cast<double>(std::max<int64_t>(0, tokens_to_compute)) /
-                                   tokens_per_second
-                             : 0;
+  const double queue =
+      static_cast<double>(std::max<int64_t>(0, queue_ahead)) * std::max(0.0, seconds_per_request);
+  const double compute =
+      tokens_per_second > 0
+          ? static_cast<double>(std::max<int64_t>(0, tokens_to_compute)) / tokens_per_second
+          : 0;
   return queue + compute;
 }
 

@@ -20,6 +20,9 @@ class RateMeter {
   explicit RateMeter(double weight = 0.3) : weight_(weight) {}
   // `units` done in `seconds` (> 0) at `now`.
   void Observe(double units, double seconds, absl::Time now);
+  // An attempt of `units` that did not finish within `seconds`: the rate is at most
+  // units / seconds from now on (a link that slowed down is believed at once, not averaged in).
+  void ObserveCeiling(double units, double seconds, absl::Time now);
   // Units per second; 0 until observed.
   double rate() const;
   // The smallest `seconds` observed (fixed cost of one operation, e.g. a round trip); 0 until
@@ -39,8 +42,8 @@ enum class ReuseChoice { kPull, kRecompute };
 const char* ReuseChoiceName(ReuseChoice choice);  // "pull", "recompute"
 
 struct PullOrRecomputeInputs {
-  uint64_t bytes = 0;   // layout bytes of the blocks held elsewhere
-  int64_t tokens = 0;   // their tokens
+  uint64_t bytes = 0;                // layout bytes of the blocks held elsewhere
+  int64_t tokens = 0;                // their tokens
   double link_bytes_per_second = 0;  // 0: the link to the holder is not measured yet
   double link_latency_seconds = 0;
   double prefill_tokens_per_second = 0;  // 0: this node's rate is not measured yet

@@ -28,8 +28,10 @@ TEST(ReuseCost, RecomputesWhenTheLinkIsShapedSlow) {
 }
 
 TEST(ReuseCost, AnUnmeasuredLinkIsPulledFromToMeasureIt) {
-  PullOrRecompute d = ChoosePullOrRecompute(
-      {.bytes = 1 << 30, .tokens = 1, .link_bytes_per_second = 0, .prefill_tokens_per_second = 1e6});
+  PullOrRecompute d = ChoosePullOrRecompute({.bytes = 1 << 30,
+                                             .tokens = 1,
+                                             .link_bytes_per_second = 0,
+                                             .prefill_tokens_per_second = 1e6});
   EXPECT_EQ(d.choice, ReuseChoice::kPull);
   EXPECT_EQ(d.pull_seconds, 0);
 }
@@ -53,6 +55,11 @@ TEST(RateMeter, WeightsNewObservationsAndKeepsTheFloor) {
   EXPECT_EQ(meter.last_observed(), t + absl::Seconds(2));
   meter.Observe(5, 0, t);  // ignored
   EXPECT_EQ(meter.last_observed(), t + absl::Seconds(2));
+  // A pull of 100 units cut off after 10 s: at most 10/s from now on.
+  meter.ObserveCeiling(100, 10, t + absl::Seconds(3));
+  EXPECT_DOUBLE_EQ(meter.rate(), 10);
+  meter.ObserveCeiling(1000, 1, t + absl::Seconds(4));  // a ceiling above the rate changes nothing
+  EXPECT_DOUBLE_EQ(meter.rate(), 10);
 }
 
 }  // namespace

@@ -538,10 +538,10 @@ PrefillWorker::PulledPrefix PrefillWorker::PullHeldElsewhere(
   const uint64_t block_bytes = segment_->block_bytes();
   kv::RateMeter& link = LinkMeter(holder.transport_address);
   const absl::Time now = absl::Now();
+  // The link's rate is measured over whole pulls, so it already includes their latency.
   out.decision = kv::ChoosePullOrRecompute({.bytes = block_bytes * static_cast<uint64_t>(run),
                                             .tokens = run * layout.block_tokens(),
                                             .link_bytes_per_second = link.rate(),
-                                            .link_latency_seconds = link.floor_seconds(),
                                             .prefill_tokens_per_second = prefill_rate_.rate()});
   // A link judged slow is measured again now and then: it may have become fast.
   const bool reprobe = now - link.last_observed() > options_.fetch_reprobe_interval;
@@ -595,9 +595,9 @@ PrefillWorker::PulledPrefix PrefillWorker::PullHeldElsewhere(
     link.Observe(static_cast<double>(fetched.wire_bytes), absl::ToDoubleSeconds(fetched.elapsed),
                  absl::Now());
   } else if (!fetched.status.ok()) {
-    // A fetch cut short says the link is at most this fast.
-    link.Observe(static_cast<double>(fetched.kv_bytes),
-                 std::max(1e-3, absl::ToDoubleSeconds(fetched.elapsed)), absl::Now());
+    // A pull that failed or ran out of time says the link is at most this fast.
+    link.ObserveCeiling(static_cast<double>(block_bytes * static_cast<uint64_t>(run)),
+                        std::max(1e-3, absl::ToDoubleSeconds(fetched.elapsed)), absl::Now());
     KV_LOG(WARNING) << request_id << ": pulled " << fetched.intact << " of " << run
                     << " blocks from " << holder.node_id << " (" << fetched.status
                     << "); recomputing the rest";

@@ -101,17 +101,17 @@ FetchedPrefix FetchBlocks(transfer::Transport& transport, transfer::PeerId peer,
     bool arrived = per_block.size() == n * pieces;
     for (size_t k = 0; arrived && k < pieces; ++k) arrived = per_block[intact * pieces + k].ok();
     if (!arrived) {
-      out.status = done.ok() ? absl::DataLossError(absl::StrCat("fetch: block ", intact,
-                                                                " did not arrive"))
-                             : done;
+      out.status =
+          done.ok() ? absl::DataLossError(absl::StrCat("fetch: block ", intact, " did not arrive"))
+                    : done;
       break;
     }
     CacheSegment::SlotEntry entry;
     std::memcpy(&entry, scratch.data() + intact * CacheSegment::kSlotEntryBytes, sizeof(entry));
     if (entry.hash_hi != hashes[intact].hi || entry.hash_lo != hashes[intact].lo) {
-      out.status = absl::NotFoundError(absl::StrCat(
-          "fetch: the holder's slot ", slots[intact], " no longer holds block ",
-          hashes[intact].ToHex()));
+      out.status =
+          absl::NotFoundError(absl::StrCat("fetch: the holder's slot ", slots[intact],
+                                           " no longer holds block ", hashes[intact].ToHex()));
       break;
     }
     kv::BlockChecksummer sum;
@@ -120,9 +120,9 @@ FetchedPrefix FetchBlocks(transfer::Transport& transport, transfer::PeerId peer,
                  static_cast<size_t>(layout.BlockBytes(g)));
     }
     if (sum.Digest() != entry.checksum) {
-      out.status = absl::DataLossError(absl::StrCat("fetch: block ", hashes[intact].ToHex(),
-                                                    " from ", holder.node_id,
-                                                    " failed its checksum"));
+      out.status =
+          absl::DataLossError(absl::StrCat("fetch: block ", hashes[intact].ToHex(), " from ",
+                                           holder.node_id, " failed its checksum"));
       break;
     }
   }

@@ -23,8 +23,8 @@
 namespace kvrelay::worker {
 
 struct FetchedPrefix {
-  int64_t intact = 0;    // leading blocks that arrived and passed both checks
-  uint64_t kv_bytes = 0;  // KV bytes of those blocks (the layout's bytes per block x intact)
+  int64_t intact = 0;       // leading blocks that arrived and passed both checks
+  uint64_t kv_bytes = 0;    // KV bytes of those blocks (the layout's bytes per block x intact)
   uint64_t wire_bytes = 0;  // everything read, slot entries and failed blocks included
   absl::Duration elapsed;
   // Why the fetch stopped before the last block (OK when every block is intact).
