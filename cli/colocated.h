@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "model/mamba_runner.h"
 #include "model/model_runner.h"
 
 namespace kvrelay::cli {
@@ -55,12 +56,20 @@ class ColocatedGenerator {
   // [1, 4096] or a prompt + max_tokens longer than the model's max_position_embeddings.
   absl::StatusOr<GenerationResult> Generate(const GenerationRequest& request) const;
 
-  const model::ModelRunner& runner() const { return *runner_; }
+  // The model's config and layout, whichever runner computes it.
+  const kv::ModelConfig& config() const {
+    return runner_ != nullptr ? runner_->config() : mamba_->config();
+  }
 
  private:
-  explicit ColocatedGenerator(std::unique_ptr<model::ModelRunner> runner)
-      : runner_(std::move(runner)) {}
-  std::unique_ptr<model::ModelRunner> runner_;
+  ColocatedGenerator(std::unique_ptr<model::ModelRunner> runner,
+                     std::unique_ptr<model::MambaRunner> mamba)
+      : runner_(std::move(runner)), mamba_(std::move(mamba)) {}
+  // Mamba: one Prefill over the prompt, then DecodeSteps, on its recurrent state.
+  absl::StatusOr<GenerationResult> GenerateMamba(const GenerationRequest& request) const;
+
+  std::unique_ptr<model::ModelRunner> runner_;  // attention models
+  std::unique_ptr<model::MambaRunner> mamba_;   // model_type mamba
 };
 
 }  // namespace kvrelay::cli

@@ -114,6 +114,12 @@ class DecodeWorker {
   void OnInbound(transfer::InboundEvent event);
   void SchedulerLoop();
   void ReleaseReservationSlots(Reservation& r);
+  // The config and layout of whichever runner this worker has.
+  const kv::ModelConfig& model_config() const { return core_->model_config(); }
+  // Mamba: the pushed state (in the slot of the last pushed block, `slots` as a reservation
+  // holds them) as a sequence of `prefix_tokens` tokens; every slot is released.
+  absl::StatusOr<std::unique_ptr<model::MambaSequence>> AdoptPushedState(
+      std::vector<std::vector<kv::SlotId>> slots, int64_t prefix_tokens);
 
   const DecodeWorkerOptions options_;
   MetricsRegistry* metrics_;
@@ -142,7 +148,8 @@ class DecodeWorker {
   // Declared last: destroyed first, so the transport stops calling OnInbound before the
   // reservations it touches go away.
   std::unique_ptr<worker::WorkerCore> core_;
-  model::ModelRunner* runner_ = nullptr;     // core_->runner
+  model::ModelRunner* runner_ = nullptr;     // core_->runner (null for Mamba)
+  model::MambaRunner* mamba_ = nullptr;      // core_->mamba (null for attention models)
   worker::RegisteredKvCache* kv_ = nullptr;  // core_->kv
   // core_->store once ConnectStore ran (null without a store); release by ConnectStore,
   // acquire by the scheduler.

@@ -78,6 +78,12 @@ class StoreLink {
   // this node's segment, copies the blocks there, commits them. Returns how many were committed.
   absl::StatusOr<int32_t> CommitBlocks(const std::vector<kv::BlockHash>& chain, int64_t first,
                                        int64_t last, const model::Sequence& seq);
+  // Writes one block's bytes (segment_->block_bytes() of them) into segment slot `slot`.
+  using BlockWriter = std::function<absl::Status(int64_t block_index, int64_t slot)>;
+  // As CommitBlocks, with the bytes of block i written by `write(i, slot)`: for Mamba, the
+  // state checkpoint after block i (kept under block i's chained hash).
+  absl::StatusOr<int32_t> CommitBlocksFrom(const std::vector<kv::BlockHash>& chain, int64_t first,
+                                           int64_t last, const BlockWriter& write);
 
   const std::string& node_id() const { return options_.node_id; }
   uint64_t incarnation() const { return options_.incarnation; }
