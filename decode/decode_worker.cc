@@ -322,8 +322,8 @@ void DecodeWorker::OnInbound(transfer::InboundEvent event) {
     }
     return;
   }
-  r.layers_received +=
-      std::max(0, std::min(event.layers.end, model_config().layout.num_layers()) - event.layers.begin);
+  r.layers_received += std::max(
+      0, std::min(event.layers.end, model_config().layout.num_layers()) - event.layers.begin);
   for (const transfer::ReceivedBlock& b : event.blocks) r.bytes_received += b.length;
   if (!event.status.ok() && r.transfer_status.ok()) r.transfer_status = event.status;
 }
@@ -449,8 +449,7 @@ absl::Status DecodeWorker::Generate(const kvrelay::v1::DecodeRequest& request, a
   if (absl::Status s = CheckRequestId(request.request_id()); !s.ok()) {
     return Invalid(std::string(s.message()));
   }
-  if (absl::Status s =
-          kv::ValidatePrompt(request.tokens(), request.max_tokens(), model_config());
+  if (absl::Status s = kv::ValidatePrompt(request.tokens(), request.max_tokens(), model_config());
       !s.ok()) {
     return Invalid(std::string(s.message()));
   }
@@ -737,9 +736,8 @@ void DecodeWorker::SchedulerLoop() {
         last.push_back(a->last_token);
       }
       const absl::Time start = absl::Now();
-      absl::StatusOr<std::vector<float>> logits = mamba_ != nullptr
-                                                      ? mamba_->DecodeStep(states, last)
-                                                      : runner_->DecodeStep(seqs, last);
+      absl::StatusOr<std::vector<float>> logits =
+          mamba_ != nullptr ? mamba_->DecodeStep(states, last) : runner_->DecodeStep(seqs, last);
       step_seconds_->Observe(absl::ToDoubleSeconds(absl::Now() - start));
       if (!logits.ok()) {
         for (auto& a : running) finish(a, logits.status());

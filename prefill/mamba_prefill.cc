@@ -23,8 +23,7 @@ namespace kvrelay::prefill {
 using ::kvrelay::proto::Attribute;
 
 absl::Status PrefillWorker::DecodeFailure(const kvrelay::v1::ReserveResponse& target,
-                                          absl::Status s,
-                                          kvrelay::v1::FailureReason reason) const {
+                                          absl::Status s, kvrelay::v1::FailureReason reason) const {
   kvrelay::v1::ErrorInfo info;
   info.set_role(kvrelay::v1::ROLE_DECODE);
   info.set_node_id(target.node_id());
@@ -202,8 +201,8 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::RunMamba(
     t.local = &kv_->region(0);
     t.local_offset = static_cast<uint64_t>(*local_slot) * pool.slot_stride() + slice.offset_in_unit;
     t.remote_region = group_target.region_id();
-    t.remote_offset =
-        static_cast<uint64_t>(remote_slot) * group_target.slot_stride_bytes() + slice.offset_in_unit;
+    t.remote_offset = static_cast<uint64_t>(remote_slot) * group_target.slot_stride_bytes() +
+                      slice.offset_in_unit;
     t.length = slice.length;
     t.layer = layer;
     batch.blocks.push_back(t);
@@ -235,10 +234,10 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::RunMamba(
                      {{"reason", "transfer"}})
         ->Increment();
     if (absl::IsDeadlineExceeded(transfer_status) && absl::Now() >= deadline) {
-      return Attribute(absl::DeadlineExceededError(absl::StrCat(
-                           "the request's deadline passed while pushing to decode node ",
-                           target.node_id())),
-                       kvrelay::v1::ROLE_CLIENT, "", kvrelay::v1::FAILURE_CALLER_DEADLINE);
+      return Attribute(
+          absl::DeadlineExceededError(absl::StrCat(
+              "the request's deadline passed while pushing to decode node ", target.node_id())),
+          kvrelay::v1::ROLE_CLIENT, "", kvrelay::v1::FAILURE_CALLER_DEADLINE);
     }
     return DecodeFailure(
         target,

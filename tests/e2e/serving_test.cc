@@ -1,9 +1,9 @@
 // End to end on real processes (`kvrelay up`: cache store, 1 prefill worker, 2 decode workers
 // and a gateway, UCX on loopback): disaggregated tokens equal co-located tokens for a GQA
 // (llama), an MLA (deepseek_v3), a sliding-window (gemma3), an MHA (gpt2) and an SSM (mamba)
-// model under 16 concurrent requests; a shared prefix is reused, not recomputed; the KV bytes moved are exactly
-// the layout's; bad input is INVALID_ARGUMENT and the servers keep serving; the CLI client agrees
-// with the co-located reference; seeded sampling draws the same tokens as co-located.
+// model under 16 concurrent requests; a shared prefix is reused, not recomputed; the KV bytes moved
+// are exactly the layout's; bad input is INVALID_ARGUMENT and the servers keep serving; the CLI
+// client agrees with the co-located reference; seeded sampling draws the same tokens as co-located.
 
 #include <algorithm>
 #include <atomic>
@@ -485,7 +485,6 @@ TEST(GenerateCommand, GatewayJsonMatchesColocated) {
   EXPECT_THAT(bad.stderr_text, HasSubstr("INVALID_ARGUMENT"));
 }
 
-
 // Every architecture, on real processes: a prompt sharing a cached prefix reuses it, the
 // prefill worker computes only the blocks after it, and the tokens equal co-located. For Mamba
 // the reuse is a state checkpoint: the prefill worker resumes from the checkpoint after the
@@ -659,7 +658,8 @@ TEST(UnsupportedConfig, IsRefusedNamingTheField) {
   const std::map<std::string, std::pair<std::string, std::string>> edits = {
       {"llama", {"hidden_act", "\"relu2\""}},
       {"deepseek_v3", {"attention_bias", "true"}},
-      {"gemma3", {"rope_scaling", R"({"rope_type":"longrope","short_factor":[1],"long_factor":[1]})"}},
+      {"gemma3",
+       {"rope_scaling", R"({"rope_type":"longrope","short_factor":[1],"long_factor":[1]})"}},
       {"gpt2", {"add_cross_attention", "true"}},
       {"mamba", {"hidden_act", "\"gelu\""}},
   };
@@ -682,8 +682,8 @@ TEST(UnsupportedConfig, IsRefusedNamingTheField) {
         {"generate", "--colocated", "--model", model, "--tokens", "1,2,3", "--max-tokens", "1"});
     EXPECT_NE(colocated.exit_code, 0);
     EXPECT_THAT(colocated.stderr_text, HasSubstr(edit.first)) << colocated.stderr_text;
-    testing::CommandResult decode =
-        testing::RunKvrelay({"decode", "--model", model, "--insecure", "--port", "0"}, absl::Seconds(30));
+    testing::CommandResult decode = testing::RunKvrelay(
+        {"decode", "--model", model, "--insecure", "--port", "0"}, absl::Seconds(30));
     EXPECT_NE(decode.exit_code, 0);
     EXPECT_THAT(decode.stderr_text, HasSubstr(edit.first)) << decode.stderr_text;
   }
