@@ -1,6 +1,7 @@
 #pragma once
 
-// Co-located generation: prefill and decode in one process with model::ModelRunner. It is the
+// Co-located generation: prefill and decode in one process with model::ModelRunner (or
+// model::MambaRunner for model_type mamba). It is the
 // reference that disaggregated serving must match token for token (see DESIGN.md, "One request,
 // end to end"): Prefill over the whole prompt (bit-identical to the prefill worker's full blocks
 // plus the decode worker's tail, because prefill GEMMs are tiled at block boundaries), the first

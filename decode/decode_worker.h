@@ -24,6 +24,10 @@
 //            (first token), then runs one batched DecodeStep over all active sequences per
 //            iteration (continuous batching: sequences join and leave between steps).
 //
+// Mamba (an SSM-state layout): Reserve holds one slot, for the state after the last pushed
+// block; Generate restores the sequence's recurrent state from it and the scheduler runs
+// MambaRunner instead of ModelRunner.
+//
 // Admission: Reserve books the KV blocks a request can ever need (prompt + max_tokens, windows
 // capped) against the pool; a request that does not fit is refused at once with
 // RESOURCE_EXHAUSTED, so every admitted request can finish. At most max_batch sequences decode

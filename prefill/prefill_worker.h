@@ -10,6 +10,10 @@
 // -> wait for every layer -> commit the new blocks to the cache store (copies in the segment)
 // -> release the lease.
 //
+// Mamba (an SSM-state layout, prefill/mamba_prefill.cc): the same hashes and match, but the
+// request resumes from the deepest state checkpoint cached here, computes the rest, pushes one
+// constant-size state and commits one checkpoint per computed block.
+//
 // Domain logic only: the gRPC glue is prefill/server/PrefillService. Every failure carries a
 // kvrelay.v1.ErrorInfo saying which role and node failed (proto/grpc_status.h).
 //

@@ -229,7 +229,7 @@ class InProcessCluster : public ::testing::Test {
     EXPECT_EQ(info->reason(), kvrelay::v1::FAILURE_UNAUTHORIZED) << status;
   }
 
-  int32_t tenant_quota_ = 64;  // GatewayOptions::max_inflight_per_tenant
+  int32_t tenant_quota_ = 64;   // GatewayOptions::max_inflight_per_tenant
   std::string arch_ = "llama";  // the test model's architecture
   TempDir dir_;
   std::string model_dir_;
