@@ -654,7 +654,9 @@ void DecodeWorker::SchedulerLoop() {
   std::vector<std::shared_ptr<Active>> running;
   auto finish = [this](const std::shared_ptr<Active>& a, absl::Status status) {
     worker::StoreLink* store = store_.load(std::memory_order_acquire);
-    if (status.ok() && store != nullptr) {
+    // Mamba commits nothing from here: decode rounds the state after every step, so a
+    // checkpoint taken here would not be the prefill's bit for bit (model/README.md).
+    if (status.ok() && store != nullptr && a->mamba == nullptr) {
       // Multi-turn reuse: publish the full blocks this worker computed (after the pushed ones).
       const kv::ModelLayout& layout = model_config().layout;
       std::vector<kv::BlockHash> chain = kv::HashChain(layout.fingerprint(), a->tenant_salt,
@@ -664,6 +666,7 @@ void DecodeWorker::SchedulerLoop() {
       if (!committed.ok()) KV_LOG(WARNING) << a->request_id << ": commit: " << committed.status();
     }
     a->seq.reset();  // frees the slots
+    a->mamba.reset();
     {
       absl::MutexLock lock(&mu_);
       ReturnBudget(a->budget);
