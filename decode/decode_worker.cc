@@ -67,7 +67,8 @@ struct DecodeWorker::Reservation {
 
 struct DecodeWorker::Active {
   std::string request_id;
-  std::unique_ptr<model::Sequence> seq;
+  std::unique_ptr<model::Sequence> seq;  // for Mamba an empty stand-in; the state is `mamba`
+  std::unique_ptr<model::MambaSequence> mamba;
   std::vector<int32_t> tail;  // prompt tokens the scheduler computes before decoding
   int32_t max_tokens = 0;
   float temperature = 0;
@@ -125,7 +126,7 @@ absl::Status DecodeWorker::Own(absl::Status status, kvrelay::v1::FailureReason r
 }
 
 absl::Status DecodeWorker::CheckLayoutFingerprint(const std::string& fingerprint) const {
-  const kv::LayoutFingerprint& own = runner_->layout().fingerprint();
+  const kv::LayoutFingerprint& own = model_config().layout.fingerprint();
   if (fingerprint == own.ToBytes()) return absl::OkStatus();
   return Own(absl::FailedPreconditionError(
                  absl::StrCat("layout_fingerprint: decode node ", core_->node_id, " serves layout ",
@@ -134,7 +135,7 @@ absl::Status DecodeWorker::CheckLayoutFingerprint(const std::string& fingerprint
 }
 
 std::vector<int64_t> DecodeWorker::BlockBudget(int64_t tokens) const {
-  const kv::ModelLayout& layout = runner_->layout();
+  const kv::ModelLayout& layout = model_config().layout;
   std::vector<int64_t> budget(layout.groups().size());
   for (size_t g = 0; g < budget.size(); ++g) {
     budget[g] = layout.BlocksNeeded(static_cast<int>(g), tokens);
@@ -165,9 +166,10 @@ absl::Status DecodeWorker::Init(worker::WorkerCoreDeps deps) {
                  core_options, [this](transfer::InboundEvent e) { OnInbound(std::move(e)); },
                  std::move(deps)));
   runner_ = core_->runner.get();
+  mamba_ = core_->mamba.get();
   {
     absl::MutexLock lock(&mu_);
-    booked_.assign(runner_->layout().groups().size(), 0);
+    booked_.assign(model_config().layout.groups().size(), 0);
   }
   kv_ = core_->kv.get();
   scheduler_ = std::thread([this] { SchedulerLoop(); });
@@ -329,15 +331,15 @@ void DecodeWorker::OnInbound(transfer::InboundEvent event) {
     }
     return;
   }
-  r.layers_received +=
-      std::max(0, std::min(event.layers.end, runner_->layout().num_layers()) - event.layers.begin);
+  r.layers_received += std::max(
+      0, std::min(event.layers.end, model_config().layout.num_layers()) - event.layers.begin);
   for (const transfer::ReceivedBlock& b : event.blocks) r.bytes_received += b.length;
   if (!event.status.ok() && r.transfer_status.ok()) r.transfer_status = event.status;
 }
 
 absl::StatusOr<kvrelay::v1::ReserveResponse> DecodeWorker::Reserve(
     const kvrelay::v1::ReserveRequest& request) {
-  const kv::ModelLayout& layout = runner_->layout();
+  const kv::ModelLayout& layout = model_config().layout;
   if (absl::Status s = ValidateReserveRequest(request, options_.model_name, layout); !s.ok()) {
     if (absl::IsFailedPrecondition(s)) {
       return Own(absl::FailedPreconditionError(
@@ -493,8 +495,7 @@ absl::Status DecodeWorker::Generate(const kvrelay::v1::DecodeRequest& request, a
   if (absl::Status s = CheckRequestId(request.request_id()); !s.ok()) {
     return Invalid(std::string(s.message()));
   }
-  if (absl::Status s =
-          kv::ValidatePrompt(request.tokens(), request.max_tokens(), runner_->config());
+  if (absl::Status s = kv::ValidatePrompt(request.tokens(), request.max_tokens(), model_config());
       !s.ok()) {
     return Invalid(std::string(s.message()));
   }
@@ -509,7 +510,7 @@ absl::Status DecodeWorker::Generate(const kvrelay::v1::DecodeRequest& request, a
     return Invalid(absl::StrCat("tenant_salt is over ", limits::kMaxTenantSaltBytes, " bytes"));
   }
   if (absl::Status s = CheckLayoutFingerprint(request.layout_fingerprint()); !s.ok()) return s;
-  const kv::ModelLayout& layout = runner_->layout();
+  const kv::ModelLayout& layout = model_config().layout;
   std::vector<int32_t> tokens(request.tokens().begin(), request.tokens().end());
 
   // Wait for the pushed prefix, bounded by the caller's deadline and transfer_wait.
@@ -577,11 +578,12 @@ absl::Status DecodeWorker::Generate(const kvrelay::v1::DecodeRequest& request, a
   auto active = std::make_shared<Active>();
   active->request_id = request.request_id();
   active->seq = std::make_unique<model::Sequence>(&kv_->cache());
+  if (mamba_ != nullptr) active->mamba = std::make_unique<model::MambaSequence>(layout);
   active->max_tokens = request.max_tokens();
   active->temperature = temperature;
   active->top_p = top_p > 0 ? top_p : 1.0f;
   active->sampler = std::make_unique<model::Sampler>(request.sampling().seed());
-  active->eos_token = request.eos_token() >= 0 && request.eos_token() < runner_->config().vocab_size
+  active->eos_token = request.eos_token() >= 0 && request.eos_token() < model_config().vocab_size
                           ? request.eos_token()
                           : -1;
   active->tenant_salt = request.tenant_salt();
@@ -620,9 +622,17 @@ absl::Status DecodeWorker::Generate(const kvrelay::v1::DecodeRequest& request, a
     const int64_t prefix_tokens = int64_t{r->full_blocks} * layout.block_tokens();
     std::vector<std::vector<kv::SlotId>> slots = std::move(r->slots);
     r->slots.clear();
-    absl::Status adopted = active->seq->AdoptPrefix(
-        absl::MakeConstSpan(tokens).subspan(0, static_cast<size_t>(prefix_tokens)),
-        std::move(slots));
+    absl::Status adopted;
+    if (mamba_ != nullptr) {
+      absl::StatusOr<std::unique_ptr<model::MambaSequence>> state =
+          AdoptPushedState(std::move(slots), prefix_tokens);
+      adopted = state.status();
+      if (state.ok()) active->mamba = *std::move(state);
+    } else {
+      adopted = active->seq->AdoptPrefix(
+          absl::MakeConstSpan(tokens).subspan(0, static_cast<size_t>(prefix_tokens)),
+          std::move(slots));
+    }
     if (!adopted.ok()) {
       absl::MutexLock lock(&mu_);
       ReturnBudget(active->budget);
@@ -706,11 +716,13 @@ void DecodeWorker::SchedulerLoop() {
   std::vector<std::shared_ptr<Active>> running;
   auto finish = [this](const std::shared_ptr<Active>& a, absl::Status status) {
     worker::StoreLink* store = store_.load(std::memory_order_acquire);
-    if (status.ok() && store != nullptr) {
+    // Mamba commits nothing from here: decode rounds the state after every step, so a
+    // checkpoint taken here would not be the prefill's bit for bit (model/README.md).
+    if (status.ok() && store != nullptr && a->mamba == nullptr) {
       // Multi-turn reuse: keep every full block of the sequence in the cache segment — the
       // ones received (a copy beside the prefill node's) and the ones computed here — so a
       // later turn routed here receives only what is new.
-      const kv::ModelLayout& layout = runner_->layout();
+      const kv::ModelLayout& layout = model_config().layout;
       std::vector<kv::BlockHash> chain = kv::HashChain(layout.fingerprint(), a->tenant_salt,
                                                        a->seq->tokens(), layout.block_tokens());
       absl::StatusOr<int32_t> committed =
@@ -719,6 +731,7 @@ void DecodeWorker::SchedulerLoop() {
       if (!committed.ok()) KV_LOG(WARNING) << a->request_id << ": commit: " << committed.status();
     }
     a->seq.reset();  // frees the slots
+    a->mamba.reset();
     {
       absl::MutexLock lock(&mu_);
       ReturnBudget(a->budget);
@@ -759,7 +772,9 @@ void DecodeWorker::SchedulerLoop() {
       }
     }
     for (auto& a : admitted) {
-      absl::StatusOr<std::vector<float>> logits = runner_->Prefill(*a->seq, a->tail);
+      absl::StatusOr<std::vector<float>> logits = a->mamba != nullptr
+                                                      ? mamba_->Prefill(*a->mamba, a->tail)
+                                                      : runner_->Prefill(*a->seq, a->tail);
       if (!logits.ok()) {
         finish(a, logits.status());
         continue;
@@ -781,13 +796,16 @@ void DecodeWorker::SchedulerLoop() {
         running.end());
     if (!running.empty()) {
       std::vector<model::Sequence*> seqs;
+      std::vector<model::MambaSequence*> states;
       std::vector<int32_t> last;
       for (auto& a : running) {
         seqs.push_back(a->seq.get());
+        states.push_back(a->mamba.get());
         last.push_back(a->last_token);
       }
       const absl::Time start = absl::Now();
-      absl::StatusOr<std::vector<float>> logits = runner_->DecodeStep(seqs, last);
+      absl::StatusOr<std::vector<float>> logits =
+          mamba_ != nullptr ? mamba_->DecodeStep(states, last) : runner_->DecodeStep(seqs, last);
       step_seconds_->Observe(absl::ToDoubleSeconds(absl::Now() - start));
       if (!logits.ok()) {
         for (auto& a : running) finish(a, logits.status());
@@ -816,6 +834,33 @@ void DecodeWorker::SchedulerLoop() {
   for (auto& a : running) finish(a, absl::UnavailableError("decode worker stopping"));
 }
 
+absl::StatusOr<std::unique_ptr<model::MambaSequence>> DecodeWorker::AdoptPushedState(
+    std::vector<std::vector<kv::SlotId>> slots, int64_t prefix_tokens) {
+  const kv::ModelLayout& layout = model_config().layout;
+  kv::BlockPool& pool = kv_->cache().pool(0);
+  auto release = [&pool, &slots] {
+    for (auto& group : slots) {
+      for (kv::SlotId s : group) {
+        if (s >= 0) (void)pool.Release(s);
+      }
+    }
+  };
+  const int64_t last_block = prefix_tokens / layout.block_tokens() - 1;
+  if (slots.size() != 1 || last_block < 0 || static_cast<int64_t>(slots[0].size()) <= last_block ||
+      slots[0][last_block] < 0) {
+    release();
+    return absl::InternalError("mamba: the reservation holds no slot for the pushed state");
+  }
+  auto seq = std::make_unique<model::MambaSequence>(layout);
+  absl::Status restored = seq->Restore(
+      absl::MakeConstSpan(static_cast<const uint8_t*>(pool.SlotAddress(slots[0][last_block])),
+                          static_cast<size_t>(layout.BlockBytes(0))),
+      prefix_tokens);
+  release();  // Restore copied the bytes
+  if (!restored.ok()) return restored;
+  return seq;
+}
+
 absl::Status DecodeWorker::ConnectStore(const std::string& grpc_address) {
   KV_RETURN_IF_ERROR(core_->ConnectStore(grpc_address, [this] {
     kvrelay::v1::DecodeStatusResponse status = Describe();
@@ -836,7 +881,7 @@ kvrelay::v1::DecodeStatusResponse DecodeWorker::Describe() {
   response.set_model(options_.model_name);
   response.set_node_id(core_->node_id);
   response.set_incarnation(core_->incarnation);
-  response.set_layout_fingerprint(runner_->layout().fingerprint().ToBytes());
+  response.set_layout_fingerprint(model_config().layout.fingerprint().ToBytes());
   response.set_active_requests(active_count_);
   response.set_queued_requests(static_cast<int32_t>(pending_.size()));
   response.set_max_queued(options_.max_queued);

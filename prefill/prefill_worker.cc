@@ -78,6 +78,7 @@ absl::Status PrefillWorker::Init(worker::WorkerCoreDeps deps) {
                  options_.core, [this](transfer::InboundEvent e) { OnInbound(std::move(e)); },
                  std::move(deps)));
   runner_ = core_->runner.get();
+  mamba_ = core_->mamba.get();
   transport_ = core_->transport.get();
   kv_ = core_->kv.get();
   segment_ = core_->segment.get();
@@ -88,12 +89,12 @@ absl::Status PrefillWorker::Init(worker::WorkerCoreDeps deps) {
 }
 
 absl::Status PrefillWorker::Validate(const kvrelay::v1::PrefillRequest& request) const {
-  const kv::ModelLayout& layout = runner_->layout();
+  const kv::ModelLayout& layout = model_config().layout;
   if (!options_.model_name.empty() && request.model() != options_.model_name) {
     return absl::InvalidArgumentError(absl::StrCat(
         "model: this worker serves '", options_.model_name, "', not '", request.model(), "'"));
   }
-  KV_RETURN_IF_ERROR(kv::ValidatePrompt(request.tokens(), /*max_tokens=*/-1, runner_->config()));
+  KV_RETURN_IF_ERROR(kv::ValidatePrompt(request.tokens(), /*max_tokens=*/-1, model_config()));
   const int n = request.tokens_size();
   if (request.tenant_salt().size() > limits::kMaxTenantSaltBytes) {
     return absl::InvalidArgumentError(
@@ -234,12 +235,12 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
   if (absl::Status s = Validate(request); !s.ok()) return CallerError(std::move(s));
   // The layout (model, dtype, block size, groups) the caller hashed for, this worker's and the
   // target's must be one and the same, or blocks would be read as another layout's.
-  const std::string own_fingerprint = runner_->layout().fingerprint().ToBytes();
+  const std::string own_fingerprint = model_config().layout.fingerprint().ToBytes();
   if (request.layout_fingerprint() != own_fingerprint) {
     return Own(
         absl::FailedPreconditionError(absl::StrCat(
             "layout_fingerprint: prefill node ", core_->node_id, " serves layout ",
-            runner_->layout().fingerprint().ToHex(), ", the request was routed for another")),
+            model_config().layout.fingerprint().ToHex(), ", the request was routed for another")),
         kvrelay::v1::FAILURE_IDENTITY);
   }
   if (request.target().layout_fingerprint() != own_fingerprint) {
@@ -256,6 +257,7 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
     Gauge* g;
     ~ActiveGuard() { g->Add(-1); }
   } guard{active_};
+  if (mamba_ != nullptr) return RunMamba(request, deadline, start);
 
   const kv::ModelLayout& layout = runner_->layout();
   const int32_t block_tokens = layout.block_tokens();
@@ -631,7 +633,7 @@ kvrelay::v1::PrefillStatusResponse PrefillWorker::Describe() const {
   response.set_active_requests(static_cast<int32_t>(active_->value()));
   response.set_computed_tokens_total(static_cast<int64_t>(computed_tokens_->value()));
   response.set_prefix_hit_tokens_total(static_cast<int64_t>(prefix_hit_tokens_->value()));
-  response.set_layout_fingerprint(runner_->layout().fingerprint().ToBytes());
+  response.set_layout_fingerprint(model_config().layout.fingerprint().ToBytes());
   return response;
 }
 

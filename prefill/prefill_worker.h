@@ -10,6 +10,10 @@
 // -> wait for every layer -> commit the new blocks to the cache store (copies in the segment)
 // -> release the lease.
 //
+// Mamba (an SSM-state layout, prefill/mamba_prefill.cc): the same hashes and match, but the
+// request resumes from the deepest state checkpoint cached here, computes the rest, pushes one
+// constant-size state and commits one checkpoint per computed block.
+//
 // Domain logic only: the gRPC glue is prefill/server/PrefillService. Every failure carries a
 // kvrelay.v1.ErrorInfo saying which role and node failed (proto/grpc_status.h).
 //
@@ -77,6 +81,18 @@ class PrefillWorker {
   // `status` attributed to this node with `reason`.
   absl::Status Own(absl::Status status, kvrelay::v1::FailureReason reason) const;
   absl::Status Validate(const kvrelay::v1::PrefillRequest& request) const;
+  // The config and layout of whichever runner this worker has.
+  const kv::ModelConfig& model_config() const { return core_->model_config(); }
+  // Run's Mamba path (prefill/mamba_prefill.cc), after validation: resumes from the deepest
+  // state checkpoint cached here, computes the rest, pushes the one final state and commits a
+  // checkpoint per new block.
+  absl::StatusOr<kvrelay::v1::PrefillResponse> RunMamba(const kvrelay::v1::PrefillRequest& request,
+                                                        absl::Time deadline, absl::Time start);
+  // A failed push claim, attributed as Run attributes it.
+  absl::Status ClaimFailure(const kvrelay::v1::ReserveResponse& target, absl::Status claimed) const;
+  // `s` attributed to the target decode worker with `reason`.
+  absl::Status DecodeFailure(const kvrelay::v1::ReserveResponse& target, absl::Status s,
+                             kvrelay::v1::FailureReason reason) const;
   absl::StatusOr<transfer::PeerId> PeerFor(const std::string& address, const std::string& key,
                                            absl::Time deadline);
   // Sends the PushClaim for `request` over `peer` and waits (until `deadline`) for the decode
@@ -101,7 +117,8 @@ class PrefillWorker {
   const PrefillWorkerOptions options_;
   MetricsRegistry* metrics_;
   std::unique_ptr<worker::WorkerCore> core_;
-  model::ModelRunner* runner_ = nullptr;      // core_->runner
+  model::ModelRunner* runner_ = nullptr;      // core_->runner (null for Mamba)
+  model::MambaRunner* mamba_ = nullptr;       // core_->mamba (null for attention models)
   transfer::Transport* transport_ = nullptr;  // core_->transport
   worker::RegisteredKvCache* kv_ = nullptr;   // core_->kv
   worker::CacheSegment* segment_ = nullptr;   // core_->segment

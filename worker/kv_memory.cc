@@ -126,6 +126,11 @@ LayerSlice SliceOfLayer(const kv::ModelLayout& layout, const model::KvCache& cac
 
 bool BlockWanted(const kv::LayerGroup& group, int32_t block_tokens, int64_t block_index,
                  int64_t first_query_position) {
+  // A recurrent state summarises every token before it: only the state after the last pushed
+  // block (the one ending where the first query starts) is wanted.
+  if (group.kind == kv::LayerKind::kSsmState) {
+    return (block_index + 1) * block_tokens == first_query_position;
+  }
   if (group.kind != kv::LayerKind::kSlidingWindow) return true;
   // A query at position q sees keys k with q - k < window; the block's last token is
   // (block_index + 1) * block_tokens - 1.

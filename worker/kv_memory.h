@@ -113,7 +113,8 @@ LayerSlice SliceOfLayer(const kv::ModelLayout& layout, const model::KvCache& cac
 
 // The decode worker's choice of which full prompt blocks it wants per group: every block for
 // full attention and MLA; for sliding-window groups only the blocks a query at position
-// >= first_query_position can still attend to.
+// >= first_query_position can still attend to; for SSM groups only the block ending at
+// first_query_position (its state is the sequence's state there).
 bool BlockWanted(const kv::LayerGroup& group, int32_t block_tokens, int64_t block_index,
                  int64_t first_query_position);
 

@@ -254,6 +254,18 @@ void StoreLink::ReleaseLease(uint64_t lease_id) {
 absl::StatusOr<int32_t> StoreLink::CommitBlocks(const std::vector<kv::BlockHash>& chain,
                                                 int64_t first, int64_t last,
                                                 const model::Sequence& seq, bool keep_copies) {
+  if (segment_ == nullptr) return 0;
+  return CommitBlocksFrom(
+      chain, first, last,
+      [this, &seq](int64_t block_index, int64_t slot) {
+        return segment_->StoreBlock(seq, block_index, slot);
+      },
+      keep_copies);
+}
+
+absl::StatusOr<int32_t> StoreLink::CommitBlocksFrom(const std::vector<kv::BlockHash>& chain,
+                                                    int64_t first, int64_t last,
+                                                    const BlockWriter& write, bool keep_copies) {
   if (segment_ == nullptr || first >= last) return 0;
   kvrelay::v1::AllocateRequest request;
   for (int64_t i = first; i < last; ++i) {
@@ -289,7 +301,7 @@ absl::StatusOr<int32_t> StoreLink::CommitBlocks(const std::vector<kv::BlockHash>
       // check its entry, cleared first).
       absl::MutexLock lock(&mu_);
       ForgetSlotLocked(replica.slot());
-      if (!segment_->StoreBlock(seq, first + i, replica.slot()).ok()) {
+      if (!write(first + i, replica.slot()).ok()) {
         ok = false;
         continue;
       }

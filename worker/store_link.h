@@ -87,6 +87,13 @@ class StoreLink {
   absl::StatusOr<int32_t> CommitBlocks(const std::vector<kv::BlockHash>& chain, int64_t first,
                                        int64_t last, const model::Sequence& seq,
                                        bool keep_copies = false);
+  // Writes one block's bytes (segment_->block_bytes() of them) into segment slot `slot`.
+  using BlockWriter = std::function<absl::Status(int64_t block_index, int64_t slot)>;
+  // As CommitBlocks, with the bytes of block i written by `write(i, slot)`: for Mamba, the
+  // state checkpoint after block i (kept under block i's chained hash).
+  absl::StatusOr<int32_t> CommitBlocksFrom(const std::vector<kv::BlockHash>& chain, int64_t first,
+                                           int64_t last, const BlockWriter& write,
+                                           bool keep_copies = false);
   // How many leading blocks of `chain` the segment holds; copies them into fresh KvCache
   // slots (appended to group_slots[g], one reference each for the caller). Under the link's
   // lock, so no slot is rewritten while it is copied; every copy is checked against its slot

@@ -40,7 +40,14 @@ absl::StatusOr<std::unique_ptr<WorkerCore>> WorkerCore::Create(const WorkerCoreO
   core->incarnation = RandomU64() | 1;  // never 0: 0 means "unknown" on the wire
   model::RunnerOptions runner_options;
   runner_options.threads = options.threads;
-  KV_ASSIGN_OR_RETURN(core->runner, model::ModelRunner::Load(options.model_dir, runner_options));
+  KV_ASSIGN_OR_RETURN(kv::ModelConfig config, kv::LoadHfConfig(options.model_dir + "/config.json"));
+  KV_ASSIGN_OR_RETURN(model::Arch arch, model::ArchFor(config));
+  if (arch == model::Arch::kMamba) {
+    KV_ASSIGN_OR_RETURN(core->mamba, model::MambaRunner::Load(options.model_dir, runner_options));
+  } else {
+    KV_ASSIGN_OR_RETURN(core->runner, model::ModelRunner::Load(options.model_dir, runner_options));
+  }
+  const kv::ModelLayout& layout = core->model_config().layout;
   if (deps.transport != nullptr) {
     core->transport = std::move(deps.transport);
     core->transport_kind = deps.transport_kind;
@@ -61,13 +68,11 @@ absl::StatusOr<std::unique_ptr<WorkerCore>> WorkerCore::Create(const WorkerCoreO
   }
   core->transport->SetAcceptKey(effective.transport_accept_key);
   if (inbound) core->transport->SetInboundHandler(std::move(inbound));
-  KV_ASSIGN_OR_RETURN(core->kv,
-                      RegisteredKvCache::Create(core->runner->layout(), options.pool_blocks,
-                                                core->transport.get()));
+  KV_ASSIGN_OR_RETURN(
+      core->kv, RegisteredKvCache::Create(layout, options.pool_blocks, core->transport.get()));
   if (!options.cachestore_address.empty()) {
-    KV_ASSIGN_OR_RETURN(
-        core->segment,
-        CacheSegment::Create(core->runner->layout(), options.cache_slots, core->transport.get()));
+    KV_ASSIGN_OR_RETURN(core->segment,
+                        CacheSegment::Create(layout, options.cache_slots, core->transport.get()));
   }
   core->options = std::move(effective);
   return core;

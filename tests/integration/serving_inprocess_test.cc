@@ -46,7 +46,7 @@ class InProcessCluster : public ::testing::Test {
   void SetUp() override {
     model_dir_ = dir_.File("model");
     model::TestModelOptions model_options;
-    model_options.arch = "llama";
+    model_options.arch = arch_;
     model_options.seed = 7;
     KV_ASSERT_OK(model::WriteTestModel(model_dir_, model_options));
     KV_ASSERT_OK_AND_ASSIGN(reference_, cli::ColocatedGenerator::Load(model_dir_));
@@ -242,7 +242,8 @@ class InProcessCluster : public ::testing::Test {
     EXPECT_EQ(info->reason(), kvrelay::v1::FAILURE_UNAUTHORIZED) << status;
   }
 
-  int32_t tenant_quota_ = 64;  // GatewayOptions::max_inflight_per_tenant
+  int32_t tenant_quota_ = 64;   // GatewayOptions::max_inflight_per_tenant
+  std::string arch_ = "llama";  // the test model's architecture
   int num_prefill_ = 1;
   TempDir dir_;
   std::string model_dir_;
@@ -340,6 +341,69 @@ TEST_F(InProcessCluster, OverloadIsRefusedAtOnceNotCollapsed) {
   worker_clock_.Advance(absl::Seconds(31));  // past the release grace: the slots come back
   Outcome small = Generate(Prompt(20, 5), 4);
   KV_ASSERT_OK(small.status);
+}
+
+// Mamba: the recurrent state is what is pushed, checkpointed and reused.
+class InProcessMambaCluster : public InProcessCluster {
+ protected:
+  InProcessMambaCluster() { arch_ = "mamba"; }
+};
+
+TEST_F(InProcessMambaCluster, StateIsPushedCheckpointedAndReused) {
+  const std::vector<int32_t> prompt = Prompt(70);
+  Outcome first = Generate(prompt);
+  KV_ASSERT_OK(first.status);
+  EXPECT_THAT(first.tokens, ElementsAreArray(Reference(prompt)));
+  EXPECT_EQ(first.summary.prefix_hit_tokens(), 0);
+  const int64_t state_bytes = gateway_->config().layout.BlockBytes(0);
+  EXPECT_EQ(first.summary.transferred_bytes(), state_bytes);
+
+  // The same prompt resumes from the checkpoint after block 4 and computes nothing there.
+  Outcome second = Generate(prompt);
+  KV_ASSERT_OK(second.status);
+  EXPECT_THAT(second.tokens, ElementsAreArray(first.tokens));
+  EXPECT_EQ(second.summary.prefix_hit_tokens(), 64);
+  EXPECT_EQ(second.summary.transferred_bytes(), state_bytes);
+
+  // A longer prompt with the same start resumes there and computes only blocks 5 and 6.
+  std::vector<int32_t> longer = prompt;
+  for (int32_t t : Prompt(40, 9)) longer.push_back(t);
+  Outcome third = Generate(longer);
+  KV_ASSERT_OK(third.status);
+  EXPECT_THAT(third.tokens, ElementsAreArray(Reference(longer)));
+  EXPECT_EQ(third.summary.prefix_hit_tokens(), 64);
+  EXPECT_EQ(third.summary.computed_prompt_tokens(), 110 - 64);
+  EXPECT_EQ(third.summary.transferred_bytes(), state_bytes);
+}
+
+TEST_F(InProcessMambaCluster, CorruptStateIsDetectedAndRecomputed) {
+  prefill_faults_[0]->SetFaults({.corrupt = true});
+  const std::vector<int32_t> prompt = Prompt(50, 1);
+  Outcome out = Generate(prompt);
+  KV_ASSERT_OK(out.status);
+  EXPECT_THAT(out.tokens, ElementsAreArray(Reference(prompt)));
+  // The decode worker refused the corrupted state and computed the whole prompt itself.
+  EXPECT_EQ(out.summary.computed_prompt_tokens(), 50);
+}
+
+// A Mamba reservation holds one slot, for the state after the last pushed block; a push that
+// names slots for earlier blocks is refused before anything moves.
+TEST_F(InProcessMambaCluster, ReservationHoldsOnlyTheFinalStatesSlot) {
+  const std::vector<int32_t> prompt = Prompt(70, 3);
+  kvrelay::v1::ReserveResponse target = Reserve(0, "m-1", prompt);
+  ASSERT_EQ(target.full_blocks(), 4);
+  ASSERT_EQ(target.groups_size(), 1);
+  for (int b = 0; b < 3; ++b) EXPECT_EQ(target.groups(0).slots(b), -1) << b;
+  EXPECT_GE(target.groups(0).slots(3), 0);
+  kvrelay::v1::ReserveResponse forged = target;
+  forged.mutable_groups(0)->set_slots(0, target.groups(0).slots(3));
+  EXPECT_THAT(Prefill("m-1", prompt, forged), StatusIs(absl::StatusCode::kInvalidArgument));
+  KV_ASSERT_OK_AND_ASSIGN(kvrelay::v1::PrefillResponse pushed, Prefill("m-1", prompt, target));
+  EXPECT_EQ(pushed.pushed_bytes(), gateway_->config().layout.BlockBytes(0));
+  DecodeOutcome out = Decode(0, "m-1", prompt, target.reservation_token(), 64);
+  KV_ASSERT_OK(out.status);
+  EXPECT_EQ(out.computed_tokens, 6);
+  EXPECT_THAT(out.tokens, ElementsAreArray(Reference(prompt)));
 }
 
 class InProcessClusterWithTenantQuota : public InProcessCluster {
