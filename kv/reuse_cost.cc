@@ -5,10 +5,14 @@
 namespace kvrelay::kv {
 
 void RateMeter::Observe(double units, double seconds, absl::Time now) {
-  if (!(seconds > 0) || !(units >= 0)) return;
+  if (!(seconds > 0) || !(units > 0)) return;
   std::lock_guard<std::mutex> lock(mu_);
-  const double sample = units / seconds;
-  rate_ = rate_ == 0 ? sample : weight_ * sample + (1 - weight_) * rate_;
+  // The average is over seconds per unit (a harmonic mean of rates): one slow sample weighs as
+  // much as the time it cost, so a link that slowed down is noticed at once instead of being
+  // averaged away by earlier fast pulls.
+  const double per_unit = seconds / units;
+  const double before = rate_ == 0 ? per_unit : 1.0 / rate_;
+  rate_ = 1.0 / (weight_ * per_unit + (1 - weight_) * before);
   floor_seconds_ = floor_seconds_ == 0 ? seconds : std::min(floor_seconds_, seconds);
   last_ = now;
 }

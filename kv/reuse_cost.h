@@ -17,7 +17,7 @@ namespace kvrelay::kv {
 class RateMeter {
  public:
   // `weight` of each new observation in (0, 1].
-  explicit RateMeter(double weight = 0.3) : weight_(weight) {}
+  explicit RateMeter(double weight = 0.5) : weight_(weight) {}
   // `units` done in `seconds` (> 0) at `now`.
   void Observe(double units, double seconds, absl::Time now);
   // An attempt of `units` that did not finish within `seconds`: the rate is at most

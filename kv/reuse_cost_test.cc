@@ -48,8 +48,14 @@ TEST(RateMeter, WeightsNewObservationsAndKeepsTheFloor) {
   const absl::Time t = absl::FromUnixSeconds(100);
   meter.Observe(100, 1.0, t);
   EXPECT_DOUBLE_EQ(meter.rate(), 100);
+  // Seconds per unit are averaged: (0.01 + 1/300) / 2 per unit.
   meter.Observe(300, 1.0, t + absl::Seconds(1));
-  EXPECT_DOUBLE_EQ(meter.rate(), 200);
+  EXPECT_DOUBLE_EQ(meter.rate(), 1.0 / (0.5 * 0.01 + 0.5 / 300));
+  // One sample 100x slower pulls the estimate down by half at once.
+  RateMeter link(0.5);
+  link.Observe(1e8, 1.0, t);
+  link.Observe(1e6, 1.0, t);
+  EXPECT_LT(link.rate(), 2.1e6);
   meter.Observe(10, 0.01, t + absl::Seconds(2));
   EXPECT_DOUBLE_EQ(meter.floor_seconds(), 0.01);
   EXPECT_EQ(meter.last_observed(), t + absl::Seconds(2));

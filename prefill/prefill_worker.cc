@@ -82,9 +82,11 @@ absl::Status PrefillWorker::Init(worker::WorkerCoreDeps deps) {
   transport_ = core_->transport.get();
   kv_ = core_->kv.get();
   segment_ = core_->segment.get();
+  absl::MutexLock lock(&fetch_mu_);
   KV_ASSIGN_OR_RETURN(fetch_scratch_,
                       transport_->AllocateMemory(static_cast<size_t>(limits::kMaxChainBlocks) *
                                                  worker::CacheSegment::kSlotEntryBytes));
+  fetch_quarantine_ = std::make_unique<worker::FetchQuarantine>(&kv_->cache());
   return absl::OkStatus();
 }
 
@@ -491,8 +493,10 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
   }
   pushed_bytes_->Increment(static_cast<double>(pushed));
 
-  // 5. Publish the blocks computed here for later requests (pulled ones are the holder's).
-  absl::StatusOr<int32_t> committed = store->CommitBlocks(chain, reused_blocks, full_blocks, seq);
+  // 5. Publish the blocks computed here for later requests, and keep a copy of those pulled or
+  //    recomputed although held elsewhere (the next request for them here is local).
+  absl::StatusOr<int32_t> committed =
+      store->CommitBlocks(chain, hit_blocks, full_blocks, seq, /*keep_copies=*/true);
   if (!committed.ok()) {
     KV_LOG(WARNING) << request.request_id() << ": commit failed: " << committed.status();
   }
@@ -562,7 +566,12 @@ PrefillWorker::PulledPrefix PrefillWorker::PullHeldElsewhere(
                    "Prefixes held on another node, by what the cost model chose.",
                    {{"choice", kv::ReuseChoiceName(out.decision.choice)}})
       ->Increment();
-  if (out.decision.choice == kv::ReuseChoice::kRecompute && !reprobe) return out;
+  if (out.decision.choice == kv::ReuseChoice::kRecompute) {
+    if (!reprobe) return out;
+    // A re-probe reads a quarter of the run: enough to measure the link past a burst allowance,
+    // without betting the whole request on it.
+    holder_slots.resize(std::max<size_t>(1, holder_slots.size() / 4));
+  }
   out.attempted = true;
   const absl::Time fetch_deadline = std::min(deadline, now + options_.fetch_timeout);
   auto failed = [&](absl::string_view why) {
@@ -592,15 +601,16 @@ PrefillWorker::PulledPrefix PrefillWorker::PullHeldElsewhere(
   worker::FetchedPrefix fetched = worker::FetchBlocks(
       *transport_, *peer, holder, holder_slots,
       absl::MakeConstSpan(chain).subspan(static_cast<size_t>(first), holder_slots.size()), layout,
-      *kv_, *fetch_scratch_, worker::RequestTag(request_id), fetch_deadline, slots);
+      *kv_, fetch_scratch_, *fetch_quarantine_, worker::RequestTag(request_id), fetch_deadline,
+      slots);
   if (fetched.wire_bytes > 0 && fetched.status.ok()) {
     link.Observe(static_cast<double>(fetched.wire_bytes), absl::ToDoubleSeconds(fetched.elapsed),
                  absl::Now());
   } else if (!fetched.status.ok()) {
     // A pull that failed or ran out of time says the link is at most this fast.
-    link.ObserveCeiling(static_cast<double>(block_bytes * static_cast<uint64_t>(run)),
+    link.ObserveCeiling(static_cast<double>(block_bytes * holder_slots.size()),
                         std::max(1e-3, absl::ToDoubleSeconds(fetched.elapsed)), absl::Now());
-    KV_LOG(WARNING) << request_id << ": pulled " << fetched.intact << " of " << run
+    KV_LOG(WARNING) << request_id << ": pulled " << fetched.intact << " of " << holder_slots.size()
                     << " blocks from " << holder.node_id << " (" << fetched.status
                     << "); recomputing the rest";
     failed(absl::IsDataLoss(fetched.status)           ? "corrupt"

@@ -36,6 +36,7 @@
 #include "kvrelay/v1/prefill.pb.h"
 #include "model/model_runner.h"
 #include "transfer/transport.h"
+#include "worker/block_fetch.h"
 #include "worker/worker_core.h"
 
 namespace kvrelay::prefill {
@@ -135,7 +136,9 @@ class PrefillWorker {
 
   // Pulls: one at a time (they share the slot-entry scratch region).
   absl::Mutex fetch_mu_;
-  transfer::MemoryRegionPtr fetch_scratch_;
+  transfer::MemoryRegionPtr fetch_scratch_ ABSL_GUARDED_BY(fetch_mu_);
+  // Pulls given up on, until they are terminal (declared after core_: destroyed before it).
+  std::unique_ptr<worker::FetchQuarantine> fetch_quarantine_;
   absl::Mutex meters_mu_;
   absl::flat_hash_map<std::string, std::unique_ptr<kv::RateMeter>> link_meters_
       ABSL_GUARDED_BY(meters_mu_);

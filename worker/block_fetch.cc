@@ -7,11 +7,57 @@
 
 namespace kvrelay::worker {
 
+FetchQuarantine::FetchQuarantine(model::KvCache* cache)
+    : cache_(cache), thread_([this] { Loop(); }) {}
+
+FetchQuarantine::~FetchQuarantine() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  thread_.join();
+}
+
+void FetchQuarantine::Hold(transfer::TransferHandlePtr handle,
+                           std::vector<std::vector<kv::SlotId>> slots,
+                           transfer::MemoryRegionPtr scratch) {
+  absl::MutexLock lock(&mu_);
+  items_.push_back({std::move(handle), std::move(slots), std::move(scratch)});
+}
+
+size_t FetchQuarantine::held() const {
+  absl::MutexLock lock(&mu_);
+  return items_.size() + draining_;
+}
+
+void FetchQuarantine::Loop() {
+  while (true) {
+    Item item;
+    {
+      absl::MutexLock lock(&mu_);
+      auto ready = [this]()
+                       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_ || !items_.empty(); };
+      mu_.Await(absl::Condition(&ready));
+      if (items_.empty()) return;  // stopping, nothing left
+      item = std::move(items_.front());
+      items_.pop_front();
+      ++draining_;
+    }
+    item.handle.reset();  // cancels and waits until nothing writes into the slots any more
+    for (size_t g = 0; g < item.slots.size(); ++g) {
+      for (kv::SlotId s : item.slots[g]) (void)cache_->pool(static_cast<int>(g)).Release(s);
+    }
+    item.scratch.reset();
+    absl::MutexLock lock(&mu_);
+    --draining_;
+  }
+}
+
 FetchedPrefix FetchBlocks(transfer::Transport& transport, transfer::PeerId peer,
                           const RemoteReplica& holder, absl::Span<const int64_t> slots,
                           absl::Span<const kv::BlockHash> hashes, const kv::ModelLayout& layout,
-                          const RegisteredKvCache& kv, const transfer::MemoryRegion& scratch,
-                          uint64_t tag, absl::Time deadline,
+                          const RegisteredKvCache& kv, transfer::MemoryRegionPtr& scratch,
+                          FetchQuarantine& quarantine, uint64_t tag, absl::Time deadline,
                           std::vector<std::vector<kv::SlotId>>& group_slots) {
   FetchedPrefix out;
   const absl::Time start = absl::Now();
@@ -19,7 +65,8 @@ FetchedPrefix FetchBlocks(transfer::Transport& transport, transfer::PeerId peer,
   const size_t n = hashes.size();
   model::KvCache& cache = kv.cache();
   if (n == 0) return out;
-  if (slots.size() != n || scratch.size_bytes() < n * CacheSegment::kSlotEntryBytes) {
+  if (slots.size() != n || scratch == nullptr ||
+      scratch->size_bytes() < n * CacheSegment::kSlotEntryBytes) {
     out.status = absl::InvalidArgumentError("fetch: slots, hashes and scratch do not match");
     return out;
   }
@@ -66,7 +113,7 @@ FetchedPrefix FetchBlocks(transfer::Transport& transport, transfer::PeerId peer,
       batch.blocks.push_back(unit);
     }
     transfer::BlockTransfer entry;
-    entry.local = &scratch;
+    entry.local = scratch.get();
     entry.local_offset = b * CacheSegment::kSlotEntryBytes;
     entry.remote_region = holder.table_region_id;
     entry.remote_offset = static_cast<uint64_t>(slots[b]) * CacheSegment::kSlotEntryBytes;
@@ -85,11 +132,20 @@ FetchedPrefix FetchBlocks(transfer::Transport& transport, transfer::PeerId peer,
       transport.Post(*plan, transfer::LayerRange::All(), post);
   absl::Status done = handle.ok() ? (*handle)->Wait(deadline) : handle.status();
   std::vector<absl::Status> per_block;
+  if (handle.ok() && !done.ok()) {
+    // Failed or late: nothing of it is used. It may still be writing into the slots and the
+    // scratch region, so they go to the quarantine with it; the request goes on at once.
+    (*handle)->Cancel();
+    out.elapsed = absl::Now() - start;
+    out.status = done;
+    const size_t entry_bytes = scratch->size_bytes();
+    quarantine.Hold(*std::move(handle), std::move(local), std::move(scratch));
+    absl::StatusOr<transfer::MemoryRegionPtr> fresh = transport.AllocateMemory(entry_bytes);
+    if (fresh.ok()) scratch = *std::move(fresh);
+    return out;
+  }
   if (handle.ok()) {
-    // Failed or late: cancelled, and the destructor waits until nothing writes into our slots
-    // any more (then nothing of it is used).
-    if (!done.ok()) (*handle)->Cancel();
-    if (done.ok()) per_block = (*handle)->block_statuses();
+    per_block = (*handle)->block_statuses();
     out.wire_bytes = static_cast<uint64_t>((*handle)->bytes());
     handle->reset();
   }
@@ -107,7 +163,7 @@ FetchedPrefix FetchBlocks(transfer::Transport& transport, transfer::PeerId peer,
       break;
     }
     CacheSegment::SlotEntry entry;
-    std::memcpy(&entry, scratch.data() + intact * CacheSegment::kSlotEntryBytes, sizeof(entry));
+    std::memcpy(&entry, scratch->data() + intact * CacheSegment::kSlotEntryBytes, sizeof(entry));
     if (entry.hash_hi != hashes[intact].hi || entry.hash_lo != hashes[intact].lo) {
       out.status =
           absl::NotFoundError(absl::StrCat("fetch: the holder's slot ", slots[intact],

@@ -673,28 +673,28 @@ class TwoPrefillNodes : public InProcessCluster {
 };
 
 TEST_F(TwoPrefillNodes, ACorruptedPulledBlockIsDetectedAndRecomputed) {
-  const std::vector<int32_t> prompt = Prompt(70, 9);  // 4 full blocks pushed
-  const std::vector<int32_t> expected = Reference(prompt);
   const kv::ModelLayout& layout = gateway_->config().layout;
   int64_t block_bytes = 0;
   for (size_t g = 0; g < layout.groups().size(); ++g) {
     block_bytes += layout.BlockBytes(static_cast<int>(g));
   }
-  auto run = [&](int prefill, const std::string& id) -> kvrelay::v1::PrefillResponse {
+  // 70-token prompts: 4 full blocks pushed.
+  auto run = [&](int prefill, const std::string& id,
+                 const std::vector<int32_t>& prompt) -> kvrelay::v1::PrefillResponse {
     kvrelay::v1::ReserveResponse target = Reserve(0, id, prompt);
     absl::StatusOr<kvrelay::v1::PrefillResponse> r =
         PrefillOn(prefill, id, prompt, target, "shared-salt");
     EXPECT_TRUE(r.ok()) << r.status();
     DecodeOutcome out = Decode(0, id, prompt, target.reservation_token(), 64);
     EXPECT_TRUE(out.status.ok()) << out.status;
-    EXPECT_THAT(out.tokens, ElementsAreArray(expected)) << id;
+    EXPECT_THAT(out.tokens, ElementsAreArray(Reference(prompt))) << id;
     return r.ok() ? *r : kvrelay::v1::PrefillResponse();
   };
-  kvrelay::v1::PrefillResponse computed = run(0, "computed");
-  EXPECT_EQ(computed.computed_tokens(), 64);
+  const std::vector<int32_t> a = Prompt(70, 9);
+  EXPECT_EQ(run(0, "computed-a", a).computed_tokens(), 64);
 
   prefill_faults_[1]->SetFaults({.corrupt = true, .only = transfer::Direction::kGet});
-  kvrelay::v1::PrefillResponse refused = run(1, "corrupted-pull");
+  kvrelay::v1::PrefillResponse refused = run(1, "corrupted-pull", a);
   EXPECT_EQ(refused.prefix_source(), "recomputed");
   EXPECT_EQ(refused.fetched_bytes(), 0);
   EXPECT_EQ(refused.computed_tokens(), 64);
@@ -704,9 +704,14 @@ TEST_F(TwoPrefillNodes, ACorruptedPulledBlockIsDetectedAndRecomputed) {
                             {{"reason", "corrupt"}})
                 ->value(),
             1);
+  // prefill-1 kept a copy of what it recomputed: the same prompt is local there now.
+  EXPECT_EQ(run(1, "local-a", a).prefix_source(), "local");
 
+  // Without the fault, a prompt computed on prefill-0 is pulled, every block of it.
   prefill_faults_[1]->SetFaults({});
-  kvrelay::v1::PrefillResponse pulled = run(1, "clean-pull");
+  const std::vector<int32_t> b = Prompt(70, 10);
+  EXPECT_EQ(run(0, "computed-b", b).computed_tokens(), 64);
+  kvrelay::v1::PrefillResponse pulled = run(1, "clean-pull", b);
   EXPECT_EQ(pulled.prefix_source(), "pulled");
   EXPECT_EQ(pulled.fetched_bytes(), 4 * block_bytes);
   EXPECT_EQ(pulled.fetched_tokens(), 64);
