@@ -30,6 +30,12 @@ bool IsOverload(const absl::Status& s) {
   return !info.has_value() || info->reason() == kvrelay::v1::FAILURE_OVERLOADED;
 }
 
+Counter* QuotaRefusals(MetricsRegistry* metrics, const std::string& quota) {
+  return metrics->GetCounter("kvrelay_gateway_quota_refusals_total",
+                             "Requests refused by a per-client or reservation quota, by quota.",
+                             {{"quota", quota}});
+}
+
 }  // namespace
 
 std::string DeriveTenantSalt(const std::string& secret, const std::string& tenant) {
@@ -47,7 +53,21 @@ Gateway::Gateway(GatewayOptions options, kv::ModelConfig config, MetricsRegistry
       layout_fingerprint_(config_.layout.fingerprint().ToBytes()),
       metrics_(metrics),
       clock_(clock),
-      instance_id_(absl::StrCat(absl::ToUnixMicros(absl::Now()) % 1000000000)) {
+      instance_id_(absl::StrCat(absl::ToUnixMicros(absl::Now()) % 1000000000)),
+      tenant_in_flight_(
+          "tenant", "requests in flight", "--max-inflight-per-tenant",
+          options_.max_inflight_per_tenant,
+          metrics_->GetCounter("kvrelay_gateway_tenant_quota_refusals_total",
+                               "Requests refused because their tenant had its quota in flight.")),
+      client_in_flight_("client", "requests in flight", "--max-inflight-per-client",
+                        options_.max_inflight_per_client,
+                        QuotaRefusals(metrics_, "inflight_client")),
+      tenant_reservations_("tenant", "decode reservations", "--max-reservations-per-tenant",
+                           options_.max_reservations_per_tenant,
+                           QuotaRefusals(metrics_, "reservations_tenant")),
+      client_reservations_("client", "decode reservations", "--max-reservations-per-client",
+                           options_.max_reservations_per_client,
+                           QuotaRefusals(metrics_, "reservations_client")) {
   ttft_seconds_ = metrics_->GetHistogram("kvrelay_gateway_ttft_seconds", "Time to first token.",
                                          LatencyBucketsSeconds());
   tpot_seconds_ = metrics_->GetHistogram("kvrelay_gateway_time_per_output_token_seconds",
@@ -363,38 +383,12 @@ void Gateway::CountFailure(const absl::Status& status, const char* role) {
       ->Increment();
 }
 
-absl::Status Gateway::TakeTenantSlot(const std::string& tenant) {
-  if (options_.max_inflight_per_tenant <= 0) return absl::OkStatus();
-  std::lock_guard<std::mutex> lock(tenants_mu_);
-  int32_t& in_flight = tenant_in_flight_[tenant];
-  if (in_flight >= options_.max_inflight_per_tenant) {
-    if (in_flight == 0) tenant_in_flight_.erase(tenant);
-    metrics_
-        ->GetCounter("kvrelay_gateway_tenant_quota_refusals_total",
-                     "Requests refused because their tenant had its quota in flight.")
-        ->Increment();
-    return proto::Attribute(absl::ResourceExhaustedError(absl::StrCat(
-                                "tenant '", tenant, "' already has ", in_flight,
-                                " requests in flight (quota --max-inflight-per-tenant ",
-                                options_.max_inflight_per_tenant, ")")),
-                            kvrelay::v1::ROLE_CLIENT, "", kvrelay::v1::FAILURE_OVERLOADED);
-  }
-  ++in_flight;
-  return absl::OkStatus();
-}
-
-void Gateway::ReleaseTenantSlot(const std::string& tenant) {
-  if (options_.max_inflight_per_tenant <= 0) return;
-  std::lock_guard<std::mutex> lock(tenants_mu_);
-  auto it = tenant_in_flight_.find(tenant);
-  if (it != tenant_in_flight_.end() && --it->second <= 0) tenant_in_flight_.erase(it);
-}
-
 absl::Status Gateway::Generate(const kvrelay::v1::GenerateRequest& request, absl::Time deadline,
-                               const GenerateSink& sink, const std::function<bool()>& cancelled) {
+                               const GenerateSink& sink, const std::function<bool()>& cancelled,
+                               const std::string& client) {
   if (absl::Status s = Validate(request); !s.ok()) return CallerError(std::move(s));
-  KV_RETURN_IF_ERROR(TakeTenantSlot(request.tenant()));
-  absl::Cleanup release_tenant = [&] { ReleaseTenantSlot(request.tenant()); };
+  KV_ASSIGN_OR_RETURN(QuotaTable::Lease tenant_slot, tenant_in_flight_.Take(request.tenant()));
+  KV_ASSIGN_OR_RETURN(QuotaTable::Lease client_slot, client_in_flight_.Take(client));
   const absl::Time start = absl::Now();
   deadline = std::min(deadline, start + options_.default_deadline);
   const std::string salt = DeriveTenantSalt(options_.tenant_secret, request.tenant());
@@ -488,7 +482,11 @@ absl::Status Gateway::Generate(const kvrelay::v1::GenerateRequest& request, absl
       }
     } in_flight{p, d};
 
-    // 1. Reserve on decode.
+    // 1. Reserve on decode. The reservation counts against the tenant's and the client's
+    // reservation quotas until the decode worker streams (or the attempt ends).
+    KV_ASSIGN_OR_RETURN(QuotaTable::Lease tenant_reservation,
+                        tenant_reservations_.Take(request.tenant()));
+    KV_ASSIGN_OR_RETURN(QuotaTable::Lease client_reservation, client_reservations_.Take(client));
     kvrelay::v1::ReserveRequest reserve;
     reserve.set_request_id(request_id);
     reserve.set_model(options_.model_name);
@@ -533,7 +531,7 @@ absl::Status Gateway::Generate(const kvrelay::v1::GenerateRequest& request, absl
       prefilled = kvrelay::v1::PrefillResponse();
     }
     if (!prefilled.ok()) {
-      d->decode->Release(request_id, absl::Now() + absl::Seconds(1));
+      d->decode->Release(request_id, target->reservation_token(), absl::Now() + absl::Seconds(1));
       last_error = prefilled.status();
       const Blame blame = Attribute(prefilled.status(), Blame::kPrefill, deadline);
       if (blame == Blame::kNone) return prefilled.status();
@@ -565,6 +563,9 @@ absl::Status Gateway::Generate(const kvrelay::v1::GenerateRequest& request, absl
     bool stream_done = false;
     absl::Status s = d->decode->Generate(
         decode, deadline, options_.chunk_timeout, [&](const kvrelay::v1::DecodeChunk& chunk) {
+          // Streaming: the decode worker has claimed the reservation.
+          tenant_reservation.Return();
+          client_reservation.Return();
           if (chunk.tokens_size() > 0) {
             if (first_token_time == absl::InfiniteFuture()) {
               first_token_time = absl::Now();

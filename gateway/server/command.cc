@@ -3,6 +3,8 @@
 #include "gateway/server/command.h"
 
 #include <cstdio>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -18,6 +20,11 @@
 #include "gateway/tenant_auth.h"
 
 namespace kvrelay::gateway::server {
+namespace {
+// Bounds every quota flag: beyond this a "limit" limits nothing a gateway could serve.
+constexpr int32_t kMaxQuota = 100000;
+}  // namespace
+
 int RunGatewayCommand(const std::vector<std::string>& raw_args) {
   kvrelay::server::ServiceHost::BlockShutdownSignals();
   GatewayOptions options;
@@ -47,6 +54,14 @@ int RunGatewayCommand(const std::vector<std::string>& raw_args) {
                   "certificates");
   flags.AddInt32("max-inflight-per-tenant", &options.max_inflight_per_tenant,
                  "requests one tenant may have in flight (0: no limit)");
+  flags.AddInt32("max-inflight-per-client", &options.max_inflight_per_client,
+                 "requests one client may have in flight: its certificate's SPIFFE id, or over "
+                 "HTTP its bearer token's subject (0: no limit; not applied with --insecure)");
+  flags.AddInt32("max-reservations-per-tenant", &options.max_reservations_per_tenant,
+                 "decode reservations (KV booked until the decode worker streams) one tenant "
+                 "may hold at once (0: no limit)");
+  flags.AddInt32("max-reservations-per-client", &options.max_reservations_per_client,
+                 "decode reservations one client may hold at once (0: no limit)");
   flags.AddInt32("max-attempts", &options.max_attempts, "failed worker pairs tried per request");
   flags.AddDuration("reserve-timeout", &options.reserve_timeout,
                     "per-attempt bound on a decode worker's Reserve");
@@ -111,8 +126,15 @@ int RunGatewayCommand(const std::vector<std::string>& raw_args) {
     }
     options.tenant_secret = std::string(absl::StripAsciiWhitespace(*secret));
   }
-  if (options.max_inflight_per_tenant < 0) {
-    return kvrelay::server::UsageError("gateway", "--max-inflight-per-tenant must be >= 0");
+  for (const auto& [flag, value] : std::vector<std::pair<const char*, int32_t>>{
+           {"--max-inflight-per-tenant", options.max_inflight_per_tenant},
+           {"--max-inflight-per-client", options.max_inflight_per_client},
+           {"--max-reservations-per-tenant", options.max_reservations_per_tenant},
+           {"--max-reservations-per-client", options.max_reservations_per_client}}) {
+    if (value < 0 || value > kMaxQuota) {
+      return kvrelay::server::UsageError(
+          "gateway", absl::StrCat(flag, " must be in [0, ", kMaxQuota, "], got ", value));
+    }
   }
   std::unique_ptr<TenantTokenVerifier> verifier;
   if (!token_keys_file.empty()) {
