@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <limits>
 
-#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
