@@ -61,12 +61,14 @@ Gateway::Gateway(GatewayOptions options, kv::ModelConfig config, MetricsRegistry
       client_in_flight_("client", "requests in flight", "--max-inflight-per-client",
                         options_.max_inflight_per_client,
                         QuotaRefusals(metrics_, "inflight_client")),
-      tenant_reservations_("tenant", "decode reservations", "--max-reservations-per-tenant",
-                           options_.max_reservations_per_tenant,
-                           QuotaRefusals(metrics_, "reservations_tenant")),
-      client_reservations_("client", "decode reservations", "--max-reservations-per-client",
-                           options_.max_reservations_per_client,
-                           QuotaRefusals(metrics_, "reservations_client")) {
+      tenant_reservations_("tenant", "tokens of decode KV reserved",
+                           "--max-reserved-tokens-per-tenant",
+                           options_.max_reserved_tokens_per_tenant,
+                           QuotaRefusals(metrics_, "reserved_tokens_tenant")),
+      client_reservations_("client", "tokens of decode KV reserved",
+                           "--max-reserved-tokens-per-client",
+                           options_.max_reserved_tokens_per_client,
+                           QuotaRefusals(metrics_, "reserved_tokens_client")) {
   ttft_seconds_ = metrics_->GetHistogram("kvrelay_gateway_ttft_seconds", "Time to first token.",
                                          LatencyBucketsSeconds());
   tpot_seconds_ = metrics_->GetHistogram("kvrelay_gateway_time_per_output_token_seconds",
@@ -481,11 +483,14 @@ absl::Status Gateway::Generate(const kvrelay::v1::GenerateRequest& request, absl
       }
     } in_flight{p, d};
 
-    // 1. Reserve on decode. The reservation counts against the tenant's and the client's
-    // reservation quotas until the decode worker streams (or the attempt ends).
+    // 1. Reserve on decode. What it books (prompt + remaining tokens) counts against the
+    // tenant's and the client's reserved-KV quotas until the decode worker streams (or the
+    // attempt ends).
+    const int64_t reserved_tokens = static_cast<int64_t>(tokens.size()) + remaining;
     KV_ASSIGN_OR_RETURN(QuotaTable::Lease tenant_reservation,
-                        tenant_reservations_.Take(request.tenant()));
-    KV_ASSIGN_OR_RETURN(QuotaTable::Lease client_reservation, client_reservations_.Take(client));
+                        tenant_reservations_.Take(request.tenant(), reserved_tokens));
+    KV_ASSIGN_OR_RETURN(QuotaTable::Lease client_reservation,
+                        client_reservations_.Take(client, reserved_tokens));
     kvrelay::v1::ReserveRequest reserve;
     reserve.set_request_id(request_id);
     reserve.set_model(options_.model_name);

@@ -62,11 +62,13 @@ struct GatewayOptions {
   // The same per client identity (Generate's `client`: the caller certificate's SPIFFE id, or
   // the bearer token's subject over HTTP), so one client cannot take its whole tenant's share.
   int32_t max_inflight_per_client = 32;
-  // Decode reservations (KV booked on a decode worker from Reserve until that worker streams
-  // the request's tokens) one tenant / one client may hold at once (0: no limit); past them
-  // the request is refused with RESOURCE_EXHAUSTED naming the tenant or client.
-  int32_t max_reservations_per_tenant = 32;
-  int32_t max_reservations_per_client = 16;
+  // Decode KV one tenant / one client may hold reserved at once, in tokens (a reservation books
+  // prompt + max_tokens on a decode worker from Reserve until that worker streams the request's
+  // tokens; 0: no limit). A request that would exceed it is refused with RESOURCE_EXHAUSTED
+  // naming the tenant or client. At 128 KiB of KV per token (Llama 3 8B) the defaults are
+  // 128 GiB per tenant and 32 GiB per client.
+  int64_t max_reserved_tokens_per_tenant = int64_t{1} << 20;
+  int64_t max_reserved_tokens_per_client = int64_t{1} << 18;
   // With a store and endpoint factories: how often the registry is read for workers that
   // joined or left (ListNodes); zero turns discovery off.
   absl::Duration discovery_interval = absl::Seconds(1);

@@ -1,8 +1,8 @@
 #pragma once
 
-// QuotaTable: how much of one thing (requests in flight, decode reservations) each key (a
-// tenant, a client identity) holds at once, against one limit. Take() hands out a Lease that
-// gives its unit back when it is returned or destroyed; past the limit Take() refuses with
+// QuotaTable: how much of one thing (requests in flight, tokens of decode KV reserved) each key
+// (a tenant, a client identity) holds at once, against one limit. Take() hands out a Lease that
+// gives its units back when it is returned or destroyed; past the limit Take() refuses with
 // RESOURCE_EXHAUSTED naming the key, the quota and its flag, attributed to the client
 // (ErrorInfo{ROLE_CLIENT, FAILURE_OVERLOADED}), so no worker is ever blamed for it.
 //
@@ -21,10 +21,9 @@ namespace kvrelay::gateway {
 
 class QuotaTable {
  public:
-  // `kind` names the key in messages ("tenant", "client"), `holding` what is counted
-  // ("requests in flight"), `flag` the flag that sets `limit` (0: no limit). `refusals` may be
-  // null.
-  QuotaTable(std::string kind, std::string holding, std::string flag, int32_t limit,
+  // `kind` names the key in messages ("tenant", "client"), `unit` what is counted ("requests
+  // in flight"), `flag` the flag that sets `limit` (0: no limit). `refusals` may be null.
+  QuotaTable(std::string kind, std::string unit, std::string flag, int64_t limit,
              Counter* refusals);
 
   class Lease {
@@ -38,25 +37,28 @@ class QuotaTable {
 
    private:
     friend class QuotaTable;
-    Lease(QuotaTable* table, std::string key) : table_(table), key_(std::move(key)) {}
+    Lease(QuotaTable* table, std::string key, int64_t units)
+        : table_(table), key_(std::move(key)), units_(units) {}
     QuotaTable* table_ = nullptr;
     std::string key_;
+    int64_t units_ = 0;
   };
 
-  // One unit for `key`. An empty key (no identity, e.g. --insecure callers) and a table
-  // without a limit always succeed and count nothing.
-  absl::StatusOr<Lease> Take(const std::string& key);
-  int32_t Held(const std::string& key) const;
-  int32_t limit() const { return limit_; }
+  // `units` (>= 1) for `key`, refused when they would take it past the limit. An empty key (no
+  // identity, e.g. --insecure callers) and a table without a limit always succeed and count
+  // nothing.
+  absl::StatusOr<Lease> Take(const std::string& key, int64_t units = 1);
+  int64_t Held(const std::string& key) const;
+  int64_t limit() const { return limit_; }
 
  private:
-  void Give(const std::string& key);
+  void Give(const std::string& key, int64_t units);
 
-  const std::string kind_, holding_, flag_;
-  const int32_t limit_;
+  const std::string kind_, unit_, flag_;
+  const int64_t limit_;
   Counter* const refusals_;
   mutable std::mutex mu_;
-  absl::flat_hash_map<std::string, int32_t> held_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, int64_t> held_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace kvrelay::gateway

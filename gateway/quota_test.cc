@@ -40,6 +40,24 @@ TEST(QuotaTable, RefusesPastTheLimitNamingTheKeyAndTheFlag) {
   EXPECT_EQ(quota.Held(alice), 1);
 }
 
+TEST(QuotaTable, CountsUnitsAndRefusesWhatWouldPassTheLimit) {
+  QuotaTable tokens("client", "tokens of decode KV reserved", "--max-reserved-tokens-per-client",
+                    100, nullptr);
+  KV_ASSERT_OK_AND_ASSIGN(QuotaTable::Lease a, tokens.Take("c", 60));
+  absl::StatusOr<QuotaTable::Lease> b = tokens.Take("c", 41);
+  ASSERT_THAT(b, StatusIs(absl::StatusCode::kResourceExhausted));
+  EXPECT_THAT(b.status().message(),
+              HasSubstr("client 'c' already has 60 tokens of decode KV reserved and this request "
+                        "needs 41 (quota --max-reserved-tokens-per-client 100)"));
+  KV_ASSERT_OK_AND_ASSIGN(QuotaTable::Lease c, tokens.Take("c", 40));  // exactly the limit
+  EXPECT_EQ(tokens.Held("c"), 100);
+  a.Return();
+  EXPECT_EQ(tokens.Held("c"), 40);
+  // One request larger than the whole quota never fits.
+  EXPECT_THAT(tokens.Take("d", 101), StatusIs(absl::StatusCode::kResourceExhausted));
+  EXPECT_EQ(tokens.Held("d"), 0);
+}
+
 TEST(QuotaTable, NoLimitAndNoIdentityCountNothing) {
   QuotaTable unlimited("tenant", "requests in flight", "--max-inflight-per-tenant", 0, nullptr);
   std::vector<QuotaTable::Lease> leases;
@@ -48,7 +66,7 @@ TEST(QuotaTable, NoLimitAndNoIdentityCountNothing) {
     leases.push_back(std::move(l));
   }
   EXPECT_EQ(unlimited.Held("t"), 0);
-  QuotaTable one("client", "decode reservations", "--max-reservations-per-client", 1, nullptr);
+  QuotaTable one("client", "requests in flight", "--max-inflight-per-client", 1, nullptr);
   KV_ASSERT_OK_AND_ASSIGN(QuotaTable::Lease first, one.Take(""));
   KV_EXPECT_OK(one.Take("").status());  // --insecure callers: no identity, no client quota
 }

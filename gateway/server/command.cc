@@ -3,7 +3,7 @@
 #include "gateway/server/command.h"
 
 #include <cstdio>
-#include <utility>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -21,8 +21,9 @@
 
 namespace kvrelay::gateway::server {
 namespace {
-// Bounds every quota flag: beyond this a "limit" limits nothing a gateway could serve.
-constexpr int32_t kMaxQuota = 100000;
+// Bounds of the quota flags: beyond them a "limit" limits nothing a gateway could serve.
+constexpr int64_t kMaxInFlightQuota = 100000;
+constexpr int64_t kMaxReservedTokensQuota = int64_t{1} << 32;
 }  // namespace
 
 int RunGatewayCommand(const std::vector<std::string>& raw_args) {
@@ -57,11 +58,12 @@ int RunGatewayCommand(const std::vector<std::string>& raw_args) {
   flags.AddInt32("max-inflight-per-client", &options.max_inflight_per_client,
                  "requests one client may have in flight: its certificate's SPIFFE id, or over "
                  "HTTP its bearer token's subject (0: no limit; not applied with --insecure)");
-  flags.AddInt32("max-reservations-per-tenant", &options.max_reservations_per_tenant,
-                 "decode reservations (KV booked until the decode worker streams) one tenant "
-                 "may hold at once (0: no limit)");
-  flags.AddInt32("max-reservations-per-client", &options.max_reservations_per_client,
-                 "decode reservations one client may hold at once (0: no limit)");
+  flags.AddInt64("max-reserved-tokens-per-tenant", &options.max_reserved_tokens_per_tenant,
+                 "decode KV one tenant may hold reserved at once, in tokens (prompt + "
+                 "max_tokens per reservation, held until the decode worker streams; 0: no "
+                 "limit)");
+  flags.AddInt64("max-reserved-tokens-per-client", &options.max_reserved_tokens_per_client,
+                 "decode KV one client may hold reserved at once, in tokens (0: no limit)");
   flags.AddInt32("max-attempts", &options.max_attempts, "failed worker pairs tried per request");
   flags.AddDuration("reserve-timeout", &options.reserve_timeout,
                     "per-attempt bound on a decode worker's Reserve");
@@ -126,14 +128,16 @@ int RunGatewayCommand(const std::vector<std::string>& raw_args) {
     }
     options.tenant_secret = std::string(absl::StripAsciiWhitespace(*secret));
   }
-  for (const auto& [flag, value] : std::vector<std::pair<const char*, int32_t>>{
-           {"--max-inflight-per-tenant", options.max_inflight_per_tenant},
-           {"--max-inflight-per-client", options.max_inflight_per_client},
-           {"--max-reservations-per-tenant", options.max_reservations_per_tenant},
-           {"--max-reservations-per-client", options.max_reservations_per_client}}) {
-    if (value < 0 || value > kMaxQuota) {
+  for (const auto& [flag, value, bound] : std::vector<std::tuple<const char*, int64_t, int64_t>>{
+           {"--max-inflight-per-tenant", options.max_inflight_per_tenant, kMaxInFlightQuota},
+           {"--max-inflight-per-client", options.max_inflight_per_client, kMaxInFlightQuota},
+           {"--max-reserved-tokens-per-tenant", options.max_reserved_tokens_per_tenant,
+            kMaxReservedTokensQuota},
+           {"--max-reserved-tokens-per-client", options.max_reserved_tokens_per_client,
+            kMaxReservedTokensQuota}}) {
+    if (value < 0 || value > bound) {
       return kvrelay::server::UsageError(
-          "gateway", absl::StrCat(flag, " must be in [0, ", kMaxQuota, "], got ", value));
+          "gateway", absl::StrCat(flag, " must be in [0, ", bound, "], got ", value));
     }
   }
   std::unique_ptr<TenantTokenVerifier> verifier;

@@ -114,7 +114,7 @@ class InProcessCluster : public ::testing::Test {
     options.tenant_secret = "test-secret";
     options.max_inflight_per_tenant = tenant_quota_;
     options.max_inflight_per_client = client_quota_;
-    options.max_reservations_per_client = client_reservations_;
+    options.max_reserved_tokens_per_client = client_reserved_tokens_;
     options.breaker.open_for = absl::Seconds(1);
     KV_ASSERT_OK_AND_ASSIGN(auto store_client,
                             cachestore::CacheStoreClient::Connect(store_host_->address()));
@@ -231,9 +231,9 @@ class InProcessCluster : public ::testing::Test {
     EXPECT_EQ(info->reason(), kvrelay::v1::FAILURE_UNAUTHORIZED) << status;
   }
 
-  int32_t tenant_quota_ = 64;         // GatewayOptions::max_inflight_per_tenant
-  int32_t client_quota_ = 32;         // max_inflight_per_client
-  int32_t client_reservations_ = 16;  // max_reservations_per_client
+  int32_t tenant_quota_ = 64;                 // GatewayOptions::max_inflight_per_tenant
+  int32_t client_quota_ = 32;                 // max_inflight_per_client
+  int64_t client_reserved_tokens_ = 1 << 18;  // max_reserved_tokens_per_client
   TempDir dir_;
   std::string model_dir_;
   std::unique_ptr<cli::ColocatedGenerator> reference_;
@@ -407,7 +407,7 @@ class InProcessClusterWithClientQuotas : public InProcessCluster {
  protected:
   InProcessClusterWithClientQuotas() {
     client_quota_ = 2;
-    client_reservations_ = 1;
+    client_reserved_tokens_ = 60;  // one 40 + 4 token request, not a second 20 + 2 beside it
   }
   // One request of `tenant` as `client`; `during` runs in its sink once, while it streams.
   Outcome GenerateAs(const std::string& client, const std::vector<int32_t>& prompt, int max_tokens,
@@ -465,7 +465,7 @@ TEST_F(InProcessClusterWithClientQuotas, AClientOverItsInFlightQuotaIsRefusedNam
   KV_EXPECT_OK(GenerateAs(app1, Prompt(20, 7), 2).status);
 }
 
-TEST_F(InProcessClusterWithClientQuotas, AClientOverItsReservationQuotaIsRefusedNamingIt) {
+TEST_F(InProcessClusterWithClientQuotas, AClientOverItsReservedKvQuotaIsRefusedNamingIt) {
   const std::string app1 = "spiffe://kvrelay/client/app-1";
   Outcome nested, other_client;
   bool nested_once = false;
@@ -480,9 +480,10 @@ TEST_F(InProcessClusterWithClientQuotas, AClientOverItsReservationQuotaIsRefused
   KV_ASSERT_OK(first.status);
   EXPECT_EQ(first.tokens, Reference(Prompt(40, 6), 4));
   ASSERT_TRUE(nested_once);
-  ExpectRefusedNaming(nested.status, "client '" + app1 +
-                                         "' already has 1 decode reservations (quota "
-                                         "--max-reservations-per-client 1)");
+  ExpectRefusedNaming(nested.status,
+                      "client '" + app1 +
+                          "' already has 44 tokens of decode KV reserved and this request needs "
+                          "22 (quota --max-reserved-tokens-per-client 60)");
   KV_ASSERT_OK(other_client.status);
   EXPECT_EQ(other_client.tokens, Reference(Prompt(20, 7), 2));
   KV_EXPECT_OK(GenerateAs(app1, Prompt(20, 7), 2).status);
