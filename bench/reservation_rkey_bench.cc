@@ -182,8 +182,7 @@ int main(int argc, char** argv) {
     }
     reservation_us.push_back(Us(Clock::now() - start));
     const Clock::time_point copy_start = Clock::now();
-    std::memcpy(static_cast<char*>(pool) + first_slot * slot_bytes, scratch.data(),
-                scratch.size());
+    std::memcpy(static_cast<char*>(pool) + first_slot * slot_bytes, scratch.data(), scratch.size());
     memcpy_us += Us(Clock::now() - copy_start);
   }
   std::sort(reservation_us.begin(), reservation_us.end());
@@ -196,30 +195,33 @@ int main(int argc, char** argv) {
   const double cycles = static_cast<double>(reservations * runs);
   const char* tls = std::getenv("UCX_TLS");
 
-  std::printf("UCX %s, UCX_TLS=%s, pool %lld MiB (%s), %lld slots of %lld KiB per reservation "
-              "in %lld run(s), %lld reservations\n",
-              ucp_get_version_string(), tls != nullptr ? tls : "(all)",
-              static_cast<long long>(pool_bytes >> 20),
-              allocate ? "ucp_mem_map ALLOCATE" : "heap + ucp_mem_map",
-              static_cast<long long>(slots), static_cast<long long>(slot_bytes >> 10),
-              static_cast<long long>(runs), static_cast<long long>(reservations));
-  std::printf("per connection (whole pool, once per peer): %.1f us  (map %.1f, pack %.1f, "
-              "unpack %.1f, release %.1f), packed key %zu B, peer maps it directly: %s\n",
-              connection_us, per_connection.map_us / kConnectionCycles,
-              per_connection.pack_us / kConnectionCycles,
-              per_connection.unpack_us / kConnectionCycles,
-              per_connection.release_us / kConnectionCycles, per_connection.packed_bytes,
-              per_connection.direct ? "yes" : "no");
-  std::printf("per reservation: mean %.1f us, p50 %.1f us, p99 %.1f us  (per run: map %.1f, "
-              "pack %.1f, unpack %.1f, release %.1f), packed key %zu B, peer maps it directly: "
-              "%s\n",
-              mean_us, p50, p99, per_run.map_us / cycles, per_run.pack_us / cycles,
-              per_run.unpack_us / cycles, per_run.release_us / cycles, per_run.packed_bytes,
-              per_run.direct ? "yes" : "no");
+  std::printf(
+      "UCX %s, UCX_TLS=%s, pool %lld MiB (%s), %lld slots of %lld KiB per reservation "
+      "in %lld run(s), %lld reservations\n",
+      ucp_get_version_string(), tls != nullptr ? tls : "(all)",
+      static_cast<long long>(pool_bytes >> 20),
+      allocate ? "ucp_mem_map ALLOCATE" : "heap + ucp_mem_map", static_cast<long long>(slots),
+      static_cast<long long>(slot_bytes >> 10), static_cast<long long>(runs),
+      static_cast<long long>(reservations));
+  std::printf(
+      "per connection (whole pool, once per peer): %.1f us  (map %.1f, pack %.1f, "
+      "unpack %.1f, release %.1f), packed key %zu B, peer maps it directly: %s\n",
+      connection_us, per_connection.map_us / kConnectionCycles,
+      per_connection.pack_us / kConnectionCycles, per_connection.unpack_us / kConnectionCycles,
+      per_connection.release_us / kConnectionCycles, per_connection.packed_bytes,
+      per_connection.direct ? "yes" : "no");
+  std::printf(
+      "per reservation: mean %.1f us, p50 %.1f us, p99 %.1f us  (per run: map %.1f, "
+      "pack %.1f, unpack %.1f, release %.1f), packed key %zu B, peer maps it directly: "
+      "%s\n",
+      mean_us, p50, p99, per_run.map_us / cycles, per_run.pack_us / cycles,
+      per_run.unpack_us / cycles, per_run.release_us / cycles, per_run.packed_bytes,
+      per_run.direct ? "yes" : "no");
   std::printf("memcpy of the reservation's %lld KiB: %.1f us\n",
               static_cast<long long>((slots * slot_bytes) >> 10), copy_us);
-  std::printf("ratio per-reservation / per-connection cycle: %.2fx; per-reservation cycle / "
-              "memcpy of its bytes: %.2fx\n",
-              mean_us / connection_us, mean_us / copy_us);
+  std::printf(
+      "ratio per-reservation / per-connection cycle: %.2fx; per-reservation cycle / "
+      "memcpy of its bytes: %.2fx\n",
+      mean_us / connection_us, mean_us / copy_us);
   return 0;
 }
