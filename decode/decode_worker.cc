@@ -478,15 +478,23 @@ absl::StatusOr<kvrelay::v1::ReserveResponse> DecodeWorker::Reserve(
   return response;
 }
 
-void DecodeWorker::Release(const std::string& request_id) {
+absl::Status DecodeWorker::Release(const std::string& request_id,
+                                   const std::string& reservation_token) {
+  if (absl::Status s = CheckRequestId(request_id); !s.ok())
+    return Invalid(std::string(s.message()));
   absl::MutexLock lock(&mu_);
   auto it = reservations_.find(worker::RequestTag(request_id));
   if (it != reservations_.end() && !it->second->claimed && !it->second->released) {
+    if (!kv::SecretEquals(it->second->token, reservation_token)) {
+      return Denied(absl::StrCat("reservation_token: request '", request_id,
+                                 "' is reserved, and this is not its token"));
+    }
     // Slots stay quarantined until the push finished or the grace period passed, so a late
     // write can never land in a slot that belongs to someone else.
     it->second->released = true;
     it->second->released_at = core_->clock->Now();
   }
+  return absl::OkStatus();
 }
 
 absl::Status DecodeWorker::Generate(const kvrelay::v1::DecodeRequest& request, absl::Time deadline,

@@ -84,8 +84,11 @@ class DecodeWorker {
   // Streams the request's tokens through `write` until done, the deadline, or `cancelled()`.
   absl::Status Generate(const kvrelay::v1::DecodeRequest& request, absl::Time deadline,
                         const ChunkWriter& write, const std::function<bool()>& cancelled);
-  // Idempotent; a late push into released slots can never land in someone else's.
-  void Release(const std::string& request_id);
+  // Releases a live reservation presented with its token (PERMISSION_DENIED for another token,
+  // compared in constant time; the reservation stays). Idempotent: an unknown, claimed or
+  // already released request is OK. A late push into released slots can never land in someone
+  // else's.
+  absl::Status Release(const std::string& request_id, const std::string& reservation_token);
   kvrelay::v1::DecodeStatusResponse Describe();
   // Registers with the cache store (if configured) once the gRPC server listens on
   // `grpc_address`. ALREADY_EXISTS when another live process holds the node id.

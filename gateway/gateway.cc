@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <limits>
 
-#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
@@ -30,6 +29,12 @@ bool IsOverload(const absl::Status& s) {
   return !info.has_value() || info->reason() == kvrelay::v1::FAILURE_OVERLOADED;
 }
 
+Counter* QuotaRefusals(MetricsRegistry* metrics, const std::string& quota) {
+  return metrics->GetCounter("kvrelay_gateway_quota_refusals_total",
+                             "Requests refused by a per-client or reservation quota, by quota.",
+                             {{"quota", quota}});
+}
+
 }  // namespace
 
 std::string DeriveTenantSalt(const std::string& secret, const std::string& tenant) {
@@ -47,7 +52,23 @@ Gateway::Gateway(GatewayOptions options, kv::ModelConfig config, MetricsRegistry
       layout_fingerprint_(config_.layout.fingerprint().ToBytes()),
       metrics_(metrics),
       clock_(clock),
-      instance_id_(absl::StrCat(absl::ToUnixMicros(absl::Now()) % 1000000000)) {
+      instance_id_(absl::StrCat(absl::ToUnixMicros(absl::Now()) % 1000000000)),
+      tenant_in_flight_(
+          "tenant", "requests in flight", "--max-inflight-per-tenant",
+          options_.max_inflight_per_tenant,
+          metrics_->GetCounter("kvrelay_gateway_tenant_quota_refusals_total",
+                               "Requests refused because their tenant had its quota in flight.")),
+      client_in_flight_("client", "requests in flight", "--max-inflight-per-client",
+                        options_.max_inflight_per_client,
+                        QuotaRefusals(metrics_, "inflight_client")),
+      tenant_reservations_("tenant", "tokens of decode KV reserved",
+                           "--max-reserved-tokens-per-tenant",
+                           options_.max_reserved_tokens_per_tenant,
+                           QuotaRefusals(metrics_, "reserved_tokens_tenant")),
+      client_reservations_("client", "tokens of decode KV reserved",
+                           "--max-reserved-tokens-per-client",
+                           options_.max_reserved_tokens_per_client,
+                           QuotaRefusals(metrics_, "reserved_tokens_client")) {
   ttft_seconds_ = metrics_->GetHistogram("kvrelay_gateway_ttft_seconds", "Time to first token.",
                                          LatencyBucketsSeconds());
   tpot_seconds_ = metrics_->GetHistogram("kvrelay_gateway_time_per_output_token_seconds",
@@ -405,38 +426,12 @@ void Gateway::CountFailure(const absl::Status& status, const char* role) {
       ->Increment();
 }
 
-absl::Status Gateway::TakeTenantSlot(const std::string& tenant) {
-  if (options_.max_inflight_per_tenant <= 0) return absl::OkStatus();
-  std::lock_guard<std::mutex> lock(tenants_mu_);
-  int32_t& in_flight = tenant_in_flight_[tenant];
-  if (in_flight >= options_.max_inflight_per_tenant) {
-    if (in_flight == 0) tenant_in_flight_.erase(tenant);
-    metrics_
-        ->GetCounter("kvrelay_gateway_tenant_quota_refusals_total",
-                     "Requests refused because their tenant had its quota in flight.")
-        ->Increment();
-    return proto::Attribute(absl::ResourceExhaustedError(absl::StrCat(
-                                "tenant '", tenant, "' already has ", in_flight,
-                                " requests in flight (quota --max-inflight-per-tenant ",
-                                options_.max_inflight_per_tenant, ")")),
-                            kvrelay::v1::ROLE_CLIENT, "", kvrelay::v1::FAILURE_OVERLOADED);
-  }
-  ++in_flight;
-  return absl::OkStatus();
-}
-
-void Gateway::ReleaseTenantSlot(const std::string& tenant) {
-  if (options_.max_inflight_per_tenant <= 0) return;
-  std::lock_guard<std::mutex> lock(tenants_mu_);
-  auto it = tenant_in_flight_.find(tenant);
-  if (it != tenant_in_flight_.end() && --it->second <= 0) tenant_in_flight_.erase(it);
-}
-
 absl::Status Gateway::Generate(const kvrelay::v1::GenerateRequest& request, absl::Time deadline,
-                               const GenerateSink& sink, const std::function<bool()>& cancelled) {
+                               const GenerateSink& sink, const std::function<bool()>& cancelled,
+                               const std::string& client) {
   if (absl::Status s = Validate(request); !s.ok()) return CallerError(std::move(s));
-  KV_RETURN_IF_ERROR(TakeTenantSlot(request.tenant()));
-  absl::Cleanup release_tenant = [&] { ReleaseTenantSlot(request.tenant()); };
+  KV_ASSIGN_OR_RETURN(QuotaTable::Lease tenant_slot, tenant_in_flight_.Take(request.tenant()));
+  KV_ASSIGN_OR_RETURN(QuotaTable::Lease client_slot, client_in_flight_.Take(client));
   const absl::Time start = absl::Now();
   deadline = std::min(deadline, start + options_.default_deadline);
   const std::string salt = DeriveTenantSalt(options_.tenant_secret, request.tenant());
@@ -541,7 +536,14 @@ absl::Status Gateway::Generate(const kvrelay::v1::GenerateRequest& request, absl
       }
     } in_flight{p, d};
 
-    // 1. Reserve on decode.
+    // 1. Reserve on decode. What it books (prompt + remaining tokens) counts against the
+    // tenant's and the client's reserved-KV quotas until the decode worker streams (or the
+    // attempt ends).
+    const int64_t reserved_tokens = static_cast<int64_t>(tokens.size()) + remaining;
+    KV_ASSIGN_OR_RETURN(QuotaTable::Lease tenant_reservation,
+                        tenant_reservations_.Take(request.tenant(), reserved_tokens));
+    KV_ASSIGN_OR_RETURN(QuotaTable::Lease client_reservation,
+                        client_reservations_.Take(client, reserved_tokens));
     kvrelay::v1::ReserveRequest reserve;
     reserve.set_request_id(request_id);
     reserve.set_model(options_.model_name);
@@ -600,7 +602,7 @@ absl::Status Gateway::Generate(const kvrelay::v1::GenerateRequest& request, absl
       prefilled = kvrelay::v1::PrefillResponse();
     }
     if (!prefilled.ok()) {
-      d->decode->Release(request_id, absl::Now() + absl::Seconds(1));
+      d->decode->Release(request_id, target->reservation_token(), absl::Now() + absl::Seconds(1));
       last_error = prefilled.status();
       const Blame blame = Attribute(prefilled.status(), Blame::kPrefill, deadline);
       if (blame == Blame::kNone) return prefilled.status();
@@ -635,6 +637,9 @@ absl::Status Gateway::Generate(const kvrelay::v1::GenerateRequest& request, absl
     bool stream_done = false;
     absl::Status s = d->decode->Generate(
         decode, deadline, options_.chunk_timeout, [&](const kvrelay::v1::DecodeChunk& chunk) {
+          // Streaming: the decode worker has claimed the reservation.
+          tenant_reservation.Return();
+          client_reservation.Return();
           if (chunk.tokens_size() > 0) {
             if (first_token_time == absl::InfiniteFuture()) {
               first_token_time = absl::Now();

@@ -173,7 +173,7 @@ if ((PRINT_ONLY)); then
     [[ $name == client || $name == dup ]] && continue
     echo "# $name (${ADDR[$name]}): UCX_TLS=tcp kvrelay $(node_args "$name")"
   done
-  echo "# client: kvrelay bench-serve --gateway $(gateway_list) --model $MODEL ${BENCH_ARGS[*]}"
+  echo "# client: kvrelay bench-serve --gateway $(gateway_list) --model $MODEL --insecure ${BENCH_ARGS[*]}"
   exit 0
 fi
 
@@ -408,7 +408,7 @@ done
 # --- the load ----------------------------------------------------------------------------------
 set +e
 ip netns exec "$ID-client" "$KVRELAY" bench-serve --gateway "$(gateway_list)" --model "$MODEL" \
-  --wait-ready 60s --start-file "$START_FILE" --events "$EVENTS" --json "$OUT/report.json" \
+  --insecure --wait-ready 60s --start-file "$START_FILE" --events "$EVENTS" --json "$OUT/report.json" \
   --csv "$OUT/requests.csv" --plot "$OUT/plot.png" "${BENCH_ARGS[@]}"
 rc=$?
 set -e

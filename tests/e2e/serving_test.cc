@@ -415,6 +415,7 @@ TEST(TransfersOnlyWhereTheyBelong, PrefillNamingAnotherRequestsSlotsIsRefused) {
         context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
         v1::ReleaseRequest release;
         release.set_request_id(reserve.request_id());
+        release.set_reservation_token(own.reservation_token());
         v1::ReleaseResponse ignored;
         (void)decode_stub->Release(&context, release, &ignored);
       }

@@ -112,6 +112,8 @@ class InProcessCluster : public ::testing::Test {
     options.model_name = "tiny";
     options.tenant_secret = "test-secret";
     options.max_inflight_per_tenant = tenant_quota_;
+    options.max_inflight_per_client = client_quota_;
+    options.max_reserved_tokens_per_client = client_reserved_tokens_;
     options.breaker.open_for = absl::Seconds(1);
     KV_ASSERT_OK_AND_ASSIGN(auto store_client,
                             cachestore::CacheStoreClient::Connect(store_host_->address()));
@@ -242,8 +244,10 @@ class InProcessCluster : public ::testing::Test {
     EXPECT_EQ(info->reason(), kvrelay::v1::FAILURE_UNAUTHORIZED) << status;
   }
 
-  int32_t tenant_quota_ = 64;   // GatewayOptions::max_inflight_per_tenant
-  std::string arch_ = "llama";  // the test model's architecture
+  int32_t tenant_quota_ = 64;                 // GatewayOptions::max_inflight_per_tenant
+  int32_t client_quota_ = 32;                 // max_inflight_per_client
+  int64_t client_reserved_tokens_ = 1 << 18;  // max_reserved_tokens_per_client
+  std::string arch_ = "llama";                // the test model's architecture
   int num_prefill_ = 1;
   TempDir dir_;
   std::string model_dir_;
@@ -327,9 +331,11 @@ TEST_F(InProcessCluster, OverloadIsRefusedAtOnceNotCollapsed) {
   big.set_prompt_tokens(900);
   big.set_max_tokens(100);
   big.set_layout_fingerprint(gateway_->config().layout.fingerprint().ToBytes());
+  std::vector<std::string> tokens;
   for (int i = 0; i < kDecode; ++i) {
     big.set_request_id("hold-" + std::to_string(i));
-    KV_ASSERT_OK(decodes_[i]->Reserve(big).status());
+    KV_ASSERT_OK_AND_ASSIGN(kvrelay::v1::ReserveResponse held, decodes_[i]->Reserve(big));
+    tokens.push_back(held.reservation_token());
   }
   Outcome refused = Generate(Prompt(900, 4), 100);
   EXPECT_THAT(refused.status, StatusIs(absl::StatusCode::kResourceExhausted));
@@ -337,7 +343,7 @@ TEST_F(InProcessCluster, OverloadIsRefusedAtOnceNotCollapsed) {
   ASSERT_TRUE(info.has_value());
   EXPECT_EQ(info->reason(), kvrelay::v1::FAILURE_OVERLOADED);
   // A small request still fits beside the big ones? No: 63 of 64 booked. Release one hold.
-  decodes_[0]->Release("hold-0");
+  KV_ASSERT_OK(decodes_[0]->Release("hold-0", tokens[0]));
   worker_clock_.Advance(absl::Seconds(31));  // past the release grace: the slots come back
   Outcome small = Generate(Prompt(20, 5), 4);
   KV_ASSERT_OK(small.status);
@@ -404,6 +410,38 @@ TEST_F(InProcessMambaCluster, ReservationHoldsOnlyTheFinalStatesSlot) {
   KV_ASSERT_OK(out.status);
   EXPECT_EQ(out.computed_tokens, 6);
   EXPECT_THAT(out.tokens, ElementsAreArray(Reference(prompt)));
+
+TEST_F(InProcessCluster, ReleaseNeedsTheReservationToken) {
+  // A prompt without a full block: nothing is pushed, so a released reservation is swept by the
+  // next Reserve at once (no quarantine), which makes a release visible in reserved_requests.
+  kvrelay::v1::ReserveRequest r;
+  r.set_model("tiny");
+  r.set_prompt_tokens(10);
+  r.set_max_tokens(8);
+  r.set_layout_fingerprint(gateway_->config().layout.fingerprint().ToBytes());
+  r.set_request_id("victim");
+  KV_ASSERT_OK_AND_ASSIGN(kvrelay::v1::ReserveResponse held, decodes_[0]->Reserve(r));
+  // Another token (one bit off, empty, a prefix) is refused and the reservation stays.
+  std::string forged = held.reservation_token();
+  forged[0] ^= 1;
+  for (const std::string& token : {forged, std::string(), held.reservation_token().substr(0, 31)}) {
+    absl::Status s = decodes_[0]->Release("victim", token);
+    EXPECT_THAT(s, StatusIs(absl::StatusCode::kPermissionDenied));
+    std::optional<kvrelay::v1::ErrorInfo> info = proto::GetErrorInfo(s);
+    ASSERT_TRUE(info.has_value());
+    EXPECT_EQ(info->reason(), kvrelay::v1::FAILURE_UNAUTHORIZED);
+  }
+  r.set_request_id("other-1");
+  KV_ASSERT_OK(decodes_[0]->Reserve(r).status());  // sweeps released reservations
+  EXPECT_EQ(decodes_[0]->Describe().reserved_requests(), 2);
+  // Its own token releases it; releasing again, or an unknown id, is OK (idempotent).
+  KV_EXPECT_OK(decodes_[0]->Release("victim", held.reservation_token()));
+  KV_EXPECT_OK(decodes_[0]->Release("victim", held.reservation_token()));
+  KV_EXPECT_OK(decodes_[0]->Release("never-reserved", forged));
+  EXPECT_THAT(decodes_[0]->Release("", forged), StatusIs(absl::StatusCode::kInvalidArgument));
+  r.set_request_id("other-2");
+  KV_ASSERT_OK(decodes_[0]->Reserve(r).status());
+  EXPECT_EQ(decodes_[0]->Describe().reserved_requests(), 2);  // other-1, other-2
 }
 
 class InProcessClusterWithTenantQuota : public InProcessCluster {
@@ -440,6 +478,92 @@ TEST_F(InProcessClusterWithTenantQuota, ATenantOverItsQuotaIsRefusedNamingIt) {
   EXPECT_EQ(tokens, Reference(Prompt(40, 6), 4));
   // The slot came back with the request's end.
   KV_EXPECT_OK(Generate(Prompt(20, 7), 2).status);
+}
+
+class InProcessClusterWithClientQuotas : public InProcessCluster {
+ protected:
+  InProcessClusterWithClientQuotas() {
+    client_quota_ = 2;
+    client_reserved_tokens_ = 60;  // one 40 + 4 token request, not a second 20 + 2 beside it
+  }
+  // One request of `tenant` as `client`; `during` runs in its sink once, while it streams.
+  Outcome GenerateAs(const std::string& client, const std::vector<int32_t>& prompt, int max_tokens,
+                     const std::function<void()>& during = nullptr) {
+    kvrelay::v1::GenerateRequest request;
+    for (int32_t t : prompt) request.add_tokens(t);
+    request.set_tenant("tenant-a");
+    request.set_max_tokens(max_tokens);
+    Outcome out;
+    bool ran = false;
+    out.status = gateway_->Generate(
+        request, absl::Now() + absl::Seconds(30),
+        [&](const kvrelay::v1::GenerateResponse& r) {
+          out.tokens.insert(out.tokens.end(), r.tokens().begin(), r.tokens().end());
+          if (!ran && during) {
+            ran = true;
+            during();
+          }
+          return true;
+        },
+        [] { return false; }, client);
+    return out;
+  }
+  static void ExpectRefusedNaming(const absl::Status& status, const std::string& what) {
+    EXPECT_THAT(status, StatusIs(absl::StatusCode::kResourceExhausted));
+    EXPECT_THAT(status.message(), ::testing::HasSubstr(what));
+    std::optional<kvrelay::v1::ErrorInfo> info = proto::GetErrorInfo(status);
+    ASSERT_TRUE(info.has_value());
+    EXPECT_EQ(info->role(), kvrelay::v1::ROLE_CLIENT);  // never blamed on a worker
+  }
+};
+
+TEST_F(InProcessClusterWithClientQuotas, AClientOverItsInFlightQuotaIsRefusedNamingIt) {
+  const std::string app1 = "spiffe://kvrelay/client/app-1";
+  const std::string app2 = "spiffe://kvrelay/client/app-2";
+  Outcome second, third, other_client;
+  Outcome first = GenerateAs(app1, Prompt(40, 6), 4, [&] {
+    // The first request streams: its reservation is no longer held, so a second one of the
+    // same client (quota 2 in flight) runs; a third while both are in flight is refused.
+    second = GenerateAs(app1, Prompt(30, 8), 3, [&] {
+      third = GenerateAs(app1, Prompt(20, 7), 2);
+      other_client = GenerateAs(app2, Prompt(20, 7), 2);  // same tenant, another client
+    });
+  });
+  KV_ASSERT_OK(first.status);
+  EXPECT_EQ(first.tokens, Reference(Prompt(40, 6), 4));
+  KV_ASSERT_OK(second.status);
+  EXPECT_EQ(second.tokens, Reference(Prompt(30, 8), 3));
+  ExpectRefusedNaming(third.status, "client '" + app1 +
+                                        "' already has 2 requests in flight (quota "
+                                        "--max-inflight-per-client 2)");
+  KV_ASSERT_OK(other_client.status);
+  EXPECT_EQ(other_client.tokens, Reference(Prompt(20, 7), 2));
+  // The slots came back with the requests' ends.
+  KV_EXPECT_OK(GenerateAs(app1, Prompt(20, 7), 2).status);
+}
+
+TEST_F(InProcessClusterWithClientQuotas, AClientOverItsReservedKvQuotaIsRefusedNamingIt) {
+  const std::string app1 = "spiffe://kvrelay/client/app-1";
+  Outcome nested, other_client;
+  bool nested_once = false;
+  // While the first request's prefill runs, its decode reservation is held.
+  prefill_endpoints_[0]->SetBeforePrefill([&] {
+    if (nested_once) return;
+    nested_once = true;
+    nested = GenerateAs(app1, Prompt(20, 7), 2);
+    other_client = GenerateAs("bearer:tenant-a", Prompt(20, 7), 2);
+  });
+  Outcome first = GenerateAs(app1, Prompt(40, 6), 4);
+  KV_ASSERT_OK(first.status);
+  EXPECT_EQ(first.tokens, Reference(Prompt(40, 6), 4));
+  ASSERT_TRUE(nested_once);
+  ExpectRefusedNaming(nested.status,
+                      "client '" + app1 +
+                          "' already has 44 tokens of decode KV reserved and this request needs "
+                          "22 (quota --max-reserved-tokens-per-client 60)");
+  KV_ASSERT_OK(other_client.status);
+  EXPECT_EQ(other_client.tokens, Reference(Prompt(20, 7), 2));
+  KV_EXPECT_OK(GenerateAs(app1, Prompt(20, 7), 2).status);
 }
 
 TEST_F(InProcessCluster, UnclaimedReservationsExpireOnTheClock) {
