@@ -1,5 +1,6 @@
 #include "prefill/prefill_worker.h"
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
@@ -19,24 +20,67 @@ absl::Status CallerError(absl::Status status) {
                    kvrelay::v1::FAILURE_INVALID_REQUEST);
 }
 
+// Why a push to a decode worker failed, from the status code alone (never its text): the
+// `reason` label of kvrelay:kv_transfer_failures_total.
+const char* TransferFailureReason(const absl::Status& status) {
+  switch (status.code()) {
+    case absl::StatusCode::kDeadlineExceeded:
+      return "timeout";
+    case absl::StatusCode::kUnavailable:
+      return "peer_lost";
+    case absl::StatusCode::kDataLoss:
+      return "corrupt";
+    case absl::StatusCode::kCancelled:
+      return "cancelled";
+    case absl::StatusCode::kPermissionDenied:
+      return "refused";
+    default:
+      return "error";
+  }
+}
+
 }  // namespace
 
 PrefillWorker::PrefillWorker(PrefillWorkerOptions options, MetricsRegistry* metrics)
-    : options_(std::move(options)), metrics_(metrics) {
-  prefix_query_tokens_ = metrics_->GetCounter("kvrelay_prefill_prefix_query_tokens_total",
-                                              "Full-block prompt tokens looked up in the store.");
-  prefix_hit_tokens_ = metrics_->GetCounter("kvrelay_prefill_prefix_hit_tokens_total",
-                                            "Prompt tokens whose KV was reused, not computed.");
-  computed_tokens_ =
-      metrics_->GetCounter("kvrelay_prefill_computed_tokens_total", "Prompt tokens computed.");
-  pushed_bytes_ = metrics_->GetCounter("kvrelay_prefill_pushed_kv_bytes_total",
-                                       "KV bytes pushed to decode workers.");
+    : options_(std::move(options)),
+      metrics_(metrics),
+      model_labels_({{"model_name", options_.model_name}}) {
+  prefix_query_tokens_ = metrics_->GetCounter(
+      "kvrelay:prefix_cache_queries_total",
+      "Prefix cache queries, in terms of number of queried tokens (full blocks).", model_labels_);
+  prefix_hit_tokens_ =
+      metrics_->GetCounter("kvrelay:prefix_cache_hits_total",
+                           "Prefix cache hits, in terms of number of cached tokens.", model_labels_);
+  computed_tokens_ = metrics_->GetCounter("kvrelay:prefill_computed_tokens_total",
+                                          "Prompt tokens computed.", model_labels_);
+  pushed_bytes_ = metrics_->GetCounter("kvrelay:prefill_pushed_kv_bytes_total",
+                                       "KV bytes pushed to decode workers.", model_labels_);
   transfer_seconds_ = metrics_->GetHistogram(
-      "kvrelay_prefill_transfer_seconds",
-      "From the first layer posted to the last layer delivered.", LatencyBucketsSeconds());
-  prefill_seconds_ = metrics_->GetHistogram("kvrelay_prefill_request_seconds",
-                                            "Whole prefill requests.", LatencyBucketsSeconds());
-  active_ = metrics_->GetGauge("kvrelay_prefill_active_requests", "Requests in progress.");
+      "kvrelay:kv_transfer_time_seconds",
+      "Histogram of transfer duration of KV pushes to decode workers (first layer posted to "
+      "last layer delivered).",
+      KvTransferTimeBucketsSeconds(), model_labels_);
+  transfer_bytes_ =
+      metrics_->GetHistogram("kvrelay:kv_transfer_bytes",
+                             "Histogram of bytes transferred per KV push to a decode worker.",
+                             KvTransferBytesBuckets(), model_labels_);
+  prefill_seconds_ = metrics_->GetHistogram("kvrelay:prefill_request_seconds",
+                                            "Whole prefill requests.", LatencyBucketsSeconds(),
+                                            model_labels_);
+  running_ = metrics_->GetGauge("kvrelay:num_requests_running",
+                                "Requests being prefilled or pushed.", model_labels_);
+  waiting_ = metrics_->GetGauge("kvrelay:num_requests_waiting",
+                                "Requests waiting for the model (one forward pass at a time).",
+                                model_labels_);
+}
+
+void PrefillWorker::CountTransferFailure(const char* reason) {
+  MetricLabels labels = model_labels_;
+  labels["reason"] = reason;
+  metrics_
+      ->GetCounter("kvrelay:kv_transfer_failures_total",
+                   "KV pushes to decode workers that failed, by reason.", labels)
+      ->Increment();
 }
 
 absl::StatusOr<std::unique_ptr<PrefillWorker>> PrefillWorker::Create(PrefillWorkerOptions options,
@@ -57,6 +101,7 @@ absl::Status PrefillWorker::Own(absl::Status status, kvrelay::v1::FailureReason 
 }
 
 PrefillWorker::~PrefillWorker() {
+  kv_metrics_.reset();  // its usage function reads kv_
   // The transport's threads call OnInbound until the handler is replaced (the replacement waits
   // for a running call): before any member it touches is destroyed.
   if (transport_ != nullptr) transport_->SetInboundHandler(nullptr);
@@ -74,6 +119,15 @@ absl::Status PrefillWorker::Init(worker::WorkerCoreDeps deps) {
   transport_ = core_->transport.get();
   kv_ = core_->kv.get();
   segment_ = core_->segment.get();
+  worker::CacheConfigInfo info;
+  info.role = "prefill";
+  info.layout = &runner_->layout();
+  info.pool_blocks = options_.core.pool_blocks;
+  info.cache_slots = segment_ != nullptr ? segment_->num_slots() : 0;
+  info.prefix_caching = true;
+  kv_metrics_ = std::make_unique<worker::KvCacheMetrics>(
+      metrics_, model_labels_, info,
+      [kv = kv_] { return worker::FullestPoolUsage(kv->cache()); });
   return absl::OkStatus();
 }
 
@@ -231,11 +285,8 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
   }
   Clock* clock = core_->clock;
   const absl::Time start = clock->Now();
-  active_->Add(1);
-  struct ActiveGuard {
-    Gauge* g;
-    ~ActiveGuard() { g->Add(-1); }
-  } guard{active_};
+  running_->Add(1);
+  absl::Cleanup not_running = [this] { running_->Add(-1); };
 
   const kv::ModelLayout& layout = runner_->layout();
   const int32_t block_tokens = layout.block_tokens();
@@ -275,6 +326,8 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
          match->local_slots[hit_blocks] >= 0) {
     ++hit_blocks;
   }
+  // Counted with the query, so hits / queries is the lookups' hit rate (as vLLM's).
+  prefix_hit_tokens_->Increment(static_cast<double>(hit_blocks * block_tokens));
 
   // 2. The request's sequence: reused blocks copied in, slots for the rest allocated now so the
   //    whole transfer plan can be prepared before computing.
@@ -315,6 +368,7 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
                      kvrelay::v1::ROLE_CLIENT, "", kvrelay::v1::FAILURE_UNAUTHORIZED);
   }
   if (!connected.ok()) {
+    CountTransferFailure("unreachable");
     return decode_failed(
         absl::Status(
             connected.status().code(),
@@ -354,6 +408,8 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
   if (absl::Status claimed =
           ClaimPush(peer, request, std::min(deadline, absl::Now() + options_.transfer_timeout));
       !claimed.ok()) {
+    CountTransferFailure(absl::IsPermissionDenied(claimed) ? "refused"
+                                                            : TransferFailureReason(claimed));
     std::optional<kvrelay::v1::ErrorInfo> why = proto::GetErrorInfo(claimed);
     if (absl::IsPermissionDenied(claimed) && why.has_value() &&
         why->reason() == kvrelay::v1::FAILURE_EXPIRED) {
@@ -396,7 +452,11 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
   if (compute_from < full_tokens) {
     model::PrefillOptions prefill_options;
     prefill_options.on_layer_done = post_layer;
+    running_->Add(-1);
+    waiting_->Add(1);
     absl::MutexLock lock(&compute_mu_);
+    waiting_->Add(-1);
+    running_->Add(1);
     absl::StatusOr<std::vector<float>> logits = runner_->Prefill(
         seq,
         absl::MakeConstSpan(tokens).subspan(static_cast<size_t>(compute_from),
@@ -413,14 +473,8 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
     if (!s.ok() && transfer_status.ok()) transfer_status = s;
     pushed += h->bytes();
   }
-  if (first_post != absl::InfiniteFuture()) {
-    transfer_seconds_->Observe(absl::ToDoubleSeconds(absl::Now() - first_post));
-  }
   if (!transfer_status.ok()) {
-    metrics_
-        ->GetCounter("kvrelay_prefill_failures_total", "Failed prefill requests by reason.",
-                     {{"reason", "transfer"}})
-        ->Increment();
+    CountTransferFailure(TransferFailureReason(transfer_status));
     // The caller's own deadline is not the decode worker's fault.
     if (absl::IsDeadlineExceeded(transfer_status) && absl::Now() >= deadline) {
       return Attribute(absl::DeadlineExceededError(
@@ -438,13 +492,16 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
                                           : kvrelay::v1::FAILURE_TRANSFER);
   }
   pushed_bytes_->Increment(static_cast<double>(pushed));
+  if (first_post != absl::InfiniteFuture()) {
+    transfer_seconds_->Observe(absl::ToDoubleSeconds(absl::Now() - first_post));
+    transfer_bytes_->Observe(static_cast<double>(pushed));
+  }
 
   // 5. Publish the blocks computed here for later requests.
   absl::StatusOr<int32_t> committed = store->CommitBlocks(chain, hit_blocks, full_blocks, seq);
   if (!committed.ok()) {
     KV_LOG(WARNING) << request.request_id() << ": commit failed: " << committed.status();
   }
-  prefix_hit_tokens_->Increment(static_cast<double>(hit_blocks * block_tokens));
   computed_tokens_->Increment(static_cast<double>(full_tokens - compute_from));
   prefill_seconds_->Observe(absl::ToDoubleSeconds(clock->Now() - start));
   response.set_prefix_hit_tokens(static_cast<int32_t>(hit_blocks * block_tokens));
@@ -457,7 +514,7 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
 absl::Status PrefillWorker::ConnectStore(const std::string& grpc_address) {
   KV_RETURN_IF_ERROR(core_->ConnectStore(grpc_address, [this] {
     kvrelay::v1::NodeLoad load;
-    load.set_active_requests(static_cast<int64_t>(active_->value()));
+    load.set_active_requests(static_cast<int64_t>(running_->value() + waiting_->value()));
     return load;
   }));
   store_.store(core_->store.get(), std::memory_order_release);
@@ -469,7 +526,7 @@ kvrelay::v1::PrefillStatusResponse PrefillWorker::Describe() const {
   response.set_model(options_.model_name);
   response.set_node_id(core_->node_id);
   response.set_incarnation(core_->incarnation);
-  response.set_active_requests(static_cast<int32_t>(active_->value()));
+  response.set_active_requests(static_cast<int32_t>(running_->value() + waiting_->value()));
   response.set_computed_tokens_total(static_cast<int64_t>(computed_tokens_->value()));
   response.set_prefix_hit_tokens_total(static_cast<int64_t>(prefix_hit_tokens_->value()));
   response.set_layout_fingerprint(runner_->layout().fingerprint().ToBytes());

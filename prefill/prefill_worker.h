@@ -32,6 +32,7 @@
 #include "model/model_runner.h"
 #include "transfer/transport.h"
 #include "worker/worker_core.h"
+#include "worker/worker_metrics.h"
 
 namespace kvrelay::prefill {
 
@@ -77,6 +78,7 @@ class PrefillWorker {
   absl::Status ClaimPush(transfer::PeerId peer, const kvrelay::v1::PrefillRequest& request,
                          absl::Time deadline);
   void OnInbound(transfer::InboundEvent event);
+  void CountTransferFailure(const char* reason);
 
   const PrefillWorkerOptions options_;
   MetricsRegistry* metrics_;
@@ -96,13 +98,17 @@ class PrefillWorker {
   absl::flat_hash_map<std::pair<transfer::PeerId, uint64_t>, std::optional<absl::Status>> verdicts_
       ABSL_GUARDED_BY(verdicts_mu_);
 
+  const MetricLabels model_labels_;  // {model_name}: on every family this worker exports
   Counter* prefix_query_tokens_;
   Counter* prefix_hit_tokens_;
   Counter* computed_tokens_;
   Counter* pushed_bytes_;
   Histogram* transfer_seconds_;
+  Histogram* transfer_bytes_;
   Histogram* prefill_seconds_;
-  Gauge* active_;
+  Gauge* running_;  // in progress, not waiting for compute_mu_
+  Gauge* waiting_;  // waiting for compute_mu_
+  std::unique_ptr<worker::KvCacheMetrics> kv_metrics_;  // reads kv_: reset before core_ goes
 };
 
 }  // namespace kvrelay::prefill

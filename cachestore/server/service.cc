@@ -694,9 +694,9 @@ grpc::Status CacheStoreService::WatchEvents(grpc::ServerContext* ctx,
 void CacheStoreService::RegisterMetrics(MetricsRegistry* metrics) {
   for (int i = 0; i < kNumRpcs; ++i) {
     const MetricLabels rpc = {{"rpc", RpcName(i)}};
-    latency_[i] = metrics->GetHistogram("kvrelay_cachestore_rpc_seconds", "RPC handling latency.",
+    latency_[i] = metrics->GetHistogram("kvrelay:cachestore_rpc_seconds", "RPC handling latency.",
                                         RpcBucketsSeconds(), rpc);
-    errors_[i] = metrics->GetCounter("kvrelay_cachestore_rpc_errors_total", "Failed RPCs.", rpc);
+    errors_[i] = metrics->GetCounter("kvrelay:cachestore_rpc_errors_total", "Failed RPCs.", rpc);
   }
   // The store keeps these as its own atomics (trace-replay and tests read them too); the
   // registry reads them at each scrape.
@@ -706,27 +706,27 @@ void CacheStoreService::RegisterMetrics(MetricsRegistry* metrics) {
       return static_cast<double>(value->load(std::memory_order_relaxed));
     });
   };
-  counter("kvrelay_cachestore_prefix_queries_total", "MatchPrefix calls.", &c->prefix_queries);
-  counter("kvrelay_cachestore_prefix_query_blocks_total", "Blocks asked for in MatchPrefix.",
+  counter("kvrelay:cachestore_prefix_queries_total", "MatchPrefix calls.", &c->prefix_queries);
+  counter("kvrelay:cachestore_prefix_query_blocks_total", "Blocks asked for in MatchPrefix.",
           &c->prefix_query_blocks);
-  counter("kvrelay_cachestore_prefix_hit_blocks_total", "Blocks found by MatchPrefix.",
+  counter("kvrelay:cachestore_prefix_hit_blocks_total", "Blocks found by MatchPrefix.",
           &c->prefix_hit_blocks);
-  counter("kvrelay_cachestore_allocated_blocks_total", "Blocks reserved by Allocate.",
+  counter("kvrelay:cachestore_allocated_blocks_total", "Blocks reserved by Allocate.",
           &c->allocated_blocks);
-  counter("kvrelay_cachestore_committed_blocks_total", "Blocks committed.", &c->committed_blocks);
-  counter("kvrelay_cachestore_aborted_blocks_total", "Allocated blocks aborted.",
+  counter("kvrelay:cachestore_committed_blocks_total", "Blocks committed.", &c->committed_blocks);
+  counter("kvrelay:cachestore_aborted_blocks_total", "Allocated blocks aborted.",
           &c->aborted_blocks);
-  counter("kvrelay_cachestore_reclaimed_blocks_total",
+  counter("kvrelay:cachestore_reclaimed_blocks_total",
           "Allocated blocks reclaimed after the commit timeout.", &c->reclaimed_blocks);
-  counter("kvrelay_cachestore_evictions_total", "Blocks evicted.", &c->evicted_blocks);
-  counter("kvrelay_cachestore_expired_nodes_total",
+  counter("kvrelay:cachestore_evictions_total", "Blocks evicted.", &c->evicted_blocks);
+  counter("kvrelay:cachestore_expired_nodes_total",
           "Nodes forgotten after their TTL and the suspect grace period.", &c->expired_nodes);
-  counter("kvrelay_cachestore_suspected_nodes_total", "Nodes that missed their heartbeat TTL.",
+  counter("kvrelay:cachestore_suspected_nodes_total", "Nodes that missed their heartbeat TTL.",
           &c->suspected_nodes);
-  counter("kvrelay_cachestore_refused_registrations_total",
+  counter("kvrelay:cachestore_refused_registrations_total",
           "Registrations refused (duplicate live node id, bad spec, too many nodes).",
           &c->refused_registrations);
-  counter("kvrelay_cachestore_announced_blocks_total", "Blocks indexed from AnnounceBlocks.",
+  counter("kvrelay:cachestore_announced_blocks_total", "Blocks indexed from AnnounceBlocks.",
           &c->announced_blocks);
   // Gauges from the store's Stats() (a few locks and counts; scrapes are seconds apart).
   CacheStore* store = store_;
@@ -735,19 +735,19 @@ void CacheStoreService::RegisterMetrics(MetricsRegistry* metrics) {
     metrics->AddGaugeFunc(name, help, labels,
                           [store, read = std::move(read)] { return read(store->Stats()); });
   };
-  gauge("kvrelay_cachestore_nodes", "Live registered nodes.", {},
+  gauge("kvrelay:cachestore_nodes", "Live registered nodes.", {},
         [](const StoreStats& s) { return s.nodes; });
-  gauge("kvrelay_cachestore_suspect_nodes", "Nodes past their TTL, within the grace period.", {},
+  gauge("kvrelay:cachestore_suspect_nodes", "Nodes past their TTL, within the grace period.", {},
         [](const StoreStats& s) { return s.suspect_nodes; });
-  gauge("kvrelay_cachestore_blocks", "Committed blocks.", {},
+  gauge("kvrelay:cachestore_blocks", "Committed blocks.", {},
         [](const StoreStats& s) { return s.committed_blocks; });
-  gauge("kvrelay_cachestore_active_leases", "Read leases held.", {},
+  gauge("kvrelay:cachestore_active_leases", "Read leases held.", {},
         [](const StoreStats& s) { return s.active_leases; });
   for (Tier tier : {Tier::kGpu, Tier::kHost, Tier::kSsd}) {
     const MetricLabels labels = {{"tier", std::string(TierName(tier))}};
-    gauge("kvrelay_cachestore_used_bytes", "Bytes of slots in use by tier.", labels,
+    gauge("kvrelay:cachestore_used_bytes", "Bytes of slots in use by tier.", labels,
           [tier](const StoreStats& s) { return UsageOf(s, tier).used_bytes; });
-    gauge("kvrelay_cachestore_capacity_bytes", "Registered bytes by tier.", labels,
+    gauge("kvrelay:cachestore_capacity_bytes", "Registered bytes by tier.", labels,
           [tier](const StoreStats& s) { return UsageOf(s, tier).capacity_bytes; });
   }
 }
