@@ -4,15 +4,18 @@
 //   1. MatchPrefix of a 256-block chain, server side, one thread: blocks/s per core, for the
 //      BlockIndex alone and for CacheStore::MatchPrefix (which also resolves replica locations),
 //      beside a bare absl::flat_hash_map lookup of the same hashes.
-//   2. The same lookup over gRPC on loopback against a real `kvrelay cachestore` process with 16
-//      concurrent clients, beside redis-server (started here on a free loopback port) answering
-//      it as one pipeline of 256 EXISTS per lookup (RESP over a plain socket), and the ratio.
+//   2. The same lookup over gRPC on loopback against a real `kvrelay cachestore` process (with
+//      --policy) with 16 concurrent clients, beside redis-server (started here on a free
+//      loopback port) answering it as one pipeline of 256 EXISTS per lookup (RESP over a plain
+//      socket), and the ratio; then the latency (p50 / p99) of one such lookup from a single
+//      client, for both.
 //   3. Index memory per block at 10M blocks (chains of 256), from the index's own accounting and
 //      from process RSS growth; goal <= 200 bytes.
 //   4. Trace-replay prefix hit rates (LRU baseline vs the default policy) at 2k / 6k / 20k blocks
 //      on ../shared/data/traces/synthetic_trace.jsonl, if present.
 //
-// Usage: cachestore_bench [--quick] [--skip=grpc,memory,trace] [--trace=PATH] [--blocks=N]
+// Usage: cachestore_bench [--quick] [--skip=server,grpc,memory,trace] [--trace=PATH] [--blocks=N]
+//                         [--policy=NAME]
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -22,6 +25,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -182,10 +186,10 @@ std::string ReadLine(int fd) {
 
 struct Options {
   bool quick = false;
-  bool grpc = true, memory = true, trace = true;
+  bool server = true, grpc = true, memory = true, trace = true;
   std::string trace_path = "/work/shared/data/traces/synthetic_trace.jsonl";
   int64_t memory_blocks = 10'000'000;
-  std::string policy = std::string(kvrelay::cachestore::kDefaultPolicy);  // server-side section
+  std::string policy = std::string(kvrelay::cachestore::kDefaultPolicy);  // server side and gRPC
 };
 
 // --- 1. server side -------------------------------------------------------------------------
@@ -264,8 +268,9 @@ void BenchServerSide(const Options& opt) {
 void BenchGrpcVsRedis(const Options& opt) {
   constexpr int kClients = 16;
   const double run_s = opt.quick ? 1.0 : 5.0;
-  std::printf("== MatchPrefix of a 256-block chain over loopback, %d concurrent clients ==\n",
-              kClients);
+  std::printf(
+      "== MatchPrefix of a 256-block chain over loopback, %d concurrent clients (policy %s) ==\n",
+      kClients, opt.policy.c_str());
   const std::string kvrelay_bin = SelfDir() + "/kvrelay";
   if (::access(kvrelay_bin.c_str(), X_OK) != 0) {
     std::printf("  skipped: %s not built\n", kvrelay_bin.c_str());
@@ -273,7 +278,9 @@ void BenchGrpcVsRedis(const Options& opt) {
   }
   int out_fd = -1;
   const pid_t cs = Spawn(
-      {kvrelay_bin, "cachestore", "--port", "0", "--metrics-port", "0", "--insecure"}, &out_fd);
+      {kvrelay_bin, "cachestore", "--port", "0", "--metrics-port", "0", "--insecure", "--policy",
+       opt.policy},
+      &out_fd);
   const std::string line = ReadLine(out_fd);
   // "cachestore listening on 127.0.0.1:PORT metrics ..."
   const size_t at = line.find("on ");
@@ -348,7 +355,25 @@ void BenchGrpcVsRedis(const Options& opt) {
       return r.ok() ? r->matched() : -1;
     }
   };
+  // One client alone, one lookup at a time: the latency of a call, each call timed.
+  auto latencies = [&](auto&& one_lookup) {
+    std::vector<double> us;
+    auto state = one_lookup.Setup(0);
+    const auto t0 = Clock::now();
+    while (Seconds(t0, Clock::now()) < run_s / 2) {
+      const auto a = Clock::now();
+      if (one_lookup.Lookup(state, chains[0]) != kChainLen) return std::vector<double>{};
+      us.push_back(1e6 * Seconds(a, Clock::now()));
+    }
+    std::sort(us.begin(), us.end());
+    return us;
+  };
+  auto percentile = [](const std::vector<double>& sorted, double p) {
+    if (sorted.empty()) return -1.0;
+    return sorted[std::min(sorted.size() - 1, static_cast<size_t>(p * sorted.size()))];
+  };
   const double ours = run_clients(GrpcLookup{target});
+  const std::vector<double> our_latency = latencies(GrpcLookup{target});
   ::kill(cs, SIGTERM);
   ::waitpid(cs, nullptr, 0);
   ::close(out_fd);
@@ -419,12 +444,18 @@ void BenchGrpcVsRedis(const Options& opt) {
     }
   };
   const double theirs = run_clients(RedisLookup{port, &pipelines, &chains});
+  const std::vector<double> their_latency = latencies(RedisLookup{port, &pipelines, &chains});
   ::kill(redis, SIGTERM);
   ::waitpid(redis, nullptr, 0);
   ::close(rfd);
   std::printf("  kvrelay cachestore (gRPC MatchPrefix)   : %12.0f blocks/s\n", ours);
   std::printf("  redis-server (pipeline of 256 EXISTS)   : %12.0f blocks/s\n", theirs);
   std::printf("  ratio ours / redis                      : %12.2fx  (goal >= 1x)\n", ours / theirs);
+  std::printf("  one lookup, 1 client, p50 / p99 (us)    : ours %.0f / %.0f (%zu calls), redis %.0f "
+              "/ %.0f (%zu calls)\n",
+              percentile(our_latency, 0.5), percentile(our_latency, 0.99), our_latency.size(),
+              percentile(their_latency, 0.5), percentile(their_latency, 0.99),
+              their_latency.size());
 }
 
 // --- 3. memory --------------------------------------------------------------------------------
@@ -519,6 +550,7 @@ int main(int argc, char** argv) {
       opt.quick = true;
     } else if (a.rfind("--skip=", 0) == 0) {
       const std::string s = a.substr(7);
+      if (s.find("server") != std::string::npos) opt.server = false;
       if (s.find("grpc") != std::string::npos) opt.grpc = false;
       if (s.find("memory") != std::string::npos) opt.memory = false;
       if (s.find("trace") != std::string::npos) opt.trace = false;
@@ -533,13 +565,14 @@ int main(int argc, char** argv) {
       }
     } else {
       std::fprintf(stderr,
-                   "usage: cachestore_bench [--quick] [--skip=grpc,memory,trace] [--trace=PATH] "
+                   "usage: cachestore_bench [--quick] [--skip=server,grpc,memory,trace] "
+                   "[--trace=PATH] "
                    "[--blocks=N] [--policy=NAME]\n");
       return 2;
     }
   }
   std::printf("cachestore_bench (%u hardware threads)\n", std::thread::hardware_concurrency());
-  BenchServerSide(opt);
+  if (opt.server) BenchServerSide(opt);
   if (opt.grpc) BenchGrpcVsRedis(opt);
   if (opt.memory) BenchMemory(opt);
   if (opt.trace) BenchTrace(opt);
