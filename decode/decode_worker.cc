@@ -102,9 +102,9 @@ DecodeWorker::DecodeWorker(DecodeWorkerOptions options, MetricsRegistry* metrics
                            with_reason("transfer"));
   active_gauge_ = metrics_->GetGauge("kvrelay:decode_active_sequences",
                                      "Sequences decoding or queued for the batch.", model);
-  step_seconds_ = metrics_->GetHistogram("kvrelay:decode_step_seconds",
-                                         "Time of one batched decode step.",
-                                         LatencyBucketsSeconds(), model);
+  step_seconds_ =
+      metrics_->GetHistogram("kvrelay:decode_step_seconds", "Time of one batched decode step.",
+                             LatencyBucketsSeconds(), model);
   refused_overloaded_ =
       metrics_->GetCounter("kvrelay:decode_refused_total",
                            "Requests refused at admission, by reason.", with_reason("capacity"));

@@ -652,7 +652,8 @@ absl::Status Gateway::Generate(const kvrelay::v1::GenerateRequest& request, absl
     }
     MetricLabels labels = model_labels_;
     labels["reason"] = std::string(absl::StatusCodeToString(last_error.code()));
-    metrics_->GetCounter("kvrelay:gateway_failures_total", "Failed requests by status code.", labels)
+    metrics_
+        ->GetCounter("kvrelay:gateway_failures_total", "Failed requests by status code.", labels)
         ->Increment();
     return last_error;
   }

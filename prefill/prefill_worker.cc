@@ -48,9 +48,9 @@ PrefillWorker::PrefillWorker(PrefillWorkerOptions options, MetricsRegistry* metr
   prefix_query_tokens_ = metrics_->GetCounter(
       "kvrelay:prefix_cache_queries_total",
       "Prefix cache queries, in terms of number of queried tokens (full blocks).", model_labels_);
-  prefix_hit_tokens_ =
-      metrics_->GetCounter("kvrelay:prefix_cache_hits_total",
-                           "Prefix cache hits, in terms of number of cached tokens.", model_labels_);
+  prefix_hit_tokens_ = metrics_->GetCounter(
+      "kvrelay:prefix_cache_hits_total", "Prefix cache hits, in terms of number of cached tokens.",
+      model_labels_);
   computed_tokens_ = metrics_->GetCounter("kvrelay:prefill_computed_tokens_total",
                                           "Prompt tokens computed.", model_labels_);
   pushed_bytes_ = metrics_->GetCounter("kvrelay:prefill_pushed_kv_bytes_total",
@@ -60,13 +60,12 @@ PrefillWorker::PrefillWorker(PrefillWorkerOptions options, MetricsRegistry* metr
       "Histogram of transfer duration of KV pushes to decode workers (first layer posted to "
       "last layer delivered).",
       KvTransferTimeBucketsSeconds(), model_labels_);
-  transfer_bytes_ =
-      metrics_->GetHistogram("kvrelay:kv_transfer_bytes",
-                             "Histogram of bytes transferred per KV push to a decode worker.",
-                             KvTransferBytesBuckets(), model_labels_);
-  prefill_seconds_ = metrics_->GetHistogram("kvrelay:prefill_request_seconds",
-                                            "Whole prefill requests.", LatencyBucketsSeconds(),
-                                            model_labels_);
+  transfer_bytes_ = metrics_->GetHistogram(
+      "kvrelay:kv_transfer_bytes", "Histogram of bytes transferred per KV push to a decode worker.",
+      KvTransferBytesBuckets(), model_labels_);
+  prefill_seconds_ =
+      metrics_->GetHistogram("kvrelay:prefill_request_seconds", "Whole prefill requests.",
+                             LatencyBucketsSeconds(), model_labels_);
   running_ = metrics_->GetGauge("kvrelay:num_requests_running",
                                 "Requests being prefilled or pushed.", model_labels_);
   waiting_ = metrics_->GetGauge("kvrelay:num_requests_waiting",
@@ -126,8 +125,7 @@ absl::Status PrefillWorker::Init(worker::WorkerCoreDeps deps) {
   info.cache_slots = segment_ != nullptr ? segment_->num_slots() : 0;
   info.prefix_caching = true;
   kv_metrics_ = std::make_unique<worker::KvCacheMetrics>(
-      metrics_, model_labels_, info,
-      [kv = kv_] { return worker::FullestPoolUsage(kv->cache()); });
+      metrics_, model_labels_, info, [kv = kv_] { return worker::FullestPoolUsage(kv->cache()); });
   return absl::OkStatus();
 }
 
@@ -409,7 +407,7 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
           ClaimPush(peer, request, std::min(deadline, absl::Now() + options_.transfer_timeout));
       !claimed.ok()) {
     CountTransferFailure(absl::IsPermissionDenied(claimed) ? "refused"
-                                                            : TransferFailureReason(claimed));
+                                                           : TransferFailureReason(claimed));
     std::optional<kvrelay::v1::ErrorInfo> why = proto::GetErrorInfo(claimed);
     if (absl::IsPermissionDenied(claimed) && why.has_value() &&
         why->reason() == kvrelay::v1::FAILURE_EXPIRED) {

@@ -106,8 +106,8 @@ class PrefillWorker {
   Histogram* transfer_seconds_;
   Histogram* transfer_bytes_;
   Histogram* prefill_seconds_;
-  Gauge* running_;  // in progress, not waiting for compute_mu_
-  Gauge* waiting_;  // waiting for compute_mu_
+  Gauge* running_;                                      // in progress, not waiting for compute_mu_
+  Gauge* waiting_;                                      // waiting for compute_mu_
   std::unique_ptr<worker::KvCacheMetrics> kv_metrics_;  // reads kv_: reset before core_ goes
 };
 

@@ -27,8 +27,9 @@ KvCacheMetrics::KvCacheMetrics(MetricsRegistry* metrics, MetricLabels model_labe
   labels["enable_prefix_caching"] = info.prefix_caching ? "True" : "False";
   labels["kv_bytes_per_token"] = absl::StrCat(info.layout->BytesPerToken());
   labels["layout_fingerprint"] = info.layout->fingerprint().ToHex();
-  metrics_->GetGauge("kvrelay:cache_config_info", "Information of the worker's KV cache config.",
-                     labels)
+  metrics_
+      ->GetGauge("kvrelay:cache_config_info", "Information of the worker's KV cache config.",
+                 labels)
       ->Set(1);
   metrics_->AddGaugeFunc(kUsageName, kUsageHelp, model_labels_, std::move(usage));
 }

@@ -18,11 +18,11 @@
 namespace kvrelay::worker {
 
 struct CacheConfigInfo {
-  std::string role;                     // "prefill" or "decode"
+  std::string role;                         // "prefill" or "decode"
   const kv::ModelLayout* layout = nullptr;  // not owned; read during construction only
-  int64_t pool_blocks = 0;              // request KV blocks per layer group
-  int64_t cache_slots = 0;              // whole-block slots offered to the store (0: none)
-  bool prefix_caching = false;          // whether this worker reuses cached prefixes
+  int64_t pool_blocks = 0;                  // request KV blocks per layer group
+  int64_t cache_slots = 0;                  // whole-block slots offered to the store (0: none)
+  bool prefix_caching = false;              // whether this worker reuses cached prefixes
 };
 
 class KvCacheMetrics {

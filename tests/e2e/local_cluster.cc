@@ -137,8 +137,8 @@ absl::StatusOr<std::string> ScrapeText(const std::string& metrics_address) {
   if (!absl::StartsWith(response, "HTTP/1.") || response.find(" 200 ") > response.find('\n') ||
       body == std::string::npos) {
     return absl::UnavailableError(
-        absl::StrCat("GET http://", metrics_address, "/metrics: not a 200 response: ",
-                     response.substr(0, response.find('\n'))));
+        absl::StrCat("GET http://", metrics_address,
+                     "/metrics: not a 200 response: ", response.substr(0, response.find('\n'))));
   }
   return response.substr(body + 4);
 }

@@ -33,14 +33,13 @@ constexpr int kBlockTokens = 16;  // the generated test models'
 // vLLM's boundaries, written out here rather than taken from common/metrics.h, so a change
 // there that would break vLLM dashboards fails this test (vllm/v1/metrics/loggers.py and the
 // NIXL connector's metrics).
-const std::vector<double> kVllmTtft = {0.001, 0.005, 0.01, 0.02, 0.04, 0.06,  0.08,  0.1,
-                                       0.25,  0.5,   0.75, 1.0,  2.5,  5.0,   7.5,   10.0,
+const std::vector<double> kVllmTtft = {0.001, 0.005, 0.01, 0.02,  0.04,  0.06,  0.08, 0.1,
+                                       0.25,  0.5,   0.75, 1.0,   2.5,   5.0,   7.5,  10.0,
                                        20.0,  40.0,  80.0, 160.0, 640.0, 2560.0};
-const std::vector<double> kVllmItl = {0.01, 0.025, 0.05, 0.075, 0.1,  0.15, 0.2,
-                                      0.3,  0.4,   0.5,  0.75,  1.0,  2.5,  5.0,
-                                      7.5,  10.0,  20.0, 40.0,  80.0};
-const std::vector<double> kVllmE2e = {0.3,  0.5,  0.8,  1.0,   1.5,   2.0,   2.5,
-                                      5.0,  10.0, 15.0, 20.0,  30.0,  40.0,  50.0,
+const std::vector<double> kVllmItl = {0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2,  0.3,  0.4, 0.5,
+                                      0.75, 1.0,   2.5,  5.0,   7.5, 10.0, 20.0, 40.0, 80.0};
+const std::vector<double> kVllmE2e = {0.3,  0.5,   0.8,   1.0,   1.5,   2.0,    2.5,
+                                      5.0,  10.0,  15.0,  20.0,  30.0,  40.0,   50.0,
                                       60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0};
 const std::vector<double> kVllmXferTime = {0.005, 0.01, 0.025, 0.05, 0.075, 0.1,
                                            0.2,   0.3,  0.5,   0.75, 1.0,   5.0};
@@ -78,8 +77,8 @@ absl::StatusOr<std::map<std::string, Exposition>> ScrapeAll(const LocalCluster& 
   }
   KV_ASSIGN_OR_RETURN(testing::CommandResult parsed, testing::RunCommand(argv));
   if (parsed.exit_code != 0) {
-    return absl::InternalError(absl::StrCat("parse_metrics.py exited ", parsed.exit_code, ": ",
-                                            parsed.stderr_text));
+    return absl::InternalError(
+        absl::StrCat("parse_metrics.py exited ", parsed.exit_code, ": ", parsed.stderr_text));
   }
   const nlohmann::json all = nlohmann::json::parse(parsed.stdout_text);
   std::map<std::string, Exposition> out;
@@ -159,7 +158,8 @@ TEST(Metrics, NamesTypesBucketsAndLabelsOfEveryProcess) {
   for (int32_t t : RandomPrompt(4, 6)) warm.push_back(t);
   constexpr int kMaxTokens = 8;
   int generated = 0;
-  for (const std::vector<int32_t>* prompt : std::vector<const std::vector<int32_t>*>{&cold, &warm}) {
+  for (const std::vector<int32_t>* prompt :
+       std::vector<const std::vector<int32_t>*>{&cold, &warm}) {
     cli::GatewayRequest request;
     request.generation.tokens = *prompt;
     request.generation.max_tokens = kMaxTokens;
@@ -186,9 +186,12 @@ TEST(Metrics, NamesTypesBucketsAndLabelsOfEveryProcess) {
 
   // The gateway: request-level latencies with vLLM's buckets, tokens, successes.
   const Exposition& gateway = scraped.at("gateway");
-  const Family* ttft = Expect(gateway, "gateway", "kvrelay:time_to_first_token_seconds", "histogram");
-  const Family* itl = Expect(gateway, "gateway", "kvrelay:inter_token_latency_seconds", "histogram");
-  const Family* e2e = Expect(gateway, "gateway", "kvrelay:e2e_request_latency_seconds", "histogram");
+  const Family* ttft =
+      Expect(gateway, "gateway", "kvrelay:time_to_first_token_seconds", "histogram");
+  const Family* itl =
+      Expect(gateway, "gateway", "kvrelay:inter_token_latency_seconds", "histogram");
+  const Family* e2e =
+      Expect(gateway, "gateway", "kvrelay:e2e_request_latency_seconds", "histogram");
   EXPECT_THAT(Bounds(ttft), ElementsAreArray(kVllmTtft));
   EXPECT_THAT(Bounds(itl), ElementsAreArray(kVllmItl));
   EXPECT_THAT(Bounds(e2e), ElementsAreArray(kVllmE2e));
@@ -247,7 +250,8 @@ TEST(Metrics, NamesTypesBucketsAndLabelsOfEveryProcess) {
       EXPECT_GT(std::stoll(s.labels.at("num_gpu_blocks")), 0);
     }
   }
-  const Family* xfer_time = Expect(prefill, "prefill", "kvrelay:kv_transfer_time_seconds", "histogram");
+  const Family* xfer_time =
+      Expect(prefill, "prefill", "kvrelay:kv_transfer_time_seconds", "histogram");
   const Family* xfer_bytes = Expect(prefill, "prefill", "kvrelay:kv_transfer_bytes", "histogram");
   EXPECT_THAT(Bounds(xfer_time), ElementsAreArray(kVllmXferTime));
   EXPECT_THAT(Bounds(xfer_bytes), ElementsAreArray(VllmXferBytes()));
