@@ -21,6 +21,7 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -37,6 +38,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "cachestore/block_index.h"
 #include "cachestore/cache_store.h"
 #include "cachestore/client/cache_store_client.h"
@@ -148,6 +150,31 @@ std::string RespCommand(const std::vector<std::string>& args) {
   std::string s = absl::StrCat("*", args.size(), "\r\n");
   for (const std::string& a : args) absl::StrAppend(&s, "$", a.size(), "\r\n", a, "\r\n");
   return s;
+}
+
+// CPU seconds (user + system, every thread) used so far by process `pid`; -1 if unreadable.
+double ProcessCpuSeconds(pid_t pid) {
+  FILE* f = std::fopen(absl::StrCat("/proc/", pid, "/stat").c_str(), "r");
+  if (f == nullptr) return -1;
+  char buf[1024];
+  const size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
+  std::fclose(f);
+  buf[n] = '\0';
+  // Fields after the parenthesised command name: state is field 3, utime 14, stime 15.
+  const char* p = std::strrchr(buf, ')');
+  unsigned long long utime = 0, stime = 0;
+  if (p == nullptr || std::sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu",
+                                  &utime, &stime) != 2) {
+    return -1;
+  }
+  return static_cast<double>(utime + stime) / static_cast<double>(::sysconf(_SC_CLK_TCK));
+}
+
+double SelfCpuSeconds() {
+  rusage u{};
+  ::getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
+         1e-6 * static_cast<double>(u.ru_utime.tv_usec + u.ru_stime.tv_usec);
 }
 
 std::string SelfDir() {
@@ -277,10 +304,9 @@ void BenchGrpcVsRedis(const Options& opt) {
     return;
   }
   int out_fd = -1;
-  const pid_t cs = Spawn(
-      {kvrelay_bin, "cachestore", "--port", "0", "--metrics-port", "0", "--insecure", "--policy",
-       opt.policy},
-      &out_fd);
+  const pid_t cs = Spawn({kvrelay_bin, "cachestore", "--port", "0", "--metrics-port", "0",
+                          "--insecure", "--policy", opt.policy},
+                         &out_fd);
   const std::string line = ReadLine(out_fd);
   // "cachestore listening on 127.0.0.1:PORT metrics ..."
   const size_t at = line.find("on ");
@@ -372,7 +398,17 @@ void BenchGrpcVsRedis(const Options& opt) {
     if (sorted.empty()) return -1.0;
     return sorted[std::min(sorted.size() - 1, static_cast<size_t>(p * sorted.size()))];
   };
-  const double ours = run_clients(GrpcLookup{target});
+  // CPU per lookup beside the rates: on a shared machine the rates follow whatever else runs,
+  // the CPU each side spends per 256-block lookup much less so.
+  struct Cpu {
+    double server_s = 0, client_s = 0;
+  };
+  auto cpu_of = [](pid_t server, auto&& run) {
+    const double s0 = ProcessCpuSeconds(server), c0 = SelfCpuSeconds();
+    const double rate = run();
+    return std::make_pair(rate, Cpu{ProcessCpuSeconds(server) - s0, SelfCpuSeconds() - c0});
+  };
+  const auto [ours, our_cpu] = cpu_of(cs, [&] { return run_clients(GrpcLookup{target}); });
   const std::vector<double> our_latency = latencies(GrpcLookup{target});
   ::kill(cs, SIGTERM);
   ::waitpid(cs, nullptr, 0);
@@ -443,7 +479,9 @@ void BenchGrpcVsRedis(const Options& opt) {
       return ReadExistsReplies(s.fd, kChainLen, &s.buf);
     }
   };
-  const double theirs = run_clients(RedisLookup{port, &pipelines, &chains});
+  const auto [theirs, their_cpu] = cpu_of(redis, [&] {
+    return run_clients(RedisLookup{port, &pipelines, &chains});
+  });
   const std::vector<double> their_latency = latencies(RedisLookup{port, &pipelines, &chains});
   ::kill(redis, SIGTERM);
   ::waitpid(redis, nullptr, 0);
@@ -451,11 +489,20 @@ void BenchGrpcVsRedis(const Options& opt) {
   std::printf("  kvrelay cachestore (gRPC MatchPrefix)   : %12.0f blocks/s\n", ours);
   std::printf("  redis-server (pipeline of 256 EXISTS)   : %12.0f blocks/s\n", theirs);
   std::printf("  ratio ours / redis                      : %12.2fx  (goal >= 1x)\n", ours / theirs);
-  std::printf("  one lookup, 1 client, p50 / p99 (us)    : ours %.0f / %.0f (%zu calls), redis %.0f "
-              "/ %.0f (%zu calls)\n",
-              percentile(our_latency, 0.5), percentile(our_latency, 0.99), our_latency.size(),
-              percentile(their_latency, 0.5), percentile(their_latency, 0.99),
-              their_latency.size());
+  // Lookups made in each phase: blocks / 256 (every lookup matches the whole chain).
+  const double our_lookups = ours * run_s / kChainLen, their_lookups = theirs * run_s / kChainLen;
+  std::printf(
+      "  CPU per lookup, server + client (us)    : ours %.1f + %.1f, redis %.1f + %.1f "
+      "(ours / redis %.2fx)\n",
+      1e6 * our_cpu.server_s / our_lookups, 1e6 * our_cpu.client_s / our_lookups,
+      1e6 * their_cpu.server_s / their_lookups, 1e6 * their_cpu.client_s / their_lookups,
+      ((our_cpu.server_s + our_cpu.client_s) / our_lookups) /
+          ((their_cpu.server_s + their_cpu.client_s) / their_lookups));
+  std::printf(
+      "  one lookup, 1 client, p50 / p99 (us)    : ours %.0f / %.0f (%zu calls), redis %.0f "
+      "/ %.0f (%zu calls)\n",
+      percentile(our_latency, 0.5), percentile(our_latency, 0.99), our_latency.size(),
+      percentile(their_latency, 0.5), percentile(their_latency, 0.99), their_latency.size());
 }
 
 // --- 3. memory --------------------------------------------------------------------------------
@@ -543,6 +590,9 @@ void BenchTrace(const Options& opt) {
 
 int main(int argc, char** argv) {
   signal(SIGPIPE, SIG_IGN);
+  // As in the kvrelay binary (cli/main.cc): the store's clients, prefill and decode workers,
+  // run without Abseil's per-acquisition deadlock check, so the benchmark's client does too.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   Options opt;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];

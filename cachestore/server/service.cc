@@ -105,7 +105,7 @@ grpc::Status ParseEitherChain(const google::protobuf::RepeatedPtrField<v1::Block
   return grpc::Status::OK;
 }
 
-grpc::Status CheckDeadline(grpc::ServerContext* ctx) {
+grpc::Status CheckDeadline(grpc::ServerContextBase* ctx) {
   if (ctx->deadline() < std::chrono::system_clock::now()) {
     return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "deadline passed before handling");
   }
@@ -224,7 +224,7 @@ grpc::Status CacheStoreService::Fail(absl::Status status, bool ids_expire) const
   return ToGrpcStatus(proto::WithErrorInfo(std::move(status), info));
 }
 
-grpc::Status CacheStoreService::Authorize(grpc::ServerContext* ctx, Rpc rpc,
+grpc::Status CacheStoreService::Authorize(grpc::ServerContextBase* ctx, Rpc rpc,
                                           const std::string& node_id) const {
   if (!authorizer_.enforcing()) return grpc::Status::OK;
   static const auto* const kMethods = [] {
@@ -464,9 +464,25 @@ grpc::Status CacheStoreService::Heartbeat(grpc::ServerContext* ctx, const v1::He
   return t.Done(grpc::Status::OK);
 }
 
+grpc::ServerUnaryReactor* CacheStoreService::MatchPrefix(grpc::CallbackServerContext* ctx,
+                                                         const v1::MatchPrefixRequest* req,
+                                                         v1::MatchPrefixResponse* resp) {
+  // Answered inline on the thread that read the request: the lookup takes shard locks only,
+  // one at a time, and never waits, so nothing blocks gRPC's callback threads.
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  reactor->Finish(MatchPrefixImpl(ctx, req, resp));
+  return reactor;
+}
+
 grpc::Status CacheStoreService::MatchPrefix(grpc::ServerContext* ctx,
                                             const v1::MatchPrefixRequest* req,
                                             v1::MatchPrefixResponse* resp) {
+  return MatchPrefixImpl(ctx, req, resp);
+}
+
+grpc::Status CacheStoreService::MatchPrefixImpl(grpc::ServerContextBase* ctx,
+                                                const v1::MatchPrefixRequest* req,
+                                                v1::MatchPrefixResponse* resp) {
   RpcTimer t(latency_[kMatch], errors_[kMatch]);
   if (auto s = CheckDeadline(ctx); !s.ok()) return t.Done(s);
   if (auto s = Authorize(ctx, kMatch, req->node_id()); !s.ok()) return t.Done(s);
