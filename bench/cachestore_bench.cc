@@ -4,24 +4,29 @@
 //   1. MatchPrefix of a 256-block chain, server side, one thread: blocks/s per core, for the
 //      BlockIndex alone and for CacheStore::MatchPrefix (which also resolves replica locations),
 //      beside a bare absl::flat_hash_map lookup of the same hashes.
-//   2. The same lookup over gRPC on loopback against a real `kvrelay cachestore` process with 16
-//      concurrent clients, beside redis-server (started here on a free loopback port) answering
-//      it as one pipeline of 256 EXISTS per lookup (RESP over a plain socket), and the ratio.
+//   2. The same lookup over gRPC on loopback against a real `kvrelay cachestore` process (with
+//      --policy) with 16 concurrent clients, beside redis-server (started here on a free
+//      loopback port) answering it as one pipeline of 256 EXISTS per lookup (RESP over a plain
+//      socket), and the ratio; then the latency (p50 / p99) of one such lookup from a single
+//      client, for both.
 //   3. Index memory per block at 10M blocks (chains of 256), from the index's own accounting and
 //      from process RSS growth; goal <= 200 bytes.
 //   4. Trace-replay prefix hit rates (LRU baseline vs the default policy) at 2k / 6k / 20k blocks
 //      on ../shared/data/traces/synthetic_trace.jsonl, if present.
 //
-// Usage: cachestore_bench [--quick] [--skip=grpc,memory,trace] [--trace=PATH] [--blocks=N]
+// Usage: cachestore_bench [--quick] [--skip=server,grpc,memory,trace] [--trace=PATH] [--blocks=N]
+//                         [--policy=NAME]
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -33,6 +38,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "cachestore/block_index.h"
 #include "cachestore/cache_store.h"
 #include "cachestore/client/cache_store_client.h"
@@ -146,6 +152,31 @@ std::string RespCommand(const std::vector<std::string>& args) {
   return s;
 }
 
+// CPU seconds (user + system, every thread) used so far by process `pid`; -1 if unreadable.
+double ProcessCpuSeconds(pid_t pid) {
+  FILE* f = std::fopen(absl::StrCat("/proc/", pid, "/stat").c_str(), "r");
+  if (f == nullptr) return -1;
+  char buf[1024];
+  const size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
+  std::fclose(f);
+  buf[n] = '\0';
+  // Fields after the parenthesised command name: state is field 3, utime 14, stime 15.
+  const char* p = std::strrchr(buf, ')');
+  unsigned long long utime = 0, stime = 0;
+  if (p == nullptr || std::sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu",
+                                  &utime, &stime) != 2) {
+    return -1;
+  }
+  return static_cast<double>(utime + stime) / static_cast<double>(::sysconf(_SC_CLK_TCK));
+}
+
+double SelfCpuSeconds() {
+  rusage u{};
+  ::getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
+         1e-6 * static_cast<double>(u.ru_utime.tv_usec + u.ru_stime.tv_usec);
+}
+
 std::string SelfDir() {
   char buf[4096];
   ssize_t n = ::readlink("/proc/self/exe", buf, sizeof(buf) - 1);
@@ -182,10 +213,10 @@ std::string ReadLine(int fd) {
 
 struct Options {
   bool quick = false;
-  bool grpc = true, memory = true, trace = true;
+  bool server = true, grpc = true, memory = true, trace = true;
   std::string trace_path = "/work/shared/data/traces/synthetic_trace.jsonl";
   int64_t memory_blocks = 10'000'000;
-  std::string policy = std::string(kvrelay::cachestore::kDefaultPolicy);  // server-side section
+  std::string policy = std::string(kvrelay::cachestore::kDefaultPolicy);  // server side and gRPC
 };
 
 // --- 1. server side -------------------------------------------------------------------------
@@ -264,16 +295,18 @@ void BenchServerSide(const Options& opt) {
 void BenchGrpcVsRedis(const Options& opt) {
   constexpr int kClients = 16;
   const double run_s = opt.quick ? 1.0 : 5.0;
-  std::printf("== MatchPrefix of a 256-block chain over loopback, %d concurrent clients ==\n",
-              kClients);
+  std::printf(
+      "== MatchPrefix of a 256-block chain over loopback, %d concurrent clients (policy %s) ==\n",
+      kClients, opt.policy.c_str());
   const std::string kvrelay_bin = SelfDir() + "/kvrelay";
   if (::access(kvrelay_bin.c_str(), X_OK) != 0) {
     std::printf("  skipped: %s not built\n", kvrelay_bin.c_str());
     return;
   }
   int out_fd = -1;
-  const pid_t cs = Spawn(
-      {kvrelay_bin, "cachestore", "--port", "0", "--metrics-port", "0", "--insecure"}, &out_fd);
+  const pid_t cs = Spawn({kvrelay_bin, "cachestore", "--port", "0", "--metrics-port", "0",
+                          "--insecure", "--policy", opt.policy},
+                         &out_fd);
   const std::string line = ReadLine(out_fd);
   // "cachestore listening on 127.0.0.1:PORT metrics ..."
   const size_t at = line.find("on ");
@@ -348,7 +381,35 @@ void BenchGrpcVsRedis(const Options& opt) {
       return r.ok() ? r->matched() : -1;
     }
   };
-  const double ours = run_clients(GrpcLookup{target});
+  // One client alone, one lookup at a time: the latency of a call, each call timed.
+  auto latencies = [&](auto&& one_lookup) {
+    std::vector<double> us;
+    auto state = one_lookup.Setup(0);
+    const auto t0 = Clock::now();
+    while (Seconds(t0, Clock::now()) < run_s / 2) {
+      const auto a = Clock::now();
+      if (one_lookup.Lookup(state, chains[0]) != kChainLen) return std::vector<double>{};
+      us.push_back(1e6 * Seconds(a, Clock::now()));
+    }
+    std::sort(us.begin(), us.end());
+    return us;
+  };
+  auto percentile = [](const std::vector<double>& sorted, double p) {
+    if (sorted.empty()) return -1.0;
+    return sorted[std::min(sorted.size() - 1, static_cast<size_t>(p * sorted.size()))];
+  };
+  // CPU per lookup beside the rates: on a shared machine the rates follow whatever else runs,
+  // the CPU each side spends per 256-block lookup much less so.
+  struct Cpu {
+    double server_s = 0, client_s = 0;
+  };
+  auto cpu_of = [](pid_t server, auto&& run) {
+    const double s0 = ProcessCpuSeconds(server), c0 = SelfCpuSeconds();
+    const double rate = run();
+    return std::make_pair(rate, Cpu{ProcessCpuSeconds(server) - s0, SelfCpuSeconds() - c0});
+  };
+  const auto [ours, our_cpu] = cpu_of(cs, [&] { return run_clients(GrpcLookup{target}); });
+  const std::vector<double> our_latency = latencies(GrpcLookup{target});
   ::kill(cs, SIGTERM);
   ::waitpid(cs, nullptr, 0);
   ::close(out_fd);
@@ -418,13 +479,30 @@ void BenchGrpcVsRedis(const Options& opt) {
       return ReadExistsReplies(s.fd, kChainLen, &s.buf);
     }
   };
-  const double theirs = run_clients(RedisLookup{port, &pipelines, &chains});
+  const auto [theirs, their_cpu] = cpu_of(redis, [&] {
+    return run_clients(RedisLookup{port, &pipelines, &chains});
+  });
+  const std::vector<double> their_latency = latencies(RedisLookup{port, &pipelines, &chains});
   ::kill(redis, SIGTERM);
   ::waitpid(redis, nullptr, 0);
   ::close(rfd);
   std::printf("  kvrelay cachestore (gRPC MatchPrefix)   : %12.0f blocks/s\n", ours);
   std::printf("  redis-server (pipeline of 256 EXISTS)   : %12.0f blocks/s\n", theirs);
   std::printf("  ratio ours / redis                      : %12.2fx  (goal >= 1x)\n", ours / theirs);
+  // Lookups made in each phase: blocks / 256 (every lookup matches the whole chain).
+  const double our_lookups = ours * run_s / kChainLen, their_lookups = theirs * run_s / kChainLen;
+  std::printf(
+      "  CPU per lookup, server + client (us)    : ours %.1f + %.1f, redis %.1f + %.1f "
+      "(ours / redis %.2fx)\n",
+      1e6 * our_cpu.server_s / our_lookups, 1e6 * our_cpu.client_s / our_lookups,
+      1e6 * their_cpu.server_s / their_lookups, 1e6 * their_cpu.client_s / their_lookups,
+      ((our_cpu.server_s + our_cpu.client_s) / our_lookups) /
+          ((their_cpu.server_s + their_cpu.client_s) / their_lookups));
+  std::printf(
+      "  one lookup, 1 client, p50 / p99 (us)    : ours %.0f / %.0f (%zu calls), redis %.0f "
+      "/ %.0f (%zu calls)\n",
+      percentile(our_latency, 0.5), percentile(our_latency, 0.99), our_latency.size(),
+      percentile(their_latency, 0.5), percentile(their_latency, 0.99), their_latency.size());
 }
 
 // --- 3. memory --------------------------------------------------------------------------------
@@ -512,6 +590,9 @@ void BenchTrace(const Options& opt) {
 
 int main(int argc, char** argv) {
   signal(SIGPIPE, SIG_IGN);
+  // As in the kvrelay binary (cli/main.cc): the store's clients, prefill and decode workers,
+  // run without Abseil's per-acquisition deadlock check, so the benchmark's client does too.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   Options opt;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
@@ -519,6 +600,7 @@ int main(int argc, char** argv) {
       opt.quick = true;
     } else if (a.rfind("--skip=", 0) == 0) {
       const std::string s = a.substr(7);
+      if (s.find("server") != std::string::npos) opt.server = false;
       if (s.find("grpc") != std::string::npos) opt.grpc = false;
       if (s.find("memory") != std::string::npos) opt.memory = false;
       if (s.find("trace") != std::string::npos) opt.trace = false;
@@ -533,13 +615,14 @@ int main(int argc, char** argv) {
       }
     } else {
       std::fprintf(stderr,
-                   "usage: cachestore_bench [--quick] [--skip=grpc,memory,trace] [--trace=PATH] "
+                   "usage: cachestore_bench [--quick] [--skip=server,grpc,memory,trace] "
+                   "[--trace=PATH] "
                    "[--blocks=N] [--policy=NAME]\n");
       return 2;
     }
   }
   std::printf("cachestore_bench (%u hardware threads)\n", std::thread::hardware_concurrency());
-  BenchServerSide(opt);
+  if (opt.server) BenchServerSide(opt);
   if (opt.grpc) BenchGrpcVsRedis(opt);
   if (opt.memory) BenchMemory(opt);
   if (opt.trace) BenchTrace(opt);

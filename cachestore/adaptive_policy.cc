@@ -2,6 +2,9 @@
 
 #include <pthread.h>
 #include <signal.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -85,6 +88,12 @@ void AdaptivePolicy::LearnInBackground() const {
 }
 
 void AdaptivePolicy::LearnerLoop() const {
+  // Lookups first: replaying a chain into three shadows costs several lookups' worth of CPU,
+  // and on a store whose cores are busy answering MatchPrefix the learner ran at their expense
+  // (half the gRPC lookup rate on 2 cores). At the lowest priority it takes what the lookups
+  // leave; when it falls behind, the bounded queue skips chains (sampling), as before. Learning
+  // inline (trace-replay, tests) is unchanged. Linux: the nice value is per thread.
+  (void)setpriority(PRIO_PROCESS, static_cast<id_t>(::syscall(SYS_gettid)), 19);
   while (true) {
     std::vector<BlockHash> chain;
     {

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "cachestore/adaptive_policy.h"
+#include "common/check.h"
 
 namespace kvrelay::cachestore {
 
@@ -51,19 +52,44 @@ void LrfuPolicy::SetCapacityHint(int64_t capacity_blocks) const {
                    std::memory_order_relaxed);
 }
 
-RecentFilter::RecentFilter(int64_t capacity_blocks)
-    : epoch_ticks_(std::max<int64_t>(capacity_blocks, 1)) {
+std::unique_ptr<RecentFilter::Table> RecentFilter::MakeTable(int64_t capacity_blocks) {
   uint64_t buckets = 256;
-  while (buckets * kWays < static_cast<uint64_t>(kProbationHistoryCaches * epoch_ticks_.load())) {
+  while (buckets * kWays <
+         static_cast<uint64_t>(kProbationHistoryCaches * std::max<int64_t>(capacity_blocks, 1))) {
     buckets *= 2;
   }
-  entries_ = std::make_unique<std::atomic<uint32_t>[]>(buckets * kWays);
-  for (uint64_t i = 0; i < buckets * kWays; ++i) entries_[i].store(0, std::memory_order_relaxed);
-  mask_ = buckets - 1;
+  auto table = std::make_unique<Table>();
+  // Zeroed by calloc (an empty entry is 0); large tables get untouched pages from the kernel.
+  table->entries.reset(static_cast<uint32_t*>(std::calloc(buckets * kWays, sizeof(uint32_t))));
+  KV_CHECK(table->entries != nullptr);  // out of memory
+  table->mask = buckets - 1;
+  return table;
+}
+
+RecentFilter::RecentFilter(int64_t capacity_blocks)
+    : epoch_ticks_(std::max<int64_t>(capacity_blocks, 1)) {
+  tables_.push_back(MakeTable(capacity_blocks));
+  table_.store(tables_.back().get(), std::memory_order_release);
 }
 
 void RecentFilter::SetCapacity(int64_t capacity_blocks) const {
   epoch_ticks_.store(std::max<int64_t>(capacity_blocks, 1), std::memory_order_relaxed);
+  std::unique_ptr<Table> sized = MakeTable(capacity_blocks);
+  std::lock_guard<std::mutex> lock(tables_mu_);
+  if (sized->mask == table_.load(std::memory_order_relaxed)->mask) return;  // same size
+  // Back to a size used before: that table again, emptied (a lookup that still holds it may
+  // write a stamp meanwhile: one admission decided on it, as with any lost update). So there is
+  // at most one table per size.
+  for (const std::unique_ptr<Table>& t : tables_) {
+    if (t->mask != sized->mask) continue;
+    for (uint64_t i = 0; i < (t->mask + 1) * kWays; ++i) {
+      std::atomic_ref<uint32_t>(t->entries[i]).store(0, std::memory_order_relaxed);
+    }
+    table_.store(t.get(), std::memory_order_release);
+    return;
+  }
+  tables_.push_back(std::move(sized));
+  table_.store(tables_.back().get(), std::memory_order_release);
 }
 
 bool RecentFilter::SeenThenStamp(const kv::BlockHash& hash, uint64_t tick) const {
@@ -73,11 +99,12 @@ bool RecentFilter::SeenThenStamp(const kv::BlockHash& hash, uint64_t tick) const
       (tick / static_cast<uint64_t>(epoch_ticks_.load(std::memory_order_relaxed))) % kEpochs + 1);
   const uint64_t mixed = (hash.lo ^ (hash.hi * 0x9e3779b97f4a7c15ull)) * 0xbf58476d1ce4e5b9ull;
   const uint32_t fingerprint = static_cast<uint32_t>(mixed >> 48);
-  std::atomic<uint32_t>* bucket = &entries_[((mixed >> 8) & mask_) * kWays];
+  const Table* table = table_.load(std::memory_order_acquire);
+  uint32_t* bucket = &table->entries[((mixed >> 8) & table->mask) * kWays];
   int oldest = 0;
   uint32_t oldest_age = 0;
   for (int i = 0; i < kWays; ++i) {
-    const uint32_t e = bucket[i].load(std::memory_order_relaxed);
+    const uint32_t e = std::atomic_ref<uint32_t>(bucket[i]).load(std::memory_order_relaxed);
     const uint32_t epoch = e & 0xFFFF;
     if (epoch == 0) {
       if (oldest_age <= kEpochs) oldest = i, oldest_age = kEpochs + 1;  // empty: fill first
@@ -85,12 +112,14 @@ bool RecentFilter::SeenThenStamp(const kv::BlockHash& hash, uint64_t tick) const
     }
     const uint32_t age = (now + kEpochs - epoch) % kEpochs;
     if ((e >> 16) == fingerprint) {
-      bucket[i].store((fingerprint << 16) | now, std::memory_order_relaxed);
+      std::atomic_ref<uint32_t>(bucket[i]).store((fingerprint << 16) | now,
+                                                 std::memory_order_relaxed);
       return age < static_cast<uint32_t>(kProbationHistoryCaches);
     }
     if (age >= oldest_age) oldest = i, oldest_age = age;
   }
-  bucket[oldest].store((fingerprint << 16) | now, std::memory_order_relaxed);
+  std::atomic_ref<uint32_t>(bucket[oldest])
+      .store((fingerprint << 16) | now, std::memory_order_relaxed);
   return false;
 }
 

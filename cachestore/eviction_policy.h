@@ -32,9 +32,12 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
@@ -88,16 +91,33 @@ class EvictionPolicy {
 // 65,536) says "seen" wrongly; an entry pushed out says "not seen" for a block that was.
 class RecentFilter {
  public:
-  // Sized for `capacity_blocks` (>= 1); a larger cache later only shortens the history.
+  // Sized for `capacity_blocks` (>= 1).
   explicit RecentFilter(int64_t capacity_blocks);
   // Reports whether `hash` was stamped recently, then stamps it at `tick`.
   bool SeenThenStamp(const kv::BlockHash& hash, uint64_t tick) const;
+  // The history becomes kProbationHistoryCaches x `capacity_blocks` accesses; when that needs a
+  // table of another size, a fresh (empty) one sized for it takes over, as at start-up. The
+  // store's policy is made before any node registers, for a million slots (a 32 MiB table, one
+  // cache miss per block access: ~2x the index lookup itself under MatchPrefix load); the first
+  // capacity hint sizes it to the real cache. Old tables stay allocated until the filter goes
+  // (a lookup may still be reading one), one per size; pages never touched cost nothing.
   void SetCapacity(int64_t capacity_blocks) const;
 
  private:
   static constexpr int kWays = 4;
-  std::unique_ptr<std::atomic<uint32_t>[]> entries_;
-  uint64_t mask_ = 0;
+  struct Table {
+    struct Free {
+      void operator()(uint32_t* p) const { std::free(p); }
+    };
+    std::unique_ptr<uint32_t[], Free> entries;  // read and written through std::atomic_ref
+    uint64_t mask = 0;                          // buckets - 1
+  };
+  static std::unique_ptr<Table> MakeTable(int64_t capacity_blocks);
+
+  // Acquire in SeenThenStamp, release in SetCapacity: a new table is seen zeroed.
+  mutable std::atomic<const Table*> table_{nullptr};
+  mutable std::mutex tables_mu_;
+  mutable std::vector<std::unique_ptr<Table>> tables_;  // every table made; guarded by tables_mu_
   mutable std::atomic<int64_t> epoch_ticks_;
 };
 

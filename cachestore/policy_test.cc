@@ -95,6 +95,25 @@ TEST(RecentFilterTest, RemembersWithinTheHistoryOnly) {
   EXPECT_FALSE(filter.SeenThenStamp(a, 1600));
 }
 
+// The store's filter is made for a million slots before any node registers; a capacity hint
+// resizes it. The new table starts empty (as at start-up), then remembers as before; a size used
+// before gets its table back, emptied.
+TEST(RecentFilterTest, CapacityHintResizesAndStartsEmpty) {
+  RecentFilter filter(/*capacity_blocks=*/1 << 20);
+  const BlockHash a = TraceBlockHash(1), b = TraceBlockHash(2);
+  EXPECT_FALSE(filter.SeenThenStamp(a, 0));
+  EXPECT_TRUE(filter.SeenThenStamp(a, 1));
+  filter.SetCapacity(100);
+  EXPECT_FALSE(filter.SeenThenStamp(a, 2)) << "the resized table starts empty";
+  EXPECT_TRUE(filter.SeenThenStamp(a, 3));
+  EXPECT_FALSE(filter.SeenThenStamp(b, 5));
+  EXPECT_TRUE(filter.SeenThenStamp(b, 799));  // the 100-block history: 8 epochs of 100 ticks
+  EXPECT_FALSE(filter.SeenThenStamp(a, 1600));
+  filter.SetCapacity(1 << 20);  // back to the first size: that table, emptied
+  EXPECT_FALSE(filter.SeenThenStamp(a, 1601));
+  EXPECT_TRUE(filter.SeenThenStamp(a, 1602));
+}
+
 // The service's mode: OnRequest only queues, a background thread learns. Fed one chain at a time
 // (waiting for each to be learned), it must make exactly the decisions of inline learning.
 TEST(AdaptivePolicyTest, BackgroundLearningDecidesAsInlineLearning) {

@@ -77,6 +77,31 @@ std::vector<double> LatencyBucketsSeconds() {
           0.25,   0.5,     1,      2.5,   5,      10,    25,   50,    100};
 }
 
+std::vector<double> TimeToFirstTokenBucketsSeconds() {
+  return {0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1,  0.25,  0.5,   0.75,
+          1.0,   2.5,   5.0,  7.5,  10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0};
+}
+
+std::vector<double> InterTokenLatencyBucketsSeconds() {
+  return {0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2,  0.3,  0.4, 0.5,
+          0.75, 1.0,   2.5,  5.0,   7.5, 10.0, 20.0, 40.0, 80.0};
+}
+
+std::vector<double> RequestLatencyBucketsSeconds() {
+  return {0.3,  0.5,  0.8,  1.0,  1.5,   2.0,   2.5,   5.0,   10.0,   15.0,  20.0,
+          30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0};
+}
+
+std::vector<double> KvTransferTimeBucketsSeconds() {
+  return {0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0};
+}
+
+std::vector<double> KvTransferBytesBuckets() {
+  std::vector<double> out;
+  for (int shift = 11; shift <= 33; shift += 2) out.push_back(std::ldexp(1.0, shift));
+  return out;
+}
+
 MetricsRegistry::Family& MetricsRegistry::GetFamily(const std::string& name, Type type,
                                                     const std::string& help) {
   auto [it, inserted] = families_.try_emplace(name);

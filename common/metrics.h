@@ -70,6 +70,19 @@ class Histogram {
 // Bucket helpers: latency in seconds from 100 us to ~100 s.
 std::vector<double> LatencyBucketsSeconds();
 
+// vLLM's bucket boundaries (vllm/v1/metrics/loggers.py and the NIXL connector's metrics), so
+// dashboards and recording rules written for `vllm:` families read kvrelay's unchanged.
+// vllm:time_to_first_token_seconds: 1 ms .. 2560 s.
+std::vector<double> TimeToFirstTokenBucketsSeconds();
+// vllm:inter_token_latency_seconds: 10 ms .. 80 s.
+std::vector<double> InterTokenLatencyBucketsSeconds();
+// vllm:e2e_request_latency_seconds (and the request_*_time_seconds family): 0.3 s .. 7680 s.
+std::vector<double> RequestLatencyBucketsSeconds();
+// vllm:nixl_xfer_time_seconds: 5 ms .. 5 s.
+std::vector<double> KvTransferTimeBucketsSeconds();
+// vllm:nixl_bytes_transferred: 2 KiB .. 8 GiB, x4 per bucket.
+std::vector<double> KvTransferBytesBuckets();
+
 class MetricsRegistry {
  public:
   // The same (name, labels) returns the same object. Names follow Prometheus rules

@@ -92,27 +92,55 @@ struct DecodeWorker::Active {
 
 DecodeWorker::DecodeWorker(DecodeWorkerOptions options, MetricsRegistry* metrics)
     : options_(std::move(options)), metrics_(metrics) {
+  const MetricLabels model = {{"model_name", options_.model_name}};
+  auto with_reason = [&model](const char* reason) {
+    MetricLabels labels = model;
+    labels["reason"] = reason;
+    return labels;
+  };
   generated_tokens_ =
-      metrics_->GetCounter("kvrelay_decode_generated_tokens_total", "Tokens generated.");
-  received_bytes_ = metrics_->GetCounter("kvrelay_decode_received_kv_bytes_total",
-                                         "KV bytes received from prefill workers.");
+      metrics_->GetCounter("kvrelay:decode_generated_tokens_total", "Tokens generated.", model);
+  received_bytes_ = metrics_->GetCounter("kvrelay:decode_received_kv_bytes_total",
+                                         "KV bytes received from prefill workers.", model);
   recomputed_requests_ =
-      metrics_->GetCounter("kvrelay_decode_failures_total",
+      metrics_->GetCounter("kvrelay:decode_failures_total",
                            "Requests whose pushed KV was unusable and was recomputed, by reason.",
-                           {{"reason", "transfer"}});
-  active_gauge_ = metrics_->GetGauge("kvrelay_decode_active_sequences", "Sequences decoding.");
+                           with_reason("transfer"));
+  active_gauge_ = metrics_->GetGauge("kvrelay:decode_active_sequences",
+                                     "Sequences decoding or queued for the batch.", model);
+  step_seconds_ =
+      metrics_->GetHistogram("kvrelay:decode_step_seconds", "Time of one batched decode step.",
+                             LatencyBucketsSeconds(), model);
   held_blocks_ = metrics_->GetCounter(
-      "kvrelay_decode_held_blocks_total",
-      "Leading prompt blocks found in this worker's own cache at Reserve (not pushed again).");
-  step_seconds_ = metrics_->GetHistogram(
-      "kvrelay_decode_step_seconds", "Time of one batched decode step.", LatencyBucketsSeconds());
+      "kvrelay:decode_held_blocks_total",
+      "Leading prompt blocks found in this worker's own cache at Reserve (not pushed again).",
+      model);
   refused_overloaded_ =
-      metrics_->GetCounter("kvrelay_decode_refused_total",
-                           "Requests refused at admission, by reason.", {{"reason", "capacity"}});
+      metrics_->GetCounter("kvrelay:decode_refused_total",
+                           "Requests refused at admission, by reason.", with_reason("capacity"));
   refused_pushes_ = metrics_->GetCounter(
-      "kvrelay_decode_refused_pushes_total",
+      "kvrelay:decode_refused_pushes_total",
       "Data-plane claims and block deliveries refused: wrong or expired reservation token, "
-      "another peer's reservation, or slots outside the reservation.");
+      "another peer's reservation, or slots outside the reservation.",
+      model);
+  running_gauge_ = metrics_->GetGauge("kvrelay:num_requests_running",
+                                      "Requests in the continuous batch.", model);
+  waiting_gauge_ = metrics_->GetGauge(
+      "kvrelay:num_requests_waiting",
+      "Requests waiting: reserved while their KV is pushed, or queued for a batch slot.", model);
+}
+
+void DecodeWorker::PublishLoad() {
+  int32_t reserved = 0;
+  for (const auto& [tag, r] : reservations_) reserved += !r->claimed && !r->released;
+  running_gauge_->Set(running_count_);
+  waiting_gauge_->Set(reserved + static_cast<int32_t>(pending_.size()));
+  double booked = 0;
+  for (int g = 0; g < kv_->cache().num_groups(); ++g) {
+    const int64_t slots = kv_->cache().pool(g).num_slots();
+    if (slots > 0) booked = std::max(booked, static_cast<double>(booked_[g]) / slots);
+  }
+  usage_perc_.store(booked, std::memory_order_relaxed);
 }
 
 absl::Status DecodeWorker::Own(absl::Status status, kvrelay::v1::FailureReason reason) const {
@@ -172,6 +200,14 @@ absl::Status DecodeWorker::Init(worker::WorkerCoreDeps deps) {
     booked_.assign(model_config().layout.groups().size(), 0);
   }
   kv_ = core_->kv.get();
+  worker::CacheConfigInfo info;
+  info.role = "decode";
+  info.layout = &runner_->layout();
+  info.pool_blocks = options_.core.pool_blocks;
+  info.cache_slots = core_->segment != nullptr ? core_->segment->num_slots() : 0;
+  kv_metrics_ = std::make_unique<worker::KvCacheMetrics>(
+      metrics_, MetricLabels{{"model_name", options_.model_name}}, info,
+      [usage = &usage_perc_] { return usage->load(std::memory_order_relaxed); });
   scheduler_ = std::thread([this] { SchedulerLoop(); });
   return absl::OkStatus();
 }
@@ -475,6 +511,7 @@ absl::StatusOr<kvrelay::v1::ReserveResponse> DecodeWorker::Reserve(
   response.set_held_blocks(r->held_blocks);
   held_blocks_->Increment(r->held_blocks);
   reservations_[r->tag] = std::move(r);
+  PublishLoad();
   return response;
 }
 
@@ -493,6 +530,7 @@ absl::Status DecodeWorker::Release(const std::string& request_id,
     // write can never land in a slot that belongs to someone else.
     it->second->released = true;
     it->second->released_at = core_->clock->Now();
+    PublishLoad();
   }
   return absl::OkStatus();
 }
@@ -575,6 +613,7 @@ absl::Status DecodeWorker::Generate(const kvrelay::v1::DecodeRequest& request, a
     if (!fits || queue_full) {
       if (r != nullptr) ReleaseReservationSlots(*r);
       ReturnBudget(budget);
+      PublishLoad();
       refused_overloaded_->Increment();
       return Own(absl::ResourceExhaustedError(absl::StrCat(
                      "decode node ", core_->node_id, ": ",
@@ -662,6 +701,7 @@ absl::Status DecodeWorker::Generate(const kvrelay::v1::DecodeRequest& request, a
     absl::MutexLock lock(&mu_);
     pending_.push_back(active);
     ++active_count_;
+    PublishLoad();
   }
 
   // Stream tokens as the scheduler produces them, until done, cancelled or the deadline.
@@ -744,6 +784,7 @@ void DecodeWorker::SchedulerLoop() {
       absl::MutexLock lock(&mu_);
       ReturnBudget(a->budget);
       a->budget.clear();
+      PublishLoad();
     }
     absl::MutexLock lock(&a->mu);
     a->done = true;
@@ -837,6 +878,7 @@ void DecodeWorker::SchedulerLoop() {
       running_count_ = static_cast<int32_t>(running.size());
       active_count_ = static_cast<int32_t>(running.size() + pending_.size());
       active_gauge_->Set(active_count_);
+      PublishLoad();
     }
   }
   for (auto& a : running) finish(a, absl::UnavailableError("decode worker stopping"));

@@ -57,6 +57,7 @@
 #include "model/model_runner.h"
 #include "transfer/transport.h"
 #include "worker/worker_core.h"
+#include "worker/worker_metrics.h"
 
 namespace kvrelay::decode {
 
@@ -127,6 +128,9 @@ class DecodeWorker {
   // holds them) as a sequence of `prefix_tokens` tokens; every slot is released.
   absl::StatusOr<std::unique_ptr<model::MambaSequence>> AdoptPushedState(
       std::vector<std::vector<kv::SlotId>> slots, int64_t prefix_tokens);
+  // Sets the running/waiting gauges and the KV usage from the state mu_ guards; called where
+  // that state changes.
+  void PublishLoad() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const DecodeWorkerOptions options_;
   MetricsRegistry* metrics_;
@@ -152,6 +156,12 @@ class DecodeWorker {
   Gauge* active_gauge_;
   Histogram* step_seconds_;
   Counter* refused_overloaded_;
+  Gauge* running_gauge_;
+  Gauge* waiting_gauge_;
+  // Booked share of the tightest pool (kvrelay:kv_cache_usage_perc): set by PublishLoad under
+  // mu_, read by scrapes without it (relaxed: a scrape may see it a moment late).
+  std::atomic<double> usage_perc_{0};
+  std::unique_ptr<worker::KvCacheMetrics> kv_metrics_;  // reads usage_perc_
 
   // Declared last: destroyed first, so the transport stops calling OnInbound before the
   // reservations it touches go away.

@@ -67,8 +67,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
             service, &CacheStoreService::AnnounceBlocks, bytes);
         break;
       case 3:
+        // The sync-shaped overload (gRPC itself calls the callback one).
         Call<v1::MatchPrefixRequest, v1::MatchPrefixResponse>(
-            service, &CacheStoreService::MatchPrefix, bytes);
+            service,
+            static_cast<grpc::Status (CacheStoreService::*)(
+                grpc::ServerContext*, const v1::MatchPrefixRequest*, v1::MatchPrefixResponse*)>(
+                &CacheStoreService::MatchPrefix),
+            bytes);
         break;
       case 4:
         Call<v1::QueryPrefixRequest, v1::QueryPrefixResponse>(

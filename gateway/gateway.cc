@@ -29,10 +29,11 @@ bool IsOverload(const absl::Status& s) {
   return !info.has_value() || info->reason() == kvrelay::v1::FAILURE_OVERLOADED;
 }
 
-Counter* QuotaRefusals(MetricsRegistry* metrics, const std::string& quota) {
-  return metrics->GetCounter("kvrelay_gateway_quota_refusals_total",
-                             "Requests refused by a per-client or reservation quota, by quota.",
-                             {{"quota", quota}});
+Counter* QuotaRefusals(MetricsRegistry* metrics, MetricLabels labels, const std::string& quota) {
+  labels["quota"] = quota;
+  return metrics->GetCounter("kvrelay:gateway_quota_refusals_total",
+                             "Requests refused by a per-tenant or per-client quota, by quota.",
+                             labels);
 }
 
 }  // namespace
@@ -51,37 +52,54 @@ Gateway::Gateway(GatewayOptions options, kv::ModelConfig config, MetricsRegistry
       config_(std::move(config)),
       layout_fingerprint_(config_.layout.fingerprint().ToBytes()),
       metrics_(metrics),
+      model_labels_({{"model_name", options_.model_name}}),
       clock_(clock),
       instance_id_(absl::StrCat(absl::ToUnixMicros(absl::Now()) % 1000000000)),
-      tenant_in_flight_(
-          "tenant", "requests in flight", "--max-inflight-per-tenant",
-          options_.max_inflight_per_tenant,
-          metrics_->GetCounter("kvrelay_gateway_tenant_quota_refusals_total",
-                               "Requests refused because their tenant had its quota in flight.")),
+      tenant_in_flight_("tenant", "requests in flight", "--max-inflight-per-tenant",
+                        options_.max_inflight_per_tenant,
+                        QuotaRefusals(metrics_, model_labels_, "inflight_tenant")),
       client_in_flight_("client", "requests in flight", "--max-inflight-per-client",
                         options_.max_inflight_per_client,
-                        QuotaRefusals(metrics_, "inflight_client")),
+                        QuotaRefusals(metrics_, model_labels_, "inflight_client")),
       tenant_reservations_("tenant", "tokens of decode KV reserved",
                            "--max-reserved-tokens-per-tenant",
                            options_.max_reserved_tokens_per_tenant,
-                           QuotaRefusals(metrics_, "reserved_tokens_tenant")),
+                           QuotaRefusals(metrics_, model_labels_, "reserved_tokens_tenant")),
       client_reservations_("client", "tokens of decode KV reserved",
                            "--max-reserved-tokens-per-client",
                            options_.max_reserved_tokens_per_client,
-                           QuotaRefusals(metrics_, "reserved_tokens_client")) {
-  ttft_seconds_ = metrics_->GetHistogram("kvrelay_gateway_ttft_seconds", "Time to first token.",
-                                         LatencyBucketsSeconds());
-  tpot_seconds_ = metrics_->GetHistogram("kvrelay_gateway_time_per_output_token_seconds",
-                                         "Mean time per output token after the first.",
-                                         LatencyBucketsSeconds());
-  prefix_query_tokens_ =
-      metrics_->GetCounter("kvrelay_gateway_prompt_tokens_total", "Prompt tokens received.");
-  prefix_hit_tokens_ = metrics_->GetCounter("kvrelay_gateway_prefix_hit_tokens_total",
-                                            "Prompt tokens served from cached KV.");
-  transferred_bytes_ = metrics_->GetCounter("kvrelay_gateway_transferred_kv_bytes_total",
-                                            "KV bytes moved prefill -> decode.");
-  failovers_ = metrics_->GetCounter("kvrelay_gateway_failovers_total",
-                                    "Attempts retried on another worker pair.");
+                           QuotaRefusals(metrics_, model_labels_, "reserved_tokens_client")) {
+  // Request-level families carry vLLM's names and buckets (see the README's metrics table):
+  // the gateway sees each request once, from the client's side.
+  ttft_seconds_ = metrics_->GetHistogram("kvrelay:time_to_first_token_seconds",
+                                         "Histogram of time to first token in seconds.",
+                                         TimeToFirstTokenBucketsSeconds(), model_labels_);
+  itl_seconds_ = metrics_->GetHistogram("kvrelay:inter_token_latency_seconds",
+                                        "Histogram of inter-token latency in seconds.",
+                                        InterTokenLatencyBucketsSeconds(), model_labels_);
+  e2e_seconds_ = metrics_->GetHistogram("kvrelay:e2e_request_latency_seconds",
+                                        "Histogram of e2e request latency in seconds.",
+                                        RequestLatencyBucketsSeconds(), model_labels_);
+  prompt_tokens_ = metrics_->GetCounter("kvrelay:prompt_tokens_total",
+                                        "Prompt tokens of requests received.", model_labels_);
+  generation_tokens_ = metrics_->GetCounter("kvrelay:generation_tokens_total",
+                                            "Tokens generated and sent to clients.", model_labels_);
+  prefix_hit_tokens_ =
+      metrics_->GetCounter("kvrelay:gateway_prefix_hit_tokens_total",
+                           "Prompt tokens of served requests whose KV was reused.", model_labels_);
+  transferred_bytes_ =
+      metrics_->GetCounter("kvrelay:gateway_transferred_kv_bytes_total",
+                           "KV bytes moved prefill -> decode for served requests.", model_labels_);
+  failovers_ = metrics_->GetCounter("kvrelay:gateway_failovers_total",
+                                    "Attempts retried on another worker pair.", model_labels_);
+  auto success = [this](const char* finished_reason) {
+    MetricLabels labels = model_labels_;
+    labels["finished_reason"] = finished_reason;
+    return metrics_->GetCounter("kvrelay:request_success_total",
+                                "Count of successfully processed requests.", labels);
+  };
+  success_stop_ = success("stop");
+  success_length_ = success("length");
 }
 
 absl::StatusOr<std::unique_ptr<Gateway>> Gateway::Create(
@@ -419,10 +437,12 @@ void Gateway::CountFailure(const absl::Status& status, const char* role) {
   if (std::optional<kvrelay::v1::ErrorInfo> info = proto::GetErrorInfo(status)) {
     reason = kvrelay::v1::FailureReason_Name(info->reason());
   }
+  MetricLabels labels = model_labels_;
+  labels["role"] = role;
+  labels["reason"] = std::move(reason);
   metrics_
-      ->GetCounter("kvrelay_gateway_worker_failures_total",
-                   "Failed attempts attributed to a worker, by role and reason.",
-                   {{"role", role}, {"reason", reason}})
+      ->GetCounter("kvrelay:gateway_worker_failures_total",
+                   "Failed attempts attributed to a worker, by role and reason.", labels)
       ->Increment();
 }
 
@@ -437,12 +457,13 @@ absl::Status Gateway::Generate(const kvrelay::v1::GenerateRequest& request, absl
   const std::string salt = DeriveTenantSalt(options_.tenant_secret, request.tenant());
   const std::vector<int32_t> prompt(request.tokens().begin(), request.tokens().end());
   const int32_t eos = request.has_eos_token() ? request.eos_token() : -1;
-  prefix_query_tokens_->Increment(static_cast<double>(prompt.size()));
+  prompt_tokens_->Increment(static_cast<double>(prompt.size()));
 
   std::vector<int32_t> generated;
   kvrelay::v1::GenerateSummary summary;
   summary.set_prompt_tokens(static_cast<int32_t>(prompt.size()));
   absl::Time first_token_time = absl::InfiniteFuture();
+  absl::Time last_token_time = absl::InfiniteFuture();
   std::vector<Node*> failed_prefill, failed_decode;
   NodeList keep_alive;  // nodes discovery may drop stay valid while this request names them
   absl::Status last_error =
@@ -641,10 +662,16 @@ absl::Status Gateway::Generate(const kvrelay::v1::GenerateRequest& request, absl
           tenant_reservation.Return();
           client_reservation.Return();
           if (chunk.tokens_size() > 0) {
+            const absl::Time now = absl::Now();
             if (first_token_time == absl::InfiniteFuture()) {
-              first_token_time = absl::Now();
+              first_token_time = now;
               ttft_seconds_->Observe(absl::ToDoubleSeconds(first_token_time - start));
+            } else {
+              // One observation per arrival, as vLLM's per iteration (also across failovers).
+              itl_seconds_->Observe(absl::ToDoubleSeconds(now - last_token_time));
             }
+            last_token_time = now;
+            generation_tokens_->Increment(chunk.tokens_size());
             kvrelay::v1::GenerateResponse out;
             for (int32_t t : chunk.tokens()) {
               out.add_tokens(t);
@@ -696,9 +723,10 @@ absl::Status Gateway::Generate(const kvrelay::v1::GenerateRequest& request, absl
     if (absl::Now() >= deadline && last_error.ok()) {
       last_error = absl::DeadlineExceededError("the request's deadline passed");
     }
+    MetricLabels labels = model_labels_;
+    labels["reason"] = std::string(absl::StatusCodeToString(last_error.code()));
     metrics_
-        ->GetCounter("kvrelay_gateway_failures_total", "Failed requests by status code.",
-                     {{"reason", std::string(absl::StatusCodeToString(last_error.code()))}})
+        ->GetCounter("kvrelay:gateway_failures_total", "Failed requests by status code.", labels)
         ->Increment();
     return last_error;
   }
@@ -707,10 +735,12 @@ absl::Status Gateway::Generate(const kvrelay::v1::GenerateRequest& request, absl
   summary.set_generated_tokens(static_cast<int32_t>(generated.size()));
   summary.set_ttft_ms(absl::ToDoubleMilliseconds(first_token_time - start));
   summary.set_total_ms(absl::ToDoubleMilliseconds(end - start));
-  if (generated.size() > 1) {
-    tpot_seconds_->Observe(absl::ToDoubleSeconds(end - first_token_time) /
-                           static_cast<double>(generated.size() - 1));
-  }
+  e2e_seconds_->Observe(absl::ToDoubleSeconds(end - start));
+  // "length" when max_tokens ended it, as vLLM's FinishReason; EOS and stop strings are "stop".
+  (!stop_requested && static_cast<int32_t>(generated.size()) >= request.max_tokens()
+       ? success_length_
+       : success_stop_)
+      ->Increment();
   prefix_hit_tokens_->Increment(summary.prefix_hit_tokens());
   transferred_bytes_->Increment(static_cast<double>(summary.transferred_bytes()));
   kvrelay::v1::GenerateResponse last;

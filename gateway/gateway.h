@@ -186,6 +186,7 @@ class Gateway {
   const kv::ModelConfig config_;
   const std::string layout_fingerprint_;
   MetricsRegistry* metrics_;
+  const MetricLabels model_labels_;  // {model_name}: on every family the gateway exports
   Clock* const clock_;
   std::unique_ptr<cachestore::CacheStoreClient> store_;
   Workers factories_;            // make_prefill / make_decode only
@@ -208,11 +209,15 @@ class Gateway {
   QuotaTable client_reservations_;
 
   Histogram* ttft_seconds_;
-  Histogram* tpot_seconds_;
-  Counter* prefix_query_tokens_;
+  Histogram* itl_seconds_;
+  Histogram* e2e_seconds_;
+  Counter* prompt_tokens_;
+  Counter* generation_tokens_;
   Counter* prefix_hit_tokens_;
   Counter* transferred_bytes_;
   Counter* failovers_;
+  Counter* success_stop_;
+  Counter* success_length_;
 };
 
 }  // namespace kvrelay::gateway

@@ -229,10 +229,7 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::RunMamba(
   }
   transfer_seconds_->Observe(absl::ToDoubleSeconds(absl::Now() - first_post));
   if (!transfer_status.ok()) {
-    metrics_
-        ->GetCounter("kvrelay_prefill_failures_total", "Failed prefill requests by reason.",
-                     {{"reason", "transfer"}})
-        ->Increment();
+    CountTransferFailure("transfer");
     if (absl::IsDeadlineExceeded(transfer_status) && absl::Now() >= deadline) {
       return Attribute(
           absl::DeadlineExceededError(absl::StrCat(

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
@@ -22,28 +23,71 @@ absl::Status CallerError(absl::Status status) {
                    kvrelay::v1::FAILURE_INVALID_REQUEST);
 }
 
+// Why a push to a decode worker failed, from the status code alone (never its text): the
+// `reason` label of kvrelay:kv_transfer_failures_total.
+const char* TransferFailureReason(const absl::Status& status) {
+  switch (status.code()) {
+    case absl::StatusCode::kDeadlineExceeded:
+      return "timeout";
+    case absl::StatusCode::kUnavailable:
+      return "peer_lost";
+    case absl::StatusCode::kDataLoss:
+      return "corrupt";
+    case absl::StatusCode::kCancelled:
+      return "cancelled";
+    case absl::StatusCode::kPermissionDenied:
+      return "refused";
+    default:
+      return "error";
+  }
+}
+
 }  // namespace
 
 PrefillWorker::PrefillWorker(PrefillWorkerOptions options, MetricsRegistry* metrics)
-    : options_(std::move(options)), metrics_(metrics) {
-  prefix_query_tokens_ = metrics_->GetCounter("kvrelay_prefill_prefix_query_tokens_total",
-                                              "Full-block prompt tokens looked up in the store.");
-  prefix_hit_tokens_ = metrics_->GetCounter("kvrelay_prefill_prefix_hit_tokens_total",
-                                            "Prompt tokens whose KV was reused, not computed.");
-  computed_tokens_ =
-      metrics_->GetCounter("kvrelay_prefill_computed_tokens_total", "Prompt tokens computed.");
-  fetched_bytes_ = metrics_->GetCounter("kvrelay_prefill_fetched_kv_bytes_total",
-                                        "KV bytes pulled from other nodes' caches.");
-  fetched_tokens_ = metrics_->GetCounter("kvrelay_prefill_fetched_tokens_total",
-                                         "Prompt tokens whose KV was pulled from another node.");
-  pushed_bytes_ = metrics_->GetCounter("kvrelay_prefill_pushed_kv_bytes_total",
-                                       "KV bytes pushed to decode workers.");
+    : options_(std::move(options)),
+      metrics_(metrics),
+      model_labels_({{"model_name", options_.model_name}}) {
+  prefix_query_tokens_ = metrics_->GetCounter(
+      "kvrelay:prefix_cache_queries_total",
+      "Prefix cache queries, in terms of number of queried tokens (full blocks).", model_labels_);
+  prefix_hit_tokens_ = metrics_->GetCounter(
+      "kvrelay:prefix_cache_hits_total", "Prefix cache hits, in terms of number of cached tokens.",
+      model_labels_);
+  computed_tokens_ = metrics_->GetCounter("kvrelay:prefill_computed_tokens_total",
+                                          "Prompt tokens computed.", model_labels_);
+  pushed_bytes_ = metrics_->GetCounter("kvrelay:prefill_pushed_kv_bytes_total",
+                                       "KV bytes pushed to decode workers.", model_labels_);
+  fetched_bytes_ = metrics_->GetCounter("kvrelay:prefill_fetched_kv_bytes_total",
+                                        "KV bytes pulled from other nodes' caches.", model_labels_);
+  fetched_tokens_ =
+      metrics_->GetCounter("kvrelay:prefill_fetched_tokens_total",
+                           "Prompt tokens whose KV was pulled from another node.", model_labels_);
   transfer_seconds_ = metrics_->GetHistogram(
-      "kvrelay_prefill_transfer_seconds",
-      "From the first layer posted to the last layer delivered.", LatencyBucketsSeconds());
-  prefill_seconds_ = metrics_->GetHistogram("kvrelay_prefill_request_seconds",
-                                            "Whole prefill requests.", LatencyBucketsSeconds());
-  active_ = metrics_->GetGauge("kvrelay_prefill_active_requests", "Requests in progress.");
+      "kvrelay:kv_transfer_time_seconds",
+      "Histogram of transfer duration of KV pushes to decode workers (first layer posted to "
+      "last layer delivered).",
+      KvTransferTimeBucketsSeconds(), model_labels_);
+  transfer_bytes_ = metrics_->GetHistogram(
+      "kvrelay:kv_transfer_bytes", "Histogram of bytes transferred per KV push to a decode worker.",
+      KvTransferBytesBuckets(), model_labels_);
+  prefill_seconds_ =
+      metrics_->GetHistogram("kvrelay:prefill_request_seconds", "Whole prefill requests.",
+                             LatencyBucketsSeconds(), model_labels_);
+  running_ = metrics_->GetGauge("kvrelay:num_requests_running",
+                                "Requests being prefilled or pushed.", model_labels_);
+  waiting_ = metrics_->GetGauge("kvrelay:num_requests_waiting",
+                                "Requests waiting for the model (one forward pass at a time).",
+                                model_labels_);
+}
+
+void PrefillWorker::CountTransferFailure(const char* reason) {
+  MetricLabels labels = model_labels_;
+  labels["reason"] = reason;
+  metrics_
+      ->GetCounter("kvrelay:kv_transfer_failures_total",
+                   "KV pushes to decode workers that failed, by reason.", labels)
+      ->Increment();
 }
 
 absl::StatusOr<std::unique_ptr<PrefillWorker>> PrefillWorker::Create(PrefillWorkerOptions options,
@@ -64,6 +108,7 @@ absl::Status PrefillWorker::Own(absl::Status status, kvrelay::v1::FailureReason 
 }
 
 PrefillWorker::~PrefillWorker() {
+  kv_metrics_.reset();  // its usage function reads kv_
   // The transport's threads call OnInbound until the handler is replaced (the replacement waits
   // for a running call): before any member it touches is destroyed.
   if (transport_ != nullptr) transport_->SetInboundHandler(nullptr);
@@ -87,6 +132,14 @@ absl::Status PrefillWorker::Init(worker::WorkerCoreDeps deps) {
                       transport_->AllocateMemory(static_cast<size_t>(limits::kMaxChainBlocks) *
                                                  worker::CacheSegment::kSlotEntryBytes));
   fetch_quarantine_ = std::make_unique<worker::FetchQuarantine>(&kv_->cache());
+  worker::CacheConfigInfo info;
+  info.role = "prefill";
+  info.layout = &runner_->layout();
+  info.pool_blocks = options_.core.pool_blocks;
+  info.cache_slots = segment_ != nullptr ? segment_->num_slots() : 0;
+  info.prefix_caching = true;
+  kv_metrics_ = std::make_unique<worker::KvCacheMetrics>(
+      metrics_, model_labels_, info, [kv = kv_] { return worker::FullestPoolUsage(kv->cache()); });
   return absl::OkStatus();
 }
 
@@ -254,11 +307,8 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
   }
   Clock* clock = core_->clock;
   const absl::Time start = clock->Now();
-  active_->Add(1);
-  struct ActiveGuard {
-    Gauge* g;
-    ~ActiveGuard() { g->Add(-1); }
-  } guard{active_};
+  running_->Add(1);
+  absl::Cleanup not_running = [this] { running_->Add(-1); };
   if (mamba_ != nullptr) return RunMamba(request, deadline, start);
 
   const kv::ModelLayout& layout = runner_->layout();
@@ -306,6 +356,8 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
          match->local_slots[hit_blocks] >= 0) {
     ++hit_blocks;
   }
+  // Counted with the query, so hits / queries is the lookups' hit rate (as vLLM's).
+  prefix_hit_tokens_->Increment(static_cast<double>(hit_blocks * block_tokens));
 
   // 2. The request's sequence: reused blocks copied in, slots for the rest allocated now so the
   //    whole transfer plan can be prepared before computing.
@@ -365,6 +417,7 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
                      kvrelay::v1::ROLE_CLIENT, "", kvrelay::v1::FAILURE_UNAUTHORIZED);
   }
   if (!connected.ok()) {
+    CountTransferFailure("unreachable");
     return decode_failed(
         absl::Status(
             connected.status().code(),
@@ -404,6 +457,8 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
   if (absl::Status claimed =
           ClaimPush(peer, request, std::min(deadline, absl::Now() + options_.transfer_timeout));
       !claimed.ok()) {
+    CountTransferFailure(absl::IsPermissionDenied(claimed) ? "refused"
+                                                           : TransferFailureReason(claimed));
     std::optional<kvrelay::v1::ErrorInfo> why = proto::GetErrorInfo(claimed);
     if (absl::IsPermissionDenied(claimed) && why.has_value() &&
         why->reason() == kvrelay::v1::FAILURE_EXPIRED) {
@@ -446,8 +501,12 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
   if (compute_from < full_tokens) {
     model::PrefillOptions prefill_options;
     prefill_options.on_layer_done = post_layer;
+    running_->Add(-1);
+    waiting_->Add(1);
     absl::MutexLock lock(&compute_mu_);
     const absl::Time compute_start = absl::Now();
+    waiting_->Add(-1);
+    running_->Add(1);
     absl::StatusOr<std::vector<float>> logits = runner_->Prefill(
         seq,
         absl::MakeConstSpan(tokens).subspan(static_cast<size_t>(compute_from),
@@ -467,14 +526,8 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
     if (!s.ok() && transfer_status.ok()) transfer_status = s;
     pushed += h->bytes();
   }
-  if (first_post != absl::InfiniteFuture()) {
-    transfer_seconds_->Observe(absl::ToDoubleSeconds(absl::Now() - first_post));
-  }
   if (!transfer_status.ok()) {
-    metrics_
-        ->GetCounter("kvrelay_prefill_failures_total", "Failed prefill requests by reason.",
-                     {{"reason", "transfer"}})
-        ->Increment();
+    CountTransferFailure(TransferFailureReason(transfer_status));
     // The caller's own deadline is not the decode worker's fault.
     if (absl::IsDeadlineExceeded(transfer_status) && absl::Now() >= deadline) {
       return Attribute(absl::DeadlineExceededError(
@@ -492,6 +545,10 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
                                           : kvrelay::v1::FAILURE_TRANSFER);
   }
   pushed_bytes_->Increment(static_cast<double>(pushed));
+  if (first_post != absl::InfiniteFuture()) {
+    transfer_seconds_->Observe(absl::ToDoubleSeconds(absl::Now() - first_post));
+    transfer_bytes_->Observe(static_cast<double>(pushed));
+  }
 
   // 5. Publish the blocks computed here for later requests, and keep a copy of those pulled or
   //    recomputed although held elsewhere (the next request for them here is local).
@@ -500,7 +557,6 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
   if (!committed.ok()) {
     KV_LOG(WARNING) << request.request_id() << ": commit failed: " << committed.status();
   }
-  prefix_hit_tokens_->Increment(static_cast<double>(reused_blocks * block_tokens));
   computed_tokens_->Increment(static_cast<double>(full_tokens - compute_from));
   prefill_seconds_->Observe(absl::ToDoubleSeconds(clock->Now() - start));
   response.set_prefix_hit_tokens(static_cast<int32_t>(reused_blocks * block_tokens));
@@ -508,6 +564,11 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
   response.set_pushed_bytes(pushed);
   response.set_committed_blocks(committed.ok() ? *committed : 0);
   return response;
+}
+
+MetricLabels PrefillWorker::WithModel(MetricLabels labels) const {
+  labels.insert(model_labels_.begin(), model_labels_.end());
+  return labels;
 }
 
 kv::RateMeter& PrefillWorker::LinkMeter(const std::string& address) {
@@ -553,18 +614,18 @@ PrefillWorker::PulledPrefix PrefillWorker::PullHeldElsewhere(
   const bool reprobe = now - link.last_observed() > options_.fetch_reprobe_interval;
   // The cost model's inputs, as it saw them.
   metrics_
-      ->GetGauge("kvrelay_prefill_link_bytes_per_second",
+      ->GetGauge("kvrelay:prefill_link_bytes_per_second",
                  "Measured pull rate from each holder (0 until measured).",
-                 {{"holder", holder.node_id}})
+                 WithModel({{"holder", holder.node_id}}))
       ->Set(link.rate());
   metrics_
-      ->GetGauge("kvrelay_prefill_compute_tokens_per_second",
-                 "Measured prompt tokens per second of compute on this node.")
+      ->GetGauge("kvrelay:prefill_compute_tokens_per_second",
+                 "Measured prompt tokens per second of compute on this node.", model_labels_)
       ->Set(prefill_rate_.rate());
   metrics_
-      ->GetCounter("kvrelay_prefill_reuse_decisions_total",
+      ->GetCounter("kvrelay:prefill_reuse_decisions_total",
                    "Prefixes held on another node, by what the cost model chose.",
-                   {{"choice", kv::ReuseChoiceName(out.decision.choice)}})
+                   WithModel({{"choice", kv::ReuseChoiceName(out.decision.choice)}}))
       ->Increment();
   if (out.decision.choice == kv::ReuseChoice::kRecompute) {
     if (!reprobe) return out;
@@ -576,9 +637,9 @@ PrefillWorker::PulledPrefix PrefillWorker::PullHeldElsewhere(
   const absl::Time fetch_deadline = std::min(deadline, now + options_.fetch_timeout);
   auto failed = [&](absl::string_view why) {
     metrics_
-        ->GetCounter("kvrelay_prefill_fetch_failures_total",
+        ->GetCounter("kvrelay:prefill_fetch_failures_total",
                      "Pulls from other nodes that did not deliver every block, by reason.",
-                     {{"reason", std::string(why)}})
+                     WithModel({{"reason", std::string(why)}}))
         ->Increment();
   };
   absl::StatusOr<transfer::PeerId> peer =
@@ -628,7 +689,7 @@ PrefillWorker::PulledPrefix PrefillWorker::PullHeldElsewhere(
 absl::Status PrefillWorker::ConnectStore(const std::string& grpc_address) {
   KV_RETURN_IF_ERROR(core_->ConnectStore(grpc_address, [this] {
     kvrelay::v1::NodeLoad load;
-    load.set_active_requests(static_cast<int64_t>(active_->value()));
+    load.set_active_requests(static_cast<int64_t>(running_->value() + waiting_->value()));
     return load;
   }));
   store_.store(core_->store.get(), std::memory_order_release);
@@ -640,7 +701,7 @@ kvrelay::v1::PrefillStatusResponse PrefillWorker::Describe() const {
   response.set_model(options_.model_name);
   response.set_node_id(core_->node_id);
   response.set_incarnation(core_->incarnation);
-  response.set_active_requests(static_cast<int32_t>(active_->value()));
+  response.set_active_requests(static_cast<int32_t>(running_->value() + waiting_->value()));
   response.set_computed_tokens_total(static_cast<int64_t>(computed_tokens_->value()));
   response.set_prefix_hit_tokens_total(static_cast<int64_t>(prefix_hit_tokens_->value()));
   response.set_layout_fingerprint(model_config().layout.fingerprint().ToBytes());

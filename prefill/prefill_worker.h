@@ -38,6 +38,7 @@
 #include "transfer/transport.h"
 #include "worker/block_fetch.h"
 #include "worker/worker_core.h"
+#include "worker/worker_metrics.h"
 
 namespace kvrelay::prefill {
 
@@ -114,6 +115,9 @@ class PrefillWorker {
                                  int64_t wanted_end, const std::string& request_id,
                                  absl::Time deadline, std::vector<std::vector<kv::SlotId>>& slots);
   kv::RateMeter& LinkMeter(const std::string& address);
+  // `labels` and model_name.
+  MetricLabels WithModel(MetricLabels labels) const;
+  void CountTransferFailure(const char* reason);
 
   const PrefillWorkerOptions options_;
   MetricsRegistry* metrics_;
@@ -144,6 +148,7 @@ class PrefillWorker {
       ABSL_GUARDED_BY(meters_mu_);
   kv::RateMeter prefill_rate_;  // prompt tokens per second of compute here
 
+  const MetricLabels model_labels_;  // {model_name}: on every family this worker exports
   Counter* prefix_query_tokens_;
   Counter* fetched_bytes_;
   Counter* fetched_tokens_;
@@ -151,8 +156,11 @@ class PrefillWorker {
   Counter* computed_tokens_;
   Counter* pushed_bytes_;
   Histogram* transfer_seconds_;
+  Histogram* transfer_bytes_;
   Histogram* prefill_seconds_;
-  Gauge* active_;
+  Gauge* running_;                                      // in progress, not waiting for compute_mu_
+  Gauge* waiting_;                                      // waiting for compute_mu_
+  std::unique_ptr<worker::KvCacheMetrics> kv_metrics_;  // reads kv_: reset before core_ goes
 };
 
 }  // namespace kvrelay::prefill

@@ -105,7 +105,7 @@ grpc::Status ParseEitherChain(const google::protobuf::RepeatedPtrField<v1::Block
   return grpc::Status::OK;
 }
 
-grpc::Status CheckDeadline(grpc::ServerContext* ctx) {
+grpc::Status CheckDeadline(grpc::ServerContextBase* ctx) {
   if (ctx->deadline() < std::chrono::system_clock::now()) {
     return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "deadline passed before handling");
   }
@@ -224,7 +224,7 @@ grpc::Status CacheStoreService::Fail(absl::Status status, bool ids_expire) const
   return ToGrpcStatus(proto::WithErrorInfo(std::move(status), info));
 }
 
-grpc::Status CacheStoreService::Authorize(grpc::ServerContext* ctx, Rpc rpc,
+grpc::Status CacheStoreService::Authorize(grpc::ServerContextBase* ctx, Rpc rpc,
                                           const std::string& node_id) const {
   if (!authorizer_.enforcing()) return grpc::Status::OK;
   static const auto* const kMethods = [] {
@@ -464,9 +464,25 @@ grpc::Status CacheStoreService::Heartbeat(grpc::ServerContext* ctx, const v1::He
   return t.Done(grpc::Status::OK);
 }
 
+grpc::ServerUnaryReactor* CacheStoreService::MatchPrefix(grpc::CallbackServerContext* ctx,
+                                                         const v1::MatchPrefixRequest* req,
+                                                         v1::MatchPrefixResponse* resp) {
+  // Answered inline on the thread that read the request: the lookup takes shard locks only,
+  // one at a time, and never waits, so nothing blocks gRPC's callback threads.
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  reactor->Finish(MatchPrefixImpl(ctx, req, resp));
+  return reactor;
+}
+
 grpc::Status CacheStoreService::MatchPrefix(grpc::ServerContext* ctx,
                                             const v1::MatchPrefixRequest* req,
                                             v1::MatchPrefixResponse* resp) {
+  return MatchPrefixImpl(ctx, req, resp);
+}
+
+grpc::Status CacheStoreService::MatchPrefixImpl(grpc::ServerContextBase* ctx,
+                                                const v1::MatchPrefixRequest* req,
+                                                v1::MatchPrefixResponse* resp) {
   RpcTimer t(latency_[kMatch], errors_[kMatch]);
   if (auto s = CheckDeadline(ctx); !s.ok()) return t.Done(s);
   if (auto s = Authorize(ctx, kMatch, req->node_id()); !s.ok()) return t.Done(s);
@@ -702,9 +718,9 @@ grpc::Status CacheStoreService::WatchEvents(grpc::ServerContext* ctx,
 void CacheStoreService::RegisterMetrics(MetricsRegistry* metrics) {
   for (int i = 0; i < kNumRpcs; ++i) {
     const MetricLabels rpc = {{"rpc", RpcName(i)}};
-    latency_[i] = metrics->GetHistogram("kvrelay_cachestore_rpc_seconds", "RPC handling latency.",
+    latency_[i] = metrics->GetHistogram("kvrelay:cachestore_rpc_seconds", "RPC handling latency.",
                                         RpcBucketsSeconds(), rpc);
-    errors_[i] = metrics->GetCounter("kvrelay_cachestore_rpc_errors_total", "Failed RPCs.", rpc);
+    errors_[i] = metrics->GetCounter("kvrelay:cachestore_rpc_errors_total", "Failed RPCs.", rpc);
   }
   // The store keeps these as its own atomics (trace-replay and tests read them too); the
   // registry reads them at each scrape.
@@ -714,27 +730,27 @@ void CacheStoreService::RegisterMetrics(MetricsRegistry* metrics) {
       return static_cast<double>(value->load(std::memory_order_relaxed));
     });
   };
-  counter("kvrelay_cachestore_prefix_queries_total", "MatchPrefix calls.", &c->prefix_queries);
-  counter("kvrelay_cachestore_prefix_query_blocks_total", "Blocks asked for in MatchPrefix.",
+  counter("kvrelay:cachestore_prefix_queries_total", "MatchPrefix calls.", &c->prefix_queries);
+  counter("kvrelay:cachestore_prefix_query_blocks_total", "Blocks asked for in MatchPrefix.",
           &c->prefix_query_blocks);
-  counter("kvrelay_cachestore_prefix_hit_blocks_total", "Blocks found by MatchPrefix.",
+  counter("kvrelay:cachestore_prefix_hit_blocks_total", "Blocks found by MatchPrefix.",
           &c->prefix_hit_blocks);
-  counter("kvrelay_cachestore_allocated_blocks_total", "Blocks reserved by Allocate.",
+  counter("kvrelay:cachestore_allocated_blocks_total", "Blocks reserved by Allocate.",
           &c->allocated_blocks);
-  counter("kvrelay_cachestore_committed_blocks_total", "Blocks committed.", &c->committed_blocks);
-  counter("kvrelay_cachestore_aborted_blocks_total", "Allocated blocks aborted.",
+  counter("kvrelay:cachestore_committed_blocks_total", "Blocks committed.", &c->committed_blocks);
+  counter("kvrelay:cachestore_aborted_blocks_total", "Allocated blocks aborted.",
           &c->aborted_blocks);
-  counter("kvrelay_cachestore_reclaimed_blocks_total",
+  counter("kvrelay:cachestore_reclaimed_blocks_total",
           "Allocated blocks reclaimed after the commit timeout.", &c->reclaimed_blocks);
-  counter("kvrelay_cachestore_evictions_total", "Blocks evicted.", &c->evicted_blocks);
-  counter("kvrelay_cachestore_expired_nodes_total",
+  counter("kvrelay:cachestore_evictions_total", "Blocks evicted.", &c->evicted_blocks);
+  counter("kvrelay:cachestore_expired_nodes_total",
           "Nodes forgotten after their TTL and the suspect grace period.", &c->expired_nodes);
-  counter("kvrelay_cachestore_suspected_nodes_total", "Nodes that missed their heartbeat TTL.",
+  counter("kvrelay:cachestore_suspected_nodes_total", "Nodes that missed their heartbeat TTL.",
           &c->suspected_nodes);
-  counter("kvrelay_cachestore_refused_registrations_total",
+  counter("kvrelay:cachestore_refused_registrations_total",
           "Registrations refused (duplicate live node id, bad spec, too many nodes).",
           &c->refused_registrations);
-  counter("kvrelay_cachestore_announced_blocks_total", "Blocks indexed from AnnounceBlocks.",
+  counter("kvrelay:cachestore_announced_blocks_total", "Blocks indexed from AnnounceBlocks.",
           &c->announced_blocks);
   // Gauges from the store's Stats() (a few locks and counts; scrapes are seconds apart).
   CacheStore* store = store_;
@@ -743,19 +759,19 @@ void CacheStoreService::RegisterMetrics(MetricsRegistry* metrics) {
     metrics->AddGaugeFunc(name, help, labels,
                           [store, read = std::move(read)] { return read(store->Stats()); });
   };
-  gauge("kvrelay_cachestore_nodes", "Live registered nodes.", {},
+  gauge("kvrelay:cachestore_nodes", "Live registered nodes.", {},
         [](const StoreStats& s) { return s.nodes; });
-  gauge("kvrelay_cachestore_suspect_nodes", "Nodes past their TTL, within the grace period.", {},
+  gauge("kvrelay:cachestore_suspect_nodes", "Nodes past their TTL, within the grace period.", {},
         [](const StoreStats& s) { return s.suspect_nodes; });
-  gauge("kvrelay_cachestore_blocks", "Committed blocks.", {},
+  gauge("kvrelay:cachestore_blocks", "Committed blocks.", {},
         [](const StoreStats& s) { return s.committed_blocks; });
-  gauge("kvrelay_cachestore_active_leases", "Read leases held.", {},
+  gauge("kvrelay:cachestore_active_leases", "Read leases held.", {},
         [](const StoreStats& s) { return s.active_leases; });
   for (Tier tier : {Tier::kGpu, Tier::kHost, Tier::kSsd}) {
     const MetricLabels labels = {{"tier", std::string(TierName(tier))}};
-    gauge("kvrelay_cachestore_used_bytes", "Bytes of slots in use by tier.", labels,
+    gauge("kvrelay:cachestore_used_bytes", "Bytes of slots in use by tier.", labels,
           [tier](const StoreStats& s) { return UsageOf(s, tier).used_bytes; });
-    gauge("kvrelay_cachestore_capacity_bytes", "Registered bytes by tier.", labels,
+    gauge("kvrelay:cachestore_capacity_bytes", "Registered bytes by tier.", labels,
           [tier](const StoreStats& s) { return UsageOf(s, tier).capacity_bytes; });
   }
 }

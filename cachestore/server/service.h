@@ -6,7 +6,8 @@
 // MetricsRegistry, where it also registers the store's own counters and gauges (read at each
 // scrape), so the store's /metrics comes from the one renderer like every other server's.
 //
-// Thread-safe (gRPC's sync server calls handlers from its thread pool).
+// Thread-safe: gRPC's sync server calls handlers from its thread pool, and MatchPrefix, the
+// lookup on every request's path, from its callback threads.
 
 #include <array>
 #include <atomic>
@@ -23,7 +24,8 @@ namespace kvrelay::cachestore::server {
 // The bounds live in cachestore/limits.h; the store and the service share one instance.
 using Limits = ::kvrelay::cachestore::Limits;
 
-class CacheStoreService final : public kvrelay::v1::CacheStore::Service {
+class CacheStoreService final : public kvrelay::v1::CacheStore::WithCallbackMethod_MatchPrefix<
+                                    kvrelay::v1::CacheStore::Service> {
  public:
   // `store` and `metrics` are not owned and must outlive the service. `authorizer` checks every
   // RPC against common/server/auth.h's table (the default checks nothing: --insecure).
@@ -40,6 +42,12 @@ class CacheStoreService final : public kvrelay::v1::CacheStore::Service {
                               v1::AnnounceBlocksResponse* resp) override;
   grpc::Status ListNodes(grpc::ServerContext* ctx, const v1::ListNodesRequest* req,
                          v1::ListNodesResponse* resp) override;
+  // On gRPC's callback API: answered on the thread that read the request, with no hand-off to
+  // a sync-server thread (~35% less store CPU per lookup than the sync form; README.md).
+  grpc::ServerUnaryReactor* MatchPrefix(grpc::CallbackServerContext* ctx,
+                                        const v1::MatchPrefixRequest* req,
+                                        v1::MatchPrefixResponse* resp) override;
+  // The same handler, for in-process callers (the RPC fuzzer); gRPC never calls this one.
   grpc::Status MatchPrefix(grpc::ServerContext* ctx, const v1::MatchPrefixRequest* req,
                            v1::MatchPrefixResponse* resp) override;
   grpc::Status QueryPrefix(grpc::ServerContext* ctx, const v1::QueryPrefixRequest* req,
@@ -86,8 +94,10 @@ class CacheStoreService final : public kvrelay::v1::CacheStore::Service {
   grpc::Status Fail(absl::Status status, bool ids_expire = false) const;
   static const char* RpcName(int rpc);
   // OK when the caller's certificate may make `rpc` (as `node_id`, for node-scoped RPCs).
-  grpc::Status Authorize(grpc::ServerContext* ctx, Rpc rpc, const std::string& node_id) const;
-  // The kvrelay_cachestore_* families: RPC latency and errors, the store's counters and gauges.
+  grpc::Status Authorize(grpc::ServerContextBase* ctx, Rpc rpc, const std::string& node_id) const;
+  grpc::Status MatchPrefixImpl(grpc::ServerContextBase* ctx, const v1::MatchPrefixRequest* req,
+                               v1::MatchPrefixResponse* resp);
+  // The kvrelay:cachestore_* families: RPC latency and errors, the store's counters and gauges.
   void RegisterMetrics(MetricsRegistry* metrics);
 
   CacheStore* const store_;

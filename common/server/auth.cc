@@ -169,7 +169,7 @@ absl::Status Unauthorized(absl::Status status) {
                           kvrelay::v1::FAILURE_UNAUTHORIZED);
 }
 
-absl::StatusOr<Peer> Authorizer::Identify(const grpc::ServerContext& context) const {
+absl::StatusOr<Peer> Authorizer::Identify(const grpc::ServerContextBase& context) const {
   if (!enforce_) return Peer{};
   std::shared_ptr<const grpc::AuthContext> auth = context.auth_context();
   if (auth == nullptr || !auth->IsPeerAuthenticated()) {
@@ -195,7 +195,7 @@ absl::StatusOr<Peer> Authorizer::Identify(const grpc::ServerContext& context) co
   return *found;
 }
 
-absl::StatusOr<Peer> Authorizer::Authorize(const grpc::ServerContext& context,
+absl::StatusOr<Peer> Authorizer::Authorize(const grpc::ServerContextBase& context,
                                            absl::string_view method,
                                            absl::string_view request_node_id) const {
   if (!enforce_) return Peer{};

@@ -108,12 +108,12 @@ class Authorizer {
   // The caller of `method`, when it may call it: UNAUTHENTICATED without a kvrelay
   // certificate, PERMISSION_DENIED (with ErrorInfo{role CLIENT, FAILURE_UNAUTHORIZED}) when its
   // role is not allowed or, for node-scoped methods, `request_node_id` is not its own id.
-  absl::StatusOr<Peer> Authorize(const grpc::ServerContext& context, absl::string_view method,
+  absl::StatusOr<Peer> Authorize(const grpc::ServerContextBase& context, absl::string_view method,
                                  absl::string_view request_node_id = {}) const;
 
   // The authenticated identity of the caller, without any table check (anonymous when not
   // enforcing).
-  absl::StatusOr<Peer> Identify(const grpc::ServerContext& context) const;
+  absl::StatusOr<Peer> Identify(const grpc::ServerContextBase& context) const;
 
  private:
   bool enforce_ = false;

@@ -227,7 +227,7 @@ test("the dev overlay's rendered pods serve a request on loopback and drain on S
   const activeDeadline = Date.now() + 30000;
   for (;;) {
     const text = await fetch(`http://127.0.0.1:${decode.pod.metricsPort}/metrics`).then((r) => r.text());
-    if (/^kvrelay_decode_active_sequences 1\b/m.test(text)) break;
+    if (/^kvrelay:decode_active_sequences(\{[^}]*\})? 1\b/m.test(text)) break;
     assert.ok(inFlight.exitCode === null, `the request ended before the decode worker was stopped: ${streamErr}`);
     assert.ok(Date.now() < activeDeadline, "the decode worker never showed the request as active");
     await sleep(10);

@@ -178,9 +178,9 @@ TEST_F(CacheStoreProcessTest, RegisterAllocateCommitMatchQueryAndMetrics) {
   EXPECT_EQ(st.policy(), "adaptive");
   const std::string metrics = testing::HttpGet(metrics_port_, "/metrics");
   EXPECT_THAT(metrics, HasSubstr("200 OK"));
-  EXPECT_THAT(metrics, HasSubstr("kvrelay_cachestore_prefix_hit_blocks_total 16"));
-  EXPECT_THAT(metrics, HasSubstr("kvrelay_cachestore_used_bytes{tier=\"host\"} 8388608"));
-  EXPECT_THAT(metrics, HasSubstr("kvrelay_cachestore_rpc_seconds_count{rpc=\"MatchPrefix\"}"));
+  EXPECT_THAT(metrics, HasSubstr("kvrelay:cachestore_prefix_hit_blocks_total 16"));
+  EXPECT_THAT(metrics, HasSubstr("kvrelay:cachestore_used_bytes{tier=\"host\"} 8388608"));
+  EXPECT_THAT(metrics, HasSubstr("kvrelay:cachestore_rpc_seconds_count{rpc=\"MatchPrefix\"}"));
   // Every family the store exports, each with its type (one renderer: common/metrics).
   for (const char* family : {"prefix_queries_total counter",
                              "prefix_query_blocks_total counter",
@@ -202,14 +202,14 @@ TEST_F(CacheStoreProcessTest, RegisterAllocateCommitMatchQueryAndMetrics) {
                              "capacity_bytes gauge",
                              "rpc_errors_total counter",
                              "rpc_seconds histogram"}) {
-    EXPECT_THAT(metrics, HasSubstr(absl::StrCat("# TYPE kvrelay_cachestore_", family, "\n")));
+    EXPECT_THAT(metrics, HasSubstr(absl::StrCat("# TYPE kvrelay:cachestore_", family, "\n")));
   }
-  EXPECT_THAT(metrics, HasSubstr("kvrelay_cachestore_nodes 2\n"));
-  EXPECT_THAT(metrics, HasSubstr("kvrelay_cachestore_blocks 8\n"));
-  EXPECT_THAT(metrics, HasSubstr("kvrelay_cachestore_capacity_bytes{tier=\"gpu\"} 0\n"));
-  EXPECT_THAT(metrics, HasSubstr("kvrelay_cachestore_rpc_errors_total{rpc=\"Commit\"} 0\n"));
+  EXPECT_THAT(metrics, HasSubstr("kvrelay:cachestore_nodes 2\n"));
+  EXPECT_THAT(metrics, HasSubstr("kvrelay:cachestore_blocks 8\n"));
+  EXPECT_THAT(metrics, HasSubstr("kvrelay:cachestore_capacity_bytes{tier=\"gpu\"} 0\n"));
+  EXPECT_THAT(metrics, HasSubstr("kvrelay:cachestore_rpc_errors_total{rpc=\"Commit\"} 0\n"));
   EXPECT_THAT(metrics,
-              HasSubstr("kvrelay_cachestore_rpc_seconds_bucket{rpc=\"MatchPrefix\",le=\"5e-05\"}"));
+              HasSubstr("kvrelay:cachestore_rpc_seconds_bucket{rpc=\"MatchPrefix\",le=\"5e-05\"}"));
   EXPECT_THAT(testing::HttpGet(metrics_port_, "/nope"), HasSubstr("404"));
 }
 

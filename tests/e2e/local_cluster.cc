@@ -8,12 +8,14 @@
 
 #include <cstring>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "common/errno_status.h"
 #include "common/scoped_fd.h"
+#include "common/status_macros.h"
 
 namespace kvrelay::e2e {
 
@@ -105,7 +107,7 @@ std::string LocalCluster::Log() const {
   return absl::StrCat("--- stdout\n", up_->Stdout(), "--- stderr\n", up_->Stderr());
 }
 
-absl::StatusOr<double> ScrapeMetric(const std::string& metrics_address, const std::string& metric) {
+absl::StatusOr<std::string> ScrapeText(const std::string& metrics_address) {
   const size_t colon = metrics_address.rfind(':');
   int port;
   if (colon == std::string::npos || !absl::SimpleAtoi(metrics_address.substr(colon + 1), &port)) {
@@ -131,6 +133,18 @@ absl::StatusOr<double> ScrapeMetric(const std::string& metrics_address, const st
   std::string response;
   char buf[8192];
   for (ssize_t n; (n = ::read(fd.get(), buf, sizeof(buf))) > 0;) response.append(buf, n);
+  const size_t body = response.find("\r\n\r\n");
+  if (!absl::StartsWith(response, "HTTP/1.") || response.find(" 200 ") > response.find('\n') ||
+      body == std::string::npos) {
+    return absl::UnavailableError(
+        absl::StrCat("GET http://", metrics_address,
+                     "/metrics: not a 200 response: ", response.substr(0, response.find('\n'))));
+  }
+  return response.substr(body + 4);
+}
+
+absl::StatusOr<double> ScrapeMetric(const std::string& metrics_address, const std::string& metric) {
+  KV_ASSIGN_OR_RETURN(std::string response, ScrapeText(metrics_address));
   bool found = false;
   double sum = 0;
   for (absl::string_view line : absl::StrSplit(response, '\n')) {

@@ -70,6 +70,9 @@ class LocalCluster {
   std::vector<ServiceInfo> services_;
 };
 
+// GET http://<metrics_address>/metrics: the body (Prometheus text) of a 200 response.
+absl::StatusOr<std::string> ScrapeText(const std::string& metrics_address);
+
 // Scrapes http://<metrics_address>/metrics and returns the sum of every sample of `metric`
 // (all label sets). NotFound if the metric is absent.
 absl::StatusOr<double> ScrapeMetric(const std::string& metrics_address, const std::string& metric);

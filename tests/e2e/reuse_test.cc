@@ -126,7 +126,7 @@ TEST_F(CrossNodeReuse, ThePrefixIsPulledFromItsHolderNotRecomputed) {
 
   KV_ASSERT_OK_AND_ASSIGN(ServiceInfo reader, cluster_->Service(ServiceAt(warm.prefill_worker)));
   KV_ASSERT_OK_AND_ASSIGN(double fetched, ScrapeMetric(reader.metrics_address,
-                                                       "kvrelay_prefill_fetched_kv_bytes_total"));
+                                                       "kvrelay:prefill_fetched_kv_bytes_total"));
   EXPECT_GE(fetched, static_cast<double>(6 * BlockBytes()));
 }
 

@@ -176,12 +176,12 @@ TEST(SharedPrefix, SecondRequestComputesOnlyNewTokens) {
 
   KV_ASSERT_OK_AND_ASSIGN(
       double computed_before,
-      ScrapeMetric(prefill.metrics_address, "kvrelay_prefill_computed_tokens_total"));
+      ScrapeMetric(prefill.metrics_address, "kvrelay:prefill_computed_tokens_total"));
   KV_ASSERT_OK_AND_ASSIGN(cli::GenerationResult warm,
                           client.Generate(Request(second, 6, "shared"), kRequestTimeout));
   KV_ASSERT_OK_AND_ASSIGN(
       double computed_after,
-      ScrapeMetric(prefill.metrics_address, "kvrelay_prefill_computed_tokens_total"));
+      ScrapeMetric(prefill.metrics_address, "kvrelay:prefill_computed_tokens_total"));
   EXPECT_EQ(warm.prefix_hit_tokens, 176);
   EXPECT_EQ(warm.computed_prompt_tokens, 200 - 176);
   EXPECT_EQ(computed_after - computed_before, 16.0) << "prefill computed more than block 12";
@@ -205,7 +205,7 @@ TEST(SharedPrefix, SecondRequestComputesOnlyNewTokens) {
 
 // KV bytes moved prefill -> decode equal the layout's bytes for the pushed tokens, counted on
 // both ends: the prefill worker's transfer handles (the summary) and the decode worker's
-// verified inbound blocks (its kvrelay_decode_received_kv_bytes_total). Full blocks are pushed
+// verified inbound blocks (its kvrelay:decode_received_kv_bytes_total). Full blocks are pushed
 // except that the decode worker computes the last prompt token itself (its logits give the
 // first token): a 100-token prompt pushes 6 blocks (96 tokens), a 96-token prompt 5 blocks.
 // Control traffic is not KV and is not counted: per layer, one 'done' frame on the transfer
@@ -235,7 +235,7 @@ TEST(BytesOnTheWire, EqualTheLayoutBytesOfThePushedTokens) {
         absl::StatusOr<ServiceInfo> d = e->cluster->Service(name);
         EXPECT_TRUE(d.ok());
         absl::StatusOr<double> v =
-            ScrapeMetric(d->metrics_address, "kvrelay_decode_received_kv_bytes_total");
+            ScrapeMetric(d->metrics_address, "kvrelay:decode_received_kv_bytes_total");
         EXPECT_TRUE(v.ok() || absl::IsNotFound(v.status())) << v.status();
         if (v.ok()) sum += *v;
       }
@@ -444,7 +444,7 @@ TEST(TransfersOnlyWhereTheyBelong, PrefillNamingAnotherRequestsSlotsIsRefused) {
   for (int d = 0; d < 2; ++d) {
     KV_ASSERT_OK_AND_ASSIGN(ServiceInfo decode, e->cluster->Service(absl::StrCat("decode-", d)));
     KV_ASSERT_OK_AND_ASSIGN(
-        double n, ScrapeMetric(decode.metrics_address, "kvrelay_decode_refused_pushes_total"));
+        double n, ScrapeMetric(decode.metrics_address, "kvrelay:decode_refused_pushes_total"));
     refused_at_decode += n;
   }
   EXPECT_GE(refused_at_decode, refused.load());
@@ -501,7 +501,7 @@ TEST_P(PrefixReuse, ComputesOnlyTheNewBlocksAndChangesNoToken) {
   const std::string tenant = absl::StrCat("reuse-", GetParam());
   auto computed_by_prefill = [&]() -> double {
     absl::StatusOr<double> v =
-        ScrapeMetric(prefill.metrics_address, "kvrelay_prefill_computed_tokens_total");
+        ScrapeMetric(prefill.metrics_address, "kvrelay:prefill_computed_tokens_total");
     EXPECT_TRUE(v.ok()) << v.status();
     return v.ok() ? *v : -1;
   };
@@ -584,7 +584,7 @@ double ReceivedByDecodeWorkers(LocalCluster& cluster) {
     EXPECT_TRUE(d.ok());
     if (!d.ok()) continue;
     absl::StatusOr<double> v =
-        ScrapeMetric(d->metrics_address, "kvrelay_decode_received_kv_bytes_total");
+        ScrapeMetric(d->metrics_address, "kvrelay:decode_received_kv_bytes_total");
     EXPECT_TRUE(v.ok() || absl::IsNotFound(v.status())) << v.status();
     if (v.ok()) sum += *v;
   }

@@ -410,6 +410,7 @@ TEST_F(InProcessMambaCluster, ReservationHoldsOnlyTheFinalStatesSlot) {
   KV_ASSERT_OK(out.status);
   EXPECT_EQ(out.computed_tokens, 6);
   EXPECT_THAT(out.tokens, ElementsAreArray(Reference(prompt)));
+}
 
 TEST_F(InProcessCluster, ReleaseNeedsTheReservationToken) {
   // A prompt without a full block: nothing is pushed, so a released reservation is swept by the
@@ -823,9 +824,9 @@ TEST_F(TwoPrefillNodes, ACorruptedPulledBlockIsDetectedAndRecomputed) {
   EXPECT_EQ(refused.fetched_bytes(), 0);
   EXPECT_EQ(refused.computed_tokens(), 64);
   EXPECT_EQ(metrics_
-                .GetCounter("kvrelay_prefill_fetch_failures_total",
+                .GetCounter("kvrelay:prefill_fetch_failures_total",
                             "Pulls from other nodes that did not deliver every block, by reason.",
-                            {{"reason", "corrupt"}})
+                            {{"model_name", "tiny"}, {"reason", "corrupt"}})
                 ->value(),
             1);
   // prefill-1 kept a copy of what it recomputed: the same prompt is local there now.
