@@ -202,7 +202,7 @@ absl::Status DecodeWorker::Init(worker::WorkerCoreDeps deps) {
   kv_ = core_->kv.get();
   worker::CacheConfigInfo info;
   info.role = "decode";
-  info.layout = &runner_->layout();
+  info.layout = &model_config().layout;
   info.pool_blocks = options_.core.pool_blocks;
   info.cache_slots = core_->segment != nullptr ? core_->segment->num_slots() : 0;
   kv_metrics_ = std::make_unique<worker::KvCacheMetrics>(

@@ -134,7 +134,7 @@ absl::Status PrefillWorker::Init(worker::WorkerCoreDeps deps) {
   fetch_quarantine_ = std::make_unique<worker::FetchQuarantine>(&kv_->cache());
   worker::CacheConfigInfo info;
   info.role = "prefill";
-  info.layout = &runner_->layout();
+  info.layout = &model_config().layout;
   info.pool_blocks = options_.core.pool_blocks;
   info.cache_slots = segment_ != nullptr ? segment_->num_slots() : 0;
   info.prefix_caching = true;
@@ -325,6 +325,8 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
     // The decode worker holds every full block: nothing to compute or push.
     response.set_prefix_source("decode");
     response.set_prefix_hit_tokens(static_cast<int32_t>(full_tokens));
+    prefix_query_tokens_->Increment(static_cast<double>(full_tokens));
+    prefix_hit_tokens_->Increment(static_cast<double>(full_tokens));
     return response;
   }
 

@@ -149,13 +149,14 @@ TEST(Metrics, NamesTypesBucketsAndLabelsOfEveryProcess) {
   options.decode = 1;
   KV_ASSERT_OK_AND_ASSIGN(std::unique_ptr<LocalCluster> cluster, LocalCluster::Start(options));
 
-  // A cold 100-token prompt, then one sharing its first 96 tokens. The decode worker computes
-  // the last prompt token itself, so the prefill worker looks up (100 - 1) / 16 = 6 full blocks
-  // (96 tokens) each time; the second lookup hits all 6.
+  // A cold 100-token prompt, then a 116-token one sharing its first 96 tokens. The decode worker
+  // computes the last prompt token itself, so the prefill worker looks up (100 - 1) / 16 = 6
+  // full blocks, then 115 / 16 = 7, of which the first 6 hit (and the decode worker that kept
+  // them is sent only block 7).
   cli::GatewayClient client(cluster->gateway());
   const std::vector<int32_t> cold = RandomPrompt(100, 5);
   std::vector<int32_t> warm(cold.begin(), cold.begin() + 96);
-  for (int32_t t : RandomPrompt(4, 6)) warm.push_back(t);
+  for (int32_t t : RandomPrompt(20, 6)) warm.push_back(t);
   constexpr int kMaxTokens = 8;
   int generated = 0;
   for (const std::vector<int32_t>* prompt :
@@ -203,7 +204,7 @@ TEST(Metrics, NamesTypesBucketsAndLabelsOfEveryProcess) {
   EXPECT_LE(Sum(itl, "kvrelay:inter_token_latency_seconds_count"), generated - 2);
   EXPECT_EQ(Sum(Expect(gateway, "gateway", "kvrelay:prompt_tokens", "counter"),
                 "kvrelay:prompt_tokens_total"),
-            200);
+            216);
   EXPECT_EQ(Sum(Expect(gateway, "gateway", "kvrelay:generation_tokens", "counter"),
                 "kvrelay:generation_tokens_total"),
             generated);
@@ -221,7 +222,7 @@ TEST(Metrics, NamesTypesBucketsAndLabelsOfEveryProcess) {
                              "kvrelay:prefix_cache_queries_total");
   const double hits = Sum(Expect(prefill, "prefill", "kvrelay:prefix_cache_hits", "counter"),
                           "kvrelay:prefix_cache_hits_total");
-  EXPECT_EQ(queries, 2 * 6 * kBlockTokens);
+  EXPECT_EQ(queries, (6 + 7) * kBlockTokens);
   EXPECT_EQ(hits, 6 * kBlockTokens);
   const Exposition& decode = scraped.at("decode-0");
   for (const Exposition* worker : std::vector<const Exposition*>{&prefill, &decode}) {
