@@ -25,9 +25,9 @@ absl::StatusOr<std::unique_ptr<StoreLink>> StoreLink::Connect(StoreLinkOptions o
   client_options.security = options.security;
   client_options.node = {options.node_id, options.incarnation};
   // A list of store instances (HA): the client follows the leader among them.
-  KV_ASSIGN_OR_RETURN(std::unique_ptr<cachestore::CacheStoreClient> client,
-                      cachestore::CacheStoreClient::Connect(options.cachestore_address,
-                                                            client_options));
+  KV_ASSIGN_OR_RETURN(
+      std::unique_ptr<cachestore::CacheStoreClient> client,
+      cachestore::CacheStoreClient::Connect(options.cachestore_address, client_options));
   auto link = std::unique_ptr<StoreLink>(
       new StoreLink(std::move(options), segment, clock, std::move(client)));
   absl::Status status;

@@ -6,8 +6,8 @@
 #include <random>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_split.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "common/server/auth.h"
 #include "common/server/server_flags.h"
 #include "common/status_macros.h"

@@ -151,6 +151,13 @@ absl::Status CacheStoreClient::Invoke(
     const Request& request, Response* response, const CallOptions& call) {
   const absl::Time deadline = std::min(absl::Now() + options_.timeout, call.deadline);
   int failures = 0;
+  // The last refusal by a store that does not lead: more telling than the deadline that ended
+  // the last retry.
+  absl::Status not_leader;
+  auto result = [&not_leader](absl::Status status) {
+    if (absl::IsDeadlineExceeded(status) && !not_leader.ok()) return not_leader;
+    return status;
+  };
   while (true) {
     size_t index = 0, count = 0;
     std::shared_ptr<Endpoint> endpoint = Current(&index, &count);
@@ -164,17 +171,19 @@ absl::Status CacheStoreClient::Invoke(
     if (status.ok()) {
       if (AcceptTerm(term)) return status;
       // A store deposed since (it resumed after a pause): what it said is not the cluster's.
-      status = proto::Attribute(
-          absl::UnavailableError(absl::StrCat("cache store ", endpoint->address, " answered with term ",
-                                              term, ", older than term ", this->term(),
-                                              " already seen: reply dropped")),
-          v1::ROLE_STORE, "", v1::FAILURE_NOT_LEADER);
+      status =
+          proto::Attribute(absl::UnavailableError(absl::StrCat(
+                               "cache store ", endpoint->address, " answered with term ", term,
+                               ", older than term ", this->term(), " already seen: reply dropped")),
+                           v1::ROLE_STORE, "", v1::FAILURE_NOT_LEADER);
       response->Clear();
+      not_leader = status;
       MoveOn(index);
     } else {
       std::optional<v1::ErrorInfo> info = proto::GetErrorInfo(status);
-      const bool not_leader = info.has_value() && info->reason() == v1::FAILURE_NOT_LEADER;
-      if (not_leader) {
+      const bool is_not_leader = info.has_value() && info->reason() == v1::FAILURE_NOT_LEADER;
+      if (is_not_leader) {
+        not_leader = status;
         if (!info->address().empty() && Redirect(info->address(), index)) {
           if (failures == 0) {
             ++failures;
@@ -183,17 +192,17 @@ absl::Status CacheStoreClient::Invoke(
         } else {
           MoveOn(index);
         }
-      } else if (count > 1 &&
-                 (absl::IsUnavailable(status) ||
-                  (absl::IsDeadlineExceeded(status) && attempt_deadline < deadline))) {
+      } else if (count > 1 && (absl::IsUnavailable(status) ||
+                               (absl::IsDeadlineExceeded(status) && attempt_deadline < deadline))) {
         MoveOn(index);  // dead, unreachable, draining or paused: try the next instance
       } else {
-        return status;
+        return result(status);
       }
     }
     ++failures;
-    const absl::Duration pause = std::min(absl::Milliseconds(10) * failures, absl::Milliseconds(100));
-    if (absl::Now() + pause >= deadline) return status;
+    const absl::Duration pause =
+        std::min(absl::Milliseconds(10) * failures, absl::Milliseconds(100));
+    if (absl::Now() + pause >= deadline) return result(status);
     absl::SleepFor(pause);
   }
 }
@@ -233,8 +242,8 @@ absl::Status CacheStoreClient::WaitForReady(absl::Duration timeout) {
   while (true) {
     size_t index = 0, count = 0;
     std::shared_ptr<Endpoint> endpoint = Current(&index, &count);
-    const absl::Time attempt = count > 1 ? std::min(deadline, absl::Now() + absl::Milliseconds(200))
-                                         : deadline;
+    const absl::Time attempt =
+        count > 1 ? std::min(deadline, absl::Now() + absl::Milliseconds(200)) : deadline;
     if (endpoint->channel->WaitForConnected(absl::ToChronoTime(attempt))) return absl::OkStatus();
     if (absl::Now() >= deadline) break;
     MoveOn(index);

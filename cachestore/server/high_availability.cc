@@ -24,7 +24,7 @@ constexpr absl::Duration kHeartbeatEvery = absl::Milliseconds(100);
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<HighAvailability>> HighAvailability::Create(CacheStore* store,
-                                                                          HaOptions options) {
+                                                                           HaOptions options) {
   if (options.etcd_endpoints.empty()) {
     return absl::InvalidArgumentError("etcd: at least one endpoint needed");
   }
@@ -85,16 +85,16 @@ absl::StatusOr<int64_t> HighAvailability::LeaderTerm() const {
   // Our own address is stale after we lost the lease: nobody known leads then.
   const std::string leader =
       s.leader_value == options_.advertise_address ? std::string() : s.leader_value;
-  return NotLeaderError(absl::StrCat("cache store ", options_.advertise_address,
-                                     " does not lead; the leader is ",
-                                     leader.empty() ? "being elected" : leader),
-                        leader);
+  return NotLeaderError(
+      absl::StrCat("cache store ", options_.advertise_address, " does not lead; the leader is ",
+                   leader.empty() ? "being elected" : leader),
+      leader);
 }
 
 void HighAvailability::OnElectionChange(const etcd::LeaderElection::State& state) {
   // Runs on the election thread: only wake the role thread, which does the work.
-  KV_LOG(INFO) << "cachestore: election: " << (state.leader ? "leading" : "not leading")
-               << " term " << (state.leader ? state.term : state.leader_term) << " leader '"
+  KV_LOG(INFO) << "cachestore: election: " << (state.leader ? "leading" : "not leading") << " term "
+               << (state.leader ? state.term : state.leader_term) << " leader '"
                << state.leader_value << "'";
   absl::MutexLock lock(&follow_mu_);
   if (follow_ctx_ != nullptr) follow_ctx_->TryCancel();
@@ -247,10 +247,9 @@ void HighAvailability::RegisterMetrics(MetricsRegistry* metrics) {
   metrics->AddGaugeFunc("kvrelay_cachestore_ha_lag_ops",
                         "As a standby: ops of the leader's log not applied yet at the last batch.",
                         {}, [this] { return static_cast<double>(lag_ops()); });
-  metrics->AddCounterFunc("kvrelay_cachestore_ha_takeovers_total",
-                          "Times this instance became leader.", {}, [this] {
-                            return static_cast<double>(takeovers_.load(std::memory_order_relaxed));
-                          });
+  metrics->AddCounterFunc(
+      "kvrelay_cachestore_ha_takeovers_total", "Times this instance became leader.", {},
+      [this] { return static_cast<double>(takeovers_.load(std::memory_order_relaxed)); });
 }
 
 grpc::Status ReplicationService::Follow(grpc::ServerContext* ctx,

@@ -70,8 +70,8 @@ class HaCluster {
         {kEtcd, "--name", "t", "--data-dir", dir_.File("etcd"), "--listen-client-urls",
          "http://" + etcd_endpoint_, "--advertise-client-urls", "http://" + etcd_endpoint_,
          "--listen-peer-urls", etcd_peer_, "--initial-advertise-peer-urls", etcd_peer_,
-         "--initial-cluster", "t=" + etcd_peer_, "--heartbeat-interval", "50",
-         "--election-timeout", "300"});
+         "--initial-cluster", "t=" + etcd_peer_, "--heartbeat-interval", "50", "--election-timeout",
+         "300"});
     if (!etcd.ok()) return etcd.status();
     etcd_ = *std::move(etcd);
     return absl::OkStatus();
@@ -81,17 +81,17 @@ class HaCluster {
   absl::Status StartStore(int i) {
     const std::string port = addresses_[i].substr(addresses_[i].rfind(':') + 1);
     absl::StatusOr<std::unique_ptr<ChildProcess>> proc = ChildProcess::Start(
-        {BinaryPath("kvrelay"), "cachestore", "--port", port, "--metrics-port", "0",
-         "--data-dir", dir_.File(absl::StrCat("store", i)), "--tick", "20ms", "--insecure",
-         "--etcd", etcd_endpoint_, "--etcd-lease-ttl", "2s", "--wal-fsync=false"});
+        {BinaryPath("kvrelay"), "cachestore", "--port", port, "--metrics-port", "0", "--data-dir",
+         dir_.File(absl::StrCat("store", i)), "--tick", "20ms", "--insecure", "--etcd",
+         etcd_endpoint_, "--etcd-lease-ttl", "2s", "--wal-fsync=false"});
     if (!proc.ok()) return proc.status();
     stores_[i] = *std::move(proc);
     absl::StatusOr<std::string> line =
         stores_[i]->WaitForOutput("cachestore listening on", absl::Seconds(30));
     if (!line.ok()) {
-      return absl::Status(line.status().code(),
-                          absl::StrCat("store ", i, ": ", line.status().message(), "\n",
-                                       stores_[i]->Stderr()));
+      return absl::Status(
+          line.status().code(),
+          absl::StrCat("store ", i, ": ", line.status().message(), "\n", stores_[i]->Stderr()));
     }
     return absl::OkStatus();
   }
@@ -113,9 +113,8 @@ class HaCluster {
       }
       absl::SleepFor(absl::Milliseconds(10));
     }
-    return absl::DeadlineExceededError(
-        absl::StrCat("no store leads with a term above ", above_term, " after ",
-                     absl::FormatDuration(timeout)));
+    return absl::DeadlineExceededError(absl::StrCat("no store leads with a term above ", above_term,
+                                                    " after ", absl::FormatDuration(timeout)));
   }
 
   // True when store `i` answers a leader-only call.
@@ -144,7 +143,8 @@ class HaCluster {
   std::string Logs() const {
     std::string out;
     for (size_t i = 0; i < stores_.size(); ++i) {
-      if (stores_[i] != nullptr) absl::StrAppend(&out, "--- store ", i, " ---\n", stores_[i]->Stderr());
+      if (stores_[i] != nullptr)
+        absl::StrAppend(&out, "--- store ", i, " ---\n", stores_[i]->Stderr());
     }
     return out;
   }
