@@ -71,8 +71,8 @@ int main(int argc, char** argv) {
         kills <= 100) {
       continue;
     }
-    if (a.rfind("--samples=", 0) == 0 && absl::SimpleAtoi(a.substr(10), &samples) &&
-        samples > 0 && samples <= 100000) {
+    if (a.rfind("--samples=", 0) == 0 && absl::SimpleAtoi(a.substr(10), &samples) && samples > 0 &&
+        samples <= 100000) {
       continue;
     }
     std::fprintf(stderr, "usage: %s [--kills=1-100] [--samples=1-100000]; bad argument '%s'\n",
@@ -145,8 +145,7 @@ int main(int argc, char** argv) {
       rtt_ms.push_back(absl::ToDoubleMilliseconds(absl::Now() - sent));
       if (st.ok() && st->committed_blocks() >= want) break;
       if (absl::Now() - acked > absl::Seconds(10)) {
-        return Fail("standby lag", absl::DeadlineExceededError("standby never caught up"),
-                    cluster);
+        return Fail("standby lag", absl::DeadlineExceededError("standby never caught up"), cluster);
       }
     }
     lag_ms.push_back(absl::ToDoubleMilliseconds(absl::Now() - acked));
@@ -172,8 +171,9 @@ int main(int argc, char** argv) {
     const int dead = leader->index;
     absl::StatusOr<HaCluster::Leader> next = cluster.WaitForLeader(absl::Seconds(5), leader->term);
     if (!next.ok()) return Fail("new leader", next.status(), cluster);
-    std::fprintf(stderr, "kill %d: store %d (term %lld) -> store %d (term %lld): writes after %.0f ms\n",
-                 k, leader->index, static_cast<long long>(leader->term), next->index,
+    std::fprintf(stderr,
+                 "kill %d: store %d (term %lld) -> store %d (term %lld): writes after %.0f ms\n", k,
+                 leader->index, static_cast<long long>(leader->term), next->index,
                  static_cast<long long>(next->term), failover_ms.back());
     // Commits acked within the replication lag before the kill: not in the new leader's index
     // until the node re-announces them (a StoreLink does on the new term; this client does not).
@@ -197,15 +197,18 @@ int main(int argc, char** argv) {
   std::printf("cache store HA (3 instances, etcd lease TTL 2 s, loopback)\n");
   std::printf("| figure | samples | p50 ms | p99 ms | max ms | baseline | ratio (p50) |\n");
   std::printf("|---|---:|---:|---:|---:|---|---:|\n");
-  std::printf("| writes again after kill -9 of the leader | %d | %.0f | %.0f | %.0f | lease TTL "
-              "%.0f ms | %.2fx |\n",
-              kills, failover.p50, failover.p99, failover.max, ttl_ms, failover.p50 / ttl_ms);
-  std::printf("| standby lag (commit acked -> in the standby's index) | %d | %.2f | %.2f | %.2f | "
-              "Stats round trip p50 %.2f ms | %.2fx |\n",
-              samples, lag.p50, lag.p99, lag.max, rtt.p50, rtt.p50 > 0 ? lag.p50 / rtt.p50 : 0);
-  std::printf("failed writes during the %d failovers: %d (each a placement whose leader died); "
-              "commits acked before a kill but not yet replicated: %lld (back when their node "
-              "re-announces)\n",
-              kills, failed_writes, static_cast<long long>(lost_commits));
+  std::printf(
+      "| writes again after kill -9 of the leader | %d | %.0f | %.0f | %.0f | lease TTL "
+      "%.0f ms | %.2fx |\n",
+      kills, failover.p50, failover.p99, failover.max, ttl_ms, failover.p50 / ttl_ms);
+  std::printf(
+      "| standby lag (commit acked -> in the standby's index) | %d | %.2f | %.2f | %.2f | "
+      "Stats round trip p50 %.2f ms | %.2fx |\n",
+      samples, lag.p50, lag.p99, lag.max, rtt.p50, rtt.p50 > 0 ? lag.p50 / rtt.p50 : 0);
+  std::printf(
+      "failed writes during the %d failovers: %d (each a placement whose leader died); "
+      "commits acked before a kill but not yet replicated: %lld (back when their node "
+      "re-announces)\n",
+      kills, failed_writes, static_cast<long long>(lost_commits));
   return 0;
 }

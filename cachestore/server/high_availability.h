@@ -50,7 +50,9 @@ struct HaOptions {
   std::string advertise_address;
   std::string election_key = "/kvrelay/cachestore/leader";
   absl::Duration lease_ttl = absl::Seconds(2);  // etcd's minimum; failover takes about this
-  absl::Duration etcd_timeout = absl::Milliseconds(500);
+  // Per etcd call; a keepalive slower than this counts as etcd unreachable (the lease still
+  // holds until it could have expired).
+  absl::Duration etcd_timeout = absl::Seconds(1);
   // Credentials for the Follow stream to the leader (a store certificate under mTLS).
   kvrelay::server::SecurityOptions security;
 };
