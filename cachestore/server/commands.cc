@@ -161,9 +161,13 @@ int RunCacheStoreCommand(const std::vector<std::string>& args) {
   // nodes it follows (the leader's expiries arrive through its log).
   HighAvailability* ha_ptr = ha.get();
   (*server)->WaitForShutdown({.on_drain =
-                                  [&service, &replication] {
+                                  [&service, &replication, ha_ptr] {
                                     service.StopStreams();
                                     replication.StopStreams();
+                                    // Hand over now, not after the drain: the RPCs still
+                                    // running are refused at their end (FAILURE_NOT_LEADER)
+                                    // and their clients retry at the new leader.
+                                    if (ha_ptr != nullptr) ha_ptr->Stop();
                                   },
                               .on_tick =
                                   [&store, ha_ptr] {

@@ -40,15 +40,17 @@ HighAvailability::HighAvailability(CacheStore* store, HaOptions options,
                                    std::unique_ptr<etcd::EtcdClient> etcd)
     : store_(store), options_(std::move(options)), etcd_(std::move(etcd)) {}
 
-HighAvailability::~HighAvailability() {
-  stop_.Notify();
+HighAvailability::~HighAvailability() { Stop(); }
+
+void HighAvailability::Stop() {
+  if (!stop_.HasBeenNotified()) stop_.Notify();
   {
     absl::MutexLock lock(&follow_mu_);
     if (follow_ctx_ != nullptr) follow_ctx_->TryCancel();
   }
   if (thread_.joinable()) thread_.join();
   serving_term_.store(0, std::memory_order_release);
-  election_.reset();  // resigns: a standby takes over at once
+  if (election_ != nullptr) election_->Resign();  // a standby takes over at once
 }
 
 absl::Status HighAvailability::Start(const std::string& advertise_address) {
@@ -75,6 +77,7 @@ etcd::LeaderElection::State HighAvailability::election_state() const {
 
 absl::StatusOr<int64_t> HighAvailability::LeaderTerm() const {
   if (election_ == nullptr) return NotLeaderError("cache store: starting", "");
+  if (stop_.HasBeenNotified()) return NotLeaderError("cache store: shutting down", "");
   const etcd::LeaderElection::State s = election_->state();
   const int64_t serving = serving_term_.load(std::memory_order_acquire);
   if (s.leader && s.term == serving) return s.term;

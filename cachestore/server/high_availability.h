@@ -68,6 +68,10 @@ class HighAvailability final : public Leadership {
   // is known only once the server listens).
   absl::Status Start(const std::string& advertise_address = "");
 
+  // Stops following and resigns (a standby takes over at once); every call is refused from
+  // now on. Idempotent; the destructor calls it. REQUIRES: not concurrently with Start().
+  void Stop();
+
   absl::StatusOr<int64_t> LeaderTerm() const override;
   bool IsLeading() const { return LeaderTerm().ok(); }
   etcd::LeaderElection::State election_state() const;

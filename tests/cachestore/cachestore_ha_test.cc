@@ -7,6 +7,7 @@
 //     and re-announcing what the node holds is idempotent;
 //   - SIGSTOP of the leader for 10 s: a standby takes over, and after SIGCONT the old leader
 //     refuses writes at once, steps down and follows the new one;
+//   - SIGTERM of the leader: it resigns as its drain starts, a standby leads within 1 s;
 //   - etcd SIGSTOPped for 10 s: the leader serves until its lease could have expired, then every
 //     instance fails closed with FAILURE_NOT_LEADER; service resumes when etcd returns.
 
@@ -35,6 +36,7 @@ namespace {
 
 using ::kvrelay::testing::HaCluster;
 using ::kvrelay::testing::IsOk;
+using ::kvrelay::testing::IsOkAndHolds;
 
 constexpr int kChainBlocks = 8;
 constexpr int kPreloadChains = 16;
@@ -329,6 +331,24 @@ TEST_F(CacheStoreHaTest, SigstopOfTheLeaderForTenSeconds) {
   EXPECT_EQ(client_->term(), next->term);
   KV_ASSERT_OK_AND_ASSIGN(v1::StatsResponse stats, client_->Stats());
   EXPECT_TRUE(StandbysHave(stats.committed_blocks(), absl::Seconds(5))) << cluster_.Logs();
+}
+
+TEST_F(CacheStoreHaTest, SigtermOfTheLeaderHandsOverAtOnce) {
+  KV_ASSERT_OK_AND_ASSIGN(HaCluster::Leader leader, cluster_.WaitForLeader(absl::Seconds(5)));
+  Stream stream(client_.get(), &ledger_);
+  absl::SleepFor(absl::Milliseconds(500));
+  const absl::Time terminated = absl::Now();
+  cluster_.store(leader.index)->Signal(SIGTERM);
+  absl::StatusOr<HaCluster::Leader> next = cluster_.WaitForLeader(absl::Seconds(5), leader.term);
+  ASSERT_THAT(next, IsOk()) << cluster_.Logs();
+  const absl::Duration handover = absl::Now() - terminated;
+  // It resigns when the drain starts: no lease has to run out.
+  EXPECT_LT(handover, absl::Seconds(1));
+  EXPECT_THAT(cluster_.store(leader.index)->Wait(absl::Seconds(15)), IsOkAndHolds(0));
+  absl::SleepFor(absl::Milliseconds(500));
+  stream.Stop();
+  std::printf("handover after SIGTERM: %.0f ms\n", absl::ToDoubleMilliseconds(handover));
+  ExpectClean(stream, 1);
 }
 
 TEST_F(CacheStoreHaTest, EtcdUnavailableForTenSeconds) {

@@ -53,8 +53,8 @@ TEST(StoreLeaderKilled, GenerateGoesOnWithTheSameTokensAndPrefixHits) {
   HaCluster stores;
   ASSERT_THAT(stores.Start(3), testing::IsOk()) << stores.Logs();
   const std::string store_list = stores.addresses();
-  const std::vector<std::string> common = {"--host", "127.0.0.1", "--port", "0",
-                                           "--metrics-port", "0", "--insecure"};
+  const std::vector<std::string> common = {"--host",         "127.0.0.1", "--port",    "0",
+                                           "--metrics-port", "0",         "--insecure"};
   auto with_common = [&](std::vector<std::string> args) {
     args.insert(args.end(), common.begin(), common.end());
     return args;
@@ -75,8 +75,8 @@ TEST(StoreLeaderKilled, GenerateGoesOnWithTheSameTokensAndPrefixHits) {
   KV_ASSERT_OK_AND_ASSIGN(
       std::string gateway_address,
       StartServer("gateway",
-                  with_common({"gateway", "--cachestore", store_list, "--prefill",
-                               prefill_address, "--decode", decode_address, "--model", model_dir,
+                  with_common({"gateway", "--cachestore", store_list, "--prefill", prefill_address,
+                               "--decode", decode_address, "--model", model_dir,
                                "--tenant-secret-file", dir.File("secret")}),
                   &gateway));
   auto logs = [&] {
@@ -140,10 +140,11 @@ TEST(StoreLeaderKilled, GenerateGoesOnWithTheSameTokensAndPrefixHits) {
   stop.store(true);
   stream.join();
   ASSERT_THAT(next, testing::IsOk()) << logs();
-  std::printf("store failover: new leader after %.0f ms; %d requests, %d failed, %d wrong; "
-              "%d/%d requests after the takeover had prefix hits\n",
-              (new_leader_us.load() - killed_us.load()) / 1000.0, done.load(), failed.load(),
-              wrong.load(), hits_after.load(), requests_after.load());
+  std::printf(
+      "store failover: new leader after %.0f ms; %d requests, %d failed, %d wrong; "
+      "%d/%d requests after the takeover had prefix hits\n",
+      (new_leader_us.load() - killed_us.load()) / 1000.0, done.load(), failed.load(), wrong.load(),
+      hits_after.load(), requests_after.load());
   EXPECT_EQ(wrong.load(), 0) << "a request returned other tokens than the co-located reference";
   EXPECT_EQ(failed.load(), 0) << first_failure << "\n" << logs();
   EXPECT_GT(requests_after.load(), 0);
