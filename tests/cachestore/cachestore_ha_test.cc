@@ -25,6 +25,7 @@
 #include "absl/time/clock.h"
 #include "cachestore/client/cache_store_client.h"
 #include "gmock/gmock.h"
+#include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "kv/block_hash.h"
 #include "proto/grpc_status.h"
@@ -398,6 +399,84 @@ TEST_F(CacheStoreHaTest, EtcdUnavailableForTenSeconds) {
       "after etcd resumed (term %lld -> %lld)\n",
       absl::ToDoubleMilliseconds(closed_after), absl::ToDoubleMilliseconds(absl::Now() - resumed),
       static_cast<long long>(leader.term), static_cast<long long>(after.term));
+}
+
+// The client's side of fencing, against in-process stores whose answers the test sets: a
+// deposed leader that still answers OK cannot be made on demand from the real process (it
+// refuses on its own clock first), so this seam is a hand-written service.
+class ScriptedStore final : public v1::CacheStore::Service {
+ public:
+  grpc::Status ListNodes(grpc::ServerContext* ctx, const v1::ListNodesRequest*,
+                         v1::ListNodesResponse* resp) override {
+    absl::MutexLock lock(&mu_);
+    ++calls_;
+    if (!redirect_to_.empty()) {
+      return proto::ToGrpcStatus(proto::Attribute(absl::UnavailableError("not leader"),
+                                                  v1::ROLE_STORE, "", v1::FAILURE_NOT_LEADER,
+                                                  redirect_to_));
+    }
+    ctx->AddTrailingMetadata("kvrelay-store-term", absl::StrCat(term_));
+    resp->set_store_incarnation(static_cast<uint64_t>(term_));
+    return grpc::Status::OK;
+  }
+  void Lead(int64_t term) {
+    absl::MutexLock lock(&mu_);
+    term_ = term;
+    redirect_to_.clear();
+  }
+  void Redirect(const std::string& to) {
+    absl::MutexLock lock(&mu_);
+    redirect_to_ = to;
+  }
+  int calls() {
+    absl::MutexLock lock(&mu_);
+    return calls_;
+  }
+
+ private:
+  absl::Mutex mu_;
+  int64_t term_ ABSL_GUARDED_BY(mu_) = 0;
+  std::string redirect_to_ ABSL_GUARDED_BY(mu_);
+  int calls_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+TEST(CacheStoreClientFencing, FollowsRedirectsAndDropsRepliesOfAnOlderTerm) {
+  ScriptedStore a, b;
+  std::vector<std::unique_ptr<grpc::Server>> servers;
+  std::vector<std::string> addresses;
+  for (ScriptedStore* store : {&a, &b}) {
+    int port = 0;
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    builder.RegisterService(store);
+    servers.push_back(builder.BuildAndStart());
+    ASSERT_NE(servers.back(), nullptr);
+    addresses.push_back(absl::StrCat("127.0.0.1:", port));
+  }
+  CacheStoreClient::Options o;
+  o.timeout = absl::Seconds(1);
+  o.attempt_timeout = absl::Milliseconds(200);
+  KV_ASSERT_OK_AND_ASSIGN(auto client,
+                          CacheStoreClient::Connect(addresses[0] + "," + addresses[1], o));
+  a.Lead(5);
+  b.Redirect(addresses[0]);
+  KV_ASSERT_OK_AND_ASSIGN(v1::ListNodesResponse r, client->ListNodes());
+  EXPECT_EQ(r.store_incarnation(), 5u);
+  EXPECT_EQ(client->term(), 5);
+  // `a` now redirects to `b`, which answers OK but with term 3 < 5 (a deposed leader that
+  // resumed): its reply must never reach the caller.
+  a.Redirect(addresses[1]);
+  b.Lead(3);
+  absl::StatusOr<v1::ListNodesResponse> stale = client->ListNodes();
+  EXPECT_TRUE(IsNotLeader(stale.status())) << stale.status();
+  EXPECT_GT(b.calls(), 0);
+  // A newer term is accepted, wherever it comes from.
+  b.Lead(6);
+  KV_ASSERT_OK_AND_ASSIGN(r, client->ListNodes());
+  EXPECT_EQ(r.store_incarnation(), 6u);
+  EXPECT_EQ(client->term(), 6);
+  EXPECT_EQ(client->current_address(), addresses[1]);
+  for (auto& server : servers) server->Shutdown();
 }
 
 }  // namespace
