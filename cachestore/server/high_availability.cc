@@ -113,9 +113,10 @@ void HighAvailability::Run() {
         serving_term_.store(s.term, std::memory_order_release);
         max_term_seen_ = std::max(max_term_seen_, s.term);
         takeovers_.fetch_add(1, std::memory_order_relaxed);
+        const StoreStats stats = store_->Stats();
         KV_LOG(INFO) << "cachestore: " << options_.advertise_address << " leads with term "
-                     << s.term << " (" << store_->Stats().committed_blocks << " blocks, "
-                     << store_->Stats().nodes + store_->Stats().suspect_nodes << " nodes)";
+                     << s.term << " (" << stats.committed_blocks << " blocks, "
+                     << stats.nodes + stats.suspect_nodes << " nodes from the log)";
       }
       stop_.WaitForNotificationWithTimeout(absl::Milliseconds(20));
       continue;
