@@ -657,6 +657,29 @@ absl::StatusOr<AllocateResult> CacheStore::Allocate(const AllocateArgs& args, ab
     if (state == BlockState::kCommitted) {
       std::vector<MatchedBlock> found;
       index_->MatchPrefix(absl::MakeConstSpan(&b.hash, 1), false, false, &found);
+      const bool on_caller = !found.empty() && only_node.has_value() &&
+                             std::any_of(found[0].replicas.begin(), found[0].replicas.end(),
+                                         [&](const Replica& r) { return r.node == *only_node; });
+      if (args.add_local_replicas && only_node.has_value() && !found.empty() && !on_caller) {
+        AllocateArgs one = effective;
+        one.replicas = 1;
+        absl::StatusOr<std::vector<const SegmentView*>> chosen =
+            PlaceLocked(one, i, only_node, prefer_node, deadline, &views, &wal);
+        std::optional<Replica> rep;
+        if (chosen.ok() && !chosen->empty()) {
+          const uint16_t node = (*chosen)[0]->node, segment = (*chosen)[0]->segment;
+          if (std::optional<uint32_t> slot = registry_.ReserveSlot(node, segment)) {
+            rep = Replica{node, segment, *slot};
+          }
+        }
+        views = registry_.Segments(only_node);  // (chosen pointed into the old views)
+        if (rep.has_value()) {
+          pending.extra.push_back({b.hash, b.parent, *rep});
+          result.blocks.push_back({b.hash, Describe(Replicas{*rep}), false});
+          continue;
+        }
+        // No room for one more copy: the block stays where it is.
+      }
       AllocateResult::Block out{b.hash, {}, true};
       if (!found.empty()) out.replicas = Describe(found[0].replicas);
       result.blocks.push_back(std::move(out));
@@ -700,7 +723,7 @@ absl::StatusOr<AllocateResult> CacheStore::Allocate(const AllocateArgs& args, ab
   counters_.allocated_blocks.fetch_add(static_cast<int64_t>(pending.hashes.size()),
                                        std::memory_order_relaxed);
   result.commit_timeout = options_.commit_timeout;
-  if (!pending.hashes.empty()) {
+  if (!pending.empty()) {
     uint64_t id = RandomId();
     while (allocations_.contains(id)) id = RandomId();
     result.allocation_id = id;
@@ -747,6 +770,11 @@ absl::StatusOr<int> CacheStore::Commit(uint64_t allocation_id, absl::Span<const 
   for (size_t i = 0; i < hashes.size(); ++i) {
     auto pos = std::find(pending.hashes.begin(), pending.hashes.end(), hashes[i]);
     if (pos == pending.hashes.end()) {
+      if (std::any_of(
+              pending.extra.begin(), pending.extra.end(),
+              [&](const PendingAllocation::ExtraReplica& x) { return x.hash == hashes[i]; })) {
+        continue;  // one more replica of a committed block (see below)
+      }
       return absl::InvalidArgumentError(absl::StrCat("hashes[", i, "]: ", hashes[i].ToHex(),
                                                      " is not an uncommitted block of allocation ",
                                                      allocation_id));
@@ -786,11 +814,41 @@ absl::StatusOr<int> CacheStore::Commit(uint64_t allocation_id, absl::Span<const 
     wal.push_back(std::move(op));
     ++committed;
   }
+  // One more replica of blocks committed elsewhere: listed unless the block went meanwhile.
+  std::vector<PendingAllocation::ExtraReplica> extra_left;
+  for (PendingAllocation::ExtraReplica& x : pending.extra) {
+    const bool named =
+        hashes.empty() || std::find(hashes.begin(), hashes.end(), x.hash) != hashes.end();
+    if (!named || !status.ok()) {
+      extra_left.push_back(x);
+      continue;
+    }
+    if (index_->StateOf(x.hash) != BlockState::kCommitted ||
+        !index_->AddReplica(x.hash, x.replica).ok()) {
+      registry_.FreeSlot(x.replica);
+      continue;
+    }
+    std::vector<MatchedBlock> found;
+    index_->MatchPrefix(absl::MakeConstSpan(&x.hash, 1), false, false, &found);
+    if (found.empty()) continue;
+    WalOp op;
+    op.type = WalOp::Type::kCommitBlock;  // replay adds the replicas the index lacks
+    op.hash = x.hash;
+    op.parent = x.parent;
+    op.size_bytes = found[0].size_bytes;
+    op.replicas = WalReplicas(found[0].replicas);
+    std::vector<std::string> nodes;
+    for (const WalReplica& r : op.replicas) nodes.push_back(r.node_id);
+    op.sequence = Publish({0, StoreEvent::Kind::kStored, op.hash, op.parent, std::move(nodes)});
+    wal.push_back(std::move(op));
+    ++committed;
+  }
+  pending.extra = std::move(extra_left);
   AppendWal(wal);
   counters_.committed_blocks.fetch_add(committed, std::memory_order_relaxed);
   allocated_blocks_ -= static_cast<int64_t>(pending.hashes.size() - left.size());
   pending.hashes = std::move(left);
-  if (pending.hashes.empty()) allocations_.erase(it);
+  if (pending.empty()) allocations_.erase(it);
   MaybeSnapshotLocked();
   if (!status.ok()) return status;
   return committed;
@@ -809,6 +867,8 @@ void CacheStore::AbortLocked(PendingAllocation& pending) {
     --allocated_blocks_;
   }
   pending.hashes.clear();
+  for (const PendingAllocation::ExtraReplica& x : pending.extra) registry_.FreeSlot(x.replica);
+  pending.extra.clear();
   ReapOrphansLocked();
 }
 

@@ -120,6 +120,9 @@ struct AllocateArgs {
   // by policy) when they are full; never on another node. Anonymous: placement by preference
   // (a preferred node's full segment is evicted into before spilling elsewhere).
   Caller caller;
+  // A registered caller with segments: blocks committed elsewhere without a replica on the
+  // caller get a slot in its segment too (added as a replica at Commit).
+  bool add_local_replicas = false;
 };
 
 struct AllocateResult {
@@ -303,6 +306,14 @@ class CacheStore {
     absl::Time deadline;
     std::vector<BlockHash> hashes;  // parent-first order; committed ones are removed
     absl::flat_hash_map<BlockHash, BlockHash> parents;
+    // Slots reserved for one more replica of an already committed block (add_local_replicas).
+    struct ExtraReplica {
+      BlockHash hash;
+      BlockHash parent;
+      Replica replica;
+    };
+    std::vector<ExtraReplica> extra;
+    bool empty() const { return hashes.empty() && extra.empty(); }
   };
 
   explicit CacheStore(CacheStoreOptions options, EvictionPolicyPtr policy);

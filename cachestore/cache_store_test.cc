@@ -284,6 +284,56 @@ TEST(ScenarioTest, ReplicasLandOnDistinctNodesAndSurviveOneDeath) {
   EXPECT_EQ(s.last_match().ReplicaLocation(0, 0).node_id, "b");
 }
 
+// A node that received blocks committed elsewhere keeps a copy: with add_local_replicas its
+// allocation gets a slot for each such block, Commit lists it as one more replica, and the
+// block survives the first holder's death. Without the flag the blocks come back committed.
+TEST(ScenarioTest, AddLocalReplicasGivesACommittedBlockASecondHolder) {
+  Scenario s;
+  NodeSpec b;
+  b.node_id = "b";
+  b.incarnation = 77;
+  b.transport_kind = "inproc";
+  b.transport_address = "b";
+  b.segments.push_back(SegmentSpec{"seg0", Tier::kHost, 8, kBlockBytes, "key-b"});
+  ASSERT_THAT(s.store().RegisterNode(b), IsOk());  // first: node index 0
+  s.Node("a", 8, absl::Seconds(10));
+  const Caller caller{"b", 77};
+  const auto chain = Chain("t", 3);
+  ASSERT_THAT(s.Commit({chain[0], chain[1]}, "a"), kvrelay::testing::IsOkAndHolds(2));
+  auto allocate = [&](bool keep) {
+    AllocateArgs args;
+    args.blocks = {{chain[0], {}, kBlockBytes},
+                   {chain[1], chain[0], kBlockBytes},
+                   {chain[2], chain[1], kBlockBytes}};
+    args.caller = caller;
+    args.add_local_replicas = keep;
+    return s.store().Allocate(args, absl::InfiniteFuture());
+  };
+  KV_ASSERT_OK_AND_ASSIGN(AllocateResult plain, allocate(false));
+  EXPECT_TRUE(plain.blocks[0].already_committed);
+  EXPECT_TRUE(plain.blocks[1].already_committed);
+  ASSERT_THAT(s.store().Abort(plain.allocation_id, caller), IsOk());
+
+  KV_ASSERT_OK_AND_ASSIGN(AllocateResult keep, allocate(true));
+  ASSERT_EQ(keep.blocks.size(), 3u);
+  for (const auto& block : keep.blocks) {
+    EXPECT_FALSE(block.already_committed);
+    ASSERT_EQ(block.replicas.size(), 1u);
+    EXPECT_EQ(block.replicas[0].node_id, "b");
+  }
+  ASSERT_THAT(s.store().Commit(keep.allocation_id, {}, caller), kvrelay::testing::IsOkAndHolds(3));
+  ASSERT_EQ(s.Match(chain), 3);
+  EXPECT_EQ(s.last_match().blocks[0].replicas.size(), 2u);
+  EXPECT_EQ(s.last_match().blocks[2].replicas.size(), 1u);
+  // "a" goes silent and is forgotten: b's copies keep the whole chain.
+  for (int i = 0; i < 8; ++i) {
+    s.Advance(absl::Seconds(6));
+    s.Heartbeat("b");
+  }
+  ASSERT_EQ(s.Match(chain), 3);
+  EXPECT_EQ(s.last_match().ReplicaLocation(0, 0).node_id, "b");
+}
+
 TEST(ScenarioTest, PlacementPrefersTheRequestedTierAndNode) {
   Scenario s;
   s.Node("gpu0", 8, absl::Hours(1), Tier::kGpu);

@@ -327,9 +327,12 @@ Location NodeRegistry::Describe(const Replica& r) const {
   const Node& n = nodes_[r.node];
   loc.node_id = n.spec.node_id;
   loc.incarnation = n.spec.incarnation;
+  loc.transport_kind = n.spec.transport_kind;
+  loc.transport_address = n.spec.transport_address;
   if (r.segment < n.segments.size()) {
     const SegmentSpec& s = n.segments[r.segment].spec;
     loc.segment_id = s.segment_id;
+    loc.memory_key = s.memory_key;
     loc.tier = s.tier;
     loc.slot_bytes = s.slot_bytes;
     loc.offset_bytes = static_cast<uint64_t>(r.slot) * s.slot_bytes;

@@ -105,6 +105,10 @@ struct Location {
   Tier tier = Tier::kUnspecified;
   uint64_t offset_bytes = 0;
   uint64_t slot_bytes = 0;
+  // The holder's data plane and the segment's memory key (see v1::SegmentRef).
+  std::string transport_kind;
+  std::string transport_address;
+  std::string memory_key;
 };
 
 // What placement sees of one segment.

@@ -18,17 +18,52 @@ absl::StatusOr<std::unique_ptr<ColocatedGenerator>> ColocatedGenerator::Load(
     const std::string& model_dir, int32_t threads) {
   model::RunnerOptions options;
   options.threads = threads;
+  KV_ASSIGN_OR_RETURN(kv::ModelConfig config, kv::LoadHfConfig(model_dir + "/config.json"));
+  KV_ASSIGN_OR_RETURN(model::Arch arch, model::ArchFor(config));
+  if (arch == model::Arch::kMamba) {
+    KV_ASSIGN_OR_RETURN(std::unique_ptr<model::MambaRunner> mamba,
+                        model::MambaRunner::Load(model_dir, options));
+    return std::unique_ptr<ColocatedGenerator>(new ColocatedGenerator(nullptr, std::move(mamba)));
+  }
   KV_ASSIGN_OR_RETURN(std::unique_ptr<model::ModelRunner> runner,
                       model::ModelRunner::Load(model_dir, options));
-  return std::unique_ptr<ColocatedGenerator>(new ColocatedGenerator(std::move(runner)));
+  return std::unique_ptr<ColocatedGenerator>(new ColocatedGenerator(std::move(runner), nullptr));
+}
+
+absl::StatusOr<GenerationResult> ColocatedGenerator::GenerateMamba(
+    const GenerationRequest& request) const {
+  model::MambaSequence seq(mamba_->layout());
+  model::Sampler sampler(request.seed);
+  GenerationResult result;
+  result.prompt_tokens = static_cast<int32_t>(request.tokens.size());
+  result.computed_prompt_tokens = result.prompt_tokens;
+  result.prefill_worker = "colocated";
+  result.decode_worker = "colocated";
+  result.attempts = 1;
+  const absl::Time start = absl::Now();
+  KV_ASSIGN_OR_RETURN(std::vector<float> logits, mamba_->Prefill(seq, request.tokens));
+  int32_t next = sampler.Sample(logits, request.temperature, request.top_p);
+  result.ttft_ms = MillisSince(start);
+  result.tokens.push_back(next);
+  while (static_cast<int32_t>(result.tokens.size()) < request.max_tokens &&
+         next != request.eos_token) {
+    model::MambaSequence* seqs[] = {&seq};
+    KV_ASSIGN_OR_RETURN(logits, mamba_->DecodeStep(seqs, {next}));
+    next = sampler.Sample(logits, request.temperature, request.top_p);
+    result.tokens.push_back(next);
+  }
+  result.total_ms = MillisSince(start);
+  result.generated_tokens = static_cast<int32_t>(result.tokens.size());
+  return result;
 }
 
 absl::StatusOr<GenerationResult> ColocatedGenerator::Generate(
     const GenerationRequest& request) const {
-  KV_RETURN_IF_ERROR(kv::ValidatePrompt(request.tokens, request.max_tokens, runner_->config()));
+  KV_RETURN_IF_ERROR(kv::ValidatePrompt(request.tokens, request.max_tokens, config()));
   if (!(request.top_p > 0.0f && request.top_p <= 1.0f)) {
     return absl::InvalidArgumentError("top_p must be in (0, 1]");
   }
+  if (mamba_ != nullptr) return GenerateMamba(request);
   const int64_t prompt = static_cast<int64_t>(request.tokens.size());
 
   // Every block the sequence can touch, plus one spare (sliding-window bookkeeping).

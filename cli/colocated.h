@@ -1,6 +1,7 @@
 #pragma once
 
-// Co-located generation: prefill and decode in one process with model::ModelRunner. It is the
+// Co-located generation: prefill and decode in one process with model::ModelRunner (or
+// model::MambaRunner for model_type mamba). It is the
 // reference that disaggregated serving must match token for token (see DESIGN.md, "One request,
 // end to end"): Prefill over the whole prompt (bit-identical to the prefill worker's full blocks
 // plus the decode worker's tail, because prefill GEMMs are tiled at block boundaries), the first
@@ -15,6 +16,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "model/mamba_runner.h"
 #include "model/model_runner.h"
 
 namespace kvrelay::cli {
@@ -43,6 +45,10 @@ struct GenerationResult {
   std::string prefill_worker;
   std::string decode_worker;
   int32_t attempts = 0;
+  // Where the reused prefix came from (GenerateSummary.prefix_source; "local" co-located) and
+  // leading blocks the decode worker already held.
+  std::string prefix_source;
+  int32_t decode_held_blocks = 0;
 };
 
 class ColocatedGenerator {
@@ -55,12 +61,20 @@ class ColocatedGenerator {
   // [1, 4096] or a prompt + max_tokens longer than the model's max_position_embeddings.
   absl::StatusOr<GenerationResult> Generate(const GenerationRequest& request) const;
 
-  const model::ModelRunner& runner() const { return *runner_; }
+  // The model's config and layout, whichever runner computes it.
+  const kv::ModelConfig& config() const {
+    return runner_ != nullptr ? runner_->config() : mamba_->config();
+  }
 
  private:
-  explicit ColocatedGenerator(std::unique_ptr<model::ModelRunner> runner)
-      : runner_(std::move(runner)) {}
-  std::unique_ptr<model::ModelRunner> runner_;
+  ColocatedGenerator(std::unique_ptr<model::ModelRunner> runner,
+                     std::unique_ptr<model::MambaRunner> mamba)
+      : runner_(std::move(runner)), mamba_(std::move(mamba)) {}
+  // Mamba: one Prefill over the prompt, then DecodeSteps, on its recurrent state.
+  absl::StatusOr<GenerationResult> GenerateMamba(const GenerationRequest& request) const;
+
+  std::unique_ptr<model::ModelRunner> runner_;  // attention models
+  std::unique_ptr<model::MambaRunner> mamba_;   // model_type mamba
 };
 
 }  // namespace kvrelay::cli

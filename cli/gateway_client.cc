@@ -75,6 +75,8 @@ absl::StatusOr<GenerationResult> GatewayClient::GenerateRaw(const v1::GenerateRe
       result.prefill_worker = s.prefill_worker();
       result.decode_worker = s.decode_worker();
       result.attempts = s.attempts();
+      result.prefix_source = s.prefix_source();
+      result.decode_held_blocks = s.decode_held_blocks();
     }
   }
   grpc::Status status = reader->Finish();

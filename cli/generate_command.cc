@@ -69,7 +69,9 @@ nlohmann::json ResultJson(const GenerationResult& r, const std::string& mode,
                       {"generated_tokens", r.generated_tokens},
                       {"prefill_worker", r.prefill_worker},
                       {"decode_worker", r.decode_worker},
-                      {"attempts", r.attempts}};
+                      {"attempts", r.attempts},
+                      {"prefix_source", r.prefix_source},
+                      {"decode_held_blocks", r.decode_held_blocks}};
   if (text) j["text"] = *text;
   return j;
 }
@@ -79,11 +81,13 @@ void PrintHuman(const GenerationResult& r, const std::optional<std::string>& tex
   std::printf("tokens: %s\n", absl::StrJoin(r.tokens, ",").c_str());
   std::printf(
       "ttft %.2f ms, total %.2f ms; prompt %d tokens (%d from cache, %d computed); "
-      "%d generated; KV moved %lld B, fetched %lld B; prefill %s, decode %s, attempts %d\n",
+      "%d generated; KV moved %lld B, fetched %lld B (prefix: %s, %d blocks held by decode); "
+      "prefill %s, decode %s, attempts %d\n",
       r.ttft_ms, r.total_ms, r.prompt_tokens, r.prefix_hit_tokens, r.computed_prompt_tokens,
       r.generated_tokens, static_cast<long long>(r.transferred_bytes),
-      static_cast<long long>(r.fetched_bytes), r.prefill_worker.c_str(), r.decode_worker.c_str(),
-      r.attempts);
+      static_cast<long long>(r.fetched_bytes),
+      r.prefix_source.empty() ? "-" : r.prefix_source.c_str(), r.decode_held_blocks,
+      r.prefill_worker.c_str(), r.decode_worker.c_str(), r.attempts);
 }
 
 }  // namespace

@@ -46,6 +46,10 @@ struct DecodeWorker::Reservation {
   int32_t prompt_tokens = 0;
   int32_t full_blocks = 0;
   std::vector<std::vector<kv::SlotId>> slots;  // [group][block], -1 = not wanted
+  // Leading blocks loaded from this worker's cache segment at Reserve (slots [0, held) of every
+  // group hold them; nobody pushes into them), and the hashes the gateway named for them.
+  int32_t held_blocks = 0;
+  std::vector<kv::BlockHash> held_hashes;
   int32_t expected_layers = 0;
   absl::Time expires;
   std::vector<int64_t> budget;  // booked blocks per group; moves to the Active on Generate
@@ -63,7 +67,8 @@ struct DecodeWorker::Reservation {
 
 struct DecodeWorker::Active {
   std::string request_id;
-  std::unique_ptr<model::Sequence> seq;
+  std::unique_ptr<model::Sequence> seq;  // for Mamba an empty stand-in; the state is `mamba`
+  std::unique_ptr<model::MambaSequence> mamba;
   std::vector<int32_t> tail;  // prompt tokens the scheduler computes before decoding
   int32_t max_tokens = 0;
   float temperature = 0;
@@ -72,6 +77,7 @@ struct DecodeWorker::Active {
   int32_t eos_token = -1;
   std::string tenant_salt;
   int32_t pushed_blocks = 0;
+  int32_t held_blocks = 0;      // of the pushed ones, already in the cache segment
   std::vector<int64_t> budget;  // returned when the sequence ends
   // Scheduler-only.
   int32_t generated = 0;
@@ -95,6 +101,9 @@ DecodeWorker::DecodeWorker(DecodeWorkerOptions options, MetricsRegistry* metrics
                            "Requests whose pushed KV was unusable and was recomputed, by reason.",
                            {{"reason", "transfer"}});
   active_gauge_ = metrics_->GetGauge("kvrelay_decode_active_sequences", "Sequences decoding.");
+  held_blocks_ = metrics_->GetCounter(
+      "kvrelay_decode_held_blocks_total",
+      "Leading prompt blocks found in this worker's own cache at Reserve (not pushed again).");
   step_seconds_ = metrics_->GetHistogram(
       "kvrelay_decode_step_seconds", "Time of one batched decode step.", LatencyBucketsSeconds());
   refused_overloaded_ =
@@ -117,7 +126,7 @@ absl::Status DecodeWorker::Own(absl::Status status, kvrelay::v1::FailureReason r
 }
 
 absl::Status DecodeWorker::CheckLayoutFingerprint(const std::string& fingerprint) const {
-  const kv::LayoutFingerprint& own = runner_->layout().fingerprint();
+  const kv::LayoutFingerprint& own = model_config().layout.fingerprint();
   if (fingerprint == own.ToBytes()) return absl::OkStatus();
   return Own(absl::FailedPreconditionError(
                  absl::StrCat("layout_fingerprint: decode node ", core_->node_id, " serves layout ",
@@ -126,7 +135,7 @@ absl::Status DecodeWorker::CheckLayoutFingerprint(const std::string& fingerprint
 }
 
 std::vector<int64_t> DecodeWorker::BlockBudget(int64_t tokens) const {
-  const kv::ModelLayout& layout = runner_->layout();
+  const kv::ModelLayout& layout = model_config().layout;
   std::vector<int64_t> budget(layout.groups().size());
   for (size_t g = 0; g < budget.size(); ++g) {
     budget[g] = layout.BlocksNeeded(static_cast<int>(g), tokens);
@@ -157,9 +166,10 @@ absl::Status DecodeWorker::Init(worker::WorkerCoreDeps deps) {
                  core_options, [this](transfer::InboundEvent e) { OnInbound(std::move(e)); },
                  std::move(deps)));
   runner_ = core_->runner.get();
+  mamba_ = core_->mamba.get();
   {
     absl::MutexLock lock(&mu_);
-    booked_.assign(runner_->layout().groups().size(), 0);
+    booked_.assign(model_config().layout.groups().size(), 0);
   }
   kv_ = core_->kv.get();
   scheduler_ = std::thread([this] { SchedulerLoop(); });
@@ -212,7 +222,8 @@ absl::Status DecodeWorker::AuthorizeBlocks(const Reservation& r,
       const uint64_t slot = b.offset / stride;
       const uint64_t within = b.offset % stride;
       if (b.length > stride - within) continue;
-      for (kv::SlotId s : r.slots[g]) {
+      for (size_t b = static_cast<size_t>(r.held_blocks); b < r.slots[g].size(); ++b) {
+        const kv::SlotId s = r.slots[g][b];
         if (s >= 0 && static_cast<uint64_t>(s) == slot) {
           inside = true;
           break;
@@ -268,7 +279,7 @@ void DecodeWorker::OnPushClaim(const transfer::InboundEvent& event) {
               absl::StrCat("claim group ", g, " is not the reservation's region or slot count"));
         }
         for (int b = 0; b < target.slots_size(); ++b) {
-          if (target.slots(b) >= 0 && target.slots(b) != r.slots[g][b]) {
+          if (target.slots(b) >= 0 && (b < r.held_blocks || target.slots(b) != r.slots[g][b])) {
             return absl::PermissionDeniedError(absl::StrCat("claim group ", g, " block ", b,
                                                             ": slot ", target.slots(b),
                                                             " is not the reservation's"));
@@ -320,15 +331,15 @@ void DecodeWorker::OnInbound(transfer::InboundEvent event) {
     }
     return;
   }
-  r.layers_received +=
-      std::max(0, std::min(event.layers.end, runner_->layout().num_layers()) - event.layers.begin);
+  r.layers_received += std::max(
+      0, std::min(event.layers.end, model_config().layout.num_layers()) - event.layers.begin);
   for (const transfer::ReceivedBlock& b : event.blocks) r.bytes_received += b.length;
   if (!event.status.ok() && r.transfer_status.ok()) r.transfer_status = event.status;
 }
 
 absl::StatusOr<kvrelay::v1::ReserveResponse> DecodeWorker::Reserve(
     const kvrelay::v1::ReserveRequest& request) {
-  const kv::ModelLayout& layout = runner_->layout();
+  const kv::ModelLayout& layout = model_config().layout;
   if (absl::Status s = ValidateReserveRequest(request, options_.model_name, layout); !s.ok()) {
     if (absl::IsFailedPrecondition(s)) {
       return Own(absl::FailedPreconditionError(
@@ -350,6 +361,17 @@ absl::StatusOr<kvrelay::v1::ReserveResponse> DecodeWorker::Reserve(
   r->budget = BlockBudget(int64_t{request.prompt_tokens()} + request.max_tokens());
   const int64_t first_query = static_cast<int64_t>(r->full_blocks) * layout.block_tokens();
   r->slots.resize(layout.groups().size());
+  if (request.chain_packed().size() % 16 != 0 ||
+      request.chain_packed().size() / 16 > static_cast<size_t>(limits::kMaxChainBlocks)) {
+    return Invalid(absl::StrCat("chain_packed: want a multiple of 16 bytes, at most ",
+                                limits::kMaxChainBlocks, " hashes; got ",
+                                request.chain_packed().size(), " bytes"));
+  }
+  for (size_t i = 0;
+       i * 16 < request.chain_packed().size() && static_cast<int64_t>(i) < r->full_blocks; ++i) {
+    r->held_hashes.push_back(kv::BlockHash::FromBytes(absl::MakeConstSpan(
+        reinterpret_cast<const uint8_t*>(request.chain_packed().data()) + i * 16, 16)));
+  }
 
   absl::MutexLock lock(&mu_);
   if (draining_) {
@@ -388,9 +410,19 @@ absl::StatusOr<kvrelay::v1::ReserveResponse> DecodeWorker::Reserve(
           kvrelay::v1::FAILURE_OVERLOADED);
     }
   }
+  // Leading blocks this worker kept from earlier requests: loaded now (the store's policy may
+  // evict them from the segment later), never pushed again.
+  std::vector<std::vector<kv::SlotId>> held_slots;
+  worker::StoreLink* store = store_.load(std::memory_order_acquire);
+  if (store != nullptr && !r->held_hashes.empty()) {
+    r->held_blocks =
+        static_cast<int32_t>(store->LoadHeldPrefix(r->held_hashes, kv_->cache(), held_slots));
+  }
+  r->held_hashes.resize(static_cast<size_t>(r->held_blocks));
+  if (r->held_blocks >= r->full_blocks) r->expected_layers = 0;
   for (size_t g = 0; g < layout.groups().size(); ++g) {
     std::vector<int64_t> wanted;
-    for (int64_t b = 0; b < r->full_blocks; ++b) {
+    for (int64_t b = r->held_blocks; b < r->full_blocks; ++b) {
       if (worker::BlockWanted(layout.groups()[g], layout.block_tokens(), b, first_query)) {
         wanted.push_back(b);
       }
@@ -399,12 +431,24 @@ absl::StatusOr<kvrelay::v1::ReserveResponse> DecodeWorker::Reserve(
         kv_->cache().pool(static_cast<int>(g)).AllocateMany(static_cast<int64_t>(wanted.size()));
     if (!slots.ok()) {
       ReleaseReservationSlots(*r);
+      for (size_t h = 0; h < held_slots.size(); ++h) {
+        for (kv::SlotId s : held_slots[h]) (void)kv_->cache().pool(static_cast<int>(h)).Release(s);
+      }
       return Own(absl::ResourceExhaustedError(absl::StrCat(
                      "decode node ", core_->node_id, ": KV pool full: ", slots.status().message())),
                  kvrelay::v1::FAILURE_OVERLOADED);
     }
     r->slots[g].assign(static_cast<size_t>(r->full_blocks), -1);
     for (size_t i = 0; i < wanted.size(); ++i) r->slots[g][wanted[i]] = (*slots)[i];
+    for (int64_t b = 0; b < r->held_blocks; ++b) {
+      const kv::SlotId held = held_slots[g][b];
+      if (worker::BlockWanted(layout.groups()[g], layout.block_tokens(), b, first_query)) {
+        r->slots[g][b] = held;
+      } else {
+        (void)kv_->cache().pool(static_cast<int>(g)).Release(held);  // outside the window
+      }
+    }
+    if (g < held_slots.size()) held_slots[g].clear();
   }
   for (size_t g = 0; g < layout.groups().size(); ++g) booked_[g] += r->budget[g];
   kvrelay::v1::ReserveResponse response;
@@ -424,21 +468,33 @@ absl::StatusOr<kvrelay::v1::ReserveResponse> DecodeWorker::Reserve(
     target->set_region_id(kv_->region(static_cast<int>(g)).id());
     target->set_slot_stride_bytes(pool.slot_stride());
     target->set_block_bytes(static_cast<uint64_t>(layout.BlockBytes(static_cast<int>(g))));
-    for (kv::SlotId s : r->slots[g]) target->add_slots(s);
+    for (int64_t b = 0; b < r->full_blocks; ++b) {
+      target->add_slots(b < r->held_blocks ? -1 : r->slots[g][b]);
+    }
   }
+  response.set_held_blocks(r->held_blocks);
+  held_blocks_->Increment(r->held_blocks);
   reservations_[r->tag] = std::move(r);
   return response;
 }
 
-void DecodeWorker::Release(const std::string& request_id) {
+absl::Status DecodeWorker::Release(const std::string& request_id,
+                                   const std::string& reservation_token) {
+  if (absl::Status s = CheckRequestId(request_id); !s.ok())
+    return Invalid(std::string(s.message()));
   absl::MutexLock lock(&mu_);
   auto it = reservations_.find(worker::RequestTag(request_id));
   if (it != reservations_.end() && !it->second->claimed && !it->second->released) {
+    if (!kv::SecretEquals(it->second->token, reservation_token)) {
+      return Denied(absl::StrCat("reservation_token: request '", request_id,
+                                 "' is reserved, and this is not its token"));
+    }
     // Slots stay quarantined until the push finished or the grace period passed, so a late
     // write can never land in a slot that belongs to someone else.
     it->second->released = true;
     it->second->released_at = core_->clock->Now();
   }
+  return absl::OkStatus();
 }
 
 absl::Status DecodeWorker::Generate(const kvrelay::v1::DecodeRequest& request, absl::Time deadline,
@@ -447,8 +503,7 @@ absl::Status DecodeWorker::Generate(const kvrelay::v1::DecodeRequest& request, a
   if (absl::Status s = CheckRequestId(request.request_id()); !s.ok()) {
     return Invalid(std::string(s.message()));
   }
-  if (absl::Status s =
-          kv::ValidatePrompt(request.tokens(), request.max_tokens(), runner_->config());
+  if (absl::Status s = kv::ValidatePrompt(request.tokens(), request.max_tokens(), model_config());
       !s.ok()) {
     return Invalid(std::string(s.message()));
   }
@@ -463,7 +518,7 @@ absl::Status DecodeWorker::Generate(const kvrelay::v1::DecodeRequest& request, a
     return Invalid(absl::StrCat("tenant_salt is over ", limits::kMaxTenantSaltBytes, " bytes"));
   }
   if (absl::Status s = CheckLayoutFingerprint(request.layout_fingerprint()); !s.ok()) return s;
-  const kv::ModelLayout& layout = runner_->layout();
+  const kv::ModelLayout& layout = model_config().layout;
   std::vector<int32_t> tokens(request.tokens().begin(), request.tokens().end());
 
   // Wait for the pushed prefix, bounded by the caller's deadline and transfer_wait.
@@ -531,11 +586,12 @@ absl::Status DecodeWorker::Generate(const kvrelay::v1::DecodeRequest& request, a
   auto active = std::make_shared<Active>();
   active->request_id = request.request_id();
   active->seq = std::make_unique<model::Sequence>(&kv_->cache());
+  if (mamba_ != nullptr) active->mamba = std::make_unique<model::MambaSequence>(layout);
   active->max_tokens = request.max_tokens();
   active->temperature = temperature;
   active->top_p = top_p > 0 ? top_p : 1.0f;
   active->sampler = std::make_unique<model::Sampler>(request.sampling().seed());
-  active->eos_token = request.eos_token() >= 0 && request.eos_token() < runner_->config().vocab_size
+  active->eos_token = request.eos_token() >= 0 && request.eos_token() < model_config().vocab_size
                           ? request.eos_token()
                           : -1;
   active->tenant_salt = request.tenant_salt();
@@ -545,10 +601,25 @@ absl::Status DecodeWorker::Generate(const kvrelay::v1::DecodeRequest& request, a
   if (r != nullptr) {
     absl::MutexLock lock(&mu_);
     received_bytes = r->bytes_received;
-    use_pushed = r->expected_layers > 0 && r->layers_received >= r->expected_layers &&
+    // Held blocks count only if they are this prompt's: the hashes the gateway named at Reserve
+    // must be the prompt's own (tokens, tenant, layout).
+    bool held_ok = true;
+    if (r->held_blocks > 0) {
+      const std::vector<kv::BlockHash> own =
+          kv::HashChain(layout.fingerprint(), request.tenant_salt(),
+                        absl::MakeConstSpan(tokens).subspan(
+                            0, static_cast<size_t>(r->held_blocks) * layout.block_tokens()),
+                        layout.block_tokens());
+      held_ok = own == r->held_hashes;
+      if (!held_ok) {
+        KV_LOG(WARNING) << request.request_id()
+                        << ": the prefix named at Reserve is not this prompt's; recomputing";
+      }
+    }
+    use_pushed = r->full_blocks > 0 && held_ok && r->layers_received >= r->expected_layers &&
                  r->transfer_status.ok() &&
                  request.pushed_tokens() == r->full_blocks * layout.block_tokens();
-    if (r->expected_layers > 0 && !use_pushed) {
+    if (r->full_blocks > 0 && !use_pushed) {
       recomputed_requests_->Increment();
       KV_LOG(WARNING) << request.request_id() << ": pushed KV unusable ("
                       << (r->transfer_status.ok() ? "incomplete" : r->transfer_status.ToString())
@@ -559,9 +630,17 @@ absl::Status DecodeWorker::Generate(const kvrelay::v1::DecodeRequest& request, a
     const int64_t prefix_tokens = int64_t{r->full_blocks} * layout.block_tokens();
     std::vector<std::vector<kv::SlotId>> slots = std::move(r->slots);
     r->slots.clear();
-    absl::Status adopted = active->seq->AdoptPrefix(
-        absl::MakeConstSpan(tokens).subspan(0, static_cast<size_t>(prefix_tokens)),
-        std::move(slots));
+    absl::Status adopted;
+    if (mamba_ != nullptr) {
+      absl::StatusOr<std::unique_ptr<model::MambaSequence>> state =
+          AdoptPushedState(std::move(slots), prefix_tokens);
+      adopted = state.status();
+      if (state.ok()) active->mamba = *std::move(state);
+    } else {
+      adopted = active->seq->AdoptPrefix(
+          absl::MakeConstSpan(tokens).subspan(0, static_cast<size_t>(prefix_tokens)),
+          std::move(slots));
+    }
     if (!adopted.ok()) {
       absl::MutexLock lock(&mu_);
       ReturnBudget(active->budget);
@@ -569,6 +648,7 @@ absl::Status DecodeWorker::Generate(const kvrelay::v1::DecodeRequest& request, a
     }
     active->tail.assign(tokens.begin() + prefix_tokens, tokens.end());
     active->pushed_blocks = r->full_blocks;
+    active->held_blocks = r->held_blocks;
     received_bytes_->Increment(static_cast<double>(received_bytes));
   } else {
     if (r != nullptr) {
@@ -644,16 +724,22 @@ void DecodeWorker::SchedulerLoop() {
   std::vector<std::shared_ptr<Active>> running;
   auto finish = [this](const std::shared_ptr<Active>& a, absl::Status status) {
     worker::StoreLink* store = store_.load(std::memory_order_acquire);
-    if (status.ok() && store != nullptr) {
-      // Multi-turn reuse: publish the full blocks this worker computed (after the pushed ones).
-      const kv::ModelLayout& layout = runner_->layout();
+    // Mamba commits nothing from here: decode rounds the state after every step, so a
+    // checkpoint taken here would not be the prefill's bit for bit (model/README.md).
+    if (status.ok() && store != nullptr && a->mamba == nullptr) {
+      // Multi-turn reuse: keep every full block of the sequence in the cache segment — the
+      // ones received (a copy beside the prefill node's) and the ones computed here — so a
+      // later turn routed here receives only what is new.
+      const kv::ModelLayout& layout = model_config().layout;
       std::vector<kv::BlockHash> chain = kv::HashChain(layout.fingerprint(), a->tenant_salt,
                                                        a->seq->tokens(), layout.block_tokens());
       absl::StatusOr<int32_t> committed =
-          store->CommitBlocks(chain, a->pushed_blocks, static_cast<int64_t>(chain.size()), *a->seq);
+          store->CommitBlocks(chain, a->held_blocks, static_cast<int64_t>(chain.size()), *a->seq,
+                              /*keep_copies=*/true);
       if (!committed.ok()) KV_LOG(WARNING) << a->request_id << ": commit: " << committed.status();
     }
     a->seq.reset();  // frees the slots
+    a->mamba.reset();
     {
       absl::MutexLock lock(&mu_);
       ReturnBudget(a->budget);
@@ -694,7 +780,9 @@ void DecodeWorker::SchedulerLoop() {
       }
     }
     for (auto& a : admitted) {
-      absl::StatusOr<std::vector<float>> logits = runner_->Prefill(*a->seq, a->tail);
+      absl::StatusOr<std::vector<float>> logits = a->mamba != nullptr
+                                                      ? mamba_->Prefill(*a->mamba, a->tail)
+                                                      : runner_->Prefill(*a->seq, a->tail);
       if (!logits.ok()) {
         finish(a, logits.status());
         continue;
@@ -716,13 +804,16 @@ void DecodeWorker::SchedulerLoop() {
         running.end());
     if (!running.empty()) {
       std::vector<model::Sequence*> seqs;
+      std::vector<model::MambaSequence*> states;
       std::vector<int32_t> last;
       for (auto& a : running) {
         seqs.push_back(a->seq.get());
+        states.push_back(a->mamba.get());
         last.push_back(a->last_token);
       }
       const absl::Time start = absl::Now();
-      absl::StatusOr<std::vector<float>> logits = runner_->DecodeStep(seqs, last);
+      absl::StatusOr<std::vector<float>> logits =
+          mamba_ != nullptr ? mamba_->DecodeStep(states, last) : runner_->DecodeStep(seqs, last);
       step_seconds_->Observe(absl::ToDoubleSeconds(absl::Now() - start));
       if (!logits.ok()) {
         for (auto& a : running) finish(a, logits.status());
@@ -751,6 +842,33 @@ void DecodeWorker::SchedulerLoop() {
   for (auto& a : running) finish(a, absl::UnavailableError("decode worker stopping"));
 }
 
+absl::StatusOr<std::unique_ptr<model::MambaSequence>> DecodeWorker::AdoptPushedState(
+    std::vector<std::vector<kv::SlotId>> slots, int64_t prefix_tokens) {
+  const kv::ModelLayout& layout = model_config().layout;
+  kv::BlockPool& pool = kv_->cache().pool(0);
+  auto release = [&pool, &slots] {
+    for (auto& group : slots) {
+      for (kv::SlotId s : group) {
+        if (s >= 0) (void)pool.Release(s);
+      }
+    }
+  };
+  const int64_t last_block = prefix_tokens / layout.block_tokens() - 1;
+  if (slots.size() != 1 || last_block < 0 || static_cast<int64_t>(slots[0].size()) <= last_block ||
+      slots[0][last_block] < 0) {
+    release();
+    return absl::InternalError("mamba: the reservation holds no slot for the pushed state");
+  }
+  auto seq = std::make_unique<model::MambaSequence>(layout);
+  absl::Status restored = seq->Restore(
+      absl::MakeConstSpan(static_cast<const uint8_t*>(pool.SlotAddress(slots[0][last_block])),
+                          static_cast<size_t>(layout.BlockBytes(0))),
+      prefix_tokens);
+  release();  // Restore copied the bytes
+  if (!restored.ok()) return restored;
+  return seq;
+}
+
 absl::Status DecodeWorker::ConnectStore(const std::string& grpc_address) {
   KV_RETURN_IF_ERROR(core_->ConnectStore(grpc_address, [this] {
     kvrelay::v1::DecodeStatusResponse status = Describe();
@@ -771,7 +889,7 @@ kvrelay::v1::DecodeStatusResponse DecodeWorker::Describe() {
   response.set_model(options_.model_name);
   response.set_node_id(core_->node_id);
   response.set_incarnation(core_->incarnation);
-  response.set_layout_fingerprint(runner_->layout().fingerprint().ToBytes());
+  response.set_layout_fingerprint(model_config().layout.fingerprint().ToBytes());
   response.set_active_requests(active_count_);
   response.set_queued_requests(static_cast<int32_t>(pending_.size()));
   response.set_max_queued(options_.max_queued);

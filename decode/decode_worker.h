@@ -24,6 +24,10 @@
 //            (first token), then runs one batched DecodeStep over all active sequences per
 //            iteration (continuous batching: sequences join and leave between steps).
 //
+// Mamba (an SSM-state layout): Reserve holds one slot, for the state after the last pushed
+// block; Generate restores the sequence's recurrent state from it and the scheduler runs
+// MambaRunner instead of ModelRunner.
+//
 // Admission: Reserve books the KV blocks a request can ever need (prompt + max_tokens, windows
 // capped) against the pool; a request that does not fit is refused at once with
 // RESOURCE_EXHAUSTED, so every admitted request can finish. At most max_batch sequences decode
@@ -80,8 +84,11 @@ class DecodeWorker {
   // Streams the request's tokens through `write` until done, the deadline, or `cancelled()`.
   absl::Status Generate(const kvrelay::v1::DecodeRequest& request, absl::Time deadline,
                         const ChunkWriter& write, const std::function<bool()>& cancelled);
-  // Idempotent; a late push into released slots can never land in someone else's.
-  void Release(const std::string& request_id);
+  // Releases a live reservation presented with its token (PERMISSION_DENIED for another token,
+  // compared in constant time; the reservation stays). Idempotent: an unknown, claimed or
+  // already released request is OK. A late push into released slots can never land in someone
+  // else's.
+  absl::Status Release(const std::string& request_id, const std::string& reservation_token);
   kvrelay::v1::DecodeStatusResponse Describe();
   // Registers with the cache store (if configured) once the gRPC server listens on
   // `grpc_address`. ALREADY_EXISTS when another live process holds the node id.
@@ -114,6 +121,12 @@ class DecodeWorker {
   void OnInbound(transfer::InboundEvent event);
   void SchedulerLoop();
   void ReleaseReservationSlots(Reservation& r);
+  // The config and layout of whichever runner this worker has.
+  const kv::ModelConfig& model_config() const { return core_->model_config(); }
+  // Mamba: the pushed state (in the slot of the last pushed block, `slots` as a reservation
+  // holds them) as a sequence of `prefix_tokens` tokens; every slot is released.
+  absl::StatusOr<std::unique_ptr<model::MambaSequence>> AdoptPushedState(
+      std::vector<std::vector<kv::SlotId>> slots, int64_t prefix_tokens);
 
   const DecodeWorkerOptions options_;
   MetricsRegistry* metrics_;
@@ -135,6 +148,7 @@ class DecodeWorker {
   Counter* generated_tokens_;
   Counter* received_bytes_;
   Counter* recomputed_requests_;
+  Counter* held_blocks_;  // leading blocks found in the cache segment at Reserve
   Gauge* active_gauge_;
   Histogram* step_seconds_;
   Counter* refused_overloaded_;
@@ -142,7 +156,8 @@ class DecodeWorker {
   // Declared last: destroyed first, so the transport stops calling OnInbound before the
   // reservations it touches go away.
   std::unique_ptr<worker::WorkerCore> core_;
-  model::ModelRunner* runner_ = nullptr;     // core_->runner
+  model::ModelRunner* runner_ = nullptr;     // core_->runner (null for Mamba)
+  model::MambaRunner* mamba_ = nullptr;      // core_->mamba (null for attention models)
   worker::RegisteredKvCache* kv_ = nullptr;  // core_->kv
   // core_->store once ConnectStore ran (null without a store); release by ConnectStore,
   // acquire by the scheduler.

@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <limits>
 
-#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
@@ -30,6 +29,12 @@ bool IsOverload(const absl::Status& s) {
   return !info.has_value() || info->reason() == kvrelay::v1::FAILURE_OVERLOADED;
 }
 
+Counter* QuotaRefusals(MetricsRegistry* metrics, const std::string& quota) {
+  return metrics->GetCounter("kvrelay_gateway_quota_refusals_total",
+                             "Requests refused by a per-client or reservation quota, by quota.",
+                             {{"quota", quota}});
+}
+
 }  // namespace
 
 std::string DeriveTenantSalt(const std::string& secret, const std::string& tenant) {
@@ -47,7 +52,23 @@ Gateway::Gateway(GatewayOptions options, kv::ModelConfig config, MetricsRegistry
       layout_fingerprint_(config_.layout.fingerprint().ToBytes()),
       metrics_(metrics),
       clock_(clock),
-      instance_id_(absl::StrCat(absl::ToUnixMicros(absl::Now()) % 1000000000)) {
+      instance_id_(absl::StrCat(absl::ToUnixMicros(absl::Now()) % 1000000000)),
+      tenant_in_flight_(
+          "tenant", "requests in flight", "--max-inflight-per-tenant",
+          options_.max_inflight_per_tenant,
+          metrics_->GetCounter("kvrelay_gateway_tenant_quota_refusals_total",
+                               "Requests refused because their tenant had its quota in flight.")),
+      client_in_flight_("client", "requests in flight", "--max-inflight-per-client",
+                        options_.max_inflight_per_client,
+                        QuotaRefusals(metrics_, "inflight_client")),
+      tenant_reservations_("tenant", "tokens of decode KV reserved",
+                           "--max-reserved-tokens-per-tenant",
+                           options_.max_reserved_tokens_per_tenant,
+                           QuotaRefusals(metrics_, "reserved_tokens_tenant")),
+      client_reservations_("client", "tokens of decode KV reserved",
+                           "--max-reserved-tokens-per-client",
+                           options_.max_reserved_tokens_per_client,
+                           QuotaRefusals(metrics_, "reserved_tokens_client")) {
   ttft_seconds_ = metrics_->GetHistogram("kvrelay_gateway_ttft_seconds", "Time to first token.",
                                          LatencyBucketsSeconds());
   tpot_seconds_ = metrics_->GetHistogram("kvrelay_gateway_time_per_output_token_seconds",
@@ -218,9 +239,30 @@ absl::Status Gateway::Validate(const kvrelay::v1::GenerateRequest& request) cons
   return ValidateGenerateRequest(request, options_.model_name, config_);
 }
 
-Gateway::Node* Gateway::PickPrefill(const NodeList& prefills, const std::vector<int32_t>& prompt,
-                                    const std::string& salt, const std::vector<Node*>& excluded,
-                                    absl::Time deadline) {
+absl::flat_hash_map<std::string, int32_t> Gateway::QueryHoldings(
+    const std::vector<kv::BlockHash>& chain) {
+  absl::flat_hash_map<std::string, int32_t> held;
+  if (store_ == nullptr || chain.empty()) return held;
+  // A store that does not answer costs reuse, not the request: after a failure, requests
+  // route without it for a second (one probes again after that) instead of each waiting out
+  // route_timeout.
+  const int64_t now_us = absl::ToUnixMicros(absl::Now());
+  if (now_us < skip_query_until_us_.load(std::memory_order_relaxed)) return held;
+  absl::StatusOr<kvrelay::v1::QueryPrefixResponse> answer = store_->QueryPrefix(chain);
+  if (absl::IsUnavailable(answer.status()) || absl::IsDeadlineExceeded(answer.status())) {
+    skip_query_until_us_.store(now_us + absl::ToInt64Microseconds(absl::Seconds(1)),
+                               std::memory_order_relaxed);
+  }
+  if (!answer.ok()) return held;
+  for (const auto& node : answer->nodes()) held[node.node_id()] = node.matched();
+  return held;
+}
+
+Gateway::Node* Gateway::PickPrefill(const NodeList& prefills,
+                                    const absl::flat_hash_map<std::string, int32_t>& held,
+                                    int64_t full_blocks, const std::vector<Node*>& excluded,
+                                    absl::Time deadline, bool* routed) {
+  *routed = false;
   // Suspect nodes (the store lost their heartbeats; this gateway may still reach them) are
   // taken only when no other node is usable: a partitioned store must not stop serving.
   bool allow_suspect = false;
@@ -237,31 +279,10 @@ Gateway::Node* Gateway::PickPrefill(const NodeList& prefills, const std::vector<
     if (status.ok()) n->SetNodeId(status->node_id());
   }
   std::vector<int32_t> matched(prefills.size(), 0);
-  const int32_t block_tokens = config_.layout.block_tokens();
-  const int64_t full_blocks = (static_cast<int64_t>(prompt.size()) - 1) / block_tokens;
-  if (store_ != nullptr && full_blocks > 0) {
-    std::vector<kv::BlockHash> chain = kv::HashChain(
-        config_.layout.fingerprint(), salt,
-        absl::MakeConstSpan(prompt).subspan(0, full_blocks * block_tokens), block_tokens);
-    // A store that does not answer costs reuse, not the request: after a failure, requests
-    // route without it for a second (one probes again after that) instead of each waiting out
-    // route_timeout.
-    absl::StatusOr<kvrelay::v1::QueryPrefixResponse> answer =
-        absl::UnavailableError("cache store skipped after a failure");
-    const int64_t now_us = absl::ToUnixMicros(absl::Now());
-    if (now_us >= skip_query_until_us_.load(std::memory_order_relaxed)) {
-      answer = store_->QueryPrefix(chain);
-      if (absl::IsUnavailable(answer.status()) || absl::IsDeadlineExceeded(answer.status())) {
-        skip_query_until_us_.store(now_us + absl::ToInt64Microseconds(absl::Seconds(1)),
-                                   std::memory_order_relaxed);
-      }
-    }
-    if (answer.ok()) {
-      for (const auto& node : answer->nodes()) {
-        for (size_t i = 0; i < prefills.size(); ++i) {
-          if (prefills[i]->NodeId() == node.node_id()) matched[i] = node.matched();
-        }
-      }
+  if (options_.prefix_routing) {
+    for (size_t i = 0; i < prefills.size(); ++i) {
+      auto it = held.find(prefills[i]->NodeId());
+      if (it != held.end()) matched[i] = it->second;
     }
   }
   for (auto& n : prefills) {
@@ -270,29 +291,61 @@ Gateway::Node* Gateway::PickPrefill(const NodeList& prefills, const std::vector<
       return n.get();  // its probe (see PickDecode)
     }
   }
-  // Longest prefix first; among equals, the least loaded; ties rotate. Nodes whose breaker is
-  // open or busy are skipped.
+  // The cost model when every candidate's rates are measured: its queue (requests ahead x its
+  // time per request) plus the prompt it does not hold (at its compute rate). Until then:
+  // longest prefix first, then the least loaded. Ties rotate; open or busy breakers skipped.
+  const int32_t block_tokens = config_.layout.block_tokens();
   const uint64_t rotation = prefill_rotation_.fetch_add(1, std::memory_order_relaxed);
   Node* best = nullptr;
+  Node* least_loaded = nullptr;
   for (bool with_suspect : {false, true}) {
     allow_suspect = with_suspect;
-    int64_t best_score = std::numeric_limits<int64_t>::min();
+    bool measured = true;
+    for (auto& n : prefills) {
+      if (usable(n.get()) && (n->prefill_calls.rate() == 0 || n->prefill_tokens.rate() == 0)) {
+        measured = false;
+      }
+    }
+    double best_cost = std::numeric_limits<double>::infinity();
+    int32_t lowest_load = std::numeric_limits<int32_t>::max();
     for (size_t k = 0; k < prefills.size(); ++k) {
       const size_t i = (rotation + k) % prefills.size();
       Node* n = prefills[i].get();
       if (!usable(n)) continue;
-      const int64_t score = int64_t{matched[i]} * 1000 - n->Load();
-      if (score > best_score) {
-        best_score = score;
+      const double cost = !options_.prefix_routing ? static_cast<double>(n->Load())
+                          : measured ? kv::RouteSeconds(n->Load(), 1.0 / n->prefill_calls.rate(),
+                                                        (full_blocks - matched[i]) * block_tokens,
+                                                        n->prefill_tokens.rate())
+                                     : -(static_cast<double>(matched[i]) * 1000 - n->Load());
+      if (cost < best_cost) {
+        best_cost = cost;
         best = n;
+      }
+      if (n->Load() < lowest_load) {
+        lowest_load = n->Load();
+        least_loaded = n;
       }
     }
     if (best != nullptr) break;
   }
+  if (best != nullptr && best != least_loaded && best->Load() > least_loaded->Load()) {
+    *routed = true;  // the prefix outweighed the load
+  } else if (best != nullptr) {
+    for (size_t i = 0; i < prefills.size(); ++i) {
+      if (prefills[i].get() == best && matched[i] > 0) {
+        // Several equally loaded nodes: the holder was taken for its prefix.
+        for (size_t j = 0; j < prefills.size(); ++j) {
+          if (j != i && matched[j] < matched[i] && usable(prefills[j].get())) *routed = true;
+        }
+      }
+    }
+  }
   return best;
 }
 
-Gateway::Node* Gateway::PickDecode(const NodeList& decodes, const std::vector<Node*>& excluded) {
+Gateway::Node* Gateway::PickDecode(const NodeList& decodes,
+                                   const absl::flat_hash_map<std::string, int32_t>& held,
+                                   const std::vector<Node*>& excluded) {
   auto is_excluded = [&](Node* n) {
     return std::find(excluded.begin(), excluded.end(), n) != excluded.end();
   };
@@ -308,16 +361,26 @@ Gateway::Node* Gateway::PickDecode(const NodeList& decodes, const std::vector<No
   Node* best = nullptr;
   // Suspect nodes only when nothing else is usable (see PickPrefill).
   for (bool with_suspect : {false, true}) {
-    int32_t best_load = std::numeric_limits<int32_t>::max();
+    std::vector<Node*> candidates;
+    int32_t lowest_load = std::numeric_limits<int32_t>::max();
     for (size_t k = 0; k < decodes.size(); ++k) {
       Node* n = decodes[(rotation + k) % decodes.size()].get();
       if (is_excluded(n) || (!with_suspect && n->suspect.load(std::memory_order_relaxed)) ||
           !n->breaker.Healthy()) {
         continue;
       }
-      const int32_t load = n->Load();
-      if (load < best_load) {
-        best_load = load;
+      candidates.push_back(n);
+      lowest_load = std::min(lowest_load, n->Load());
+    }
+    // Within one request of the least loaded, the longest held prefix wins (then rotation):
+    // it saves the push without piling a shared prefix's requests on one node.
+    int32_t best_held = -1;
+    for (Node* n : candidates) {
+      if (n->Load() > lowest_load + 1) continue;
+      auto it = held.find(n->NodeId());
+      const int32_t blocks = it == held.end() ? 0 : it->second;
+      if (blocks > best_held || (blocks == best_held && n->Load() < best->Load())) {
+        best_held = blocks;
         best = n;
       }
     }
@@ -363,38 +426,12 @@ void Gateway::CountFailure(const absl::Status& status, const char* role) {
       ->Increment();
 }
 
-absl::Status Gateway::TakeTenantSlot(const std::string& tenant) {
-  if (options_.max_inflight_per_tenant <= 0) return absl::OkStatus();
-  std::lock_guard<std::mutex> lock(tenants_mu_);
-  int32_t& in_flight = tenant_in_flight_[tenant];
-  if (in_flight >= options_.max_inflight_per_tenant) {
-    if (in_flight == 0) tenant_in_flight_.erase(tenant);
-    metrics_
-        ->GetCounter("kvrelay_gateway_tenant_quota_refusals_total",
-                     "Requests refused because their tenant had its quota in flight.")
-        ->Increment();
-    return proto::Attribute(absl::ResourceExhaustedError(absl::StrCat(
-                                "tenant '", tenant, "' already has ", in_flight,
-                                " requests in flight (quota --max-inflight-per-tenant ",
-                                options_.max_inflight_per_tenant, ")")),
-                            kvrelay::v1::ROLE_CLIENT, "", kvrelay::v1::FAILURE_OVERLOADED);
-  }
-  ++in_flight;
-  return absl::OkStatus();
-}
-
-void Gateway::ReleaseTenantSlot(const std::string& tenant) {
-  if (options_.max_inflight_per_tenant <= 0) return;
-  std::lock_guard<std::mutex> lock(tenants_mu_);
-  auto it = tenant_in_flight_.find(tenant);
-  if (it != tenant_in_flight_.end() && --it->second <= 0) tenant_in_flight_.erase(it);
-}
-
 absl::Status Gateway::Generate(const kvrelay::v1::GenerateRequest& request, absl::Time deadline,
-                               const GenerateSink& sink, const std::function<bool()>& cancelled) {
+                               const GenerateSink& sink, const std::function<bool()>& cancelled,
+                               const std::string& client) {
   if (absl::Status s = Validate(request); !s.ok()) return CallerError(std::move(s));
-  KV_RETURN_IF_ERROR(TakeTenantSlot(request.tenant()));
-  absl::Cleanup release_tenant = [&] { ReleaseTenantSlot(request.tenant()); };
+  KV_ASSIGN_OR_RETURN(QuotaTable::Lease tenant_slot, tenant_in_flight_.Take(request.tenant()));
+  KV_ASSIGN_OR_RETURN(QuotaTable::Lease client_slot, client_in_flight_.Take(client));
   const absl::Time start = absl::Now();
   deadline = std::min(deadline, start + options_.default_deadline);
   const std::string salt = DeriveTenantSalt(options_.tenant_secret, request.tenant());
@@ -448,7 +485,17 @@ absl::Status Gateway::Generate(const kvrelay::v1::GenerateRequest& request, absl
     }
     keep_alive.insert(keep_alive.end(), prefills.begin(), prefills.end());
     keep_alive.insert(keep_alive.end(), decodes.begin(), decodes.end());
-    Node* d = PickDecode(decodes, failed_decode);
+    // Who holds the prompt's leading blocks (prefill and decode nodes alike).
+    const int32_t block_tokens = config_.layout.block_tokens();
+    const int64_t full_blocks = (static_cast<int64_t>(tokens.size()) - 1) / block_tokens;
+    std::vector<kv::BlockHash> chain;
+    if (full_blocks > 0) {
+      chain = kv::HashChain(config_.layout.fingerprint(), salt,
+                            absl::MakeConstSpan(tokens).subspan(0, full_blocks * block_tokens),
+                            block_tokens);
+    }
+    const absl::flat_hash_map<std::string, int32_t> held = QueryHoldings(chain);
+    Node* d = PickDecode(decodes, held, failed_decode);
     if (d == nullptr) {
       if (overloaded > 0) {
         last_error = proto::Attribute(
@@ -464,7 +511,8 @@ absl::Status Gateway::Generate(const kvrelay::v1::GenerateRequest& request, absl
       }
       break;
     }
-    Node* p = PickPrefill(prefills, tokens, salt, failed_prefill, deadline);
+    bool routed = false;
+    Node* p = PickPrefill(prefills, held, full_blocks, failed_prefill, deadline, &routed);
     if (p == nullptr) {
       last_error =
           proto::Attribute(absl::UnavailableError(absl::StrCat(
@@ -488,13 +536,26 @@ absl::Status Gateway::Generate(const kvrelay::v1::GenerateRequest& request, absl
       }
     } in_flight{p, d};
 
-    // 1. Reserve on decode.
+    // 1. Reserve on decode. What it books (prompt + remaining tokens) counts against the
+    // tenant's and the client's reserved-KV quotas until the decode worker streams (or the
+    // attempt ends).
+    const int64_t reserved_tokens = static_cast<int64_t>(tokens.size()) + remaining;
+    KV_ASSIGN_OR_RETURN(QuotaTable::Lease tenant_reservation,
+                        tenant_reservations_.Take(request.tenant(), reserved_tokens));
+    KV_ASSIGN_OR_RETURN(QuotaTable::Lease client_reservation,
+                        client_reservations_.Take(client, reserved_tokens));
     kvrelay::v1::ReserveRequest reserve;
     reserve.set_request_id(request_id);
     reserve.set_model(options_.model_name);
     reserve.set_prompt_tokens(static_cast<int32_t>(tokens.size()));
     reserve.set_max_tokens(remaining);
     reserve.set_layout_fingerprint(layout_fingerprint_);
+    std::string* packed = reserve.mutable_chain_packed();
+    packed->reserve(chain.size() * 16);
+    for (const kv::BlockHash& h : chain) {
+      const auto bytes = h.ToBytes();
+      packed->append(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+    }
     absl::StatusOr<kvrelay::v1::ReserveResponse> target =
         d->decode->Reserve(reserve, std::min(deadline, absl::Now() + options_.reserve_timeout));
     if (!target.ok()) {
@@ -521,8 +582,16 @@ absl::Status Gateway::Generate(const kvrelay::v1::GenerateRequest& request, absl
     prefill.set_tenant_salt(salt);
     prefill.set_layout_fingerprint(layout_fingerprint_);
     *prefill.mutable_target() = *target;
+    const absl::Time prefill_start = absl::Now();
     absl::StatusOr<kvrelay::v1::PrefillResponse> prefilled =
         p->prefill->Prefill(prefill, std::min(deadline, absl::Now() + options_.prefill_timeout));
+    if (prefilled.ok()) {
+      const double seconds = absl::ToDoubleSeconds(absl::Now() - prefill_start);
+      p->prefill_calls.Observe(1, seconds, absl::Now());
+      if (prefilled->computed_tokens() > 0) {
+        p->prefill_tokens.Observe(prefilled->computed_tokens(), seconds, absl::Now());
+      }
+    }
     std::optional<kvrelay::v1::ErrorInfo> prefill_error =
         prefilled.ok() ? std::nullopt : proto::GetErrorInfo(prefilled.status());
     if (prefill_error.has_value() && prefill_error->reason() == kvrelay::v1::FAILURE_CORRUPT) {
@@ -533,7 +602,7 @@ absl::Status Gateway::Generate(const kvrelay::v1::GenerateRequest& request, absl
       prefilled = kvrelay::v1::PrefillResponse();
     }
     if (!prefilled.ok()) {
-      d->decode->Release(request_id, absl::Now() + absl::Seconds(1));
+      d->decode->Release(request_id, target->reservation_token(), absl::Now() + absl::Seconds(1));
       last_error = prefilled.status();
       const Blame blame = Attribute(prefilled.status(), Blame::kPrefill, deadline);
       if (blame == Blame::kNone) return prefilled.status();
@@ -549,6 +618,9 @@ absl::Status Gateway::Generate(const kvrelay::v1::GenerateRequest& request, absl
     summary.set_fetched_bytes(summary.fetched_bytes() + prefilled->fetched_bytes());
     summary.set_prefill_worker(p->address());
     summary.set_decode_worker(d->address());
+    summary.set_prefix_source(
+        routed && prefilled->prefix_source() == "local" ? "routed" : prefilled->prefix_source());
+    summary.set_decode_held_blocks(target->held_blocks());
 
     // 3. Decode streams the tokens.
     kvrelay::v1::DecodeRequest decode;
@@ -565,6 +637,9 @@ absl::Status Gateway::Generate(const kvrelay::v1::GenerateRequest& request, absl
     bool stream_done = false;
     absl::Status s = d->decode->Generate(
         decode, deadline, options_.chunk_timeout, [&](const kvrelay::v1::DecodeChunk& chunk) {
+          // Streaming: the decode worker has claimed the reservation.
+          tenant_reservation.Return();
+          client_reservation.Return();
           if (chunk.tokens_size() > 0) {
             if (first_token_time == absl::InfiniteFuture()) {
               first_token_time = absl::Now();

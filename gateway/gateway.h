@@ -37,8 +37,10 @@
 #include "common/clock.h"
 #include "common/metrics.h"
 #include "gateway/circuit_breaker.h"
+#include "gateway/quota.h"
 #include "gateway/worker_endpoints.h"
 #include "kv/hf_config.h"
+#include "kv/reuse_cost.h"
 #include "kvrelay/v1/gateway.pb.h"
 
 namespace kvrelay::gateway {
@@ -58,9 +60,23 @@ struct GatewayOptions {
   // Requests one tenant may have in flight at once (0: no limit); more are refused with
   // RESOURCE_EXHAUSTED naming the tenant, so one tenant cannot take every decode slot.
   int32_t max_inflight_per_tenant = 64;
+  // The same per client identity (Generate's `client`: the caller certificate's SPIFFE id, or
+  // the bearer token's subject over HTTP), so one client cannot take its whole tenant's share.
+  int32_t max_inflight_per_client = 32;
+  // Decode KV one tenant / one client may hold reserved at once, in tokens (a reservation books
+  // prompt + max_tokens on a decode worker from Reserve until that worker streams the request's
+  // tokens; 0: no limit). A request that would exceed it is refused with RESOURCE_EXHAUSTED
+  // naming the tenant or client. At 128 KiB of KV per token (Llama 3 8B) the defaults are
+  // 128 GiB per tenant and 32 GiB per client.
+  int64_t max_reserved_tokens_per_tenant = int64_t{1} << 20;
+  int64_t max_reserved_tokens_per_client = int64_t{1} << 18;
   // With a store and endpoint factories: how often the registry is read for workers that
   // joined or left (ListNodes); zero turns discovery off.
   absl::Duration discovery_interval = absl::Seconds(1);
+  // Route to the prefill node that holds the prompt's prefix when the cost model
+  // (kv::RouteSeconds: its queue vs the compute the others would do) says so. Off: prefill
+  // nodes are picked by load alone, and they pull or recompute what others hold.
+  bool prefix_routing = true;
 };
 
 // HMAC-SHA256(secret, tenant), first 16 bytes.
@@ -91,8 +107,11 @@ class Gateway {
 
   ~Gateway();
 
+  // `client` is the caller's authenticated identity for the per-client quotas ("" when there
+  // is none, e.g. --insecure: only the tenant quotas apply).
   absl::Status Generate(const kvrelay::v1::GenerateRequest& request, absl::Time deadline,
-                        const GenerateSink& sink, const std::function<bool()>& cancelled);
+                        const GenerateSink& sink, const std::function<bool()>& cancelled,
+                        const std::string& client = "");
 
   // One discovery pass (the discovery thread calls it every discovery_interval): adds workers
   // the registry lists live, marks suspect ones, drops discovered ones it no longer lists.
@@ -120,6 +139,10 @@ class Gateway {
       return std::max(in_flight.load(std::memory_order_relaxed),
                       reported_load.load(std::memory_order_relaxed));
     }
+    // Prefill nodes: how long a Prefill call takes, and prompt tokens computed per second of it
+    // (the cost model's inputs for routing).
+    kv::RateMeter prefill_calls;
+    kv::RateMeter prefill_tokens;
     bool discovered = false;           // from the registry (may be dropped), not a fixed address
     uint64_t incarnation = 0;          // discovered: the registered process
     std::atomic<bool> suspect{false};  // the registry marks it suspect: picked last
@@ -142,19 +165,22 @@ class Gateway {
   Gateway(GatewayOptions options, kv::ModelConfig config, MetricsRegistry* metrics, Clock* clock);
   absl::Status Validate(const kvrelay::v1::GenerateRequest& request) const;
   using NodeList = std::vector<std::shared_ptr<Node>>;
-  Node* PickPrefill(const NodeList& prefills, const std::vector<int32_t>& prompt,
-                    const std::string& salt, const std::vector<Node*>& excluded,
-                    absl::Time deadline);
-  Node* PickDecode(const NodeList& decodes, const std::vector<Node*>& excluded);
+  // Leading blocks of `chain` each node holds (node id -> blocks), from the store; empty when
+  // the store is unknown, skipped after a failure, or did not answer.
+  absl::flat_hash_map<std::string, int32_t> QueryHoldings(const std::vector<kv::BlockHash>& chain);
+  // `routed` is set when the prefix, not the load alone, decided the pick.
+  Node* PickPrefill(const NodeList& prefills, const absl::flat_hash_map<std::string, int32_t>& held,
+                    int64_t full_blocks, const std::vector<Node*>& excluded, absl::Time deadline,
+                    bool* routed);
+  // The least loaded decode node; among those within one request of it, the one holding the
+  // longest prefix (it is not sent again).
+  Node* PickDecode(const NodeList& decodes, const absl::flat_hash_map<std::string, int32_t>& held,
+                   const std::vector<Node*>& excluded);
   void DiscoveryLoop();
   // Which node a failed step is attributed to, from its ErrorInfo (the node called when the
   // failure carries none). kNone for the caller's own deadline, cancellation or bad input.
   Blame Attribute(const absl::Status& status, Blame called, absl::Time deadline) const;
   void CountFailure(const absl::Status& status, const char* role);
-  // Takes one of `tenant`'s in-flight slots (RESOURCE_EXHAUSTED when it has none left);
-  // ReleaseTenantSlot gives it back.
-  absl::Status TakeTenantSlot(const std::string& tenant);
-  void ReleaseTenantSlot(const std::string& tenant);
 
   const GatewayOptions options_;
   const kv::ModelConfig config_;
@@ -176,8 +202,10 @@ class Gateway {
   std::atomic<uint64_t> prefill_rotation_{0};
   std::atomic<uint64_t> decode_rotation_{0};
   const std::string instance_id_;
-  std::mutex tenants_mu_;
-  absl::flat_hash_map<std::string, int32_t> tenant_in_flight_ ABSL_GUARDED_BY(tenants_mu_);
+  QuotaTable tenant_in_flight_;
+  QuotaTable client_in_flight_;
+  QuotaTable tenant_reservations_;
+  QuotaTable client_reservations_;
 
   Histogram* ttft_seconds_;
   Histogram* tpot_seconds_;

@@ -113,11 +113,13 @@ class GrpcDecodeEndpoint final : public DecodeEndpoint {
     return status;
   }
 
-  void Release(const std::string& request_id, absl::Time deadline) override {
+  void Release(const std::string& request_id, const std::string& reservation_token,
+               absl::Time deadline) override {
     grpc::ClientContext context;
     SetDeadline(context, deadline);
     kvrelay::v1::ReleaseRequest request;
     request.set_request_id(request_id);
+    request.set_reservation_token(reservation_token);
     kvrelay::v1::ReleaseResponse ignored;
     (void)stub_->Release(&context, request, &ignored);
   }

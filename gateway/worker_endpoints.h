@@ -44,7 +44,9 @@ class DecodeEndpoint {
   // token included): a worker that stalls longer fails the attempt with DeadlineExceeded.
   virtual absl::Status Generate(const kvrelay::v1::DecodeRequest& request, absl::Time deadline,
                                 absl::Duration chunk_timeout, const DecodeChunkSink& sink) = 0;
-  virtual void Release(const std::string& request_id, absl::Time deadline) = 0;
+  // Best effort (the reservation lapses anyway); `reservation_token` is Reserve's.
+  virtual void Release(const std::string& request_id, const std::string& reservation_token,
+                       absl::Time deadline) = 0;
   virtual absl::StatusOr<kvrelay::v1::DecodeStatusResponse> Status(absl::Time deadline) = 0;
 };
 

@@ -120,5 +120,24 @@ TEST(Checksum, DetectsASingleFlippedBit) {
   EXPECT_EQ(BlockChecksum(nullptr, 0), 0x2D06800538D394C2ULL);
 }
 
+TEST(Checksum, PiecesInOrderEqualTheWhole) {
+  std::vector<uint8_t> block(3 * 4096 + 17);
+  uint32_t x = 12345;
+  for (uint8_t& b : block) {
+    x = x * 1103515245u + 12345u;  // no period of 4 KiB: swapped pieces differ
+    b = static_cast<uint8_t>(x >> 24);
+  }
+  BlockChecksummer pieces;
+  pieces.Update(block.data(), 4096);
+  pieces.Update(block.data() + 4096, 8192);
+  pieces.Update(block.data() + 3 * 4096, 17);
+  EXPECT_EQ(pieces.Digest(), BlockChecksum(block.data(), block.size()));
+  BlockChecksummer swapped;
+  swapped.Update(block.data() + 4096, 8192);
+  swapped.Update(block.data(), 4096);
+  swapped.Update(block.data() + 3 * 4096, 17);
+  EXPECT_NE(swapped.Digest(), BlockChecksum(block.data(), block.size()));
+}
+
 }  // namespace
 }  // namespace kvrelay::kv

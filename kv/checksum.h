@@ -6,9 +6,27 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 
 namespace kvrelay::kv {
 
 uint64_t BlockChecksum(const void* data, size_t size);
+
+// The same checksum over bytes that arrive in pieces (e.g. a block unit whose layer groups
+// live in different pools): Update with each piece in order, then Digest ==
+// BlockChecksum(concatenation).
+class BlockChecksummer {
+ public:
+  BlockChecksummer();
+  ~BlockChecksummer();
+  BlockChecksummer(const BlockChecksummer&) = delete;
+  BlockChecksummer& operator=(const BlockChecksummer&) = delete;
+  void Update(const void* data, size_t size);
+  uint64_t Digest() const;
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
 
 }  // namespace kvrelay::kv

@@ -60,9 +60,6 @@ absl::Status KvCache::Init() {
   layer_index_.assign(layout_.num_layers(), -1);
   for (int g = 0; g < static_cast<int>(layout_.groups().size()); ++g) {
     const kv::LayerGroup& group = layout_.groups()[g];
-    if (group.kind == kv::LayerKind::kSsmState) {
-      return absl::InvalidArgumentError("kv cache: SSM state groups are not supported");
-    }
     for (int i = 0; i < group.num_layers(); ++i) {
       layer_group_[group.layer_ids[i]] = g;
       layer_index_[group.layer_ids[i]] = i;

@@ -5,6 +5,9 @@
 // documents (kNHD):
 //   attention: [num_layers_in_group, 2 (K, V), block_tokens, num_kv_heads, head_dim]
 //   MLA:       [num_layers_in_group, block_tokens, latent_dim + rope_dim]
+//   SSM:       [num_layers_in_group, state_bytes]: one recurrent state per slot (what the
+//              workers move and checkpoint for Mamba; MambaRunner keeps its own copy, so no
+//              Sequence ever holds such a slot through Prefill/DecodeStep)
 // A Sequence is one request's block table per group, holding one reference on every slot in
 // it; slot -1 marks a sliding-window block that was freed.
 //
@@ -26,7 +29,7 @@ namespace kvrelay::model {
 class KvCache {
  public:
   // One host-memory pool per group with `blocks_per_group` slots each.
-  // InvalidArgument for SSM groups (no per-token cache) or fp8 (not implemented on CPU).
+  // Unimplemented for fp8 (not implemented on CPU).
   static absl::StatusOr<std::unique_ptr<KvCache>> Create(const kv::ModelLayout& layout,
                                                          int64_t blocks_per_group);
   // Uses pools made elsewhere (e.g. registered with a transport); one per group, each with
@@ -42,7 +45,7 @@ class KvCache {
   int index_in_group(int32_t layer) const { return layer_index_[layer]; }
 
   // Address of layer `layer`'s part of a block unit: attention K (kv = 0) or V (kv = 1) at
-  // token `t` of the block, or the MLA entry (kv ignored).
+  // token `t` of the block, or the MLA entry (kv ignored). REQUIRES: not an SSM group.
   uint8_t* EntryAddress(int32_t layer, kv::SlotId slot, int32_t token_in_block, int kv) const;
 
  private:

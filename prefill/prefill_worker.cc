@@ -1,5 +1,7 @@
 #include "prefill/prefill_worker.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
@@ -7,6 +9,7 @@
 #include "kv/prompt_validation.h"
 #include "proto/grpc_status.h"
 #include "proto/limits.h"
+#include "worker/block_fetch.h"
 
 namespace kvrelay::prefill {
 namespace {
@@ -29,6 +32,10 @@ PrefillWorker::PrefillWorker(PrefillWorkerOptions options, MetricsRegistry* metr
                                             "Prompt tokens whose KV was reused, not computed.");
   computed_tokens_ =
       metrics_->GetCounter("kvrelay_prefill_computed_tokens_total", "Prompt tokens computed.");
+  fetched_bytes_ = metrics_->GetCounter("kvrelay_prefill_fetched_kv_bytes_total",
+                                        "KV bytes pulled from other nodes' caches.");
+  fetched_tokens_ = metrics_->GetCounter("kvrelay_prefill_fetched_tokens_total",
+                                         "Prompt tokens whose KV was pulled from another node.");
   pushed_bytes_ = metrics_->GetCounter("kvrelay_prefill_pushed_kv_bytes_total",
                                        "KV bytes pushed to decode workers.");
   transfer_seconds_ = metrics_->GetHistogram(
@@ -71,19 +78,25 @@ absl::Status PrefillWorker::Init(worker::WorkerCoreDeps deps) {
                  options_.core, [this](transfer::InboundEvent e) { OnInbound(std::move(e)); },
                  std::move(deps)));
   runner_ = core_->runner.get();
+  mamba_ = core_->mamba.get();
   transport_ = core_->transport.get();
   kv_ = core_->kv.get();
   segment_ = core_->segment.get();
+  absl::MutexLock lock(&fetch_mu_);
+  KV_ASSIGN_OR_RETURN(fetch_scratch_,
+                      transport_->AllocateMemory(static_cast<size_t>(limits::kMaxChainBlocks) *
+                                                 worker::CacheSegment::kSlotEntryBytes));
+  fetch_quarantine_ = std::make_unique<worker::FetchQuarantine>(&kv_->cache());
   return absl::OkStatus();
 }
 
 absl::Status PrefillWorker::Validate(const kvrelay::v1::PrefillRequest& request) const {
-  const kv::ModelLayout& layout = runner_->layout();
+  const kv::ModelLayout& layout = model_config().layout;
   if (!options_.model_name.empty() && request.model() != options_.model_name) {
     return absl::InvalidArgumentError(absl::StrCat(
         "model: this worker serves '", options_.model_name, "', not '", request.model(), "'"));
   }
-  KV_RETURN_IF_ERROR(kv::ValidatePrompt(request.tokens(), /*max_tokens=*/-1, runner_->config()));
+  KV_RETURN_IF_ERROR(kv::ValidatePrompt(request.tokens(), /*max_tokens=*/-1, model_config()));
   const int n = request.tokens_size();
   if (request.tenant_salt().size() > limits::kMaxTenantSaltBytes) {
     return absl::InvalidArgumentError(
@@ -111,8 +124,18 @@ absl::Status PrefillWorker::Validate(const kvrelay::v1::PrefillRequest& request)
                                                    " entries, the layout ",
                                                    layout.groups().size()));
   }
+  if (target.held_blocks() < 0 || target.held_blocks() > target.full_blocks()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("target.held_blocks ", target.held_blocks(), " is outside [0, full_blocks]"));
+  }
   for (int g = 0; g < target.groups_size(); ++g) {
     const auto& group = target.groups(g);
+    for (int b = 0; b < target.held_blocks() && b < group.slots_size(); ++b) {
+      if (group.slots(b) >= 0) {
+        return absl::InvalidArgumentError(absl::StrCat("target.groups[", g, "].slots[", b,
+                                                       "]: a held block has no slot to push into"));
+      }
+    }
     if (group.slots_size() != target.full_blocks()) {
       return absl::InvalidArgumentError(
           absl::StrCat("target.groups[", g, "].slots must have full_blocks entries"));
@@ -214,12 +237,12 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
   if (absl::Status s = Validate(request); !s.ok()) return CallerError(std::move(s));
   // The layout (model, dtype, block size, groups) the caller hashed for, this worker's and the
   // target's must be one and the same, or blocks would be read as another layout's.
-  const std::string own_fingerprint = runner_->layout().fingerprint().ToBytes();
+  const std::string own_fingerprint = model_config().layout.fingerprint().ToBytes();
   if (request.layout_fingerprint() != own_fingerprint) {
     return Own(
         absl::FailedPreconditionError(absl::StrCat(
             "layout_fingerprint: prefill node ", core_->node_id, " serves layout ",
-            runner_->layout().fingerprint().ToHex(), ", the request was routed for another")),
+            model_config().layout.fingerprint().ToHex(), ", the request was routed for another")),
         kvrelay::v1::FAILURE_IDENTITY);
   }
   if (request.target().layout_fingerprint() != own_fingerprint) {
@@ -236,6 +259,7 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
     Gauge* g;
     ~ActiveGuard() { g->Add(-1); }
   } guard{active_};
+  if (mamba_ != nullptr) return RunMamba(request, deadline, start);
 
   const kv::ModelLayout& layout = runner_->layout();
   const int32_t block_tokens = layout.block_tokens();
@@ -245,7 +269,14 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
   std::vector<int32_t> tokens(request.tokens().begin(), request.tokens().end());
   kvrelay::v1::PrefillResponse response;
   response.set_pushed_tokens(static_cast<int32_t>(full_tokens));
+  response.set_prefix_source("none");
   if (full_blocks == 0) return response;  // the decode worker computes short prompts itself
+  if (target.held_blocks() >= full_blocks) {
+    // The decode worker holds every full block: nothing to compute or push.
+    response.set_prefix_source("decode");
+    response.set_prefix_hit_tokens(static_cast<int32_t>(full_tokens));
+    return response;
+  }
 
   // 1. Which leading blocks are cached here.
   std::vector<kv::BlockHash> chain = kv::HashChain(
@@ -279,22 +310,41 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
   // 2. The request's sequence: reused blocks copied in, slots for the rest allocated now so the
   //    whole transfer plan can be prepared before computing.
   model::Sequence seq(&kv_->cache());
-  if (hit_blocks > 0) {
-    std::vector<std::vector<kv::SlotId>> slots;
-    for (int64_t b = 0; b < hit_blocks; ++b) {
-      absl::Status loaded = segment_->LoadBlock(match->local_slots[b], kv_->cache(), slots);
-      if (!loaded.ok()) {
-        for (size_t g = 0; g < slots.size(); ++g) {
-          for (kv::SlotId s : slots[g]) (void)kv_->cache().pool(static_cast<int>(g)).Release(s);
-        }
-        return loaded;
-      }
+  std::vector<std::vector<kv::SlotId>> slots;
+  auto release_slots = [&] {
+    for (size_t g = 0; g < slots.size(); ++g) {
+      for (kv::SlotId s : slots[g]) (void)kv_->cache().pool(static_cast<int>(g)).Release(s);
     }
-    KV_RETURN_IF_ERROR(seq.AdoptPrefix(
-        absl::MakeConstSpan(tokens).subspan(0, static_cast<size_t>(hit_blocks * block_tokens)),
-        std::move(slots)));
+  };
+  for (int64_t b = 0; b < hit_blocks; ++b) {
+    absl::Status loaded = segment_->LoadBlock(match->local_slots[b], kv_->cache(), slots);
+    if (!loaded.ok()) {
+      release_slots();
+      return loaded;
+    }
+  }
+  // Blocks held on other nodes after ours: pulled, or recomputed when that is cheaper.
+  const PulledPrefix pulled = PullHeldElsewhere(*match, chain, hit_blocks, full_blocks,
+                                                request.request_id(), deadline, slots);
+  const int64_t reused_blocks = hit_blocks + pulled.blocks;
+  if (reused_blocks > 0) {
+    absl::Status adopted = seq.AdoptPrefix(
+        absl::MakeConstSpan(tokens).subspan(0, static_cast<size_t>(reused_blocks * block_tokens)),
+        std::move(slots));
+    if (!adopted.ok()) {
+      release_slots();
+      return Own(adopted, kvrelay::v1::FAILURE_COMPUTE);
+    }
   }
   KV_RETURN_IF_ERROR(seq.EnsureBlocks(full_tokens));
+  response.set_prefix_source(pulled.blocks > 0                                 ? "pulled"
+                             : pulled.attempted || match->matched > hit_blocks ? "recomputed"
+                             : hit_blocks > 0                                  ? "local"
+                                                                               : "none");
+  response.set_fetched_bytes(static_cast<int64_t>(pulled.bytes));
+  response.set_fetched_tokens(static_cast<int32_t>(pulled.blocks * block_tokens));
+  response.set_estimated_pull_ms(pulled.decision.pull_seconds * 1e3);
+  response.set_estimated_recompute_ms(pulled.decision.recompute_seconds * 1e3);
 
   // 3. One slice per (group, wanted block, layer), posted layer by layer.
   auto decode_failed = [&](absl::Status s, kvrelay::v1::FailureReason reason) {
@@ -392,17 +442,21 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
   };
 
   // 4. Compute the rest; each finished layer goes on the wire while the next computes.
-  const int64_t compute_from = hit_blocks * block_tokens;
+  const int64_t compute_from = reused_blocks * block_tokens;
   if (compute_from < full_tokens) {
     model::PrefillOptions prefill_options;
     prefill_options.on_layer_done = post_layer;
     absl::MutexLock lock(&compute_mu_);
+    const absl::Time compute_start = absl::Now();
     absl::StatusOr<std::vector<float>> logits = runner_->Prefill(
         seq,
         absl::MakeConstSpan(tokens).subspan(static_cast<size_t>(compute_from),
                                             static_cast<size_t>(full_tokens - compute_from)),
         prefill_options);
     if (!logits.ok()) return Own(logits.status(), kvrelay::v1::FAILURE_COMPUTE);
+    // Layer-wise posting overlaps the pushes with compute, so this is compute time.
+    prefill_rate_.Observe(static_cast<double>(full_tokens - compute_from),
+                          absl::ToDoubleSeconds(absl::Now() - compute_start), absl::Now());
   } else {
     for (int32_t layer = 0; layer < layout.num_layers(); ++layer) post_layer(layer);
   }
@@ -439,19 +493,136 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
   }
   pushed_bytes_->Increment(static_cast<double>(pushed));
 
-  // 5. Publish the blocks computed here for later requests.
-  absl::StatusOr<int32_t> committed = store->CommitBlocks(chain, hit_blocks, full_blocks, seq);
+  // 5. Publish the blocks computed here for later requests, and keep a copy of those pulled or
+  //    recomputed although held elsewhere (the next request for them here is local).
+  absl::StatusOr<int32_t> committed =
+      store->CommitBlocks(chain, hit_blocks, full_blocks, seq, /*keep_copies=*/true);
   if (!committed.ok()) {
     KV_LOG(WARNING) << request.request_id() << ": commit failed: " << committed.status();
   }
-  prefix_hit_tokens_->Increment(static_cast<double>(hit_blocks * block_tokens));
+  prefix_hit_tokens_->Increment(static_cast<double>(reused_blocks * block_tokens));
   computed_tokens_->Increment(static_cast<double>(full_tokens - compute_from));
   prefill_seconds_->Observe(absl::ToDoubleSeconds(clock->Now() - start));
-  response.set_prefix_hit_tokens(static_cast<int32_t>(hit_blocks * block_tokens));
+  response.set_prefix_hit_tokens(static_cast<int32_t>(reused_blocks * block_tokens));
   response.set_computed_tokens(static_cast<int32_t>(full_tokens - compute_from));
   response.set_pushed_bytes(pushed);
   response.set_committed_blocks(committed.ok() ? *committed : 0);
   return response;
+}
+
+kv::RateMeter& PrefillWorker::LinkMeter(const std::string& address) {
+  absl::MutexLock lock(&meters_mu_);
+  std::unique_ptr<kv::RateMeter>& meter = link_meters_[address];
+  if (meter == nullptr) meter = std::make_unique<kv::RateMeter>();
+  return *meter;
+}
+
+PrefillWorker::PulledPrefix PrefillWorker::PullHeldElsewhere(
+    const worker::PrefixMatch& match, const std::vector<kv::BlockHash>& chain, int64_t first,
+    int64_t wanted_end, const std::string& request_id, absl::Time deadline,
+    std::vector<std::vector<kv::SlotId>>& slots) {
+  PulledPrefix out;
+  const int64_t end = std::min<int64_t>(match.matched, wanted_end);
+  if (!options_.pull_remote_prefix || first >= end ||
+      first >= static_cast<int64_t>(match.remote.size()) || match.remote[first].empty()) {
+    return out;
+  }
+  // One holder: the first readable replica of the first missing block, for as long a run of
+  // blocks as it holds.
+  const worker::RemoteReplica& holder = match.remote[first][0];
+  std::vector<int64_t> holder_slots;
+  for (int64_t b = first; b < end && b < static_cast<int64_t>(match.remote.size()); ++b) {
+    auto it = std::find_if(
+        match.remote[b].begin(), match.remote[b].end(), [&](const worker::RemoteReplica& r) {
+          return r.node_id == holder.node_id && r.transport_address == holder.transport_address;
+        });
+    if (it == match.remote[b].end()) break;
+    holder_slots.push_back(it->slot);
+  }
+  const kv::ModelLayout& layout = runner_->layout();
+  const int64_t run = static_cast<int64_t>(holder_slots.size());
+  const uint64_t block_bytes = segment_->block_bytes();
+  kv::RateMeter& link = LinkMeter(holder.transport_address);
+  const absl::Time now = absl::Now();
+  // The link's rate is measured over whole pulls, so it already includes their latency.
+  out.decision = kv::ChoosePullOrRecompute({.bytes = block_bytes * static_cast<uint64_t>(run),
+                                            .tokens = run * layout.block_tokens(),
+                                            .link_bytes_per_second = link.rate(),
+                                            .prefill_tokens_per_second = prefill_rate_.rate()});
+  // A link judged slow is measured again now and then: it may have become fast.
+  const bool reprobe = now - link.last_observed() > options_.fetch_reprobe_interval;
+  // The cost model's inputs, as it saw them.
+  metrics_
+      ->GetGauge("kvrelay_prefill_link_bytes_per_second",
+                 "Measured pull rate from each holder (0 until measured).",
+                 {{"holder", holder.node_id}})
+      ->Set(link.rate());
+  metrics_
+      ->GetGauge("kvrelay_prefill_compute_tokens_per_second",
+                 "Measured prompt tokens per second of compute on this node.")
+      ->Set(prefill_rate_.rate());
+  metrics_
+      ->GetCounter("kvrelay_prefill_reuse_decisions_total",
+                   "Prefixes held on another node, by what the cost model chose.",
+                   {{"choice", kv::ReuseChoiceName(out.decision.choice)}})
+      ->Increment();
+  if (out.decision.choice == kv::ReuseChoice::kRecompute) {
+    if (!reprobe) return out;
+    // A re-probe reads a quarter of the run: enough to measure the link past a burst allowance,
+    // without betting the whole request on it.
+    holder_slots.resize(std::max<size_t>(1, holder_slots.size() / 4));
+  }
+  out.attempted = true;
+  const absl::Time fetch_deadline = std::min(deadline, now + options_.fetch_timeout);
+  auto failed = [&](absl::string_view why) {
+    metrics_
+        ->GetCounter("kvrelay_prefill_fetch_failures_total",
+                     "Pulls from other nodes that did not deliver every block, by reason.",
+                     {{"reason", std::string(why)}})
+        ->Increment();
+  };
+  absl::StatusOr<transfer::PeerId> peer =
+      PeerFor(holder.transport_address, holder.data_plane_key, fetch_deadline);
+  if (!peer.ok()) {
+    KV_LOG(WARNING) << request_id << ": cannot reach holder " << holder.node_id << " at "
+                    << holder.transport_address << " (" << peer.status() << "); recomputing";
+    failed("unreachable");
+    return out;
+  }
+  absl::StatusOr<transfer::PeerStatus> peer_status = transport_->GetPeerStatus(*peer);
+  if (!peer_status.ok() || peer_status->incarnation != holder.transport_incarnation) {
+    // Another process answers at the holder's address: its memory is not the holder's.
+    KV_LOG(WARNING) << request_id << ": the process at " << holder.transport_address
+                    << " is not the incarnation the store named for " << holder.node_id;
+    failed("identity");
+    return out;
+  }
+  absl::MutexLock lock(&fetch_mu_);
+  worker::FetchedPrefix fetched = worker::FetchBlocks(
+      *transport_, *peer, holder, holder_slots,
+      absl::MakeConstSpan(chain).subspan(static_cast<size_t>(first), holder_slots.size()), layout,
+      *kv_, fetch_scratch_, *fetch_quarantine_, worker::RequestTag(request_id), fetch_deadline,
+      slots);
+  if (fetched.wire_bytes > 0 && fetched.status.ok()) {
+    link.Observe(static_cast<double>(fetched.wire_bytes), absl::ToDoubleSeconds(fetched.elapsed),
+                 absl::Now());
+  } else if (!fetched.status.ok()) {
+    // A pull that failed or ran out of time says the link is at most this fast.
+    link.ObserveCeiling(static_cast<double>(block_bytes * holder_slots.size()),
+                        std::max(1e-3, absl::ToDoubleSeconds(fetched.elapsed)), absl::Now());
+    KV_LOG(WARNING) << request_id << ": pulled " << fetched.intact << " of " << holder_slots.size()
+                    << " blocks from " << holder.node_id << " (" << fetched.status
+                    << "); recomputing the rest";
+    failed(absl::IsDataLoss(fetched.status)           ? "corrupt"
+           : absl::IsNotFound(fetched.status)         ? "moved"
+           : absl::IsDeadlineExceeded(fetched.status) ? "timeout"
+                                                      : "transfer");
+  }
+  out.blocks = fetched.intact;
+  out.bytes = fetched.kv_bytes;
+  fetched_bytes_->Increment(static_cast<double>(fetched.kv_bytes));
+  fetched_tokens_->Increment(static_cast<double>(fetched.intact * layout.block_tokens()));
+  return out;
 }
 
 absl::Status PrefillWorker::ConnectStore(const std::string& grpc_address) {
@@ -472,7 +643,7 @@ kvrelay::v1::PrefillStatusResponse PrefillWorker::Describe() const {
   response.set_active_requests(static_cast<int32_t>(active_->value()));
   response.set_computed_tokens_total(static_cast<int64_t>(computed_tokens_->value()));
   response.set_prefix_hit_tokens_total(static_cast<int64_t>(prefix_hit_tokens_->value()));
-  response.set_layout_fingerprint(runner_->layout().fingerprint().ToBytes());
+  response.set_layout_fingerprint(model_config().layout.fingerprint().ToBytes());
   return response;
 }
 

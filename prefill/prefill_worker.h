@@ -10,6 +10,10 @@
 // -> wait for every layer -> commit the new blocks to the cache store (copies in the segment)
 // -> release the lease.
 //
+// Mamba (an SSM-state layout, prefill/mamba_prefill.cc): the same hashes and match, but the
+// request resumes from the deepest state checkpoint cached here, computes the rest, pushes one
+// constant-size state and commits one checkpoint per computed block.
+//
 // Domain logic only: the gRPC glue is prefill/server/PrefillService. Every failure carries a
 // kvrelay.v1.ErrorInfo saying which role and node failed (proto/grpc_status.h).
 //
@@ -28,9 +32,11 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "common/metrics.h"
+#include "kv/reuse_cost.h"
 #include "kvrelay/v1/prefill.pb.h"
 #include "model/model_runner.h"
 #include "transfer/transport.h"
+#include "worker/block_fetch.h"
 #include "worker/worker_core.h"
 
 namespace kvrelay::prefill {
@@ -41,6 +47,12 @@ struct PrefillWorkerOptions {
   std::string model_name;
   absl::Duration transfer_timeout = absl::Seconds(30);
   absl::Duration lease_ttl = absl::Seconds(60);
+  // Pulling a prefix held on another node: at most this long (then the rest is recomputed).
+  absl::Duration fetch_timeout = absl::Seconds(2);
+  // A link the cost model judged too slow is tried again after this long (it may be fast now).
+  absl::Duration fetch_reprobe_interval = absl::Seconds(5);
+  // Off: blocks held on other nodes are always recomputed (the behaviour before pulls).
+  bool pull_remote_prefix = true;
 };
 
 class PrefillWorker {
@@ -70,6 +82,18 @@ class PrefillWorker {
   // `status` attributed to this node with `reason`.
   absl::Status Own(absl::Status status, kvrelay::v1::FailureReason reason) const;
   absl::Status Validate(const kvrelay::v1::PrefillRequest& request) const;
+  // The config and layout of whichever runner this worker has.
+  const kv::ModelConfig& model_config() const { return core_->model_config(); }
+  // Run's Mamba path (prefill/mamba_prefill.cc), after validation: resumes from the deepest
+  // state checkpoint cached here, computes the rest, pushes the one final state and commits a
+  // checkpoint per new block.
+  absl::StatusOr<kvrelay::v1::PrefillResponse> RunMamba(const kvrelay::v1::PrefillRequest& request,
+                                                        absl::Time deadline, absl::Time start);
+  // A failed push claim, attributed as Run attributes it.
+  absl::Status ClaimFailure(const kvrelay::v1::ReserveResponse& target, absl::Status claimed) const;
+  // `s` attributed to the target decode worker with `reason`.
+  absl::Status DecodeFailure(const kvrelay::v1::ReserveResponse& target, absl::Status s,
+                             kvrelay::v1::FailureReason reason) const;
   absl::StatusOr<transfer::PeerId> PeerFor(const std::string& address, const std::string& key,
                                            absl::Time deadline);
   // Sends the PushClaim for `request` over `peer` and waits (until `deadline`) for the decode
@@ -77,11 +101,25 @@ class PrefillWorker {
   absl::Status ClaimPush(transfer::PeerId peer, const kvrelay::v1::PrefillRequest& request,
                          absl::Time deadline);
   void OnInbound(transfer::InboundEvent event);
+  struct PulledPrefix {
+    int64_t blocks = 0;
+    uint64_t bytes = 0;
+    bool attempted = false;
+    kv::PullOrRecompute decision;
+  };
+  // Blocks [first, matched) of `chain` held on other nodes: pulled (appended to `slots`) or
+  // left for recompute, as the cost model decides. Never fails the request.
+  PulledPrefix PullHeldElsewhere(const worker::PrefixMatch& match,
+                                 const std::vector<kv::BlockHash>& chain, int64_t first,
+                                 int64_t wanted_end, const std::string& request_id,
+                                 absl::Time deadline, std::vector<std::vector<kv::SlotId>>& slots);
+  kv::RateMeter& LinkMeter(const std::string& address);
 
   const PrefillWorkerOptions options_;
   MetricsRegistry* metrics_;
   std::unique_ptr<worker::WorkerCore> core_;
-  model::ModelRunner* runner_ = nullptr;      // core_->runner
+  model::ModelRunner* runner_ = nullptr;      // core_->runner (null for Mamba)
+  model::MambaRunner* mamba_ = nullptr;       // core_->mamba (null for attention models)
   transfer::Transport* transport_ = nullptr;  // core_->transport
   worker::RegisteredKvCache* kv_ = nullptr;   // core_->kv
   worker::CacheSegment* segment_ = nullptr;   // core_->segment
@@ -96,7 +134,19 @@ class PrefillWorker {
   absl::flat_hash_map<std::pair<transfer::PeerId, uint64_t>, std::optional<absl::Status>> verdicts_
       ABSL_GUARDED_BY(verdicts_mu_);
 
+  // Pulls: one at a time (they share the slot-entry scratch region).
+  absl::Mutex fetch_mu_;
+  transfer::MemoryRegionPtr fetch_scratch_ ABSL_GUARDED_BY(fetch_mu_);
+  // Pulls given up on, until they are terminal (declared after core_: destroyed before it).
+  std::unique_ptr<worker::FetchQuarantine> fetch_quarantine_;
+  absl::Mutex meters_mu_;
+  absl::flat_hash_map<std::string, std::unique_ptr<kv::RateMeter>> link_meters_
+      ABSL_GUARDED_BY(meters_mu_);
+  kv::RateMeter prefill_rate_;  // prompt tokens per second of compute here
+
   Counter* prefix_query_tokens_;
+  Counter* fetched_bytes_;
+  Counter* fetched_tokens_;
   Counter* prefix_hit_tokens_;
   Counter* computed_tokens_;
   Counter* pushed_bytes_;

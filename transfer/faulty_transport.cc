@@ -87,7 +87,8 @@ absl::StatusOr<TransferHandlePtr> FaultyTransport::Post(const TransferPlan& plan
             absl::StrCat("injected fault: post ", n, " fails (fail_after=", spec.fail_after, ")")),
         hi - lo);
   }
-  if (!spec.drop && spec.delay <= absl::ZeroDuration() && !spec.corrupt) {
+  if ((!spec.drop && spec.delay <= absl::ZeroDuration() && !spec.corrupt) ||
+      (spec.only.has_value() && *spec.only != plan.direction)) {
     return inner_->Post(plan, layers, options);
   }
   if (lo == hi) return inner_->Post(plan, layers, options);  // let the inner report it

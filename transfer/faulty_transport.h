@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 
 #include "absl/time/time.h"
 #include "transfer/transport.h"
@@ -24,6 +25,8 @@ struct FaultSpec {
   absl::Duration delay = absl::ZeroDuration();
   int64_t fail_after = -1;  // < 0: never
   bool corrupt = false;
+  // Set: the faults above apply only to posts of this direction; others pass unchanged.
+  std::optional<Direction> only = std::nullopt;
 };
 
 class FaultyTransport final : public Transport {

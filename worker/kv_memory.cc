@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "kv/checksum.h"
+#include "kvrelay/v1/cachestore.pb.h"
 #include "transfer/region_memory_resource.h"
 
 namespace kvrelay::worker {
@@ -43,7 +44,40 @@ absl::StatusOr<std::unique_ptr<CacheSegment>> CacheSegment::Create(const kv::Mod
   KV_ASSIGN_OR_RETURN(out->pool_,
                       kv::BlockPool::Create({out->block_bytes_, num_slots}, std::move(resource)));
   out->region_ = raw_resource->region();
+  KV_ASSIGN_OR_RETURN(out->table_,
+                      transport->AllocateMemory(static_cast<size_t>(num_slots) * kSlotEntryBytes));
   return out;
+}
+
+void CacheSegment::ClearEntry(int64_t slot) const {
+  std::memset(table_->data() + static_cast<uint64_t>(slot) * kSlotEntryBytes, 0, kSlotEntryBytes);
+}
+
+void CacheSegment::PublishEntry(int64_t slot, const kv::BlockHash& hash) const {
+  SlotEntry entry;
+  entry.hash_hi = hash.hi;
+  entry.hash_lo = hash.lo;
+  entry.checksum = kv::BlockChecksum(GroupUnit(slot, 0), static_cast<size_t>(block_bytes_));
+  std::memcpy(table_->data() + static_cast<uint64_t>(slot) * kSlotEntryBytes, &entry,
+              kSlotEntryBytes);
+}
+
+CacheSegment::SlotEntry CacheSegment::Entry(int64_t slot) const {
+  SlotEntry entry;
+  std::memcpy(&entry, table_->data() + static_cast<uint64_t>(slot) * kSlotEntryBytes,
+              kSlotEntryBytes);
+  return entry;
+}
+
+std::string CacheSegment::AccessKey(const std::string& data_plane_key,
+                                    uint64_t transport_incarnation) const {
+  kvrelay::v1::SegmentAccess access;
+  access.set_region_id(region_->id());
+  access.set_table_region_id(table_->id());
+  access.set_slot_stride(slot_stride());
+  access.set_data_plane_key(data_plane_key);
+  access.set_transport_incarnation(transport_incarnation);
+  return access.SerializeAsString();
 }
 
 uint8_t* CacheSegment::GroupUnit(int64_t slot, int group) const {
@@ -92,6 +126,11 @@ LayerSlice SliceOfLayer(const kv::ModelLayout& layout, const model::KvCache& cac
 
 bool BlockWanted(const kv::LayerGroup& group, int32_t block_tokens, int64_t block_index,
                  int64_t first_query_position) {
+  // A recurrent state summarises every token before it: only the state after the last pushed
+  // block (the one ending where the first query starts) is wanted.
+  if (group.kind == kv::LayerKind::kSsmState) {
+    return (block_index + 1) * block_tokens == first_query_position;
+  }
   if (group.kind != kv::LayerKind::kSlidingWindow) return true;
   // A query at position q sees keys k with q - k < window; the block's last token is
   // (block_index + 1) * block_tokens - 1.

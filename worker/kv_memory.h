@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "kv/block_hash.h"
 #include "kv/model_layout.h"
 #include "kv/pool/block_pool.h"
 #include "model/kv_cache.h"
@@ -60,6 +61,26 @@ class CacheSegment {
   absl::Status LoadBlock(int64_t slot, model::KvCache& cache,
                          std::vector<std::vector<kv::SlotId>>& group_slots) const;
 
+  // The slot table: one SlotEntry per slot naming the block it holds, so a reader on another
+  // node (which gets the bytes over the data plane) checks identity and integrity before it
+  // uses them. Cleared before a slot's bytes change, written after they are complete.
+  struct SlotEntry {
+    uint64_t hash_hi = 0;
+    uint64_t hash_lo = 0;
+    uint64_t checksum = 0;  // kv::BlockChecksum of the slot's block_bytes()
+    uint64_t reserved = 0;
+  };
+  static constexpr uint64_t kSlotEntryBytes = sizeof(SlotEntry);
+  void ClearEntry(int64_t slot) const;
+  // Records that `slot` now holds block `hash` (checksums its bytes).
+  void PublishEntry(int64_t slot, const kv::BlockHash& hash) const;
+  SlotEntry Entry(int64_t slot) const;
+  const transfer::MemoryRegion& table_region() const { return *table_; }
+  // Where group g's unit starts within a block unit (the same for every node of one layout).
+  uint64_t group_offset(int group) const { return group_offsets_[group]; }
+  // The serialized kvrelay.v1.SegmentAccess registered as the segment's memory key.
+  std::string AccessKey(const std::string& data_plane_key, uint64_t transport_incarnation) const;
+
  private:
   CacheSegment() = default;
   kv::ModelLayout layout_;
@@ -67,6 +88,19 @@ class CacheSegment {
   uint64_t block_bytes_ = 0;
   std::unique_ptr<kv::BlockPool> pool_;  // used for its memory only; the store assigns slots
   const transfer::MemoryRegion* region_ = nullptr;  // owned by pool_'s resource
+  transfer::MemoryRegionPtr table_;                 // num_slots x kSlotEntryBytes
+};
+
+// Where one leading block of a prefix can be read from another node (see SegmentAccess).
+struct RemoteReplica {
+  std::string node_id;
+  std::string transport_address;
+  uint64_t transport_incarnation = 0;
+  std::string data_plane_key;
+  uint64_t region_id = 0;
+  uint64_t table_region_id = 0;
+  uint64_t slot_stride = 0;
+  int64_t slot = 0;
 };
 
 // One (group, block, layer) slice of a block unit: layer-major inside a unit, so each layer
@@ -79,7 +113,8 @@ LayerSlice SliceOfLayer(const kv::ModelLayout& layout, const model::KvCache& cac
 
 // The decode worker's choice of which full prompt blocks it wants per group: every block for
 // full attention and MLA; for sliding-window groups only the blocks a query at position
-// >= first_query_position can still attend to.
+// >= first_query_position can still attend to; for SSM groups only the block ending at
+// first_query_position (its state is the sequence's state there).
 bool BlockWanted(const kv::LayerGroup& group, int32_t block_tokens, int64_t block_index,
                  int64_t first_query_position);
 

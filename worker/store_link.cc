@@ -1,10 +1,12 @@
 #include "worker/store_link.h"
 
 #include <algorithm>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
+#include "kv/checksum.h"
 
 namespace kvrelay::worker {
 namespace {
@@ -89,7 +91,7 @@ absl::Status StoreLink::Register() {
     s.set_capacity_slots(segment_->num_slots());
     // The store computes offsets as slot x slot_bytes, so it gets the stride.
     s.set_slot_bytes(segment_->slot_stride());
-    s.set_memory_key(absl::StrCat(segment_->region().id()));
+    s.set_memory_key(options_.segment_access_key);
     reg.segments.push_back(std::move(s));
   }
   return client_->Register(reg).status();
@@ -211,18 +213,47 @@ absl::StatusOr<PrefixMatch> StoreLink::MatchPrefix(const std::vector<kv::BlockHa
   KV_ASSIGN_OR_RETURN(kvrelay::v1::MatchPrefixResponse response, std::move(answered));
   match.matched = response.matched();
   match.lease_id = response.lease_id();
-  const auto locations = cachestore::CacheStoreClient::Locations(response);
-  for (int i = 0; i < response.matched() && i < static_cast<int>(locations.size()); ++i) {
+  // Readable remote segments: a kvrelay worker's access key, the store handed it out.
+  std::vector<std::optional<RemoteReplica>> readable(response.segments_size());
+  for (int k = 0; k < response.segments_size(); ++k) {
+    const kvrelay::v1::SegmentRef& ref = response.segments(k);
+    kvrelay::v1::SegmentAccess access;
+    if (ref.node_id() == options_.node_id || ref.segment_id() != kSegmentId ||
+        ref.address().address().empty() || ref.memory_key().empty() ||
+        !access.ParseFromString(ref.memory_key()) || access.region_id() == 0 ||
+        access.slot_stride() == 0) {
+      continue;
+    }
+    RemoteReplica r;
+    r.node_id = ref.node_id();
+    r.transport_address = ref.address().address();
+    r.transport_incarnation = access.transport_incarnation();
+    r.data_plane_key = access.data_plane_key();
+    r.region_id = access.region_id();
+    r.table_region_id = access.table_region_id();
+    r.slot_stride = access.slot_stride();
+    readable[k] = std::move(r);
+  }
+  int replica = 0;
+  for (int i = 0; i < response.matched() && i < response.replica_counts_size(); ++i) {
     int64_t slot = -1;
-    for (const auto& replica : locations[i]) {
+    std::vector<RemoteReplica> remote;
+    for (uint32_t k = 0; k < response.replica_counts(i) && replica < response.replica_slot_size();
+         ++k, ++replica) {
+      const uint32_t seg = response.replica_segment(replica);
+      if (seg >= static_cast<uint32_t>(response.segments_size())) continue;
+      const kvrelay::v1::SegmentRef& ref = response.segments(static_cast<int>(seg));
       // Only this process's own replicas: an earlier incarnation's slots hold other bytes.
-      if (replica.node_id() == options_.node_id && replica.segment_id() == kSegmentId &&
-          (replica.incarnation() == 0 || replica.incarnation() == options_.incarnation)) {
-        slot = replica.slot();
-        break;
+      if (ref.node_id() == options_.node_id && ref.segment_id() == kSegmentId &&
+          (ref.incarnation() == 0 || ref.incarnation() == options_.incarnation)) {
+        if (slot < 0) slot = response.replica_slot(replica);
+      } else if (readable[seg].has_value()) {
+        remote.push_back(*readable[seg]);
+        remote.back().slot = response.replica_slot(replica);
       }
     }
     match.local_slots.push_back(slot);
+    match.remote.push_back(std::move(remote));
   }
   return match;
 }
@@ -238,7 +269,19 @@ void StoreLink::ReleaseLease(uint64_t lease_id) {
 
 absl::StatusOr<int32_t> StoreLink::CommitBlocks(const std::vector<kv::BlockHash>& chain,
                                                 int64_t first, int64_t last,
-                                                const model::Sequence& seq) {
+                                                const model::Sequence& seq, bool keep_copies) {
+  if (segment_ == nullptr) return 0;
+  return CommitBlocksFrom(
+      chain, first, last,
+      [this, &seq](int64_t block_index, int64_t slot) {
+        return segment_->StoreBlock(seq, block_index, slot);
+      },
+      keep_copies);
+}
+
+absl::StatusOr<int32_t> StoreLink::CommitBlocksFrom(const std::vector<kv::BlockHash>& chain,
+                                                    int64_t first, int64_t last,
+                                                    const BlockWriter& write, bool keep_copies) {
   if (segment_ == nullptr || first >= last) return 0;
   kvrelay::v1::AllocateRequest request;
   for (int64_t i = first; i < last; ++i) {
@@ -250,6 +293,7 @@ absl::StatusOr<int32_t> StoreLink::CommitBlocks(const std::vector<kv::BlockHash>
   }
   request.set_preferred_tier(kvrelay::v1::TIER_HOST);
   request.set_replicas(1);
+  request.set_add_local_replicas(keep_copies);
   KV_RETURN_IF_ERROR(RequestPathOpen());
   absl::StatusOr<kvrelay::v1::AllocateResponse> allocated =
       client_->Allocate(request, RequestCall());
@@ -269,15 +313,15 @@ absl::StatusOr<int32_t> StoreLink::CommitBlocks(const std::vector<kv::BlockHash>
     if (!all_here) continue;
     bool ok = true;
     for (const auto& replica : block.replicas()) {
-      {
-        // The slot's old content is gone from the moment we write.
-        absl::MutexLock lock(&mu_);
-        held_.erase(replica.slot());
-      }
-      if (!segment_->StoreBlock(seq, first + i, replica.slot()).ok()) {
+      // The slot's old content is gone from the moment we write (readers on other nodes
+      // check its entry, cleared first).
+      absl::MutexLock lock(&mu_);
+      ForgetSlotLocked(replica.slot());
+      if (!write(first + i, replica.slot()).ok()) {
         ok = false;
         continue;
       }
+      segment_->PublishEntry(replica.slot(), chain[first + i]);
       kvrelay::v1::AnnouncedBlock a;
       *a.mutable_hash() = block.hash();
       cachestore::CacheStoreClient::ToProto(first + i == 0 ? kv::BlockHash{} : chain[first + i - 1],
@@ -300,9 +344,52 @@ absl::StatusOr<int32_t> StoreLink::CommitBlocks(const std::vector<kv::BlockHash>
   absl::MutexLock lock(&mu_);
   for (auto& a : written) {
     const int64_t slot = a.slot();
+    slot_of_[{a.hash().hi(), a.hash().lo()}] = slot;
     held_[slot] = std::move(a);
   }
   return committed;
+}
+
+void StoreLink::ForgetSlotLocked(int64_t slot) {
+  auto it = held_.find(slot);
+  if (it != held_.end()) {
+    auto by_hash = slot_of_.find({it->second.hash().hi(), it->second.hash().lo()});
+    if (by_hash != slot_of_.end() && by_hash->second == slot) slot_of_.erase(by_hash);
+    held_.erase(it);
+  }
+  if (segment_ != nullptr && slot >= 0 && slot < segment_->num_slots()) segment_->ClearEntry(slot);
+}
+
+int64_t StoreLink::LoadHeldPrefix(const std::vector<kv::BlockHash>& chain, model::KvCache& cache,
+                                  std::vector<std::vector<kv::SlotId>>& group_slots) const {
+  if (segment_ == nullptr) return 0;
+  absl::MutexLock lock(&mu_);
+  int64_t loaded = 0;
+  for (const kv::BlockHash& hash : chain) {
+    auto it = slot_of_.find({hash.hi, hash.lo});
+    if (it == slot_of_.end()) break;
+    const CacheSegment::SlotEntry entry = segment_->Entry(it->second);
+    if (entry.hash_hi != hash.hi || entry.hash_lo != hash.lo ||
+        entry.checksum != kv::BlockChecksum(segment_->GroupUnit(it->second, 0),
+                                            static_cast<size_t>(segment_->block_bytes()))) {
+      KV_LOG(WARNING) << options_.node_id << ": cache slot " << it->second
+                      << " does not hold the block it should; not used";
+      break;
+    }
+    std::vector<std::vector<kv::SlotId>> one;
+    if (!segment_->LoadBlock(it->second, cache, one).ok()) {
+      for (size_t g = 0; g < one.size(); ++g) {
+        for (kv::SlotId s : one[g]) (void)cache.pool(static_cast<int>(g)).Release(s);
+      }
+      break;
+    }
+    group_slots.resize(one.size());
+    for (size_t g = 0; g < one.size(); ++g) {
+      group_slots[g].insert(group_slots[g].end(), one[g].begin(), one[g].end());
+    }
+    ++loaded;
+  }
+  return loaded;
 }
 
 }  // namespace kvrelay::worker

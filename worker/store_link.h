@@ -56,11 +56,17 @@ struct StoreLinkOptions {
   absl::Duration store_backoff = absl::Seconds(1);
   server::SecurityOptions security;
   std::function<kvrelay::v1::NodeLoad()> load;  // reported with each heartbeat (optional)
+  // Registered as the segment's memory key (CacheSegment::AccessKey): what readers the store
+  // sends here need to get blocks over the data plane.
+  std::string segment_access_key;
 };
 
 struct PrefixMatch {
   int32_t matched = 0;               // leading blocks committed somewhere
   std::vector<int64_t> local_slots;  // per matched block: our segment's slot, or -1
+  // Per matched block: its replicas on other nodes that may be read (the store handed out
+  // their segment access), best first.
+  std::vector<std::vector<RemoteReplica>> remote;
   uint64_t lease_id = 0;
 };
 
@@ -78,8 +84,24 @@ class StoreLink {
   void ReleaseLease(uint64_t lease_id);
   // Commits chain[first, last) (their KV is blocks first..last-1 of `seq`): allocates slots in
   // this node's segment, copies the blocks there, commits them. Returns how many were committed.
+  // With `keep_copies`, blocks already committed on other nodes get a copy here too (a decode
+  // worker keeping what it received, so a later turn need not receive it again).
   absl::StatusOr<int32_t> CommitBlocks(const std::vector<kv::BlockHash>& chain, int64_t first,
-                                       int64_t last, const model::Sequence& seq);
+                                       int64_t last, const model::Sequence& seq,
+                                       bool keep_copies = false);
+  // Writes one block's bytes (segment_->block_bytes() of them) into segment slot `slot`.
+  using BlockWriter = std::function<absl::Status(int64_t block_index, int64_t slot)>;
+  // As CommitBlocks, with the bytes of block i written by `write(i, slot)`: for Mamba, the
+  // state checkpoint after block i (kept under block i's chained hash).
+  absl::StatusOr<int32_t> CommitBlocksFrom(const std::vector<kv::BlockHash>& chain, int64_t first,
+                                           int64_t last, const BlockWriter& write,
+                                           bool keep_copies = false);
+  // How many leading blocks of `chain` the segment holds; copies them into fresh KvCache
+  // slots (appended to group_slots[g], one reference each for the caller). Under the link's
+  // lock, so no slot is rewritten while it is copied; every copy is checked against its slot
+  // entry (hash and checksum).
+  int64_t LoadHeldPrefix(const std::vector<kv::BlockHash>& chain, model::KvCache& cache,
+                         std::vector<std::vector<kv::SlotId>>& group_slots) const;
 
   const std::string& node_id() const { return options_.node_id; }
   uint64_t incarnation() const { return options_.incarnation; }
@@ -106,6 +128,9 @@ class StoreLink {
   mutable absl::Mutex mu_;
   // slot -> the committed block it holds (hash, parent, size).
   absl::flat_hash_map<int64_t, kvrelay::v1::AnnouncedBlock> held_ ABSL_GUARDED_BY(mu_);
+  // The same blocks by hash (hi, lo) -> slot.
+  absl::flat_hash_map<std::pair<uint64_t, uint64_t>, int64_t> slot_of_ ABSL_GUARDED_BY(mu_);
+  void ForgetSlotLocked(int64_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::atomic<int64_t> skip_store_until_us_{0};  // unix micros
   absl::Notification stop_;
   std::thread heartbeat_;

@@ -11,6 +11,7 @@
 #include "common/server/auth.h"
 #include "common/server/server_flags.h"
 #include "common/status_macros.h"
+#include "kv/secret.h"
 #include "transfer/ucx/ucx_transport.h"
 
 namespace kvrelay::worker {
@@ -40,7 +41,14 @@ absl::StatusOr<std::unique_ptr<WorkerCore>> WorkerCore::Create(const WorkerCoreO
   core->incarnation = RandomU64() | 1;  // never 0: 0 means "unknown" on the wire
   model::RunnerOptions runner_options;
   runner_options.threads = options.threads;
-  KV_ASSIGN_OR_RETURN(core->runner, model::ModelRunner::Load(options.model_dir, runner_options));
+  KV_ASSIGN_OR_RETURN(kv::ModelConfig config, kv::LoadHfConfig(options.model_dir + "/config.json"));
+  KV_ASSIGN_OR_RETURN(model::Arch arch, model::ArchFor(config));
+  if (arch == model::Arch::kMamba) {
+    KV_ASSIGN_OR_RETURN(core->mamba, model::MambaRunner::Load(options.model_dir, runner_options));
+  } else {
+    KV_ASSIGN_OR_RETURN(core->runner, model::ModelRunner::Load(options.model_dir, runner_options));
+  }
+  const kv::ModelLayout& layout = core->model_config().layout;
   if (deps.transport != nullptr) {
     core->transport = std::move(deps.transport);
     core->transport_kind = deps.transport_kind;
@@ -53,19 +61,21 @@ absl::StatusOr<std::unique_ptr<WorkerCore>> WorkerCore::Create(const WorkerCoreO
     KV_ASSIGN_OR_RETURN(core->transport, transfer::MakeUcxTransport(ucx));
   }
   core->transport_address = core->transport->address();
-  if (!options.transport_accept_key.empty()) {
-    core->transport->SetAcceptKey(options.transport_accept_key);
+  WorkerCoreOptions effective = options;
+  // Every worker's data plane takes only peers that present its key: decode hands it out with
+  // reservations, both roles with their cache segment's access (to readers the store sends).
+  if (effective.transport_accept_key.empty()) {
+    KV_ASSIGN_OR_RETURN(effective.transport_accept_key, kv::RandomSecret(32));
   }
+  core->transport->SetAcceptKey(effective.transport_accept_key);
   if (inbound) core->transport->SetInboundHandler(std::move(inbound));
-  KV_ASSIGN_OR_RETURN(core->kv,
-                      RegisteredKvCache::Create(core->runner->layout(), options.pool_blocks,
-                                                core->transport.get()));
+  KV_ASSIGN_OR_RETURN(
+      core->kv, RegisteredKvCache::Create(layout, options.pool_blocks, core->transport.get()));
   if (!options.cachestore_address.empty()) {
-    KV_ASSIGN_OR_RETURN(
-        core->segment,
-        CacheSegment::Create(core->runner->layout(), options.cache_slots, core->transport.get()));
+    KV_ASSIGN_OR_RETURN(core->segment,
+                        CacheSegment::Create(layout, options.cache_slots, core->transport.get()));
   }
-  core->options = options;
+  core->options = std::move(effective);
   return core;
 }
 
@@ -83,6 +93,10 @@ absl::Status WorkerCore::ConnectStore(const std::string& grpc_address,
   link.transport_kind = transport_kind;
   link.security = options.security;
   link.load = std::move(load);
+  if (segment != nullptr) {
+    link.segment_access_key =
+        segment->AccessKey(options.transport_accept_key, transport->incarnation());
+  }
   KV_ASSIGN_OR_RETURN(
       store, StoreLink::Connect(link, segment.get(), clock, absl::Now() + absl::Seconds(30)));
   return absl::OkStatus();

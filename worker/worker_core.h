@@ -22,6 +22,7 @@
 #include "common/clock.h"
 #include "common/flags.h"
 #include "common/server/service_host.h"
+#include "model/mamba_runner.h"
 #include "model/model_runner.h"
 #include "transfer/transport.h"
 #include "worker/kv_memory.h"
@@ -65,10 +66,19 @@ struct WorkerCore {
   absl::Status ConnectStore(const std::string& grpc_address,
                             std::function<kvrelay::v1::NodeLoad()> load);
 
+  // The model's config and layout, whichever runner computes it.
+  const kv::ModelConfig& model_config() const {
+    return runner != nullptr ? runner->config() : mamba->config();
+  }
+
   Clock* clock = nullptr;
   std::string node_id;
   uint64_t incarnation = 0;  // random per process start
+  // Exactly one of the two: attention models run on `runner` over the KV cache; Mamba
+  // (model_type "mamba") on `mamba`, whose recurrent state travels in `kv`'s one SSM group
+  // (one slot = one sequence's whole state) and is checkpointed per block in `segment`.
   std::unique_ptr<model::ModelRunner> runner;
+  std::unique_ptr<model::MambaRunner> mamba;
   transfer::TransportPtr transport;
   std::string transport_kind;  // "ucx" or "inproc"
   std::string transport_address;

@@ -29,6 +29,24 @@ TEST(BlockWanted, SlidingWindowKeepsOnlyWhatTheFirstQuerySees) {
   for (int64_t b = 0; b < 18; ++b) EXPECT_TRUE(BlockWanted(global, 16, b, 288));
 }
 
+// Mamba: only the state after the last pushed block is wanted; the cache's SSM slots are one
+// whole state each, and a layer's slice is that layer's state.
+TEST(BlockWanted, SsmStateWantsOnlyTheLastPushedBlock) {
+  kv::ModelLayout layout = Layout("tiny-mamba");
+  const kv::LayerGroup& ssm = layout.groups()[0];
+  ASSERT_EQ(ssm.kind, kv::LayerKind::kSsmState);
+  for (int64_t b = 0; b < 17; ++b) EXPECT_EQ(BlockWanted(ssm, 16, b, 288), b == 17) << b;
+  EXPECT_TRUE(BlockWanted(ssm, 16, 17, 288));
+  KV_ASSERT_OK_AND_ASSIGN(auto transport, transfer::MakeInProcessTransport());
+  KV_ASSERT_OK_AND_ASSIGN(auto kv, RegisteredKvCache::Create(layout, 4, transport.get()));
+  EXPECT_EQ(kv->cache().pool(0).slot_bytes(), static_cast<size_t>(layout.BlockBytes(0)));
+  for (int32_t layer = 0; layer < layout.num_layers(); ++layer) {
+    const LayerSlice slice = SliceOfLayer(layout, kv->cache(), layer);
+    EXPECT_EQ(slice.offset_in_unit, static_cast<uint64_t>(layer * ssm.state_bytes));
+    EXPECT_EQ(slice.length, static_cast<uint64_t>(ssm.state_bytes));
+  }
+}
+
 TEST(CacheSegment, StoresAndLoadsWholeBlocksAcrossGroups) {
   kv::ModelLayout layout = Layout("tiny-gemma3");
   KV_ASSERT_OK_AND_ASSIGN(auto transport, transfer::MakeInProcessTransport());

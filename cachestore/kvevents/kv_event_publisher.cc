@@ -10,11 +10,16 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "cachestore/kvevents/vllm_codec.h"
+#include "common/file_util.h"
 #include "common/logging.h"
+#include "common/status_macros.h"
 
 namespace kvrelay::cachestore::kvevents {
 namespace {
@@ -54,6 +59,43 @@ std::optional<std::string> MediumOf(const NodeSpec& spec) {
   }
 }
 
+constexpr size_t kZ85KeyChars = 40;  // a 32-byte CURVE key in Z85
+constexpr size_t kKeyBytes = 32;
+// Where libzmq sends ZAP requests (RFC 27): one handler per context.
+constexpr char kZapEndpoint[] = "inproc://zeromq.zap.01";
+
+// A 32-byte CURVE key from its Z85 text; InvalidArgument naming `what` otherwise.
+absl::StatusOr<std::string> DecodeZ85Key(absl::string_view text, const std::string& what) {
+  text = absl::StripAsciiWhitespace(text);
+  if (text.size() != kZ85KeyChars) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": a CURVE key is ", kZ85KeyChars,
+                                                   " characters of Z85, got ", text.size()));
+  }
+  const std::string z85(text);
+  std::string key(kKeyBytes, '\0');
+  if (zmq_z85_decode(reinterpret_cast<uint8_t*>(key.data()), z85.c_str()) == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": not a Z85 CURVE key"));
+  }
+  return key;
+}
+
+// One multipart message (every frame), or nothing when none is waiting.
+std::vector<std::string> ReceiveFrames(void* socket) {
+  std::vector<std::string> frames;
+  for (;;) {
+    zmq_msg_t msg;
+    zmq_msg_init(&msg);
+    if (zmq_msg_recv(&msg, socket, frames.empty() ? ZMQ_DONTWAIT : 0) < 0) {
+      zmq_msg_close(&msg);
+      return frames;
+    }
+    frames.emplace_back(static_cast<const char*>(zmq_msg_data(&msg)), zmq_msg_size(&msg));
+    const bool more = zmq_msg_more(&msg);
+    zmq_msg_close(&msg);
+    if (!more) return frames;
+  }
+}
+
 }  // namespace
 
 void AddKvEventsFlags(FlagSet& flags, KvEventsOptions* o) {
@@ -67,6 +109,12 @@ void AddKvEventsFlags(FlagSet& flags, KvEventsOptions* o) {
                  "tokens per block, sent as BlockStored.block_size");
   flags.AddInt64("kv-events-replay-batches", &o->replay_batches,
                  "batches kept for replay (all topics together)");
+  flags.AddString("kv-events-curve-secret-key-file", &o->curve_secret_key_file,
+                  "ZeroMQ CURVE: file with this publisher's secret key (40 characters of Z85); "
+                  "required for --kv-events-endpoint unless --insecure");
+  flags.AddString("kv-events-curve-clients-file", &o->curve_clients_file,
+                  "ZeroMQ CURVE: file with the public keys (Z85, one per line) of the "
+                  "subscribers allowed to connect; nobody else is");
 }
 
 struct KvEventPublisher::Impl {
@@ -75,7 +123,8 @@ struct KvEventPublisher::Impl {
         options(std::move(o)),
         context(nullptr, zmq_ctx_term),
         pub(nullptr, zmq_close),
-        replay(nullptr, zmq_close) {}
+        replay(nullptr, zmq_close),
+        zap(nullptr, zmq_close) {}
 
   struct Retained {
     std::string topic;
@@ -89,8 +138,46 @@ struct KvEventPublisher::Impl {
   ContextPtr context;
   SocketPtr pub;
   SocketPtr replay;
+  SocketPtr zap;  // the ZAP handler's REP socket (CURVE only); owned by zap_thread
   std::atomic<bool> stop{false};
   std::thread thread;
+  std::thread zap_thread;
+  // Raw 32-byte public keys of the subscribers allowed in; immutable once the threads run.
+  absl::flat_hash_set<std::string> allowed_clients;
+
+  // Answers ZAP requests (RFC 27): 200 for a CURVE client whose key is listed, 400 otherwise.
+  void ServeZap() {
+    while (!stop.load(std::memory_order_acquire)) {
+      zmq_pollitem_t item = {zap.get(), 0, ZMQ_POLLIN, 0};
+      if (zmq_poll(&item, 1, 100) <= 0) continue;
+      // [version, request id, domain, address, identity, mechanism, credentials...]
+      std::vector<std::string> request = ReceiveFrames(zap.get());
+      if (request.size() < 6) continue;  // not a ZAP request: nothing to answer
+      const bool allowed = request[0] == "1.0" && request[5] == "CURVE" && request.size() >= 7 &&
+                           allowed_clients.contains(request[6]);
+      if (!allowed) {
+        KV_LOG(WARNING) << "kv-events: refused a subscriber from " << request[3] << " (mechanism "
+                        << request[5] << "): its CURVE key is not listed";
+      }
+      const std::string status = allowed ? "200" : "400";
+      const std::string text = allowed ? "OK" : "unknown CURVE key";
+      const std::string* frames[] = {&request[0], &request[1], &status, &text};
+      for (const std::string* f : frames) zmq_send(zap.get(), f->data(), f->size(), ZMQ_SNDMORE);
+      zmq_send(zap.get(), "", 0, ZMQ_SNDMORE);  // user id
+      zmq_send(zap.get(), "", 0, 0);            // metadata
+    }
+  }
+
+  // Makes `socket` a CURVE server with `secret_key` (32 bytes); every handshake goes to ZAP.
+  absl::Status MakeCurveServer(void* socket, const std::string& secret_key) {
+    const int one = 1;
+    if (zmq_setsockopt(socket, ZMQ_CURVE_SERVER, &one, sizeof(one)) != 0 ||
+        zmq_setsockopt(socket, ZMQ_CURVE_SECRETKEY, secret_key.data(), secret_key.size()) != 0 ||
+        zmq_setsockopt(socket, ZMQ_ZAP_DOMAIN, "kvrelay", 7) != 0) {
+      return ZmqError("kv-events: CURVE socket options");
+    }
+    return absl::OkStatus();
+  }
   // Thread-only state below.
   absl::flat_hash_map<std::string, int64_t> next_sequence;              // per topic
   absl::flat_hash_map<std::string, std::optional<std::string>> medium;  // per node
@@ -249,6 +336,7 @@ KvEventPublisher::KvEventPublisher(std::unique_ptr<Impl> impl) : impl_(std::move
 KvEventPublisher::~KvEventPublisher() {
   impl_->stop.store(true, std::memory_order_release);
   if (impl_->thread.joinable()) impl_->thread.join();
+  if (impl_->zap_thread.joinable()) impl_->zap_thread.join();
 }
 
 absl::StatusOr<std::unique_ptr<KvEventPublisher>> KvEventPublisher::Start(CacheStore* store,
@@ -272,14 +360,61 @@ absl::StatusOr<std::unique_ptr<KvEventPublisher>> KvEventPublisher::Start(CacheS
     return absl::InvalidArgumentError(
         absl::StrCat("--kv-events-replay-batches: must be >= 0, got ", options.replay_batches));
   }
+  const bool curve = !options.curve_secret_key_file.empty() || !options.curve_clients_file.empty();
+  if (curve && (options.curve_secret_key_file.empty() || options.curve_clients_file.empty())) {
+    return absl::InvalidArgumentError(
+        "--kv-events-curve-secret-key-file and --kv-events-curve-clients-file go together");
+  }
+  if (!curve && !options.insecure) {
+    // The stream is every tenant's block activity (what WatchEvents gives only to gateways).
+    return absl::InvalidArgumentError(
+        "--kv-events-endpoint: the KV-event stream shows every tenant's activity; give "
+        "--kv-events-curve-secret-key-file and --kv-events-curve-clients-file (ZeroMQ CURVE), "
+        "or run with --insecure");
+  }
+  std::string secret_key;
+  absl::flat_hash_set<std::string> allowed_clients;
+  if (curve) {
+    if (zmq_has("curve") == 0) {
+      return absl::FailedPreconditionError("kv-events: this libzmq is built without CURVE");
+    }
+    KV_ASSIGN_OR_RETURN(std::string text, ReadFileToString(options.curve_secret_key_file));
+    KV_ASSIGN_OR_RETURN(secret_key, DecodeZ85Key(text, "--kv-events-curve-secret-key-file " +
+                                                           options.curve_secret_key_file));
+    KV_ASSIGN_OR_RETURN(std::string clients, ReadFileToString(options.curve_clients_file));
+    int line_number = 0;
+    for (absl::string_view line : absl::StrSplit(clients, '\n')) {
+      ++line_number;
+      if (absl::StripAsciiWhitespace(line).empty()) continue;
+      KV_ASSIGN_OR_RETURN(
+          std::string key,
+          DecodeZ85Key(line, absl::StrCat("--kv-events-curve-clients-file ",
+                                          options.curve_clients_file, " line ", line_number)));
+      allowed_clients.insert(std::move(key));
+    }
+    if (allowed_clients.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat("--kv-events-curve-clients-file ",
+                                                     options.curve_clients_file,
+                                                     ": no public key in the file"));
+    }
+  }
   auto impl = std::make_unique<Impl>(store, std::move(options));
+  impl->allowed_clients = std::move(allowed_clients);
   impl->context.reset(zmq_ctx_new());
   if (!impl->context) return ZmqError("zmq_ctx_new");
   const int linger = 0, hwm = 100000;
+  if (curve) {
+    // The ZAP handler must listen before any socket takes a handshake.
+    impl->zap.reset(zmq_socket(impl->context.get(), ZMQ_REP));
+    if (!impl->zap) return ZmqError("zmq_socket(REP)");
+    zmq_setsockopt(impl->zap.get(), ZMQ_LINGER, &linger, sizeof(linger));
+    if (zmq_bind(impl->zap.get(), kZapEndpoint) != 0) return ZmqError("kv-events: ZAP bind");
+  }
   impl->pub.reset(zmq_socket(impl->context.get(), ZMQ_PUB));
   if (!impl->pub) return ZmqError("zmq_socket(PUB)");
   zmq_setsockopt(impl->pub.get(), ZMQ_LINGER, &linger, sizeof(linger));
   zmq_setsockopt(impl->pub.get(), ZMQ_SNDHWM, &hwm, sizeof(hwm));
+  if (curve) KV_RETURN_IF_ERROR(impl->MakeCurveServer(impl->pub.get(), secret_key));
   if (zmq_bind(impl->pub.get(), impl->options.endpoint.c_str()) != 0) {
     return ZmqError(absl::StrCat("--kv-events-endpoint: cannot bind ", impl->options.endpoint));
   }
@@ -287,6 +422,7 @@ absl::StatusOr<std::unique_ptr<KvEventPublisher>> KvEventPublisher::Start(CacheS
     impl->replay.reset(zmq_socket(impl->context.get(), ZMQ_ROUTER));
     if (!impl->replay) return ZmqError("zmq_socket(ROUTER)");
     zmq_setsockopt(impl->replay.get(), ZMQ_LINGER, &linger, sizeof(linger));
+    if (curve) KV_RETURN_IF_ERROR(impl->MakeCurveServer(impl->replay.get(), secret_key));
     if (zmq_bind(impl->replay.get(), impl->options.replay_endpoint.c_str()) != 0) {
       return ZmqError(
           absl::StrCat("--kv-events-replay-endpoint: cannot bind ", impl->options.replay_endpoint));
@@ -295,10 +431,21 @@ absl::StatusOr<std::unique_ptr<KvEventPublisher>> KvEventPublisher::Start(CacheS
   Impl* raw = impl.get();
   // The thread takes the sockets over; nothing else touches them until it is joined.
   raw->thread = std::thread([raw] { raw->Run(); });
+  if (curve) raw->zap_thread = std::thread([raw] { raw->ServeZap(); });
+  std::string public_key;
+  if (curve) {
+    char secret_z85[kZ85KeyChars + 1], public_z85[kZ85KeyChars + 1];
+    zmq_z85_encode(secret_z85, reinterpret_cast<const uint8_t*>(secret_key.data()), kKeyBytes);
+    if (zmq_curve_public(public_z85, secret_z85) == 0) public_key = public_z85;
+  }
   KV_LOG(INFO) << "cachestore: kv-events on " << raw->options.endpoint
                << (raw->options.replay_endpoint.empty()
                        ? std::string()
-                       : absl::StrCat(" replay ", raw->options.replay_endpoint));
+                       : absl::StrCat(" replay ", raw->options.replay_endpoint))
+               << (curve ? absl::StrCat(", CURVE (server public key ", public_key, ", ",
+                                        raw->allowed_clients.size(), " subscriber keys)")
+                         : std::string(", plain text (--insecure): anyone who reaches the port "
+                                       "sees every tenant's block activity"));
   return std::unique_ptr<KvEventPublisher>(new KvEventPublisher(std::move(impl)));
 }
 

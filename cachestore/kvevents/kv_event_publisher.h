@@ -18,7 +18,14 @@
 // with sequence >= start as [empty, sequence, payload] (of that topic only, when given), then
 // [empty, -1, ""].
 //
-// One thread owns both sockets and reads CacheStore::EventsSince. Start/destroy from one thread.
+// Authentication: the stream shows every tenant's block activity, so with TLS on (no
+// --insecure) the publisher runs only with ZeroMQ CURVE: the PUB and ROUTER sockets are CURVE
+// servers (--kv-events-curve-secret-key-file, Z85) and a ZAP handler admits only subscribers
+// whose public key is listed in --kv-events-curve-clients-file; anyone else's handshake fails
+// and they receive nothing. Plain ZeroMQ only with --insecure (logged).
+//
+// One thread owns both sockets and reads CacheStore::EventsSince; a second one answers ZAP
+// requests on its own socket. Start/destroy from one thread.
 
 #include <atomic>
 #include <cstdint>
@@ -39,16 +46,25 @@ struct KvEventsOptions {
   int32_t block_size = 16;         // tokens per block, as BlockStored.block_size
   int64_t replay_batches = 10000;  // batches retained for replay (all topics)
   int32_t data_parallel_rank = 0;
+  // ZeroMQ CURVE: this server's secret key (a file holding its 40-character Z85 text) and the
+  // subscribers allowed in (a file with one Z85 public key per line). Both or neither.
+  std::string curve_secret_key_file;
+  std::string curve_clients_file;
+  // The server runs with --insecure: plain ZeroMQ is allowed (without CURVE files).
+  bool insecure = false;
 };
 
 // --kv-events-endpoint, --kv-events-replay-endpoint, --kv-events-model,
-// --kv-events-block-size, --kv-events-replay-batches.
+// --kv-events-block-size, --kv-events-replay-batches, --kv-events-curve-secret-key-file,
+// --kv-events-curve-clients-file (`insecure` comes from the server's --insecure).
 void AddKvEventsFlags(FlagSet& flags, KvEventsOptions* options);
 
 class KvEventPublisher {
  public:
   // Binds the sockets and starts the thread; nullptr when options.endpoint is empty.
-  // InvalidArgument for a bad option, Unavailable when an endpoint cannot be bound.
+  // InvalidArgument for a bad option (an endpoint without CURVE keys unless insecure, a key
+  // that is not Z85), FailedPrecondition when libzmq has no CURVE, Unavailable when an endpoint
+  // cannot be bound.
   // `store` must outlive the publisher.
   static absl::StatusOr<std::unique_ptr<KvEventPublisher>> Start(CacheStore* store,
                                                                  KvEventsOptions options);

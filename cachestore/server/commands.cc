@@ -71,6 +71,7 @@ int RunCacheStoreCommand(const std::vector<std::string>& args) {
           kvrelay::server::ParseCommandLine(flags, args, "cachestore", &host.security)) {
     return *exit_code;
   }
+  kv_events.insecure = host.security.insecure;
   if (node_ttl < absl::Milliseconds(100) || node_ttl > absl::Minutes(10)) {
     return kvrelay::server::UsageError("cachestore", "--node-ttl: want 100ms-10m");
   }

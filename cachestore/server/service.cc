@@ -542,6 +542,13 @@ grpc::Status CacheStoreService::MatchPrefix(grpc::ServerContext* ctx,
     ref->set_tier(static_cast<v1::Tier>(seg.tier));
     ref->set_slot_bytes(seg.slot_bytes);
     ref->set_incarnation(seg.incarnation);
+    // How to read the segment goes only to a registered worker holding a lease on the blocks
+    // (the auth table lets a worker match only as itself).
+    if (!caller.anonymous() && r->lease_id != 0) {
+      ref->mutable_address()->set_kind(seg.transport_kind);
+      ref->mutable_address()->set_address(seg.transport_address);
+      ref->set_memory_key(seg.memory_key);
+    }
   }
   resp->mutable_replica_counts()->Reserve(static_cast<int>(r->blocks.size()));
   resp->mutable_replica_segment()->Reserve(static_cast<int>(r->blocks.size()));
@@ -607,6 +614,7 @@ grpc::Status CacheStoreService::Allocate(grpc::ServerContext* ctx, const v1::All
   args.preferred_node = req->preferred_node();
   args.preferred_tier = static_cast<Tier>(req->preferred_tier());
   args.replicas = req->replicas();
+  args.add_local_replicas = req->add_local_replicas();
   for (const v1::BlockToAllocate& b : req->blocks()) {
     args.blocks.push_back({FromProto(b.hash()), FromProto(b.parent()), b.size_bytes()});
   }

@@ -25,6 +25,7 @@
 #include "cli/up/health_check.h"
 #include "common/file_util.h"
 #include "common/flags.h"
+#include "common/server/server_flags.h"
 #include "kv/hf_config.h"
 
 namespace kvrelay::cli {
@@ -62,16 +63,19 @@ absl::Status WriteText(const std::string& path, const std::string& text) {
 
 // Waits until the gateway reports SERVING and has answered one request (on a tenant of its own,
 // so the run's prefix cache starts cold). Workers register lazily, so health alone is not enough.
+// With TLS the tenant is the credential's, so the warm-up runs as the run's own tenant (its
+// 8-token prompt fills no KV block, so nothing of it is cached).
 absl::Status WaitReady(const std::string& gateway, const GatewayClient& client,
-                       const std::string& model, int32_t vocab, absl::Duration wait) {
+                       const server::SecurityOptions& security, const std::string& model,
+                       int32_t vocab, absl::Duration wait) {
   const absl::Time deadline = absl::Now() + wait;
   absl::Status last = absl::DeadlineExceededError("no attempt");
   while (absl::Now() < deadline) {
-    last = CheckServing(gateway, absl::Seconds(2));
+    last = CheckServing(gateway, absl::Seconds(2), security);
     if (last.ok()) {
       GatewayRequest warmup;
       warmup.model = model;
-      warmup.tenant = "bench-serve-warmup";
+      warmup.tenant = security.insecure ? "bench-serve-warmup" : "";
       for (int32_t i = 0; i < 8; ++i) warmup.generation.tokens.push_back((i * 37 + 11) % vocab);
       warmup.generation.max_tokens = 2;
       absl::StatusOr<GenerationResult> r =
@@ -90,7 +94,8 @@ absl::Status WaitReady(const std::string& gateway, const GatewayClient& client,
 int RunBenchServeCommand(const std::vector<std::string>& args) {
   std::string gateway, trace_path, model_dir, model_name, slo_text, sweep_text, arrival = "poisson";
   std::string json_path, csv_path, plot_path, events_path, start_file, python = "/usr/bin/python3";
-  std::string tenant = "bench", contract_text;
+  std::string tenant = "bench", contract_text, token_file;
+  server::SecurityOptions security;
   double time_scale = 1.0, rate = 0, shared_prefix_ratio = 0, temperature = 0;
   int32_t tokens_per_hash_id = 512, trace_block_tokens = 512, vocab = 0, block_tokens = 16;
   int32_t max_output_tokens = 64, input_tokens = 256, output_tokens = 16, prefix_groups = 4;
@@ -152,7 +157,12 @@ int RunBenchServeCommand(const std::vector<std::string>& args) {
   flags.AddInt64("verify-sample", &verify_sample, "verify this many requests, spread (0 = all)");
   flags.AddInt32("verify-threads", &verify_threads, "compute threads of the reference");
   flags.AddDouble("temperature", &temperature, "sampling temperature (seed = request index)");
-  flags.AddString("tenant", &tenant, "tenant of the requests");
+  flags.AddString("tenant", &tenant,
+                  "tenant of the requests (with --insecure; with TLS it may only repeat the "
+                  "client certificate's or --token-file's tenant, which is the default)");
+  flags.AddString("token-file", &token_file,
+                  "file holding a bearer token (JWT, `kvrelay token`) sent with every request");
+  server::AddSecurityFlags(flags, security);
   flags.AddInt64("seed", &seed, "seed of prompt tokens and synthetic arrivals");
   flags.AddString("json", &json_path, "write the JSON report here ('-' = stdout, no table)");
   flags.AddString("csv", &csv_path, "write one CSV row per request here");
@@ -174,6 +184,17 @@ int RunBenchServeCommand(const std::vector<std::string>& args) {
   flags.AddBool("quiet", &quiet, "no progress line");
   if (std::optional<int> exit_code = ParseCommandLine(flags, args)) return *exit_code;
   if (gateway.empty()) return UsageError("--gateway HOST:PORT is required");
+  // Mutual TLS like `generate` (--tls-cert/--tls-key/--tls-ca), plain text only with --insecure.
+  if (absl::Status s = server::SettleSecurity(flags, security); !s.ok()) {
+    return UsageError(std::string(s.message()));
+  }
+  if (!security.insecure && !flags.WasSet("tenant")) tenant.clear();  // the credential's
+  std::string bearer_token;
+  if (!token_file.empty()) {
+    absl::StatusOr<std::string> text = ReadFileToString(token_file);
+    if (!text.ok()) return UsageError(absl::StrCat("--token-file: ", text.status().message()));
+    bearer_token = std::string(absl::StripAsciiWhitespace(*text));
+  }
   if (max_requests < 1)
     return UsageError(absl::StrCat("--max-requests must be >= 1, got ", max_requests));
   if (max_duration <= absl::ZeroDuration() || max_duration == absl::InfiniteDuration()) {
@@ -304,11 +325,12 @@ int RunBenchServeCommand(const std::vector<std::string>& args) {
   std::vector<std::unique_ptr<GatewayClient>> clients;
   std::vector<const GatewayClient*> client_list;
   for (absl::string_view address : absl::StrSplit(gateway, ',', absl::SkipWhitespace())) {
-    clients.push_back(std::make_unique<GatewayClient>(std::string(address)));
+    clients.push_back(
+        std::make_unique<GatewayClient>(std::string(address), security, bearer_token));
     client_list.push_back(clients.back().get());
     if (wait_ready > absl::ZeroDuration()) {
-      if (absl::Status s =
-              WaitReady(std::string(address), *clients.back(), model_name, vocab, wait_ready);
+      if (absl::Status s = WaitReady(std::string(address), *clients.back(), security, model_name,
+                                     vocab, wait_ready);
           !s.ok()) {
         std::fprintf(stderr, "kvrelay bench-serve: %s\n", s.ToString().c_str());
         return 1;
@@ -325,7 +347,9 @@ int RunBenchServeCommand(const std::vector<std::string>& args) {
     options.max_duration = max_duration;
     options.timeout = timeout;
     options.model = model_name;
-    options.tenant = steps.size() > 1 ? absl::StrCat(tenant, "-rate", i) : tenant;
+    // Each rate of a sweep on its own tenant (a cold cache), where the tenant is ours to name.
+    options.tenant =
+        steps.size() > 1 && security.insecure ? absl::StrCat(tenant, "-rate", i) : tenant;
     options.temperature = static_cast<float>(temperature);
     options.progress = !quiet;
     if (steps[i]) options.label = absl::StrFormat("rate %.3g/s", *steps[i]);

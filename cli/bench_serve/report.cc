@@ -266,7 +266,7 @@ std::string RecordsCsv(const std::vector<RunReport>& runs) {
       "rate,index,trace_line,scheduled_s,send_s,end_s,outcome,cut,ttft_ms,tpot_ms,e2e_ms,"
       "itl_mean_ms,prompt_tokens,cached_tokens,computed_tokens,ideal_cached_tokens,max_tokens,"
       "output_tokens,transferred_bytes,fetched_bytes,attempts,prefill_worker,decode_worker,"
-      "wrong_tokens,error\n";
+      "wrong_tokens,prefix_source,error\n";
   for (const RunReport& run : runs) {
     for (const RequestRecord& r : run.records) {
       double itl = 0;
@@ -280,14 +280,14 @@ std::string RecordsCsv(const std::vector<RunReport>& runs) {
       absl::StrAppend(
           &out,
           absl::StrFormat("%s,%d,%d,%.4f,%.4f,%.4f,%s,%d,%.3f,%.3f,%.3f,%.3f,%d,%d,%d,%d,%d,%d,%d,%"
-                          "d,%d,%s,%s,%d,"
+                          "d,%d,%s,%s,%d,%s,"
                           "\"%s\"\n",
                           run.rate ? absl::StrFormat("%g", *run.rate) : "", r.index, r.trace_line,
                           r.scheduled_s, r.send_s, r.end_s, CodeName(r.code), r.cut ? 1 : 0,
                           r.ttft_ms, r.tpot_ms, r.e2e_ms, itl, r.prompt_tokens, r.cached_tokens,
                           r.computed_tokens, r.ideal_cached_tokens, r.max_tokens, r.output_tokens,
                           r.transferred_bytes, r.fetched_bytes, r.attempts, r.prefill_worker,
-                          r.decode_worker, r.wrong_tokens, error));
+                          r.decode_worker, r.wrong_tokens, r.prefix_source, error));
     }
   }
   return out;

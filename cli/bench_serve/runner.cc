@@ -100,6 +100,7 @@ RequestRecord SendOne(const cli::GatewayClient& client, const WorkloadRequest& w
   r.computed_tokens = result->computed_prompt_tokens;
   r.transferred_bytes = result->transferred_bytes;
   r.fetched_bytes = result->fetched_bytes;
+  r.prefix_source = result->prefix_source;
   r.attempts = result->attempts;
   r.prefill_worker = result->prefill_worker;
   r.decode_worker = result->decode_worker;

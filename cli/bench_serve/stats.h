@@ -37,6 +37,7 @@ struct RequestRecord {
   int64_t ideal_cached_tokens = 0;
   int64_t transferred_bytes = 0;  // KV pushed prefill -> decode
   int64_t fetched_bytes = 0;      // KV fetched for prefix reuse
+  std::string prefix_source;      // GenerateSummary.prefix_source
   int32_t attempts = 0;
   std::string prefill_worker, decode_worker;
   std::vector<int32_t> tokens;  // streamed tokens (kept for --verify)

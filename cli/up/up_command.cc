@@ -174,9 +174,9 @@ int RunUpCommand(const std::vector<std::string>& args) {
   if (!model_dir.empty() && flags.WasSet("arch")) {
     return UsageError("give --model DIR or --arch A, not both");
   }
-  if (model_dir.empty() && (!model::TestModelPreset(arch).ok() || arch == "mamba")) {
+  if (model_dir.empty() && !model::TestModelPreset(arch).ok()) {
     return UsageError(
-        absl::StrCat("--arch must be llama, deepseek_v3, gemma3 or gpt2, got '", arch, "'"));
+        absl::StrCat("--arch must be llama, deepseek_v3, gemma3, gpt2 or mamba, got '", arch, "'"));
   }
 
   // Before any thread exists: the supervisor blocks SIGINT/SIGTERM/SIGCHLD process-wide.

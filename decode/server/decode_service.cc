@@ -41,8 +41,7 @@ grpc::Status DecodeService::Release(grpc::ServerContext* context,
       !allowed.ok()) {
     return proto::ToGrpcStatus(allowed);
   }
-  worker_->Release(request->request_id());
-  return grpc::Status::OK;
+  return proto::ToGrpcStatus(worker_->Release(request->request_id(), request->reservation_token()));
 }
 
 grpc::Status DecodeService::Status(grpc::ServerContext* context,

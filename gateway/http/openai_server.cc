@@ -454,6 +454,10 @@ void OpenAiHttpServer::Routes() {
       for (int32_t t : p.prompt) request->add_tokens(t);
       request->set_model(options_.model_name);
       request->set_tenant(*tenant);
+      // Over HTTP the only credential is the verified bearer token: its subject is the client
+      // of the per-client quotas (none in --insecure mode).
+      const std::string client =
+          options_.security.insecure ? std::string() : absl::StrCat("bearer:", *tenant);
       request->set_max_tokens(p.max_tokens);
       request->mutable_sampling()->set_temperature(p.temperature);
       request->mutable_sampling()->set_top_p(p.top_p);
@@ -500,7 +504,7 @@ void OpenAiHttpServer::Routes() {
               text += tracker.Add(r.tokens());
               return !tracker.stopped();
             },
-            [] { return false; });
+            [] { return false; }, client);
         if (!s.ok()) {
           SendError(res, FromStatus(s));
           return;
@@ -523,8 +527,9 @@ void OpenAiHttpServer::Routes() {
 
       res.set_header("Cache-Control", "no-cache");
       res.set_chunked_content_provider("text/event-stream", [this, request, p, id, created, chat,
-                                                             deadline, choice_json, finish_reason](
-                                                                size_t, httplib::DataSink& sink) {
+                                                             deadline, choice_json, finish_reason,
+                                                             client](size_t,
+                                                                     httplib::DataSink& sink) {
         const std::string chunk_object = chat ? "chat.completion.chunk" : "text_completion";
         bool client_gone = false;
         bool first = true;
@@ -561,7 +566,7 @@ void OpenAiHttpServer::Routes() {
               first = false;
               return !tracker.stopped();
             },
-            [&client_gone] { return client_gone; });
+            [&client_gone] { return client_gone; }, client);
         if (client_gone) return false;
         if (!s.ok()) {
           // Headers are gone already: the error travels as an event, as OpenAI does.

@@ -3,6 +3,8 @@
 #include "gateway/server/command.h"
 
 #include <cstdio>
+#include <tuple>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -18,6 +20,12 @@
 #include "gateway/tenant_auth.h"
 
 namespace kvrelay::gateway::server {
+namespace {
+// Bounds of the quota flags: beyond them a "limit" limits nothing a gateway could serve.
+constexpr int64_t kMaxInFlightQuota = 100000;
+constexpr int64_t kMaxReservedTokensQuota = int64_t{1} << 32;
+}  // namespace
+
 int RunGatewayCommand(const std::vector<std::string>& raw_args) {
   kvrelay::server::ServiceHost::BlockShutdownSignals();
   GatewayOptions options;
@@ -49,7 +57,19 @@ int RunGatewayCommand(const std::vector<std::string>& raw_args) {
                   "certificates");
   flags.AddInt32("max-inflight-per-tenant", &options.max_inflight_per_tenant,
                  "requests one tenant may have in flight (0: no limit)");
+  flags.AddInt32("max-inflight-per-client", &options.max_inflight_per_client,
+                 "requests one client may have in flight: its certificate's SPIFFE id, or over "
+                 "HTTP its bearer token's subject (0: no limit; not applied with --insecure)");
+  flags.AddInt64("max-reserved-tokens-per-tenant", &options.max_reserved_tokens_per_tenant,
+                 "decode KV one tenant may hold reserved at once, in tokens (prompt + "
+                 "max_tokens per reservation, held until the decode worker streams; 0: no "
+                 "limit)");
+  flags.AddInt64("max-reserved-tokens-per-client", &options.max_reserved_tokens_per_client,
+                 "decode KV one client may hold reserved at once, in tokens (0: no limit)");
   flags.AddInt32("max-attempts", &options.max_attempts, "failed worker pairs tried per request");
+  flags.AddBool("prefix-routing", &options.prefix_routing,
+                "route to the prefill node holding the prompt's prefix when its queue is worth it "
+                "(false: by load alone; workers pull or recompute what others hold)");
   flags.AddDuration("reserve-timeout", &options.reserve_timeout,
                     "per-attempt bound on a decode worker's Reserve");
   flags.AddDuration("prefill-timeout", &options.prefill_timeout,
@@ -116,8 +136,17 @@ int RunGatewayCommand(const std::vector<std::string>& raw_args) {
     }
     options.tenant_secret = std::string(absl::StripAsciiWhitespace(*secret));
   }
-  if (options.max_inflight_per_tenant < 0) {
-    return kvrelay::server::UsageError("gateway", "--max-inflight-per-tenant must be >= 0");
+  for (const auto& [flag, value, bound] : std::vector<std::tuple<const char*, int64_t, int64_t>>{
+           {"--max-inflight-per-tenant", options.max_inflight_per_tenant, kMaxInFlightQuota},
+           {"--max-inflight-per-client", options.max_inflight_per_client, kMaxInFlightQuota},
+           {"--max-reserved-tokens-per-tenant", options.max_reserved_tokens_per_tenant,
+            kMaxReservedTokensQuota},
+           {"--max-reserved-tokens-per-client", options.max_reserved_tokens_per_client,
+            kMaxReservedTokensQuota}}) {
+    if (value < 0 || value > bound) {
+      return kvrelay::server::UsageError(
+          "gateway", absl::StrCat(flag, " must be in [0, ", bound, "], got ", value));
+    }
   }
   std::unique_ptr<TenantTokenVerifier> verifier;
   if (!token_keys_file.empty()) {

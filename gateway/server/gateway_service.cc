@@ -24,10 +24,14 @@ grpc::Status GatewayService::Generate(grpc::ServerContext* context,
     authenticated.set_tenant(*tenant);
     request = &authenticated;
   }
+  // The per-client quotas count by the caller's certificate (one client process), whatever
+  // tenant its bearer tokens name; --insecure callers have no identity.
+  const std::string client =
+      peer->authenticated ? kvrelay::server::SpiffeUri(peer->role, peer->id) : std::string();
   return proto::ToGrpcStatus(gateway_->Generate(
       *request, absl::FromChrono(context->deadline()),
       [writer](const kvrelay::v1::GenerateResponse& response) { return writer->Write(response); },
-      [context] { return context->IsCancelled(); }));
+      [context] { return context->IsCancelled(); }, client));
 }
 
 }  // namespace kvrelay::gateway::server

@@ -23,6 +23,11 @@ int RunPrefillCommand(const std::vector<std::string>& raw_args) {
   FlagSet flags("prefill", "Runs a prefill worker: computes or reuses KV, pushes it to decode.");
   worker::WorkerFlags worker_flags(host, options.core, options.model_name);
   worker_flags.AddFlags(flags);
+  flags.AddBool("pull-remote-prefix", &options.pull_remote_prefix,
+                "pull cached prefix blocks held on other nodes when the cost model says it beats "
+                "recomputing them (false: always recompute them)");
+  flags.AddDuration("fetch-timeout", &options.fetch_timeout,
+                    "how long a pull from another node may take before the rest is recomputed");
   if (std::optional<int> exit_code =
           worker_flags.Parse(flags, raw_args, /*cachestore_required=*/true)) {
     return *exit_code;

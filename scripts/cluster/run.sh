@@ -19,6 +19,8 @@
 #   --model DIR | --arch A                model to serve (default: a generated tiny llama)
 #   --threads N                           compute threads per worker (default 1)
 #   --pool-blocks N --cache-slots N       per-worker KV slots (default 1024 / 4096)
+#   --prefill-args A --decode-args A      extra flags for every prefill / decode worker / gateway
+#   --gateway-args A                      (e.g. --gateway-args '--prefix-routing=false')
 #   --fault 'at=20s kill decode-1'        repeatable; also 'at=T stop NODE for D', 'at=T cut NODE
 #                                         for D' (link down), 'at=T shape NODE 200mbit' (tc tbf,
 #                                         both directions, until the end), 'at=T restart NODE',
@@ -46,6 +48,7 @@ BIN=${KVRELAY_BIN_DIR:-$ROOT/build/bin}
 KVRELAY="$BIN/kvrelay"
 PREFILL=2 DECODE=2 GATEWAYS=1 THREADS=1 POOL_BLOCKS=1024 CACHE_SLOTS=4096
 SPARE_PREFILL=0 SPARE_DECODE=0 FIXED_WORKERS=0
+PREFILL_ARGS="" DECODE_ARGS="" GATEWAY_ARGS=""
 MODEL="" ARCH=llama OUT="" SUBNET=10.77.0 EXTERNAL="" PRINT_ONLY=0 ID="kvr$$"
 FAULTS=()
 BENCH_ARGS=()
@@ -64,6 +67,9 @@ while (($#)); do
     --threads) THREADS=$2; shift 2 ;;
     --pool-blocks) POOL_BLOCKS=$2; shift 2 ;;
     --cache-slots) CACHE_SLOTS=$2; shift 2 ;;
+    --prefill-args) PREFILL_ARGS=$2; shift 2 ;;
+    --decode-args) DECODE_ARGS=$2; shift 2 ;;
+    --gateway-args) GATEWAY_ARGS=$2; shift 2 ;;
     --fault) FAULTS+=("$2"); shift 2 ;;
     --out) OUT=$2; shift 2 ;;
     --subnet) SUBNET=$2; shift 2 ;;
@@ -137,19 +143,19 @@ node_args() {
     prefill-*) echo "prefill --host $a --port 7100 --metrics-port 0 --transport-host $a" \
                     "--transport-port 7300 --cachestore $STORE --model $MODEL --node-id $name" \
                     "--threads $THREADS --pool-blocks $POOL_BLOCKS --cache-slots $CACHE_SLOTS" \
-                    "--insecure" ;;
+                    "--insecure $PREFILL_ARGS" ;;
     decode-*) echo "decode --host $a --port 7200 --metrics-port 0 --transport-host $a" \
                    "--transport-port 7300 --cachestore $STORE --model $MODEL --node-id $name" \
                    "--threads $THREADS --pool-blocks $POOL_BLOCKS --cache-slots $CACHE_SLOTS" \
-                   "--insecure" ;;
+                   "--insecure $DECODE_ARGS" ;;
     gateway-*)
       if ((FIXED_WORKERS)); then
         echo "gateway --host $a --port 8000 --metrics-port 0 --cachestore $STORE" \
              "--prefill $(prefill_list) --decode $(decode_list) --model $MODEL" \
-             "--tenant-secret-file $OUT/tenant-secret --insecure"
+             "--tenant-secret-file $OUT/tenant-secret --insecure $GATEWAY_ARGS"
       else  # workers are discovered from the store's registry
         echo "gateway --host $a --port 8000 --metrics-port 0 --cachestore $STORE --model $MODEL" \
-             "--tenant-secret-file $OUT/tenant-secret --insecure"
+             "--tenant-secret-file $OUT/tenant-secret --insecure $GATEWAY_ARGS"
       fi ;;
   esac
 }
@@ -167,7 +173,7 @@ if ((PRINT_ONLY)); then
     [[ $name == client || $name == dup ]] && continue
     echo "# $name (${ADDR[$name]}): UCX_TLS=tcp kvrelay $(node_args "$name")"
   done
-  echo "# client: kvrelay bench-serve --gateway $(gateway_list) --model $MODEL ${BENCH_ARGS[*]}"
+  echo "# client: kvrelay bench-serve --gateway $(gateway_list) --model $MODEL --insecure ${BENCH_ARGS[*]}"
   exit 0
 fi
 
@@ -402,7 +408,7 @@ done
 # --- the load ----------------------------------------------------------------------------------
 set +e
 ip netns exec "$ID-client" "$KVRELAY" bench-serve --gateway "$(gateway_list)" --model "$MODEL" \
-  --wait-ready 60s --start-file "$START_FILE" --events "$EVENTS" --json "$OUT/report.json" \
+  --insecure --wait-ready 60s --start-file "$START_FILE" --events "$EVENTS" --json "$OUT/report.json" \
   --csv "$OUT/requests.csv" --plot "$OUT/plot.png" "${BENCH_ARGS[@]}"
 rc=$?
 set -e

@@ -12,6 +12,9 @@ Client algorithm (what a router does with vLLM's publisher):
   ([b"", start, topic] -> [b"", seq, payload]... [b"", -1, b""]);
   after every (re)connection (socket monitor), every known topic is replayed from 0, which
   also covers a publisher restart (sequences start again at 0 with each node's full state).
+With --curve-server-key (the publisher's Z85 public key) and --curve-client-key-file (this
+subscriber's Z85 public key, then its secret key, one per line) both sockets are ZeroMQ CURVE
+clients; handshakes the publisher refuses are counted in "handshake_failures".
 """
 import argparse
 import json
@@ -35,16 +38,31 @@ class Subscriber:
     def __init__(self, args):
         self.args = args
         self.ctx = zmq.Context()
+        self.curve = None
+        if args.curve_server_key:
+            with open(args.curve_client_key_file) as f:
+                public, secret = f.read().split()[:2]
+            self.curve = (args.curve_server_key.encode(), public.encode(), secret.encode())
         self.sub = self.ctx.socket(zmq.SUB)
+        self.secure(self.sub)
         self.sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
         self.monitor = self.sub.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
         self.sub.connect(args.endpoint)
+        self.handshake_failures = 0
         self.nodes = {}   # node -> set of hashes
         self.last = {}    # topic -> last applied sequence
         self.batches = 0
         self.replays = 0
         self.errors = []
+
+    def secure(self, socket):
+        if self.curve:
+            server, public, secret = self.curve
+            socket.curve_serverkey = server
+            socket.curve_publickey = public
+            socket.curve_secretkey = secret
 
     def error(self, message):
         if len(self.errors) < 50:
@@ -116,6 +134,7 @@ class Subscriber:
         self.replays += 1
         dealer = self.ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        self.secure(dealer)
         dealer.connect(self.args.replay)
         dealer.send_multipart([b"", start.to_bytes(8, "big"), topic.encode()])
         while True:
@@ -159,7 +178,8 @@ class Subscriber:
 
     def dump(self):
         state = {"nodes": {n: sorted(str(h) for h in b) for n, b in self.nodes.items()},
-                 "batches": self.batches, "replays": self.replays, "errors": self.errors}
+                 "batches": self.batches, "replays": self.replays, "errors": self.errors,
+                 "handshake_failures": self.handshake_failures}
         tmp = self.args.state + ".tmp"
         with open(tmp, "w") as f:
             json.dump(state, f, sort_keys=True)
@@ -179,6 +199,9 @@ class Subscriber:
                 if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     self.on_connected()
                     changed = True
+                elif event["event"] != zmq.EVENT_DISCONNECTED:
+                    self.handshake_failures += 1
+                    changed = True
             if self.sub in ready:
                 while self.sub.poll(0):
                     self.on_live(self.sub.recv_multipart())
@@ -193,6 +216,8 @@ def main():
     parser.add_argument("--replay", required=True)
     parser.add_argument("--model", default="kvrelay")
     parser.add_argument("--state", required=True)
+    parser.add_argument("--curve-server-key", default="")
+    parser.add_argument("--curve-client-key-file", default="")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     Subscriber(args).run()

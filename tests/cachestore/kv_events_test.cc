@@ -53,6 +53,7 @@ class KvEventsTest : public ::testing::Test {
         // An expired node is forgotten (AllBlocksCleared) at once.
         "--suspect-grace", "0s", "--kv-events-endpoint", pub_, "--kv-events-replay-endpoint",
         replay_, "--kv-events-model", "tiny-llama", "--insecure"};
+    argv.insert(argv.end(), store_args_.begin(), store_args_.end());
     KV_ASSERT_OK_AND_ASSIGN(store_, ChildProcess::Start(argv));
     KV_ASSERT_OK_AND_ASSIGN(std::string line,
                             store_->WaitForOutput("cachestore listening on", absl::Seconds(30)));
@@ -143,7 +144,21 @@ class KvEventsTest : public ::testing::Test {
     EXPECT_TRUE(state["errors"].empty()) << state["errors"].dump();
   }
 
+  // The subscriber script with `extra` flags, writing its state to `state`.
+  absl::StatusOr<std::unique_ptr<ChildProcess>> StartSubscriber(
+      const std::string& state, const std::vector<std::string>& extra = {}) {
+    std::vector<std::string> argv = {
+        "/usr/bin/python3", testing::SourceDir() + "/tests/cachestore/kv_events_subscriber.py",
+        "--endpoint",       pub_,
+        "--replay",         replay_,
+        "--model",          "tiny-llama",
+        "--state",          state};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    return ChildProcess::Start(argv);
+  }
+
   testing::TempDir dir_;
+  std::vector<std::string> store_args_;
   std::string pub_, replay_;
   std::unique_ptr<ChildProcess> store_, subscriber_;
   std::unique_ptr<CacheStoreClient> client_;
@@ -194,6 +209,65 @@ TEST_F(KvEventsTest, SubscriberRebuildsTheIndexAcrossExpiryAndRestart) {
   EXPECT_GE(state["replays"].get<int>(), 2);  // the restart was replayed, not guessed
 }
 
+// With CURVE only subscribers whose public key is listed see anything: one with another key, or
+// a plain-text one, fails the handshake and receives no batch; a listed one follows the index.
+TEST_F(KvEventsTest, CurveAdmitsOnlyListedSubscribers) {
+  // Keys from python3-zmq (libzmq's zmq_curve_keypair): server, subscriber, intruder.
+  KV_ASSERT_OK_AND_ASSIGN(
+      testing::CommandResult keys,
+      testing::RunCommand({"/usr/bin/python3", "-c",
+                           "import zmq\n"
+                           "for _ in range(3):\n"
+                           "  p, s = zmq.curve_keypair(); print(p.decode(), s.decode())"}));
+  ASSERT_EQ(keys.exit_code, 0) << keys.stderr_text;
+  std::vector<std::string> words =
+      absl::StrSplit(keys.stdout_text, absl::ByAnyChar(" \n"), absl::SkipEmpty());
+  ASSERT_EQ(words.size(), 6u) << keys.stdout_text;
+  const std::string server_public = words[0];
+  ASSERT_THAT(WriteFileAtomically(dir_.File("server.key"), words[1] + "\n"), IsOk());
+  ASSERT_THAT(WriteFileAtomically(dir_.File("clients"), "\n" + words[2] + "\n"), IsOk());
+  ASSERT_THAT(WriteFileAtomically(dir_.File("subscriber.keys"), words[2] + "\n" + words[3]),
+              IsOk());
+  ASSERT_THAT(WriteFileAtomically(dir_.File("intruder.keys"), words[4] + "\n" + words[5]), IsOk());
+  store_args_ = {"--kv-events-curve-secret-key-file", dir_.File("server.key"),
+                 "--kv-events-curve-clients-file", dir_.File("clients")};
+  StartStore();
+  if (HasFatalFailure()) return;
+  KV_ASSERT_OK_AND_ASSIGN(
+      subscriber_, StartSubscriber(dir_.File("state.json"),
+                                   {"--curve-server-key", server_public, "--curve-client-key-file",
+                                    dir_.File("subscriber.keys")}));
+  KV_ASSERT_OK_AND_ASSIGN(std::unique_ptr<ChildProcess> intruder,
+                          StartSubscriber(dir_.File("intruder.json"),
+                                          {"--curve-server-key", server_public,
+                                           "--curve-client-key-file", dir_.File("intruder.keys")}));
+  KV_ASSERT_OK_AND_ASSIGN(std::unique_ptr<ChildProcess> plain,
+                          StartSubscriber(dir_.File("plain.json")));
+  for (ChildProcess* p : {subscriber_.get(), intruder.get(), plain.get()}) {
+    ASSERT_THAT(p->WaitForOutput("subscriber ready", absl::Seconds(30)), IsOk());
+  }
+  Register("prefill-a", 60000);
+  Store(Chain("tenant-1", 3, 0), "prefill-a");
+  Store(Chain("tenant-2", 2, 0), "prefill-a");
+  ExpectSubscriberConverges();
+  for (const std::string name : {"intruder.json", "plain.json"}) {
+    absl::StatusOr<std::string> text = ReadFileToString(dir_.File(name));
+    ASSERT_THAT(text, IsOk()) << name;
+    nlohmann::json state = nlohmann::json::parse(*text, nullptr, false);
+    ASSERT_TRUE(state.is_object()) << *text;
+    EXPECT_EQ(state["batches"].get<int>(), 0) << name << " received events";
+    EXPECT_TRUE(state["nodes"].empty()) << name << ": " << *text;
+    // Its handshakes were refused (it retries, so at least one failure is recorded by now).
+    for (int i = 0; i < 100 && state["handshake_failures"].get<int>() == 0; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      text = ReadFileToString(dir_.File(name));
+      if (text.ok()) state = nlohmann::json::parse(*text, nullptr, false);
+    }
+    EXPECT_GT(state["handshake_failures"].get<int>(), 0) << name << ": " << *text;
+  }
+  EXPECT_THAT(store_->Stderr(), ::testing::HasSubstr("its CURVE key is not listed"));
+}
+
 TEST_F(KvEventsTest, BadFlagsAreRefused) {
   absl::StatusOr<testing::CommandResult> r =
       testing::RunCommand({testing::BinaryPath("kvrelay"), "cachestore", "--port", "0",
@@ -206,6 +280,38 @@ TEST_F(KvEventsTest, BadFlagsAreRefused) {
   ASSERT_THAT(r, IsOk());
   EXPECT_EQ(r->exit_code, 2);
   EXPECT_THAT(r->stderr_text, ::testing::HasSubstr("needs --kv-events-endpoint"));
+  // A malformed CURVE key, and a client list without the server key.
+  ASSERT_THAT(WriteFileAtomically(dir_.File("short.key"), "too-short\n"), IsOk());
+  r = testing::RunCommand({testing::BinaryPath("kvrelay"), "cachestore", "--port", "0",
+                           "--kv-events-endpoint", pub_, "--kv-events-curve-secret-key-file",
+                           dir_.File("short.key"), "--kv-events-curve-clients-file",
+                           dir_.File("short.key"), "--insecure"});
+  ASSERT_THAT(r, IsOk());
+  EXPECT_EQ(r->exit_code, 2);
+  EXPECT_THAT(r->stderr_text, ::testing::HasSubstr("40 characters of Z85, got 9"));
+  r = testing::RunCommand({testing::BinaryPath("kvrelay"), "cachestore", "--port", "0",
+                           "--kv-events-endpoint", pub_, "--kv-events-curve-clients-file",
+                           dir_.File("short.key"), "--insecure"});
+  ASSERT_THAT(r, IsOk());
+  EXPECT_EQ(r->exit_code, 2);
+  EXPECT_THAT(r->stderr_text, ::testing::HasSubstr("go together"));
+}
+
+// With TLS on (no --insecure) the store does not publish every tenant's activity in plain text.
+TEST_F(KvEventsTest, WithTlsThePublisherNeedsCurve) {
+  const std::string certs = dir_.File("certs");
+  absl::StatusOr<testing::CommandResult> made = testing::RunCommand(
+      {"/bin/bash", testing::SourceDir() + "/scripts/certs.sh", certs, "store/cachestore"});
+  ASSERT_THAT(made, IsOk());
+  ASSERT_EQ(made->exit_code, 0) << made->stderr_text;
+  absl::StatusOr<testing::CommandResult> r = testing::RunCommand(
+      {testing::BinaryPath("kvrelay"), "cachestore", "--port", "0", "--metrics-port", "0",
+       "--tls-cert", certs + "/store-cachestore.pem", "--tls-key", certs + "/store-cachestore.key",
+       "--tls-ca", certs + "/ca.pem", "--kv-events-endpoint", pub_});
+  ASSERT_THAT(r, IsOk());
+  EXPECT_EQ(r->exit_code, 2);
+  EXPECT_THAT(r->stderr_text, ::testing::HasSubstr("--kv-events-curve-secret-key-file"));
+  EXPECT_THAT(r->stderr_text, ::testing::HasSubstr("or run with --insecure"));
 }
 
 }  // namespace

@@ -79,7 +79,7 @@ TEST(DecodeWorkerKilled, RequestsFailOverOthersUnaffectedStoreDropsBlocks) {
   }
   std::vector<kv::BlockHash> victim_chain;  // blocks a warm-up request left on decode-1
   const std::string salt = gateway::DeriveTenantSalt(secret, "failover");
-  const kv::ModelLayout& layout = reference->runner().layout();
+  const kv::ModelLayout& layout = reference->config().layout;
   std::vector<absl::StatusOr<cli::GenerationResult>> warm =
       GenerateConcurrently(cluster->gateway(), warmup, absl::Seconds(60));
   for (size_t i = 0; i < warm.size(); ++i) {

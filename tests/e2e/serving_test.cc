@@ -1,12 +1,13 @@
 // End to end on real processes (`kvrelay up`: cache store, 1 prefill worker, 2 decode workers
 // and a gateway, UCX on loopback): disaggregated tokens equal co-located tokens for a GQA
-// (llama), an MLA (deepseek_v3), a sliding-window (gemma3) and an MHA (gpt2) model under 16
-// concurrent requests; a shared prefix is reused, not recomputed; the KV bytes moved are exactly
-// the layout's; bad input is INVALID_ARGUMENT and the servers keep serving; the CLI client agrees
-// with the co-located reference; seeded sampling draws the same tokens as co-located.
+// (llama), an MLA (deepseek_v3), a sliding-window (gemma3), an MHA (gpt2) and an SSM (mamba)
+// model under 16 concurrent requests; a shared prefix is reused, not recomputed; the KV bytes moved
+// are exactly the layout's; bad input is INVALID_ARGUMENT and the servers keep serving; the CLI
+// client agrees with the co-located reference; seeded sampling draws the same tokens as co-located.
 
 #include <algorithm>
 #include <atomic>
+#include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -132,7 +133,7 @@ TEST_P(Disaggregated, TokensEqualColocatedUnder16ConcurrentRequests) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, Disaggregated,
-                         ::testing::Values("llama", "deepseek_v3", "gemma3", "gpt2"),
+                         ::testing::Values("llama", "deepseek_v3", "gemma3", "gpt2", "mamba"),
                          [](const ::testing::TestParamInfo<std::string>& info) {
                            return info.param;
                          });
@@ -242,7 +243,6 @@ TEST(BytesOnTheWire, EqualTheLayoutBytesOfThePushedTokens) {
     };
     cli::GatewayClient client(e->cluster->gateway());
     for (const auto& [prompt_tokens, pushed_blocks] : {std::pair{100, 6}, std::pair{96, 5}}) {
-      const int64_t expected = pushed_blocks * block_bytes;
       for (int round = 0; round < 2; ++round) {  // cold, then every pushed block from the cache
         SCOPED_TRACE(absl::StrCat(prompt_tokens, " tokens, round ", round));
         const double before = received();
@@ -250,8 +250,11 @@ TEST(BytesOnTheWire, EqualTheLayoutBytesOfThePushedTokens) {
                                 client.Generate(Request(RandomPrompt(prompt_tokens, 500), 4,
                                                         absl::StrCat("bytes-", prompt_tokens)),
                                                 kRequestTimeout));
-        EXPECT_EQ(r.transferred_bytes, expected);
-        EXPECT_EQ(received() - before, static_cast<double>(expected));
+        // The second round goes to the decode worker that kept the blocks: nothing moves.
+        EXPECT_EQ(r.decode_held_blocks, round == 0 ? 0 : pushed_blocks);
+        const int64_t moved = (pushed_blocks - r.decode_held_blocks) * block_bytes;
+        EXPECT_EQ(r.transferred_bytes, moved);
+        EXPECT_EQ(received() - before, static_cast<double>(moved));
         EXPECT_EQ(r.prefix_hit_tokens, round == 0 ? 0 : pushed_blocks * 16);
       }
     }
@@ -412,6 +415,7 @@ TEST(TransfersOnlyWhereTheyBelong, PrefillNamingAnotherRequestsSlotsIsRefused) {
         context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
         v1::ReleaseRequest release;
         release.set_request_id(reserve.request_id());
+        release.set_reservation_token(own.reservation_token());
         v1::ReleaseResponse ignored;
         (void)decode_stub->Release(&context, release, &ignored);
       }
@@ -484,6 +488,209 @@ TEST(GenerateCommand, GatewayJsonMatchesColocated) {
   EXPECT_THAT(bad.stderr_text, HasSubstr("INVALID_ARGUMENT"));
 }
 
+// Every architecture, on real processes: a prompt sharing a cached prefix reuses it, the
+// prefill worker computes only the blocks after it, and the tokens equal co-located. For Mamba
+// the reuse is a state checkpoint: the prefill worker resumes from the checkpoint after the
+// last matched block and computes only what follows.
+class PrefixReuse : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(PrefixReuse, ComputesOnlyTheNewBlocksAndChangesNoToken) {
+  KV_ASSERT_OK_AND_ASSIGN(Clusters::Entry * e, Clusters::Get()->For(GetParam()));
+  KV_ASSERT_OK_AND_ASSIGN(ServiceInfo prefill, e->cluster->Service("prefill-0"));
+  cli::GatewayClient client(e->cluster->gateway());
+  const std::string tenant = absl::StrCat("reuse-", GetParam());
+  auto computed_by_prefill = [&]() -> double {
+    absl::StatusOr<double> v =
+        ScrapeMetric(prefill.metrics_address, "kvrelay_prefill_computed_tokens_total");
+    EXPECT_TRUE(v.ok()) << v.status();
+    return v.ok() ? *v : -1;
+  };
+  const std::vector<int32_t> first = RandomPrompt(120, 4100);
+  KV_ASSERT_OK_AND_ASSIGN(cli::GenerationResult cold,
+                          client.Generate(Request(first, 6, tenant), kRequestTimeout));
+  EXPECT_EQ(cold.prefix_hit_tokens, 0);
+  KV_ASSERT_OK_AND_ASSIGN(cli::GenerationResult cold_expected,
+                          e->reference->Generate(Request(first, 6).generation));
+  EXPECT_EQ(cold.tokens, cold_expected.tokens);
+
+  // Shares 100 tokens (6 full blocks, 96 tokens) and goes on to 150: 9 full blocks pushed, the
+  // prefill worker computes blocks 6..8 (48 tokens), the decode worker the 6-token tail.
+  std::vector<int32_t> second(first.begin(), first.begin() + 100);
+  for (int32_t t : RandomPrompt(50, 4101)) second.push_back(t);
+  double before = computed_by_prefill();
+  KV_ASSERT_OK_AND_ASSIGN(cli::GenerationResult warm,
+                          client.Generate(Request(second, 6, tenant), kRequestTimeout));
+  EXPECT_EQ(warm.prefix_hit_tokens, 96);
+  EXPECT_EQ(warm.computed_prompt_tokens, 150 - 96);
+  EXPECT_EQ(computed_by_prefill() - before, 48.0);
+  KV_ASSERT_OK_AND_ASSIGN(cli::GenerationResult warm_expected,
+                          e->reference->Generate(Request(second, 6).generation));
+  EXPECT_EQ(warm.tokens, warm_expected.tokens);
+
+  // A prompt inside the cached one: every pushed block is cached, nothing is computed by the
+  // prefill worker (Mamba: the checkpoint after block 5 is what is pushed).
+  const std::vector<int32_t> inside(first.begin(), first.begin() + 97);
+  before = computed_by_prefill();
+  KV_ASSERT_OK_AND_ASSIGN(cli::GenerationResult hit,
+                          client.Generate(Request(inside, 6, tenant), kRequestTimeout));
+  EXPECT_EQ(hit.prefix_hit_tokens, 96);
+  EXPECT_EQ(computed_by_prefill() - before, 0.0);
+  KV_ASSERT_OK_AND_ASSIGN(cli::GenerationResult hit_expected,
+                          e->reference->Generate(Request(inside, 6).generation));
+  EXPECT_EQ(hit.tokens, hit_expected.tokens);
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, PrefixReuse,
+                         ::testing::Values("deepseek_v3", "gemma3", "gpt2", "mamba"),
+                         [](const ::testing::TestParamInfo<std::string>& info) {
+                           return info.param;
+                         });
+
+// prefill(n) + decode(k) == prefill(n + k), through the cluster: the k-th token a request of n
+// prompt tokens decodes equals the first token of a request whose prompt is those n tokens
+// followed by the first k - 1 generated ones (prefilled, not decoded).
+class PrefillThenDecode : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(PrefillThenDecode, EqualsTheLongerPrefill) {
+  KV_ASSERT_OK_AND_ASSIGN(Clusters::Entry * e, Clusters::Get()->For(GetParam()));
+  cli::GatewayClient client(e->cluster->gateway());
+  for (const int n : {21, 64, 90}) {
+    SCOPED_TRACE(absl::StrCat(n, " prompt tokens"));
+    const std::vector<int32_t> prompt = RandomPrompt(n, 4200 + n);
+    KV_ASSERT_OK_AND_ASSIGN(cli::GenerationResult decoded,
+                            client.Generate(Request(prompt, 8, "extend"), kRequestTimeout));
+    ASSERT_EQ(decoded.tokens.size(), 8u);
+    for (const int k : {2, 5, 8}) {
+      std::vector<int32_t> longer = prompt;
+      longer.insert(longer.end(), decoded.tokens.begin(), decoded.tokens.begin() + (k - 1));
+      KV_ASSERT_OK_AND_ASSIGN(cli::GenerationResult prefilled,
+                              client.Generate(Request(longer, 1, "extend"), kRequestTimeout));
+      ASSERT_EQ(prefilled.tokens.size(), 1u);
+      EXPECT_EQ(prefilled.tokens[0], decoded.tokens[k - 1]) << "k = " << k;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, PrefillThenDecode,
+                         ::testing::Values("llama", "deepseek_v3", "gemma3", "gpt2", "mamba"),
+                         [](const ::testing::TestParamInfo<std::string>& info) {
+                           return info.param;
+                         });
+
+double ReceivedByDecodeWorkers(LocalCluster& cluster) {
+  double sum = 0;
+  for (const char* name : {"decode-0", "decode-1"}) {
+    absl::StatusOr<ServiceInfo> d = cluster.Service(name);
+    EXPECT_TRUE(d.ok());
+    if (!d.ok()) continue;
+    absl::StatusOr<double> v =
+        ScrapeMetric(d->metrics_address, "kvrelay_decode_received_kv_bytes_total");
+    EXPECT_TRUE(v.ok() || absl::IsNotFound(v.status())) << v.status();
+    if (v.ok()) sum += *v;
+  }
+  return sum;
+}
+
+// Mamba moves its recurrent state, not per-token KV: every request of more than one block
+// moves exactly the layout's one state (layers x intermediate x (conv_kernel + state_size) x
+// dtype), whatever its length, cold or resumed from a checkpoint; a prompt of one block or less
+// moves nothing (the decode worker computes it).
+TEST(MambaState, BytesMovedPerRequestAreConstantAndEqualTheLayout) {
+  KV_ASSERT_OK_AND_ASSIGN(Clusters::Entry * e, Clusters::Get()->For("mamba"));
+  const kv::ModelConfig& c = e->config;
+  const int64_t state_bytes = e->config.layout.BlockBytes(0);
+  EXPECT_EQ(state_bytes, int64_t{c.num_hidden_layers} * c.intermediate_size *
+                             (c.conv_kernel + c.ssm_state_size) * 2);
+  EXPECT_EQ(e->config.layout.BytesForTokens(1000), state_bytes);
+  cli::GatewayClient client(e->cluster->gateway());
+  for (const int n : {10, 17, 40, 100, 333, 1000}) {
+    for (int round = 0; round < 2; ++round) {
+      SCOPED_TRACE(absl::StrCat(n, " tokens, round ", round));
+      const double before = ReceivedByDecodeWorkers(*e->cluster);
+      const cli::GatewayRequest request = Request(RandomPrompt(n, 4300 + n), 4, "state-bytes");
+      KV_ASSERT_OK_AND_ASSIGN(cli::GenerationResult r, client.Generate(request, kRequestTimeout));
+      const int64_t expected = n > 16 ? state_bytes : 0;
+      EXPECT_EQ(r.transferred_bytes, expected);
+      EXPECT_EQ(ReceivedByDecodeWorkers(*e->cluster) - before, static_cast<double>(expected));
+      EXPECT_EQ(r.prefix_hit_tokens, round == 0 || n <= 16 ? 0 : (n - 1) / 16 * 16);
+      KV_ASSERT_OK_AND_ASSIGN(cli::GenerationResult expected_tokens,
+                              e->reference->Generate(request.generation));
+      EXPECT_EQ(r.tokens, expected_tokens.tokens);
+    }
+  }
+}
+
+// Gemma 3: the decode worker asks only for the sliding-window blocks its first query can still
+// see, so the bytes moved are the global layers' blocks for every pushed block plus the local
+// layers' for the window's blocks only - counted on both ends.
+TEST(BytesOnTheWire, SlidingWindowMovesOnlyTheWindowsBlocks) {
+  KV_ASSERT_OK_AND_ASSIGN(Clusters::Entry * e, Clusters::Get()->For("gemma3"));
+  const kv::ModelLayout& layout = e->config.layout;
+  cli::GatewayClient client(e->cluster->gateway());
+  for (const int n : {70, 100}) {
+    const int64_t bt = layout.block_tokens();
+    const int64_t pushed_blocks = (n - 1) / bt;
+    const int64_t first_query = pushed_blocks * bt;
+    int64_t expected = 0;
+    for (size_t g = 0; g < layout.groups().size(); ++g) {
+      const kv::LayerGroup& group = layout.groups()[g];
+      for (int64_t b = 0; b < pushed_blocks; ++b) {
+        const bool wanted = group.kind != kv::LayerKind::kSlidingWindow ||
+                            first_query - ((b + 1) * bt - 1) < group.window_tokens;
+        if (wanted) expected += layout.BlockBytes(static_cast<int>(g));
+      }
+    }
+    ASSERT_LT(expected, pushed_blocks * bt * layout.BytesPerToken()) << "no block was skipped";
+    for (int round = 0; round < 2; ++round) {
+      SCOPED_TRACE(absl::StrCat(n, " tokens, round ", round));
+      const double before = ReceivedByDecodeWorkers(*e->cluster);
+      const cli::GatewayRequest request = Request(RandomPrompt(n, 4400 + n), 4, "window-bytes");
+      KV_ASSERT_OK_AND_ASSIGN(cli::GenerationResult r, client.Generate(request, kRequestTimeout));
+      EXPECT_EQ(r.transferred_bytes, expected);
+      EXPECT_EQ(ReceivedByDecodeWorkers(*e->cluster) - before, static_cast<double>(expected));
+      KV_ASSERT_OK_AND_ASSIGN(cli::GenerationResult want,
+                              e->reference->Generate(request.generation));
+      EXPECT_EQ(r.tokens, want.tokens);
+    }
+  }
+}
+
+// A config.json with a field that changes the computation and is not implemented is refused
+// by the co-located runner and by a serving worker, naming the field and its value.
+TEST(UnsupportedConfig, IsRefusedNamingTheField) {
+  const std::map<std::string, std::pair<std::string, std::string>> edits = {
+      {"llama", {"hidden_act", "\"relu2\""}},
+      {"deepseek_v3", {"attention_bias", "true"}},
+      {"gemma3",
+       {"rope_scaling", R"({"rope_type":"longrope","short_factor":[1],"long_factor":[1]})"}},
+      {"gpt2", {"add_cross_attention", "true"}},
+      {"mamba", {"hidden_act", "\"gelu\""}},
+  };
+  testing::TempDir dir;
+  for (const auto& [arch, edit] : edits) {
+    SCOPED_TRACE(arch);
+    const std::string model = dir.File(arch);
+    KV_ASSERT_OK(WriteModel(model, arch));
+    nlohmann::json config;
+    {
+      std::ifstream in(model + "/config.json");
+      in >> config;
+    }
+    config[edit.first] = nlohmann::json::parse(edit.second);
+    {
+      std::ofstream out(model + "/config.json");
+      out << config.dump();
+    }
+    testing::CommandResult colocated = testing::RunKvrelay(
+        {"generate", "--colocated", "--model", model, "--tokens", "1,2,3", "--max-tokens", "1"});
+    EXPECT_NE(colocated.exit_code, 0);
+    EXPECT_THAT(colocated.stderr_text, HasSubstr(edit.first)) << colocated.stderr_text;
+    testing::CommandResult decode = testing::RunKvrelay(
+        {"decode", "--model", model, "--insecure", "--port", "0"}, absl::Seconds(30));
+    EXPECT_NE(decode.exit_code, 0);
+    EXPECT_THAT(decode.stderr_text, HasSubstr(edit.first)) << decode.stderr_text;
+  }
+}
 }  // namespace
 }  // namespace kvrelay::e2e
 

@@ -6,6 +6,7 @@
 // connection does); Revive() brings it back.
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -22,10 +23,14 @@ class LocalPrefillEndpoint final : public gateway::PrefillEndpoint {
   const std::string& address() const override { return address_; }
   void Kill() { dead_.store(true); }
   void Revive() { dead_.store(false); }
+  // Runs before every Prefill (the request's decode reservation is held then). Set it before
+  // any request runs.
+  void SetBeforePrefill(std::function<void()> hook) { before_prefill_ = std::move(hook); }
 
   absl::StatusOr<kvrelay::v1::PrefillResponse> Prefill(const kvrelay::v1::PrefillRequest& request,
                                                        absl::Time deadline) override {
     if (dead_.load()) return absl::UnavailableError("connection refused");
+    if (before_prefill_) before_prefill_();
     return worker_->Run(request, deadline);
   }
   absl::StatusOr<kvrelay::v1::PrefillStatusResponse> Status(absl::Time) override {
@@ -37,6 +42,7 @@ class LocalPrefillEndpoint final : public gateway::PrefillEndpoint {
   prefill::PrefillWorker* const worker_;
   const std::string address_;
   std::atomic<bool> dead_{false};
+  std::function<void()> before_prefill_;
 };
 
 class LocalDecodeEndpoint final : public gateway::DecodeEndpoint {
@@ -83,8 +89,9 @@ class LocalDecodeEndpoint final : public gateway::DecodeEndpoint {
     if (broke) return absl::UnavailableError("Socket closed");
     return s;
   }
-  void Release(const std::string& request_id, absl::Time) override {
-    if (!dead_.load()) worker_->Release(request_id);
+  void Release(const std::string& request_id, const std::string& reservation_token,
+               absl::Time) override {
+    if (!dead_.load()) (void)worker_->Release(request_id, reservation_token);
   }
   absl::StatusOr<kvrelay::v1::DecodeStatusResponse> Status(absl::Time) override {
     if (dead_.load()) return absl::UnavailableError("connection refused");

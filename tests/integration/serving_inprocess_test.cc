@@ -39,7 +39,6 @@ namespace {
 
 using ::testing::ElementsAreArray;
 
-constexpr int kPrefill = 1;
 constexpr int kDecode = 2;
 
 class InProcessCluster : public ::testing::Test {
@@ -47,7 +46,7 @@ class InProcessCluster : public ::testing::Test {
   void SetUp() override {
     model_dir_ = dir_.File("model");
     model::TestModelOptions model_options;
-    model_options.arch = "llama";
+    model_options.arch = arch_;
     model_options.seed = 7;
     KV_ASSERT_OK(model::WriteTestModel(model_dir_, model_options));
     KV_ASSERT_OK_AND_ASSIGN(reference_, cli::ColocatedGenerator::Load(model_dir_));
@@ -63,7 +62,7 @@ class InProcessCluster : public ::testing::Test {
     KV_ASSERT_OK_AND_ASSIGN(store_host_,
                             server::ServiceHost::Start(host, {store_service_.get()}, nullptr));
 
-    for (int i = 0; i < kPrefill; ++i) {
+    for (int i = 0; i < num_prefill_; ++i) {
       prefill::PrefillWorkerOptions options;
       options.core.model_dir = model_dir_;
       options.core.node_id = "prefill-" + std::to_string(i);
@@ -113,6 +112,8 @@ class InProcessCluster : public ::testing::Test {
     options.model_name = "tiny";
     options.tenant_secret = "test-secret";
     options.max_inflight_per_tenant = tenant_quota_;
+    options.max_inflight_per_client = client_quota_;
+    options.max_reserved_tokens_per_client = client_reserved_tokens_;
     options.breaker.open_for = absl::Seconds(1);
     KV_ASSERT_OK_AND_ASSIGN(auto store_client,
                             cachestore::CacheStoreClient::Connect(store_host_->address()));
@@ -196,6 +197,20 @@ class InProcessCluster : public ::testing::Test {
     *p.mutable_target() = target;
     return prefills_[0]->Run(p, absl::Now() + absl::Seconds(30));
   }
+  // A prefill on worker `index` with a given tenant salt (requests sharing it share blocks).
+  absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillOn(int index, const std::string& id,
+                                                         const std::vector<int32_t>& prompt,
+                                                         const kvrelay::v1::ReserveResponse& target,
+                                                         const std::string& salt) {
+    kvrelay::v1::PrefillRequest p;
+    p.set_request_id(id);
+    p.set_model("tiny");
+    for (int32_t t : prompt) p.add_tokens(t);
+    p.set_tenant_salt(salt);
+    p.set_layout_fingerprint(Fingerprint());
+    *p.mutable_target() = target;
+    return prefills_[index]->Run(p, absl::Now() + absl::Seconds(30));
+  }
   struct DecodeOutcome {
     absl::Status status;
     std::vector<int32_t> tokens;
@@ -229,7 +244,11 @@ class InProcessCluster : public ::testing::Test {
     EXPECT_EQ(info->reason(), kvrelay::v1::FAILURE_UNAUTHORIZED) << status;
   }
 
-  int32_t tenant_quota_ = 64;  // GatewayOptions::max_inflight_per_tenant
+  int32_t tenant_quota_ = 64;                 // GatewayOptions::max_inflight_per_tenant
+  int32_t client_quota_ = 32;                 // max_inflight_per_client
+  int64_t client_reserved_tokens_ = 1 << 18;  // max_reserved_tokens_per_client
+  std::string arch_ = "llama";                // the test model's architecture
+  int num_prefill_ = 1;
   TempDir dir_;
   std::string model_dir_;
   std::unique_ptr<cli::ColocatedGenerator> reference_;
@@ -312,9 +331,11 @@ TEST_F(InProcessCluster, OverloadIsRefusedAtOnceNotCollapsed) {
   big.set_prompt_tokens(900);
   big.set_max_tokens(100);
   big.set_layout_fingerprint(gateway_->config().layout.fingerprint().ToBytes());
+  std::vector<std::string> tokens;
   for (int i = 0; i < kDecode; ++i) {
     big.set_request_id("hold-" + std::to_string(i));
-    KV_ASSERT_OK(decodes_[i]->Reserve(big).status());
+    KV_ASSERT_OK_AND_ASSIGN(kvrelay::v1::ReserveResponse held, decodes_[i]->Reserve(big));
+    tokens.push_back(held.reservation_token());
   }
   Outcome refused = Generate(Prompt(900, 4), 100);
   EXPECT_THAT(refused.status, StatusIs(absl::StatusCode::kResourceExhausted));
@@ -322,10 +343,105 @@ TEST_F(InProcessCluster, OverloadIsRefusedAtOnceNotCollapsed) {
   ASSERT_TRUE(info.has_value());
   EXPECT_EQ(info->reason(), kvrelay::v1::FAILURE_OVERLOADED);
   // A small request still fits beside the big ones? No: 63 of 64 booked. Release one hold.
-  decodes_[0]->Release("hold-0");
+  KV_ASSERT_OK(decodes_[0]->Release("hold-0", tokens[0]));
   worker_clock_.Advance(absl::Seconds(31));  // past the release grace: the slots come back
   Outcome small = Generate(Prompt(20, 5), 4);
   KV_ASSERT_OK(small.status);
+}
+
+// Mamba: the recurrent state is what is pushed, checkpointed and reused.
+class InProcessMambaCluster : public InProcessCluster {
+ protected:
+  InProcessMambaCluster() { arch_ = "mamba"; }
+};
+
+TEST_F(InProcessMambaCluster, StateIsPushedCheckpointedAndReused) {
+  const std::vector<int32_t> prompt = Prompt(70);
+  Outcome first = Generate(prompt);
+  KV_ASSERT_OK(first.status);
+  EXPECT_THAT(first.tokens, ElementsAreArray(Reference(prompt)));
+  EXPECT_EQ(first.summary.prefix_hit_tokens(), 0);
+  const int64_t state_bytes = gateway_->config().layout.BlockBytes(0);
+  EXPECT_EQ(first.summary.transferred_bytes(), state_bytes);
+
+  // The same prompt resumes from the checkpoint after block 4 and computes nothing there.
+  Outcome second = Generate(prompt);
+  KV_ASSERT_OK(second.status);
+  EXPECT_THAT(second.tokens, ElementsAreArray(first.tokens));
+  EXPECT_EQ(second.summary.prefix_hit_tokens(), 64);
+  EXPECT_EQ(second.summary.transferred_bytes(), state_bytes);
+
+  // A longer prompt with the same start resumes there and computes only blocks 5 and 6.
+  std::vector<int32_t> longer = prompt;
+  for (int32_t t : Prompt(40, 9)) longer.push_back(t);
+  Outcome third = Generate(longer);
+  KV_ASSERT_OK(third.status);
+  EXPECT_THAT(third.tokens, ElementsAreArray(Reference(longer)));
+  EXPECT_EQ(third.summary.prefix_hit_tokens(), 64);
+  EXPECT_EQ(third.summary.computed_prompt_tokens(), 110 - 64);
+  EXPECT_EQ(third.summary.transferred_bytes(), state_bytes);
+}
+
+TEST_F(InProcessMambaCluster, CorruptStateIsDetectedAndRecomputed) {
+  prefill_faults_[0]->SetFaults({.corrupt = true});
+  const std::vector<int32_t> prompt = Prompt(50, 1);
+  Outcome out = Generate(prompt);
+  KV_ASSERT_OK(out.status);
+  EXPECT_THAT(out.tokens, ElementsAreArray(Reference(prompt)));
+  // The decode worker refused the corrupted state and computed the whole prompt itself.
+  EXPECT_EQ(out.summary.computed_prompt_tokens(), 50);
+}
+
+// A Mamba reservation holds one slot, for the state after the last pushed block; a push that
+// names slots for earlier blocks is refused before anything moves.
+TEST_F(InProcessMambaCluster, ReservationHoldsOnlyTheFinalStatesSlot) {
+  const std::vector<int32_t> prompt = Prompt(70, 3);
+  kvrelay::v1::ReserveResponse target = Reserve(0, "m-1", prompt);
+  ASSERT_EQ(target.full_blocks(), 4);
+  ASSERT_EQ(target.groups_size(), 1);
+  for (int b = 0; b < 3; ++b) EXPECT_EQ(target.groups(0).slots(b), -1) << b;
+  EXPECT_GE(target.groups(0).slots(3), 0);
+  kvrelay::v1::ReserveResponse forged = target;
+  forged.mutable_groups(0)->set_slots(0, target.groups(0).slots(3));
+  EXPECT_THAT(Prefill("m-1", prompt, forged), StatusIs(absl::StatusCode::kInvalidArgument));
+  KV_ASSERT_OK_AND_ASSIGN(kvrelay::v1::PrefillResponse pushed, Prefill("m-1", prompt, target));
+  EXPECT_EQ(pushed.pushed_bytes(), gateway_->config().layout.BlockBytes(0));
+  DecodeOutcome out = Decode(0, "m-1", prompt, target.reservation_token(), 64);
+  KV_ASSERT_OK(out.status);
+  EXPECT_EQ(out.computed_tokens, 6);
+  EXPECT_THAT(out.tokens, ElementsAreArray(Reference(prompt)));
+
+TEST_F(InProcessCluster, ReleaseNeedsTheReservationToken) {
+  // A prompt without a full block: nothing is pushed, so a released reservation is swept by the
+  // next Reserve at once (no quarantine), which makes a release visible in reserved_requests.
+  kvrelay::v1::ReserveRequest r;
+  r.set_model("tiny");
+  r.set_prompt_tokens(10);
+  r.set_max_tokens(8);
+  r.set_layout_fingerprint(gateway_->config().layout.fingerprint().ToBytes());
+  r.set_request_id("victim");
+  KV_ASSERT_OK_AND_ASSIGN(kvrelay::v1::ReserveResponse held, decodes_[0]->Reserve(r));
+  // Another token (one bit off, empty, a prefix) is refused and the reservation stays.
+  std::string forged = held.reservation_token();
+  forged[0] ^= 1;
+  for (const std::string& token : {forged, std::string(), held.reservation_token().substr(0, 31)}) {
+    absl::Status s = decodes_[0]->Release("victim", token);
+    EXPECT_THAT(s, StatusIs(absl::StatusCode::kPermissionDenied));
+    std::optional<kvrelay::v1::ErrorInfo> info = proto::GetErrorInfo(s);
+    ASSERT_TRUE(info.has_value());
+    EXPECT_EQ(info->reason(), kvrelay::v1::FAILURE_UNAUTHORIZED);
+  }
+  r.set_request_id("other-1");
+  KV_ASSERT_OK(decodes_[0]->Reserve(r).status());  // sweeps released reservations
+  EXPECT_EQ(decodes_[0]->Describe().reserved_requests(), 2);
+  // Its own token releases it; releasing again, or an unknown id, is OK (idempotent).
+  KV_EXPECT_OK(decodes_[0]->Release("victim", held.reservation_token()));
+  KV_EXPECT_OK(decodes_[0]->Release("victim", held.reservation_token()));
+  KV_EXPECT_OK(decodes_[0]->Release("never-reserved", forged));
+  EXPECT_THAT(decodes_[0]->Release("", forged), StatusIs(absl::StatusCode::kInvalidArgument));
+  r.set_request_id("other-2");
+  KV_ASSERT_OK(decodes_[0]->Reserve(r).status());
+  EXPECT_EQ(decodes_[0]->Describe().reserved_requests(), 2);  // other-1, other-2
 }
 
 class InProcessClusterWithTenantQuota : public InProcessCluster {
@@ -362,6 +478,92 @@ TEST_F(InProcessClusterWithTenantQuota, ATenantOverItsQuotaIsRefusedNamingIt) {
   EXPECT_EQ(tokens, Reference(Prompt(40, 6), 4));
   // The slot came back with the request's end.
   KV_EXPECT_OK(Generate(Prompt(20, 7), 2).status);
+}
+
+class InProcessClusterWithClientQuotas : public InProcessCluster {
+ protected:
+  InProcessClusterWithClientQuotas() {
+    client_quota_ = 2;
+    client_reserved_tokens_ = 60;  // one 40 + 4 token request, not a second 20 + 2 beside it
+  }
+  // One request of `tenant` as `client`; `during` runs in its sink once, while it streams.
+  Outcome GenerateAs(const std::string& client, const std::vector<int32_t>& prompt, int max_tokens,
+                     const std::function<void()>& during = nullptr) {
+    kvrelay::v1::GenerateRequest request;
+    for (int32_t t : prompt) request.add_tokens(t);
+    request.set_tenant("tenant-a");
+    request.set_max_tokens(max_tokens);
+    Outcome out;
+    bool ran = false;
+    out.status = gateway_->Generate(
+        request, absl::Now() + absl::Seconds(30),
+        [&](const kvrelay::v1::GenerateResponse& r) {
+          out.tokens.insert(out.tokens.end(), r.tokens().begin(), r.tokens().end());
+          if (!ran && during) {
+            ran = true;
+            during();
+          }
+          return true;
+        },
+        [] { return false; }, client);
+    return out;
+  }
+  static void ExpectRefusedNaming(const absl::Status& status, const std::string& what) {
+    EXPECT_THAT(status, StatusIs(absl::StatusCode::kResourceExhausted));
+    EXPECT_THAT(status.message(), ::testing::HasSubstr(what));
+    std::optional<kvrelay::v1::ErrorInfo> info = proto::GetErrorInfo(status);
+    ASSERT_TRUE(info.has_value());
+    EXPECT_EQ(info->role(), kvrelay::v1::ROLE_CLIENT);  // never blamed on a worker
+  }
+};
+
+TEST_F(InProcessClusterWithClientQuotas, AClientOverItsInFlightQuotaIsRefusedNamingIt) {
+  const std::string app1 = "spiffe://kvrelay/client/app-1";
+  const std::string app2 = "spiffe://kvrelay/client/app-2";
+  Outcome second, third, other_client;
+  Outcome first = GenerateAs(app1, Prompt(40, 6), 4, [&] {
+    // The first request streams: its reservation is no longer held, so a second one of the
+    // same client (quota 2 in flight) runs; a third while both are in flight is refused.
+    second = GenerateAs(app1, Prompt(30, 8), 3, [&] {
+      third = GenerateAs(app1, Prompt(20, 7), 2);
+      other_client = GenerateAs(app2, Prompt(20, 7), 2);  // same tenant, another client
+    });
+  });
+  KV_ASSERT_OK(first.status);
+  EXPECT_EQ(first.tokens, Reference(Prompt(40, 6), 4));
+  KV_ASSERT_OK(second.status);
+  EXPECT_EQ(second.tokens, Reference(Prompt(30, 8), 3));
+  ExpectRefusedNaming(third.status, "client '" + app1 +
+                                        "' already has 2 requests in flight (quota "
+                                        "--max-inflight-per-client 2)");
+  KV_ASSERT_OK(other_client.status);
+  EXPECT_EQ(other_client.tokens, Reference(Prompt(20, 7), 2));
+  // The slots came back with the requests' ends.
+  KV_EXPECT_OK(GenerateAs(app1, Prompt(20, 7), 2).status);
+}
+
+TEST_F(InProcessClusterWithClientQuotas, AClientOverItsReservedKvQuotaIsRefusedNamingIt) {
+  const std::string app1 = "spiffe://kvrelay/client/app-1";
+  Outcome nested, other_client;
+  bool nested_once = false;
+  // While the first request's prefill runs, its decode reservation is held.
+  prefill_endpoints_[0]->SetBeforePrefill([&] {
+    if (nested_once) return;
+    nested_once = true;
+    nested = GenerateAs(app1, Prompt(20, 7), 2);
+    other_client = GenerateAs("bearer:tenant-a", Prompt(20, 7), 2);
+  });
+  Outcome first = GenerateAs(app1, Prompt(40, 6), 4);
+  KV_ASSERT_OK(first.status);
+  EXPECT_EQ(first.tokens, Reference(Prompt(40, 6), 4));
+  ASSERT_TRUE(nested_once);
+  ExpectRefusedNaming(nested.status,
+                      "client '" + app1 +
+                          "' already has 44 tokens of decode KV reserved and this request needs "
+                          "22 (quota --max-reserved-tokens-per-client 60)");
+  KV_ASSERT_OK(other_client.status);
+  EXPECT_EQ(other_client.tokens, Reference(Prompt(20, 7), 2));
+  KV_EXPECT_OK(GenerateAs(app1, Prompt(20, 7), 2).status);
 }
 
 TEST_F(InProcessCluster, UnclaimedReservationsExpireOnTheClock) {
@@ -584,6 +786,60 @@ TEST_F(InProcessCluster, BlocksWithoutAClaimOrOutsideTheReservationAreNotUsed) {
   KV_ASSERT_OK(out.status);
   EXPECT_THAT(out.tokens, ElementsAreArray(Reference(prompt)));
   EXPECT_EQ(out.computed_tokens, 40);  // nothing pushed was used
+}
+
+// Two prefill nodes: the second pulls what the first computed. Through a transport that flips a
+// byte of every fetched block, the pull is refused by its checksum and the blocks are
+// recomputed (never used); without the fault the same pull delivers every block.
+class TwoPrefillNodes : public InProcessCluster {
+ protected:
+  TwoPrefillNodes() { num_prefill_ = 2; }
+};
+
+TEST_F(TwoPrefillNodes, ACorruptedPulledBlockIsDetectedAndRecomputed) {
+  const kv::ModelLayout& layout = gateway_->config().layout;
+  int64_t block_bytes = 0;
+  for (size_t g = 0; g < layout.groups().size(); ++g) {
+    block_bytes += layout.BlockBytes(static_cast<int>(g));
+  }
+  // 70-token prompts: 4 full blocks pushed.
+  auto run = [&](int prefill, const std::string& id,
+                 const std::vector<int32_t>& prompt) -> kvrelay::v1::PrefillResponse {
+    kvrelay::v1::ReserveResponse target = Reserve(0, id, prompt);
+    absl::StatusOr<kvrelay::v1::PrefillResponse> r =
+        PrefillOn(prefill, id, prompt, target, "shared-salt");
+    EXPECT_TRUE(r.ok()) << r.status();
+    DecodeOutcome out = Decode(0, id, prompt, target.reservation_token(), 64);
+    EXPECT_TRUE(out.status.ok()) << out.status;
+    EXPECT_THAT(out.tokens, ElementsAreArray(Reference(prompt))) << id;
+    return r.ok() ? *r : kvrelay::v1::PrefillResponse();
+  };
+  const std::vector<int32_t> a = Prompt(70, 9);
+  EXPECT_EQ(run(0, "computed-a", a).computed_tokens(), 64);
+
+  prefill_faults_[1]->SetFaults({.corrupt = true, .only = transfer::Direction::kGet});
+  kvrelay::v1::PrefillResponse refused = run(1, "corrupted-pull", a);
+  EXPECT_EQ(refused.prefix_source(), "recomputed");
+  EXPECT_EQ(refused.fetched_bytes(), 0);
+  EXPECT_EQ(refused.computed_tokens(), 64);
+  EXPECT_EQ(metrics_
+                .GetCounter("kvrelay_prefill_fetch_failures_total",
+                            "Pulls from other nodes that did not deliver every block, by reason.",
+                            {{"reason", "corrupt"}})
+                ->value(),
+            1);
+  // prefill-1 kept a copy of what it recomputed: the same prompt is local there now.
+  EXPECT_EQ(run(1, "local-a", a).prefix_source(), "local");
+
+  // Without the fault, a prompt computed on prefill-0 is pulled, every block of it.
+  prefill_faults_[1]->SetFaults({});
+  const std::vector<int32_t> b = Prompt(70, 10);
+  EXPECT_EQ(run(0, "computed-b", b).computed_tokens(), 64);
+  kvrelay::v1::PrefillResponse pulled = run(1, "clean-pull", b);
+  EXPECT_EQ(pulled.prefix_source(), "pulled");
+  EXPECT_EQ(pulled.fetched_bytes(), 4 * block_bytes);
+  EXPECT_EQ(pulled.fetched_tokens(), 64);
+  EXPECT_EQ(pulled.computed_tokens(), 0);
 }
 
 }  // namespace

@@ -24,6 +24,7 @@
 #include "kvrelay/v1/cachestore.grpc.pb.h"
 #include "kvrelay/v1/decode.grpc.pb.h"
 #include "kvrelay/v1/prefill.grpc.pb.h"
+#include "nlohmann/json.hpp"
 #include "proto/grpc_status.h"
 #include "tests/e2e/e2e_util.h"
 #include "tests/e2e/local_cluster.h"
@@ -407,6 +408,99 @@ TEST_F(SecurityTest, HttpTakesTheTenantFromAVerifiedBearerToken) {
                                                           absl::Now() + absl::Hours(1)));
   ASSERT_TRUE(forged);
   EXPECT_EQ(forged->status, 401) << forged->body;
+}
+
+// Attack 4's "anyone can release others' work": a decode reservation is released only with its
+// token, even by a caller that may call Release (a gateway).
+TEST_F(SecurityTest, DecodeReleaseNeedsTheReservationToken) {
+  const SecurityOptions gateway_a = Issue(PeerRole::kGateway, "gateway-a");
+  const SecurityOptions gateway_b = Issue(PeerRole::kGateway, "gateway-b");
+  auto owner = Stub<v1::Decode>(Address("decode-0"), gateway_a);
+  auto other = Stub<v1::Decode>(Address("decode-0"), gateway_b);
+  v1::DecodeStatusResponse status;
+  {
+    grpc::ClientContext context;
+    context.set_deadline(In(absl::Seconds(10)));
+    ASSERT_TRUE(owner->Status(&context, {}, &status).ok());
+  }
+  v1::ReserveRequest reserve;
+  reserve.set_request_id("release-victim");
+  reserve.set_model(status.model());
+  reserve.set_prompt_tokens(10);  // no full block: a release frees it at the next Reserve
+  reserve.set_max_tokens(4);
+  reserve.set_layout_fingerprint(status.layout_fingerprint());
+  v1::ReserveResponse held;
+  {
+    grpc::ClientContext context;
+    context.set_deadline(In(absl::Seconds(10)));
+    grpc::Status s = owner->Reserve(&context, reserve, &held);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+  }
+  auto release = [](v1::Decode::Stub* stub, const std::string& token) {
+    v1::ReleaseRequest request;
+    request.set_request_id("release-victim");
+    request.set_reservation_token(token);
+    grpc::ClientContext context;
+    context.set_deadline(In(absl::Seconds(10)));
+    v1::ReleaseResponse response;
+    return stub->Release(&context, request, &response);
+  };
+  std::string forged = held.reservation_token();
+  forged.back() ^= 0x40;
+  ExpectDenied(release(other.get(), ""), "Release without the token");
+  ExpectDenied(release(other.get(), forged), "Release with a forged token");
+  ExpectDenied(release(owner.get(), forged), "Release by the owner with a forged token");
+  grpc::Status released = release(owner.get(), held.reservation_token());
+  EXPECT_TRUE(released.ok()) << released.error_message();
+  ExpectVictimUnharmed(107);
+}
+
+// `kvrelay bench-serve` speaks mutual TLS with the same flags as `generate`; plain text only
+// when asked for.
+TEST_F(SecurityTest, BenchServeSpeaksMutualTls) {
+  const SecurityOptions& client = cluster_->client_security();
+  KV_ASSERT_OK_AND_ASSIGN(testing::CommandResult run,
+                          testing::RunCommand({testing::BinaryPath("kvrelay"),
+                                               "bench-serve",
+                                               "--gateway",
+                                               cluster_->gateway(),
+                                               "--tls-cert",
+                                               client.cert_file,
+                                               "--tls-key",
+                                               client.key_file,
+                                               "--tls-ca",
+                                               client.ca_file,
+                                               "--model",
+                                               dir_->File("llama"),
+                                               "--num-requests",
+                                               "4",
+                                               "--input-tokens",
+                                               "40",
+                                               "--output-tokens",
+                                               "4",
+                                               "--concurrency",
+                                               "2",
+                                               "--verify",
+                                               "--wait-ready",
+                                               "30s",
+                                               "--json",
+                                               "-",
+                                               "--quiet"},
+                                              absl::Seconds(120)));
+  ASSERT_EQ(run.exit_code, 0) << run.stderr_text << run.stdout_text;
+  nlohmann::json report = nlohmann::json::parse(run.stdout_text, nullptr, false);
+  ASSERT_TRUE(report.is_object()) << run.stdout_text;
+  const nlohmann::json& summary = report["runs"][0]["summary"];
+  EXPECT_EQ(summary["ok"].get<int>(), 4) << summary.dump();
+  EXPECT_EQ(summary["verified"].get<int>(), 4) << summary.dump();
+  EXPECT_EQ(summary["wrong_tokens"].get<int>(), 0) << summary.dump();
+  // Neither TLS flags nor --insecure: refused before anything is sent.
+  KV_ASSERT_OK_AND_ASSIGN(
+      testing::CommandResult bare,
+      testing::RunCommand({testing::BinaryPath("kvrelay"), "bench-serve", "--gateway",
+                           cluster_->gateway(), "--num-requests", "1"}));
+  EXPECT_EQ(bare.exit_code, 2) << bare.stderr_text;
+  EXPECT_THAT(bare.stderr_text, ::testing::HasSubstr("--insecure"));
 }
 
 // scripts/certs.sh (openssl) makes certificates the servers accept, with the roles they name.

@@ -241,6 +241,10 @@ class UcxTransport final : public Transport, private ControlChannel::Delegate {
   UcpWorkerPtr worker_{nullptr, &ucp_worker_destroy};
   std::string worker_address_;
   std::unique_ptr<ProgressThread> progress_;
+  // Set (release) once progress_ holds the started thread: the loop may run its hooks before
+  // Start() has returned, and they must not read progress_ (OnLoop) until then (UBSan found a
+  // null member call there, and it was a data race on progress_).
+  std::atomic<bool> loop_ready_{false};
   std::unique_ptr<ControlChannel> channel_;  // created and destroyed on the progress thread
 
   // Progress thread only.
@@ -348,10 +352,14 @@ absl::Status UcxTransport::Init() {
                                               cuda ? "" : ", no CUDA memory support")};
 
   ProgressThread::Hooks hooks;
-  hooks.busy = [this] { return Busy(); };
-  hooks.tick = [this] { return Tick(); };
+  hooks.busy = [this] { return loop_ready_.load(std::memory_order_acquire) && Busy(); };
+  hooks.tick = [this] {
+    if (!loop_ready_.load(std::memory_order_acquire)) return absl::Now() + absl::Milliseconds(1);
+    return Tick();
+  };
   KV_ASSIGN_OR_RETURN(progress_, ProgressThread::Start(worker_.get(), std::move(hooks),
                                                        options_.spin_after_activity));
+  loop_ready_.store(true, std::memory_order_release);
   progress_->RunSync([this, &listener] {
     channel_ = std::make_unique<ControlChannel>(
         progress_.get(), static_cast<ControlChannel::Delegate*>(this),

@@ -1,0 +1,195 @@
+#include "worker/block_fetch.h"
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "kv/checksum.h"
+
+namespace kvrelay::worker {
+
+FetchQuarantine::FetchQuarantine(model::KvCache* cache)
+    : cache_(cache), thread_([this] { Loop(); }) {}
+
+FetchQuarantine::~FetchQuarantine() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  thread_.join();
+}
+
+void FetchQuarantine::Hold(transfer::TransferHandlePtr handle,
+                           std::vector<std::vector<kv::SlotId>> slots,
+                           transfer::MemoryRegionPtr scratch) {
+  absl::MutexLock lock(&mu_);
+  items_.push_back({std::move(handle), std::move(slots), std::move(scratch)});
+}
+
+size_t FetchQuarantine::held() const {
+  absl::MutexLock lock(&mu_);
+  return items_.size() + draining_;
+}
+
+void FetchQuarantine::Loop() {
+  while (true) {
+    Item item;
+    {
+      absl::MutexLock lock(&mu_);
+      auto ready = [this]()
+                       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_ || !items_.empty(); };
+      mu_.Await(absl::Condition(&ready));
+      if (items_.empty()) return;  // stopping, nothing left
+      item = std::move(items_.front());
+      items_.pop_front();
+      ++draining_;
+    }
+    item.handle.reset();  // cancels and waits until nothing writes into the slots any more
+    for (size_t g = 0; g < item.slots.size(); ++g) {
+      for (kv::SlotId s : item.slots[g]) (void)cache_->pool(static_cast<int>(g)).Release(s);
+    }
+    item.scratch.reset();
+    absl::MutexLock lock(&mu_);
+    --draining_;
+  }
+}
+
+FetchedPrefix FetchBlocks(transfer::Transport& transport, transfer::PeerId peer,
+                          const RemoteReplica& holder, absl::Span<const int64_t> slots,
+                          absl::Span<const kv::BlockHash> hashes, const kv::ModelLayout& layout,
+                          const RegisteredKvCache& kv, transfer::MemoryRegionPtr& scratch,
+                          FetchQuarantine& quarantine, uint64_t tag, absl::Time deadline,
+                          std::vector<std::vector<kv::SlotId>>& group_slots) {
+  FetchedPrefix out;
+  const absl::Time start = absl::Now();
+  const int num_groups = static_cast<int>(layout.groups().size());
+  const size_t n = hashes.size();
+  model::KvCache& cache = kv.cache();
+  if (n == 0) return out;
+  if (slots.size() != n || scratch == nullptr ||
+      scratch->size_bytes() < n * CacheSegment::kSlotEntryBytes) {
+    out.status = absl::InvalidArgumentError("fetch: slots, hashes and scratch do not match");
+    return out;
+  }
+  // Fresh local slots for every block and group.
+  std::vector<std::vector<kv::SlotId>> local(static_cast<size_t>(num_groups));
+  auto release_from = [&](size_t first) {
+    for (int g = 0; g < num_groups; ++g) {
+      for (size_t b = first; b < local[g].size(); ++b) {
+        (void)cache.pool(g).Release(local[g][b]);
+      }
+      local[g].resize(std::min(local[g].size(), first));
+    }
+  };
+  for (int g = 0; g < num_groups; ++g) {
+    absl::StatusOr<std::vector<kv::SlotId>> got =
+        cache.pool(g).AllocateMany(static_cast<int64_t>(n));
+    if (!got.ok()) {
+      release_from(0);
+      out.status = got.status();
+      return out;
+    }
+    local[g] = *std::move(got);
+  }
+  std::vector<uint64_t> group_offsets(static_cast<size_t>(num_groups), 0);
+  uint64_t unit_bytes = 0;
+  for (int g = 0; g < num_groups; ++g) {
+    group_offsets[g] = unit_bytes;
+    unit_bytes += static_cast<uint64_t>(layout.BlockBytes(g));
+  }
+  transfer::TransferBatch batch;
+  batch.peer = peer;
+  batch.direction = transfer::Direction::kGet;
+  batch.tag = tag;
+  batch.compute_checksums = false;  // checked here against the holder's slot entries
+  // Per block: its group units, then its slot entry.
+  for (size_t b = 0; b < n; ++b) {
+    for (int g = 0; g < num_groups; ++g) {
+      transfer::BlockTransfer unit;
+      unit.local = &kv.region(g);
+      unit.local_offset = static_cast<uint64_t>(local[g][b]) * cache.pool(g).slot_stride();
+      unit.remote_region = holder.region_id;
+      unit.remote_offset = static_cast<uint64_t>(slots[b]) * holder.slot_stride + group_offsets[g];
+      unit.length = static_cast<uint64_t>(layout.BlockBytes(g));
+      batch.blocks.push_back(unit);
+    }
+    transfer::BlockTransfer entry;
+    entry.local = scratch.get();
+    entry.local_offset = b * CacheSegment::kSlotEntryBytes;
+    entry.remote_region = holder.table_region_id;
+    entry.remote_offset = static_cast<uint64_t>(slots[b]) * CacheSegment::kSlotEntryBytes;
+    entry.length = CacheSegment::kSlotEntryBytes;
+    batch.blocks.push_back(entry);
+  }
+  absl::StatusOr<transfer::TransferPlan> plan = transport.Prepare(batch);
+  if (!plan.ok()) {
+    release_from(0);
+    out.status = plan.status();
+    return out;
+  }
+  transfer::PostOptions post;
+  post.deadline = deadline;
+  absl::StatusOr<transfer::TransferHandlePtr> handle =
+      transport.Post(*plan, transfer::LayerRange::All(), post);
+  absl::Status done = handle.ok() ? (*handle)->Wait(deadline) : handle.status();
+  std::vector<absl::Status> per_block;
+  if (handle.ok() && !done.ok()) {
+    // Failed or late: nothing of it is used. It may still be writing into the slots and the
+    // scratch region, so they go to the quarantine with it; the request goes on at once.
+    (*handle)->Cancel();
+    out.elapsed = absl::Now() - start;
+    out.status = done;
+    const size_t entry_bytes = scratch->size_bytes();
+    quarantine.Hold(*std::move(handle), std::move(local), std::move(scratch));
+    absl::StatusOr<transfer::MemoryRegionPtr> fresh = transport.AllocateMemory(entry_bytes);
+    if (fresh.ok()) scratch = *std::move(fresh);
+    return out;
+  }
+  if (handle.ok()) {
+    per_block = (*handle)->block_statuses();
+    out.wire_bytes = static_cast<uint64_t>((*handle)->bytes());
+    handle->reset();
+  }
+  out.elapsed = absl::Now() - start;
+  // Each block: every piece arrived, the entry names it, and its bytes are the entry's.
+  const size_t pieces = 1 + static_cast<size_t>(num_groups);
+  size_t intact = 0;
+  for (; intact < n; ++intact) {
+    bool arrived = per_block.size() == n * pieces;
+    for (size_t k = 0; arrived && k < pieces; ++k) arrived = per_block[intact * pieces + k].ok();
+    if (!arrived) {
+      out.status =
+          done.ok() ? absl::DataLossError(absl::StrCat("fetch: block ", intact, " did not arrive"))
+                    : done;
+      break;
+    }
+    CacheSegment::SlotEntry entry;
+    std::memcpy(&entry, scratch->data() + intact * CacheSegment::kSlotEntryBytes, sizeof(entry));
+    if (entry.hash_hi != hashes[intact].hi || entry.hash_lo != hashes[intact].lo) {
+      out.status =
+          absl::NotFoundError(absl::StrCat("fetch: the holder's slot ", slots[intact],
+                                           " no longer holds block ", hashes[intact].ToHex()));
+      break;
+    }
+    kv::BlockChecksummer sum;
+    for (int g = 0; g < num_groups; ++g) {
+      sum.Update(cache.pool(g).SlotAddress(local[g][intact]),
+                 static_cast<size_t>(layout.BlockBytes(g)));
+    }
+    if (sum.Digest() != entry.checksum) {
+      out.status =
+          absl::DataLossError(absl::StrCat("fetch: block ", hashes[intact].ToHex(), " from ",
+                                           holder.node_id, " failed its checksum"));
+      break;
+    }
+  }
+  release_from(intact);
+  group_slots.resize(static_cast<size_t>(num_groups));
+  for (int g = 0; g < num_groups; ++g) {
+    group_slots[g].insert(group_slots[g].end(), local[g].begin(), local[g].end());
+  }
+  out.intact = static_cast<int64_t>(intact);
+  out.kv_bytes = static_cast<uint64_t>(intact) * unit_bytes;
+  return out;
+}
+
+}  // namespace kvrelay::worker
