@@ -410,6 +410,7 @@ TEST_F(InProcessMambaCluster, ReservationHoldsOnlyTheFinalStatesSlot) {
   KV_ASSERT_OK(out.status);
   EXPECT_EQ(out.computed_tokens, 6);
   EXPECT_THAT(out.tokens, ElementsAreArray(Reference(prompt)));
+}
 
 TEST_F(InProcessCluster, ReleaseNeedsTheReservationToken) {
   // A prompt without a full block: nothing is pushed, so a released reservation is swept by the
