@@ -223,7 +223,17 @@ uint64_t CacheStore::last_sequence() const {
 }
 
 void CacheStore::AppendWal(const std::vector<WalOp>& ops) {
-  if (wal_ == nullptr || ops.empty()) return;
+  if (ops.empty()) return;
+  {
+    absl::MutexLock lock(&repl_mu_);
+    if (repl_enabled_) {
+      for (const WalOp& op : ops) repl_ops_.push_back(op);
+      repl_end_ += ops.size();
+      while (repl_ops_.size() > repl_retention_) repl_ops_.pop_front();
+      repl_cv_.SignalAll();
+    }
+  }
+  if (wal_ == nullptr) return;
   absl::Status s = wal_->Append(ops);
   // The in-memory state stays authoritative; a failed append is logged once per failure.
   if (!s.ok()) {
@@ -1102,6 +1112,12 @@ absl::Status CacheStore::WriteSnapshotNow() {
 }
 
 absl::Status CacheStore::SnapshotLocked() {
+  std::vector<WalOp> ops = StateAsOpsLocked();
+  KV_RETURN_IF_ERROR(WriteSnapshot(options_.data_dir + kSnapshotFile, ops));
+  return wal_->Reset();
+}
+
+std::vector<WalOp> CacheStore::StateAsOpsLocked() {
   std::vector<WalOp> ops;
   for (const NodeSpec& spec : registry_.AllSpecs()) {
     WalOp op;
@@ -1147,10 +1163,90 @@ absl::Status CacheStore::SnapshotLocked() {
   for (size_t i : order) ops.push_back(std::move(blocks[i]));
   WalOp marker;  // carries the sequence high-water mark across the log reset
   marker.type = WalOp::Type::kSequenceMark;
-  marker.sequence = std::max(last_sequence(), sequence_reserved_);
+  marker.sequence = std::max({last_sequence(), sequence_reserved_, replicated_max_sequence_});
   ops.push_back(marker);
-  KV_RETURN_IF_ERROR(WriteSnapshot(options_.data_dir + kSnapshotFile, ops));
-  return wal_->Reset();
+  return ops;
+}
+
+void CacheStore::EnableReplicationLog(size_t retention) {
+  absl::MutexLock lock(&repl_mu_);
+  repl_enabled_ = true;
+  repl_retention_ = std::max<size_t>(retention, 1);
+}
+
+uint64_t CacheStore::replication_position() const {
+  absl::MutexLock lock(&repl_mu_);
+  return repl_end_;
+}
+
+absl::StatusOr<std::vector<WalOp>> CacheStore::ReplicationSince(uint64_t from, size_t max,
+                                                                absl::Time deadline,
+                                                                uint64_t* next) {
+  absl::MutexLock lock(&repl_mu_);
+  while (from == repl_end_ && absl::Now() < deadline) {
+    repl_cv_.WaitWithDeadline(&repl_mu_, deadline);
+  }
+  const uint64_t oldest = repl_end_ - repl_ops_.size();
+  if (from < oldest || from > repl_end_) {
+    return absl::OutOfRangeError(absl::StrCat("replication position ", from,
+                                              " is outside the retained log [", oldest, ", ",
+                                              repl_end_, "]"));
+  }
+  std::vector<WalOp> out;
+  for (uint64_t p = from; p < repl_end_ && out.size() < max; ++p) {
+    out.push_back(repl_ops_[p - oldest]);
+  }
+  *next = from + out.size();
+  return out;
+}
+
+std::vector<WalOp> CacheStore::ReplicationSnapshot(uint64_t* position) {
+  absl::MutexLock lock(&mu_);
+  // Ops are appended under mu_, so no op lands between the state and its position.
+  *position = replication_position();
+  return StateAsOpsLocked();
+}
+
+void CacheStore::ResetForReplication() {
+  absl::MutexLock lock(&mu_);
+  replaying_ = true;
+  for (const NodeSpec& spec : registry_.AllSpecs()) {
+    std::optional<uint16_t> node = registry_.Find(spec.node_id);
+    if (node.has_value()) RemoveNodeLocked(*node, /*log=*/true, "reset to follow the leader");
+  }
+  for (auto& [id, pending] : allocations_) AbortLocked(pending);
+  allocations_.clear();
+  allocated_blocks_ = 0;
+  replaying_ = false;
+}
+
+absl::Status CacheStore::ApplyReplicated(absl::Span<const WalOp> ops) {
+  absl::MutexLock lock(&mu_);
+  replaying_ = true;
+  absl::Cleanup done_replaying = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS { replaying_ = false; };
+  uint64_t max_seq = replicated_max_sequence_;
+  std::vector<WalOp> logged;
+  for (const WalOp& op : ops) {
+    KV_RETURN_IF_ERROR(ApplyOp(op, &max_seq));
+    if (op.type != WalOp::Type::kSequenceMark) logged.push_back(op);
+  }
+  replicated_max_sequence_ = max_seq;
+  UpdateCapacityHint();
+  AppendWal(logged);
+  MaybeSnapshotLocked();
+  return absl::OkStatus();
+}
+
+void CacheStore::PromoteToLeader() {
+  absl::MutexLock lock(&mu_);
+  registry_.TouchAll(clock_->Now());
+  absl::MutexLock events_lock(&events_mu_);
+  // Numbers the old leader may have handed out after its last replicated op are skipped too.
+  const uint64_t floor = replicated_max_sequence_ + kSequenceReservation + 1;
+  if (next_sequence_ < floor) {
+    events_.clear();  // EventsSince's arithmetic needs contiguous numbers
+    next_sequence_ = floor;
+  }
 }
 
 absl::StatusOr<std::vector<StoreEvent>> CacheStore::EventsSince(uint64_t from, size_t max,

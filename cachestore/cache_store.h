@@ -272,6 +272,30 @@ class CacheStore {
                                                       absl::Time deadline);
   uint64_t last_sequence() const;
 
+  // --- High availability (issue 20): a leader's log, followed by standbys ---
+  // Every op the store logs (whether or not it has a data dir) is also kept in memory at
+  // increasing positions (the last `retention` ops), for standbys to follow.
+  void EnableReplicationLog(size_t retention = 1 << 16);
+  // Ops at positions >= from, up to `max`, waiting until at least one exists or `deadline`;
+  // `*next` = the position after the last op returned. OutOfRange when `from` is no longer
+  // retained or is ahead of the log.
+  absl::StatusOr<std::vector<WalOp>> ReplicationSince(uint64_t from, size_t max,
+                                                      absl::Time deadline, uint64_t* next);
+  // The position after the last logged op.
+  uint64_t replication_position() const;
+  // The whole committed state as ops (nodes, then blocks parent-first) and the position it
+  // reflects: applying them to an empty store and then the ops from `*position` on gives the
+  // leader's state.
+  std::vector<WalOp> ReplicationSnapshot(uint64_t* position);
+  // Standby: forgets every node, block, allocation and lease (before applying a snapshot).
+  void ResetForReplication();
+  // Standby: applies the leader's ops (no events are published) and appends them to this
+  // instance's own WAL.
+  absl::Status ApplyReplicated(absl::Span<const WalOp> ops);
+  // Standby that now leads: the nodes it learned from the log get one TTL to heartbeat to it,
+  // and new event sequence numbers start past the highest one the log carried.
+  void PromoteToLeader();
+
   // For tests and benches.
   BlockIndex& index() { return *index_; }
   NodeRegistry& registry() { return registry_; }
@@ -319,6 +343,8 @@ class CacheStore {
   void AppendWal(const std::vector<WalOp>& ops) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MaybeSnapshotLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status SnapshotLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The committed state as ops: nodes, then blocks parent-first, then a sequence mark.
+  std::vector<WalOp> StateAsOpsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Assigns and returns the sequence (0 while replaying the log: nothing is published).
   uint64_t Publish(StoreEvent event) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::vector<Location> Describe(const Replicas& replicas) const;
@@ -342,6 +368,17 @@ class CacheStore {
   // Sequence numbers up to this are covered by a logged kSequenceMark.
   uint64_t sequence_reserved_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t allocated_blocks_ ABSL_GUARDED_BY(mu_) = 0;
+
+  // The highest event sequence number seen in replicated ops (standby).
+  uint64_t replicated_max_sequence_ ABSL_GUARDED_BY(mu_) = 0;
+
+  // The replication log (leaf lock, taken under mu_ by AppendWal).
+  mutable absl::Mutex repl_mu_;
+  absl::CondVar repl_cv_;
+  bool repl_enabled_ ABSL_GUARDED_BY(repl_mu_) = false;
+  size_t repl_retention_ ABSL_GUARDED_BY(repl_mu_) = 0;
+  std::deque<WalOp> repl_ops_ ABSL_GUARDED_BY(repl_mu_);
+  uint64_t repl_end_ ABSL_GUARDED_BY(repl_mu_) = 0;  // position after the newest op
 
   mutable absl::Mutex events_mu_;
   absl::CondVar events_cv_;

@@ -22,13 +22,14 @@ StoreLink::StoreLink(StoreLinkOptions options, const CacheSegment* segment, Cloc
 absl::StatusOr<std::unique_ptr<StoreLink>> StoreLink::Connect(StoreLinkOptions options,
                                                               const CacheSegment* segment,
                                                               Clock* clock, absl::Time deadline) {
-  KV_ASSIGN_OR_RETURN(std::shared_ptr<grpc::Channel> channel,
-                      server::MakeChannel(options.cachestore_address, options.security));
   cachestore::CacheStoreClient::Options client_options;
   client_options.timeout = options.rpc_timeout;
   client_options.security = options.security;
   client_options.node = {options.node_id, options.incarnation};
-  auto client = cachestore::CacheStoreClient::FromChannel(std::move(channel), client_options);
+  // A list of store instances (HA): the client follows the leader among them.
+  KV_ASSIGN_OR_RETURN(
+      std::unique_ptr<cachestore::CacheStoreClient> client,
+      cachestore::CacheStoreClient::Connect(options.cachestore_address, client_options));
   auto link = std::unique_ptr<StoreLink>(
       new StoreLink(std::move(options), segment, clock, std::move(client)));
   absl::Status status;
@@ -136,8 +137,23 @@ void StoreLink::Reannounce() {
 
 void StoreLink::HeartbeatLoop() {
   const absl::Duration interval = options_.ttl / 4;
+  // A new store leader (HA) is noticed within this; it knows this node from the old leader's
+  // log, but blocks committed just before the failover may not have reached it.
+  const absl::Duration term_poll = std::min(interval, absl::Milliseconds(100));
   bool replaced_logged = false;
-  while (!stop_.WaitForNotificationWithTimeout(interval)) {
+  int64_t term = client_->term();
+  absl::Time next_heartbeat = absl::Now() + interval;
+  while (!stop_.WaitForNotificationWithTimeout(term_poll)) {
+    if (const int64_t now_term = client_->term(); now_term != term) {
+      if (term != 0) {
+        KV_LOG(INFO) << options_.node_id << ": a new cache store leader (term " << now_term
+                     << ", was " << term << "); re-announcing what the segment holds";
+        Reannounce();
+      }
+      term = now_term;
+    }
+    if (absl::Now() < next_heartbeat) continue;
+    next_heartbeat = absl::Now() + interval;
     kvrelay::v1::NodeLoad load;
     if (options_.load) load = options_.load();
     absl::StatusOr<kvrelay::v1::HeartbeatResponse> r = client_->Heartbeat(&load);

@@ -4,9 +4,11 @@
 // node as (node id, incarnation) with its role, gRPC and data-plane addresses and its cache
 // segment; heartbeats with the worker's load from a background thread; after the store forgot
 // the node (restart without its log, a long partition) registers again and re-announces the
-// blocks its segment still holds, so prefix hits come back without recompute. Matches prefixes
-// under leases bound to this node and commits new blocks into its own segment. Deregisters on
-// destruction, so the store drops the node at once instead of waiting out its TTL.
+// blocks its segment still holds, so prefix hits come back without recompute; with several
+// store instances (HA) the client follows the leader, and a new leader's term makes the link
+// re-announce its blocks too (idempotent), so blocks the old leader had not replicated return.
+// Matches prefixes under leases bound to this node and commits new blocks into its own segment.
+// Deregisters on destruction, so the store drops the node at once instead of waiting out its TTL.
 //
 // What each segment slot holds is tracked exactly: a slot is forgotten before new bytes are
 // written into it and recorded only after its commit, so a re-announce never names bytes that
@@ -38,7 +40,7 @@
 namespace kvrelay::worker {
 
 struct StoreLinkOptions {
-  std::string cachestore_address;  // host:port
+  std::string cachestore_address;  // host:port, or several comma-separated (HA store set)
   std::string node_id;
   uint64_t incarnation = 0;
   kvrelay::v1::NodeRole role = kvrelay::v1::NODE_ROLE_UNSPECIFIED;

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "common/server/auth.h"
 #include "common/server/server_flags.h"
 #include "common/status_macros.h"
@@ -103,7 +104,8 @@ absl::Status WorkerCore::ConnectStore(const std::string& grpc_address,
 
 void WorkerFlags::AddFlags(FlagSet& flags) {
   server::AddServerFlags(flags, host_);
-  flags.AddString("cachestore", &core_.cachestore_address, "cache store HOST:PORT");
+  flags.AddString("cachestore", &core_.cachestore_address,
+                  "cache store HOST:PORT (several, comma-separated: an HA store set)");
   flags.AddString("model", &core_.model_dir, "model directory (config.json + safetensors)");
   flags.AddString("model-name", &model_name_,
                   "model name requests must use (default: the directory's base name)");
@@ -153,8 +155,10 @@ std::optional<int> WorkerFlags::Parse(FlagSet& flags, const std::vector<std::str
     return server::UsageError(name, "--cachestore is required");
   }
   if (!core_.cachestore_address.empty()) {
-    if (absl::Status s = server::CheckHostPort(core_.cachestore_address, "--cachestore"); !s.ok()) {
-      return server::UsageError(name, std::string(s.message()));
+    for (absl::string_view address : absl::StrSplit(core_.cachestore_address, ',')) {
+      if (absl::Status s = server::CheckHostPort(std::string(address), "--cachestore"); !s.ok()) {
+        return server::UsageError(name, std::string(s.message()));
+      }
     }
   }
   if (core_.transport_port < 0 || core_.transport_port > 65535) {

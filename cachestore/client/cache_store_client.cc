@@ -6,8 +6,13 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <optional>
 
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "common/server/credentials.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/grpc_status.h"
@@ -29,28 +34,178 @@ uint64_t KernelRandom64() {
 }
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<CacheStoreClient>> CacheStoreClient::Connect(
-    const std::string& target, Options options) {
-  if (target.empty()) return absl::InvalidArgumentError("target: empty cache store address");
+absl::StatusOr<std::shared_ptr<CacheStoreClient::Endpoint>> CacheStoreClient::MakeEndpoint(
+    const std::string& address, const Options& options) {
   server::ChannelOptions channel_options;
   channel_options.keepalive_time = options.keepalive;
   channel_options.own_connection = options.own_connection;
   absl::StatusOr<std::shared_ptr<grpc::Channel>> channel =
-      server::MakeChannel(target, options.security, channel_options);
+      server::MakeChannel(address, options.security, channel_options);
   if (!channel.ok()) return channel.status();
-  return std::unique_ptr<CacheStoreClient>(new CacheStoreClient(*std::move(channel), options));
+  auto endpoint = std::make_shared<Endpoint>();
+  endpoint->address = address;
+  endpoint->channel = *std::move(channel);
+  endpoint->stub = v1::CacheStore::NewStub(endpoint->channel);
+  return endpoint;
+}
+
+absl::StatusOr<std::unique_ptr<CacheStoreClient>> CacheStoreClient::Connect(
+    const std::string& target, Options options) {
+  if (target.empty()) return absl::InvalidArgumentError("target: empty cache store address");
+  std::vector<std::shared_ptr<Endpoint>> endpoints;
+  for (absl::string_view part : absl::StrSplit(target, ',')) {
+    const std::string address(absl::StripAsciiWhitespace(part));
+    if (address.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("target: empty entry in the store address list '", target, "'"));
+    }
+    absl::StatusOr<std::shared_ptr<Endpoint>> endpoint = MakeEndpoint(address, options);
+    if (!endpoint.ok()) return endpoint.status();
+    endpoints.push_back(*std::move(endpoint));
+  }
+  return std::unique_ptr<CacheStoreClient>(new CacheStoreClient(std::move(endpoints), options));
 }
 
 std::unique_ptr<CacheStoreClient> CacheStoreClient::FromChannel(
     std::shared_ptr<grpc::Channel> channel, Options options) {
-  return std::unique_ptr<CacheStoreClient>(new CacheStoreClient(std::move(channel), options));
+  auto endpoint = std::make_shared<Endpoint>();
+  endpoint->channel = std::move(channel);
+  endpoint->stub = v1::CacheStore::NewStub(endpoint->channel);
+  return std::unique_ptr<CacheStoreClient>(new CacheStoreClient({std::move(endpoint)}, options));
 }
 
-CacheStoreClient::CacheStoreClient(std::shared_ptr<grpc::Channel> channel, Options options)
-    : channel_(std::move(channel)),
-      stub_(v1::CacheStore::NewStub(channel_)),
-      options_(options),
-      node_(options.node) {}
+CacheStoreClient::CacheStoreClient(std::vector<std::shared_ptr<Endpoint>> endpoints,
+                                   Options options)
+    : options_(options), node_(options.node), endpoints_(std::move(endpoints)) {}
+
+std::shared_ptr<CacheStoreClient::Endpoint> CacheStoreClient::Current(size_t* index,
+                                                                      size_t* count) const {
+  absl::MutexLock lock(&mu_);
+  *index = current_;
+  *count = endpoints_.size();
+  return endpoints_[current_];
+}
+
+v1::CacheStore::Stub& CacheStoreClient::stub() {
+  size_t index = 0, count = 0;
+  return *Current(&index, &count)->stub;  // endpoints are never removed: the stub lives on
+}
+
+std::string CacheStoreClient::current_address() const {
+  size_t index = 0, count = 0;
+  return Current(&index, &count)->address;
+}
+
+void CacheStoreClient::MoveOn(size_t index) {
+  absl::MutexLock lock(&mu_);
+  if (current_ == index) current_ = (index + 1) % endpoints_.size();
+}
+
+bool CacheStoreClient::Redirect(const std::string& address, size_t index) {
+  absl::MutexLock lock(&mu_);
+  for (size_t i = 0; i < endpoints_.size(); ++i) {
+    if (endpoints_[i]->address == address) {
+      if (i == index) return false;
+      current_ = i;
+      return true;
+    }
+  }
+  // A leader the list did not name (a replica set grown since): reach it too.
+  if (endpoints_.size() >= 16) return false;
+  absl::StatusOr<std::shared_ptr<Endpoint>> endpoint = MakeEndpoint(address, options_);
+  if (!endpoint.ok()) return false;
+  endpoints_.push_back(*std::move(endpoint));
+  current_ = endpoints_.size() - 1;
+  return true;
+}
+
+bool CacheStoreClient::AcceptTerm(int64_t term) {
+  int64_t seen = max_term_.load(std::memory_order_acquire);
+  while (term > seen) {
+    // acq_rel: a term published here is what later calls compare against.
+    if (max_term_.compare_exchange_weak(seen, term, std::memory_order_acq_rel)) return true;
+  }
+  return term >= seen;
+}
+
+void CacheStoreClient::NoteFailure(const absl::Status& status, size_t index) {
+  std::optional<v1::ErrorInfo> info = proto::GetErrorInfo(status);
+  if (!info.has_value() || info->reason() != v1::FAILURE_NOT_LEADER) return;
+  if (info->address().empty() || !Redirect(info->address(), index)) MoveOn(index);
+}
+
+namespace {
+int64_t TermOf(const grpc::ClientContext& ctx) {
+  const auto& trailers = ctx.GetServerTrailingMetadata();
+  auto it = trailers.find("kvrelay-store-term");
+  if (it == trailers.end()) return 0;
+  int64_t term = 0;
+  if (!absl::SimpleAtoi(absl::string_view(it->second.data(), it->second.size()), &term)) return 0;
+  return term;
+}
+}  // namespace
+
+template <typename Request, typename Response>
+absl::Status CacheStoreClient::Invoke(
+    grpc::Status (v1::CacheStore::Stub::*method)(grpc::ClientContext*, const Request&, Response*),
+    const Request& request, Response* response, const CallOptions& call) {
+  const absl::Time deadline = std::min(absl::Now() + options_.timeout, call.deadline);
+  int failures = 0;
+  // The last refusal by a store that does not lead: more telling than the deadline that ended
+  // the last retry.
+  absl::Status not_leader;
+  auto result = [&not_leader](absl::Status status) {
+    if (absl::IsDeadlineExceeded(status) && !not_leader.ok()) return not_leader;
+    return status;
+  };
+  while (true) {
+    size_t index = 0, count = 0;
+    std::shared_ptr<Endpoint> endpoint = Current(&index, &count);
+    grpc::ClientContext ctx;
+    const absl::Time attempt_deadline =
+        count > 1 ? std::min(deadline, absl::Now() + options_.attempt_timeout) : deadline;
+    ctx.set_deadline(absl::ToChronoTime(attempt_deadline));
+    response->Clear();
+    absl::Status status = FromGrpcStatus(((*endpoint->stub).*method)(&ctx, request, response));
+    const int64_t term = TermOf(ctx);
+    if (status.ok()) {
+      if (AcceptTerm(term)) return status;
+      // A store deposed since (it resumed after a pause): what it said is not the cluster's.
+      status =
+          proto::Attribute(absl::UnavailableError(absl::StrCat(
+                               "cache store ", endpoint->address, " answered with term ", term,
+                               ", older than term ", this->term(), " already seen: reply dropped")),
+                           v1::ROLE_STORE, "", v1::FAILURE_NOT_LEADER);
+      response->Clear();
+      not_leader = status;
+      MoveOn(index);
+    } else {
+      std::optional<v1::ErrorInfo> info = proto::GetErrorInfo(status);
+      const bool is_not_leader = info.has_value() && info->reason() == v1::FAILURE_NOT_LEADER;
+      if (is_not_leader) {
+        not_leader = status;
+        if (!info->address().empty() && Redirect(info->address(), index)) {
+          if (failures == 0) {
+            ++failures;
+            continue;  // straight to the leader it named
+          }
+        } else {
+          MoveOn(index);
+        }
+      } else if (count > 1 && (absl::IsUnavailable(status) ||
+                               (absl::IsDeadlineExceeded(status) && attempt_deadline < deadline))) {
+        MoveOn(index);  // dead, unreachable, draining or paused: try the next instance
+      } else {
+        return result(status);
+      }
+    }
+    ++failures;
+    const absl::Duration pause =
+        std::min(absl::Milliseconds(10) * failures, absl::Milliseconds(100));
+    if (absl::Now() + pause >= deadline) return result(status);
+    absl::SleepFor(pause);
+  }
+}
 
 uint64_t CacheStoreClient::NewIncarnation() { return KernelRandom64(); }
 
@@ -81,14 +236,18 @@ void CacheStoreClient::SetNode(NodeIdentity node) {
   node_ = std::move(node);
 }
 
-void CacheStoreClient::SetDeadline(grpc::ClientContext* ctx, const CallOptions& call) const {
-  const absl::Time deadline = std::min(absl::Now() + options_.timeout, call.deadline);
-  ctx->set_deadline(absl::ToChronoTime(deadline));
-}
-
 absl::Status CacheStoreClient::WaitForReady(absl::Duration timeout) {
-  const auto deadline = std::chrono::system_clock::now() + absl::ToChronoMilliseconds(timeout);
-  if (channel_->WaitForConnected(deadline)) return absl::OkStatus();
+  const absl::Time deadline = absl::Now() + timeout;
+  // Any instance will do: calls find the leader from there.
+  while (true) {
+    size_t index = 0, count = 0;
+    std::shared_ptr<Endpoint> endpoint = Current(&index, &count);
+    const absl::Time attempt =
+        count > 1 ? std::min(deadline, absl::Now() + absl::Milliseconds(200)) : deadline;
+    if (endpoint->channel->WaitForConnected(absl::ToChronoTime(attempt))) return absl::OkStatus();
+    if (absl::Now() >= deadline) break;
+    MoveOn(index);
+  }
   return absl::UnavailableError("cache store not reachable before the timeout");
 }
 
@@ -114,48 +273,40 @@ absl::StatusOr<v1::RegisterNodeResponse> CacheStoreClient::RegisterNode(
   const NodeIdentity me = node();
   if (req.node_id().empty()) req.set_node_id(me.node_id);
   if (req.incarnation() == 0 && req.node_id() == me.node_id) req.set_incarnation(me.incarnation);
-  grpc::ClientContext ctx;
-  SetDeadline(&ctx, call);
   v1::RegisterNodeResponse resp;
-  absl::Status s = FromGrpcStatus(stub_->RegisterNode(&ctx, req, &resp));
+  absl::Status s = Invoke(&v1::CacheStore::Stub::RegisterNode, req, &resp, call);
   if (!s.ok()) return s;
   return resp;
 }
 
 absl::Status CacheStoreClient::Deregister(const CallOptions& call) {
   const NodeIdentity me = node();
-  grpc::ClientContext ctx;
-  SetDeadline(&ctx, call);
   v1::DeregisterNodeRequest req;
   req.set_node_id(me.node_id);
   req.set_incarnation(me.incarnation);
   v1::DeregisterNodeResponse resp;
-  return FromGrpcStatus(stub_->DeregisterNode(&ctx, req, &resp));
+  return Invoke(&v1::CacheStore::Stub::DeregisterNode, req, &resp, call);
 }
 
 absl::StatusOr<v1::HeartbeatResponse> CacheStoreClient::Heartbeat(const v1::NodeLoad* load,
                                                                   const CallOptions& call) {
   const NodeIdentity me = node();
-  grpc::ClientContext ctx;
-  SetDeadline(&ctx, call);
   v1::HeartbeatRequest req;
   req.set_node_id(me.node_id);
   req.set_incarnation(me.incarnation);
   if (load != nullptr) *req.mutable_load() = *load;
   v1::HeartbeatResponse resp;
-  absl::Status s = FromGrpcStatus(stub_->Heartbeat(&ctx, req, &resp));
+  absl::Status s = Invoke(&v1::CacheStore::Stub::Heartbeat, req, &resp, call);
   if (!s.ok()) return s;
   return resp;
 }
 
 absl::StatusOr<bool> CacheStoreClient::Heartbeat(const std::string& node_id,
                                                  const CallOptions& call) {
-  grpc::ClientContext ctx;
-  SetDeadline(&ctx, call);
   v1::HeartbeatRequest req;
   req.set_node_id(node_id);
   v1::HeartbeatResponse resp;
-  absl::Status s = FromGrpcStatus(stub_->Heartbeat(&ctx, req, &resp));
+  absl::Status s = Invoke(&v1::CacheStore::Stub::Heartbeat, req, &resp, call);
   if (!s.ok()) return s;
   return resp.known();
 }
@@ -172,10 +323,8 @@ absl::StatusOr<v1::AnnounceBlocksResponse> CacheStoreClient::Announce(
     req.set_incarnation(me.incarnation);
     req.set_segment_id(segment_id);
     for (size_t i = 0; i < n; ++i) *req.add_blocks() = blocks[start + i];
-    grpc::ClientContext ctx;
-    SetDeadline(&ctx, call);
     v1::AnnounceBlocksResponse resp;
-    absl::Status s = FromGrpcStatus(stub_->AnnounceBlocks(&ctx, req, &resp));
+    absl::Status s = Invoke(&v1::CacheStore::Stub::AnnounceBlocks, req, &resp, call);
     if (!s.ok()) return s;
     total.set_accepted(total.accepted() + resp.accepted());
     total.set_already_present(total.already_present() + resp.already_present());
@@ -190,8 +339,6 @@ absl::StatusOr<v1::AnnounceBlocksResponse> CacheStoreClient::Announce(
 
 absl::StatusOr<v1::MatchPrefixResponse> CacheStoreClient::MatchPrefix(
     absl::Span<const kv::BlockHash> chain, absl::Duration lease_ttl, const CallOptions& call) {
-  grpc::ClientContext ctx;
-  SetDeadline(&ctx, call);
   v1::MatchPrefixRequest req;
   std::string* packed = req.mutable_chain_packed();
   packed->resize(chain.size() * 16);
@@ -209,7 +356,7 @@ absl::StatusOr<v1::MatchPrefixResponse> CacheStoreClient::MatchPrefix(
     req.set_incarnation(me.incarnation);
   }
   v1::MatchPrefixResponse resp;
-  absl::Status s = FromGrpcStatus(stub_->MatchPrefix(&ctx, req, &resp));
+  absl::Status s = Invoke(&v1::CacheStore::Stub::MatchPrefix, req, &resp, call);
   if (!s.ok()) return s;
   return resp;
 }
@@ -240,12 +387,10 @@ std::vector<std::vector<v1::BlockLocation>> CacheStoreClient::Locations(
 
 absl::StatusOr<v1::QueryPrefixResponse> CacheStoreClient::QueryPrefix(
     absl::Span<const kv::BlockHash> chain, const CallOptions& call) {
-  grpc::ClientContext ctx;
-  SetDeadline(&ctx, call);
   v1::QueryPrefixRequest req;
   for (const kv::BlockHash& h : chain) ToProto(h, req.add_chain());
   v1::QueryPrefixResponse resp;
-  absl::Status s = FromGrpcStatus(stub_->QueryPrefix(&ctx, req, &resp));
+  absl::Status s = Invoke(&v1::CacheStore::Stub::QueryPrefix, req, &resp, call);
   if (!s.ok()) return s;
   return resp;
 }
@@ -258,10 +403,8 @@ absl::StatusOr<v1::AllocateResponse> CacheStoreClient::Allocate(const v1::Alloca
     req.set_node_id(me.node_id);
     req.set_incarnation(me.incarnation);
   }
-  grpc::ClientContext ctx;
-  SetDeadline(&ctx, call);
   v1::AllocateResponse resp;
-  absl::Status s = FromGrpcStatus(stub_->Allocate(&ctx, req, &resp));
+  absl::Status s = Invoke(&v1::CacheStore::Stub::Allocate, req, &resp, call);
   if (!s.ok()) return s;
   return resp;
 }
@@ -285,8 +428,6 @@ absl::StatusOr<v1::AllocateResponse> CacheStoreClient::AllocateChain(
 absl::StatusOr<int> CacheStoreClient::Commit(uint64_t allocation_id,
                                              absl::Span<const kv::BlockHash> hashes,
                                              const CallOptions& call) {
-  grpc::ClientContext ctx;
-  SetDeadline(&ctx, call);
   v1::CommitRequest req;
   req.set_allocation_id(allocation_id);
   for (const kv::BlockHash& h : hashes) ToProto(h, req.add_hashes());
@@ -296,14 +437,12 @@ absl::StatusOr<int> CacheStoreClient::Commit(uint64_t allocation_id,
     req.set_incarnation(me.incarnation);
   }
   v1::CommitResponse resp;
-  absl::Status s = FromGrpcStatus(stub_->Commit(&ctx, req, &resp));
+  absl::Status s = Invoke(&v1::CacheStore::Stub::Commit, req, &resp, call);
   if (!s.ok()) return s;
   return resp.committed();
 }
 
 absl::Status CacheStoreClient::Abort(uint64_t allocation_id, const CallOptions& call) {
-  grpc::ClientContext ctx;
-  SetDeadline(&ctx, call);
   v1::AbortRequest req;
   req.set_allocation_id(allocation_id);
   const NodeIdentity me = node();
@@ -312,12 +451,10 @@ absl::Status CacheStoreClient::Abort(uint64_t allocation_id, const CallOptions& 
     req.set_incarnation(me.incarnation);
   }
   v1::AbortResponse resp;
-  return FromGrpcStatus(stub_->Abort(&ctx, req, &resp));
+  return Invoke(&v1::CacheStore::Stub::Abort, req, &resp, call);
 }
 
 absl::Status CacheStoreClient::ReleaseLease(uint64_t lease_id, const CallOptions& call) {
-  grpc::ClientContext ctx;
-  SetDeadline(&ctx, call);
   v1::ReleaseLeaseRequest req;
   req.set_lease_id(lease_id);
   const NodeIdentity me = node();
@@ -326,23 +463,19 @@ absl::Status CacheStoreClient::ReleaseLease(uint64_t lease_id, const CallOptions
     req.set_incarnation(me.incarnation);
   }
   v1::ReleaseLeaseResponse resp;
-  return FromGrpcStatus(stub_->ReleaseLease(&ctx, req, &resp));
+  return Invoke(&v1::CacheStore::Stub::ReleaseLease, req, &resp, call);
 }
 
 absl::StatusOr<v1::ListNodesResponse> CacheStoreClient::ListNodes(const CallOptions& call) {
-  grpc::ClientContext ctx;
-  SetDeadline(&ctx, call);
   v1::ListNodesResponse resp;
-  absl::Status s = FromGrpcStatus(stub_->ListNodes(&ctx, v1::ListNodesRequest(), &resp));
+  absl::Status s = Invoke(&v1::CacheStore::Stub::ListNodes, v1::ListNodesRequest(), &resp, call);
   if (!s.ok()) return s;
   return resp;
 }
 
 absl::StatusOr<v1::StatsResponse> CacheStoreClient::Stats(const CallOptions& call) {
-  grpc::ClientContext ctx;
-  SetDeadline(&ctx, call);
   v1::StatsResponse resp;
-  absl::Status s = FromGrpcStatus(stub_->Stats(&ctx, v1::StatsRequest(), &resp));
+  absl::Status s = Invoke(&v1::CacheStore::Stub::Stats, v1::StatsRequest(), &resp, call);
   if (!s.ok()) return s;
   return resp;
 }
@@ -353,7 +486,9 @@ absl::Status CacheStoreClient::WatchEvents(uint64_t from_sequence, absl::Duratio
   ctx.set_deadline(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(timeout));
   v1::WatchEventsRequest req;
   req.set_from_sequence(from_sequence);
-  std::unique_ptr<grpc::ClientReader<v1::Event>> reader = stub_->WatchEvents(&ctx, req);
+  size_t index = 0, count = 0;
+  std::shared_ptr<Endpoint> endpoint = Current(&index, &count);
+  std::unique_ptr<grpc::ClientReader<v1::Event>> reader = endpoint->stub->WatchEvents(&ctx, req);
   v1::Event event;
   bool stopped = false;
   while (reader->Read(&event)) {
@@ -369,7 +504,10 @@ absl::Status CacheStoreClient::WatchEvents(uint64_t from_sequence, absl::Duratio
       s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
     return absl::OkStatus();
   }
-  return FromGrpcStatus(s);
+  absl::Status status = FromGrpcStatus(s);
+  NoteFailure(status, index);  // the next watch goes to the leader
+  if (count > 1 && absl::IsUnavailable(status)) MoveOn(index);
+  return status;
 }
 
 }  // namespace kvrelay::cachestore

@@ -35,8 +35,21 @@
 // KIND_NODE_JOINED / SUSPECT / LIVE / LEFT as they happen. A changed store_incarnation means
 // the store restarted: list again.
 //
+// High availability (`kvrelay cachestore --etcd`, issue 20): `target` may list several store
+// instances ("a:7000,b:7000,c:7000"). Calls go to the one believed to lead; an instance that
+// does not lead answers UNAVAILABLE with ErrorInfo FAILURE_NOT_LEADER and the leader's address,
+// and the call is retried there (an address not in the list is added); an instance that does not
+// answer within Options::attempt_timeout, or refuses the connection, is skipped for the next, all
+// within the call's deadline. Every reply of an HA store carries its term (trailing metadata
+// kvrelay-store-term); the client keeps the highest term seen and drops a reply from an older
+// one (a deposed leader that resumed) as UNAVAILABLE FAILURE_NOT_LEADER, trying elsewhere. A
+// call that failed on a store that died may or may not have been applied there: writes are
+// idempotent (Register, Heartbeat, Announce, Release) or bound to ids the new leader does not
+// know (Commit/Abort of an allocation taken on the old one: NOT_FOUND, FAILURE_EXPIRED).
+//
 // Thread-safe (gRPC stubs are; SetNode may be called while other calls run).
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -80,8 +93,12 @@ class CacheStoreClient {
     server::SecurityOptions security;  // plain text unless TLS files are given
     // The calling node; empty for anonymous clients (gateway, tools).
     NodeIdentity node;
+    // With several store instances: one attempt waits at most this long before the next
+    // instance is tried (a leader paused by SIGSTOP answers nobody).
+    absl::Duration attempt_timeout = absl::Seconds(1);
   };
-  // `target` is host:port. Does not wait for the connection.
+  // `target` is host:port, or several separated by commas (HA). Does not wait for the
+  // connection.
   static absl::StatusOr<std::unique_ptr<CacheStoreClient>> Connect(const std::string& target,
                                                                    Options options);
   static absl::StatusOr<std::unique_ptr<CacheStoreClient>> Connect(const std::string& target) {
@@ -164,7 +181,13 @@ class CacheStoreClient {
   absl::Status WatchEvents(uint64_t from_sequence, absl::Duration timeout,
                            const std::function<bool(const v1::Event&)>& on_event);
 
-  v1::CacheStore::Stub& stub() { return *stub_; }
+  // The stub of the instance calls go to now (tests that send hand-made requests).
+  v1::CacheStore::Stub& stub();
+
+  // The highest store term seen in a reply (0: none, or a store without --etcd).
+  int64_t term() const { return max_term_.load(std::memory_order_acquire); }
+  // The address calls go to now.
+  std::string current_address() const;
 
   // MatchPrefix asks for the columnar answer; this expands it: result[i] = locations of chain
   // block i (with the holder's incarnation).
@@ -177,14 +200,35 @@ class CacheStoreClient {
   static kv::BlockHash FromProto(const v1::BlockHash& h) { return kv::BlockHash{h.hi(), h.lo()}; }
 
  private:
-  CacheStoreClient(std::shared_ptr<grpc::Channel> channel, Options options);
-  void SetDeadline(grpc::ClientContext* ctx, const CallOptions& call) const;
+  struct Endpoint {
+    std::string address;  // "" for a channel made elsewhere
+    std::shared_ptr<grpc::Channel> channel;
+    std::unique_ptr<v1::CacheStore::Stub> stub;
+  };
+  CacheStoreClient(std::vector<std::shared_ptr<Endpoint>> endpoints, Options options);
+  static absl::StatusOr<std::shared_ptr<Endpoint>> MakeEndpoint(const std::string& address,
+                                                                const Options& options);
+  // One unary call with leader-following, retries and the term check (see the class comment).
+  template <typename Request, typename Response>
+  absl::Status Invoke(grpc::Status (v1::CacheStore::Stub::*method)(grpc::ClientContext*,
+                                                                   const Request&, Response*),
+                      const Request& request, Response* response, const CallOptions& call);
+  std::shared_ptr<Endpoint> Current(size_t* index, size_t* count) const;
+  // Calls go to the instance after `index` next (unless another call moved on already).
+  void MoveOn(size_t index);
+  // Calls go to `address` next (added when not known). False when it is `index` itself.
+  bool Redirect(const std::string& address, size_t index);
+  // Records `term` from a reply; false when it is older than one already seen.
+  bool AcceptTerm(int64_t term);
+  // After a stream or call ended: follow a FAILURE_NOT_LEADER redirect for the next call.
+  void NoteFailure(const absl::Status& status, size_t index);
 
-  std::shared_ptr<grpc::Channel> channel_;
-  std::unique_ptr<v1::CacheStore::Stub> stub_;
   const Options options_;
   mutable absl::Mutex mu_;
   NodeIdentity node_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::shared_ptr<Endpoint>> endpoints_ ABSL_GUARDED_BY(mu_);
+  size_t current_ ABSL_GUARDED_BY(mu_) = 0;
+  std::atomic<int64_t> max_term_{0};
 };
 
 }  // namespace kvrelay::cachestore

@@ -28,8 +28,10 @@ absl::StatusOr<std::unique_ptr<LeaderElection>> LeaderElection::Start(EtcdClient
   return election;
 }
 
-LeaderElection::~LeaderElection() {
-  stop_.Notify();
+LeaderElection::~LeaderElection() { Resign(); }
+
+void LeaderElection::Resign() {
+  if (!stop_.HasBeenNotified()) stop_.Notify();
   if (thread_.joinable()) thread_.join();
 }
 

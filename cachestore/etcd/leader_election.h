@@ -62,6 +62,9 @@ class LeaderElection {
   int64_t term() const;  // 0 unless IsLeader()
   // Waits until this instance leads (true) or `deadline` passes (false).
   bool WaitUntilLeader(absl::Time deadline) const;
+  // Stops campaigning: deletes the key if this instance holds it and revokes the lease, so a
+  // standby takes over at once (a clean shutdown). Idempotent; the destructor calls it.
+  void Resign();
 
  private:
   LeaderElection(EtcdClient* etcd, ElectionOptions options, OnChange on_change);

@@ -8,8 +8,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "cachestore/cache_store.h"
+#include "cachestore/etcd/etcd_client.h"
 #include "cachestore/kvevents/kv_event_publisher.h"
 #include "cachestore/server/command.h"
+#include "cachestore/server/high_availability.h"
 #include "cachestore/server/service.h"
 #include "common/flags.h"
 #include "common/logging.h"
@@ -37,7 +39,18 @@ int RunCacheStoreCommand(const std::vector<std::string>& args) {
   bool wal_fsync = true;
   double high = 0.95, low = 0.90;
   int64_t snapshot_every = 100000;
+  std::string etcd_endpoints, advertise_address;
+  HaOptions ha_options;
   kvrelay::server::AddServerFlags(flags, host);
+  flags.AddString("etcd", &etcd_endpoints,
+                  "high availability: etcd endpoints (HOST:PORT,...); every instance campaigns, "
+                  "the leader serves, the others follow its log as warm standbys");
+  flags.AddString("advertise-address", &advertise_address,
+                  "with --etcd: the gRPC HOST:PORT clients and the other instances reach this "
+                  "one at (default: the listening address)");
+  flags.AddString("election-key", &ha_options.election_key, "with --etcd: the leader key");
+  flags.AddDuration("etcd-lease-ttl", &ha_options.lease_ttl,
+                    "with --etcd: the leader's lease; a dead leader is replaced after about this");
   kvrelay::cachestore::kvevents::KvEventsOptions kv_events;
   kvrelay::cachestore::kvevents::AddKvEventsFlags(flags, &kv_events);
   flags.AddString("data-dir", &data_dir, "WAL + snapshot directory; empty = no durability");
@@ -68,6 +81,25 @@ int RunCacheStoreCommand(const std::vector<std::string>& args) {
   if (tick <= absl::ZeroDuration()) {
     return kvrelay::server::UsageError("cachestore", "--tick: must be positive");
   }
+  if (!etcd_endpoints.empty()) {
+    absl::StatusOr<std::vector<std::string>> endpoints = etcd::ParseEndpoints(etcd_endpoints);
+    if (!endpoints.ok()) {
+      return kvrelay::server::UsageError("cachestore",
+                                         absl::StrCat("--etcd: ", endpoints.status().message()));
+    }
+    ha_options.etcd_endpoints = *std::move(endpoints);
+    if (ha_options.lease_ttl < absl::Seconds(1) || ha_options.lease_ttl > absl::Minutes(1)) {
+      return kvrelay::server::UsageError("cachestore", "--etcd-lease-ttl: want 1s-1m");
+    }
+    if (!advertise_address.empty()) {
+      if (absl::Status s = kvrelay::server::CheckHostPort(advertise_address, "--advertise-address");
+          !s.ok()) {
+        return kvrelay::server::UsageError("cachestore", std::string(s.message()));
+      }
+    }
+  } else if (!advertise_address.empty()) {
+    return kvrelay::server::UsageError("cachestore", "--advertise-address needs --etcd");
+  }
 
   kvrelay::cachestore::CacheStoreOptions options;
   options.policy = policy;
@@ -95,18 +127,56 @@ int RunCacheStoreCommand(const std::vector<std::string>& args) {
   }
   host.max_message_bytes = limits.max_message_bytes;
   MetricsRegistry metrics;
-  CacheStoreService service(store->get(), limits, &metrics,
-                            kvrelay::server::Authorizer(host.security));
+  std::unique_ptr<HighAvailability> ha;
+  if (!ha_options.etcd_endpoints.empty()) {
+    ha_options.security = host.security;
+    absl::StatusOr<std::unique_ptr<HighAvailability>> created =
+        HighAvailability::Create(store->get(), ha_options);
+    if (!created.ok()) {
+      std::fprintf(stderr, "kvrelay cachestore: %s\n", created.status().ToString().c_str());
+      return absl::IsInvalidArgument(created.status()) ? 2 : 1;
+    }
+    ha = *std::move(created);
+    ha->RegisterMetrics(&metrics);
+  }
+  const kvrelay::server::Authorizer authorizer(host.security);
+  CacheStoreService service(store->get(), limits, &metrics, authorizer, ha.get());
+  ReplicationService replication(store->get(), ha.get(), authorizer);
+  std::vector<grpc::Service*> services = {&service};
+  if (ha != nullptr) services.push_back(&replication);
   absl::StatusOr<std::unique_ptr<kvrelay::server::ServiceHost>> server =
-      kvrelay::server::ServiceHost::Start(host, {&service}, &metrics);
+      kvrelay::server::ServiceHost::Start(host, services, &metrics);
   if (!server.ok()) {
     std::fprintf(stderr, "kvrelay cachestore: %s\n", server.status().ToString().c_str());
     return 1;
   }
-  (*server)->WaitForShutdown({.on_drain = [&service] { service.StopStreams(); },
-                              .on_tick = [&store] { (*store)->Tick(); },
+  if (ha != nullptr) {
+    absl::Status started =
+        ha->Start(advertise_address.empty() ? (*server)->address() : advertise_address);
+    if (!started.ok()) {
+      std::fprintf(stderr, "kvrelay cachestore: %s\n", started.ToString().c_str());
+      return 1;
+    }
+  }
+  // Only the leader does time-driven work: a standby gets no heartbeats and must not expire the
+  // nodes it follows (the leader's expiries arrive through its log).
+  HighAvailability* ha_ptr = ha.get();
+  (*server)->WaitForShutdown({.on_drain =
+                                  [&service, &replication, ha_ptr] {
+                                    service.StopStreams();
+                                    replication.StopStreams();
+                                    // Hand over now, not after the drain: the RPCs still
+                                    // running are refused at their end (FAILURE_NOT_LEADER)
+                                    // and their clients retry at the new leader.
+                                    if (ha_ptr != nullptr) ha_ptr->Stop();
+                                  },
+                              .on_tick =
+                                  [&store, ha_ptr] {
+                                    if (ha_ptr == nullptr || ha_ptr->IsLeading()) (*store)->Tick();
+                                  },
                               .tick = tick});
   server->reset();
+  ha.reset();  // resigns: a standby takes over at once
   publisher->reset();
   if (!data_dir.empty()) {
     absl::Status s = (*store)->WriteSnapshotNow();

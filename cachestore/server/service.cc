@@ -158,9 +158,33 @@ const TierUsage& UsageOf(const StoreStats& stats, Tier tier) {
 }  // namespace
 
 CacheStoreService::CacheStoreService(CacheStore* store, Limits limits, MetricsRegistry* metrics,
-                                     kvrelay::server::Authorizer authorizer)
-    : store_(store), limits_(limits), authorizer_(std::move(authorizer)) {
+                                     kvrelay::server::Authorizer authorizer,
+                                     const Leadership* leadership)
+    : store_(store), limits_(limits), authorizer_(std::move(authorizer)), leadership_(leadership) {
   RegisterMetrics(metrics);
+}
+
+grpc::Status CacheStoreService::Lead(grpc::ServerContextBase* ctx, int64_t* term) const {
+  if (leadership_ == nullptr) return grpc::Status::OK;
+  absl::StatusOr<int64_t> leading = leadership_->LeaderTerm();
+  if (!leading.ok()) return ToGrpcStatus(leading.status());
+  *term = *leading;
+  ctx->AddTrailingMetadata(kTermMetadataKey, absl::StrCat(*leading));
+  return grpc::Status::OK;
+}
+
+grpc::Status CacheStoreService::Served(int64_t term) const {
+  if (leadership_ == nullptr) return grpc::Status::OK;
+  // Checked again after the work: a leader paused mid-call (SIGSTOP) whose lease ran out
+  // meanwhile must not hand out what it decided under the old term.
+  absl::StatusOr<int64_t> leading = leadership_->LeaderTerm();
+  if (!leading.ok()) return ToGrpcStatus(leading.status());
+  if (*leading != term) {
+    return ToGrpcStatus(NotLeaderError(absl::StrCat("cache store: the term changed from ", term,
+                                                    " to ", *leading, " while the call ran"),
+                                       ""));
+  }
+  return grpc::Status::OK;
 }
 
 const char* CacheStoreService::RpcName(int rpc) {
@@ -278,6 +302,8 @@ grpc::Status CacheStoreService::RegisterNode(grpc::ServerContext* ctx,
   RpcTimer t(latency_[kRegister], errors_[kRegister]);
   if (auto s = CheckDeadline(ctx); !s.ok()) return t.Done(s);
   if (auto s = Authorize(ctx, kRegister, req->node_id()); !s.ok()) return t.Done(s);
+  int64_t term = 0;
+  if (auto s = Lead(ctx, &term); !s.ok()) return t.Done(s);
   if (auto s = CheckId(req->node_id(), "node_id", limits_.max_id_bytes); !s.ok()) return t.Done(s);
   if (req->role() < v1::NODE_ROLE_UNSPECIFIED || req->role() > v1::NODE_ROLE_CACHE) {
     return t.Done(Invalid(absl::StrCat("role: unknown role ", static_cast<int>(req->role()))));
@@ -361,7 +387,7 @@ grpc::Status CacheStoreService::RegisterNode(grpc::ServerContext* ctx,
   resp->set_incarnation(r->incarnation);
   resp->set_store_incarnation(store_->store_incarnation());
   resp->set_revived(r->revived);
-  return t.Done(grpc::Status::OK);
+  return t.Done(Served(term));
 }
 
 grpc::Status CacheStoreService::DeregisterNode(grpc::ServerContext* ctx,
@@ -370,11 +396,14 @@ grpc::Status CacheStoreService::DeregisterNode(grpc::ServerContext* ctx,
   RpcTimer t(latency_[kDeregister], errors_[kDeregister]);
   if (auto s = CheckDeadline(ctx); !s.ok()) return t.Done(s);
   if (auto s = Authorize(ctx, kDeregister, req->node_id()); !s.ok()) return t.Done(s);
+  int64_t term = 0;
+  if (auto s = Lead(ctx, &term); !s.ok()) return t.Done(s);
   Caller caller;
   if (auto s = ParseCaller(req->node_id(), req->incarnation(), true, &caller); !s.ok()) {
     return t.Done(s);
   }
-  return t.Done(Fail(store_->DeregisterNode(caller)));
+  const grpc::Status done = Fail(store_->DeregisterNode(caller));
+  return t.Done(done.ok() ? Served(term) : done);
 }
 
 grpc::Status CacheStoreService::AnnounceBlocks(grpc::ServerContext* ctx,
@@ -383,6 +412,8 @@ grpc::Status CacheStoreService::AnnounceBlocks(grpc::ServerContext* ctx,
   RpcTimer t(latency_[kAnnounce], errors_[kAnnounce]);
   if (auto s = CheckDeadline(ctx); !s.ok()) return t.Done(s);
   if (auto s = Authorize(ctx, kAnnounce, req->node_id()); !s.ok()) return t.Done(s);
+  int64_t term = 0;
+  if (auto s = Lead(ctx, &term); !s.ok()) return t.Done(s);
   Caller caller;
   if (auto s = ParseCaller(req->node_id(), req->incarnation(), true, &caller); !s.ok()) {
     return t.Done(s);
@@ -419,7 +450,7 @@ grpc::Status CacheStoreService::AnnounceBlocks(grpc::ServerContext* ctx,
     rej->set_index(static_cast<uint32_t>(index));
     rej->set_reason(static_cast<v1::AnnounceRejection::Reason>(reason));
   }
-  return t.Done(grpc::Status::OK);
+  return t.Done(Served(term));
 }
 
 grpc::Status CacheStoreService::ListNodes(grpc::ServerContext* ctx, const v1::ListNodesRequest*,
@@ -427,6 +458,8 @@ grpc::Status CacheStoreService::ListNodes(grpc::ServerContext* ctx, const v1::Li
   RpcTimer t(latency_[kListNodes], errors_[kListNodes]);
   if (auto s = CheckDeadline(ctx); !s.ok()) return t.Done(s);
   if (auto s = Authorize(ctx, kListNodes, ""); !s.ok()) return t.Done(s);
+  int64_t term = 0;
+  if (auto s = Lead(ctx, &term); !s.ok()) return t.Done(s);
   // The sequence first: whatever changes after it shows up in events after it.
   resp->set_last_sequence(store_->last_sequence());
   resp->set_store_incarnation(store_->store_incarnation());
@@ -442,7 +475,7 @@ grpc::Status CacheStoreService::ListNodes(grpc::ServerContext* ctx, const v1::Li
     out->set_capacity_slots(n.capacity_slots);
     out->set_used_slots(n.used_slots);
   }
-  return t.Done(grpc::Status::OK);
+  return t.Done(Served(term));
 }
 
 grpc::Status CacheStoreService::Heartbeat(grpc::ServerContext* ctx, const v1::HeartbeatRequest* req,
@@ -450,6 +483,8 @@ grpc::Status CacheStoreService::Heartbeat(grpc::ServerContext* ctx, const v1::He
   RpcTimer t(latency_[kHeartbeat], errors_[kHeartbeat]);
   if (auto s = CheckDeadline(ctx); !s.ok()) return t.Done(s);
   if (auto s = Authorize(ctx, kHeartbeat, req->node_id()); !s.ok()) return t.Done(s);
+  int64_t term = 0;
+  if (auto s = Lead(ctx, &term); !s.ok()) return t.Done(s);
   if (auto s = CheckId(req->node_id(), "node_id", limits_.max_id_bytes); !s.ok()) return t.Done(s);
   NodeLoad load;
   if (req->has_load()) {
@@ -461,7 +496,7 @@ grpc::Status CacheStoreService::Heartbeat(grpc::ServerContext* ctx, const v1::He
   resp->set_known(r->known);
   resp->set_store_incarnation(store_->store_incarnation());
   if (r->known) resp->set_previous_state(ToProto(r->state));
-  return t.Done(grpc::Status::OK);
+  return t.Done(Served(term));
 }
 
 grpc::ServerUnaryReactor* CacheStoreService::MatchPrefix(grpc::CallbackServerContext* ctx,
@@ -486,6 +521,8 @@ grpc::Status CacheStoreService::MatchPrefixImpl(grpc::ServerContextBase* ctx,
   RpcTimer t(latency_[kMatch], errors_[kMatch]);
   if (auto s = CheckDeadline(ctx); !s.ok()) return t.Done(s);
   if (auto s = Authorize(ctx, kMatch, req->node_id()); !s.ok()) return t.Done(s);
+  int64_t term = 0;
+  if (auto s = Lead(ctx, &term); !s.ok()) return t.Done(s);
   std::vector<kv::BlockHash> chain;
   if (auto s = ParseEitherChain(req->chain(), req->chain_packed(), limits_.max_chain, &chain);
       !s.ok()) {
@@ -512,7 +549,7 @@ grpc::Status CacheStoreService::MatchPrefixImpl(grpc::ServerContextBase* ctx,
         ToProto(r->ReplicaLocation(i, k), mb->add_replicas());
       }
     }
-    return t.Done(grpc::Status::OK);
+    return t.Done(Served(term));
   }
   for (const Location& seg : r->segments) {
     v1::SegmentRef* ref = resp->add_segments();
@@ -539,7 +576,7 @@ grpc::Status CacheStoreService::MatchPrefixImpl(grpc::ServerContextBase* ctx,
       resp->add_replica_slot(rep.slot);
     }
   }
-  return t.Done(grpc::Status::OK);
+  return t.Done(Served(term));
 }
 
 grpc::Status CacheStoreService::QueryPrefix(grpc::ServerContext* ctx,
@@ -548,6 +585,8 @@ grpc::Status CacheStoreService::QueryPrefix(grpc::ServerContext* ctx,
   RpcTimer t(latency_[kQuery], errors_[kQuery]);
   if (auto s = CheckDeadline(ctx); !s.ok()) return t.Done(s);
   if (auto s = Authorize(ctx, kQuery, ""); !s.ok()) return t.Done(s);
+  int64_t term = 0;
+  if (auto s = Lead(ctx, &term); !s.ok()) return t.Done(s);
   std::vector<kv::BlockHash> chain;
   if (auto s = ParseChain(req->chain(), "chain", limits_.max_chain, &chain); !s.ok()) {
     return t.Done(s);
@@ -557,7 +596,7 @@ grpc::Status CacheStoreService::QueryPrefix(grpc::ServerContext* ctx,
     np->set_node_id(n.node_id);
     np->set_matched(n.matched);
   }
-  return t.Done(grpc::Status::OK);
+  return t.Done(Served(term));
 }
 
 grpc::Status CacheStoreService::Allocate(grpc::ServerContext* ctx, const v1::AllocateRequest* req,
@@ -565,6 +604,8 @@ grpc::Status CacheStoreService::Allocate(grpc::ServerContext* ctx, const v1::All
   RpcTimer t(latency_[kAllocate], errors_[kAllocate]);
   if (auto s = CheckDeadline(ctx); !s.ok()) return t.Done(s);
   if (auto s = Authorize(ctx, kAllocate, req->node_id()); !s.ok()) return t.Done(s);
+  int64_t term = 0;
+  if (auto s = Lead(ctx, &term); !s.ok()) return t.Done(s);
   if (req->blocks().empty()) return t.Done(Invalid("blocks: at least one block needed"));
   if (req->blocks_size() > limits_.max_chain) {
     return t.Done(Exhausted(
@@ -603,7 +644,7 @@ grpc::Status CacheStoreService::Allocate(grpc::ServerContext* ctx, const v1::All
     a->set_already_committed(b.already_committed);
     for (const Location& loc : b.replicas) ToProto(loc, a->add_replicas());
   }
-  return t.Done(grpc::Status::OK);
+  return t.Done(Served(term));
 }
 
 grpc::Status CacheStoreService::Commit(grpc::ServerContext* ctx, const v1::CommitRequest* req,
@@ -611,6 +652,8 @@ grpc::Status CacheStoreService::Commit(grpc::ServerContext* ctx, const v1::Commi
   RpcTimer t(latency_[kCommit], errors_[kCommit]);
   if (auto s = CheckDeadline(ctx); !s.ok()) return t.Done(s);
   if (auto s = Authorize(ctx, kCommit, req->node_id()); !s.ok()) return t.Done(s);
+  int64_t term = 0;
+  if (auto s = Lead(ctx, &term); !s.ok()) return t.Done(s);
   if (req->allocation_id() == 0) return t.Done(Invalid("allocation_id: must not be zero"));
   std::vector<kv::BlockHash> hashes;
   if (!req->hashes().empty()) {
@@ -625,7 +668,7 @@ grpc::Status CacheStoreService::Commit(grpc::ServerContext* ctx, const v1::Commi
   absl::StatusOr<int> n = store_->Commit(req->allocation_id(), hashes, caller);
   if (!n.ok()) return t.Done(Fail(n.status(), /*ids_expire=*/true));
   resp->set_committed(*n);
-  return t.Done(grpc::Status::OK);
+  return t.Done(Served(term));
 }
 
 grpc::Status CacheStoreService::Abort(grpc::ServerContext* ctx, const v1::AbortRequest* req,
@@ -633,12 +676,15 @@ grpc::Status CacheStoreService::Abort(grpc::ServerContext* ctx, const v1::AbortR
   RpcTimer t(latency_[kAbort], errors_[kAbort]);
   if (auto s = CheckDeadline(ctx); !s.ok()) return t.Done(s);
   if (auto s = Authorize(ctx, kAbort, req->node_id()); !s.ok()) return t.Done(s);
+  int64_t term = 0;
+  if (auto s = Lead(ctx, &term); !s.ok()) return t.Done(s);
   if (req->allocation_id() == 0) return t.Done(Invalid("allocation_id: must not be zero"));
   Caller caller;
   if (auto s = ParseCaller(req->node_id(), req->incarnation(), false, &caller); !s.ok()) {
     return t.Done(s);
   }
-  return t.Done(Fail(store_->Abort(req->allocation_id(), caller), /*ids_expire=*/true));
+  const grpc::Status done = Fail(store_->Abort(req->allocation_id(), caller), /*ids_expire=*/true);
+  return t.Done(done.ok() ? Served(term) : done);
 }
 
 grpc::Status CacheStoreService::ReleaseLease(grpc::ServerContext* ctx,
@@ -647,12 +693,16 @@ grpc::Status CacheStoreService::ReleaseLease(grpc::ServerContext* ctx,
   RpcTimer t(latency_[kRelease], errors_[kRelease]);
   if (auto s = CheckDeadline(ctx); !s.ok()) return t.Done(s);
   if (auto s = Authorize(ctx, kRelease, req->node_id()); !s.ok()) return t.Done(s);
+  int64_t term = 0;
+  if (auto s = Lead(ctx, &term); !s.ok()) return t.Done(s);
   if (req->lease_id() == 0) return t.Done(Invalid("lease_id: must not be zero"));
   Caller caller;
   if (auto s = ParseCaller(req->node_id(), req->incarnation(), false, &caller); !s.ok()) {
     return t.Done(s);
   }
-  return t.Done(Fail(store_->ReleaseLease(req->lease_id(), caller), /*ids_expire=*/true));
+  const grpc::Status done =
+      Fail(store_->ReleaseLease(req->lease_id(), caller), /*ids_expire=*/true);
+  return t.Done(done.ok() ? Served(term) : done);
 }
 
 grpc::Status CacheStoreService::Stats(grpc::ServerContext* ctx, const v1::StatsRequest*,
@@ -660,6 +710,9 @@ grpc::Status CacheStoreService::Stats(grpc::ServerContext* ctx, const v1::StatsR
   RpcTimer t(latency_[kStats], errors_[kStats]);
   if (auto s = CheckDeadline(ctx); !s.ok()) return t.Done(s);
   if (auto s = Authorize(ctx, kStats, ""); !s.ok()) return t.Done(s);
+  // Standbys answer too (their own counts show how far they follow); the term only when leading.
+  int64_t term = 0;
+  (void)Lead(ctx, &term);
   StoreStats s = store_->Stats();
   resp->set_nodes(s.nodes);
   resp->set_committed_blocks(s.committed_blocks);
@@ -684,12 +737,16 @@ grpc::Status CacheStoreService::WatchEvents(grpc::ServerContext* ctx,
                                             grpc::ServerWriter<v1::Event>* writer) {
   RpcTimer t(latency_[kWatch], errors_[kWatch]);
   if (auto s = Authorize(ctx, kWatch, ""); !s.ok()) return t.Done(s);
+  int64_t term = 0;
+  if (auto s = Lead(ctx, &term); !s.ok()) return t.Done(s);
   uint64_t next = req->from_sequence();
   if (next == 0) next = store_->last_sequence() + 1;
   // Streams until the client cancels, its deadline passes or the server stops; each wait is
   // short so all three are noticed promptly.
   while (!ctx->IsCancelled() && !stopping_.load(std::memory_order_acquire)) {
     if (ctx->deadline() < std::chrono::system_clock::now()) break;
+    // A store that stopped leading ends its streams: its events are no longer the cluster's.
+    if (auto s = Served(term); !s.ok()) return t.Done(s);
     absl::StatusOr<std::vector<StoreEvent>> events =
         store_->EventsSince(next, 1024, absl::Now() + absl::Milliseconds(100));
     if (!events.ok()) return t.Done(Fail(events.status()));

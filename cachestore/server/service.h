@@ -15,6 +15,7 @@
 
 #include "cachestore/cache_store.h"
 #include "cachestore/limits.h"
+#include "cachestore/server/leadership.h"
 #include "common/metrics.h"
 #include "common/server/auth.h"
 #include "kvrelay/v1/cachestore.grpc.pb.h"
@@ -29,8 +30,12 @@ class CacheStoreService final : public kvrelay::v1::CacheStore::WithCallbackMeth
  public:
   // `store` and `metrics` are not owned and must outlive the service. `authorizer` checks every
   // RPC against common/server/auth.h's table (the default checks nothing: --insecure).
+  // `leadership` (not owned, outlives the service; null without --etcd): every RPC but Stats is
+  // refused with FAILURE_NOT_LEADER unless this instance leads, checked before and after the
+  // work, and every reply carries the term in kTermMetadataKey trailing metadata.
   CacheStoreService(CacheStore* store, Limits limits, MetricsRegistry* metrics,
-                    kvrelay::server::Authorizer authorizer = {});
+                    kvrelay::server::Authorizer authorizer = {},
+                    const Leadership* leadership = nullptr);
 
   grpc::Status RegisterNode(grpc::ServerContext* ctx, const v1::RegisterNodeRequest* req,
                             v1::RegisterNodeResponse* resp) override;
@@ -97,12 +102,17 @@ class CacheStoreService final : public kvrelay::v1::CacheStore::WithCallbackMeth
   grpc::Status Authorize(grpc::ServerContextBase* ctx, Rpc rpc, const std::string& node_id) const;
   grpc::Status MatchPrefixImpl(grpc::ServerContextBase* ctx, const v1::MatchPrefixRequest* req,
                                v1::MatchPrefixResponse* resp);
+  // OK (and the term in the trailing metadata) while this instance leads.
+  grpc::Status Lead(grpc::ServerContextBase* ctx, int64_t* term) const;
+  // OK when this instance still leads with `term` after doing the work.
+  grpc::Status Served(int64_t term) const;
   // The kvrelay:cachestore_* families: RPC latency and errors, the store's counters and gauges.
   void RegisterMetrics(MetricsRegistry* metrics);
 
   CacheStore* const store_;
   const Limits limits_;
   const kvrelay::server::Authorizer authorizer_;
+  const Leadership* const leadership_;
   std::array<Histogram*, kNumRpcs> latency_{};  // owned by the registry
   std::array<Counter*, kNumRpcs> errors_{};
   // Release/acquire pair: StopStreams() publishes, WatchEvents loops observe.

@@ -141,6 +141,8 @@ const std::vector<MethodRule>& AuthorizationTable() {
       // Every tenant's activity: routers and operators only.
       {"/kvrelay.v1.CacheStore/Stats", kObservers, false},
       {"/kvrelay.v1.CacheStore/WatchEvents", kObservers, false},
+      // The leader's log, for standby store instances only (issue 20).
+      {"/kvrelay.v1.CacheStoreReplication/Follow", {PeerRole::kStore}, false},
       // Workers act only for a gateway.
       {"/kvrelay.v1.Prefill/Prefill", kGateways, false},
       {"/kvrelay.v1.Prefill/Status", kObservers, false},

@@ -9,6 +9,7 @@
 #include "kvrelay/v1/decode.grpc.pb.h"
 #include "kvrelay/v1/gateway.grpc.pb.h"
 #include "kvrelay/v1/prefill.grpc.pb.h"
+#include "kvrelay/v1/replication.grpc.pb.h"
 #include "proto/grpc_status.h"
 #include "tests/testing/status_matchers.h"
 #include "tests/testing/test_env.h"
@@ -25,7 +26,8 @@ TEST(Auth, EveryKvrelayMethodIsInTheTable) {
       kvrelay::v1::RegisterNodeRequest::descriptor()->file(),
       kvrelay::v1::PrefillRequest::descriptor()->file(),
       kvrelay::v1::ReserveRequest::descriptor()->file(),
-      kvrelay::v1::GenerateRequest::descriptor()->file()};
+      kvrelay::v1::GenerateRequest::descriptor()->file(),
+      kvrelay::v1::FollowRequest::descriptor()->file()};
   size_t methods = 0;
   for (const google::protobuf::FileDescriptor* file : files) {
     ASSERT_GE(file->service_count(), 1) << file->name();

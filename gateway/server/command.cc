@@ -36,7 +36,9 @@ int RunGatewayCommand(const std::vector<std::string>& raw_args) {
   std::string cachestore, prefill, decode, secret_file, token_keys_file;
   FlagSet flags("gateway", "Runs the gateway: Generate with KV-aware routing.");
   kvrelay::server::AddServerFlags(flags, host);
-  flags.AddString("cachestore", &cachestore, "cache store HOST:PORT (prefix-aware routing)");
+  flags.AddString("cachestore", &cachestore,
+                  "cache store HOST:PORT (prefix-aware routing); several, comma-separated: an HA "
+                  "store set");
   flags.AddString("prefill", &prefill,
                   "fixed prefill workers, HOST:PORT[,HOST:PORT...] (with --cachestore, workers "
                   "that register are discovered too)");
@@ -108,8 +110,11 @@ int RunGatewayCommand(const std::vector<std::string>& raw_args) {
     }
   }
   if (!cachestore.empty()) {
-    if (absl::Status s = kvrelay::server::CheckHostPort(cachestore, "--cachestore"); !s.ok()) {
-      return kvrelay::server::UsageError("gateway", std::string(s.message()));
+    for (absl::string_view address : absl::StrSplit(cachestore, ',')) {
+      if (absl::Status s = kvrelay::server::CheckHostPort(std::string(address), "--cachestore");
+          !s.ok()) {
+        return kvrelay::server::UsageError("gateway", std::string(s.message()));
+      }
     }
   }
   if (options.model_dir.empty())
@@ -173,13 +178,15 @@ int RunGatewayCommand(const std::vector<std::string>& raw_args) {
   };
   std::unique_ptr<cachestore::CacheStoreClient> store;
   if (!cachestore.empty()) {
-    absl::StatusOr<std::shared_ptr<grpc::Channel>> channel =
-        kvrelay::server::MakeChannel(cachestore, host.security);
-    if (!channel.ok())
-      return kvrelay::server::UsageError("gateway", channel.status().ToString(), 1);
-    store = cachestore::CacheStoreClient::FromChannel(
-        *std::move(channel),
-        cachestore::CacheStoreClient::Options{.timeout = options.route_timeout});
+    // One address, or several (an HA store set): the client follows the leader among them.
+    cachestore::CacheStoreClient::Options store_options{.timeout = options.route_timeout};
+    store_options.security = host.security;
+    absl::StatusOr<std::unique_ptr<cachestore::CacheStoreClient>> connected =
+        cachestore::CacheStoreClient::Connect(cachestore, store_options);
+    if (!connected.ok()) {
+      return kvrelay::server::UsageError("gateway", connected.status().ToString(), 1);
+    }
+    store = *std::move(connected);
   }
   MetricsRegistry metrics;
   absl::StatusOr<std::unique_ptr<Gateway>> gateway =
