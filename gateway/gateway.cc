@@ -346,6 +346,10 @@ Gateway::Node* Gateway::PickPrefill(const NodeList& prefills,
     }
     if (best != nullptr) break;
   }
+  if (least_loaded != nullptr && least_loaded->Cold() && best != least_loaded) {
+    best = least_loaded;  // a new worker gets its first request (see Node::picked)
+  }
+  if (best != nullptr) best->picked.fetch_add(1, std::memory_order_relaxed);
   if (best != nullptr && best != least_loaded && best->Load() > least_loaded->Load()) {
     *routed = true;  // the prefix outweighed the load
   } else if (best != nullptr) {
@@ -393,6 +397,10 @@ Gateway::Node* Gateway::PickDecode(const NodeList& decodes,
     // Within one request of the least loaded, the longest held prefix wins (then rotation):
     // it saves the push without piling a shared prefix's requests on one node.
     int32_t best_held = -1;
+    Node* cold = nullptr;
+    for (Node* n : candidates) {
+      if (cold == nullptr && n->Cold() && n->Load() <= lowest_load) cold = n;
+    }
     for (Node* n : candidates) {
       if (n->Load() > lowest_load + 1) continue;
       auto it = held.find(n->NodeId());
@@ -402,8 +410,11 @@ Gateway::Node* Gateway::PickDecode(const NodeList& decodes,
         best = n;
       }
     }
+    // A new worker gets its first request (see Node::picked).
+    if (cold != nullptr) best = cold;
     if (best != nullptr) break;
   }
+  if (best != nullptr) best->picked.fetch_add(1, std::memory_order_relaxed);
   return best;
 }
 

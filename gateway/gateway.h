@@ -143,7 +143,12 @@ class Gateway {
     // (the cost model's inputs for routing).
     kv::RateMeter prefill_calls;
     kv::RateMeter prefill_tokens;
-    bool discovered = false;           // from the registry (may be dropped), not a fixed address
+    bool discovered = false;  // from the registry (may be dropped), not a fixed address
+    // Requests this gateway has sent to the node: a worker that joined (or came back as a new
+    // incarnation) and has had none is given the next one it is least loaded for, so prefix
+    // affinity never starves a node that holds nothing yet.
+    std::atomic<int64_t> picked{0};
+    bool Cold() const { return discovered && picked.load(std::memory_order_relaxed) == 0; }
     uint64_t incarnation = 0;          // discovered: the registered process
     std::atomic<bool> suspect{false};  // the registry marks it suspect: picked last
     mutable std::mutex mu;
