@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
@@ -408,6 +409,22 @@ absl::StatusOr<kvrelay::v1::ReserveResponse> DecodeWorker::Reserve(
     r->held_hashes.push_back(kv::BlockHash::FromBytes(absl::MakeConstSpan(
         reinterpret_cast<const uint8_t*>(request.chain_packed().data()) + i * 16, 16)));
   }
+  // Leading blocks this worker kept from earlier requests: copied out of the segment now (the
+  // store's policy may evict them later), never pushed again. Before mu_: the copies must not
+  // hold up other requests. Slots not handed to the reservation are released on return.
+  std::vector<std::vector<kv::SlotId>> held_slots;
+  absl::Cleanup release_unused_held = [&] {
+    for (size_t g = 0; g < held_slots.size(); ++g) {
+      for (kv::SlotId s : held_slots[g]) (void)kv_->cache().pool(static_cast<int>(g)).Release(s);
+    }
+  };
+  worker::StoreLink* store = store_.load(std::memory_order_acquire);
+  if (store != nullptr && !r->held_hashes.empty()) {
+    r->held_blocks =
+        static_cast<int32_t>(store->LoadHeldPrefix(r->held_hashes, kv_->cache(), held_slots));
+  }
+  r->held_hashes.resize(static_cast<size_t>(r->held_blocks));
+  if (r->held_blocks >= r->full_blocks) r->expected_layers = 0;
 
   absl::MutexLock lock(&mu_);
   if (draining_) {
@@ -446,16 +463,6 @@ absl::StatusOr<kvrelay::v1::ReserveResponse> DecodeWorker::Reserve(
           kvrelay::v1::FAILURE_OVERLOADED);
     }
   }
-  // Leading blocks this worker kept from earlier requests: loaded now (the store's policy may
-  // evict them from the segment later), never pushed again.
-  std::vector<std::vector<kv::SlotId>> held_slots;
-  worker::StoreLink* store = store_.load(std::memory_order_acquire);
-  if (store != nullptr && !r->held_hashes.empty()) {
-    r->held_blocks =
-        static_cast<int32_t>(store->LoadHeldPrefix(r->held_hashes, kv_->cache(), held_slots));
-  }
-  r->held_hashes.resize(static_cast<size_t>(r->held_blocks));
-  if (r->held_blocks >= r->full_blocks) r->expected_layers = 0;
   for (size_t g = 0; g < layout.groups().size(); ++g) {
     std::vector<int64_t> wanted;
     for (int64_t b = r->held_blocks; b < r->full_blocks; ++b) {
@@ -467,9 +474,6 @@ absl::StatusOr<kvrelay::v1::ReserveResponse> DecodeWorker::Reserve(
         kv_->cache().pool(static_cast<int>(g)).AllocateMany(static_cast<int64_t>(wanted.size()));
     if (!slots.ok()) {
       ReleaseReservationSlots(*r);
-      for (size_t h = 0; h < held_slots.size(); ++h) {
-        for (kv::SlotId s : held_slots[h]) (void)kv_->cache().pool(static_cast<int>(h)).Release(s);
-      }
       return Own(absl::ResourceExhaustedError(absl::StrCat(
                      "decode node ", core_->node_id, ": KV pool full: ", slots.status().message())),
                  kvrelay::v1::FAILURE_OVERLOADED);

@@ -13,7 +13,6 @@ void RateMeter::Observe(double units, double seconds, absl::Time now) {
   const double per_unit = seconds / units;
   const double before = rate_ == 0 ? per_unit : 1.0 / rate_;
   rate_ = 1.0 / (weight_ * per_unit + (1 - weight_) * before);
-  floor_seconds_ = floor_seconds_ == 0 ? seconds : std::min(floor_seconds_, seconds);
   last_ = now;
 }
 
@@ -28,11 +27,6 @@ void RateMeter::ObserveCeiling(double units, double seconds, absl::Time now) {
 double RateMeter::rate() const {
   std::lock_guard<std::mutex> lock(mu_);
   return rate_;
-}
-
-double RateMeter::floor_seconds() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return floor_seconds_;
 }
 
 absl::Time RateMeter::last_observed() const {

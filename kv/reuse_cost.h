@@ -25,16 +25,12 @@ class RateMeter {
   void ObserveCeiling(double units, double seconds, absl::Time now);
   // Units per second; 0 until observed.
   double rate() const;
-  // The smallest `seconds` observed (fixed cost of one operation, e.g. a round trip); 0 until
-  // observed.
-  double floor_seconds() const;
   absl::Time last_observed() const;
 
  private:
   const double weight_;
   mutable std::mutex mu_;
   double rate_ = 0;
-  double floor_seconds_ = 0;
   absl::Time last_ = absl::InfinitePast();
 };
 
