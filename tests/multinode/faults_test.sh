@@ -16,20 +16,11 @@
 # request outlives its deadline; the duplicate was refused; the added worker served within 5 s.
 # Skips (exit 77) where `ip netns add` is not allowed.
 set -euo pipefail
-ROOT=${KVRELAY_SOURCE_DIR:-$(cd "$(dirname "$0")/../.." && pwd)}
-export KVRELAY_BIN_DIR=${KVRELAY_BIN_DIR:-$ROOT/build/bin}
-WORK=$(mktemp -d /tmp/kvrelay-faults-test-XXXXXX)
-KEEP=${KVRELAY_KEEP_TEST_DIR:-0}
-trap '((KEEP)) || rm -rf "$WORK"' EXIT
-fail() { echo "FAIL: $*" >&2; exit 1; }
-
-MODEL=$WORK/model
-"$KVRELAY_BIN_DIR/kvrelay" make-test-model --arch llama --seed 5 --out "$MODEL" >/dev/null
+source "$(dirname "$0")/lib.sh"
 
 NAME=kvf$$
-set +e
-"$ROOT/scripts/cluster/run.sh" --name "$NAME" --prefill 2 --decode 2 --spare-decode 1 \
-  --model "$MODEL" --out "$WORK/run" \
+run_cluster "$NAME" "3 = wrong tokens, 4 = fault contract broken" \
+  --prefill 2 --decode 2 --spare-decode 1 \
   --fault "at=4s dup prefill-0" \
   --fault "at=10.03s stop decode-0 for 6s" \
   --fault "at=24.03s cut decode-1 for 10s" \
@@ -39,23 +30,7 @@ set +e
   --fault "at=86s add decode-2" \
   -- --rate 5 --arrival fixed --num-requests 700 --max-duration 100s --input-tokens 80 \
   --output-tokens 96 --shared-prefix-ratio 0.8 --prefix-groups 3 --concurrency 64 --timeout 20s \
-  --verify --slo ttft=2s --fault-contract default \
-  >"$WORK/out.txt" 2>"$WORK/err.txt"
-rc=$?
-set -e
-if ((rc == 77)); then
-  cat "$WORK/err.txt" >&2
-  echo "SKIP: network namespaces are not available here"
-  exit 77
-fi
-cat "$WORK/out.txt"
-if ((rc != 0)); then
-  tail -30 "$WORK/err.txt" >&2
-  KEEP=1
-  fail "bench-serve exited $rc (3 = wrong tokens, 4 = fault contract broken); logs in $WORK/run/logs"
-fi
-leftover=$(ip netns list 2>/dev/null | grep -E "^$NAME-" || true)
-[[ -z $leftover ]] || fail "namespaces left: $leftover"
+  --verify --slo ttft=2s --fault-contract default
 /usr/bin/python3 - "$WORK/run/report.json" <<'PY' || { KEEP=1; fail "bad report (in $WORK)"; }
 import json, sys
 run = json.load(open(sys.argv[1]))["runs"][0]

@@ -13,40 +13,16 @@
 # is how the reader learns the link is slow) and otherwise only by re-probes of a quarter; every
 # request is ok with tokens equal to the co-located reference. Skips (77) without namespaces.
 set -euo pipefail
-ROOT=${KVRELAY_SOURCE_DIR:-$(cd "$(dirname "$0")/../.." && pwd)}
-export KVRELAY_BIN_DIR=${KVRELAY_BIN_DIR:-$ROOT/build/bin}
-WORK=$(mktemp -d /tmp/kvrelay-reuse-test-XXXXXX)
-KEEP=${KVRELAY_KEEP_TEST_DIR:-0}
-trap '((KEEP)) || rm -rf "$WORK"' EXIT
-fail() { echo "FAIL: $*" >&2; exit 1; }
-
-MODEL=$WORK/model
-"$KVRELAY_BIN_DIR/kvrelay" make-test-model --arch llama --seed 5 --out "$MODEL" >/dev/null
+source "$(dirname "$0")/lib.sh"
 
 NAME=kvc$$
-set +e
-"$ROOT/scripts/cluster/run.sh" --name "$NAME" --subnet 10.78.0 --prefill 2 --decode 1 \
-  --model "$MODEL" --out "$WORK/run" --gateway-args "--prefix-routing=false" \
+run_cluster "$NAME" "3 = wrong tokens" --subnet 10.78.0 --prefill 2 --decode 1 \
+  --gateway-args "--prefix-routing=false" \
   --fault "at=15s shape prefill-0 8mbit" --fault "at=15s shape prefill-1 8mbit" \
   --fault "at=15s shape decode-0 8mbit" \
   -- --rate 3 --arrival fixed --num-requests 90 --max-duration 34s --input-tokens 512 \
   --output-tokens 4 --shared-prefix-ratio 0.9 --prefix-groups 24 --concurrency 1 --timeout 20s \
-  --verify >"$WORK/out.txt" 2>"$WORK/err.txt"
-rc=$?
-set -e
-if ((rc == 77)); then
-  cat "$WORK/err.txt" >&2
-  echo "SKIP: network namespaces are not available here"
-  exit 77
-fi
-cat "$WORK/out.txt"
-if ((rc != 0)); then
-  tail -30 "$WORK/err.txt" >&2
-  KEEP=1
-  fail "bench-serve exited $rc (3 = wrong tokens); logs in $WORK/run/logs"
-fi
-leftover=$(ip netns list 2>/dev/null | grep -E "^$NAME-" || true)
-[[ -z $leftover ]] || fail "namespaces left: $leftover"
+  --verify
 /usr/bin/python3 - "$WORK/run/report.json" "$WORK/run/requests.csv" <<'PY' || { KEEP=1; fail "the cost model did not switch (in $WORK)"; }
 import csv, json, sys
 s = json.load(open(sys.argv[1]))["runs"][0]["summary"]
