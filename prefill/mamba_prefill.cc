@@ -22,41 +22,6 @@ namespace kvrelay::prefill {
 
 using ::kvrelay::proto::Attribute;
 
-absl::Status PrefillWorker::DecodeFailure(const kvrelay::v1::ReserveResponse& target,
-                                          absl::Status s, kvrelay::v1::FailureReason reason) const {
-  kvrelay::v1::ErrorInfo info;
-  info.set_role(kvrelay::v1::ROLE_DECODE);
-  info.set_node_id(target.node_id());
-  info.set_incarnation(target.incarnation());
-  info.set_address(target.transport().address());
-  info.set_reason(reason);
-  return proto::WithErrorInfo(std::move(s), info);
-}
-
-absl::Status PrefillWorker::ClaimFailure(const kvrelay::v1::ReserveResponse& target,
-                                         absl::Status claimed) const {
-  std::optional<kvrelay::v1::ErrorInfo> why = proto::GetErrorInfo(claimed);
-  if (absl::IsPermissionDenied(claimed) && why.has_value() &&
-      why->reason() == kvrelay::v1::FAILURE_EXPIRED) {
-    return DecodeFailure(
-        target,
-        absl::PermissionDeniedError(absl::StrCat("target: decode node ", target.node_id(),
-                                                 " refused the push: ", claimed.message())),
-        kvrelay::v1::FAILURE_EXPIRED);
-  }
-  if (absl::IsPermissionDenied(claimed)) {
-    return Attribute(
-        absl::PermissionDeniedError(absl::StrCat("target: decode node ", target.node_id(),
-                                                 " refused the push: ", claimed.message())),
-        kvrelay::v1::ROLE_CLIENT, "", kvrelay::v1::FAILURE_UNAUTHORIZED);
-  }
-  return DecodeFailure(
-      target,
-      absl::Status(claimed.code(), absl::StrCat("data plane: push claim to decode node ",
-                                                target.node_id(), ": ", claimed.message())),
-      kvrelay::v1::FAILURE_TRANSFER);
-}
-
 absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::RunMamba(
     const kvrelay::v1::PrefillRequest& request, absl::Time deadline, absl::Time start) {
   const kv::ModelLayout& layout = mamba_->layout();
@@ -90,35 +55,17 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::RunMamba(
   }
 
   // 1. Which checkpoints are cached here.
-  const std::vector<kv::BlockHash> chain = kv::HashChain(
-      layout.fingerprint(), request.tenant_salt(),
-      absl::MakeConstSpan(tokens).subspan(0, static_cast<size_t>(full_tokens)), block_tokens);
-  prefix_query_tokens_->Increment(static_cast<double>(full_tokens));
-  worker::StoreLink* store = store_.load(std::memory_order_acquire);
-  if (store == nullptr) {
-    return Own(absl::UnavailableError(absl::StrCat("prefill node ", core_->node_id,
-                                                   " is not registered with the cache store yet")),
-               kvrelay::v1::FAILURE_UNREACHABLE);
-  }
-  absl::StatusOr<worker::PrefixMatch> match = store->MatchPrefix(chain, options_.lease_ttl);
-  if (!match.ok()) {
-    KV_LOG(WARNING) << request.request_id() << ": MatchPrefix failed (" << match.status()
-                    << "); computing everything";
-    match = worker::PrefixMatch{};
-  }
-  struct LeaseGuard {
-    worker::StoreLink* store;
-    uint64_t id;
-    ~LeaseGuard() { store->ReleaseLease(id); }
-  } lease{store, match->lease_id};
+  KV_ASSIGN_OR_RETURN(std::unique_ptr<PrefixLookup> lookup,
+                      LookUpPrefix(request, layout, tokens, full_tokens));
+  const worker::PrefixMatch& match = lookup->match;
   // The deepest matched block whose checkpoint is in this node's segment (the lease keeps it
   // there while it is read).
   int64_t resume_blocks = 0;
   int64_t resume_slot = -1;
-  for (size_t b = 0; b < match->local_slots.size() && static_cast<int64_t>(b) < full_blocks; ++b) {
-    if (match->local_slots[b] >= 0) {
+  for (size_t b = 0; b < match.local_slots.size() && static_cast<int64_t>(b) < full_blocks; ++b) {
+    if (match.local_slots[b] >= 0) {
       resume_blocks = static_cast<int64_t>(b) + 1;
-      resume_slot = match->local_slots[b];
+      resume_slot = match.local_slots[b];
     }
   }
   if (resume_slot >= segment_->num_slots()) {
@@ -172,25 +119,9 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::RunMamba(
   } slot_guard{pool, *local_slot};
   std::memcpy(pool.SlotAddress(*local_slot), final_state.data(), final_state.size());
 
-  absl::StatusOr<transfer::PeerId> connected =
-      PeerFor(target.transport().address(), target.data_plane_key(), deadline);
-  if (absl::IsPermissionDenied(connected.status())) {
-    return Attribute(absl::PermissionDeniedError(
-                         absl::StrCat("target.data_plane_key: decode node ", target.node_id(),
-                                      " at ", target.transport().address(), " refused it")),
-                     kvrelay::v1::ROLE_CLIENT, "", kvrelay::v1::FAILURE_UNAUTHORIZED);
-  }
-  if (!connected.ok()) {
-    return DecodeFailure(
-        target,
-        absl::Status(
-            connected.status().code(),
-            absl::StrCat("data plane: cannot reach decode node ", target.node_id(), " at ",
-                         target.transport().address(), ": ", connected.status().message())),
-        kvrelay::v1::FAILURE_UNREACHABLE);
-  }
+  KV_ASSIGN_OR_RETURN(const transfer::PeerId peer, ConnectDecode(target, deadline));
   transfer::TransferBatch batch;
-  batch.peer = *connected;
+  batch.peer = peer;
   batch.direction = transfer::Direction::kPut;
   batch.tag = worker::RequestTag(request.request_id());
   batch.credential = target.reservation_token();
@@ -208,8 +139,8 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::RunMamba(
     batch.blocks.push_back(t);
   }
   KV_ASSIGN_OR_RETURN(transfer::TransferPlan plan, transport_->Prepare(batch));
-  if (absl::Status claimed = ClaimPush(*connected, request,
-                                       std::min(deadline, absl::Now() + options_.transfer_timeout));
+  if (absl::Status claimed =
+          ClaimPush(peer, request, std::min(deadline, absl::Now() + options_.transfer_timeout));
       !claimed.ok()) {
     return ClaimFailure(target, std::move(claimed));
   }
@@ -228,28 +159,12 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::RunMamba(
     }
   }
   transfer_seconds_->Observe(absl::ToDoubleSeconds(absl::Now() - first_post));
-  if (!transfer_status.ok()) {
-    CountTransferFailure("transfer");
-    if (absl::IsDeadlineExceeded(transfer_status) && absl::Now() >= deadline) {
-      return Attribute(
-          absl::DeadlineExceededError(absl::StrCat(
-              "the request's deadline passed while pushing to decode node ", target.node_id())),
-          kvrelay::v1::ROLE_CLIENT, "", kvrelay::v1::FAILURE_CALLER_DEADLINE);
-    }
-    return DecodeFailure(
-        target,
-        absl::Status(
-            transfer_status.code(),
-            absl::StrCat("data plane: push to decode node ", target.node_id(), " at ",
-                         target.transport().address(), " failed: ", transfer_status.message())),
-        absl::IsDataLoss(transfer_status) ? kvrelay::v1::FAILURE_CORRUPT
-                                          : kvrelay::v1::FAILURE_TRANSFER);
-  }
+  if (!transfer_status.ok()) return PushFailure(target, std::move(transfer_status), deadline);
   pushed_bytes_->Increment(static_cast<double>(pushed));
 
   // 4. Publish the checkpoints computed here, each under its block's hash.
-  absl::StatusOr<int32_t> committed = store->CommitBlocksFrom(
-      chain, resume_blocks, full_blocks, [&](int64_t block, int64_t slot) -> absl::Status {
+  absl::StatusOr<int32_t> committed = lookup->store().CommitBlocksFrom(
+      lookup->chain, resume_blocks, full_blocks, [&](int64_t block, int64_t slot) -> absl::Status {
         const std::vector<uint8_t>& state = checkpoints[block - resume_blocks];
         if (static_cast<uint64_t>(state.size()) != segment_->block_bytes()) {
           return absl::InternalError("mamba checkpoint size differs from the segment's slots");

@@ -266,6 +266,106 @@ absl::Status PrefillWorker::ClaimPush(transfer::PeerId peer,
   return sent;
 }
 
+absl::Status PrefillWorker::DecodeFailure(const kvrelay::v1::ReserveResponse& target,
+                                          absl::Status s, kvrelay::v1::FailureReason reason) const {
+  kvrelay::v1::ErrorInfo info;
+  info.set_role(kvrelay::v1::ROLE_DECODE);
+  info.set_node_id(target.node_id());
+  info.set_incarnation(target.incarnation());
+  info.set_address(target.transport().address());
+  info.set_reason(reason);
+  return proto::WithErrorInfo(std::move(s), info);
+}
+
+absl::Status PrefillWorker::ClaimFailure(const kvrelay::v1::ReserveResponse& target,
+                                         absl::Status claimed) {
+  CountTransferFailure(absl::IsPermissionDenied(claimed) ? "refused"
+                                                         : TransferFailureReason(claimed));
+  std::optional<kvrelay::v1::ErrorInfo> why = proto::GetErrorInfo(claimed);
+  if (absl::IsPermissionDenied(claimed) && why.has_value() &&
+      why->reason() == kvrelay::v1::FAILURE_EXPIRED) {
+    return DecodeFailure(
+        target,
+        absl::PermissionDeniedError(absl::StrCat("target: decode node ", target.node_id(),
+                                                 " refused the push: ", claimed.message())),
+        kvrelay::v1::FAILURE_EXPIRED);
+  }
+  if (absl::IsPermissionDenied(claimed)) {
+    return Attribute(
+        absl::PermissionDeniedError(absl::StrCat("target: decode node ", target.node_id(),
+                                                 " refused the push: ", claimed.message())),
+        kvrelay::v1::ROLE_CLIENT, "", kvrelay::v1::FAILURE_UNAUTHORIZED);
+  }
+  return DecodeFailure(
+      target,
+      absl::Status(claimed.code(), absl::StrCat("data plane: push claim to decode node ",
+                                                target.node_id(), ": ", claimed.message())),
+      kvrelay::v1::FAILURE_TRANSFER);
+}
+
+absl::StatusOr<std::unique_ptr<PrefillWorker::PrefixLookup>> PrefillWorker::LookUpPrefix(
+    const kvrelay::v1::PrefillRequest& request, const kv::ModelLayout& layout,
+    absl::Span<const int32_t> tokens, int64_t full_tokens) {
+  std::vector<kv::BlockHash> chain =
+      kv::HashChain(layout.fingerprint(), request.tenant_salt(),
+                    tokens.subspan(0, static_cast<size_t>(full_tokens)), layout.block_tokens());
+  prefix_query_tokens_->Increment(static_cast<double>(full_tokens));
+  worker::StoreLink* store = store_.load(std::memory_order_acquire);
+  if (store == nullptr) {
+    return Own(absl::UnavailableError(absl::StrCat("prefill node ", core_->node_id,
+                                                   " is not registered with the cache store yet")),
+               kvrelay::v1::FAILURE_UNREACHABLE);
+  }
+  absl::StatusOr<worker::PrefixMatch> match = store->MatchPrefix(chain, options_.lease_ttl);
+  if (!match.ok()) {
+    KV_LOG(WARNING) << request.request_id() << ": MatchPrefix failed (" << match.status()
+                    << "); computing everything";
+    match = worker::PrefixMatch{};
+  }
+  return std::make_unique<PrefixLookup>(std::move(chain), *std::move(match), store);
+}
+
+absl::StatusOr<transfer::PeerId> PrefillWorker::ConnectDecode(
+    const kvrelay::v1::ReserveResponse& target, absl::Time deadline) {
+  absl::StatusOr<transfer::PeerId> connected =
+      PeerFor(target.transport().address(), target.data_plane_key(), deadline);
+  if (absl::IsPermissionDenied(connected.status())) {
+    return Attribute(absl::PermissionDeniedError(
+                         absl::StrCat("target.data_plane_key: decode node ", target.node_id(),
+                                      " at ", target.transport().address(), " refused it")),
+                     kvrelay::v1::ROLE_CLIENT, "", kvrelay::v1::FAILURE_UNAUTHORIZED);
+  }
+  if (!connected.ok()) {
+    CountTransferFailure("unreachable");
+    return DecodeFailure(
+        target,
+        absl::Status(
+            connected.status().code(),
+            absl::StrCat("data plane: cannot reach decode node ", target.node_id(), " at ",
+                         target.transport().address(), ": ", connected.status().message())),
+        kvrelay::v1::FAILURE_UNREACHABLE);
+  }
+  return connected;
+}
+
+absl::Status PrefillWorker::PushFailure(const kvrelay::v1::ReserveResponse& target,
+                                        absl::Status failed, absl::Time deadline) {
+  CountTransferFailure(TransferFailureReason(failed));
+  // The caller's own deadline is not the decode worker's fault.
+  if (absl::IsDeadlineExceeded(failed) && absl::Now() >= deadline) {
+    return Attribute(
+        absl::DeadlineExceededError(absl::StrCat(
+            "the request's deadline passed while pushing to decode node ", target.node_id())),
+        kvrelay::v1::ROLE_CLIENT, "", kvrelay::v1::FAILURE_CALLER_DEADLINE);
+  }
+  return DecodeFailure(
+      target,
+      absl::Status(failed.code(),
+                   absl::StrCat("data plane: push to decode node ", target.node_id(), " at ",
+                                target.transport().address(), " failed: ", failed.message())),
+      absl::IsDataLoss(failed) ? kvrelay::v1::FAILURE_CORRUPT : kvrelay::v1::FAILURE_TRANSFER);
+}
+
 absl::StatusOr<transfer::PeerId> PrefillWorker::PeerFor(const std::string& address,
                                                         const std::string& key,
                                                         absl::Time deadline) {
@@ -331,31 +431,13 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
   }
 
   // 1. Which leading blocks are cached here.
-  std::vector<kv::BlockHash> chain = kv::HashChain(
-      layout.fingerprint(), request.tenant_salt(),
-      absl::MakeConstSpan(tokens).subspan(0, static_cast<size_t>(full_tokens)), block_tokens);
-  prefix_query_tokens_->Increment(static_cast<double>(full_tokens));
-  worker::StoreLink* store = store_.load(std::memory_order_acquire);
-  if (store == nullptr) {
-    return Own(absl::UnavailableError(absl::StrCat("prefill node ", core_->node_id,
-                                                   " is not registered with the cache store yet")),
-               kvrelay::v1::FAILURE_UNREACHABLE);
-  }
-  absl::StatusOr<worker::PrefixMatch> match = store->MatchPrefix(chain, options_.lease_ttl);
-  // A store outage costs reuse, not the request: everything is computed instead.
-  if (!match.ok()) {
-    KV_LOG(WARNING) << request.request_id() << ": MatchPrefix failed (" << match.status()
-                    << "); computing everything";
-    match = worker::PrefixMatch{};
-  }
-  struct LeaseGuard {
-    worker::StoreLink* store;
-    uint64_t id;
-    ~LeaseGuard() { store->ReleaseLease(id); }
-  } lease{store, match->lease_id};
+  KV_ASSIGN_OR_RETURN(std::unique_ptr<PrefixLookup> lookup,
+                      LookUpPrefix(request, layout, tokens, full_tokens));
+  const worker::PrefixMatch& match = lookup->match;
+  const std::vector<kv::BlockHash>& chain = lookup->chain;
   int64_t hit_blocks = 0;
-  while (hit_blocks < static_cast<int64_t>(match->local_slots.size()) &&
-         match->local_slots[hit_blocks] >= 0) {
+  while (hit_blocks < static_cast<int64_t>(match.local_slots.size()) &&
+         match.local_slots[hit_blocks] >= 0) {
     ++hit_blocks;
   }
   // Counted with the query, so hits / queries is the lookups' hit rate (as vLLM's).
@@ -371,14 +453,14 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
     }
   };
   for (int64_t b = 0; b < hit_blocks; ++b) {
-    absl::Status loaded = segment_->LoadBlock(match->local_slots[b], kv_->cache(), slots);
+    absl::Status loaded = segment_->LoadBlock(match.local_slots[b], kv_->cache(), slots);
     if (!loaded.ok()) {
       release_slots();
       return loaded;
     }
   }
   // Blocks held on other nodes after ours: pulled, or recomputed when that is cheaper.
-  const PulledPrefix pulled = PullHeldElsewhere(*match, chain, hit_blocks, full_blocks,
+  const PulledPrefix pulled = PullHeldElsewhere(match, chain, hit_blocks, full_blocks,
                                                 request.request_id(), deadline, slots);
   const int64_t reused_blocks = hit_blocks + pulled.blocks;
   if (reused_blocks > 0) {
@@ -391,43 +473,17 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
     }
   }
   KV_RETURN_IF_ERROR(seq.EnsureBlocks(full_tokens));
-  response.set_prefix_source(pulled.blocks > 0                                 ? "pulled"
-                             : pulled.attempted || match->matched > hit_blocks ? "recomputed"
-                             : hit_blocks > 0                                  ? "local"
-                                                                               : "none");
+  response.set_prefix_source(pulled.blocks > 0                                ? "pulled"
+                             : pulled.attempted || match.matched > hit_blocks ? "recomputed"
+                             : hit_blocks > 0                                 ? "local"
+                                                                              : "none");
   response.set_fetched_bytes(static_cast<int64_t>(pulled.bytes));
   response.set_fetched_tokens(static_cast<int32_t>(pulled.blocks * block_tokens));
   response.set_estimated_pull_ms(pulled.decision.pull_seconds * 1e3);
   response.set_estimated_recompute_ms(pulled.decision.recompute_seconds * 1e3);
 
   // 3. One slice per (group, wanted block, layer), posted layer by layer.
-  auto decode_failed = [&](absl::Status s, kvrelay::v1::FailureReason reason) {
-    kvrelay::v1::ErrorInfo info;
-    info.set_role(kvrelay::v1::ROLE_DECODE);
-    info.set_node_id(target.node_id());
-    info.set_incarnation(target.incarnation());
-    info.set_address(target.transport().address());
-    info.set_reason(reason);
-    return proto::WithErrorInfo(std::move(s), info);
-  };
-  absl::StatusOr<transfer::PeerId> connected =
-      PeerFor(target.transport().address(), target.data_plane_key(), deadline);
-  if (absl::IsPermissionDenied(connected.status())) {
-    return Attribute(absl::PermissionDeniedError(
-                         absl::StrCat("target.data_plane_key: decode node ", target.node_id(),
-                                      " at ", target.transport().address(), " refused it")),
-                     kvrelay::v1::ROLE_CLIENT, "", kvrelay::v1::FAILURE_UNAUTHORIZED);
-  }
-  if (!connected.ok()) {
-    CountTransferFailure("unreachable");
-    return decode_failed(
-        absl::Status(
-            connected.status().code(),
-            absl::StrCat("data plane: cannot reach decode node ", target.node_id(), " at ",
-                         target.transport().address(), ": ", connected.status().message())),
-        kvrelay::v1::FAILURE_UNREACHABLE);
-  }
-  const transfer::PeerId peer = *connected;
+  KV_ASSIGN_OR_RETURN(const transfer::PeerId peer, ConnectDecode(target, deadline));
   transfer::TransferBatch batch;
   batch.peer = peer;
   batch.direction = transfer::Direction::kPut;
@@ -459,27 +515,7 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
   if (absl::Status claimed =
           ClaimPush(peer, request, std::min(deadline, absl::Now() + options_.transfer_timeout));
       !claimed.ok()) {
-    CountTransferFailure(absl::IsPermissionDenied(claimed) ? "refused"
-                                                           : TransferFailureReason(claimed));
-    std::optional<kvrelay::v1::ErrorInfo> why = proto::GetErrorInfo(claimed);
-    if (absl::IsPermissionDenied(claimed) && why.has_value() &&
-        why->reason() == kvrelay::v1::FAILURE_EXPIRED) {
-      // A reservation that lapsed before the push: the pair's timing, worth a retry elsewhere.
-      return decode_failed(
-          absl::PermissionDeniedError(absl::StrCat("target: decode node ", target.node_id(),
-                                                   " refused the push: ", claimed.message())),
-          kvrelay::v1::FAILURE_EXPIRED);
-    }
-    if (absl::IsPermissionDenied(claimed)) {
-      return Attribute(
-          absl::PermissionDeniedError(absl::StrCat("target: decode node ", target.node_id(),
-                                                   " refused the push: ", claimed.message())),
-          kvrelay::v1::ROLE_CLIENT, "", kvrelay::v1::FAILURE_UNAUTHORIZED);
-    }
-    return decode_failed(
-        absl::Status(claimed.code(), absl::StrCat("data plane: push claim to decode node ",
-                                                  target.node_id(), ": ", claimed.message())),
-        kvrelay::v1::FAILURE_TRANSFER);
+    return ClaimFailure(target, std::move(claimed));
   }
   std::vector<transfer::TransferHandlePtr> handles;
   absl::Status post_status;
@@ -528,24 +564,7 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
     if (!s.ok() && transfer_status.ok()) transfer_status = s;
     pushed += h->bytes();
   }
-  if (!transfer_status.ok()) {
-    CountTransferFailure(TransferFailureReason(transfer_status));
-    // The caller's own deadline is not the decode worker's fault.
-    if (absl::IsDeadlineExceeded(transfer_status) && absl::Now() >= deadline) {
-      return Attribute(absl::DeadlineExceededError(
-                           absl::StrCat("the request's deadline passed while pushing to decode "
-                                        "node ",
-                                        target.node_id())),
-                       kvrelay::v1::ROLE_CLIENT, "", kvrelay::v1::FAILURE_CALLER_DEADLINE);
-    }
-    return decode_failed(
-        absl::Status(
-            transfer_status.code(),
-            absl::StrCat("data plane: push to decode node ", target.node_id(), " at ",
-                         target.transport().address(), " failed: ", transfer_status.message())),
-        absl::IsDataLoss(transfer_status) ? kvrelay::v1::FAILURE_CORRUPT
-                                          : kvrelay::v1::FAILURE_TRANSFER);
-  }
+  if (!transfer_status.ok()) return PushFailure(target, std::move(transfer_status), deadline);
   pushed_bytes_->Increment(static_cast<double>(pushed));
   if (first_post != absl::InfiniteFuture()) {
     transfer_seconds_->Observe(absl::ToDoubleSeconds(absl::Now() - first_post));
@@ -555,7 +574,7 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
   // 5. Publish the blocks computed here for later requests, and keep a copy of those pulled or
   //    recomputed although held elsewhere (the next request for them here is local).
   absl::StatusOr<int32_t> committed =
-      store->CommitBlocks(chain, hit_blocks, full_blocks, seq, /*keep_copies=*/true);
+      lookup->store().CommitBlocks(chain, hit_blocks, full_blocks, seq, /*keep_copies=*/true);
   if (!committed.ok()) {
     KV_LOG(WARNING) << request.request_id() << ": commit failed: " << committed.status();
   }

@@ -90,8 +90,37 @@ class PrefillWorker {
   // checkpoint per new block.
   absl::StatusOr<kvrelay::v1::PrefillResponse> RunMamba(const kvrelay::v1::PrefillRequest& request,
                                                         absl::Time deadline, absl::Time start);
+  // The prompt's chained block hashes and what the store holds of them, under a lease that is
+  // released when this goes out of scope. Both the KV and the Mamba path start here.
+  class PrefixLookup {
+   public:
+    PrefixLookup(std::vector<kv::BlockHash> chain, worker::PrefixMatch match,
+                 worker::StoreLink* store)
+        : chain(std::move(chain)), match(std::move(match)), store_(store) {}
+    PrefixLookup(const PrefixLookup&) = delete;
+    PrefixLookup& operator=(const PrefixLookup&) = delete;
+    ~PrefixLookup() { store_->ReleaseLease(match.lease_id); }
+    worker::StoreLink& store() const { return *store_; }
+
+    const std::vector<kv::BlockHash> chain;
+    const worker::PrefixMatch match;
+
+   private:
+    worker::StoreLink* const store_;
+  };
+  // Hashes the first `full_tokens` tokens and matches them. A store outage costs reuse, not
+  // the request (an empty match); only a worker not yet registered fails.
+  absl::StatusOr<std::unique_ptr<PrefixLookup>> LookUpPrefix(
+      const kvrelay::v1::PrefillRequest& request, const kv::ModelLayout& layout,
+      absl::Span<const int32_t> tokens, int64_t full_tokens);
+  // The data-plane peer of the target decode worker, failures attributed as Run attributes them.
+  absl::StatusOr<transfer::PeerId> ConnectDecode(const kvrelay::v1::ReserveResponse& target,
+                                                 absl::Time deadline);
   // A failed push claim, attributed as Run attributes it.
-  absl::Status ClaimFailure(const kvrelay::v1::ReserveResponse& target, absl::Status claimed) const;
+  absl::Status ClaimFailure(const kvrelay::v1::ReserveResponse& target, absl::Status claimed);
+  // A failed push: the caller's deadline, or the decode worker's fault.
+  absl::Status PushFailure(const kvrelay::v1::ReserveResponse& target, absl::Status failed,
+                           absl::Time deadline);
   // `s` attributed to the target decode worker with `reason`.
   absl::Status DecodeFailure(const kvrelay::v1::ReserveResponse& target, absl::Status s,
                              kvrelay::v1::FailureReason reason) const;
