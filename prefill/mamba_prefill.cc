@@ -120,30 +120,12 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::RunMamba(
   std::memcpy(pool.SlotAddress(*local_slot), final_state.data(), final_state.size());
 
   KV_ASSIGN_OR_RETURN(const transfer::PeerId peer, ConnectDecode(target, deadline));
-  transfer::TransferBatch batch;
-  batch.peer = peer;
-  batch.direction = transfer::Direction::kPut;
-  batch.tag = worker::RequestTag(request.request_id());
-  batch.credential = target.reservation_token();
+  transfer::TransferBatch batch = PushBatch(peer, request);
   for (int32_t layer = 0; layer < layout.num_layers(); ++layer) {
-    const worker::LayerSlice slice = worker::SliceOfLayer(layout, kv_->cache(), layer);
-    KV_DCHECK(slice.length == static_cast<uint64_t>(layer_state_bytes));
-    transfer::BlockTransfer t;
-    t.local = &kv_->region(0);
-    t.local_offset = static_cast<uint64_t>(*local_slot) * pool.slot_stride() + slice.offset_in_unit;
-    t.remote_region = group_target.region_id();
-    t.remote_offset = static_cast<uint64_t>(remote_slot) * group_target.slot_stride_bytes() +
-                      slice.offset_in_unit;
-    t.length = slice.length;
-    t.layer = layer;
-    batch.blocks.push_back(t);
+    batch.blocks.push_back(PushSlice(target, /*g=*/0, *local_slot, remote_slot, layer));
+    KV_DCHECK(batch.blocks.back().length == static_cast<uint64_t>(layer_state_bytes));
   }
-  KV_ASSIGN_OR_RETURN(transfer::TransferPlan plan, transport_->Prepare(batch));
-  if (absl::Status claimed =
-          ClaimPush(peer, request, std::min(deadline, absl::Now() + options_.transfer_timeout));
-      !claimed.ok()) {
-    return ClaimFailure(target, std::move(claimed));
-  }
+  KV_ASSIGN_OR_RETURN(transfer::TransferPlan plan, PrepareClaimed(batch, request, deadline));
   transfer::PostOptions post_options;
   post_options.deadline = std::min(deadline, absl::Now() + options_.transfer_timeout);
   const absl::Time first_post = absl::Now();

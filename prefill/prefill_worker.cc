@@ -366,6 +366,46 @@ absl::Status PrefillWorker::PushFailure(const kvrelay::v1::ReserveResponse& targ
       absl::IsDataLoss(failed) ? kvrelay::v1::FAILURE_CORRUPT : kvrelay::v1::FAILURE_TRANSFER);
 }
 
+transfer::TransferBatch PrefillWorker::PushBatch(transfer::PeerId peer,
+                                                 const kvrelay::v1::PrefillRequest& request) const {
+  transfer::TransferBatch batch;
+  batch.peer = peer;
+  batch.direction = transfer::Direction::kPut;
+  batch.tag = worker::RequestTag(request.request_id());
+  batch.credential = request.target().reservation_token();
+  return batch;
+}
+
+transfer::BlockTransfer PrefillWorker::PushSlice(const kvrelay::v1::ReserveResponse& target, int g,
+                                                 int64_t local_slot, int64_t remote_slot,
+                                                 int32_t layer) const {
+  const worker::LayerSlice slice = worker::SliceOfLayer(kv_->cache().layout(), kv_->cache(), layer);
+  const auto& group_target = target.groups(g);
+  transfer::BlockTransfer t;
+  t.local = &kv_->region(g);
+  t.local_offset =
+      static_cast<uint64_t>(local_slot) * kv_->cache().pool(g).slot_stride() + slice.offset_in_unit;
+  t.remote_region = group_target.region_id();
+  t.remote_offset =
+      static_cast<uint64_t>(remote_slot) * group_target.slot_stride_bytes() + slice.offset_in_unit;
+  t.length = slice.length;
+  t.layer = layer;
+  return t;
+}
+
+absl::StatusOr<transfer::TransferPlan> PrefillWorker::PrepareClaimed(
+    const transfer::TransferBatch& batch, const kvrelay::v1::PrefillRequest& request,
+    absl::Time deadline) {
+  KV_ASSIGN_OR_RETURN(transfer::TransferPlan plan, transport_->Prepare(batch));
+  // A caller naming another request's slots gets PERMISSION_DENIED here.
+  if (absl::Status claimed = ClaimPush(batch.peer, request,
+                                       std::min(deadline, absl::Now() + options_.transfer_timeout));
+      !claimed.ok()) {
+    return ClaimFailure(request.target(), std::move(claimed));
+  }
+  return plan;
+}
+
 absl::StatusOr<transfer::PeerId> PrefillWorker::PeerFor(const std::string& address,
                                                         const std::string& key,
                                                         absl::Time deadline) {
@@ -484,39 +524,17 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
 
   // 3. One slice per (group, wanted block, layer), posted layer by layer.
   KV_ASSIGN_OR_RETURN(const transfer::PeerId peer, ConnectDecode(target, deadline));
-  transfer::TransferBatch batch;
-  batch.peer = peer;
-  batch.direction = transfer::Direction::kPut;
-  batch.tag = worker::RequestTag(request.request_id());
-  batch.credential = target.reservation_token();
+  transfer::TransferBatch batch = PushBatch(peer, request);
   for (int32_t layer = 0; layer < layout.num_layers(); ++layer) {
     const int g = kv_->cache().group_of_layer(layer);
-    const worker::LayerSlice slice = worker::SliceOfLayer(layout, kv_->cache(), layer);
-    const auto& group_target = target.groups(g);
-    const kv::BlockPool& pool = kv_->cache().pool(g);
     for (int64_t b = 0; b < full_blocks; ++b) {
-      const int64_t remote_slot = group_target.slots(static_cast<int>(b));
-      if (remote_slot < 0) continue;
-      transfer::BlockTransfer t;
-      t.local = &kv_->region(g);
-      t.local_offset =
-          static_cast<uint64_t>(seq.blocks(g)[b]) * pool.slot_stride() + slice.offset_in_unit;
-      t.remote_region = group_target.region_id();
-      t.remote_offset = static_cast<uint64_t>(remote_slot) * group_target.slot_stride_bytes() +
-                        slice.offset_in_unit;
-      t.length = slice.length;
-      t.layer = layer;
-      batch.blocks.push_back(t);
+      const int64_t remote_slot = target.groups(g).slots(static_cast<int>(b));
+      if (remote_slot >= 0) {
+        batch.blocks.push_back(PushSlice(target, g, seq.blocks(g)[b], remote_slot, layer));
+      }
     }
   }
-  KV_ASSIGN_OR_RETURN(transfer::TransferPlan plan, transport_->Prepare(batch));
-  // Nothing is written before the decode worker agreed that these slots are this
-  // reservation's (a caller naming another request's slots gets PERMISSION_DENIED here).
-  if (absl::Status claimed =
-          ClaimPush(peer, request, std::min(deadline, absl::Now() + options_.transfer_timeout));
-      !claimed.ok()) {
-    return ClaimFailure(target, std::move(claimed));
-  }
+  KV_ASSIGN_OR_RETURN(transfer::TransferPlan plan, PrepareClaimed(batch, request, deadline));
   std::vector<transfer::TransferHandlePtr> handles;
   absl::Status post_status;
   absl::Time first_post = absl::InfiniteFuture();

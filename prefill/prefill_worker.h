@@ -116,6 +116,17 @@ class PrefillWorker {
   // The data-plane peer of the target decode worker, failures attributed as Run attributes them.
   absl::StatusOr<transfer::PeerId> ConnectDecode(const kvrelay::v1::ReserveResponse& target,
                                                  absl::Time deadline);
+  // A put batch to the request's decode worker over `peer`, carrying its reservation token.
+  transfer::TransferBatch PushBatch(transfer::PeerId peer,
+                                    const kvrelay::v1::PrefillRequest& request) const;
+  // Layer `layer`'s slice of local slot `local_slot` of group `g` into the target's `remote_slot`.
+  transfer::BlockTransfer PushSlice(const kvrelay::v1::ReserveResponse& target, int g,
+                                    int64_t local_slot, int64_t remote_slot, int32_t layer) const;
+  // Prepares `batch` and claims the target's slots; nothing is written before the decode worker
+  // agreed that they are this reservation's.
+  absl::StatusOr<transfer::TransferPlan> PrepareClaimed(const transfer::TransferBatch& batch,
+                                                        const kvrelay::v1::PrefillRequest& request,
+                                                        absl::Time deadline);
   // A failed push claim, attributed as Run attributes it.
   absl::Status ClaimFailure(const kvrelay::v1::ReserveResponse& target, absl::Status claimed);
   // A failed push: the caller's deadline, or the decode worker's fault.
