@@ -33,7 +33,6 @@ import argparse
 import collections
 import heapq
 import json
-import math
 from collections import OrderedDict
 
 BIG = 1e15
