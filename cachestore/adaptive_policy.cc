@@ -60,7 +60,7 @@ struct AdaptivePolicy::Shadow {
 
 AdaptivePolicy::AdaptivePolicy(int64_t capacity_blocks)
     : fast_(kFastHalfLifeCaches * static_cast<double>(std::max<int64_t>(capacity_blocks, 1))),
-      probation_(std::max<int64_t>(capacity_blocks, 1)) {
+      probation_(std::max<int64_t>(capacity_blocks, 1), kRefetchLagCaches) {
   absl::MutexLock lock(&mu_);
   ResetShadows(capacity_blocks);
 }
@@ -121,8 +121,8 @@ void AdaptivePolicy::ResetShadows(int64_t capacity_blocks) const {
       std::make_unique<Shadow>(std::make_unique<LruPolicy>(/*leaf_only=*/true), shadow_capacity);
   shadows_[1] = std::make_unique<Shadow>(std::make_unique<LrfuPolicy>(kFastHalfLifeCaches * cap),
                                          shadow_capacity);
-  shadows_[2] = std::make_unique<Shadow>(std::make_unique<ProbationLruPolicy>(shadow_capacity),
-                                         shadow_capacity);
+  shadows_[2] = std::make_unique<Shadow>(
+      std::make_unique<ProbationLruPolicy>(shadow_capacity, kRefetchLagCaches), shadow_capacity);
   lead_ = {};
   spread_ = {};
 }
@@ -144,7 +144,7 @@ double AdaptivePolicy::Priority(const AccessStats& stats) const {
     case 1:
       return fast_.PriorityOf(stats.crf, stats.last_tick);
     case 2:
-      return ProbationLruPolicy::PriorityOf(stats);
+      return probation_.Priority(stats);
     default:
       return lru_.Priority(stats);
   }

@@ -30,7 +30,7 @@ absl::StatusOr<std::unique_ptr<CacheStore>> CacheStore::Create(CacheStoreOptions
     return absl::InvalidArgumentError(
         absl::StrCat("policy: '", options.policy,
                      "' is the non-prefix-aware trace-replay baseline; the service needs adaptive, "
-                     "lrfu, probation-lru or leaf-lru"));
+                     "lrfu, probation-lag, probation-lru or leaf-lru"));
   }
   policy->LearnInBackground();  // lookups queue chains for the adaptive policy's shadows
   if (!(options.low_watermark > 0 && options.low_watermark <= options.high_watermark &&

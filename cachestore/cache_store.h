@@ -47,8 +47,9 @@
 namespace kvrelay::cachestore {
 
 struct CacheStoreOptions {
-  std::string policy = std::string(kDefaultPolicy);  // adaptive|lrfu|probation-lru|leaf-lru
-  std::string data_dir;                              // empty: no durability
+  std::string policy =
+      std::string(kDefaultPolicy);  // adaptive|lrfu|probation-lag|probation-lru|leaf-lru
+  std::string data_dir;             // empty: no durability
   bool wal_fsync = true;
   Clock* clock = nullptr;  // not owned; default Clock::Real()
   // Long enough to ride out a multi-second CPU stall; a node past it only becomes suspect.

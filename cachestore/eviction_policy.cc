@@ -126,7 +126,7 @@ bool RecentFilter::SeenThenStamp(const kv::BlockHash& hash, uint64_t tick) const
 void ProbationLruPolicy::OnInsert(AccessStats& stats, const kv::BlockHash& hash, uint64_t tick,
                                   const AccessStats* ghost) const {
   const bool seen = recent_.SeenThenStamp(hash, tick);
-  stats.probation = (seen || ghost != nullptr) ? 0 : 1;
+  stats.probation = (seen || ghost != nullptr) ? kRefetched : kOnProbation;
   stats.last_tick = tick;
 }
 
@@ -147,10 +147,13 @@ absl::StatusOr<EvictionPolicyPtr> MakeEvictionPolicy(std::string_view name,
         new LrfuPolicy(kLrfuHalfLifeCaches * static_cast<double>(capacity_blocks)));
   }
   if (name == "probation-lru") return EvictionPolicyPtr(new ProbationLruPolicy(capacity_blocks));
+  if (name == "probation-lag") {
+    return EvictionPolicyPtr(new ProbationLruPolicy(capacity_blocks, kRefetchLagCaches));
+  }
   if (name == "adaptive") return EvictionPolicyPtr(new AdaptivePolicy(capacity_blocks));
   return absl::InvalidArgumentError(
       absl::StrCat("policy: unknown eviction policy '", std::string(name),
-                   "' (want lru, leaf-lru, lrfu, probation-lru or adaptive)"));
+                   "' (want lru, leaf-lru, lrfu, probation-lru, probation-lag or adaptive)"));
 }
 
 }  // namespace kvrelay::cachestore

@@ -30,6 +30,7 @@
 //
 // Thread-safe: all methods are const; SetHalfLife may race with Priority (atomic).
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
@@ -49,8 +50,8 @@ namespace kvrelay::cachestore {
 struct AccessStats {
   uint64_t last_tick = 0;  // logical access clock (one tick per block access) at the last access
   float crf = 0;           // LRFU combined recency-frequency at last_tick; unused by LRU
-  // ProbationLruPolicy: 1 while the block is on probation (inserted without having been seen
-  // recently, not accessed since). Fills the padding after crf, so the record does not grow.
+  // ProbationLruPolicy flags (kOnProbation, kRefetched), cleared by the next access. Fills the
+  // padding after crf, so the record does not grow.
   uint32_t probation = 0;
 };
 
@@ -125,10 +126,10 @@ inline constexpr int64_t kProbationHistoryCaches = 8;
 
 using EvictionPolicyPtr = std::unique_ptr<const EvictionPolicy>;
 
-// "lru", "leaf-lru", "lrfu" (see above) or "adaptive" (adaptive_policy.h: leaf-LRU or LRFU,
-// whichever wins significantly in shadow caches right now). InvalidArgument naming the value
-// otherwise. `capacity_blocks` (> 0) sets the LRFU half-life to kLrfuHalfLifeCaches cache-fulls of
-// accesses.
+// "lru", "leaf-lru", "lrfu", "probation-lru", "probation-lag" (see above) or "adaptive"
+// (adaptive_policy.h: leaf-LRU or LRFU, whichever wins significantly in shadow caches right now).
+// InvalidArgument naming the value otherwise. `capacity_blocks` (> 0) sets the LRFU half-life to
+// kLrfuHalfLifeCaches cache-fulls of accesses.
 absl::StatusOr<EvictionPolicyPtr> MakeEvictionPolicy(std::string_view name,
                                                      int64_t capacity_blocks);
 
@@ -166,28 +167,57 @@ class LruPolicy final : public EvictionPolicy {
 // the last kProbationHistoryCaches cache-fulls of accesses is on probation and ranks below every
 // other block (LRU among themselves); its next access ends probation. One-off request tails and
 // scans leave first; anything seen twice within the history is kept by recency.
+//
+// "probation-lag" adds SRRIP's distinction between a hit and a miss (Jaleel et al., ISCA 2010:
+// a miss inserts at a "long" re-reference prediction, a hit promotes to "near"): a block
+// inserted by a miss although the doorkeeper saw it (a re-fetch: it was evicted, so its last
+// reuse gap was longer than its residency) ranks as if accessed kRefetchLagCaches cache-fulls
+// of accesses before its insertion, until its next access. A block that is hit while cached
+// proves a reuse gap the cache can hold; a re-fetched one has only proved one it could not.
 class ProbationLruPolicy final : public EvictionPolicy {
  public:
-  explicit ProbationLruPolicy(int64_t capacity_blocks) : recent_(capacity_blocks) {}
-  std::string_view name() const override { return "probation-lru"; }
+  static constexpr uint32_t kOnProbation = 1;
+  static constexpr uint32_t kRefetched = 2;
+  // `refetch_lag_caches` 0: "probation-lru"; > 0: "probation-lag" with that lag.
+  explicit ProbationLruPolicy(int64_t capacity_blocks, double refetch_lag_caches = 0)
+      : recent_(capacity_blocks),
+        lag_caches_(refetch_lag_caches),
+        lag_ticks_(refetch_lag_caches *
+                   static_cast<double>(std::max<int64_t>(capacity_blocks, 1))) {}
+  std::string_view name() const override {
+    return lag_caches_ > 0 ? "probation-lag" : "probation-lru";
+  }
   bool prefix_aware() const override { return true; }
   // Probation unless the filter saw the block accessed recently or it has a ghost (evicted
-  // recently). Every access stamps the filter.
+  // recently); otherwise a re-fetch (kRefetched). Every access stamps the filter.
   void OnInsert(AccessStats& stats, const kv::BlockHash& hash, uint64_t tick,
                 const AccessStats* ghost) const override;
   void OnAccess(AccessStats& stats, const kv::BlockHash& hash, uint64_t tick) const override;
-  double Priority(const AccessStats& stats) const override { return PriorityOf(stats); }
-  void SetCapacityHint(int64_t capacity_blocks) const override {
-    if (capacity_blocks > 0) recent_.SetCapacity(capacity_blocks);
+  double Priority(const AccessStats& stats) const override {
+    double p = static_cast<double>(stats.last_tick);
+    // Probation sinks a block by 2^52 ticks (more accesses than any store makes).
+    if ((stats.probation & kOnProbation) != 0) return p - 0x1p52;
+    if ((stats.probation & kRefetched) != 0) p -= lag_ticks_.load(std::memory_order_relaxed);
+    return p;
   }
-  // Probation sinks a block by 2^52 ticks (more accesses than any store makes).
-  static double PriorityOf(const AccessStats& stats) {
-    return static_cast<double>(stats.last_tick) - (stats.probation != 0 ? 0x1p52 : 0.0);
+  void SetCapacityHint(int64_t capacity_blocks) const override {
+    if (capacity_blocks <= 0) return;
+    recent_.SetCapacity(capacity_blocks);
+    lag_ticks_.store(lag_caches_ * static_cast<double>(capacity_blocks), std::memory_order_relaxed);
   }
 
  private:
   RecentFilter recent_;
+  const double lag_caches_;
+  // Relaxed: a stale value only makes one heap comparison approximate; the lazy heap re-checks.
+  mutable std::atomic<double> lag_ticks_;
 };
+
+// The lag of "probation-lag": one cache-full of accesses, the residency of a block under LRU
+// (how long a block stays after its last access). A re-fetched block ranks as a block hit one
+// residency ago would, i.e. it stays about half as long as a hit block unless it is hit. See
+// README.md for the values tried (0.5 and 2 caches).
+inline constexpr double kRefetchLagCaches = 1.0;
 
 class LrfuPolicy final : public EvictionPolicy {
  public:

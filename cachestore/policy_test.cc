@@ -84,6 +84,19 @@ TEST(ProbationLruTest, OneOffRequestsLeaveBeforeAReusedPrefix) {
   EXPECT_EQ(leaf_lru.hit_blocks, 2);
 }
 
+// The lag (capacity 2, so one cache = 2 accesses): B is evicted (t3), A is hit (t4), B is
+// re-fetched (t5, the doorkeeper saw it). D (t6) must evict A or B. probation-lru keeps the more
+// recent B; probation-lag ranks the re-fetch 2 ticks back (5 - 2 = 3 < 4), keeps A, which is hit
+// again at t7.
+TEST(ProbationLagTest, ReFetchedBlockLeavesBeforeABlockHitEarlier) {
+  std::vector<TraceRequest> trace = {{{2}}, {{1}}, {{3}}, {{1}}, {{2}}, {{4}}, {{1}}};
+  KV_ASSERT_OK_AND_ASSIGN(ReplayResult lag, ReplayTrace(trace, 2, "probation-lag"));
+  KV_ASSERT_OK_AND_ASSIGN(ReplayResult probation, ReplayTrace(trace, 2, "probation-lru"));
+  EXPECT_EQ(lag.policy, "probation-lag");
+  EXPECT_EQ(lag.hit_blocks, 2);        // t4 and t7
+  EXPECT_EQ(probation.hit_blocks, 1);  // t4 only
+}
+
 TEST(RecentFilterTest, RemembersWithinTheHistoryOnly) {
   RecentFilter filter(/*capacity_blocks=*/100);
   const BlockHash a = TraceBlockHash(1), b = TraceBlockHash(2);

@@ -122,6 +122,11 @@ TEST(ReplayTraceTest, MooncakeTraceMatchesReferenceLruAndDefaultNeverLower) {
                 def.hit_rate() / lru.hit_rate());
     EXPECT_NEAR(lru.hit_rate(), c.reference_lru, 0.002) << "capacity " << c.capacity;
     EXPECT_GE(def.hit_rate(), lru.hit_rate()) << "capacity " << c.capacity;
+    // Measured 1.092x at 2k blocks (README's policy table); the default before probation-lag
+    // reached 1.076x.
+    if (c.capacity == 2000) {
+      EXPECT_GE(def.hit_rate(), 1.08 * lru.hit_rate());
+    }
   }
 }
 

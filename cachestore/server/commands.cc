@@ -54,8 +54,9 @@ int RunCacheStoreCommand(const std::vector<std::string>& args) {
   kvrelay::cachestore::kvevents::KvEventsOptions kv_events;
   kvrelay::cachestore::kvevents::AddKvEventsFlags(flags, &kv_events);
   flags.AddString("data-dir", &data_dir, "WAL + snapshot directory; empty = no durability");
-  flags.AddString("policy", &policy,
-                  "eviction policy: adaptive (default), lrfu, probation-lru or leaf-lru");
+  flags.AddString(
+      "policy", &policy,
+      "eviction policy: adaptive (default), lrfu, probation-lag, probation-lru or leaf-lru");
   flags.AddDuration("node-ttl", &node_ttl,
                     "default heartbeat TTL of a node; past it the node is suspect (its blocks "
                     "are skipped, not dropped)");

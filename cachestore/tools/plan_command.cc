@@ -136,8 +136,9 @@ int RunPlanCommand(const std::vector<std::string>& args) {
   source.Register(flags);
   flags.AddString("model", &models_text, "comma list of presets or config.json paths");
   flags.AddString("memory-gib", &memory_text, "comma list of KV cache memory per node, GiB");
-  flags.AddString("policy", &policies_text,
-                  "comma list: lru, leaf-lru, lrfu, probation-lru, adaptive, belady");
+  flags.AddString(
+      "policy", &policies_text,
+      "comma list: lru, leaf-lru, lrfu, probation-lru, probation-lag, adaptive, belady");
   flags.AddBool("window-aware", &window_aware,
                 "keep sliding-window parts apart and reclaim interior ones first");
   flags.AddDouble("target-hit-rate", &target,

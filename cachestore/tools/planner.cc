@@ -76,17 +76,17 @@ absl::StatusOr<std::vector<double>> ParsePositiveDoubles(const std::string& flag
 absl::StatusOr<std::vector<std::string>> ParsePolicyList(const std::string& flag,
                                                          const std::string& text) {
   if (text == "all")
-    return std::vector<std::string>{"lru",           "leaf-lru", "lrfu",
-                                    "probation-lru", "adaptive", "belady"};
+    return std::vector<std::string>{"lru",           "leaf-lru", "lrfu",  "probation-lru",
+                                    "probation-lag", "adaptive", "belady"};
   std::vector<std::string> out;
   for (absl::string_view part : absl::StrSplit(text, ',')) {
     std::string name(absl::StripAsciiWhitespace(part));
     if (name != "belady") {
       absl::StatusOr<EvictionPolicyPtr> p = MakeEvictionPolicy(name, 1);
       if (!p.ok()) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(flag, ": unknown policy '", name,
-                         "' (want lru, leaf-lru, lrfu, probation-lru, adaptive, belady)"));
+        return absl::InvalidArgumentError(absl::StrCat(
+            flag, ": unknown policy '", name,
+            "' (want lru, leaf-lru, lrfu, probation-lru, probation-lag, adaptive, belady)"));
       }
     }
     out.push_back(std::move(name));
