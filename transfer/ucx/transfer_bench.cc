@@ -310,6 +310,7 @@ struct BenchConfig {
   int64_t blocks = 0;  // 0: one pass over every slot of the region
   int32_t inflight = 64;
   int32_t posts_inflight = 8;
+  int32_t steady_passes = 3;
   int32_t layers = 0;
   std::string direction = "put";
   bool json = false;
@@ -329,7 +330,7 @@ struct PassResult {
 
 struct BenchResult {
   PassResult cold;    // the first pass over every slot of a fresh region
-  PassResult steady;  // the measured pass (--blocks)
+  PassResult steady;  // the fastest measured pass (--blocks each)
   int64_t posts = 0;
   double memcpy_seconds = 0;
   int64_t receiver_minor_faults = -1;  // during the steady pass; -1 unknown
@@ -480,8 +481,17 @@ absl::StatusOr<BenchResult> RunBench(const BenchConfig& cfg) {
   // Cold: the first pass over every slot of the freshly created region, right after the
   // connection (includes endpoint wire-up and whatever populating is still under way).
   KV_RETURN_IF_ERROR(timed_pass(static_cast<int64_t>(slots), &result.cold));
+  // Steady: best of `steady_passes`, as the memcpy baseline below is best of three, so load
+  // from other processes flatters neither side. Faults count over every pass.
   const int64_t rx0 = receiver_faults();
-  KV_RETURN_IF_ERROR(timed_pass(n, &result.steady));
+  int64_t sender_faults = 0;
+  for (int32_t pass = 0; pass < cfg.steady_passes; ++pass) {
+    PassResult r;
+    KV_RETURN_IF_ERROR(timed_pass(n, &r));
+    sender_faults += r.sender_minor_faults;
+    if (pass == 0 || r.seconds < result.steady.seconds) result.steady = r;
+  }
+  result.steady.sender_minor_faults = sender_faults;
   const int64_t rx1 = receiver_faults();
   if (rx0 >= 0 && rx1 >= 0) result.receiver_minor_faults = rx1 - rx0;
   result.posts = (n + batch - 1) / batch;
@@ -537,6 +547,8 @@ int RunTransferBenchCommand(const std::vector<std::string>& args) {
                  "one block per slot of the region");
   flags.AddInt32("inflight", &cfg.inflight,
                  "UCX operations (blocks) in flight, at most, like ucx_perftest -O");
+  flags.AddInt32("steady-passes", &cfg.steady_passes,
+                 "steady passes; the fastest is reported (faults: all of them)");
   flags.AddInt32("posts-in-flight", &cfg.posts_inflight,
                  "Posts (layers) issued and not yet acknowledged by the receiver, at most");
   flags.AddInt32("layers", &cfg.layers,
@@ -550,10 +562,11 @@ int RunTransferBenchCommand(const std::vector<std::string>& args) {
                  "transport-allocated bytes on each side (a decode pool's size; default 1 GiB)");
   if (std::optional<int> exit_code = ParseCommandLine(flags, args)) return *exit_code;
   if (cfg.block_bytes <= 0 || cfg.blocks < 0 || cfg.inflight <= 0 || cfg.layers < 0 ||
-      cfg.posts_inflight <= 0 || cfg.chunk_bytes <= 0 || cfg.max_inflight_bytes <= 0 ||
-      cfg.region_bytes < cfg.block_bytes) {
+      cfg.posts_inflight <= 0 || cfg.steady_passes <= 0 || cfg.chunk_bytes <= 0 ||
+      cfg.max_inflight_bytes <= 0 || cfg.region_bytes < cfg.block_bytes) {
     std::fprintf(stderr,
-                 "transfer-bench: --block-bytes, --inflight, --chunk-bytes and "
+                 "transfer-bench: --block-bytes, --inflight, --posts-in-flight, --steady-passes, "
+                 "--chunk-bytes and "
                  "--max-inflight-bytes must be positive, --blocks and --layers >= 0, "
                  "--region-bytes >= "
                  "--block-bytes\n");
@@ -611,9 +624,10 @@ int RunTransferBenchCommand(const std::vector<std::string>& args) {
                 static_cast<double>(r->steady.bytes) / 1e6, r->steady.seconds);
     std::printf("  per block   p50 %.1f us, p99 %.1f us (Post to acknowledged completion)\n",
                 r->steady.p50_us, r->steady.p99_us);
-    std::printf("  faults      sender %ld, receiver %ld minor page faults during the steady pass\n",
-                static_cast<long>(r->steady.sender_minor_faults),
-                static_cast<long>(r->receiver_minor_faults));
+    std::printf(
+        "  faults      sender %ld, receiver %ld minor page faults during the steady passes\n",
+        static_cast<long>(r->steady.sender_minor_faults),
+        static_cast<long>(r->receiver_minor_faults));
     std::printf(
         "  baseline    memcpy of the same blocks between two such regions in one process: "
         "%.3f GB/s (ratio %.3f)\n",
