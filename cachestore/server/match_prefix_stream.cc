@@ -113,8 +113,8 @@ class CacheStoreService::MatchStream final
     }
     if (static_cast<int>(service_->streams_.size()) >= kMaxLookupStreams) {
       return ToGrpcStatus(proto::Attribute(
-          absl::ResourceExhaustedError(absl::StrCat("cache store: ", kMaxLookupStreams,
-                                                    " lookup streams open already; use MatchPrefix")),
+          absl::ResourceExhaustedError(absl::StrCat(
+              "cache store: ", kMaxLookupStreams, " lookup streams open already; use MatchPrefix")),
           v1::ROLE_STORE, "", v1::FAILURE_OVERLOADED));
     }
     service_->streams_.insert(this);
