@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <iterator>
 #include <optional>
 
 #include "absl/strings/numbers.h"
@@ -84,21 +85,30 @@ CacheStoreClient::~CacheStoreClient() {
     absl::MutexLock lock(&mu_);
     endpoints = endpoints_;
   }
+  std::vector<std::shared_ptr<LookupStream>> streams;
   for (const std::shared_ptr<Endpoint>& endpoint : endpoints) {
-    std::shared_ptr<LookupStream> stream;
-    {
-      absl::MutexLock lock(&endpoint->lookup_mu);
-      stream = std::move(endpoint->lookup);
-    }
-    if (stream == nullptr) continue;
-    stream->Cancel();
-    (void)stream->WaitDone(absl::Seconds(1));
+    absl::MutexLock lock(&endpoint->lookup_mu);
+    if (endpoint->lookup != nullptr) streams.push_back(std::move(endpoint->lookup));
+    for (auto& s : endpoint->ended) streams.push_back(std::move(s));
+    endpoint->ended.clear();
+  }
+  for (const std::shared_ptr<LookupStream>& stream : streams) stream->Cancel();
+  for (std::shared_ptr<LookupStream>& stream : streams) {
+    // Freed here, on this thread, once gRPC is done with it; one it never finishes is leaked
+    // rather than freed under it.
+    if (!stream->WaitDone(absl::Seconds(1))) new std::shared_ptr<LookupStream>(std::move(stream));
   }
 }
 
 std::shared_ptr<LookupStream> CacheStoreClient::LookupStreamOf(Endpoint& endpoint) {
+  std::vector<std::shared_ptr<LookupStream>> finished;  // freed after the lock, on this thread
   absl::MutexLock lock(&endpoint.lookup_mu);
   if (endpoint.lookup == nullptr || endpoint.lookup->ended()) {
+    if (endpoint.lookup != nullptr) endpoint.ended.push_back(std::move(endpoint.lookup));
+    auto done = std::partition(endpoint.ended.begin(), endpoint.ended.end(),
+                               [](const auto& s) { return !s->finished(); });
+    std::move(done, endpoint.ended.end(), std::back_inserter(finished));
+    endpoint.ended.erase(done, endpoint.ended.end());
     endpoint.lookup = LookupStream::Open(endpoint.stub.get());
   }
   return endpoint.lookup;

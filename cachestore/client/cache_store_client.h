@@ -217,6 +217,8 @@ class CacheStoreClient {
     std::atomic<bool> no_lookup_stream{false};
     absl::Mutex lookup_mu;
     std::shared_ptr<LookupStream> lookup ABSL_GUARDED_BY(lookup_mu);
+    // Ended streams gRPC has not finished yet: kept until it has (see LookupStream).
+    std::vector<std::shared_ptr<LookupStream>> ended ABSL_GUARDED_BY(lookup_mu);
   };
   CacheStoreClient(std::vector<std::shared_ptr<Endpoint>> endpoints, Options options);
   static absl::StatusOr<std::shared_ptr<Endpoint>> MakeEndpoint(const std::string& address,

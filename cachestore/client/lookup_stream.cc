@@ -12,7 +12,6 @@ namespace kvrelay::cachestore {
 
 std::shared_ptr<LookupStream> LookupStream::Open(v1::CacheStore::Stub* stub) {
   std::shared_ptr<LookupStream> stream(new LookupStream());
-  stream->self_ = stream;
   stub->async()->MatchPrefixStream(&stream->ctx_, stream.get());
   // The one read that stays outstanding for the stream's life (re-armed after each answer).
   stream->StartRead(&stream->read_);
@@ -34,7 +33,14 @@ void LookupStream::Cancel() {
 }
 
 bool LookupStream::WaitDone(absl::Duration timeout) {
-  return done_.WaitForNotificationWithTimeout(timeout);
+  // Polled: nothing of this object may be touched by OnDone after it says it is done, so no
+  // Notification or CondVar (whose Notify/Signal still run on their memory) is used for it.
+  const absl::Time deadline = absl::Now() + timeout;
+  while (!finished()) {
+    if (absl::Now() >= deadline) return false;
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  return true;
 }
 
 LookupStream::Result LookupStream::Lookup(const v1::MatchPrefixRequest& request,
@@ -133,7 +139,8 @@ void LookupStream::OnReadDone(bool ok) {
       r.response.Swap(read_.mutable_response());
     } else {
       absl::Status status(static_cast<absl::StatusCode>(read_.code()), read_.message());
-      if (read_.has_error_info()) status = proto::WithErrorInfo(std::move(status), read_.error_info());
+      if (read_.has_error_info())
+        status = proto::WithErrorInfo(std::move(status), read_.error_info());
       r.status = std::move(status);
     }
     pending->done.Notify();
@@ -163,9 +170,7 @@ void LookupStream::OnDone(const grpc::Status& grpc_status) {
     pending->result.stream_ended = true;
     pending->done.Notify();
   }
-  done_.Notify();
-  // Last: this may be the final reference.
-  std::shared_ptr<LookupStream> self = std::move(self_);
+  finished_.store(true, std::memory_order_release);  // last access: the owner may now free this
 }
 
 }  // namespace kvrelay::cachestore

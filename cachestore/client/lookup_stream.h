@@ -12,10 +12,13 @@
 // RPC: UNIMPLEMENTED), every waiting caller gets the stream's status with `stream_ended` set and
 // ended() turns true: the owner opens a new stream for the next lookup.
 //
-// Lifetime: the object keeps itself alive until gRPC has finished the call (OnDone), so
-// dropping the last outside reference is always safe; Cancel() + WaitDone() end it promptly.
+// Lifetime: the owner must keep a reference until finished() (gRPC has run OnDone), and drop the
+// last one on its own thread, never on a gRPC callback thread: the stream's ClientContext holds
+// the channel, and a channel released on gRPC 1.51's callback threads tears down the very
+// threads it runs on (grpc/grpc#32584: a crash). Cancel() then WaitDone() end it promptly.
 // Thread-safe.
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -31,8 +34,8 @@
 
 namespace kvrelay::cachestore {
 
-class LookupStream final : public grpc::ClientBidiReactor<v1::MatchPrefixStreamRequest,
-                                                          v1::MatchPrefixStreamResponse> {
+class LookupStream final
+    : public grpc::ClientBidiReactor<v1::MatchPrefixStreamRequest, v1::MatchPrefixStreamResponse> {
  public:
   // Lookups waiting on one stream at most; past it Lookup() answers `not_sent` (the caller
   // uses unary MatchPrefix), so a stalled store cannot pile up unbounded requests.
@@ -59,7 +62,9 @@ class LookupStream final : public grpc::ClientBidiReactor<v1::MatchPrefixStreamR
   bool ended() const;
   // Ends the stream (waiting callers get CANCELLED, as the stream's status).
   void Cancel();
-  // Waits until gRPC has finished the call, at most `timeout`. False if it has not.
+  // True once gRPC has finished the call: the object may be destroyed.
+  bool finished() const { return finished_.load(std::memory_order_acquire); }
+  // Waits until finished(), at most `timeout`. False if it has not finished.
   bool WaitDone(absl::Duration timeout);
 
   // gRPC's reactions.
@@ -87,9 +92,8 @@ class LookupStream final : public grpc::ClientBidiReactor<v1::MatchPrefixStreamR
   // put when others are added, so the pointer handed to StartWrite stays valid).
   std::deque<v1::MatchPrefixStreamRequest> writes_ ABSL_GUARDED_BY(mu_);
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
-  absl::Notification done_;
-  // Keeps this alive until OnDone.
-  std::shared_ptr<LookupStream> self_;
+  // Set (release) as OnDone's very last access to this object; read (acquire) by finished().
+  std::atomic<bool> finished_{false};
 };
 
 }  // namespace kvrelay::cachestore
