@@ -8,6 +8,7 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <atomic>
 #include <fstream>
 #include <optional>
 #include <string>
@@ -187,8 +188,7 @@ TEST_F(LookupStreamProcessTest, StreamedAnswersEqualUnaryAnswers) {
             << "stream: " << a.ShortDebugString() << "\nunary: " << b.ShortDebugString();
         // How to read a segment goes only to the leased worker, on both paths.
         const bool keyed = a.segments_size() > 0 && !a.segments(0).memory_key().empty();
-        EXPECT_EQ(keyed, pair == &worker_stream && lease > absl::ZeroDuration() &&
-                             a.matched() > 0);
+        EXPECT_EQ(keyed, pair == &worker_stream && lease > absl::ZeroDuration() && a.matched() > 0);
       }
     }
   }
@@ -273,6 +273,41 @@ TEST_F(LookupStreamProcessTest, ABrokenStreamFailsTheCallInItsDeadlineAndTheNext
   }
   ASSERT_THAT(again, IsOk());
   EXPECT_EQ(again->matched(), 32);
+}
+
+TEST_F(LookupStreamProcessTest, SigtermWithOpenStreamsDrainsAndExits) {
+  Start();
+  auto worker = Client(true, {"prefill-a", CacheStoreClient::NewIncarnation()});
+  const std::vector<kv::BlockHash> chain = Chain("t", 16);
+  RegisterAndStore(*worker, {chain});
+  // Idle open streams, and one client looking up without pause while the store drains.
+  std::vector<std::unique_ptr<CacheStoreClient>> idle;
+  for (int i = 0; i < 4; ++i) {
+    idle.push_back(Client(true));
+    ASSERT_EQ(Matched(*idle.back(), chain), 16);
+  }
+  auto busy = Client(true);
+  std::atomic<bool> stop{false};
+  absl::Status last;
+  std::thread looper([&] {
+    while (!stop.load()) {
+      CallOptions call;
+      call.deadline = absl::Now() + absl::Seconds(2);
+      last = busy->MatchPrefix(chain, absl::ZeroDuration(), call).status();
+      if (!last.ok()) break;
+    }
+  });
+  absl::SleepFor(absl::Milliseconds(200));
+  proc_->Signal(SIGTERM);
+  // The drain ends the streams at once instead of waiting out --drain (5 s) for them.
+  absl::StatusOr<int> code = proc_->Wait(absl::Seconds(4));
+  EXPECT_THAT(code, IsOk());
+  if (code.ok()) {
+    EXPECT_EQ(*code, 0);
+  }
+  stop = true;
+  looper.join();
+  EXPECT_THAT(last, StatusIs(absl::StatusCode::kUnavailable));
 }
 
 TEST_F(LookupStreamProcessTest, RolesAndNodeScopeAreCheckedAsForUnaryMatchPrefix) {
@@ -397,9 +432,9 @@ class ScriptedStreamStore final : public v1::CacheStore::Service {
       {
         absl::MutexLock lock(&mu_);
         if (!redirect_to_.empty()) {
-          return proto::ToGrpcStatus(
-              proto::Attribute(absl::UnavailableError("not the leader"), v1::ROLE_STORE, "",
-                               v1::FAILURE_NOT_LEADER, redirect_to_));
+          return proto::ToGrpcStatus(proto::Attribute(absl::UnavailableError("not the leader"),
+                                                      v1::ROLE_STORE, "", v1::FAILURE_NOT_LEADER,
+                                                      redirect_to_));
         }
         resp.set_id(req.id());
         resp.set_term(term_);
