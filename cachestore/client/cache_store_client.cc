@@ -173,16 +173,16 @@ absl::Status CacheStoreClient::StreamedMatchPrefix(const v1::MatchPrefixRequest&
         } else {
           MoveOn(index);
         }
+      } else if (r.stream_ended && r.not_sent && failures == 0) {
+        // The stream ended just before this lookup would have gone out: a fresh one, at once.
+        ++failures;
+        continue;
       } else if (count > 1 && (absl::IsUnavailable(status) ||
                                (absl::IsDeadlineExceeded(status) && attempt_deadline < deadline))) {
         // Dead, unreachable, draining or paused: try the next instance; a stream stuck on a
         // paused one is dropped, so coming back to it starts afresh.
         if (absl::IsDeadlineExceeded(status)) stream->Cancel();
         MoveOn(index);
-      } else if (r.stream_ended && r.not_sent && failures == 0) {
-        // The stream ended before this lookup went out: a fresh one, at once.
-        ++failures;
-        continue;
       } else {
         return result(status);
       }

@@ -50,32 +50,40 @@ LookupStream::Result LookupStream::Lookup(const v1::MatchPrefixRequest& request,
   const v1::MatchPrefixStreamRequest* start = nullptr;
   {
     absl::MutexLock lock(&mu_);
-    Result refused;
-    refused.not_sent = true;
-    if (ended_) {
+    if (done_) {
+      Result refused;
+      refused.not_sent = true;
       refused.stream_ended = true;
-      refused.status = absl::UnavailableError("lookup stream: already ended");
+      refused.status = end_status_;
       return refused;
     }
-    if (static_cast<int>(pending_.size()) >= kMaxInFlight) {
+    if (!ended_ && static_cast<int>(pending_.size()) >= kMaxInFlight) {
+      Result refused;
+      refused.not_sent = true;
       refused.status = absl::ResourceExhaustedError(
           absl::StrCat("lookup stream: ", kMaxInFlight, " lookups waiting already"));
       return refused;
     }
     id = next_id_++;
     pending_[id] = pending;
-    v1::MatchPrefixStreamRequest& out = writes_.emplace_back();
-    out.set_id(id);
-    *out.mutable_request() = request;
-    // Whole milliseconds left, at least 1 (the store refuses 0); the wait below is exact.
-    const absl::Duration left = deadline - absl::Now();
-    out.set_timeout_ms(std::clamp<int64_t>(absl::ToInt64Milliseconds(left) + 1, 1, 600000));
-    if (!writing_) {
-      writing_ = true;
-      start = &out;
-      // While !ended_ the stream's read is outstanding, so the call cannot have finished and a
-      // hold may be added; it keeps OnDone away until the write below is started.
-      AddHold();
+    if (ended_) {
+      // Ending (the store refused it, or it broke) and OnDone has not said why yet: nothing is
+      // sent, the lookup waits for OnDone as the ones the stream carried do, and gets its status.
+      pending->result.not_sent = true;
+    } else {
+      v1::MatchPrefixStreamRequest& out = writes_.emplace_back();
+      out.set_id(id);
+      *out.mutable_request() = request;
+      // Whole milliseconds left, at least 1 (the store refuses 0); the wait below is exact.
+      const absl::Duration left = deadline - absl::Now();
+      out.set_timeout_ms(std::clamp<int64_t>(absl::ToInt64Milliseconds(left) + 1, 1, 600000));
+      if (!writing_) {
+        writing_ = true;
+        start = &out;
+        // While !ended_ the stream's read is outstanding, so the call cannot have finished and
+        // a hold may be added; it keeps OnDone away until the write below is started.
+        AddHold();
+      }
     }
   }
   if (start != nullptr) {
@@ -164,6 +172,8 @@ void LookupStream::OnDone(const grpc::Status& grpc_status) {
     }
     for (auto& [id, pending] : pending_) waiting.push_back(std::move(pending));
     pending_.clear();
+    done_ = true;
+    end_status_ = status;
   }
   for (const std::shared_ptr<Pending>& pending : waiting) {
     pending->result.status = status;

@@ -46,7 +46,8 @@ class LookupStream final
     // `stream_ended`, the status that ended the whole stream.
     absl::Status status;
     bool stream_ended = false;
-    // The lookup never left this process (kMaxInFlight were waiting, or the stream had ended).
+    // The lookup never left this process (kMaxInFlight were waiting, or the stream had ended:
+    // then `status` is the stream's end status, as for lookups it was carrying).
     bool not_sent = false;
     v1::MatchPrefixResponse response;
     int64_t term = 0;  // the store's term the answer was decided under (0 without --etcd)
@@ -86,6 +87,9 @@ class LookupStream final
   // Reads have stopped or a write failed: no new lookups (OnDone follows).
   bool ended_ ABSL_GUARDED_BY(mu_) = false;
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  // OnDone has run: `end_status_` is why the stream ended.
+  bool done_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status end_status_ ABSL_GUARDED_BY(mu_);
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   absl::flat_hash_map<uint64_t, std::shared_ptr<Pending>> pending_ ABSL_GUARDED_BY(mu_);
   // Lookups not yet written, the front one being written while `writing_` (deque elements stay

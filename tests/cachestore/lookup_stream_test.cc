@@ -417,6 +417,12 @@ class ScriptedStreamStore final : public v1::CacheStore::Service {
     absl::MutexLock lock(&mu_);
     return streams_;
   }
+  // Every new stream is refused at once with FAILURE_NOT_LEADER naming no leader (an instance
+  // that lost its etcd lease: it knows no leader).
+  void RefuseStreams() {
+    absl::MutexLock lock(&mu_);
+    refuse_ = true;
+  }
 
   grpc::Status MatchPrefixStream(
       grpc::ServerContext*,
@@ -425,13 +431,17 @@ class ScriptedStreamStore final : public v1::CacheStore::Service {
     {
       absl::MutexLock lock(&mu_);
       ++streams_;
+      if (refuse_) {
+        return proto::ToGrpcStatus(proto::Attribute(absl::UnavailableError("no lease"),
+                                                    v1::ROLE_STORE, "", v1::FAILURE_NOT_LEADER));
+      }
     }
     v1::MatchPrefixStreamRequest req;
     while (stream->Read(&req)) {
       v1::MatchPrefixStreamResponse resp;
       {
         absl::MutexLock lock(&mu_);
-        if (!redirect_to_.empty()) {
+        if (refuse_ || !redirect_to_.empty()) {
           return proto::ToGrpcStatus(proto::Attribute(absl::UnavailableError("not the leader"),
                                                       v1::ROLE_STORE, "", v1::FAILURE_NOT_LEADER,
                                                       redirect_to_));
@@ -451,6 +461,7 @@ class ScriptedStreamStore final : public v1::CacheStore::Service {
   int matched_ ABSL_GUARDED_BY(mu_) = 0;
   std::string redirect_to_ ABSL_GUARDED_BY(mu_);
   int streams_ ABSL_GUARDED_BY(mu_) = 0;
+  bool refuse_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 bool IsNotLeader(const absl::Status& status) {
@@ -499,6 +510,30 @@ TEST(LookupStreamFencing, FollowsTheLeaderAndDropsAnswersOfAnOlderTerm) {
   client.reset();
   server_a->Shutdown();
   server_b->Shutdown();
+}
+
+TEST(LookupStreamFencing, AStoreThatRefusesEveryStreamGivesNotLeaderEveryTime) {
+  ScriptedStreamStore a;
+  std::string address;
+  std::unique_ptr<grpc::Server> server = Serve(&a, &address);
+  ASSERT_NE(server, nullptr);
+  KV_ASSERT_OK_AND_ASSIGN(auto client, CacheStoreClient::Connect(address));
+  a.Lead(2, 1);
+  KV_ASSERT_OK_AND_ASSIGN(v1::MatchPrefixResponse r, client->MatchPrefix(Chain("t", 3)));
+  EXPECT_EQ(r.matched(), 1);
+  // It loses its lease: the open stream ends on the next lookup, every new one is refused as it
+  // opens, often before the client's lookup is even sent; each caller must still be told
+  // FAILURE_NOT_LEADER (the etcd-outage test saw "lookup stream: already ended" here).
+  a.RefuseStreams();
+  for (int i = 0; i < 20; ++i) {
+    CallOptions quick;
+    quick.deadline = absl::Now() + absl::Milliseconds(100);
+    absl::StatusOr<v1::MatchPrefixResponse> refused =
+        client->MatchPrefix(Chain("t", 3), absl::ZeroDuration(), quick);
+    EXPECT_TRUE(IsNotLeader(refused.status())) << i << ": " << refused.status();
+  }
+  client.reset();
+  server->Shutdown();
 }
 
 }  // namespace
