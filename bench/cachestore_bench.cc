@@ -5,10 +5,11 @@
 //      BlockIndex alone and for CacheStore::MatchPrefix (which also resolves replica locations),
 //      beside a bare absl::flat_hash_map lookup of the same hashes.
 //   2. The same lookup over gRPC on loopback against a real `kvrelay cachestore` process (with
-//      --policy) with 16 concurrent clients, beside redis-server (started here on a free
-//      loopback port) answering it as one pipeline of 256 EXISTS per lookup (RESP over a plain
-//      socket), and the ratio; then the latency (p50 / p99) of one such lookup from a single
-//      client, for both.
+//      --policy) with 16 concurrent clients, as unary MatchPrefix calls and on one
+//      MatchPrefixStream per client (what CacheStoreClient does by default), beside
+//      redis-server (started here on a free loopback port) answering it as one pipeline of 256
+//      EXISTS per lookup (RESP over a plain socket), and the ratios; then the latency (p50 /
+//      p99) of one such lookup from a single client, for each.
 //   3. Index memory per block at 10M blocks (chains of 256), from the index's own accounting and
 //      from process RSS growth; goal <= 200 bytes.
 //   4. Trace-replay prefix hit rates (LRU baseline vs the default policy) at 2k / 6k / 20k blocks
@@ -367,10 +368,12 @@ void BenchGrpcVsRedis(const Options& opt) {
   };
   struct GrpcLookup {
     std::string target;
+    bool stream = false;  // MatchPrefixStream instead of unary MatchPrefix
     std::unique_ptr<kvrelay::cachestore::CacheStoreClient> Setup(int) const {
       // One connection per client, as each Redis client has its own socket.
       kvrelay::cachestore::CacheStoreClient::Options o;
       o.own_connection = true;
+      o.lookup_stream = stream;
       auto c = kvrelay::cachestore::CacheStoreClient::Connect(target, o);
       return c.ok() ? *std::move(c) : nullptr;
     }
@@ -408,8 +411,12 @@ void BenchGrpcVsRedis(const Options& opt) {
     const double rate = run();
     return std::make_pair(rate, Cpu{ProcessCpuSeconds(server) - s0, SelfCpuSeconds() - c0});
   };
-  const auto [ours, our_cpu] = cpu_of(cs, [&] { return run_clients(GrpcLookup{target}); });
-  const std::vector<double> our_latency = latencies(GrpcLookup{target});
+  const auto [ours, our_cpu] = cpu_of(cs, [&] { return run_clients(GrpcLookup{target, false}); });
+  const std::vector<double> our_latency = latencies(GrpcLookup{target, false});
+  const auto [streamed, streamed_cpu] = cpu_of(cs, [&] {
+    return run_clients(GrpcLookup{target, true});
+  });
+  const std::vector<double> streamed_latency = latencies(GrpcLookup{target, true});
   ::kill(cs, SIGTERM);
   ::waitpid(cs, nullptr, 0);
   ::close(out_fd);
@@ -486,23 +493,33 @@ void BenchGrpcVsRedis(const Options& opt) {
   ::kill(redis, SIGTERM);
   ::waitpid(redis, nullptr, 0);
   ::close(rfd);
-  std::printf("  kvrelay cachestore (gRPC MatchPrefix)   : %12.0f blocks/s\n", ours);
+  std::printf("  kvrelay cachestore, unary MatchPrefix   : %12.0f blocks/s  (%.2fx redis)\n", ours,
+              ours / theirs);
+  std::printf("  kvrelay cachestore, MatchPrefixStream   : %12.0f blocks/s  (%.2fx redis)\n",
+              streamed, streamed / theirs);
   std::printf("  redis-server (pipeline of 256 EXISTS)   : %12.0f blocks/s\n", theirs);
-  std::printf("  ratio ours / redis                      : %12.2fx  (goal >= 1x)\n", ours / theirs);
+  std::printf("  ratio ours (stream) / redis             : %12.2fx  (goal >= 1x; unary %.2fx)\n",
+              streamed / theirs, ours / theirs);
   // Lookups made in each phase: blocks / 256 (every lookup matches the whole chain).
-  const double our_lookups = ours * run_s / kChainLen, their_lookups = theirs * run_s / kChainLen;
+  auto per_lookup_us = [&](double seconds, double rate) {
+    return 1e6 * seconds / (rate * run_s / kChainLen);
+  };
+  const double redis_us = per_lookup_us(their_cpu.server_s + their_cpu.client_s, theirs);
   std::printf(
-      "  CPU per lookup, server + client (us)    : ours %.1f + %.1f, redis %.1f + %.1f "
-      "(ours / redis %.2fx)\n",
-      1e6 * our_cpu.server_s / our_lookups, 1e6 * our_cpu.client_s / our_lookups,
-      1e6 * their_cpu.server_s / their_lookups, 1e6 * their_cpu.client_s / their_lookups,
-      ((our_cpu.server_s + our_cpu.client_s) / our_lookups) /
-          ((their_cpu.server_s + their_cpu.client_s) / their_lookups));
+      "  CPU per lookup, server + client (us)    : unary %.1f + %.1f, stream %.1f + %.1f, redis "
+      "%.1f + %.1f (stream / redis %.2fx)\n",
+      per_lookup_us(our_cpu.server_s, ours), per_lookup_us(our_cpu.client_s, ours),
+      per_lookup_us(streamed_cpu.server_s, streamed),
+      per_lookup_us(streamed_cpu.client_s, streamed), per_lookup_us(their_cpu.server_s, theirs),
+      per_lookup_us(their_cpu.client_s, theirs),
+      per_lookup_us(streamed_cpu.server_s + streamed_cpu.client_s, streamed) / redis_us);
   std::printf(
-      "  one lookup, 1 client, p50 / p99 (us)    : ours %.0f / %.0f (%zu calls), redis %.0f "
-      "/ %.0f (%zu calls)\n",
+      "  one lookup, 1 client, p50 / p99 (us)    : unary %.0f / %.0f (%zu calls), stream %.0f / "
+      "%.0f (%zu calls), redis %.0f / %.0f (%zu calls)\n",
       percentile(our_latency, 0.5), percentile(our_latency, 0.99), our_latency.size(),
-      percentile(their_latency, 0.5), percentile(their_latency, 0.99), their_latency.size());
+      percentile(streamed_latency, 0.5), percentile(streamed_latency, 0.99),
+      streamed_latency.size(), percentile(their_latency, 0.5), percentile(their_latency, 0.99),
+      their_latency.size());
 }
 
 // --- 3. memory --------------------------------------------------------------------------------

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <iterator>
 #include <optional>
 
 #include "absl/strings/numbers.h"
@@ -77,6 +78,122 @@ std::unique_ptr<CacheStoreClient> CacheStoreClient::FromChannel(
 CacheStoreClient::CacheStoreClient(std::vector<std::shared_ptr<Endpoint>> endpoints,
                                    Options options)
     : options_(options), node_(options.node), endpoints_(std::move(endpoints)) {}
+
+CacheStoreClient::~CacheStoreClient() {
+  std::vector<std::shared_ptr<Endpoint>> endpoints;
+  {
+    absl::MutexLock lock(&mu_);
+    endpoints = endpoints_;
+  }
+  std::vector<std::shared_ptr<LookupStream>> streams;
+  for (const std::shared_ptr<Endpoint>& endpoint : endpoints) {
+    absl::MutexLock lock(&endpoint->lookup_mu);
+    if (endpoint->lookup != nullptr) streams.push_back(std::move(endpoint->lookup));
+    for (auto& s : endpoint->ended) streams.push_back(std::move(s));
+    endpoint->ended.clear();
+  }
+  for (const std::shared_ptr<LookupStream>& stream : streams) stream->Cancel();
+  for (std::shared_ptr<LookupStream>& stream : streams) {
+    // Freed here, on this thread, once gRPC is done with it; one it never finishes is leaked
+    // rather than freed under it.
+    if (!stream->WaitDone(absl::Seconds(1))) new std::shared_ptr<LookupStream>(std::move(stream));
+  }
+}
+
+std::shared_ptr<LookupStream> CacheStoreClient::LookupStreamOf(Endpoint& endpoint) {
+  std::vector<std::shared_ptr<LookupStream>> finished;  // freed after the lock, on this thread
+  absl::MutexLock lock(&endpoint.lookup_mu);
+  if (endpoint.lookup == nullptr || endpoint.lookup->ended()) {
+    if (endpoint.lookup != nullptr) endpoint.ended.push_back(std::move(endpoint.lookup));
+    auto done = std::partition(endpoint.ended.begin(), endpoint.ended.end(),
+                               [](const auto& s) { return !s->finished(); });
+    std::move(done, endpoint.ended.end(), std::back_inserter(finished));
+    endpoint.ended.erase(done, endpoint.ended.end());
+    endpoint.lookup = LookupStream::Open(endpoint.stub.get());
+  }
+  return endpoint.lookup;
+}
+
+absl::Status CacheStoreClient::StreamedMatchPrefix(const v1::MatchPrefixRequest& request,
+                                                   v1::MatchPrefixResponse* response,
+                                                   const CallOptions& call) {
+  const absl::Time deadline = std::min(absl::Now() + options_.timeout, call.deadline);
+  int failures = 0;
+  absl::Status not_leader;  // as in Invoke: more telling than the deadline of the last retry
+  auto result = [&not_leader](absl::Status status) {
+    if (absl::IsDeadlineExceeded(status) && !not_leader.ok()) return not_leader;
+    return status;
+  };
+  auto unary = [&] {
+    CallOptions rest = call;
+    rest.deadline = deadline;
+    return Invoke(&v1::CacheStore::Stub::MatchPrefix, request, response, rest);
+  };
+  while (true) {
+    size_t index = 0, count = 0;
+    std::shared_ptr<Endpoint> endpoint = Current(&index, &count);
+    if (endpoint->no_lookup_stream.load(std::memory_order_relaxed)) return unary();
+    std::shared_ptr<LookupStream> stream = LookupStreamOf(*endpoint);
+    const absl::Time attempt_deadline =
+        count > 1 ? std::min(deadline, absl::Now() + options_.attempt_timeout) : deadline;
+    LookupStream::Result r = stream->Lookup(request, attempt_deadline);
+    absl::Status status = std::move(r.status);
+    if (status.ok()) {
+      if (AcceptTerm(r.term)) {
+        *response = std::move(r.response);
+        return status;
+      }
+      // A store deposed since (it resumed after a pause): drop its stream and its answer.
+      status =
+          proto::Attribute(absl::UnavailableError(absl::StrCat(
+                               "cache store ", endpoint->address, " answered with term ", r.term,
+                               ", older than term ", this->term(), " already seen: reply dropped")),
+                           v1::ROLE_STORE, "", v1::FAILURE_NOT_LEADER);
+      stream->Cancel();
+      not_leader = status;
+      MoveOn(index);
+    } else if (r.stream_ended && absl::IsUnimplemented(status)) {
+      // A store without MatchPrefixStream (an older build): unary from now on.
+      endpoint->no_lookup_stream.store(true, std::memory_order_relaxed);
+      continue;
+    } else if (r.not_sent && absl::IsResourceExhausted(status)) {
+      return unary();  // this client's own bound on waiting lookups
+    } else if (r.stream_ended && absl::IsResourceExhausted(status)) {
+      return unary();  // the store's bound on open streams
+    } else {
+      std::optional<v1::ErrorInfo> info = proto::GetErrorInfo(status);
+      const bool is_not_leader = info.has_value() && info->reason() == v1::FAILURE_NOT_LEADER;
+      if (is_not_leader) {
+        not_leader = status;
+        if (!info->address().empty() && Redirect(info->address(), index)) {
+          if (failures == 0) {
+            ++failures;
+            continue;  // straight to the leader it named
+          }
+        } else {
+          MoveOn(index);
+        }
+      } else if (r.stream_ended && r.not_sent && failures == 0) {
+        // The stream ended just before this lookup would have gone out: a fresh one, at once.
+        ++failures;
+        continue;
+      } else if (count > 1 && (absl::IsUnavailable(status) ||
+                               (absl::IsDeadlineExceeded(status) && attempt_deadline < deadline))) {
+        // Dead, unreachable, draining or paused: try the next instance; a stream stuck on a
+        // paused one is dropped, so coming back to it starts afresh.
+        if (absl::IsDeadlineExceeded(status)) stream->Cancel();
+        MoveOn(index);
+      } else {
+        return result(status);
+      }
+    }
+    ++failures;
+    const absl::Duration pause =
+        std::min(absl::Milliseconds(10) * failures, absl::Milliseconds(100));
+    if (absl::Now() + pause >= deadline) return result(status);
+    absl::SleepFor(pause);
+  }
+}
 
 std::shared_ptr<CacheStoreClient::Endpoint> CacheStoreClient::Current(size_t* index,
                                                                       size_t* count) const {
@@ -356,7 +473,9 @@ absl::StatusOr<v1::MatchPrefixResponse> CacheStoreClient::MatchPrefix(
     req.set_incarnation(me.incarnation);
   }
   v1::MatchPrefixResponse resp;
-  absl::Status s = Invoke(&v1::CacheStore::Stub::MatchPrefix, req, &resp, call);
+  absl::Status s = options_.lookup_stream
+                       ? StreamedMatchPrefix(req, &resp, call)
+                       : Invoke(&v1::CacheStore::Stub::MatchPrefix, req, &resp, call);
   if (!s.ok()) return s;
   return resp;
 }

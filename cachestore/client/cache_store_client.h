@@ -62,6 +62,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "cachestore/client/lookup_stream.h"
 #include "common/server/credentials.h"
 #include "kv/block_hash.h"
 #include "kvrelay/v1/cachestore.grpc.pb.h"
@@ -96,6 +97,10 @@ class CacheStoreClient {
     // With several store instances: one attempt waits at most this long before the next
     // instance is tried (a leader paused by SIGSTOP answers nobody).
     absl::Duration attempt_timeout = absl::Seconds(1);
+    // MatchPrefix goes over one MatchPrefixStream per store instance (opened on first use,
+    // reopened after it ends); a store that does not know the RPC (UNIMPLEMENTED) gets unary
+    // MatchPrefix from then on. False: unary calls always.
+    bool lookup_stream = true;
   };
   // `target` is host:port, or several separated by commas (HA). Does not wait for the
   // connection.
@@ -108,6 +113,8 @@ class CacheStoreClient {
   // A client over a channel made elsewhere (server::MakeChannel: credentials and keepalive).
   static std::unique_ptr<CacheStoreClient> FromChannel(std::shared_ptr<grpc::Channel> channel,
                                                        Options options);
+  // Ends the lookup streams (waits up to a second for each).
+  ~CacheStoreClient();
 
   // A random non-zero incarnation (kernel CSPRNG); call once per process start.
   static uint64_t NewIncarnation();
@@ -150,6 +157,8 @@ class CacheStoreClient {
 
   // --- Lookups ---
   // With lease_ttl > 0 the matched blocks are pinned under a lease bound to this node (if any).
+  // On the instance's lookup stream unless Options::lookup_stream is false; the answer, the
+  // status codes and their ErrorInfo, leader-following and the term check are the unary call's.
   absl::StatusOr<v1::MatchPrefixResponse> MatchPrefix(
       absl::Span<const kv::BlockHash> chain, absl::Duration lease_ttl = absl::ZeroDuration(),
       const CallOptions& call = {});
@@ -204,6 +213,12 @@ class CacheStoreClient {
     std::string address;  // "" for a channel made elsewhere
     std::shared_ptr<grpc::Channel> channel;
     std::unique_ptr<v1::CacheStore::Stub> stub;
+    // The instance answered MatchPrefixStream with UNIMPLEMENTED: unary MatchPrefix only.
+    std::atomic<bool> no_lookup_stream{false};
+    absl::Mutex lookup_mu;
+    std::shared_ptr<LookupStream> lookup ABSL_GUARDED_BY(lookup_mu);
+    // Ended streams gRPC has not finished yet: kept until it has (see LookupStream).
+    std::vector<std::shared_ptr<LookupStream>> ended ABSL_GUARDED_BY(lookup_mu);
   };
   CacheStoreClient(std::vector<std::shared_ptr<Endpoint>> endpoints, Options options);
   static absl::StatusOr<std::shared_ptr<Endpoint>> MakeEndpoint(const std::string& address,
@@ -214,6 +229,11 @@ class CacheStoreClient {
                                                                    const Request&, Response*),
                       const Request& request, Response* response, const CallOptions& call);
   std::shared_ptr<Endpoint> Current(size_t* index, size_t* count) const;
+  // MatchPrefix on the lookup streams, with Invoke's leader-following and term check.
+  absl::Status StreamedMatchPrefix(const v1::MatchPrefixRequest& request,
+                                   v1::MatchPrefixResponse* response, const CallOptions& call);
+  // The endpoint's open lookup stream, a new one when it has none or it ended.
+  static std::shared_ptr<LookupStream> LookupStreamOf(Endpoint& endpoint);
   // Calls go to the instance after `index` next (unless another call moved on already).
   void MoveOn(size_t index);
   // Calls go to `address` next (added when not known). False when it is `index` itself.

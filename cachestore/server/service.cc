@@ -164,12 +164,17 @@ CacheStoreService::CacheStoreService(CacheStore* store, Limits limits, MetricsRe
   RegisterMetrics(metrics);
 }
 
-grpc::Status CacheStoreService::Lead(grpc::ServerContextBase* ctx, int64_t* term) const {
+grpc::Status CacheStoreService::CurrentTerm(int64_t* term) const {
   if (leadership_ == nullptr) return grpc::Status::OK;
   absl::StatusOr<int64_t> leading = leadership_->LeaderTerm();
   if (!leading.ok()) return ToGrpcStatus(leading.status());
   *term = *leading;
-  ctx->AddTrailingMetadata(kTermMetadataKey, absl::StrCat(*leading));
+  return grpc::Status::OK;
+}
+
+grpc::Status CacheStoreService::Lead(grpc::ServerContextBase* ctx, int64_t* term) const {
+  if (auto s = CurrentTerm(term); !s.ok()) return s;
+  if (leadership_ != nullptr) ctx->AddTrailingMetadata(kTermMetadataKey, absl::StrCat(*term));
   return grpc::Status::OK;
 }
 
@@ -188,10 +193,11 @@ grpc::Status CacheStoreService::Served(int64_t term) const {
 }
 
 const char* CacheStoreService::RpcName(int rpc) {
-  static const char* kNames[] = {"RegisterNode", "Heartbeat",   "MatchPrefix",    "QueryPrefix",
-                                 "Allocate",     "Commit",      "Abort",          "ReleaseLease",
-                                 "Stats",        "WatchEvents", "DeregisterNode", "AnnounceBlocks",
-                                 "ListNodes"};
+  static const char* kNames[] = {"RegisterNode", "Heartbeat",        "MatchPrefix",
+                                 "QueryPrefix",  "Allocate",         "Commit",
+                                 "Abort",        "ReleaseLease",     "Stats",
+                                 "WatchEvents",  "DeregisterNode",   "AnnounceBlocks",
+                                 "ListNodes",    "MatchPrefixStream"};
   return kNames[rpc];
 }
 
@@ -520,25 +526,50 @@ grpc::Status CacheStoreService::MatchPrefixImpl(grpc::ServerContextBase* ctx,
                                                 v1::MatchPrefixResponse* resp) {
   RpcTimer t(latency_[kMatch], errors_[kMatch]);
   if (auto s = CheckDeadline(ctx); !s.ok()) return t.Done(s);
-  if (auto s = Authorize(ctx, kMatch, req->node_id()); !s.ok()) return t.Done(s);
+  std::optional<int64_t> term;
+  bool not_leader = false;
+  grpc::Status s = MatchPrefixCore(ctx, kMatch, *req, resp, &term, &not_leader);
+  if (leadership_ != nullptr && term.has_value()) {
+    ctx->AddTrailingMetadata(kTermMetadataKey, absl::StrCat(*term));
+  }
+  return t.Done(s);
+}
+
+grpc::Status CacheStoreService::MatchPrefixCore(grpc::ServerContextBase* ctx, Rpc rpc,
+                                                const v1::MatchPrefixRequest& request,
+                                                v1::MatchPrefixResponse* resp,
+                                                std::optional<int64_t>* led_term,
+                                                bool* not_leader) {
+  const v1::MatchPrefixRequest* req = &request;
+  if (auto s = Authorize(ctx, rpc, req->node_id()); !s.ok()) return s;
   int64_t term = 0;
-  if (auto s = Lead(ctx, &term); !s.ok()) return t.Done(s);
+  if (auto s = CurrentTerm(&term); !s.ok()) {
+    *not_leader = true;
+    return s;
+  }
+  *led_term = term;
+  // Checked again once the answer is built: see Served().
+  auto served = [this, term, not_leader] {
+    grpc::Status s = Served(term);
+    if (!s.ok()) *not_leader = true;
+    return s;
+  };
   std::vector<kv::BlockHash> chain;
   if (auto s = ParseEitherChain(req->chain(), req->chain_packed(), limits_.max_chain, &chain);
       !s.ok()) {
-    return t.Done(s);
+    return s;
   }
   if (req->lease_ttl_ms() < 0 || req->lease_ttl_ms() > limits_.max_ttl_ms) {
-    return t.Done(Invalid(
-        absl::StrCat("lease_ttl_ms: want 0-", limits_.max_ttl_ms, ", got ", req->lease_ttl_ms())));
+    return Invalid(
+        absl::StrCat("lease_ttl_ms: want 0-", limits_.max_ttl_ms, ", got ", req->lease_ttl_ms()));
   }
   Caller caller;
   if (auto s = ParseCaller(req->node_id(), req->incarnation(), false, &caller); !s.ok()) {
-    return t.Done(s);
+    return s;
   }
   absl::StatusOr<MatchResult> r =
       store_->MatchPrefix(chain, absl::Milliseconds(req->lease_ttl_ms()), caller);
-  if (!r.ok()) return t.Done(Fail(r.status()));
+  if (!r.ok()) return Fail(r.status());
   resp->set_matched(r->matched);
   resp->set_lease_id(r->lease_id);
   if (!req->columnar()) {
@@ -549,7 +580,7 @@ grpc::Status CacheStoreService::MatchPrefixImpl(grpc::ServerContextBase* ctx,
         ToProto(r->ReplicaLocation(i, k), mb->add_replicas());
       }
     }
-    return t.Done(Served(term));
+    return served();
   }
   for (const Location& seg : r->segments) {
     v1::SegmentRef* ref = resp->add_segments();
@@ -576,7 +607,7 @@ grpc::Status CacheStoreService::MatchPrefixImpl(grpc::ServerContextBase* ctx,
       resp->add_replica_slot(rep.slot);
     }
   }
-  return t.Done(Served(term));
+  return served();
 }
 
 grpc::Status CacheStoreService::QueryPrefix(grpc::ServerContext* ctx,

@@ -6,13 +6,17 @@
 // MetricsRegistry, where it also registers the store's own counters and gauges (read at each
 // scrape), so the store's /metrics comes from the one renderer like every other server's.
 //
-// Thread-safe: gRPC's sync server calls handlers from its thread pool, and MatchPrefix, the
-// lookup on every request's path, from its callback threads.
+// Thread-safe: gRPC's sync server calls handlers from its thread pool, and MatchPrefix and
+// MatchPrefixStream, the lookups on every request's path, from its callback threads.
 
 #include <array>
 #include <atomic>
+#include <optional>
 #include <string>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/synchronization/mutex.h"
 #include "cachestore/cache_store.h"
 #include "cachestore/limits.h"
 #include "cachestore/server/leadership.h"
@@ -26,7 +30,8 @@ namespace kvrelay::cachestore::server {
 using Limits = ::kvrelay::cachestore::Limits;
 
 class CacheStoreService final : public kvrelay::v1::CacheStore::WithCallbackMethod_MatchPrefix<
-                                    kvrelay::v1::CacheStore::Service> {
+                                    kvrelay::v1::CacheStore::WithCallbackMethod_MatchPrefixStream<
+                                        kvrelay::v1::CacheStore::Service>> {
  public:
   // `store` and `metrics` are not owned and must outlive the service. `authorizer` checks every
   // RPC against common/server/auth.h's table (the default checks nothing: --insecure).
@@ -52,6 +57,11 @@ class CacheStoreService final : public kvrelay::v1::CacheStore::WithCallbackMeth
   grpc::ServerUnaryReactor* MatchPrefix(grpc::CallbackServerContext* ctx,
                                         const v1::MatchPrefixRequest* req,
                                         v1::MatchPrefixResponse* resp) override;
+  // Lookups on one long-lived stream, answered in order on gRPC's callback threads
+  // (match_prefix_stream.cc): the caller's role checked when it opens, everything else per
+  // lookup exactly as MatchPrefix checks it; one lookup in flight per stream.
+  grpc::ServerBidiReactor<v1::MatchPrefixStreamRequest, v1::MatchPrefixStreamResponse>*
+  MatchPrefixStream(grpc::CallbackServerContext* ctx) override;
   // The same handler, for in-process callers (the RPC fuzzer); gRPC never calls this one.
   grpc::Status MatchPrefix(grpc::ServerContext* ctx, const v1::MatchPrefixRequest* req,
                            v1::MatchPrefixResponse* resp) override;
@@ -70,10 +80,15 @@ class CacheStoreService final : public kvrelay::v1::CacheStore::WithCallbackMeth
   grpc::Status WatchEvents(grpc::ServerContext* ctx, const v1::WatchEventsRequest* req,
                            grpc::ServerWriter<v1::Event>* writer) override;
 
-  // Makes WatchEvents streams end (server shutdown).
-  void StopStreams() { stopping_.store(true, std::memory_order_release); }
+  // Makes WatchEvents and MatchPrefixStream streams end (server shutdown); new lookup streams
+  // are refused with UNAVAILABLE.
+  void StopStreams();
+
+  // At most this many MatchPrefixStream streams are open at once (RESOURCE_EXHAUSTED beyond).
+  static constexpr int kMaxLookupStreams = 4096;
 
  private:
+  class MatchStream;  // match_prefix_stream.cc
   enum Rpc {
     kRegister,
     kHeartbeat,
@@ -88,6 +103,7 @@ class CacheStoreService final : public kvrelay::v1::CacheStore::WithCallbackMeth
     kDeregister,
     kAnnounce,
     kListNodes,
+    kMatchStream,
     kNumRpcs
   };
   // node_id + incarnation of a request that names its caller. `required`: node_id must be set.
@@ -102,8 +118,16 @@ class CacheStoreService final : public kvrelay::v1::CacheStore::WithCallbackMeth
   grpc::Status Authorize(grpc::ServerContextBase* ctx, Rpc rpc, const std::string& node_id) const;
   grpc::Status MatchPrefixImpl(grpc::ServerContextBase* ctx, const v1::MatchPrefixRequest* req,
                                v1::MatchPrefixResponse* resp);
+  // One lookup, as both forms serve it (authorized as `rpc` for the request's node id). `term`:
+  // set to the term it was decided under once this instance was found leading.
+  // `not_leader`: it failed because this instance does not lead, or stopped leading meanwhile.
+  grpc::Status MatchPrefixCore(grpc::ServerContextBase* ctx, Rpc rpc,
+                               const v1::MatchPrefixRequest& req, v1::MatchPrefixResponse* resp,
+                               std::optional<int64_t>* term, bool* not_leader);
   // OK (and the term in the trailing metadata) while this instance leads.
   grpc::Status Lead(grpc::ServerContextBase* ctx, int64_t* term) const;
+  // OK (and the term) while this instance leads; 0 without leadership.
+  grpc::Status CurrentTerm(int64_t* term) const;
   // OK when this instance still leads with `term` after doing the work.
   grpc::Status Served(int64_t term) const;
   // The kvrelay:cachestore_* families: RPC latency and errors, the store's counters and gauges.
@@ -115,8 +139,11 @@ class CacheStoreService final : public kvrelay::v1::CacheStore::WithCallbackMeth
   const Leadership* const leadership_;
   std::array<Histogram*, kNumRpcs> latency_{};  // owned by the registry
   std::array<Counter*, kNumRpcs> errors_{};
-  // Release/acquire pair: StopStreams() publishes, WatchEvents loops observe.
+  // Release/acquire pair: StopStreams() publishes, WatchEvents loops and lookup streams observe.
   std::atomic<bool> stopping_{false};
+  // Open lookup streams (each removes itself in OnDone), so StopStreams can end them.
+  absl::Mutex streams_mu_;
+  absl::flat_hash_set<MatchStream*> streams_ ABSL_GUARDED_BY(streams_mu_);
 };
 
 }  // namespace kvrelay::cachestore::server

@@ -131,6 +131,8 @@ const std::vector<MethodRule>& AuthorizationTable() {
       {"/kvrelay.v1.CacheStore/Heartbeat", kWorkers, true},
       {"/kvrelay.v1.CacheStore/AnnounceBlocks", kWorkers, true},
       {"/kvrelay.v1.CacheStore/MatchPrefix", kWorkers, true},
+      // The same lookups on one stream: the role when it opens, the node id per lookup.
+      {"/kvrelay.v1.CacheStore/MatchPrefixStream", kWorkers, true},
       {"/kvrelay.v1.CacheStore/Allocate", kWorkers, true},
       {"/kvrelay.v1.CacheStore/Commit", kWorkers, true},
       {"/kvrelay.v1.CacheStore/Abort", kWorkers, true},

@@ -1,0 +1,103 @@
+#pragma once
+
+// LookupStream: the client's side of one kvrelay.v1.CacheStore/MatchPrefixStream call, shared by
+// every MatchPrefix a CacheStoreClient sends to one store instance (issue 19). A lookup is one
+// message each way on the open stream instead of a unary call with its own HTTP/2 stream,
+// headers and trailers.
+//
+// Any number of threads call Lookup() at once (at most kMaxInFlight waiting); writes go out one
+// at a time in call order, the store answers in order, and each answer is handed to its caller
+// by id. A caller whose deadline passes gets DEADLINE_EXCEEDED at once; its late answer is
+// dropped. When the stream ends (the store died, drained, stopped leading, or does not know the
+// RPC: UNIMPLEMENTED), every waiting caller gets the stream's status with `stream_ended` set and
+// ended() turns true: the owner opens a new stream for the next lookup.
+//
+// Lifetime: the owner must keep a reference until finished() (gRPC has run OnDone), and drop the
+// last one on its own thread, never on a gRPC callback thread: the stream's ClientContext holds
+// the channel, and a channel released on gRPC 1.51's callback threads tears down the very
+// threads it runs on (grpc/grpc#32584: a crash). Cancel() then WaitDone() end it promptly.
+// Thread-safe.
+
+#include <atomic>
+#include <cstdint>
+#include <deque>
+#include <memory>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
+#include "grpcpp/grpcpp.h"
+#include "kvrelay/v1/cachestore.grpc.pb.h"
+
+namespace kvrelay::cachestore {
+
+class LookupStream final
+    : public grpc::ClientBidiReactor<v1::MatchPrefixStreamRequest, v1::MatchPrefixStreamResponse> {
+ public:
+  // Lookups waiting on one stream at most; past it Lookup() answers `not_sent` (the caller
+  // uses unary MatchPrefix), so a stalled store cannot pile up unbounded requests.
+  static constexpr int kMaxInFlight = 256;
+
+  struct Result {
+    // The lookup's status as MatchPrefix would have returned it (with its ErrorInfo), or, with
+    // `stream_ended`, the status that ended the whole stream.
+    absl::Status status;
+    bool stream_ended = false;
+    // The lookup never left this process (kMaxInFlight were waiting, or the stream had ended:
+    // then `status` is the stream's end status, as for lookups it was carrying).
+    bool not_sent = false;
+    v1::MatchPrefixResponse response;
+    int64_t term = 0;  // the store's term the answer was decided under (0 without --etcd)
+  };
+
+  // Starts the call on `stub` (its channel must stay alive until the stream has ended).
+  static std::shared_ptr<LookupStream> Open(v1::CacheStore::Stub* stub);
+
+  // Sends `request` and waits for its answer until `deadline`.
+  Result Lookup(const v1::MatchPrefixRequest& request, absl::Time deadline);
+
+  // True once the stream can take no more lookups.
+  bool ended() const;
+  // Ends the stream (waiting callers get CANCELLED, as the stream's status).
+  void Cancel();
+  // True once gRPC has finished the call: the object may be destroyed.
+  bool finished() const { return finished_.load(std::memory_order_acquire); }
+  // Waits until finished(), at most `timeout`. False if it has not finished.
+  bool WaitDone(absl::Duration timeout);
+
+  // gRPC's reactions.
+  void OnReadDone(bool ok) override;
+  void OnWriteDone(bool ok) override;
+  void OnDone(const grpc::Status& status) override;
+
+ private:
+  struct Pending {
+    absl::Notification done;
+    Result result;
+  };
+  LookupStream() = default;
+
+  grpc::ClientContext ctx_;
+  // Only the reactions touch it: one read is outstanding from Open until OnReadDone(false).
+  v1::MatchPrefixStreamResponse read_;
+  mutable absl::Mutex mu_;
+  // Reads have stopped or a write failed: no new lookups (OnDone follows).
+  bool ended_ ABSL_GUARDED_BY(mu_) = false;
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  // OnDone has run: `end_status_` is why the stream ended.
+  bool done_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status end_status_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  absl::flat_hash_map<uint64_t, std::shared_ptr<Pending>> pending_ ABSL_GUARDED_BY(mu_);
+  // Lookups not yet written, the front one being written while `writing_` (deque elements stay
+  // put when others are added, so the pointer handed to StartWrite stays valid).
+  std::deque<v1::MatchPrefixStreamRequest> writes_ ABSL_GUARDED_BY(mu_);
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  // Set (release) as OnDone's very last access to this object; read (acquire) by finished().
+  std::atomic<bool> finished_{false};
+};
+
+}  // namespace kvrelay::cachestore
