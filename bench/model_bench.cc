@@ -19,6 +19,8 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
 #include "common/flags.h"
 #include "model/cpu_ops.h"
 #include "model/model_runner.h"
@@ -162,6 +164,12 @@ int Main(int argc, char** argv) {
   flags.AddInt32("reps", &reps, "repetitions (best is reported)");
   bool quick = false;
   flags.AddBool("quick", &quick, "the tiny model only (CI runs it so the benchmark keeps working)");
+  std::string models = "tiny,mid";
+  flags.AddString("models", &models, "comma-separated: tiny, mid");
+  std::string tiles = "0,256";
+  flags.AddString("tiles", &tiles, "comma-separated gemm_tile_tokens values (0: the block size)");
+  bool no_decode = false;
+  flags.AddBool("no-decode", &no_decode, "skip the batched decode table");
   absl::Status parsed = flags.Parse(ArgsFrom(argc, argv, 1));
   if (!parsed.ok() || threads < 1 || tokens < 1 || reps < 1) {
     std::fprintf(stderr, "model_bench: %s\n%s", std::string(parsed.message()).c_str(),
@@ -222,15 +230,29 @@ int Main(int argc, char** argv) {
       tokens, sgemm_mid, sgemm_mid_tile16);
   std::printf("%-24s %-10s %14s %12s %14s %14s\n", "model", "gemm tile", "prefill tok/s", "GFLOP/s",
               "of sgemm rate*", "decode tok/s");
+  auto wanted = [&](const ModelCase& mc) {
+    const std::string key = mc.options.layers ? "mid" : "tiny";
+    if (quick && key != "tiny") return false;
+    for (absl::string_view m : absl::StrSplit(models, ',')) {
+      if (m == key) return true;
+    }
+    return false;
+  };
   for (const ModelCase& mc : cases) {
-    if (quick && mc.options.layers) continue;
+    if (!wanted(mc)) continue;
     const std::string dir = root + "/" + (mc.options.layers ? "mid" : "tiny");
     absl::Status written = WriteTestModel(dir, mc.options);
     if (!written.ok()) {
       std::fprintf(stderr, "make model: %s\n", written.ToString().c_str());
       return 1;
     }
-    for (int tile : {0, 256}) {
+    for (absl::string_view tile_text : absl::StrSplit(tiles, ',')) {
+      int tile = 0;
+      if (!absl::SimpleAtoi(tile_text, &tile) || tile < 0) {
+        std::fprintf(stderr, "model_bench: --tiles: not a tile size: %s\n",
+                     std::string(tile_text).c_str());
+        return 2;
+      }
       // The machine may be shared: measure the baseline right before and after this model's
       // run and take the better, so a load spike cannot inflate the fraction.
       auto baseline_now = [&] {
@@ -242,8 +264,9 @@ int Main(int argc, char** argv) {
       const double baseline =
           std::max({before, baseline_now(), mc.options.layers ? sgemm_mid : sgemm_tiny});
       std::printf("%-24s %-10s %14.0f %12.1f %13.1f%% %14.1f\n", mc.name,
-                  tile == 0 ? "16 (block)" : "256", f.prefill_tokens_per_s, f.prefill_gflops,
-                  100.0 * f.prefill_gflops / baseline, f.decode_tokens_per_s);
+                  tile == 0 ? std::string("16 (block)").c_str() : std::to_string(tile).c_str(),
+                  f.prefill_tokens_per_s, f.prefill_gflops, 100.0 * f.prefill_gflops / baseline,
+                  f.decode_tokens_per_s);
     }
   }
   std::printf("* of the best sgemm rate seen at that GEMM shape during the run (before, after)\n");
@@ -252,7 +275,7 @@ int Main(int argc, char** argv) {
   std::printf("\n%-24s %6s %22s %18s %8s\n", "decode model", "batch", "batch-invariant tok/s",
               "batched sgemm tok/s", "ratio");
   for (const ModelCase& mc : cases) {
-    if (quick && mc.options.layers) continue;  // --quick wrote the tiny model only
+    if (no_decode || !wanted(mc)) continue;  // only the models written above
     const std::string dir = root + "/" + (mc.options.layers ? "mid" : "tiny");
     for (int batch : {1, 8, 32}) {
       const double invariant = BatchedDecodeTokensPerS(dir, threads, batch, true, reps);
