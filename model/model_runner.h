@@ -42,6 +42,7 @@
 #include "kv/hf_config.h"
 #include "model/cpu_ops.h"
 #include "model/kv_cache.h"
+#include "model/packed_gemm.h"
 #include "model/rope.h"
 #include "model/weights.h"
 
@@ -102,16 +103,12 @@ class ModelRunner {
   struct Row {
     Sequence* seq;
     int64_t position;
-    bool write_cache;  // false: a cached row recomputed only to keep GEMM tiles aligned
   };
   ModelRunner(kv::ModelConfig config, ModelWeights weights, Arch arch, RunnerOptions options);
   // Refuses positions a dynamic-NTK RoPE cannot serve (see model/rope.h).
   absl::Status CheckPositions(int64_t end) const;
 
   absl::Status CheckSequence(const Sequence& seq) const;
-  // Whether the cache still holds what rows [aligned, start) attend to (window blocks may have
-  // been freed), so they can be recomputed.
-  bool ShadowRowsAvailable(const Sequence& seq, int64_t aligned, int64_t start) const;
   // The whole forward pass for `rows` (tokens[i] at rows[i]). GEMMs are tiled by position from
   // tile_origin when tile > 0. logit_rows: which rows get logits (in order).
   std::vector<float> Forward(const std::vector<Row>& rows, absl::Span<const int32_t> tokens,
@@ -133,6 +130,21 @@ class ModelRunner {
   void WriteCache(int32_t layer, const std::vector<Row>& rows, const float* k, const float* v,
                   int64_t width) const;
 
+  // Prefill's copies of a layer's projection weights for PackedLinear (empty where the
+  // architecture has no such weight). Decode keeps the unpacked ones (its own kernels).
+  struct PackedLayer {
+    PackedWeights q, k, v, o, gate, up, down;
+    PackedWeights q_a, q_b, kv_a;  // MLA (q_proj goes to q when q_lora_rank is 0)
+    // MLA per head: W_UK_h^T [lora, nope] (the absorbed query) and W_UV_h [v_head_dim, lora].
+    std::vector<PackedWeights> uk, uv;
+  };
+  void PackWeights();
+  // y = x * w^T for `rows` rows: prefill (tile > 0) runs the row-invariant PackedLinear over
+  // `packed` in one call, whatever the tile; decode and tile-0 calls go to Linear.
+  void Project(const float* x, int64_t rows, int64_t in, const std::vector<float>& w,
+               const PackedWeights& packed, int64_t out, float* y, int64_t origin,
+               int64_t tile) const;
+
   // Activations reused across calls (one call at a time), so a prefill does not fault in fresh
   // pages for every layer.
   struct Workspace {
@@ -141,6 +153,7 @@ class ModelRunner {
 
   kv::ModelConfig config_;
   ModelWeights weights_;
+  std::vector<PackedLayer> packed_;  // one per layer, constant after Create
   mutable absl::Mutex mu_;
   mutable Workspace ws_ ABSL_GUARDED_BY(mu_);
   Arch arch_;

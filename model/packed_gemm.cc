@@ -50,7 +50,7 @@ __attribute__((target("avx512f"))) void Avx512Tile(const Tile& t) {
   const __mmask16 mask0 =
       t.cols >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << t.cols) - 1);
   const int64_t rest = t.cols - 16;
-  const __mmask16 mask1 = rest >= 16  ? static_cast<__mmask16>(0xFFFF)
+  const __mmask16 mask1 = rest >= 16 ? static_cast<__mmask16>(0xFFFF)
                           : rest > 0 ? static_cast<__mmask16>((1u << rest) - 1)
                                      : static_cast<__mmask16>(0);
   __m512 acc0[kRows], acc1[kRows];
@@ -82,14 +82,22 @@ __attribute__((target("avx512f"))) void Avx512Tile(const Tile& t) {
 
 __attribute__((target("avx512f"))) void Avx512TileRows(const Tile& t, int64_t m) {
   switch (m) {
-    case 8: return Avx512Tile<8>(t);
-    case 7: return Avx512Tile<7>(t);
-    case 6: return Avx512Tile<6>(t);
-    case 5: return Avx512Tile<5>(t);
-    case 4: return Avx512Tile<4>(t);
-    case 3: return Avx512Tile<3>(t);
-    case 2: return Avx512Tile<2>(t);
-    default: return Avx512Tile<1>(t);
+    case 8:
+      return Avx512Tile<8>(t);
+    case 7:
+      return Avx512Tile<7>(t);
+    case 6:
+      return Avx512Tile<6>(t);
+    case 5:
+      return Avx512Tile<5>(t);
+    case 4:
+      return Avx512Tile<4>(t);
+    case 3:
+      return Avx512Tile<3>(t);
+    case 2:
+      return Avx512Tile<2>(t);
+    default:
+      return Avx512Tile<1>(t);
   }
 }
 
