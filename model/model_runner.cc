@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/check.h"
 #include "common/status_macros.h"
+#include "model/attention_cpu.h"
 #include "model/cpu_ops.h"
 #include "model/numeric.h"
 #include "model/safetensors.h"
@@ -432,19 +433,52 @@ void ModelRunner::CacheAttention(int32_t layer, const std::vector<Row>& rows, co
     float* v_buf = mla ? nullptr : Scratch(ws_.v_buf, (hi - lo) * kv_width);
     GatherLayer(layout(), group, index, units, lo, hi, k_buf, mla ? nullptr : v_buf);
     const float* v_base = mla ? k_buf : v_buf;
-    const int64_t units_n = static_cast<int64_t>(run_end - run_begin) * heads;
-    ParallelFor(options_.threads, units_n, [&](int64_t ub, int64_t ue) {
-      std::vector<float> scratch(hi - lo);
-      for (int64_t u = ub; u < ue; ++u) {
-        const size_t i = run_begin + static_cast<size_t>(u / heads);
-        const int32_t head = static_cast<int32_t>(u % heads);
+    // Keys transposed per KV head, [kv_heads][qk_dim][stride], so AttendQueries scores 16
+    // keys per vector; the padding past the context is zeroed (loaded, never used).
+    const int64_t n_ctx = hi - lo;
+    const int64_t stride = n_ctx + kAttentionKeyPadding;
+    float* keys_t = Scratch(ws_.k_t, kv_heads * int64_t{qk_dim} * stride);
+    for (int32_t kh = 0; kh < kv_heads; ++kh) {
+      const float* src = k_buf + (mla ? 0 : int64_t{kh} * g.head_dim);
+      for (int32_t d = 0; d < qk_dim; ++d) {
+        float* dst = keys_t + (int64_t{kh} * qk_dim + d) * stride;
+        for (int64_t j = 0; j < n_ctx; ++j) dst[j] = src[j * kv_width + d];
+        std::fill(dst + n_ctx, dst + stride, 0.0f);
+      }
+    }
+    // Queries grouped by KV head, row-major then head, in blocks of four: a GQA row's heads
+    // share a block; with one query head per KV head, four consecutive rows do.
+    const int64_t run_rows = static_cast<int64_t>(run_end - run_begin);
+    const int64_t per_kv_head = run_rows * group_size;
+    std::vector<AttentionQuery> queries(static_cast<size_t>(kv_heads * per_kv_head));
+    for (int32_t kh = 0; kh < kv_heads; ++kh) {
+      for (int64_t ri = 0; ri < run_rows; ++ri) {
+        const size_t i = run_begin + static_cast<size_t>(ri);
         const int64_t p = rows[i].position;
         const int64_t first = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
-        const int64_t kv_head = head / group_size;
-        const int64_t off = (first - lo) * kv_width + (mla ? 0 : kv_head * g.head_dim);
-        AttendOne(q + (i * heads + head) * int64_t{qk_dim}, qk_dim, k_buf + off, kv_width,
-                  v_base + off, kv_width, v_dim, p - first + 1, scale, scratch.data(),
-                  out + (i * heads + head) * int64_t{v_dim}, softcap);
+        for (int32_t hg = 0; hg < group_size; ++hg) {
+          const int64_t head = int64_t{kh} * group_size + hg;
+          queries[kh * per_kv_head + ri * group_size + hg] =
+              AttentionQuery{q + (i * heads + head) * int64_t{qk_dim},
+                             out + (i * heads + head) * int64_t{v_dim}, first - lo, p - lo};
+        }
+      }
+    }
+    const int64_t blocks_per_kv_head = (per_kv_head + 3) / 4;
+    const int64_t blocks = kv_heads * blocks_per_kv_head;
+    ParallelFor(options_.threads, blocks, [&](int64_t ub, int64_t ue) {
+      std::vector<float> scratch(static_cast<size_t>(4 * stride));
+      for (int64_t u = ub; u < ue; ++u) {
+        // Causal blocks grow with the row: interleave short and long ones so each thread's
+        // contiguous share of units carries about the same work.
+        const int64_t b = u % 2 == 0 ? u / 2 : blocks - 1 - u / 2;
+        const int64_t kh = b / blocks_per_kv_head;
+        const int64_t first_query = (b % blocks_per_kv_head) * 4;
+        const int64_t count = std::min<int64_t>(4, per_kv_head - first_query);
+        const int64_t v_offset = mla ? 0 : kh * g.head_dim;
+        AttendQueries(queries.data() + kh * per_kv_head + first_query, count, qk_dim,
+                      keys_t + kh * int64_t{qk_dim} * stride, stride, v_base + v_offset, kv_width,
+                      v_dim, scale, softcap, scratch.data());
       }
     });
     run_begin = run_end;

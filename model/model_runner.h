@@ -148,7 +148,7 @@ class ModelRunner {
   // Activations reused across calls (one call at a time), so a prefill does not fault in fresh
   // pages for every layer.
   struct Workspace {
-    std::vector<float> h, xn, attn, proj, gate, up, q, k, v, qa, kva, qcat, olat, k_buf, v_buf;
+    std::vector<float> h, xn, attn, proj, gate, up, q, k, v, qa, kva, qcat, olat, k_buf, v_buf, k_t;
   };
 
   kv::ModelConfig config_;

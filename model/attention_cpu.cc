@@ -1,0 +1,216 @@
+#include "model/attention_cpu.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+
+namespace kvrelay::model {
+namespace {
+
+constexpr int64_t kQueriesPerBlock = 4;
+
+float PairwiseSum16(const float* p) {
+  float s8[8], s4[4];
+  for (int i = 0; i < 8; ++i) s8[i] = p[2 * i] + p[2 * i + 1];
+  for (int i = 0; i < 4; ++i) s4[i] = s8[2 * i] + s8[2 * i + 1];
+  return (s4[0] + s4[1]) + (s4[2] + s4[3]);
+}
+
+// row[j - u_first] holds query's scaled score for key j in [u_first, u_last]. Leaves exp
+// weights for [first, last] and 0 elsewhere in [u_first, u_last]; returns 1 / sum of weights.
+float SoftmaxRow(const AttentionQuery& query, int64_t u_first, int64_t u_last, float softcap,
+                 float* row) {
+  float max_score = -INFINITY;
+  for (int64_t j = query.first; j <= query.last; ++j) {
+    float s = row[j - u_first];
+    if (softcap > 0) s = softcap * std::tanh(s / softcap);
+    row[j - u_first] = s;
+    max_score = std::max(max_score, s);
+  }
+  float partial[16] = {};
+  for (int64_t j = query.first; j <= query.last; ++j) {
+    const float e = std::exp(row[j - u_first] - max_score);
+    row[j - u_first] = e;
+    partial[(j - query.first) & 15] += e;
+  }
+  for (int64_t j = u_first; j < query.first; ++j) row[j - u_first] = 0.0f;
+  for (int64_t j = query.last + 1; j <= u_last; ++j) row[j - u_first] = 0.0f;
+  return 1.0f / PairwiseSum16(partial);
+}
+
+struct Block {
+  const AttentionQuery* queries;
+  int64_t count;
+  int32_t qk_dim;
+  const float* keys_t;
+  int64_t stride;
+  const float* values;
+  int64_t v_stride;
+  int32_t v_dim;
+  float scale;
+  float softcap;
+  float* scratch;  // [count][stride]
+  int64_t u_first;
+  int64_t u_last;
+};
+
+void PortableBlock(const Block& b) {
+  for (int64_t qi = 0; qi < b.count; ++qi) {
+    const AttentionQuery& query = b.queries[qi];
+    float* row = b.scratch + qi * b.stride;
+    for (int64_t j = query.first; j <= query.last; ++j) {
+      float acc = 0.0f;
+      for (int32_t d = 0; d < b.qk_dim; ++d) {
+        acc = std::fma(query.q[d], b.keys_t[d * b.stride + j], acc);
+      }
+      row[j - b.u_first] = acc * b.scale;
+    }
+    const float inv = SoftmaxRow(query, b.u_first, b.u_last, b.softcap, row);
+    for (int32_t d = 0; d < b.v_dim; ++d) {
+      float acc = 0.0f;
+      for (int64_t j = query.first; j <= query.last; ++j) {
+        acc = std::fma(row[j - b.u_first], b.values[j * b.v_stride + d], acc);
+      }
+      query.out[d] = acc * inv;
+    }
+  }
+}
+
+template <int kQ>
+__attribute__((target("avx512f"))) void Avx512Scores(const Block& b) {
+  const float* q[kQ];
+  for (int i = 0; i < kQ; ++i) q[i] = b.queries[i].q;
+  const __m512 scale = _mm512_set1_ps(b.scale);
+  for (int64_t j0 = b.u_first; j0 <= b.u_last; j0 += 64) {
+    __m512 acc[kQ][4];
+    for (int i = 0; i < kQ; ++i) {
+      for (int c = 0; c < 4; ++c) acc[i][c] = _mm512_setzero_ps();
+    }
+    const float* kt = b.keys_t + j0;
+    for (int32_t d = 0; d < b.qk_dim; ++d, kt += b.stride) {
+      const __m512 k0 = _mm512_loadu_ps(kt);
+      const __m512 k1 = _mm512_loadu_ps(kt + 16);
+      const __m512 k2 = _mm512_loadu_ps(kt + 32);
+      const __m512 k3 = _mm512_loadu_ps(kt + 48);
+      for (int i = 0; i < kQ; ++i) {
+        const __m512 a = _mm512_set1_ps(q[i][d]);
+        acc[i][0] = _mm512_fmadd_ps(a, k0, acc[i][0]);
+        acc[i][1] = _mm512_fmadd_ps(a, k1, acc[i][1]);
+        acc[i][2] = _mm512_fmadd_ps(a, k2, acc[i][2]);
+        acc[i][3] = _mm512_fmadd_ps(a, k3, acc[i][3]);
+      }
+    }
+    for (int i = 0; i < kQ; ++i) {
+      float* row = b.scratch + i * b.stride + (j0 - b.u_first);
+      for (int c = 0; c < 4; ++c) _mm512_storeu_ps(row + 16 * c, _mm512_mul_ps(acc[i][c], scale));
+    }
+  }
+}
+
+template <int kQ>
+__attribute__((target("avx512f"))) void Avx512Values(const Block& b, const float* inv) {
+  for (int32_t d0 = 0; d0 < b.v_dim; d0 += 64) {
+    __mmask16 mask[4];
+    for (int c = 0; c < 4; ++c) {
+      const int32_t left = b.v_dim - d0 - 16 * c;
+      mask[c] = left >= 16 ? static_cast<__mmask16>(0xFFFF)
+                : left > 0 ? static_cast<__mmask16>((1u << left) - 1)
+                           : static_cast<__mmask16>(0);
+    }
+    __m512 acc[kQ][4];
+    for (int i = 0; i < kQ; ++i) {
+      for (int c = 0; c < 4; ++c) acc[i][c] = _mm512_setzero_ps();
+    }
+    for (int64_t j = b.u_first; j <= b.u_last; ++j) {
+      const float* v = b.values + j * b.v_stride + d0;
+      const __m512 v0 = _mm512_maskz_loadu_ps(mask[0], v);
+      const __m512 v1 = _mm512_maskz_loadu_ps(mask[1], v + 16);
+      const __m512 v2 = _mm512_maskz_loadu_ps(mask[2], v + 32);
+      const __m512 v3 = _mm512_maskz_loadu_ps(mask[3], v + 48);
+      for (int i = 0; i < kQ; ++i) {
+        const __m512 p = _mm512_set1_ps(b.scratch[i * b.stride + (j - b.u_first)]);
+        acc[i][0] = _mm512_fmadd_ps(p, v0, acc[i][0]);
+        acc[i][1] = _mm512_fmadd_ps(p, v1, acc[i][1]);
+        acc[i][2] = _mm512_fmadd_ps(p, v2, acc[i][2]);
+        acc[i][3] = _mm512_fmadd_ps(p, v3, acc[i][3]);
+      }
+    }
+    for (int i = 0; i < kQ; ++i) {
+      const __m512 s = _mm512_set1_ps(inv[i]);
+      float* out = b.queries[i].out + d0;
+      for (int c = 0; c < 4; ++c) {
+        _mm512_mask_storeu_ps(out + 16 * c, mask[c], _mm512_mul_ps(acc[i][c], s));
+      }
+    }
+  }
+}
+
+template <int kQ>
+void Avx512Block(const Block& b) {
+  Avx512Scores<kQ>(b);
+  float inv[kQ];
+  for (int i = 0; i < kQ; ++i) {
+    inv[i] = SoftmaxRow(b.queries[i], b.u_first, b.u_last, b.softcap, b.scratch + i * b.stride);
+  }
+  Avx512Values<kQ>(b, inv);
+}
+
+bool CpuHasAvx512() {
+  static const bool has = __builtin_cpu_supports("avx512f");
+  return has;
+}
+
+void Run(bool avx512, const AttentionQuery* queries, int64_t count, int32_t qk_dim,
+         const float* keys_t, int64_t keys_t_stride, const float* values, int64_t v_stride,
+         int32_t v_dim, float scale, float softcap, float* scratch) {
+  for (int64_t q0 = 0; q0 < count; q0 += kQueriesPerBlock) {
+    Block b;
+    b.queries = queries + q0;
+    b.count = std::min(kQueriesPerBlock, count - q0);
+    b.qk_dim = qk_dim;
+    b.keys_t = keys_t;
+    b.stride = keys_t_stride;
+    b.values = values;
+    b.v_stride = v_stride;
+    b.v_dim = v_dim;
+    b.scale = scale;
+    b.softcap = softcap;
+    b.scratch = scratch;
+    b.u_first = b.queries[0].first;
+    b.u_last = b.queries[0].last;
+    for (int64_t i = 1; i < b.count; ++i) {
+      b.u_first = std::min(b.u_first, b.queries[i].first);
+      b.u_last = std::max(b.u_last, b.queries[i].last);
+    }
+    if (!avx512) {
+      PortableBlock(b);
+      continue;
+    }
+    switch (b.count) {
+      case 4: Avx512Block<4>(b); break;
+      case 3: Avx512Block<3>(b); break;
+      case 2: Avx512Block<2>(b); break;
+      default: Avx512Block<1>(b); break;
+    }
+  }
+}
+
+}  // namespace
+
+void AttendQueries(const AttentionQuery* queries, int64_t count, int32_t qk_dim,
+                   const float* keys_t, int64_t keys_t_stride, const float* values,
+                   int64_t v_stride, int32_t v_dim, float scale, float softcap, float* scratch) {
+  Run(CpuHasAvx512(), queries, count, qk_dim, keys_t, keys_t_stride, values, v_stride, v_dim,
+      scale, softcap, scratch);
+}
+
+void AttendQueriesForTest(AttentionKernel kernel, const AttentionQuery* queries, int64_t count,
+                          int32_t qk_dim, const float* keys_t, int64_t keys_t_stride,
+                          const float* values, int64_t v_stride, int32_t v_dim, float scale,
+                          float softcap, float* scratch) {
+  Run(kernel == AttentionKernel::kAuto && CpuHasAvx512(), queries, count, qk_dim, keys_t,
+      keys_t_stride, values, v_stride, v_dim, scale, softcap, scratch);
+}
+
+}  // namespace kvrelay::model
