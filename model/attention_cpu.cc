@@ -17,10 +17,44 @@ float PairwiseSum16(const float* p) {
   return (s4[0] + s4[1]) + (s4[2] + s4[3]);
 }
 
-// row[j - u_first] holds query's scaled score for key j in [u_first, u_last]. Leaves exp
-// weights for [first, last] and 0 elsewhere in [u_first, u_last]; returns 1 / sum of weights.
-float SoftmaxRow(const AttentionQuery& query, int64_t u_first, int64_t u_last, float softcap,
-                 float* row) {
+// exp(x) for x <= 0 (softmax weights), the same operations in both kernels: x = n ln2 + r
+// (Cody-Waite, two FMAs), Cephes' degree-6 polynomial for e^r by FMAs, times 2^n (exact scaling,
+// rounded once if subnormal). About 1 ulp; 0 below -87.33 (where e^x < FLT_MIN).
+constexpr float kExpLowest = -87.33654f;
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f;
+constexpr float kLn2Lo = -2.12194440e-4f;
+constexpr float kExpC[6] = {1.9875691500E-4f, 1.3981999507E-3f, 8.3334519073E-3f,
+                            4.1665795894E-2f, 1.6666665459E-1f, 5.0000001201E-1f};
+
+float ExpPortable(float x) {
+  if (x < kExpLowest) return 0.0f;
+  const float n = std::nearbyint(x * kLog2e);
+  float r = std::fma(-n, kLn2Hi, x);
+  r = std::fma(-n, kLn2Lo, r);
+  float p = kExpC[0];
+  for (int i = 1; i < 6; ++i) p = std::fma(p, r, kExpC[i]);
+  const float y = std::fma(p, r * r, r) + 1.0f;
+  return std::ldexp(y, static_cast<int>(n));
+}
+
+__attribute__((target("avx512f"))) __m512 Exp16(__m512 x) {
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kExpLowest), _CMP_GE_OQ);
+  // The _mask_ forms with an explicit source: GCC 12's unmasked ones trip
+  // -Wmaybe-uninitialized on their internal _mm512_undefined_ps().
+  const __m512 zero = _mm512_setzero_ps();
+  const __m512 n = _mm512_mask_roundscale_ps(zero, 0xFFFF, _mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
+                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 neg_n = _mm512_sub_ps(zero, n);
+  __m512 r = _mm512_fmadd_ps(neg_n, _mm512_set1_ps(kLn2Hi), x);
+  r = _mm512_fmadd_ps(neg_n, _mm512_set1_ps(kLn2Lo), r);
+  __m512 p = _mm512_set1_ps(kExpC[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpC[i]));
+  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+  return _mm512_mask_scalef_ps(zero, live, y, n);
+}
+
+float SoftcapAndMax(const AttentionQuery& query, int64_t u_first, float softcap, float* row) {
   float max_score = -INFINITY;
   for (int64_t j = query.first; j <= query.last; ++j) {
     float s = row[j - u_first];
@@ -28,15 +62,51 @@ float SoftmaxRow(const AttentionQuery& query, int64_t u_first, int64_t u_last, f
     row[j - u_first] = s;
     max_score = std::max(max_score, s);
   }
+  return max_score;
+}
+
+void ZeroOutside(const AttentionQuery& query, int64_t u_first, int64_t u_last, float* row) {
+  for (int64_t j = u_first; j < query.first; ++j) row[j - u_first] = 0.0f;
+  for (int64_t j = query.last + 1; j <= u_last; ++j) row[j - u_first] = 0.0f;
+}
+
+// row[j - u_first] holds query's scaled score for key j in [u_first, u_last]. Leaves exp
+// weights for [first, last] and 0 elsewhere in [u_first, u_last]; returns 1 / sum of weights.
+float SoftmaxRow(const AttentionQuery& query, int64_t u_first, int64_t u_last, float softcap,
+                 float* row) {
+  const float max_score = SoftcapAndMax(query, u_first, softcap, row);
   float partial[16] = {};
   for (int64_t j = query.first; j <= query.last; ++j) {
-    const float e = std::exp(row[j - u_first] - max_score);
+    const float e = ExpPortable(row[j - u_first] - max_score);
     row[j - u_first] = e;
     partial[(j - query.first) & 15] += e;
   }
-  for (int64_t j = u_first; j < query.first; ++j) row[j - u_first] = 0.0f;
-  for (int64_t j = query.last + 1; j <= u_last; ++j) row[j - u_first] = 0.0f;
+  ZeroOutside(query, u_first, u_last, row);
   return 1.0f / PairwiseSum16(partial);
+}
+
+// SoftmaxRow with 16 keys per vector: lane l holds keys first + l (mod 16), as the partial
+// sums do, so the result is the same bits.
+__attribute__((target("avx512f"))) float Avx512SoftmaxRow(const AttentionQuery& query,
+                                                          int64_t u_first, int64_t u_last,
+                                                          float softcap, float* row) {
+  const float max_score = SoftcapAndMax(query, u_first, softcap, row);
+  const __m512 mx = _mm512_set1_ps(max_score);
+  __m512 partial = _mm512_setzero_ps();
+  float* r = row + (query.first - u_first);
+  const int64_t n = query.last - query.first + 1;
+  for (int64_t j = 0; j < n; j += 16) {
+    const int64_t left = n - j;
+    const __mmask16 m =
+        left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+    const __m512 e = Exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, r + j), mx));
+    partial = _mm512_add_ps(partial, _mm512_maskz_mov_ps(m, e));
+    _mm512_mask_storeu_ps(r + j, m, e);
+  }
+  float lanes[16];
+  _mm512_storeu_ps(lanes, partial);
+  ZeroOutside(query, u_first, u_last, row);
+  return 1.0f / PairwiseSum16(lanes);
 }
 
 struct Block {
@@ -151,7 +221,8 @@ void Avx512Block(const Block& b) {
   Avx512Scores<kQ>(b);
   float inv[kQ];
   for (int i = 0; i < kQ; ++i) {
-    inv[i] = SoftmaxRow(b.queries[i], b.u_first, b.u_last, b.softcap, b.scratch + i * b.stride);
+    inv[i] =
+        Avx512SoftmaxRow(b.queries[i], b.u_first, b.u_last, b.softcap, b.scratch + i * b.stride);
   }
   Avx512Values<kQ>(b, inv);
 }
@@ -188,10 +259,18 @@ void Run(bool avx512, const AttentionQuery* queries, int64_t count, int32_t qk_d
       continue;
     }
     switch (b.count) {
-      case 4: Avx512Block<4>(b); break;
-      case 3: Avx512Block<3>(b); break;
-      case 2: Avx512Block<2>(b); break;
-      default: Avx512Block<1>(b); break;
+      case 4:
+        Avx512Block<4>(b);
+        break;
+      case 3:
+        Avx512Block<3>(b);
+        break;
+      case 2:
+        Avx512Block<2>(b);
+        break;
+      default:
+        Avx512Block<1>(b);
+        break;
     }
   }
 }
@@ -201,8 +280,8 @@ void Run(bool avx512, const AttentionQuery* queries, int64_t count, int32_t qk_d
 void AttendQueries(const AttentionQuery* queries, int64_t count, int32_t qk_dim,
                    const float* keys_t, int64_t keys_t_stride, const float* values,
                    int64_t v_stride, int32_t v_dim, float scale, float softcap, float* scratch) {
-  Run(CpuHasAvx512(), queries, count, qk_dim, keys_t, keys_t_stride, values, v_stride, v_dim,
-      scale, softcap, scratch);
+  Run(CpuHasAvx512(), queries, count, qk_dim, keys_t, keys_t_stride, values, v_stride, v_dim, scale,
+      softcap, scratch);
 }
 
 void AttendQueriesForTest(AttentionKernel kernel, const AttentionQuery* queries, int64_t count,

@@ -4,8 +4,8 @@
 // that each query's result is defined by that query alone: for query q over context
 // [first, last],
 //   s_j  = (fma chain over d = 0..qk_dim-1 of q[d] * k_j[d], from 0) * scale, soft-capped,
-//   e_j  = exp(s_j - max s), sum = 16 partial sums over (j - first) % 16 in j order, added
-//          pairwise ((0+1)+(2+3))+...,
+//   e_j  = exp(s_j - max s) (our own FMA polynomial, ~1 ulp, the same in both kernels),
+//   sum  = 16 partial sums over (j - first) % 16 in j order, added pairwise ((0+1)+(2+3))+...,
 //   out  = (fma chain over j = first..last of e_j * v_j, from 0) * (1 / sum).
 // Queries are processed four at a time (AVX-512: 16 keys or 16 output values per vector), but
 // a query's bits do not depend on which queries share its block, how many rows a prefill has,

@@ -53,8 +53,8 @@ TEST_P(AttendQueriesTest, QueriesAreIndependentOfTheirBlockAndKernel) {
     std::vector<float> out(count * c.v_dim, -1.0f);
     std::vector<AttentionQuery> queries;
     for (int64_t i = 0; i < count; ++i) {
-      queries.push_back({q.data() + i * c.qk_dim, out.data() + i * c.v_dim, ranges[i].first,
-                         ranges[i].second});
+      queries.push_back(
+          {q.data() + i * c.qk_dim, out.data() + i * c.v_dim, ranges[i].first, ranges[i].second});
     }
     for (int64_t i = 0; i < count; i += block) {
       AttendQueriesForTest(kernel, queries.data() + i, std::min(block, count - i), c.qk_dim,
@@ -78,7 +78,8 @@ TEST_P(AttendQueriesTest, QueriesAreIndependentOfTheirBlockAndKernel) {
     double mx = -1e300;
     for (int64_t j = first; j <= last; ++j) {
       double dot = 0;
-      for (int32_t d = 0; d < c.qk_dim; ++d) dot += double{q[i * c.qk_dim + d]} * keys[j * c.qk_dim + d];
+      for (int32_t d = 0; d < c.qk_dim; ++d)
+        dot += double{q[i * c.qk_dim + d]} * keys[j * c.qk_dim + d];
       dot *= scale;
       if (c.softcap > 0) dot = c.softcap * std::tanh(dot / c.softcap);
       s.push_back(dot);
