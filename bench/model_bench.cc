@@ -60,7 +60,41 @@ double PrefillFlops(const kv::ModelConfig& c, int64_t n) {
   return c.num_hidden_layers * (2 * linear * n + attn) + 2 * h * c.vocab_size;
 }
 
+// The fair baseline: OpenBLAS sgemm doing one layer's projections at the model's own shapes,
+// each as one call over all prompt rows (no tiling), same thread count; FLOP-weighted rate
+// (total FLOPs / total time), best of reps. Attention is not in it: the model's attention
+// FLOPs are held to the same rate, which only makes the fraction harder to reach.
+double ModelShapesSgemmGflops(const kv::ModelConfig& c, int m, int reps) {
+  const int hidden = c.hidden_size, q_out = c.num_attention_heads * c.head_dim,
+            kv_out = c.num_key_value_heads * c.head_dim, inter = c.intermediate_size;
+  struct Shape {
+    int n, k;
+  };
+  const Shape shapes[] = {{q_out, hidden}, {kv_out, hidden}, {kv_out, hidden}, {hidden, q_out},
+                          {inter, hidden}, {inter, hidden},  {hidden, inter}};
+  int max_k = 0, max_n = 0;
+  for (const Shape& s : shapes) {
+    max_k = std::max(max_k, s.k);
+    max_n = std::max(max_n, s.n);
+  }
+  std::vector<float> a(static_cast<size_t>(m) * max_k, 0.01f),
+      b(static_cast<size_t>(max_n) * max_k, 0.02f), out(static_cast<size_t>(m) * max_n);
+  double best = 1e30, flops = 0;
+  for (const Shape& s : shapes) flops += 2.0 * m * s.n * s.k;
+  for (int r = 0; r < reps + 1; ++r) {  // first pass warms up
+    auto t0 = std::chrono::steady_clock::now();
+    for (const Shape& s : shapes) {
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, s.n, s.k, 1.0f, a.data(), s.k,
+                  b.data(), s.k, 0.0f, out.data(), s.n);
+    }
+    const double secs = Seconds(std::chrono::steady_clock::now() - t0);
+    if (r > 0) best = std::min(best, secs);
+  }
+  return flops / best / 1e9;
+}
+
 struct Figures {
+  double model_shapes_sgemm_gflops = 0;  // the better of before and after the prefill runs
   double prefill_tokens_per_s = 0;
   double prefill_gflops = 0;
   double decode_tokens_per_s = 0;
@@ -82,6 +116,7 @@ Figures Measure(const std::string& dir, int threads, int tokens, int reps, int t
   std::vector<int32_t> prompt(tokens);
   for (int i = 0; i < tokens; ++i) prompt[i] = (i * 7919 + 13) % c.vocab_size;
   Figures f;
+  const double baseline_before = ModelShapesSgemmGflops(c, tokens, reps);
   double best = 1e30;
   for (int r = 0; r < reps; ++r) {
     Sequence seq(cache->get());
@@ -107,6 +142,8 @@ Figures Measure(const std::string& dir, int threads, int tokens, int reps, int t
       f.decode_tokens_per_s = steps / Seconds(std::chrono::steady_clock::now() - d0);
     }
   }
+  f.model_shapes_sgemm_gflops =
+      std::max(baseline_before, ModelShapesSgemmGflops(c, tokens, reps));
   f.prefill_tokens_per_s = tokens / best;
   f.prefill_gflops = PrefillFlops(c, tokens) / best / 1e9;
   return f;
@@ -228,8 +265,8 @@ int Main(int argc, char** argv) {
       "baseline OpenBLAS sgemm [%d x 1024] x [1024 x 2816]: %8.1f GFLOP/s "
       "(as 16-row tiles: %.1f)\n",
       tokens, sgemm_mid, sgemm_mid_tile16);
-  std::printf("%-24s %-10s %14s %12s %14s %14s\n", "model", "gemm tile", "prefill tok/s", "GFLOP/s",
-              "of sgemm rate*", "decode tok/s");
+  std::printf("%-24s %-10s %14s %12s %17s %16s %16s %14s\n", "model", "gemm tile", "prefill tok/s",
+              "GFLOP/s", "model-shape sgemm", "of that rate*", "of best shape**", "decode tok/s");
   auto wanted = [&](const ModelCase& mc) {
     const std::string key = mc.options.layers ? "mid" : "tiny";
     if (quick && key != "tiny") return false;
@@ -263,13 +300,18 @@ int Main(int argc, char** argv) {
       const Figures f = Measure(dir, threads, tokens, reps, tile);
       const double baseline =
           std::max({before, baseline_now(), mc.options.layers ? sgemm_mid : sgemm_tiny});
-      std::printf("%-24s %-10s %14.0f %12.1f %13.1f%% %14.1f\n", mc.name,
+      std::printf("%-24s %-10s %14.0f %12.1f %17.1f %15.1f%% %15.1f%% %14.1f\n", mc.name,
                   tile == 0 ? std::string("16 (block)").c_str() : std::to_string(tile).c_str(),
-                  f.prefill_tokens_per_s, f.prefill_gflops, 100.0 * f.prefill_gflops / baseline,
-                  f.decode_tokens_per_s);
+                  f.prefill_tokens_per_s, f.prefill_gflops, f.model_shapes_sgemm_gflops,
+                  100.0 * f.prefill_gflops / f.model_shapes_sgemm_gflops,
+                  100.0 * f.prefill_gflops / baseline, f.decode_tokens_per_s);
     }
   }
-  std::printf("* of the best sgemm rate seen at that GEMM shape during the run (before, after)\n");
+  std::printf(
+      "* the prefill's FLOP rate (projections, attention, LM head) / OpenBLAS sgemm running the\n"
+      "  model's projection shapes, one call each over all prompt rows, same threads, measured\n"
+      "  before and after the prefill runs (the better taken)\n"
+      "** / the best sgemm rate seen at the largest shape (the figure this table used to print)\n");
   // Batch-invariant decode (each row alone, fixed reduction order) against one sgemm per
   // batch, measured alternately in this run.
   std::printf("\n%-24s %6s %22s %18s %8s\n", "decode model", "batch", "batch-invariant tok/s",
