@@ -2,7 +2,9 @@
 
 // ModelRunner: the CPU forward pass of a decoder-only model (GQA, MLA, sliding window) over a
 // paged KV cache. Weights are read from a Hugging Face model directory (config.json +
-// safetensors) and upcast to fp32; GEMMs go through OpenBLAS, attention is threaded.
+// safetensors) and upcast to fp32. Prefill GEMMs run PackedLinear over weights packed at load
+// (a second fp32 copy of the projections), decode GEMMs OpenBLAS or the rowwise kernel; attention
+// (AttendQueries) is threaded.
 //
 //   KV_ASSIGN_OR_RETURN(auto runner, ModelRunner::Load(dir, {.threads = 2}));
 //   KV_ASSIGN_OR_RETURN(auto cache, KvCache::Create(runner->layout(), /*blocks_per_group=*/256));
@@ -11,15 +13,15 @@
 //   int32_t next = Greedy(logits);
 //   KV_ASSIGN_OR_RETURN(logits, runner->DecodeStep({&seq}, {next}));
 //
-// Determinism: for a fixed thread count results are bit for bit reproducible. OpenBLAS's result
-// for a row depends on the row count of the sgemm call, so prefill GEMMs are cut into row tiles
-// at multiples of gemm_tile_tokens (default: the block size) counted from position 0. A prefill
-// that starts from cached prefix blocks (or continues a chunked prefill) therefore computes
-// exactly what one full prefill computes; when it starts inside a tile, the cached rows from the
-// tile start are recomputed (never rewritten) to keep the calls identical - none with the
-// default tile and a block-aligned prefix. With the default tile every full block is a complete
-// tile, so any block prefix is exact; with larger tiles, exactness needs the prefix's producer
-// to have computed the tile holding the prefix end completely (its prompt went past it).
+// Determinism: prefill results are bit for bit reproducible and independent of how a prompt is
+// split. Every prefill GEMM runs PackedLinear (model/packed_gemm.h) and attention runs
+// AttendQueries (model/attention_cpu.h), both row-invariant by construction: a row's result
+// does not depend on how many rows share the call, how threads split it or the CPU's vector
+// width (AVX-512 or the portable loops).
+// A prefill that starts from cached prefix blocks, continues a chunked prefill or starts in
+// the middle of a block therefore computes exactly what one full prefill computes, with no row
+// recomputed. (Before, OpenBLAS calls were cut into row tiles at multiples of gemm_tile_tokens
+// and a start inside a tile recomputed the tile's cached rows.)
 // Decode is batch-invariant by default (RunnerOptions::batch_invariant_decode): every GEMM of a
 // decode step computes each row alone in a fixed order, so a sequence's logits do not depend on
 // which other sequences share the step.
@@ -52,7 +54,9 @@ struct RunnerOptions {
   int32_t threads = 1;        // attention threads; also sets OpenBLAS's (process-wide) count
   int32_t block_tokens = 16;  // tokens per cache block
   std::optional<kv::DType> cache_dtype;  // default: the config's torch_dtype (bf16, fp16, fp32)
-  int32_t gemm_tile_tokens = 0;          // 0: block_tokens; see the determinism note above
+  // No effect on results or speed any more: prefill GEMMs are row-invariant (see the
+  // determinism note above); kept so callers that set it still build. Must be >= 0.
+  int32_t gemm_tile_tokens = 0;
   // Decode computes every row with the batch-invariant kernels (kRowwiseTiles): a sequence's
   // logits are bit-identical whatever other sequences share its step. false: one sgemm per
   // batch (faster at large batches; a row's rounding then depends on the batch).
