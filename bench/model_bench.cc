@@ -142,8 +142,7 @@ Figures Measure(const std::string& dir, int threads, int tokens, int reps, int t
       f.decode_tokens_per_s = steps / Seconds(std::chrono::steady_clock::now() - d0);
     }
   }
-  f.model_shapes_sgemm_gflops =
-      std::max(baseline_before, ModelShapesSgemmGflops(c, tokens, reps));
+  f.model_shapes_sgemm_gflops = std::max(baseline_before, ModelShapesSgemmGflops(c, tokens, reps));
   f.prefill_tokens_per_s = tokens / best;
   f.prefill_gflops = PrefillFlops(c, tokens) / best / 1e9;
   return f;

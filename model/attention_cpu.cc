@@ -125,27 +125,42 @@ struct Block {
   int64_t u_last;
 };
 
-void PortableBlock(const Block& b) {
+enum class Isa { kPortable, kAvx2, kAvx512 };
+
+// The portable kernel with keys (scores) and value dimensions (output) innermost so GCC
+// vectorises it where FMA is available (the AVX2 clone below); std::fma keeps each element's
+// chain the definition's either way.
+[[gnu::always_inline]] inline void PortableBlockBody(const Block& b) {
   for (int64_t qi = 0; qi < b.count; ++qi) {
     const AttentionQuery& query = b.queries[qi];
     float* row = b.scratch + qi * b.stride;
-    for (int64_t j = query.first; j <= query.last; ++j) {
-      float acc = 0.0f;
+    for (int64_t j0 = query.first; j0 <= query.last; j0 += 16) {
+      float acc[16] = {};
+      // Reads keys up to j0 + 15 <= last + 15, inside the row's padding.
       for (int32_t d = 0; d < b.qk_dim; ++d) {
-        acc = std::fma(query.q[d], b.keys_t[d * b.stride + j], acc);
+        const float qd = query.q[d];
+        const float* kt = b.keys_t + d * b.stride + j0;
+        for (int l = 0; l < 16; ++l) acc[l] = std::fma(qd, kt[l], acc[l]);
       }
-      row[j - b.u_first] = acc * b.scale;
+      const int64_t keys = std::min<int64_t>(16, query.last - j0 + 1);
+      for (int64_t l = 0; l < keys; ++l) row[j0 + l - b.u_first] = acc[l] * b.scale;
     }
     const float inv = SoftmaxRow(query, b.u_first, b.u_last, b.softcap, row);
-    for (int32_t d = 0; d < b.v_dim; ++d) {
-      float acc = 0.0f;
+    for (int32_t d0 = 0; d0 < b.v_dim; d0 += 64) {
+      const int32_t dims = std::min(64, b.v_dim - d0);
+      float acc[64] = {};
       for (int64_t j = query.first; j <= query.last; ++j) {
-        acc = std::fma(row[j - b.u_first], b.values[j * b.v_stride + d], acc);
+        const float p = row[j - b.u_first];
+        const float* v = b.values + j * b.v_stride + d0;
+        for (int32_t l = 0; l < dims; ++l) acc[l] = std::fma(p, v[l], acc[l]);
       }
-      query.out[d] = acc * inv;
+      for (int32_t l = 0; l < dims; ++l) query.out[d0 + l] = acc[l] * inv;
     }
   }
 }
+
+void PortableBlock(const Block& b) { PortableBlockBody(b); }
+__attribute__((target("avx2,fma"))) void Avx2Block(const Block& b) { PortableBlockBody(b); }
 
 template <int kQ>
 __attribute__((target("avx512f"))) void Avx512Scores(const Block& b) {
@@ -227,14 +242,17 @@ void Avx512Block(const Block& b) {
   Avx512Values<kQ>(b, inv);
 }
 
-bool CpuHasAvx512() {
-  static const bool has = __builtin_cpu_supports("avx512f");
-  return has;
+Isa BestIsa() {
+  static const Isa isa = __builtin_cpu_supports("avx512f") ? Isa::kAvx512
+                         : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")
+                             ? Isa::kAvx2
+                             : Isa::kPortable;
+  return isa;
 }
 
-void Run(bool avx512, const AttentionQuery* queries, int64_t count, int32_t qk_dim,
-         const float* keys_t, int64_t keys_t_stride, const float* values, int64_t v_stride,
-         int32_t v_dim, float scale, float softcap, float* scratch) {
+void Run(Isa isa, const AttentionQuery* queries, int64_t count, int32_t qk_dim, const float* keys_t,
+         int64_t keys_t_stride, const float* values, int64_t v_stride, int32_t v_dim, float scale,
+         float softcap, float* scratch) {
   for (int64_t q0 = 0; q0 < count; q0 += kQueriesPerBlock) {
     Block b;
     b.queries = queries + q0;
@@ -254,8 +272,12 @@ void Run(bool avx512, const AttentionQuery* queries, int64_t count, int32_t qk_d
       b.u_first = std::min(b.u_first, b.queries[i].first);
       b.u_last = std::max(b.u_last, b.queries[i].last);
     }
-    if (!avx512) {
+    if (isa == Isa::kPortable) {
       PortableBlock(b);
+      continue;
+    }
+    if (isa == Isa::kAvx2) {
+      Avx2Block(b);
       continue;
     }
     switch (b.count) {
@@ -280,7 +302,7 @@ void Run(bool avx512, const AttentionQuery* queries, int64_t count, int32_t qk_d
 void AttendQueries(const AttentionQuery* queries, int64_t count, int32_t qk_dim,
                    const float* keys_t, int64_t keys_t_stride, const float* values,
                    int64_t v_stride, int32_t v_dim, float scale, float softcap, float* scratch) {
-  Run(CpuHasAvx512(), queries, count, qk_dim, keys_t, keys_t_stride, values, v_stride, v_dim, scale,
+  Run(BestIsa(), queries, count, qk_dim, keys_t, keys_t_stride, values, v_stride, v_dim, scale,
       softcap, scratch);
 }
 
@@ -288,8 +310,11 @@ void AttendQueriesForTest(AttentionKernel kernel, const AttentionQuery* queries,
                           int32_t qk_dim, const float* keys_t, int64_t keys_t_stride,
                           const float* values, int64_t v_stride, int32_t v_dim, float scale,
                           float softcap, float* scratch) {
-  Run(kernel == AttentionKernel::kAuto && CpuHasAvx512(), queries, count, qk_dim, keys_t,
-      keys_t_stride, values, v_stride, v_dim, scale, softcap, scratch);
+  Isa isa = Isa::kPortable;
+  if (kernel == AttentionKernel::kAuto) isa = BestIsa();
+  if (kernel == AttentionKernel::kAvx2 && BestIsa() != Isa::kPortable) isa = Isa::kAvx2;
+  Run(isa, queries, count, qk_dim, keys_t, keys_t_stride, values, v_stride, v_dim, scale, softcap,
+      scratch);
 }
 
 }  // namespace kvrelay::model

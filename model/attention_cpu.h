@@ -9,8 +9,8 @@
 //   out  = (fma chain over j = first..last of e_j * v_j, from 0) * (1 / sum).
 // Queries are processed four at a time (AVX-512: 16 keys or 16 output values per vector), but
 // a query's bits do not depend on which queries share its block, how many rows a prefill has,
-// where it started or the thread split; the portable loop gives the same bits. This replaces
-// one AttendOne per (row, head) in prefill and decode.
+// where it started or the thread split; the AVX2 and portable loops give the same bits. This
+// replaces one AttendOne per (row, head) in prefill and decode.
 
 #include <cstdint>
 
@@ -35,7 +35,9 @@ void AttendQueries(const AttentionQuery* queries, int64_t count, int32_t qk_dim,
                    const float* keys_t, int64_t keys_t_stride, const float* values,
                    int64_t v_stride, int32_t v_dim, float scale, float softcap, float* scratch);
 
-enum class AttentionKernel { kAuto, kPortable };
+// kAuto: AVX-512 where the CPU has it, else the portable loop compiled for AVX2+FMA where it
+// has those, else the plain portable loop (kAvx2 runs the plain loop without AVX2+FMA).
+enum class AttentionKernel { kAuto, kAvx2, kPortable };
 void AttendQueriesForTest(AttentionKernel kernel, const AttentionQuery* queries, int64_t count,
                           int32_t qk_dim, const float* keys_t, int64_t keys_t_stride,
                           const float* values, int64_t v_stride, int32_t v_dim, float scale,

@@ -64,7 +64,8 @@ TEST_P(AttendQueriesTest, QueriesAreIndependentOfTheirBlockAndKernel) {
     return out;
   };
   const std::vector<float> want = run(AttentionKernel::kPortable, 1);
-  for (AttentionKernel kernel : {AttentionKernel::kAuto, AttentionKernel::kPortable}) {
+  for (AttentionKernel kernel :
+       {AttentionKernel::kAuto, AttentionKernel::kAvx2, AttentionKernel::kPortable}) {
     for (int64_t block : {1, 2, 3, 4, 9}) {
       const std::vector<float> got = run(kernel, block);
       ASSERT_EQ(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)), 0)

@@ -31,18 +31,64 @@ struct Tile {
   bool first;    // first depth block: start from 0 instead of y
 };
 
-void PortableTile(const Tile& t, int64_t m) {
-  for (int64_t i = 0; i < m; ++i) {
-    float* yi = t.y + i * t.ldy;
-    for (int64_t j = 0; j < t.cols; ++j) {
-      float acc = t.first ? 0.0f : yi[j];
-      for (int64_t k = 0; k < t.kc; ++k) {
-        acc = std::fma(t.x[k * kMicroRows + i], t.w[k * kCols + j], acc);
-      }
-      yi[j] = acc;
+enum class Isa { kPortable, kAvx2, kAvx512 };
+
+// The portable tile, columns innermost so that GCC vectorises it where FMA is available (the
+// AVX2 clone below: four ymm FMAs per panel row); std::fma keeps every element's chain the
+// same exact FMAs either way.
+template <int kRows>
+[[gnu::always_inline]] inline void PortableTileBody(const Tile& t) {
+  float acc[kRows][kCols];
+  for (int i = 0; i < kRows; ++i) {
+    for (int64_t j = 0; j < kCols; ++j) {
+      acc[i][j] = t.first || j >= t.cols ? 0.0f : t.y[i * t.ldy + j];
     }
   }
+  for (int64_t k = 0; k < t.kc; ++k) {
+    const float* w = t.w + k * kCols;
+    const float* x = t.x + k * kMicroRows;
+    for (int i = 0; i < kRows; ++i) {
+      const float a = x[i];
+      for (int64_t j = 0; j < kCols; ++j) acc[i][j] = std::fma(a, w[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < kRows; ++i) {
+    for (int64_t j = 0; j < t.cols; ++j) t.y[i * t.ldy + j] = acc[i][j];
+  }
 }
+
+template <int kRows>
+void PortableTile(const Tile& t) {
+  PortableTileBody<kRows>(t);
+}
+
+template <int kRows>
+__attribute__((target("avx2,fma"))) void Avx2Tile(const Tile& t) {
+  PortableTileBody<kRows>(t);
+}
+
+#define KVRELAY_TILE_SWITCH(fn, t, m) \
+  switch (m) {                        \
+    case 8:                           \
+      return fn<8>(t);                \
+    case 7:                           \
+      return fn<7>(t);                \
+    case 6:                           \
+      return fn<6>(t);                \
+    case 5:                           \
+      return fn<5>(t);                \
+    case 4:                           \
+      return fn<4>(t);                \
+    case 3:                           \
+      return fn<3>(t);                \
+    case 2:                           \
+      return fn<2>(t);                \
+    default:                          \
+      return fn<1>(t);                \
+  }
+
+void PortableTileRows(const Tile& t, int64_t m) { KVRELAY_TILE_SWITCH(PortableTile, t, m) }
+void Avx2TileRows(const Tile& t, int64_t m) { KVRELAY_TILE_SWITCH(Avx2Tile, t, m) }
 
 template <int kRows>
 __attribute__((target("avx512f"))) void Avx512Tile(const Tile& t) {
@@ -101,14 +147,17 @@ __attribute__((target("avx512f"))) void Avx512TileRows(const Tile& t, int64_t m)
   }
 }
 
-bool CpuHasAvx512() {
-  static const bool has = __builtin_cpu_supports("avx512f");
-  return has;
+Isa BestIsa() {
+  static const Isa isa = __builtin_cpu_supports("avx512f") ? Isa::kAvx512
+                         : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")
+                             ? Isa::kAvx2
+                             : Isa::kPortable;
+  return isa;
 }
 
 // Rows [r0, r1) x panels [p0, p1) of y.
-void RunBlock(bool avx512, const float* x, int64_t ldx, const PackedWeights& w, float* y,
-              int64_t ldy, int64_t r0, int64_t r1, int64_t p0, int64_t p1) {
+void RunBlock(Isa isa, const float* x, int64_t ldx, const PackedWeights& w, float* y, int64_t ldy,
+              int64_t r0, int64_t r1, int64_t p0, int64_t p1) {
   const int64_t in = w.in();
   // x's [rows, depth] block copied into micro-tile order (tile, k, row): the kernel's broadcasts
   // then read one contiguous stream instead of 8 rows whose addresses (4 KiB apart for
@@ -121,8 +170,9 @@ void RunBlock(bool avx512, const float* x, int64_t ldx, const PackedWeights& w, 
       for (int64_t i = rb; i < rb_end; i += kMicroRows) {
         float* dst = x_block.data() + (i - rb) * kc;
         const int64_t m = std::min(kMicroRows, rb_end - i);
-        for (int64_t k = 0; k < kc; ++k) {
-          for (int64_t ii = 0; ii < m; ++ii) dst[k * kMicroRows + ii] = x[(i + ii) * ldx + kb + k];
+        for (int64_t ii = 0; ii < m; ++ii) {
+          const float* src = x + (i + ii) * ldx + kb;
+          for (int64_t k = 0; k < kc; ++k) dst[k * kMicroRows + ii] = src[k];
         }
       }
       for (int64_t p = p0; p < p1; ++p) {
@@ -136,10 +186,16 @@ void RunBlock(bool avx512, const float* x, int64_t ldx, const PackedWeights& w, 
           const int64_t m = std::min(kMicroRows, rb_end - i);
           t.x = x_block.data() + (i - rb) * kc;
           t.y = y + i * ldy + p * kCols;
-          if (avx512) {
-            Avx512TileRows(t, m);
-          } else {
-            PortableTile(t, m);
+          switch (isa) {
+            case Isa::kAvx512:
+              Avx512TileRows(t, m);
+              break;
+            case Isa::kAvx2:
+              Avx2TileRows(t, m);
+              break;
+            case Isa::kPortable:
+              PortableTileRows(t, m);
+              break;
           }
         }
       }
@@ -147,7 +203,7 @@ void RunBlock(bool avx512, const float* x, int64_t ldx, const PackedWeights& w, 
   }
 }
 
-void Run(bool avx512, const float* x, int64_t rows, const PackedWeights& w, float* y, int threads,
+void Run(Isa isa, const float* x, int64_t rows, const PackedWeights& w, float* y, int threads,
          int64_t ldx, int64_t ldy) {
   if (ldx == 0) ldx = w.in();
   if (ldy == 0) ldy = w.out();
@@ -157,16 +213,16 @@ void Run(bool avx512, const float* x, int64_t rows, const PackedWeights& w, floa
     return;
   }
   const int64_t panels = w.panels();
-  if (panels >= threads) {
-    // Threads split output columns: each keeps its weight panels hot across all rows.
-    ParallelFor(threads, panels, [&](int64_t p0, int64_t p1) {
-      RunBlock(avx512, x, ldx, w, y, ldy, 0, rows, p0, p1);
-    });
+  if (panels >= threads && rows < threads * kRowBlock) {
+    // Few rows: threads split output columns.
+    ParallelFor(threads, panels,
+                [&](int64_t p0, int64_t p1) { RunBlock(isa, x, ldx, w, y, ldy, 0, rows, p0, p1); });
   } else {
+    // Threads split rows: each copies only its own x blocks, and the weights (read by both)
+    // stay in the shared L3.
     const int64_t tiles = (rows + kMicroRows - 1) / kMicroRows;
     ParallelFor(threads, tiles, [&](int64_t t0, int64_t t1) {
-      RunBlock(avx512, x, ldx, w, y, ldy, t0 * kMicroRows, std::min(rows, t1 * kMicroRows), 0,
-               panels);
+      RunBlock(isa, x, ldx, w, y, ldy, t0 * kMicroRows, std::min(rows, t1 * kMicroRows), 0, panels);
     });
   }
 }
@@ -193,14 +249,28 @@ PackedWeights PackedWeights::Pack(const float* w, int64_t out, int64_t in, int64
 
 void PackedLinear(const float* x, int64_t rows, const PackedWeights& w, float* y, int threads,
                   int64_t ldx, int64_t ldy) {
-  Run(CpuHasAvx512(), x, rows, w, y, threads, ldx, ldy);
+  Run(BestIsa(), x, rows, w, y, threads, ldx, ldy);
 }
 
 void PackedLinearForTest(PackedKernel kernel, const float* x, int64_t rows, const PackedWeights& w,
                          float* y, int threads, int64_t ldx, int64_t ldy) {
-  Run(kernel == PackedKernel::kAuto && CpuHasAvx512(), x, rows, w, y, threads, ldx, ldy);
+  Isa isa = Isa::kPortable;
+  if (kernel == PackedKernel::kAuto) isa = BestIsa();
+  if (kernel == PackedKernel::kAvx2)
+    isa = BestIsa() == Isa::kPortable ? Isa::kPortable : Isa::kAvx2;
+  Run(isa, x, rows, w, y, threads, ldx, ldy);
 }
 
-bool PackedGemmUsesAvx512() { return CpuHasAvx512(); }
+const char* PackedGemmKernelName() {
+  switch (BestIsa()) {
+    case Isa::kAvx512:
+      return "AVX-512";
+    case Isa::kAvx2:
+      return "AVX2+FMA";
+    case Isa::kPortable:
+      break;
+  }
+  return "portable";
+}
 
 }  // namespace kvrelay::model

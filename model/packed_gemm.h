@@ -4,9 +4,9 @@
 // defined as one FMA chain in a fixed order,
 //   y[r, o] = fma(x[r, in-1], W[o, in-1], ... fma(x[r, 1], W[o, 1], fma(x[r, 0], W[o, 0], 0))),
 // so a row's result depends only on that row and W: not on how many rows share the call, where
-// a prefill started, how the work is split across threads, or which kernel ran (AVX-512 or the
-// portable loop give the same bits). That is what lets a prefill issue one call over all its
-// rows and still be bit-exact against a prefill resumed from cached prefix blocks, instead of
+// a prefill started, how the work is split across threads, or which kernel ran (AVX-512, AVX2
+// and the portable loop give the same bits). That is what lets a prefill issue one call over all
+// its rows and still be bit-exact against a prefill resumed from cached prefix blocks, instead of
 // cutting OpenBLAS calls into block-sized row tiles (each of which re-packs W).
 //
 // W is packed once, at model load: panels of kPanelColumns output columns, each stored
@@ -48,11 +48,12 @@ void PackedLinear(const float* x, int64_t rows, const PackedWeights& w, float* y
                   int64_t ldx = 0, int64_t ldy = 0);
 
 // Which kernel PackedLinear runs: kAuto picks AVX-512 where the CPU has it, else the portable
-// loop. Tests force kPortable to check both give the same bits.
-enum class PackedKernel { kAuto, kPortable };
+// loop compiled for AVX2+FMA where the CPU has those, else the plain portable loop. Tests force
+// the others to check all give the same bits (kAvx2 runs the plain loop without AVX2+FMA).
+enum class PackedKernel { kAuto, kAvx2, kPortable };
 void PackedLinearForTest(PackedKernel kernel, const float* x, int64_t rows, const PackedWeights& w,
                          float* y, int threads, int64_t ldx = 0, int64_t ldy = 0);
-// True when kAuto runs the AVX-512 kernel on this CPU.
-bool PackedGemmUsesAvx512();
+// The kernel kAuto runs on this CPU: "AVX-512", "AVX2+FMA" or "portable".
+const char* PackedGemmKernelName();
 
 }  // namespace kvrelay::model
