@@ -44,7 +44,7 @@ class PackedGemmTest : public ::testing::TestWithParam<Shape> {};
 INSTANTIATE_TEST_SUITE_P(Shapes, PackedGemmTest,
                          ::testing::Values(Shape{37, 48, 24}, Shape{1, 1024, 256},
                                            Shape{19, 300, 70}, Shape{64, 513, 33}, Shape{9, 7, 1},
-                                           Shape{300, 256, 96}));
+                                           Shape{300, 256, 96}, Shape{800, 300, 40}));
 
 TEST_P(PackedGemmTest, EveryKernelAndThreadCountGivesTheDefinitionsBits) {
   const Shape s = GetParam();
