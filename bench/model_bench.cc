@@ -1,12 +1,15 @@
 // model_bench: CPU prefill (and decode) tokens/s of the model runner beside the OpenBLAS sgemm
 // FLOP rate measured in the same run, and the fraction of that rate the prefill reaches.
 //
-//   build-x/bin/model_bench [--threads 2] [--tokens 512] [--reps 3]
+//   build-x/bin/model_bench [--threads 2] [--tokens 512] [--reps 3] [--models tiny,mid]
+//                           [--tiles 0,256] [--no-decode] [--quick]
 //
 // Models: tiny-llama (the test preset) and a mid-size Llama (8 layers, hidden 1024,
 // intermediate 2816, 16 heads, 4 KV heads, vocab 32000), random weights written by the same
-// code as `kvrelay make-test-model`. Prefill is timed with GEMM row tiles of one cache block
-// (the default, which makes prefix reuse bit-exact) and of 256 rows.
+// code as `kvrelay make-test-model`. The baseline is sgemm running the model's own projection
+// shapes, one call each over all prompt rows, with the same thread count, measured before and
+// after each model's prefill runs. `--tiles` sets RunnerOptions::gemm_tile_tokens (no effect
+// since prefill GEMMs are row-invariant; kept to compare against older builds).
 
 #include <cblas.h>
 #include <stdlib.h>
