@@ -6,7 +6,9 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "common/check.h"
 #include "common/status_macros.h"
+#include "model/attention_cpu.h"
 #include "model/cpu_ops.h"
 #include "model/numeric.h"
 #include "model/safetensors.h"
@@ -102,6 +104,7 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(kv::ModelConfig
   auto runner = std::unique_ptr<ModelRunner>(
       new ModelRunner(std::move(config), std::move(weights), arch, opts));
   runner->activation_ = activation;
+  runner->PackWeights();
   runner->rope_ = std::move(rope);
   runner->rope_local_ = std::move(rope_local);
   return runner;
@@ -126,6 +129,57 @@ ModelRunner::ModelRunner(kv::ModelConfig config, ModelWeights weights, Arch arch
                          RunnerOptions options)
     : config_(std::move(config)), weights_(std::move(weights)), arch_(arch), options_(options) {}
 
+void ModelRunner::PackWeights() {
+  const kv::ModelConfig& c = config_;
+  const int64_t hidden = c.hidden_size;
+  auto pack = [](const std::vector<float>& w, int64_t in) {
+    if (w.empty() || in == 0) return PackedWeights();
+    return PackedWeights::Pack(w.data(), static_cast<int64_t>(w.size()) / in, in);
+  };
+  packed_.resize(weights_.layers.size());
+  for (size_t l = 0; l < weights_.layers.size(); ++l) {
+    const LayerWeights& w = weights_.layers[l];
+    PackedLayer& p = packed_[l];
+    const int64_t attn_width = arch_ == Arch::kMla ? int64_t{c.num_attention_heads} * c.v_head_dim
+                                                   : int64_t{c.num_attention_heads} * c.head_dim;
+    p.q = pack(w.q_proj, hidden);
+    p.k = pack(w.k_proj, hidden);
+    p.v = pack(w.v_proj, hidden);
+    p.o = pack(w.o_proj, attn_width);
+    p.gate = pack(w.gate_proj, hidden);
+    p.up = pack(w.up_proj, hidden);
+    p.down = pack(w.down_proj, c.intermediate_size);
+    if (arch_ == Arch::kMla) {
+      p.q_a = pack(w.q_a_proj, hidden);
+      p.q_b = pack(w.q_b_proj, c.q_lora_rank);
+      p.kv_a = pack(w.kv_a_proj, hidden);
+      // kv_b_proj rows for head h: [W_UK_h (nope rows); W_UV_h (vd rows)], lora wide. The
+      // absorbed query multiplies by W_UK_h itself ([nope, lora]), so pack its transpose.
+      const int64_t nope = c.qk_nope_head_dim, vd = c.v_head_dim, lora = c.kv_lora_rank;
+      std::vector<float> uk_t(static_cast<size_t>(lora * nope));
+      for (int32_t h = 0; h < c.num_attention_heads; ++h) {
+        const float* w_uk = w.kv_b_proj.data() + int64_t{h} * (nope + vd) * lora;
+        for (int64_t i = 0; i < nope; ++i) {
+          for (int64_t o = 0; o < lora; ++o) uk_t[o * nope + i] = w_uk[i * lora + o];
+        }
+        p.uk.push_back(PackedWeights::Pack(uk_t.data(), lora, nope));
+        p.uv.push_back(PackedWeights::Pack(w_uk + nope * lora, vd, lora));
+      }
+    }
+  }
+}
+
+void ModelRunner::Project(const float* x, int64_t rows, int64_t in, const std::vector<float>& w,
+                          const PackedWeights& packed, int64_t out, float* y, int64_t origin,
+                          int64_t tile) const {
+  if (tile > 0 && !packed.empty()) {
+    KV_DCHECK(packed.in() == in && packed.out() == out);
+    PackedLinear(x, rows, packed, y, options_.threads);
+    return;
+  }
+  Linear(x, rows, in, w.data(), out, y, origin, tile);
+}
+
 absl::Status ModelRunner::CheckSequence(const Sequence& seq) const {
   if (!(seq.cache().layout().fingerprint() == layout().fingerprint())) {
     return absl::InvalidArgumentError(absl::StrCat("runner: sequence's cache has layout ",
@@ -133,22 +187,6 @@ absl::Status ModelRunner::CheckSequence(const Sequence& seq) const {
                                                    " but the model's is ", layout().model_id()));
   }
   return absl::OkStatus();
-}
-
-bool ModelRunner::ShadowRowsAvailable(const Sequence& seq, int64_t aligned, int64_t start) const {
-  if (aligned >= start) return false;
-  const int64_t bt = layout().block_tokens();
-  for (int g = 0; g < static_cast<int>(layout().groups().size()); ++g) {
-    const kv::LayerGroup& group = layout().groups()[g];
-    // Rows from `aligned` attend back to aligned - window + 1 (or to 0).
-    const int64_t first = group.kind == kv::LayerKind::kSlidingWindow
-                              ? std::max<int64_t>(0, aligned - group.window_tokens + 1)
-                              : 0;
-    for (int64_t b = first / bt; b * bt < start; ++b) {
-      if (b >= static_cast<int64_t>(seq.blocks(g).size()) || seq.blocks(g)[b] < 0) return false;
-    }
-  }
-  return true;
 }
 
 absl::StatusOr<std::vector<float>> ModelRunner::Prefill(Sequence& seq,
@@ -166,27 +204,20 @@ absl::StatusOr<std::vector<float>> ModelRunner::Prefill(Sequence& seq,
   const int64_t n = static_cast<int64_t>(tokens.size());
   KV_RETURN_IF_ERROR(CheckPositions(start + n));
   KV_RETURN_IF_ERROR(seq.EnsureBlocks(start + n));
-  // When the prefill starts inside a GEMM tile (a prefix that is not a whole number of tiles,
-  // or a chunked prefill), the cached rows [tile start, start) are recomputed alongside - not
-  // written again - so every GEMM call equals the one a single full prefill makes.
+  // Every prefill GEMM is row-invariant (PackedLinear), so rows [start, start + n) computed
+  // here are bit-identical to the same rows of one full prefill, wherever it starts.
   const int64_t tile = options_.gemm_tile_tokens;
-  const int64_t aligned = tile > 0 ? start / tile * tile : start;
-  const int64_t shadow = ShadowRowsAvailable(seq, aligned, start) ? start - aligned : 0;
-  std::vector<int32_t> all_tokens;
-  all_tokens.reserve(static_cast<size_t>(shadow + n));
-  all_tokens.insert(all_tokens.end(), seq.tokens().end() - shadow, seq.tokens().end());
-  all_tokens.insert(all_tokens.end(), tokens.begin(), tokens.end());
-  std::vector<Row> rows(shadow + n);
-  for (int64_t i = 0; i < shadow + n; ++i) rows[i] = Row{&seq, start - shadow + i, i >= shadow};
+  std::vector<Row> rows(n);
+  for (int64_t i = 0; i < n; ++i) rows[i] = Row{&seq, start + i};
   std::vector<int64_t> logit_rows;
   if (options.all_logits) {
-    for (int64_t i = 0; i < n; ++i) logit_rows.push_back(shadow + i);
+    for (int64_t i = 0; i < n; ++i) logit_rows.push_back(i);
   } else {
-    logit_rows.push_back(shadow + n - 1);
+    logit_rows.push_back(n - 1);
   }
   absl::MutexLock lock(&mu_);
   std::vector<float> logits =
-      Forward(rows, all_tokens, /*tile_origin=*/0, tile, logit_rows, options.on_layer_done);
+      Forward(rows, tokens, /*tile_origin=*/0, tile, logit_rows, options.on_layer_done);
   seq.AppendTokens(tokens);
   return logits;
 }
@@ -215,7 +246,7 @@ absl::StatusOr<std::vector<float>> ModelRunner::DecodeStep(absl::Span<Sequence* 
   std::vector<Row> rows(seqs.size());
   std::vector<int64_t> logit_rows(seqs.size());
   for (size_t i = 0; i < seqs.size(); ++i) {
-    rows[i] = Row{seqs[i], seqs[i]->num_tokens(), true};
+    rows[i] = Row{seqs[i], seqs[i]->num_tokens()};
     logit_rows[i] = static_cast<int64_t>(i);
   }
   absl::MutexLock lock(&mu_);
@@ -264,6 +295,7 @@ std::vector<float> ModelRunner::Forward(const std::vector<Row>& rows,
   float* up = Scratch(ws_.up, r * inter);
   for (int32_t layer = 0; layer < c.num_hidden_layers; ++layer) {
     const LayerWeights& w = weights_.layers[layer];
+    const PackedLayer& p = packed_[layer];
     if (gpt2) {
       LayerNorm(h, r, hidden, w.input_norm.data(), w.input_norm_bias.data(), ln_eps, xn);
     } else {
@@ -275,7 +307,7 @@ std::vector<float> ModelRunner::Forward(const std::vector<Row>& rows,
       GqaAttention(layer, rows, xn, origin, tile, attn);
     }
     if (on_layer_done) on_layer_done(layer);
-    Linear(attn, r, attn_width, w.o_proj.data(), hidden, proj, origin, tile);
+    Project(attn, r, attn_width, w.o_proj, p.o, hidden, proj, origin, tile);
     if (!w.o_bias.empty()) AddBias(proj, r, hidden, w.o_bias.data());
     if (arch_ == Arch::kGemma3) {
       RmsNorm(proj, r, hidden, w.post_attention_norm.data(), eps, proj);
@@ -291,22 +323,22 @@ std::vector<float> ModelRunner::Forward(const std::vector<Row>& rows,
     }
     if (gpt2) {
       // c_fc -> activation -> c_proj, no gate.
-      Linear(xn, r, hidden, w.up_proj.data(), inter, up, origin, tile);
+      Project(xn, r, hidden, w.up_proj, p.up, inter, up, origin, tile);
       AddBias(up, r, inter, w.up_bias.data());
       ActivationMul(activation_, up, nullptr, r * inter);
-      Linear(up, r, inter, w.down_proj.data(), hidden, proj, origin, tile);
+      Project(up, r, inter, w.down_proj, p.down, hidden, proj, origin, tile);
       AddBias(proj, r, hidden, w.down_bias.data());
       AddInPlace(h, proj, r * hidden);
       continue;
     }
-    Linear(xn, r, hidden, w.gate_proj.data(), inter, gate, origin, tile);
-    Linear(xn, r, hidden, w.up_proj.data(), inter, up, origin, tile);
+    Project(xn, r, hidden, w.gate_proj, p.gate, inter, gate, origin, tile);
+    Project(xn, r, hidden, w.up_proj, p.up, inter, up, origin, tile);
     if (!w.gate_bias.empty()) {
       AddBias(gate, r, inter, w.gate_bias.data());
       AddBias(up, r, inter, w.up_bias.data());
     }
     ActivationMul(activation_, gate, up, r * inter);
-    Linear(gate, r, inter, w.down_proj.data(), hidden, proj, origin, tile);
+    Project(gate, r, inter, w.down_proj, p.down, hidden, proj, origin, tile);
     if (!w.down_bias.empty()) AddBias(proj, r, hidden, w.down_bias.data());
     if (arch_ == Arch::kGemma3) {
       RmsNorm(proj, r, hidden, w.post_ffn_norm.data(), eps, proj);
@@ -354,7 +386,6 @@ void ModelRunner::WriteCache(int32_t layer, const std::vector<Row>& rows, const 
   const kv::DType dtype = layout().dtype();
   const int group = cache.group_of_layer(layer);
   for (size_t i = 0; i < rows.size(); ++i) {
-    if (!rows[i].write_cache) continue;  // recomputed row: its entries are already there
     KvCache& row_cache = rows[i].seq->cache();
     const int64_t pos = rows[i].position;
     const kv::SlotId slot = rows[i].seq->blocks(group)[pos / bt];
@@ -402,19 +433,52 @@ void ModelRunner::CacheAttention(int32_t layer, const std::vector<Row>& rows, co
     float* v_buf = mla ? nullptr : Scratch(ws_.v_buf, (hi - lo) * kv_width);
     GatherLayer(layout(), group, index, units, lo, hi, k_buf, mla ? nullptr : v_buf);
     const float* v_base = mla ? k_buf : v_buf;
-    const int64_t units_n = static_cast<int64_t>(run_end - run_begin) * heads;
-    ParallelFor(options_.threads, units_n, [&](int64_t ub, int64_t ue) {
-      std::vector<float> scratch(hi - lo);
-      for (int64_t u = ub; u < ue; ++u) {
-        const size_t i = run_begin + static_cast<size_t>(u / heads);
-        const int32_t head = static_cast<int32_t>(u % heads);
+    // Keys transposed per KV head, [kv_heads][qk_dim][stride], so AttendQueries scores 16
+    // keys per vector; the padding past the context is zeroed (loaded, never used).
+    const int64_t n_ctx = hi - lo;
+    const int64_t stride = n_ctx + kAttentionKeyPadding;
+    float* keys_t = Scratch(ws_.k_t, kv_heads * int64_t{qk_dim} * stride);
+    for (int32_t kh = 0; kh < kv_heads; ++kh) {
+      const float* src = k_buf + (mla ? 0 : int64_t{kh} * g.head_dim);
+      for (int32_t d = 0; d < qk_dim; ++d) {
+        float* dst = keys_t + (int64_t{kh} * qk_dim + d) * stride;
+        for (int64_t j = 0; j < n_ctx; ++j) dst[j] = src[j * kv_width + d];
+        std::fill(dst + n_ctx, dst + stride, 0.0f);
+      }
+    }
+    // Queries grouped by KV head, row-major then head, in blocks of four: a GQA row's heads
+    // share a block; with one query head per KV head, four consecutive rows do.
+    const int64_t run_rows = static_cast<int64_t>(run_end - run_begin);
+    const int64_t per_kv_head = run_rows * group_size;
+    std::vector<AttentionQuery> queries(static_cast<size_t>(kv_heads * per_kv_head));
+    for (int32_t kh = 0; kh < kv_heads; ++kh) {
+      for (int64_t ri = 0; ri < run_rows; ++ri) {
+        const size_t i = run_begin + static_cast<size_t>(ri);
         const int64_t p = rows[i].position;
         const int64_t first = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
-        const int64_t kv_head = head / group_size;
-        const int64_t off = (first - lo) * kv_width + (mla ? 0 : kv_head * g.head_dim);
-        AttendOne(q + (i * heads + head) * int64_t{qk_dim}, qk_dim, k_buf + off, kv_width,
-                  v_base + off, kv_width, v_dim, p - first + 1, scale, scratch.data(),
-                  out + (i * heads + head) * int64_t{v_dim}, softcap);
+        for (int32_t hg = 0; hg < group_size; ++hg) {
+          const int64_t head = int64_t{kh} * group_size + hg;
+          queries[kh * per_kv_head + ri * group_size + hg] =
+              AttentionQuery{q + (i * heads + head) * int64_t{qk_dim},
+                             out + (i * heads + head) * int64_t{v_dim}, first - lo, p - lo};
+        }
+      }
+    }
+    const int64_t blocks_per_kv_head = (per_kv_head + 3) / 4;
+    const int64_t blocks = kv_heads * blocks_per_kv_head;
+    ParallelFor(options_.threads, blocks, [&](int64_t ub, int64_t ue) {
+      std::vector<float> scratch(static_cast<size_t>(4 * stride));
+      for (int64_t u = ub; u < ue; ++u) {
+        // Causal blocks grow with the row: interleave short and long ones so each thread's
+        // contiguous share of units carries about the same work.
+        const int64_t b = u % 2 == 0 ? u / 2 : blocks - 1 - u / 2;
+        const int64_t kh = b / blocks_per_kv_head;
+        const int64_t first_query = (b % blocks_per_kv_head) * 4;
+        const int64_t count = std::min<int64_t>(4, per_kv_head - first_query);
+        const int64_t v_offset = mla ? 0 : kh * g.head_dim;
+        AttendQueries(queries.data() + kh * per_kv_head + first_query, count, qk_dim,
+                      keys_t + kh * int64_t{qk_dim} * stride, stride, v_base + v_offset, kv_width,
+                      v_dim, scale, softcap, scratch.data());
       }
     });
     run_begin = run_end;
@@ -425,6 +489,7 @@ void ModelRunner::GqaAttention(int32_t layer, const std::vector<Row>& rows, cons
                                int64_t origin, int64_t tile, float* out) const {
   const kv::ModelConfig& c = config_;
   const LayerWeights& w = weights_.layers[layer];
+  const PackedLayer& p = packed_[layer];
   const int64_t r = static_cast<int64_t>(rows.size());
   const int64_t hidden = c.hidden_size;
   const int32_t heads = c.num_attention_heads;
@@ -434,9 +499,9 @@ void ModelRunner::GqaAttention(int32_t layer, const std::vector<Row>& rows, cons
   float* q = Scratch(ws_.q, r * heads * hd);
   float* k = Scratch(ws_.k, r * kv_heads * hd);
   float* v = Scratch(ws_.v, r * kv_heads * hd);
-  Linear(xn, r, hidden, w.q_proj.data(), int64_t{heads} * hd, q, origin, tile);
-  Linear(xn, r, hidden, w.k_proj.data(), int64_t{kv_heads} * hd, k, origin, tile);
-  Linear(xn, r, hidden, w.v_proj.data(), int64_t{kv_heads} * hd, v, origin, tile);
+  Project(xn, r, hidden, w.q_proj, p.q, int64_t{heads} * hd, q, origin, tile);
+  Project(xn, r, hidden, w.k_proj, p.k, int64_t{kv_heads} * hd, k, origin, tile);
+  Project(xn, r, hidden, w.v_proj, p.v, int64_t{kv_heads} * hd, v, origin, tile);
   if (!w.q_bias.empty()) {
     AddBias(q, r, int64_t{heads} * hd, w.q_bias.data());
     AddBias(k, r, int64_t{kv_heads} * hd, w.k_bias.data());
@@ -476,6 +541,7 @@ void ModelRunner::MlaAttention(int32_t layer, const std::vector<Row>& rows, cons
                                int64_t origin, int64_t tile, float* out) const {
   const kv::ModelConfig& c = config_;
   const LayerWeights& w = weights_.layers[layer];
+  const PackedLayer& p = packed_[layer];
   const int64_t r = static_cast<int64_t>(rows.size());
   const int64_t hidden = c.hidden_size;
   const int32_t heads = c.num_attention_heads;
@@ -494,15 +560,15 @@ void ModelRunner::MlaAttention(int32_t layer, const std::vector<Row>& rows, cons
   float* q = Scratch(ws_.q, r * heads * qk);
   if (c.q_lora_rank > 0) {
     float* qa = Scratch(ws_.qa, r * c.q_lora_rank);
-    Linear(xn, r, hidden, w.q_a_proj.data(), c.q_lora_rank, qa, origin, tile);
+    Project(xn, r, hidden, w.q_a_proj, p.q_a, c.q_lora_rank, qa, origin, tile);
     RmsNorm(qa, r, c.q_lora_rank, w.q_a_norm.data(), kLoraNormEps, qa);
-    Linear(qa, r, c.q_lora_rank, w.q_b_proj.data(), heads * qk, q, origin, tile);
+    Project(qa, r, c.q_lora_rank, w.q_b_proj, p.q_b, heads * qk, q, origin, tile);
   } else {
-    Linear(xn, r, hidden, w.q_proj.data(), heads * qk, q, origin, tile);
+    Project(xn, r, hidden, w.q_proj, p.q, heads * qk, q, origin, tile);
   }
   // Compressed KV: [r, lora + rope] = [kv_a_layernorm(latent), rope key] - the cache entry.
   float* kva = Scratch(ws_.kva, r * entry);
-  Linear(xn, r, hidden, w.kv_a_proj.data(), entry, kva, origin, tile);
+  Project(xn, r, hidden, w.kv_a_proj, p.kv_a, entry, kva, origin, tile);
   RmsNorm(kva, r, lora, w.kv_a_norm.data(), kLoraNormEps, kva, entry, entry);
   std::vector<int64_t> positions(r);
   for (int64_t i = 0; i < r; ++i) positions[i] = rows[i].position;
@@ -517,8 +583,13 @@ void ModelRunner::MlaAttention(int32_t layer, const std::vector<Row>& rows, cons
   float* qcat = Scratch(ws_.qcat, r * heads * entry);
   for (int32_t h = 0; h < heads; ++h) {
     const float* w_uk = w.kv_b_proj.data() + int64_t{h} * (nope + vd) * lora;
-    LinearNoTrans(q + h * qk, r, nope, w_uk, lora, qcat + h * entry, origin, tile, heads * qk, lora,
-                  heads * entry);
+    if (tile > 0) {
+      PackedLinear(q + h * qk, r, p.uk[h], qcat + h * entry, options_.threads, heads * qk,
+                   heads * entry);
+    } else {
+      LinearNoTrans(q + h * qk, r, nope, w_uk, lora, qcat + h * entry, origin, tile, heads * qk,
+                    lora, heads * entry);
+    }
     for (int64_t i = 0; i < r; ++i) {
       std::memcpy(qcat + (i * heads + h) * entry + lora, q + (i * heads + h) * qk + nope,
                   sizeof(float) * rope);
@@ -533,8 +604,13 @@ void ModelRunner::MlaAttention(int32_t layer, const std::vector<Row>& rows, cons
   // W_UV applied after attention: out[:, h] = olat_h * W_UV_h^T.
   for (int32_t h = 0; h < heads; ++h) {
     const float* w_uv = w.kv_b_proj.data() + (int64_t{h} * (nope + vd) + nope) * lora;
-    Linear(olat + h * lora, r, lora, w_uv, vd, out + h * vd, origin, tile, int64_t{heads} * lora,
-           int64_t{heads} * vd);
+    if (tile > 0) {
+      PackedLinear(olat + h * lora, r, p.uv[h], out + h * vd, options_.threads,
+                   int64_t{heads} * lora, int64_t{heads} * vd);
+    } else {
+      Linear(olat + h * lora, r, lora, w_uv, vd, out + h * vd, origin, tile, int64_t{heads} * lora,
+             int64_t{heads} * vd);
+    }
   }
 }
 

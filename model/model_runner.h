@@ -2,7 +2,9 @@
 
 // ModelRunner: the CPU forward pass of a decoder-only model (GQA, MLA, sliding window) over a
 // paged KV cache. Weights are read from a Hugging Face model directory (config.json +
-// safetensors) and upcast to fp32; GEMMs go through OpenBLAS, attention is threaded.
+// safetensors) and upcast to fp32. Prefill GEMMs run PackedLinear over weights packed at load
+// (a second fp32 copy of the projections), decode GEMMs OpenBLAS or the rowwise kernel; attention
+// (AttendQueries) is threaded.
 //
 //   KV_ASSIGN_OR_RETURN(auto runner, ModelRunner::Load(dir, {.threads = 2}));
 //   KV_ASSIGN_OR_RETURN(auto cache, KvCache::Create(runner->layout(), /*blocks_per_group=*/256));
@@ -11,15 +13,15 @@
 //   int32_t next = Greedy(logits);
 //   KV_ASSIGN_OR_RETURN(logits, runner->DecodeStep({&seq}, {next}));
 //
-// Determinism: for a fixed thread count results are bit for bit reproducible. OpenBLAS's result
-// for a row depends on the row count of the sgemm call, so prefill GEMMs are cut into row tiles
-// at multiples of gemm_tile_tokens (default: the block size) counted from position 0. A prefill
-// that starts from cached prefix blocks (or continues a chunked prefill) therefore computes
-// exactly what one full prefill computes; when it starts inside a tile, the cached rows from the
-// tile start are recomputed (never rewritten) to keep the calls identical - none with the
-// default tile and a block-aligned prefix. With the default tile every full block is a complete
-// tile, so any block prefix is exact; with larger tiles, exactness needs the prefix's producer
-// to have computed the tile holding the prefix end completely (its prompt went past it).
+// Determinism: prefill results are bit for bit reproducible and independent of how a prompt is
+// split. Every prefill GEMM runs PackedLinear (model/packed_gemm.h) and attention runs
+// AttendQueries (model/attention_cpu.h), both row-invariant by construction: a row's result
+// does not depend on how many rows share the call, how threads split it or the CPU's vector
+// width (AVX-512 or the portable loops).
+// A prefill that starts from cached prefix blocks, continues a chunked prefill or starts in
+// the middle of a block therefore computes exactly what one full prefill computes, with no row
+// recomputed. (Before, OpenBLAS calls were cut into row tiles at multiples of gemm_tile_tokens
+// and a start inside a tile recomputed the tile's cached rows.)
 // Decode is batch-invariant by default (RunnerOptions::batch_invariant_decode): every GEMM of a
 // decode step computes each row alone in a fixed order, so a sequence's logits do not depend on
 // which other sequences share the step.
@@ -42,6 +44,7 @@
 #include "kv/hf_config.h"
 #include "model/cpu_ops.h"
 #include "model/kv_cache.h"
+#include "model/packed_gemm.h"
 #include "model/rope.h"
 #include "model/weights.h"
 
@@ -51,7 +54,9 @@ struct RunnerOptions {
   int32_t threads = 1;        // attention threads; also sets OpenBLAS's (process-wide) count
   int32_t block_tokens = 16;  // tokens per cache block
   std::optional<kv::DType> cache_dtype;  // default: the config's torch_dtype (bf16, fp16, fp32)
-  int32_t gemm_tile_tokens = 0;          // 0: block_tokens; see the determinism note above
+  // No effect on results or speed any more: prefill GEMMs are row-invariant (see the
+  // determinism note above); kept so callers that set it still build. Must be >= 0.
+  int32_t gemm_tile_tokens = 0;
   // Decode computes every row with the batch-invariant kernels (kRowwiseTiles): a sequence's
   // logits are bit-identical whatever other sequences share its step. false: one sgemm per
   // batch (faster at large batches; a row's rounding then depends on the batch).
@@ -102,16 +107,12 @@ class ModelRunner {
   struct Row {
     Sequence* seq;
     int64_t position;
-    bool write_cache;  // false: a cached row recomputed only to keep GEMM tiles aligned
   };
   ModelRunner(kv::ModelConfig config, ModelWeights weights, Arch arch, RunnerOptions options);
   // Refuses positions a dynamic-NTK RoPE cannot serve (see model/rope.h).
   absl::Status CheckPositions(int64_t end) const;
 
   absl::Status CheckSequence(const Sequence& seq) const;
-  // Whether the cache still holds what rows [aligned, start) attend to (window blocks may have
-  // been freed), so they can be recomputed.
-  bool ShadowRowsAvailable(const Sequence& seq, int64_t aligned, int64_t start) const;
   // The whole forward pass for `rows` (tokens[i] at rows[i]). GEMMs are tiled by position from
   // tile_origin when tile > 0. logit_rows: which rows get logits (in order).
   std::vector<float> Forward(const std::vector<Row>& rows, absl::Span<const int32_t> tokens,
@@ -133,14 +134,30 @@ class ModelRunner {
   void WriteCache(int32_t layer, const std::vector<Row>& rows, const float* k, const float* v,
                   int64_t width) const;
 
+  // Prefill's copies of a layer's projection weights for PackedLinear (empty where the
+  // architecture has no such weight). Decode keeps the unpacked ones (its own kernels).
+  struct PackedLayer {
+    PackedWeights q, k, v, o, gate, up, down;
+    PackedWeights q_a, q_b, kv_a;  // MLA (q_proj goes to q when q_lora_rank is 0)
+    // MLA per head: W_UK_h^T [lora, nope] (the absorbed query) and W_UV_h [v_head_dim, lora].
+    std::vector<PackedWeights> uk, uv;
+  };
+  void PackWeights();
+  // y = x * w^T for `rows` rows: prefill (tile > 0) runs the row-invariant PackedLinear over
+  // `packed` in one call, whatever the tile; decode and tile-0 calls go to Linear.
+  void Project(const float* x, int64_t rows, int64_t in, const std::vector<float>& w,
+               const PackedWeights& packed, int64_t out, float* y, int64_t origin,
+               int64_t tile) const;
+
   // Activations reused across calls (one call at a time), so a prefill does not fault in fresh
   // pages for every layer.
   struct Workspace {
-    std::vector<float> h, xn, attn, proj, gate, up, q, k, v, qa, kva, qcat, olat, k_buf, v_buf;
+    std::vector<float> h, xn, attn, proj, gate, up, q, k, v, qa, kva, qcat, olat, k_buf, v_buf, k_t;
   };
 
   kv::ModelConfig config_;
   ModelWeights weights_;
+  std::vector<PackedLayer> packed_;  // one per layer, constant after Create
   mutable absl::Mutex mu_;
   mutable Workspace ws_ ABSL_GUARDED_BY(mu_);
   Arch arch_;
