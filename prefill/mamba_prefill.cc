@@ -10,6 +10,7 @@
 
 #include <cstring>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "common/check.h"
 #include "common/logging.h"
@@ -189,6 +190,20 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::RunMamba(
                          target.transport().address(), ": ", connected.status().message())),
         kvrelay::v1::FAILURE_UNREACHABLE);
   }
+  std::vector<transfer::RegionId> imported;
+  absl::Cleanup forget_imported = [&] {
+    for (transfer::RegionId id : imported) (void)transport_->ForgetRegion(*connected, id);
+  };
+  if (absl::Status keys = ImportTargetKeys(*connected, target, imported); !keys.ok()) {
+    CountTransferFailure("refused");
+    return DecodeFailure(target, std::move(keys), kvrelay::v1::FAILURE_TRANSFER);
+  }
+  absl::StatusOr<std::pair<transfer::RegionId, int64_t>> where =
+      TargetSlot(group_target, remote_slot);
+  if (!where.ok()) {
+    return proto::Attribute(where.status(), kvrelay::v1::ROLE_CLIENT, "",
+                            kvrelay::v1::FAILURE_INVALID_REQUEST);
+  }
   transfer::TransferBatch batch;
   batch.peer = *connected;
   batch.direction = transfer::Direction::kPut;
@@ -200,8 +215,8 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::RunMamba(
     transfer::BlockTransfer t;
     t.local = &kv_->region(0);
     t.local_offset = static_cast<uint64_t>(*local_slot) * pool.slot_stride() + slice.offset_in_unit;
-    t.remote_region = group_target.region_id();
-    t.remote_offset = static_cast<uint64_t>(remote_slot) * group_target.slot_stride_bytes() +
+    t.remote_region = where->first;
+    t.remote_offset = static_cast<uint64_t>(where->second) * group_target.slot_stride_bytes() +
                       slice.offset_in_unit;
     t.length = slice.length;
     t.layer = layer;

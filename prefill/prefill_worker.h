@@ -99,6 +99,14 @@ class PrefillWorker {
                                            absl::Time deadline);
   // Sends the PushClaim for `request` over `peer` and waits (until `deadline`) for the decode
   // worker's verdict: OK, or PERMISSION_DENIED when the reservation is not the request's.
+  // Memory keys per reservation: imports every run's key of `target` on `peer` (appending the
+  // region ids to `imported`, which the caller forgets once its transfers are terminal).
+  absl::Status ImportTargetKeys(transfer::PeerId peer, const kvrelay::v1::ReserveResponse& target,
+                                std::vector<transfer::RegionId>& imported);
+  // Where the decode worker's slot `slot` of `group` is written: the group's region and the slot
+  // index in it (the run holding it, with runs; else the pool's region and `slot`).
+  static absl::StatusOr<std::pair<transfer::RegionId, int64_t>> TargetSlot(
+      const kvrelay::v1::GroupTarget& group, int64_t slot);
   absl::Status ClaimPush(transfer::PeerId peer, const kvrelay::v1::PrefillRequest& request,
                          absl::Time deadline);
   void OnInbound(transfer::InboundEvent event);

@@ -69,14 +69,47 @@ absl::StatusOr<std::unique_ptr<WorkerCore>> WorkerCore::Create(const WorkerCoreO
   }
   core->transport->SetAcceptKey(effective.transport_accept_key);
   if (inbound) core->transport->SetInboundHandler(std::move(inbound));
+  const transfer::Capabilities caps = core->transport->capabilities();
+  core->memory_key_scope = options.memory_key_scope;
+  if (core->memory_key_scope == MemoryKeyScope::kAuto) {
+    core->memory_key_scope =
+        caps.hardware_enforced_keys ? MemoryKeyScope::kReservation : MemoryKeyScope::kPool;
+  }
+  if (core->memory_key_scope == MemoryKeyScope::kReservation && !caps.private_regions) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("--memory-key-scope reservation needs a transport with private regions "
+                     "(ucx); this one is '",
+                     caps.name, "'"));
+  }
   KV_ASSIGN_OR_RETURN(
-      core->kv, RegisteredKvCache::Create(layout, options.pool_blocks, core->transport.get()));
+      core->kv, RegisteredKvCache::Create(layout, options.pool_blocks, core->transport.get(),
+                                          core->memory_key_scope == MemoryKeyScope::kReservation));
   if (!options.cachestore_address.empty()) {
     KV_ASSIGN_OR_RETURN(core->segment,
                         CacheSegment::Create(layout, options.cache_slots, core->transport.get()));
   }
   core->options = std::move(effective);
   return core;
+}
+
+absl::StatusOr<MemoryKeyScope> ParseMemoryKeyScope(std::string_view name) {
+  if (name == "auto") return MemoryKeyScope::kAuto;
+  if (name == "reservation") return MemoryKeyScope::kReservation;
+  if (name == "pool") return MemoryKeyScope::kPool;
+  return absl::InvalidArgumentError(
+      absl::StrCat("memory key scope must be auto, reservation or pool, got '", name, "'"));
+}
+
+const char* MemoryKeyScopeName(MemoryKeyScope scope) {
+  switch (scope) {
+    case MemoryKeyScope::kAuto:
+      return "auto";
+    case MemoryKeyScope::kReservation:
+      return "reservation";
+    case MemoryKeyScope::kPool:
+      return "pool";
+  }
+  return "?";
 }
 
 absl::Status WorkerCore::ConnectStore(const std::string& grpc_address,
