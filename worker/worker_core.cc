@@ -92,7 +92,7 @@ absl::StatusOr<std::unique_ptr<WorkerCore>> WorkerCore::Create(const WorkerCoreO
   return core;
 }
 
-absl::StatusOr<MemoryKeyScope> ParseMemoryKeyScope(std::string_view name) {
+absl::StatusOr<MemoryKeyScope> ParseMemoryKeyScope(absl::string_view name) {
   if (name == "auto") return MemoryKeyScope::kAuto;
   if (name == "reservation") return MemoryKeyScope::kReservation;
   if (name == "pool") return MemoryKeyScope::kPool;

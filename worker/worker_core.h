@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "common/clock.h"
 #include "common/flags.h"
 #include "common/server/service_host.h"
@@ -41,7 +42,7 @@ namespace kvrelay::worker {
 //                (Capabilities::hardware_enforced_keys), else kPool.
 enum class MemoryKeyScope { kAuto, kReservation, kPool };
 // "auto", "reservation", "pool"; InvalidArgument naming the value otherwise.
-absl::StatusOr<MemoryKeyScope> ParseMemoryKeyScope(std::string_view name);
+absl::StatusOr<MemoryKeyScope> ParseMemoryKeyScope(absl::string_view name);
 const char* MemoryKeyScopeName(MemoryKeyScope scope);
 
 struct WorkerCoreOptions {
