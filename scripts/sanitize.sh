@@ -14,7 +14,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD_DIR=${SANITIZE_BUILD_DIR:-build-asan}
 JOBS=${JOBS:-$(nproc)}
-MODE=test
+MODE=run
 case ${1:-} in
   --configure) MODE=configure; shift ;;
   --build) MODE=build; shift ;;

@@ -105,8 +105,8 @@ TEST_P(MemoryKeysPerReservation, TokensEqualColocatedAndKeysDieWithTheirReservat
 
   // 2. A reservation of our own on decode-0: its runs carry keys; the pool is unreachable.
   KV_ASSERT_OK_AND_ASSIGN(ServiceInfo decode, cluster->Service("decode-0"));
-  auto stub = v1::Decode::NewStub(
-      grpc::CreateChannel(decode.address, grpc::InsecureChannelCredentials()));
+  auto stub =
+      v1::Decode::NewStub(grpc::CreateChannel(decode.address, grpc::InsecureChannelCredentials()));
   v1::DecodeStatusResponse status;
   {
     grpc::ClientContext context;
@@ -124,7 +124,8 @@ TEST_P(MemoryKeysPerReservation, TokensEqualColocatedAndKeysDieWithTheirReservat
     grpc::ClientContext context;
     context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
     grpc::Status s = stub->Reserve(&context, request, &response);
-    if (!s.ok()) return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+    if (!s.ok())
+      return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
     return response;
   };
   KV_ASSERT_OK_AND_ASSIGN(v1::ReserveResponse own, reserve("keys-own"));
@@ -137,9 +138,10 @@ TEST_P(MemoryKeysPerReservation, TokensEqualColocatedAndKeysDieWithTheirReservat
   EXPECT_EQ(Regions(decode), runs);
 
   KV_ASSERT_OK_AND_ASSIGN(transfer::TransportPtr writer, transfer::MakeUcxTransport());
-  KV_ASSERT_OK_AND_ASSIGN(transfer::PeerId peer,
-                          writer->Connect(own.transport().address(), absl::Now() + absl::Seconds(10),
-                                          {.peer_key = own.data_plane_key()}));
+  KV_ASSERT_OK_AND_ASSIGN(
+      transfer::PeerId peer,
+      writer->Connect(own.transport().address(), absl::Now() + absl::Seconds(10),
+                      {.peer_key = own.data_plane_key()}));
   KV_ASSERT_OK_AND_ASSIGN(std::vector<transfer::RemoteRegionInfo> published,
                           writer->RemoteRegions(peer));
   for (const v1::GroupTarget& g : own.groups()) {
@@ -152,14 +154,15 @@ TEST_P(MemoryKeysPerReservation, TokensEqualColocatedAndKeysDieWithTheirReservat
   KV_ASSERT_OK_AND_ASSIGN(transfer::RegionId run_region,
                           writer->ImportRegion(peer, group.runs(0).memory_key()));
   std::vector<uint8_t> bytes(group.block_bytes(), 0x5a);
-  KV_ASSERT_OK_AND_ASSIGN(transfer::MemoryRegionPtr local,
-                          writer->RegisterMemory({bytes.data(), bytes.size()},
-                                                 transfer::MemoryKind::kHost));
+  KV_ASSERT_OK_AND_ASSIGN(
+      transfer::MemoryRegionPtr local,
+      writer->RegisterMemory({bytes.data(), bytes.size()}, transfer::MemoryKind::kHost));
   auto put = [&](transfer::RegionId region) -> absl::Status {
-    transfer::TransferBatch batch{.peer = peer, .direction = transfer::Direction::kPut,
-                                  .tag = 1, .credential = own.reservation_token()};
-    batch.blocks.push_back(
-        {.local = local.get(), .remote_region = region, .length = bytes.size()});
+    transfer::TransferBatch batch{.peer = peer,
+                                  .direction = transfer::Direction::kPut,
+                                  .tag = 1,
+                                  .credential = own.reservation_token()};
+    batch.blocks.push_back({.local = local.get(), .remote_region = region, .length = bytes.size()});
     KV_ASSIGN_OR_RETURN(transfer::TransferPlan plan, writer->Prepare(batch));
     KV_ASSIGN_OR_RETURN(transfer::TransferHandlePtr h,
                         writer->Post(plan, transfer::LayerRange::All()));
@@ -182,8 +185,8 @@ TEST_P(MemoryKeysPerReservation, TokensEqualColocatedAndKeysDieWithTheirReservat
   EXPECT_TRUE(RegionsBecome(decode, 0)) << Regions(decode);
   absl::Status late = put(run_region);
   EXPECT_FALSE(late.ok());
-  EXPECT_THAT(late, testing::StatusIs(absl::StatusCode::kInvalidArgument,
-                                      HasSubstr("no local region")));
+  EXPECT_THAT(late,
+              testing::StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("no local region")));
 
   // 4. Expired: a reservation nobody uses is dropped after --reservation-ttl (at the next
   //    Reserve's sweep), and its registrations with it.

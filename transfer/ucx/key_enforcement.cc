@@ -19,8 +19,8 @@ std::vector<UctComponent> QueryUctComponents() {
     uct_component_attr_t attr = {};
     attr.field_mask = UCT_COMPONENT_ATTR_FIELD_NAME | UCT_COMPONENT_ATTR_FIELD_MD_RESOURCE_COUNT;
     if (uct_component_query(components[i], &attr) != UCS_OK) continue;
-    out.push_back(UctComponent{.name = attr.name,
-                               .md_resources = static_cast<int>(attr.md_resource_count)});
+    out.push_back(
+        UctComponent{.name = attr.name, .md_resources = static_cast<int>(attr.md_resource_count)});
   }
   uct_release_component_list(components);
   return out;
@@ -52,8 +52,8 @@ bool AdmitsRdma(absl::string_view ucx_tls) {
     if (names_exactly("ib")) return false;
     return !(names_family("rc") && names_family("dc") && names_family("ud"));
   }
-  return names_exactly("ib") || names_exactly("all") || names_family("rc") ||
-         names_family("dc") || names_family("ud") || names_exactly("ugni_rdma");
+  return names_exactly("ib") || names_exactly("all") || names_family("rc") || names_family("dc") ||
+         names_family("ud") || names_exactly("ugni_rdma");
 }
 
 }  // namespace

@@ -8,14 +8,15 @@
 // and the UCX_TLS list (UCX's own configuration).
 
 #include <string>
-#include "absl/strings/string_view.h"
 #include <vector>
+
+#include "absl/strings/string_view.h"
 
 namespace kvrelay::transfer::ucx {
 
 struct UctComponent {
-  std::string name;       // "ib", "tcp", "posix", "sysv", "cma", "self", ...
-  int md_resources = 0;   // memory domains (devices) of this component found here
+  std::string name;      // "ib", "tcp", "posix", "sysv", "cma", "self", ...
+  int md_resources = 0;  // memory domains (devices) of this component found here
 };
 
 // uct_query_components + uct_component_query (names and memory-domain counts); empty when
