@@ -55,6 +55,12 @@ function(kvrelay_cc_test)
     target_link_libraries(${target} PRIVATE ${K_DEPS} GTest::gmock GTest::gmock_main)
   endif()
   _kvrelay_apply_common(${target})
+  if(KVRELAY_SANITIZE)
+    # Test bodies at -O0 in sanitized trees: their gmock/gRPC-heavy sources compile ~2.5x
+    # faster (e2e serving_test.cc: 15 s instead of 37 s of CPU under clang ASan), which is
+    # most of the CI budget; the code under test keeps the tree's -O1.
+    target_compile_options(${target} PRIVATE -O0)
+  endif()
   set_target_properties(${target} PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${PROJECT_BINARY_DIR}/bin/tests)
   add_test(NAME ${target} COMMAND ${target})
   if(NOT K_TIMEOUT)
