@@ -1,6 +1,7 @@
 #include "decode/decode_worker.h"
 
 #include <algorithm>
+#include <optional>
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
@@ -40,6 +41,40 @@ absl::Status CheckRequestId(const std::string& id) { return ValidateRequestId(id
 
 }  // namespace
 
+// One reservation's own registration of a contiguous run of its slots in one group's pool
+// (--memory-key-scope reservation). Destroying it unmaps the run (on RDMA the NIC refuses its
+// key from then on) and takes it off the live gauge.
+class DecodeWorker::ReservedRun {
+ public:
+  ReservedRun(int group, kv::SlotId first_slot, int64_t slot_count,
+              transfer::MemoryRegionPtr region, Gauge* live)
+      : group_(group),
+        first_slot_(first_slot),
+        slot_count_(slot_count),
+        region_(std::move(region)),
+        live_(live) {
+    live_->Add(1);
+  }
+  ~ReservedRun() {
+    region_.reset();
+    live_->Add(-1);
+  }
+  ReservedRun(const ReservedRun&) = delete;
+  ReservedRun& operator=(const ReservedRun&) = delete;
+
+  int group() const { return group_; }
+  kv::SlotId first_slot() const { return first_slot_; }
+  int64_t slot_count() const { return slot_count_; }
+  const transfer::MemoryRegion& region() const { return *region_; }
+
+ private:
+  const int group_;
+  const kv::SlotId first_slot_;
+  const int64_t slot_count_;
+  transfer::MemoryRegionPtr region_;
+  Gauge* const live_;
+};
+
 struct DecodeWorker::Reservation {
   std::string request_id;
   uint64_t tag = 0;
@@ -64,6 +99,8 @@ struct DecodeWorker::Reservation {
   // Set by an allowed PushClaim: only this data-plane peer's blocks count.
   bool push_claimed = false;
   transfer::PeerId pusher = 0;
+  // --memory-key-scope reservation: the registrations of this reservation's pushed slots.
+  ReservedRuns runs;
 };
 
 struct DecodeWorker::Active {
@@ -112,6 +149,14 @@ DecodeWorker::DecodeWorker(DecodeWorkerOptions options, MetricsRegistry* metrics
   step_seconds_ =
       metrics_->GetHistogram("kvrelay:decode_step_seconds", "Time of one batched decode step.",
                              LatencyBucketsSeconds(), model);
+  reservation_regions_ = metrics_->GetGauge(
+      "kvrelay:decode_reservation_memory_regions",
+      "Memory registrations of live reservations (--memory-key-scope reservation): one per "
+      "contiguous run of a reservation's slots, unmapped when it ends.",
+      model);
+  reservation_regions_total_ = metrics_->GetCounter(
+      "kvrelay:decode_reservation_memory_regions_total",
+      "Memory registrations made for reservations (--memory-key-scope reservation).", model);
   held_blocks_ = metrics_->GetCounter(
       "kvrelay:decode_held_blocks_total",
       "Leading prompt blocks found in this worker's own cache at Reserve (not pushed again).",
@@ -222,8 +267,9 @@ DecodeWorker::~DecodeWorker() {
   }
   if (scheduler_.joinable()) scheduler_.join();
   // Reservations hold slots of kv_; free them before the cache goes.
+  ReservedRuns ended;
   absl::MutexLock lock(&mu_);
-  for (auto& [tag, r] : reservations_) ReleaseReservationSlots(*r);
+  for (auto& [tag, r] : reservations_) ReleaseReservationSlots(*r, ended);
   reservations_.clear();
 }
 
@@ -234,7 +280,9 @@ void DecodeWorker::Drain() {
   draining_ = true;
 }
 
-void DecodeWorker::ReleaseReservationSlots(Reservation& r) {
+void DecodeWorker::ReleaseReservationSlots(Reservation& r, ReservedRuns& ended) {
+  for (std::unique_ptr<ReservedRun>& run : r.runs) ended.push_back(std::move(run));
+  r.runs.clear();
   for (size_t g = 0; g < r.slots.size(); ++g) {
     for (kv::SlotId s : r.slots[g]) {
       if (s >= 0) (void)kv_->cache().pool(static_cast<int>(g)).Release(s);
@@ -254,10 +302,23 @@ absl::Status DecodeWorker::AuthorizeBlocks(const Reservation& r,
   for (const transfer::ReceivedBlock& b : event.blocks) {
     bool inside = false;
     for (size_t g = 0; g < r.slots.size() && !inside; ++g) {
-      if (kv_->region(static_cast<int>(g)).id() != b.region) continue;
       const uint64_t stride = kv_->cache().pool(static_cast<int>(g)).slot_stride();
-      const uint64_t slot = b.offset / stride;
-      const uint64_t within = b.offset % stride;
+      // The block's offset in the group's pool: the pool's own region (pool scope), or one of
+      // this reservation's runs (reservation scope; the pool's region is then private).
+      std::optional<uint64_t> pool_offset;
+      if (core_->memory_key_scope == worker::MemoryKeyScope::kPool) {
+        if (kv_->region(static_cast<int>(g)).id() == b.region) pool_offset = b.offset;
+      } else {
+        for (const std::unique_ptr<ReservedRun>& run : r.runs) {
+          if (run->group() == static_cast<int>(g) && run->region().id() == b.region &&
+              b.offset < static_cast<uint64_t>(run->slot_count()) * stride) {
+            pool_offset = static_cast<uint64_t>(run->first_slot()) * stride + b.offset;
+          }
+        }
+      }
+      if (!pool_offset.has_value()) continue;
+      const uint64_t slot = *pool_offset / stride;
+      const uint64_t within = *pool_offset % stride;
       if (b.length > stride - within) continue;
       for (size_t b = static_cast<size_t>(r.held_blocks); b < r.slots[g].size(); ++b) {
         const kv::SlotId s = r.slots[g][b];
@@ -426,103 +487,183 @@ absl::StatusOr<kvrelay::v1::ReserveResponse> DecodeWorker::Reserve(
   r->held_hashes.resize(static_cast<size_t>(r->held_blocks));
   if (r->held_blocks >= r->full_blocks) r->expected_layers = 0;
 
-  absl::MutexLock lock(&mu_);
-  if (draining_) {
-    return Own(absl::UnavailableError(absl::StrCat("decode node ", core_->node_id, " is draining")),
-               kvrelay::v1::FAILURE_DRAINING);
-  }
-  // Sweep expired or released reservations whose pushes can no longer land.
-  const absl::Time now = clock->Now();
-  for (auto it = reservations_.begin(); it != reservations_.end();) {
-    Reservation& old = *it->second;
-    const bool expired = !old.claimed && now > old.expires;
-    const bool released_and_quiet = old.released && (old.layers_received >= old.expected_layers ||
-                                                     now > old.released_at + kReleaseGrace);
-    if ((expired && !old.released) || released_and_quiet) {
-      ReleaseReservationSlots(old);
-      ReturnBudget(old.budget);
-      old.budget.clear();
-      reservations_.erase(it++);
-    } else {
-      ++it;
-    }
-  }
-  if (reservations_.contains(r->tag)) {
-    return Invalid(absl::StrCat("request_id '", r->request_id, "' is already reserved"));
-  }
-  // Admission: book everything the request can ever hold, or refuse now. Admitted requests
-  // then never run out of KV mid-stream.
-  for (size_t g = 0; g < layout.groups().size(); ++g) {
-    const int64_t capacity = kv_->cache().pool(static_cast<int>(g)).num_slots();
-    if (booked_[g] + r->budget[g] > capacity) {
-      refused_overloaded_->Increment();
+  ReservedRuns ended;  // swept reservations' registrations: unmapped once mu_ is released
+  absl::StatusOr<kvrelay::v1::ReserveResponse> reserved =
+      [&]() -> absl::StatusOr<kvrelay::v1::ReserveResponse> {
+    absl::MutexLock lock(&mu_);
+    if (draining_) {
       return Own(
-          absl::ResourceExhaustedError(absl::StrCat(
-              "decode node ", core_->node_id, ": KV capacity: the request needs ", r->budget[g],
-              " blocks of group ", g, ", ", capacity - booked_[g], " of ", capacity, " are free")),
-          kvrelay::v1::FAILURE_OVERLOADED);
+          absl::UnavailableError(absl::StrCat("decode node ", core_->node_id, " is draining")),
+          kvrelay::v1::FAILURE_DRAINING);
     }
-  }
-  for (size_t g = 0; g < layout.groups().size(); ++g) {
-    std::vector<int64_t> wanted;
-    for (int64_t b = r->held_blocks; b < r->full_blocks; ++b) {
-      if (worker::BlockWanted(layout.groups()[g], layout.block_tokens(), b, first_query)) {
-        wanted.push_back(b);
-      }
-    }
-    absl::StatusOr<std::vector<kv::SlotId>> slots =
-        kv_->cache().pool(static_cast<int>(g)).AllocateMany(static_cast<int64_t>(wanted.size()));
-    if (!slots.ok()) {
-      ReleaseReservationSlots(*r);
-      return Own(absl::ResourceExhaustedError(absl::StrCat(
-                     "decode node ", core_->node_id, ": KV pool full: ", slots.status().message())),
-                 kvrelay::v1::FAILURE_OVERLOADED);
-    }
-    r->slots[g].assign(static_cast<size_t>(r->full_blocks), -1);
-    for (size_t i = 0; i < wanted.size(); ++i) r->slots[g][wanted[i]] = (*slots)[i];
-    for (int64_t b = 0; b < r->held_blocks; ++b) {
-      const kv::SlotId held = held_slots[g][b];
-      if (worker::BlockWanted(layout.groups()[g], layout.block_tokens(), b, first_query)) {
-        r->slots[g][b] = held;
+    // Sweep expired or released reservations whose pushes can no longer land.
+    const absl::Time now = clock->Now();
+    for (auto it = reservations_.begin(); it != reservations_.end();) {
+      Reservation& old = *it->second;
+      const bool expired = !old.claimed && now > old.expires;
+      const bool released_and_quiet = old.released && (old.layers_received >= old.expected_layers ||
+                                                       now > old.released_at + kReleaseGrace);
+      if ((expired && !old.released) || released_and_quiet) {
+        ReleaseReservationSlots(old, ended);
+        ReturnBudget(old.budget);
+        old.budget.clear();
+        reservations_.erase(it++);
       } else {
-        (void)kv_->cache().pool(static_cast<int>(g)).Release(held);  // outside the window
+        ++it;
       }
     }
-    if (g < held_slots.size()) held_slots[g].clear();
+    if (reservations_.contains(r->tag)) {
+      return Invalid(absl::StrCat("request_id '", r->request_id, "' is already reserved"));
+    }
+    // Admission: book everything the request can ever hold, or refuse now. Admitted requests
+    // then never run out of KV mid-stream.
+    for (size_t g = 0; g < layout.groups().size(); ++g) {
+      const int64_t capacity = kv_->cache().pool(static_cast<int>(g)).num_slots();
+      if (booked_[g] + r->budget[g] > capacity) {
+        refused_overloaded_->Increment();
+        return Own(absl::ResourceExhaustedError(absl::StrCat(
+                       "decode node ", core_->node_id, ": KV capacity: the request needs ",
+                       r->budget[g], " blocks of group ", g, ", ", capacity - booked_[g], " of ",
+                       capacity, " are free")),
+                   kvrelay::v1::FAILURE_OVERLOADED);
+      }
+    }
+    for (size_t g = 0; g < layout.groups().size(); ++g) {
+      std::vector<int64_t> wanted;
+      for (int64_t b = r->held_blocks; b < r->full_blocks; ++b) {
+        if (worker::BlockWanted(layout.groups()[g], layout.block_tokens(), b, first_query)) {
+          wanted.push_back(b);
+        }
+      }
+      absl::StatusOr<std::vector<kv::SlotId>> slots =
+          kv_->cache().pool(static_cast<int>(g)).AllocateMany(static_cast<int64_t>(wanted.size()));
+      if (!slots.ok()) {
+        ReleaseReservationSlots(*r, ended);
+        return Own(
+            absl::ResourceExhaustedError(absl::StrCat(
+                "decode node ", core_->node_id, ": KV pool full: ", slots.status().message())),
+            kvrelay::v1::FAILURE_OVERLOADED);
+      }
+      r->slots[g].assign(static_cast<size_t>(r->full_blocks), -1);
+      for (size_t i = 0; i < wanted.size(); ++i) r->slots[g][wanted[i]] = (*slots)[i];
+      for (int64_t b = 0; b < r->held_blocks; ++b) {
+        const kv::SlotId held = held_slots[g][b];
+        if (worker::BlockWanted(layout.groups()[g], layout.block_tokens(), b, first_query)) {
+          r->slots[g][b] = held;
+        } else {
+          (void)kv_->cache().pool(static_cast<int>(g)).Release(held);  // outside the window
+        }
+      }
+      if (g < held_slots.size()) held_slots[g].clear();
+    }
+    for (size_t g = 0; g < layout.groups().size(); ++g) booked_[g] += r->budget[g];
+    kvrelay::v1::ReserveResponse response;
+    response.mutable_transport()->set_kind(core_->transport_kind);
+    response.mutable_transport()->set_address(core_->transport_address);
+    response.set_full_blocks(r->full_blocks);
+    response.set_block_tokens(layout.block_tokens());
+    response.set_ttl_ms(absl::ToInt64Milliseconds(options_.reservation_ttl));
+    response.set_layout_fingerprint(layout.fingerprint().ToBytes());
+    response.set_node_id(core_->node_id);
+    response.set_incarnation(core_->incarnation);
+    response.set_reservation_token(r->token);
+    response.set_data_plane_key(data_plane_key_);
+    for (size_t g = 0; g < layout.groups().size(); ++g) {
+      kvrelay::v1::GroupTarget* target = response.add_groups();
+      const kv::BlockPool& pool = kv_->cache().pool(static_cast<int>(g));
+      target->set_region_id(kv_->region(static_cast<int>(g)).id());
+      target->set_slot_stride_bytes(pool.slot_stride());
+      target->set_block_bytes(static_cast<uint64_t>(layout.BlockBytes(static_cast<int>(g))));
+      for (int64_t b = 0; b < r->full_blocks; ++b) {
+        target->add_slots(b < r->held_blocks ? -1 : r->slots[g][b]);
+      }
+    }
+    response.set_held_blocks(r->held_blocks);
+    held_blocks_->Increment(r->held_blocks);
+    reservations_[r->tag] = r;
+    PublishLoad();
+    return response;
+  }();
+  ended.clear();
+  if (!reserved.ok() || core_->memory_key_scope != worker::MemoryKeyScope::kReservation) {
+    return reserved;
   }
-  for (size_t g = 0; g < layout.groups().size(); ++g) booked_[g] += r->budget[g];
-  kvrelay::v1::ReserveResponse response;
-  response.mutable_transport()->set_kind(core_->transport_kind);
-  response.mutable_transport()->set_address(core_->transport_address);
-  response.set_full_blocks(r->full_blocks);
-  response.set_block_tokens(layout.block_tokens());
-  response.set_ttl_ms(absl::ToInt64Milliseconds(options_.reservation_ttl));
-  response.set_layout_fingerprint(layout.fingerprint().ToBytes());
-  response.set_node_id(core_->node_id);
-  response.set_incarnation(core_->incarnation);
-  response.set_reservation_token(r->token);
-  response.set_data_plane_key(data_plane_key_);
-  for (size_t g = 0; g < layout.groups().size(); ++g) {
-    kvrelay::v1::GroupTarget* target = response.add_groups();
-    const kv::BlockPool& pool = kv_->cache().pool(static_cast<int>(g));
-    target->set_region_id(kv_->region(static_cast<int>(g)).id());
-    target->set_slot_stride_bytes(pool.slot_stride());
-    target->set_block_bytes(static_cast<uint64_t>(layout.BlockBytes(static_cast<int>(g))));
-    for (int64_t b = 0; b < r->full_blocks; ++b) {
-      target->add_slots(b < r->held_blocks ? -1 : r->slots[g][b]);
+  if (absl::Status keyed = RegisterReservationRuns(r, *reserved); !keyed.ok()) {
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = reservations_.find(r->tag);
+      if (it != reservations_.end() && it->second == r) {
+        ReleaseReservationSlots(*r, ended);
+        ReturnBudget(r->budget);
+        r->budget.clear();
+        reservations_.erase(it);
+        PublishLoad();
+      }
+    }
+    return Own(absl::ResourceExhaustedError(
+                   absl::StrCat("decode node ", core_->node_id,
+                                ": cannot register the reservation's slots: ", keyed.message())),
+               kvrelay::v1::FAILURE_OVERLOADED);
+  }
+  return reserved;
+}
+
+absl::Status DecodeWorker::RegisterReservationRuns(const std::shared_ptr<Reservation>& r,
+                                                   kvrelay::v1::ReserveResponse& response) {
+  ReservedRuns runs;
+  std::vector<std::vector<kv::SlotId>> pushed;
+  {
+    absl::MutexLock lock(&mu_);
+    for (size_t g = 0; g < r->slots.size(); ++g) {
+      pushed.emplace_back();
+      for (size_t b = static_cast<size_t>(r->held_blocks); b < r->slots[g].size(); ++b) {
+        if (r->slots[g][b] >= 0) pushed.back().push_back(r->slots[g][b]);
+      }
     }
   }
-  response.set_held_blocks(r->held_blocks);
-  held_blocks_->Increment(r->held_blocks);
-  reservations_[r->tag] = std::move(r);
-  PublishLoad();
-  return response;
+  for (size_t g = 0; g < pushed.size(); ++g) {
+    std::vector<kv::SlotId>& slots = pushed[g];
+    std::sort(slots.begin(), slots.end());
+    const transfer::MemoryRegion& pool = kv_->region(static_cast<int>(g));
+    const uint64_t stride = kv_->cache().pool(static_cast<int>(g)).slot_stride();
+    for (size_t i = 0; i < slots.size();) {
+      size_t j = i + 1;
+      while (j < slots.size() && slots[j] == slots[j - 1] + 1) ++j;
+      const kv::SlotId first = slots[i];
+      const int64_t count = static_cast<int64_t>(j - i);
+      KV_ASSIGN_OR_RETURN(
+          transfer::MemoryRegionPtr region,
+          core_->transport->RegisterPrivateMemory(
+              transfer::MemorySpan{pool.data() + static_cast<uint64_t>(first) * stride,
+                                   static_cast<size_t>(count) * stride},
+              transfer::MemoryKind::kHost));
+      KV_ASSIGN_OR_RETURN(std::string key, core_->transport->ExportRegion(*region));
+      kvrelay::v1::SlotRun* out = response.mutable_groups(static_cast<int>(g))->add_runs();
+      out->set_region_id(region->id());
+      out->set_first_slot(first);
+      out->set_slot_count(count);
+      out->set_memory_key(std::move(key));
+      runs.push_back(std::make_unique<ReservedRun>(static_cast<int>(g), first, count,
+                                                   std::move(region), reservation_regions_));
+      reservation_regions_total_->Increment();
+      i = j;
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  auto it = reservations_.find(r->tag);
+  // Released or swept meanwhile: `runs` is unmapped on return, outside mu_ (declared first).
+  if (it == reservations_.end() || it->second != r || r->released) {
+    return absl::OkStatus();
+  }
+  r->runs = std::move(runs);
+  return absl::OkStatus();
 }
 
 absl::Status DecodeWorker::Release(const std::string& request_id,
                                    const std::string& reservation_token) {
   if (absl::Status s = CheckRequestId(request_id); !s.ok())
     return Invalid(std::string(s.message()));
+  ReservedRuns ended;  // unmapped once mu_ is released
   absl::MutexLock lock(&mu_);
   auto it = reservations_.find(worker::RequestTag(request_id));
   if (it != reservations_.end() && !it->second->claimed && !it->second->released) {
@@ -534,6 +675,14 @@ absl::Status DecodeWorker::Release(const std::string& request_id,
     // write can never land in a slot that belongs to someone else.
     it->second->released = true;
     it->second->released_at = core_->clock->Now();
+    // Its own registrations go now unless a claimed push may still be writing (an RDMA write
+    // into an unmapped key fails and takes the pusher's whole connection down with it); then
+    // with the slots, once quiet.
+    Reservation& r = *it->second;
+    if (!r.push_claimed || r.layers_received >= r.expected_layers) {
+      for (std::unique_ptr<ReservedRun>& run : r.runs) ended.push_back(std::move(run));
+      r.runs.clear();
+    }
     PublishLoad();
   }
   return absl::OkStatus();
@@ -566,6 +715,9 @@ absl::Status DecodeWorker::Generate(const kvrelay::v1::DecodeRequest& request, a
   // Wait for the pushed prefix, bounded by the caller's deadline and transfer_wait.
   std::shared_ptr<Reservation> r;
   std::vector<int64_t> budget;
+  // The reservation's own registrations end with the wait (its push is terminal, or its time
+  // is up and the NIC should refuse the rest); unmapped outside mu_ (declared before the locks).
+  ReservedRuns ended;
   const absl::Time wait_deadline = std::min(absl::Now() + options_.transfer_wait, deadline);
   {
     absl::MutexLock lock(&mu_);
@@ -594,6 +746,8 @@ absl::Status DecodeWorker::Generate(const kvrelay::v1::DecodeRequest& request, a
         return r->layers_received >= r->expected_layers || !r->transfer_status.ok();
       };
       mu_.AwaitWithDeadline(absl::Condition(&arrived), wait_deadline);
+      for (std::unique_ptr<ReservedRun>& run : r->runs) ended.push_back(std::move(run));
+      r->runs.clear();
       reservations_.erase(it->first);
     }
     // Admission for a request that did not reserve (or whose reservation lapsed), and the bound
@@ -615,7 +769,7 @@ absl::Status DecodeWorker::Generate(const kvrelay::v1::DecodeRequest& request, a
       }
     }
     if (!fits || queue_full) {
-      if (r != nullptr) ReleaseReservationSlots(*r);
+      if (r != nullptr) ReleaseReservationSlots(*r, ended);
       ReturnBudget(budget);
       PublishLoad();
       refused_overloaded_->Increment();
@@ -696,7 +850,7 @@ absl::Status DecodeWorker::Generate(const kvrelay::v1::DecodeRequest& request, a
   } else {
     if (r != nullptr) {
       absl::MutexLock lock(&mu_);
-      ReleaseReservationSlots(*r);
+      ReleaseReservationSlots(*r, ended);
     }
     active->tail = tokens;
   }

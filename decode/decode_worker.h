@@ -96,6 +96,8 @@ class DecodeWorker {
   absl::Status ConnectStore(const std::string& grpc_address);
 
   const std::string& transport_address() const;
+  // kReservation or kPool (options' kAuto resolved by the transport's capabilities).
+  worker::MemoryKeyScope memory_key_scope() const { return core_->memory_key_scope; }
   const std::string& node_id() const { return core_->node_id; }
   uint64_t incarnation() const { return core_->incarnation; }
   // Stops admitting work (SIGTERM drain); in-flight sequences finish.
@@ -104,6 +106,8 @@ class DecodeWorker {
  private:
   struct Reservation;
   struct Active;
+  class ReservedRun;
+  using ReservedRuns = std::vector<std::unique_ptr<ReservedRun>>;
   explicit DecodeWorker(DecodeWorkerOptions options, MetricsRegistry* metrics);
   absl::Status Init(worker::WorkerCoreDeps deps);
   absl::Status Own(absl::Status status, kvrelay::v1::FailureReason reason) const;
@@ -121,7 +125,14 @@ class DecodeWorker {
   void ReturnBudget(const std::vector<int64_t>& budget) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void OnInbound(transfer::InboundEvent event);
   void SchedulerLoop();
-  void ReleaseReservationSlots(Reservation& r);
+  // Frees the reservation's slots; its per-reservation registrations move to `ended`, to be
+  // destroyed (ucp_mem_unmap, which waits for the transport's thread) once mu_ is released:
+  // that thread takes mu_ in OnInbound.
+  void ReleaseReservationSlots(Reservation& r, ReservedRuns& ended);
+  // --memory-key-scope reservation: registers each contiguous run of `r`'s pushed slots on its
+  // own and adds the runs and their keys to `response`. REQUIRES: mu_ not held.
+  absl::Status RegisterReservationRuns(const std::shared_ptr<Reservation>& r,
+                                       kvrelay::v1::ReserveResponse& response);
   // The config and layout of whichever runner this worker has.
   const kv::ModelConfig& model_config() const { return core_->model_config(); }
   // Mamba: the pushed state (in the slot of the last pushed block, `slots` as a reservation
@@ -152,7 +163,9 @@ class DecodeWorker {
   Counter* generated_tokens_;
   Counter* received_bytes_;
   Counter* recomputed_requests_;
-  Counter* held_blocks_;  // leading blocks found in the cache segment at Reserve
+  Counter* held_blocks_;                // leading blocks found in the cache segment at Reserve
+  Gauge* reservation_regions_;          // per-reservation registrations alive now
+  Counter* reservation_regions_total_;  // ... ever made
   Gauge* active_gauge_;
   Histogram* step_seconds_;
   Counter* refused_overloaded_;

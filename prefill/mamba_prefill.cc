@@ -10,6 +10,7 @@
 
 #include <cstring>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "common/check.h"
 #include "common/logging.h"
@@ -120,10 +121,17 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::RunMamba(
   std::memcpy(pool.SlotAddress(*local_slot), final_state.data(), final_state.size());
 
   KV_ASSIGN_OR_RETURN(const transfer::PeerId peer, ConnectDecode(target, deadline));
+  std::vector<transfer::RegionId> imported;
+  absl::Cleanup forget_imported = [&] {
+    for (transfer::RegionId id : imported) (void)transport_->ForgetRegion(peer, id);
+  };
+  KV_RETURN_IF_ERROR(ImportTargetKeys(peer, target, imported));
   transfer::TransferBatch batch = PushBatch(peer, request);
   for (int32_t layer = 0; layer < layout.num_layers(); ++layer) {
-    batch.blocks.push_back(PushSlice(target, /*g=*/0, *local_slot, remote_slot, layer));
-    KV_DCHECK(batch.blocks.back().length == static_cast<uint64_t>(layer_state_bytes));
+    KV_ASSIGN_OR_RETURN(transfer::BlockTransfer t,
+                        PushSlice(target, /*g=*/0, *local_slot, remote_slot, layer));
+    KV_DCHECK(t.length == static_cast<uint64_t>(layer_state_bytes));
+    batch.blocks.push_back(t);
   }
   KV_ASSIGN_OR_RETURN(transfer::TransferPlan plan, PrepareClaimed(batch, request, deadline));
   transfer::PostOptions post_options;

@@ -193,6 +193,21 @@ absl::Status PrefillWorker::Validate(const kvrelay::v1::PrefillRequest& request)
       return absl::InvalidArgumentError(
           absl::StrCat("target.groups[", g, "].slots must have full_blocks entries"));
     }
+    if (group.runs_size() > group.slots_size()) {
+      return absl::InvalidArgumentError(absl::StrCat("target.groups[", g, "].runs has ",
+                                                     group.runs_size(), " entries, more than ",
+                                                     "its slots"));
+    }
+    for (int i = 0; i < group.runs_size(); ++i) {
+      const kvrelay::v1::SlotRun& run = group.runs(i);
+      if (run.first_slot() < 0 || run.slot_count() < 1 || run.slot_count() > group.slots_size() ||
+          run.memory_key().size() > transfer::kMaxExportedRegionBytes) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "target.groups[", g, "].runs[", i, "]: want first_slot >= 0, slot_count in [1, ",
+            group.slots_size(), "] and a memory_key of at most ", transfer::kMaxExportedRegionBytes,
+            " bytes"));
+      }
+    }
     if (group.block_bytes() != static_cast<uint64_t>(layout.BlockBytes(g))) {
       return absl::InvalidArgumentError(
           absl::StrCat("target.groups[", g, "].block_bytes ", group.block_bytes(), " != layout's ",
@@ -376,18 +391,21 @@ transfer::TransferBatch PrefillWorker::PushBatch(transfer::PeerId peer,
   return batch;
 }
 
-transfer::BlockTransfer PrefillWorker::PushSlice(const kvrelay::v1::ReserveResponse& target, int g,
-                                                 int64_t local_slot, int64_t remote_slot,
-                                                 int32_t layer) const {
+absl::StatusOr<transfer::BlockTransfer> PrefillWorker::PushSlice(
+    const kvrelay::v1::ReserveResponse& target, int g, int64_t local_slot, int64_t remote_slot,
+    int32_t layer) const {
   const worker::LayerSlice slice = worker::SliceOfLayer(kv_->cache().layout(), kv_->cache(), layer);
   const auto& group_target = target.groups(g);
+  absl::StatusOr<std::pair<transfer::RegionId, int64_t>> where =
+      TargetSlot(group_target, remote_slot);
+  if (!where.ok()) return CallerError(where.status());
   transfer::BlockTransfer t;
   t.local = &kv_->region(g);
   t.local_offset =
       static_cast<uint64_t>(local_slot) * kv_->cache().pool(g).slot_stride() + slice.offset_in_unit;
-  t.remote_region = group_target.region_id();
-  t.remote_offset =
-      static_cast<uint64_t>(remote_slot) * group_target.slot_stride_bytes() + slice.offset_in_unit;
+  t.remote_region = where->first;
+  t.remote_offset = static_cast<uint64_t>(where->second) * group_target.slot_stride_bytes() +
+                    slice.offset_in_unit;
   t.length = slice.length;
   t.layer = layer;
   return t;
@@ -404,6 +422,46 @@ absl::StatusOr<transfer::TransferPlan> PrefillWorker::PrepareClaimed(
     return ClaimFailure(request.target(), std::move(claimed));
   }
   return plan;
+}
+
+absl::Status PrefillWorker::ImportTargetKeys(transfer::PeerId peer,
+                                             const kvrelay::v1::ReserveResponse& target,
+                                             std::vector<transfer::RegionId>& imported) {
+  for (int g = 0; g < target.groups_size(); ++g) {
+    for (int i = 0; i < target.groups(g).runs_size(); ++i) {
+      const kvrelay::v1::SlotRun& run = target.groups(g).runs(i);
+      absl::StatusOr<transfer::RegionId> id = transport_->ImportRegion(peer, run.memory_key());
+      if (id.ok() && *id != run.region_id()) {
+        (void)transport_->ForgetRegion(peer, *id);
+        id = absl::InvalidArgumentError(
+            absl::StrCat("the key is of region ", *id, ", not ", run.region_id()));
+      }
+      if (!id.ok()) {
+        CountTransferFailure("refused");
+        return DecodeFailure(
+            target,
+            absl::Status(
+                id.status().code(),
+                absl::StrCat("target.groups[", g, "].runs[", i, "].memory_key of decode node ",
+                             target.node_id(), ": ", id.status().message())),
+            kvrelay::v1::FAILURE_TRANSFER);
+      }
+      imported.push_back(*id);
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::pair<transfer::RegionId, int64_t>> PrefillWorker::TargetSlot(
+    const kvrelay::v1::GroupTarget& group, int64_t slot) {
+  if (group.runs_size() == 0) return std::make_pair(group.region_id(), slot);
+  for (const kvrelay::v1::SlotRun& run : group.runs()) {
+    if (slot >= run.first_slot() && slot - run.first_slot() < run.slot_count()) {
+      return std::make_pair(run.region_id(), slot - run.first_slot());
+    }
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("target: slot ", slot, " is in none of its group's runs"));
 }
 
 absl::StatusOr<transfer::PeerId> PrefillWorker::PeerFor(const std::string& address,
@@ -524,14 +582,23 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
 
   // 3. One slice per (group, wanted block, layer), posted layer by layer.
   KV_ASSIGN_OR_RETURN(const transfer::PeerId peer, ConnectDecode(target, deadline));
+  // Memory keys per reservation: the target's slots are reachable only through its runs' own
+  // keys, imported for this push and dropped once its transfers are terminal (the handles,
+  // declared later, are destroyed first).
+  std::vector<transfer::RegionId> imported;
+  absl::Cleanup forget_imported = [&] {
+    for (transfer::RegionId id : imported) (void)transport_->ForgetRegion(peer, id);
+  };
+  KV_RETURN_IF_ERROR(ImportTargetKeys(peer, target, imported));
   transfer::TransferBatch batch = PushBatch(peer, request);
   for (int32_t layer = 0; layer < layout.num_layers(); ++layer) {
     const int g = kv_->cache().group_of_layer(layer);
     for (int64_t b = 0; b < full_blocks; ++b) {
       const int64_t remote_slot = target.groups(g).slots(static_cast<int>(b));
-      if (remote_slot >= 0) {
-        batch.blocks.push_back(PushSlice(target, g, seq.blocks(g)[b], remote_slot, layer));
-      }
+      if (remote_slot < 0) continue;
+      KV_ASSIGN_OR_RETURN(transfer::BlockTransfer t,
+                          PushSlice(target, g, seq.blocks(g)[b], remote_slot, layer));
+      batch.blocks.push_back(t);
     }
   }
   KV_ASSIGN_OR_RETURN(transfer::TransferPlan plan, PrepareClaimed(batch, request, deadline));

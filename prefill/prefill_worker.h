@@ -120,8 +120,10 @@ class PrefillWorker {
   transfer::TransferBatch PushBatch(transfer::PeerId peer,
                                     const kvrelay::v1::PrefillRequest& request) const;
   // Layer `layer`'s slice of local slot `local_slot` of group `g` into the target's `remote_slot`.
-  transfer::BlockTransfer PushSlice(const kvrelay::v1::ReserveResponse& target, int g,
-                                    int64_t local_slot, int64_t remote_slot, int32_t layer) const;
+  // INVALID_ARGUMENT (the caller's) when the target's runs do not hold `remote_slot`.
+  absl::StatusOr<transfer::BlockTransfer> PushSlice(const kvrelay::v1::ReserveResponse& target,
+                                                    int g, int64_t local_slot, int64_t remote_slot,
+                                                    int32_t layer) const;
   // Prepares `batch` and claims the target's slots; nothing is written before the decode worker
   // agreed that they are this reservation's.
   absl::StatusOr<transfer::TransferPlan> PrepareClaimed(const transfer::TransferBatch& batch,
@@ -139,6 +141,15 @@ class PrefillWorker {
                                            absl::Time deadline);
   // Sends the PushClaim for `request` over `peer` and waits (until `deadline`) for the decode
   // worker's verdict: OK, or PERMISSION_DENIED when the reservation is not the request's.
+  // Memory keys per reservation: imports every run's key of `target` on `peer` (appending the
+  // region ids to `imported`, which the caller forgets once its transfers are terminal); a
+  // refused key is counted and attributed to the decode worker.
+  absl::Status ImportTargetKeys(transfer::PeerId peer, const kvrelay::v1::ReserveResponse& target,
+                                std::vector<transfer::RegionId>& imported);
+  // Where the decode worker's slot `slot` of `group` is written: the group's region and the slot
+  // index in it (the run holding it, with runs; else the pool's region and `slot`).
+  static absl::StatusOr<std::pair<transfer::RegionId, int64_t>> TargetSlot(
+      const kvrelay::v1::GroupTarget& group, int64_t slot);
   absl::Status ClaimPush(transfer::PeerId peer, const kvrelay::v1::PrefillRequest& request,
                          absl::Time deadline);
   void OnInbound(transfer::InboundEvent event);

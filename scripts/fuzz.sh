@@ -1,27 +1,24 @@
 #!/usr/bin/env bash
-# Builds the libFuzzer targets of fuzz/ with clang (-fsanitize=fuzzer,address,undefined) into
-# ${FUZZ_BUILD_DIR:-build-fuzz} and runs each for FUZZ_SECONDS (default 20) from its committed
-# seed corpus fuzz/corpus/<target>/ (read only: new inputs go to a scratch copy). Exits non-zero
-# on any crash, leak, sanitizer report or timeout; the input that did it is saved as
-# ${FUZZ_BUILD_DIR}/artifacts/<target>-crash-... (add it to the corpus once fixed).
+# Builds the libFuzzer targets of fuzz/ (clang, -fsanitize=fuzzer,address,undefined) in the
+# ASan + UBSan tree that scripts/sanitize.sh configures (${FUZZ_BUILD_DIR:-build-asan}: the
+# libraries are compiled once for the sanitized test suite and the fuzzers), and runs each for
+# FUZZ_SECONDS (default 10) from its committed seed corpus fuzz/corpus/<target>/ (read only:
+# new inputs go to a scratch copy). Exits non-zero on any crash, leak, sanitizer report or
+# timeout; the input that did it is saved as ${FUZZ_BUILD_DIR}/artifacts/<target>-crash-...
+# (add it to the corpus once fixed).
 #   FUZZ_TARGETS="wal_fuzzer ..."  runs only those;  FUZZ_SECONDS=0 builds and replays the
 #   corpora only (no new inputs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-BUILD_DIR=${FUZZ_BUILD_DIR:-build-fuzz}
-SECONDS_PER_TARGET=${FUZZ_SECONDS:-20}
+BUILD_DIR=${FUZZ_BUILD_DIR:-build-asan}
+SECONDS_PER_TARGET=${FUZZ_SECONDS:-10}
 JOBS=${JOBS:-$(nproc)}
 ALL_TARGETS="hf_config_fuzzer safetensors_fuzzer wal_fuzzer control_frame_fuzzer
   generate_request_fuzzer reserve_request_fuzzer cachestore_rpc_fuzzer"
 TARGETS=${FUZZ_TARGETS:-$ALL_TARGETS}
 
 start=$(date +%s)
-# shellcheck disable=SC2086
-# -O1 with line tables only: ASan stack traces keep file:line, the build stays short on 2 cores.
-CC=clang CXX=clang++ cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-  -DCMAKE_CXX_FLAGS_RELEASE="-O1 -gline-tables-only" -DCMAKE_C_FLAGS_RELEASE="-O1" \
-  -DKVRELAY_FUZZ=ON -DKVRELAY_BUILD_TESTS=OFF -DKVRELAY_BUILD_BENCH=OFF -DKVRELAY_CUDA=OFF \
-  "$@" >/dev/null
+SANITIZE_BUILD_DIR="$BUILD_DIR" scripts/sanitize.sh --configure "$@"
 # shellcheck disable=SC2086
 cmake --build "$BUILD_DIR" -j "$JOBS" --target $TARGETS
 built=$(date +%s)

@@ -121,7 +121,8 @@ absl::StatusOr<TransferHandlePtr> FaultyTransport::Post(const TransferPlan& plan
   }
   const absl::Time start = absl::Now();
   Transport* inner = inner_.get();
-  impl_->Spawn(std::thread([op, copy = std::move(copy), layers, options, spec, start, lo, inner] {
+  impl_->Spawn(std::thread([op, copy = std::move(copy), layers, options, spec, start,
+                            first_block = lo, inner] {
     auto finish_if_stopped = [&]() {
       if (op->cancelled.HasBeenNotified()) {
         op->outer->Complete(absl::CancelledError("transfer cancelled"));
@@ -142,7 +143,7 @@ absl::StatusOr<TransferHandlePtr> FaultyTransport::Post(const TransferPlan& plan
       op->cancelled.WaitForNotificationWithDeadline(std::min(start + spec.delay, options.deadline));
     }
     if (finish_if_stopped()) return;
-    const BlockTransfer& first = copy.blocks[lo];
+    const BlockTransfer& first = copy.blocks[first_block];
     uint8_t* flip = first.local->data() + first.local_offset + first.length / 2;
     const bool corrupt_put = spec.corrupt && copy.direction == Direction::kPut;
     if (corrupt_put) *flip ^= 0x5a;

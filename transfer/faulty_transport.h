@@ -72,6 +72,21 @@ class FaultyTransport final : public Transport {
     inner_->SetInboundHandler(std::move(handler));
   }
   void SetAcceptKey(std::string key) override { inner_->SetAcceptKey(std::move(key)); }
+  absl::StatusOr<MemoryRegionPtr> AllocatePrivateMemory(size_t bytes) override {
+    return inner_->AllocatePrivateMemory(bytes);
+  }
+  absl::StatusOr<MemoryRegionPtr> RegisterPrivateMemory(MemorySpan span, MemoryKind kind) override {
+    return inner_->RegisterPrivateMemory(span, kind);
+  }
+  absl::StatusOr<std::string> ExportRegion(const MemoryRegion& region) const override {
+    return inner_->ExportRegion(region);
+  }
+  absl::StatusOr<RegionId> ImportRegion(PeerId peer, std::string_view exported) override {
+    return inner_->ImportRegion(peer, exported);
+  }
+  absl::Status ForgetRegion(PeerId peer, RegionId region) override {
+    return inner_->ForgetRegion(peer, region);
+  }
 
  private:
   class Impl;

@@ -11,7 +11,10 @@ absl::StatusOr<void*> RegionMemoryResource::Allocate(size_t bytes) {
     return absl::FailedPreconditionError(
         absl::StrCat("this resource already holds a region of ", region_->size_bytes(), " bytes"));
   }
-  absl::StatusOr<MemoryRegionPtr> region = transport_->AllocateMemory(bytes);
+  absl::StatusOr<MemoryRegionPtr> region = private_memory_
+                                               ? transport_->AllocatePrivateMemory(bytes)
+                                               : transport_->AllocateMemory(bytes);
+  if (absl::IsUnimplemented(region.status())) return region.status();  // no private regions
   if (!region.ok()) {
     return absl::ResourceExhaustedError(
         absl::StrCat("transport cannot allocate ", bytes, " bytes: ", region.status().message()));

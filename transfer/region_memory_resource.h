@@ -23,7 +23,9 @@ namespace kvrelay::transfer {
 
 class RegionMemoryResource final : public kv::MemoryResource {
  public:
-  explicit RegionMemoryResource(Transport* transport) : transport_(transport) {}
+  // `private_memory`: Transport::AllocatePrivateMemory (announced to no peer).
+  explicit RegionMemoryResource(Transport* transport, bool private_memory = false)
+      : transport_(transport), private_memory_(private_memory) {}
 
   kv::MemoryKind kind() const override { return kv::MemoryKind::kHost; }
   // ResourceExhausted when the transport cannot allocate, FailedPrecondition when this
@@ -35,6 +37,7 @@ class RegionMemoryResource final : public kv::MemoryResource {
 
  private:
   Transport* const transport_;
+  const bool private_memory_;
   mutable absl::Mutex mu_;
   MemoryRegionPtr region_ ABSL_GUARDED_BY(mu_);
 };

@@ -34,6 +34,30 @@ std::pair<size_t, size_t> TransferPlan::SegmentRange(LayerRange layers) const {
   return LayerIndexRange(segments, layers);
 }
 
+// --- Private regions: unsupported unless a transport says otherwise -----------------------
+
+namespace {
+absl::Status NoPrivateRegions(const Transport& t) {
+  return absl::UnimplementedError(absl::StrCat("transport '", t.capabilities().name,
+                                               "' has no private regions (memory keys handed "
+                                               "out per reservation need ucx)"));
+}
+}  // namespace
+
+absl::StatusOr<MemoryRegionPtr> Transport::AllocatePrivateMemory(size_t) {
+  return NoPrivateRegions(*this);
+}
+absl::StatusOr<MemoryRegionPtr> Transport::RegisterPrivateMemory(MemorySpan, MemoryKind) {
+  return NoPrivateRegions(*this);
+}
+absl::StatusOr<std::string> Transport::ExportRegion(const MemoryRegion&) const {
+  return NoPrivateRegions(*this);
+}
+absl::StatusOr<RegionId> Transport::ImportRegion(PeerId, std::string_view) {
+  return NoPrivateRegions(*this);
+}
+absl::Status Transport::ForgetRegion(PeerId, RegionId) { return NoPrivateRegions(*this); }
+
 // --- TransferHandle ------------------------------------------------------------------------
 
 TransferHandle::TransferHandle(std::shared_ptr<internal::HandleState> state)

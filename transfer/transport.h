@@ -73,6 +73,12 @@ struct Capabilities {
   bool pull = true;            // Direction::kGet supported
   int64_t max_blocks_per_batch = 0;
   std::string detail;  // e.g. the UCX transports in use
+  // AllocatePrivateMemory / RegisterPrivateMemory / ExportRegion / ImportRegion work.
+  bool private_regions = false;
+  // A memory domain whose remote keys the hardware enforces (RDMA: the NIC refuses an access
+  // outside a key's registered range or with a key that was unmapped) is available. Decided
+  // from UCX's component list, not from any error: see transfer/README.md, "Who may write".
+  bool hardware_enforced_keys = false;
 };
 
 // A registered memory region. Destroying it deregisters the memory (and withdraws it from
@@ -262,6 +268,7 @@ struct ConnectOptions {
 };
 inline constexpr size_t kMaxPeerKeyBytes = 256;
 inline constexpr size_t kMaxCredentialBytes = 1024;
+inline constexpr size_t kMaxExportedRegionBytes = 4096;
 
 class Transport {
  public:
@@ -319,6 +326,27 @@ class Transport {
 
   // Set before peers connect; replaces any previous handler.
   virtual void SetInboundHandler(InboundHandler handler) = 0;
+  // --- Regions whose keys go out of band (memory keys per reservation) ---------------------
+  // Like AllocateMemory / RegisterMemory, but never announced to any peer (not in the hello,
+  // no region frame): a peer can reach it only after it imports the key ExportRegion() gives,
+  // handed to it some other way (e.g. a Reserve response). Destroying the region unmaps it;
+  // a peer's later access with the old key is refused by the NIC where the keys are enforced
+  // in hardware, and by the receiver's DONE check everywhere ("no local region").
+  // Unimplemented where capabilities().private_regions is false.
+  virtual absl::StatusOr<MemoryRegionPtr> AllocatePrivateMemory(size_t bytes);
+  // A sub-range of memory this transport allocated (e.g. a few slots of a private pool) may be
+  // registered again on its own.
+  virtual absl::StatusOr<MemoryRegionPtr> RegisterPrivateMemory(MemorySpan span, MemoryKind kind);
+  // The opaque key of a private region of this transport: its id, address, size, the packed
+  // remote key and this transport's incarnation (at most kMaxExportedRegionBytes).
+  virtual absl::StatusOr<std::string> ExportRegion(const MemoryRegion& region) const;
+  // Makes an exported region usable in batches to `peer` (its id as BlockTransfer::
+  // remote_region). InvalidArgument for a malformed key; FailedPrecondition when the key is of
+  // another process than the one `peer` is; NotFound/Unavailable for an unknown/dead peer.
+  virtual absl::StatusOr<RegionId> ImportRegion(PeerId peer, std::string_view exported);
+  // Drops an imported key (its unpacked rkey is destroyed). NotFound when not imported.
+  virtual absl::Status ForgetRegion(PeerId peer, RegionId region);
+
   // Set before peers connect. Non-empty: a peer's Connect must present this key
   // (ConnectOptions::peer_key), or it is refused with PermissionDenied before it learns
   // anything about this transport's memory (UCX: worker address, regions, rkeys). Empty

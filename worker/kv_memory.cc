@@ -11,11 +11,12 @@
 namespace kvrelay::worker {
 
 absl::StatusOr<std::unique_ptr<RegisteredKvCache>> RegisteredKvCache::Create(
-    const kv::ModelLayout& layout, int64_t blocks_per_group, transfer::Transport* transport) {
+    const kv::ModelLayout& layout, int64_t blocks_per_group, transfer::Transport* transport,
+    bool private_memory) {
   auto out = std::unique_ptr<RegisteredKvCache>(new RegisteredKvCache());
   std::vector<kv::BlockPool*> raw;
   for (size_t g = 0; g < layout.groups().size(); ++g) {
-    auto resource = std::make_unique<transfer::RegionMemoryResource>(transport);
+    auto resource = std::make_unique<transfer::RegionMemoryResource>(transport, private_memory);
     transfer::RegionMemoryResource* raw_resource = resource.get();
     KV_ASSIGN_OR_RETURN(
         std::unique_ptr<kv::BlockPool> pool,

@@ -25,9 +25,12 @@ namespace kvrelay::worker {
 
 class RegisteredKvCache {
  public:
+  // `private_memory`: the pools are private regions (Transport::AllocatePrivateMemory), which
+  // no peer reaches except through keys of their sub-ranges handed out one by one.
   static absl::StatusOr<std::unique_ptr<RegisteredKvCache>> Create(const kv::ModelLayout& layout,
                                                                    int64_t blocks_per_group,
-                                                                   transfer::Transport* transport);
+                                                                   transfer::Transport* transport,
+                                                                   bool private_memory = false);
   model::KvCache& cache() const { return *cache_; }
   const transfer::MemoryRegion& region(int group) const { return *regions_[group]; }
 

@@ -69,14 +69,47 @@ absl::StatusOr<std::unique_ptr<WorkerCore>> WorkerCore::Create(const WorkerCoreO
   }
   core->transport->SetAcceptKey(effective.transport_accept_key);
   if (inbound) core->transport->SetInboundHandler(std::move(inbound));
+  const transfer::Capabilities caps = core->transport->capabilities();
+  core->memory_key_scope = options.memory_key_scope;
+  if (core->memory_key_scope == MemoryKeyScope::kAuto) {
+    core->memory_key_scope =
+        caps.hardware_enforced_keys ? MemoryKeyScope::kReservation : MemoryKeyScope::kPool;
+  }
+  if (core->memory_key_scope == MemoryKeyScope::kReservation && !caps.private_regions) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("--memory-key-scope reservation needs a transport with private regions "
+                     "(ucx); this one is '",
+                     caps.name, "'"));
+  }
   KV_ASSIGN_OR_RETURN(
-      core->kv, RegisteredKvCache::Create(layout, options.pool_blocks, core->transport.get()));
+      core->kv, RegisteredKvCache::Create(layout, options.pool_blocks, core->transport.get(),
+                                          core->memory_key_scope == MemoryKeyScope::kReservation));
   if (!options.cachestore_address.empty()) {
     KV_ASSIGN_OR_RETURN(core->segment,
                         CacheSegment::Create(layout, options.cache_slots, core->transport.get()));
   }
   core->options = std::move(effective);
   return core;
+}
+
+absl::StatusOr<MemoryKeyScope> ParseMemoryKeyScope(absl::string_view name) {
+  if (name == "auto") return MemoryKeyScope::kAuto;
+  if (name == "reservation") return MemoryKeyScope::kReservation;
+  if (name == "pool") return MemoryKeyScope::kPool;
+  return absl::InvalidArgumentError(
+      absl::StrCat("memory key scope must be auto, reservation or pool, got '", name, "'"));
+}
+
+const char* MemoryKeyScopeName(MemoryKeyScope scope) {
+  switch (scope) {
+    case MemoryKeyScope::kAuto:
+      return "auto";
+    case MemoryKeyScope::kReservation:
+      return "reservation";
+    case MemoryKeyScope::kPool:
+      return "pool";
+  }
+  return "?";
 }
 
 absl::Status WorkerCore::ConnectStore(const std::string& grpc_address,
@@ -175,13 +208,19 @@ int ServeWorker(const server::ServiceHostOptions& host, grpc::Service* service,
                 const MetricsRegistry* metrics, const std::string& advertise_host,
                 const std::function<absl::Status(const std::string& grpc_address)>& connect_store,
                 std::function<void()> on_drain) {
+  server::ServiceHostOptions options = host;
+  options.serving_at_start = false;
   absl::StatusOr<std::unique_ptr<server::ServiceHost>> server =
-      server::ServiceHost::Start(host, {service}, metrics);
+      server::ServiceHost::Start(options, {service}, metrics);
   absl::Status status = server.status();
-  // Registered only now that the gateway can reach the advertised gRPC address.
+  // Registered only now that the gateway can reach the advertised gRPC address. Health says
+  // SERVING only once registered: a gateway that starts after this worker is healthy (kvrelay
+  // up, readiness probes) then finds it in the store at once (ASan's slower start-up showed a
+  // gateway that started in between and had no prefill worker for its first requests).
   if (status.ok()) {
     status = connect_store(
         absl::StrCat(server::AdvertisedHost(host.host, advertise_host), ":", (*server)->port()));
+    if (status.ok()) (*server)->SetServing(true);
   }
   if (!status.ok()) {
     std::fprintf(stderr, "kvrelay %s: %s\n", host.name.c_str(), status.ToString().c_str());

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "common/clock.h"
 #include "common/flags.h"
 #include "common/server/service_host.h"
@@ -29,6 +30,20 @@
 #include "worker/store_link.h"
 
 namespace kvrelay::worker {
+
+// Whose memory keys a decode worker hands out (--memory-key-scope).
+//  kPool:        the KV pool is registered once and published to every peer that presents
+//                the data-plane key (one rkey per connection).
+//  kReservation: the pool is private; each reservation registers its own slots (ucp_mem_map of
+//                their existing memory per contiguous run) and its keys go out only in that
+//                Reserve response; unmapped when the reservation ends. Where keys are enforced
+//                in hardware (RDMA) the NIC refuses any write outside live reservations.
+//  kAuto:        kReservation when the transport has a hardware-enforced key domain
+//                (Capabilities::hardware_enforced_keys), else kPool.
+enum class MemoryKeyScope { kAuto, kReservation, kPool };
+// "auto", "reservation", "pool"; InvalidArgument naming the value otherwise.
+absl::StatusOr<MemoryKeyScope> ParseMemoryKeyScope(absl::string_view name);
+const char* MemoryKeyScopeName(MemoryKeyScope scope);
 
 struct WorkerCoreOptions {
   std::string role;  // "prefill" or "decode": default node ids and error attribution
@@ -47,6 +62,8 @@ struct WorkerCoreOptions {
   // Non-empty: the data-plane key peers must present to connect (Transport::SetAcceptKey),
   // installed before the inbound handler. The decode worker sets its own random one.
   std::string transport_accept_key;
+  // Decode only; what WorkerCore::memory_key_scope resolves (kAuto by capabilities).
+  MemoryKeyScope memory_key_scope = MemoryKeyScope::kPool;
 };
 
 struct WorkerCoreDeps {
@@ -83,6 +100,8 @@ struct WorkerCore {
   std::string transport_kind;  // "ucx" or "inproc"
   std::string transport_address;
   std::unique_ptr<RegisteredKvCache> kv;
+  // options.memory_key_scope resolved: kReservation (kv's pools are private regions) or kPool.
+  MemoryKeyScope memory_key_scope = MemoryKeyScope::kPool;
   std::unique_ptr<CacheSegment> segment;  // null without a store
   std::unique_ptr<StoreLink> store;       // null without a store or before ConnectStore
   WorkerCoreOptions options;

@@ -83,6 +83,26 @@ TEST(CacheSegment, StoresAndLoadsWholeBlocksAcrossGroups) {
               testing::StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
+TEST(MemoryKeyScope, ParsesItsThreeNamesAndRefusesOthers) {
+  for (MemoryKeyScope scope :
+       {MemoryKeyScope::kAuto, MemoryKeyScope::kReservation, MemoryKeyScope::kPool}) {
+    KV_ASSERT_OK_AND_ASSIGN(MemoryKeyScope parsed, ParseMemoryKeyScope(MemoryKeyScopeName(scope)));
+    EXPECT_EQ(parsed, scope);
+  }
+  EXPECT_THAT(
+      ParseMemoryKeyScope("connection"),
+      testing::StatusIs(absl::StatusCode::kInvalidArgument, ::testing::HasSubstr("'connection'")));
+}
+
+// A private pool (memory keys per reservation) needs a transport with private regions.
+TEST(MemoryKeyScope, PrivatePoolsNeedPrivateRegions) {
+  kv::ModelLayout layout = Layout("tiny-gemma3");
+  KV_ASSERT_OK_AND_ASSIGN(auto transport, transfer::MakeInProcessTransport());
+  EXPECT_FALSE(transport->capabilities().private_regions);
+  EXPECT_THAT(RegisteredKvCache::Create(layout, 8, transport.get(), /*private_memory=*/true),
+              testing::StatusIs(absl::StatusCode::kUnimplemented));
+}
+
 TEST(SliceOfLayer, LayersAreContiguousInsideAUnit) {
   kv::ModelLayout layout = Layout("tiny-llama");
   KV_ASSERT_OK_AND_ASSIGN(auto cache, model::KvCache::Create(layout, 2));

@@ -78,7 +78,7 @@ absl::StatusOr<std::unique_ptr<ServiceHost>> ServiceHost::Start(
   }
   auto host = std::unique_ptr<ServiceHost>(
       new ServiceHost(options, std::move(server), port, *std::move(http)));
-  host->SetServing(true);
+  host->SetServing(options.serving_at_start);
   // The launcher (`kvrelay up`) and tests wait for exactly this line.
   std::printf("%s listening on %s metrics %s:%d\n", options.name.c_str(), host->address().c_str(),
               options.host.c_str(), host->metrics_port());

@@ -39,6 +39,8 @@ struct ServiceHostOptions {
   // Fully qualified gRPC service names reported SERVING by grpc.health.v1 besides "" (e.g.
   // "kvrelay.v1.CacheStore").
   std::vector<std::string> health_services;
+  // False: health stays NOT_SERVING until SetServing(true) (a worker: once registered).
+  bool serving_at_start = true;
 };
 
 struct ShutdownHooks {
@@ -68,11 +70,12 @@ class ServiceHost {
   // Blocks until SIGTERM/SIGINT or RequestShutdown(), then drains.
   void WaitForShutdown(const ShutdownHooks& hooks = {});
   void RequestShutdown() { shutdown_requested_.store(true, std::memory_order_release); }
+  // grpc.health.v1 status of "" and every health_services name (see serving_at_start).
+  void SetServing(bool serving);
 
  private:
   ServiceHost(ServiceHostOptions options, std::unique_ptr<grpc::Server> server, int port,
               std::unique_ptr<HttpServer> http);
-  void SetServing(bool serving);
 
   const ServiceHostOptions options_;
   std::unique_ptr<grpc::Server> server_;

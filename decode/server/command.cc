@@ -26,9 +26,27 @@ int RunDecodeCommand(const std::vector<std::string>& raw_args) {
   flags.AddInt32("max-batch", &options.max_batch, "sequences per decode step");
   flags.AddInt32("max-queued", &options.max_queued,
                  "admitted requests waiting for a batch slot before new ones are refused");
+  flags.AddDuration("reservation-ttl", &options.reservation_ttl,
+                    "a reservation not used by Generate within this long is dropped");
+  std::string memory_key_scope = "auto";
+  flags.AddString("memory-key-scope", &memory_key_scope,
+                  "auto|reservation|pool: memory keys per reservation (each reservation's slots "
+                  "registered on their own, keys only in its Reserve response) or one per pool; "
+                  "auto: reservation where the NIC enforces keys (RDMA), else pool");
   if (std::optional<int> exit_code =
           worker_flags.Parse(flags, raw_args, /*cachestore_required=*/false)) {
     return *exit_code;
+  }
+  absl::StatusOr<worker::MemoryKeyScope> scope = worker::ParseMemoryKeyScope(memory_key_scope);
+  if (!scope.ok()) {
+    return kvrelay::server::UsageError("decode", absl::StrCat("--", scope.status().message()));
+  }
+  options.core.memory_key_scope = *scope;
+  if (options.reservation_ttl < absl::Milliseconds(100) ||
+      options.reservation_ttl > absl::Hours(1)) {
+    return kvrelay::server::UsageError(
+        "decode", absl::StrCat("--reservation-ttl must be in [100ms, 1h], got ",
+                               absl::FormatDuration(options.reservation_ttl)));
   }
   if (options.max_batch < 1) {
     return kvrelay::server::UsageError(
@@ -44,8 +62,10 @@ int RunDecodeCommand(const std::vector<std::string>& raw_args) {
     std::fprintf(stderr, "kvrelay decode: %s\n", worker.status().ToString().c_str());
     return 1;
   }
-  std::fprintf(stderr, "decode: model %s, node %s, data plane %s\n", options.model_name.c_str(),
-               (*worker)->node_id().c_str(), (*worker)->transport_address().c_str());
+  std::fprintf(stderr, "decode: model %s, node %s, data plane %s, memory keys per %s\n",
+               options.model_name.c_str(), (*worker)->node_id().c_str(),
+               (*worker)->transport_address().c_str(),
+               worker::MemoryKeyScopeName((*worker)->memory_key_scope()));
   DecodeService service(worker->get(), kvrelay::server::Authorizer(host.security));
   return worker::ServeWorker(
       host, &service, &metrics, options.core.advertise_host,

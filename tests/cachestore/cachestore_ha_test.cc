@@ -46,7 +46,10 @@ constexpr char kSegment[] = "kv";
 
 std::vector<kv::BlockHash> Chain(int id) {
   std::vector<int32_t> tokens;
-  for (int i = 0; i < kChainBlocks * 16; ++i) tokens.push_back(id * 100000 + i);
+  // Unsigned: id 99999 wraps (signed overflow is undefined; UBSan stopped it), same tokens.
+  for (int i = 0; i < kChainBlocks * 16; ++i) {
+    tokens.push_back(static_cast<int32_t>(static_cast<uint32_t>(id) * 100000u + i));
+  }
   return kv::HashChain(kv::LayoutFingerprint{}, "ha", tokens, 16);
 }
 

@@ -353,7 +353,20 @@ TEST_P(MultiProcessTransferTest, FreshLargeRegionTakesNoPageFaultsOnTheReceiver)
   KV_ASSERT_OK_AND_ASSIGN(int64_t faults_after, ReceiverMinorFaults(rx));
   const int64_t pages = static_cast<int64_t>(kRegion / 4096);
   // Zero in practice; a few allow for the allocator growing the heap for event bookkeeping.
-  EXPECT_LE(faults_after - faults_before, 16)
+  // Under ASan its shadow memory and allocator take first-touch faults of their own (~50 here):
+  // still none per page of the 131072 written, which is what this checks.
+#if defined(__SANITIZE_ADDRESS__)
+  constexpr int64_t kAllowedFaults = 256;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+  constexpr int64_t kAllowedFaults = 256;
+#else
+  constexpr int64_t kAllowedFaults = 16;
+#endif
+#else
+  constexpr int64_t kAllowedFaults = 16;
+#endif
+  EXPECT_LE(faults_after - faults_before, kAllowedFaults)
       << "receiver took " << (faults_after - faults_before) << " minor faults while " << pages
       << " pages of its region were written and verified";
   RecordProperty("receiver_minor_faults", std::to_string(faults_after - faults_before));

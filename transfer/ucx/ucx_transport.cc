@@ -18,6 +18,7 @@
 #include "transfer/internal/populate.h"
 #include "transfer/ucx/control_channel.h"
 #include "transfer/ucx/frames.h"
+#include "transfer/ucx/key_enforcement.h"
 #include "transfer/ucx/net_address.h"
 #include "transfer/ucx/progress_thread.h"
 #include "transfer/ucx/ucx_handles.h"
@@ -146,6 +147,15 @@ class UcxTransport final : public Transport, private ControlChannel::Delegate {
   uint64_t incarnation() const override { return incarnation_; }
   absl::StatusOr<MemoryRegionPtr> RegisterMemory(MemorySpan span, MemoryKind kind) override;
   absl::StatusOr<MemoryRegionPtr> AllocateMemory(size_t bytes) override;
+  absl::StatusOr<MemoryRegionPtr> AllocatePrivateMemory(size_t bytes) override {
+    return Allocate(bytes, /*publish=*/false);
+  }
+  absl::StatusOr<MemoryRegionPtr> RegisterPrivateMemory(MemorySpan span, MemoryKind kind) override {
+    return Register(span, kind, /*publish=*/false);
+  }
+  absl::StatusOr<std::string> ExportRegion(const MemoryRegion& region) const override;
+  absl::StatusOr<RegionId> ImportRegion(PeerId peer, std::string_view exported) override;
+  absl::Status ForgetRegion(PeerId peer, RegionId region) override;
   using Transport::Connect;
   absl::StatusOr<PeerId> Connect(std::string_view address, absl::Time deadline,
                                  const ConnectOptions& options) override;
@@ -177,6 +187,8 @@ class UcxTransport final : public Transport, private ControlChannel::Delegate {
     MemorySpan span;
     UcpMemRegion mem;
     std::string packed_rkey;
+    // False for private regions: never in a hello or a region frame (ExportRegion only).
+    bool published = true;
   };
   // What callers' threads may read about a peer (under mu_).
   struct PeerInfo {
@@ -196,6 +208,8 @@ class UcxTransport final : public Transport, private ControlChannel::Delegate {
 
   explicit UcxTransport(UcxTransportOptions options) : options_(std::move(options)) {}
   absl::Status Init();
+  absl::StatusOr<MemoryRegionPtr> Register(MemorySpan span, MemoryKind kind, bool publish);
+  absl::StatusOr<MemoryRegionPtr> Allocate(size_t bytes, bool publish);
   bool OnLoop() const { return progress_->IsOnProgressThread(); }
 
   // --- ControlChannel::Delegate (progress thread) ---
@@ -342,14 +356,19 @@ absl::Status UcxTransport::Init() {
     cuda = (attr.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
   }
   const char* tls = std::getenv("UCX_TLS");
-  caps_ = Capabilities{.name = "ucx",
-                       .device_memory = cuda,
-                       .notifications = true,
-                       .pull = true,
-                       .max_blocks_per_batch = 1 << 20,
-                       .detail = absl::StrCat("UCX ", ucp_get_version_string(),
-                                              ", UCX_TLS=", tls != nullptr ? tls : "all",
-                                              cuda ? "" : ", no CUDA memory support")};
+  const bool enforced =
+      ucx::HardwareEnforcedKeys(ucx::QueryUctComponents(), tls != nullptr ? tls : "");
+  caps_ = Capabilities{
+      .name = "ucx",
+      .device_memory = cuda,
+      .notifications = true,
+      .pull = true,
+      .max_blocks_per_batch = 1 << 20,
+      .detail = absl::StrCat("UCX ", ucp_get_version_string(), ", UCX_TLS=",
+                             tls != nullptr ? tls : "all", cuda ? "" : ", no CUDA memory support",
+                             enforced ? ", RDMA (keys enforced by the NIC)" : ", no RDMA device"),
+      .private_regions = true,
+      .hardware_enforced_keys = enforced};
 
   ProgressThread::Hooks hooks;
   hooks.busy = [this] { return loop_ready_.load(std::memory_order_acquire) && Busy(); };
@@ -394,6 +413,15 @@ UcxTransport::~UcxTransport() {
 // --- Caller-thread API -----------------------------------------------------------------------
 
 absl::StatusOr<MemoryRegionPtr> UcxTransport::RegisterMemory(MemorySpan span, MemoryKind kind) {
+  return Register(span, kind, /*publish=*/true);
+}
+
+absl::StatusOr<MemoryRegionPtr> UcxTransport::AllocateMemory(size_t bytes) {
+  return Allocate(bytes, /*publish=*/true);
+}
+
+absl::StatusOr<MemoryRegionPtr> UcxTransport::Register(MemorySpan span, MemoryKind kind,
+                                                       bool publish) {
   if (span.data == nullptr || span.size_bytes == 0) {
     return absl::InvalidArgumentError("cannot register a null or empty memory span");
   }
@@ -421,8 +449,8 @@ absl::StatusOr<MemoryRegionPtr> UcxTransport::RegisterMemory(MemorySpan span, Me
       return;
     }
     LocalRegion& region = local_regions_[id];
-    region = LocalRegion{span, std::move(*mem), std::move(*rkey)};
-    channel_->Broadcast(RegionFrame(id, region));
+    region = LocalRegion{span, std::move(*mem), std::move(*rkey), publish};
+    if (publish) channel_->Broadcast(RegionFrame(id, region));
   });
   KV_RETURN_IF_ERROR(status);
   {
@@ -432,7 +460,7 @@ absl::StatusOr<MemoryRegionPtr> UcxTransport::RegisterMemory(MemorySpan span, Me
   return std::make_unique<UcxRegion>(this, id, span, kind);
 }
 
-absl::StatusOr<MemoryRegionPtr> UcxTransport::AllocateMemory(size_t bytes) {
+absl::StatusOr<MemoryRegionPtr> UcxTransport::Allocate(size_t bytes, bool publish) {
   if (bytes == 0) return absl::InvalidArgumentError("cannot allocate zero bytes");
   const RegionId id = internal::NextRegionId();
   absl::Status status;
@@ -448,7 +476,8 @@ absl::StatusOr<MemoryRegionPtr> UcxTransport::AllocateMemory(size_t bytes) {
       status = rkey.status();
       return;
     }
-    local_regions_[id] = LocalRegion{MemorySpan{data, bytes}, std::move(*mem), std::move(*rkey)};
+    local_regions_[id] =
+        LocalRegion{MemorySpan{data, bytes}, std::move(*mem), std::move(*rkey), publish};
   });
   KV_RETURN_IF_ERROR(status);
   // Every page mapped and touched now (zero-fill), not during the first transfer into it; then
@@ -463,7 +492,7 @@ absl::StatusOr<MemoryRegionPtr> UcxTransport::AllocateMemory(size_t bytes) {
       local_regions_.erase(it);
       return;
     }
-    channel_->Broadcast(RegionFrame(id, it->second));
+    if (publish) channel_->Broadcast(RegionFrame(id, it->second));
   });
   KV_RETURN_IF_ERROR(populated);
   {
@@ -479,11 +508,115 @@ void UcxTransport::Deregister(RegionId id) {
     region_ptrs_.erase(id);
   }
   progress_->RunSync([this, id] {
-    if (local_regions_.erase(id) == 0) return;
+    auto it = local_regions_.find(id);
+    if (it == local_regions_.end()) return;
+    const bool published = it->second.published;
+    local_regions_.erase(it);  // ucp_mem_unmap: on RDMA the NIC refuses its key from now on
+    if (!published) return;    // nobody was told; importers' DONEs now name no local region
     wire::Writer w(FrameType::kRegionRemove);
     w.U64(id);
     channel_->Broadcast(std::move(w).Finish());
   });
+}
+
+// An exported key is a kRegionAdd frame (id, base, size, packed rkey) preceded by the
+// exporter's incarnation, so it is never used on another process behind the same address.
+absl::StatusOr<std::string> UcxTransport::ExportRegion(const MemoryRegion& region) const {
+  if (region.owner() != this) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("region ", region.id(), " is not this transport's"));
+  }
+  absl::StatusOr<std::string> out;
+  progress_->RunSync([&] {
+    auto it = local_regions_.find(region.id());
+    if (it == local_regions_.end()) {
+      out = absl::NotFoundError(absl::StrCat("region ", region.id(), " is not registered"));
+      return;
+    }
+    if (it->second.published) {
+      out = absl::InvalidArgumentError(absl::StrCat(
+          "region ", region.id(), " is published to every peer; export private regions only"));
+      return;
+    }
+    wire::Writer w(FrameType::kRegionAdd);
+    w.U64(incarnation_);
+    w.U64(region.id());
+    w.U64(reinterpret_cast<uint64_t>(it->second.span.data));
+    w.U64(it->second.span.size_bytes);
+    w.Str(it->second.packed_rkey);
+    out = std::move(w).Finish();
+  });
+  if (out.ok() && out->size() > kMaxExportedRegionBytes) {
+    return absl::InternalError(absl::StrCat("exported key of ", out->size(), " bytes"));
+  }
+  return out;
+}
+
+absl::StatusOr<RegionId> UcxTransport::ImportRegion(PeerId peer, std::string_view exported) {
+  if (exported.size() > kMaxExportedRegionBytes || exported.size() < 5) {
+    return absl::InvalidArgumentError(absl::StrCat("exported region key: want 5 to ",
+                                                   kMaxExportedRegionBytes, " bytes, got ",
+                                                   exported.size()));
+  }
+  uint32_t length = 0;
+  std::memcpy(&length, exported.data(), 4);
+  if (length != exported.size() - 4 ||
+      static_cast<FrameType>(exported[4]) != FrameType::kRegionAdd) {
+    return absl::InvalidArgumentError("exported region key: malformed header");
+  }
+  wire::Reader r(exported.substr(5));
+  uint64_t incarnation = 0;
+  if (!r.U64(&incarnation)) return absl::InvalidArgumentError("exported region key: truncated");
+  absl::StatusOr<frames::Region> announced = frames::DecodeRegion(r);
+  if (!announced.ok() || !r.done()) {
+    return absl::InvalidArgumentError("exported region key: truncated or trailing bytes");
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = peer_info_.find(peer);
+    if (it == peer_info_.end()) return absl::NotFoundError(absl::StrCat("unknown peer ", peer));
+    if (!it->second.alive) return absl::UnavailableError(absl::StrCat("peer ", peer, " is gone"));
+    if (it->second.incarnation != incarnation) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("exported region key of transport incarnation ", incarnation, ", peer ",
+                       peer, " is incarnation ", it->second.incarnation));
+    }
+  }
+  const RegionId id = announced->id;
+  absl::Status status;
+  progress_->RunSync([&] {
+    Peer* p = FindPeer(peer);
+    if (p == nullptr) {
+      status = absl::UnavailableError(absl::StrCat("peer ", peer, " is gone"));
+      return;
+    }
+    RemoteRegion region;
+    region.base = announced->base;
+    region.size = announced->size;
+    region.packed_rkey = std::move(announced->packed_rkey);
+    status = MapRemoteRegion(*p, region);
+    if (!status.ok()) return;
+    p->regions[id] = std::move(region);
+    absl::MutexLock lock(&mu_);
+    peer_info_[peer].region_sizes[id] = announced->size;
+  });
+  KV_RETURN_IF_ERROR(status);
+  return id;
+}
+
+absl::Status UcxTransport::ForgetRegion(PeerId peer, RegionId region) {
+  absl::Status status;
+  progress_->RunSync([&] {
+    Peer* p = FindPeer(peer);
+    if (p == nullptr || p->regions.erase(region) == 0) {
+      status = absl::NotFoundError(absl::StrCat("peer ", peer, " has no imported region ", region));
+      return;
+    }
+    absl::MutexLock lock(&mu_);
+    auto it = peer_info_.find(peer);
+    if (it != peer_info_.end()) it->second.region_sizes.erase(region);
+  });
+  return status;
 }
 
 absl::StatusOr<PeerId> UcxTransport::Connect(std::string_view address_view, absl::Time deadline,
@@ -661,8 +794,11 @@ absl::Status UcxTransport::SendControl(PeerId peer, uint64_t tag, std::string_vi
 void UcxTransport::WriteHelloBody(wire::Writer& w) {
   KV_DCHECK(OnLoop());
   w.Str(worker_address_);
-  w.U32(static_cast<uint32_t>(local_regions_.size()));
+  uint32_t published = 0;
+  for (const auto& [id, r] : local_regions_) published += r.published ? 1 : 0;
+  w.U32(published);
   for (const auto& [id, r] : local_regions_) {
+    if (!r.published) continue;
     w.U64(id);
     w.U64(reinterpret_cast<uint64_t>(r.span.data));
     w.U64(r.span.size_bytes);
@@ -994,9 +1130,10 @@ void UcxTransport::PopulateSome(absl::Duration budget) {
   KV_DCHECK(OnLoop());
   for (auto& [pid, peer] : peers_) {
     uint64_t unpopulated = 0;
-    absl::Cleanup publish = [&] {
+    // Not captured as a structured binding: clang before 16 cannot.
+    absl::Cleanup publish = [&, peer_id = pid] {
       absl::MutexLock lock(&mu_);
-      auto it = peer_info_.find(pid);
+      auto it = peer_info_.find(peer_id);
       if (it != peer_info_.end()) it->second.unpopulated_bytes = unpopulated;
     };
     for (auto& [rid, region] : peer->regions) {

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "transfer/testing/transport_conformance.h"
+#include "transfer/ucx/key_enforcement.h"
 
 namespace kvrelay::transfer {
 namespace {
@@ -131,6 +132,115 @@ TEST(UcxTransportTest, ANonPeerOnTheControlPortIsRejectedWithoutHarm) {
   KV_ASSERT_OK_AND_ASSIGN(PeerId p,
                           client->Connect(server->address(), absl::Now() + absl::Seconds(10)));
   EXPECT_THAT(client->Peers(), ::testing::ElementsAre(p));
+}
+
+// Memory keys handed out per use (issue 13): a private region is in no hello and no region
+// frame; a peer reaches it only through its exported key, only inside it, and not once it is
+// released (the receiver's DONE check refuses it; on RDMA the NIC would refuse the write).
+TEST(UcxTransportTest, PrivateRegionsAreReachableOnlyThroughTheirExportedKey) {
+  for (const char* tls : {"tcp", "posix,sysv,cma,self"}) {
+    SCOPED_TRACE(tls);
+    testing::ScopedEnv env("UCX_TLS", tls);
+    InboundQueue inbound;  // outlives the transports
+    KV_ASSERT_OK_AND_ASSIGN(TransportPtr receiver, MakeUcxTransport());
+    KV_ASSERT_OK_AND_ASSIGN(TransportPtr sender, MakeUcxTransport());
+    EXPECT_TRUE(receiver->capabilities().private_regions);
+    EXPECT_FALSE(receiver->capabilities().hardware_enforced_keys);  // no RDMA device here
+    receiver->SetInboundHandler(inbound.Handler());
+    constexpr size_t kPool = 1 << 20, kSlot = 64 << 10;
+    KV_ASSERT_OK_AND_ASSIGN(MemoryRegionPtr pool, receiver->AllocatePrivateMemory(kPool));
+    KV_ASSERT_OK_AND_ASSIGN(MemoryRegionPtr slot,
+                            receiver->RegisterPrivateMemory(
+                                MemorySpan{pool->data() + 2 * kSlot, kSlot}, MemoryKind::kHost));
+    KV_ASSERT_OK_AND_ASSIGN(std::string key, receiver->ExportRegion(*slot));
+    KV_ASSERT_OK_AND_ASSIGN(MemoryRegionPtr published, receiver->AllocateMemory(kSlot));
+    EXPECT_THAT(receiver->ExportRegion(*published),
+                testing::StatusIs(absl::StatusCode::kInvalidArgument));
+
+    KV_ASSERT_OK_AND_ASSIGN(PeerId peer,
+                            sender->Connect(receiver->address(), absl::Now() + absl::Seconds(10)));
+    KV_ASSERT_OK_AND_ASSIGN(std::vector<RemoteRegionInfo> visible, sender->RemoteRegions(peer));
+    ASSERT_EQ(visible.size(), 1u);  // the published region only
+    EXPECT_EQ(visible[0].id, published->id());
+    std::vector<uint8_t> source(kSlot, 0xab);
+    KV_ASSERT_OK_AND_ASSIGN(
+        MemoryRegionPtr local,
+        sender->RegisterMemory(MemorySpan{source.data(), source.size()}, MemoryKind::kHost));
+    auto put = [&](RegionId region, uint64_t offset, uint64_t length) {
+      TransferBatch batch{.peer = peer, .direction = Direction::kPut, .tag = 7};
+      batch.blocks.push_back({.local = local.get(),
+                              .remote_region = region,
+                              .remote_offset = offset,
+                              .length = length});
+      return sender->Prepare(batch);
+    };
+    // Not imported yet: the sender has no key for it.
+    EXPECT_THAT(put(slot->id(), 0, 4096), testing::StatusIs(absl::StatusCode::kNotFound));
+    EXPECT_THAT(sender->ImportRegion(peer, "garbage"),
+                testing::StatusIs(absl::StatusCode::kInvalidArgument));
+    std::string other_process = key;
+    other_process[5] ^= 1;  // the incarnation's first byte
+    EXPECT_THAT(sender->ImportRegion(peer, other_process),
+                testing::StatusIs(absl::StatusCode::kFailedPrecondition));
+    KV_ASSERT_OK_AND_ASSIGN(RegionId imported, sender->ImportRegion(peer, key));
+    EXPECT_EQ(imported, slot->id());
+    // Only inside the registered slot.
+    EXPECT_THAT(put(imported, kSlot - 100, 4096),
+                testing::StatusIs(absl::StatusCode::kInvalidArgument));
+    KV_ASSERT_OK_AND_ASSIGN(TransferPlan plan, put(imported, 0, kSlot));
+    KV_ASSERT_OK_AND_ASSIGN(TransferHandlePtr h, sender->Post(plan, LayerRange::All()));
+    KV_ASSERT_OK(h->Wait(absl::Now() + absl::Seconds(20)));
+    KV_ASSERT_OK_AND_ASSIGN(InboundEvent got, inbound.NextOfKind(InboundEvent::Kind::kBlocks,
+                                                                 absl::Now() + absl::Seconds(10)));
+    KV_EXPECT_OK(got.status);
+    EXPECT_EQ(pool->data()[2 * kSlot], 0xab);
+    EXPECT_EQ(pool->data()[3 * kSlot - 1], 0xab);
+    EXPECT_EQ(pool->data()[2 * kSlot - 1], 0);  // the slot before is untouched
+
+    // Released (ucp_mem_unmap): the stale key's put is refused. tcp and cma apply the bytes
+    // before anything can check the key (the pool's memory is still there), so what refuses
+    // it is the receiver's DONE check: its handler hears of no block in that region.
+    slot.reset();
+    std::fill(source.begin(), source.end(), 0xcd);
+    KV_ASSERT_OK_AND_ASSIGN(TransferPlan stale, put(imported, 0, kSlot));
+    KV_ASSERT_OK_AND_ASSIGN(TransferHandlePtr late, sender->Post(stale, LayerRange::All()));
+    EXPECT_FALSE(late->Wait(absl::Now() + absl::Seconds(20)).ok());
+    absl::StatusOr<InboundEvent> refused =
+        inbound.NextOfKind(InboundEvent::Kind::kBlocks, absl::Now() + absl::Seconds(5));
+    if (refused.ok()) {
+      EXPECT_FALSE(refused->status.ok());
+      ASSERT_EQ(refused->blocks.size(), 1u);
+      EXPECT_THAT(refused->blocks[0].status,
+                  testing::StatusIs(absl::StatusCode::kInvalidArgument,
+                                    ::testing::HasSubstr("no local region")));
+    }
+    RecordProperty(absl::StrCat("stale_put_bytes_landed_", tls[0] == 't' ? "tcp" : "shm"),
+                   pool->data()[2 * kSlot] == 0xcd ? "yes" : "no");
+    KV_EXPECT_OK(sender->ForgetRegion(peer, imported));
+    EXPECT_THAT(sender->ForgetRegion(peer, imported),
+                testing::StatusIs(absl::StatusCode::kNotFound));
+  }
+}
+
+TEST(KeyEnforcementTest, OnlyAnRdmaDeviceThatUcxTlsAdmitsEnforcesKeys) {
+  using ucx::HardwareEnforcedKeys;
+  const std::vector<ucx::UctComponent> here = ucx::QueryUctComponents();
+  EXPECT_FALSE(here.empty());  // tcp, posix, sysv, cma, self at least
+  const std::vector<ucx::UctComponent> rdma = {{"tcp", 1}, {"ib", 2}, {"posix", 1}};
+  const std::vector<ucx::UctComponent> no_device = {{"tcp", 1}, {"ib", 0}, {"cma", 1}};
+  EXPECT_TRUE(HardwareEnforcedKeys(rdma, ""));
+  EXPECT_TRUE(HardwareEnforcedKeys(rdma, "all"));
+  EXPECT_TRUE(HardwareEnforcedKeys(rdma, "rc_x,sm,self"));
+  EXPECT_TRUE(HardwareEnforcedKeys(rdma, "dc_mlx5"));
+  EXPECT_TRUE(HardwareEnforcedKeys(rdma, "^tcp"));
+  EXPECT_TRUE(HardwareEnforcedKeys(rdma, "^rc,dc"));  // ud is still allowed
+  EXPECT_FALSE(HardwareEnforcedKeys(rdma, "tcp"));
+  EXPECT_FALSE(HardwareEnforcedKeys(rdma, "posix,sysv,cma,self"));
+  EXPECT_FALSE(HardwareEnforcedKeys(rdma, "^ib"));
+  EXPECT_FALSE(HardwareEnforcedKeys(rdma, "^rc,dc,ud_x"));
+  EXPECT_FALSE(HardwareEnforcedKeys(rdma, "rcx"));
+  EXPECT_FALSE(HardwareEnforcedKeys(no_device, ""));
+  EXPECT_FALSE(HardwareEnforcedKeys({}, ""));
 }
 
 double ProcessCpuSeconds() {
