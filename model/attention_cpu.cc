@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "model/cpu_isa.h"
+
 namespace kvrelay::model {
 namespace {
 
@@ -125,7 +127,7 @@ struct Block {
   int64_t u_last;
 };
 
-enum class Isa { kPortable, kAvx2, kAvx512 };
+using Isa = CpuIsa;
 
 // The portable kernel with keys (scores) and value dimensions (output) innermost so GCC
 // vectorises it where FMA is available (the AVX2 clone below); std::fma keeps each element's
@@ -242,14 +244,6 @@ void Avx512Block(const Block& b) {
   Avx512Values<kQ>(b, inv);
 }
 
-Isa BestIsa() {
-  static const Isa isa = __builtin_cpu_supports("avx512f") ? Isa::kAvx512
-                         : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")
-                             ? Isa::kAvx2
-                             : Isa::kPortable;
-  return isa;
-}
-
 void Run(Isa isa, const AttentionQuery* queries, int64_t count, int32_t qk_dim, const float* keys_t,
          int64_t keys_t_stride, const float* values, int64_t v_stride, int32_t v_dim, float scale,
          float softcap, float* scratch) {
@@ -302,7 +296,7 @@ void Run(Isa isa, const AttentionQuery* queries, int64_t count, int32_t qk_dim, 
 void AttendQueries(const AttentionQuery* queries, int64_t count, int32_t qk_dim,
                    const float* keys_t, int64_t keys_t_stride, const float* values,
                    int64_t v_stride, int32_t v_dim, float scale, float softcap, float* scratch) {
-  Run(BestIsa(), queries, count, qk_dim, keys_t, keys_t_stride, values, v_stride, v_dim, scale,
+  Run(BestCpuIsa(), queries, count, qk_dim, keys_t, keys_t_stride, values, v_stride, v_dim, scale,
       softcap, scratch);
 }
 
@@ -311,8 +305,8 @@ void AttendQueriesForTest(AttentionKernel kernel, const AttentionQuery* queries,
                           const float* values, int64_t v_stride, int32_t v_dim, float scale,
                           float softcap, float* scratch) {
   Isa isa = Isa::kPortable;
-  if (kernel == AttentionKernel::kAuto) isa = BestIsa();
-  if (kernel == AttentionKernel::kAvx2 && BestIsa() != Isa::kPortable) isa = Isa::kAvx2;
+  if (kernel == AttentionKernel::kAuto) isa = BestCpuIsa();
+  if (kernel == AttentionKernel::kAvx2 && BestCpuIsa() != Isa::kPortable) isa = Isa::kAvx2;
   Run(isa, queries, count, qk_dim, keys_t, keys_t_stride, values, v_stride, v_dim, scale, softcap,
       scratch);
 }

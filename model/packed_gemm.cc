@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "common/check.h"
+#include "model/cpu_isa.h"
 #include "model/cpu_ops.h"
 
 namespace kvrelay::model {
@@ -31,7 +32,7 @@ struct Tile {
   bool first;    // first depth block: start from 0 instead of y
 };
 
-enum class Isa { kPortable, kAvx2, kAvx512 };
+using Isa = CpuIsa;
 
 // The portable tile, columns innermost so that GCC vectorises it where FMA is available (the
 // AVX2 clone below: four ymm FMAs per panel row); std::fma keeps every element's chain the
@@ -147,14 +148,6 @@ __attribute__((target("avx512f"))) void Avx512TileRows(const Tile& t, int64_t m)
   }
 }
 
-Isa BestIsa() {
-  static const Isa isa = __builtin_cpu_supports("avx512f") ? Isa::kAvx512
-                         : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")
-                             ? Isa::kAvx2
-                             : Isa::kPortable;
-  return isa;
-}
-
 // Rows [r0, r1) x panels [p0, p1) of y.
 void RunBlock(Isa isa, const float* x, int64_t ldx, const PackedWeights& w, float* y, int64_t ldy,
               int64_t r0, int64_t r1, int64_t p0, int64_t p1) {
@@ -249,20 +242,20 @@ PackedWeights PackedWeights::Pack(const float* w, int64_t out, int64_t in, int64
 
 void PackedLinear(const float* x, int64_t rows, const PackedWeights& w, float* y, int threads,
                   int64_t ldx, int64_t ldy) {
-  Run(BestIsa(), x, rows, w, y, threads, ldx, ldy);
+  Run(BestCpuIsa(), x, rows, w, y, threads, ldx, ldy);
 }
 
 void PackedLinearForTest(PackedKernel kernel, const float* x, int64_t rows, const PackedWeights& w,
                          float* y, int threads, int64_t ldx, int64_t ldy) {
   Isa isa = Isa::kPortable;
-  if (kernel == PackedKernel::kAuto) isa = BestIsa();
+  if (kernel == PackedKernel::kAuto) isa = BestCpuIsa();
   if (kernel == PackedKernel::kAvx2)
-    isa = BestIsa() == Isa::kPortable ? Isa::kPortable : Isa::kAvx2;
+    isa = BestCpuIsa() == Isa::kPortable ? Isa::kPortable : Isa::kAvx2;
   Run(isa, x, rows, w, y, threads, ldx, ldy);
 }
 
 const char* PackedGemmKernelName() {
-  switch (BestIsa()) {
+  switch (BestCpuIsa()) {
     case Isa::kAvx512:
       return "AVX-512";
     case Isa::kAvx2:

@@ -144,11 +144,7 @@ absl::Status CacheStoreClient::StreamedMatchPrefix(const v1::MatchPrefixRequest&
         return status;
       }
       // A store deposed since (it resumed after a pause): drop its stream and its answer.
-      status =
-          proto::Attribute(absl::UnavailableError(absl::StrCat(
-                               "cache store ", endpoint->address, " answered with term ", r.term,
-                               ", older than term ", this->term(), " already seen: reply dropped")),
-                           v1::ROLE_STORE, "", v1::FAILURE_NOT_LEADER);
+      status = StaleTermRefusal(*endpoint, r.term);
       stream->Cancel();
       not_leader = status;
       MoveOn(index);
@@ -165,14 +161,7 @@ absl::Status CacheStoreClient::StreamedMatchPrefix(const v1::MatchPrefixRequest&
       const bool is_not_leader = info.has_value() && info->reason() == v1::FAILURE_NOT_LEADER;
       if (is_not_leader) {
         not_leader = status;
-        if (!info->address().empty() && Redirect(info->address(), index)) {
-          if (failures == 0) {
-            ++failures;
-            continue;  // straight to the leader it named
-          }
-        } else {
-          MoveOn(index);
-        }
+        if (FollowNotLeader(*info, index, failures)) continue;
       } else if (r.stream_ended && r.not_sent && failures == 0) {
         // The stream ended just before this lookup would have gone out: a fresh one, at once.
         ++failures;
@@ -262,6 +251,23 @@ int64_t TermOf(const grpc::ClientContext& ctx) {
 }
 }  // namespace
 
+bool CacheStoreClient::FollowNotLeader(const v1::ErrorInfo& info, size_t index, int& failures) {
+  if (info.address().empty() || !Redirect(info.address(), index)) {
+    MoveOn(index);
+    return false;
+  }
+  if (failures > 0) return false;
+  ++failures;
+  return true;  // straight to the leader it named
+}
+
+absl::Status CacheStoreClient::StaleTermRefusal(const Endpoint& endpoint, int64_t term) const {
+  return proto::Attribute(absl::UnavailableError(absl::StrCat(
+                              "cache store ", endpoint.address, " answered with term ", term,
+                              ", older than term ", this->term(), " already seen: reply dropped")),
+                          v1::ROLE_STORE, "", v1::FAILURE_NOT_LEADER);
+}
+
 template <typename Request, typename Response>
 absl::Status CacheStoreClient::Invoke(
     grpc::Status (v1::CacheStore::Stub::*method)(grpc::ClientContext*, const Request&, Response*),
@@ -288,11 +294,7 @@ absl::Status CacheStoreClient::Invoke(
     if (status.ok()) {
       if (AcceptTerm(term)) return status;
       // A store deposed since (it resumed after a pause): what it said is not the cluster's.
-      status =
-          proto::Attribute(absl::UnavailableError(absl::StrCat(
-                               "cache store ", endpoint->address, " answered with term ", term,
-                               ", older than term ", this->term(), " already seen: reply dropped")),
-                           v1::ROLE_STORE, "", v1::FAILURE_NOT_LEADER);
+      status = StaleTermRefusal(*endpoint, term);
       response->Clear();
       not_leader = status;
       MoveOn(index);
@@ -301,14 +303,7 @@ absl::Status CacheStoreClient::Invoke(
       const bool is_not_leader = info.has_value() && info->reason() == v1::FAILURE_NOT_LEADER;
       if (is_not_leader) {
         not_leader = status;
-        if (!info->address().empty() && Redirect(info->address(), index)) {
-          if (failures == 0) {
-            ++failures;
-            continue;  // straight to the leader it named
-          }
-        } else {
-          MoveOn(index);
-        }
+        if (FollowNotLeader(*info, index, failures)) continue;
       } else if (count > 1 && (absl::IsUnavailable(status) ||
                                (absl::IsDeadlineExceeded(status) && attempt_deadline < deadline))) {
         MoveOn(index);  // dead, unreachable, draining or paused: try the next instance

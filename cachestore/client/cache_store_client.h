@@ -238,6 +238,12 @@ class CacheStoreClient {
   void MoveOn(size_t index);
   // Calls go to `address` next (added when not known). False when it is `index` itself.
   bool Redirect(const std::string& address, size_t index);
+  // After a FAILURE_NOT_LEADER answer from instance `index`: follows the leader it named (true:
+  // retry at once, the first time only) or moves on to the next instance (false).
+  bool FollowNotLeader(const v1::ErrorInfo& info, size_t index, int& failures);
+  // A reply from `endpoint` carrying `term`, older than one already seen: refused, as the
+  // store that sent it no longer leads.
+  absl::Status StaleTermRefusal(const Endpoint& endpoint, int64_t term) const;
   // Records `term` from a reply; false when it is older than one already seen.
   bool AcceptTerm(int64_t term);
   // After a stream or call ended: follow a FAILURE_NOT_LEADER redirect for the next call.
