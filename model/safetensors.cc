@@ -59,6 +59,8 @@ int64_t TensorView::num_elements() const {
 
 void TensorView::ToFloat(float* out) const {
   const int64_t n = num_elements();
+  // A tensor with a zero dimension has no bytes; `out` and `data` may then be null.
+  if (n == 0) return;
   switch (dtype) {
     case TensorDType::kFp32:
       std::memcpy(out, data, static_cast<size_t>(n) * 4);

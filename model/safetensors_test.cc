@@ -66,6 +66,18 @@ TEST(SafetensorsTest, RoundTripKeepsNamesShapesAndValues) {
   }
 }
 
+TEST(SafetensorsTest, ZeroElementTensorConvertsToNothing) {
+  // Found by safetensors_fuzzer under UBSan: a zero dimension means no bytes and a null data
+  // pointer, which memcpy must not be given.
+  for (TensorDType dtype : {TensorDType::kFp32, TensorDType::kBf16, TensorDType::kFp16}) {
+    TensorView view;
+    view.dtype = dtype;
+    view.shape = {0, 99511627776, 16777216};
+    EXPECT_EQ(view.num_elements(), 0);
+    EXPECT_TRUE(view.ToFloat().empty());
+  }
+}
+
 TEST(SafetensorsTest, ShardedModelOpensThroughIndex) {
   testing::TempDir dir;
   KV_ASSERT_OK(WriteSafetensorsModel(dir.path(), SampleTensors(), 2));
