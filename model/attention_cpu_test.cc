@@ -5,19 +5,12 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "tests/testing/random_floats.h"
 
 namespace kvrelay::model {
 namespace {
 
-std::vector<float> Random(int64_t n, uint32_t seed) {
-  std::vector<float> v(n);
-  uint32_t x = seed;
-  for (float& f : v) {
-    x = x * 1664525u + 1013904223u;
-    f = static_cast<float>((x >> 8) & 0xffff) / 32768.0f - 1.0f;
-  }
-  return v;
-}
+using ::kvrelay::testing::RandomFloats;
 
 struct Case {
   int32_t qk_dim, v_dim;
@@ -35,17 +28,17 @@ INSTANTIATE_TEST_SUITE_P(Dims, AttendQueriesTest,
 TEST_P(AttendQueriesTest, QueriesAreIndependentOfTheirBlockAndKernel) {
   const Case c = GetParam();
   const int64_t n = 150, stride = n + kAttentionKeyPadding, v_stride = c.v_dim + 8;
-  const std::vector<float> keys = Random(n * c.qk_dim, 1);
+  const std::vector<float> keys = RandomFloats(n * c.qk_dim, 1);
   std::vector<float> keys_t(c.qk_dim * stride, 0.0f);
   for (int64_t j = 0; j < n; ++j) {
     for (int32_t d = 0; d < c.qk_dim; ++d) keys_t[d * stride + j] = keys[j * c.qk_dim + d];
   }
-  const std::vector<float> values = Random(n * v_stride, 2);
+  const std::vector<float> values = RandomFloats(n * v_stride, 2);
   // Causal rows (a prefill), a sliding window, a decode row, a single key.
   const std::vector<std::pair<int64_t, int64_t>> ranges = {
       {0, 100}, {0, 101}, {0, 102}, {0, 103}, {0, 149}, {40, 120}, {41, 121}, {77, 77}, {0, 0}};
   const int64_t count = static_cast<int64_t>(ranges.size());
-  const std::vector<float> q = Random(count * c.qk_dim, 3);
+  const std::vector<float> q = RandomFloats(count * c.qk_dim, 3);
   const float scale = 0.125f;
   std::vector<float> scratch(4 * stride);
 

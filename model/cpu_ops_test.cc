@@ -4,23 +4,16 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "tests/testing/random_floats.h"
 
 namespace kvrelay::model {
 namespace {
 
-std::vector<float> Random(int64_t n, uint32_t seed) {
-  std::vector<float> v(n);
-  uint32_t x = seed;
-  for (float& f : v) {
-    x = x * 1664525u + 1013904223u;
-    f = static_cast<float>((x >> 8) & 0xffff) / 32768.0f - 1.0f;
-  }
-  return v;
-}
+using ::kvrelay::testing::RandomFloats;
 
 TEST(LinearTest, MatchesNaiveProductAndTilesAreReproducible) {
   const int64_t rows = 37, in = 48, out = 24;
-  const std::vector<float> x = Random(rows * in, 1), w = Random(out * in, 2);
+  const std::vector<float> x = RandomFloats(rows * in, 1), w = RandomFloats(out * in, 2);
   std::vector<float> y(rows * out), tiled(rows * out), again(rows * out);
   Linear(x.data(), rows, in, w.data(), out, y.data());
   for (int64_t r = 0; r < rows; ++r) {
@@ -38,7 +31,7 @@ TEST(LinearTest, MatchesNaiveProductAndTilesAreReproducible) {
 }
 
 TEST(RmsNormTest, UnitRmsTimesWeight) {
-  const std::vector<float> x = Random(64, 3);
+  const std::vector<float> x = RandomFloats(64, 3);
   std::vector<float> w(64, 2.0f), y(64);
   RmsNorm(x.data(), 1, 64, w.data(), 0.0f, y.data());
   double ss = 0;
@@ -48,7 +41,7 @@ TEST(RmsNormTest, UnitRmsTimesWeight) {
 
 TEST(RopeTest, PositionZeroIsIdentityAndNormIsKept) {
   for (RopeStyle style : {RopeStyle::kHalf, RopeStyle::kInterleaved}) {
-    std::vector<float> x = Random(2 * 16, 4);
+    std::vector<float> x = RandomFloats(2 * 16, 4);
     const std::vector<float> orig = x;
     const int64_t pos[] = {0, 9};
     ApplyRope(x.data(), 2, 1, 16, 16, 0, pos, 10000.0, style);
@@ -69,7 +62,7 @@ TEST(RopeTest, PositionZeroIsIdentityAndNormIsKept) {
 }
 
 TEST(RopeTest, ScoresDependOnlyOnRelativePosition) {
-  const std::vector<float> q0 = Random(32, 5), k0 = Random(32, 6);
+  const std::vector<float> q0 = RandomFloats(32, 5), k0 = RandomFloats(32, 6);
   auto score = [&](int64_t pq, int64_t pk) {
     std::vector<float> q = q0, k = k0;
     ApplyRope(q.data(), 1, 1, 32, 32, 0, &pq, 10000.0, RopeStyle::kHalf);
@@ -82,7 +75,8 @@ TEST(RopeTest, ScoresDependOnlyOnRelativePosition) {
 TEST(AttendTest, MatchesDoublePrecisionSoftmax) {
   const int32_t d = 24;
   const int64_t n = 19;
-  const std::vector<float> q = Random(d, 7), k = Random(n * d, 8), v = Random(n * d, 9);
+  const std::vector<float> q = RandomFloats(d, 7), k = RandomFloats(n * d, 8),
+                           v = RandomFloats(n * d, 9);
   std::vector<float> out(d), scratch(n);
   AttendOne(q.data(), d, k.data(), d, v.data(), d, d, n, 0.3f, scratch.data(), out.data());
   std::vector<double> p(n);

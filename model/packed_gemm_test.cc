@@ -5,19 +5,12 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "tests/testing/random_floats.h"
 
 namespace kvrelay::model {
 namespace {
 
-std::vector<float> Random(int64_t n, uint32_t seed) {
-  std::vector<float> v(n);
-  uint32_t x = seed;
-  for (float& f : v) {
-    x = x * 1664525u + 1013904223u;
-    f = static_cast<float>((x >> 8) & 0xffff) / 32768.0f - 1.0f;
-  }
-  return v;
-}
+using ::kvrelay::testing::RandomFloats;
 
 // The definition, straight from the unpacked weights: one FMA chain per element, k in order.
 std::vector<float> Definition(const std::vector<float>& x, int64_t rows, int64_t in,
@@ -48,7 +41,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, PackedGemmTest,
 
 TEST_P(PackedGemmTest, EveryKernelAndThreadCountGivesTheDefinitionsBits) {
   const Shape s = GetParam();
-  const std::vector<float> x = Random(s.rows * s.in, 1), w = Random(s.out * s.in, 2);
+  const std::vector<float> x = RandomFloats(s.rows * s.in, 1), w = RandomFloats(s.out * s.in, 2);
   const std::vector<float> want = Definition(x, s.rows, s.in, w, s.out);
   const PackedWeights packed = PackedWeights::Pack(w.data(), s.out, s.in);
   for (PackedKernel kernel : {PackedKernel::kAuto, PackedKernel::kAvx2, PackedKernel::kPortable}) {
@@ -63,7 +56,7 @@ TEST_P(PackedGemmTest, EveryKernelAndThreadCountGivesTheDefinitionsBits) {
 
 TEST_P(PackedGemmTest, RowsComputedInAnySplitAreBitIdentical) {
   const Shape s = GetParam();
-  const std::vector<float> x = Random(s.rows * s.in, 3), w = Random(s.out * s.in, 4);
+  const std::vector<float> x = RandomFloats(s.rows * s.in, 3), w = RandomFloats(s.out * s.in, 4);
   const PackedWeights packed = PackedWeights::Pack(w.data(), s.out, s.in);
   std::vector<float> whole(s.rows * s.out);
   PackedLinear(x.data(), s.rows, packed, whole.data(), 2);
@@ -79,7 +72,7 @@ TEST_P(PackedGemmTest, RowsComputedInAnySplitAreBitIdentical) {
 
 TEST(PackedGemmStridesTest, ReadsAndWritesStridedRowsOnly) {
   const int64_t rows = 13, in = 40, out = 50, ldx = 64, ldy = 80, ldw = 48;
-  const std::vector<float> x = Random(rows * ldx, 5), w = Random(out * ldw, 6);
+  const std::vector<float> x = RandomFloats(rows * ldx, 5), w = RandomFloats(out * ldw, 6);
   std::vector<float> dense_x(rows * in), dense_w(out * in);
   for (int64_t r = 0; r < rows; ++r) std::memcpy(&dense_x[r * in], &x[r * ldx], in * 4);
   for (int64_t o = 0; o < out; ++o) std::memcpy(&dense_w[o * in], &w[o * ldw], in * 4);

@@ -33,6 +33,17 @@ uint64_t KernelRandom64() {
   }
   return v;
 }
+
+// After a failed attempt: counts it and waits 10 ms per failure so far (at most 100 ms); false,
+// without waiting, when the pause would reach `deadline`.
+bool PauseBeforeRetry(int& failures, absl::Time deadline) {
+  ++failures;
+  const absl::Duration pause = std::min(absl::Milliseconds(10) * failures, absl::Milliseconds(100));
+  if (absl::Now() + pause >= deadline) return false;
+  absl::SleepFor(pause);
+  return true;
+}
+
 }  // namespace
 
 absl::StatusOr<std::shared_ptr<CacheStoreClient::Endpoint>> CacheStoreClient::MakeEndpoint(
@@ -176,11 +187,7 @@ absl::Status CacheStoreClient::StreamedMatchPrefix(const v1::MatchPrefixRequest&
         return result(status);
       }
     }
-    ++failures;
-    const absl::Duration pause =
-        std::min(absl::Milliseconds(10) * failures, absl::Milliseconds(100));
-    if (absl::Now() + pause >= deadline) return result(status);
-    absl::SleepFor(pause);
+    if (!PauseBeforeRetry(failures, deadline)) return result(status);
   }
 }
 
@@ -311,11 +318,7 @@ absl::Status CacheStoreClient::Invoke(
         return result(status);
       }
     }
-    ++failures;
-    const absl::Duration pause =
-        std::min(absl::Milliseconds(10) * failures, absl::Milliseconds(100));
-    if (absl::Now() + pause >= deadline) return result(status);
-    absl::SleepFor(pause);
+    if (!PauseBeforeRetry(failures, deadline)) return result(status);
   }
 }
 
