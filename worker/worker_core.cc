@@ -125,6 +125,8 @@ absl::Status WorkerCore::ConnectStore(const std::string& grpc_address,
   link.transport_address = transport_address;
   link.transport_kind = transport_kind;
   link.security = options.security;
+  link.request_timeout = options.store_request_timeout;
+  link.store_backoff = options.store_backoff;
   link.load = std::move(load);
   if (segment != nullptr) {
     link.segment_access_key =
@@ -155,6 +157,11 @@ void WorkerFlags::AddFlags(FlagSet& flags) {
   flags.AddInt32("threads", &core_.threads, "compute threads");
   flags.AddInt64("pool-blocks", &core_.pool_blocks, "request KV slots per layer group");
   flags.AddInt64("cache-slots", &core_.cache_slots, "whole-block slots offered to the store");
+  flags.AddDuration("store-request-timeout", &core_.store_request_timeout,
+                    "deadline of a store call on a request's path (prefix match, commit): a store "
+                    "slower than this costs reuse, not latency");
+  flags.AddDuration("store-backoff", &core_.store_backoff,
+                    "how long request-path store calls are skipped after one failed");
 }
 
 std::optional<int> WorkerFlags::Parse(FlagSet& flags, const std::vector<std::string>& raw_args,
@@ -199,6 +206,11 @@ std::optional<int> WorkerFlags::Parse(FlagSet& flags, const std::vector<std::str
   }
   if (core_.threads < 1 || core_.pool_blocks < 1 || core_.cache_slots < 1) {
     return server::UsageError(name, "--threads, --pool-blocks and --cache-slots must be positive");
+  }
+  if (core_.store_request_timeout <= absl::ZeroDuration() ||
+      core_.store_backoff < absl::ZeroDuration()) {
+    return server::UsageError(
+        name, "--store-request-timeout must be positive and --store-backoff not negative");
   }
   if (model_name_.empty()) model_name_ = server::ModelNameFromDir(core_.model_dir);
   return std::nullopt;

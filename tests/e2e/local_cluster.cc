@@ -6,6 +6,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "absl/strings/match.h"
@@ -37,7 +38,18 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(const ClusterO
                                    "--start-timeout",
                                    absl::StrCat(absl::ToInt64Seconds(options.start_timeout), "s")};
   if (!options.tls) argv.push_back("--insecure");
-  argv.insert(argv.end(), options.extra_args.begin(), options.extra_args.end());
+  std::vector<std::string> extra = options.extra_args;
+  if (!options.worker_args.empty()) {
+    for (const char* role_flag : {"--prefill-args", "--decode-args"}) {
+      auto it = std::find(extra.begin(), extra.end(), role_flag);
+      if (it != extra.end() && it + 1 != extra.end()) {
+        absl::StrAppend(&*(it + 1), " ", options.worker_args);
+      } else {
+        extra.insert(extra.end(), {role_flag, options.worker_args});
+      }
+    }
+  }
+  argv.insert(argv.end(), extra.begin(), extra.end());
   absl::StatusOr<std::unique_ptr<testing::ChildProcess>> up = testing::ChildProcess::Start(argv);
   if (!up.ok()) return up.status();
   cluster->up_ = *std::move(up);

@@ -22,12 +22,20 @@
 
 namespace kvrelay::e2e {
 
+// For ClusterOptions::worker_args of tests that count reused tokens: a store call on the request
+// path slowed past its 500 ms default (ASan on a loaded 2-core CI machine) makes the worker skip
+// the store for a moment, which costs reuse and changes those counts, not tokens.
+inline constexpr char kPatientStoreCalls[] = "--store-request-timeout 5s";
+
 struct ClusterOptions {
   std::string model_dir;
   int prefill = 1;
   int decode = 2;
   // Extra `kvrelay up` flags, e.g. {"--cachestore-args", "--node-ttl 2s"}.
   std::vector<std::string> extra_args;
+  // Extra flags for every prefill and decode worker, joined to any --prefill-args and
+  // --decode-args in extra_args.
+  std::string worker_args;
   absl::Duration start_timeout = absl::Seconds(90);
   // Mutual TLS with `kvrelay up`'s throwaway certificates (client_security() then holds the
   // client certificate); plain text (--insecure) otherwise, for tests not about security.

@@ -43,6 +43,7 @@ class CrossNodeReuse : public ::testing::Test {
     options.model_dir = model_dir_;
     options.prefill = 2;
     options.decode = 2;
+    options.worker_args = kPatientStoreCalls;
     // By load alone, consecutive requests alternate between the two prefill workers, so a
     // prefix computed on one is next asked of the other.
     options.extra_args = {"--gateway-args", "--prefix-routing=false --prefill-timeout 10s",

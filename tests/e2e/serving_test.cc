@@ -64,6 +64,7 @@ class Clusters : public ::testing::Environment {
     options.model_dir = e->model_dir;
     options.prefill = 1;
     options.decode = 2;
+    options.worker_args = kPatientStoreCalls;
     KV_ASSIGN_OR_RETURN(e->cluster, LocalCluster::Start(options));
     Entry* raw = e.get();
     entries_[arch] = std::move(e);
@@ -182,7 +183,7 @@ TEST(SharedPrefix, SecondRequestComputesOnlyNewTokens) {
   KV_ASSERT_OK_AND_ASSIGN(
       double computed_after,
       ScrapeMetric(prefill.metrics_address, "kvrelay:prefill_computed_tokens_total"));
-  EXPECT_EQ(warm.prefix_hit_tokens, 176);
+  EXPECT_EQ(warm.prefix_hit_tokens, 176) << e->cluster->Log();
   EXPECT_EQ(warm.computed_prompt_tokens, 200 - 176);
   EXPECT_EQ(computed_after - computed_before, 16.0) << "prefill computed more than block 12";
 
@@ -193,7 +194,7 @@ TEST(SharedPrefix, SecondRequestComputesOnlyNewTokens) {
   // The first prompt again: every full block is cached, the output is unchanged.
   KV_ASSERT_OK_AND_ASSIGN(cli::GenerationResult again,
                           client.Generate(Request(first, 6, "shared"), kRequestTimeout));
-  EXPECT_EQ(again.prefix_hit_tokens, 192);
+  EXPECT_EQ(again.prefix_hit_tokens, 192) << e->cluster->Log();
   EXPECT_EQ(again.tokens, cold.tokens);
 
   // Another tenant never reuses these blocks.

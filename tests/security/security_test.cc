@@ -69,6 +69,7 @@ class SecurityTest : public ::testing::Test {
     options.model_dir = model_dir;
     options.prefill = 1;
     options.decode = 2;
+    options.worker_args = kPatientStoreCalls;
     options.tls = true;
     options.extra_args = {"--http-address", "127.0.0.1:0"};
     absl::StatusOr<std::unique_ptr<LocalCluster>> cluster = LocalCluster::Start(options);
