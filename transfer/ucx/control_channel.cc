@@ -36,6 +36,7 @@ struct ControlChannel::Conn {
   std::shared_ptr<ConnectWaiter> waiter;
   std::string peer_key;          // outgoing: what our hello presents
   bool hello_delivered = false;  // the delegate saw OnHello, so it hears OnPeerDown
+  bool flush_queued = false;     // in unflushed_
 };
 
 ControlChannel::ControlChannel(ProgressThread* progress, Delegate* delegate, Options options)
@@ -118,8 +119,23 @@ bool ControlChannel::Send(PeerId peer, std::string frame) {
   }
   c->wbuf.append(frame);
   c->last_send = absl::Now();
-  FlushWrites(*c);
+  if (!c->flush_queued) {
+    c->flush_queued = true;
+    unflushed_.push_back(peer);
+  }
   return true;
+}
+
+void ControlChannel::FlushPending() {
+  KV_DCHECK(OnLoop());
+  std::vector<PeerId> ids;
+  ids.swap(unflushed_);
+  for (PeerId id : ids) {
+    Conn* c = Find(id);
+    if (c == nullptr) continue;
+    c->flush_queued = false;
+    FlushWrites(*c);
+  }
 }
 
 void ControlChannel::Broadcast(const std::string& frame) {
@@ -297,8 +313,14 @@ void ControlChannel::Close(PeerId peer, const absl::Status& why, PeerDownKind ki
   const bool was_ready = c->state == Conn::State::kReady;
   const bool tell = c->hello_delivered;
   if (say_bye && was_ready) {
-    std::string bye = std::move(wire::Writer(FrameType::kBye)).Finish();
-    ::send(c->fd.get(), bye.data(), bye.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+    // After the frames still queued (a DONE or CONTROL sent just before Disconnect), never
+    // inside one: best effort, what the socket does not take now is dropped with it.
+    if (c->woff == c->wbuf.size()) {
+      c->wbuf.clear();
+      c->woff = 0;
+    }
+    c->wbuf.append(std::move(wire::Writer(FrameType::kBye)).Finish());
+    FlushWrites(*c);
   }
   c->state = Conn::State::kClosed;
   progress_->UnwatchFd(c->fd.get());

@@ -1375,7 +1375,14 @@ absl::Time UcxTransport::Tick() {
     }
   }
   // Heartbeats and liveness (may take peers down, which edits peers_: not inside the loops).
-  absl::Time next = channel_ != nullptr ? channel_->Tick(now) : now + absl::Milliseconds(50);
+  absl::Time next = now + absl::Milliseconds(50);
+  if (channel_ != nullptr) {
+    next = channel_->Tick(now);
+    // Everything this loop turn queued (DONEs, ACKs, CONTROL, heartbeats) in one send per peer,
+    // before the loop may sleep; frames queued by socket callbacks go out on the next turn,
+    // which follows at once.
+    channel_->FlushPending();
+  }
   if (any_pending || !closing_.empty() || populate_pending_) {
     next = std::min(next, now + absl::Milliseconds(1));
   }
