@@ -698,7 +698,8 @@ def main():
                 first.pol.keep_all = True
                 for chain in trace:
                     first.request(chain)
-                fixed = fit_logistic(first.pol.all_xs, first.pol.all_ys, steps=300)
+                fixed = (fit_logistic(first.pol.all_xs, first.pol.all_ys, steps=300)
+                         if first.pol.all_xs else None)  # no window of labels: LRU throughout
                 cache = SampledCache(cap, Learned(cap, fixed=fixed))
             else:
                 cache = make(name, cap, info)
