@@ -28,6 +28,18 @@ Policies (constants in cache-fulls of block accesses unless said otherwise):
                    caches, ranks re-computed every 1/16 cache.
   lru2, lru3       LRU-K (O'Neil et al. SIGMOD'93): rank by the K-th last access within 8
                    caches; blocks with fewer accesses go first.
+  learned:W        LRB-style (Song et al. NSDI'20): evict the lowest-scored of 64 sampled
+                   evictable leaves; the score is an online logistic regression for "accessed
+                   within W caches" (default 1), refitted every 2,048 labels (class Learned).
+  learned-hindsight  the same model fitted once on every label of a first pass (sees the future:
+                   the best this model and its features can do).
+Offline references (they read the trace's future):
+  belady-leaf      furthest next use among evictable leaves, requests leased, every block
+                   inserted: the C++ ReplayBeladyLeaf (0.3742 at 2k blocks of the shared trace).
+  relaxed-oracle:W sampled eviction with a perfect "accessed within W caches" label.
+  noisy-oracle:S   sampled eviction by log(next-use distance) + Gaussian noise of sigma S.
+--report-auc prints, for the sampled policies, the AUC of the score among eviction candidates for
+"accessed within 2 caches".
 """
 import argparse
 import collections
