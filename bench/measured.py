@@ -163,7 +163,8 @@ def policy_rows(bindir):
         default = next(h for h in header if "(default)" in h)
         rows.append({
             "part": f"policy: prefix hit rate, Mooncake trace, {cell['capacity']} blocks",
-            "figure": f"{default} {cell[default]}; Belady {cell['belady']}",
+            "figure": f"{default} {cell[default]}; Belady {cell['belady']}"
+                      + (f" (leaf-first {cell['belady-leaf']})" if "belady-leaf" in cell else ""),
             "baseline": f"LRU {cell['lru']}",
             "ratio": float(cell[default]) / float(cell["lru"]),
             "command": short(cmd, bindir),

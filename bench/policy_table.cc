@@ -48,14 +48,14 @@ int main(int argc, char** argv) {
     if (!t.ok()) return 1;
     traces.push_back({"gen:" + shape, *std::move(t)});
   }
-  const std::vector<std::string> policies = {"lru",           "leaf-lru", "lrfu",  "probation-lru",
-                                             "probation-lag", "adaptive", "belady"};
+  const std::vector<std::string> policies = {"lru",           "leaf-lru", "lrfu",   "probation-lru",
+                                             "probation-lag", "adaptive", "belady", "belady-leaf"};
   const std::vector<int64_t> capacities = {1000, 2000, 6000, 20000};
   std::printf(
       "| trace | blocks | capacity | lru | leaf-lru | lrfu | probation-lru | probation-lag | "
       "adaptive "
-      "(default) | belady | adaptive/lru | gap closed (adaptive) |\n"
-      "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+      "(default) | belady | belady-leaf | adaptive/lru | gap closed (adaptive) |\n"
+      "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
   for (const Named& t : traces) {
     int64_t blocks = 0;
     for (const TraceRequest& r : t.trace) blocks += static_cast<int64_t>(r.hash_ids.size());
@@ -64,10 +64,11 @@ int main(int argc, char** argv) {
       if (!rs.ok()) return 1;
       const double lru = (*rs)[0].hit_rate(), ada = (*rs)[5].hit_rate(), bel = (*rs)[6].hit_rate();
       std::printf(
-          "| %s | %lld | %lld | %.4f | %.4f | %.4f | %.4f | %.4f | %.4f | %.4f | %.3fx | %s |\n",
+          "| %s | %lld | %lld | %.4f | %.4f | %.4f | %.4f | %.4f | %.4f | %.4f | %.4f | %.3fx | %s "
+          "|\n",
           t.name.c_str(), static_cast<long long>(blocks), static_cast<long long>(c), lru,
           (*rs)[1].hit_rate(), (*rs)[2].hit_rate(), (*rs)[3].hit_rate(), (*rs)[4].hit_rate(), ada,
-          bel, lru > 0 ? ada / lru : 0.0,
+          bel, (*rs)[7].hit_rate(), lru > 0 ? ada / lru : 0.0,
           bel - lru > 1e-9 ? std::to_string(static_cast<int>(100 * (ada - lru) / (bel - lru)))
                                  .append("%")
                                  .c_str()

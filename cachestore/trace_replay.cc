@@ -3,6 +3,8 @@
 #include <cmath>
 #include <limits>
 #include <queue>
+#include <set>
+#include <tuple>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
@@ -102,6 +104,7 @@ absl::StatusOr<ReplayResult> ReplayTrace(const std::vector<TraceRequest>& trace,
         absl::StrCat("capacity-blocks: must be positive, got ", capacity_blocks));
   }
   if (policy_name == "belady") return ReplayBelady(trace, capacity_blocks);
+  if (policy_name == "belady-leaf") return ReplayBeladyLeaf(trace, capacity_blocks);
   KV_ASSIGN_OR_RETURN(EvictionPolicyPtr policy, MakeEvictionPolicy(policy_name, capacity_blocks));
   BlockIndex::Options options;
   options.policy = policy.get();
@@ -176,6 +179,99 @@ ReplayResult ReplayBelady(const std::vector<TraceRequest>& trace, int64_t capaci
       }
       cached[ids[j]] = nu;
       heap.push({nu, ids[j]});
+    }
+  }
+  return result;
+}
+
+bool IsOfflinePolicy(std::string_view policy) {
+  return policy == "belady" || policy == "belady-leaf";
+}
+
+ReplayResult ReplayBeladyLeaf(const std::vector<TraceRequest>& trace, int64_t capacity_blocks) {
+  constexpr int64_t kNever = std::numeric_limits<int64_t>::max();
+  // next_access[i][j]: position (in block accesses) of the next access to block j of request i.
+  std::vector<std::vector<int64_t>> next_access(trace.size());
+  {
+    int64_t position = 0;
+    for (const TraceRequest& r : trace) position += static_cast<int64_t>(r.hash_ids.size());
+    absl::flat_hash_map<uint64_t, int64_t> next;
+    for (int64_t i = static_cast<int64_t>(trace.size()) - 1; i >= 0; --i) {
+      const auto& ids = trace[i].hash_ids;
+      position -= static_cast<int64_t>(ids.size());
+      next_access[i].resize(ids.size());
+      for (int64_t j = static_cast<int64_t>(ids.size()) - 1; j >= 0; --j) {
+        auto it = next.find(ids[j]);
+        next_access[i][j] = it == next.end() ? kNever : it->second;
+        next[ids[j]] = position + j;
+      }
+    }
+  }
+  struct Cached {
+    uint64_t parent = 0;
+    bool has_parent = false;
+    int32_t children = 0;
+    int32_t depth = 0;
+    int64_t next_access = 0;
+    bool leased = false;
+  };
+  // Evictable leaves ordered by (next access, depth, id): the last one goes first.
+  using Key = std::tuple<int64_t, int32_t, uint64_t>;
+  absl::flat_hash_map<uint64_t, Cached> cached;
+  std::set<Key> evictable;
+  auto key_of = [](uint64_t id, const Cached& c) { return Key{c.next_access, c.depth, id}; };
+
+  ReplayResult result;
+  result.policy = "belady-leaf";
+  result.capacity_blocks = capacity_blocks;
+  std::vector<uint64_t> leased;
+  for (size_t i = 0; i < trace.size(); ++i) {
+    const auto& ids = trace[i].hash_ids;
+    ++result.requests;
+    result.blocks += static_cast<int64_t>(ids.size());
+    size_t hits = 0;
+    while (hits < ids.size() && cached.contains(ids[hits])) ++hits;
+    result.hit_blocks += static_cast<int64_t>(hits);
+    leased.clear();
+    for (size_t j = 0; j < ids.size(); ++j) {
+      if (auto it = cached.find(ids[j]); it != cached.end()) {
+        Cached& c = it->second;
+        if (!c.leased && c.children == 0) evictable.erase(key_of(ids[j], c));
+        if (!c.leased) leased.push_back(ids[j]);
+        c.leased = true;
+        c.next_access = next_access[i][j];
+        continue;
+      }
+      while (static_cast<int64_t>(cached.size()) >= capacity_blocks && !evictable.empty()) {
+        const uint64_t victim = std::get<2>(*evictable.rbegin());
+        evictable.erase(std::prev(evictable.end()));
+        const Cached gone = cached[victim];
+        cached.erase(victim);
+        ++result.evictions;
+        if (!gone.has_parent) continue;
+        Cached& parent = cached[gone.parent];
+        if (--parent.children == 0 && !parent.leased) {
+          evictable.insert(key_of(gone.parent, parent));
+        }
+      }
+      // Every cached block is leased by this request: the rest of it cannot be stored.
+      if (static_cast<int64_t>(cached.size()) >= capacity_blocks) break;
+      Cached c;
+      c.depth = static_cast<int32_t>(j);
+      c.next_access = next_access[i][j];
+      c.leased = true;
+      if (j > 0) {
+        c.parent = ids[j - 1];
+        c.has_parent = true;
+        ++cached[ids[j - 1]].children;  // the previous block is cached and leased
+      }
+      cached[ids[j]] = c;
+      leased.push_back(ids[j]);
+    }
+    for (uint64_t id : leased) {
+      Cached& c = cached[id];
+      c.leased = false;
+      if (c.children == 0) evictable.insert(key_of(id, c));
     }
   }
   return result;

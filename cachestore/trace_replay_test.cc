@@ -73,6 +73,32 @@ TEST(ReplayTraceTest, LeafFirstKeepsSharedPrefix) {
   EXPECT_EQ(lrfu.hit_blocks, 4);
 }
 
+// Belady under the store's rule. Capacity 2: [1] [2] [3] [1]: at [3] the evictable leaves are 1
+// (needed next) and 2 (never again), so 2 goes and the last request hits; LRU evicts 1. A block
+// with a cached child is never the victim: with [1,2] cached, [3] must evict leaf 2 although 1
+// is the block used furthest in the future. A request longer than the cache stores what fits
+// (its own blocks are leased) and evicts nothing of it.
+TEST(ReplayTraceTest, BeladyLeafEvictsFurthestLeafAndKeepsLeases) {
+  const std::vector<TraceRequest> trace = {{{1}}, {{2}}, {{3}}, {{1}}};
+  KV_ASSERT_OK_AND_ASSIGN(ReplayResult lru, ReplayTrace(trace, 2, "lru"));
+  KV_ASSERT_OK_AND_ASSIGN(ReplayResult leaf, ReplayTrace(trace, 2, "belady-leaf"));
+  EXPECT_EQ(lru.hit_blocks, 0);
+  EXPECT_EQ(leaf.hit_blocks, 1);
+  EXPECT_EQ(leaf.policy, "belady-leaf");
+
+  // [1,2] [3] [2] [1,2]: at [3], block 1 (next access 4) is needed after block 2 (access 3), so
+  // the unconstrained rule would drop 1; leaf-first must drop 2 (1 has a cached child). [2] then
+  // misses and evicts 3 (never used again), and the last request hits both blocks.
+  const std::vector<TraceRequest> chained = {{{1, 2}}, {{3}}, {{2}}, {{1, 2}}};
+  KV_ASSERT_OK_AND_ASSIGN(ReplayResult chained_leaf, ReplayTrace(chained, 2, "belady-leaf"));
+  EXPECT_EQ(chained_leaf.evictions, 2);
+  EXPECT_EQ(chained_leaf.hit_blocks, 2);
+
+  KV_ASSERT_OK_AND_ASSIGN(ReplayResult longer, ReplayTrace({{{1, 2, 3}}, {{1}}}, 2, "belady-leaf"));
+  EXPECT_EQ(longer.evictions, 0);
+  EXPECT_EQ(longer.hit_blocks, 1);
+}
+
 // A synthetic workload with no file: a hot 4-block prefix (a "system prompt") starts every
 // third request, with a 2-block unique tail; between them come two cold one-off requests of 6
 // blocks. With room for 12 blocks, the 12 cold blocks between two hot requests flush the hot
@@ -126,6 +152,16 @@ TEST(ReplayTraceTest, MooncakeTraceMatchesReferenceLruAndDefaultNeverLower) {
     // reached 1.076x.
     if (c.capacity == 2000) {
       EXPECT_GE(def.hit_rate(), 1.08 * lru.hit_rate());
+      // Belady under the store's rule (leaf-first, leased, no bypass) is the ceiling an online
+      // leaf-first policy faces: 0.3742, as cachestore/tools/policy_model.py's belady-leaf,
+      // against unconstrained Belady's 0.3795.
+      KV_ASSERT_OK_AND_ASSIGN(ReplayResult leaf, ReplayTrace(trace, c.capacity, "belady-leaf"));
+      KV_ASSERT_OK_AND_ASSIGN(ReplayResult belady, ReplayTrace(trace, c.capacity, "belady"));
+      std::printf("capacity 2000: belady %.4f belady-leaf %.4f\n", belady.hit_rate(),
+                  leaf.hit_rate());
+      EXPECT_NEAR(leaf.hit_rate(), 0.3742, 0.0005);
+      EXPECT_LE(leaf.hit_rate(), belady.hit_rate());
+      EXPECT_GT(leaf.hit_rate(), def.hit_rate());
     }
   }
 }

@@ -104,8 +104,22 @@ absl::StatusOr<std::unique_ptr<MambaRunner>> MambaRunner::Create(kv::ModelConfig
     for (float& a : l.a_log) a = -std::exp(a);
   }
   SetBlasThreads(options.threads);
-  return std::unique_ptr<MambaRunner>(
-      new MambaRunner(std::move(config), std::move(weights), options));
+  auto runner =
+      std::unique_ptr<MambaRunner>(new MambaRunner(std::move(config), std::move(weights), options));
+  const kv::ModelConfig& c = runner->config_;
+  for (LayerWeights& l : runner->weights_.layers) {
+    PackedLayer p;
+    p.in = PackedWeights::Pack(l.in_proj.data(), 2 * c.intermediate_size, c.hidden_size);
+    p.x = PackedWeights::Pack(l.x_proj.data(), c.time_step_rank + 2 * c.ssm_state_size,
+                              c.intermediate_size);
+    p.dt = PackedWeights::Pack(l.dt_proj.data(), c.intermediate_size, c.time_step_rank);
+    p.out = PackedWeights::Pack(l.o_proj.data(), c.hidden_size, c.intermediate_size);
+    for (std::vector<float>* unpacked : {&l.in_proj, &l.x_proj, &l.dt_proj, &l.o_proj}) {
+      std::vector<float>().swap(*unpacked);
+    }
+    runner->packed_.push_back(std::move(p));
+  }
+  return runner;
 }
 
 MambaRunner::MambaRunner(kv::ModelConfig config, ModelWeights weights, RunnerOptions options)
@@ -179,9 +193,7 @@ std::vector<float> MambaRunner::Forward(absl::Span<MambaSequence* const> seqs, b
   const int64_t state_bytes = layout().groups()[0].state_bytes;
   const float eps = static_cast<float>(c.layer_norm_epsilon);
   const int64_t start = decode ? 0 : seqs[0]->num_tokens();
-  // GEMM tiling: decode rows alone (batch-invariant); prefill tiles by block from position 0.
-  const int64_t tile = decode ? kRowwiseTiles : bt;
-  const int64_t origin = decode ? 0 : start;
+  const int threads = options_.threads;
 
   // Materialise every sequence's state in fp32 (zero, or parsed from a restored checkpoint).
   for (MambaSequence* s : seqs) {
@@ -217,8 +229,9 @@ std::vector<float> MambaRunner::Forward(absl::Span<MambaSequence* const> seqs, b
   }
   for (int64_t l = 0; l < layers; ++l) {
     const LayerWeights& w = weights_.layers[l];
+    const PackedLayer& p = packed_[l];
     RmsNorm(h.data(), r, hidden, w.input_norm.data(), eps, xn.data());
-    Linear(xn.data(), r, hidden, w.in_proj.data(), 2 * inter, proj.data(), origin, tile);
+    PackedLinear(xn.data(), r, p.in, proj.data(), threads);
     if (!w.in_proj_bias.empty()) AddBias(proj.data(), r, 2 * inter, w.in_proj_bias.data());
     // Causal depthwise conv over the running window (newest input last), then SiLU.
     size_t next_boundary = 0;
@@ -243,9 +256,8 @@ std::vector<float> MambaRunner::Forward(absl::Span<MambaSequence* const> seqs, b
       }
     }
     // [dt | B | C] and the step size.
-    Linear(xc.data(), r, inter, w.x_proj.data(), rank + 2 * n_state, params.data(), origin, tile);
-    Linear(params.data(), r, rank, w.dt_proj.data(), inter, dt.data(), origin, tile,
-           rank + 2 * n_state, inter);
+    PackedLinear(xc.data(), r, p.x, params.data(), threads);
+    PackedLinear(params.data(), r, p.dt, dt.data(), threads, rank + 2 * n_state, inter);
     for (int64_t i = 0; i < r; ++i) {
       for (int64_t ch = 0; ch < inter; ++ch) {
         dt[i * inter + ch] = Softplus(dt[i * inter + ch] + w.dt_bias[ch]);
@@ -278,7 +290,7 @@ std::vector<float> MambaRunner::Forward(absl::Span<MambaSequence* const> seqs, b
         ++next_boundary;
       }
     }
-    Linear(y.data(), r, inter, w.o_proj.data(), hidden, out.data(), origin, tile);
+    PackedLinear(y.data(), r, p.out, out.data(), threads);
     if (!w.o_bias.empty()) AddBias(out.data(), r, hidden, w.o_bias.data());
     for (int64_t i = 0; i < r * hidden; ++i) h[i] += out[i];
   }

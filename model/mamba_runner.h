@@ -16,8 +16,9 @@
 // the end of every call. transformers rounds to the model dtype at the end of every forward
 // call, so this is transformers' result when called block by block. Because of it, the state
 // at a block boundary - a checkpoint - is exactly what a later computation starting from that
-// checkpoint resumes with, and (GEMMs tiled by block from position 0, as ModelRunner does) a
-// prefill resumed from a checkpoint is bit-identical to the full prefill.
+// checkpoint resumes with, and (every projection is the row-invariant PackedLinear, as in
+// ModelRunner) a prefill resumed from a checkpoint is bit-identical to the full prefill. Decode
+// runs the same GEMMs, so it is batch-invariant too; the projections are held once, packed.
 //
 // Serving (what the workers do with it; see model/README.md):
 //   prefill: Restore() the deepest checkpoint whose chained block hash matches, Prefill() the
@@ -40,6 +41,7 @@
 #include "absl/types/span.h"
 #include "kv/hf_config.h"
 #include "model/model_runner.h"
+#include "model/packed_gemm.h"
 #include "model/weights.h"
 
 namespace kvrelay::model {
@@ -106,8 +108,15 @@ class MambaRunner {
                              absl::Span<const int32_t> tokens, bool all_logits,
                              std::vector<std::vector<uint8_t>>* checkpoints) const;
 
+  // A layer's in_proj, x_proj, dt_proj and out_proj packed for PackedLinear; the loaded copies
+  // are released after packing.
+  struct PackedLayer {
+    PackedWeights in, x, dt, out;
+  };
+
   kv::ModelConfig config_;
   ModelWeights weights_;
+  std::vector<PackedLayer> packed_;  // one per layer, constant after Create
   RunnerOptions options_;
   mutable absl::Mutex mu_;
 };

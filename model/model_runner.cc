@@ -105,6 +105,7 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(kv::ModelConfig
       new ModelRunner(std::move(config), std::move(weights), arch, opts));
   runner->activation_ = activation;
   runner->PackWeights();
+  if (runner->options_.batch_invariant_decode) runner->ReleaseUnpackedProjections();
   runner->rope_ = std::move(rope);
   runner->rope_local_ = std::move(rope_local);
   return runner;
@@ -169,10 +170,60 @@ void ModelRunner::PackWeights() {
   }
 }
 
+int64_t ModelRunner::weight_bytes() const {
+  int64_t bytes = 0;
+  auto add = [&bytes](const std::vector<float>& t) {
+    bytes += static_cast<int64_t>(t.capacity() * sizeof(float));
+  };
+  add(weights_.embed_tokens);
+  add(weights_.pos_embed);
+  add(weights_.final_norm);
+  add(weights_.final_norm_bias);
+  add(weights_.lm_head);
+  for (const LayerWeights& w : weights_.layers) {
+    for (const std::vector<float>* t : {&w.input_norm,      &w.post_attention_norm,
+                                        &w.pre_ffn_norm,    &w.post_ffn_norm,
+                                        &w.q_proj,          &w.k_proj,
+                                        &w.v_proj,          &w.q_norm,
+                                        &w.k_norm,          &w.q_a_proj,
+                                        &w.q_a_norm,        &w.q_b_proj,
+                                        &w.kv_a_proj,       &w.kv_a_norm,
+                                        &w.kv_b_proj,       &w.o_proj,
+                                        &w.gate_proj,       &w.up_proj,
+                                        &w.down_proj,       &w.q_bias,
+                                        &w.k_bias,          &w.v_bias,
+                                        &w.o_bias,          &w.gate_bias,
+                                        &w.up_bias,         &w.down_bias,
+                                        &w.input_norm_bias, &w.post_attention_norm_bias,
+                                        &w.qkv_proj,        &w.qkv_bias}) {
+      add(*t);
+    }
+  }
+  for (const PackedLayer& p : packed_) {
+    for (const PackedWeights* t :
+         {&p.q, &p.k, &p.v, &p.o, &p.gate, &p.up, &p.down, &p.q_a, &p.q_b, &p.kv_a}) {
+      bytes += t->bytes();
+    }
+    for (const PackedWeights& t : p.uk) bytes += t.bytes();
+    for (const PackedWeights& t : p.uv) bytes += t.bytes();
+  }
+  return bytes;
+}
+
+void ModelRunner::ReleaseUnpackedProjections() {
+  for (LayerWeights& w : weights_.layers) {
+    for (std::vector<float>* unpacked :
+         {&w.q_proj, &w.k_proj, &w.v_proj, &w.o_proj, &w.gate_proj, &w.up_proj, &w.down_proj,
+          &w.q_a_proj, &w.q_b_proj, &w.kv_a_proj, &w.kv_b_proj}) {
+      std::vector<float>().swap(*unpacked);
+    }
+  }
+}
+
 void ModelRunner::Project(const float* x, int64_t rows, int64_t in, const std::vector<float>& w,
                           const PackedWeights& packed, int64_t out, float* y, int64_t origin,
                           int64_t tile) const {
-  if (tile > 0 && !packed.empty()) {
+  if (RowInvariant(tile) && !packed.empty()) {
     KV_DCHECK(packed.in() == in && packed.out() == out);
     PackedLinear(x, rows, packed, y, options_.threads);
     return;
@@ -582,11 +633,11 @@ void ModelRunner::MlaAttention(int32_t layer, const std::vector<Row>& rows, cons
   // for head h are [W_UK_h (nope rows); W_UV_h (vd rows)], each row lora wide.
   float* qcat = Scratch(ws_.qcat, r * heads * entry);
   for (int32_t h = 0; h < heads; ++h) {
-    const float* w_uk = w.kv_b_proj.data() + int64_t{h} * (nope + vd) * lora;
-    if (tile > 0) {
+    if (RowInvariant(tile)) {
       PackedLinear(q + h * qk, r, p.uk[h], qcat + h * entry, options_.threads, heads * qk,
                    heads * entry);
     } else {
+      const float* w_uk = w.kv_b_proj.data() + int64_t{h} * (nope + vd) * lora;
       LinearNoTrans(q + h * qk, r, nope, w_uk, lora, qcat + h * entry, origin, tile, heads * qk,
                     lora, heads * entry);
     }
@@ -603,11 +654,11 @@ void ModelRunner::MlaAttention(int32_t layer, const std::vector<Row>& rows, cons
   CacheAttention(layer, rows, qcat, static_cast<int32_t>(entry), lora, scale, 0.0f, olat);
   // W_UV applied after attention: out[:, h] = olat_h * W_UV_h^T.
   for (int32_t h = 0; h < heads; ++h) {
-    const float* w_uv = w.kv_b_proj.data() + (int64_t{h} * (nope + vd) + nope) * lora;
-    if (tile > 0) {
+    if (RowInvariant(tile)) {
       PackedLinear(olat + h * lora, r, p.uv[h], out + h * vd, options_.threads,
                    int64_t{heads} * lora, int64_t{heads} * vd);
     } else {
+      const float* w_uv = w.kv_b_proj.data() + (int64_t{h} * (nope + vd) + nope) * lora;
       Linear(olat + h * lora, r, lora, w_uv, vd, out + h * vd, origin, tile, int64_t{heads} * lora,
              int64_t{heads} * vd);
     }

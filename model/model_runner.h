@@ -2,8 +2,8 @@
 
 // ModelRunner: the CPU forward pass of a decoder-only model (GQA, MLA, sliding window) over a
 // paged KV cache. Weights are read from a Hugging Face model directory (config.json +
-// safetensors) and upcast to fp32. Prefill GEMMs run PackedLinear over weights packed at load
-// (a second fp32 copy of the projections), decode GEMMs OpenBLAS or the rowwise kernel; attention
+// safetensors) and upcast to fp32. Prefill and (batch-invariant) decode GEMMs run PackedLinear
+// over the projections packed at load, which replace the loaded copies; attention
 // (AttendQueries) is threaded.
 //
 //   KV_ASSIGN_OR_RETURN(auto runner, ModelRunner::Load(dir, {.threads = 2}));
@@ -23,7 +23,7 @@
 // recomputed. (Before, OpenBLAS calls were cut into row tiles at multiples of gemm_tile_tokens
 // and a start inside a tile recomputed the tile's cached rows.)
 // Decode is batch-invariant by default (RunnerOptions::batch_invariant_decode): every GEMM of a
-// decode step computes each row alone in a fixed order, so a sequence's logits do not depend on
+// decode step is the same row-invariant PackedLinear, so a sequence's logits do not depend on
 // which other sequences share the step.
 //
 // Thread safety: thread-safe. Prefill/DecodeStep calls on one runner are serialised by an
@@ -57,9 +57,10 @@ struct RunnerOptions {
   // No effect on results or speed any more: prefill GEMMs are row-invariant (see the
   // determinism note above); kept so callers that set it still build. Must be >= 0.
   int32_t gemm_tile_tokens = 0;
-  // Decode computes every row with the batch-invariant kernels (kRowwiseTiles): a sequence's
-  // logits are bit-identical whatever other sequences share its step. false: one sgemm per
-  // batch (faster at large batches; a row's rounding then depends on the batch).
+  // Decode computes every row with the row-invariant PackedLinear, as prefill does: a sequence's
+  // logits are bit-identical whatever other sequences share its step, and the projections are
+  // held once (packed). false: one sgemm per batch over a second, unpacked fp32 copy of the
+  // projections (faster at large batches; a row's rounding then depends on the batch).
   bool batch_invariant_decode = true;
 };
 
@@ -88,6 +89,8 @@ class ModelRunner {
   const kv::ModelLayout& layout() const { return config_.layout; }
   Arch arch() const { return arch_; }
   const RunnerOptions& options() const { return options_; }
+  // Bytes of weights this runner holds: the loaded fp32 tensors plus the packed projections.
+  int64_t weight_bytes() const;
 
   // Computes `tokens` after whatever `seq` already holds (nothing, or a prefix installed with
   // Sequence::AdoptPrefix), writing their KV into the sequence's blocks (allocated as needed).
@@ -134,8 +137,10 @@ class ModelRunner {
   void WriteCache(int32_t layer, const std::vector<Row>& rows, const float* k, const float* v,
                   int64_t width) const;
 
-  // Prefill's copies of a layer's projection weights for PackedLinear (empty where the
-  // architecture has no such weight). Decode keeps the unpacked ones (its own kernels).
+  // A layer's projection weights packed for PackedLinear (empty where the architecture has no
+  // such weight). Prefill and batch-invariant decode run on these alone, so with
+  // batch_invariant_decode the unpacked copies are released after packing (each projection is
+  // held once); batched-sgemm decode keeps them.
   struct PackedLayer {
     PackedWeights q, k, v, o, gate, up, down;
     PackedWeights q_a, q_b, kv_a;  // MLA (q_proj goes to q when q_lora_rank is 0)
@@ -143,8 +148,12 @@ class ModelRunner {
     std::vector<PackedWeights> uk, uv;
   };
   void PackWeights();
-  // y = x * w^T for `rows` rows: prefill (tile > 0) runs the row-invariant PackedLinear over
-  // `packed` in one call, whatever the tile; decode and tile-0 calls go to Linear.
+  void ReleaseUnpackedProjections();
+  // Prefill (tile > 0) and batch-invariant decode (kRowwiseTiles): every GEMM row computed alone
+  // in a fixed order, which PackedLinear does whatever the tile or batch.
+  static bool RowInvariant(int64_t tile) { return tile > 0 || tile == kRowwiseTiles; }
+  // y = x * w^T for `rows` rows: row-invariant calls run PackedLinear over `packed` in one
+  // call; batched-sgemm decode (tile 0) goes to Linear over `w`.
   void Project(const float* x, int64_t rows, int64_t in, const std::vector<float>& w,
                const PackedWeights& packed, int64_t out, float* y, int64_t origin,
                int64_t tile) const;

@@ -390,6 +390,36 @@ TEST_P(ModelTest, BatchedSgemmDecodeMatchesWithinRounding) {
   EXPECT_LE(RelErr(batched.data() + vocab, sb.data(), vocab), 1e-5);
 }
 
+// Batch-invariant decode runs on the packed projections, so the loaded fp32 copies are gone:
+// the batched-sgemm runner holds exactly the projections' fp32 bytes more, counted here from the
+// config, not from the runner.
+TEST_P(ModelTest, BatchInvariantDecodeHoldsEachProjectionOnce) {
+  auto packed_only = Load();
+  RunnerOptions sgemm;
+  sgemm.batch_invariant_decode = false;
+  auto both = Load(sgemm);
+  ASSERT_NE(packed_only, nullptr);
+  ASSERT_NE(both, nullptr);
+  const kv::ModelConfig& c = packed_only->config();
+  const int64_t hidden = c.hidden_size, heads = c.num_attention_heads;
+  int64_t per_layer = 0;
+  if (packed_only->arch() == Arch::kMla) {
+    const int64_t qk = c.qk_nope_head_dim + c.qk_rope_head_dim;
+    per_layer += c.q_lora_rank > 0 ? c.q_lora_rank * hidden + heads * qk * c.q_lora_rank
+                                   : heads * qk * hidden;
+    per_layer += (c.kv_lora_rank + c.qk_rope_head_dim) * hidden;
+    per_layer += heads * (c.qk_nope_head_dim + c.v_head_dim) * c.kv_lora_rank;
+    per_layer += hidden * heads * c.v_head_dim;
+  } else {
+    per_layer += (heads + 2 * int64_t{c.num_key_value_heads}) * c.head_dim * hidden;
+    per_layer += hidden * heads * c.head_dim;
+  }
+  const int64_t mlp_matrices = packed_only->arch() == Arch::kGpt2 ? 2 : 3;
+  per_layer += mlp_matrices * c.intermediate_size * hidden;
+  const int64_t projection_bytes = per_layer * c.num_hidden_layers * int64_t{sizeof(float)};
+  EXPECT_EQ(both->weight_bytes() - packed_only->weight_bytes(), projection_bytes);
+}
+
 // The test models must not hide bugs: greedy generations vary (no token-repeating attractor)
 // and the top two logits compete.
 TEST_P(ModelTest, TestModelLogitsCompete) {

@@ -81,12 +81,13 @@ absl::StatusOr<std::vector<std::string>> ParsePolicyList(const std::string& flag
   std::vector<std::string> out;
   for (absl::string_view part : absl::StrSplit(text, ',')) {
     std::string name(absl::StripAsciiWhitespace(part));
-    if (name != "belady") {
+    if (!IsOfflinePolicy(name)) {
       absl::StatusOr<EvictionPolicyPtr> p = MakeEvictionPolicy(name, 1);
       if (!p.ok()) {
         return absl::InvalidArgumentError(absl::StrCat(
             flag, ": unknown policy '", name,
-            "' (want lru, leaf-lru, lrfu, probation-lru, probation-lag, adaptive, belady)"));
+            "' (want lru, leaf-lru, lrfu, probation-lru, probation-lag, adaptive, belady, "
+            "belady-leaf)"));
       }
     }
     out.push_back(std::move(name));
@@ -240,16 +241,17 @@ absl::StatusOr<std::vector<PlanRow>> Plan(const LoadedTrace& trace, const PlanMo
       row.capacity_blocks = capacity_bytes / block_bytes;
       std::vector<int32_t> hits;
       ReplayResult r;
-      if (policy == "belady") {
+      if (IsOfflinePolicy(policy)) {
         // Offline optimum over whole blocks (no window split): the ceiling for the online rows.
-        r = ReplayBelady(trace.requests, row.capacity_blocks);
+        KV_ASSIGN_OR_RETURN(r, ReplayTrace(trace.requests, row.capacity_blocks, policy));
         hits.clear();
       } else {
         KV_ASSIGN_OR_RETURN(r, ReplayWindowed(trace.requests, capacity_bytes, parts,
                                               options.window_aware, policy, &hits));
       }
       row.hit_rate = r.hit_rate();
-      const bool split = options.window_aware && parts.window_blocks > 0 && policy != "belady";
+      const bool split =
+          options.window_aware && parts.window_blocks > 0 && !IsOfflinePolicy(policy);
       const double read_bytes =
           split ? static_cast<double>(r.hit_blocks) * parts.full_bytes +
                       static_cast<double>(r.hit_window_blocks) * parts.window_bytes

@@ -35,7 +35,8 @@ int RunTraceReplayCommand(const std::vector<std::string>& args) {
                   "cache capacity in 512-token blocks; a comma list sweeps (2000,6000,20000)");
   flags.AddString("policy", &policies_text,
                   "comma list of lru, leaf-lru, lrfu, probation-lru, probation-lag, adaptive "
-                  "(default), belady; all = each");
+                  "(default), belady, belady-leaf (Belady leaf-first, as the store evicts); "
+                  "all = each");
   flags.AddBool("json", &json, "one JSON object per result");
   if (std::optional<int> exit_code = ParseCommandLine(flags, args)) return *exit_code;
   absl::StatusOr<std::vector<int64_t>> capacities =

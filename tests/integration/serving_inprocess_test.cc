@@ -69,6 +69,9 @@ class InProcessCluster : public ::testing::Test {
       options.core.cachestore_address = store_host_->address();
       options.core.pool_blocks = 256;
       options.core.cache_slots = 64;
+      // The reuse counts below must not depend on a sanitizer-slowed store call beating the
+      // 500 ms default (the worker would skip the store for a moment).
+      options.core.store_request_timeout = absl::Seconds(5);
       options.model_name = "tiny";
       KV_ASSERT_OK_AND_ASSIGN(auto transport, transfer::MakeInProcessTransport());
       auto faulty = std::make_unique<transfer::FaultyTransport>(std::move(transport));
