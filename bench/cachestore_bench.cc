@@ -15,7 +15,8 @@
 //   4. Trace-replay prefix hit rates (LRU baseline vs the default policy) at 2k / 6k / 20k blocks
 //      on ../shared/data/traces/synthetic_trace.jsonl, if present.
 //
-// Usage: cachestore_bench [--quick] [--skip=server,grpc,unary,memory,trace] [--trace=PATH] [--blocks=N]
+// Usage: cachestore_bench [--quick] [--skip=server,grpc,unary,memory,trace] [--trace=PATH]
+// [--blocks=N]
 //                         [--policy=NAME]
 
 #include <arpa/inet.h>
@@ -412,9 +413,11 @@ void BenchGrpcVsRedis(const Options& opt) {
     const double rate = run();
     return std::make_pair(rate, Cpu{ProcessCpuSeconds(server) - s0, SelfCpuSeconds() - c0});
   };
-  const auto [ours, our_cpu] =
-      opt.unary ? cpu_of(cs, [&] { return run_clients(GrpcLookup{target, false}); })
-                : std::make_pair(0.0, Cpu{});
+  const auto [ours, our_cpu] = opt.unary ? cpu_of(cs,
+                                                  [&] {
+                                                    return run_clients(GrpcLookup{target, false});
+                                                  })
+                                         : std::make_pair(0.0, Cpu{});
   const std::vector<double> our_latency =
       opt.unary ? latencies(GrpcLookup{target, false}) : std::vector<double>{};
   const auto [streamed, streamed_cpu] = cpu_of(cs, [&] {
@@ -497,8 +500,12 @@ void BenchGrpcVsRedis(const Options& opt) {
   ::kill(redis, SIGTERM);
   ::waitpid(redis, nullptr, 0);
   ::close(rfd);
-  std::printf("  kvrelay cachestore, unary MatchPrefix   : %12.0f blocks/s  (%.2fx redis)\n", ours,
-              ours / theirs);
+  if (opt.unary) {
+    std::printf("  kvrelay cachestore, unary MatchPrefix   : %12.0f blocks/s  (%.2fx redis)\n",
+                ours, ours / theirs);
+  } else {
+    std::printf("  kvrelay cachestore, unary MatchPrefix   : skipped (--skip=unary)\n");
+  }
   std::printf("  kvrelay cachestore, MatchPrefixStream   : %12.0f blocks/s  (%.2fx redis)\n",
               streamed, streamed / theirs);
   std::printf("  redis-server (pipeline of 256 EXISTS)   : %12.0f blocks/s\n", theirs);

@@ -80,7 +80,8 @@ bool LookupStream::WaitDone(absl::Duration timeout) {
       HandOff();
     } else {
       // A lookup drives: look again shortly (its driver takes the events in).
-      mu_.AwaitWithTimeout(absl::Condition(+[](bool* driving) { return !*driving; }, &driving_),
+      mu_.AwaitWithTimeout(absl::Condition(
+                               +[](bool* driving) { return !*driving; }, &driving_),
                            std::min(deadline - now, absl::Milliseconds(10)));
     }
   }
@@ -245,8 +246,7 @@ LookupStream::Result LookupStream::Lookup(const v1::MatchPrefixRequest& request,
   } else {
     // Whole milliseconds left, at least 1 (the store refuses 0); the wait below is exact.
     const absl::Duration left = deadline - now;
-    const int64_t timeout_ms =
-        std::clamp<int64_t>(absl::ToInt64Milliseconds(left) + 1, 1, 600000);
+    const int64_t timeout_ms = std::clamp<int64_t>(absl::ToInt64Milliseconds(left) + 1, 1, 600000);
     if (!writing_) {
       // Written at once: the message borrows the caller's request instead of copying it
       // (Write serializes before it returns).
