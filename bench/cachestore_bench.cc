@@ -15,7 +15,8 @@
 //   4. Trace-replay prefix hit rates (LRU baseline vs the default policy) at 2k / 6k / 20k blocks
 //      on ../shared/data/traces/synthetic_trace.jsonl, if present.
 //
-// Usage: cachestore_bench [--quick] [--skip=server,grpc,memory,trace] [--trace=PATH] [--blocks=N]
+// Usage: cachestore_bench [--quick] [--skip=server,grpc,unary,memory,trace] [--trace=PATH]
+// [--blocks=N]
 //                         [--policy=NAME]
 
 #include <arpa/inet.h>
@@ -215,6 +216,7 @@ std::string ReadLine(int fd) {
 struct Options {
   bool quick = false;
   bool server = true, grpc = true, memory = true, trace = true;
+  bool unary = true;  // the unary MatchPrefix phase of 2. (--skip=unary: stream and Redis only)
   std::string trace_path = "/work/shared/data/traces/synthetic_trace.jsonl";
   int64_t memory_blocks = 10'000'000;
   std::string policy = std::string(kvrelay::cachestore::kDefaultPolicy);  // server side and gRPC
@@ -411,8 +413,13 @@ void BenchGrpcVsRedis(const Options& opt) {
     const double rate = run();
     return std::make_pair(rate, Cpu{ProcessCpuSeconds(server) - s0, SelfCpuSeconds() - c0});
   };
-  const auto [ours, our_cpu] = cpu_of(cs, [&] { return run_clients(GrpcLookup{target, false}); });
-  const std::vector<double> our_latency = latencies(GrpcLookup{target, false});
+  const auto [ours, our_cpu] = opt.unary ? cpu_of(cs,
+                                                  [&] {
+                                                    return run_clients(GrpcLookup{target, false});
+                                                  })
+                                         : std::make_pair(0.0, Cpu{});
+  const std::vector<double> our_latency =
+      opt.unary ? latencies(GrpcLookup{target, false}) : std::vector<double>{};
   const auto [streamed, streamed_cpu] = cpu_of(cs, [&] {
     return run_clients(GrpcLookup{target, true});
   });
@@ -493,8 +500,12 @@ void BenchGrpcVsRedis(const Options& opt) {
   ::kill(redis, SIGTERM);
   ::waitpid(redis, nullptr, 0);
   ::close(rfd);
-  std::printf("  kvrelay cachestore, unary MatchPrefix   : %12.0f blocks/s  (%.2fx redis)\n", ours,
-              ours / theirs);
+  if (opt.unary) {
+    std::printf("  kvrelay cachestore, unary MatchPrefix   : %12.0f blocks/s  (%.2fx redis)\n",
+                ours, ours / theirs);
+  } else {
+    std::printf("  kvrelay cachestore, unary MatchPrefix   : skipped (--skip=unary)\n");
+  }
   std::printf("  kvrelay cachestore, MatchPrefixStream   : %12.0f blocks/s  (%.2fx redis)\n",
               streamed, streamed / theirs);
   std::printf("  redis-server (pipeline of 256 EXISTS)   : %12.0f blocks/s\n", theirs);
@@ -621,6 +632,7 @@ int main(int argc, char** argv) {
       if (s.find("grpc") != std::string::npos) opt.grpc = false;
       if (s.find("memory") != std::string::npos) opt.memory = false;
       if (s.find("trace") != std::string::npos) opt.trace = false;
+      if (s.find("unary") != std::string::npos) opt.unary = false;
     } else if (a.rfind("--policy=", 0) == 0) {
       opt.policy = a.substr(9);
     } else if (a.rfind("--trace=", 0) == 0) {
@@ -632,7 +644,7 @@ int main(int argc, char** argv) {
       }
     } else {
       std::fprintf(stderr,
-                   "usage: cachestore_bench [--quick] [--skip=server,grpc,memory,trace] "
+                   "usage: cachestore_bench [--quick] [--skip=server,grpc,unary,memory,trace] "
                    "[--trace=PATH] "
                    "[--blocks=N] [--policy=NAME]\n");
       return 2;

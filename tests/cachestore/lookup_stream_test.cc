@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <fstream>
 #include <optional>
 #include <string>
@@ -231,6 +232,53 @@ TEST_F(LookupStreamProcessTest, ABadLookupIsAnsweredLikeUnaryAndTheStreamGoesOn)
   EXPECT_THAT(streamed->MatchPrefix(Chain("t", 4), absl::Minutes(11)),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("lease_ttl_ms")));
   EXPECT_EQ(Matched(*streamed, Chain("t", 4)), 4);
+}
+
+// Callers drive the stream's completion queue themselves, one at a time, and hand each answer
+// to its caller: threads sharing one stream each get their own answer (chains of different
+// lengths, so a misrouted answer shows), and callers with a short deadline that leave while
+// others drive neither lose nor steal answers.
+TEST_F(LookupStreamProcessTest, ThreadsSharingOneStreamEachGetTheirOwnAnswer) {
+  Start();
+  auto worker = Client(true, {"prefill-a", CacheStoreClient::NewIncarnation()});
+  RegisterAndStore(*worker, {Chain("t", 64)});
+  auto client = Client(true);
+  ASSERT_EQ(Matched(*client, Chain("t", 64)), 64);  // the stream is open
+  const int64_t unary_before = RpcCount(metrics_port_, "MatchPrefix");
+  constexpr int kThreads = 8, kLookups = 150;
+  std::atomic<int> wrong{0}, failed{0}, hurried{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      const std::vector<kv::BlockHash> chain = Chain("t", 8 + t);
+      for (int i = 0; i < kLookups; ++i) {
+        CallOptions call;
+        // Every other thread in a hurry: 1 ms, often shorter than the answer takes.
+        const bool hurry = t % 2 == 1;
+        call.deadline = absl::Now() + (hurry ? absl::Milliseconds(1) : absl::Seconds(10));
+        absl::StatusOr<v1::MatchPrefixResponse> r =
+            client->MatchPrefix(chain, absl::ZeroDuration(), call);
+        if (!r.ok()) {
+          if (hurry && absl::IsDeadlineExceeded(r.status())) {
+            ++hurried;
+          } else {
+            ++failed;
+          }
+        } else if (r->matched() != 8 + t) {
+          ++wrong;
+        }
+      }
+    });
+  }
+  for (std::thread& th : threads) th.join();
+  EXPECT_EQ(wrong.load(), 0);
+  EXPECT_EQ(failed.load(), 0);
+  // Every lookup went over the stream, none fell back to unary calls.
+  EXPECT_EQ(RpcCount(metrics_port_, "MatchPrefix"), unary_before);
+  // The stream still serves after callers left at their deadlines.
+  EXPECT_EQ(Matched(*client, Chain("t", 64)), 64);
+  std::printf("lookups that gave up at their 1 ms deadline: %d of %d\n", hurried.load(),
+              kThreads / 2 * kLookups);
 }
 
 TEST_F(LookupStreamProcessTest, ABrokenStreamFailsTheCallInItsDeadlineAndTheNextCallSucceeds) {
