@@ -223,6 +223,7 @@ TEST_F(KvEventsTest, CurveAdmitsOnlyListedSubscribers) {
   std::vector<std::string> words =
       absl::StrSplit(keys.stdout_text, absl::ByAnyChar(" \n"), absl::SkipEmpty());
   ASSERT_EQ(words.size(), 6u) << keys.stdout_text;
+  // Z85 keys may start with '-': passed as --flag=value so argparse never reads one as a flag.
   const std::string server_public = words[0];
   ASSERT_THAT(WriteFileAtomically(dir_.File("server.key"), words[1] + "\n"), IsOk());
   ASSERT_THAT(WriteFileAtomically(dir_.File("clients"), "\n" + words[2] + "\n"), IsOk());
@@ -235,11 +236,11 @@ TEST_F(KvEventsTest, CurveAdmitsOnlyListedSubscribers) {
   if (HasFatalFailure()) return;
   KV_ASSERT_OK_AND_ASSIGN(
       subscriber_, StartSubscriber(dir_.File("state.json"),
-                                   {"--curve-server-key", server_public, "--curve-client-key-file",
-                                    dir_.File("subscriber.keys")}));
+                                   {"--curve-server-key=" + server_public,
+                                    "--curve-client-key-file", dir_.File("subscriber.keys")}));
   KV_ASSERT_OK_AND_ASSIGN(std::unique_ptr<ChildProcess> intruder,
                           StartSubscriber(dir_.File("intruder.json"),
-                                          {"--curve-server-key", server_public,
+                                          {"--curve-server-key=" + server_public,
                                            "--curve-client-key-file", dir_.File("intruder.keys")}));
   KV_ASSERT_OK_AND_ASSIGN(std::unique_ptr<ChildProcess> plain,
                           StartSubscriber(dir_.File("plain.json")));
