@@ -234,10 +234,9 @@ TEST_F(LookupStreamProcessTest, ABadLookupIsAnsweredLikeUnaryAndTheStreamGoesOn)
   EXPECT_EQ(Matched(*streamed, Chain("t", 4)), 4);
 }
 
-// Callers drive the stream's completion queue themselves, one at a time, and hand each answer
-// to its caller: threads sharing one stream each get their own answer (chains of different
-// lengths, so a misrouted answer shows), and callers with a short deadline that leave while
-// others drive neither lose nor steal answers.
+// Every answer reaches its own caller: threads sharing one stream each get their own answer
+// (chains of different lengths, so a misrouted answer shows), and callers with a short deadline
+// that leave while others wait neither lose nor steal answers.
 TEST_F(LookupStreamProcessTest, ThreadsSharingOneStreamEachGetTheirOwnAnswer) {
   Start();
   auto worker = Client(true, {"prefill-a", CacheStoreClient::NewIncarnation()});
