@@ -60,10 +60,10 @@ struct WorkerCoreOptions {
   int64_t pool_blocks = 1024;        // request KV slots per layer group
   int64_t cache_slots = 256;         // whole-block slots offered to the store
   server::SecurityOptions security;  // for the channel to the store
-  // Store calls on a request's critical path (StoreLinkOptions::request_timeout) and how long
-  // they are skipped after one fails (StoreLinkOptions::store_backoff).
-  absl::Duration store_request_timeout = absl::Milliseconds(500);
-  absl::Duration store_backoff = absl::Seconds(1);
+  // Store calls on a request's critical path and how long they are skipped after one fails
+  // (StoreLinkOptions, whose defaults these are).
+  absl::Duration store_request_timeout = StoreLinkOptions().request_timeout;
+  absl::Duration store_backoff = StoreLinkOptions().store_backoff;
   // Non-empty: the data-plane key peers must present to connect (Transport::SetAcceptKey),
   // installed before the inbound handler. The decode worker sets its own random one.
   std::string transport_accept_key;
