@@ -42,6 +42,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
 #include "kv/hf_config.h"
+#include "model/attention_model.h"
 #include "model/cpu_ops.h"
 #include "model/kv_cache.h"
 #include "model/packed_gemm.h"
@@ -64,17 +65,7 @@ struct RunnerOptions {
   bool batch_invariant_decode = true;
 };
 
-struct PrefillOptions {
-  // Called on the calling thread as soon as layer `layer`'s K/V (or MLA latent) for every new
-  // token is in the pool: in each (group, block) unit of that layer's group, the bytes
-  // [i * layer_bytes, (i + 1) * layer_bytes) with i = KvCache::index_in_group(layer) and
-  // layer_bytes = BlockBytes(group) / group.num_layers(). Lets layer L travel while L+1 computes.
-  std::function<void(int32_t layer)> on_layer_done;
-  // Logits for every new token ([n, vocab]) instead of only the last one ([vocab]).
-  bool all_logits = false;
-};
-
-class ModelRunner {
+class ModelRunner : public AttentionModel {
  public:
   // Reads <dir>/config.json and its safetensors. InvalidArgument naming a missing or misshapen
   // tensor or a bad config field; Unimplemented for model types the runner does not run.
@@ -85,8 +76,11 @@ class ModelRunner {
                                                              ModelWeights weights,
                                                              const RunnerOptions& options = {});
 
-  const kv::ModelConfig& config() const { return config_; }
-  const kv::ModelLayout& layout() const { return config_.layout; }
+  const kv::ModelConfig& config() const override { return config_; }
+  ComputeDevice device() const override {
+    return {.kind = DeviceKind::kCpu, .index = 0, .name = "cpu"};
+  }
+  std::string numerics_id() const override { return {}; }
   Arch arch() const { return arch_; }
   const RunnerOptions& options() const { return options_; }
   // Bytes of weights this runner holds: the loaded fp32 tensors plus the packed projections.
@@ -98,13 +92,13 @@ class ModelRunner {
   // InvalidArgument for no tokens, a token id outside [0, vocab) or a cache of another layout;
   // ResourceExhausted when the pools are full.
   absl::StatusOr<std::vector<float>> Prefill(Sequence& seq, absl::Span<const int32_t> tokens,
-                                             const PrefillOptions& options = {}) const;
+                                             const PrefillOptions& options = {}) const override;
 
   // One decode step for a batch: appends tokens[i] to seqs[i] (continuous batching: each
   // sequence at its own length, possibly in different caches of this layout). Returns logits
   // [batch, vocab], row i for seqs[i].
   absl::StatusOr<std::vector<float>> DecodeStep(absl::Span<Sequence* const> seqs,
-                                                absl::Span<const int32_t> tokens) const;
+                                                absl::Span<const int32_t> tokens) const override;
 
  private:
   struct Row {

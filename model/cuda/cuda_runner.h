@@ -1,0 +1,33 @@
+#pragma once
+
+// The CUDA implementation of AttentionModel (model/attention_model.h): CudaModel's forward pass
+// over a device mirror of the caller's host KvCache pools. The host pools stay where KV lives
+// for the transport: adopted prefix blocks are uploaded before they are read, and every KV
+// byte the GPU writes is staged back to the host pools layer by layer on a copy stream
+// (on_layer_done(L) fires once layer L's copy completed), overlapped with the next layer.
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "model/attention_model.h"
+#include "model/cuda/cuda_model.h"
+#include "model/model_runner.h"
+
+namespace kvrelay::model::cuda {
+
+struct CudaRunnerOptions {
+  int device = 0;
+  WeightDType weight_dtype = WeightDType::kBf16;
+  int32_t block_tokens = 16;  // as RunnerOptions::block_tokens
+  int64_t max_rows = 2048;    // tokens per forward call (prefill chunk or decode batch)
+  int64_t max_context = 32768;
+};
+
+// Loads <model_dir> (config.json + safetensors) onto device `options.device`.
+// FailedPrecondition naming CUDA's reason when that device is not usable; Unimplemented for
+// architectures the CUDA model does not run (Gemma 3, Mamba), naming them.
+absl::StatusOr<std::unique_ptr<AttentionModel>> LoadCudaRunner(const std::string& model_dir,
+                                                               const CudaRunnerOptions& options);
+
+}  // namespace kvrelay::model::cuda
