@@ -7,6 +7,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "common/check.h"
+#include "common/status_macros.h"
 #include "kv/digest.h"
 
 namespace kvrelay::kv {
@@ -62,7 +63,8 @@ absl::Status ValidateGroup(const LayerGroup& g, int index) {
 }
 
 LayoutFingerprint ComputeFingerprint(const std::string& model_id, DType dtype, int32_t block_tokens,
-                                     const std::vector<LayerGroup>& groups) {
+                                     const std::vector<LayerGroup>& groups,
+                                     const std::string& numerics_id) {
   internal::ByteWriter w;
   w.Bytes("kvrelay.layout.v1");
   w.LengthPrefixed(model_id);
@@ -79,6 +81,11 @@ LayoutFingerprint ComputeFingerprint(const std::string& model_id, DType dtype, i
     w.U32(static_cast<uint32_t>(g.rope_dim));
     w.U32(static_cast<uint32_t>(g.window_tokens));
     w.U64(static_cast<uint64_t>(g.state_bytes));
+  }
+  // Appended only when set, so the CPU reference layouts keep the fingerprints they always had.
+  if (!numerics_id.empty()) {
+    w.Bytes("numerics");
+    w.LengthPrefixed(numerics_id);
   }
   std::array<uint8_t, 32> digest = internal::Sha256(w.data());
   LayoutFingerprint fp;
@@ -184,7 +191,8 @@ absl::StatusOr<ModelLayout> ModelLayout::Create(std::string model_id, DType dtyp
                                                    " without gaps, got max ", *seen.rbegin()));
   }
   ModelLayout layout;
-  layout.fingerprint_ = ComputeFingerprint(model_id, dtype, block_tokens, groups);
+  layout.fingerprint_ =
+      ComputeFingerprint(model_id, dtype, block_tokens, groups, /*numerics_id=*/"");
   layout.model_id_ = std::move(model_id);
   layout.dtype_ = dtype;
   layout.block_tokens_ = block_tokens;
@@ -194,11 +202,21 @@ absl::StatusOr<ModelLayout> ModelLayout::Create(std::string model_id, DType dtyp
 }
 
 absl::StatusOr<ModelLayout> ModelLayout::WithDType(DType dtype) const {
-  return Create(model_id_, dtype, block_tokens_, groups_);
+  KV_ASSIGN_OR_RETURN(ModelLayout layout, Create(model_id_, dtype, block_tokens_, groups_));
+  return layout.WithNumerics(numerics_id_);
 }
 
 absl::StatusOr<ModelLayout> ModelLayout::WithBlockTokens(int32_t block_tokens) const {
-  return Create(model_id_, dtype_, block_tokens, groups_);
+  KV_ASSIGN_OR_RETURN(ModelLayout layout, Create(model_id_, dtype_, block_tokens, groups_));
+  return layout.WithNumerics(numerics_id_);
+}
+
+ModelLayout ModelLayout::WithNumerics(std::string numerics_id) const {
+  ModelLayout layout = *this;
+  layout.numerics_id_ = std::move(numerics_id);
+  layout.fingerprint_ =
+      ComputeFingerprint(model_id_, dtype_, block_tokens_, groups_, layout.numerics_id_);
+  return layout;
 }
 
 int64_t ModelLayout::GroupBytesPerToken(int group) const {

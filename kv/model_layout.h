@@ -99,6 +99,11 @@ class ModelLayout {
   // Same layout with another dtype or block size (re-validated, new fingerprint).
   absl::StatusOr<ModelLayout> WithDType(DType dtype) const;
   absl::StatusOr<ModelLayout> WithBlockTokens(int32_t block_tokens) const;
+  // Same layout computed by a backend whose bits differ from the CPU reference's (see
+  // model::AttentionModel::numerics_id): the fingerprint then digests the id too, so blocks and
+  // requests never cross between backends. Empty: the reference (fingerprint as Create gives).
+  ModelLayout WithNumerics(std::string numerics_id) const;
+  const std::string& numerics_id() const { return numerics_id_; }
 
   // Bytes one token adds to one group (all its layers); 0 for SSM groups.
   int64_t GroupBytesPerToken(int group) const;
@@ -125,6 +130,7 @@ class ModelLayout {
   int32_t block_tokens_ = 0;
   std::vector<LayerGroup> groups_;
   int32_t num_layers_ = 0;
+  std::string numerics_id_;
   LayoutFingerprint fingerprint_;
 };
 

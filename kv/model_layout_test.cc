@@ -127,6 +127,24 @@ TEST(ModelLayout, FingerprintDependsOnModelIdentity) {
   EXPECT_EQ(a->fingerprint().ToHex(), "0f9581d72501be38fedda71da1b37a42");
 }
 
+TEST(ModelLayout, NumericsIdSeparatesBackendsAndSurvivesDerivedLayouts) {
+  LayerGroup g{LayerKind::kFullAttention, {0, 1}, 2, 32};
+  auto cpu = ModelLayout::Create("model-a", DType::kBf16, 16, {g});
+  ASSERT_TRUE(cpu.ok());
+  // Empty numerics is the reference: the fingerprint Create gives (the golden value above).
+  EXPECT_EQ(cpu->WithNumerics("").fingerprint(), cpu->fingerprint());
+  const ModelLayout gpu = cpu->WithNumerics("cuda-bf16-sm90");
+  EXPECT_EQ(gpu.numerics_id(), "cuda-bf16-sm90");
+  EXPECT_NE(gpu.fingerprint(), cpu->fingerprint());
+  EXPECT_NE(gpu.fingerprint(), cpu->WithNumerics("cuda-bf16-sm80").fingerprint());
+  EXPECT_EQ(gpu.fingerprint(), cpu->WithNumerics("cuda-bf16-sm90").fingerprint());
+  // Derived layouts keep the backend: a block-size change never drops back to CPU identity.
+  auto bigger = gpu.WithBlockTokens(32);
+  ASSERT_TRUE(bigger.ok());
+  EXPECT_EQ(bigger->numerics_id(), "cuda-bf16-sm90");
+  EXPECT_NE(bigger->fingerprint(), cpu->WithBlockTokens(32)->fingerprint());
+}
+
 TEST(ModelLayout, RejectsBadGroups) {
   EXPECT_THAT(ModelLayout::Create("", DType::kBf16, 16, {{LayerKind::kFullAttention, {0}, 1, 8}}),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("model_id")));
