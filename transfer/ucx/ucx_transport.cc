@@ -238,6 +238,7 @@ class UcxTransport final : public Transport, private ControlChannel::Delegate {
   // Finishes endpoint closes that completed (or gave up); with `wait`, progresses until all
   // are done (bounded).
   void PollClosing(bool wait);
+  void SweepOrphaned();
   void FinishPeerDown(Peer& p);
   void Enqueue(std::unique_ptr<Transfer> t);
   void FailTransfer(PeerId peer, uint64_t id, absl::Status status);
@@ -264,6 +265,10 @@ class UcxTransport final : public Transport, private ControlChannel::Delegate {
   // Progress thread only.
   absl::flat_hash_map<PeerId, std::unique_ptr<Peer>> peers_;
   std::vector<Closing> closing_;
+  // Transfers of peers that went down while UCX still held requests of theirs (a force close
+  // can complete before the cancelled requests' callbacks run): kept until the callbacks ran,
+  // then freed (SweepOrphaned).
+  std::vector<std::unique_ptr<Transfer>> orphaned_;
   absl::flat_hash_map<RegionId, LocalRegion> local_regions_;
   int64_t inflight_ops_ = 0;
   uint64_t inflight_bytes_ = 0;
@@ -403,9 +408,21 @@ UcxTransport::~UcxTransport() {
       channel_.reset();
       peers_.clear();
       local_regions_.clear();
+      const absl::Time give_up = absl::Now() + absl::Seconds(2);
+      while (!orphaned_.empty() && absl::Now() < give_up) {
+        ucp_worker_progress(worker_.get());
+        SweepOrphaned();
+      }
     });
     progress_->Stop();
     progress_.reset();
+  }
+  if (!orphaned_.empty()) {
+    // UCX never called back: once the worker is gone it cannot, so the transfers are safe to
+    // free after it.
+    KV_LOG(WARNING) << orphaned_.size() << " transfers still had UCX requests at shutdown";
+    worker_.reset();
+    orphaned_.clear();
   }
   {
     absl::MutexLock lock(&handler_mu_);
@@ -995,6 +1012,7 @@ void UcxTransport::PollClosing(bool wait) {
       FinishPeerDown(*cl.peer);
     }
     closing_.swap(still);
+    SweepOrphaned();
     if (!wait || closing_.empty() || now > give_up_all) return;
     ucp_worker_progress(worker_.get());
   }
@@ -1007,14 +1025,18 @@ void UcxTransport::FinishPeerDown(Peer& p) {
     --active_transfers_;
     item.transfer->handle->Complete(item.transfer->failure);
     if (item.transfer->inflight > 0 || item.transfer->flush_inflight) {
-      // UCX still references it (the close gave up): keep it alive forever rather than risk
-      // a use-after-free. Logged because it should not happen.
-      KV_LOG(ERROR) << "transfer " << item.transfer->id << " still has UCX requests in flight";
-      item.transfer.release();
+      // UCX still references it: its requests complete (cancelled) on a later progress call.
+      orphaned_.push_back(std::move(item.transfer));
     }
   }
   p.queue.clear();
   p.regions.clear();  // destroys unpacked rkeys
+}
+
+void UcxTransport::SweepOrphaned() {
+  std::erase_if(orphaned_, [](const std::unique_ptr<Transfer>& t) {
+    return t->inflight == 0 && !t->flush_inflight;
+  });
 }
 
 void UcxTransport::Deliver(InboundEvent event) {
@@ -1350,6 +1372,7 @@ absl::Status UcxTransport::HandleAck(Peer& p, std::string_view payload) {
 absl::Time UcxTransport::Tick() {
   KV_DCHECK(OnLoop());
   if (!closing_.empty()) PollClosing(/*wait=*/false);
+  if (!orphaned_.empty()) SweepOrphaned();
   // A few milliseconds per turn while transfers run in either direction (they come first),
   // more when idle.
   if (populate_pending_) {
@@ -1394,7 +1417,7 @@ absl::Time UcxTransport::Tick() {
     // which follows at once.
     channel_->FlushPending();
   }
-  if (any_pending || !closing_.empty() || populate_pending_) {
+  if (any_pending || !closing_.empty() || !orphaned_.empty() || populate_pending_) {
     next = std::min(next, now + absl::Milliseconds(1));
   }
   return next;
