@@ -169,8 +169,8 @@ int RunPlanCommand(const std::vector<std::string>& args) {
   std::vector<PlanRow> all;
   if (!json) {
     std::printf("trace %s: %zu requests\n", trace->name.c_str(), trace->requests.size());
-    std::printf("%-14s %-9s %9s %10s %8s %10s %12s %12s\n", "model", "policy", "GiB/node", "blocks",
-                "hit", "compute", "read/req", "written/req");
+    std::printf("%-14s %-13s %9s %10s %8s %10s %12s %12s\n", "model", "policy", "GiB/node",
+                "blocks", "hit", "compute", "read/req", "written/req");
   }
   for (const PlanModel& m : models) {
     absl::StatusOr<std::vector<PlanRow>> rows = Plan(*trace, m, options);
@@ -187,7 +187,7 @@ int RunPlanCommand(const std::vector<std::string>& args) {
             static_cast<long long>(r.capacity_blocks), r.hit_rate, r.compute_saved,
             r.bytes_read_per_request, r.bytes_written_per_request);
       } else {
-        std::printf("%-14s %-9s %9g %10lld %7.1f%% %10s %12s %12s\n", r.model.c_str(),
+        std::printf("%-14s %-13s %9g %10lld %7.1f%% %10s %12s %12s\n", r.model.c_str(),
                     r.policy.c_str(), r.memory_gib, static_cast<long long>(r.capacity_blocks),
                     100 * r.hit_rate, compute.c_str(), Bytes(r.bytes_read_per_request).c_str(),
                     Bytes(r.bytes_written_per_request).c_str());
