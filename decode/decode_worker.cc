@@ -1023,6 +1023,10 @@ void DecodeWorker::SchedulerLoop() {
       absl::StatusOr<std::vector<int32_t>> greedy;
       if (all_greedy) {
         greedy = runner_->DecodeStepGreedy(seqs, last);
+        if (greedy.ok() && greedy->size() != running.size()) {
+          greedy = absl::InternalError(absl::StrCat("DecodeStepGreedy returned ", greedy->size(),
+                                                    " tokens for ", running.size(), " sequences"));
+        }
       } else {
         logits =
             mamba_ != nullptr ? mamba_->DecodeStep(states, last) : runner_->DecodeStep(seqs, last);
