@@ -111,7 +111,7 @@ struct WorkerCore {
   std::unique_ptr<model::AttentionModel> runner;
   std::unique_ptr<model::MambaRunner> mamba;
   // What the model computes on ("cpu" for Mamba) and one line on why it was picked, for the
-  // listening line and /metrics (kvrelay:worker_device_info).
+  // listening line and /metrics (kvrelay:cache_config_info's device labels).
   model::ComputeDevice device;
   std::string device_reason;
   transfer::TransportPtr transport;
