@@ -125,7 +125,10 @@ class ModelInterfaceTest : public ::testing::TestWithParam<std::tuple<Impl, Arch
     absl::StatusOr<std::unique_ptr<platform::DevicePlatform>> platform =
         platform::MakeDevicePlatform();
     if (!platform.ok()) {
-      NoGpu(absl::StrCat("no usable CUDA device: ", platform.status().ToString()));
+      NoGpu(absl::StrCat(platform.status().code() == absl::StatusCode::kUnimplemented
+                             ? "no CUDA in this build: "
+                             : "no usable CUDA device: ",
+                         platform.status().ToString()));
       return;
     }
     absl::StatusOr<LoadedModel> loaded =

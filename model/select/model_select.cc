@@ -47,8 +47,8 @@ absl::StatusOr<platform::DeviceInfo> FindCudaDevice(int index, absl::string_view
       platform::MakeDevicePlatform();
   if (!platform.ok()) {
     if (platform.status().code() == absl::StatusCode::kUnimplemented) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          flag, ": this kvrelay was built without CUDA (", platform.status().message(), ")"));
+      return absl::FailedPreconditionError(
+          absl::StrCat(flag, ": no CUDA in this kvrelay (", platform.status().message(), ")"));
     }
     return absl::FailedPreconditionError(
         absl::StrCat(flag, ": no usable CUDA device (", platform.status().message(), ")"));
