@@ -251,6 +251,8 @@ absl::Status DecodeWorker::Init(worker::WorkerCoreDeps deps) {
   info.layout = &model_config().layout;
   info.pool_blocks = options_.core.pool_blocks;
   info.cache_slots = core_->segment != nullptr ? core_->segment->num_slots() : 0;
+  info.device = core_->device.Label();
+  info.device_name = core_->device.name;
   kv_metrics_ = std::make_unique<worker::KvCacheMetrics>(
       metrics_, MetricLabels{{"model_name", options_.model_name}}, info,
       [usage = &usage_perc_] { return usage->load(std::memory_order_relaxed); });
@@ -1010,19 +1012,38 @@ void DecodeWorker::SchedulerLoop() {
         states.push_back(a->mamba.get());
         last.push_back(a->last_token);
       }
+      // Greedy sequences need no logits on the host: a batch of only those asks the model for
+      // token ids (Sampler::Sample at temperature 0 is Greedy, so the tokens are the same).
+      const bool all_greedy =
+          mamba_ == nullptr &&
+          std::all_of(running.begin(), running.end(),
+                      [](const std::shared_ptr<Active>& a) { return !(a->temperature > 0.0f); });
       const absl::Time start = absl::Now();
-      absl::StatusOr<std::vector<float>> logits =
-          mamba_ != nullptr ? mamba_->DecodeStep(states, last) : runner_->DecodeStep(seqs, last);
+      absl::StatusOr<std::vector<float>> logits;
+      absl::StatusOr<std::vector<int32_t>> greedy;
+      if (all_greedy) {
+        greedy = runner_->DecodeStepGreedy(seqs, last);
+        if (greedy.ok() && greedy->size() != running.size()) {
+          greedy = absl::InternalError(absl::StrCat("DecodeStepGreedy returned ", greedy->size(),
+                                                    " tokens for ", running.size(), " sequences"));
+        }
+      } else {
+        logits =
+            mamba_ != nullptr ? mamba_->DecodeStep(states, last) : runner_->DecodeStep(seqs, last);
+      }
       step_seconds_->Observe(absl::ToDoubleSeconds(absl::Now() - start));
-      if (!logits.ok()) {
-        for (auto& a : running) finish(a, logits.status());
+      const absl::Status step = all_greedy ? greedy.status() : logits.status();
+      if (!step.ok()) {
+        for (auto& a : running) finish(a, step);
         running.clear();
       } else {
-        const size_t vocab = logits->size() / running.size();
+        const size_t vocab = all_greedy ? 0 : logits->size() / running.size();
         for (size_t i = 0; i < running.size(); ++i) {
           Active& a = *running[i];
-          emit(a, a.sampler->Sample(absl::MakeConstSpan(logits->data() + i * vocab, vocab),
-                                    a.temperature, a.top_p));
+          emit(a, all_greedy
+                      ? (*greedy)[i]
+                      : a.sampler->Sample(absl::MakeConstSpan(logits->data() + i * vocab, vocab),
+                                          a.temperature, a.top_p));
           if (finished(a)) finish(running[i], absl::OkStatus());
         }
         running.erase(

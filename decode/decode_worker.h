@@ -20,13 +20,15 @@
 //            sequence's prefix, hands it to the scheduler and streams tokens. If a transfer
 //            failed or a checksum did not match, the pushed blocks are dropped and the worker
 //            computes the prompt itself: corrupted KV is never used.
-//  Scheduler one thread owns the ModelRunner: it prefills each new sequence's partial tail
-//            (first token), then runs one batched DecodeStep over all active sequences per
-//            iteration (continuous batching: sequences join and leave between steps).
+//  Scheduler one thread owns the model (an AttentionModel: CPU or CUDA, --device): it prefills
+//            each new sequence's partial tail (first token), then runs one batched decode step
+//            over all active sequences per iteration (continuous batching: sequences join and
+//            leave between steps): DecodeStepGreedy when every sequence samples greedily (the
+//            model may pick tokens on its device), else DecodeStep and each one's sampler.
 //
 // Mamba (an SSM-state layout): Reserve holds one slot, for the state after the last pushed
 // block; Generate restores the sequence's recurrent state from it and the scheduler runs
-// MambaRunner instead of ModelRunner.
+// MambaRunner instead of the attention model.
 //
 // Admission: Reserve books the KV blocks a request can ever need (prompt + max_tokens, windows
 // capped) against the pool; a request that does not fit is refused at once with
@@ -54,7 +56,7 @@
 #include "absl/synchronization/mutex.h"
 #include "common/metrics.h"
 #include "kvrelay/v1/decode.pb.h"
-#include "model/model_runner.h"
+#include "model/attention_model.h"
 #include "transfer/transport.h"
 #include "worker/worker_core.h"
 #include "worker/worker_metrics.h"
@@ -99,6 +101,8 @@ class DecodeWorker {
   // kReservation or kPool (options' kAuto resolved by the transport's capabilities).
   worker::MemoryKeyScope memory_key_scope() const { return core_->memory_key_scope; }
   const std::string& node_id() const { return core_->node_id; }
+  // Where the model computes and why ("device cpu (--device cpu)"), for the listening line.
+  std::string device_line() const { return core_->DeviceLine(); }
   uint64_t incarnation() const { return core_->incarnation; }
   // Stops admitting work (SIGTERM drain); in-flight sequences finish.
   void Drain();
@@ -179,7 +183,7 @@ class DecodeWorker {
   // Declared last: destroyed first, so the transport stops calling OnInbound before the
   // reservations it touches go away.
   std::unique_ptr<worker::WorkerCore> core_;
-  model::ModelRunner* runner_ = nullptr;     // core_->runner (null for Mamba)
+  model::AttentionModel* runner_ = nullptr;  // core_->runner (null for Mamba)
   model::MambaRunner* mamba_ = nullptr;      // core_->mamba (null for attention models)
   worker::RegisteredKvCache* kv_ = nullptr;  // core_->kv
   // core_->store once ConnectStore ran (null without a store); release by ConnectStore,

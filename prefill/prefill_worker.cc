@@ -138,6 +138,8 @@ absl::Status PrefillWorker::Init(worker::WorkerCoreDeps deps) {
   info.pool_blocks = options_.core.pool_blocks;
   info.cache_slots = segment_ != nullptr ? segment_->num_slots() : 0;
   info.prefix_caching = true;
+  info.device = core_->device.Label();
+  info.device_name = core_->device.name;
   kv_metrics_ = std::make_unique<worker::KvCacheMetrics>(
       metrics_, model_labels_, info, [kv = kv_] { return worker::FullestPoolUsage(kv->cache()); });
   return absl::OkStatus();

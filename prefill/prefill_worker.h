@@ -34,7 +34,7 @@
 #include "common/metrics.h"
 #include "kv/reuse_cost.h"
 #include "kvrelay/v1/prefill.pb.h"
-#include "model/model_runner.h"
+#include "model/attention_model.h"
 #include "transfer/transport.h"
 #include "worker/block_fetch.h"
 #include "worker/worker_core.h"
@@ -74,6 +74,8 @@ class PrefillWorker {
 
   const std::string& transport_address() const { return core_->transport_address; }
   const std::string& node_id() const { return core_->node_id; }
+  // Where the model computes and why ("device cpu (--device cpu)"), for the listening line.
+  std::string device_line() const { return core_->DeviceLine(); }
   uint64_t incarnation() const { return core_->incarnation; }
   Clock* clock() const { return core_->clock; }
 
@@ -173,7 +175,7 @@ class PrefillWorker {
   const PrefillWorkerOptions options_;
   MetricsRegistry* metrics_;
   std::unique_ptr<worker::WorkerCore> core_;
-  model::ModelRunner* runner_ = nullptr;      // core_->runner (null for Mamba)
+  model::AttentionModel* runner_ = nullptr;   // core_->runner (null for Mamba)
   model::MambaRunner* mamba_ = nullptr;       // core_->mamba (null for attention models)
   transfer::Transport* transport_ = nullptr;  // core_->transport
   worker::RegisteredKvCache* kv_ = nullptr;   // core_->kv

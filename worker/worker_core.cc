@@ -44,9 +44,17 @@ absl::StatusOr<std::unique_ptr<WorkerCore>> WorkerCore::Create(const WorkerCoreO
   KV_ASSIGN_OR_RETURN(kv::ModelConfig config, kv::LoadHfConfig(options.model_dir + "/config.json"));
   KV_ASSIGN_OR_RETURN(model::Arch arch, model::ArchFor(config));
   if (arch == model::Arch::kMamba) {
+    // MambaRunner is CPU-only: auto says so, an explicit cuda is refused.
+    KV_ASSIGN_OR_RETURN(core->device_reason, model::CpuOnlyModelReason(options.device, "mamba"));
     KV_ASSIGN_OR_RETURN(core->mamba, model::MambaRunner::Load(options.model_dir, runner_options));
+    core->device = {.kind = model::DeviceKind::kCpu, .index = 0, .name = "cpu"};
   } else {
-    KV_ASSIGN_OR_RETURN(core->runner, model::ModelRunner::Load(options.model_dir, runner_options));
+    KV_ASSIGN_OR_RETURN(
+        model::LoadedModel loaded,
+        model::LoadAttentionModel(options.model_dir, runner_options, options.device));
+    core->runner = std::move(loaded.model);
+    core->device = core->runner->device();
+    core->device_reason = std::move(loaded.reason);
   }
   const kv::ModelLayout& layout = core->model_config().layout;
   if (deps.transport != nullptr) {
@@ -90,6 +98,10 @@ absl::StatusOr<std::unique_ptr<WorkerCore>> WorkerCore::Create(const WorkerCoreO
   }
   core->options = std::move(effective);
   return core;
+}
+
+std::string WorkerCore::DeviceLine() const {
+  return absl::StrCat("device ", device.Label(), " (", device_reason, ")");
 }
 
 absl::StatusOr<MemoryKeyScope> ParseMemoryKeyScope(absl::string_view name) {
@@ -155,6 +167,10 @@ void WorkerFlags::AddFlags(FlagSet& flags) {
                   "data plane (default: the bind address; a wildcard such as 0.0.0.0 is never "
                   "advertised)");
   flags.AddInt32("threads", &core_.threads, "compute threads");
+  flags.AddString("device", &device_,
+                  "where the model computes: auto (CUDA device 0 when one is usable and runs the "
+                  "model, else the CPU), cpu, cuda or cuda:N (that device or an error); KV "
+                  "never crosses between backends whose bits differ");
   flags.AddInt64("pool-blocks", &core_.pool_blocks, "request KV slots per layer group");
   flags.AddInt64("cache-slots", &core_.cache_slots, "whole-block slots offered to the store");
   flags.AddDuration("store-request-timeout", &core_.store_request_timeout,
@@ -203,6 +219,19 @@ std::optional<int> WorkerFlags::Parse(FlagSet& flags, const std::vector<std::str
   }
   if (core_.transport_port < 0 || core_.transport_port > 65535) {
     return server::UsageError(name, "--transport-port must be in [0, 65535]");
+  }
+  absl::StatusOr<model::DeviceChoice> device = model::ParseDeviceFlag(device_);
+  if (!device.ok()) return server::UsageError(name, std::string(device.status().message()));
+  core_.device = *device;
+  // An explicit device this machine cannot honour is bad usage, refused before any weight is
+  // read (auto and cpu always go on).
+  if (core_.device.kind == model::DeviceChoice::Kind::kCuda) {
+    absl::StatusOr<kv::ModelConfig> config = kv::LoadHfConfig(core_.model_dir + "/config.json");
+    if (config.ok()) {
+      if (absl::Status s = model::CheckDeviceChoice(core_.device, *config); !s.ok()) {
+        return server::UsageError(name, std::string(s.message()));
+      }
+    }  // else the worker's load reports the model directory's problem
   }
   if (core_.threads < 1 || core_.pool_blocks < 1 || core_.cache_slots < 1) {
     return server::UsageError(name, "--threads, --pool-blocks and --cache-slots must be positive");

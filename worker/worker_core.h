@@ -1,6 +1,6 @@
 #pragma once
 
-// WorkerCore: what a prefill and a decode worker both own — the model runner, the data-plane
+// WorkerCore: what a prefill and a decode worker both own — the model, the data-plane
 // transport, the request KV cache in transport memory, and (with a cache store) a cache
 // segment plus the store link that registers and heartbeats it.
 //
@@ -24,8 +24,9 @@
 #include "common/clock.h"
 #include "common/flags.h"
 #include "common/server/service_host.h"
+#include "model/attention_model.h"
 #include "model/mamba_runner.h"
-#include "model/model_runner.h"
+#include "model/select/model_select.h"
 #include "transfer/transport.h"
 #include "worker/kv_memory.h"
 #include "worker/store_link.h"
@@ -57,6 +58,10 @@ struct WorkerCoreOptions {
   // addresses (never a wildcard such as 0.0.0.0).
   std::string advertise_host;
   int32_t threads = 1;
+  // Where attention models compute (model/select/model_select.h). The commands' --device
+  // defaults to auto; in-process users (tests comparing with the CPU reference) get the CPU
+  // unless they ask. Mamba models run on the CPU whatever auto finds; cuda with one is refused.
+  model::DeviceChoice device{.kind = model::DeviceChoice::Kind::kCpu};
   int64_t pool_blocks = 1024;        // request KV slots per layer group
   int64_t cache_slots = 256;         // whole-block slots offered to the store
   server::SecurityOptions security;  // for the channel to the store
@@ -92,15 +97,23 @@ struct WorkerCore {
   const kv::ModelConfig& model_config() const {
     return runner != nullptr ? runner->config() : mamba->config();
   }
+  // "device <cpu|cuda:N> (<why>)", e.g. "device cpu (auto: no usable CUDA device (...))": what
+  // the worker's listening line says.
+  std::string DeviceLine() const;
 
   Clock* clock = nullptr;
   std::string node_id;
   uint64_t incarnation = 0;  // random per process start
-  // Exactly one of the two: attention models run on `runner` over the KV cache; Mamba
-  // (model_type "mamba") on `mamba`, whose recurrent state travels in `kv`'s one SSM group
-  // (one slot = one sequence's whole state) and is checkpointed per block in `segment`.
-  std::unique_ptr<model::ModelRunner> runner;
+  // Exactly one of the two: attention models run on `runner` (CPU or CUDA, by
+  // options.device) over the KV cache; Mamba (model_type "mamba") on `mamba`, whose recurrent
+  // state travels in `kv`'s one SSM group (one slot = one sequence's whole state) and is
+  // checkpointed per block in `segment`.
+  std::unique_ptr<model::AttentionModel> runner;
   std::unique_ptr<model::MambaRunner> mamba;
+  // What the model computes on ("cpu" for Mamba) and one line on why it was picked, for the
+  // listening line and /metrics (kvrelay:cache_config_info's device labels).
+  model::ComputeDevice device;
+  std::string device_reason;
   transfer::TransportPtr transport;
   std::string transport_kind;  // "ucx" or "inproc"
   std::string transport_address;
@@ -133,6 +146,7 @@ class WorkerFlags {
   server::ServiceHostOptions& host_;
   WorkerCoreOptions& core_;
   std::string& model_name_;
+  std::string device_ = "auto";  // --device, parsed into core_.device
 };
 
 // The tail `kvrelay prefill` and `kvrelay decode` share: serves `service` on `host`, then,

@@ -27,6 +27,9 @@ KvCacheMetrics::KvCacheMetrics(MetricsRegistry* metrics, MetricLabels model_labe
   labels["enable_prefix_caching"] = info.prefix_caching ? "True" : "False";
   labels["kv_bytes_per_token"] = absl::StrCat(info.layout->BytesPerToken());
   labels["layout_fingerprint"] = info.layout->fingerprint().ToHex();
+  // Which backend computed the KV (its numerics are in layout_fingerprint too).
+  labels["device"] = info.device;
+  labels["device_name"] = info.device_name;
   metrics_
       ->GetGauge("kvrelay:cache_config_info", "Information of the worker's KV cache config.",
                  labels)

@@ -1,8 +1,9 @@
 #pragma once
 
 // The engine-state families both workers export under vLLM's names (README, "Metrics"):
-// kvrelay:cache_config_info (a gauge fixed at 1 whose labels describe the KV cache, like
-// vllm:cache_config_info) and kvrelay:kv_cache_usage_perc (0..1, like vllm:kv_cache_usage_perc).
+// kvrelay:cache_config_info (a gauge fixed at 1 whose labels describe the KV cache and the
+// device the model computes on, like vllm:cache_config_info) and kvrelay:kv_cache_usage_perc (0..1,
+// like vllm:kv_cache_usage_perc).
 //
 // Thread-safe. KvCacheMetrics must not outlive `metrics`; whatever `usage` reads must outlive
 // the KvCacheMetrics (its destructor replaces the function before returning).
@@ -23,6 +24,8 @@ struct CacheConfigInfo {
   int64_t pool_blocks = 0;                  // request KV blocks per layer group
   int64_t cache_slots = 0;                  // whole-block slots offered to the store (0: none)
   bool prefix_caching = false;              // whether this worker reuses cached prefixes
+  std::string device = "cpu";               // where the model computes: "cpu" or "cuda:N"
+  std::string device_name = "cpu";          // "cpu" or the CUDA device's name
 };
 
 class KvCacheMetrics {

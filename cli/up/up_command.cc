@@ -33,6 +33,7 @@
 #include "common/server/dev_certs.h"
 #include "common/status_macros.h"
 #include "kv/hf_config.h"
+#include "model/select/model_select.h"
 #include "model/test_model.h"
 
 namespace kvrelay::cli {
@@ -127,6 +128,9 @@ int RunUpCommand(const std::vector<std::string>& args) {
                   "directory for the cache store's log and the generated model "
                   "(default: a temporary directory removed on exit)");
   flags.AddInt32("worker-threads", &worker_threads, "compute threads per prefill/decode worker");
+  std::string device = "auto";
+  flags.AddString("device", &device,
+                  "--device of every prefill and decode worker: auto, cpu, cuda or cuda:N");
   flags.AddDuration("start-timeout", &start_timeout, "how long each service may take to start");
   flags.AddDuration("grace", &grace, "how long each service may take to drain on stop");
   flags.AddString("cachestore-args", &cachestore_args, "extra flags for the cache store");
@@ -148,6 +152,9 @@ int RunUpCommand(const std::vector<std::string>& args) {
   }
   if (worker_threads < 1 || worker_threads > 256) {
     return UsageError(absl::StrCat("--worker-threads must be in [1, 256], got ", worker_threads));
+  }
+  if (absl::Status s = model::ParseDeviceFlag(device).status(); !s.ok()) {
+    return UsageError(std::string(s.message()));
   }
   if (seed < 0) return UsageError(absl::StrCat("--seed must be >= 0, got ", seed));
   const size_t colon = gateway_address.rfind(':');
@@ -330,7 +337,7 @@ int RunUpCommand(const std::vector<std::string>& args) {
       KV_RETURN_IF_ERROR(
           launch(id,
                  with_common({"prefill"}, {"--cachestore", store, "--model", model_dir, "--node-id",
-                                           id, "--threads", threads}),
+                                           id, "--threads", threads, "--device", device}),
                  prefill_args, server::PeerRole::kPrefill, id));
     }
     for (int i = 0; i < num_decode; ++i) {
@@ -338,7 +345,7 @@ int RunUpCommand(const std::vector<std::string>& args) {
       KV_RETURN_IF_ERROR(
           launch(id,
                  with_common({"decode"}, {"--cachestore", store, "--model", model_dir, "--node-id",
-                                          id, "--threads", threads}),
+                                          id, "--threads", threads, "--device", device}),
                  decode_args, server::PeerRole::kDecode, id));
     }
     std::vector<std::string> prefill_addrs, decode_addrs;

@@ -80,8 +80,9 @@ absl::StatusOr<std::unique_ptr<ServiceHost>> ServiceHost::Start(
       new ServiceHost(options, std::move(server), port, *std::move(http)));
   host->SetServing(options.serving_at_start);
   // The launcher (`kvrelay up`) and tests wait for exactly this line.
-  std::printf("%s listening on %s metrics %s:%d\n", options.name.c_str(), host->address().c_str(),
-              options.host.c_str(), host->metrics_port());
+  std::printf("%s listening on %s metrics %s:%d%s%s\n", options.name.c_str(),
+              host->address().c_str(), options.host.c_str(), host->metrics_port(),
+              options.listening_note.empty() ? "" : " ", options.listening_note.c_str());
   std::fflush(stdout);
   return host;
 }

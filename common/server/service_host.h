@@ -41,6 +41,9 @@ struct ServiceHostOptions {
   std::vector<std::string> health_services;
   // False: health stays NOT_SERVING until SetServing(true) (a worker: once registered).
   bool serving_at_start = true;
+  // Words appended to the listening line after the metrics address (a worker's device and
+  // why, e.g. "device cpu (--device cpu)"); launchers read only the words before them.
+  std::string listening_note;
 };
 
 struct ShutdownHooks {

@@ -66,6 +66,7 @@ int RunDecodeCommand(const std::vector<std::string>& raw_args) {
                options.model_name.c_str(), (*worker)->node_id().c_str(),
                (*worker)->transport_address().c_str(),
                worker::MemoryKeyScopeName((*worker)->memory_key_scope()));
+  host.listening_note = (*worker)->device_line();
   DecodeService service(worker->get(), kvrelay::server::Authorizer(host.security));
   return worker::ServeWorker(
       host, &service, &metrics, options.core.advertise_host,

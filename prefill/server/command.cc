@@ -40,6 +40,7 @@ int RunPrefillCommand(const std::vector<std::string>& raw_args) {
   }
   std::fprintf(stderr, "prefill: model %s, node %s, data plane %s\n", options.model_name.c_str(),
                (*worker)->node_id().c_str(), (*worker)->transport_address().c_str());
+  host.listening_note = (*worker)->device_line();
   PrefillService service(worker->get(), kvrelay::server::Authorizer(host.security));
   return worker::ServeWorker(
       host, &service, &metrics, options.core.advertise_host,

@@ -38,6 +38,7 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(const ClusterO
                                    "--start-timeout",
                                    absl::StrCat(absl::ToInt64Seconds(options.start_timeout), "s")};
   if (!options.tls) argv.push_back("--insecure");
+  if (!options.device.empty()) argv.insert(argv.end(), {"--device", options.device});
   std::vector<std::string> extra = options.extra_args;
   if (!options.worker_args.empty()) {
     for (const char* role_flag : {"--prefill-args", "--decode-args"}) {

@@ -36,6 +36,10 @@ struct ClusterOptions {
   // Extra flags for every prefill and decode worker, joined to any --prefill-args and
   // --decode-args in extra_args.
   std::string worker_args;
+  // `kvrelay up --device` (every worker). "cpu" by default: the tests compare tokens with the
+  // CPU's co-located reference bit for bit, on machines with a GPU too; "" leaves `up`'s
+  // default (auto).
+  std::string device = "cpu";
   absl::Duration start_timeout = absl::Seconds(90);
   // Mutual TLS with `kvrelay up`'s throwaway certificates (client_security() then holds the
   // client certificate); plain text (--insecure) otherwise, for tests not about security.

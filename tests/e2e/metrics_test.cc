@@ -249,6 +249,9 @@ TEST(Metrics, NamesTypesBucketsAndLabelsOfEveryProcess) {
       EXPECT_EQ(s.labels.at("enable_prefix_caching"), who == "prefill" ? "True" : "False");
       EXPECT_FALSE(s.labels.at("cache_dtype").empty());
       EXPECT_GT(std::stoll(s.labels.at("num_gpu_blocks")), 0);
+      // LocalCluster runs the workers with --device cpu.
+      EXPECT_EQ(s.labels.at("device"), "cpu");
+      EXPECT_EQ(s.labels.at("device_name"), "cpu");
     }
   }
   const Family* xfer_time =
