@@ -1,5 +1,7 @@
 #include "model/cuda/cuda_ops.h"
 
+#include <limits>
+
 #include "absl/strings/str_cat.h"
 #include "model/cuda/launch.h"
 #include "platform/cuda/cuda_util.h"
@@ -168,6 +170,17 @@ absl::Status FillRandom(void* dst, bool bf16, int64_t n, uint64_t seed, float me
                         cudaStream_t stream) {
   return Check(internal::LaunchFillRandom(dst, bf16, n, seed, mean, stddev, stream),
                "FillRandomKernel");
+}
+
+absl::Status ArgmaxRows(const float* logits, int64_t rows, int64_t n, int32_t* out,
+                        cudaStream_t stream) {
+  if (rows < 0 || n <= 0 || n > std::numeric_limits<int32_t>::max()) {
+    return absl::InvalidArgumentError(absl::StrCat("cuda ArgmaxRows: bad shape ", rows, " x ", n));
+  }
+  if (rows > 0 && (logits == nullptr || out == nullptr)) {
+    return absl::InvalidArgumentError("cuda ArgmaxRows: null pointer");
+  }
+  return Check(internal::LaunchArgmax(logits, rows, n, out, stream), "ArgmaxKernel");
 }
 
 }  // namespace kvrelay::model::cuda

@@ -109,6 +109,11 @@ absl::Status PagedAttention(const PagedLayer& layer, const AttentionParams& para
 absl::Status CopyRows(const float* src, int64_t lds, float* dst, int64_t ldd, int64_t rows,
                       int64_t n, cudaStream_t stream);
 
+// out[r] = Greedy(logits[r, :n]) for each of `rows` rows (int32 ids on the device): lowest
+// index among equal maxima, NaN as model::Greedy treats it. Bit-exact with Greedy.
+absl::Status ArgmaxRows(const float* logits, int64_t rows, int64_t n, int32_t* out,
+                        cudaStream_t stream);
+
 // Fills n values (fp32, or bf16 when bf16) with mean + uniform noise of the given standard
 // deviation, from a SplitMix64 stream keyed by (seed, index): deterministic random weights.
 absl::Status FillRandom(void* dst, bool bf16, int64_t n, uint64_t seed, float mean, float stddev,

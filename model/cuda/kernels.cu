@@ -103,4 +103,12 @@ cudaError_t LaunchFillRandom(void* dst, bool bf16, int64_t n, uint64_t seed, flo
   return cudaGetLastError();
 }
 
+cudaError_t LaunchArgmax(const float* logits, int64_t rows, int64_t n, int32_t* out,
+                         cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;
+  // A power of two (the tree reduction halves it), at most ArgmaxKernel's 1024 shared slots.
+  ArgmaxKernel<<<static_cast<unsigned>(rows), 1024, 0, stream>>>(logits, n, out);
+  return cudaGetLastError();
+}
+
 }  // namespace kvrelay::model::cuda::internal

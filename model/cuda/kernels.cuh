@@ -237,6 +237,45 @@ __global__ void CopyRowsKernel(const float* src, int64_t lds, float* dst, int64_
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) dst[r * ldd + i] = src[r * lds + i];
 }
 
+// One block per row of logits [rows, n]: out[r] = the argmax of row r with model::Greedy's
+// sequential rule (best = 0; best = i when x[i] > x[best]): a NaN never wins, except that a
+// NaN at index 0 is never beaten; among equal maxima the lowest index. blockDim.x <= 1024.
+__global__ void ArgmaxKernel(const float* logits, int64_t n, int32_t* out) {
+  __shared__ float best_value[1024];
+  __shared__ int64_t best_index[1024];
+  const float* x = logits + blockIdx.x * n;
+  float v = -INFINITY;
+  int64_t at = -1;  // -1: no candidate seen (only NaNs, or nothing)
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const float xi = x[i];
+    // Indices rise within a thread, so a strict > keeps the lowest index among equals.
+    if (!isnan(xi) && (at < 0 || xi > v)) {
+      v = xi;
+      at = i;
+    }
+  }
+  best_value[threadIdx.x] = v;
+  best_index[threadIdx.x] = at;
+  __syncthreads();
+  for (unsigned stride = blockDim.x / 2; stride > 0; stride >>= 1) {
+    if (threadIdx.x < stride) {
+      const float ov = best_value[threadIdx.x + stride];
+      const int64_t oi = best_index[threadIdx.x + stride];
+      const float mv = best_value[threadIdx.x];
+      const int64_t mi = best_index[threadIdx.x];
+      if (oi >= 0 && (mi < 0 || ov > mv || (ov == mv && oi < mi))) {
+        best_value[threadIdx.x] = ov;
+        best_index[threadIdx.x] = oi;
+      }
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    const int64_t winner = isnan(x[0]) || best_index[0] < 0 ? 0 : best_index[0];
+    out[blockIdx.x] = static_cast<int32_t>(winner);
+  }
+}
+
 __device__ __forceinline__ uint64_t SplitMixDev(uint64_t x) {
   uint64_t z = x + 0x9e3779b97f4a7c15ull;
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;

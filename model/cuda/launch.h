@@ -63,5 +63,7 @@ cudaError_t LaunchCopyRows(const float* src, int64_t lds, float* dst, int64_t ld
                            int64_t n, cudaStream_t stream);
 cudaError_t LaunchFillRandom(void* dst, bool bf16, int64_t n, uint64_t seed, float mean,
                              float stddev, cudaStream_t stream);
+cudaError_t LaunchArgmax(const float* logits, int64_t rows, int64_t n, int32_t* out,
+                         cudaStream_t stream);
 
 }  // namespace kvrelay::model::cuda::internal
