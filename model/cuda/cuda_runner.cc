@@ -135,6 +135,9 @@ absl::Status CudaRunner::CheckSequence(const Sequence& seq) const {
 }
 
 void CudaRunner::Drain() const {
+  // Also drops logits an Enqueue left (TakeLogits waits for the compute stream), so the next
+  // call starts clean; FailedPrecondition when there were none.
+  (void)model_->TakeLogits();
   (void)model_->Synchronize();
   (void)copy_stream_.Synchronize();
   (void)cudaGetLastError();

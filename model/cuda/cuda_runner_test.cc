@@ -6,6 +6,8 @@
 // a device, or fail with KVRELAY_REQUIRE_GPU=1 (bench/gpu_check.sh sets it); the refusal of
 // Gemma 3 and Mamba happens before any device use and runs everywhere.
 
+#include "model/cuda/cuda_runner.h"
+
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -14,7 +16,6 @@
 
 #include "gtest/gtest.h"
 #include "model/cuda/cuda_ops.h"
-#include "model/cuda/cuda_runner.h"
 #include "model/cuda/skip_without_gpu.h"
 #include "model/model_runner.h"
 #include "model/sampler.h"
@@ -55,6 +56,8 @@ struct Arch {
   std::string arch;
   std::string patch;
 };
+
+void PrintTo(const Arch& arch, std::ostream* os) { *os << arch.name; }
 
 std::vector<Arch> TestArchs() {
   // The CUDA forward pass runs plain RoPE only, so the presets' rope_scaling is dropped.

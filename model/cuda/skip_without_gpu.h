@@ -18,12 +18,12 @@ inline bool RequireGpu() {
 
 }  // namespace kvrelay::model::cuda
 
-#define KV_SKIP_WITHOUT_GPU()                                                                \
-  do {                                                                                       \
-    if (!::kvrelay::model::cuda::HaveDevice()) {                                             \
-      if (::kvrelay::model::cuda::RequireGpu()) {                                            \
-        FAIL() << "KVRELAY_REQUIRE_GPU=1 but no usable CUDA device";                         \
-      }                                                                                      \
-      GTEST_SKIP() << "no usable CUDA device (set KVRELAY_REQUIRE_GPU=1 to fail instead)";   \
-    }                                                                                        \
+#define KV_SKIP_WITHOUT_GPU()                                                              \
+  do {                                                                                     \
+    if (!::kvrelay::model::cuda::HaveDevice()) {                                           \
+      if (::kvrelay::model::cuda::RequireGpu()) {                                          \
+        FAIL() << "KVRELAY_REQUIRE_GPU=1 but no usable CUDA device";                       \
+      }                                                                                    \
+      GTEST_SKIP() << "no usable CUDA device (set KVRELAY_REQUIRE_GPU=1 to fail instead)"; \
+    }                                                                                      \
   } while (false)
