@@ -522,10 +522,7 @@ absl::StatusOr<std::string> NumericsId(const CudaRunnerOptions& options, int com
                       patch);
 }
 
-}  // namespace
-
-absl::StatusOr<std::unique_ptr<AttentionModel>> LoadCudaRunner(const std::string& model_dir,
-                                                               const CudaRunnerOptions& options) {
+absl::Status CheckOptions(const CudaRunnerOptions& options) {
   if (options.block_tokens <= 0 || options.max_rows <= 0 || options.max_context <= 0 ||
       options.device < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -534,11 +531,13 @@ absl::StatusOr<std::unique_ptr<AttentionModel>> LoadCudaRunner(const std::string
         options.block_tokens, ", ", options.max_rows, ", ", options.max_context, ", ",
         options.device));
   }
-  kv::ConfigOptions config_options;
-  config_options.block_tokens = options.block_tokens;
-  KV_ASSIGN_OR_RETURN(kv::ModelConfig config,
-                      kv::LoadHfConfig(model_dir + "/config.json", config_options));
-  // Refusals that need no device come first, so they read the same on every machine.
+  return absl::OkStatus();
+}
+
+// Refusals that need no device come first, so they read the same on every machine; then
+// FailedPrecondition naming CUDA's reason when the device is not usable.
+absl::StatusOr<std::string> CheckConfigAndDevice(const kv::ModelConfig& config,
+                                                 const CudaRunnerOptions& options) {
   KV_RETURN_IF_ERROR(CudaModelSupports(config));
   if (config.layout.dtype() == kv::DType::kFp8) {
     return absl::UnimplementedError("cuda runner: fp8 KV cache entries are not implemented");
@@ -556,16 +555,23 @@ absl::StatusOr<std::unique_ptr<AttentionModel>> LoadCudaRunner(const std::string
   }
   cudaDeviceProp props{};
   KV_RETURN_IF_CUDA_ERROR(cudaGetDeviceProperties(&props, options.device));
-  KV_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsModel> files, SafetensorsModel::Open(model_dir));
-  KV_ASSIGN_OR_RETURN(ModelWeights weights, LoadWeights(*files, config));
+  return std::string(props.name);
+}
+
+CudaModelOptions ModelOptions(const CudaRunnerOptions& options) {
   CudaModelOptions model_options;
   model_options.weight_dtype = options.weight_dtype;
   model_options.num_blocks = 0;  // every batch runs over a cache's device mirror
   model_options.max_rows = options.max_rows;
   model_options.max_context = options.max_context;
   model_options.device = options.device;
-  KV_ASSIGN_OR_RETURN(std::unique_ptr<CudaModel> model,
-                      CudaModel::Create(config, weights, model_options));
+  return model_options;
+}
+
+absl::StatusOr<std::unique_ptr<AttentionModel>> MakeRunner(kv::ModelConfig config,
+                                                           std::unique_ptr<CudaModel> model,
+                                                           const CudaRunnerOptions& options,
+                                                           std::string device_name) {
   KV_ASSIGN_OR_RETURN(std::string numerics, NumericsId(options, model->compute_capability()));
   KV_ASSIGN_OR_RETURN(CudaStream copy_stream, CudaStream::Create(options.device));
   std::vector<CudaEvent> compute_done, copy_done;
@@ -577,10 +583,41 @@ absl::StatusOr<std::unique_ptr<AttentionModel>> LoadCudaRunner(const std::string
   }
   config.layout = config.layout.WithNumerics(numerics);
   KV_LOG(INFO) << "cuda runner: " << config.model_type << " on cuda:" << options.device << " ("
-               << props.name << "), numerics " << numerics;
+               << device_name << "), numerics " << numerics;
   return std::unique_ptr<AttentionModel>(new CudaRunner(
-      std::move(config), std::move(model), options, std::move(numerics), std::string(props.name),
+      std::move(config), std::move(model), options, std::move(numerics), std::move(device_name),
       std::move(copy_stream), std::move(compute_done), std::move(copy_done)));
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<AttentionModel>> LoadCudaRunner(const std::string& model_dir,
+                                                               const CudaRunnerOptions& options) {
+  KV_RETURN_IF_ERROR(CheckOptions(options));
+  kv::ConfigOptions config_options;
+  config_options.block_tokens = options.block_tokens;
+  KV_ASSIGN_OR_RETURN(kv::ModelConfig config,
+                      kv::LoadHfConfig(model_dir + "/config.json", config_options));
+  KV_ASSIGN_OR_RETURN(std::string device_name, CheckConfigAndDevice(config, options));
+  KV_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsModel> files, SafetensorsModel::Open(model_dir));
+  KV_ASSIGN_OR_RETURN(ModelWeights weights, LoadWeights(*files, config));
+  KV_ASSIGN_OR_RETURN(std::unique_ptr<CudaModel> model,
+                      CudaModel::Create(config, weights, ModelOptions(options)));
+  return MakeRunner(std::move(config), std::move(model), options, std::move(device_name));
+}
+
+absl::StatusOr<std::unique_ptr<AttentionModel>> CreateRandomCudaRunner(
+    const kv::ModelConfig& config, uint64_t seed, const CudaRunnerOptions& options) {
+  KV_RETURN_IF_ERROR(CheckOptions(options));
+  if (config.layout.block_tokens() != options.block_tokens) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda runner: the config's layout has ", config.layout.block_tokens(),
+                     "-token blocks, options say ", options.block_tokens));
+  }
+  KV_ASSIGN_OR_RETURN(std::string device_name, CheckConfigAndDevice(config, options));
+  KV_ASSIGN_OR_RETURN(std::unique_ptr<CudaModel> model,
+                      CudaModel::CreateRandom(config, seed, ModelOptions(options)));
+  return MakeRunner(config, std::move(model), options, std::move(device_name));
 }
 
 absl::StatusOr<std::vector<uint8_t>> ReadDeviceUnitForTest(const AttentionModel& model,

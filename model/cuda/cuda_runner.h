@@ -32,6 +32,12 @@ struct CudaRunnerOptions {
 absl::StatusOr<std::unique_ptr<AttentionModel>> LoadCudaRunner(const std::string& model_dir,
                                                                const CudaRunnerOptions& options);
 
+// For benchmarks of real-size shapes: a runner over random weights drawn on the device
+// (CudaModel::CreateRandom) for `config` (e.g. a preset's, with options.block_tokens-token
+// blocks). Same refusals as LoadCudaRunner.
+absl::StatusOr<std::unique_ptr<AttentionModel>> CreateRandomCudaRunner(
+    const kv::ModelConfig& config, uint64_t seed, const CudaRunnerOptions& options);
+
 // For tests: the device mirror's copy of one (group, slot) unit of `cache`, BlockBytes(group)
 // bytes. InvalidArgument when `model` is not a CUDA runner, NotFound when it mirrors no such
 // cache.
