@@ -333,13 +333,15 @@ TEST(CudaRunnerRefusalTest, BadOptionsAreNamed) {
               testing::StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
-TEST(CudaRunnerRefusalTest, NoDeviceIsFailedPrecondition) {
-  if (HaveDevice()) GTEST_SKIP() << "a CUDA device is present";
+// Runs everywhere (no skip): without a GPU any device is missing; with one, device 1000 is.
+TEST(CudaRunnerRefusalTest, MissingDeviceIsFailedPrecondition) {
   testing::TempDir dir;
   TestModelOptions o;
   o.config_patch = R"({"rope_scaling": null})";
   KV_ASSERT_OK(WriteTestModel(dir.path(), o));
-  EXPECT_THAT(LoadCudaRunner(dir.path(), {}),
+  CudaRunnerOptions options;
+  if (HaveDevice()) options.device = 1000;
+  EXPECT_THAT(LoadCudaRunner(dir.path(), options),
               testing::StatusIs(absl::StatusCode::kFailedPrecondition));
 }
 
