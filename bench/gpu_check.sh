@@ -33,6 +33,8 @@ JOBS=${JOBS:-$(nproc)}
 DEVICE=${DEVICE:-cuda}
 PY=${PY:-$(command -v python3 || echo /usr/bin/python3)}
 START=${SECONDS}
+LOGS="${BUILD}/gpu-check"  # every step's log
+mkdir -p "${LOGS}"
 declare -a SUMMARY=()
 FAILED=0
 
@@ -71,30 +73,32 @@ if [[ "${SKIP_BUILD:-0}" != 1 ]]; then
   command -v ninja >/dev/null && GEN=(-G Ninja)
   if ! LIMIT=300 bounded cmake -S . -B "${BUILD}" "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release \
       -DKVRELAY_CUDA=ON -DKVRELAY_BUILD_TESTS=ON \
-      -DKVRELAY_BUILD_BENCH=ON >"${BUILD}.configure.log" 2>&1; then
-    tail -30 "${BUILD}.configure.log"
-    record "configure (KVRELAY_CUDA=ON)" FAIL "see ${BUILD}.configure.log"
+      -DKVRELAY_BUILD_BENCH=ON >"${LOGS}/configure.log" 2>&1; then
+    tail -30 "${LOGS}/configure.log"
+    record "configure (KVRELAY_CUDA=ON)" FAIL "see ${LOGS}/configure.log"
     finish
   fi
   # Every gpu-labelled test is a target of the same name.
   mapfile -t GPU_TESTS < <(ctest --test-dir "${BUILD}" -N -L gpu | sed -n 's/^ *Test *#[0-9]*: //p')
   echo "gpu tests: ${GPU_TESTS[*]}"
   if ! bounded cmake --build "${BUILD}" -j"${JOBS}" --target kvrelay gpu_model_bench \
-      "${GPU_TESTS[@]}" >"${BUILD}.build.log" 2>&1; then
-    grep -E 'error|Error' "${BUILD}.build.log" | head -30
-    record "build" FAIL "see ${BUILD}.build.log"
+      "${GPU_TESTS[@]}" >"${LOGS}/build.log" 2>&1; then
+    grep -E 'error|Error' "${LOGS}/build.log" | head -30
+    record "build" FAIL "see ${LOGS}/build.log"
     finish
   fi
+  record "build (kvrelay, gpu_model_bench, gpu tests)" PASS "sm_80 + sm_90"
+else
+  record "build" WARN "skipped (SKIP_BUILD=1): ${BUILD} as it is"
 fi
-record "build (kvrelay, gpu_model_bench, gpu tests)" PASS "sm_80 + sm_90"
 
 echo "== CUDA tests (KVRELAY_REQUIRE_GPU=1: a test without a device fails, none may skip)"
 if KVRELAY_REQUIRE_GPU=1 LIMIT=600 bounded ctest --test-dir "${BUILD}" -L gpu --output-on-failure \
-    >"${BUILD}.gpu-tests.log" 2>&1; then
-  record "ctest -L gpu" PASS "$(grep -E 'tests passed' "${BUILD}.gpu-tests.log" | tail -1)"
+    >"${LOGS}/gpu-tests.log" 2>&1; then
+  record "ctest -L gpu" PASS "$(grep -E 'tests passed' "${LOGS}/gpu-tests.log" | tail -1)"
 else
-  tail -60 "${BUILD}.gpu-tests.log"
-  record "ctest -L gpu" FAIL "see ${BUILD}.gpu-tests.log"
+  tail -60 "${LOGS}/gpu-tests.log"
+  record "ctest -L gpu" FAIL "see ${LOGS}/gpu-tests.log"
 fi
 # The CUDA runner against the CPU runner, per test architecture, printed on its own.
 out=$(KVRELAY_REQUIRE_GPU=1 LIMIT=300 bounded "${BUILD}/bin/tests/model_cuda_test" \
@@ -121,14 +125,6 @@ for arch in llama deepseek_v3; do
   work=$(mktemp -d /tmp/kvrelay-gpu-check-XXXXXX)
   model="${work}/model"
   "${KVRELAY}" make-test-model --arch "${arch}" --seed 5 --out "${model}" >/dev/null
-  # The CUDA forward pass implements plain RoPE: drop the tiny presets' rope_scaling.
-  "${PY}" - "${model}/config.json" <<'EOF'
-import json, sys
-path = sys.argv[1]
-config = json.load(open(path))
-config.pop("rope_scaling", None)
-json.dump(config, open(path, "w"), indent=1)
-EOF
   # timeout itself in the background, so that TERM to it reaches `up`, which stops its children.
   timeout --kill-after=10 180 "${KVRELAY}" up --model "${model}" --prefill 1 --decode 1 \
     --insecure --gateway-address 127.0.0.1:0 --http-address 127.0.0.1:0 \
@@ -174,15 +170,15 @@ done
 
 echo "== timing (gpu_model_bench --layers ${LAYERS} --prompt ${PROMPT} --batch ${BATCH} --steps ${STEPS})"
 if LIMIT=400 bounded "${BUILD}/bin/gpu_model_bench" --layers "${LAYERS}" --prompt "${PROMPT}" \
-    --batch "${BATCH}" --steps "${STEPS}" | tee "${BUILD}.bench.log"; then
-  prefill_ratio=$(sed -n 's/.*prefill, staging included.*ratio \([0-9.]*\).*/\1/p' "${BUILD}.bench.log")
-  staging_ratio=$(sed -n 's/.*staging pattern.*ratio \([0-9.]*\).*/\1/p' "${BUILD}.bench.log")
+    --batch "${BATCH}" --steps "${STEPS}" | tee "${LOGS}/bench.log"; then
+  prefill_ratio=$(sed -n 's/.*prefill, staging included.*ratio \([0-9.]*\).*/\1/p' "${LOGS}/bench.log")
+  staging_ratio=$(sed -n 's/.*staging pattern.*ratio \([0-9.]*\).*/\1/p' "${LOGS}/bench.log")
   ok() { "${PY}" -c "import sys; sys.exit(0 if float('$1' or 0) >= $2 else 1)"; }
   if ok "${prefill_ratio}" 0.5; then s=PASS; else s=FAIL; fi
   record "prefill / cuBLAS at the same shapes >= 0.50" "${s}" "${prefill_ratio:-n/a}"
   if ok "${staging_ratio}" 0.8; then s=PASS; else s=FAIL; fi
   record "staging / cudaMemcpy pinned >= 0.80" "${s}" "${staging_ratio:-n/a}"
 else
-  record "gpu_model_bench" FAIL "see ${BUILD}.bench.log"
+  record "gpu_model_bench" FAIL "see ${LOGS}/bench.log"
 fi
 finish

@@ -14,6 +14,7 @@
 #include "common/status_macros.h"
 #include "model/cuda/cuda_ops.h"
 #include "model/numeric.h"
+#include "model/rope.h"
 #include "platform/cuda/cuda_util.h"
 
 namespace kvrelay::model::cuda {
@@ -78,6 +79,11 @@ struct CudaModel::Impl {
   float* logits = nullptr;
   int32_t* greedy_ids = nullptr;  // [max_rows]
   int compute_capability = 0;
+  // RoPE as the CPU runner computes it (model/rope.h): inverse frequencies [rope_dim / 2] on the
+  // device, the factor on cos and sin, and (dynamic) the first position it cannot serve.
+  float* rope_inv_freq = nullptr;
+  float rope_attention_factor = 1.0f;
+  int64_t rope_max_positions = 0;
   // Logit rows the last Enqueue left in `logits`, until TakeLogits/TakeGreedy; -1: none.
   int64_t pending_logit_rows = -1;
 
@@ -177,15 +183,19 @@ absl::Status CudaModelSupports(const kv::ModelConfig& c) {
     return absl::UnimplementedError(
         absl::StrCat("cuda model: model_type '", c.model_type, "' runs on the CPU backend only"));
   }
-  // The CUDA forward pass implements plain RoPE, SiLU, no biases and interleaved MLA RoPE; the
-  // CPU runner implements the rest.
-  if (c.rope_scaling.type != "default" || c.hidden_act != "silu" || c.attention_bias ||
-      c.mlp_bias || (arch == Arch::kMla && !c.rope_interleave)) {
-    return absl::UnimplementedError(absl::StrCat(
-        "cuda model: rope_scaling '", c.rope_scaling.type, "', hidden_act '", c.hidden_act,
-        "', biases and non-interleaved MLA RoPE run on the CPU backend only"));
+  // The CUDA forward pass implements SiLU, no biases and interleaved MLA RoPE; the CPU runner
+  // implements the rest.
+  if (c.hidden_act != "silu" || c.attention_bias || c.mlp_bias ||
+      (arch == Arch::kMla && !c.rope_interleave)) {
+    return absl::UnimplementedError(
+        absl::StrCat("cuda model: hidden_act '", c.hidden_act,
+                     "', biases and non-interleaved MLA RoPE run on the CPU backend only"));
   }
-  return absl::OkStatus();
+  // Every rope_scaling the CPU computes (InvalidArgument naming the field otherwise).
+  return ComputeRopeFrequencies(c.rope_scaling, c.rope_theta,
+                                arch == Arch::kMla ? c.qk_rope_head_dim : c.head_dim,
+                                c.max_position_embeddings)
+      .status();
 }
 
 namespace {
@@ -332,6 +342,15 @@ absl::StatusOr<std::unique_ptr<CudaModel::Impl>> Build(const kv::ModelConfig& c,
   KV_ASSIGN_OR_RETURN(void* tab, impl->Alloc(static_cast<size_t>(impl->table_capacity) * 4));
   impl->tables = static_cast<int32_t*>(tab);
   KV_ASSIGN_OR_RETURN(impl->logits, floats(R * c.vocab_size));
+  KV_ASSIGN_OR_RETURN(RopeFrequencies rope,
+                      ComputeRopeFrequencies(c.rope_scaling, c.rope_theta,
+                                             arch == Arch::kMla ? c.qk_rope_head_dim : c.head_dim,
+                                             c.max_position_embeddings));
+  KV_ASSIGN_OR_RETURN(impl->rope_inv_freq, floats(static_cast<int64_t>(rope.inv_freq.size())));
+  KV_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(impl->rope_inv_freq, rope.inv_freq.data(),
+                                          rope.inv_freq.size() * 4, cudaMemcpyHostToDevice, s));
+  impl->rope_attention_factor = rope.attention_factor;
+  impl->rope_max_positions = rope.max_positions;
   KV_ASSIGN_OR_RETURN(void* ids, impl->Alloc(static_cast<size_t>(R) * 4));
   impl->greedy_ids = static_cast<int32_t*>(ids);
   KV_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(s));
@@ -455,6 +474,11 @@ absl::Status CudaModel::Enqueue(const CudaBatch& batch, const LayerHook& after_l
         p >= m.options.max_context || p / bt >= batch.max_blocks) {
       return absl::InvalidArgumentError(absl::StrCat("cuda forward: row ", i, " out of range"));
     }
+    if (m.rope_max_positions > 0 && p >= m.rope_max_positions) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "cuda forward: rope_scaling dynamic is served only below max_position_embeddings (",
+          m.rope_max_positions, "); row ", i, " is at position ", p));
+    }
     for (int t = 0; t < batch.table_groups; ++t) {
       // The groups this table serves: the first block their windows reach, their least slots.
       int64_t first = p, slots = std::numeric_limits<int64_t>::max();
@@ -545,9 +569,11 @@ absl::Status CudaModel::Enqueue(const CudaBatch& batch, const LayerHook& after_l
                                  static_cast<const float*>(L.kv_a_norm.data), kLoraNormEps, kva,
                                  entry, entry, s));
       KV_RETURN_IF_ERROR(Rope(kva + lora, R, 1, static_cast<int32_t>(rope), entry, 0, m.positions,
-                              c.rope_theta, RopeStyle::kInterleaved, s));
+                              c.rope_theta, RopeStyle::kInterleaved, s, m.rope_inv_freq,
+                              m.rope_attention_factor));
       KV_RETURN_IF_ERROR(Rope(q + nope, R, heads, static_cast<int32_t>(rope), heads * qk, qk,
-                              m.positions, c.rope_theta, RopeStyle::kInterleaved, s));
+                              m.positions, c.rope_theta, RopeStyle::kInterleaved, s,
+                              m.rope_inv_freq, m.rope_attention_factor));
       KV_RETURN_IF_ERROR(WriteCache(paged, kva, nullptr, entry, entry, entry, R, m.positions,
                                     tables, batch.max_blocks, s));
       // Absorbed query: qcat[r, h, :lora] = q_nope[r, h] * W_UK_h; qcat[r, h, lora:] = q_pe.
@@ -565,7 +591,9 @@ absl::Status CudaModel::Enqueue(const CudaBatch& batch, const LayerHook& after_l
       ap.qk_dim = static_cast<int32_t>(entry);
       ap.v_dim = static_cast<int32_t>(lora);
       ap.window = 0;
-      ap.scale = 1.0f / std::sqrt(static_cast<float>(qk));
+      // As the CPU runner: DeepSeek's yarn mscale_all_dim folds into the softmax scale.
+      ap.scale = static_cast<float>(std::pow(static_cast<double>(qk), -0.5) *
+                                    MlaSoftmaxScaleFactor(c.rope_scaling));
       ap.out = m.olat;
       KV_RETURN_IF_ERROR(PagedAttention(paged, ap, s));
       // out[r, h, :] = olat[r, h] * W_UV_h^T.
@@ -581,10 +609,11 @@ absl::Status CudaModel::Enqueue(const CudaBatch& batch, const LayerHook& after_l
       float* qkv = m.big;
       KV_RETURN_IF_ERROR(m.Gemm(L.qkv, m.xn, R, hidden, qkv, width));
       KV_RETURN_IF_ERROR(Rope(qkv, R, heads, static_cast<int32_t>(hd), width, hd, m.positions,
-                              c.rope_theta, RopeStyle::kHalf, s));
+                              c.rope_theta, RopeStyle::kHalf, s, m.rope_inv_freq,
+                              m.rope_attention_factor));
       KV_RETURN_IF_ERROR(Rope(qkv + heads * hd, R, static_cast<int32_t>(kvh),
                               static_cast<int32_t>(hd), width, hd, m.positions, c.rope_theta,
-                              RopeStyle::kHalf, s));
+                              RopeStyle::kHalf, s, m.rope_inv_freq, m.rope_attention_factor));
       KV_RETURN_IF_ERROR(WriteCache(paged, qkv + heads * hd, qkv + (heads + kvh) * hd, width, width,
                                     kvh * hd, R, m.positions, tables, batch.max_blocks, s));
       ap.q = qkv;

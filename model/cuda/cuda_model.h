@@ -58,7 +58,8 @@ struct CudaBatch {
 using LayerHook = std::function<absl::Status(int32_t layer)>;
 
 // OK when the CUDA forward pass implements this config (Llama-style GQA or DeepSeek-style MLA
-// with plain RoPE, SiLU, no biases, interleaved MLA RoPE); otherwise Unimplemented naming what
+// with SiLU, no biases, interleaved MLA RoPE, any rope_scaling model/rope.h computes); otherwise
+// Unimplemented (InvalidArgument for a rope_scaling the CPU refuses too) naming what
 // it does not run. Touches no device, so it can refuse on machines without one.
 absl::Status CudaModelSupports(const kv::ModelConfig& config);
 

@@ -41,7 +41,7 @@ TEST_P(CudaModelTest, PrefillAndDecodeMatchCpuRunner) {
   TestModelOptions o;
   o.arch = GetParam();
   o.seed = 4;
-  // The CUDA forward pass implements plain RoPE only (rope_scaling runs on the CPU runner).
+  // Plain RoPE here (cuda_runner_test covers the presets' rope_scaling).
   o.config_patch = R"({"rope_scaling": null})";
   KV_ASSERT_OK(WriteTestModel(dir.path(), o));
   RunnerOptions ro;

@@ -64,7 +64,7 @@ absl::Status RmsNorm(const float* x, int64_t rows, int32_t dim, const float* w, 
 
 absl::Status Rope(float* x, int64_t rows, int32_t num_heads, int32_t dim, int64_t row_stride,
                   int64_t head_stride, const int64_t* positions, double theta, RopeStyle style,
-                  cudaStream_t stream) {
+                  cudaStream_t stream, const float* inv_freq, float attention_factor) {
   if (dim <= 0 || dim % 2 != 0 || num_heads <= 0) {
     return absl::InvalidArgumentError(absl::StrCat("cuda Rope: bad dim ", dim));
   }
@@ -73,9 +73,10 @@ absl::Status Rope(float* x, int64_t rows, int32_t num_heads, int32_t dim, int64_
     return absl::InvalidArgumentError(absl::StrCat("cuda Rope: ", num_heads, " heads x ", dim,
                                                    " exceed the 12288-value staging limit"));
   }
-  return Check(internal::LaunchRope(x, rows, num_heads, dim, row_stride, head_stride, positions,
-                                    theta, style == RopeStyle::kInterleaved, stream),
-               "RopeKernel");
+  return Check(
+      internal::LaunchRope(x, rows, num_heads, dim, row_stride, head_stride, positions, theta,
+                           style == RopeStyle::kInterleaved, inv_freq, attention_factor, stream),
+      "RopeKernel");
 }
 
 absl::Status GatedActivation(float* a, const float* b, int64_t rows, int64_t n, int64_t lda,

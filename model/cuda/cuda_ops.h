@@ -26,9 +26,12 @@ absl::Status RmsNorm(const float* x, int64_t rows, int32_t dim, const float* w, 
 
 // In-place RoPE; positions [rows] int64 on the device. Reference ApplyRope (same fp32 angle
 // computation); tolerance 2e-6 absolute per unit of |x| (device sinf/cosf vs glibc).
+// inv_freq: [dim / 2] on the device (RopeFrequencies::inv_freq, any rope_scaling) or null for
+// plain RoPE at theta; cos and sin are scaled by attention_factor.
 absl::Status Rope(float* x, int64_t rows, int32_t num_heads, int32_t dim, int64_t row_stride,
                   int64_t head_stride, const int64_t* positions, double theta, RopeStyle style,
-                  cudaStream_t stream);
+                  cudaStream_t stream, const float* inv_freq = nullptr,
+                  float attention_factor = 1.0f);
 
 // a[r, i] = act(a[r, i]) * b[r, i] for i < n, rows with strides lda/ldb; act = silu or
 // gelu_tanh. Reference SiluMul / GeluTanhMul; tolerance 1e-6 relative.

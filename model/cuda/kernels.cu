@@ -26,11 +26,13 @@ cudaError_t LaunchRmsNorm(const float* x, int64_t rows, int32_t dim, const float
 
 cudaError_t LaunchRope(float* x, int64_t rows, int32_t num_heads, int32_t dim, int64_t row_stride,
                        int64_t head_stride, const int64_t* positions, double theta,
-                       bool interleaved, cudaStream_t stream) {
+                       bool interleaved, const float* inv_freq, float attention_factor,
+                       cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
   const size_t shared = sizeof(float) * static_cast<size_t>(num_heads) * dim;
   RopeKernel<<<static_cast<unsigned>(rows), kThreads, shared, stream>>>(
-      x, num_heads, dim, row_stride, head_stride, positions, theta, interleaved);
+      x, num_heads, dim, row_stride, head_stride, positions, theta, interleaved, inv_freq,
+      attention_factor);
   return cudaGetLastError();
 }
 

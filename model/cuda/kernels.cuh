@@ -77,9 +77,12 @@ __global__ void RmsNormKernel(const float* x, int32_t dim, const float* w, float
 
 // One block per row. The row's heads are staged in dynamic shared memory
 // (num_heads * dim floats) so the interleaved layout can be rewritten in place.
+// inv_freq_table: [dim / 2] precomputed inverse frequencies (rope_scaling), or null for the
+// plain 1 / theta^(2i / dim); cos and sin are multiplied by attention_factor (yarn) as the CPU's
+// ApplyRope does.
 __global__ void RopeKernel(float* x, int32_t num_heads, int32_t dim, int64_t row_stride,
                            int64_t head_stride, const int64_t* positions, double theta,
-                           bool interleaved) {
+                           bool interleaved, const float* inv_freq_table, float attention_factor) {
   extern __shared__ float staged[];
   const int32_t half = dim / 2;
   float* row = x + blockIdx.x * row_stride;
@@ -92,9 +95,15 @@ __global__ void RopeKernel(float* x, int32_t num_heads, int32_t dim, int64_t row
     const int h = u / half, i = u % half;
     const float* in = staged + h * dim;
     // Same fp32 inverse frequency as the CPU: rounded from a double-precision power.
-    const float inv_freq = static_cast<float>(1.0 / pow(theta, (2.0 * i) / dim));
+    const float inv_freq = inv_freq_table != nullptr
+                               ? inv_freq_table[i]
+                               : static_cast<float>(1.0 / pow(theta, (2.0 * i) / dim));
     const float angle = pos * inv_freq;
-    const float c = cosf(angle), s = sinf(angle);
+    float c = cosf(angle), s = sinf(angle);
+    if (attention_factor != 1.0f) {
+      c *= attention_factor;
+      s *= attention_factor;
+    }
     const float a = interleaved ? in[2 * i] : in[i];
     const float b = interleaved ? in[2 * i + 1] : in[i + half];
     float* v = row + h * head_stride;
