@@ -56,6 +56,11 @@ class DeviceMirror final : public CacheDeviceState {
   std::vector<void*> registered;               // host pools this mirror page-locked
 };
 
+// The CUDA AttentionModel (cuda_runner.h). Thread-safe: Prefill and DecodeStep calls are
+// serialised by mu_ (they share the model's activations, both streams and the per-layer
+// events); every call has waited for all its device work before it returns, so nothing is in
+// flight between calls. The mirrors it makes belong to the caches (KvCache::device_state) and
+// may outlive the runner.
 class CudaRunner final : public AttentionModel {
  public:
   CudaRunner(kv::ModelConfig config, std::unique_ptr<CudaModel> model, CudaRunnerOptions options,
@@ -172,6 +177,9 @@ absl::StatusOr<DeviceMirror*> CudaRunner::MirrorFor(const KvCache& cache) const 
     const cudaError_t e = cudaHostRegister(pool.base(), bytes, cudaHostRegisterPortable);
     if (e == cudaSuccess) {
       mirror->registered.push_back(pool.base());
+    } else if (e == cudaErrorHostMemoryAlreadyRegistered) {
+      // Pinned by its other owner (e.g. a second cache over the same pools), who unpins it.
+      (void)cudaGetLastError();
     } else {
       // Copies to pageable memory are still correct, only synchronous (no overlap).
       (void)cudaGetLastError();
