@@ -22,7 +22,8 @@ namespace {
 class PoolReader final : public CacheDeviceState {
  public:
   PoolReader(const kv::BlockPool& pool, bool* destroyed)
-      : base_(static_cast<const uint8_t*>(pool.base())), bytes_(pool.size_bytes()),
+      : base_(static_cast<const uint8_t*>(pool.base())),
+        bytes_(pool.size_bytes()),
         destroyed_(destroyed) {}
   ~PoolReader() override {
     volatile uint8_t sum = 0;
