@@ -1,10 +1,30 @@
 #include "model/kv_cache.h"
 
+#include <atomic>
+
 #include "absl/strings/str_cat.h"
 #include "common/check.h"
 #include "common/status_macros.h"
 
 namespace kvrelay::model {
+namespace {
+
+std::atomic<uint64_t> next_cache_id{1};
+
+}  // namespace
+
+KvCache::KvCache(kv::ModelLayout layout)
+    : layout_(std::move(layout)), id_(next_cache_id.fetch_add(1, std::memory_order_relaxed)) {}
+
+std::shared_ptr<CacheDeviceState> KvCache::device_state() const {
+  std::lock_guard<std::mutex> lock(device_state_mu_);
+  return device_state_;
+}
+
+void KvCache::set_device_state(std::shared_ptr<CacheDeviceState> state) const {
+  std::lock_guard<std::mutex> lock(device_state_mu_);
+  device_state_ = std::move(state);
+}
 
 absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(const kv::ModelLayout& layout,
                                                          int64_t blocks_per_group) {
@@ -103,6 +123,7 @@ void Sequence::ReleaseAll() {
     blocks_[g].clear();
   }
   tokens_.clear();
+  host_only_blocks_ = 0;
 }
 
 absl::Status Sequence::AdoptPrefix(absl::Span<const int32_t> tokens,
@@ -144,6 +165,7 @@ absl::Status Sequence::AdoptPrefix(absl::Span<const int32_t> tokens,
   }
   tokens_.assign(tokens.begin(), tokens.end());
   blocks_ = std::move(blocks);
+  host_only_blocks_ = n_blocks;
   return absl::OkStatus();
 }
 

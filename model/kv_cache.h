@@ -16,6 +16,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -25,6 +26,12 @@
 #include "kv/pool/block_pool.h"
 
 namespace kvrelay::model {
+
+// What a device backend keeps per KvCache (see KvCache::device_state()).
+class CacheDeviceState {
+ public:
+  virtual ~CacheDeviceState() = default;
+};
 
 class KvCache {
  public:
@@ -48,15 +55,28 @@ class KvCache {
   // token `t` of the block, or the MLA entry (kv ignored). REQUIRES: not an SSM group.
   uint8_t* EntryAddress(int32_t layer, kv::SlotId slot, int32_t token_in_block, int kv) const;
 
+  // Process-unique and never reused (unlike an address), so a device backend can tell caches
+  // apart.
+  uint64_t id() const { return id_; }
+  // State a device backend keeps for this cache (the CUDA runner's device mirror and its
+  // registration of the pools' host memory), destroyed with the cache, before its own pools.
+  // Null until attached. Thread-safe.
+  std::shared_ptr<CacheDeviceState> device_state() const;
+  void set_device_state(std::shared_ptr<CacheDeviceState> state) const;
+
  private:
-  KvCache(kv::ModelLayout layout) : layout_(std::move(layout)) {}
+  KvCache(kv::ModelLayout layout);
   absl::Status Init();
 
   kv::ModelLayout layout_;
+  uint64_t id_;
   std::vector<std::unique_ptr<kv::BlockPool>> owned_pools_;
   std::vector<kv::BlockPool*> pools_;
   std::vector<int> layer_group_;
   std::vector<int> layer_index_;
+  // Declared last: released before the pools it may refer to.
+  mutable std::mutex device_state_mu_;
+  mutable std::shared_ptr<CacheDeviceState> device_state_;
 };
 
 class Sequence {
@@ -79,6 +99,11 @@ class Sequence {
   // (the caller allocated or AddRef'd them). REQUIRES: the sequence is empty.
   absl::Status AdoptPrefix(absl::Span<const int32_t> tokens,
                            std::vector<std::vector<kv::SlotId>> blocks);
+  // Blocks [0, host_only_blocks()) of every group were installed by AdoptPrefix and so far
+  // exist only in the host pools; a device backend uploads them before reading them and then
+  // calls MarkUploaded(). Always 0 for sequences the CPU computes from scratch.
+  int64_t host_only_blocks() const { return host_only_blocks_; }
+  void MarkUploaded() { host_only_blocks_ = 0; }
 
   // Frees sliding-window blocks that no later token can attend to (every token in them is
   // older than the window as seen from position num_tokens()). Returns how many were freed.
@@ -97,6 +122,7 @@ class Sequence {
   KvCache* cache_;
   std::vector<int32_t> tokens_;
   std::vector<std::vector<kv::SlotId>> blocks_;
+  int64_t host_only_blocks_ = 0;
 };
 
 }  // namespace kvrelay::model

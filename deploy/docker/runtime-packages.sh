@@ -1,7 +1,9 @@
 #!/bin/sh
 # Prints, one a line, the Debian packages that own the shared libraries BINARY links, so the
-# runtime image installs exactly those. Fails naming any library no package owns.
-# Usage: deploy/docker/runtime-packages.sh BINARY
+# runtime image installs exactly those. Fails naming any library no package owns, except those
+# under $RUNTIME_PACKAGES_OWN_PREFIX (a tree the image copies itself, e.g. /opt/ for a UCX built
+# with CUDA in Dockerfile.cuda-gpudirect).
+# Usage: [RUNTIME_PACKAGES_OWN_PREFIX=/opt/] deploy/docker/runtime-packages.sh BINARY
 set -eu
 binary=${1:?usage: runtime-packages.sh BINARY}
 if ! ldd "$binary" >/dev/null 2>&1; then
@@ -10,7 +12,11 @@ if ! ldd "$binary" >/dev/null 2>&1; then
 fi
 unowned=""
 packages=""
+own_prefix=${RUNTIME_PACKAGES_OWN_PREFIX:-}
 for lib in $(ldd "$binary" | awk '$2 == "=>" && $3 ~ /^\// {print $3}'); do
+  if [ -n "$own_prefix" ]; then
+    case "$lib" in "$own_prefix"*) continue ;; esac
+  fi
   owner=""
   # Debian 12 is /usr-merged: dpkg records a library under /lib or /usr/lib, whichever its
   # package ships, and ldd may print either one or a symlink to it.

@@ -6,12 +6,15 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <optional>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "model/cuda/cuda_ops.h"
 #include "model/numeric.h"
+#include "model/rope.h"
 #include "platform/cuda/cuda_util.h"
 
 namespace kvrelay::model::cuda {
@@ -74,6 +77,15 @@ struct CudaModel::Impl {
   int64_t* positions = nullptr;
   int64_t table_capacity = 0;
   float* logits = nullptr;
+  int32_t* greedy_ids = nullptr;  // [max_rows]
+  int compute_capability = 0;
+  // RoPE as the CPU runner computes it (model/rope.h): inverse frequencies [rope_dim / 2] on the
+  // device, the factor on cos and sin, and (dynamic) the first position it cannot serve.
+  float* rope_inv_freq = nullptr;
+  float rope_attention_factor = 1.0f;
+  int64_t rope_max_positions = 0;
+  // Logit rows the last Enqueue left in `logits`, until TakeLogits/TakeGreedy; -1: none.
+  int64_t pending_logit_rows = -1;
 
   absl::StatusOr<void*> Alloc(size_t bytes) {
     KV_ASSIGN_OR_RETURN(DeviceBuffer b,
@@ -163,31 +175,52 @@ std::vector<float> Concat(std::initializer_list<const std::vector<float>*> parts
   return out;
 }
 
-absl::StatusOr<std::unique_ptr<CudaModel::Impl>> Build(const kv::ModelConfig& c,
-                                                       const ModelWeights* weights, uint64_t seed,
-                                                       const CudaModelOptions& options) {
-  if (!HaveDevice()) return absl::FailedPreconditionError("cuda model: no usable CUDA device");
+}  // namespace
+
+absl::Status CudaModelSupports(const kv::ModelConfig& c) {
   KV_ASSIGN_OR_RETURN(Arch arch, ArchFor(c));
   if (arch != Arch::kLlama && arch != Arch::kMla) {
     return absl::UnimplementedError(
-        absl::StrCat("cuda model: ", c.model_type, " runs on the CPU backend only"));
+        absl::StrCat("cuda model: model_type '", c.model_type, "' runs on the CPU backend only"));
   }
-  // The CUDA forward pass implements plain RoPE, SiLU, no biases and interleaved MLA RoPE; the
-  // CPU runner implements the rest.
-  if (c.rope_scaling.type != "default" || c.hidden_act != "silu" || c.attention_bias ||
-      c.mlp_bias || (arch == Arch::kMla && !c.rope_interleave)) {
-    return absl::UnimplementedError(absl::StrCat(
-        "cuda model: rope_scaling '", c.rope_scaling.type, "', hidden_act '", c.hidden_act,
-        "', biases and non-interleaved MLA RoPE run on the CPU backend only"));
+  // The CUDA forward pass implements SiLU, no biases and interleaved MLA RoPE; the CPU runner
+  // implements the rest.
+  if (c.hidden_act != "silu" || c.attention_bias || c.mlp_bias ||
+      (arch == Arch::kMla && !c.rope_interleave)) {
+    return absl::UnimplementedError(
+        absl::StrCat("cuda model: hidden_act '", c.hidden_act,
+                     "', biases and non-interleaved MLA RoPE run on the CPU backend only"));
   }
-  if (options.max_rows <= 0 || options.max_context <= 0 || options.num_blocks <= 0) {
-    return absl::InvalidArgumentError("cuda model: max_rows, max_context, num_blocks must be > 0");
+  // Every rope_scaling the CPU computes (InvalidArgument naming the field otherwise).
+  return ComputeRopeFrequencies(c.rope_scaling, c.rope_theta,
+                                arch == Arch::kMla ? c.qk_rope_head_dim : c.head_dim,
+                                c.max_position_embeddings)
+      .status();
+}
+
+namespace {
+
+absl::StatusOr<std::unique_ptr<CudaModel::Impl>> Build(const kv::ModelConfig& c,
+                                                       const ModelWeights* weights, uint64_t seed,
+                                                       const CudaModelOptions& options) {
+  KV_RETURN_IF_ERROR(CudaModelSupports(c));
+  if (!HaveDevice()) return absl::FailedPreconditionError("cuda model: no usable CUDA device");
+  KV_ASSIGN_OR_RETURN(Arch arch, ArchFor(c));
+  if (options.max_rows <= 0 || options.max_context <= 0 || options.num_blocks < 0) {
+    return absl::InvalidArgumentError(
+        "cuda model: max_rows and max_context must be > 0, num_blocks >= 0");
   }
   auto impl = std::make_unique<CudaModel::Impl>();
   impl->device = options.device;
   impl->arch = arch;
   impl->options = options;
   DeviceGuard guard(options.device);
+  int major = 0, minor = 0;
+  KV_RETURN_IF_CUDA_ERROR(
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, options.device));
+  KV_RETURN_IF_CUDA_ERROR(
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, options.device));
+  impl->compute_capability = major * 10 + minor;
   KV_ASSIGN_OR_RETURN(CudaStream stream, CudaStream::Create(options.device));
   impl->stream.emplace(std::move(stream));
   KV_RETURN_IF_CUBLAS_ERROR(cublasCreate(&impl->cublas));
@@ -255,8 +288,9 @@ absl::StatusOr<std::unique_ptr<CudaModel::Impl>> Build(const kv::ModelConfig& c,
     KV_RETURN_IF_ERROR(
         b.Make(L.down, hidden, c.intermediate_size, lw ? &lw->down_proj : nullptr, id++, 0));
   }
-  // Cache pools, one per group, with the CPU pools' unit layout (no slot padding).
-  for (int g = 0; g < static_cast<int>(c.layout.groups().size()); ++g) {
+  // Cache pools, one per group, with the CPU pools' unit layout (no slot padding); none when
+  // every batch brings its own (num_blocks 0).
+  for (int g = 0; options.num_blocks > 0 && g < static_cast<int>(c.layout.groups().size()); ++g) {
     KV_ASSIGN_OR_RETURN(
         void* p, impl->Alloc(static_cast<size_t>(options.num_blocks * c.layout.BlockBytes(g))));
     KV_RETURN_IF_CUDA_ERROR(
@@ -301,11 +335,24 @@ absl::StatusOr<std::unique_ptr<CudaModel::Impl>> Build(const kv::ModelConfig& c,
   impl->tokens = static_cast<int32_t*>(tok);
   KV_ASSIGN_OR_RETURN(void* pos, impl->Alloc(static_cast<size_t>(R) * 8));
   impl->positions = static_cast<int64_t*>(pos);
+  // Room for one table per layer group per row.
   impl->table_capacity =
-      R * ((options.max_context + c.layout.block_tokens() - 1) / c.layout.block_tokens());
+      static_cast<int64_t>(c.layout.groups().size()) * R *
+      ((options.max_context + c.layout.block_tokens() - 1) / c.layout.block_tokens());
   KV_ASSIGN_OR_RETURN(void* tab, impl->Alloc(static_cast<size_t>(impl->table_capacity) * 4));
   impl->tables = static_cast<int32_t*>(tab);
   KV_ASSIGN_OR_RETURN(impl->logits, floats(R * c.vocab_size));
+  KV_ASSIGN_OR_RETURN(RopeFrequencies rope,
+                      ComputeRopeFrequencies(c.rope_scaling, c.rope_theta,
+                                             arch == Arch::kMla ? c.qk_rope_head_dim : c.head_dim,
+                                             c.max_position_embeddings));
+  KV_ASSIGN_OR_RETURN(impl->rope_inv_freq, floats(static_cast<int64_t>(rope.inv_freq.size())));
+  KV_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(impl->rope_inv_freq, rope.inv_freq.data(),
+                                          rope.inv_freq.size() * 4, cudaMemcpyHostToDevice, s));
+  impl->rope_attention_factor = rope.attention_factor;
+  impl->rope_max_positions = rope.max_positions;
+  KV_ASSIGN_OR_RETURN(void* ids, impl->Alloc(static_cast<size_t>(R) * 4));
+  impl->greedy_ids = static_cast<int32_t*>(ids);
   KV_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(s));
   return impl;
 }
@@ -339,14 +386,86 @@ absl::StatusOr<std::vector<uint8_t>> CudaModel::ReadBlock(int group, int32_t slo
   return out;
 }
 
+int CudaModel::device() const { return impl_->device; }
+
+int CudaModel::compute_capability() const { return impl_->compute_capability; }
+
 absl::StatusOr<std::vector<float>> CudaModel::Forward(const CudaBatch& batch) {
+  KV_RETURN_IF_ERROR(Enqueue(batch));
+  return TakeLogits();
+}
+
+absl::StatusOr<std::vector<float>> CudaModel::TakeLogits() {
+  Impl& m = *impl_;
+  if (m.pending_logit_rows < 0) return absl::FailedPreconditionError("cuda model: no Enqueue");
+  const int64_t nl = std::exchange(m.pending_logit_rows, -1);
+  DeviceGuard guard(m.device);
+  std::vector<float> out(static_cast<size_t>(nl * config_.vocab_size));
+  if (nl > 0) {
+    KV_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(out.data(), m.logits, out.size() * 4,
+                                            cudaMemcpyDeviceToHost, m.stream->get()));
+  }
+  KV_RETURN_IF_ERROR(Synchronize());
+  return out;
+}
+
+absl::StatusOr<std::vector<int32_t>> CudaModel::TakeGreedy() {
+  Impl& m = *impl_;
+  if (m.pending_logit_rows < 0) return absl::FailedPreconditionError("cuda model: no Enqueue");
+  const int64_t nl = std::exchange(m.pending_logit_rows, -1);
+  DeviceGuard guard(m.device);
+  std::vector<int32_t> ids(static_cast<size_t>(nl));
+  if (nl > 0) {
+    KV_RETURN_IF_ERROR(ArgmaxRows(m.logits, nl, config_.vocab_size, m.greedy_ids, m.stream->get()));
+    KV_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(ids.data(), m.greedy_ids, ids.size() * 4,
+                                            cudaMemcpyDeviceToHost, m.stream->get()));
+  }
+  KV_RETURN_IF_ERROR(Synchronize());
+  return ids;
+}
+
+absl::Status CudaModel::Enqueue(const CudaBatch& batch, const LayerHook& after_layer) {
   Impl& m = *impl_;
   const kv::ModelConfig& c = config_;
+  const int num_groups = static_cast<int>(c.layout.groups().size());
   const int64_t R = static_cast<int64_t>(batch.tokens.size());
+  if (m.pending_logit_rows >= 0) {
+    return absl::FailedPreconditionError(
+        "cuda forward: the previous batch's logits were not taken");
+  }
+  if (batch.table_groups != 1 && batch.table_groups != num_groups) {
+    return absl::InvalidArgumentError(absl::StrCat("cuda forward: table_groups must be 1 or ",
+                                                   num_groups, ", got ", batch.table_groups));
+  }
   if (R == 0 || R > m.options.max_rows || batch.positions.size() != batch.tokens.size() ||
-      static_cast<int64_t>(batch.block_tables.size()) != R * batch.max_blocks ||
-      R * batch.max_blocks > m.table_capacity) {
+      batch.max_blocks <= 0 ||
+      static_cast<int64_t>(batch.block_tables.size()) !=
+          batch.table_groups * R * batch.max_blocks ||
+      static_cast<int64_t>(batch.block_tables.size()) > m.table_capacity) {
     return absl::InvalidArgumentError(absl::StrCat("cuda forward: bad batch of ", R, " rows"));
+  }
+  // Per group: where its units live and how many there are.
+  std::vector<CudaBatch::DeviceCache> caches;
+  if (batch.caches.empty()) {
+    if (m.cache.empty()) return absl::InvalidArgumentError("cuda forward: no cache given");
+    for (int g = 0; g < num_groups; ++g) {
+      caches.push_back({m.cache[g], m.options.num_blocks, c.layout.BlockBytes(g)});
+    }
+  } else {
+    if (static_cast<int>(batch.caches.size()) != num_groups) {
+      return absl::InvalidArgumentError(absl::StrCat("cuda forward: ", batch.caches.size(),
+                                                     " caches for ", num_groups, " groups"));
+    }
+    for (int g = 0; g < num_groups; ++g) {
+      const CudaBatch::DeviceCache& dc = batch.caches[g];
+      if (dc.base == nullptr || dc.num_slots <= 0 ||
+          dc.slot_stride_bytes < c.layout.BlockBytes(g)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("cuda forward: cache of group ", g,
+                         " needs a base, slots and a stride >= ", c.layout.BlockBytes(g)));
+      }
+    }
+    caches = batch.caches;
   }
   const int64_t bt = c.layout.block_tokens();
   for (int64_t i = 0; i < R; ++i) {
@@ -355,16 +474,36 @@ absl::StatusOr<std::vector<float>> CudaModel::Forward(const CudaBatch& batch) {
         p >= m.options.max_context || p / bt >= batch.max_blocks) {
       return absl::InvalidArgumentError(absl::StrCat("cuda forward: row ", i, " out of range"));
     }
-    for (int64_t b = 0; b <= p / bt; ++b) {
-      const int32_t slot = batch.block_tables[i * batch.max_blocks + b];
-      if (slot < 0 || slot >= m.options.num_blocks) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("cuda forward: row ", i, " block ", b, " has slot ", slot));
+    if (m.rope_max_positions > 0 && p >= m.rope_max_positions) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "cuda forward: rope_scaling dynamic is served only below max_position_embeddings (",
+          m.rope_max_positions, "); row ", i, " is at position ", p));
+    }
+    for (int t = 0; t < batch.table_groups; ++t) {
+      // The groups this table serves: the first block their windows reach, their least slots.
+      int64_t first = p, slots = std::numeric_limits<int64_t>::max();
+      for (int g = 0; g < num_groups; ++g) {
+        if (batch.table_groups > 1 && g != t) continue;
+        const kv::LayerGroup& grp = c.layout.groups()[g];
+        first = std::min(first, grp.kind == kv::LayerKind::kSlidingWindow
+                                    ? std::max<int64_t>(0, p - grp.window_tokens + 1)
+                                    : int64_t{0});
+        slots = std::min(slots, caches[g].num_slots);
+      }
+      const int32_t* table = batch.block_tables.data() + (int64_t{t} * R + i) * batch.max_blocks;
+      for (int64_t b = first / bt; b <= p / bt; ++b) {
+        if (table[b] < 0 || table[b] >= slots) {
+          return absl::InvalidArgumentError(absl::StrCat("cuda forward: row ", i, " table ", t,
+                                                         " block ", b, " has slot ", table[b]));
+        }
       }
     }
   }
   for (int64_t r : batch.logit_rows) {
     if (r < 0 || r >= R) return absl::InvalidArgumentError("cuda forward: bad logit row");
+  }
+  if (static_cast<int64_t>(batch.logit_rows.size()) > m.options.max_rows) {
+    return absl::InvalidArgumentError("cuda forward: more logit rows than max_rows");
   }
   DeviceGuard guard(m.device);
   cudaStream_t s = m.stream->get();
@@ -393,7 +532,6 @@ absl::StatusOr<std::vector<float>> CudaModel::Forward(const CudaBatch& batch) {
   AttentionParams ap;
   ap.rows = R;
   ap.positions = m.positions;
-  ap.block_tables = m.tables;
   ap.max_blocks = batch.max_blocks;
   ap.max_context = m.options.max_context;
   ap.scratch = m.score;
@@ -404,7 +542,11 @@ absl::StatusOr<std::vector<float>> CudaModel::Forward(const CudaBatch& batch) {
     const int g = group_of[layer];
     const kv::LayerGroup& grp = c.layout.groups()[g];
     const PagedLayer paged =
-        MakePagedLayer(c.layout, g, index_of[layer], m.cache[g], c.layout.BlockBytes(g));
+        MakePagedLayer(c.layout, g, index_of[layer], caches[g].base, caches[g].slot_stride_bytes);
+    // This group's tables: [R, max_blocks].
+    const int32_t* tables =
+        m.tables + (batch.table_groups > 1 ? int64_t{g} * R * batch.max_blocks : 0);
+    ap.block_tables = tables;
     KV_RETURN_IF_ERROR(RmsNorm(m.h, R, static_cast<int32_t>(hidden),
                                static_cast<const float*>(L.input_norm.data), eps, m.xn, hidden,
                                hidden, s));
@@ -427,11 +569,13 @@ absl::StatusOr<std::vector<float>> CudaModel::Forward(const CudaBatch& batch) {
                                  static_cast<const float*>(L.kv_a_norm.data), kLoraNormEps, kva,
                                  entry, entry, s));
       KV_RETURN_IF_ERROR(Rope(kva + lora, R, 1, static_cast<int32_t>(rope), entry, 0, m.positions,
-                              c.rope_theta, RopeStyle::kInterleaved, s));
+                              c.rope_theta, RopeStyle::kInterleaved, s, m.rope_inv_freq,
+                              m.rope_attention_factor));
       KV_RETURN_IF_ERROR(Rope(q + nope, R, heads, static_cast<int32_t>(rope), heads * qk, qk,
-                              m.positions, c.rope_theta, RopeStyle::kInterleaved, s));
+                              m.positions, c.rope_theta, RopeStyle::kInterleaved, s,
+                              m.rope_inv_freq, m.rope_attention_factor));
       KV_RETURN_IF_ERROR(WriteCache(paged, kva, nullptr, entry, entry, entry, R, m.positions,
-                                    m.tables, batch.max_blocks, s));
+                                    tables, batch.max_blocks, s));
       // Absorbed query: qcat[r, h, :lora] = q_nope[r, h] * W_UK_h; qcat[r, h, lora:] = q_pe.
       const float one = 1.0f, zero = 0.0f;
       const float* kv_b = static_cast<const float*>(L.kv_b.data);
@@ -447,7 +591,9 @@ absl::StatusOr<std::vector<float>> CudaModel::Forward(const CudaBatch& batch) {
       ap.qk_dim = static_cast<int32_t>(entry);
       ap.v_dim = static_cast<int32_t>(lora);
       ap.window = 0;
-      ap.scale = 1.0f / std::sqrt(static_cast<float>(qk));
+      // As the CPU runner: DeepSeek's yarn mscale_all_dim folds into the softmax scale.
+      ap.scale = static_cast<float>(std::pow(static_cast<double>(qk), -0.5) *
+                                    MlaSoftmaxScaleFactor(c.rope_scaling));
       ap.out = m.olat;
       KV_RETURN_IF_ERROR(PagedAttention(paged, ap, s));
       // out[r, h, :] = olat[r, h] * W_UV_h^T.
@@ -463,12 +609,13 @@ absl::StatusOr<std::vector<float>> CudaModel::Forward(const CudaBatch& batch) {
       float* qkv = m.big;
       KV_RETURN_IF_ERROR(m.Gemm(L.qkv, m.xn, R, hidden, qkv, width));
       KV_RETURN_IF_ERROR(Rope(qkv, R, heads, static_cast<int32_t>(hd), width, hd, m.positions,
-                              c.rope_theta, RopeStyle::kHalf, s));
+                              c.rope_theta, RopeStyle::kHalf, s, m.rope_inv_freq,
+                              m.rope_attention_factor));
       KV_RETURN_IF_ERROR(Rope(qkv + heads * hd, R, static_cast<int32_t>(kvh),
                               static_cast<int32_t>(hd), width, hd, m.positions, c.rope_theta,
-                              RopeStyle::kHalf, s));
+                              RopeStyle::kHalf, s, m.rope_inv_freq, m.rope_attention_factor));
       KV_RETURN_IF_ERROR(WriteCache(paged, qkv + heads * hd, qkv + (heads + kvh) * hd, width, width,
-                                    kvh * hd, R, m.positions, m.tables, batch.max_blocks, s));
+                                    kvh * hd, R, m.positions, tables, batch.max_blocks, s));
       ap.q = qkv;
       ap.q_row_stride = width;
       ap.group_size = static_cast<int32_t>(heads / kvh);
@@ -490,23 +637,17 @@ absl::StatusOr<std::vector<float>> CudaModel::Forward(const CudaBatch& batch) {
         GatedActivation(m.big, m.big + inter, R, inter, 2 * inter, 2 * inter, false, s));
     KV_RETURN_IF_ERROR(m.Gemm(L.down, m.big, R, 2 * inter, m.proj, hidden));
     KV_RETURN_IF_ERROR(AddInPlace(m.h, m.proj, R * hidden, s));
+    if (after_layer) KV_RETURN_IF_ERROR(after_layer(layer));
   }
   const int64_t nl = static_cast<int64_t>(batch.logit_rows.size());
-  std::vector<float> out(static_cast<size_t>(nl * c.vocab_size));
-  if (nl == 0) {
-    KV_RETURN_IF_ERROR(Synchronize());
-    return out;
-  }
   for (int64_t i = 0; i < nl; ++i) {
     KV_RETURN_IF_ERROR(RmsNorm(m.h + batch.logit_rows[i] * hidden, 1, static_cast<int32_t>(hidden),
                                static_cast<const float*>(m.final_norm.data), eps, m.xn + i * hidden,
                                hidden, hidden, s));
   }
-  KV_RETURN_IF_ERROR(m.Gemm(m.lm_head, m.xn, nl, hidden, m.logits, c.vocab_size));
-  KV_RETURN_IF_CUDA_ERROR(
-      cudaMemcpyAsync(out.data(), m.logits, out.size() * 4, cudaMemcpyDeviceToHost, s));
-  KV_RETURN_IF_ERROR(Synchronize());
-  return out;
+  if (nl > 0) KV_RETURN_IF_ERROR(m.Gemm(m.lm_head, m.xn, nl, hidden, m.logits, c.vocab_size));
+  m.pending_logit_rows = nl;
+  return absl::OkStatus();
 }
 
 }  // namespace kvrelay::model::cuda

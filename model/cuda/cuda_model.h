@@ -10,6 +10,7 @@
 // Not thread-safe: one Forward at a time. Owns its device memory, cuBLAS handle and stream.
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -23,22 +24,44 @@ enum class WeightDType { kFp32, kBf16 };
 
 struct CudaModelOptions {
   WeightDType weight_dtype = WeightDType::kBf16;
-  int64_t num_blocks = 64;     // cache blocks per layer group
+  int64_t num_blocks = 64;     // cache blocks per layer group; 0: none (batches bring caches)
   int64_t max_rows = 256;      // tokens per Forward (prefill length or decode batch)
   int64_t max_context = 4096;  // longest sequence
   int device = 0;
 };
 
 // One Forward call: row i is token tokens[i] at positions[i] of the sequence whose block
-// table (slot per block index, the same for every layer group) is
-// block_tables[i * max_blocks .. +max_blocks).
+// table (slot per block index) is block_tables[i * max_blocks .. +max_blocks), the same for
+// every layer group when table_groups is 1; with table_groups == number of layer groups,
+// group g's tables follow at block_tables[g * rows * max_blocks ..]. Slot -1 is allowed only
+// for sliding-window blocks no row attends to.
 struct CudaBatch {
   std::vector<int32_t> tokens;
   std::vector<int64_t> positions;
   std::vector<int32_t> block_tables;
   int32_t max_blocks = 0;
+  int32_t table_groups = 1;
   std::vector<int64_t> logit_rows;  // rows whose logits come back, in order
+  // Device caches to run over instead of the model's own, one per layer group: base address,
+  // slots and the distance between slots (each unit laid out as kv/model_layout.h says).
+  // Empty: the model's own cache (CudaModelOptions::num_blocks units per group).
+  struct DeviceCache {
+    void* base = nullptr;
+    int64_t num_slots = 0;
+    int64_t slot_stride_bytes = 0;
+  };
+  std::vector<DeviceCache> caches;
 };
+
+// Called on the host right after layer `layer`'s kernels (its cache write included) are
+// enqueued on stream(), in layer order; an error stops the forward pass and is returned.
+using LayerHook = std::function<absl::Status(int32_t layer)>;
+
+// OK when the CUDA forward pass implements this config (Llama-style GQA or DeepSeek-style MLA
+// with SiLU, no biases, interleaved MLA RoPE, any rope_scaling model/rope.h computes); otherwise
+// Unimplemented (InvalidArgument for a rope_scaling the CPU refuses too) naming what
+// it does not run. Touches no device, so it can refuse on machines without one.
+absl::Status CudaModelSupports(const kv::ModelConfig& config);
 
 class CudaModel {
  public:
@@ -55,6 +78,19 @@ class CudaModel {
 
   // Runs the batch and returns logits [logit_rows.size(), vocab] (empty when none asked).
   absl::StatusOr<std::vector<float>> Forward(const CudaBatch& batch);
+
+  // Forward in two halves, so the caller can act between layers and before the final wait:
+  // Enqueue validates the batch and enqueues every kernel (final logits into device memory),
+  // calling after_layer as it goes; then exactly one of TakeLogits (logits [logit_rows, vocab])
+  // or TakeGreedy (per logit row the argmax id, lowest id among equal maxima, as
+  // model::Greedy, computed on the device; only the ids are copied back) waits for the stream.
+  absl::Status Enqueue(const CudaBatch& batch, const LayerHook& after_layer = nullptr);
+  absl::StatusOr<std::vector<float>> TakeLogits();
+  absl::StatusOr<std::vector<int32_t>> TakeGreedy();
+
+  // The device and its compute capability (major * 10 + minor), as the model was created on.
+  int device() const;
+  int compute_capability() const;
   // Copies one cache unit (group, slot) to the host, BlockBytes(group) bytes.
   absl::StatusOr<std::vector<uint8_t>> ReadBlock(int group, int32_t slot);
   absl::Status Synchronize();

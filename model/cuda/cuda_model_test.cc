@@ -11,6 +11,7 @@
 
 #include "gtest/gtest.h"
 #include "model/cuda/cuda_ops.h"
+#include "model/cuda/skip_without_gpu.h"
 #include "model/model_runner.h"
 #include "model/numeric.h"
 #include "model/safetensors.h"
@@ -32,9 +33,7 @@ double RelErr(const float* a, const float* b, int64_t n) {
 
 class CudaModelTest : public ::testing::TestWithParam<std::string> {
  protected:
-  void SetUp() override {
-    if (!HaveDevice()) GTEST_SKIP() << "no usable CUDA device";
-  }
+  void SetUp() override { KV_SKIP_WITHOUT_GPU(); }
 };
 
 TEST_P(CudaModelTest, PrefillAndDecodeMatchCpuRunner) {
@@ -42,7 +41,7 @@ TEST_P(CudaModelTest, PrefillAndDecodeMatchCpuRunner) {
   TestModelOptions o;
   o.arch = GetParam();
   o.seed = 4;
-  // The CUDA forward pass implements plain RoPE only (rope_scaling runs on the CPU runner).
+  // Plain RoPE here (cuda_runner_test covers the presets' rope_scaling).
   o.config_patch = R"({"rope_scaling": null})";
   KV_ASSERT_OK(WriteTestModel(dir.path(), o));
   RunnerOptions ro;

@@ -1,5 +1,7 @@
 #include "model/cuda/cuda_ops.h"
 
+#include <limits>
+
 #include "absl/strings/str_cat.h"
 #include "model/cuda/launch.h"
 #include "platform/cuda/cuda_util.h"
@@ -62,7 +64,7 @@ absl::Status RmsNorm(const float* x, int64_t rows, int32_t dim, const float* w, 
 
 absl::Status Rope(float* x, int64_t rows, int32_t num_heads, int32_t dim, int64_t row_stride,
                   int64_t head_stride, const int64_t* positions, double theta, RopeStyle style,
-                  cudaStream_t stream) {
+                  cudaStream_t stream, const float* inv_freq, float attention_factor) {
   if (dim <= 0 || dim % 2 != 0 || num_heads <= 0) {
     return absl::InvalidArgumentError(absl::StrCat("cuda Rope: bad dim ", dim));
   }
@@ -71,9 +73,10 @@ absl::Status Rope(float* x, int64_t rows, int32_t num_heads, int32_t dim, int64_
     return absl::InvalidArgumentError(absl::StrCat("cuda Rope: ", num_heads, " heads x ", dim,
                                                    " exceed the 12288-value staging limit"));
   }
-  return Check(internal::LaunchRope(x, rows, num_heads, dim, row_stride, head_stride, positions,
-                                    theta, style == RopeStyle::kInterleaved, stream),
-               "RopeKernel");
+  return Check(
+      internal::LaunchRope(x, rows, num_heads, dim, row_stride, head_stride, positions, theta,
+                           style == RopeStyle::kInterleaved, inv_freq, attention_factor, stream),
+      "RopeKernel");
 }
 
 absl::Status GatedActivation(float* a, const float* b, int64_t rows, int64_t n, int64_t lda,
@@ -168,6 +171,17 @@ absl::Status FillRandom(void* dst, bool bf16, int64_t n, uint64_t seed, float me
                         cudaStream_t stream) {
   return Check(internal::LaunchFillRandom(dst, bf16, n, seed, mean, stddev, stream),
                "FillRandomKernel");
+}
+
+absl::Status ArgmaxRows(const float* logits, int64_t rows, int64_t n, int32_t* out,
+                        cudaStream_t stream) {
+  if (rows < 0 || n <= 0 || n > std::numeric_limits<int32_t>::max()) {
+    return absl::InvalidArgumentError(absl::StrCat("cuda ArgmaxRows: bad shape ", rows, " x ", n));
+  }
+  if (rows > 0 && (logits == nullptr || out == nullptr)) {
+    return absl::InvalidArgumentError("cuda ArgmaxRows: null pointer");
+  }
+  return Check(internal::LaunchArgmax(logits, rows, n, out, stream), "ArgmaxKernel");
 }
 
 }  // namespace kvrelay::model::cuda

@@ -26,9 +26,12 @@ absl::Status RmsNorm(const float* x, int64_t rows, int32_t dim, const float* w, 
 
 // In-place RoPE; positions [rows] int64 on the device. Reference ApplyRope (same fp32 angle
 // computation); tolerance 2e-6 absolute per unit of |x| (device sinf/cosf vs glibc).
+// inv_freq: [dim / 2] on the device (RopeFrequencies::inv_freq, any rope_scaling) or null for
+// plain RoPE at theta; cos and sin are scaled by attention_factor.
 absl::Status Rope(float* x, int64_t rows, int32_t num_heads, int32_t dim, int64_t row_stride,
                   int64_t head_stride, const int64_t* positions, double theta, RopeStyle style,
-                  cudaStream_t stream);
+                  cudaStream_t stream, const float* inv_freq = nullptr,
+                  float attention_factor = 1.0f);
 
 // a[r, i] = act(a[r, i]) * b[r, i] for i < n, rows with strides lda/ldb; act = silu or
 // gelu_tanh. Reference SiluMul / GeluTanhMul; tolerance 1e-6 relative.
@@ -108,6 +111,11 @@ absl::Status PagedAttention(const PagedLayer& layer, const AttentionParams& para
 // absorbed MLA query).
 absl::Status CopyRows(const float* src, int64_t lds, float* dst, int64_t ldd, int64_t rows,
                       int64_t n, cudaStream_t stream);
+
+// out[r] = Greedy(logits[r, :n]) for each of `rows` rows (int32 ids on the device): lowest
+// index among equal maxima, NaN as model::Greedy treats it. Bit-exact with Greedy.
+absl::Status ArgmaxRows(const float* logits, int64_t rows, int64_t n, int32_t* out,
+                        cudaStream_t stream);
 
 // Fills n values (fp32, or bf16 when bf16) with mean + uniform noise of the given standard
 // deviation, from a SplitMix64 stream keyed by (seed, index): deterministic random weights.

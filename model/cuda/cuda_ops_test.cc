@@ -12,6 +12,7 @@
 #include "gtest/gtest.h"
 #include "kv/presets.h"
 #include "model/cpu_ops.h"
+#include "model/cuda/skip_without_gpu.h"
 #include "model/kv_cache.h"
 #include "tests/testing/status_matchers.h"
 
@@ -62,9 +63,7 @@ double MaxRelErr(const std::vector<float>& got, const std::vector<float>& want) 
 
 class CudaOpsTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    if (!HaveDevice()) GTEST_SKIP() << "no usable CUDA device";
-  }
+  void SetUp() override { KV_SKIP_WITHOUT_GPU(); }
 };
 
 TEST_F(CudaOpsTest, RmsNormMatchesCpu) {

@@ -6,8 +6,10 @@
 // byte the GPU writes is staged back to the host pools layer by layer on a copy stream
 // (on_layer_done(L) fires once layer L's copy completed), overlapped with the next layer.
 
+#include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "model/attention_model.h"
@@ -29,5 +31,18 @@ struct CudaRunnerOptions {
 // architectures the CUDA model does not run (Gemma 3, Mamba), naming them.
 absl::StatusOr<std::unique_ptr<AttentionModel>> LoadCudaRunner(const std::string& model_dir,
                                                                const CudaRunnerOptions& options);
+
+// For benchmarks of real-size shapes: a runner over random weights drawn on the device
+// (CudaModel::CreateRandom) for `config` (e.g. a preset's, with options.block_tokens-token
+// blocks). Same refusals as LoadCudaRunner.
+absl::StatusOr<std::unique_ptr<AttentionModel>> CreateRandomCudaRunner(
+    const kv::ModelConfig& config, uint64_t seed, const CudaRunnerOptions& options);
+
+// For tests: the device mirror's copy of one (group, slot) unit of `cache`, BlockBytes(group)
+// bytes. InvalidArgument when `model` is not a CUDA runner, NotFound when it mirrors no such
+// cache.
+absl::StatusOr<std::vector<uint8_t>> ReadDeviceUnitForTest(const AttentionModel& model,
+                                                           const KvCache& cache, int group,
+                                                           kv::SlotId slot);
 
 }  // namespace kvrelay::model::cuda

@@ -26,11 +26,13 @@ cudaError_t LaunchRmsNorm(const float* x, int64_t rows, int32_t dim, const float
 
 cudaError_t LaunchRope(float* x, int64_t rows, int32_t num_heads, int32_t dim, int64_t row_stride,
                        int64_t head_stride, const int64_t* positions, double theta,
-                       bool interleaved, cudaStream_t stream) {
+                       bool interleaved, const float* inv_freq, float attention_factor,
+                       cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
   const size_t shared = sizeof(float) * static_cast<size_t>(num_heads) * dim;
   RopeKernel<<<static_cast<unsigned>(rows), kThreads, shared, stream>>>(
-      x, num_heads, dim, row_stride, head_stride, positions, theta, interleaved);
+      x, num_heads, dim, row_stride, head_stride, positions, theta, interleaved, inv_freq,
+      attention_factor);
   return cudaGetLastError();
 }
 
@@ -100,6 +102,14 @@ cudaError_t LaunchFillRandom(void* dst, bool bf16, int64_t n, uint64_t seed, flo
   if (n == 0) return cudaSuccess;
   FillRandomKernel<<<std::min<unsigned>(GridFor(n), 4096), kThreads, 0, stream>>>(
       dst, bf16, n, seed, mean, stddev);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchArgmax(const float* logits, int64_t rows, int64_t n, int32_t* out,
+                         cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;
+  // A power of two (the tree reduction halves it), at most ArgmaxKernel's 1024 shared slots.
+  ArgmaxKernel<<<static_cast<unsigned>(rows), 1024, 0, stream>>>(logits, n, out);
   return cudaGetLastError();
 }
 

@@ -77,9 +77,12 @@ __global__ void RmsNormKernel(const float* x, int32_t dim, const float* w, float
 
 // One block per row. The row's heads are staged in dynamic shared memory
 // (num_heads * dim floats) so the interleaved layout can be rewritten in place.
+// inv_freq_table: [dim / 2] precomputed inverse frequencies (rope_scaling), or null for the
+// plain 1 / theta^(2i / dim); cos and sin are multiplied by attention_factor (yarn) as the CPU's
+// ApplyRope does.
 __global__ void RopeKernel(float* x, int32_t num_heads, int32_t dim, int64_t row_stride,
                            int64_t head_stride, const int64_t* positions, double theta,
-                           bool interleaved) {
+                           bool interleaved, const float* inv_freq_table, float attention_factor) {
   extern __shared__ float staged[];
   const int32_t half = dim / 2;
   float* row = x + blockIdx.x * row_stride;
@@ -92,9 +95,15 @@ __global__ void RopeKernel(float* x, int32_t num_heads, int32_t dim, int64_t row
     const int h = u / half, i = u % half;
     const float* in = staged + h * dim;
     // Same fp32 inverse frequency as the CPU: rounded from a double-precision power.
-    const float inv_freq = static_cast<float>(1.0 / pow(theta, (2.0 * i) / dim));
+    const float inv_freq = inv_freq_table != nullptr
+                               ? inv_freq_table[i]
+                               : static_cast<float>(1.0 / pow(theta, (2.0 * i) / dim));
     const float angle = pos * inv_freq;
-    const float c = cosf(angle), s = sinf(angle);
+    float c = cosf(angle), s = sinf(angle);
+    if (attention_factor != 1.0f) {
+      c *= attention_factor;
+      s *= attention_factor;
+    }
     const float a = interleaved ? in[2 * i] : in[i];
     const float b = interleaved ? in[2 * i + 1] : in[i + half];
     float* v = row + h * head_stride;
@@ -235,6 +244,45 @@ __global__ void PagedAttentionKernel(PagedLayerDesc l, AttentionDesc p) {
 __global__ void CopyRowsKernel(const float* src, int64_t lds, float* dst, int64_t ldd, int64_t n) {
   const int64_t r = blockIdx.x;
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) dst[r * ldd + i] = src[r * lds + i];
+}
+
+// One block per row of logits [rows, n]: out[r] = the argmax of row r with model::Greedy's
+// sequential rule (best = 0; best = i when x[i] > x[best]): a NaN never wins, except that a
+// NaN at index 0 is never beaten; among equal maxima the lowest index. blockDim.x <= 1024.
+__global__ void ArgmaxKernel(const float* logits, int64_t n, int32_t* out) {
+  __shared__ float best_value[1024];
+  __shared__ int64_t best_index[1024];
+  const float* x = logits + blockIdx.x * n;
+  float v = -INFINITY;
+  int64_t at = -1;  // -1: no candidate seen (only NaNs, or nothing)
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const float xi = x[i];
+    // Indices rise within a thread, so a strict > keeps the lowest index among equals.
+    if (!isnan(xi) && (at < 0 || xi > v)) {
+      v = xi;
+      at = i;
+    }
+  }
+  best_value[threadIdx.x] = v;
+  best_index[threadIdx.x] = at;
+  __syncthreads();
+  for (unsigned stride = blockDim.x / 2; stride > 0; stride >>= 1) {
+    if (threadIdx.x < stride) {
+      const float ov = best_value[threadIdx.x + stride];
+      const int64_t oi = best_index[threadIdx.x + stride];
+      const float mv = best_value[threadIdx.x];
+      const int64_t mi = best_index[threadIdx.x];
+      if (oi >= 0 && (mi < 0 || ov > mv || (ov == mv && oi < mi))) {
+        best_value[threadIdx.x] = ov;
+        best_index[threadIdx.x] = oi;
+      }
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    const int64_t winner = isnan(x[0]) || best_index[0] < 0 ? 0 : best_index[0];
+    out[blockIdx.x] = static_cast<int32_t>(winner);
+  }
 }
 
 __device__ __forceinline__ uint64_t SplitMixDev(uint64_t x) {

@@ -45,7 +45,8 @@ cudaError_t LaunchRmsNorm(const float* x, int64_t rows, int32_t dim, const float
                           float* out, int64_t ldx, int64_t ldout, cudaStream_t stream);
 cudaError_t LaunchRope(float* x, int64_t rows, int32_t num_heads, int32_t dim, int64_t row_stride,
                        int64_t head_stride, const int64_t* positions, double theta,
-                       bool interleaved, cudaStream_t stream);
+                       bool interleaved, const float* inv_freq, float attention_factor,
+                       cudaStream_t stream);
 cudaError_t LaunchGatedActivation(float* a, const float* b, int64_t rows, int64_t n, int64_t lda,
                                   int64_t ldb, bool gelu_tanh, cudaStream_t stream);
 cudaError_t LaunchAddInPlace(float* a, const float* b, int64_t n, cudaStream_t stream);
@@ -63,5 +64,7 @@ cudaError_t LaunchCopyRows(const float* src, int64_t lds, float* dst, int64_t ld
                            int64_t n, cudaStream_t stream);
 cudaError_t LaunchFillRandom(void* dst, bool bf16, int64_t n, uint64_t seed, float mean,
                              float stddev, cudaStream_t stream);
+cudaError_t LaunchArgmax(const float* logits, int64_t rows, int64_t n, int32_t* out,
+                         cudaStream_t stream);
 
 }  // namespace kvrelay::model::cuda::internal

@@ -61,6 +61,14 @@ absl::StatusOr<UcpContextPtr> CreateContext(size_t request_size,
   return UcpContextPtr(context, &ucp_cleanup);
 }
 
+absl::StatusOr<bool> SupportsCudaMemory(ucp_context_h context) {
+  ucp_context_attr_t attr = {};
+  attr.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
+  const ucs_status_t st = ucp_context_query(context, &attr);
+  if (st != UCS_OK) return FromUcs(st, "ucp_context_query(UCP_ATTR_FIELD_MEMORY_TYPES)");
+  return (attr.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
+}
+
 absl::StatusOr<UcpWorkerPtr> CreateWorker(ucp_context_h context) {
   ucp_worker_params_t params = {};
   params.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;

@@ -34,6 +34,11 @@ using UcpRkeyPtr = std::unique_ptr<ucp_rkey, decltype(&ucp_rkey_destroy)>;
 absl::StatusOr<UcpContextPtr> CreateContext(size_t request_size,
                                             const std::string& tcp_port_range = "");
 absl::StatusOr<UcpWorkerPtr> CreateWorker(ucp_context_h context);
+// Whether UCX can move CUDA device memory in this context, as UCX itself answers it
+// (ucp_context_query, UCP_ATTR_FIELD_MEMORY_TYPES includes UCS_MEMORY_TYPE_CUDA): true only for
+// a UCX built --with-cuda (cuda_copy, plus gdr_copy / an RDMA NIC for GPUDirect). Debian's UCX
+// 1.13 answers false. Never assumed from the build or the hardware.
+absl::StatusOr<bool> SupportsCudaMemory(ucp_context_h context);
 // The worker's address blob, for the peer's ucp_ep_create.
 absl::StatusOr<std::string> WorkerAddress(ucp_worker_h worker);
 

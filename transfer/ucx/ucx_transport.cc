@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <mutex>
 #include <utility>
 
 #include "absl/cleanup/cleanup.h"
@@ -357,12 +358,22 @@ absl::Status UcxTransport::Init() {
   KV_ASSIGN_OR_RETURN(worker_, ucx::CreateWorker(context_.get()));
   KV_ASSIGN_OR_RETURN(worker_address_, ucx::WorkerAddress(worker_.get()));
 
-  ucp_context_attr_t attr = {};
-  attr.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
-  bool cuda = false;
-  if (ucp_context_query(context_.get(), &attr) == UCS_OK) {
-    cuda = (attr.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
-  }
+  // Device blocks go on the wire directly only when UCX says it moves CUDA memory; otherwise
+  // workers stage them through the (pinned) host pools. Logged once per process.
+  absl::StatusOr<bool> cuda_query = ucx::SupportsCudaMemory(context_.get());
+  const bool cuda = cuda_query.ok() && *cuda_query;
+  static std::once_flag cuda_logged;
+  std::call_once(cuda_logged, [&] {
+    if (!cuda_query.ok()) {
+      KV_LOG(WARNING) << "UCX memory types unknown (" << cuda_query.status()
+                      << "): device memory is staged through host pools";
+    } else {
+      KV_LOG(INFO) << "UCX " << ucp_get_version_string()
+                   << (cuda ? ": CUDA memory supported (device blocks can be registered directly)"
+                            : ": no CUDA memory support (device blocks are staged through host "
+                              "pools)");
+    }
+  });
   const char* tls = std::getenv("UCX_TLS");
   const bool enforced =
       ucx::HardwareEnforcedKeys(ucx::QueryUctComponents(), tls != nullptr ? tls : "");

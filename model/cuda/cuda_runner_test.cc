@@ -1,0 +1,350 @@
+// The CUDA AttentionModel (LoadCudaRunner) against the CPU ModelRunner on the tiny test models:
+// greedy tokens equal and logits close through prefill and continuous-batching decode, the host
+// pools holding exactly the device mirror's bytes after every call (staging), on_layer_done in
+// layer order with the layer's bytes already in the host pool, adopted prefixes uploaded before
+// they are read, DecodeStepGreedy's device argmax equal to host Greedy. GPU tests skip without
+// a device, or fail with KVRELAY_REQUIRE_GPU=1 (bench/gpu_check.sh sets it); the refusal of
+// Gemma 3 and Mamba happens before any device use and runs everywhere.
+
+#include "model/cuda/cuda_runner.h"
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "model/cuda/cuda_ops.h"
+#include "model/cuda/skip_without_gpu.h"
+#include "model/model_runner.h"
+#include "model/sampler.h"
+#include "model/test_model.h"
+#include "platform/cuda/cuda_util.h"
+#include "tests/testing/status_matchers.h"
+#include "tests/testing/test_env.h"
+
+namespace kvrelay::model::cuda {
+namespace {
+
+double RelErr(absl::Span<const float> a, absl::Span<const float> b) {
+  double diff = 0, scale = 1e-30;
+  for (size_t i = 0; i < a.size(); ++i) {
+    diff = std::max(diff, std::abs(double{a[i]} - b[i]));
+    scale = std::max(scale, std::abs(double{b[i]}));
+  }
+  return diff / scale;
+}
+
+// Logits from the two backends differ by rounding (cuBLAS vs the CPU's GEMMs, bf16 cache
+// entries rounded from slightly different values). Relative to max |logit|.
+constexpr double kLogitTolerance = 2e-2;
+
+// The GPU's greedy token must be the CPU's unless the CPU's best two are within the tolerance
+// (a near tie either side may break): then it must be one of those near the top.
+void ExpectSameGreedy(absl::Span<const float> cpu, int32_t gpu_token, const std::string& where) {
+  const int32_t cpu_token = Greedy(cpu);
+  if (gpu_token == cpu_token) return;
+  double scale = 1e-30;
+  for (float v : cpu) scale = std::max(scale, std::abs(double{v}));
+  EXPECT_GE(cpu[gpu_token], cpu[cpu_token] - kLogitTolerance * scale)
+      << where << ": GPU chose " << gpu_token << ", CPU " << cpu_token << " by a clear margin";
+}
+
+struct Arch {
+  std::string name;
+  std::string arch;
+  std::string patch;
+};
+
+void PrintTo(const Arch& arch, std::ostream* os) { *os << arch.name; }
+
+std::vector<Arch> TestArchs() {
+  // The presets' rope_scaling as they come (tiny-llama: llama3; tiny-deepseek_v3: yarn with
+  // mscale), and a plain-RoPE sliding-window model.
+  return {{"llama", "llama", ""},
+          {"deepseek_v3", "deepseek_v3", ""},
+          {"mistral_window", "llama",
+           R"({"model_type": "mistral", "sliding_window": 24, "rope_scaling": null})"}};
+}
+
+class CudaRunnerTest : public ::testing::TestWithParam<Arch> {
+ protected:
+  void SetUp() override {
+    KV_SKIP_WITHOUT_GPU();
+    TestModelOptions o;
+    o.arch = GetParam().arch;
+    o.seed = 11;
+    o.config_patch = GetParam().patch;
+    KV_ASSERT_OK(WriteTestModel(dir_.path(), o));
+    KV_ASSERT_OK_AND_ASSIGN(cpu_, ModelRunner::Load(dir_.path()));
+    CudaRunnerOptions options;
+    options.weight_dtype = WeightDType::kFp32;  // close to the CPU's fp32 GEMMs
+    options.max_rows = 64;
+    options.max_context = 256;
+    KV_ASSERT_OK_AND_ASSIGN(gpu_, LoadCudaRunner(dir_.path(), options));
+    KV_ASSERT_OK_AND_ASSIGN(cpu_cache_, KvCache::Create(cpu_->layout(), 32));
+    KV_ASSERT_OK_AND_ASSIGN(gpu_cache_, KvCache::Create(gpu_->layout(), 32));
+    for (int i = 0; i < 96; ++i) tokens_.push_back((i * 37 + 5) % cpu_->config().vocab_size);
+  }
+
+  // Every live unit of `seq` holds the same bytes in the host pool and on the device.
+  void ExpectHostEqualsDevice(const Sequence& seq, const std::string& where) {
+    for (int g = 0; g < seq.cache().num_groups(); ++g) {
+      const int64_t bytes = seq.cache().layout().BlockBytes(g);
+      for (size_t b = 0; b < seq.blocks(g).size(); ++b) {
+        const kv::SlotId slot = seq.blocks(g)[b];
+        if (slot < 0) continue;
+        KV_ASSERT_OK_AND_ASSIGN(std::vector<uint8_t> device,
+                                ReadDeviceUnitForTest(*gpu_, seq.cache(), g, slot));
+        EXPECT_EQ(std::memcmp(device.data(), seq.cache().pool(g).SlotAddress(slot), bytes), 0)
+            << where << ": group " << g << " block " << b << " (slot " << slot << ")";
+      }
+    }
+  }
+
+  testing::TempDir dir_;
+  std::unique_ptr<ModelRunner> cpu_;
+  std::unique_ptr<AttentionModel> gpu_;
+  std::unique_ptr<KvCache> cpu_cache_, gpu_cache_;
+  std::vector<int32_t> tokens_;
+};
+
+TEST_P(CudaRunnerTest, ReportsDeviceAndNumerics) {
+  EXPECT_EQ(gpu_->device().kind, DeviceKind::kCuda);
+  EXPECT_EQ(gpu_->device().Label(), "cuda:0");
+  EXPECT_FALSE(gpu_->device().name.empty());
+  EXPECT_EQ(gpu_->numerics_id().rfind("cuda-fp32w-sm", 0), 0u) << gpu_->numerics_id();
+  EXPECT_EQ(gpu_->layout().numerics_id(), gpu_->numerics_id());
+  EXPECT_FALSE(gpu_->layout().fingerprint() == cpu_->layout().fingerprint());
+  // A cache of the CPU's layout is refused, never computed into.
+  Sequence cpu_seq(cpu_cache_.get());
+  EXPECT_THAT(gpu_->Prefill(cpu_seq, absl::MakeConstSpan(tokens_).first(4)),
+              testing::StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+TEST_P(CudaRunnerTest, PrefillAndBatchedDecodeMatchCpu) {
+  // Three sequences at different lengths, decoded together (continuous batching).
+  const int lengths[] = {35, 16, 50};
+  std::vector<std::unique_ptr<Sequence>> cpu_seqs, gpu_seqs;
+  std::vector<int32_t> next;
+  for (int s = 0; s < 3; ++s) {
+    cpu_seqs.push_back(std::make_unique<Sequence>(cpu_cache_.get()));
+    gpu_seqs.push_back(std::make_unique<Sequence>(gpu_cache_.get()));
+    auto prompt = absl::MakeConstSpan(tokens_).subspan(s, lengths[s]);
+    KV_ASSERT_OK_AND_ASSIGN(std::vector<float> want, cpu_->Prefill(*cpu_seqs[s], prompt));
+    KV_ASSERT_OK_AND_ASSIGN(std::vector<float> got, gpu_->Prefill(*gpu_seqs[s], prompt));
+    EXPECT_LE(RelErr(got, want), kLogitTolerance) << "prefill " << s;
+    ExpectSameGreedy(want, Greedy(got), "prefill " + std::to_string(s));
+    ExpectHostEqualsDevice(*gpu_seqs[s], "after prefill " + std::to_string(s));
+    next.push_back(Greedy(want));
+  }
+  const int64_t vocab = cpu_->config().vocab_size;
+  for (int step = 0; step < 12; ++step) {
+    std::vector<Sequence*> cpu_batch, gpu_batch;
+    for (int s = 0; s < 3; ++s) {
+      cpu_batch.push_back(cpu_seqs[s].get());
+      gpu_batch.push_back(gpu_seqs[s].get());
+    }
+    KV_ASSERT_OK_AND_ASSIGN(std::vector<float> want, cpu_->DecodeStep(cpu_batch, next));
+    KV_ASSERT_OK_AND_ASSIGN(std::vector<float> got, gpu_->DecodeStep(gpu_batch, next));
+    for (int s = 0; s < 3; ++s) {
+      auto w = absl::MakeConstSpan(want).subspan(s * vocab, vocab);
+      auto g = absl::MakeConstSpan(got).subspan(s * vocab, vocab);
+      const std::string where = "step " + std::to_string(step) + " seq " + std::to_string(s);
+      EXPECT_LE(RelErr(g, w), kLogitTolerance) << where;
+      ExpectSameGreedy(w, Greedy(g), where);
+      next[s] = Greedy(w);  // both sides continue with the CPU's token
+      // Window freeing works the same on both sides (a no-op without sliding-window groups).
+      EXPECT_EQ(cpu_seqs[s]->FreeBlocksOutsideWindow(), gpu_seqs[s]->FreeBlocksOutsideWindow());
+    }
+    for (int s = 0; s < 3; ++s) {
+      ExpectHostEqualsDevice(*gpu_seqs[s], "step " + std::to_string(step));
+    }
+  }
+}
+
+TEST_P(CudaRunnerTest, ChunkedPrefillMatchesCpu) {
+  // 150 tokens at max_rows 64: three forward passes, one prefill.
+  Sequence cpu_seq(cpu_cache_.get()), gpu_seq(gpu_cache_.get());
+  auto prompt = absl::MakeConstSpan(tokens_).first(90);
+  std::vector<int32_t> longer(prompt.begin(), prompt.end());
+  longer.insert(longer.end(), tokens_.begin(), tokens_.begin() + 60);
+  PrefillOptions all;
+  all.all_logits = true;
+  KV_ASSERT_OK_AND_ASSIGN(std::vector<float> want, cpu_->Prefill(cpu_seq, longer, all));
+  KV_ASSERT_OK_AND_ASSIGN(std::vector<float> got, gpu_->Prefill(gpu_seq, longer, all));
+  ASSERT_EQ(got.size(), want.size());
+  const int64_t vocab = cpu_->config().vocab_size;
+  for (size_t r = 0; r < longer.size(); ++r) {
+    EXPECT_LE(RelErr(absl::MakeConstSpan(got).subspan(r * vocab, vocab),
+                     absl::MakeConstSpan(want).subspan(r * vocab, vocab)),
+              kLogitTolerance)
+        << "row " << r;
+  }
+  ExpectHostEqualsDevice(gpu_seq, "after chunked prefill");
+}
+
+TEST_P(CudaRunnerTest, OnLayerDoneInOrderWithTheLayerInTheHostPool) {
+  Sequence seq(gpu_cache_.get());
+  const KvCache& cache = *gpu_cache_;
+  const kv::ModelLayout& layout = cache.layout();
+  std::vector<int32_t> reported;
+  // What the host pool held of each layer's strip when that layer was reported.
+  std::vector<std::vector<uint8_t>> snapshot(layout.num_layers());
+  PrefillOptions options;
+  options.on_layer_done = [&](int32_t layer) {
+    reported.push_back(layer);
+    const int g = cache.group_of_layer(layer);
+    const int64_t layer_bytes = layout.BlockBytes(g) / layout.groups()[g].num_layers();
+    for (kv::SlotId slot : seq.blocks(g)) {
+      if (slot < 0) continue;
+      const uint8_t* strip = static_cast<const uint8_t*>(cache.pool(g).SlotAddress(slot)) +
+                             cache.index_in_group(layer) * layer_bytes;
+      snapshot[layer].insert(snapshot[layer].end(), strip, strip + layer_bytes);
+    }
+  };
+  KV_ASSERT_OK(gpu_->Prefill(seq, absl::MakeConstSpan(tokens_).first(40), options).status());
+  std::vector<int32_t> in_order(layout.num_layers());
+  for (int32_t l = 0; l < layout.num_layers(); ++l) in_order[l] = l;
+  EXPECT_EQ(reported, in_order);
+  for (int32_t layer = 0; layer < layout.num_layers(); ++layer) {
+    const int g = cache.group_of_layer(layer);
+    const int64_t layer_bytes = layout.BlockBytes(g) / layout.groups()[g].num_layers();
+    std::vector<uint8_t> final_bytes;
+    for (kv::SlotId slot : seq.blocks(g)) {
+      if (slot < 0) continue;
+      const uint8_t* strip = static_cast<const uint8_t*>(cache.pool(g).SlotAddress(slot)) +
+                             cache.index_in_group(layer) * layer_bytes;
+      final_bytes.insert(final_bytes.end(), strip, strip + layer_bytes);
+    }
+    EXPECT_EQ(snapshot[layer], final_bytes) << "layer " << layer << " reported before staged";
+  }
+  ExpectHostEqualsDevice(seq, "after reported prefill");
+}
+
+TEST_P(CudaRunnerTest, AdoptedPrefixIsUploadedBeforeItIsRead) {
+  const int64_t bt = gpu_cache_->layout().block_tokens();
+  auto prefix = absl::MakeConstSpan(tokens_).first(2 * bt);
+  auto rest = absl::MakeConstSpan(tokens_).subspan(2 * bt, 9);
+  Sequence source(gpu_cache_.get());
+  KV_ASSERT_OK(gpu_->Prefill(source, prefix).status());
+  // As a transport would: the prefix's bytes land in fresh host slots the device never saw.
+  std::vector<std::vector<kv::SlotId>> blocks(gpu_cache_->num_groups());
+  for (int g = 0; g < gpu_cache_->num_groups(); ++g) {
+    KV_ASSERT_OK_AND_ASSIGN(blocks[g], gpu_cache_->pool(g).AllocateMany(2));
+    for (int b = 0; b < 2; ++b) {
+      std::memcpy(gpu_cache_->pool(g).SlotAddress(blocks[g][b]),
+                  gpu_cache_->pool(g).SlotAddress(source.blocks(g)[b]),
+                  gpu_cache_->layout().BlockBytes(g));
+    }
+  }
+  Sequence adopted(gpu_cache_.get());
+  KV_ASSERT_OK(adopted.AdoptPrefix(prefix, blocks));
+  EXPECT_EQ(adopted.host_only_blocks(), 2);
+  KV_ASSERT_OK_AND_ASSIGN(std::vector<float> want, gpu_->Prefill(source, rest));
+  KV_ASSERT_OK_AND_ASSIGN(std::vector<float> got, gpu_->Prefill(adopted, rest));
+  EXPECT_EQ(adopted.host_only_blocks(), 0);
+  // Same shapes, same bytes read: the same bits.
+  EXPECT_EQ(got, want);
+  ExpectHostEqualsDevice(adopted, "after adopted prefill");
+}
+
+TEST_P(CudaRunnerTest, DecodeStepGreedyEqualsHostGreedy) {
+  Sequence a(gpu_cache_.get()), b(gpu_cache_.get());
+  auto prompt = absl::MakeConstSpan(tokens_).first(21);
+  KV_ASSERT_OK_AND_ASSIGN(std::vector<float> first, gpu_->Prefill(a, prompt));
+  KV_ASSERT_OK(gpu_->Prefill(b, prompt).status());
+  int32_t next = Greedy(first);
+  for (int step = 0; step < 10; ++step) {
+    Sequence* sa[] = {&a};
+    Sequence* sb[] = {&b};
+    KV_ASSERT_OK_AND_ASSIGN(std::vector<float> logits, gpu_->DecodeStep(sa, {next}));
+    KV_ASSERT_OK_AND_ASSIGN(std::vector<int32_t> ids, gpu_->DecodeStepGreedy(sb, {next}));
+    ASSERT_EQ(ids.size(), 1u);
+    EXPECT_EQ(ids[0], Greedy(logits)) << "step " << step;
+    next = ids[0];
+  }
+  ExpectHostEqualsDevice(b, "after greedy decode");
+}
+
+INSTANTIATE_TEST_SUITE_P(Archs, CudaRunnerTest, ::testing::ValuesIn(TestArchs()),
+                         [](const ::testing::TestParamInfo<Arch>& info) {
+                           return info.param.name;
+                         });
+
+TEST(CudaArgmaxTest, MatchesGreedyWithTiesAndNans) {
+  KV_SKIP_WITHOUT_GPU();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float inf = std::numeric_limits<float>::infinity();
+  const int64_t n = 5000;  // more than one value per thread
+  std::vector<std::vector<float>> rows;
+  std::vector<float> tie(n, 1.0f);
+  tie[4000] = 3.0f;
+  tie[1234] = 3.0f;  // the lower of two equal maxima
+  rows.push_back(tie);
+  std::vector<float> nan_first(n, 2.0f);
+  nan_first[0] = nan;  // Greedy never replaces a NaN at index 0
+  nan_first[7] = 9.0f;
+  rows.push_back(nan_first);
+  std::vector<float> nan_later(n, -1.0f);
+  nan_later[10] = nan;
+  nan_later[4999] = 0.5f;
+  rows.push_back(nan_later);
+  rows.push_back(std::vector<float>(n, -inf));
+  std::vector<float> zeros(n, 0.0f);
+  zeros[0] = -0.0f;  // -0 == +0: index 0 stays
+  rows.push_back(zeros);
+  std::vector<float> host;
+  for (const auto& r : rows) host.insert(host.end(), r.begin(), r.end());
+  KV_ASSERT_OK_AND_ASSIGN(auto logits, platform::cuda::DeviceBuffer::Allocate(0, host.size() * 4));
+  KV_ASSERT_OK_AND_ASSIGN(auto ids, platform::cuda::DeviceBuffer::Allocate(0, rows.size() * 4));
+  ASSERT_EQ(cudaMemcpy(logits.data(), host.data(), host.size() * 4, cudaMemcpyHostToDevice),
+            cudaSuccess);
+  KV_ASSERT_OK(ArgmaxRows(static_cast<const float*>(logits.data()),
+                          static_cast<int64_t>(rows.size()), n, static_cast<int32_t*>(ids.data()),
+                          nullptr));
+  std::vector<int32_t> got(rows.size());
+  ASSERT_EQ(cudaMemcpy(got.data(), ids.data(), got.size() * 4, cudaMemcpyDeviceToHost),
+            cudaSuccess);
+  for (size_t r = 0; r < rows.size(); ++r) EXPECT_EQ(got[r], Greedy(rows[r])) << "row " << r;
+}
+
+// Needs no GPU: the architecture is refused from config.json alone, before any device use.
+TEST(CudaRunnerRefusalTest, GemmaMambaAndGpt2AreRefusedByName) {
+  for (const char* arch : {"gemma3", "mamba", "gpt2"}) {
+    testing::TempDir dir;
+    TestModelOptions o;
+    o.arch = arch;
+    KV_ASSERT_OK(WriteTestModel(dir.path(), o));
+    absl::StatusOr<std::unique_ptr<AttentionModel>> runner = LoadCudaRunner(dir.path(), {});
+    ASSERT_EQ(runner.status().code(), absl::StatusCode::kUnimplemented)
+        << arch << ": " << runner.status();
+    EXPECT_NE(runner.status().message().find(arch), std::string::npos) << runner.status();
+  }
+}
+
+TEST(CudaRunnerRefusalTest, BadOptionsAreNamed) {
+  testing::TempDir dir;
+  TestModelOptions o;
+  KV_ASSERT_OK(WriteTestModel(dir.path(), o));
+  CudaRunnerOptions options;
+  options.max_rows = 0;
+  EXPECT_THAT(LoadCudaRunner(dir.path(), options),
+              testing::StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+// Runs everywhere (no skip): without a GPU any device is missing; with one, device 1000 is.
+TEST(CudaRunnerRefusalTest, MissingDeviceIsFailedPrecondition) {
+  testing::TempDir dir;
+  TestModelOptions o;
+  o.config_patch = R"({"rope_scaling": null})";
+  KV_ASSERT_OK(WriteTestModel(dir.path(), o));
+  CudaRunnerOptions options;
+  if (HaveDevice()) options.device = 1000;
+  EXPECT_THAT(LoadCudaRunner(dir.path(), options),
+              testing::StatusIs(absl::StatusCode::kFailedPrecondition));
+}
+
+}  // namespace
+}  // namespace kvrelay::model::cuda
