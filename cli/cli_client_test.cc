@@ -10,6 +10,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "model/test_model.h"
+#include "platform/device_platform.h"
 #include "tests/testing/process_harness.h"
 #include "tests/testing/status_matchers.h"
 #include "tests/testing/test_env.h"
@@ -76,6 +77,40 @@ TEST_F(CliClientTest, ColocatedJsonMatchesTheLibrary) {
   ASSERT_EQ(r.exit_code, 0) << r.stderr_text;
   EXPECT_THAT(r.stdout_text, HasSubstr("tokens: "));
   EXPECT_THAT(r.stdout_text, HasSubstr("ttft "));
+}
+
+TEST_F(CliClientTest, ColocatedDeviceIsTheReferenceCpuByDefaultAndNeverFallsBack) {
+  const std::vector<std::string> base = {"generate",     "--colocated", "--model",
+                                         model_dir(),    "--tokens",    "5,17,300,4",
+                                         "--max-tokens", "5",           "--json"};
+  testing::CommandResult plain = testing::RunKvrelay(base);
+  ASSERT_EQ(plain.exit_code, 0) << plain.stderr_text;
+  std::vector<std::string> on_cpu = base;
+  on_cpu.insert(on_cpu.end(), {"--device", "cpu"});
+  testing::CommandResult cpu = testing::RunKvrelay(on_cpu);
+  ASSERT_EQ(cpu.exit_code, 0) << cpu.stderr_text;
+  EXPECT_EQ(nlohmann::json::parse(cpu.stdout_text)["tokens"],
+            nlohmann::json::parse(plain.stdout_text)["tokens"]);
+
+  std::vector<std::string> bad = base;
+  bad.insert(bad.end(), {"--device", "gpu"});
+  testing::CommandResult r = testing::RunKvrelay(bad);
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.stderr_text, HasSubstr("--device"));
+
+  // --device is the co-located run's; a gateway's workers choose their own.
+  r = testing::RunKvrelay(
+      {"generate", "--gateway", "127.0.0.1:1", "--insecure", "--tokens", "1", "--device", "cpu"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.stderr_text, HasSubstr("--device is for --colocated"));
+
+  if (platform::MakeDevicePlatform().ok()) GTEST_SKIP() << "a CUDA device is usable here";
+  std::vector<std::string> on_cuda = base;
+  on_cuda.insert(on_cuda.end(), {"--device", "cuda"});
+  r = testing::RunKvrelay(on_cuda);
+  EXPECT_EQ(r.exit_code, 2) << r.stdout_text;
+  EXPECT_THAT(r.stderr_text, HasSubstr("--device cuda"));
+  EXPECT_EQ(r.stdout_text, "");
 }
 
 TEST_F(CliClientTest, SeededSamplingRepeats) {

@@ -15,19 +15,21 @@ double MillisSince(absl::Time start) { return absl::ToDoubleMilliseconds(absl::N
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<ColocatedGenerator>> ColocatedGenerator::Load(
-    const std::string& model_dir, int32_t threads) {
+    const std::string& model_dir, int32_t threads, const model::DeviceChoice& device) {
   model::RunnerOptions options;
   options.threads = threads;
   KV_ASSIGN_OR_RETURN(kv::ModelConfig config, kv::LoadHfConfig(model_dir + "/config.json"));
   KV_ASSIGN_OR_RETURN(model::Arch arch, model::ArchFor(config));
   if (arch == model::Arch::kMamba) {
+    KV_RETURN_IF_ERROR(model::CpuOnlyModelReason(device, "mamba").status());
     KV_ASSIGN_OR_RETURN(std::unique_ptr<model::MambaRunner> mamba,
                         model::MambaRunner::Load(model_dir, options));
     return std::unique_ptr<ColocatedGenerator>(new ColocatedGenerator(nullptr, std::move(mamba)));
   }
-  KV_ASSIGN_OR_RETURN(std::unique_ptr<model::ModelRunner> runner,
-                      model::ModelRunner::Load(model_dir, options));
-  return std::unique_ptr<ColocatedGenerator>(new ColocatedGenerator(std::move(runner), nullptr));
+  KV_ASSIGN_OR_RETURN(model::LoadedModel loaded,
+                      model::LoadAttentionModel(model_dir, options, device));
+  return std::unique_ptr<ColocatedGenerator>(
+      new ColocatedGenerator(std::move(loaded.model), nullptr));
 }
 
 absl::StatusOr<GenerationResult> ColocatedGenerator::GenerateMamba(
@@ -89,8 +91,14 @@ absl::StatusOr<GenerationResult> ColocatedGenerator::Generate(
   while (static_cast<int32_t>(result.tokens.size()) < request.max_tokens &&
          next != request.eos_token) {
     model::Sequence* seqs[] = {&seq};
-    KV_ASSIGN_OR_RETURN(logits, runner_->DecodeStep(seqs, {next}));
-    next = sampler.Sample(logits, request.temperature, request.top_p);
+    if (!(request.temperature > 0.0f)) {
+      // As a decode worker's all-greedy step does (the device may take the argmax itself).
+      KV_ASSIGN_OR_RETURN(std::vector<int32_t> ids, runner_->DecodeStepGreedy(seqs, {next}));
+      next = ids.at(0);
+    } else {
+      KV_ASSIGN_OR_RETURN(logits, runner_->DecodeStep(seqs, {next}));
+      next = sampler.Sample(logits, request.temperature, request.top_p);
+    }
     result.tokens.push_back(next);
   }
   result.total_ms = MillisSince(start);

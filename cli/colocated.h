@@ -18,6 +18,7 @@
 #include "absl/status/statusor.h"
 #include "model/mamba_runner.h"
 #include "model/model_runner.h"
+#include "model/select/model_select.h"
 
 namespace kvrelay::cli {
 
@@ -53,9 +54,12 @@ struct GenerationResult {
 
 class ColocatedGenerator {
  public:
-  // Loads <model_dir>/config.json + safetensors. `threads` as RunnerOptions::threads.
-  static absl::StatusOr<std::unique_ptr<ColocatedGenerator>> Load(const std::string& model_dir,
-                                                                  int32_t threads = 1);
+  // Loads <model_dir>/config.json + safetensors. `threads` as RunnerOptions::threads; `device`
+  // as a worker's --device (the CPU by default: the reference; a CUDA reference for a cluster
+  // of CUDA workers, whose bits are not the CPU's). Mamba runs on the CPU only.
+  static absl::StatusOr<std::unique_ptr<ColocatedGenerator>> Load(
+      const std::string& model_dir, int32_t threads = 1,
+      const model::DeviceChoice& device = {.kind = model::DeviceChoice::Kind::kCpu});
 
   // InvalidArgument for an empty prompt, a token id outside [0, vocab), max_tokens outside
   // [1, 4096] or a prompt + max_tokens longer than the model's max_position_embeddings.
@@ -67,14 +71,14 @@ class ColocatedGenerator {
   }
 
  private:
-  ColocatedGenerator(std::unique_ptr<model::ModelRunner> runner,
+  ColocatedGenerator(std::unique_ptr<model::AttentionModel> runner,
                      std::unique_ptr<model::MambaRunner> mamba)
       : runner_(std::move(runner)), mamba_(std::move(mamba)) {}
   // Mamba: one Prefill over the prompt, then DecodeSteps, on its recurrent state.
   absl::StatusOr<GenerationResult> GenerateMamba(const GenerationRequest& request) const;
 
-  std::unique_ptr<model::ModelRunner> runner_;  // attention models
-  std::unique_ptr<model::MambaRunner> mamba_;   // model_type mamba
+  std::unique_ptr<model::AttentionModel> runner_;  // attention models
+  std::unique_ptr<model::MambaRunner> mamba_;      // model_type mamba
 };
 
 }  // namespace kvrelay::cli

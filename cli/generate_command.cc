@@ -126,6 +126,10 @@ int RunGenerateCommand(const std::vector<std::string>& args) {
   flags.AddInt64("seed", &seed, "sampling seed (>= 0)");
   flags.AddInt32("eos", &eos, "stop after this token id; -1 = none");
   flags.AddInt32("threads", &threads, "compute threads for --colocated");
+  std::string device_text = "cpu";
+  flags.AddString("device", &device_text,
+                  "cpu|cuda[:N]|auto: where --colocated computes (cpu, the reference, by "
+                  "default; a CUDA cluster's tokens equal a CUDA co-located run's)");
   flags.AddDuration("timeout", &timeout, "deadline of the whole request");
   flags.AddBool("json", &json, "print one JSON object");
   if (std::optional<int> exit_code = ParseCommandLine(flags, args)) return *exit_code;
@@ -133,6 +137,11 @@ int RunGenerateCommand(const std::vector<std::string>& args) {
     return UsageError("give exactly one of --gateway ADDR or --colocated");
   }
   if (colocated && model_dir.empty()) return UsageError("--colocated needs --model DIR");
+  absl::StatusOr<model::DeviceChoice> device = model::ParseDeviceFlag(device_text);
+  if (!device.ok()) return UsageError(absl::StrCat("--device: ", device.status().message()));
+  if (!colocated && flags.WasSet("device")) {
+    return UsageError("--device is for --colocated; a gateway's workers have their own");
+  }
   if (!colocated) {
     if (absl::Status s = server::SettleSecurity(flags, security); !s.ok()) {
       return UsageError(std::string(s.message()));
@@ -186,7 +195,7 @@ int RunGenerateCommand(const std::vector<std::string>& args) {
   if (colocated) {
     mode = "colocated";
     absl::StatusOr<std::unique_ptr<ColocatedGenerator>> generator =
-        ColocatedGenerator::Load(model_dir, threads);
+        ColocatedGenerator::Load(model_dir, threads, *device);
     if (!generator.ok()) {
       return UsageError(absl::StrCat("--model ", model_dir, ": ", generator.status().message()));
     }
