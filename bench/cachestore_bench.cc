@@ -6,7 +6,8 @@
 //      beside a bare absl::flat_hash_map lookup of the same hashes.
 //   2. The same lookup over gRPC on loopback against a real `kvrelay cachestore` process (with
 //      --policy) with 16 concurrent clients, as unary MatchPrefix calls and on one
-//      MatchPrefixStream per client (what CacheStoreClient does by default), beside
+//      MatchPrefixStream per client (what CacheStoreClient does by default), and with the 16
+//      threads sharing one client (one stream: a worker's concurrent requests), beside
 //      redis-server (started here on a free loopback port) answering it as one pipeline of 256
 //      EXISTS per lookup (RESP over a plain socket), and the ratios; then the latency (p50 /
 //      p99) of one such lookup from a single client, for each.
@@ -386,6 +387,18 @@ void BenchGrpcVsRedis(const Options& opt) {
       return r.ok() ? r->matched() : -1;
     }
   };
+  // The 16 threads share one client, so one connection and one lookup stream, as a worker's
+  // concurrent requests share its StoreLink: lookups waiting at once go out in one message.
+  struct SharedLookup {
+    kvrelay::cachestore::CacheStoreClient* client = nullptr;
+    kvrelay::cachestore::CacheStoreClient* Setup(int) const { return client; }
+    int Lookup(kvrelay::cachestore::CacheStoreClient* c,
+               const std::vector<BlockHash>& chain) const {
+      if (c == nullptr) return -1;
+      auto r = c->MatchPrefix(chain);
+      return r.ok() ? r->matched() : -1;
+    }
+  };
   // One client alone, one lookup at a time: the latency of a call, each call timed.
   auto latencies = [&](auto&& one_lookup) {
     std::vector<double> us;
@@ -424,6 +437,11 @@ void BenchGrpcVsRedis(const Options& opt) {
     return run_clients(GrpcLookup{target, true});
   });
   const std::vector<double> streamed_latency = latencies(GrpcLookup{target, true});
+  std::unique_ptr<kvrelay::cachestore::CacheStoreClient> shared_client =
+      GrpcLookup{target, true}.Setup(0);
+  const auto [shared, shared_cpu] =
+      cpu_of(cs, [&] { return run_clients(SharedLookup{shared_client.get()}); });
+  shared_client.reset();
   ::kill(cs, SIGTERM);
   ::waitpid(cs, nullptr, 0);
   ::close(out_fd);
@@ -508,9 +526,12 @@ void BenchGrpcVsRedis(const Options& opt) {
   }
   std::printf("  kvrelay cachestore, MatchPrefixStream   : %12.0f blocks/s  (%.2fx redis)\n",
               streamed, streamed / theirs);
+  std::printf("  kvrelay cachestore, one shared stream   : %12.0f blocks/s  (%.2fx redis)\n",
+              shared, shared / theirs);
   std::printf("  redis-server (pipeline of 256 EXISTS)   : %12.0f blocks/s\n", theirs);
   std::printf("  ratio ours (stream) / redis             : %12.2fx  (goal >= 1x; unary %.2fx)\n",
               streamed / theirs, ours / theirs);
+  std::printf("  ratio ours (one shared stream) / redis  : %12.2fx\n", shared / theirs);
   // Lookups made in each phase: blocks / 256 (every lookup matches the whole chain).
   auto per_lookup_us = [&](double seconds, double rate) {
     return 1e6 * seconds / (rate * run_s / kChainLen);
@@ -524,6 +545,9 @@ void BenchGrpcVsRedis(const Options& opt) {
       per_lookup_us(streamed_cpu.client_s, streamed), per_lookup_us(their_cpu.server_s, theirs),
       per_lookup_us(their_cpu.client_s, theirs),
       per_lookup_us(streamed_cpu.server_s + streamed_cpu.client_s, streamed) / redis_us);
+  std::printf("  CPU per lookup, one shared stream (us)  : %.1f + %.1f\n",
+              per_lookup_us(shared_cpu.server_s, shared),
+              per_lookup_us(shared_cpu.client_s, shared));
   std::printf(
       "  one lookup, 1 client, p50 / p99 (us)    : unary %.0f / %.0f (%zu calls), stream %.0f / "
       "%.0f (%zu calls), redis %.0f / %.0f (%zu calls)\n",

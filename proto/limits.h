@@ -28,6 +28,11 @@ inline constexpr int kMaxSegmentsPerNode = 64;
 inline constexpr size_t kMaxMemoryKeyBytes = 4096;
 inline constexpr int64_t kMaxTtlMs = 600000;  // node TTL and lease TTL
 inline constexpr int kMaxStoreMessageBytes = 4 << 20;
+// MatchPrefixStream: lookups in one stream message (`lookups`), and their chain blocks in all.
+inline constexpr int kMaxLookupsPerStreamMessage = 64;
+inline constexpr int kMaxBlocksPerStreamMessage = 16384;
+// Initial metadata key a store that accepts `lookups` sends on MatchPrefixStream.
+inline constexpr char kLookupBatchMetadataKey[] = "kvrelay-lookup-batch";
 
 // Any gRPC message between kvrelay components.
 inline constexpr int kMaxMessageBytes = 16 << 20;

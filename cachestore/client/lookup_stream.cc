@@ -1,12 +1,15 @@
 #include "cachestore/client/lookup_stream.h"
 
 #include <algorithm>
+#include <map>
 #include <utility>
 #include <vector>
 
+#include "absl/container/inlined_vector.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "proto/grpc_status.h"
+#include "proto/limits.h"
 
 namespace kvrelay::cachestore {
 
@@ -47,7 +50,7 @@ LookupStream::Result LookupStream::Lookup(const v1::MatchPrefixRequest& request,
                                           absl::Time deadline) {
   auto pending = std::make_shared<Pending>();
   uint64_t id = 0;
-  const v1::MatchPrefixStreamRequest* start = nullptr;
+  bool start = false;
   {
     absl::MutexLock lock(&mu_);
     if (done_) {
@@ -71,28 +74,26 @@ LookupStream::Result LookupStream::Lookup(const v1::MatchPrefixRequest& request,
       // sent, the lookup waits for OnDone as the ones the stream carried do, and gets its status.
       pending->result.not_sent = true;
     } else {
-      v1::MatchPrefixStreamRequest& out = writes_.emplace_back();
-      out.set_id(id);
-      *out.mutable_request() = request;
-      // Whole milliseconds left, at least 1 (the store refuses 0); the wait below is exact.
-      const absl::Duration left = deadline - absl::Now();
-      out.set_timeout_ms(std::clamp<int64_t>(absl::ToInt64Milliseconds(left) + 1, 1, 600000));
-      if (!writing_) {
-        writing_ = true;
-        start = &out;
+      queued_.push_back(Queued{id, request, deadline});
+      if (CanWriteLocked() && TakeNextMessageLocked()) {
+        start = true;
         // While !ended_ the stream's read is outstanding, so the call cannot have finished and
         // a hold may be added; it keeps OnDone away until the write below is started.
         AddHold();
       }
     }
   }
-  if (start != nullptr) {
-    StartWrite(start);
+  if (start) {
+    StartWrite(&out_);
     RemoveHold();
   }
   if (!pending->done.WaitForNotificationWithDeadline(deadline)) {
     absl::MutexLock lock(&mu_);
     if (pending_.erase(id) > 0) {
+      // Not sent yet: it never will be (the queue stays within kMaxInFlight).
+      auto queued = std::find_if(queued_.begin(), queued_.end(),
+                                 [id](const Queued& q) { return q.id == id; });
+      if (queued != queued_.end()) queued_.erase(queued);
       Result late;
       late.status = absl::DeadlineExceededError(
           "MatchPrefix: no answer on the lookup stream before the deadline");
@@ -104,23 +105,111 @@ LookupStream::Result LookupStream::Lookup(const v1::MatchPrefixRequest& request,
   return std::move(pending->result);
 }
 
+bool LookupStream::CanWriteLocked() const {
+  return !writing_ && !ended_ && !queued_.empty() &&
+         (!batching_ || unanswered_ < kMaxMessagesInFlight);
+}
+
+bool LookupStream::TakeNextMessageLocked() {
+  out_.Clear();
+  const absl::Time now = absl::Now();
+  // Whole milliseconds left, at least 1 (the store refuses 0); the caller's wait is exact.
+  auto timeout_ms = [now](absl::Time deadline) {
+    return std::clamp<int64_t>(absl::ToInt64Milliseconds(deadline - now) + 1, 1, 600000);
+  };
+  auto blocks_of = [](const v1::MatchPrefixRequest& r) {
+    return static_cast<int64_t>(r.chain_size()) +
+           static_cast<int64_t>(r.chain_packed().size()) / 16;
+  };
+  int64_t blocks = 0;
+  v1::MatchPrefixStreamRequest* single = nullptr;
+  while (!queued_.empty()) {
+    Queued& q = queued_.front();
+    auto it = pending_.find(q.id);
+    if (it == pending_.end()) {  // its caller left at its deadline
+      queued_.pop_front();
+      continue;
+    }
+    const int64_t b = blocks_of(q.request);
+    if (single != nullptr || out_.lookups_size() > 0) {
+      // A batch of two or more stays within the store's limits; the first lookup always goes.
+      if (!batching_ || out_.lookups_size() + 1 > limits::kMaxLookupsPerStreamMessage ||
+          blocks + b > limits::kMaxBlocksPerStreamMessage) {
+        break;
+      }
+      if (single != nullptr) {
+        // A second lookup joins: the first one moves into `lookups` too.
+        v1::MatchPrefixStreamRequest* first = out_.add_lookups();
+        first->set_id(single->id());
+        first->set_timeout_ms(single->timeout_ms());
+        first->mutable_request()->Swap(single->mutable_request());
+        out_.clear_id();
+        out_.clear_timeout_ms();
+        out_.clear_request();
+        single = nullptr;
+      }
+      v1::MatchPrefixStreamRequest* next = out_.add_lookups();
+      next->set_id(q.id);
+      next->set_timeout_ms(timeout_ms(q.deadline));
+      next->mutable_request()->Swap(&q.request);
+    } else {
+      single = &out_;
+      out_.set_id(q.id);
+      out_.set_timeout_ms(timeout_ms(q.deadline));
+      out_.mutable_request()->Swap(&q.request);
+    }
+    blocks += b;
+    it->second->sent = true;
+    queued_.pop_front();
+  }
+  if (single == nullptr && out_.lookups_size() == 0) return false;
+  writing_ = true;
+  ++unanswered_;
+  return true;
+}
+
 void LookupStream::OnWriteDone(bool ok) {
-  const v1::MatchPrefixStreamRequest* next = nullptr;
+  bool next = false;
   {
     absl::MutexLock lock(&mu_);
-    writes_.pop_front();
+    writing_ = false;
     if (!ok) {
-      // The stream is broken; the read fails too and OnDone reports why.
+      // The stream is broken; the read fails too and OnDone reports why. Lookups still queued
+      // were never sent (OnDone says so: the client retries them on a new stream).
       ended_ = true;
-      writing_ = false;
-      writes_.clear();
-    } else if (!writes_.empty()) {
-      next = &writes_.front();
+      queued_.clear();
     } else {
-      writing_ = false;
+      next = CanWriteLocked() && TakeNextMessageLocked();
     }
   }
-  if (next != nullptr) StartWrite(next);
+  if (next) StartWrite(&out_);
+}
+
+void LookupStream::OnReadInitialMetadataDone(bool ok) {
+  if (!ok) return;  // the stream failed: OnDone says why
+  const std::multimap<grpc::string_ref, grpc::string_ref>& metadata =
+      ctx_.GetServerInitialMetadata();
+  if (metadata.find(limits::kLookupBatchMetadataKey) == metadata.end()) return;  // older store
+  absl::MutexLock lock(&mu_);
+  batching_ = true;
+}
+
+void LookupStream::Deliver(v1::MatchPrefixStreamResponse& answer,
+                           std::shared_ptr<Pending> pending) {
+  // An answer nobody waits for (its caller's deadline passed) is dropped; a lease it carries
+  // runs out by its TTL, as a late unary answer's does.
+  if (pending == nullptr) return;
+  Result& r = pending->result;
+  r.term = answer.term();
+  if (answer.code() == 0) {
+    r.response.Swap(answer.mutable_response());
+  } else {
+    absl::Status status(static_cast<absl::StatusCode>(answer.code()), answer.message());
+    if (answer.has_error_info())
+      status = proto::WithErrorInfo(std::move(status), answer.error_info());
+    r.status = std::move(status);
+  }
+  pending->done.Notify();
 }
 
 void LookupStream::OnReadDone(bool ok) {
@@ -129,30 +218,34 @@ void LookupStream::OnReadDone(bool ok) {
     ended_ = true;  // OnDone follows with the status
     return;
   }
-  std::shared_ptr<Pending> pending;
+  // One answer, or a batch's answers in `answers`; each handed to its caller by id.
+  absl::InlinedVector<std::pair<v1::MatchPrefixStreamResponse*, std::shared_ptr<Pending>>, 8>
+      answered;
+  bool next = false;
   {
     absl::MutexLock lock(&mu_);
-    auto it = pending_.find(read_.id());
-    if (it != pending_.end()) {
-      pending = std::move(it->second);
-      pending_.erase(it);
-    }
-  }
-  // An answer nobody waits for (its caller's deadline passed) is dropped; a lease it carries
-  // runs out by its TTL, as a late unary answer's does.
-  if (pending != nullptr) {
-    Result& r = pending->result;
-    r.term = read_.term();
-    if (read_.code() == 0) {
-      r.response.Swap(read_.mutable_response());
+    if (unanswered_ > 0) --unanswered_;
+    auto take = [this, &answered](v1::MatchPrefixStreamResponse* answer) {
+      std::shared_ptr<Pending> pending;
+      auto it = pending_.find(answer->id());
+      if (it != pending_.end()) {
+        pending = std::move(it->second);
+        pending_.erase(it);
+      }
+      answered.emplace_back(answer, std::move(pending));
+    };
+    if (read_.answers_size() == 0) {
+      take(&read_);
     } else {
-      absl::Status status(static_cast<absl::StatusCode>(read_.code()), read_.message());
-      if (read_.has_error_info())
-        status = proto::WithErrorInfo(std::move(status), read_.error_info());
-      r.status = std::move(status);
+      for (v1::MatchPrefixStreamResponse& answer : *read_.mutable_answers()) take(&answer);
     }
-    pending->done.Notify();
+    // The slot this answer freed goes to the lookups that queued meanwhile, as one message.
+    next = CanWriteLocked() && TakeNextMessageLocked();
   }
+  // Started before handing over the answers, so the store has the next batch at once. Inside a
+  // reaction the call cannot finish, so no hold is needed.
+  if (next) StartWrite(&out_);
+  for (auto& [answer, pending] : answered) Deliver(*answer, std::move(pending));
   read_.Clear();
   StartRead(&read_);
 }
@@ -178,6 +271,8 @@ void LookupStream::OnDone(const grpc::Status& grpc_status) {
   for (const std::shared_ptr<Pending>& pending : waiting) {
     pending->result.status = status;
     pending->result.stream_ended = true;
+    // `sent` is read without mu_: nothing sets it any more once done_ is set above.
+    if (!pending->sent) pending->result.not_sent = true;
     pending->done.Notify();
   }
   finished_.store(true, std::memory_order_release);  // last access: the owner may now free this

@@ -8,9 +8,18 @@
 // Any number of threads call Lookup() at once (at most kMaxInFlight waiting); writes go out one
 // at a time in call order, the store answers in order, and each answer is handed to its caller
 // by id. A caller whose deadline passes gets DEADLINE_EXCEEDED at once; its late answer is
-// dropped. When the stream ends (the store died, drained, stopped leading, or does not know the
-// RPC: UNIMPLEMENTED), every waiting caller gets the stream's status with `stream_ended` set and
-// ended() turns true: the owner opens a new stream for the next lookup.
+// dropped (and a lookup not yet sent is not sent at all).
+//
+// Coalescing: once the store's initial metadata says it takes batches (kvrelay-lookup-batch), at
+// most kMaxMessagesInFlight messages are unanswered at a time; lookups that arrive meanwhile
+// wait here and go out together in the next message (`lookups`, up to the limits of
+// proto/limits.h), each with what is left of its own deadline, and the store answers them in
+// one message. A lone caller thus sends alone and waits for nothing but its answer; many callers
+// on one stream pay the per-message costs once per batch. Before that metadata (a new stream's
+// first lookup, or an older store) lookups go one per message, pipelined as they come. When the
+// stream ends (the store died, drained, stopped leading, or does not know the RPC: UNIMPLEMENTED),
+// every waiting caller gets the stream's status with `stream_ended` set and ended() turns true: the
+// owner opens a new stream for the next lookup.
 //
 // Lifetime: the owner must keep a reference until finished() (gRPC has run OnDone), and drop the
 // last one on its own thread, never on a gRPC callback thread: the stream's ClientContext holds
@@ -40,6 +49,9 @@ class LookupStream final
   // Lookups waiting on one stream at most; past it Lookup() answers `not_sent` (the caller
   // uses unary MatchPrefix), so a stalled store cannot pile up unbounded requests.
   static constexpr int kMaxInFlight = 256;
+  // Messages written and not yet answered at most, with a store that takes batches: one the
+  // store works on and one waiting in its socket, so it never idles between batches.
+  static constexpr int kMaxMessagesInFlight = 2;
 
   struct Result {
     // The lookup's status as MatchPrefix would have returned it (with its ErrorInfo), or, with
@@ -69,6 +81,7 @@ class LookupStream final
   bool WaitDone(absl::Duration timeout);
 
   // gRPC's reactions.
+  void OnReadInitialMetadataDone(bool ok) override;
   void OnReadDone(bool ok) override;
   void OnWriteDone(bool ok) override;
   void OnDone(const grpc::Status& status) override;
@@ -77,8 +90,23 @@ class LookupStream final
   struct Pending {
     absl::Notification done;
     Result result;
+    bool sent = false;  // guarded by mu_: its message has been handed to StartWrite
+  };
+  // A lookup not yet in a message.
+  struct Queued {
+    uint64_t id = 0;
+    v1::MatchPrefixRequest request;
+    absl::Time deadline;
   };
   LookupStream() = default;
+
+  // True when the next message may be started now.
+  bool CanWriteLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Moves the queued lookups whose callers still wait into out_ (one, or a batch when the store
+  // takes them); false when none still waits. Sets writing_ when it returns true.
+  bool TakeNextMessageLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Hands `answer` to its caller (nothing when nobody waits for it any more).
+  void Deliver(v1::MatchPrefixStreamResponse& answer, std::shared_ptr<Pending> pending);
 
   grpc::ClientContext ctx_;
   // Only the reactions touch it: one read is outstanding from Open until OnReadDone(false).
@@ -92,10 +120,16 @@ class LookupStream final
   absl::Status end_status_ ABSL_GUARDED_BY(mu_);
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   absl::flat_hash_map<uint64_t, std::shared_ptr<Pending>> pending_ ABSL_GUARDED_BY(mu_);
-  // Lookups not yet written, the front one being written while `writing_` (deque elements stay
-  // put when others are added, so the pointer handed to StartWrite stays valid).
-  std::deque<v1::MatchPrefixStreamRequest> writes_ ABSL_GUARDED_BY(mu_);
+  // Lookups not yet in a message, in call order.
+  std::deque<Queued> queued_ ABSL_GUARDED_BY(mu_);
+  // The message being written while `writing_` (only the thread that set writing_ starts its
+  // write, and nothing touches it again until OnWriteDone).
+  v1::MatchPrefixStreamRequest out_;
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  // Messages whose write was started and whose answer has not come.
+  int unanswered_ ABSL_GUARDED_BY(mu_) = 0;
+  // The store's initial metadata carries kvrelay-lookup-batch: batches may be sent.
+  bool batching_ ABSL_GUARDED_BY(mu_) = false;
   // Set (release) as OnDone's very last access to this object; read (acquire) by finished().
   std::atomic<bool> finished_{false};
 };

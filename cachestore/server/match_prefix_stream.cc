@@ -13,6 +13,16 @@
 // on the leader); the store drains (StopStreams cancels it); a write fails (the client is gone).
 // Any other failure of one lookup is answered in that lookup's message and the stream goes on.
 //
+// Batches: a message may carry several lookups (`lookups`, from clients that saw
+// kvrelay-lookup-batch in this stream's initial metadata); they are answered in order in one
+// message, each answer with its own id and status, so one failing lookup never fails its
+// neighbours. The per-message costs (a read and a write reaction, their wake-ups, a TCP segment
+// each way) are then paid once per batch instead of once per lookup. A lookup whose own
+// timeout_ms has passed when its turn comes is answered DEADLINE_EXCEEDED without being looked
+// up (no lease for a caller that has gone). A not-leader answer ends the stream as for a single
+// lookup; answers already computed in that batch are dropped (a lease they took runs out by its
+// TTL, as a late answer's does).
+//
 // Threading: exactly one operation (a read or a write) is outstanding at a time, and each
 // reaction starts the next one, so reactions of one stream never run concurrently and the
 // reactor needs no lock of its own. StopStreams only calls TryCancel (thread-safe at any time)
@@ -24,6 +34,7 @@
 #include "absl/time/clock.h"
 #include "cachestore/server/service.h"
 #include "proto/grpc_status.h"
+#include "proto/limits.h"
 
 namespace kvrelay::cachestore::server {
 
@@ -50,6 +61,9 @@ class CacheStoreService::MatchStream final
       Finish(refused);
       return;
     }
+    // Tells the client it may send `lookups` (sent with the first answer).
+    ctx_->AddInitialMetadata(limits::kLookupBatchMetadataKey,
+                             absl::StrCat(limits::kMaxLookupsPerStreamMessage));
     StartRead(&request_);
   }
 
@@ -64,8 +78,23 @@ class CacheStoreService::MatchStream final
           absl::UnavailableError("cache store is draining: lookup stream closed, reconnect")));
       return;
     }
+    service_->stream_messages_->Increment();
     bool not_leader = false;
-    grpc::Status status = Answer(&not_leader);
+    grpc::Status status;
+    response_.Clear();
+    if (request_.lookups_size() == 0) {
+      status = Answer(request_, absl::Now(), &response_, &not_leader);
+    } else if (grpc::Status malformed = CheckBatch(); !malformed.ok()) {
+      service_->errors_[kMatchStream]->Increment();
+      Finish(malformed);
+      return;
+    } else {
+      const absl::Time received = absl::Now();
+      for (const v1::MatchPrefixStreamRequest& lookup : request_.lookups()) {
+        status = Answer(lookup, received, response_.add_answers(), &not_leader);
+        if (not_leader) break;
+      }
+    }
     if (not_leader) {
       // Nothing this instance says is the cluster's any more: end the stream, naming the leader
       // where known, so the client reopens there.
@@ -122,35 +151,66 @@ class CacheStoreService::MatchStream final
     return grpc::Status::OK;
   }
 
-  // Fills response_ for request_. Returns the status that ends the stream when `*not_leader`.
-  grpc::Status Answer(bool* not_leader) {
-    response_.Clear();
-    response_.set_id(request_.id());
+  // A message with `lookups` must carry nothing else and stay within the batch limits.
+  grpc::Status CheckBatch() const {
+    if (request_.id() != 0 || request_.has_request() || request_.timeout_ms() != 0) {
+      return ClientInvalid(
+          "lookup stream: a message with lookups must leave id, request and "
+          "timeout_ms unset");
+    }
+    if (request_.lookups_size() > limits::kMaxLookupsPerStreamMessage) {
+      return ClientInvalid(absl::StrCat("lookups: at most ", limits::kMaxLookupsPerStreamMessage,
+                                        " per message, got ", request_.lookups_size()));
+    }
+    int64_t blocks = 0;
+    for (const v1::MatchPrefixStreamRequest& lookup : request_.lookups()) {
+      if (lookup.lookups_size() > 0) {
+        return ClientInvalid(absl::StrCat("lookups: lookup ", lookup.id(), " has lookups itself"));
+      }
+      blocks += lookup.request().chain_size() +
+                static_cast<int64_t>(lookup.request().chain_packed().size() / 16);
+    }
+    if (blocks > limits::kMaxBlocksPerStreamMessage) {
+      return ClientInvalid(absl::StrCat("lookups: at most ", limits::kMaxBlocksPerStreamMessage,
+                                        " chain blocks per message, got ", blocks));
+    }
+    return grpc::Status::OK;
+  }
+
+  // Fills `answer` for `lookup`, which arrived at `received`. Returns the status that ends the
+  // stream when `*not_leader`.
+  grpc::Status Answer(const v1::MatchPrefixStreamRequest& lookup, absl::Time received,
+                      v1::MatchPrefixStreamResponse* answer, bool* not_leader) {
+    answer->set_id(lookup.id());
     grpc::Status status;
     std::optional<int64_t> term;
     const absl::Time start = absl::Now();
-    if (request_.timeout_ms() < 1 || request_.timeout_ms() > service_->limits_.max_ttl_ms) {
+    if (lookup.timeout_ms() < 1 || lookup.timeout_ms() > service_->limits_.max_ttl_ms) {
       status = ClientInvalid(absl::StrCat("timeout_ms: want 1-", service_->limits_.max_ttl_ms,
-                                          ", got ", request_.timeout_ms()));
+                                          ", got ", lookup.timeout_ms()));
     } else if (ctx_->deadline() < std::chrono::system_clock::now()) {
       status = grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
                             "lookup stream: the stream's own deadline passed");
+    } else if (start > received + absl::Milliseconds(lookup.timeout_ms())) {
+      // Waited behind others of its batch past its own deadline: its caller has gone.
+      status = grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
+                            "lookup stream: the lookup's timeout_ms passed before its turn");
     } else {
-      status = service_->MatchPrefixCore(ctx_, kMatchStream, request_.request(),
-                                         response_.mutable_response(), &term, not_leader);
+      status = service_->MatchPrefixCore(ctx_, kMatchStream, lookup.request(),
+                                         answer->mutable_response(), &term, not_leader);
     }
     service_->latency_[kMatchStream]->Observe(absl::ToDoubleSeconds(absl::Now() - start));
     if (!status.ok()) service_->errors_[kMatchStream]->Increment();
     if (*not_leader) return status;
-    if (term.has_value()) response_.set_term(*term);
+    if (term.has_value()) answer->set_term(*term);
     if (!status.ok()) {
-      response_.clear_response();
-      response_.set_code(static_cast<int32_t>(status.error_code()));
+      answer->clear_response();
+      answer->set_code(static_cast<int32_t>(status.error_code()));
       std::string message = status.error_message();
       if (message.size() > kMaxErrorMessageBytes) message.resize(kMaxErrorMessageBytes);
-      response_.set_message(std::move(message));
+      answer->set_message(std::move(message));
       std::optional<v1::ErrorInfo> info = proto::GetErrorInfo(proto::FromGrpcStatus(status));
-      if (info.has_value()) *response_.mutable_error_info() = *std::move(info);
+      if (info.has_value()) *answer->mutable_error_info() = *std::move(info);
     }
     return grpc::Status::OK;
   }

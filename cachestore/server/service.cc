@@ -810,6 +810,9 @@ void CacheStoreService::RegisterMetrics(MetricsRegistry* metrics) {
                                         RpcBucketsSeconds(), rpc);
     errors_[i] = metrics->GetCounter("kvrelay:cachestore_rpc_errors_total", "Failed RPCs.", rpc);
   }
+  stream_messages_ =
+      metrics->GetCounter("kvrelay:cachestore_lookup_stream_messages_total",
+                          "MatchPrefixStream messages read (a batch of lookups counts once).", {});
   // The store keeps these as its own atomics (trace-replay and tests read them too); the
   // registry reads them at each scrape.
   const StoreCounters* c = &store_->counters();

@@ -139,6 +139,9 @@ class CacheStoreService final : public kvrelay::v1::CacheStore::WithCallbackMeth
   const Leadership* const leadership_;
   std::array<Histogram*, kNumRpcs> latency_{};  // owned by the registry
   std::array<Counter*, kNumRpcs> errors_{};
+  // MatchPrefixStream messages read, a batch of lookups counting once (lookups per message =
+  // the MatchPrefixStream latency count over this).
+  Counter* stream_messages_ = nullptr;
   // Release/acquire pair: StopStreams() publishes, WatchEvents loops and lookup streams observe.
   std::atomic<bool> stopping_{false};
   // Open lookup streams (each removes itself in OnDone), so StopStreams can end them.

@@ -8,7 +8,9 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <optional>
@@ -22,6 +24,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "cachestore/client/cache_store_client.h"
+#include "common/server/credentials.h"
 #include "common/server/dev_certs.h"
 #include "gmock/gmock.h"
 #include "google/protobuf/util/message_differencer.h"
@@ -29,6 +32,7 @@
 #include "gtest/gtest.h"
 #include "kv/block_hash.h"
 #include "proto/grpc_status.h"
+#include "proto/limits.h"
 #include "tests/testing/process_harness.h"
 #include "tests/testing/status_matchers.h"
 #include "tests/testing/test_env.h"
@@ -278,6 +282,287 @@ TEST_F(LookupStreamProcessTest, ThreadsSharingOneStreamEachGetTheirOwnAnswer) {
   EXPECT_EQ(Matched(*client, Chain("t", 64)), 64);
   std::printf("lookups that gave up at their 1 ms deadline: %d of %d\n", hurried.load(),
               kThreads / 2 * kLookups);
+}
+
+// --- Batches (several lookups in one stream message) ------------------------------------------
+
+// A MatchPrefixRequest as CacheStoreClient builds it: the packed chain, the columnar answer.
+v1::MatchPrefixRequest PackedRequest(const std::vector<kv::BlockHash>& chain,
+                                     int64_t lease_ttl_ms = 0, const NodeIdentity& node = {}) {
+  v1::MatchPrefixRequest r;
+  for (const kv::BlockHash& h : chain) {
+    const std::array<uint8_t, 16> bytes = h.ToBytes();
+    r.mutable_chain_packed()->append(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+  }
+  r.set_lease_ttl_ms(lease_ttl_ms);
+  r.set_columnar(true);
+  r.set_node_id(node.node_id);
+  r.set_incarnation(node.incarnation);
+  return r;
+}
+
+void AddLookup(v1::MatchPrefixStreamRequest* message, uint64_t id, v1::MatchPrefixRequest request,
+               int64_t timeout_ms = 10000) {
+  v1::MatchPrefixStreamRequest* lookup = message->add_lookups();
+  lookup->set_id(id);
+  *lookup->mutable_request() = std::move(request);
+  lookup->set_timeout_ms(timeout_ms);
+}
+
+// A lookup's answer as the status CacheStoreClient makes of it.
+absl::Status StatusOf(const v1::MatchPrefixStreamResponse& answer) {
+  if (answer.code() == 0) return absl::OkStatus();
+  absl::Status s(static_cast<absl::StatusCode>(answer.code()), answer.message());
+  return answer.has_error_info() ? proto::WithErrorInfo(std::move(s), answer.error_info()) : s;
+}
+
+// The raw stream (the synchronous API), to send messages exactly as the test writes them.
+struct RawStream {
+  RawStream(const std::string& target, const server::SecurityOptions& security = {}) {
+    absl::StatusOr<std::shared_ptr<grpc::Channel>> ch = server::MakeChannel(target, security);
+    EXPECT_THAT(ch, IsOk());
+    channel = *ch;
+    stub = v1::CacheStore::NewStub(channel);
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    stream = stub->MatchPrefixStream(&ctx);
+  }
+  // Writes `message` and reads its answer; false when the stream ended instead.
+  bool Ask(const v1::MatchPrefixStreamRequest& message, v1::MatchPrefixStreamResponse* answer) {
+    return stream->Write(message) && stream->Read(answer);
+  }
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<v1::CacheStore::Stub> stub;
+  grpc::ClientContext ctx;
+  std::unique_ptr<
+      grpc::ClientReaderWriter<v1::MatchPrefixStreamRequest, v1::MatchPrefixStreamResponse>>
+      stream;
+};
+
+double StreamMessages(int metrics_port) {
+  const std::string metrics = testing::HttpGet(metrics_port, "/metrics");
+  const std::string prefix = "kvrelay:cachestore_lookup_stream_messages_total ";
+  for (absl::string_view line : absl::StrSplit(metrics, '\n')) {
+    double v = 0;
+    if (absl::StartsWith(line, prefix) && absl::SimpleAtod(line.substr(prefix.size()), &v)) {
+      return v;
+    }
+  }
+  return -1;
+}
+
+TEST_F(LookupStreamProcessTest, ABatchIsAnsweredInOneMessageAsUnaryAnswersEachLookup) {
+  Start();
+  auto worker = Client(true, {"prefill-a", CacheStoreClient::NewIncarnation()});
+  RegisterAndStore(*worker, {Chain("t", 32), Chain("u", 16)});
+  RawStream raw(target_);
+  // The store says it takes batches.
+  v1::MatchPrefixStreamRequest single;
+  single.set_id(7);
+  *single.mutable_request() = PackedRequest(Chain("t", 32));
+  single.set_timeout_ms(10000);
+  v1::MatchPrefixStreamResponse first;
+  ASSERT_TRUE(raw.Ask(single, &first));
+  EXPECT_EQ(first.id(), 7u);
+  EXPECT_EQ(first.response().matched(), 32);
+  EXPECT_EQ(first.answers_size(), 0);
+  const auto& metadata = raw.ctx.GetServerInitialMetadata();
+  auto batch_key = metadata.find(limits::kLookupBatchMetadataKey);
+  ASSERT_NE(batch_key, metadata.end());
+  EXPECT_EQ(std::string(batch_key->second.data(), batch_key->second.size()), "64");
+
+  // Whole, partial and missed chains, another salt, and one the store refuses.
+  const std::vector<std::vector<kv::BlockHash>> chains = {Chain("t", 32), Chain("t", 48),
+                                                          Chain("u", 16), Chain("u", 8),
+                                                          Chain("v", 8),  Chain("t", 4097)};
+  const double messages_before = StreamMessages(metrics_port_);
+  v1::MatchPrefixStreamRequest batch;
+  for (size_t i = 0; i < chains.size(); ++i) AddLookup(&batch, 100 + i, PackedRequest(chains[i]));
+  v1::MatchPrefixStreamResponse answer;
+  ASSERT_TRUE(raw.Ask(batch, &answer));
+  EXPECT_EQ(StreamMessages(metrics_port_), messages_before + 1);
+  ASSERT_EQ(answer.answers_size(), static_cast<int>(chains.size()));
+  EXPECT_EQ(answer.id(), 0u);
+  EXPECT_FALSE(answer.has_response());
+  for (size_t i = 0; i < chains.size(); ++i) {
+    SCOPED_TRACE(absl::StrCat("lookup ", i));
+    const v1::MatchPrefixStreamResponse& a = answer.answers(static_cast<int>(i));
+    EXPECT_EQ(a.id(), 100 + i);
+    grpc::ClientContext unary_ctx;
+    v1::MatchPrefixResponse unary;
+    const grpc::Status u = raw.stub->MatchPrefix(&unary_ctx, PackedRequest(chains[i]), &unary);
+    EXPECT_EQ(static_cast<int>(a.code()), static_cast<int>(u.error_code()));
+    if (u.ok()) {
+      EXPECT_TRUE(MessageDifferencer::Equals(a.response(), unary)) << a.response().DebugString();
+    } else {
+      EXPECT_EQ(a.message(), u.error_message());
+      std::optional<v1::ErrorInfo> info = proto::GetErrorInfo(StatusOf(a));
+      ASSERT_TRUE(info.has_value());
+      EXPECT_EQ(info->reason(), v1::FAILURE_INVALID_REQUEST);
+    }
+  }
+  EXPECT_EQ(answer.answers(0).response().matched(), 32);
+  EXPECT_EQ(answer.answers(1).response().matched(), 32);
+  EXPECT_EQ(answer.answers(3).response().matched(), 8);
+  EXPECT_EQ(answer.answers(4).response().matched(), 0);
+  EXPECT_THAT(StatusOf(answer.answers(5)),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("chain_packed")));
+
+  // A single lookup (an older client's message) on the same stream after the batch.
+  single.set_id(8);
+  ASSERT_TRUE(raw.Ask(single, &answer));
+  EXPECT_EQ(answer.id(), 8u);
+  EXPECT_EQ(answer.response().matched(), 32);
+  EXPECT_EQ(answer.answers_size(), 0);
+  raw.stream->WritesDone();
+  EXPECT_TRUE(raw.stream->Finish().ok());
+}
+
+TEST_F(LookupStreamProcessTest, InABatchOnlyTheLookupTheCallerMayNotMakeFails) {
+  const std::string tls = dir_.File("tls");
+  ASSERT_EQ(::mkdir(tls.c_str(), 0700), 0);
+  KV_ASSERT_OK_AND_ASSIGN(auto ca, server::DevCertificateAuthority::Create(tls));
+  KV_ASSERT_OK_AND_ASSIGN(server::SecurityOptions store_cert,
+                          ca->Issue(server::PeerRole::kStore, "cachestore"));
+  Start(server::DevCertificateAuthority::Flags(store_cert));
+  KV_ASSERT_OK_AND_ASSIGN(server::SecurityOptions prefill_a,
+                          ca->Issue(server::PeerRole::kPrefill, "prefill-a"));
+  const NodeIdentity me{"prefill-a", CacheStoreClient::NewIncarnation()};
+  auto worker = Client(true, me, prefill_a);
+  RegisterAndStore(*worker, {Chain("salt-alice", 8)});
+
+  RawStream raw(target_, prefill_a);
+  v1::MatchPrefixStreamRequest batch;
+  AddLookup(&batch, 1, PackedRequest(Chain("salt-alice", 8), 30000, me));  // leased, as itself
+  AddLookup(&batch, 2, PackedRequest(Chain("salt-bob", 8), 0, me));        // another tenant's chain
+  AddLookup(&batch, 3, PackedRequest(Chain("salt-alice", 8), 30000, {"prefill-b", 7}));
+  AddLookup(&batch, 4, PackedRequest(Chain("salt-alice", 8), 11 * 60 * 1000, me));
+  AddLookup(&batch, 5, PackedRequest(Chain("salt-alice", 8), 0, me), /*timeout_ms=*/0);
+  AddLookup(&batch, 6, PackedRequest(Chain("salt-alice", 8), 0, me));  // no lease
+  v1::MatchPrefixStreamResponse answer;
+  ASSERT_TRUE(raw.Ask(batch, &answer));
+  ASSERT_EQ(answer.answers_size(), 6);
+  for (int i = 0; i < 6; ++i) EXPECT_EQ(answer.answers(i).id(), static_cast<uint64_t>(i + 1));
+  // Served: the caller's leased lookup (with the segment's memory key) and its unleased one.
+  const v1::MatchPrefixStreamResponse& leased = answer.answers(0);
+  ASSERT_THAT(StatusOf(leased), IsOk());
+  EXPECT_EQ(leased.response().matched(), 8);
+  EXPECT_NE(leased.response().lease_id(), 0u);
+  ASSERT_GT(leased.response().segments_size(), 0);
+  EXPECT_EQ(leased.response().segments(0).memory_key(), "segment-key");
+  ASSERT_THAT(StatusOf(answer.answers(5)), IsOk());
+  EXPECT_EQ(answer.answers(5).response().matched(), 8);
+  ASSERT_GT(answer.answers(5).response().segments_size(), 0);
+  EXPECT_EQ(answer.answers(5).response().segments(0).memory_key(), "");  // no lease: no key
+  // Another tenant's chain shares nothing.
+  ASSERT_THAT(StatusOf(answer.answers(1)), IsOk());
+  EXPECT_EQ(answer.answers(1).response().matched(), 0);
+  // prefill-a's certificate naming prefill-b: refused, that lookup alone.
+  EXPECT_THAT(StatusOf(answer.answers(2)),
+              StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr("prefill-b")));
+  EXPECT_FALSE(answer.answers(2).has_response());
+  std::optional<v1::ErrorInfo> info = proto::GetErrorInfo(StatusOf(answer.answers(2)));
+  ASSERT_TRUE(info.has_value());
+  EXPECT_EQ(info->reason(), v1::FAILURE_UNAUTHORIZED);
+  EXPECT_THAT(StatusOf(answer.answers(3)),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("lease_ttl_ms")));
+  EXPECT_THAT(StatusOf(answer.answers(4)),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("timeout_ms")));
+  raw.stream->WritesDone();
+  EXPECT_TRUE(raw.stream->Finish().ok());
+}
+
+TEST_F(LookupStreamProcessTest, AMalformedBatchEndsTheStreamWithInvalidArgument) {
+  Start();
+  auto worker = Client(true, {"prefill-a", CacheStoreClient::NewIncarnation()});
+  RegisterAndStore(*worker, {Chain("t", 8)});
+  struct Case {
+    std::string name;
+    v1::MatchPrefixStreamRequest message;
+    std::string says;
+  };
+  std::vector<Case> cases(4);
+  cases[0].name = "nested";
+  AddLookup(&cases[0].message, 1, PackedRequest(Chain("t", 8)));
+  AddLookup(cases[0].message.mutable_lookups(0), 2, PackedRequest(Chain("t", 8)));
+  cases[0].says = "has lookups itself";
+  cases[1].name = "too many";
+  for (int i = 0; i <= limits::kMaxLookupsPerStreamMessage; ++i) {
+    AddLookup(&cases[1].message, i + 1, PackedRequest(Chain("t", 1)));
+  }
+  cases[1].says = "at most 64 per message";
+  cases[2].name = "too many blocks";
+  for (int i = 0; i < 5; ++i) AddLookup(&cases[2].message, i + 1, PackedRequest(Chain("t", 4096)));
+  cases[2].says = "chain blocks per message";
+  cases[3].name = "lookups beside a single lookup";
+  AddLookup(&cases[3].message, 1, PackedRequest(Chain("t", 8)));
+  cases[3].message.set_id(9);
+  cases[3].says = "must leave id, request and timeout_ms unset";
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    RawStream raw(target_);
+    v1::MatchPrefixStreamResponse answer;
+    EXPECT_FALSE(raw.Ask(c.message, &answer));
+    const grpc::Status end = raw.stream->Finish();
+    EXPECT_EQ(end.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(end.error_message(), HasSubstr(c.says));
+  }
+  // The store goes on serving.
+  auto client = Client(true);
+  EXPECT_EQ(Matched(*client, Chain("t", 8)), 8);
+}
+
+// Lookups that wait at the same time on one client's stream go out in one message; one whose
+// own deadline passes while it waits ends at that deadline and is never sent.
+TEST_F(LookupStreamProcessTest, WaitingLookupsGoOutTogetherAndEachKeepsItsOwnDeadline) {
+  Start();
+  auto worker = Client(true, {"prefill-a", CacheStoreClient::NewIncarnation()});
+  RegisterAndStore(*worker, {Chain("t", 64)});
+  auto client = Client(true);
+  ASSERT_EQ(Matched(*client, Chain("t", 64)), 64);  // the stream is open, batches accepted
+  const double messages_before = StreamMessages(metrics_port_);
+  const int64_t lookups_before = RpcCount(metrics_port_, "MatchPrefixStream");
+  const int64_t unary_before = RpcCount(metrics_port_, "MatchPrefix");
+
+  // A stopped store: the first two lookups are written (kMaxMessagesInFlight), the rest wait.
+  proc_->Signal(SIGSTOP);
+  ASSERT_TRUE(WaitUntilStopped(proc_->pid()));
+  constexpr int kWritten = LookupStream::kMaxMessagesInFlight, kPatient = 4, kHurried = 4;
+  std::vector<absl::StatusOr<v1::MatchPrefixResponse>> results(kWritten + kPatient + kHurried,
+                                                               absl::UnknownError("not run"));
+  std::vector<std::thread> patient, hurried;
+  auto lookup = [&](int i, absl::Duration timeout) {
+    CallOptions call;
+    call.deadline = absl::Now() + timeout;
+    results[i] = client->MatchPrefix(Chain("t", 1 + i), absl::ZeroDuration(), call);
+  };
+  for (int i = 0; i < kWritten; ++i) {
+    patient.emplace_back(lookup, i, absl::Seconds(30));
+    absl::SleepFor(absl::Milliseconds(100));  // in this order onto the stream
+  }
+  for (int i = kWritten; i < kWritten + kPatient + kHurried; ++i) {
+    const bool hurry = i % 2 == 1;
+    (hurry ? hurried : patient)
+        .emplace_back(lookup, i, hurry ? absl::Milliseconds(300) : absl::Seconds(30));
+  }
+  for (std::thread& t : hurried) t.join();
+  // The queued patient lookups are still waiting when the store resumes.
+  absl::SleepFor(absl::Milliseconds(100));
+  proc_->Signal(SIGCONT);
+  for (std::thread& t : patient) t.join();
+  for (int i = 0; i < static_cast<int>(results.size()); ++i) {
+    SCOPED_TRACE(absl::StrCat("lookup ", i));
+    if (i >= kWritten && i % 2 == 1) {
+      EXPECT_THAT(results[i], StatusIs(absl::StatusCode::kDeadlineExceeded));
+    } else {
+      ASSERT_THAT(results[i], IsOk());
+      EXPECT_EQ(results[i]->matched(), 1 + i);
+    }
+  }
+  // The two written alone, then the four patient ones in one message; the hurried ones were
+  // never sent, and nothing fell back to unary calls.
+  EXPECT_EQ(StreamMessages(metrics_port_), messages_before + kWritten + 1);
+  EXPECT_EQ(RpcCount(metrics_port_, "MatchPrefixStream"), lookups_before + kWritten + kPatient);
+  EXPECT_EQ(RpcCount(metrics_port_, "MatchPrefix"), unary_before);
 }
 
 TEST_F(LookupStreamProcessTest, ABrokenStreamFailsTheCallInItsDeadlineAndTheNextCallSucceeds) {
