@@ -266,8 +266,13 @@ absl::StatusOr<std::vector<float>> CudaRunner::Prefill(Sequence& seq,
     // Report, in order, every layer whose copy has already landed; the rest at the end.
     while (next_report <= layer) {
       const cudaError_t q = cudaEventQuery(copy_done_[next_report].get());
-      if (q == cudaErrorNotReady) break;
-      KV_RETURN_IF_CUDA_ERROR(q);
+      if (q == cudaErrorNotReady) {
+        // Not an error, but the runtime records it as the last error: left there, the next
+        // kernel launch's cudaGetLastError() would fail the forward pass with it.
+        (void)cudaGetLastError();
+        break;
+      }
+      if (q != cudaSuccess) return platform::cuda::FromCuda(q, "cudaEventQuery(copy_done)");
       if (options.on_layer_done) options.on_layer_done(next_report);
       ++next_report;
     }

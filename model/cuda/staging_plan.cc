@@ -107,8 +107,8 @@ std::vector<std::vector<size_t>> DecodePasses(absl::Span<Sequence* const> seqs, 
     if (placed[first]) continue;
     const KvCache* cache = &seqs[first]->cache();
     std::vector<size_t> members;
-    for (size_t i = first;
-         i < seqs.size() && static_cast<int64_t>(members.size()) < max_rows; ++i) {
+    for (size_t i = first; i < seqs.size() && static_cast<int64_t>(members.size()) < max_rows;
+         ++i) {
       if (!placed[i] && &seqs[i]->cache() == cache) {
         members.push_back(i);
         placed[i] = true;

@@ -40,10 +40,11 @@ std::vector<kv::ModelLayout> Layouts() {
   mla.latent_dim = 8;
   mla.rope_dim = 4;
   std::vector<kv::ModelLayout> out;
-  for (auto made : {kv::ModelLayout::Create("gqa", kv::DType::kBf16, 4, {Attention({0, 1, 2}, 2, 6)}),
-                    kv::ModelLayout::Create("mixed", kv::DType::kFp32, 3,
-                                            {Attention({0, 2}, 1, 4), Attention({1, 3}, 2, 2, 5)}),
-                    kv::ModelLayout::Create("mla", kv::DType::kBf16, 4, {mla})}) {
+  for (auto made :
+       {kv::ModelLayout::Create("gqa", kv::DType::kBf16, 4, {Attention({0, 1, 2}, 2, 6)}),
+        kv::ModelLayout::Create("mixed", kv::DType::kFp32, 3,
+                                {Attention({0, 2}, 1, 4), Attention({1, 3}, 2, 2, 5)}),
+        kv::ModelLayout::Create("mla", kv::DType::kBf16, 4, {mla})}) {
     EXPECT_TRUE(made.ok()) << made.status();
     out.push_back(*made);
   }
@@ -294,8 +295,7 @@ TEST(DecodePassesTest, OneCachePerPassAtMostMaxRows) {
   std::vector<Sequence*> seqs = {&a, &b, &c, &d, &e};
   EXPECT_EQ(DecodePasses(seqs, 2), (std::vector<std::vector<size_t>>{{0, 2}, {1, 4}, {3}}));
   EXPECT_EQ(DecodePasses(seqs, 8), (std::vector<std::vector<size_t>>{{0, 2, 3}, {1, 4}}));
-  EXPECT_EQ(DecodePasses(seqs, 1),
-            (std::vector<std::vector<size_t>>{{0}, {1}, {2}, {3}, {4}}));
+  EXPECT_EQ(DecodePasses(seqs, 1), (std::vector<std::vector<size_t>>{{0}, {1}, {2}, {3}, {4}}));
 }
 
 }  // namespace
