@@ -108,7 +108,8 @@ class CudaRunner final : public AttentionModel {
                       std::vector<float>* logits, std::vector<int32_t>* ids) const;
   // The mirror of `cache`, made at first sight. FailedPrecondition when another runner
   // mirrors it (its device copy would be stale here).
-  absl::StatusOr<DeviceMirror*> MirrorFor(const KvCache& cache) const
+  // Held by the caller for the whole call, so it cannot be destroyed under its copies.
+  absl::StatusOr<std::shared_ptr<DeviceMirror>> MirrorFor(const KvCache& cache) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Enqueues on the compute stream the upload of the blocks AdoptPrefix installed (their
   // bytes are only in the host pools).
@@ -149,15 +150,18 @@ void CudaRunner::Drain() const {
   (void)cudaGetLastError();
 }
 
-absl::StatusOr<DeviceMirror*> CudaRunner::MirrorFor(const KvCache& cache) const {
-  if (std::shared_ptr<CacheDeviceState> state = cache.device_state()) {
-    auto* mirror = dynamic_cast<DeviceMirror*>(state.get());
+absl::StatusOr<std::shared_ptr<DeviceMirror>> CudaRunner::MirrorFor(const KvCache& cache) const {
+  // Ours, or FailedPrecondition: its device copy would be stale here.
+  auto ours = [&](std::shared_ptr<CacheDeviceState> state)
+      -> absl::StatusOr<std::shared_ptr<DeviceMirror>> {
+    auto mirror = std::dynamic_pointer_cast<DeviceMirror>(std::move(state));
     if (mirror == nullptr || mirror->owner != key_) {
       return absl::FailedPreconditionError(absl::StrCat(
           "cuda runner: KV cache ", cache.id(), " is already mirrored by another device runner"));
     }
-    return mirror;  // the cache keeps it alive
-  }
+    return mirror;
+  };
+  if (std::shared_ptr<CacheDeviceState> state = cache.device_state()) return ours(state);
   DeviceGuard guard(options_.device);
   auto mirror = std::make_shared<DeviceMirror>();
   mirror->owner = key_;
@@ -189,8 +193,8 @@ absl::StatusOr<DeviceMirror*> CudaRunner::MirrorFor(const KvCache& cache) const 
                       << "; staging copies run synchronously";
     }
   }
-  cache.set_device_state(mirror);
-  return mirror.get();
+  // Another runner may have attached its mirror meanwhile: then ours is dropped, theirs kept.
+  return ours(cache.AttachDeviceState(mirror));
 }
 
 absl::Status CudaRunner::UploadHostOnlyBlocks(const Sequence& seq,
@@ -245,7 +249,7 @@ absl::StatusOr<std::vector<float>> CudaRunner::Prefill(Sequence& seq,
 
   absl::MutexLock lock(&mu_);
   DeviceGuard guard(options_.device);
-  KV_ASSIGN_OR_RETURN(DeviceMirror * mirror, MirrorFor(cache));
+  KV_ASSIGN_OR_RETURN(std::shared_ptr<DeviceMirror> mirror, MirrorFor(cache));
   absl::Status status = UploadHostOnlyBlocks(seq, *mirror);
 
   // Per group, the units holding a new token: each gets every layer's strip back.
@@ -365,12 +369,12 @@ absl::Status CudaRunner::Decode(absl::Span<Sequence* const> seqs, absl::Span<con
   // One forward per cache (a batch runs over one set of device pools), at most max_rows rows.
   for (const std::vector<size_t>& members : DecodePasses(seqs, options_.max_rows)) {
     const KvCache& cache = seqs[members[0]]->cache();
-    absl::StatusOr<DeviceMirror*> mirror_or = MirrorFor(cache);
+    absl::StatusOr<std::shared_ptr<DeviceMirror>> mirror_or = MirrorFor(cache);
     if (!mirror_or.ok()) {
       status = mirror_or.status();
       break;
     }
-    DeviceMirror* mirror = *mirror_or;
+    const std::shared_ptr<DeviceMirror> mirror = *std::move(mirror_or);
     const int num_groups = cache.num_groups();
     const int64_t bt = cache.layout().block_tokens();
     const int64_t rows = static_cast<int64_t>(members.size());
