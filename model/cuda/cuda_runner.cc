@@ -115,8 +115,11 @@ class CudaRunner final : public AttentionModel {
   // bytes are only in the host pools).
   absl::Status UploadHostOnlyBlocks(const Sequence& seq, const DeviceMirror& mirror) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // After a failed call: lets every enqueued operation finish so nothing is in flight.
+  // After a failed call: lets every enqueued operation finish so nothing is in flight, and
+  // latches context_lost_ when the failure was a sticky one.
   void Drain() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // OK, or the error every call returns once the CUDA context is lost.
+  absl::Status CheckContext() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   cudaStream_t compute_stream() const { return static_cast<cudaStream_t>(model_->stream()); }
 
   const kv::ModelConfig config_;  // layout already WithNumerics(numerics_id_)
@@ -129,6 +132,9 @@ class CudaRunner final : public AttentionModel {
   const CudaStream copy_stream_;  // device -> host staging
   const std::vector<CudaEvent> compute_done_;  // per layer: its kernels finished
   const std::vector<CudaEvent> copy_done_;     // per layer: its staging copies finished
+  // A sticky CUDA error (illegal address, launch failure...) seen by Drain: the context cannot
+  // compute again, so every later call is refused with it instead of failing somewhere new.
+  mutable absl::Status context_lost_ ABSL_GUARDED_BY(mu_);
 };
 
 absl::Status CudaRunner::CheckSequence(const Sequence& seq) const {
@@ -148,7 +154,21 @@ void CudaRunner::Drain() const {
   (void)model_->Synchronize();
   (void)copy_stream_.Synchronize();
   (void)cudaGetLastError();
+  // What the clearing above leaves is sticky: the context is lost for good.
+  const cudaError_t e = cudaStreamQuery(compute_stream());
+  if (e == cudaSuccess || e == cudaErrorNotReady) {
+    (void)cudaGetLastError();
+    return;
+  }
+  const absl::Status lost = platform::cuda::FromCuda(e, "cudaStreamQuery(after a failed call)");
+  context_lost_ = absl::Status(
+      lost.code(),
+      absl::StrCat("cuda runner: the CUDA context of device ", options_.device, " is lost (",
+                   lost.message(), "); every later call fails until the process restarts"));
+  KV_LOG(ERROR) << context_lost_;
 }
+
+absl::Status CudaRunner::CheckContext() const { return context_lost_; }
 
 absl::StatusOr<std::shared_ptr<DeviceMirror>> CudaRunner::MirrorFor(const KvCache& cache) const {
   // Ours, or FailedPrecondition: its device copy would be stale here.
@@ -248,6 +268,7 @@ absl::StatusOr<std::vector<float>> CudaRunner::Prefill(Sequence& seq,
   const int32_t max_blocks = static_cast<int32_t>((end + bt - 1) / bt);
 
   absl::MutexLock lock(&mu_);
+  KV_RETURN_IF_ERROR(CheckContext());
   DeviceGuard guard(options_.device);
   KV_ASSIGN_OR_RETURN(std::shared_ptr<DeviceMirror> mirror, MirrorFor(cache));
   absl::Status status = UploadHostOnlyBlocks(seq, *mirror);
@@ -364,6 +385,7 @@ absl::Status CudaRunner::Decode(absl::Span<Sequence* const> seqs, absl::Span<con
   if (ids != nullptr) ids->assign(batch_size, 0);
 
   absl::MutexLock lock(&mu_);
+  KV_RETURN_IF_ERROR(CheckContext());
   DeviceGuard guard(options_.device);
   absl::Status status;
   // One forward per cache (a batch runs over one set of device pools), at most max_rows rows.
