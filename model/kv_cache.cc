@@ -26,6 +26,13 @@ void KvCache::set_device_state(std::shared_ptr<CacheDeviceState> state) const {
   device_state_ = std::move(state);
 }
 
+std::shared_ptr<CacheDeviceState> KvCache::AttachDeviceState(
+    std::shared_ptr<CacheDeviceState> state) const {
+  std::lock_guard<std::mutex> lock(device_state_mu_);
+  if (device_state_ == nullptr) device_state_ = std::move(state);
+  return device_state_;
+}
+
 absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(const kv::ModelLayout& layout,
                                                          int64_t blocks_per_group) {
   if (blocks_per_group <= 0) {

@@ -63,6 +63,11 @@ class KvCache {
   // Null until attached. Thread-safe.
   std::shared_ptr<CacheDeviceState> device_state() const;
   void set_device_state(std::shared_ptr<CacheDeviceState> state) const;
+  // Attaches `state` only when none is attached yet and returns the one attached afterwards
+  // (`state`, or the one that was there), so backends racing to attach agree on one state and
+  // none is replaced (destroyed) while another uses it. Thread-safe.
+  std::shared_ptr<CacheDeviceState> AttachDeviceState(
+      std::shared_ptr<CacheDeviceState> state) const;
 
  private:
   KvCache(kv::ModelLayout layout);

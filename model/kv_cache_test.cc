@@ -74,6 +74,25 @@ TEST_F(KvCacheTest, DeviceStateDiesWithTheCacheBeforeItsPools) {
   EXPECT_TRUE(held.expired());
 }
 
+TEST_F(KvCacheTest, AttachDeviceStateKeepsTheFirstOne) {
+  KV_ASSERT_OK_AND_ASSIGN(auto cache, KvCache::Create(runner_->layout(), 4));
+  bool first_destroyed = false, second_destroyed = false;
+  auto first = std::make_shared<PoolReader>(cache->pool(0), &first_destroyed);
+  EXPECT_EQ(cache->AttachDeviceState(first), first);
+  {
+    auto second = std::make_shared<PoolReader>(cache->pool(0), &second_destroyed);
+    // A second backend loses the race: it gets the first state back, the first stays attached.
+    EXPECT_EQ(cache->AttachDeviceState(second), first);
+  }
+  EXPECT_TRUE(second_destroyed);
+  EXPECT_FALSE(first_destroyed);
+  EXPECT_EQ(cache->device_state(), first);
+  first.reset();
+  EXPECT_FALSE(first_destroyed);  // the cache holds it
+  cache.reset();
+  EXPECT_TRUE(first_destroyed);
+}
+
 TEST_F(KvCacheTest, AdoptPrefixMarksHostOnlyBlocks) {
   const int64_t bt = runner_->layout().block_tokens();
   KV_ASSERT_OK_AND_ASSIGN(auto cache, KvCache::Create(runner_->layout(), 16));

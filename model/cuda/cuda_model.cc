@@ -506,6 +506,11 @@ absl::Status CudaModel::Enqueue(const CudaBatch& batch, const LayerHook& after_l
     return absl::InvalidArgumentError("cuda forward: more logit rows than max_rows");
   }
   DeviceGuard guard(m.device);
+  // Every launch below reports cudaGetLastError(), the thread's last error: drop one an earlier
+  // failed call on this thread left (a cudaMalloc out of memory, a refused cudaHostRegister),
+  // already reported by that call, so it is not blamed on this batch's first kernel. A sticky
+  // error (the context is lost) is not cleared by this and still fails every call.
+  (void)cudaGetLastError();
   cudaStream_t s = m.stream->get();
   KV_RETURN_IF_CUDA_ERROR(
       cudaMemcpyAsync(m.tokens, batch.tokens.data(), R * 4, cudaMemcpyHostToDevice, s));

@@ -151,9 +151,11 @@ absl::Status PagedAttention(const PagedLayer& layer, const AttentionParams& p,
       p.v_dim <= 0 || p.max_context <= 0 || p.scratch == nullptr) {
     return absl::InvalidArgumentError("cuda PagedAttention: bad parameters");
   }
-  if (p.qk_dim > 12288) {
+  // The query (dynamic) and the kernel's 32-float reduction buffer (static) share the 48 KiB
+  // of shared memory a launch gets by default.
+  if (p.qk_dim > 12288 - 32) {
     return absl::InvalidArgumentError(
-        absl::StrCat("cuda PagedAttention: qk_dim ", p.qk_dim, " exceeds 12288"));
+        absl::StrCat("cuda PagedAttention: qk_dim ", p.qk_dim, " exceeds 12256"));
   }
   internal::AttentionDesc a{p.q,           p.q_row_stride, p.heads,        p.group_size,
                             p.qk_dim,      p.v_dim,        p.window,       p.scale,

@@ -16,6 +16,7 @@
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "model/cuda/cuda_ops.h"
+#include "model/cuda/staging_plan.h"
 #include "model/safetensors.h"
 #include "model/weights.h"
 #include "platform/cuda/cuda_util.h"
@@ -107,14 +108,18 @@ class CudaRunner final : public AttentionModel {
                       std::vector<float>* logits, std::vector<int32_t>* ids) const;
   // The mirror of `cache`, made at first sight. FailedPrecondition when another runner
   // mirrors it (its device copy would be stale here).
-  absl::StatusOr<DeviceMirror*> MirrorFor(const KvCache& cache) const
+  // Held by the caller for the whole call, so it cannot be destroyed under its copies.
+  absl::StatusOr<std::shared_ptr<DeviceMirror>> MirrorFor(const KvCache& cache) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Enqueues on the compute stream the upload of the blocks AdoptPrefix installed (their
   // bytes are only in the host pools).
   absl::Status UploadHostOnlyBlocks(const Sequence& seq, const DeviceMirror& mirror) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // After a failed call: lets every enqueued operation finish so nothing is in flight.
+  // After a failed call: lets every enqueued operation finish so nothing is in flight, and
+  // latches context_lost_ when the failure was a sticky one.
   void Drain() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // OK, or the error every call returns once the CUDA context is lost.
+  absl::Status CheckContext() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   cudaStream_t compute_stream() const { return static_cast<cudaStream_t>(model_->stream()); }
 
   const kv::ModelConfig config_;  // layout already WithNumerics(numerics_id_)
@@ -127,6 +132,9 @@ class CudaRunner final : public AttentionModel {
   const CudaStream copy_stream_;  // device -> host staging
   const std::vector<CudaEvent> compute_done_;  // per layer: its kernels finished
   const std::vector<CudaEvent> copy_done_;     // per layer: its staging copies finished
+  // A sticky CUDA error (illegal address, launch failure...) seen by Drain: the context cannot
+  // compute again, so every later call is refused with it instead of failing somewhere new.
+  mutable absl::Status context_lost_ ABSL_GUARDED_BY(mu_);
 };
 
 absl::Status CudaRunner::CheckSequence(const Sequence& seq) const {
@@ -146,17 +154,34 @@ void CudaRunner::Drain() const {
   (void)model_->Synchronize();
   (void)copy_stream_.Synchronize();
   (void)cudaGetLastError();
+  // What the clearing above leaves is sticky: the context is lost for good.
+  const cudaError_t e = cudaStreamQuery(compute_stream());
+  if (e == cudaSuccess || e == cudaErrorNotReady) {
+    (void)cudaGetLastError();
+    return;
+  }
+  const absl::Status lost = platform::cuda::FromCuda(e, "cudaStreamQuery(after a failed call)");
+  context_lost_ = absl::Status(
+      lost.code(),
+      absl::StrCat("cuda runner: the CUDA context of device ", options_.device, " is lost (",
+                   lost.message(), "); every later call fails until the process restarts"));
+  KV_LOG(ERROR) << context_lost_;
 }
 
-absl::StatusOr<DeviceMirror*> CudaRunner::MirrorFor(const KvCache& cache) const {
-  if (std::shared_ptr<CacheDeviceState> state = cache.device_state()) {
-    auto* mirror = dynamic_cast<DeviceMirror*>(state.get());
+absl::Status CudaRunner::CheckContext() const { return context_lost_; }
+
+absl::StatusOr<std::shared_ptr<DeviceMirror>> CudaRunner::MirrorFor(const KvCache& cache) const {
+  // Ours, or FailedPrecondition: its device copy would be stale here.
+  auto ours = [&](std::shared_ptr<CacheDeviceState> state)
+      -> absl::StatusOr<std::shared_ptr<DeviceMirror>> {
+    auto mirror = std::dynamic_pointer_cast<DeviceMirror>(std::move(state));
     if (mirror == nullptr || mirror->owner != key_) {
       return absl::FailedPreconditionError(absl::StrCat(
           "cuda runner: KV cache ", cache.id(), " is already mirrored by another device runner"));
     }
-    return mirror;  // the cache keeps it alive
-  }
+    return mirror;
+  };
+  if (std::shared_ptr<CacheDeviceState> state = cache.device_state()) return ours(state);
   DeviceGuard guard(options_.device);
   auto mirror = std::make_shared<DeviceMirror>();
   mirror->owner = key_;
@@ -188,45 +213,32 @@ absl::StatusOr<DeviceMirror*> CudaRunner::MirrorFor(const KvCache& cache) const 
                       << "; staging copies run synchronously";
     }
   }
-  cache.set_device_state(mirror);
-  return mirror.get();
+  // Another runner may have attached its mirror meanwhile: then ours is dropped, theirs kept.
+  return ours(cache.AttachDeviceState(mirror));
 }
 
 absl::Status CudaRunner::UploadHostOnlyBlocks(const Sequence& seq,
                                               const DeviceMirror& mirror) const {
-  const int64_t n = seq.host_only_blocks();
-  for (int g = 0; g < seq.cache().num_groups() && n > 0; ++g) {
-    std::vector<kv::SlotId> slots;
-    for (int64_t b = 0; b < n && b < static_cast<int64_t>(seq.blocks(g).size()); ++b) {
-      if (seq.blocks(g)[b] >= 0) slots.push_back(seq.blocks(g)[b]);
-    }
-    std::sort(slots.begin(), slots.end());
-    slots.erase(std::unique(slots.begin(), slots.end()), slots.end());
-    const int64_t stride = mirror.strides[g];
-    // Consecutive slots are one contiguous range on both sides: one copy per run.
-    for (size_t i = 0; i < slots.size();) {
-      size_t j = i + 1;
-      while (j < slots.size() && slots[j] == slots[j - 1] + 1) ++j;
-      const int64_t offset = int64_t{slots[i]} * stride;
+  if (seq.host_only_blocks() == 0) return absl::OkStatus();
+  for (int g = 0; g < seq.cache().num_groups(); ++g) {
+    for (const PoolCopy& c : HostOnlyUploads(seq, g)) {
       KV_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(
-          static_cast<uint8_t*>(mirror.caches[g].base) + offset, mirror.host_bases[g] + offset,
-          static_cast<size_t>((j - i) * stride), cudaMemcpyHostToDevice, compute_stream()));
-      i = j;
+          static_cast<uint8_t*>(mirror.caches[g].base) + c.offset, mirror.host_bases[g] + c.offset,
+          static_cast<size_t>(c.width), cudaMemcpyHostToDevice, compute_stream()));
     }
   }
   return absl::OkStatus();
 }
 
-// Slots of group g holding positions [begin, end) of `seq`, sorted, each once.
-std::vector<kv::SlotId> TouchedSlots(const Sequence& seq, int g, int64_t begin, int64_t end) {
-  const int64_t bt = seq.cache().layout().block_tokens();
-  std::vector<kv::SlotId> slots;
-  for (int64_t b = begin / bt; b <= (end - 1) / bt; ++b) {
-    if (seq.blocks(g)[b] >= 0) slots.push_back(seq.blocks(g)[b]);
-  }
-  std::sort(slots.begin(), slots.end());
-  slots.erase(std::unique(slots.begin(), slots.end()), slots.end());
-  return slots;
+// Enqueues `copy` from group g's device mirror to its host pool on `stream`.
+absl::Status CopyToHost(const DeviceMirror& mirror, int g, const PoolCopy& copy,
+                        cudaStream_t stream, const char* what) {
+  return platform::cuda::FromCuda(
+      cudaMemcpy2DAsync(mirror.host_bases[g] + copy.offset, static_cast<size_t>(copy.pitch),
+                        static_cast<const uint8_t*>(mirror.caches[g].base) + copy.offset,
+                        static_cast<size_t>(copy.pitch), static_cast<size_t>(copy.width),
+                        static_cast<size_t>(copy.height), cudaMemcpyDeviceToHost, stream),
+      what);
 }
 
 absl::StatusOr<std::vector<float>> CudaRunner::Prefill(Sequence& seq,
@@ -256,41 +268,36 @@ absl::StatusOr<std::vector<float>> CudaRunner::Prefill(Sequence& seq,
   const int32_t max_blocks = static_cast<int32_t>((end + bt - 1) / bt);
 
   absl::MutexLock lock(&mu_);
+  KV_RETURN_IF_ERROR(CheckContext());
   DeviceGuard guard(options_.device);
-  KV_ASSIGN_OR_RETURN(DeviceMirror * mirror, MirrorFor(cache));
+  KV_ASSIGN_OR_RETURN(std::shared_ptr<DeviceMirror> mirror, MirrorFor(cache));
   absl::Status status = UploadHostOnlyBlocks(seq, *mirror);
 
-  // Per group, the layer strips every touched block gets back: slot runs merged.
-  std::vector<std::vector<kv::SlotId>> touched(num_groups);
-  for (int g = 0; g < num_groups; ++g) touched[g] = TouchedSlots(seq, g, start, end);
+  // Per group, the units holding a new token: each gets every layer's strip back.
+  std::vector<std::vector<SlotRun>> touched(num_groups);
+  for (int g = 0; g < num_groups; ++g) touched[g] = SlotRuns(TouchedSlots(seq, g, start, end));
   int32_t next_report = 0;  // layers before it were reported to on_layer_done
   // Called once the last chunk's layer `layer` is enqueued: earlier chunks are ahead of it on
   // the compute stream, so its event covers every new token's entries of that layer.
   auto stage_layer = [&](int32_t layer) -> absl::Status {
     const int g = cache.group_of_layer(layer);
-    const int64_t layer_bytes = lay.BlockBytes(g) / lay.groups()[g].num_layers();
-    const int64_t strip = int64_t{cache.index_in_group(layer)} * layer_bytes;
-    const int64_t stride = mirror->strides[g];
     KV_RETURN_IF_ERROR(compute_done_[layer].Record(compute_stream()));
     KV_RETURN_IF_CUDA_ERROR(cudaStreamWaitEvent(copy_stream_.get(), compute_done_[layer].get(), 0));
-    const std::vector<kv::SlotId>& slots = touched[g];
-    for (size_t i = 0; i < slots.size();) {
-      size_t j = i + 1;
-      while (j < slots.size() && slots[j] == slots[j - 1] + 1) ++j;
-      const int64_t offset = int64_t{slots[i]} * stride + strip;
-      // [j - i] strips of layer_bytes, `stride` apart on both sides.
-      KV_RETURN_IF_CUDA_ERROR(cudaMemcpy2DAsync(
-          mirror->host_bases[g] + offset, static_cast<size_t>(stride),
-          static_cast<const uint8_t*>(mirror->caches[g].base) + offset, static_cast<size_t>(stride),
-          static_cast<size_t>(layer_bytes), j - i, cudaMemcpyDeviceToHost, copy_stream_.get()));
-      i = j;
+    for (const PoolCopy& c : LayerStripCopies(cache, layer, touched[g])) {
+      KV_RETURN_IF_ERROR(
+          CopyToHost(*mirror, g, c, copy_stream_.get(), "cudaMemcpy2DAsync(prefill layer strips)"));
     }
     KV_RETURN_IF_ERROR(copy_done_[layer].Record(copy_stream_.get()));
     // Report, in order, every layer whose copy has already landed; the rest at the end.
     while (next_report <= layer) {
       const cudaError_t q = cudaEventQuery(copy_done_[next_report].get());
-      if (q == cudaErrorNotReady) break;
-      KV_RETURN_IF_CUDA_ERROR(q);
+      if (q == cudaErrorNotReady) {
+        // Not an error, but the runtime records it as the last error: left there, the next
+        // kernel launch's cudaGetLastError() would fail the forward pass with it.
+        (void)cudaGetLastError();
+        break;
+      }
+      if (q != cudaSuccess) return platform::cuda::FromCuda(q, "cudaEventQuery(copy_done)");
       if (options.on_layer_done) options.on_layer_done(next_report);
       ++next_report;
     }
@@ -310,23 +317,18 @@ absl::StatusOr<std::vector<float>> CudaRunner::Prefill(Sequence& seq,
 
   std::vector<float> logits;
   // Chunks of at most max_rows tokens; the last one stages and reports the layers.
-  for (int64_t chunk = 0; status.ok() && chunk < n; chunk += options_.max_rows) {
-    const int64_t rows = std::min<int64_t>(options_.max_rows, n - chunk);
-    const bool last = chunk + rows == n;
+  const std::vector<RowRange> chunks = PrefillChunks(n, options_.max_rows);
+  for (size_t c = 0; status.ok() && c < chunks.size(); ++c) {
+    const int64_t chunk = chunks[c].begin, rows = chunks[c].rows;
+    const bool last = c + 1 == chunks.size();
     CudaBatch batch;
     batch.max_blocks = max_blocks;
     batch.table_groups = num_groups;
     batch.caches = mirror->caches;
     batch.tokens.assign(tokens.begin() + chunk, tokens.begin() + chunk + rows);
     for (int64_t i = 0; i < rows; ++i) batch.positions.push_back(start + chunk + i);
-    batch.block_tables.assign(static_cast<size_t>(num_groups * rows * max_blocks), -1);
-    for (int g = 0; g < num_groups; ++g) {
-      const std::vector<kv::SlotId>& table = seq.blocks(g);
-      for (int64_t i = 0; i < rows; ++i) {
-        std::copy(table.begin(), table.begin() + max_blocks,
-                  batch.block_tables.begin() + (int64_t{g} * rows + i) * max_blocks);
-      }
-    }
+    batch.block_tables =
+        BlockTables(std::vector<const Sequence*>(static_cast<size_t>(rows), &seq), max_blocks);
     if (options.all_logits) {
       for (int64_t i = 0; i < rows; ++i) batch.logit_rows.push_back(i);
     } else if (last) {
@@ -383,27 +385,20 @@ absl::Status CudaRunner::Decode(absl::Span<Sequence* const> seqs, absl::Span<con
   if (ids != nullptr) ids->assign(batch_size, 0);
 
   absl::MutexLock lock(&mu_);
+  KV_RETURN_IF_ERROR(CheckContext());
   DeviceGuard guard(options_.device);
   absl::Status status;
   // One forward per cache (a batch runs over one set of device pools), at most max_rows rows.
-  std::vector<bool> done(batch_size, false);
-  for (size_t first = 0; status.ok() && first < batch_size; ++first) {
-    if (done[first]) continue;
-    const KvCache& cache = seqs[first]->cache();
-    std::vector<size_t> members;
-    for (size_t i = first;
-         i < batch_size && static_cast<int64_t>(members.size()) < options_.max_rows; ++i) {
-      if (!done[i] && &seqs[i]->cache() == &cache) members.push_back(i);
-    }
-    absl::StatusOr<DeviceMirror*> mirror_or = MirrorFor(cache);
+  for (const std::vector<size_t>& members : DecodePasses(seqs, options_.max_rows)) {
+    const KvCache& cache = seqs[members[0]]->cache();
+    absl::StatusOr<std::shared_ptr<DeviceMirror>> mirror_or = MirrorFor(cache);
     if (!mirror_or.ok()) {
       status = mirror_or.status();
       break;
     }
-    DeviceMirror* mirror = *mirror_or;
-    const kv::ModelLayout& lay = cache.layout();
+    const std::shared_ptr<DeviceMirror> mirror = *std::move(mirror_or);
     const int num_groups = cache.num_groups();
-    const int64_t bt = lay.block_tokens();
+    const int64_t bt = cache.layout().block_tokens();
     const int64_t rows = static_cast<int64_t>(members.size());
     int32_t max_blocks = 1;
     for (size_t i : members) {
@@ -416,19 +411,15 @@ absl::Status CudaRunner::Decode(absl::Span<Sequence* const> seqs, absl::Span<con
     batch.max_blocks = max_blocks;
     batch.table_groups = num_groups;
     batch.caches = mirror->caches;
-    batch.block_tables.assign(static_cast<size_t>(num_groups * rows * max_blocks), -1);
+    std::vector<const Sequence*> row_seqs;
     for (int64_t r = 0; r < rows; ++r) {
       const Sequence& s = *seqs[members[r]];
+      row_seqs.push_back(&s);
       batch.tokens.push_back(tokens[members[r]]);
       batch.positions.push_back(s.num_tokens());
       batch.logit_rows.push_back(r);
-      for (int g = 0; g < num_groups; ++g) {
-        const std::vector<kv::SlotId>& table = s.blocks(g);
-        const int64_t used = std::min<int64_t>(max_blocks, static_cast<int64_t>(table.size()));
-        std::copy(table.begin(), table.begin() + used,
-                  batch.block_tables.begin() + (int64_t{g} * rows + r) * max_blocks);
-      }
     }
+    batch.block_tables = BlockTables(row_seqs, max_blocks);
     status = model_->Enqueue(batch);
     if (!status.ok()) break;
     // Each new token's entries, back to the host pools on the compute stream (after every
@@ -437,23 +428,9 @@ absl::Status CudaRunner::Decode(absl::Span<Sequence* const> seqs, absl::Span<con
     for (int64_t r = 0; status.ok() && r < rows; ++r) {
       const Sequence& s = *seqs[members[r]];
       const int64_t pos = s.num_tokens();
-      for (int g = 0; g < num_groups; ++g) {
-        const kv::LayerGroup& grp = lay.groups()[g];
-        const bool mla = grp.kind == kv::LayerKind::kMlaLatent;
-        const int64_t entry_bytes = (mla ? int64_t{grp.latent_dim} + grp.rope_dim
-                                         : int64_t{grp.num_kv_heads} * grp.head_dim) *
-                                    kv::DTypeBytes(lay.dtype());
-        const int64_t planes = mla ? grp.num_layers() : 2 * int64_t{grp.num_layers()};
-        const int64_t offset =
-            int64_t{s.blocks(g)[pos / bt]} * mirror->strides[g] + (pos % bt) * entry_bytes;
-        status = platform::cuda::FromCuda(
-            cudaMemcpy2DAsync(mirror->host_bases[g] + offset, static_cast<size_t>(bt * entry_bytes),
-                              static_cast<const uint8_t*>(mirror->caches[g].base) + offset,
-                              static_cast<size_t>(bt * entry_bytes),
-                              static_cast<size_t>(entry_bytes), static_cast<size_t>(planes),
-                              cudaMemcpyDeviceToHost, compute_stream()),
-            "cudaMemcpy2DAsync(decode entries)");
-        if (!status.ok()) break;
+      for (int g = 0; status.ok() && g < num_groups; ++g) {
+        status = CopyToHost(*mirror, g, TokenEntryCopy(cache, g, s.blocks(g)[pos / bt], pos),
+                            compute_stream(), "cudaMemcpy2DAsync(decode entries)");
       }
     }
     if (!status.ok()) break;
@@ -476,7 +453,6 @@ absl::Status CudaRunner::Decode(absl::Span<Sequence* const> seqs, absl::Span<con
       }
       for (int64_t r = 0; r < rows; ++r) (*ids)[members[r]] = (*got)[r];
     }
-    for (size_t i : members) done[i] = true;
   }
   if (!status.ok()) {
     Drain();

@@ -90,13 +90,17 @@ class CudaRunnerTest : public ::testing::TestWithParam<Arch> {
 
   // Every live unit of `seq` holds the same bytes in the host pool and on the device.
   void ExpectHostEqualsDevice(const Sequence& seq, const std::string& where) {
+    ExpectHostEqualsDeviceOf(*gpu_, seq, where);
+  }
+  static void ExpectHostEqualsDeviceOf(const AttentionModel& gpu, const Sequence& seq,
+                                       const std::string& where) {
     for (int g = 0; g < seq.cache().num_groups(); ++g) {
       const int64_t bytes = seq.cache().layout().BlockBytes(g);
       for (size_t b = 0; b < seq.blocks(g).size(); ++b) {
         const kv::SlotId slot = seq.blocks(g)[b];
         if (slot < 0) continue;
         KV_ASSERT_OK_AND_ASSIGN(std::vector<uint8_t> device,
-                                ReadDeviceUnitForTest(*gpu_, seq.cache(), g, slot));
+                                ReadDeviceUnitForTest(gpu, seq.cache(), g, slot));
         EXPECT_EQ(std::memcmp(device.data(), seq.cache().pool(g).SlotAddress(slot), bytes), 0)
             << where << ": group " << g << " block " << b << " (slot " << slot << ")";
       }
@@ -266,6 +270,64 @@ TEST_P(CudaRunnerTest, DecodeStepGreedyEqualsHostGreedy) {
     next = ids[0];
   }
   ExpectHostEqualsDevice(b, "after greedy decode");
+}
+
+// A decode batch over two caches with more rows than max_rows: one forward per (cache, at most
+// max_rows rows), each row still its own sequence's logits; prefills chunked two rows at a time.
+TEST_P(CudaRunnerTest, DecodeOverTwoCachesBeyondMaxRowsMatchesCpu) {
+  CudaRunnerOptions options;
+  options.weight_dtype = WeightDType::kFp32;
+  options.max_rows = 2;
+  options.max_context = 256;
+  KV_ASSERT_OK_AND_ASSIGN(std::unique_ptr<AttentionModel> small,
+                          LoadCudaRunner(dir_.path(), options));
+  KV_ASSERT_OK_AND_ASSIGN(auto cache_a, KvCache::Create(small->layout(), 16));
+  KV_ASSERT_OK_AND_ASSIGN(auto cache_b, KvCache::Create(small->layout(), 16));
+  constexpr int kSeqs = 5;
+  std::vector<std::unique_ptr<Sequence>> cpu_seqs, gpu_seqs;
+  std::vector<int32_t> next;
+  for (int s = 0; s < kSeqs; ++s) {
+    cpu_seqs.push_back(std::make_unique<Sequence>(cpu_cache_.get()));
+    gpu_seqs.push_back(std::make_unique<Sequence>(s % 2 == 0 ? cache_a.get() : cache_b.get()));
+    auto prompt = absl::MakeConstSpan(tokens_).subspan(3 * s, 5 + 4 * s);
+    KV_ASSERT_OK_AND_ASSIGN(std::vector<float> want, cpu_->Prefill(*cpu_seqs[s], prompt));
+    KV_ASSERT_OK_AND_ASSIGN(std::vector<float> got, small->Prefill(*gpu_seqs[s], prompt));
+    EXPECT_LE(RelErr(got, want), kLogitTolerance) << "prefill " << s;
+    next.push_back(Greedy(want));
+  }
+  const int64_t vocab = cpu_->config().vocab_size;
+  for (int step = 0; step < 4; ++step) {
+    std::vector<Sequence*> cpu_batch, gpu_batch;
+    for (int s = 0; s < kSeqs; ++s) {
+      cpu_batch.push_back(cpu_seqs[s].get());
+      gpu_batch.push_back(gpu_seqs[s].get());
+    }
+    KV_ASSERT_OK_AND_ASSIGN(std::vector<float> want, cpu_->DecodeStep(cpu_batch, next));
+    KV_ASSERT_OK_AND_ASSIGN(std::vector<float> got, small->DecodeStep(gpu_batch, next));
+    ASSERT_EQ(got.size(), want.size());
+    for (int s = 0; s < kSeqs; ++s) {
+      const std::string where = "step " + std::to_string(step) + " seq " + std::to_string(s);
+      auto w = absl::MakeConstSpan(want).subspan(s * vocab, vocab);
+      auto g = absl::MakeConstSpan(got).subspan(s * vocab, vocab);
+      EXPECT_LE(RelErr(g, w), kLogitTolerance) << where;
+      ExpectSameGreedy(w, Greedy(g), where);
+      next[s] = Greedy(w);
+      ExpectHostEqualsDeviceOf(*small, *gpu_seqs[s], where);
+    }
+  }
+}
+
+// A non-sticky error an earlier call on this thread failed with (and left as the thread's
+// last error) is that call's: the next forward pass must not fail with it.
+TEST_P(CudaRunnerTest, AnEarlierFailedCallDoesNotFailTheNextForward) {
+  ASSERT_NE(cudaMemcpy(nullptr, nullptr, 16, cudaMemcpyDeviceToHost), cudaSuccess);
+  if (cudaPeekAtLastError() == cudaSuccess) {
+    GTEST_SKIP() << "this CUDA runtime kept no last error for the failed cudaMemcpy";
+  }
+  Sequence seq(gpu_cache_.get());
+  KV_EXPECT_OK(gpu_->Prefill(seq, absl::MakeConstSpan(tokens_).first(8)).status());
+  Sequence* batch[] = {&seq};
+  KV_EXPECT_OK(gpu_->DecodeStep(batch, {tokens_[8]}).status());
 }
 
 INSTANTIATE_TEST_SUITE_P(Archs, CudaRunnerTest, ::testing::ValuesIn(TestArchs()),

@@ -39,8 +39,10 @@ cudaError_t LaunchRope(float* x, int64_t rows, int32_t num_heads, int32_t dim, i
 cudaError_t LaunchGatedActivation(float* a, const float* b, int64_t rows, int64_t n, int64_t lda,
                                   int64_t ldb, bool gelu_tanh, cudaStream_t stream) {
   if (rows == 0 || n == 0) return cudaSuccess;
-  dim3 grid(std::min<unsigned>(GridFor(n), 1024), static_cast<unsigned>(rows));
-  GatedActivationKernel<<<grid, kThreads, 0, stream>>>(a, b, n, lda, ldb, gelu_tanh);
+  // gridDim.y is limited to 65535; the kernel strides over the rest of the rows.
+  dim3 grid(std::min<unsigned>(GridFor(n), 1024),
+            static_cast<unsigned>(std::min<int64_t>(rows, 65535)));
+  GatedActivationKernel<<<grid, kThreads, 0, stream>>>(a, b, rows, n, lda, ldb, gelu_tanh);
   return cudaGetLastError();
 }
 

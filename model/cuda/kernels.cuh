@@ -112,19 +112,21 @@ __global__ void RopeKernel(float* x, int32_t num_heads, int32_t dim, int64_t row
   }
 }
 
-__global__ void GatedActivationKernel(float* a, const float* b, int64_t n, int64_t lda, int64_t ldb,
-                                      bool gelu_tanh) {
-  const int64_t r = blockIdx.y;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const float x = a[r * lda + i];
-    float act;
-    if (gelu_tanh) {
-      act = 0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
-    } else {
-      act = x / (1.0f + expf(-x));
+// Rows stride over gridDim.y (at most 65535, below a prefill's max_rows).
+__global__ void GatedActivationKernel(float* a, const float* b, int64_t rows, int64_t n,
+                                      int64_t lda, int64_t ldb, bool gelu_tanh) {
+  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
+    for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+         i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+      const float x = a[r * lda + i];
+      float act;
+      if (gelu_tanh) {
+        act = 0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+      } else {
+        act = x / (1.0f + expf(-x));
+      }
+      a[r * lda + i] = act * b[r * ldb + i];
     }
-    a[r * lda + i] = act * b[r * ldb + i];
   }
 }
 
