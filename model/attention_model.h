@@ -80,4 +80,13 @@ class AttentionModel {
       absl::Span<Sequence* const> seqs, absl::Span<const int32_t> tokens) const;
 };
 
+// The input checks every implementation makes, with the same messages (InvalidArgument):
+// the sequence's cache is of `config`'s layout (fingerprint, numerics included) and every
+// token id is in [0, vocab); a prefill has tokens; a decode batch is non-empty, one token per
+// sequence, of distinct non-null sequences.
+absl::Status CheckPrefillInput(const Sequence& seq, absl::Span<const int32_t> tokens,
+                               const kv::ModelConfig& config);
+absl::Status CheckDecodeInput(absl::Span<Sequence* const> seqs, absl::Span<const int32_t> tokens,
+                              const kv::ModelConfig& config);
+
 }  // namespace kvrelay::model

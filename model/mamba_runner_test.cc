@@ -16,6 +16,7 @@
 #include "model/safetensors.h"
 #include "model/test_model.h"
 #include "model/weights.h"
+#include "tests/testing/random_floats.h"
 #include "tests/testing/status_matchers.h"
 #include "tests/testing/test_env.h"
 
@@ -26,13 +27,7 @@ using ::kvrelay::testing::StatusIs;
 using ::testing::HasSubstr;
 
 std::vector<int32_t> Tokens(int n, uint32_t seed) {
-  std::vector<int32_t> t(n);
-  uint32_t x = seed * 2654435761u + 1;
-  for (int i = 0; i < n; ++i) {
-    x = x * 1664525u + 1013904223u;
-    t[i] = static_cast<int32_t>((x >> 8) % 512u);
-  }
-  return t;
+  return kvrelay::testing::RandomTokens(n, 512, seed);
 }
 
 double RelErr(const float* a, const float* b, int64_t n) {

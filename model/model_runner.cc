@@ -231,26 +231,10 @@ void ModelRunner::Project(const float* x, int64_t rows, int64_t in, const std::v
   Linear(x, rows, in, w.data(), out, y, origin, tile);
 }
 
-absl::Status ModelRunner::CheckSequence(const Sequence& seq) const {
-  if (!(seq.cache().layout().fingerprint() == layout().fingerprint())) {
-    return absl::InvalidArgumentError(absl::StrCat("runner: sequence's cache has layout ",
-                                                   seq.cache().layout().model_id(),
-                                                   " but the model's is ", layout().model_id()));
-  }
-  return absl::OkStatus();
-}
-
 absl::StatusOr<std::vector<float>> ModelRunner::Prefill(Sequence& seq,
                                                         absl::Span<const int32_t> tokens,
                                                         const PrefillOptions& options) const {
-  if (tokens.empty()) return absl::InvalidArgumentError("prefill: no tokens");
-  KV_RETURN_IF_ERROR(CheckSequence(seq));
-  for (size_t i = 0; i < tokens.size(); ++i) {
-    if (tokens[i] < 0 || tokens[i] >= config_.vocab_size) {
-      return absl::InvalidArgumentError(absl::StrCat("prefill: token ", i, " is ", tokens[i],
-                                                     ", outside [0, ", config_.vocab_size, ")"));
-    }
-  }
+  KV_RETURN_IF_ERROR(CheckPrefillInput(seq, tokens, config_));
   const int64_t start = seq.num_tokens();
   const int64_t n = static_cast<int64_t>(tokens.size());
   KV_RETURN_IF_ERROR(CheckPositions(start + n));
@@ -275,23 +259,7 @@ absl::StatusOr<std::vector<float>> ModelRunner::Prefill(Sequence& seq,
 
 absl::StatusOr<std::vector<float>> ModelRunner::DecodeStep(absl::Span<Sequence* const> seqs,
                                                            absl::Span<const int32_t> tokens) const {
-  if (seqs.empty()) return absl::InvalidArgumentError("decode: empty batch");
-  if (seqs.size() != tokens.size()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("decode: ", seqs.size(), " sequences but ", tokens.size(), " tokens"));
-  }
-  absl::flat_hash_set<const Sequence*> seen;
-  for (size_t i = 0; i < seqs.size(); ++i) {
-    if (seqs[i] == nullptr || !seen.insert(seqs[i]).second) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("decode: batch entry ", i, " is null or repeats a sequence"));
-    }
-    KV_RETURN_IF_ERROR(CheckSequence(*seqs[i]));
-    if (tokens[i] < 0 || tokens[i] >= config_.vocab_size) {
-      return absl::InvalidArgumentError(absl::StrCat("decode: token ", i, " is ", tokens[i],
-                                                     ", outside [0, ", config_.vocab_size, ")"));
-    }
-  }
+  KV_RETURN_IF_ERROR(CheckDecodeInput(seqs, tokens, config_));
   for (Sequence* s : seqs) KV_RETURN_IF_ERROR(CheckPositions(s->num_tokens() + 1));
   for (Sequence* s : seqs) KV_RETURN_IF_ERROR(s->EnsureBlocks(s->num_tokens() + 1));
   std::vector<Row> rows(seqs.size());

@@ -109,7 +109,6 @@ class ModelRunner : public AttentionModel {
   // Refuses positions a dynamic-NTK RoPE cannot serve (see model/rope.h).
   absl::Status CheckPositions(int64_t end) const;
 
-  absl::Status CheckSequence(const Sequence& seq) const;
   // The whole forward pass for `rows` (tokens[i] at rows[i]). GEMMs are tiled by position from
   // tile_origin when tile > 0. logit_rows: which rows get logits (in order).
   std::vector<float> Forward(const std::vector<Row>& rows, absl::Span<const int32_t> tokens,

@@ -20,6 +20,7 @@
 #include "model/safetensors.h"
 #include "model/sampler.h"
 #include "model/test_model.h"
+#include "tests/testing/random_floats.h"
 #include "tests/testing/status_matchers.h"
 #include "tests/testing/test_env.h"
 
@@ -40,13 +41,7 @@ double RelErr(const float* a, const float* b, int64_t n) {
 }
 
 std::vector<int32_t> Tokens(int n, int32_t vocab, uint32_t seed) {
-  std::vector<int32_t> t(n);
-  uint32_t x = seed * 2654435761u + 1;
-  for (int i = 0; i < n; ++i) {
-    x = x * 1664525u + 1013904223u;
-    t[i] = static_cast<int32_t>((x >> 8) % static_cast<uint32_t>(vocab));
-  }
-  return t;
+  return kvrelay::testing::RandomTokens(n, vocab, seed);
 }
 
 // One model directory per architecture, written once for the whole suite.

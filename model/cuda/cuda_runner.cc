@@ -102,7 +102,6 @@ class CudaRunner final : public AttentionModel {
                                                       kv::SlotId slot) const;
 
  private:
-  absl::Status CheckSequence(const Sequence& seq) const;
   // Exactly one of logits / ids is set; see DecodeStep / DecodeStepGreedy.
   absl::Status Decode(absl::Span<Sequence* const> seqs, absl::Span<const int32_t> tokens,
                       std::vector<float>* logits, std::vector<int32_t>* ids) const;
@@ -136,16 +135,6 @@ class CudaRunner final : public AttentionModel {
   // compute again, so every later call is refused with it instead of failing somewhere new.
   mutable absl::Status context_lost_ ABSL_GUARDED_BY(mu_);
 };
-
-absl::Status CudaRunner::CheckSequence(const Sequence& seq) const {
-  if (!(seq.cache().layout().fingerprint() == layout().fingerprint())) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cuda runner: sequence's cache has layout ", seq.cache().layout().model_id(),
-                     " (numerics '", seq.cache().layout().numerics_id(), "') but the model's is ",
-                     layout().model_id(), " (numerics '", numerics_id_, "')"));
-  }
-  return absl::OkStatus();
-}
 
 void CudaRunner::Drain() const {
   // Also drops logits an Enqueue left (TakeLogits waits for the compute stream), so the next
@@ -244,14 +233,7 @@ absl::Status CopyToHost(const DeviceMirror& mirror, int g, const PoolCopy& copy,
 absl::StatusOr<std::vector<float>> CudaRunner::Prefill(Sequence& seq,
                                                        absl::Span<const int32_t> tokens,
                                                        const PrefillOptions& options) const {
-  if (tokens.empty()) return absl::InvalidArgumentError("prefill: no tokens");
-  KV_RETURN_IF_ERROR(CheckSequence(seq));
-  for (size_t i = 0; i < tokens.size(); ++i) {
-    if (tokens[i] < 0 || tokens[i] >= config_.vocab_size) {
-      return absl::InvalidArgumentError(absl::StrCat("prefill: token ", i, " is ", tokens[i],
-                                                     ", outside [0, ", config_.vocab_size, ")"));
-    }
-  }
+  KV_RETURN_IF_ERROR(CheckPrefillInput(seq, tokens, config_));
   const int64_t start = seq.num_tokens();
   const int64_t n = static_cast<int64_t>(tokens.size());
   const int64_t end = start + n;
@@ -356,22 +338,8 @@ absl::StatusOr<std::vector<float>> CudaRunner::Prefill(Sequence& seq,
 
 absl::Status CudaRunner::Decode(absl::Span<Sequence* const> seqs, absl::Span<const int32_t> tokens,
                                 std::vector<float>* logits, std::vector<int32_t>* ids) const {
-  if (seqs.empty()) return absl::InvalidArgumentError("decode: empty batch");
-  if (seqs.size() != tokens.size()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("decode: ", seqs.size(), " sequences but ", tokens.size(), " tokens"));
-  }
-  absl::flat_hash_set<const Sequence*> seen;
+  KV_RETURN_IF_ERROR(CheckDecodeInput(seqs, tokens, config_));
   for (size_t i = 0; i < seqs.size(); ++i) {
-    if (seqs[i] == nullptr || !seen.insert(seqs[i]).second) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("decode: batch entry ", i, " is null or repeats a sequence"));
-    }
-    KV_RETURN_IF_ERROR(CheckSequence(*seqs[i]));
-    if (tokens[i] < 0 || tokens[i] >= config_.vocab_size) {
-      return absl::InvalidArgumentError(absl::StrCat("decode: token ", i, " is ", tokens[i],
-                                                     ", outside [0, ", config_.vocab_size, ")"));
-    }
     if (seqs[i]->num_tokens() + 1 > options_.max_context) {
       return absl::InvalidArgumentError(
           absl::StrCat("decode: batch entry ", i, " would reach ", seqs[i]->num_tokens() + 1,

@@ -34,6 +34,7 @@
 #include "model/select/model_select.h"
 #include "model/test_model.h"
 #include "platform/device_platform.h"
+#include "tests/testing/random_floats.h"
 #include "tests/testing/status_matchers.h"
 #include "tests/testing/test_env.h"
 
@@ -57,13 +58,7 @@ constexpr int32_t kBlockTokens = 4;  // many blocks, partial last blocks, window
 constexpr int32_t kWindowTokens = 8;
 
 std::vector<int32_t> Tokens(int n, int32_t vocab, uint32_t seed) {
-  std::vector<int32_t> t(n);
-  uint32_t x = seed * 2654435761u + 1;
-  for (int i = 0; i < n; ++i) {
-    x = x * 1664525u + 1013904223u;
-    t[i] = static_cast<int32_t>((x >> 8) % static_cast<uint32_t>(vocab));
-  }
-  return t;
+  return kvrelay::testing::RandomTokens(n, vocab, seed);
 }
 
 double RelativeError(absl::Span<const float> got, absl::Span<const float> want) {
