@@ -5,11 +5,15 @@
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
 #include <vector>
+
+#include "absl/time/clock.h"
+#include "common/logging.h"
 
 namespace kvrelay::cachestore {
 
@@ -78,6 +82,7 @@ void AdaptivePolicy::LearnInBackground() const {
   absl::MutexLock lock(&queue_mu_);
   if (background_) return;
   background_ = true;
+  background_started_.store(true, std::memory_order_release);
   // The learner starts with every signal blocked, so SIGTERM / SIGINT always reach a thread
   // that handles them (a process that waits for signals in one thread would otherwise be killed
   // when the kernel picks this one).
@@ -101,28 +106,108 @@ void AdaptivePolicy::LearnerLoop() const {
   (void)setpriority(PRIO_PROCESS, static_cast<id_t>(tid), 19);
   const sched_param no_priority{};
   (void)sched_setscheduler(tid, SCHED_IDLE, &no_priority);
+  auto thread_cpu = [] {
+    timespec ts{};
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return absl::DurationFromTimespec(ts);
+  };
+  AdaptivePolicy* self = const_cast<AdaptivePolicy*>(this);
+  absl::Time window_start = absl::Now();
+  absl::Duration window_cpu_start = thread_cpu();
+  int quiet_windows = 0;
   while (true) {
     std::vector<BlockHash> chain;
+    double share;
+    absl::Duration window;
     {
       absl::MutexLock lock(&queue_mu_);
       queue_mu_.Await(absl::Condition(
           +[](AdaptivePolicy* p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(p->queue_mu_) {
             return p->stop_ || !p->queue_.empty();
           },
-          const_cast<AdaptivePolicy*>(this)));
+          self));
       if (stop_) return;
       chain = std::move(queue_.front());
       queue_.pop_front();
       queued_.store(queue_.size(), std::memory_order_relaxed);
+      share = budget_share_;
+      window = budget_window_;
     }
     Learn(chain);
+    const absl::Duration used = thread_cpu() - window_cpu_start;
+    const absl::Duration budget = window * share;
+    const absl::Time now = absl::Now();
+    if (used > budget) {
+      overruns_.fetch_add(1, std::memory_order_relaxed);
+      quiet_windows = 0;
+      if (CoarserSampling()) {
+        KV_LOG(INFO) << "cachestore: adaptive policy learner over its CPU budget ("
+                     << static_cast<int>(100 * share) << "% of a core): learning from 1 in "
+                     << (uint64_t{1} << sample_shift()) << " chains";
+      }
+      // Rest until the window ends; what queues meanwhile was sampled at the old rate and is
+      // dropped (lookups skip while the queue is full).
+      absl::MutexLock lock(&queue_mu_);
+      queue_mu_.AwaitWithDeadline(absl::Condition(
+                                      +[](AdaptivePolicy* p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(
+                                           p->queue_mu_) { return p->stop_; },
+                                      self),
+                                  std::max(now, window_start + window));
+      if (stop_) return;
+      queue_.clear();
+      queued_.store(0, std::memory_order_relaxed);
+    } else if (now - window_start < window) {
+      continue;
+    } else if (used * 4 < budget && ++quiet_windows >= kQuietWindowsBeforeFiner) {
+      quiet_windows = 0;
+      if (FinerSampling()) {
+        KV_LOG(INFO) << "cachestore: adaptive policy learner under its CPU budget: learning "
+                        "from 1 in "
+                     << (uint64_t{1} << sample_shift()) << " chains";
+      }
+    } else if (used * 4 >= budget) {
+      quiet_windows = 0;
+    }
+    window_start = absl::Now();
+    window_cpu_start = thread_cpu();
   }
+}
+
+void AdaptivePolicy::SetLearnerBudget(double cpu_share_of_one_core, absl::Duration window) const {
+  absl::MutexLock lock(&queue_mu_);
+  budget_share_ = cpu_share_of_one_core;
+  budget_window_ = window;
+}
+
+bool AdaptivePolicy::CoarserSampling() const {
+  absl::MutexLock lock(&mu_);
+  if (shadows_[0]->capacity / 2 < kMinShadowBlocks) return false;
+  ++budget_shift_;
+  ResetShadows(capacity_);
+  return true;
+}
+
+bool AdaptivePolicy::FinerSampling() const {
+  absl::MutexLock lock(&mu_);
+  if (budget_shift_ == 0) return false;
+  --budget_shift_;
+  ResetShadows(capacity_);
+  return true;
 }
 
 void AdaptivePolicy::ResetShadows(int64_t capacity_blocks) const {
   capacity_ = std::max<int64_t>(capacity_blocks, 1);
   int64_t shadow_capacity = capacity_;
-  while (shadow_capacity > kMaxShadowBlocks) shadow_capacity /= 2;
+  int shift = 0;
+  while (shadow_capacity > kMaxShadowBlocks) {
+    shadow_capacity /= 2;
+    ++shift;
+  }
+  for (int i = 0; i < budget_shift_ && shadow_capacity / 2 >= kMinShadowBlocks; ++i) {
+    shadow_capacity /= 2;
+    ++shift;
+  }
+  sample_mask_.store((uint64_t{1} << shift) - 1, std::memory_order_relaxed);
   const double cap = static_cast<double>(shadow_capacity);
   shadows_[0] =
       std::make_unique<Shadow>(std::make_unique<LruPolicy>(/*leaf_only=*/true), shadow_capacity);
@@ -167,17 +252,22 @@ void AdaptivePolicy::SetCapacityHint(int64_t capacity_blocks) const {
 
 void AdaptivePolicy::OnRequest(absl::Span<const BlockHash> chain) const {
   if (chain.empty()) return;
-  // Relaxed: a stale count only lets one chain more or less into the queue.
-  if (queued_.load(std::memory_order_relaxed) >= kMaxQueuedRequests) return;
-  {
-    absl::MutexLock lock(&queue_mu_);
-    if (background_) {
-      if (queue_.size() < kMaxQueuedRequests) {
-        queue_.emplace_back(chain.begin(), chain.end());
-        queued_.store(queue_.size(), std::memory_order_relaxed);
-      }
+  if (background_started_.load(std::memory_order_acquire)) {
+    // Outside the sample (relaxed: a stale mask lets Learn re-check it) or the queue is full
+    // (a stale count only lets one chain more or less in): nothing to do.
+    if ((chain[0].hi & sample_mask_.load(std::memory_order_relaxed)) != 0 ||
+        queued_.load(std::memory_order_relaxed) >= kMaxQueuedRequests) {
       return;
     }
+    // A lookup never waits for the learner: at SCHED_IDLE, one preempted while it holds
+    // queue_mu_ would stall the lookup until the CPU is otherwise idle. Skipped: a sample too.
+    if (!queue_mu_.TryLock()) return;
+    if (queue_.size() < kMaxQueuedRequests) {
+      queue_.emplace_back(chain.begin(), chain.end());
+      queued_.store(queue_.size(), std::memory_order_relaxed);
+    }
+    queue_mu_.Unlock();
+    return;
   }
   Learn(chain);
 }
@@ -190,11 +280,8 @@ void AdaptivePolicy::Learn(absl::Span<const BlockHash> chain) const {
     ~CountOnExit() { n.fetch_add(1, std::memory_order_release); }
   } count{learned_};
   const int64_t shadow_capacity = shadows_[0]->capacity;
-  if (shadow_capacity < capacity_) {
-    // Sample whole chains by their root so shared prefixes stay together.
-    const uint64_t rate = static_cast<uint64_t>(capacity_ / shadow_capacity);
-    if ((chain[0].hi % rate) != 0) return;
-  }
+  // Sample whole chains by their root so shared prefixes stay together.
+  if ((chain[0].hi & sample_mask_.load(std::memory_order_relaxed)) != 0) return;
   std::array<double, kRankings> hits{};
   for (int i = 0; i < kRankings; ++i) {
     Shadow& s = *shadows_[i];

@@ -21,12 +21,24 @@
 //
 // Shadows hold metadata only (a BlockIndex each). Above kMaxShadowBlocks of capacity they sample
 // chains by the root block's hash bits (rate kMaxShadowBlocks / capacity, power of two) and run
-// at the sampled capacity, so their cost stays bounded.
+// at the sampled capacity, so their cost stays bounded (spatial sampling, as SHARDS: a sampled
+// chain is seen on every access, so reuse distances scale with the rate and nothing else).
+//
+// Learning in the background (the store), the learner also keeps within a CPU budget
+// (kLearnerCpuShare of one core per kLearnerWindow): a window that goes over it halves the
+// sampling rate (shadows of half the capacity, down to kMinShadowBlocks; the shadows and their
+// evidence restart, the live ranking stays) and the learner rests until the window ends,
+// dropping what queued meanwhile; kQuietWindowsBeforeFiner windows under a quarter of the budget
+// double the rate again. A lookup of a chain outside the sample costs one mask test. Issue 19:
+// the learner replaying every lookup into three shadows took a third of the store's CPU under a
+// 16-client lookup load even at SCHED_IDLE, and the lookup rate with it. Inline learning
+// (trace replay, tests) has no budget: its figures are unchanged.
 //
 // Thread-safe: OnRequest serialises on a mutex; the other methods are lock-free.
 
 #include <array>
 #include <atomic>
+#include <bit>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -35,6 +47,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "cachestore/block_index.h"
 #include "cachestore/eviction_policy.h"
@@ -77,17 +90,31 @@ class AdaptivePolicy final : public EvictionPolicy {
   void LearnInBackground() const override;
   // Chains queued for the background learner at most (beyond: skipped, a sample).
   static constexpr size_t kMaxQueuedRequests = 256;
+  // The background learner's CPU budget (see above).
+  static constexpr double kLearnerCpuShare = 0.10;
+  static constexpr absl::Duration kLearnerWindow = absl::Seconds(1);
+  static constexpr int64_t kMinShadowBlocks = 1024;
+  static constexpr int kQuietWindowsBeforeFiner = 30;
+  // Replaces the budget above (tests); takes effect at the learner's next window.
+  void SetLearnerBudget(double cpu_share_of_one_core, absl::Duration window) const;
   uint64_t epoch() const override { return epoch_.load(std::memory_order_acquire); }
 
   // 0 = LRU, 1 = LRFU, 2 = probation-LRU (see above).
   int ranking() const { return ranking_.load(std::memory_order_relaxed); }
   int64_t switches() const { return static_cast<int64_t>(epoch()); }
-  // Chains the shadows have learned from (or skipped by sampling) so far.
+  // Chains the shadows have learned from (or, learning inline, skipped by sampling) so far.
   int64_t learned_requests() const { return learned_.load(std::memory_order_acquire); }
+  // The shadows learn from 1 in 2^sample_shift() chains (by capacity and by the CPU budget).
+  int sample_shift() const { return std::countr_one(sample_mask_.load(std::memory_order_relaxed)); }
+  // Times the background learner went over its budget.
+  int64_t budget_overruns() const { return overruns_.load(std::memory_order_relaxed); }
 
  private:
   struct Shadow;
   void ResetShadows(int64_t capacity_blocks) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // One step coarser (true) or finer sampling for the budget; false when at its bound.
+  bool CoarserSampling() const ABSL_LOCKS_EXCLUDED(mu_);
+  bool FinerSampling() const ABSL_LOCKS_EXCLUDED(mu_);
   // Replays one chain into the shadows and maybe switches the live ranking.
   void Learn(absl::Span<const BlockHash> chain) const ABSL_LOCKS_EXCLUDED(mu_);
   void LearnerLoop() const;
@@ -104,6 +131,11 @@ class AdaptivePolicy final : public EvictionPolicy {
 
   mutable absl::Mutex mu_;
   mutable int64_t capacity_ ABSL_GUARDED_BY(mu_) = 0;
+  // Halvings of the shadows' capacity beyond kMaxShadowBlocks', for the CPU budget.
+  mutable int budget_shift_ ABSL_GUARDED_BY(mu_) = 0;
+  // 2^shift - 1 of the current sampling: a chain is learned iff its root's hi & mask == 0.
+  mutable std::atomic<uint64_t> sample_mask_{0};
+  mutable std::atomic<int64_t> overruns_{0};
   mutable std::array<std::unique_ptr<Shadow>, kRankings> shadows_ ABSL_GUARDED_BY(mu_);
   // lead_[a][b]: decayed sum over requests of (hits of shadow a - hits of shadow b);
   // spread_[a][b]: decayed sum of its squares (the sum's variance if a and b were equal).
@@ -117,6 +149,10 @@ class AdaptivePolicy final : public EvictionPolicy {
   // queue_.size(), readable without the lock: a lookup that finds the queue full skips at once.
   mutable std::atomic<size_t> queued_{0};
   mutable bool stop_ ABSL_GUARDED_BY(queue_mu_) = false;
+  // background_, readable without the lock (set once, before any chain is queued).
+  mutable std::atomic<bool> background_started_{false};
+  mutable double budget_share_ ABSL_GUARDED_BY(queue_mu_) = kLearnerCpuShare;
+  mutable absl::Duration budget_window_ ABSL_GUARDED_BY(queue_mu_) = kLearnerWindow;
   mutable std::thread learner_;
 };
 

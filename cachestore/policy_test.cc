@@ -155,6 +155,57 @@ TEST(AdaptivePolicyTest, BackgroundLearningDecidesAsInlineLearning) {
   EXPECT_EQ(background.ranking(), inline_policy.ranking());
 }
 
+// A chain of `length` distinct blocks whose root's hi is `root_hi` (the sampling looks at it).
+std::vector<BlockHash> ChainWithRoot(uint64_t root_hi, uint64_t salt, int length) {
+  std::vector<BlockHash> chain;
+  chain.push_back(BlockHash{root_hi, salt});
+  for (int i = 1; i < length; ++i) chain.push_back(TraceBlockHash(salt * 4096 + i));
+  return chain;
+}
+
+// Issue 19: the store's learner keeps to its CPU budget. Flooded with long chains it samples
+// coarser (down to kMinShadowBlocks shadows), a chain outside the sample never reaches it, and
+// once the load is light again it samples finer. The budget, 2 ms of CPU per 20 ms, is small
+// enough for a flood of 256-block chains to break it and large enough for one short chain per
+// window (~70 us here, mostly the wake-up) to stay under a quarter of it.
+TEST(AdaptivePolicyTest, BackgroundLearnerKeepsToItsCpuBudget) {
+  constexpr int64_t kCapacity = 16 * AdaptivePolicy::kMinShadowBlocks;
+  AdaptivePolicy policy(kCapacity);
+  EXPECT_EQ(policy.sample_shift(), 0);
+  policy.SetLearnerBudget(/*cpu_share_of_one_core=*/0.1, /*window=*/absl::Milliseconds(20));
+  policy.LearnInBackground();
+  const auto flood_until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  for (uint64_t salt = 1;
+       policy.sample_shift() < 2 && std::chrono::steady_clock::now() < flood_until; ++salt) {
+    policy.OnRequest(ChainWithRoot(salt << 8, salt, 256));  // low bits 0: always sampled
+    if (salt % 64 == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ASSERT_GE(policy.sample_shift(), 2) << "a flood never took the learner over its budget";
+  EXPECT_GE(policy.budget_overruns(), 2);
+
+  // Let the flood drain (the learner rests to its window's end and drops what queued).
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  const int64_t before = policy.learned_requests();
+  policy.OnRequest(ChainWithRoot(/*root_hi=*/1, 1u << 20, 16));  // outside any coarser sample
+  policy.OnRequest(ChainWithRoot(/*root_hi=*/0, 2u << 20, 16));  // inside every sample
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (policy.learned_requests() == before && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  // Queued in order: had the first been queued, it would have been counted before the second.
+  EXPECT_EQ(policy.learned_requests(), before + 1);
+
+  // Short chains, one per window: far under a quarter of the budget, so it refines again.
+  const int shift = policy.sample_shift();
+  const auto light_until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  for (uint64_t salt = 3;
+       policy.sample_shift() >= shift && std::chrono::steady_clock::now() < light_until; ++salt) {
+    policy.OnRequest(ChainWithRoot(salt << 8, salt << 20, 2));
+    std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  EXPECT_LT(policy.sample_shift(), shift) << "a light load never brought finer sampling back";
+}
+
 // The must-show rule: the default policy is never below LRU, and Belady is above everything,
 // on every generated shape at capacities from tight to roomy (small traces keep it fast).
 TEST(DefaultPolicyTest, NeverBelowLruOnEveryShapeAndCapacity) {
