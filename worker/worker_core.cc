@@ -184,8 +184,7 @@ std::optional<int> WorkerFlags::Parse(FlagSet& flags, const std::vector<std::str
                                       bool cachestore_required) {
   const std::string& name = host_.name;
   core_.role = name;
-  if (std::optional<int> exit_code =
-          server::ParseCommandLine(flags, raw_args, name, &host_.security)) {
+  if (std::optional<int> exit_code = server::ParseServerCommandLine(flags, raw_args, name, host_)) {
     return exit_code;
   }
   core_.security = host_.security;

@@ -69,7 +69,7 @@ int RunCacheStoreCommand(const std::vector<std::string>& args) {
   flags.AddDouble("low-watermark", &low, "... down to this fraction");
   flags.AddInt64("snapshot-every", &snapshot_every, "WAL records between snapshots");
   if (std::optional<int> exit_code =
-          kvrelay::server::ParseCommandLine(flags, args, "cachestore", &host.security)) {
+          kvrelay::server::ParseServerCommandLine(flags, args, "cachestore", host)) {
     return *exit_code;
   }
   kv_events.insecure = host.security.insecure;

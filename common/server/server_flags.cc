@@ -4,14 +4,20 @@
 #include <ifaddrs.h>
 #include <net/if.h>
 #include <netinet/in.h>
+#include <sched.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "common/config_file.h"
+#include "common/errno_status.h"
 
 namespace kvrelay::server {
 
@@ -31,7 +37,81 @@ void AddServerFlags(FlagSet& flags, ServiceHostOptions& options) {
                  "Prometheus /metrics port (0: any free port)");
   flags.AddDuration("drain-timeout", &options.drain_timeout,
                     "on SIGTERM, how long in-flight RPCs may finish");
+  flags.AddString("cpus", &options.cpus,
+                  "CPUs the process runs on, e.g. 0-3,8 (default: any); keeps its gRPC threads' "
+                  "wake-ups on those cores, away from co-located inference workers");
   AddSecurityFlags(flags, options.security);
+}
+
+absl::StatusOr<std::vector<int>> ParseCpuList(const std::string& text) {
+  std::vector<int> cpus;
+  if (text.empty()) return absl::InvalidArgumentError("empty CPU list");
+  for (absl::string_view part : absl::StrSplit(text, ',')) {
+    const std::vector<absl::string_view> ends = absl::StrSplit(part, absl::MaxSplits('-', 1));
+    int first = -1, last = -1;
+    if (!absl::SimpleAtoi(ends[0], &first) ||
+        !absl::SimpleAtoi(ends.size() == 2 ? ends[1] : ends[0], &last) || first < 0 ||
+        last < first || last >= CPU_SETSIZE) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "'", part, "' is not a CPU number or range N-M (0 <= N <= M < ", CPU_SETSIZE, ")"));
+    }
+    for (int c = first; c <= last; ++c) cpus.push_back(c);
+  }
+  std::sort(cpus.begin(), cpus.end());
+  cpus.erase(std::unique(cpus.begin(), cpus.end()), cpus.end());
+  return cpus;
+}
+
+absl::Status PinToCpus(const std::vector<int>& cpus) {
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  if (::sched_getaffinity(0, sizeof(allowed), &allowed) != 0) {
+    return ErrnoToStatus(errno, "sched_getaffinity");
+  }
+  auto allowed_text = [&allowed] {
+    std::string out;
+    for (int c = 0; c < CPU_SETSIZE; ++c) {
+      if (CPU_ISSET(c, &allowed)) absl::StrAppend(&out, out.empty() ? "" : ",", c);
+    }
+    return out;
+  };
+  cpu_set_t wanted;
+  CPU_ZERO(&wanted);
+  for (int c : cpus) {
+    if (c < 0 || c >= CPU_SETSIZE || !CPU_ISSET(c, &allowed)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "CPU ", c, " is not one this process may run on (allowed: ", allowed_text(), ")"));
+    }
+    CPU_SET(c, &wanted);
+  }
+  if (cpus.empty()) return absl::InvalidArgumentError("no CPU to run on");
+  if (::sched_setaffinity(0, sizeof(wanted), &wanted) != 0) {
+    return ErrnoToStatus(errno, "sched_setaffinity");
+  }
+  // Threads libraries started while loading (OpenBLAS's pool) are moved too; a thread that
+  // exits meanwhile is no error.
+  std::error_code error;
+  for (const auto& task : std::filesystem::directory_iterator("/proc/self/task", error)) {
+    pid_t tid = 0;
+    if (!absl::SimpleAtoi(task.path().filename().string(), &tid)) continue;
+    if (::sched_setaffinity(tid, sizeof(wanted), &wanted) != 0 && errno != ESRCH) {
+      return ErrnoToStatus(errno, absl::StrCat("sched_setaffinity of thread ", tid));
+    }
+  }
+  return absl::OkStatus();
+}
+
+std::optional<int> ParseServerCommandLine(FlagSet& flags, const std::vector<std::string>& raw_args,
+                                          const std::string& command, ServiceHostOptions& host) {
+  if (std::optional<int> exit_code = ParseCommandLine(flags, raw_args, command, &host.security)) {
+    return exit_code;
+  }
+  if (!host.cpus.empty()) {
+    absl::StatusOr<std::vector<int>> cpus = ParseCpuList(host.cpus);
+    absl::Status pinned = cpus.ok() ? PinToCpus(*cpus) : cpus.status();
+    if (!pinned.ok()) return UsageError(command, absl::StrCat("--cpus: ", pinned.message()));
+  }
+  return std::nullopt;
 }
 
 absl::Status SettleSecurity(const FlagSet& flags, SecurityOptions& security) {

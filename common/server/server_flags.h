@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "common/flags.h"
 #include "common/server/service_host.h"
 
@@ -26,6 +27,18 @@ void AddSecurityFlags(FlagSet& flags, SecurityOptions& security);
 std::optional<int> ParseCommandLine(FlagSet& flags, const std::vector<std::string>& raw_args,
                                     const std::string& command,
                                     SecurityOptions* security = nullptr);
+
+// ParseCommandLine for a server (its flags from AddServerFlags), then --cpus applied: the process
+// is pinned to those CPUs (PinToCpus) before it starts a thread; a bad list is a usage error.
+std::optional<int> ParseServerCommandLine(FlagSet& flags, const std::vector<std::string>& raw_args,
+                                          const std::string& command, ServiceHostOptions& host);
+
+// "0-3,8,10-11" -> {0,1,2,3,8,10,11} (sorted, distinct); InvalidArgument naming the bad part.
+absl::StatusOr<std::vector<int>> ParseCpuList(const std::string& text);
+
+// Restricts the process's threads, and so every thread started later, to `cpus`. Each must be one
+// this process may run on (FailedPrecondition naming it and the allowed list otherwise).
+absl::Status PinToCpus(const std::vector<int>& cpus);
 
 // After Parse: mutual TLS when --tls-cert/--tls-key/--tls-ca are all given, plain text only with
 // an explicit --insecure; InvalidArgument otherwise (neither, both, or only some --tls-*).

@@ -44,6 +44,9 @@ struct ServiceHostOptions {
   // Words appended to the listening line after the metrics address (a worker's device and
   // why, e.g. "device cpu (--device cpu)"); launchers read only the words before them.
   std::string listening_note;
+  // --cpus: the CPUs the whole process runs on ("0-3,8"; empty: wherever the system puts it).
+  // Applied by ParseServerCommandLine, before any thread starts, so every thread inherits it.
+  std::string cpus;
 };
 
 struct ShutdownHooks {

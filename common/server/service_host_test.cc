@@ -1,7 +1,12 @@
 #include "common/server/service_host.h"
 
-#include <atomic>
+#include <sched.h>
 
+#include <atomic>
+#include <thread>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "common/http_server.h"
 #include "common/server/server_flags.h"
 #include "gmock/gmock.h"
@@ -13,6 +18,7 @@
 namespace kvrelay::server {
 namespace {
 
+using ::kvrelay::testing::StatusIs;
 using ::testing::HasSubstr;
 
 grpc::health::v1::HealthCheckResponse::ServingStatus Check(grpc::Channel* channel,
@@ -104,6 +110,59 @@ TEST(ServerFlags, ParsesConfigSecurityAndRejectsBadUsage) {
   AddServerFlags(bad_flags, bad);
   EXPECT_EQ(ParseCommandLine(bad_flags, {"--no-such-flag"}, "test", &bad.security),
             std::optional<int>(2));
+}
+
+// The death-test child of CpuListsParseAndPinningChecksTheAllowedSet: exits 0 only if every
+// check held.
+void CheckPinningInThisProcess() {
+  cpu_set_t before;
+  if (sched_getaffinity(0, sizeof(before), &before) != 0) _exit(10);
+  int first = 0;
+  while (!CPU_ISSET(first, &before)) ++first;
+  std::atomic<bool> pinned{false}, moved{false};
+  std::thread started_before([&] {
+    while (!pinned.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    cpu_set_t mine;
+    moved = sched_getaffinity(0, sizeof(mine), &mine) == 0 && CPU_COUNT(&mine) == 1 &&
+            CPU_ISSET(first, &mine);
+  });
+  if (!PinToCpus({first}).ok()) _exit(11);
+  pinned = true;
+  started_before.join();
+  if (!moved) _exit(15);
+  std::thread started_after([first] {
+    cpu_set_t mine;
+    if (sched_getaffinity(0, sizeof(mine), &mine) != 0 || CPU_COUNT(&mine) != 1 ||
+        !CPU_ISSET(first, &mine)) {
+      _exit(12);
+    }
+  });
+  started_after.join();
+  // Now only `first` is allowed: another CPU is refused, by name, and nothing changes.
+  const absl::Status refused = PinToCpus({first + 1});
+  if (refused.code() != absl::StatusCode::kFailedPrecondition ||
+      !absl::StrContains(refused.message(), absl::StrCat("allowed: ", first))) {
+    _exit(13);
+  }
+  cpu_set_t after;
+  if (sched_getaffinity(0, sizeof(after), &after) != 0 || CPU_COUNT(&after) != 1) _exit(14);
+  _exit(0);
+}
+
+TEST(ServerFlags, CpuListsParseAndPinningChecksTheAllowedSet) {
+  KV_ASSERT_OK_AND_ASSIGN(std::vector<int> cpus, ParseCpuList("3,0-1,1"));
+  EXPECT_EQ(cpus, (std::vector<int>{0, 1, 3}));
+  for (const char* bad : {"", "a", "1-", "-1", "3-1", "0,,1", "99999"}) {
+    EXPECT_THAT(ParseCpuList(bad), StatusIs(absl::StatusCode::kInvalidArgument)) << bad;
+  }
+  // PinToCpus moves every thread of the process: checked in a child (a death test re-runs this
+  // binary), so the test process keeps its CPUs.
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(CheckPinningInThisProcess(), ::testing::ExitedWithCode(0), "");
+  ServiceHostOptions host;
+  FlagSet flags("test", "");
+  AddServerFlags(flags, host);
+  EXPECT_EQ(ParseServerCommandLine(flags, {"--insecure", "--cpus", "2-1"}, "test", host), 2);
 }
 
 TEST(ServerFlags, CheckHostPort) {

@@ -86,7 +86,7 @@ int RunGatewayCommand(const std::vector<std::string>& raw_args) {
                     "how long a failed worker is skipped before a probe (doubles per failed "
                     "probe)");
   if (std::optional<int> exit_code =
-          kvrelay::server::ParseCommandLine(flags, raw_args, "gateway", &host.security)) {
+          kvrelay::server::ParseServerCommandLine(flags, raw_args, "gateway", host)) {
     return *exit_code;
   }
   std::vector<std::string> prefill_addresses, decode_addresses;
