@@ -23,6 +23,7 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -36,6 +37,7 @@
 #include <cstring>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -296,6 +298,18 @@ void BenchServerSide(const Options& opt) {
 }
 
 // --- 2. gRPC vs Redis -------------------------------------------------------------------------
+// The highest-numbered CPU this process may run on (the one both servers are pinned to).
+int LastAllowedCpu() {
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  if (::sched_getaffinity(0, sizeof(allowed), &allowed) != 0) return 0;
+  int last = 0;
+  for (int c = 0; c < CPU_SETSIZE; ++c) {
+    if (CPU_ISSET(c, &allowed)) last = c;
+  }
+  return last;
+}
+
 void BenchGrpcVsRedis(const Options& opt) {
   constexpr int kClients = 16;
   const double run_s = opt.quick ? 1.0 : 5.0;
@@ -307,24 +321,32 @@ void BenchGrpcVsRedis(const Options& opt) {
     std::printf("  skipped: %s not built\n", kvrelay_bin.c_str());
     return;
   }
-  int out_fd = -1;
-  const pid_t cs = Spawn({kvrelay_bin, "cachestore", "--port", "0", "--metrics-port", "0",
-                          "--insecure", "--policy", opt.policy},
-                         &out_fd);
-  const std::string line = ReadLine(out_fd);
-  // "cachestore listening on 127.0.0.1:PORT metrics ..."
-  const size_t at = line.find("on ");
-  if (cs <= 0 || at == std::string::npos) {
-    std::printf("  cachestore did not start: '%s'\n", line.c_str());
-    if (cs > 0) ::kill(cs, SIGKILL);
-    return;
-  }
-  const std::string target = line.substr(at + 3, line.find(' ', at + 3) - at - 3);
   constexpr int kChains = kClients;
   std::vector<std::vector<BlockHash>> chains;
   for (int c = 0; c < kChains; ++c) chains.push_back(ChainOf(1000 + c));
-  {
-    auto client = kvrelay::cachestore::CacheStoreClient::Connect(target);
+  // A store with the 16 chains committed (pid 0 if it did not start), `extra` flags appended.
+  struct Store {
+    pid_t pid = 0;
+    int out_fd = -1;
+    std::string target;
+  };
+  auto start_store = [&](const std::vector<std::string>& extra) {
+    Store store;
+    std::vector<std::string> argv = {kvrelay_bin,  "cachestore",     "--port",
+                                     "0",          "--metrics-port", "0",
+                                     "--insecure", "--policy",       opt.policy};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    const pid_t cs = Spawn(argv, &store.out_fd);
+    const std::string line = ReadLine(store.out_fd);
+    // "cachestore listening on 127.0.0.1:PORT metrics ..."
+    const size_t at = line.find("on ");
+    if (cs <= 0 || at == std::string::npos) {
+      std::printf("  cachestore did not start: '%s'\n", line.c_str());
+      if (cs > 0) ::kill(cs, SIGKILL);
+      return Store{};
+    }
+    store.target = line.substr(at + 3, line.find(' ', at + 3) - at - 3);
+    auto client = kvrelay::cachestore::CacheStoreClient::Connect(store.target);
     kvrelay::v1::RegisterNodeRequest reg;
     reg.set_node_id("bench-node");
     auto* seg = reg.add_segments();
@@ -335,16 +357,27 @@ void BenchGrpcVsRedis(const Options& opt) {
     reg.set_ttl_ms(600000);
     if (!client.ok() || !(*client)->WaitForReady(absl::Seconds(10)).ok() ||
         !(*client)->RegisterNode(reg).ok()) {
-      std::printf("  cannot reach cachestore at %s\n", target.c_str());
+      std::printf("  cannot reach cachestore at %s\n", store.target.c_str());
       ::kill(cs, SIGKILL);
       ::waitpid(cs, nullptr, 0);
-      return;
+      return Store{};
     }
     for (const auto& chain : chains) {
       auto a = (*client)->AllocateChain(chain, 1 << 20);
       if (a.ok()) (void)(*client)->Commit(a->allocation_id());
     }
-  }
+    store.pid = cs;
+    return store;
+  };
+  auto stop = [](pid_t pid, int fd) {
+    ::kill(pid, SIGTERM);
+    ::waitpid(pid, nullptr, 0);
+    ::close(fd);
+  };
+  const Store store = start_store({});
+  if (store.pid == 0) return;
+  const pid_t cs = store.pid;
+  const std::string& target = store.target;
   auto run_clients = [&](auto&& one_lookup) {
     std::atomic<int64_t> blocks{0};
     std::atomic<bool> failed{false};
@@ -442,54 +475,27 @@ void BenchGrpcVsRedis(const Options& opt) {
   const auto [shared, shared_cpu] =
       cpu_of(cs, [&] { return run_clients(SharedLookup{shared_client.get()}); });
   shared_client.reset();
-  ::kill(cs, SIGTERM);
-  ::waitpid(cs, nullptr, 0);
-  ::close(out_fd);
+  stop(cs, store.out_fd);
+  // The same per-connection stream phase with the store on one core (`--cpus`), Redis below on
+  // the same one (`server_cpulist`): a single-threaded Redis never wakes a thread on the other
+  // core, and the store's gRPC threads then do not either.
+  const int pin_cpu = LastAllowedCpu();
+  double pinned = 0, pinned_theirs = 0;
+  Cpu pinned_cpu, pinned_their_cpu;
+  if (const Store on_one = start_store({"--cpus", std::to_string(pin_cpu)}); on_one.pid != 0) {
+    std::tie(pinned, pinned_cpu) = cpu_of(on_one.pid, [&] {
+      return run_clients(GrpcLookup{on_one.target, true});
+    });
+    stop(on_one.pid, on_one.out_fd);
+  }
 
-  // Redis: same hashes as 32-hex-digit keys.
-  const int port = FreePort();
-  int rfd = -1;
-  const pid_t redis =
-      Spawn({"/usr/bin/redis-server", "--port", std::to_string(port), "--bind", "127.0.0.1",
-             "--save", "", "--appendonly", "no", "--daemonize", "no", "--loglevel", "warning"},
-            &rfd);
-  int setup_fd = -1;
-  for (int i = 0; i < 200 && setup_fd < 0; ++i) {
-    setup_fd = ConnectLoopback(port);
-    if (setup_fd < 0) std::this_thread::sleep_for(std::chrono::milliseconds(25));
-  }
-  if (redis <= 0 || setup_fd < 0) {
-    std::printf("  redis-server did not start; ours: %.0f blocks/s\n", ours);
-    if (redis > 0) ::kill(redis, SIGKILL);
-    return;
-  }
+  // Redis: same hashes as 32-hex-digit keys, SET once, then 256-EXISTS pipelines.
   auto key = [](const BlockHash& h) {
     char buf[40];
     std::snprintf(buf, sizeof(buf), "%016llx%016llx", static_cast<unsigned long long>(h.hi),
                   static_cast<unsigned long long>(h.lo));
     return std::string(buf);
   };
-  std::string buf;
-  for (const auto& chain : chains) {
-    std::string pipe;
-    for (const BlockHash& h : chain) pipe += RespCommand({"SET", key(h), "1"});
-    SendAll(setup_fd, pipe);
-    // +OK replies: read them off.
-    int oks = 0;
-    char tmp[8192];
-    std::string acc;
-    while (oks < kChainLen) {
-      ssize_t r = ::recv(setup_fd, tmp, sizeof(tmp), 0);
-      if (r <= 0) break;
-      acc.append(tmp, static_cast<size_t>(r));
-      size_t p;
-      while ((p = acc.find("\r\n")) != std::string::npos) {
-        ++oks;
-        acc.erase(0, p + 2);
-      }
-    }
-  }
-  ::close(setup_fd);
   std::vector<std::string> pipelines;
   for (const auto& chain : chains) {
     std::string pipe;
@@ -511,13 +517,71 @@ void BenchGrpcVsRedis(const Options& opt) {
       return ReadExistsReplies(s.fd, kChainLen, &s.buf);
     }
   };
+  // A redis-server holding the chains' keys (pid 0 if it did not start), `extra` flags appended.
+  auto start_redis = [&](const std::vector<std::string>& extra, int* port, int* out_fd) -> pid_t {
+    *port = FreePort();
+    std::vector<std::string> argv = {"/usr/bin/redis-server",
+                                     "--port",
+                                     std::to_string(*port),
+                                     "--bind",
+                                     "127.0.0.1",
+                                     "--save",
+                                     "",
+                                     "--appendonly",
+                                     "no",
+                                     "--daemonize",
+                                     "no",
+                                     "--loglevel",
+                                     "warning"};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    const pid_t redis = Spawn(argv, out_fd);
+    int setup_fd = -1;
+    for (int i = 0; i < 200 && setup_fd < 0; ++i) {
+      setup_fd = ConnectLoopback(*port);
+      if (setup_fd < 0) std::this_thread::sleep_for(std::chrono::milliseconds(25));
+    }
+    if (redis <= 0 || setup_fd < 0) {
+      std::printf("  redis-server did not start\n");
+      if (redis > 0) ::kill(redis, SIGKILL);
+      return 0;
+    }
+    for (const auto& chain : chains) {
+      std::string pipe;
+      for (const BlockHash& h : chain) pipe += RespCommand({"SET", key(h), "1"});
+      SendAll(setup_fd, pipe);
+      // +OK replies: read them off.
+      int oks = 0;
+      char tmp[8192];
+      std::string acc;
+      while (oks < kChainLen) {
+        ssize_t r = ::recv(setup_fd, tmp, sizeof(tmp), 0);
+        if (r <= 0) break;
+        acc.append(tmp, static_cast<size_t>(r));
+        size_t p;
+        while ((p = acc.find("\r\n")) != std::string::npos) {
+          ++oks;
+          acc.erase(0, p + 2);
+        }
+      }
+    }
+    ::close(setup_fd);
+    return redis;
+  };
+  int port = 0, rfd = -1;
+  const pid_t redis = start_redis({}, &port, &rfd);
+  if (redis == 0) return;
   const auto [theirs, their_cpu] = cpu_of(redis, [&] {
     return run_clients(RedisLookup{port, &pipelines, &chains});
   });
   const std::vector<double> their_latency = latencies(RedisLookup{port, &pipelines, &chains});
-  ::kill(redis, SIGTERM);
-  ::waitpid(redis, nullptr, 0);
-  ::close(rfd);
+  stop(redis, rfd);
+  if (const pid_t on_one = start_redis({"--server_cpulist", std::to_string(pin_cpu)}, &port, &rfd);
+      on_one != 0) {
+    std::tie(pinned_theirs, pinned_their_cpu) = cpu_of(on_one, [&] {
+      return run_clients(RedisLookup{port, &pipelines, &chains});
+    });
+    stop(on_one, rfd);
+  }
   if (opt.unary) {
     std::printf("  kvrelay cachestore, unary MatchPrefix   : %12.0f blocks/s  (%.2fx redis)\n",
                 ours, ours / theirs);
@@ -548,6 +612,16 @@ void BenchGrpcVsRedis(const Options& opt) {
   std::printf("  CPU per lookup, one shared stream (us)  : %.1f + %.1f\n",
               per_lookup_us(shared_cpu.server_s, shared),
               per_lookup_us(shared_cpu.client_s, shared));
+  if (pinned > 0 && pinned_theirs > 0) {
+    std::printf(
+        "  each server on CPU %d (--cpus / server_cpulist): MatchPrefixStream %.0f blocks/s, "
+        "redis %.0f blocks/s (%.2fx redis); CPU per lookup, server + client (us): ours %.1f + "
+        "%.1f, redis %.1f + %.1f\n",
+        pin_cpu, pinned, pinned_theirs, pinned / pinned_theirs,
+        per_lookup_us(pinned_cpu.server_s, pinned), per_lookup_us(pinned_cpu.client_s, pinned),
+        per_lookup_us(pinned_their_cpu.server_s, pinned_theirs),
+        per_lookup_us(pinned_their_cpu.client_s, pinned_theirs));
+  }
   std::printf(
       "  one lookup, 1 client, p50 / p99 (us)    : unary %.0f / %.0f (%zu calls), stream %.0f / "
       "%.0f (%zu calls), redis %.0f / %.0f (%zu calls)\n",
