@@ -203,10 +203,15 @@ void AdaptivePolicy::ResetShadows(int64_t capacity_blocks) const {
     shadow_capacity /= 2;
     ++shift;
   }
-  for (int i = 0; i < budget_shift_ && shadow_capacity / 2 >= kMinShadowBlocks; ++i) {
+  int budget_halvings = 0;
+  while (budget_halvings < budget_shift_ && shadow_capacity / 2 >= kMinShadowBlocks) {
     shadow_capacity /= 2;
     ++shift;
+    ++budget_halvings;
   }
+  // A smaller capacity hint may leave room for fewer halvings: FinerSampling then undoes a real
+  // one.
+  budget_shift_ = budget_halvings;
   sample_mask_.store((uint64_t{1} << shift) - 1, std::memory_order_relaxed);
   const double cap = static_cast<double>(shadow_capacity);
   shadows_[0] =

@@ -78,6 +78,11 @@ class AttentionModel {
   // model::Greedy). Implementations may sample on the device and return only the ids.
   virtual absl::StatusOr<std::vector<int32_t>> DecodeStepGreedy(
       absl::Span<Sequence* const> seqs, absl::Span<const int32_t> tokens) const;
+
+  // Takes now what this backend needs for every later call on `cache` (the CUDA runner: the
+  // cache's device copy, as large as its pools), so a worker whose cache does not fit fails at
+  // start-up, saying why, instead of serving and failing every request. The CPU needs nothing.
+  virtual absl::Status PrepareCache(const KvCache& /*cache*/) const { return absl::OkStatus(); }
 };
 
 // The input checks every implementation makes, with the same messages (InvalidArgument):

@@ -92,6 +92,7 @@ absl::StatusOr<std::unique_ptr<WorkerCore>> WorkerCore::Create(const WorkerCoreO
   KV_ASSIGN_OR_RETURN(
       core->kv, RegisteredKvCache::Create(layout, options.pool_blocks, core->transport.get(),
                                           core->memory_key_scope == MemoryKeyScope::kReservation));
+  if (core->runner != nullptr) KV_RETURN_IF_ERROR(core->runner->PrepareCache(core->kv->cache()));
   if (!options.cachestore_address.empty()) {
     KV_ASSIGN_OR_RETURN(core->segment,
                         CacheSegment::Create(layout, options.cache_slots, core->transport.get()));

@@ -98,6 +98,8 @@ class CudaRunner final : public AttentionModel {
     return ids;
   }
 
+  absl::Status PrepareCache(const KvCache& cache) const override;
+
   absl::StatusOr<std::vector<uint8_t>> ReadDeviceUnit(const KvCache& cache, int group,
                                                       kv::SlotId slot) const;
 
@@ -204,6 +206,27 @@ absl::StatusOr<std::shared_ptr<DeviceMirror>> CudaRunner::MirrorFor(const KvCach
   }
   // Another runner may have attached its mirror meanwhile: then ours is dropped, theirs kept.
   return ours(cache.AttachDeviceState(mirror));
+}
+
+absl::Status CudaRunner::PrepareCache(const KvCache& cache) const {
+  absl::MutexLock lock(&mu_);
+  KV_RETURN_IF_ERROR(CheckContext());
+  DeviceGuard guard(options_.device);
+  size_t bytes = 0;
+  for (int g = 0; g < cache.num_groups(); ++g) bytes += cache.pool(g).size_bytes();
+  absl::StatusOr<std::shared_ptr<DeviceMirror>> mirror = MirrorFor(cache);
+  absl::Status status = mirror.status();
+  // The mirror's zero fill is asynchronous: its failure would otherwise surface at a request.
+  if (status.ok()) {
+    if (const cudaError_t e = cudaStreamSynchronize(compute_stream()); e != cudaSuccess) {
+      status = platform::cuda::FromCuda(e, "cudaStreamSynchronize after the zero fill");
+    }
+  }
+  if (status.ok()) return status;
+  return absl::Status(status.code(),
+                      absl::StrCat("cuda runner: the device copy of KV cache ", cache.id(), " (",
+                                   bytes, " bytes over ", cache.num_groups(),
+                                   " pools) on cuda:", options_.device, ": ", status.message()));
 }
 
 absl::Status CudaRunner::UploadHostOnlyBlocks(const Sequence& seq,

@@ -317,6 +317,28 @@ TEST_P(CudaRunnerTest, DecodeOverTwoCachesBeyondMaxRowsMatchesCpu) {
   }
 }
 
+// A worker prepares its cache at start-up (so a device copy that does not fit fails there):
+// preparing twice keeps the one mirror, a forward pass then uses it, and another runner may not
+// take the cache over.
+TEST_P(CudaRunnerTest, PrepareCacheMirrorsOnceAndRefusesAnotherRunner) {
+  KV_ASSERT_OK(gpu_->PrepareCache(*gpu_cache_));
+  const std::shared_ptr<CacheDeviceState> mirror = gpu_cache_->device_state();
+  ASSERT_NE(mirror, nullptr);
+  KV_EXPECT_OK(gpu_->PrepareCache(*gpu_cache_));
+  EXPECT_EQ(gpu_cache_->device_state(), mirror);
+  Sequence seq(gpu_cache_.get());
+  KV_EXPECT_OK(gpu_->Prefill(seq, absl::MakeConstSpan(tokens_).first(8)).status());
+  EXPECT_EQ(gpu_cache_->device_state(), mirror);
+  CudaRunnerOptions small;
+  small.max_rows = 2;
+  small.max_context = 256;
+  KV_ASSERT_OK_AND_ASSIGN(std::unique_ptr<AttentionModel> other,
+                          LoadCudaRunner(dir_.path(), small));
+  EXPECT_THAT(other->PrepareCache(*gpu_cache_),
+              testing::StatusIs(absl::StatusCode::kFailedPrecondition,
+                                ::testing::HasSubstr("another device runner")));
+}
+
 // A non-sticky error an earlier call on this thread failed with (and left as the thread's
 // last error) is that call's: the next forward pass must not fail with it.
 TEST_P(CudaRunnerTest, AnEarlierFailedCallDoesNotFailTheNextForward) {
