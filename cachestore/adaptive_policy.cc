@@ -102,10 +102,17 @@ void AdaptivePolicy::LearnerLoop() const {
   // And SCHED_IDLE (issue 19): nice 19 still weighs 15 against 36 for a store run at nice 15,
   // and a 16-client lookup benchmark measured the learner at ~4 s of CPU in 7.5 s on 2 cores;
   // SCHED_IDLE runs it only on CPU time nothing else wants.
-  const pid_t tid = static_cast<pid_t>(::syscall(SYS_gettid));
-  (void)setpriority(PRIO_PROCESS, static_cast<id_t>(tid), 19);
-  const sched_param no_priority{};
-  (void)sched_setscheduler(tid, SCHED_IDLE, &no_priority);
+  bool idle_priority;
+  {
+    absl::MutexLock lock(&queue_mu_);
+    idle_priority = idle_priority_;
+  }
+  if (idle_priority) {
+    const pid_t tid = static_cast<pid_t>(::syscall(SYS_gettid));
+    (void)setpriority(PRIO_PROCESS, static_cast<id_t>(tid), 19);
+    const sched_param no_priority{};
+    (void)sched_setscheduler(tid, SCHED_IDLE, &no_priority);
+  }
   auto thread_cpu = [] {
     timespec ts{};
     clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
@@ -177,6 +184,11 @@ void AdaptivePolicy::SetLearnerBudget(double cpu_share_of_one_core, absl::Durati
   absl::MutexLock lock(&queue_mu_);
   budget_share_ = cpu_share_of_one_core;
   budget_window_ = window;
+}
+
+void AdaptivePolicy::SetLearnerIdlePriority(bool idle) const {
+  absl::MutexLock lock(&queue_mu_);
+  idle_priority_ = idle;
 }
 
 bool AdaptivePolicy::CoarserSampling() const {

@@ -97,6 +97,9 @@ class AdaptivePolicy final : public EvictionPolicy {
   static constexpr int kQuietWindowsBeforeFiner = 30;
   // Replaces the budget above (tests); takes effect at the learner's next window.
   void SetLearnerBudget(double cpu_share_of_one_core, absl::Duration window) const;
+  // False: the learner keeps the starting thread's scheduling instead of SCHED_IDLE (tests that
+  // need it to run while other tests hold every core). Before LearnInBackground.
+  void SetLearnerIdlePriority(bool idle) const;
   uint64_t epoch() const override { return epoch_.load(std::memory_order_acquire); }
 
   // 0 = LRU, 1 = LRFU, 2 = probation-LRU (see above).
@@ -153,6 +156,7 @@ class AdaptivePolicy final : public EvictionPolicy {
   mutable std::atomic<bool> background_started_{false};
   mutable double budget_share_ ABSL_GUARDED_BY(queue_mu_) = kLearnerCpuShare;
   mutable absl::Duration budget_window_ ABSL_GUARDED_BY(queue_mu_) = kLearnerWindow;
+  mutable bool idle_priority_ ABSL_GUARDED_BY(queue_mu_) = true;
   mutable std::thread learner_;
 };
 
