@@ -122,6 +122,9 @@ void AdaptivePolicy::LearnerLoop() const {
   absl::Time window_start = absl::Now();
   absl::Duration window_cpu_start = thread_cpu();
   int quiet_windows = 0;
+  // The window after a change of sampling is not judged: its first chains pay for the fresh
+  // shadows' first touches, which would read as an overrun and coarsen again.
+  bool grace = false;
   while (true) {
     std::vector<BlockHash> chain;
     double share;
@@ -144,16 +147,21 @@ void AdaptivePolicy::LearnerLoop() const {
     const absl::Duration used = thread_cpu() - window_cpu_start;
     const absl::Duration budget = window * share;
     const absl::Time now = absl::Now();
-    if (used > budget) {
+    if (grace) {
+      if (now - window_start < window) continue;
+      grace = false;
+    } else if (used > budget) {
       overruns_.fetch_add(1, std::memory_order_relaxed);
       quiet_windows = 0;
       if (CoarserSampling()) {
+        grace = true;
         KV_LOG(INFO) << "cachestore: adaptive policy learner over its CPU budget ("
                      << static_cast<int>(100 * share) << "% of a core): learning from 1 in "
                      << (uint64_t{1} << sample_shift()) << " chains";
       }
       // Rest until the window ends; what queues meanwhile was sampled at the old rate and is
       // dropped (lookups skip while the queue is full).
+      std::deque<std::vector<BlockHash>> dropped;  // freed after the lock is released
       absl::MutexLock lock(&queue_mu_);
       queue_mu_.AwaitWithDeadline(absl::Condition(
                                       +[](AdaptivePolicy* p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(
@@ -161,13 +169,14 @@ void AdaptivePolicy::LearnerLoop() const {
                                       self),
                                   std::max(now, window_start + window));
       if (stop_) return;
-      queue_.clear();
+      dropped.swap(queue_);
       queued_.store(0, std::memory_order_relaxed);
     } else if (now - window_start < window) {
       continue;
     } else if (used * 4 < budget && ++quiet_windows >= kQuietWindowsBeforeFiner) {
       quiet_windows = 0;
       if (FinerSampling()) {
+        grace = true;
         KV_LOG(INFO) << "cachestore: adaptive policy learner under its CPU budget: learning "
                         "from 1 in "
                      << (uint64_t{1} << sample_shift()) << " chains";
@@ -276,14 +285,11 @@ void AdaptivePolicy::OnRequest(absl::Span<const BlockHash> chain) const {
         queued_.load(std::memory_order_relaxed) >= kMaxQueuedRequests) {
       return;
     }
-    // A lookup never waits for the learner: at SCHED_IDLE, one preempted while it holds
-    // queue_mu_ would stall the lookup until the CPU is otherwise idle. Skipped: a sample too.
-    if (!queue_mu_.TryLock()) return;
+    absl::MutexLock lock(&queue_mu_);
     if (queue_.size() < kMaxQueuedRequests) {
       queue_.emplace_back(chain.begin(), chain.end());
       queued_.store(queue_.size(), std::memory_order_relaxed);
     }
-    queue_mu_.Unlock();
     return;
   }
   Learn(chain);

@@ -29,7 +29,8 @@
 // sampling rate (shadows of half the capacity, down to kMinShadowBlocks; the shadows and their
 // evidence restart, the live ranking stays) and the learner rests until the window ends,
 // dropping what queued meanwhile; kQuietWindowsBeforeFiner windows under a quarter of the budget
-// double the rate again. A lookup of a chain outside the sample costs one mask test. Issue 19:
+// double the rate again; the window right after a change is not judged (the fresh shadows' first
+// touches). A lookup of a chain outside the sample costs one mask test. Issue 19:
 // the learner replaying every lookup into three shadows took a third of the store's CPU under a
 // 16-client lookup load even at SCHED_IDLE, and the lookup rate with it. Inline learning
 // (trace replay, tests) has no budget: its figures are unchanged.

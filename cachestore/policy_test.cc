@@ -133,6 +133,8 @@ TEST(AdaptivePolicyTest, BackgroundLearningDecidesAsInlineLearning) {
   KV_ASSERT_OK_AND_ASSIGN(auto trace, GenerateTrace("scan", 1, 300));
   AdaptivePolicy inline_policy(/*capacity_blocks=*/100);
   AdaptivePolicy background(/*capacity_blocks=*/100);
+  // A whole core: never over it, so no chain is dropped (the budget has its own test below).
+  background.SetLearnerBudget(/*cpu_share_of_one_core=*/1.0, absl::Seconds(1));
   background.LearnInBackground();
   std::vector<BlockHash> chain;
   int64_t fed = 0;
