@@ -80,9 +80,7 @@ AdaptivePolicy::~AdaptivePolicy() {
 
 void AdaptivePolicy::LearnInBackground() const {
   absl::MutexLock lock(&queue_mu_);
-  if (background_) return;
-  background_ = true;
-  background_started_.store(true, std::memory_order_release);
+  if (background_.exchange(true, std::memory_order_acq_rel)) return;
   // The learner starts with every signal blocked, so SIGTERM / SIGINT always reach a thread
   // that handles them (a process that waits for signals in one thread would otherwise be killed
   // when the kernel picks this one).
@@ -278,7 +276,7 @@ void AdaptivePolicy::SetCapacityHint(int64_t capacity_blocks) const {
 
 void AdaptivePolicy::OnRequest(absl::Span<const BlockHash> chain) const {
   if (chain.empty()) return;
-  if (background_started_.load(std::memory_order_acquire)) {
+  if (background_.load(std::memory_order_acquire)) {
     // Outside the sample (relaxed: a stale mask lets Learn re-check it) or the queue is full
     // (a stale count only lets one chain more or less in): nothing to do.
     if ((chain[0].hi & sample_mask_.load(std::memory_order_relaxed)) != 0 ||

@@ -149,12 +149,12 @@ class AdaptivePolicy final : public EvictionPolicy {
   // Background learning (LearnInBackground): chains waiting for LearnerLoop.
   mutable absl::Mutex queue_mu_ ABSL_ACQUIRED_AFTER(mu_);
   mutable std::deque<std::vector<BlockHash>> queue_ ABSL_GUARDED_BY(queue_mu_);
-  mutable bool background_ ABSL_GUARDED_BY(queue_mu_) = false;
+  // Learning in the background: set once (under queue_mu_, so the learner starts once), read
+  // without the lock by every lookup.
+  mutable std::atomic<bool> background_{false};
   // queue_.size(), readable without the lock: a lookup that finds the queue full skips at once.
   mutable std::atomic<size_t> queued_{0};
   mutable bool stop_ ABSL_GUARDED_BY(queue_mu_) = false;
-  // background_, readable without the lock (set once, before any chain is queued).
-  mutable std::atomic<bool> background_started_{false};
   mutable double budget_share_ ABSL_GUARDED_BY(queue_mu_) = kLearnerCpuShare;
   mutable absl::Duration budget_window_ ABSL_GUARDED_BY(queue_mu_) = kLearnerWindow;
   mutable bool idle_priority_ ABSL_GUARDED_BY(queue_mu_) = true;

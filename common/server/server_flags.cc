@@ -75,6 +75,7 @@ absl::Status PinToCpus(const std::vector<int>& cpus) {
     }
     return out;
   };
+  if (cpus.empty()) return absl::InvalidArgumentError("no CPU to run on");
   cpu_set_t wanted;
   CPU_ZERO(&wanted);
   for (int c : cpus) {
@@ -84,12 +85,8 @@ absl::Status PinToCpus(const std::vector<int>& cpus) {
     }
     CPU_SET(c, &wanted);
   }
-  if (cpus.empty()) return absl::InvalidArgumentError("no CPU to run on");
-  if (::sched_setaffinity(0, sizeof(wanted), &wanted) != 0) {
-    return ErrnoToStatus(errno, "sched_setaffinity");
-  }
-  // Threads libraries started while loading (OpenBLAS's pool) are moved too; a thread that
-  // exits meanwhile is no error.
+  // Every thread, the caller and those libraries started while loading (OpenBLAS's pool); a
+  // thread that exits meanwhile is no error.
   std::error_code error;
   for (const auto& task : std::filesystem::directory_iterator("/proc/self/task", error)) {
     pid_t tid = 0;
@@ -98,6 +95,7 @@ absl::Status PinToCpus(const std::vector<int>& cpus) {
       return ErrnoToStatus(errno, absl::StrCat("sched_setaffinity of thread ", tid));
     }
   }
+  if (error) return ErrnoToStatus(error.value(), "list /proc/self/task");
   return absl::OkStatus();
 }
 
