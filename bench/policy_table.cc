@@ -1,16 +1,23 @@
 // Issue 17's policy table and window-aware figure in one run: every eviction policy on every
-// trace (the shared Mooncake trace when present, plus the generated shapes) at every capacity,
-// with Belady's offline optimum as the ceiling and each policy's ratio to LRU measured in the
-// same run. Then prefix hit rate vs cache bytes for a Gemma-3-27B-shaped layout, window-aware vs
-// every layer alike.
+// trace (the shared Mooncake trace when present, plus the generated shapes, plus any held-out
+// traces named) at every capacity, with Belady's offline optimum as the ceiling and each
+// policy's ratio to LRU measured in the same run. Then prefix hit rate vs cache bytes for a
+// Gemma-3-27B-shaped layout, window-aware vs every layer alike.
 //
-//   build/bin/policy_table [--trace PATH] [--requests N] [--no-window]
+//   build/bin/policy_table [--trace PATH] [--held-out PATH]... [--capacities LIST]
+//                          [--requests N] [--no-window]
+//
+// A held-out trace is one no policy was developed on (README: Mooncake's real conversation
+// trace); its rows are named "held-out:" and the file's name. An unreadable one is an error,
+// not a skipped row: a table that silently lacks the held-out trace would read as a pass.
 
 #include <cstdio>
 #include <cstring>
 #include <string>
 #include <vector>
 
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
 #include "cachestore/trace_gen.h"
 #include "cachestore/trace_replay.h"
 #include "cachestore/window_store.h"
@@ -21,15 +28,33 @@ int main(int argc, char** argv) {
   std::string mooncake = "/work/shared/data/traces/synthetic_trace.jsonl";
   int64_t requests = 4000;
   bool window = true;
+  std::vector<std::string> held_out;
+  std::vector<int64_t> capacities = {1000, 2000, 6000, 20000};
+  const char* usage =
+      "usage: policy_table [--trace PATH] [--held-out PATH]... [--capacities LIST] "
+      "[--requests N] [--no-window]\n";
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--no-window") == 0) {
       window = false;
     } else if (i + 1 < argc && std::strcmp(argv[i], "--trace") == 0) {
       mooncake = argv[++i];
+    } else if (i + 1 < argc && std::strcmp(argv[i], "--held-out") == 0) {
+      held_out.push_back(argv[++i]);
+    } else if (i + 1 < argc && std::strcmp(argv[i], "--capacities") == 0) {
+      capacities.clear();
+      for (absl::string_view part : absl::StrSplit(argv[++i], ',')) {
+        int64_t c = 0;
+        if (!absl::SimpleAtoi(part, &c) || c <= 0) {
+          std::fprintf(stderr, "--capacities: '%s' is not a positive number of blocks\n",
+                       std::string(part).c_str());
+          return 2;
+        }
+        capacities.push_back(c);
+      }
     } else if (i + 1 < argc && std::strcmp(argv[i], "--requests") == 0) {
       requests = std::atoll(argv[++i]);
     } else {
-      std::fprintf(stderr, "usage: policy_table [--trace PATH] [--requests N] [--no-window]\n");
+      std::fputs(usage, stderr);
       return 2;
     }
   }
@@ -48,9 +73,18 @@ int main(int argc, char** argv) {
     if (!t.ok()) return 1;
     traces.push_back({"gen:" + shape, *std::move(t)});
   }
+  for (const std::string& path : held_out) {
+    auto t = LoadTrace(path);
+    if (!t.ok()) {
+      std::fprintf(stderr, "--held-out %s: %s\n", path.c_str(), t.status().ToString().c_str());
+      return 2;
+    }
+    std::string name = path.substr(path.find_last_of('/') + 1);
+    if (name.size() > 6 && name.ends_with(".jsonl")) name.resize(name.size() - 6);
+    traces.push_back({"held-out:" + name, *std::move(t)});
+  }
   const std::vector<std::string> policies = {"lru",           "leaf-lru", "lrfu",   "probation-lru",
                                              "probation-lag", "adaptive", "belady", "belady-leaf"};
-  const std::vector<int64_t> capacities = {1000, 2000, 6000, 20000};
   std::printf(
       "| trace | blocks | capacity | lru | leaf-lru | lrfu | probation-lru | probation-lag | "
       "adaptive "

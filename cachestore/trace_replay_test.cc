@@ -166,5 +166,28 @@ TEST(ReplayTraceTest, MooncakeTraceMatchesReferenceLruAndDefaultNeverLower) {
   }
 }
 
+// Mooncake's real conversation trace (FAST'25 release), which no policy was developed on: the
+// issue's held-out check. Not in the shared data, so it runs only where KVRELAY_HELDOUT_TRACE
+// names it (cachestore/README.md, "Held-out trace", says how to get it). Capacities are the
+// table's plus 14k and 30k, where every single ranking but LRU falls below LRU (0.94x / 0.86x)
+// and only the switch keeps the default at or above it.
+TEST(ReplayTraceTest, HeldOutConversationTraceDefaultNeverBelowLru) {
+  const char* path = std::getenv("KVRELAY_HELDOUT_TRACE");
+  if (path == nullptr) GTEST_SKIP() << "KVRELAY_HELDOUT_TRACE not set";
+  KV_ASSERT_OK_AND_ASSIGN(auto trace, LoadTrace(path));
+  for (int64_t capacity : {1000, 2000, 6000, 14000, 20000, 30000}) {
+    KV_ASSERT_OK_AND_ASSIGN(ReplayResult lru, ReplayTrace(trace, capacity, "lru"));
+    KV_ASSERT_OK_AND_ASSIGN(ReplayResult def, ReplayTrace(trace, capacity, kDefaultPolicy));
+    std::printf("held-out capacity %lld: lru %.4f default %.4f (x%.3f)\n",
+                static_cast<long long>(capacity), lru.hit_rate(), def.hit_rate(),
+                def.hit_rate() / lru.hit_rate());
+    EXPECT_GE(def.hit_rate(), lru.hit_rate()) << "capacity " << capacity;
+    // Where capacity is tight the issue asks for 1.3x; measured 1.72x / 2.08x / 1.33x.
+    if (capacity <= 6000) {
+      EXPECT_GE(def.hit_rate(), 1.3 * lru.hit_rate()) << "capacity " << capacity;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace kvrelay::cachestore

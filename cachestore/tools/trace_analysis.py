@@ -11,6 +11,9 @@ Prints, per capacity:
   * belady-leaf (policy_model.py's, = C++ ReplayBeladyLeaf): of all re-accesses, by the gap
     since the block's previous access (log2 bins of 1 + gap / capacity), how many found the block
     cached.
+With --knowledge, instead: what a frequency ranking must know, and when, to reach its ceiling
+(the rankings of `knowledge_rankings`, replayed by policy_model.py's leaf-first cache), and how
+well what is known online at a root's second and third request predicts that it will be hot.
 Then, once: of the requests whose root block is new, the share whose root is requested again
 (and the median number of requests until it is), by request length (log2 bins of blocks) and the AUC of the length for it; and over all
 re-accesses, the AUC for "accessed again within 4 caches of 2,000 blocks" of the last gap in
@@ -105,13 +108,104 @@ def belady_leaf_hits_by_gap(trace, cap):
     return hits / sum(len(c) for c in trace), cache.pol
 
 
+class Frequency(pm.Policy):
+    """Leaf-first ranking by a per-block value, LRU among equal values: `value(policy, h)` is
+    called at each access; None puts the block on probation (below every valued block)."""
+
+    def __init__(self, cap, value):
+        super().__init__(cap)
+        self.value, self.n, self.p = value, collections.Counter(), {}
+
+    def on_access(self, h, hit):
+        self.t += 1
+        self.n[h] += 1
+        v = self.value(self, h)
+        self.p[h] = self.t - pm.BIG if v is None else v * pm.BIG / 1e6 + self.t
+
+    def prio(self, h):
+        return self.p[h]
+
+
+def knowledge_rankings(trace):
+    """(name, value) pairs: oracles that know a block's total number of uses (from its k-th use
+    on) or only whether it is hot (>= 8 uses), against online counts. Values are in units that
+    dominate recency except `count-bonus`, which adds half a cache of recency per earlier use."""
+    total = collections.Counter(h for chain in trace for h in chain)
+    first = lambda k: (lambda p, h: None if p.n[h] < k else total[h])
+    rows = [('oracle: total uses, known from the 1st use', first(1)),
+            ('oracle: total uses, known from the 2nd use', first(2)),
+            ('oracle: total uses, known from the 3rd use', first(3)),
+            ('oracle: hot (>= 8 uses) or not, known from the 2nd use',
+             lambda p, h: None if p.n[h] < 2 else (1 if total[h] >= 8 else 0))]
+    for k in (3, 4, 8):
+        rows.append(('online: uses so far >= %d, or not' % k,
+                     lambda p, h, k=k: None if p.n[h] < 2 else (1 if p.n[h] >= k else 0)))
+    rows.append(('online: uses so far (LFU with unbounded history)',
+                 lambda p, h: None if p.n[h] < 2 else p.n[h]))
+    rows.append(('online: count-bonus, LRU + half a cache per earlier use',
+                 lambda p, h: None if p.n[h] < 2 else 0.5e6 / pm.BIG * p.cap * (p.n[h] - 1)))
+    return rows
+
+
+def knowledge(trace, caps):
+    total = sum(len(c) for c in trace)
+    for cap in caps:
+        lru = pm.RankedCache(cap, pm.LeafLru(cap))
+        base = sum(lru.request(chain) for chain in trace) / total
+        print('capacity %d leaf-lru %.4f' % (cap, base))
+        for name, value in knowledge_rankings(trace):
+            cache = pm.RankedCache(cap, Frequency(cap, value))
+            rate = sum(cache.request(chain) for chain in trace) / total
+            print('  %-58s %.4f (%.3fx leaf-lru)' % (name, rate, rate / base), flush=True)
+    # Hindsight: the mean number of uses still to come, by uses so far (a class table).
+    n, left, count, seen_total = collections.Counter(), collections.Counter(), collections.Counter(), \
+        collections.Counter(h for chain in trace for h in chain)
+    for chain in trace:
+        for h in chain:
+            n[h] += 1
+            c = min(n[h], 8)
+            left[c] += seen_total[h] - n[h]
+            count[c] += 1
+    print('uses still to come, mean by uses so far: ' +
+          ', '.join('%s%d: %.2f' % ('>=' if c == 8 else '', c, left[c] / count[c])
+                    for c in sorted(count)))
+    uses = collections.defaultdict(list)
+    for i, chain in enumerate(trace):
+        if chain:
+            uses[chain[0]].append(i)
+    for k in (2, 3):
+        roots = [v for v in uses.values() if len(v) >= k]
+        hot = [1 if len(v) >= 8 else 0 for v in roots]
+        # One system prompt heading every request (the conversation trace) leaves no roots to
+        # tell apart.
+        if not 0 < sum(hot) < len(hot):
+            print('roots used >= %d times: %d, all %s: no AUC' %
+                  (k, len(roots), 'hot' if hot and hot[0] else 'cold'))
+            continue
+        feats = {'requests since the previous use': [v[k - 1] - v[k - 2] for v in roots],
+                 'requests since the first use': [v[k - 1] - v[0] for v in roots],
+                 'request length': [len(trace[v[k - 1]]) for v in roots],
+                 'position in the trace': [v[k - 1] for v in roots],
+                 'distinct chains so far': [len(set(tuple(trace[i]) for i in v[:k])) for v in roots]}
+        print('roots used >= %d times: %d, of them hot (>= 8 uses): %d; AUC for "hot" at the use '
+              '%d (0.5 = no signal; the larger of a and 1 - a):' % (k, len(roots), sum(hot), k))
+        for name, f in feats.items():
+            a = auc(f, hot)
+            print('  %-34s %.3f' % (name, max(a, 1 - a)))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     ap.add_argument('--trace', required=True)
     ap.add_argument('--capacity', default='2000')
+    ap.add_argument('--knowledge', action='store_true',
+                    help='what a frequency ranking must know, and when (see the docstring)')
     a = ap.parse_args()
     lines = [json.loads(line) for line in open(a.trace) if line.strip()]
     trace = [r['hash_ids'] for r in lines]
+    if a.knowledge:
+        knowledge(trace, [int(x) for x in a.capacity.split(',')])
+        return
     for cap in (int(x) for x in a.capacity.split(',')):
         for deeper_first in (True, False):
             rate, orphans, behind = belady_orphans(trace, cap, deeper_first)
