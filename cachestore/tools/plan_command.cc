@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "cachestore/eviction_policy.h"
 #include "cachestore/tools/commands.h"
 #include "cachestore/tools/planner.h"
 #include "common/file_util.h"
@@ -128,7 +129,8 @@ int RunPlanCommand(const std::vector<std::string>& args) {
   TraceSourceFlags source;
   std::string models_text = "llama3-70b,deepseek-v3";
   std::string memory_text = "8,16,32,64,128,256";
-  std::string policies_text = "lrfu";
+  // The store's own policy: a plan is for the cache the service will run.
+  std::string policies_text(kDefaultPolicy);
   bool window_aware = true;
   double target = 0.5;
   std::string plot;
@@ -138,7 +140,8 @@ int RunPlanCommand(const std::vector<std::string>& args) {
   flags.AddString("memory-gib", &memory_text, "comma list of KV cache memory per node, GiB");
   flags.AddString(
       "policy", &policies_text,
-      "comma list: lru, leaf-lru, lrfu, probation-lru, probation-lag, adaptive, belady");
+      "comma list: lru, leaf-lru, lrfu, probation-lru, probation-lag, adaptive (the store's "
+      "default), belady, belady-leaf; all = every one but belady-leaf");
   flags.AddBool("window-aware", &window_aware,
                 "keep sliding-window parts apart and reclaim interior ones first");
   flags.AddDouble("target-hit-rate", &target,
@@ -206,7 +209,10 @@ int RunPlanCommand(const std::vector<std::string>& args) {
             gib = std::exp2(std::log2(prev->memory_gib) +
                             f * (std::log2(r.memory_gib) - std::log2(prev->memory_gib)));
           }
-          answer = absl::StrFormat("%.1f GiB per node", gib);
+          // Reached at the smallest size given: the least memory is somewhere below it.
+          answer = prev == nullptr
+                       ? absl::StrFormat("at most %.1f GiB per node (the smallest size given)", gib)
+                       : absl::StrFormat("%.1f GiB per node", gib);
           break;
         }
         prev = &r;

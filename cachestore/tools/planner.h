@@ -39,8 +39,8 @@ absl::StatusOr<std::vector<int64_t>> ParsePositiveList(const std::string& flag,
                                                        const std::string& text);
 absl::StatusOr<std::vector<double>> ParsePositiveDoubles(const std::string& flag,
                                                          const std::string& text);
-// Comma list of policy names ("all" = lru, leaf-lru, lrfu, belady); InvalidArgument
-// naming `flag` and the unknown name.
+// Comma list of policy names ("all" = lru, leaf-lru, lrfu, probation-lru, probation-lag,
+// adaptive, belady); InvalidArgument naming `flag` and the unknown name.
 absl::StatusOr<std::vector<std::string>> ParsePolicyList(const std::string& flag,
                                                          const std::string& text);
 

@@ -1,5 +1,9 @@
 #include "cachestore/tools/planner.h"
 
+#include <string>
+
+#include "cachestore/eviction_policy.h"
+#include "cachestore/tools/commands.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/status_matchers.h"
@@ -55,6 +59,28 @@ TEST(PlanTest, HitRateGrowsWithMemoryAndBadParametersAreNamed) {
   both.trace = "x.jsonl";
   both.shape = "scan";
   EXPECT_THAT(both.Load(), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--trace")));
+}
+
+// The command as an operator runs it: the plan is for the store's own policy unless told
+// otherwise, a target the smallest size already reaches is reported as an upper bound (the real
+// least memory lies below what was measured), and a bad flag is a usage error naming it.
+TEST(PlanCommandTest, PlansTheStoresPolicyAndBoundsATargetReachedAtOnce) {
+  ::testing::internal::CaptureStdout();
+  const int code =
+      RunPlanCommand({"--shape", "agent", "--requests", "300", "--model", "deepseek-v3",
+                      "--memory-gib", "16,32", "--target-hit-rate", "0.3"});
+  const std::string out = ::testing::internal::GetCapturedStdout();
+  ASSERT_EQ(code, 0) << out;
+  EXPECT_THAT(out, HasSubstr(std::string("deepseek-v3 ") + std::string(kDefaultPolicy)));
+  EXPECT_THAT(out, HasSubstr("need at most 16.0 GiB per node (the smallest size given)"));
+
+  ::testing::internal::CaptureStdout();
+  ::testing::internal::CaptureStderr();
+  const int bad = RunPlanCommand({"--shape", "agent", "--memory-gib", "8,-1"});
+  ::testing::internal::GetCapturedStdout();
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(bad, 2);
+  EXPECT_THAT(err, HasSubstr("memory-gib"));
 }
 
 }  // namespace
