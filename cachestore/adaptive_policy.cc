@@ -12,6 +12,7 @@
 #include <cmath>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/time/clock.h"
 #include "common/logging.h"
 
@@ -124,7 +125,7 @@ void AdaptivePolicy::LearnerLoop() const {
   // shadows' first touches, which would read as an overrun and coarsen again.
   bool grace = false;
   while (true) {
-    std::vector<BlockHash> chain;
+    Queued next;
     double share;
     absl::Duration window;
     {
@@ -135,13 +136,14 @@ void AdaptivePolicy::LearnerLoop() const {
           },
           self));
       if (stop_) return;
-      chain = std::move(queue_.front());
+      next = std::move(queue_.front());
       queue_.pop_front();
       queued_.store(queue_.size(), std::memory_order_relaxed);
       share = budget_share_;
       window = budget_window_;
     }
-    Learn(chain);
+    if (next.key_stats) NoteKeyStats(next.chain);
+    if (next.learn) Learn(next.chain);
     const absl::Duration used = thread_cpu() - window_cpu_start;
     const absl::Duration budget = window * share;
     const absl::Time now = absl::Now();
@@ -159,7 +161,7 @@ void AdaptivePolicy::LearnerLoop() const {
       }
       // Rest until the window ends; what queues meanwhile was sampled at the old rate and is
       // dropped (lookups skip while the queue is full).
-      std::deque<std::vector<BlockHash>> dropped;  // freed after the lock is released
+      std::deque<Queued> dropped;  // freed after the lock is released
       absl::MutexLock lock(&queue_mu_);
       queue_mu_.AwaitWithDeadline(absl::Condition(
                                       +[](AdaptivePolicy* p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(
@@ -196,6 +198,69 @@ void AdaptivePolicy::SetLearnerBudget(double cpu_share_of_one_core, absl::Durati
 void AdaptivePolicy::SetLearnerIdlePriority(bool idle) const {
   absl::MutexLock lock(&queue_mu_);
   idle_priority_ = idle;
+}
+
+void AdaptivePolicy::SetBudgetSampling(int halvings) const {
+  absl::MutexLock lock(&mu_);
+  budget_shift_ = std::max(halvings, 0);
+  ResetShadows(capacity_);
+}
+
+bool AdaptivePolicy::TakeForKeyStats() const {
+  if (sample_mask_.load(std::memory_order_relaxed) == 0) return false;
+  // Lookups count per thread (no cache line shared between the store's threads); learning
+  // inline counts per policy, so a replay's figures do not depend on what ran before it.
+  if (background_.load(std::memory_order_relaxed)) {
+    thread_local uint32_t offered = 0;
+    return ++offered % kKeyStatEvery == 0;
+  }
+  return offered_.fetch_add(1, std::memory_order_relaxed) % kKeyStatEvery == kKeyStatEvery - 1;
+}
+
+void AdaptivePolicy::NoteKeyStats(absl::Span<const BlockHash> chain) const {
+  absl::MutexLock lock(&mu_);
+  const size_t kept = std::min(chain.size(), static_cast<size_t>(kMaxSampleDepth) + 1);
+  key_stats_.emplace_back(chain.begin(), chain.begin() + static_cast<std::ptrdiff_t>(kept));
+  if (key_stats_.size() < kKeyStatChains) return;
+  const size_t depth = static_cast<size_t>(sample_depth_.load(std::memory_order_relaxed));
+  auto key_of = [depth](const std::vector<BlockHash>& c) {
+    return c[std::min(depth, c.size() - 1)];
+  };
+  absl::flat_hash_map<BlockHash, size_t> heads;
+  BlockHash top;
+  size_t top_count = 0;
+  for (const std::vector<BlockHash>& c : key_stats_) {
+    const size_t n = ++heads[key_of(c)];
+    if (n > top_count) {
+      top_count = n;
+      top = key_of(c);
+    }
+  }
+  if (top_count * 4 > key_stats_.size()) {
+    // Where the chains under the dominant key part: their longest common prefix.
+    const std::vector<BlockHash>* first = nullptr;
+    size_t common = 0;
+    for (const std::vector<BlockHash>& c : key_stats_) {
+      if (!(key_of(c) == top)) continue;
+      if (first == nullptr) {
+        first = &c;
+        common = c.size();
+        continue;
+      }
+      size_t i = 0;
+      while (i < common && i < c.size() && c[i] == (*first)[i]) ++i;
+      common = i;
+    }
+    const size_t deeper = std::min(common, static_cast<size_t>(kMaxSampleDepth));
+    if (deeper > depth) {
+      sample_depth_.store(static_cast<int>(deeper), std::memory_order_relaxed);
+      ResetShadows(capacity_);
+      KV_LOG(INFO) << "cachestore: adaptive policy: one prefix of " << deeper << " blocks heads "
+                   << (100 * top_count / key_stats_.size())
+                   << "% of chains; sampling them by their block at depth " << deeper;
+    }
+  }
+  key_stats_.clear();
 }
 
 bool AdaptivePolicy::CoarserSampling() const {
@@ -277,19 +342,22 @@ void AdaptivePolicy::SetCapacityHint(int64_t capacity_blocks) const {
 void AdaptivePolicy::OnRequest(absl::Span<const BlockHash> chain) const {
   if (chain.empty()) return;
   if (background_.load(std::memory_order_acquire)) {
-    // Outside the sample (relaxed: a stale mask lets Learn re-check it) or the queue is full
-    // (a stale count only lets one chain more or less in): nothing to do.
-    if ((chain[0].hi & sample_mask_.load(std::memory_order_relaxed)) != 0 ||
-        queued_.load(std::memory_order_relaxed) >= kMaxQueuedRequests) {
+    // Outside the sample (relaxed: a stale mask or depth lets Learn re-check it) and not taken
+    // for the key statistics, or the queue is full (a stale count only lets one chain more or
+    // less in): nothing to do.
+    const bool learn = InSample(chain);
+    const bool key_stats = TakeForKeyStats();
+    if ((!learn && !key_stats) || queued_.load(std::memory_order_relaxed) >= kMaxQueuedRequests) {
       return;
     }
     absl::MutexLock lock(&queue_mu_);
     if (queue_.size() < kMaxQueuedRequests) {
-      queue_.emplace_back(chain.begin(), chain.end());
+      queue_.push_back(Queued{{chain.begin(), chain.end()}, learn, key_stats});
       queued_.store(queue_.size(), std::memory_order_relaxed);
     }
     return;
   }
+  if (TakeForKeyStats()) NoteKeyStats(chain);
   Learn(chain);
 }
 
@@ -301,8 +369,9 @@ void AdaptivePolicy::Learn(absl::Span<const BlockHash> chain) const {
     ~CountOnExit() { n.fetch_add(1, std::memory_order_release); }
   } count{learned_};
   const int64_t shadow_capacity = shadows_[0]->capacity;
-  // Sample whole chains by their root so shared prefixes stay together.
-  if ((chain[0].hi & sample_mask_.load(std::memory_order_relaxed)) != 0) return;
+  // Sample whole chains by their key block so shared prefixes stay together.
+  if (!InSample(chain)) return;
+  sampled_.fetch_add(1, std::memory_order_relaxed);
   std::array<double, kRankings> hits{};
   for (int i = 0; i < kRankings; ++i) {
     Shadow& s = *shadows_[i];

@@ -4,8 +4,9 @@
 // leaf-first rankings is significantly winning on the workload the store sees right now:
 //   0  LRU (pure recency),
 //   1  LRFU with a half-life of 1 cache-full of block accesses (recency-leaning frequency),
-//   2  probation-LRU (eviction_policy.h): LRU, but a block not seen within the last 8 caches of
-//      accesses ranks below all others until its next access (a doorkeeper against one-off tails),
+//   2  probation-lag (eviction_policy.h): LRU, but a block not seen within the last 8 caches of
+//      accesses ranks below all others until its next access (a doorkeeper against one-off tails)
+//      and a re-fetched one ranks a cache of accesses older until its next access,
 // LRFU with the ghost history and first-sight penalty of eviction_policy.h. Recency, frequency
 // and admission are the three classic answers; which one fits is decided online.
 //
@@ -20,9 +21,21 @@
 // epoch() so the BlockIndex re-ranks its eviction heap once.
 //
 // Shadows hold metadata only (a BlockIndex each). Above kMaxShadowBlocks of capacity they sample
-// chains by the root block's hash bits (rate kMaxShadowBlocks / capacity, power of two) and run
-// at the sampled capacity, so their cost stays bounded (spatial sampling, as SHARDS: a sampled
+// chains by a key block's hash bits (rate kMaxShadowBlocks / capacity, power of two) and run at
+// the sampled capacity, so their cost stays bounded (spatial sampling, as SHARDS: a sampled
 // chain is seen on every access, so reuse distances scale with the rate and nothing else).
+//
+// The key block is the chain's block at the sampling depth (its last block if shorter), 0 (the
+// root) to start with. A root that heads most chains, a deployment's system prompt, would put
+// all of them in the sample or none: the shadows would learn from everything or from nothing,
+// whatever the rate (Mooncake's conversation trace: one root block heads all 12,031 requests).
+// So while sampling, 1 in kKeyStatEvery chains is kept for key statistics; per kKeyStatChains
+// of them, a key heading more than a quarter moves the depth to where the chains it heads part
+// (their longest common prefix): sampling then keeps whole subtrees below the shared prefix,
+// which every ranking keeps cached alike. Chains sharing a key share every block before it
+// (hashes are chained), so a deeper key never splits a prefix that more than one chain shares
+// below the depth. The depth only grows (kMaxSampleDepth at most); a change restarts the
+// shadows, as a change of rate does.
 //
 // Learning in the background (the store), the learner also keeps within a CPU budget
 // (kLearnerCpuShare of one core per kLearnerWindow): a window that goes over it halves the
@@ -37,6 +50,7 @@
 //
 // Thread-safe: OnRequest serialises on a mutex; the other methods are lock-free.
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <bit>
@@ -96,14 +110,22 @@ class AdaptivePolicy final : public EvictionPolicy {
   static constexpr absl::Duration kLearnerWindow = absl::Seconds(1);
   static constexpr int64_t kMinShadowBlocks = 1024;
   static constexpr int kQuietWindowsBeforeFiner = 30;
+  // Sampling key statistics (see above).
+  static constexpr int kKeyStatEvery = 16;
+  static constexpr size_t kKeyStatChains = 64;
+  static constexpr int kMaxSampleDepth = 256;
   // Replaces the budget above (tests); takes effect at the learner's next window.
   void SetLearnerBudget(double cpu_share_of_one_core, absl::Duration window) const;
+  // Samples `halvings` steps coarser than the capacity asks, as the CPU budget does under load
+  // and with the same bound (shadows of kMinShadowBlocks at least): replay tools use it to show
+  // what the store decides when its learner samples.
+  void SetBudgetSampling(int halvings) const ABSL_LOCKS_EXCLUDED(mu_);
   // False: the learner keeps the starting thread's scheduling instead of SCHED_IDLE (tests that
   // need it to run while other tests hold every core). Before LearnInBackground.
   void SetLearnerIdlePriority(bool idle) const;
   uint64_t epoch() const override { return epoch_.load(std::memory_order_acquire); }
 
-  // 0 = LRU, 1 = LRFU, 2 = probation-LRU (see above).
+  // 0 = LRU, 1 = LRFU, 2 = probation-lag (see above).
   int ranking() const { return ranking_.load(std::memory_order_relaxed); }
   int64_t switches() const { return static_cast<int64_t>(epoch()); }
   // Chains the shadows have learned from (or, learning inline, skipped by sampling) so far.
@@ -112,6 +134,10 @@ class AdaptivePolicy final : public EvictionPolicy {
   int sample_shift() const { return std::countr_one(sample_mask_.load(std::memory_order_relaxed)); }
   // Times the background learner went over its budget.
   int64_t budget_overruns() const { return overruns_.load(std::memory_order_relaxed); }
+  // Chains replayed into the shadows so far (in the sample).
+  int64_t sampled_requests() const { return sampled_.load(std::memory_order_relaxed); }
+  // The position of the block whose hash decides whether a chain is in the sample.
+  int sample_depth() const { return sample_depth_.load(std::memory_order_relaxed); }
 
  private:
   struct Shadow;
@@ -119,6 +145,15 @@ class AdaptivePolicy final : public EvictionPolicy {
   // One step coarser (true) or finer sampling for the budget; false when at its bound.
   bool CoarserSampling() const ABSL_LOCKS_EXCLUDED(mu_);
   bool FinerSampling() const ABSL_LOCKS_EXCLUDED(mu_);
+  bool InSample(absl::Span<const BlockHash> chain) const {
+    const size_t depth = static_cast<size_t>(sample_depth_.load(std::memory_order_relaxed));
+    return (chain[std::min(depth, chain.size() - 1)].lo &
+            sample_mask_.load(std::memory_order_relaxed)) == 0;
+  }
+  // True for 1 in kKeyStatEvery chains while sampling (a per-thread count: no shared line).
+  bool TakeForKeyStats() const;
+  // Adds one chain to the key statistics and, per kKeyStatChains, maybe deepens the key.
+  void NoteKeyStats(absl::Span<const BlockHash> chain) const ABSL_LOCKS_EXCLUDED(mu_);
   // Replays one chain into the shadows and maybe switches the live ranking.
   void Learn(absl::Span<const BlockHash> chain) const ABSL_LOCKS_EXCLUDED(mu_);
   void LearnerLoop() const;
@@ -137,9 +172,17 @@ class AdaptivePolicy final : public EvictionPolicy {
   mutable int64_t capacity_ ABSL_GUARDED_BY(mu_) = 0;
   // Halvings of the shadows' capacity beyond kMaxShadowBlocks', for the CPU budget.
   mutable int budget_shift_ ABSL_GUARDED_BY(mu_) = 0;
-  // 2^shift - 1 of the current sampling: a chain is learned iff its root's hi & mask == 0.
+  // 2^shift - 1 of the current sampling: a chain is learned iff its key block's lo & mask == 0
+  // (lo: a replay's TraceBlockHash keeps the trace's id in hi and its mix in lo; in the store
+  // both are hash bits).
   mutable std::atomic<uint64_t> sample_mask_{0};
+  mutable std::atomic<int> sample_depth_{0};
+  mutable std::atomic<int64_t> sampled_{0};
+  mutable std::atomic<uint64_t> offered_{0};  // chains offered while sampling, learning inline
   mutable std::atomic<int64_t> overruns_{0};
+  // Chains kept for the key statistics since the last judgement (each cut after
+  // kMaxSampleDepth + 1 blocks).
+  mutable std::vector<std::vector<BlockHash>> key_stats_ ABSL_GUARDED_BY(mu_);
   mutable std::array<std::unique_ptr<Shadow>, kRankings> shadows_ ABSL_GUARDED_BY(mu_);
   // lead_[a][b]: decayed sum over requests of (hits of shadow a - hits of shadow b);
   // spread_[a][b]: decayed sum of its squares (the sum's variance if a and b were equal).
@@ -148,7 +191,12 @@ class AdaptivePolicy final : public EvictionPolicy {
 
   // Background learning (LearnInBackground): chains waiting for LearnerLoop.
   mutable absl::Mutex queue_mu_ ABSL_ACQUIRED_AFTER(mu_);
-  mutable std::deque<std::vector<BlockHash>> queue_ ABSL_GUARDED_BY(queue_mu_);
+  struct Queued {
+    std::vector<BlockHash> chain;
+    bool learn = false;      // in the sample: replay it into the shadows
+    bool key_stats = false;  // taken for the key statistics
+  };
+  mutable std::deque<Queued> queue_ ABSL_GUARDED_BY(queue_mu_);
   // Learning in the background: set once (under queue_mu_, so the learner starts once), read
   // without the lock by every lookup.
   mutable std::atomic<bool> background_{false};

@@ -157,10 +157,10 @@ TEST(AdaptivePolicyTest, BackgroundLearningDecidesAsInlineLearning) {
   EXPECT_EQ(background.ranking(), inline_policy.ranking());
 }
 
-// A chain of `length` distinct blocks whose root's hi is `root_hi` (the sampling looks at it).
-std::vector<BlockHash> ChainWithRoot(uint64_t root_hi, uint64_t salt, int length) {
+// A chain of `length` distinct blocks whose root's lo is `root_lo` (the sampling looks at it).
+std::vector<BlockHash> ChainWithRoot(uint64_t root_lo, uint64_t salt, int length) {
   std::vector<BlockHash> chain;
-  chain.push_back(BlockHash{root_hi, salt});
+  chain.push_back(BlockHash{salt, root_lo});
   for (int i = 1; i < length; ++i) chain.push_back(TraceBlockHash(salt * 4096 + i));
   return chain;
 }
@@ -194,8 +194,8 @@ TEST(AdaptivePolicyTest, BackgroundLearnerKeepsToItsCpuBudget) {
     before = policy.learned_requests();
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
-  policy.OnRequest(ChainWithRoot(/*root_hi=*/1, 1u << 20, 16));  // outside any coarser sample
-  policy.OnRequest(ChainWithRoot(/*root_hi=*/0, 2u << 20, 16));  // inside every sample
+  policy.OnRequest(ChainWithRoot(/*root_lo=*/1, 1u << 20, 16));  // outside any coarser sample
+  policy.OnRequest(ChainWithRoot(/*root_lo=*/0, 2u << 20, 16));  // inside every sample
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
   while (policy.learned_requests() == before && std::chrono::steady_clock::now() < deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -212,6 +212,57 @@ TEST(AdaptivePolicyTest, BackgroundLearnerKeepsToItsCpuBudget) {
     std::this_thread::sleep_for(std::chrono::milliseconds(25));
   }
   EXPECT_LT(policy.sample_shift(), shift) << "a light load never brought finer sampling back";
+}
+
+// Requests under one shared prefix of `shared` blocks (a system prompt), each with `own` blocks
+// of its own: request i's own ids are unique to it.
+std::vector<BlockHash> UnderSharedPrefix(int shared, int own, uint64_t i) {
+  std::vector<BlockHash> chain;
+  for (int b = 1; b <= shared; ++b) chain.push_back(TraceBlockHash(static_cast<uint64_t>(b)));
+  for (int b = 0; b < own; ++b) chain.push_back(TraceBlockHash(1'000'000 + i * 16 + b));
+  return chain;
+}
+
+// Sampling by the root alone learns from every chain or from none when one prompt heads them
+// all (the real conversation trace: one root block heads every request). The key moves to where
+// the chains part, and the sample follows its rate again; distinct roots keep the root.
+TEST(AdaptivePolicyTest, SamplingKeyMovesBelowASharedPrefix) {
+  // 4x the shadows' bound: 1 in 4 chains by capacity alone.
+  AdaptivePolicy shared_prompt(4 * AdaptivePolicy::kMaxShadowBlocks);
+  ASSERT_EQ(shared_prompt.sample_shift(), 2);
+  constexpr int kFirstJudgement = AdaptivePolicy::kKeyStatEvery * AdaptivePolicy::kKeyStatChains;
+  uint64_t i = 0;
+  for (; i < kFirstJudgement; ++i) shared_prompt.OnRequest(UnderSharedPrefix(12, 3, i));
+  EXPECT_EQ(shared_prompt.sample_depth(), 12);
+  const int64_t before = shared_prompt.sampled_requests();
+  constexpr int kAfter = 4096;
+  for (; i < kFirstJudgement + kAfter; ++i) shared_prompt.OnRequest(UnderSharedPrefix(12, 3, i));
+  const double share = static_cast<double>(shared_prompt.sampled_requests() - before) / kAfter;
+  EXPECT_GT(share, 0.20);  // 1 in 4; by the root alone it is 0 or 1
+  EXPECT_LT(share, 0.30);
+
+  AdaptivePolicy distinct_roots(4 * AdaptivePolicy::kMaxShadowBlocks);
+  for (uint64_t r = 0; r < 4 * kFirstJudgement; ++r) {
+    distinct_roots.OnRequest(UnderSharedPrefix(0, 4, r));
+  }
+  EXPECT_EQ(distinct_roots.sample_depth(), 0);
+  const double root_share =
+      static_cast<double>(distinct_roots.sampled_requests()) / (4 * kFirstJudgement);
+  EXPECT_GT(root_share, 0.20);
+  EXPECT_LT(root_share, 0.30);
+
+  // Learning in the background, as the store does: the lookups' threads take the key samples.
+  AdaptivePolicy background(4 * AdaptivePolicy::kMaxShadowBlocks);
+  background.SetLearnerBudget(/*cpu_share_of_one_core=*/1.0, absl::Seconds(1));
+  background.SetLearnerIdlePriority(false);
+  background.LearnInBackground();
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  for (uint64_t r = 0; background.sample_depth() == 0 && std::chrono::steady_clock::now() < until;
+       ++r) {
+    background.OnRequest(UnderSharedPrefix(12, 3, r));
+    if (r % 64 == 63) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  EXPECT_EQ(background.sample_depth(), 12);
 }
 
 // The must-show rule: the default policy is never below LRU, and Belady is above everything,

@@ -98,7 +98,8 @@ absl::StatusOr<std::vector<TraceRequest>> LoadTrace(const std::string& path) {
 }
 
 absl::StatusOr<ReplayResult> ReplayTrace(const std::vector<TraceRequest>& trace,
-                                         int64_t capacity_blocks, std::string_view policy_name) {
+                                         int64_t capacity_blocks, std::string_view policy_name,
+                                         const ReplayOptions& replay_options) {
   if (capacity_blocks <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("capacity-blocks: must be positive, got ", capacity_blocks));
@@ -106,6 +107,10 @@ absl::StatusOr<ReplayResult> ReplayTrace(const std::vector<TraceRequest>& trace,
   if (policy_name == "belady") return ReplayBelady(trace, capacity_blocks);
   if (policy_name == "belady-leaf") return ReplayBeladyLeaf(trace, capacity_blocks);
   KV_ASSIGN_OR_RETURN(EvictionPolicyPtr policy, MakeEvictionPolicy(policy_name, capacity_blocks));
+  if (const auto* adaptive = dynamic_cast<const AdaptivePolicy*>(policy.get());
+      adaptive != nullptr && replay_options.learner_halvings > 0) {
+    adaptive->SetBudgetSampling(replay_options.learner_halvings);
+  }
   BlockIndex::Options options;
   options.policy = policy.get();
   options.ghost_capacity = static_cast<size_t>(kGhostCaches * capacity_blocks);
@@ -279,11 +284,12 @@ ReplayResult ReplayBeladyLeaf(const std::vector<TraceRequest>& trace, int64_t ca
 
 absl::StatusOr<std::vector<ReplayResult>> ReplaySweep(const std::vector<TraceRequest>& trace,
                                                       const std::vector<int64_t>& capacities,
-                                                      const std::vector<std::string>& policies) {
+                                                      const std::vector<std::string>& policies,
+                                                      const ReplayOptions& options) {
   std::vector<ReplayResult> out;
   for (int64_t capacity : capacities) {
     for (const std::string& policy : policies) {
-      KV_ASSIGN_OR_RETURN(ReplayResult r, ReplayTrace(trace, capacity, policy));
+      KV_ASSIGN_OR_RETURN(ReplayResult r, ReplayTrace(trace, capacity, policy, options));
       out.push_back(std::move(r));
     }
   }

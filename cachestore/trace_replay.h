@@ -51,11 +51,19 @@ struct ReplayResult {
 // The index key of trace block id `id` (a fixed bijective mix, so shards see hash-like keys).
 BlockHash TraceBlockHash(uint64_t id);
 
+struct ReplayOptions {
+  // The adaptive policy's shadows learn from 1 in 2^learner_halvings times fewer chains than
+  // the capacity asks, as the store's learner does over its CPU budget (adaptive_policy.h;
+  // bounded as there); other policies ignore it. 0: as the capacity asks.
+  int learner_halvings = 0;
+};
+
 // InvalidArgument for a non-positive capacity or an unknown policy. Policies "belady" and
 // "belady-leaf" are offline (see ReplayBelady, ReplayBeladyLeaf); every other name goes through
 // MakeEvictionPolicy.
 absl::StatusOr<ReplayResult> ReplayTrace(const std::vector<TraceRequest>& trace,
-                                         int64_t capacity_blocks, std::string_view policy);
+                                         int64_t capacity_blocks, std::string_view policy,
+                                         const ReplayOptions& options = {});
 
 // Belady's offline optimum for this hit rule, the ceiling of every online policy: on a miss
 // with the cache full, the cached block whose next use is furthest in the future is evicted,
@@ -81,6 +89,7 @@ bool IsOfflinePolicy(std::string_view policy);
 // Every policy at every capacity (one trace load, results in capacity-major order).
 absl::StatusOr<std::vector<ReplayResult>> ReplaySweep(const std::vector<TraceRequest>& trace,
                                                       const std::vector<int64_t>& capacities,
-                                                      const std::vector<std::string>& policies);
+                                                      const std::vector<std::string>& policies,
+                                                      const ReplayOptions& options = {});
 
 }  // namespace kvrelay::cachestore

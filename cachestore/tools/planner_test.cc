@@ -83,5 +83,23 @@ TEST(PlanCommandTest, PlansTheStoresPolicyAndBoundsATargetReachedAtOnce) {
   EXPECT_THAT(err, HasSubstr("memory-gib"));
 }
 
+TEST(TraceReplayCommandTest, LearnerSamplingIsAPowerOfTwo) {
+  ::testing::internal::CaptureStdout();
+  ::testing::internal::CaptureStderr();
+  const int bad = RunTraceReplayCommand({"--shape", "scan", "--learner-sampling", "3"});
+  ::testing::internal::GetCapturedStdout();
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(bad, 2);
+  EXPECT_THAT(err, HasSubstr("learner-sampling"));
+
+  ::testing::internal::CaptureStdout();
+  const int code =
+      RunTraceReplayCommand({"--shape", "scan", "--requests", "200", "--capacity-blocks", "300000",
+                             "--learner-sampling", "4"});
+  const std::string out = ::testing::internal::GetCapturedStdout();
+  EXPECT_EQ(code, 0) << out;
+  EXPECT_THAT(out, HasSubstr("policy adaptive capacity 300000 blocks"));
+}
+
 }  // namespace
 }  // namespace kvrelay::cachestore

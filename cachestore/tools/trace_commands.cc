@@ -1,5 +1,6 @@
 // `kvrelay trace-replay` and `kvrelay trace-gen`.
 
+#include <bit>
 #include <cstdio>
 #include <iostream>
 #include <optional>
@@ -30,6 +31,7 @@ int RunTraceReplayCommand(const std::vector<std::string>& args) {
   std::string capacities_text = "2000";
   std::string policies_text(kDefaultPolicy);
   bool json = false;
+  int64_t learner_sampling = 1;
   source.Register(flags);
   flags.AddString("capacity-blocks", &capacities_text,
                   "cache capacity in 512-token blocks; a comma list sweeps (2000,6000,20000)");
@@ -38,7 +40,17 @@ int RunTraceReplayCommand(const std::vector<std::string>& args) {
                   "(default), belady, belady-leaf (Belady leaf-first, as the store evicts); "
                   "all = each");
   flags.AddBool("json", &json, "one JSON object per result");
+  flags.AddInt64("learner-sampling", &learner_sampling,
+                 "adaptive: its shadows learn from 1 in N times fewer chains (a power of two), "
+                 "as the store's learner does over its CPU budget under load");
   if (std::optional<int> exit_code = ParseCommandLine(flags, args)) return *exit_code;
+  if (learner_sampling < 1 || !std::has_single_bit(static_cast<uint64_t>(learner_sampling))) {
+    return CommandFailed(
+        "trace-replay", absl::InvalidArgumentError(absl::StrCat(
+                            "learner-sampling: want a power of two >= 1, got ", learner_sampling)));
+  }
+  ReplayOptions replay_options;
+  replay_options.learner_halvings = std::countr_zero(static_cast<uint64_t>(learner_sampling));
   absl::StatusOr<std::vector<int64_t>> capacities =
       ParsePositiveList("capacity-blocks", capacities_text);
   if (!capacities.ok()) return CommandFailed("trace-replay", capacities.status());
@@ -47,7 +59,7 @@ int RunTraceReplayCommand(const std::vector<std::string>& args) {
   absl::StatusOr<LoadedTrace> trace = source.Load();
   if (!trace.ok()) return CommandFailed("trace-replay", trace.status());
   absl::StatusOr<std::vector<ReplayResult>> results =
-      ReplaySweep(trace->requests, *capacities, *policies);
+      ReplaySweep(trace->requests, *capacities, *policies, replay_options);
   if (!results.ok()) return CommandFailed("trace-replay", results.status());
   for (const ReplayResult& r : *results) {
     if (json) {
