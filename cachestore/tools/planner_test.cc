@@ -1,6 +1,7 @@
 #include "cachestore/tools/planner.h"
 
 #include <string>
+#include <vector>
 
 #include "cachestore/eviction_policy.h"
 #include "cachestore/tools/commands.h"
@@ -61,44 +62,49 @@ TEST(PlanTest, HitRateGrowsWithMemoryAndBadParametersAreNamed) {
   EXPECT_THAT(both.Load(), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--trace")));
 }
 
+// What one `kvrelay` subcommand returned and printed.
+struct CommandRun {
+  int code = 0;
+  std::string out, err;
+};
+CommandRun RunCaptured(int (*command)(const std::vector<std::string>&),
+                       const std::vector<std::string>& args) {
+  ::testing::internal::CaptureStdout();
+  ::testing::internal::CaptureStderr();
+  CommandRun run;
+  run.code = command(args);
+  run.out = ::testing::internal::GetCapturedStdout();
+  run.err = ::testing::internal::GetCapturedStderr();
+  return run;
+}
+
 // The command as an operator runs it: the plan is for the store's own policy unless told
 // otherwise, a target the smallest size already reaches is reported as an upper bound (the real
 // least memory lies below what was measured), and a bad flag is a usage error naming it.
 TEST(PlanCommandTest, PlansTheStoresPolicyAndBoundsATargetReachedAtOnce) {
-  ::testing::internal::CaptureStdout();
-  const int code =
-      RunPlanCommand({"--shape", "agent", "--requests", "300", "--model", "deepseek-v3",
-                      "--memory-gib", "16,32", "--target-hit-rate", "0.3"});
-  const std::string out = ::testing::internal::GetCapturedStdout();
-  ASSERT_EQ(code, 0) << out;
-  EXPECT_THAT(out, HasSubstr(std::string("deepseek-v3 ") + std::string(kDefaultPolicy)));
-  EXPECT_THAT(out, HasSubstr("need at most 16.0 GiB per node (the smallest size given)"));
+  const CommandRun run = RunCaptured(
+      RunPlanCommand, {"--shape", "agent", "--requests", "300", "--model", "deepseek-v3",
+                       "--memory-gib", "16,32", "--target-hit-rate", "0.3"});
+  ASSERT_EQ(run.code, 0) << run.out << run.err;
+  EXPECT_THAT(run.out, HasSubstr(std::string("deepseek-v3 ") + std::string(kDefaultPolicy)));
+  EXPECT_THAT(run.out, HasSubstr("need at most 16.0 GiB per node (the smallest size given)"));
 
-  ::testing::internal::CaptureStdout();
-  ::testing::internal::CaptureStderr();
-  const int bad = RunPlanCommand({"--shape", "agent", "--memory-gib", "8,-1"});
-  ::testing::internal::GetCapturedStdout();
-  const std::string err = ::testing::internal::GetCapturedStderr();
-  EXPECT_EQ(bad, 2);
-  EXPECT_THAT(err, HasSubstr("memory-gib"));
+  const CommandRun bad = RunCaptured(RunPlanCommand, {"--shape", "agent", "--memory-gib", "8,-1"});
+  EXPECT_EQ(bad.code, 2);
+  EXPECT_THAT(bad.err, HasSubstr("memory-gib"));
 }
 
 TEST(TraceReplayCommandTest, LearnerSamplingIsAPowerOfTwo) {
-  ::testing::internal::CaptureStdout();
-  ::testing::internal::CaptureStderr();
-  const int bad = RunTraceReplayCommand({"--shape", "scan", "--learner-sampling", "3"});
-  ::testing::internal::GetCapturedStdout();
-  const std::string err = ::testing::internal::GetCapturedStderr();
-  EXPECT_EQ(bad, 2);
-  EXPECT_THAT(err, HasSubstr("learner-sampling"));
+  const CommandRun bad =
+      RunCaptured(RunTraceReplayCommand, {"--shape", "scan", "--learner-sampling", "3"});
+  EXPECT_EQ(bad.code, 2);
+  EXPECT_THAT(bad.err, HasSubstr("learner-sampling"));
 
-  ::testing::internal::CaptureStdout();
-  const int code =
-      RunTraceReplayCommand({"--shape", "scan", "--requests", "200", "--capacity-blocks", "300000",
-                             "--learner-sampling", "4"});
-  const std::string out = ::testing::internal::GetCapturedStdout();
-  EXPECT_EQ(code, 0) << out;
-  EXPECT_THAT(out, HasSubstr("policy adaptive capacity 300000 blocks"));
+  const CommandRun run = RunCaptured(
+      RunTraceReplayCommand, {"--shape", "scan", "--requests", "200", "--capacity-blocks", "300000",
+                              "--learner-sampling", "4"});
+  EXPECT_EQ(run.code, 0) << run.out << run.err;
+  EXPECT_THAT(run.out, HasSubstr("policy adaptive capacity 300000 blocks"));
 }
 
 }  // namespace
