@@ -52,7 +52,10 @@ int main(int argc, char** argv) {
         capacities.push_back(c);
       }
     } else if (i + 1 < argc && std::strcmp(argv[i], "--requests") == 0) {
-      requests = std::atoll(argv[++i]);
+      if (!absl::SimpleAtoi(argv[++i], &requests) || requests <= 0) {
+        std::fprintf(stderr, "--requests: '%s' is not a positive number of requests\n", argv[i]);
+        return 2;
+      }
     } else {
       std::fputs(usage, stderr);
       return 2;
@@ -70,7 +73,10 @@ int main(int argc, char** argv) {
   }
   for (const std::string& shape : TraceShapeNames()) {
     auto t = GenerateTrace(shape, 1, requests);
-    if (!t.ok()) return 1;
+    if (!t.ok()) {
+      std::fprintf(stderr, "trace shape %s: %s\n", shape.c_str(), t.status().ToString().c_str());
+      return 2;
+    }
     traces.push_back({"gen:" + shape, *std::move(t)});
   }
   for (const std::string& path : held_out) {
