@@ -23,7 +23,6 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
-#include <sched.h>
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -48,6 +47,7 @@
 #include "cachestore/cache_store.h"
 #include "cachestore/client/cache_store_client.h"
 #include "cachestore/trace_replay.h"
+#include "common/server/server_flags.h"
 
 namespace {
 
@@ -298,18 +298,6 @@ void BenchServerSide(const Options& opt) {
 }
 
 // --- 2. gRPC vs Redis -------------------------------------------------------------------------
-// The highest-numbered CPU this process may run on (the one both servers are pinned to).
-int LastAllowedCpu() {
-  cpu_set_t allowed;
-  CPU_ZERO(&allowed);
-  if (::sched_getaffinity(0, sizeof(allowed), &allowed) != 0) return 0;
-  int last = 0;
-  for (int c = 0; c < CPU_SETSIZE; ++c) {
-    if (CPU_ISSET(c, &allowed)) last = c;
-  }
-  return last;
-}
-
 void BenchGrpcVsRedis(const Options& opt) {
   constexpr int kClients = 16;
   const double run_s = opt.quick ? 1.0 : 5.0;
@@ -479,7 +467,9 @@ void BenchGrpcVsRedis(const Options& opt) {
   // The same per-connection stream phase with the store on one core (`--cpus`), Redis below on
   // the same one (`server_cpulist`): a single-threaded Redis never wakes a thread on the other
   // core, and the store's gRPC threads then do not either.
-  const int pin_cpu = LastAllowedCpu();
+  // The highest-numbered CPU this process may run on.
+  const absl::StatusOr<std::vector<int>> allowed = kvrelay::server::AllowedCpus();
+  const int pin_cpu = allowed.ok() && !allowed->empty() ? allowed->back() : 0;
   double pinned = 0, pinned_theirs = 0;
   Cpu pinned_cpu, pinned_their_cpu;
   if (const Store on_one = start_store({"--cpus", std::to_string(pin_cpu)}); on_one.pid != 0) {

@@ -15,9 +15,11 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "common/config_file.h"
 #include "common/errno_status.h"
+#include "common/status_macros.h"
 
 namespace kvrelay::server {
 
@@ -62,26 +64,29 @@ absl::StatusOr<std::vector<int>> ParseCpuList(const std::string& text) {
   return cpus;
 }
 
-absl::Status PinToCpus(const std::vector<int>& cpus) {
+absl::StatusOr<std::vector<int>> AllowedCpus() {
   cpu_set_t allowed;
   CPU_ZERO(&allowed);
   if (::sched_getaffinity(0, sizeof(allowed), &allowed) != 0) {
     return ErrnoToStatus(errno, "sched_getaffinity");
   }
-  auto allowed_text = [&allowed] {
-    std::string out;
-    for (int c = 0; c < CPU_SETSIZE; ++c) {
-      if (CPU_ISSET(c, &allowed)) absl::StrAppend(&out, out.empty() ? "" : ",", c);
-    }
-    return out;
-  };
+  std::vector<int> cpus;
+  for (int c = 0; c < CPU_SETSIZE; ++c) {
+    if (CPU_ISSET(c, &allowed)) cpus.push_back(c);
+  }
+  return cpus;
+}
+
+absl::Status PinToCpus(const std::vector<int>& cpus) {
+  KV_ASSIGN_OR_RETURN(const std::vector<int> allowed, AllowedCpus());
   if (cpus.empty()) return absl::InvalidArgumentError("no CPU to run on");
   cpu_set_t wanted;
   CPU_ZERO(&wanted);
   for (int c : cpus) {
-    if (c < 0 || c >= CPU_SETSIZE || !CPU_ISSET(c, &allowed)) {
+    if (c < 0 || c >= CPU_SETSIZE || !std::binary_search(allowed.begin(), allowed.end(), c)) {
       return absl::FailedPreconditionError(absl::StrCat(
-          "CPU ", c, " is not one this process may run on (allowed: ", allowed_text(), ")"));
+          "CPU ", c, " is not one this process may run on (allowed: ", absl::StrJoin(allowed, ","),
+          ")"));
     }
     CPU_SET(c, &wanted);
   }

@@ -36,6 +36,9 @@ std::optional<int> ParseServerCommandLine(FlagSet& flags, const std::vector<std:
 // "0-3,8,10-11" -> {0,1,2,3,8,10,11} (sorted, distinct); InvalidArgument naming the bad part.
 absl::StatusOr<std::vector<int>> ParseCpuList(const std::string& text);
 
+// The CPUs this process may run on (its affinity), ascending.
+absl::StatusOr<std::vector<int>> AllowedCpus();
+
 // Restricts the process's threads, and so every thread started later, to `cpus`. Each must be one
 // this process may run on (FailedPrecondition naming it and the allowed list otherwise).
 absl::Status PinToCpus(const std::vector<int>& cpus);
