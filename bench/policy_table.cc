@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "absl/strings/numbers.h"
-#include "absl/strings/str_split.h"
+#include "cachestore/tools/planner.h"
 #include "cachestore/trace_gen.h"
 #include "cachestore/trace_replay.h"
 #include "cachestore/window_store.h"
@@ -41,16 +41,12 @@ int main(int argc, char** argv) {
     } else if (i + 1 < argc && std::strcmp(argv[i], "--held-out") == 0) {
       held_out.push_back(argv[++i]);
     } else if (i + 1 < argc && std::strcmp(argv[i], "--capacities") == 0) {
-      capacities.clear();
-      for (absl::string_view part : absl::StrSplit(argv[++i], ',')) {
-        int64_t c = 0;
-        if (!absl::SimpleAtoi(part, &c) || c <= 0) {
-          std::fprintf(stderr, "--capacities: '%s' is not a positive number of blocks\n",
-                       std::string(part).c_str());
-          return 2;
-        }
-        capacities.push_back(c);
+      absl::StatusOr<std::vector<int64_t>> parsed = ParsePositiveList("--capacities", argv[++i]);
+      if (!parsed.ok()) {
+        std::fprintf(stderr, "%s\n", std::string(parsed.status().message()).c_str());
+        return 2;
       }
+      capacities = *std::move(parsed);
     } else if (i + 1 < argc && std::strcmp(argv[i], "--requests") == 0) {
       if (!absl::SimpleAtoi(argv[++i], &requests) || requests <= 0) {
         std::fprintf(stderr, "--requests: '%s' is not a positive number of requests\n", argv[i]);

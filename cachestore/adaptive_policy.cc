@@ -206,11 +206,9 @@ void AdaptivePolicy::SetBudgetSampling(int halvings) const {
   ResetShadows(capacity_);
 }
 
-bool AdaptivePolicy::TakeForKeyStats() const {
+bool AdaptivePolicy::TakeForKeyStats(bool per_thread) const {
   if (sample_mask_.load(std::memory_order_relaxed) == 0) return false;
-  // Lookups count per thread (no cache line shared between the store's threads); learning
-  // inline counts per policy, so a replay's figures do not depend on what ran before it.
-  if (background_.load(std::memory_order_relaxed)) {
+  if (per_thread) {
     thread_local uint32_t offered = 0;
     return ++offered % kKeyStatEvery == 0;
   }
@@ -230,10 +228,10 @@ void AdaptivePolicy::NoteKeyStats(absl::Span<const BlockHash> chain) const {
   BlockHash top;
   size_t top_count = 0;
   for (const std::vector<BlockHash>& c : key_stats_) {
-    const size_t n = ++heads[key_of(c)];
-    if (n > top_count) {
+    const BlockHash key = key_of(c);
+    if (const size_t n = ++heads[key]; n > top_count) {
       top_count = n;
-      top = key_of(c);
+      top = key;
     }
   }
   if (top_count * 4 > key_stats_.size()) {
@@ -346,7 +344,7 @@ void AdaptivePolicy::OnRequest(absl::Span<const BlockHash> chain) const {
     // for the key statistics, or the queue is full (a stale count only lets one chain more or
     // less in): nothing to do.
     const bool learn = InSample(chain);
-    const bool key_stats = TakeForKeyStats();
+    const bool key_stats = TakeForKeyStats(/*per_thread=*/true);
     if ((!learn && !key_stats) || queued_.load(std::memory_order_relaxed) >= kMaxQueuedRequests) {
       return;
     }
@@ -357,7 +355,7 @@ void AdaptivePolicy::OnRequest(absl::Span<const BlockHash> chain) const {
     }
     return;
   }
-  if (TakeForKeyStats()) NoteKeyStats(chain);
+  if (TakeForKeyStats(/*per_thread=*/false)) NoteKeyStats(chain);
   Learn(chain);
 }
 

@@ -150,8 +150,10 @@ class AdaptivePolicy final : public EvictionPolicy {
     return (chain[std::min(depth, chain.size() - 1)].lo &
             sample_mask_.load(std::memory_order_relaxed)) == 0;
   }
-  // True for 1 in kKeyStatEvery chains while sampling (a per-thread count: no shared line).
-  bool TakeForKeyStats() const;
+  // True for 1 in kKeyStatEvery chains while sampling. Lookups count per thread (`per_thread`:
+  // no cache line shared between the store's threads); learning inline counts per policy, so a
+  // replay's figures do not depend on what ran before it.
+  bool TakeForKeyStats(bool per_thread) const;
   // Adds one chain to the key statistics and, per kKeyStatChains, maybe deepens the key.
   void NoteKeyStats(absl::Span<const BlockHash> chain) const ABSL_LOCKS_EXCLUDED(mu_);
   // Replays one chain into the shadows and maybe switches the live ranking.

@@ -126,17 +126,25 @@ class Frequency(pm.Policy):
         return self.p[h]
 
 
-def knowledge_rankings(trace):
+def root_uses(trace):
+    """Root block -> the indices of the requests it heads."""
+    uses = collections.defaultdict(list)
+    for i, chain in enumerate(trace):
+        if chain:
+            uses[chain[0]].append(i)
+    return uses
+
+
+def knowledge_rankings(uses_in_all):
     """(name, value) pairs: oracles that know a block's total number of uses (from its k-th use
     on) or only whether it is hot (>= 8 uses), against online counts. Values are in units that
     dominate recency except `count-bonus`, which adds half a cache of recency per earlier use."""
-    total = collections.Counter(h for chain in trace for h in chain)
-    first = lambda k: (lambda p, h: None if p.n[h] < k else total[h])
+    first = lambda k: (lambda p, h: None if p.n[h] < k else uses_in_all[h])
     rows = [('oracle: total uses, known from the 1st use', first(1)),
             ('oracle: total uses, known from the 2nd use', first(2)),
             ('oracle: total uses, known from the 3rd use', first(3)),
             ('oracle: hot (>= 8 uses) or not, known from the 2nd use',
-             lambda p, h: None if p.n[h] < 2 else (1 if total[h] >= 8 else 0))]
+             lambda p, h: None if p.n[h] < 2 else (1 if uses_in_all[h] >= 8 else 0))]
     for k in (3, 4, 8):
         rows.append(('online: uses so far >= %d, or not' % k,
                      lambda p, h, k=k: None if p.n[h] < 2 else (1 if p.n[h] >= k else 0)))
@@ -149,30 +157,27 @@ def knowledge_rankings(trace):
 
 def knowledge(trace, caps):
     total = sum(len(c) for c in trace)
+    uses_in_all = collections.Counter(h for chain in trace for h in chain)
     for cap in caps:
         lru = pm.RankedCache(cap, pm.LeafLru(cap))
         base = sum(lru.request(chain) for chain in trace) / total
         print('capacity %d leaf-lru %.4f' % (cap, base))
-        for name, value in knowledge_rankings(trace):
+        for name, value in knowledge_rankings(uses_in_all):
             cache = pm.RankedCache(cap, Frequency(cap, value))
             rate = sum(cache.request(chain) for chain in trace) / total
             print('  %-58s %.4f (%.3fx leaf-lru)' % (name, rate, rate / base), flush=True)
     # Hindsight: the mean number of uses still to come, by uses so far (a class table).
-    n, left, count, seen_total = collections.Counter(), collections.Counter(), collections.Counter(), \
-        collections.Counter(h for chain in trace for h in chain)
+    n, left, count = collections.Counter(), collections.Counter(), collections.Counter()
     for chain in trace:
         for h in chain:
             n[h] += 1
             c = min(n[h], 8)
-            left[c] += seen_total[h] - n[h]
+            left[c] += uses_in_all[h] - n[h]
             count[c] += 1
     print('uses still to come, mean by uses so far: ' +
           ', '.join('%s%d: %.2f' % ('>=' if c == 8 else '', c, left[c] / count[c])
                     for c in sorted(count)))
-    uses = collections.defaultdict(list)
-    for i, chain in enumerate(trace):
-        if chain:
-            uses[chain[0]].append(i)
+    uses = root_uses(trace)
     for k in (2, 3):
         roots = [v for v in uses.values() if len(v) >= k]
         hot = [1 if len(v) >= 8 else 0 for v in roots]
@@ -219,10 +224,7 @@ def main():
             lo, hi = 2**b - 1, 2**(b + 1) - 1
             print('  %d-%d caches: %d of %d (%.2f)' % (lo, hi, spy.found[b], spy.reuses[b],
                                                       spy.found[b] / spy.reuses[b]))
-    uses = collections.defaultdict(list)
-    for i, chain in enumerate(trace):
-        if chain:
-            uses[chain[0]].append(i)
+    uses = root_uses(trace)
     seen, lengths, reused, first_gap = set(), [], [], []
     for i, chain in enumerate(trace):
         if not chain or chain[0] in seen:
