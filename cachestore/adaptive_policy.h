@@ -38,10 +38,11 @@
 // shadows, as a change of rate does.
 //
 // Learning in the background (the store), the learner also keeps within a CPU budget
-// (kLearnerCpuShare of one core per kLearnerWindow): a window that goes over it halves the
-// sampling rate (shadows of half the capacity, down to kMinShadowBlocks; the shadows and their
-// evidence restart, the live ranking stays) and the learner rests until the window ends,
-// dropping what queued meanwhile; kQuietWindowsBeforeFiner windows under a quarter of the budget
+// (kLearnerCpuShare of one core per kLearnerWindow): after a window that goes over it the
+// learner rests until the window ends, dropping what queued meanwhile, and the
+// kOverrunWindowsBeforeCoarser-th such window in a row halves the sampling rate (shadows of half
+// the capacity, down to kMinShadowBlocks; the shadows and their evidence restart, the live
+// ranking stays); kQuietWindowsBeforeFiner windows under a quarter of the budget
 // double the rate again; the window right after a change is not judged (the fresh shadows' first
 // touches). A lookup of a chain outside the sample costs one mask test. Issue 19:
 // the learner replaying every lookup into three shadows took a third of the store's CPU under a
@@ -110,6 +111,7 @@ class AdaptivePolicy final : public EvictionPolicy {
   static constexpr absl::Duration kLearnerWindow = absl::Seconds(1);
   static constexpr int64_t kMinShadowBlocks = 1024;
   static constexpr int kQuietWindowsBeforeFiner = 30;
+  static constexpr int kOverrunWindowsBeforeCoarser = 2;
   // Sampling key statistics (see above).
   static constexpr int kKeyStatEvery = 16;
   static constexpr size_t kKeyStatChains = 64;
@@ -134,6 +136,8 @@ class AdaptivePolicy final : public EvictionPolicy {
   int sample_shift() const { return std::countr_one(sample_mask_.load(std::memory_order_relaxed)); }
   // Times the background learner went over its budget.
   int64_t budget_overruns() const { return overruns_.load(std::memory_order_relaxed); }
+  // Times a light load doubled the sampling rate again.
+  int64_t budget_refinements() const { return refinements_.load(std::memory_order_relaxed); }
   // Chains replayed into the shadows so far (in the sample).
   int64_t sampled_requests() const { return sampled_.load(std::memory_order_relaxed); }
   // The position of the block whose hash decides whether a chain is in the sample.
@@ -182,6 +186,7 @@ class AdaptivePolicy final : public EvictionPolicy {
   mutable std::atomic<int64_t> sampled_{0};
   mutable std::atomic<uint64_t> offered_{0};  // chains offered while sampling, learning inline
   mutable std::atomic<int64_t> overruns_{0};
+  mutable std::atomic<int64_t> refinements_{0};
   // Chains kept for the key statistics since the last judgement (each cut after
   // kMaxSampleDepth + 1 blocks).
   mutable std::vector<std::vector<BlockHash>> key_stats_ ABSL_GUARDED_BY(mu_);
