@@ -220,7 +220,7 @@ class BlockIndex {
   std::atomic<uint64_t> tick_{0};
   std::array<Shard, kNumShards> shards_;
 
-  absl::Mutex evict_mu_ ACQUIRED_BEFORE(heap_mu_);
+  absl::Mutex evict_mu_ ABSL_ACQUIRED_BEFORE(heap_mu_);
   mutable absl::Mutex heap_mu_;
   std::vector<HeapEntry> heap_ ABSL_GUARDED_BY(heap_mu_);  // min-heap via std::greater
   // policy().epoch() the heap's priorities were computed under; a change re-ranks the heap.
