@@ -61,6 +61,8 @@ absl::Status CacheStore::Recover() {
   KV_RETURN_IF_ERROR(MakeDirectories(options_.data_dir));
   // Replay rebuilds state; it publishes no events (their numbers are already spent).
   replaying_ = true;
+  // Runs at scope exit, before `lock` is released; the analysis cannot see that a cleanup's
+  // callback runs under the caller's lock.
   absl::Cleanup done_replaying = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS { replaying_ = false; };
   uint64_t max_seq = 0;
   int64_t applied = 0;
@@ -1223,6 +1225,8 @@ void CacheStore::ResetForReplication() {
 absl::Status CacheStore::ApplyReplicated(absl::Span<const WalOp> ops) {
   absl::MutexLock lock(&mu_);
   replaying_ = true;
+  // Runs at scope exit, before `lock` is released; the analysis cannot see that a cleanup's
+  // callback runs under the caller's lock.
   absl::Cleanup done_replaying = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS { replaying_ = false; };
   uint64_t max_seq = replicated_max_sequence_;
   std::vector<WalOp> logged;
