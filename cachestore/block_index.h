@@ -113,7 +113,9 @@ class BlockIndex {
   absl::StatusOr<RemovedBlock> RemoveAllocated(const BlockHash& hash);
   // Removes a committed block and, when parents are tracked, all its descendants (children
   // first). Used by WAL replay of removals. Absent hashes are ignored.
-  std::vector<RemovedBlock> RemoveSubtree(const BlockHash& hash);
+  // Not analysed: it holds every shard's lock, taken in a loop, which the thread-safety
+  // annotations cannot express.
+  std::vector<RemovedBlock> RemoveSubtree(const BlockHash& hash) ABSL_NO_THREAD_SAFETY_ANALYSIS;
 
   // Adds a replica to a committed block (a node re-announcing a copy it holds). AlreadyExists
   // if listed, NotFound if absent, FailedPrecondition if uncommitted or at the replica limit.
@@ -131,7 +133,8 @@ class BlockIndex {
 
   // Drops every replica on `node`; blocks left with no replica, and all their descendants, are
   // removed (and returned). Allocated blocks are included.
-  std::vector<RemovedBlock> RemoveNode(uint16_t node);
+  // Not analysed: it holds every shard's lock, taken in a loop (as RemoveSubtree).
+  std::vector<RemovedBlock> RemoveNode(uint16_t node) ABSL_NO_THREAD_SAFETY_ANALYSIS;
 
   // Visits every committed block (any order) with its parent hash and replicas.
   void ForEachCommitted(const std::function<void(const NewBlock&)>& fn) const;
@@ -220,7 +223,7 @@ class BlockIndex {
   std::atomic<uint64_t> tick_{0};
   std::array<Shard, kNumShards> shards_;
 
-  absl::Mutex evict_mu_ ACQUIRED_BEFORE(heap_mu_);
+  absl::Mutex evict_mu_ ABSL_ACQUIRED_BEFORE(heap_mu_);
   mutable absl::Mutex heap_mu_;
   std::vector<HeapEntry> heap_ ABSL_GUARDED_BY(heap_mu_);  // min-heap via std::greater
   // policy().epoch() the heap's priorities were computed under; a change re-ranks the heap.

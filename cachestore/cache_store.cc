@@ -61,6 +61,8 @@ absl::Status CacheStore::Recover() {
   KV_RETURN_IF_ERROR(MakeDirectories(options_.data_dir));
   // Replay rebuilds state; it publishes no events (their numbers are already spent).
   replaying_ = true;
+  // Runs at scope exit, before `lock` is released; the analysis cannot see that a cleanup's
+  // callback runs under the caller's lock.
   absl::Cleanup done_replaying = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS { replaying_ = false; };
   uint64_t max_seq = 0;
   int64_t applied = 0;
@@ -518,7 +520,8 @@ absl::StatusOr<std::vector<const SegmentView*>> CacheStore::PlaceLocked(
   };
   // Evicts (leaf-first, by policy) one block with a replica in a fitting segment of `scope`
   // (all when nullopt); false when nothing there is evictable.
-  auto evict_one = [&](std::optional<uint16_t> scope) -> absl::StatusOr<bool> {
+  auto evict_one = [&](std::optional<uint16_t> scope)
+                       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::StatusOr<bool> {
     if (clock_->Now() > deadline && options_.clock == nullptr) {
       return absl::DeadlineExceededError("allocate: deadline passed while evicting");
     }
@@ -630,7 +633,7 @@ absl::StatusOr<AllocateResult> CacheStore::Allocate(const AllocateArgs& args, ab
     pending.owner.incarnation = registry_.Spec(*only_node)->incarnation;
   }
   std::vector<WalOp> wal;
-  auto fail = [&](absl::Status status) {
+  auto fail = [&](absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     AbortLocked(pending);
     AppendWal(wal);
     return status;
@@ -942,7 +945,8 @@ absl::StatusOr<AnnounceResult> CacheStore::AnnounceBlocks(const Caller& node,
   const SegmentSpec& seg = spec->segments[*segment];
   AnnounceResult result;
   std::vector<WalOp> wal;
-  auto log_commit = [&](const BlockHash& hash, const BlockHash& parent) {
+  auto log_commit = [&](const BlockHash& hash,
+                        const BlockHash& parent) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     std::vector<MatchedBlock> found;
     index_->MatchPrefix(absl::MakeConstSpan(&hash, 1), false, false, &found);
     if (found.empty()) return;
@@ -1223,6 +1227,8 @@ void CacheStore::ResetForReplication() {
 absl::Status CacheStore::ApplyReplicated(absl::Span<const WalOp> ops) {
   absl::MutexLock lock(&mu_);
   replaying_ = true;
+  // Runs at scope exit, before `lock` is released; the analysis cannot see that a cleanup's
+  // callback runs under the caller's lock.
   absl::Cleanup done_replaying = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS { replaying_ = false; };
   uint64_t max_seq = replicated_max_sequence_;
   std::vector<WalOp> logged;

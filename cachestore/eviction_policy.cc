@@ -75,7 +75,7 @@ RecentFilter::RecentFilter(int64_t capacity_blocks)
 void RecentFilter::SetCapacity(int64_t capacity_blocks) const {
   epoch_ticks_.store(std::max<int64_t>(capacity_blocks, 1), std::memory_order_relaxed);
   std::unique_ptr<Table> sized = MakeTable(capacity_blocks);
-  std::lock_guard<std::mutex> lock(tables_mu_);
+  absl::MutexLock lock(&tables_mu_);
   if (sized->mask == table_.load(std::memory_order_relaxed)->mask) return;  // same size
   // Back to a size used before: that table again, emptied (a lookup that still holds it may
   // write a stamp meanwhile: one admission decided on it, as with any lost update). So there is

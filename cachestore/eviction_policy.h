@@ -35,12 +35,13 @@
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
 #include "kv/block_hash.h"
 
@@ -102,7 +103,7 @@ class RecentFilter {
   // cache miss per block access: ~2x the index lookup itself under MatchPrefix load); the first
   // capacity hint sizes it to the real cache. Old tables stay allocated until the filter goes
   // (a lookup may still be reading one), one per size; pages never touched cost nothing.
-  void SetCapacity(int64_t capacity_blocks) const;
+  void SetCapacity(int64_t capacity_blocks) const ABSL_LOCKS_EXCLUDED(tables_mu_);
 
  private:
   static constexpr int kWays = 4;
@@ -117,8 +118,9 @@ class RecentFilter {
 
   // Acquire in SeenThenStamp, release in SetCapacity: a new table is seen zeroed.
   mutable std::atomic<const Table*> table_{nullptr};
-  mutable std::mutex tables_mu_;
-  mutable std::vector<std::unique_ptr<Table>> tables_;  // every table made; guarded by tables_mu_
+  mutable absl::Mutex tables_mu_;
+  // Every table made.
+  mutable std::vector<std::unique_ptr<Table>> tables_ ABSL_GUARDED_BY(tables_mu_);
   mutable std::atomic<int64_t> epoch_ticks_;
 };
 

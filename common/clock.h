@@ -3,9 +3,8 @@
 // Time comes from an injected Clock so policy code runs on a SimulatedClock in tests, never
 // on sleeps.
 
-#include <mutex>
-
 #include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 
@@ -31,21 +30,21 @@ class SimulatedClock final : public Clock {
  public:
   explicit SimulatedClock(absl::Time start = absl::UnixEpoch() + absl::Hours(24 * 365 * 50))
       : now_(start) {}
-  absl::Time Now() const override {
-    std::lock_guard<std::mutex> lock(mu_);
+  absl::Time Now() const override ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
     return now_;
   }
-  void Advance(absl::Duration d) {
-    std::lock_guard<std::mutex> lock(mu_);
+  void Advance(absl::Duration d) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
     now_ += d;
   }
-  void Set(absl::Time t) {
-    std::lock_guard<std::mutex> lock(mu_);
+  void Set(absl::Time t) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
     now_ = t;
   }
 
  private:
-  mutable std::mutex mu_;  // pthread-based: visible to ThreadSanitizer
+  mutable absl::Mutex mu_;
   absl::Time now_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -116,7 +116,7 @@ MetricsRegistry::Family& MetricsRegistry::GetFamily(const std::string& name, Typ
 
 Counter* MetricsRegistry::GetCounter(const std::string& name, const std::string& help,
                                      const MetricLabels& labels) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   auto& slot = GetFamily(name, Type::kCounter, help).counters[labels];
   if (slot == nullptr) slot = std::make_unique<Counter>();
   return slot.get();
@@ -124,7 +124,7 @@ Counter* MetricsRegistry::GetCounter(const std::string& name, const std::string&
 
 Gauge* MetricsRegistry::GetGauge(const std::string& name, const std::string& help,
                                  const MetricLabels& labels) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   auto& slot = GetFamily(name, Type::kGauge, help).gauges[labels];
   if (slot == nullptr) slot = std::make_unique<Gauge>();
   return slot.get();
@@ -133,7 +133,7 @@ Gauge* MetricsRegistry::GetGauge(const std::string& name, const std::string& hel
 Histogram* MetricsRegistry::GetHistogram(const std::string& name, const std::string& help,
                                          const std::vector<double>& upper_bounds,
                                          const MetricLabels& labels) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   auto& slot = GetFamily(name, Type::kHistogram, help).histograms[labels];
   if (slot == nullptr) slot = std::make_unique<Histogram>(upper_bounds);
   return slot.get();
@@ -141,18 +141,18 @@ Histogram* MetricsRegistry::GetHistogram(const std::string& name, const std::str
 
 void MetricsRegistry::AddCounterFunc(const std::string& name, const std::string& help,
                                      const MetricLabels& labels, std::function<double()> read) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   GetFamily(name, Type::kCounter, help).funcs[labels] = std::move(read);
 }
 
 void MetricsRegistry::AddGaugeFunc(const std::string& name, const std::string& help,
                                    const MetricLabels& labels, std::function<double()> read) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   GetFamily(name, Type::kGauge, help).funcs[labels] = std::move(read);
 }
 
 std::string MetricsRegistry::RenderText() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   std::string out;
   for (const auto& [name, family] : families_) {
     const char* type = family.type == Type::kCounter ? "counter"

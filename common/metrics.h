@@ -14,11 +14,11 @@
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 
 namespace kvrelay {
 
@@ -88,19 +88,20 @@ class MetricsRegistry {
   // The same (name, labels) returns the same object. Names follow Prometheus rules
   // ([a-zA-Z_:][a-zA-Z0-9_:]*); help is the family's # HELP line (first registration wins).
   Counter* GetCounter(const std::string& name, const std::string& help,
-                      const MetricLabels& labels = {});
-  Gauge* GetGauge(const std::string& name, const std::string& help,
-                  const MetricLabels& labels = {});
+                      const MetricLabels& labels = {}) ABSL_LOCKS_EXCLUDED(mu_);
+  Gauge* GetGauge(const std::string& name, const std::string& help, const MetricLabels& labels = {})
+      ABSL_LOCKS_EXCLUDED(mu_);
   Histogram* GetHistogram(const std::string& name, const std::string& help,
-                          const std::vector<double>& upper_bounds, const MetricLabels& labels = {});
+                          const std::vector<double>& upper_bounds, const MetricLabels& labels = {})
+      ABSL_LOCKS_EXCLUDED(mu_);
   // A counter or gauge whose value `read` returns at each scrape (like Prometheus' CounterFunc /
   // GaugeFunc). `read` runs under the registry's lock: it must be cheap, thread-safe and must
   // not call back into this registry. The same (name, labels) again replaces the function.
   void AddCounterFunc(const std::string& name, const std::string& help, const MetricLabels& labels,
-                      std::function<double()> read);
+                      std::function<double()> read) ABSL_LOCKS_EXCLUDED(mu_);
   void AddGaugeFunc(const std::string& name, const std::string& help, const MetricLabels& labels,
-                    std::function<double()> read);
-  std::string RenderText() const;
+                    std::function<double()> read) ABSL_LOCKS_EXCLUDED(mu_);
+  std::string RenderText() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   enum class Type { kCounter, kGauge, kHistogram };
@@ -115,7 +116,7 @@ class MetricsRegistry {
   Family& GetFamily(const std::string& name, Type type, const std::string& help)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  mutable std::mutex mu_;  // pthread-based: visible to ThreadSanitizer (Debian's Abseil is not)
+  mutable absl::Mutex mu_;
   std::map<std::string, Family> families_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -6,7 +6,7 @@ namespace kvrelay::kv {
 
 void RateMeter::Observe(double units, double seconds, absl::Time now) {
   if (!(seconds > 0) || !(units > 0)) return;
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   // The average is over seconds per unit (a harmonic mean of rates): one slow sample weighs as
   // much as the time it cost, so a link that slowed down is noticed at once instead of being
   // averaged away by earlier fast pulls.
@@ -18,19 +18,19 @@ void RateMeter::Observe(double units, double seconds, absl::Time now) {
 
 void RateMeter::ObserveCeiling(double units, double seconds, absl::Time now) {
   if (!(seconds > 0) || !(units >= 0)) return;
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   const double ceiling = units / seconds;
   rate_ = rate_ == 0 ? ceiling : std::min(rate_, ceiling);
   last_ = now;
 }
 
 double RateMeter::rate() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return rate_;
 }
 
 absl::Time RateMeter::last_observed() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return last_;
 }
 

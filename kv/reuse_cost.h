@@ -6,8 +6,9 @@
 // (route vs not) decide the same way, and the inputs of every decision can be reported.
 
 #include <cstdint>
-#include <mutex>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 
 namespace kvrelay::kv {
@@ -19,19 +20,19 @@ class RateMeter {
   // `weight` of each new observation in (0, 1].
   explicit RateMeter(double weight = 0.5) : weight_(weight) {}
   // `units` done in `seconds` (> 0) at `now`.
-  void Observe(double units, double seconds, absl::Time now);
+  void Observe(double units, double seconds, absl::Time now) ABSL_LOCKS_EXCLUDED(mu_);
   // An attempt of `units` that did not finish within `seconds`: the rate is at most
   // units / seconds from now on (a link that slowed down is believed at once, not averaged in).
-  void ObserveCeiling(double units, double seconds, absl::Time now);
+  void ObserveCeiling(double units, double seconds, absl::Time now) ABSL_LOCKS_EXCLUDED(mu_);
   // Units per second; 0 until observed.
-  double rate() const;
-  absl::Time last_observed() const;
+  double rate() const ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Time last_observed() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   const double weight_;
-  mutable std::mutex mu_;
-  double rate_ = 0;
-  absl::Time last_ = absl::InfinitePast();
+  mutable absl::Mutex mu_;
+  double rate_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Time last_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
 };
 
 enum class ReuseChoice { kPull, kRecompute };

@@ -17,18 +17,18 @@ KvCache::KvCache(kv::ModelLayout layout)
     : layout_(std::move(layout)), id_(next_cache_id.fetch_add(1, std::memory_order_relaxed)) {}
 
 std::shared_ptr<CacheDeviceState> KvCache::device_state() const {
-  std::lock_guard<std::mutex> lock(device_state_mu_);
+  absl::MutexLock lock(&device_state_mu_);
   return device_state_;
 }
 
 void KvCache::set_device_state(std::shared_ptr<CacheDeviceState> state) const {
-  std::lock_guard<std::mutex> lock(device_state_mu_);
+  absl::MutexLock lock(&device_state_mu_);
   device_state_ = std::move(state);
 }
 
 std::shared_ptr<CacheDeviceState> KvCache::AttachDeviceState(
     std::shared_ptr<CacheDeviceState> state) const {
-  std::lock_guard<std::mutex> lock(device_state_mu_);
+  absl::MutexLock lock(&device_state_mu_);
   if (device_state_ == nullptr) device_state_ = std::move(state);
   return device_state_;
 }

@@ -16,11 +16,12 @@
 
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
 #include "kv/model_layout.h"
 #include "kv/pool/block_pool.h"
@@ -61,13 +62,14 @@ class KvCache {
   // State a device backend keeps for this cache (the CUDA runner's device mirror and its
   // registration of the pools' host memory), destroyed with the cache, before its own pools.
   // Null until attached. Thread-safe.
-  std::shared_ptr<CacheDeviceState> device_state() const;
-  void set_device_state(std::shared_ptr<CacheDeviceState> state) const;
+  std::shared_ptr<CacheDeviceState> device_state() const ABSL_LOCKS_EXCLUDED(device_state_mu_);
+  void set_device_state(std::shared_ptr<CacheDeviceState> state) const
+      ABSL_LOCKS_EXCLUDED(device_state_mu_);
   // Attaches `state` only when none is attached yet and returns the one attached afterwards
   // (`state`, or the one that was there), so backends racing to attach agree on one state and
   // none is replaced (destroyed) while another uses it. Thread-safe.
-  std::shared_ptr<CacheDeviceState> AttachDeviceState(
-      std::shared_ptr<CacheDeviceState> state) const;
+  std::shared_ptr<CacheDeviceState> AttachDeviceState(std::shared_ptr<CacheDeviceState> state) const
+      ABSL_LOCKS_EXCLUDED(device_state_mu_);
 
  private:
   KvCache(kv::ModelLayout layout);
@@ -80,8 +82,8 @@ class KvCache {
   std::vector<int> layer_group_;
   std::vector<int> layer_index_;
   // Declared last: released before the pools it may refer to.
-  mutable std::mutex device_state_mu_;
-  mutable std::shared_ptr<CacheDeviceState> device_state_;
+  mutable absl::Mutex device_state_mu_;
+  mutable std::shared_ptr<CacheDeviceState> device_state_ ABSL_GUARDED_BY(device_state_mu_);
 };
 
 class Sequence {

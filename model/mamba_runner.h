@@ -93,11 +93,13 @@ class MambaRunner {
   // Computes `tokens` after the sequence's state; returns the last token's logits (or all).
   // InvalidArgument for no tokens, an id outside the vocabulary or another layout's sequence.
   absl::StatusOr<std::vector<float>> Prefill(MambaSequence& seq, absl::Span<const int32_t> tokens,
-                                             const MambaPrefillOptions& options = {}) const;
+                                             const MambaPrefillOptions& options = {}) const
+      ABSL_LOCKS_EXCLUDED(mu_);
   // One token per sequence; logits [batch, vocab]. Batch-invariant: a row's logits do not
   // depend on the other rows.
   absl::StatusOr<std::vector<float>> DecodeStep(absl::Span<MambaSequence* const> seqs,
-                                                absl::Span<const int32_t> tokens) const;
+                                                absl::Span<const int32_t> tokens) const
+      ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   MambaRunner(kv::ModelConfig config, ModelWeights weights, RunnerOptions options);
@@ -106,7 +108,8 @@ class MambaRunner {
   // (decode). Writes checkpoints into `checkpoints` ([boundaries, BlockBytes]) for prefill.
   std::vector<float> Forward(absl::Span<MambaSequence* const> seqs, bool decode,
                              absl::Span<const int32_t> tokens, bool all_logits,
-                             std::vector<std::vector<uint8_t>>* checkpoints) const;
+                             std::vector<std::vector<uint8_t>>* checkpoints) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // A layer's in_proj, x_proj, dt_proj and out_proj packed for PackedLinear; the loaded copies
   // are released after packing.
@@ -118,6 +121,7 @@ class MambaRunner {
   ModelWeights weights_;
   std::vector<PackedLayer> packed_;  // one per layer, constant after Create
   RunnerOptions options_;
+  // One Forward at a time (the calls are serialised, as the header says).
   mutable absl::Mutex mu_;
 };
 

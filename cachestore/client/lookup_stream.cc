@@ -225,15 +225,16 @@ void LookupStream::OnReadDone(bool ok) {
   {
     absl::MutexLock lock(&mu_);
     if (unanswered_ > 0) --unanswered_;
-    auto take = [this, &answered](v1::MatchPrefixStreamResponse* answer) {
-      std::shared_ptr<Pending> pending;
-      auto it = pending_.find(answer->id());
-      if (it != pending_.end()) {
-        pending = std::move(it->second);
-        pending_.erase(it);
-      }
-      answered.emplace_back(answer, std::move(pending));
-    };
+    auto take = [this, &answered](v1::MatchPrefixStreamResponse* answer)
+                    ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+                      std::shared_ptr<Pending> pending;
+                      auto it = pending_.find(answer->id());
+                      if (it != pending_.end()) {
+                        pending = std::move(it->second);
+                        pending_.erase(it);
+                      }
+                      answered.emplace_back(answer, std::move(pending));
+                    };
     if (read_.answers_size() == 0) {
       take(&read_);
     } else {

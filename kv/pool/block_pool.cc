@@ -75,7 +75,7 @@ absl::Status BlockPool::CheckSlot(SlotId slot) const {
 }
 
 absl::StatusOr<SlotId> BlockPool::Allocate() {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   if (free_list_.empty()) {
     return absl::ResourceExhaustedError(
         absl::StrCat("block pool full: all ", num_slots_, " slots in use"));
@@ -89,7 +89,7 @@ absl::StatusOr<SlotId> BlockPool::Allocate() {
 
 absl::StatusOr<std::vector<SlotId>> BlockPool::AllocateMany(int64_t n) {
   if (n < 0) return absl::InvalidArgumentError(absl::StrCat("AllocateMany: n = ", n));
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   if (static_cast<int64_t>(free_list_.size()) < n) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "block pool: asked for ", n, " slots, ", free_list_.size(), " of ", num_slots_, " free"));
@@ -121,7 +121,7 @@ absl::Status BlockPool::Release(SlotId slot) {
     // acq_rel: the last releaser sees every earlier owner's writes before the slot is reused.
   } while (!refcounts_[slot].compare_exchange_weak(count, count - 1, std::memory_order_acq_rel));
   if (count == 1) {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     free_list_.push_back(slot);
   }
   return absl::OkStatus();
@@ -139,7 +139,7 @@ SlotId BlockPool::SlotOf(const void* address) const {
 }
 
 int64_t BlockPool::free_slots() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return static_cast<int64_t>(free_list_.size());
 }
 

@@ -14,12 +14,12 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "kv/pool/memory_resource.h"
 
 namespace kvrelay::kv {
@@ -45,13 +45,13 @@ class BlockPool {
   BlockPool& operator=(const BlockPool&) = delete;
 
   // A free slot with reference count 1. ResourceExhausted when none is free.
-  absl::StatusOr<SlotId> Allocate();
+  absl::StatusOr<SlotId> Allocate() ABSL_LOCKS_EXCLUDED(mu_);
   // n slots, all or nothing.
-  absl::StatusOr<std::vector<SlotId>> AllocateMany(int64_t n);
+  absl::StatusOr<std::vector<SlotId>> AllocateMany(int64_t n) ABSL_LOCKS_EXCLUDED(mu_);
   // InvalidArgument for an id out of range, FailedPrecondition for a free slot.
   absl::Status AddRef(SlotId slot);
   // Drops one reference; the slot is free again at zero.
-  absl::Status Release(SlotId slot);
+  absl::Status Release(SlotId slot) ABSL_LOCKS_EXCLUDED(mu_);
   int32_t RefCount(SlotId slot) const;
 
   // REQUIRES: 0 <= slot < num_slots().
@@ -64,7 +64,7 @@ class BlockPool {
   size_t slot_bytes() const { return slot_bytes_; }  // as requested
   size_t slot_stride() const { return stride_; }     // distance between slots
   int64_t num_slots() const { return num_slots_; }
-  int64_t free_slots() const;
+  int64_t free_slots() const ABSL_LOCKS_EXCLUDED(mu_);
   MemoryKind memory_kind() const { return resource_->kind(); }
 
  private:
@@ -84,10 +84,7 @@ class BlockPool {
   // refcounts_[i] is 0 exactly when slot i is on free_list_. Increments from 0 happen only
   // under mu_ (in Allocate); a release that reaches 0 pushes under mu_.
   std::unique_ptr<std::atomic<int32_t>[]> refcounts_;
-  // std::mutex, not absl::Mutex: ThreadSanitizer sees pthread mutexes, while Debian's Abseil is
-  // not built for TSan (its Mutex would look like no lock at all), and this pool is the
-  // structure every thread shares.
-  mutable std::mutex mu_;
+  mutable absl::Mutex mu_;
   std::vector<SlotId> free_list_ ABSL_GUARDED_BY(mu_);
 };
 

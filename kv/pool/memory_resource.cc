@@ -6,11 +6,11 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
-#include <mutex>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "common/errno_status.h"
 
 namespace kvrelay::kv {
@@ -49,11 +49,11 @@ class HostMemoryResource final : public MemoryResource {
     return p;
   }
 
-  void Deallocate(void* ptr, size_t /*bytes*/) override {
+  void Deallocate(void* ptr, size_t /*bytes*/) override ABSL_LOCKS_EXCLUDED(mu_) {
     if (ptr == nullptr) return;
     size_t mapped_bytes = 0;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      absl::MutexLock lock(&mu_);
       auto it = mappings_.find(ptr);
       if (it == mappings_.end()) return;  // not ours; nothing safe to do
       mapped_bytes = it->second;
@@ -67,13 +67,13 @@ class HostMemoryResource final : public MemoryResource {
  private:
   static size_t PageBytes() { return static_cast<size_t>(::sysconf(_SC_PAGESIZE)); }
   // munmap needs the length that was mapped (huge-page rounded for MAP_HUGETLB).
-  void Remember(void* p, size_t mapped_bytes) {
-    std::lock_guard<std::mutex> lock(mu_);
+  void Remember(void* p, size_t mapped_bytes) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
     mappings_[p] = mapped_bytes;
   }
 
   const bool try_huge_pages_;
-  std::mutex mu_;  // pthread-based so ThreadSanitizer sees it (see block_pool.h)
+  absl::Mutex mu_;
   absl::flat_hash_map<void*, size_t> mappings_ ABSL_GUARDED_BY(mu_);
   std::atomic<bool> used_huge_pages_{false};
 };

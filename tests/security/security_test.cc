@@ -5,13 +5,14 @@
 // leave the victims' tokens equal to `generate --colocated`.
 
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <tuple>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
 #include "cli/colocated.h"
 #include "cli/gateway_client.h"
 #include "common/server/auth.h"
@@ -115,7 +116,7 @@ class SecurityTest : public ::testing::Test {
     request.tenant = "";
     absl::StatusOr<cli::GenerationResult> expected;
     {
-      std::lock_guard<std::mutex> lock(reference_mu_);  // one Generate at a time
+      absl::MutexLock lock(&reference_mu_);  // one Generate at a time
       expected = reference_->Generate(request.generation);
     }
     ASSERT_THAT(expected, testing::IsOk());
@@ -126,14 +127,14 @@ class SecurityTest : public ::testing::Test {
   }
 
   static testing::TempDir* dir_;
-  static std::mutex reference_mu_;
-  static cli::ColocatedGenerator* reference_;
+  static absl::Mutex reference_mu_;
+  static cli::ColocatedGenerator* reference_ ABSL_PT_GUARDED_BY(reference_mu_);
   static LocalCluster* cluster_;
   static server::DevCertificateAuthority* ca_;
 };
 
 testing::TempDir* SecurityTest::dir_ = nullptr;
-std::mutex SecurityTest::reference_mu_;
+ABSL_CONST_INIT absl::Mutex SecurityTest::reference_mu_(absl::kConstInit);
 cli::ColocatedGenerator* SecurityTest::reference_ = nullptr;
 LocalCluster* SecurityTest::cluster_ = nullptr;
 server::DevCertificateAuthority* SecurityTest::ca_ = nullptr;

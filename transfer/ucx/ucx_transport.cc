@@ -739,6 +739,8 @@ absl::StatusOr<TransferPlan> UcxTransport::Prepare(const TransferBatch& batch) {
     return absl::UnavailableError(absl::StrCat("peer ", batch.peer, " is gone"));
   }
   const PeerInfo& info = it->second;
+  // Called back by BuildPlan below while `lock` is held; the analysis cannot follow a lock
+  // into a callback.
   auto is_local = [this](const MemoryRegion* r) ABSL_NO_THREAD_SAFETY_ANALYSIS {
     auto rit = region_ptrs_.find(r->id());
     return rit != region_ptrs_.end() && rit->second == r->span().data;
