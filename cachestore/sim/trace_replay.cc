@@ -1,4 +1,4 @@
-#include "cachestore/trace_replay.h"
+#include "cachestore/sim/trace_replay.h"
 
 #include <cmath>
 #include <limits>
@@ -14,7 +14,7 @@
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 
-namespace kvrelay::cachestore {
+namespace kvrelay::cachestore::sim {
 
 namespace {
 constexpr int64_t kTraceBlockTokensForCheck = 512;
@@ -296,4 +296,4 @@ absl::StatusOr<std::vector<ReplayResult>> ReplaySweep(const std::vector<TraceReq
   return out;
 }
 
-}  // namespace kvrelay::cachestore
+}  // namespace kvrelay::cachestore::sim
