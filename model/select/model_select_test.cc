@@ -148,5 +148,40 @@ TEST(CpuOnlyModels, MambaGetsTheCpuWithAReasonAndRefusesCuda) {
               StatusIs(absl::StatusCode::kFailedPrecondition));
 }
 
+// One loader for both families: the config's model_type picks the runner.
+TEST(LoadServingModel, AttentionModelOnTheChosenDevice) {
+  TestModelOptions o;
+  o.arch = "llama";
+  testing::TempDir dir;
+  KV_ASSERT_OK(WriteTestModel(dir.path(), o));
+  KV_ASSERT_OK_AND_ASSIGN(kv::ModelConfig config, kv::LoadHfConfig(dir.File("config.json")));
+  KV_ASSERT_OK_AND_ASSIGN(ServingModel loaded,
+                          LoadServingModel(dir.path(), config, {}, *ParseDeviceFlag("cpu")));
+  ASSERT_NE(loaded.attention, nullptr);
+  EXPECT_EQ(loaded.mamba, nullptr);
+  EXPECT_EQ(loaded.device.Label(), "cpu");
+  EXPECT_EQ(loaded.reason, "--device cpu");
+  EXPECT_EQ(loaded.attention->layout().fingerprint(), config.layout.fingerprint());
+}
+
+TEST(LoadServingModel, MambaOnTheCpuOnly) {
+  TestModelOptions o;
+  o.arch = "mamba";
+  testing::TempDir dir;
+  KV_ASSERT_OK(WriteTestModel(dir.path(), o));
+  KV_ASSERT_OK_AND_ASSIGN(kv::ModelConfig config, kv::LoadHfConfig(dir.File("config.json")));
+  KV_ASSERT_OK_AND_ASSIGN(ServingModel loaded,
+                          LoadServingModel(dir.path(), config, {}, *ParseDeviceFlag("auto")));
+  EXPECT_EQ(loaded.attention, nullptr);
+  ASSERT_NE(loaded.mamba, nullptr);
+  EXPECT_EQ(loaded.mamba->config().model_type, "mamba");
+  EXPECT_EQ(loaded.device.Label(), "cpu");
+  EXPECT_EQ(loaded.reason, "auto: mamba models run on the CPU only");
+  // Refused before any weight is read: a directory without weights gives the same answer.
+  EXPECT_THAT(LoadServingModel(dir.File("missing"), config, {}, *ParseDeviceFlag("cuda:0")),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("--device cuda:0: mamba models run on the CPU only")));
+}
+
 }  // namespace
 }  // namespace kvrelay::model
