@@ -24,6 +24,7 @@
 
 using namespace kvrelay::cachestore;
 using namespace kvrelay::cachestore::sim;
+using namespace kvrelay::cachestore::tools;
 
 int main(int argc, char** argv) {
   std::string mooncake = "/work/shared/data/traces/synthetic_trace.jsonl";

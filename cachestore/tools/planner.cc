@@ -12,7 +12,7 @@
 #include "common/status_macros.h"
 #include "kv/presets.h"
 
-namespace kvrelay::cachestore {
+namespace kvrelay::cachestore::tools {
 
 void TraceSourceFlags::Register(FlagSet& flags) {
   flags.AddString("trace", &trace, "Mooncake-format JSON-lines trace (hash_ids per 512 tokens)");
@@ -273,4 +273,4 @@ absl::StatusOr<std::vector<PlanRow>> Plan(const LoadedTrace& trace, const PlanMo
   return rows;
 }
 
-}  // namespace kvrelay::cachestore
+}  // namespace kvrelay::cachestore::tools

@@ -16,7 +16,7 @@
 #include "common/flags.h"
 #include "kv/hf_config.h"
 
-namespace kvrelay::cachestore {
+namespace kvrelay::cachestore::tools {
 
 // "--trace FILE" or a generated trace ("--shape multiturn --seed 1 --requests 3000").
 struct LoadedTrace {
@@ -81,4 +81,4 @@ struct PlanOptions {
 absl::StatusOr<std::vector<PlanRow>> Plan(const LoadedTrace& trace, const PlanModel& model,
                                           const PlanOptions& options);
 
-}  // namespace kvrelay::cachestore
+}  // namespace kvrelay::cachestore::tools

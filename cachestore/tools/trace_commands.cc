@@ -13,12 +13,12 @@
 #include "cachestore/eviction_policy.h"
 #include "cachestore/sim/trace_gen.h"
 #include "cachestore/sim/trace_replay.h"
-#include "cachestore/tools/commands.h"
+#include "cachestore/tools/command.h"
 #include "cachestore/tools/planner.h"
 #include "common/file_util.h"
 #include "common/flags.h"
 
-namespace kvrelay::cachestore {
+namespace kvrelay::cachestore::tools {
 
 namespace {}  // namespace
 
@@ -108,4 +108,4 @@ int RunTraceGenCommand(const std::vector<std::string>& args) {
   return 0;
 }
 
-}  // namespace kvrelay::cachestore
+}  // namespace kvrelay::cachestore::tools

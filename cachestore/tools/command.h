@@ -11,10 +11,10 @@
 #include <string>
 #include <vector>
 
-namespace kvrelay::cachestore {
+namespace kvrelay::cachestore::tools {
 
 int RunTraceReplayCommand(const std::vector<std::string>& args);
 int RunTraceGenCommand(const std::vector<std::string>& args);
 int RunPlanCommand(const std::vector<std::string>& args);
 
-}  // namespace kvrelay::cachestore
+}  // namespace kvrelay::cachestore::tools
