@@ -199,8 +199,8 @@ TEST(ParseListeningLine, ReadsAddresses) {
   EXPECT_EQ(e->metrics_address, "");
   EXPECT_FALSE(up::ParseListeningLine("prefill: loading model").has_value());
   EXPECT_FALSE(up::ParseListeningLine("listening on nothing").has_value());
-  EXPECT_EQ(DescribeExit(3), "exit status 3");
-  EXPECT_THAT(DescribeExit(-9), HasSubstr("signal 9"));
+  EXPECT_EQ(up::DescribeExit(3), "exit status 3");
+  EXPECT_THAT(up::DescribeExit(-9), HasSubstr("signal 9"));
 }
 
 }  // namespace
