@@ -46,7 +46,7 @@
 #include "cachestore/block_index.h"
 #include "cachestore/cache_store.h"
 #include "cachestore/client/cache_store_client.h"
-#include "cachestore/trace_replay.h"
+#include "cachestore/sim/trace_replay.h"
 #include "common/server/server_flags.h"
 
 namespace {
@@ -675,7 +675,7 @@ void BenchTrace(const Options& opt) {
     std::printf("  skipped: trace not present\n");
     return;
   }
-  auto trace = kvrelay::cachestore::LoadTrace(opt.trace_path);
+  auto trace = kvrelay::cachestore::sim::LoadTrace(opt.trace_path);
   if (!trace.ok()) {
     std::printf("  %s\n", trace.status().ToString().c_str());
     return;
@@ -690,7 +690,7 @@ void BenchTrace(const Options& opt) {
     double rate[4], ns[4];
     for (int i = 0; i < 4; ++i) {
       const auto t0 = std::chrono::steady_clock::now();
-      auto res = kvrelay::cachestore::ReplayTrace(*trace, cap, names[i]);
+      auto res = kvrelay::cachestore::sim::ReplayTrace(*trace, cap, names[i]);
       const double secs =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       rate[i] = res.ok() ? res->hit_rate() : -1;

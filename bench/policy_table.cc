@@ -17,12 +17,14 @@
 #include <vector>
 
 #include "absl/strings/numbers.h"
+#include "cachestore/sim/trace_gen.h"
+#include "cachestore/sim/trace_replay.h"
+#include "cachestore/sim/window_store.h"
 #include "cachestore/tools/planner.h"
-#include "cachestore/trace_gen.h"
-#include "cachestore/trace_replay.h"
-#include "cachestore/window_store.h"
 
 using namespace kvrelay::cachestore;
+using namespace kvrelay::cachestore::sim;
+using namespace kvrelay::cachestore::tools;
 
 int main(int argc, char** argv) {
   std::string mooncake = "/work/shared/data/traces/synthetic_trace.jsonl";

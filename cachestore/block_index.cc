@@ -260,6 +260,33 @@ absl::StatusOr<RemovedBlock> BlockIndex::RemoveAllocated(const BlockHash& hash) 
   return out;
 }
 
+// Memoized: the path walked up to a record already decided takes its value, so every record is
+// walked once and the sweep stays linear in the index's size.
+absl::flat_hash_map<RecordId, bool> BlockIndex::InheritFromAncestors(
+    absl::flat_hash_map<RecordId, bool> marked) {
+  std::vector<RecordId> path;
+  for (int si = 0; si < kNumShards; ++si) {
+    for (const auto& [h, local] : shards_[si].map) {
+      RecordId id = MakeId(si, local);
+      path.clear();
+      bool result = false;
+      while (true) {
+        auto m = marked.find(id);
+        if (m != marked.end()) {
+          result = m->second;
+          break;
+        }
+        path.push_back(id);
+        const RecordId p = Rec(shards_[ShardOfId(id)], LocalOf(id)).parent;
+        if (p == kNoRecord) break;
+        id = p;
+      }
+      for (RecordId x : path) marked[x] = result;
+    }
+  }
+  return marked;
+}
+
 std::vector<RemovedBlock> BlockIndex::RemoveSubtree(const BlockHash& hash) {
   // Rare (WAL replay of evictions, which are leaves anyway): a full sweep is fine.
   std::vector<RemovedBlock> removed;
@@ -273,29 +300,8 @@ std::vector<RemovedBlock> BlockIndex::RemoveSubtree(const BlockHash& hash) {
     if (it != s.map.end()) target = MakeId(ShardOf(hash), it->second);
   }
   if (target != kNoRecord) {
-    absl::flat_hash_map<RecordId, bool> doomed;  // memo: id -> descends from target
-    doomed[target] = true;
-    std::vector<RecordId> path;
-    for (int si = 0; si < kNumShards; ++si) {
-      Shard& s = shards_[si];
-      for (const auto& [h, local] : s.map) {
-        RecordId id = MakeId(si, local);
-        path.clear();
-        bool result = false;
-        while (true) {
-          auto m = doomed.find(id);
-          if (m != doomed.end()) {
-            result = m->second;
-            break;
-          }
-          path.push_back(id);
-          const RecordId p = Rec(shards_[ShardOfId(id)], LocalOf(id)).parent;
-          if (p == kNoRecord) break;
-          id = p;
-        }
-        for (RecordId x : path) doomed[x] = result;
-      }
-    }
+    // id -> descends from target (or is it).
+    const absl::flat_hash_map<RecordId, bool> doomed = InheritFromAncestors({{target, true}});
     // Children before parents: order doomed ids by depth below target (deepest first).
     std::vector<std::pair<int, RecordId>> order;
     for (const auto& [id, d] : doomed) {
@@ -493,26 +499,7 @@ std::vector<RemovedBlock> BlockIndex::RemoveNode(uint16_t node) {
   }
   if (!dead.empty()) {
     // Pass 2: descendants of dead blocks are dead too (no block outlives its parent).
-    std::vector<RecordId> path;
-    for (int si = 0; si < kNumShards; ++si) {
-      for (const auto& [h, local] : shards_[si].map) {
-        RecordId id = MakeId(si, local);
-        path.clear();
-        bool result = false;
-        while (true) {
-          auto m = dead.find(id);
-          if (m != dead.end()) {
-            result = m->second;
-            break;
-          }
-          path.push_back(id);
-          const RecordId p = Rec(shards_[ShardOfId(id)], LocalOf(id)).parent;
-          if (p == kNoRecord) break;
-          id = p;
-        }
-        for (RecordId x : path) dead[x] = result;
-      }
-    }
+    dead = InheritFromAncestors(std::move(dead));
     // Pass 3: free them; surviving parents lose a child and may become evictable leaves.
     std::vector<RecordId> doomed;
     for (const auto& [id, d] : dead) {

@@ -214,6 +214,12 @@ class BlockIndex {
   // Lowers a parent's child count (after a child left); queues it if it became a leaf.
   void DetachFromParent(RecordId parent);
   BlockHash HashOf(RecordId id) const;
+  // The ancestor walk of the whole-index sweeps (RemoveSubtree, RemoveNode): returns `marked`
+  // completed over every record, each taking the value of its nearest marked ancestor (itself
+  // included), false where none is marked.
+  // REQUIRES: every shard's mu held (a set of locks the analysis cannot name).
+  absl::flat_hash_map<RecordId, bool> InheritFromAncestors(
+      absl::flat_hash_map<RecordId, bool> marked) ABSL_NO_THREAD_SAFETY_ANALYSIS;
   void RememberGhost(const BlockHash& hash, const AccessStats& stats);
   std::optional<AccessStats> TakeGhost(const BlockHash& hash);
   uint64_t NextTick() { return tick_.fetch_add(1, std::memory_order_relaxed) + 1; }

@@ -188,19 +188,19 @@ TEST_F(CliClientTest, UnreachableGatewayIsARuntimeFailure) {
 }
 
 TEST(ParseListeningLine, ReadsAddresses) {
-  std::optional<Endpoint> e =
-      ParseListeningLine("decode listening on 127.0.0.1:4000 metrics 127.0.0.1:4001");
+  std::optional<up::Endpoint> e =
+      up::ParseListeningLine("decode listening on 127.0.0.1:4000 metrics 127.0.0.1:4001");
   ASSERT_TRUE(e.has_value());
   EXPECT_EQ(e->address, "127.0.0.1:4000");
   EXPECT_EQ(e->metrics_address, "127.0.0.1:4001");
-  e = ParseListeningLine("[x] gateway listening on [::1]:5");
+  e = up::ParseListeningLine("[x] gateway listening on [::1]:5");
   ASSERT_TRUE(e.has_value());
   EXPECT_EQ(e->address, "[::1]:5");
   EXPECT_EQ(e->metrics_address, "");
-  EXPECT_FALSE(ParseListeningLine("prefill: loading model").has_value());
-  EXPECT_FALSE(ParseListeningLine("listening on nothing").has_value());
-  EXPECT_EQ(DescribeExit(3), "exit status 3");
-  EXPECT_THAT(DescribeExit(-9), HasSubstr("signal 9"));
+  EXPECT_FALSE(up::ParseListeningLine("prefill: loading model").has_value());
+  EXPECT_FALSE(up::ParseListeningLine("listening on nothing").has_value());
+  EXPECT_EQ(up::DescribeExit(3), "exit status 3");
+  EXPECT_THAT(up::DescribeExit(-9), HasSubstr("signal 9"));
 }
 
 }  // namespace

@@ -19,17 +19,10 @@ absl::StatusOr<std::unique_ptr<ColocatedGenerator>> ColocatedGenerator::Load(
   model::RunnerOptions options;
   options.threads = threads;
   KV_ASSIGN_OR_RETURN(kv::ModelConfig config, kv::LoadHfConfig(model_dir + "/config.json"));
-  KV_ASSIGN_OR_RETURN(model::Arch arch, model::ArchFor(config));
-  if (arch == model::Arch::kMamba) {
-    KV_RETURN_IF_ERROR(model::CpuOnlyModelReason(device, "mamba").status());
-    KV_ASSIGN_OR_RETURN(std::unique_ptr<model::MambaRunner> mamba,
-                        model::MambaRunner::Load(model_dir, options));
-    return std::unique_ptr<ColocatedGenerator>(new ColocatedGenerator(nullptr, std::move(mamba)));
-  }
-  KV_ASSIGN_OR_RETURN(model::LoadedModel loaded,
-                      model::LoadAttentionModel(model_dir, options, device));
+  KV_ASSIGN_OR_RETURN(model::ServingModel loaded,
+                      model::LoadServingModel(model_dir, config, options, device));
   return std::unique_ptr<ColocatedGenerator>(
-      new ColocatedGenerator(std::move(loaded.model), nullptr));
+      new ColocatedGenerator(std::move(loaded.attention), std::move(loaded.mamba)));
 }
 
 absl::StatusOr<GenerationResult> ColocatedGenerator::GenerateMamba(

@@ -17,7 +17,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "cli/colocated.h"
-#include "cli/commands.h"
+#include "cli/command.h"
 #include "cli/gateway_client.h"
 #include "common/file_util.h"
 #include "common/flags.h"

@@ -10,7 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "cli/commands.h"
+#include "cli/command.h"
 #include "common/flags.h"
 #include "kv/hf_config.h"
 #include "kv/presets.h"

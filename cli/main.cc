@@ -1,6 +1,8 @@
-// The kvrelay binary: one executable, one subcommand per job. This table only dispatches: each
-// server module declares its command in `<module>/server/command.h`, the client-side commands
-// live in cli/. Adding a command touches its own folder and one line here.
+// The kvrelay binary: one executable, one subcommand per job. This table only dispatches: every
+// command is declared in the command.h of the folder that owns it, in that folder's namespace:
+// a server in `<module>/server/command.h`, an offline tool in `<module>/tools/command.h`, the
+// client-side commands in `cli/command.h`, `cli/up/command.h`, `cli/bench_serve/command.h`.
+// Adding a command touches its own folder and one line here.
 
 #include <cstdio>
 #include <cstring>
@@ -9,17 +11,17 @@
 
 #include "absl/synchronization/mutex.h"
 #include "cachestore/server/command.h"
-#include "cachestore/tools/commands.h"
-#include "cli/bench_serve/bench_serve_command.h"
-#include "cli/commands.h"
-#include "cli/up/up_command.h"
+#include "cachestore/tools/command.h"
+#include "cli/bench_serve/command.h"
+#include "cli/command.h"
+#include "cli/up/command.h"
 #include "common/flags.h"
 #include "decode/server/command.h"
 #include "gateway/server/command.h"
-#include "model/test_model.h"
+#include "model/tools/command.h"
 #include "prefill/server/command.h"
-#include "tokenizer/tokenize_command.h"
-#include "transfer/ucx/transfer_bench.h"
+#include "tokenizer/tools/command.h"
+#include "transfer/ucx/tools/command.h"
 
 namespace {
 
@@ -32,7 +34,7 @@ struct Subcommand {
 // Keep sorted by name.
 constexpr Subcommand kSubcommands[] = {
     {"bench-serve", "load-test a gateway: trace replay or synthetic, latency/goodput/hit rate",
-     kvrelay::cli::RunBenchServeCommand},
+     kvrelay::cli::bench_serve::RunBenchServeCommand},
     {"cachestore", "run the cache store service (block index, placement, eviction)",
      kvrelay::cachestore::server::RunCacheStoreCommand},
     {"decode", "run a decode worker (receives KV, continuous-batching decode)",
@@ -42,27 +44,27 @@ constexpr Subcommand kSubcommands[] = {
     {"generate", "generate tokens through a gateway, or co-located in this process",
      kvrelay::cli::RunGenerateCommand},
     {"health", "check a server's grpc.health.v1 status (exit 0 when SERVING)",
-     kvrelay::cli::RunHealthCommand},
+     kvrelay::cli::up::RunHealthCommand},
     {"layout", "KV-cache bytes of a model: per token, per block, per sequence",
      kvrelay::cli::RunLayoutCommand},
     {"make-test-model", "write a small random-weight model (config.json + safetensors)",
-     kvrelay::cli::RunMakeTestModelCommand},
+     kvrelay::model::tools::RunMakeTestModelCommand},
     {"plan", "capacity planner: hit rate, compute saved, bytes moved per memory size and model",
-     kvrelay::cachestore::RunPlanCommand},
+     kvrelay::cachestore::tools::RunPlanCommand},
     {"prefill", "run a prefill worker (computes or reuses KV, pushes it to decode)",
      kvrelay::prefill::server::RunPrefillCommand},
     {"token", "print a bearer token (JWT) naming a tenant, for gateway --tenant-token-keys",
      kvrelay::gateway::server::RunTokenCommand},
     {"tokenize", "encode text or decode ids with a model's tokenizer.json",
-     kvrelay::tokenizer::RunTokenizeCommand},
+     kvrelay::tokenizer::tools::RunTokenizeCommand},
     {"trace-replay", "replay a request trace through the cache store's eviction code",
-     kvrelay::cachestore::RunTraceReplayCommand},
+     kvrelay::cachestore::tools::RunTraceReplayCommand},
     {"trace-gen", "write a generated request trace (multiturn, agent, scan, shift)",
-     kvrelay::cachestore::RunTraceGenCommand},
+     kvrelay::cachestore::tools::RunTraceGenCommand},
     {"transfer-bench", "UCX block transfer bandwidth/latency between two local processes",
-     kvrelay::cli::RunTransferBenchCommand},
+     kvrelay::transfer::ucx::tools::RunTransferBenchCommand},
     {"up", "start a local cluster (cache store, workers, gateway) on loopback",
-     kvrelay::cli::RunUpCommand},
+     kvrelay::cli::up::RunUpCommand},
 };
 
 void PrintUsage(FILE* out) {

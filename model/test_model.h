@@ -1,7 +1,8 @@
 #pragma once
 
 // Small random-weight models in Hugging Face format (config.json + safetensors), so tests and
-// the demo need no download. `kvrelay make-test-model` is the command-line front end.
+// the demo need no download. `kvrelay make-test-model` (model/tools) is the command-line front
+// end.
 //
 // The config is the tiny-* preset of the architecture (kv/presets.h) verbatim unless a size
 // is overridden; weights are drawn from a SplitMix64 stream seeded by (seed, tensor name), so
@@ -45,9 +46,3 @@ absl::StatusOr<std::vector<TensorToWrite>> TestModelTensors(const TestModelOptio
 absl::Status WriteTestModel(const std::string& dir, const TestModelOptions& options);
 
 }  // namespace kvrelay::model
-
-namespace kvrelay::cli {
-// kvrelay make-test-model --arch llama|deepseek_v3|gemma3|gpt2|mamba [--layers N ...] --seed S
-//   --out DIR
-int RunMakeTestModelCommand(const std::vector<std::string>& args);
-}  // namespace kvrelay::cli

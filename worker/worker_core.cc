@@ -42,20 +42,13 @@ absl::StatusOr<std::unique_ptr<WorkerCore>> WorkerCore::Create(const WorkerCoreO
   model::RunnerOptions runner_options;
   runner_options.threads = options.threads;
   KV_ASSIGN_OR_RETURN(kv::ModelConfig config, kv::LoadHfConfig(options.model_dir + "/config.json"));
-  KV_ASSIGN_OR_RETURN(model::Arch arch, model::ArchFor(config));
-  if (arch == model::Arch::kMamba) {
-    // MambaRunner is CPU-only: auto says so, an explicit cuda is refused.
-    KV_ASSIGN_OR_RETURN(core->device_reason, model::CpuOnlyModelReason(options.device, "mamba"));
-    KV_ASSIGN_OR_RETURN(core->mamba, model::MambaRunner::Load(options.model_dir, runner_options));
-    core->device = {.kind = model::DeviceKind::kCpu, .index = 0, .name = "cpu"};
-  } else {
-    KV_ASSIGN_OR_RETURN(
-        model::LoadedModel loaded,
-        model::LoadAttentionModel(options.model_dir, runner_options, options.device));
-    core->runner = std::move(loaded.model);
-    core->device = core->runner->device();
-    core->device_reason = std::move(loaded.reason);
-  }
+  KV_ASSIGN_OR_RETURN(
+      model::ServingModel loaded,
+      model::LoadServingModel(options.model_dir, config, runner_options, options.device));
+  core->runner = std::move(loaded.attention);
+  core->mamba = std::move(loaded.mamba);
+  core->device = std::move(loaded.device);
+  core->device_reason = std::move(loaded.reason);
   const kv::ModelLayout& layout = core->model_config().layout;
   if (deps.transport != nullptr) {
     core->transport = std::move(deps.transport);

@@ -44,6 +44,15 @@ bool PauseBeforeRetry(int& failures, absl::Time deadline) {
   return true;
 }
 
+// Names the caller on a request that carries its identity, once it has one with an incarnation:
+// the store checks the pair against its registry; an anonymous client (gateway, tools) sends none.
+template <typename Request>
+void StampCaller(const NodeIdentity& me, Request& req) {
+  if (me.empty() || me.incarnation == 0) return;
+  req.set_node_id(me.node_id);
+  req.set_incarnation(me.incarnation);
+}
+
 }  // namespace
 
 absl::StatusOr<std::shared_ptr<CacheStoreClient::Endpoint>> CacheStoreClient::MakeEndpoint(
@@ -465,11 +474,7 @@ absl::StatusOr<v1::MatchPrefixResponse> CacheStoreClient::MatchPrefix(
   }
   req.set_lease_ttl_ms(absl::ToInt64Milliseconds(lease_ttl));
   req.set_columnar(true);
-  const NodeIdentity me = node();
-  if (!me.empty() && me.incarnation != 0) {
-    req.set_node_id(me.node_id);
-    req.set_incarnation(me.incarnation);
-  }
+  StampCaller(node(), req);
   v1::MatchPrefixResponse resp;
   absl::Status s = options_.lookup_stream
                        ? StreamedMatchPrefix(req, &resp, call)
@@ -515,11 +520,7 @@ absl::StatusOr<v1::QueryPrefixResponse> CacheStoreClient::QueryPrefix(
 absl::StatusOr<v1::AllocateResponse> CacheStoreClient::Allocate(const v1::AllocateRequest& req_in,
                                                                 const CallOptions& call) {
   v1::AllocateRequest req = req_in;
-  const NodeIdentity me = node();
-  if (req.node_id().empty() && !me.empty() && me.incarnation != 0) {
-    req.set_node_id(me.node_id);
-    req.set_incarnation(me.incarnation);
-  }
+  if (req.node_id().empty()) StampCaller(node(), req);
   v1::AllocateResponse resp;
   absl::Status s = Invoke(&v1::CacheStore::Stub::Allocate, req, &resp, call);
   if (!s.ok()) return s;
@@ -548,11 +549,7 @@ absl::StatusOr<int> CacheStoreClient::Commit(uint64_t allocation_id,
   v1::CommitRequest req;
   req.set_allocation_id(allocation_id);
   for (const kv::BlockHash& h : hashes) ToProto(h, req.add_hashes());
-  const NodeIdentity me = node();
-  if (!me.empty() && me.incarnation != 0) {
-    req.set_node_id(me.node_id);
-    req.set_incarnation(me.incarnation);
-  }
+  StampCaller(node(), req);
   v1::CommitResponse resp;
   absl::Status s = Invoke(&v1::CacheStore::Stub::Commit, req, &resp, call);
   if (!s.ok()) return s;
@@ -562,11 +559,7 @@ absl::StatusOr<int> CacheStoreClient::Commit(uint64_t allocation_id,
 absl::Status CacheStoreClient::Abort(uint64_t allocation_id, const CallOptions& call) {
   v1::AbortRequest req;
   req.set_allocation_id(allocation_id);
-  const NodeIdentity me = node();
-  if (!me.empty() && me.incarnation != 0) {
-    req.set_node_id(me.node_id);
-    req.set_incarnation(me.incarnation);
-  }
+  StampCaller(node(), req);
   v1::AbortResponse resp;
   return Invoke(&v1::CacheStore::Stub::Abort, req, &resp, call);
 }
@@ -574,11 +567,7 @@ absl::Status CacheStoreClient::Abort(uint64_t allocation_id, const CallOptions& 
 absl::Status CacheStoreClient::ReleaseLease(uint64_t lease_id, const CallOptions& call) {
   v1::ReleaseLeaseRequest req;
   req.set_lease_id(lease_id);
-  const NodeIdentity me = node();
-  if (!me.empty() && me.incarnation != 0) {
-    req.set_node_id(me.node_id);
-    req.set_incarnation(me.incarnation);
-  }
+  StampCaller(node(), req);
   v1::ReleaseLeaseResponse resp;
   return Invoke(&v1::CacheStore::Stub::ReleaseLease, req, &resp, call);
 }

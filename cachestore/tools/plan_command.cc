@@ -17,14 +17,14 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "cachestore/eviction_policy.h"
-#include "cachestore/tools/commands.h"
+#include "cachestore/tools/command.h"
 #include "cachestore/tools/planner.h"
 #include "common/file_util.h"
 #include "common/flags.h"
 
 extern char** environ;
 
-namespace kvrelay::cachestore {
+namespace kvrelay::cachestore::tools {
 
 namespace {
 
@@ -233,4 +233,4 @@ int RunPlanCommand(const std::vector<std::string>& args) {
   return 0;
 }
 
-}  // namespace kvrelay::cachestore
+}  // namespace kvrelay::cachestore::tools

@@ -8,11 +8,11 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "cachestore/eviction_policy.h"
-#include "cachestore/trace_gen.h"
+#include "cachestore/sim/trace_gen.h"
 #include "common/status_macros.h"
 #include "kv/presets.h"
 
-namespace kvrelay::cachestore {
+namespace kvrelay::cachestore::tools {
 
 void TraceSourceFlags::Register(FlagSet& flags) {
   flags.AddString("trace", &trace, "Mooncake-format JSON-lines trace (hash_ids per 512 tokens)");
@@ -29,7 +29,7 @@ absl::StatusOr<LoadedTrace> TraceSourceFlags::Load() const {
   LoadedTrace out;
   if (!trace.empty()) {
     out.name = std::string(trace.substr(trace.find_last_of('/') + 1));
-    absl::StatusOr<std::vector<TraceRequest>> requests_or = LoadTrace(trace);
+    absl::StatusOr<std::vector<sim::TraceRequest>> requests_or = sim::LoadTrace(trace);
     if (!requests_or.ok()) {
       return absl::Status(requests_or.status().code(),
                           absl::StrCat(trace, ": ", requests_or.status().message()));
@@ -37,7 +37,8 @@ absl::StatusOr<LoadedTrace> TraceSourceFlags::Load() const {
     out.requests = *std::move(requests_or);
   } else {
     out.name = absl::StrCat("gen:", shape);
-    KV_ASSIGN_OR_RETURN(out.requests, GenerateTrace(shape, static_cast<uint64_t>(seed), requests));
+    KV_ASSIGN_OR_RETURN(out.requests,
+                        sim::GenerateTrace(shape, static_cast<uint64_t>(seed), requests));
   }
   if (out.requests.empty()) {
     return absl::InvalidArgumentError(absl::StrCat("trace: ", out.name, " has no requests"));
@@ -81,7 +82,7 @@ absl::StatusOr<std::vector<std::string>> ParsePolicyList(const std::string& flag
   std::vector<std::string> out;
   for (absl::string_view part : absl::StrSplit(text, ',')) {
     std::string name(absl::StripAsciiWhitespace(part));
-    if (!IsOfflinePolicy(name)) {
+    if (!sim::IsOfflinePolicy(name)) {
       absl::StatusOr<EvictionPolicyPtr> p = MakeEvictionPolicy(name, 1);
       if (!p.ok()) {
         return absl::InvalidArgumentError(absl::StrCat(
@@ -131,7 +132,7 @@ double PairFlops(const kv::ModelConfig& c) {
 
 absl::StatusOr<PlanModel> LoadPlanModel(const std::string& spec) {
   kv::ConfigOptions options;
-  options.block_tokens = static_cast<int32_t>(kTraceBlockTokens);
+  options.block_tokens = static_cast<int32_t>(sim::kTraceBlockTokens);
   PlanModel m;
   m.name = spec;
   absl::StatusOr<kv::ModelConfig> config = kv::LoadPreset(spec, options);
@@ -167,10 +168,10 @@ absl::StatusOr<PlanModel> LoadPlanModel(const std::string& spec) {
         m.parts.window_bytes += layout.BlockBytes(g);
         window_tokens = std::max<int64_t>(window_tokens, group.window_tokens);
         window_layers += group.num_layers();
-        m.parts.window_blocks =
-            std::max<int32_t>(m.parts.window_blocks,
-                              static_cast<int32_t>((group.window_tokens + kTraceBlockTokens - 1) /
-                                                   kTraceBlockTokens));
+        m.parts.window_blocks = std::max<int32_t>(
+            m.parts.window_blocks,
+            static_cast<int32_t>((group.window_tokens + sim::kTraceBlockTokens - 1) /
+                                 sim::kTraceBlockTokens));
         break;
       case kv::LayerKind::kSsmState:
         // A resume point needs the state snapshot taken at it: one per block, only the last
@@ -213,14 +214,14 @@ absl::StatusOr<std::vector<PlanRow>> Plan(const LoadedTrace& trace, const PlanMo
                                           const PlanOptions& options) {
   if (options.memory_gib.empty()) return absl::InvalidArgumentError("memory-gib: empty list");
   if (options.policies.empty()) return absl::InvalidArgumentError("policy: empty list");
-  const BlockParts& parts = model.parts;
+  const sim::BlockParts& parts = model.parts;
   const int64_t block_bytes = parts.full_bytes + parts.window_bytes;
   double total_flops = 0;
   std::vector<int64_t> prompt_tokens;
-  for (const TraceRequest& r : trace.requests) {
+  for (const sim::TraceRequest& r : trace.requests) {
     const int64_t n = r.input_length >= 0
                           ? r.input_length
-                          : static_cast<int64_t>(r.hash_ids.size()) * kTraceBlockTokens;
+                          : static_cast<int64_t>(r.hash_ids.size()) * sim::kTraceBlockTokens;
     prompt_tokens.push_back(n);
     total_flops += PrefillFlops(model, n);
   }
@@ -240,18 +241,18 @@ absl::StatusOr<std::vector<PlanRow>> Plan(const LoadedTrace& trace, const PlanMo
       row.memory_gib = gib;
       row.capacity_blocks = capacity_bytes / block_bytes;
       std::vector<int32_t> hits;
-      ReplayResult r;
-      if (IsOfflinePolicy(policy)) {
+      sim::ReplayResult r;
+      if (sim::IsOfflinePolicy(policy)) {
         // Offline optimum over whole blocks (no window split): the ceiling for the online rows.
-        KV_ASSIGN_OR_RETURN(r, ReplayTrace(trace.requests, row.capacity_blocks, policy));
+        KV_ASSIGN_OR_RETURN(r, sim::ReplayTrace(trace.requests, row.capacity_blocks, policy));
         hits.clear();
       } else {
-        KV_ASSIGN_OR_RETURN(r, ReplayWindowed(trace.requests, capacity_bytes, parts,
-                                              options.window_aware, policy, &hits));
+        KV_ASSIGN_OR_RETURN(r, sim::ReplayWindowed(trace.requests, capacity_bytes, parts,
+                                                   options.window_aware, policy, &hits));
       }
       row.hit_rate = r.hit_rate();
       const bool split =
-          options.window_aware && parts.window_blocks > 0 && !IsOfflinePolicy(policy);
+          options.window_aware && parts.window_blocks > 0 && !sim::IsOfflinePolicy(policy);
       const double read_bytes =
           split ? static_cast<double>(r.hit_blocks) * parts.full_bytes +
                       static_cast<double>(r.hit_window_blocks) * parts.window_bytes
@@ -262,8 +263,8 @@ absl::StatusOr<std::vector<PlanRow>> Plan(const LoadedTrace& trace, const PlanMo
           static_cast<double>(r.blocks - r.hit_blocks) * block_bytes / requests;
       double saved = 0;
       for (size_t i = 0; i < hits.size(); ++i) {
-        saved +=
-            PrefillFlops(model, std::min<int64_t>(prompt_tokens[i], hits[i] * kTraceBlockTokens));
+        saved += PrefillFlops(
+            model, std::min<int64_t>(prompt_tokens[i], hits[i] * sim::kTraceBlockTokens));
       }
       row.compute_saved = hits.empty() || total_flops <= 0 ? -1 : saved / total_flops;
       rows.push_back(std::move(row));
@@ -272,4 +273,4 @@ absl::StatusOr<std::vector<PlanRow>> Plan(const LoadedTrace& trace, const PlanMo
   return rows;
 }
 
-}  // namespace kvrelay::cachestore
+}  // namespace kvrelay::cachestore::tools

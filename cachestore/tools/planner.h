@@ -11,17 +11,17 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "cachestore/trace_replay.h"
-#include "cachestore/window_store.h"
+#include "cachestore/sim/trace_replay.h"
+#include "cachestore/sim/window_store.h"
 #include "common/flags.h"
 #include "kv/hf_config.h"
 
-namespace kvrelay::cachestore {
+namespace kvrelay::cachestore::tools {
 
 // "--trace FILE" or a generated trace ("--shape multiturn --seed 1 --requests 3000").
 struct LoadedTrace {
   std::string name;  // file base name or "gen:<shape>"
-  std::vector<TraceRequest> requests;
+  std::vector<sim::TraceRequest> requests;
 };
 struct TraceSourceFlags {
   std::string trace;
@@ -48,7 +48,7 @@ absl::StatusOr<std::vector<std::string>> ParsePolicyList(const std::string& flag
 struct PlanModel {
   std::string name;
   kv::ModelConfig config;               // layout with 512-token blocks
-  BlockParts parts;                     // bytes of one 512-token block: full part, window part
+  sim::BlockParts parts;                // bytes of one 512-token block: full part, window part
   double linear_flops_per_token = 0;    // 2 x parameters a token passes through (dense estimate)
   double attention_flops_per_pair = 0;  // per (query, key) pair, summed over full layers
   double window_flops_per_pair = 0;     // same, over sliding-window layers
@@ -81,4 +81,4 @@ struct PlanOptions {
 absl::StatusOr<std::vector<PlanRow>> Plan(const LoadedTrace& trace, const PlanModel& model,
                                           const PlanOptions& options);
 
-}  // namespace kvrelay::cachestore
+}  // namespace kvrelay::cachestore::tools

@@ -4,12 +4,12 @@
 #include <vector>
 
 #include "cachestore/eviction_policy.h"
-#include "cachestore/tools/commands.h"
+#include "cachestore/tools/command.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/status_matchers.h"
 
-namespace kvrelay::cachestore {
+namespace kvrelay::cachestore::tools {
 namespace {
 
 using ::kvrelay::testing::StatusIs;
@@ -108,4 +108,4 @@ TEST(TraceReplayCommandTest, LearnerSamplingIsAPowerOfTwo) {
 }
 
 }  // namespace
-}  // namespace kvrelay::cachestore
+}  // namespace kvrelay::cachestore::tools

@@ -11,14 +11,14 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "cachestore/eviction_policy.h"
-#include "cachestore/tools/commands.h"
+#include "cachestore/sim/trace_gen.h"
+#include "cachestore/sim/trace_replay.h"
+#include "cachestore/tools/command.h"
 #include "cachestore/tools/planner.h"
-#include "cachestore/trace_gen.h"
-#include "cachestore/trace_replay.h"
 #include "common/file_util.h"
 #include "common/flags.h"
 
-namespace kvrelay::cachestore {
+namespace kvrelay::cachestore::tools {
 
 namespace {}  // namespace
 
@@ -49,7 +49,7 @@ int RunTraceReplayCommand(const std::vector<std::string>& args) {
         "trace-replay", absl::InvalidArgumentError(absl::StrCat(
                             "learner-sampling: want a power of two >= 1, got ", learner_sampling)));
   }
-  ReplayOptions replay_options;
+  sim::ReplayOptions replay_options;
   replay_options.learner_halvings = std::countr_zero(static_cast<uint64_t>(learner_sampling));
   absl::StatusOr<std::vector<int64_t>> capacities =
       ParsePositiveList("capacity-blocks", capacities_text);
@@ -58,10 +58,10 @@ int RunTraceReplayCommand(const std::vector<std::string>& args) {
   if (!policies.ok()) return CommandFailed("trace-replay", policies.status());
   absl::StatusOr<LoadedTrace> trace = source.Load();
   if (!trace.ok()) return CommandFailed("trace-replay", trace.status());
-  absl::StatusOr<std::vector<ReplayResult>> results =
-      ReplaySweep(trace->requests, *capacities, *policies, replay_options);
+  absl::StatusOr<std::vector<sim::ReplayResult>> results =
+      sim::ReplaySweep(trace->requests, *capacities, *policies, replay_options);
   if (!results.ok()) return CommandFailed("trace-replay", results.status());
-  for (const ReplayResult& r : *results) {
+  for (const sim::ReplayResult& r : *results) {
     if (json) {
       std::printf(
           "{\"trace\": \"%s\", \"policy\": \"%s\", \"capacity_blocks\": %lld, \"hit_rate\": "
@@ -95,10 +95,10 @@ int RunTraceGenCommand(const std::vector<std::string>& args) {
   flags.AddInt64("requests", &requests, "number of requests (1..10000000)");
   flags.AddString("out", &out, "output file; empty = stdout");
   if (std::optional<int> exit_code = ParseCommandLine(flags, args)) return *exit_code;
-  absl::StatusOr<std::vector<TraceRequest>> trace =
-      GenerateTrace(shape, static_cast<uint64_t>(seed), requests);
+  absl::StatusOr<std::vector<sim::TraceRequest>> trace =
+      sim::GenerateTrace(shape, static_cast<uint64_t>(seed), requests);
   if (!trace.ok()) return CommandFailed("trace-gen", trace.status());
-  const std::string text = TraceToJsonLines(*trace);
+  const std::string text = sim::TraceToJsonLines(*trace);
   if (out.empty()) {
     std::fwrite(text.data(), 1, text.size(), stdout);
     return 0;
@@ -108,4 +108,4 @@ int RunTraceGenCommand(const std::vector<std::string>& args) {
   return 0;
 }
 
-}  // namespace kvrelay::cachestore
+}  // namespace kvrelay::cachestore::tools

@@ -1,5 +1,3 @@
-#include "cli/bench_serve/bench_serve_command.h"
-
 #include <cstdio>
 #include <fstream>
 #include <iostream>
@@ -14,6 +12,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
+#include "cli/bench_serve/command.h"
 #include "cli/bench_serve/fault_contract.h"
 #include "cli/bench_serve/report.h"
 #include "cli/bench_serve/runner.h"
@@ -28,11 +27,8 @@
 #include "common/server/server_flags.h"
 #include "kv/hf_config.h"
 
-namespace kvrelay::cli {
+namespace kvrelay::cli::bench_serve {
 namespace {
-
-using bench_serve::RunReport;
-using bench_serve::WorkloadRequest;
 
 int UsageError(const std::string& message) { return ::kvrelay::UsageError("bench-serve", message); }
 
@@ -71,7 +67,7 @@ absl::Status WaitReady(const std::string& gateway, const GatewayClient& client,
   const absl::Time deadline = absl::Now() + wait;
   absl::Status last = absl::DeadlineExceededError("no attempt");
   while (absl::Now() < deadline) {
-    last = CheckServing(gateway, absl::Seconds(2), security);
+    last = up::CheckServing(gateway, absl::Seconds(2), security);
     if (last.ok()) {
       GatewayRequest warmup;
       warmup.model = model;
@@ -212,12 +208,12 @@ int RunBenchServeCommand(const std::vector<std::string>& args) {
     return UsageError(absl::StrCat("--temperature must be in [0, 100], got ", temperature));
   }
   if (seed < 0) return UsageError(absl::StrCat("--seed must be >= 0, got ", seed));
-  absl::StatusOr<bench_serve::Slo> slo = bench_serve::ParseSlo(slo_text);
+  absl::StatusOr<Slo> slo = ParseSlo(slo_text);
   if (!slo.ok()) return UsageError(std::string(slo.status().message()));
-  std::optional<bench_serve::FaultContract> contract;
+  std::optional<FaultContract> contract;
   if (!contract_text.empty()) {
-    absl::StatusOr<bench_serve::FaultContract> parsed =
-        bench_serve::ParseFaultContract(contract_text == "default" ? std::string() : contract_text);
+    absl::StatusOr<FaultContract> parsed =
+        ParseFaultContract(contract_text == "default" ? std::string() : contract_text);
     if (!parsed.ok()) return UsageError(std::string(parsed.status().message()));
     if (events_path.empty()) return UsageError("--fault-contract needs --events FILE");
     contract = *parsed;
@@ -235,7 +231,7 @@ int RunBenchServeCommand(const std::vector<std::string>& args) {
     context_tokens = config->max_position_embeddings;
   }
   if (vocab < 1) return UsageError("give --model DIR or --vocab N (token ids must fit the model)");
-  bench_serve::PromptOptions prompt;
+  PromptOptions prompt;
   // A synthetic prompt is made of blocks too; by default the served model's KV block, so that
   // --shared-prefix-ratio is honoured to the block.
   prompt.tokens_per_hash_id =
@@ -250,11 +246,10 @@ int RunBenchServeCommand(const std::vector<std::string>& args) {
                                                    : 4096;
 
   // The workload, built once per rate (a sweep rescales the arrivals only).
-  std::vector<bench_serve::TraceEntry> trace;
+  std::vector<TraceEntry> trace;
   std::string description;
   if (!trace_path.empty()) {
-    absl::StatusOr<std::vector<bench_serve::TraceEntry>> loaded =
-        bench_serve::LoadMooncakeTrace(trace_path);
+    absl::StatusOr<std::vector<TraceEntry>> loaded = LoadMooncakeTrace(trace_path);
     if (!loaded.ok()) return UsageError(std::string(loaded.status().message()));
     trace = *std::move(loaded);
     if (trace_offset < 0 || trace_offset >= static_cast<int64_t>(trace.size())) {
@@ -281,11 +276,11 @@ int RunBenchServeCommand(const std::vector<std::string>& args) {
   auto build = [&](double at_rate) -> absl::StatusOr<std::vector<WorkloadRequest>> {
     if (!trace.empty()) {
       absl::StatusOr<std::vector<WorkloadRequest>> w =
-          bench_serve::BuildTraceWorkload(trace, prompt, time_scale, max_requests);
-      if (w.ok() && at_rate > 0) bench_serve::ScaleToRate(at_rate, &*w);
+          BuildTraceWorkload(trace, prompt, time_scale, max_requests);
+      if (w.ok() && at_rate > 0) ScaleToRate(at_rate, &*w);
       return w;
     }
-    bench_serve::SyntheticOptions s;
+    SyntheticOptions s;
     s.num_requests = std::min(num_requests, max_requests);
     s.input_tokens = input_tokens;
     s.output_tokens = output_tokens;
@@ -293,7 +288,7 @@ int RunBenchServeCommand(const std::vector<std::string>& args) {
     s.prefix_groups = prefix_groups;
     s.rate = at_rate;
     s.poisson = arrival == "poisson";
-    return bench_serve::BuildSyntheticWorkload(s, prompt);
+    return BuildSyntheticWorkload(s, prompt);
   };
   std::vector<std::optional<double>> steps;
   if (sweep->empty()) {
@@ -308,7 +303,7 @@ int RunBenchServeCommand(const std::vector<std::string>& args) {
     if (!w.ok()) return UsageError(std::string(w.status().message()));
     workloads.push_back(*std::move(w));
   }
-  bench_serve::ReportContext context;
+  ReportContext context;
   context.workload = description;
   context.slo_text = slo_text;
   context.verify = verify;
@@ -340,7 +335,7 @@ int RunBenchServeCommand(const std::vector<std::string>& args) {
   if (clients.empty()) return UsageError("--gateway HOST:PORT is required");
   std::vector<RunReport> runs;
   for (size_t i = 0; i < steps.size(); ++i) {
-    bench_serve::RunOptions options;
+    RunOptions options;
     options.concurrency = concurrency;
     options.closed_loop = trace.empty() && !steps[i] && rate <= 0;
     options.max_requests = max_requests;
@@ -360,7 +355,7 @@ int RunBenchServeCommand(const std::vector<std::string>& args) {
         return UsageError(absl::StrCat("--start-file: ", s.message()));
       }
     }
-    bench_serve::RunResult result = bench_serve::RunLoad(client_list, workloads[i], options);
+    RunResult result = RunLoad(client_list, workloads[i], options);
     RunReport run;
     run.rate = steps[i];
     run.records = std::move(result.records);
@@ -373,8 +368,7 @@ int RunBenchServeCommand(const std::vector<std::string>& args) {
   int exit_code = 0;
   if (verify) {
     for (size_t i = 0; i < runs.size(); ++i) {
-      absl::Status s =
-          bench_serve::VerifyRecords(model_dir, verify_threads, static_cast<float>(temperature),
+      absl::Status s = VerifyRecords(model_dir, verify_threads, static_cast<float>(temperature),
                                      workloads[i], verify_sample, &runs[i].records);
       if (!s.ok()) {
         std::fprintf(stderr, "kvrelay bench-serve: %s\n", s.ToString().c_str());
@@ -383,47 +377,45 @@ int RunBenchServeCommand(const std::vector<std::string>& args) {
     }
   }
   for (RunReport& run : runs) {
-    run.summary = bench_serve::Summarize(run.records, *slo);
+    run.summary = Summarize(run.records, *slo);
     double end_s = 0;
-    for (const bench_serve::RequestRecord& r : run.records) end_s = std::max(end_s, r.end_s);
+    for (const RequestRecord& r : run.records) end_s = std::max(end_s, r.end_s);
     if (!events_path.empty() && runs.size() == 1) {
       absl::StatusOr<std::string> text = ReadFileToString(events_path);
-      absl::StatusOr<std::vector<bench_serve::FaultEvent>> events =
-          text.ok() ? bench_serve::ParseFaultEvents(*text, run.start_unix, end_s)
-                    : absl::StatusOr<std::vector<bench_serve::FaultEvent>>(text.status());
+      absl::StatusOr<std::vector<FaultEvent>> events =
+          text.ok() ? ParseFaultEvents(*text, run.start_unix, end_s)
+                    : absl::StatusOr<std::vector<FaultEvent>>(text.status());
       if (!events.ok()) {
         std::fprintf(stderr, "kvrelay bench-serve: --events: %s\n",
                      events.status().ToString().c_str());
         exit_code = 1;
       } else {
-        run.faults = bench_serve::CostOfFaults(run.records, *events, *slo, end_s);
+        run.faults = CostOfFaults(run.records, *events, *slo, end_s);
         if (contract.has_value()) {
-          run.contract = bench_serve::CheckFaultContract(run.records, *events,
-                                                         bench_serve::ParseNodeAddresses(*text),
-                                                         *contract, absl::ToDoubleSeconds(timeout));
+          run.contract = CheckFaultContract(run.records, *events, ParseNodeAddresses(*text),
+                                            *contract, absl::ToDoubleSeconds(timeout));
         }
       }
     }
   }
-  const std::string table = bench_serve::FormatTable(context, runs);
+  const std::string table = FormatTable(context, runs);
   if (json_path != "-") std::fputs(table.c_str(), stdout);
-  const nlohmann::json report = bench_serve::ReportJson(context, runs, /*with_requests=*/true);
+  const nlohmann::json report = ReportJson(context, runs, /*with_requests=*/true);
   if (!json_path.empty()) {
-    const nlohmann::json summary_only =
-        bench_serve::ReportJson(context, runs, /*with_requests=*/false);
+    const nlohmann::json summary_only = ReportJson(context, runs, /*with_requests=*/false);
     if (absl::Status s = WriteText(json_path, summary_only.dump(2) + "\n"); !s.ok()) {
       std::fprintf(stderr, "kvrelay bench-serve: --json: %s\n", s.ToString().c_str());
       exit_code = 1;
     }
   }
   if (!csv_path.empty()) {
-    if (absl::Status s = WriteText(csv_path, bench_serve::RecordsCsv(runs)); !s.ok()) {
+    if (absl::Status s = WriteText(csv_path, RecordsCsv(runs)); !s.ok()) {
       std::fprintf(stderr, "kvrelay bench-serve: --csv: %s\n", s.ToString().c_str());
       exit_code = 1;
     }
   }
   if (!plot_path.empty()) {
-    if (absl::Status s = bench_serve::WritePlot(plot_path, report, python); !s.ok()) {
+    if (absl::Status s = WritePlot(plot_path, report, python); !s.ok()) {
       std::fprintf(stderr, "kvrelay bench-serve: %s\n", s.ToString().c_str());
       exit_code = 1;
     } else {
@@ -455,4 +447,4 @@ int RunBenchServeCommand(const std::vector<std::string>& args) {
   return exit_code;
 }
 
-}  // namespace kvrelay::cli
+}  // namespace kvrelay::cli::bench_serve

@@ -13,7 +13,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
-namespace kvrelay::bench_serve {
+namespace kvrelay::cli::bench_serve {
 namespace {
 
 using ::testing::ElementsAre;
@@ -458,4 +458,4 @@ TEST(ReportTest, TableJsonAndCsvCarryTheFigures) {
 }
 
 }  // namespace
-}  // namespace kvrelay::bench_serve
+}  // namespace kvrelay::cli::bench_serve

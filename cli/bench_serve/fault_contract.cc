@@ -9,7 +9,7 @@
 #include "absl/strings/strip.h"
 #include "absl/time/time.h"
 
-namespace kvrelay::bench_serve {
+namespace kvrelay::cli::bench_serve {
 namespace {
 
 bool IsStore(const std::string& node) { return node == "store"; }
@@ -195,4 +195,4 @@ ContractReport CheckFaultContract(const std::vector<RequestRecord>& records,
   return report;
 }
 
-}  // namespace kvrelay::bench_serve
+}  // namespace kvrelay::cli::bench_serve

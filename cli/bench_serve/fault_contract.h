@@ -21,7 +21,7 @@
 #include "absl/status/statusor.h"
 #include "cli/bench_serve/stats.h"
 
-namespace kvrelay::bench_serve {
+namespace kvrelay::cli::bench_serve {
 
 // `--fault-contract serve-again=5s,hits-again=5s,deadline-slack=1s` (any subset; defaults
 // below). InvalidArgument naming the key otherwise.
@@ -63,4 +63,4 @@ ContractReport CheckFaultContract(const std::vector<RequestRecord>& records,
                                   const std::map<std::string, std::vector<std::string>>& nodes,
                                   const FaultContract& contract, double timeout_s);
 
-}  // namespace kvrelay::bench_serve
+}  // namespace kvrelay::cli::bench_serve

@@ -10,7 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "cli/bench_serve/report.h"
 
-namespace kvrelay::bench_serve {
+namespace kvrelay::cli::bench_serve {
 namespace {
 
 constexpr char kPlotScript[] = R"PY(
@@ -162,4 +162,4 @@ absl::Status WritePlot(const std::string& png, const nlohmann::json& report,
   return absl::OkStatus();
 }
 
-}  // namespace kvrelay::bench_serve
+}  // namespace kvrelay::cli::bench_serve

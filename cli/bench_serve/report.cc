@@ -6,7 +6,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 
-namespace kvrelay::bench_serve {
+namespace kvrelay::cli::bench_serve {
 namespace {
 
 std::string Ms(double v) { return std::isnan(v) ? "-" : absl::StrFormat("%.1f", v); }
@@ -293,4 +293,4 @@ std::string RecordsCsv(const std::vector<RunReport>& runs) {
   return out;
 }
 
-}  // namespace kvrelay::bench_serve
+}  // namespace kvrelay::cli::bench_serve

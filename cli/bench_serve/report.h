@@ -12,7 +12,7 @@
 #include "cli/bench_serve/fault_contract.h"
 #include "cli/bench_serve/stats.h"
 
-namespace kvrelay::bench_serve {
+namespace kvrelay::cli::bench_serve {
 
 // One load run: the whole workload once, or one rate of a sweep.
 struct RunReport {
@@ -45,4 +45,4 @@ std::string RecordsCsv(const std::vector<RunReport>& runs);
 absl::Status WritePlot(const std::string& png, const nlohmann::json& report,
                        const std::string& python);
 
-}  // namespace kvrelay::bench_serve
+}  // namespace kvrelay::cli::bench_serve

@@ -12,7 +12,7 @@
 #include "absl/synchronization/notification.h"
 #include "proto/grpc_status.h"
 
-namespace kvrelay::bench_serve {
+namespace kvrelay::cli::bench_serve {
 namespace {
 
 double SecondsBetween(absl::Time from, absl::Time to) { return absl::ToDoubleSeconds(to - from); }
@@ -192,4 +192,4 @@ RunResult RunLoad(const std::vector<const cli::GatewayClient*>& gateways,
   return result;
 }
 
-}  // namespace kvrelay::bench_serve
+}  // namespace kvrelay::cli::bench_serve

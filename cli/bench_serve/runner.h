@@ -17,7 +17,7 @@
 #include "cli/bench_serve/workload.h"
 #include "cli/gateway_client.h"
 
-namespace kvrelay::bench_serve {
+namespace kvrelay::cli::bench_serve {
 
 struct RunOptions {
   int32_t concurrency = 32;
@@ -47,4 +47,4 @@ RunResult RunLoad(const std::vector<const cli::GatewayClient*>& gateways,
 // The generation request bench-serve sends for `w` (also what --verify replays co-located).
 cli::GenerationRequest MakeGenerationRequest(const WorkloadRequest& w, float temperature);
 
-}  // namespace kvrelay::bench_serve
+}  // namespace kvrelay::cli::bench_serve

@@ -12,7 +12,7 @@
 #include "absl/strings/strip.h"
 #include "absl/time/time.h"
 
-namespace kvrelay::bench_serve {
+namespace kvrelay::cli::bench_serve {
 namespace {
 
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
@@ -214,4 +214,4 @@ Summary Summarize(const std::vector<RequestRecord>& records, const Slo& slo) {
   return s;
 }
 
-}  // namespace kvrelay::bench_serve
+}  // namespace kvrelay::cli::bench_serve

@@ -12,7 +12,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 
-namespace kvrelay::bench_serve {
+namespace kvrelay::cli::bench_serve {
 
 struct RequestRecord {
   int64_t index = 0;
@@ -117,4 +117,4 @@ Summary Summarize(const std::vector<RequestRecord>& records, const Slo& slo);
 // "OK", "UNAVAILABLE", ... as gRPC spells them.
 std::string CodeName(absl::StatusCode code);
 
-}  // namespace kvrelay::bench_serve
+}  // namespace kvrelay::cli::bench_serve

@@ -7,7 +7,7 @@
 #include "common/file_util.h"
 #include "common/status_macros.h"
 
-namespace kvrelay::bench_serve {
+namespace kvrelay::cli::bench_serve {
 namespace {
 
 using Json = nlohmann::json;
@@ -114,4 +114,4 @@ absl::StatusOr<std::vector<TraceEntry>> LoadMooncakeTrace(const std::string& pat
   return ParseMooncakeTrace(text, path);
 }
 
-}  // namespace kvrelay::bench_serve
+}  // namespace kvrelay::cli::bench_serve

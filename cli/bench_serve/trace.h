@@ -12,7 +12,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 
-namespace kvrelay::bench_serve {
+namespace kvrelay::cli::bench_serve {
 
 struct TraceEntry {
   int64_t line = 0;  // 1-based line of the trace file, for messages
@@ -32,4 +32,4 @@ absl::StatusOr<std::vector<TraceEntry>> ParseMooncakeTrace(absl::string_view tex
 // Reads and parses a file; NotFound naming the path when it cannot be read.
 absl::StatusOr<std::vector<TraceEntry>> LoadMooncakeTrace(const std::string& path);
 
-}  // namespace kvrelay::bench_serve
+}  // namespace kvrelay::cli::bench_serve

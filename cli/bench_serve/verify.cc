@@ -10,7 +10,7 @@
 #include "cli/bench_serve/runner.h"
 #include "cli/colocated.h"
 
-namespace kvrelay::bench_serve {
+namespace kvrelay::cli::bench_serve {
 
 int64_t CountWrongTokens(const std::vector<int32_t>& streamed,
                          const std::vector<int32_t>& reference, bool complete) {
@@ -65,4 +65,4 @@ absl::Status VerifyRecords(const std::string& model_dir, int32_t threads, float 
   return absl::OkStatus();
 }
 
-}  // namespace kvrelay::bench_serve
+}  // namespace kvrelay::cli::bench_serve

@@ -12,7 +12,7 @@
 #include "cli/bench_serve/stats.h"
 #include "cli/bench_serve/workload.h"
 
-namespace kvrelay::bench_serve {
+namespace kvrelay::cli::bench_serve {
 
 // Tokens of `streamed` that are wrong against `reference`: positions that differ, tokens past the
 // reference's end, and, for a request reported complete (`complete`), tokens missing at the end.
@@ -26,4 +26,4 @@ absl::Status VerifyRecords(const std::string& model_dir, int32_t threads, float 
                            const std::vector<WorkloadRequest>& workload, int64_t sample,
                            std::vector<RequestRecord>* records);
 
-}  // namespace kvrelay::bench_serve
+}  // namespace kvrelay::cli::bench_serve

@@ -6,7 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 
-namespace kvrelay::bench_serve {
+namespace kvrelay::cli::bench_serve {
 namespace {
 
 uint64_t SplitMix64(uint64_t x) {
@@ -213,4 +213,4 @@ void ScaleToRate(double rate, std::vector<WorkloadRequest>* requests) {
   for (WorkloadRequest& r : *requests) r.arrival_s = (r.arrival_s - start) * factor;
 }
 
-}  // namespace kvrelay::bench_serve
+}  // namespace kvrelay::cli::bench_serve

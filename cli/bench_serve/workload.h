@@ -15,7 +15,7 @@
 #include "absl/status/statusor.h"
 #include "cli/bench_serve/trace.h"
 
-namespace kvrelay::bench_serve {
+namespace kvrelay::cli::bench_serve {
 
 struct PromptOptions {
   int32_t tokens_per_hash_id = 512;  // prompt tokens per block id (the trace's is 512)
@@ -81,4 +81,4 @@ void ComputeIdealHits(const std::vector<std::vector<int64_t>>& ids_per_request,
 // Arrival times rescaled so that the mean request rate is `rate` (> 0), keeping the pattern.
 void ScaleToRate(double rate, std::vector<WorkloadRequest>* requests);
 
-}  // namespace kvrelay::bench_serve
+}  // namespace kvrelay::cli::bench_serve

@@ -8,7 +8,7 @@
 #include "grpcpp/security/credentials.h"
 #include "proto/grpc_status.h"
 
-namespace kvrelay::cli {
+namespace kvrelay::cli::up {
 
 absl::Status CheckServing(const std::string& address, absl::Duration timeout,
                           const server::SecurityOptions& security) {
@@ -29,4 +29,4 @@ absl::Status CheckServing(const std::string& address, absl::Duration timeout,
   return absl::OkStatus();
 }
 
-}  // namespace kvrelay::cli
+}  // namespace kvrelay::cli::up

@@ -4,12 +4,12 @@
 
 #include <cstdio>
 
+#include "cli/up/command.h"
 #include "cli/up/health_check.h"
-#include "cli/up/up_command.h"
 #include "common/flags.h"
 #include "common/server/server_flags.h"
 
-namespace kvrelay::cli {
+namespace kvrelay::cli::up {
 
 int RunHealthCommand(const std::vector<std::string>& args) {
   std::string address;
@@ -36,4 +36,4 @@ int RunHealthCommand(const std::vector<std::string>& args) {
   return 0;
 }
 
-}  // namespace kvrelay::cli
+}  // namespace kvrelay::cli::up

@@ -19,7 +19,7 @@
 #include "common/errno_status.h"
 #include "common/subprocess.h"
 
-namespace kvrelay::cli {
+namespace kvrelay::cli::up {
 namespace {
 
 sigset_t StopSignals() {
@@ -273,4 +273,4 @@ bool Supervisor::Stop(const std::vector<int>& indices, absl::Duration grace) {
   return clean;
 }
 
-}  // namespace kvrelay::cli
+}  // namespace kvrelay::cli::up

@@ -24,7 +24,7 @@
 #include "absl/time/time.h"
 #include "common/scoped_fd.h"
 
-namespace kvrelay::cli {
+namespace kvrelay::cli::up {
 
 struct Endpoint {
   std::string address;          // HOST:PORT of the gRPC server
@@ -82,4 +82,4 @@ class Supervisor {
 // "exit status 3", "killed by signal 9 (Killed)".
 std::string DescribeExit(int exit_code);
 
-}  // namespace kvrelay::cli
+}  // namespace kvrelay::cli::up

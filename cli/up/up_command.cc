@@ -6,8 +6,6 @@
 // SIGTERM, a grace period, SIGKILL). A worker that dies is reported and the cluster keeps
 // serving through the others; if the gateway or the cache store dies, everything stops.
 
-#include "cli/up/up_command.h"
-
 #include <openssl/rand.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -26,6 +24,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "cli/up/command.h"
 #include "cli/up/health_check.h"
 #include "cli/up/supervisor.h"
 #include "common/file_util.h"
@@ -36,7 +35,7 @@
 #include "model/select/model_select.h"
 #include "model/test_model.h"
 
-namespace kvrelay::cli {
+namespace kvrelay::cli::up {
 namespace {
 
 int UsageError(const std::string& message) { return ::kvrelay::UsageError("up", message); }
@@ -433,4 +432,4 @@ int RunUpCommand(const std::vector<std::string>& args) {
   return failed || !clean ? 1 : 0;
 }
 
-}  // namespace kvrelay::cli
+}  // namespace kvrelay::cli::up

@@ -138,6 +138,26 @@ absl::StatusOr<LoadedModel> LoadAttentionModel(const std::string& model_dir,
   return LoadCpu(model_dir, options, std::move(why));
 }
 
+absl::StatusOr<ServingModel> LoadServingModel(const std::string& model_dir,
+                                              const kv::ModelConfig& config,
+                                              const RunnerOptions& options,
+                                              const DeviceChoice& choice) {
+  KV_ASSIGN_OR_RETURN(Arch arch, ArchFor(config));
+  ServingModel out;
+  if (arch == Arch::kMamba) {
+    // MambaRunner is CPU-only: auto says so, an explicit cuda is refused.
+    KV_ASSIGN_OR_RETURN(out.reason, CpuOnlyModelReason(choice, "mamba"));
+    KV_ASSIGN_OR_RETURN(out.mamba, MambaRunner::Load(model_dir, options));
+    out.device = {.kind = DeviceKind::kCpu, .index = 0, .name = "cpu"};
+    return out;
+  }
+  KV_ASSIGN_OR_RETURN(LoadedModel loaded, LoadAttentionModel(model_dir, options, choice));
+  out.attention = std::move(loaded.model);
+  out.device = out.attention->device();
+  out.reason = std::move(loaded.reason);
+  return out;
+}
+
 absl::Status CheckDeviceChoice(const DeviceChoice& choice, const kv::ModelConfig& config) {
   if (choice.kind != DeviceChoice::Kind::kCuda) return absl::OkStatus();
   if (absl::StatusOr<Arch> arch = ArchFor(config); arch.ok() && *arch == Arch::kMamba) {

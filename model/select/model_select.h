@@ -24,6 +24,7 @@
 #include "absl/strings/string_view.h"
 #include "kv/hf_config.h"
 #include "model/attention_model.h"
+#include "model/mamba_runner.h"
 #include "model/model_runner.h"
 
 namespace kvrelay::model {
@@ -56,6 +57,25 @@ struct LoadedModel {
 absl::StatusOr<LoadedModel> LoadAttentionModel(const std::string& model_dir,
                                                const RunnerOptions& options,
                                                const DeviceChoice& choice);
+
+// A model loaded to serve with, of either family: an attention model (paged KV cache) on the
+// device the choice names, or a Mamba model (recurrent state), which runs on the CPU only.
+// Exactly one of `attention` and `mamba` is set.
+struct ServingModel {
+  std::unique_ptr<AttentionModel> attention;
+  std::unique_ptr<MambaRunner> mamba;
+  ComputeDevice device;  // where it computes: attention->device(), or the CPU
+  std::string reason;    // why there, as LoadedModel::reason
+};
+
+// Loads <model_dir>, whose config.json the caller parsed as `config` (its model_type picks the
+// family): attention models as LoadAttentionModel does; Mamba with MambaRunner::Load on the CPU.
+// ArchFor's status for a model_type no runner knows; FailedPrecondition for Mamba under
+// cuda[:N] (CpuOnlyModelReason), before any weight is read; the loader's status otherwise.
+absl::StatusOr<ServingModel> LoadServingModel(const std::string& model_dir,
+                                              const kv::ModelConfig& config,
+                                              const RunnerOptions& options,
+                                              const DeviceChoice& choice);
 
 // Whether `choice` can be honoured on this machine for a model of `config`, without loading
 // weights, so a command can refuse a bad --device as a usage error at once. OK for auto and

@@ -148,5 +148,45 @@ TEST(CpuOnlyModels, MambaGetsTheCpuWithAReasonAndRefusesCuda) {
               StatusIs(absl::StatusCode::kFailedPrecondition));
 }
 
+// One loader for both families: the config's model_type picks the runner. Each case writes a
+// test model of its arch and loads it with the parsed config, as the workers do.
+class LoadServingModelTest : public ::testing::TestWithParam<const char*> {
+ protected:
+  void SetUp() override {
+    TestModelOptions o;
+    o.arch = GetParam();
+    KV_ASSERT_OK(WriteTestModel(dir_.path(), o));
+    KV_ASSERT_OK_AND_ASSIGN(config_, kv::LoadHfConfig(dir_.File("config.json")));
+  }
+  testing::TempDir dir_;
+  kv::ModelConfig config_;
+};
+
+TEST_P(LoadServingModelTest, PicksTheRunnerOfTheFamily) {
+  const bool mamba = std::string(GetParam()) == "mamba";
+  KV_ASSERT_OK_AND_ASSIGN(ServingModel loaded,
+                          LoadServingModel(dir_.path(), config_, {}, *ParseDeviceFlag("cpu")));
+  EXPECT_EQ(loaded.attention == nullptr, mamba);
+  EXPECT_EQ(loaded.mamba == nullptr, !mamba);
+  EXPECT_EQ(loaded.device.Label(), "cpu");
+  EXPECT_EQ(loaded.reason, "--device cpu");
+  if (!mamba) {
+    EXPECT_EQ(loaded.attention->layout().fingerprint(), config_.layout.fingerprint());
+    return;
+  }
+  EXPECT_EQ(loaded.mamba->config().model_type, "mamba");
+  KV_ASSERT_OK_AND_ASSIGN(loaded,
+                          LoadServingModel(dir_.path(), config_, {}, *ParseDeviceFlag("auto")));
+  EXPECT_EQ(loaded.device.Label(), "cpu");
+  EXPECT_EQ(loaded.reason, "auto: mamba models run on the CPU only");
+  // Mamba under cuda[:N] is refused before any weight is read: a directory without weights
+  // gives the same answer.
+  EXPECT_THAT(LoadServingModel(dir_.File("missing"), config_, {}, *ParseDeviceFlag("cuda:0")),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("--device cuda:0: mamba models run on the CPU only")));
+}
+
+INSTANTIATE_TEST_SUITE_P(Families, LoadServingModelTest, ::testing::Values("llama", "mamba"));
+
 }  // namespace
 }  // namespace kvrelay::model

@@ -6,12 +6,12 @@
 #include <cstring>
 
 #include "common/flags.h"
-#include "transfer/ucx/transfer_bench.h"
+#include "transfer/ucx/tools/command.h"
 
 int main(int argc, char** argv) {
   if (argc < 2 || std::strcmp(argv[1], "transfer-bench") != 0) {
     std::fprintf(stderr, "usage: %s transfer-bench [--role=receiver] [flags]\n", argv[0]);
     return 2;
   }
-  return kvrelay::cli::RunTransferBenchCommand(kvrelay::ArgsFrom(argc, argv, 2));
+  return kvrelay::transfer::ucx::tools::RunTransferBenchCommand(kvrelay::ArgsFrom(argc, argv, 2));
 }

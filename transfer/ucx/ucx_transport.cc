@@ -211,6 +211,13 @@ class UcxTransport final : public Transport, private ControlChannel::Delegate {
   absl::Status Init();
   absl::StatusOr<MemoryRegionPtr> Register(MemorySpan span, MemoryKind kind, bool publish);
   absl::StatusOr<MemoryRegionPtr> Allocate(size_t bytes, bool publish);
+  // Both ways in (Register's mapping, Allocate's allocation): packs the mapping's remote key
+  // and files it under `id`; the mapping's own failure, or the packing's, otherwise. Does not
+  // publish. Progress thread only.
+  absl::StatusOr<LocalRegion*> AddLocalRegion(RegionId id, MemorySpan span,
+                                              absl::StatusOr<UcpMemRegion> mem, bool publish);
+  // Makes `id` visible to callers' validation (region_ptrs_) and hands out its handle.
+  MemoryRegionPtr MakeRegion(RegionId id, MemorySpan span, MemoryKind kind);
   bool OnLoop() const { return progress_->IsOnProgressThread(); }
 
   // --- ControlChannel::Delegate (progress thread) ---
@@ -468,27 +475,13 @@ absl::StatusOr<MemoryRegionPtr> UcxTransport::Register(MemorySpan span, MemoryKi
   const RegionId id = internal::NextRegionId();
   absl::Status status;
   progress_->RunSync([&] {
-    absl::StatusOr<UcpMemRegion> mem =
-        UcpMemRegion::Map(context_.get(), span.data, span.size_bytes);
-    if (!mem.ok()) {
-      status = mem.status();
-      return;
-    }
-    absl::StatusOr<std::string> rkey = mem->PackRemoteKey();
-    if (!rkey.ok()) {
-      status = rkey.status();
-      return;
-    }
-    LocalRegion& region = local_regions_[id];
-    region = LocalRegion{span, std::move(*mem), std::move(*rkey), publish};
-    if (publish) channel_->Broadcast(RegionFrame(id, region));
+    absl::StatusOr<LocalRegion*> region = AddLocalRegion(
+        id, span, UcpMemRegion::Map(context_.get(), span.data, span.size_bytes), publish);
+    status = region.status();
+    if (region.ok() && publish) channel_->Broadcast(RegionFrame(id, **region));
   });
   KV_RETURN_IF_ERROR(status);
-  {
-    absl::MutexLock lock(&mu_);
-    region_ptrs_[id] = span.data;
-  }
-  return std::make_unique<UcxRegion>(this, id, span, kind);
+  return MakeRegion(id, span, kind);
 }
 
 absl::StatusOr<MemoryRegionPtr> UcxTransport::Allocate(size_t bytes, bool publish) {
@@ -498,17 +491,7 @@ absl::StatusOr<MemoryRegionPtr> UcxTransport::Allocate(size_t bytes, bool publis
   void* data = nullptr;
   progress_->RunSync([&] {
     absl::StatusOr<UcpMemRegion> mem = UcpMemRegion::Allocate(context_.get(), bytes, &data);
-    if (!mem.ok()) {
-      status = mem.status();
-      return;
-    }
-    absl::StatusOr<std::string> rkey = mem->PackRemoteKey();
-    if (!rkey.ok()) {
-      status = rkey.status();
-      return;
-    }
-    local_regions_[id] =
-        LocalRegion{MemorySpan{data, bytes}, std::move(*mem), std::move(*rkey), publish};
+    status = AddLocalRegion(id, MemorySpan{data, bytes}, std::move(mem), publish).status();
   });
   KV_RETURN_IF_ERROR(status);
   // Every page mapped and touched now (zero-fill), not during the first transfer into it; then
@@ -526,11 +509,25 @@ absl::StatusOr<MemoryRegionPtr> UcxTransport::Allocate(size_t bytes, bool publis
     if (publish) channel_->Broadcast(RegionFrame(id, it->second));
   });
   KV_RETURN_IF_ERROR(populated);
+  return MakeRegion(id, MemorySpan{data, bytes}, MemoryKind::kHost);
+}
+
+absl::StatusOr<UcxTransport::LocalRegion*> UcxTransport::AddLocalRegion(
+    RegionId id, MemorySpan span, absl::StatusOr<UcpMemRegion> mem, bool publish) {
+  KV_DCHECK(OnLoop());
+  KV_RETURN_IF_ERROR(mem.status());
+  KV_ASSIGN_OR_RETURN(std::string rkey, mem->PackRemoteKey());
+  return &local_regions_
+              .insert_or_assign(id, LocalRegion{span, *std::move(mem), std::move(rkey), publish})
+              .first->second;
+}
+
+MemoryRegionPtr UcxTransport::MakeRegion(RegionId id, MemorySpan span, MemoryKind kind) {
   {
     absl::MutexLock lock(&mu_);
-    region_ptrs_[id] = data;
+    region_ptrs_[id] = span.data;
   }
-  return std::make_unique<UcxRegion>(this, id, MemorySpan{data, bytes}, MemoryKind::kHost);
+  return std::make_unique<UcxRegion>(this, id, span, kind);
 }
 
 void UcxTransport::Deregister(RegionId id) {

@@ -1,5 +1,7 @@
 // `kvrelay cachestore` (`kvrelay trace-replay` lives in cachestore/tools).
 
+#include "cachestore/server/command.h"
+
 #include <cstdio>
 #include <iostream>
 #include <string>
@@ -10,7 +12,6 @@
 #include "cachestore/cache_store.h"
 #include "cachestore/etcd/etcd_client.h"
 #include "cachestore/kvevents/kv_event_publisher.h"
-#include "cachestore/server/command.h"
 #include "cachestore/server/high_availability.h"
 #include "cachestore/server/service.h"
 #include "common/flags.h"

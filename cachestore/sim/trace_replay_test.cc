@@ -1,4 +1,4 @@
-#include "cachestore/trace_replay.h"
+#include "cachestore/sim/trace_replay.h"
 
 #include <unistd.h>
 
@@ -10,7 +10,7 @@
 #include "gtest/gtest.h"
 #include "tests/testing/status_matchers.h"
 
-namespace kvrelay::cachestore {
+namespace kvrelay::cachestore::sim {
 namespace {
 
 using ::kvrelay::testing::StatusIs;
@@ -210,4 +210,4 @@ TEST(ReplayTraceTest, HeldOutConversationTraceDefaultNeverBelowLru) {
 }
 
 }  // namespace
-}  // namespace kvrelay::cachestore
+}  // namespace kvrelay::cachestore::sim

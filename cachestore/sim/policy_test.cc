@@ -9,14 +9,14 @@
 #include <thread>
 
 #include "cachestore/adaptive_policy.h"
-#include "cachestore/trace_gen.h"
-#include "cachestore/trace_replay.h"
-#include "cachestore/window_store.h"
+#include "cachestore/sim/trace_gen.h"
+#include "cachestore/sim/trace_replay.h"
+#include "cachestore/sim/window_store.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/status_matchers.h"
 
-namespace kvrelay::cachestore {
+namespace kvrelay::cachestore::sim {
 namespace {
 
 using ::kvrelay::testing::StatusIs;
@@ -356,4 +356,4 @@ TEST(WindowAwareCacheTest, WindowAwareNeverWorseOnMultiTurn) {
 }
 
 }  // namespace
-}  // namespace kvrelay::cachestore
+}  // namespace kvrelay::cachestore::sim

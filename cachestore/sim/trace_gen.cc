@@ -1,4 +1,4 @@
-#include "cachestore/trace_gen.h"
+#include "cachestore/sim/trace_gen.h"
 
 #include <algorithm>
 #include <cmath>
@@ -7,7 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 
-namespace kvrelay::cachestore {
+namespace kvrelay::cachestore::sim {
 
 namespace {
 
@@ -213,4 +213,4 @@ std::string TraceToJsonLines(const std::vector<TraceRequest>& trace) {
   return out;
 }
 
-}  // namespace kvrelay::cachestore
+}  // namespace kvrelay::cachestore::sim

@@ -17,7 +17,7 @@
 #include "absl/status/statusor.h"
 #include "kv/block_hash.h"
 
-namespace kvrelay::cachestore {
+namespace kvrelay::cachestore::sim {
 
 using kv::BlockHash;
 
@@ -92,4 +92,4 @@ absl::StatusOr<std::vector<ReplayResult>> ReplaySweep(const std::vector<TraceReq
                                                       const std::vector<std::string>& policies,
                                                       const ReplayOptions& options = {});
 
-}  // namespace kvrelay::cachestore
+}  // namespace kvrelay::cachestore::sim

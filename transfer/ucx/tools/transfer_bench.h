@@ -1,8 +1,6 @@
 #pragma once
 
-// `kvrelay transfer-bench`: moves blocks between two real processes over UCX on loopback and
-// prints bandwidth and per-block latency. The sender (this process) starts the receiver by
-// re-executing /proc/self/exe with `transfer-bench --role=receiver`.
+// The two peer roles of `kvrelay transfer-bench` (command.h), run in processes of their own.
 //
 // RunTransferReceiver is also the peer process of the multi-process tests: it registers one
 // region, prints "READY <address> <region id> <region bytes>", counts what arrives (the
@@ -12,13 +10,7 @@
 #include <string>
 #include <vector>
 
-namespace kvrelay::cli {
-
-int RunTransferBenchCommand(const std::vector<std::string>& args);
-
-}  // namespace kvrelay::cli
-
-namespace kvrelay::transfer {
+namespace kvrelay::transfer::ucx::tools {
 
 // Flags: --tls tcp|shm|<UCX_TLS list>, --region-bytes N, --listen-host HOST, --listen-port P.
 int RunTransferReceiver(const std::vector<std::string>& args);
@@ -30,4 +22,4 @@ int RunTransferSender(const std::vector<std::string>& args);
 // "tcp" -> "tcp", "shm" -> "posix,sysv,cma,self", anything else unchanged.
 std::string UcxTlsFor(const std::string& tls);
 
-}  // namespace kvrelay::transfer
+}  // namespace kvrelay::transfer::ucx::tools

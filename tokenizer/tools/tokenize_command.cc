@@ -1,5 +1,3 @@
-#include "tokenizer/tokenize_command.h"
-
 #include <cstdio>
 #include <iostream>
 #include <optional>
@@ -10,8 +8,9 @@
 #include "common/flags.h"
 #include "nlohmann/json.hpp"
 #include "tokenizer/tokenizer.h"
+#include "tokenizer/tools/command.h"
 
-namespace kvrelay::tokenizer {
+namespace kvrelay::tokenizer::tools {
 namespace {
 
 int Fail(const absl::Status& s) { return CommandFailed("tokenize", s); }
@@ -78,4 +77,4 @@ int RunTokenizeCommand(const std::vector<std::string>& args) {
   return 0;
 }
 
-}  // namespace kvrelay::tokenizer
+}  // namespace kvrelay::tokenizer::tools

@@ -3,7 +3,7 @@
 #include <string>
 #include <vector>
 
-namespace kvrelay::cli {
+namespace kvrelay::cli::bench_serve {
 
 // `kvrelay bench-serve`: drives a gateway with a Mooncake trace or a synthetic workload and
 // reports TTFT/TPOT/ITL/E2E percentiles, throughput, goodput, prefix hit rate, errors, fault
@@ -11,4 +11,4 @@ namespace kvrelay::cli {
 // after the run started, 2 bad flags or input, 3 wrong tokens were served.
 int RunBenchServeCommand(const std::vector<std::string>& args);
 
-}  // namespace kvrelay::cli
+}  // namespace kvrelay::cli::bench_serve

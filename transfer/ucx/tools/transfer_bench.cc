@@ -1,4 +1,4 @@
-#include "transfer/ucx/transfer_bench.h"
+#include "transfer/ucx/tools/transfer_bench.h"
 
 #include <fcntl.h>
 #include <pthread.h>
@@ -31,9 +31,10 @@
 #include "common/status_macros.h"
 #include "transfer/internal/populate.h"
 #include "transfer/transport.h"
+#include "transfer/ucx/tools/command.h"
 #include "transfer/ucx/ucx_transport.h"
 
-namespace kvrelay::transfer {
+namespace kvrelay::transfer::ucx::tools {
 namespace {
 
 void FillRandom(uint8_t* p, size_t n, uint64_t seed) {
@@ -562,16 +563,13 @@ absl::StatusOr<BenchResult> RunBench(const BenchConfig& cfg) {
 }
 
 }  // namespace
-}  // namespace kvrelay::transfer
-
-namespace kvrelay::cli {
 
 int RunTransferBenchCommand(const std::vector<std::string>& args) {
   for (const std::string& a : args) {
-    if (a == "--role=receiver") return transfer::RunTransferReceiver(args);
-    if (a == "--role=sender") return transfer::RunTransferSender(args);
+    if (a == "--role=receiver") return RunTransferReceiver(args);
+    if (a == "--role=sender") return RunTransferSender(args);
   }
-  transfer::BenchConfig cfg;
+  BenchConfig cfg;
   FlagSet flags("transfer-bench",
                 "Moves blocks between this process and a receiver process it starts, over UCX "
                 "on loopback; prints bandwidth and per-block latency.");
@@ -612,12 +610,12 @@ int RunTransferBenchCommand(const std::vector<std::string>& args) {
                  cfg.direction.c_str());
     return 2;
   }
-  absl::StatusOr<transfer::BenchResult> r = transfer::RunBench(cfg);
+  absl::StatusOr<BenchResult> r = RunBench(cfg);
   if (!r.ok()) {
     std::fprintf(stderr, "transfer-bench: %s\n", r.status().ToString().c_str());
     return 1;
   }
-  auto gbps_of = [](const transfer::PassResult& p) {
+  auto gbps_of = [](const PassResult& p) {
     return p.seconds > 0 ? static_cast<double>(p.bytes) / p.seconds / 1e9 : 0.0;
   };
   const double gbps = gbps_of(r->steady);
@@ -676,4 +674,4 @@ int RunTransferBenchCommand(const std::vector<std::string>& args) {
   return 0;
 }
 
-}  // namespace kvrelay::cli
+}  // namespace kvrelay::transfer::ucx::tools

@@ -1,4 +1,4 @@
-#include "cachestore/window_store.h"
+#include "cachestore/sim/window_store.h"
 
 #include <algorithm>
 
@@ -6,7 +6,7 @@
 #include "common/check.h"
 #include "common/status_macros.h"
 
-namespace kvrelay::cachestore {
+namespace kvrelay::cachestore::sim {
 
 namespace {
 BlockIndex::Options IndexOptions(const EvictionPolicy* policy, int64_t capacity_blocks) {
@@ -176,4 +176,4 @@ absl::StatusOr<ReplayResult> ReplayWindowed(const std::vector<TraceRequest>& tra
   return result;
 }
 
-}  // namespace kvrelay::cachestore
+}  // namespace kvrelay::cachestore::sim

@@ -1,4 +1,4 @@
-#include "cachestore/trace_replay.h"
+#include "cachestore/sim/trace_replay.h"
 
 #include <cmath>
 #include <limits>
@@ -14,10 +14,22 @@
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 
-namespace kvrelay::cachestore {
+namespace kvrelay::cachestore::sim {
 
 namespace {
 constexpr int64_t kTraceBlockTokensForCheck = 512;
+
+// Counts one request of an offline replay whose cache is `cached` (keyed by trace id): its
+// blocks, and its hits, the leading blocks already cached.
+template <typename CachedById>
+void CountRequest(const std::vector<uint64_t>& ids, const CachedById& cached,
+                  ReplayResult& result) {
+  ++result.requests;
+  result.blocks += static_cast<int64_t>(ids.size());
+  size_t hits = 0;
+  while (hits < ids.size() && cached.contains(ids[hits])) ++hits;
+  result.hit_blocks += static_cast<int64_t>(hits);
+}
 
 }  // namespace
 
@@ -157,11 +169,7 @@ ReplayResult ReplayBelady(const std::vector<TraceRequest>& trace, int64_t capaci
   std::priority_queue<std::pair<int64_t, uint64_t>> heap;
   for (size_t i = 0; i < trace.size(); ++i) {
     const auto& ids = trace[i].hash_ids;
-    ++result.requests;
-    result.blocks += static_cast<int64_t>(ids.size());
-    size_t hits = 0;
-    while (hits < ids.size() && cached.contains(ids[hits])) ++hits;
-    result.hit_blocks += static_cast<int64_t>(hits);
+    CountRequest(ids, cached, result);
     for (size_t j = 0; j < ids.size(); ++j) {
       const int64_t nu = next_use[i][j];
       auto it = cached.find(ids[j]);
@@ -232,11 +240,7 @@ ReplayResult ReplayBeladyLeaf(const std::vector<TraceRequest>& trace, int64_t ca
   std::vector<uint64_t> leased;
   for (size_t i = 0; i < trace.size(); ++i) {
     const auto& ids = trace[i].hash_ids;
-    ++result.requests;
-    result.blocks += static_cast<int64_t>(ids.size());
-    size_t hits = 0;
-    while (hits < ids.size() && cached.contains(ids[hits])) ++hits;
-    result.hit_blocks += static_cast<int64_t>(hits);
+    CountRequest(ids, cached, result);
     leased.clear();
     for (size_t j = 0; j < ids.size(); ++j) {
       if (auto it = cached.find(ids[j]); it != cached.end()) {
@@ -296,4 +300,4 @@ absl::StatusOr<std::vector<ReplayResult>> ReplaySweep(const std::vector<TraceReq
   return out;
 }
 
-}  // namespace kvrelay::cachestore
+}  // namespace kvrelay::cachestore::sim

@@ -27,9 +27,9 @@
 #include "absl/types/span.h"
 #include "cachestore/block_index.h"
 #include "cachestore/eviction_policy.h"
-#include "cachestore/trace_replay.h"
+#include "cachestore/sim/trace_replay.h"
 
-namespace kvrelay::cachestore {
+namespace kvrelay::cachestore::sim {
 
 struct BlockParts {
   int64_t full_bytes = 0;     // full-attention / MLA groups, per block
@@ -98,4 +98,4 @@ absl::StatusOr<ReplayResult> ReplayWindowed(const std::vector<TraceRequest>& tra
                                             bool window_aware, std::string_view policy,
                                             std::vector<int32_t>* per_request_hits = nullptr);
 
-}  // namespace kvrelay::cachestore
+}  // namespace kvrelay::cachestore::sim

@@ -24,9 +24,9 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "cachestore/trace_replay.h"
+#include "cachestore/sim/trace_replay.h"
 
-namespace kvrelay::cachestore {
+namespace kvrelay::cachestore::sim {
 
 inline constexpr int64_t kTraceBlockTokens = 512;
 
@@ -37,4 +37,4 @@ absl::StatusOr<std::vector<TraceRequest>> GenerateTrace(std::string_view shape, 
 // One JSON object per line: timestamp (ms), input_length, output_length, hash_ids.
 std::string TraceToJsonLines(const std::vector<TraceRequest>& trace);
 
-}  // namespace kvrelay::cachestore
+}  // namespace kvrelay::cachestore::sim

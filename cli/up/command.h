@@ -3,7 +3,7 @@
 #include <string>
 #include <vector>
 
-namespace kvrelay::cli {
+namespace kvrelay::cli::up {
 
 // `kvrelay up`: a local cluster (cache store, workers, gateway) as child processes on loopback.
 int RunUpCommand(const std::vector<std::string>& args);
@@ -11,4 +11,4 @@ int RunUpCommand(const std::vector<std::string>& args);
 // container health checks and scripts.
 int RunHealthCommand(const std::vector<std::string>& args);
 
-}  // namespace kvrelay::cli
+}  // namespace kvrelay::cli::up

@@ -1,8 +1,9 @@
 #pragma once
 
 // The client-side commands that live in cli/ itself. Each returns the process exit code: 0 on
-// success, 1 on a runtime failure, 2 on bad usage (with a one-line message on stderr). Server
-// commands are declared by their modules (`<module>/server/command.h`).
+// success, 1 on a runtime failure, 2 on bad usage (with a one-line message on stderr). Every
+// other command is declared in the command.h of its own folder (`<module>/server/`,
+// `<module>/tools/`, `cli/up/`, `cli/bench_serve/`).
 
 #include <string>
 #include <vector>
