@@ -56,6 +56,12 @@ struct LoadedModel {
 absl::StatusOr<LoadedModel> LoadAttentionModel(const std::string& model_dir,
                                                const RunnerOptions& options,
                                                const DeviceChoice& choice);
+// As above, with <model_dir>/config.json already parsed into `config` (a worker parses it once;
+// its layout's block_tokens is the one used).
+absl::StatusOr<LoadedModel> LoadAttentionModel(const std::string& model_dir,
+                                               const kv::ModelConfig& config,
+                                               const RunnerOptions& options,
+                                               const DeviceChoice& choice);
 
 // Whether `choice` can be honoured on this machine for a model of `config`, without loading
 // weights, so a command can refuse a bad --device as a usage error at once. OK for auto and
