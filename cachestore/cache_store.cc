@@ -310,6 +310,14 @@ void CacheStore::PublishNodeEventLocked(StoreEvent::Kind kind, const NodeSpec& s
   Publish(std::move(e));
 }
 
+absl::Status CacheStore::CheckBlockTokens(const std::string& node_id, int32_t block_tokens) const {
+  if (block_tokens == 0 || block_tokens == options_.block_tokens) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "node ", node_id, " uses ", block_tokens, "-token KV blocks (--block-tokens ", block_tokens,
+      ") but this cache store ", options_.block_tokens, "-token ones (--block-tokens ",
+      options_.block_tokens, "): every process of a deployment must use the same --block-tokens"));
+}
+
 absl::StatusOr<RegisterResult> CacheStore::RegisterNode(NodeSpec spec) {
   if (spec.ttl <= absl::ZeroDuration()) spec.ttl = options_.default_node_ttl;
   uint64_t total_bytes = 0;

@@ -43,6 +43,7 @@
 #include "cachestore/node_registry.h"
 #include "cachestore/wal.h"
 #include "common/clock.h"
+#include "kv/hf_config.h"
 
 namespace kvrelay::cachestore {
 
@@ -66,6 +67,9 @@ struct CacheStoreOptions {
   size_t event_retention = 1 << 16;     // events kept for WatchEvents resumption
   // Evicted blocks whose statistics are remembered: kGhostCaches x registered slots, at most this.
   size_t max_ghost_blocks = 4 << 20;
+  // Tokens per KV block of every node's layout (--block-tokens): a node that registers with
+  // another value is refused (CheckBlockTokens), and ListNodes tells the gateway.
+  int32_t block_tokens = kv::kDefaultBlockTokens;
 };
 
 // MatchPrefix's answer. Replicas refer to `segments` (distinct node/segment pairs, resolved
@@ -228,6 +232,11 @@ class CacheStore {
   // incarnation of 0 (legacy clients) gets a random one, returned. InvalidArgument naming a bad
   // field, AlreadyExists naming the live holder of the id.
   absl::StatusOr<RegisterResult> RegisterNode(NodeSpec spec);
+  // OK when a node whose layout has `block_tokens`-token blocks (0: the node did not say) may
+  // register here; FailedPrecondition naming the node and both values otherwise (the block size
+  // is in every block hash, so such a node could never share a block with the others).
+  absl::Status CheckBlockTokens(const std::string& node_id, int32_t block_tokens) const;
+  int32_t block_tokens() const { return options_.block_tokens; }
   // Drops the node, its blocks, allocations and leases at once (a clean shutdown).
   absl::Status DeregisterNode(const Caller& node);
   // known=false when the id is not registered. FailedPrecondition naming the node when the

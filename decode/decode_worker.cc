@@ -935,7 +935,7 @@ void DecodeWorker::SchedulerLoop() {
                                                        a->seq->tokens(), layout.block_tokens());
       absl::StatusOr<int32_t> committed =
           store->CommitBlocks(chain, a->held_blocks, static_cast<int64_t>(chain.size()), *a->seq,
-                              /*keep_copies=*/true);
+                              /*deadline=*/absl::InfiniteFuture(), /*keep_copies=*/true);
       if (!committed.ok()) KV_LOG(WARNING) << a->request_id << ": commit: " << committed.status();
     }
     a->seq.reset();  // frees the slots

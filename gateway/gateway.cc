@@ -116,7 +116,9 @@ absl::StatusOr<std::unique_ptr<Gateway>> Gateway::Create(
     return absl::InvalidArgumentError(
         absl::StrCat("max_attempts must be positive, got ", options.max_attempts));
   }
-  KV_ASSIGN_OR_RETURN(kv::ModelConfig config, kv::LoadHfConfig(options.model_dir + "/config.json"));
+  KV_ASSIGN_OR_RETURN(
+      kv::ModelConfig config,
+      kv::LoadHfConfig(options.model_dir + "/config.json", {.block_tokens = options.block_tokens}));
   auto gateway =
       std::unique_ptr<Gateway>(new Gateway(std::move(options), std::move(config), metrics, clock));
   gateway->store_ = std::move(store);

@@ -48,6 +48,9 @@ namespace kvrelay::gateway {
 struct GatewayOptions {
   std::string model_dir;   // for the model's layout, vocabulary and limits
   std::string model_name;  // what requests must name (empty in a request = this model)
+  // Tokens per KV block (--block-tokens): the layout requests are hashed for; the store and
+  // the workers must use the same.
+  int32_t block_tokens = kv::kDefaultBlockTokens;
   std::string tenant_secret;
   int32_t max_attempts = 3;
   absl::Duration default_deadline = absl::Seconds(120);

@@ -502,6 +502,14 @@ absl::StatusOr<std::vector<LayerGroup>> ParseMamba(const ConfigReader& r, ModelC
 
 }  // namespace
 
+absl::Status CheckBlockTokensFlag(int32_t block_tokens) {
+  if (block_tokens < 1 || block_tokens > kMaxBlockTokens) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--block-tokens must be in [1, ", kMaxBlockTokens, "], got ", block_tokens));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<ModelConfig> ParseHfConfig(std::string_view json_text,
                                           const ConfigOptions& options) {
   Json root = Json::parse(json_text.begin(), json_text.end(), nullptr, /*allow_exceptions=*/false);

@@ -15,9 +15,18 @@
 
 namespace kvrelay::kv {
 
+// Tokens per KV block unless --block-tokens says otherwise: the one default of the store, the
+// workers, the gateway and the model runners (it is part of the layout fingerprint, so every
+// process of a deployment must agree on it).
+inline constexpr int32_t kDefaultBlockTokens = 16;
+
+// OK for a --block-tokens value in [1, kMaxBlockTokens]; InvalidArgument naming the flag and
+// the value otherwise.
+absl::Status CheckBlockTokensFlag(int32_t block_tokens);
+
 struct ConfigOptions {
   std::optional<DType> dtype;  // overrides torch_dtype
-  int32_t block_tokens = 16;
+  int32_t block_tokens = kDefaultBlockTokens;
   std::string model_id;  // empty: "<model_type>" + "-" + short config digest
 };
 

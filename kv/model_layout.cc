@@ -19,7 +19,6 @@ constexpr int32_t kMaxKvHeads = 1024;
 constexpr int32_t kMaxHeadDim = 4096;
 constexpr int32_t kMaxLatentDim = 65536;
 constexpr int32_t kMaxRopeDim = 4096;
-constexpr int32_t kMaxBlockTokens = 65536;
 constexpr int64_t kMaxStateBytes = int64_t{1} << 40;
 constexpr size_t kMaxGroups = 64;
 constexpr size_t kMaxModelIdBytes = 256;

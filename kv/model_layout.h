@@ -31,6 +31,9 @@
 
 namespace kvrelay::kv {
 
+// Tokens per block a layout may have: [1, kMaxBlockTokens].
+inline constexpr int32_t kMaxBlockTokens = 65536;
+
 enum class DType { kBf16, kFp16, kFp8, kFp32 };
 
 int32_t DTypeBytes(DType dtype);

@@ -72,6 +72,12 @@ absl::StatusOr<std::unique_ptr<MambaRunner>> MambaRunner::Load(const std::string
   config_options.dtype = options.cache_dtype;
   KV_ASSIGN_OR_RETURN(kv::ModelConfig config,
                       kv::LoadHfConfig(model_dir + "/config.json", config_options));
+  return Load(model_dir, std::move(config), options);
+}
+
+absl::StatusOr<std::unique_ptr<MambaRunner>> MambaRunner::Load(const std::string& model_dir,
+                                                               kv::ModelConfig config,
+                                                               const RunnerOptions& options) {
   KV_ASSIGN_OR_RETURN(Arch arch, ArchFor(config));
   if (arch != Arch::kMamba) {
     return absl::InvalidArgumentError(

@@ -83,6 +83,10 @@ class MambaRunner {
  public:
   static absl::StatusOr<std::unique_ptr<MambaRunner>> Load(const std::string& model_dir,
                                                            const RunnerOptions& options = {});
+  // As Load, with <dir>/config.json already parsed into `config`.
+  static absl::StatusOr<std::unique_ptr<MambaRunner>> Load(const std::string& model_dir,
+                                                           kv::ModelConfig config,
+                                                           const RunnerOptions& options);
   static absl::StatusOr<std::unique_ptr<MambaRunner>> Create(kv::ModelConfig config,
                                                              ModelWeights weights,
                                                              const RunnerOptions& options = {});

@@ -52,8 +52,8 @@
 namespace kvrelay::model {
 
 struct RunnerOptions {
-  int32_t threads = 1;        // attention threads; also sets OpenBLAS's (process-wide) count
-  int32_t block_tokens = 16;  // tokens per cache block
+  int32_t threads = 1;  // attention threads; also sets OpenBLAS's (process-wide) count
+  int32_t block_tokens = kv::kDefaultBlockTokens;  // tokens per cache block
   std::optional<kv::DType> cache_dtype;  // default: the config's torch_dtype (bf16, fp16, fp32)
   // No effect on results or speed any more: prefill GEMMs are row-invariant (see the
   // determinism note above); kept so callers that set it still build. Must be >= 0.
@@ -71,6 +71,11 @@ class ModelRunner : public AttentionModel {
   // tensor or a bad config field; Unimplemented for model types the runner does not run.
   static absl::StatusOr<std::unique_ptr<ModelRunner>> Load(const std::string& model_dir,
                                                            const RunnerOptions& options = {});
+  // As Load, with <dir>/config.json already parsed into `config` (its layout's block_tokens
+  // wins over options.block_tokens): a worker parses it once.
+  static absl::StatusOr<std::unique_ptr<ModelRunner>> Load(const std::string& model_dir,
+                                                           kv::ModelConfig config,
+                                                           const RunnerOptions& options);
   // REQUIRES: weights came from LoadWeights(.., config) (shapes already checked).
   static absl::StatusOr<std::unique_ptr<ModelRunner>> Create(kv::ModelConfig config,
                                                              ModelWeights weights,

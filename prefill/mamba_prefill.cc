@@ -57,7 +57,7 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::RunMamba(
 
   // 1. Which checkpoints are cached here.
   KV_ASSIGN_OR_RETURN(std::unique_ptr<PrefixLookup> lookup,
-                      LookUpPrefix(request, layout, tokens, full_tokens));
+                      LookUpPrefix(request, layout, tokens, full_tokens, deadline));
   const worker::PrefixMatch& match = lookup->match;
   // The deepest matched block whose checkpoint is in this node's segment (the lease keeps it
   // there while it is read).
@@ -154,14 +154,16 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::RunMamba(
 
   // 4. Publish the checkpoints computed here, each under its block's hash.
   absl::StatusOr<int32_t> committed = lookup->store().CommitBlocksFrom(
-      lookup->chain, resume_blocks, full_blocks, [&](int64_t block, int64_t slot) -> absl::Status {
+      lookup->chain, resume_blocks, full_blocks,
+      [&](int64_t block, int64_t slot) -> absl::Status {
         const std::vector<uint8_t>& state = checkpoints[block - resume_blocks];
         if (static_cast<uint64_t>(state.size()) != segment_->block_bytes()) {
           return absl::InternalError("mamba checkpoint size differs from the segment's slots");
         }
         std::memcpy(segment_->GroupUnit(slot, 0), state.data(), state.size());
         return absl::OkStatus();
-      });
+      },
+      deadline);
   if (!committed.ok()) {
     KV_LOG(WARNING) << request.request_id() << ": commit failed: " << committed.status();
   }

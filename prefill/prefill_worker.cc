@@ -322,7 +322,7 @@ absl::Status PrefillWorker::ClaimFailure(const kvrelay::v1::ReserveResponse& tar
 
 absl::StatusOr<std::unique_ptr<PrefillWorker::PrefixLookup>> PrefillWorker::LookUpPrefix(
     const kvrelay::v1::PrefillRequest& request, const kv::ModelLayout& layout,
-    absl::Span<const int32_t> tokens, int64_t full_tokens) {
+    absl::Span<const int32_t> tokens, int64_t full_tokens, absl::Time deadline) {
   std::vector<kv::BlockHash> chain =
       kv::HashChain(layout.fingerprint(), request.tenant_salt(),
                     tokens.subspan(0, static_cast<size_t>(full_tokens)), layout.block_tokens());
@@ -333,7 +333,8 @@ absl::StatusOr<std::unique_ptr<PrefillWorker::PrefixLookup>> PrefillWorker::Look
                                                    " is not registered with the cache store yet")),
                kvrelay::v1::FAILURE_UNREACHABLE);
   }
-  absl::StatusOr<worker::PrefixMatch> match = store->MatchPrefix(chain, options_.lease_ttl);
+  absl::StatusOr<worker::PrefixMatch> match =
+      store->MatchPrefix(chain, options_.lease_ttl, deadline);
   if (!match.ok()) {
     KV_LOG(WARNING) << request.request_id() << ": MatchPrefix failed (" << match.status()
                     << "); computing everything";
@@ -532,7 +533,7 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
 
   // 1. Which leading blocks are cached here.
   KV_ASSIGN_OR_RETURN(std::unique_ptr<PrefixLookup> lookup,
-                      LookUpPrefix(request, layout, tokens, full_tokens));
+                      LookUpPrefix(request, layout, tokens, full_tokens, deadline));
   const worker::PrefixMatch& match = lookup->match;
   const std::vector<kv::BlockHash>& chain = lookup->chain;
   int64_t hit_blocks = 0;
@@ -661,7 +662,8 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
   // 5. Publish the blocks computed here for later requests, and keep a copy of those pulled or
   //    recomputed although held elsewhere (the next request for them here is local).
   absl::StatusOr<int32_t> committed =
-      lookup->store().CommitBlocks(chain, hit_blocks, full_blocks, seq, /*keep_copies=*/true);
+      lookup->store().CommitBlocks(chain, hit_blocks, full_blocks, seq, deadline,
+                                   /*keep_copies=*/true);
   if (!committed.ok()) {
     KV_LOG(WARNING) << request.request_id() << ": commit failed: " << committed.status();
   }

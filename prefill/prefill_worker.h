@@ -114,7 +114,7 @@ class PrefillWorker {
   // the request (an empty match); only a worker not yet registered fails.
   absl::StatusOr<std::unique_ptr<PrefixLookup>> LookUpPrefix(
       const kvrelay::v1::PrefillRequest& request, const kv::ModelLayout& layout,
-      absl::Span<const int32_t> tokens, int64_t full_tokens);
+      absl::Span<const int32_t> tokens, int64_t full_tokens, absl::Time deadline);
   // The data-plane peer of the target decode worker, failures attributed as Run attributes them.
   absl::StatusOr<transfer::PeerId> ConnectDecode(const kvrelay::v1::ReserveResponse& target,
                                                  absl::Time deadline);

@@ -53,6 +53,114 @@ void FetchQuarantine::Loop() {
   }
 }
 
+namespace {
+
+using GroupSlots = std::vector<std::vector<kv::SlotId>>;
+
+// Releases local[g][first..] in every group and drops them from `local`.
+void ReleaseFrom(model::KvCache& cache, GroupSlots& local, size_t first) {
+  for (size_t g = 0; g < local.size(); ++g) {
+    for (size_t b = first; b < local[g].size(); ++b) {
+      (void)cache.pool(static_cast<int>(g)).Release(local[g][b]);
+    }
+    local[g].resize(std::min(local[g].size(), first));
+  }
+}
+
+// Fresh local slots for `n` blocks in every group; nothing held on failure.
+absl::StatusOr<GroupSlots> AllocateLocal(model::KvCache& cache, int num_groups, size_t n) {
+  GroupSlots local(static_cast<size_t>(num_groups));
+  for (int g = 0; g < num_groups; ++g) {
+    absl::StatusOr<std::vector<kv::SlotId>> got =
+        cache.pool(g).AllocateMany(static_cast<int64_t>(n));
+    if (!got.ok()) {
+      ReleaseFrom(cache, local, 0);
+      return got.status();
+    }
+    local[g] = *std::move(got);
+  }
+  return local;
+}
+
+// The get of every block: per block its group units (at their offsets in the holder's slot),
+// then its slot entry into `scratch`.
+transfer::TransferBatch FetchBatch(transfer::PeerId peer, uint64_t tag, const RemoteReplica& holder,
+                                   absl::Span<const int64_t> slots, const kv::ModelLayout& layout,
+                                   const RegisteredKvCache& kv, const GroupSlots& local,
+                                   transfer::MemoryRegion* scratch) {
+  const int num_groups = static_cast<int>(layout.groups().size());
+  model::KvCache& cache = kv.cache();
+  transfer::TransferBatch batch;
+  batch.peer = peer;
+  batch.direction = transfer::Direction::kGet;
+  batch.tag = tag;
+  batch.compute_checksums = false;  // checked here against the holder's slot entries
+  for (size_t b = 0; b < slots.size(); ++b) {
+    uint64_t group_offset = 0;
+    for (int g = 0; g < num_groups; ++g) {
+      transfer::BlockTransfer unit;
+      unit.local = &kv.region(g);
+      unit.local_offset = static_cast<uint64_t>(local[g][b]) * cache.pool(g).slot_stride();
+      unit.remote_region = holder.region_id;
+      unit.remote_offset = static_cast<uint64_t>(slots[b]) * holder.slot_stride + group_offset;
+      unit.length = static_cast<uint64_t>(layout.BlockBytes(g));
+      group_offset += unit.length;
+      batch.blocks.push_back(unit);
+    }
+    transfer::BlockTransfer entry;
+    entry.local = scratch;
+    entry.local_offset = b * CacheSegment::kSlotEntryBytes;
+    entry.remote_region = holder.table_region_id;
+    entry.remote_offset = static_cast<uint64_t>(slots[b]) * CacheSegment::kSlotEntryBytes;
+    entry.length = CacheSegment::kSlotEntryBytes;
+    batch.blocks.push_back(entry);
+  }
+  return batch;
+}
+
+// How many leading blocks arrived whole, are named by their slot entry and match its checksum;
+// `status` says why the next one did not (unchanged when all did).
+size_t CountIntact(const std::vector<absl::Status>& per_block, const absl::Status& done,
+                   const RemoteReplica& holder, absl::Span<const int64_t> slots,
+                   absl::Span<const kv::BlockHash> hashes, const kv::ModelLayout& layout,
+                   model::KvCache& cache, const GroupSlots& local,
+                   const transfer::MemoryRegion& scratch, absl::Status& status) {
+  const size_t n = hashes.size();
+  const int num_groups = static_cast<int>(layout.groups().size());
+  const size_t pieces = 1 + static_cast<size_t>(num_groups);
+  size_t intact = 0;
+  for (; intact < n; ++intact) {
+    bool arrived = per_block.size() == n * pieces;
+    for (size_t k = 0; arrived && k < pieces; ++k) arrived = per_block[intact * pieces + k].ok();
+    if (!arrived) {
+      status = done.ok()
+                   ? absl::DataLossError(absl::StrCat("fetch: block ", intact, " did not arrive"))
+                   : done;
+      break;
+    }
+    CacheSegment::SlotEntry entry;
+    std::memcpy(&entry, scratch.data() + intact * CacheSegment::kSlotEntryBytes, sizeof(entry));
+    if (entry.hash_hi != hashes[intact].hi || entry.hash_lo != hashes[intact].lo) {
+      status = absl::NotFoundError(absl::StrCat("fetch: the holder's slot ", slots[intact],
+                                                " no longer holds block ", hashes[intact].ToHex()));
+      break;
+    }
+    kv::BlockChecksummer sum;
+    for (int g = 0; g < num_groups; ++g) {
+      sum.Update(cache.pool(g).SlotAddress(local[g][intact]),
+                 static_cast<size_t>(layout.BlockBytes(g)));
+    }
+    if (sum.Digest() != entry.checksum) {
+      status = absl::DataLossError(absl::StrCat("fetch: block ", hashes[intact].ToHex(), " from ",
+                                                holder.node_id, " failed its checksum"));
+      break;
+    }
+  }
+  return intact;
+}
+
+}  // namespace
+
 FetchedPrefix FetchBlocks(transfer::Transport& transport, transfer::PeerId peer,
                           const RemoteReplica& holder, absl::Span<const int64_t> slots,
                           absl::Span<const kv::BlockHash> hashes, const kv::ModelLayout& layout,
@@ -61,7 +169,6 @@ FetchedPrefix FetchBlocks(transfer::Transport& transport, transfer::PeerId peer,
                           std::vector<std::vector<kv::SlotId>>& group_slots) {
   FetchedPrefix out;
   const absl::Time start = absl::Now();
-  const int num_groups = static_cast<int>(layout.groups().size());
   const size_t n = hashes.size();
   model::KvCache& cache = kv.cache();
   if (n == 0) return out;
@@ -70,59 +177,16 @@ FetchedPrefix FetchBlocks(transfer::Transport& transport, transfer::PeerId peer,
     out.status = absl::InvalidArgumentError("fetch: slots, hashes and scratch do not match");
     return out;
   }
-  // Fresh local slots for every block and group.
-  std::vector<std::vector<kv::SlotId>> local(static_cast<size_t>(num_groups));
-  auto release_from = [&](size_t first) {
-    for (int g = 0; g < num_groups; ++g) {
-      for (size_t b = first; b < local[g].size(); ++b) {
-        (void)cache.pool(g).Release(local[g][b]);
-      }
-      local[g].resize(std::min(local[g].size(), first));
-    }
-  };
-  for (int g = 0; g < num_groups; ++g) {
-    absl::StatusOr<std::vector<kv::SlotId>> got =
-        cache.pool(g).AllocateMany(static_cast<int64_t>(n));
-    if (!got.ok()) {
-      release_from(0);
-      out.status = got.status();
-      return out;
-    }
-    local[g] = *std::move(got);
+  absl::StatusOr<GroupSlots> local =
+      AllocateLocal(cache, static_cast<int>(layout.groups().size()), n);
+  if (!local.ok()) {
+    out.status = local.status();
+    return out;
   }
-  std::vector<uint64_t> group_offsets(static_cast<size_t>(num_groups), 0);
-  uint64_t unit_bytes = 0;
-  for (int g = 0; g < num_groups; ++g) {
-    group_offsets[g] = unit_bytes;
-    unit_bytes += static_cast<uint64_t>(layout.BlockBytes(g));
-  }
-  transfer::TransferBatch batch;
-  batch.peer = peer;
-  batch.direction = transfer::Direction::kGet;
-  batch.tag = tag;
-  batch.compute_checksums = false;  // checked here against the holder's slot entries
-  // Per block: its group units, then its slot entry.
-  for (size_t b = 0; b < n; ++b) {
-    for (int g = 0; g < num_groups; ++g) {
-      transfer::BlockTransfer unit;
-      unit.local = &kv.region(g);
-      unit.local_offset = static_cast<uint64_t>(local[g][b]) * cache.pool(g).slot_stride();
-      unit.remote_region = holder.region_id;
-      unit.remote_offset = static_cast<uint64_t>(slots[b]) * holder.slot_stride + group_offsets[g];
-      unit.length = static_cast<uint64_t>(layout.BlockBytes(g));
-      batch.blocks.push_back(unit);
-    }
-    transfer::BlockTransfer entry;
-    entry.local = scratch.get();
-    entry.local_offset = b * CacheSegment::kSlotEntryBytes;
-    entry.remote_region = holder.table_region_id;
-    entry.remote_offset = static_cast<uint64_t>(slots[b]) * CacheSegment::kSlotEntryBytes;
-    entry.length = CacheSegment::kSlotEntryBytes;
-    batch.blocks.push_back(entry);
-  }
-  absl::StatusOr<transfer::TransferPlan> plan = transport.Prepare(batch);
+  absl::StatusOr<transfer::TransferPlan> plan =
+      transport.Prepare(FetchBatch(peer, tag, holder, slots, layout, kv, *local, scratch.get()));
   if (!plan.ok()) {
-    release_from(0);
+    ReleaseFrom(cache, *local, 0);
     out.status = plan.status();
     return out;
   }
@@ -139,7 +203,7 @@ FetchedPrefix FetchBlocks(transfer::Transport& transport, transfer::PeerId peer,
     out.elapsed = absl::Now() - start;
     out.status = done;
     const size_t entry_bytes = scratch->size_bytes();
-    quarantine.Hold(*std::move(handle), std::move(local), std::move(scratch));
+    quarantine.Hold(*std::move(handle), *std::move(local), std::move(scratch));
     absl::StatusOr<transfer::MemoryRegionPtr> fresh = transport.AllocateMemory(entry_bytes);
     if (fresh.ok()) scratch = *std::move(fresh);
     return out;
@@ -151,41 +215,16 @@ FetchedPrefix FetchBlocks(transfer::Transport& transport, transfer::PeerId peer,
   }
   out.elapsed = absl::Now() - start;
   // Each block: every piece arrived, the entry names it, and its bytes are the entry's.
-  const size_t pieces = 1 + static_cast<size_t>(num_groups);
-  size_t intact = 0;
-  for (; intact < n; ++intact) {
-    bool arrived = per_block.size() == n * pieces;
-    for (size_t k = 0; arrived && k < pieces; ++k) arrived = per_block[intact * pieces + k].ok();
-    if (!arrived) {
-      out.status =
-          done.ok() ? absl::DataLossError(absl::StrCat("fetch: block ", intact, " did not arrive"))
-                    : done;
-      break;
-    }
-    CacheSegment::SlotEntry entry;
-    std::memcpy(&entry, scratch->data() + intact * CacheSegment::kSlotEntryBytes, sizeof(entry));
-    if (entry.hash_hi != hashes[intact].hi || entry.hash_lo != hashes[intact].lo) {
-      out.status =
-          absl::NotFoundError(absl::StrCat("fetch: the holder's slot ", slots[intact],
-                                           " no longer holds block ", hashes[intact].ToHex()));
-      break;
-    }
-    kv::BlockChecksummer sum;
-    for (int g = 0; g < num_groups; ++g) {
-      sum.Update(cache.pool(g).SlotAddress(local[g][intact]),
-                 static_cast<size_t>(layout.BlockBytes(g)));
-    }
-    if (sum.Digest() != entry.checksum) {
-      out.status =
-          absl::DataLossError(absl::StrCat("fetch: block ", hashes[intact].ToHex(), " from ",
-                                           holder.node_id, " failed its checksum"));
-      break;
-    }
+  const size_t intact = CountIntact(per_block, done, holder, slots, hashes, layout, cache, *local,
+                                    *scratch, out.status);
+  ReleaseFrom(cache, *local, intact);
+  group_slots.resize(local->size());
+  for (size_t g = 0; g < local->size(); ++g) {
+    group_slots[g].insert(group_slots[g].end(), (*local)[g].begin(), (*local)[g].end());
   }
-  release_from(intact);
-  group_slots.resize(static_cast<size_t>(num_groups));
-  for (int g = 0; g < num_groups; ++g) {
-    group_slots[g].insert(group_slots[g].end(), local[g].begin(), local[g].end());
+  uint64_t unit_bytes = 0;  // one block in every group
+  for (size_t g = 0; g < local->size(); ++g) {
+    unit_bytes += static_cast<uint64_t>(layout.BlockBytes(static_cast<int>(g)));
   }
   out.intact = static_cast<int64_t>(intact);
   out.kv_bytes = static_cast<uint64_t>(intact) * unit_bytes;

@@ -66,6 +66,18 @@ absl::StatusOr<std::unique_ptr<StoreLink>> StoreLink::Connect(StoreLinkOptions o
   return link;
 }
 
+absl::StatusOr<std::unique_ptr<StoreLink>> StoreLink::UnregisteredForTest(
+    StoreLinkOptions options, const CacheSegment* segment, Clock* clock) {
+  cachestore::CacheStoreClient::Options client_options;
+  client_options.security = options.security;
+  client_options.node = {options.node_id, options.incarnation};
+  KV_ASSIGN_OR_RETURN(
+      std::unique_ptr<cachestore::CacheStoreClient> client,
+      cachestore::CacheStoreClient::Connect(options.cachestore_address, client_options));
+  return std::unique_ptr<StoreLink>(
+      new StoreLink(std::move(options), segment, clock, std::move(client)));
+}
+
 StoreLink::~StoreLink() {
   stop_.Notify();
   if (heartbeat_.joinable()) heartbeat_.join();
@@ -84,6 +96,7 @@ absl::Status StoreLink::Register() {
   reg.transport_kind = options_.transport_kind;
   reg.transport_address = options_.transport_address;
   reg.ttl = options_.ttl;
+  reg.block_tokens = options_.block_tokens;
   if (segment_ != nullptr) {
     kvrelay::v1::Segment s;
     s.set_segment_id(kSegmentId);
@@ -179,23 +192,32 @@ int64_t StoreLink::held_blocks() const {
   return static_cast<int64_t>(held_.size());
 }
 
-absl::Status StoreLink::RequestPathOpen() const {
+StoreLink::RequestCall StoreLink::BoundCall(absl::Time deadline) const {
+  const absl::Time limit = absl::Now() + options_.request_timeout;
+  RequestCall bound;
+  bound.request_bound = deadline < limit;
+  bound.call.deadline = std::min(deadline, limit);
+  return bound;
+}
+
+absl::StatusOr<StoreLink::RequestCall> StoreLink::OpenRequestCall(absl::Time deadline) const {
+  if (absl::Now() >= deadline) {
+    return absl::DeadlineExceededError(
+        "the request's deadline passed before its cache store call could go out");
+  }
+  // Relaxed: the backoff is a hint; a stale value costs one more or one fewer store call.
   if (absl::ToUnixMicros(absl::Now()) < skip_store_until_us_.load(std::memory_order_relaxed)) {
     return absl::UnavailableError(
         absl::StrCat("the cache store at ", options_.cachestore_address,
                      " did not answer a request-path call just now; skipping it for up to ",
                      absl::FormatDuration(options_.store_backoff)));
   }
-  return absl::OkStatus();
+  return BoundCall(deadline);
 }
 
-cachestore::CallOptions StoreLink::RequestCall() const {
-  cachestore::CallOptions call;
-  call.deadline = absl::Now() + options_.request_timeout;
-  return call;
-}
-
-void StoreLink::NoteRequestPath(const absl::Status& status) {
+void StoreLink::NoteRequestPath(const RequestCall& call, const absl::Status& status) {
+  // A request that ran out of its own time says nothing about the store.
+  if (call.request_bound && absl::IsDeadlineExceeded(status)) return;
   if (absl::IsUnavailable(status) || absl::IsDeadlineExceeded(status)) {
     skip_store_until_us_.store(absl::ToUnixMicros(absl::Now() + options_.store_backoff),
                                std::memory_order_relaxed);
@@ -203,14 +225,18 @@ void StoreLink::NoteRequestPath(const absl::Status& status) {
 }
 
 absl::StatusOr<PrefixMatch> StoreLink::MatchPrefix(const std::vector<kv::BlockHash>& chain,
-                                                   absl::Duration lease_ttl) {
-  PrefixMatch match;
-  if (chain.empty()) return match;
-  KV_RETURN_IF_ERROR(RequestPathOpen());
+                                                   absl::Duration lease_ttl, absl::Time deadline) {
+  if (chain.empty()) return PrefixMatch{};
+  KV_ASSIGN_OR_RETURN(RequestCall call, OpenRequestCall(deadline));
   absl::StatusOr<kvrelay::v1::MatchPrefixResponse> answered =
-      client_->MatchPrefix(chain, lease_ttl, RequestCall());
-  NoteRequestPath(answered.status());
-  KV_ASSIGN_OR_RETURN(kvrelay::v1::MatchPrefixResponse response, std::move(answered));
+      client_->MatchPrefix(chain, lease_ttl, call.call);
+  NoteRequestPath(call, answered.status());
+  KV_RETURN_IF_ERROR(answered.status());
+  return ToPrefixMatch(*answered);
+}
+
+PrefixMatch StoreLink::ToPrefixMatch(const kvrelay::v1::MatchPrefixResponse& response) const {
+  PrefixMatch match;
   match.matched = response.matched();
   match.lease_id = response.lease_id();
   // Readable remote segments: a kvrelay worker's access key, the store handed it out.
@@ -258,31 +284,32 @@ absl::StatusOr<PrefixMatch> StoreLink::MatchPrefix(const std::vector<kv::BlockHa
   return match;
 }
 
-void StoreLink::ReleaseLease(uint64_t lease_id) {
+void StoreLink::ReleaseLease(uint64_t lease_id, absl::Time deadline) {
   if (lease_id == 0) return;
   // On a request's path too; a lease not released expires at the store on its own.
-  if (!RequestPathOpen().ok()) return;
-  absl::Status s = client_->ReleaseLease(lease_id, RequestCall());
-  NoteRequestPath(s);
+  absl::StatusOr<RequestCall> call = OpenRequestCall(deadline);
+  if (!call.ok()) return;
+  absl::Status s = client_->ReleaseLease(lease_id, call->call);
+  NoteRequestPath(*call, s);
   if (!s.ok()) KV_LOG(WARNING) << "ReleaseLease: " << s;
 }
 
 absl::StatusOr<int32_t> StoreLink::CommitBlocks(const std::vector<kv::BlockHash>& chain,
                                                 int64_t first, int64_t last,
-                                                const model::Sequence& seq, bool keep_copies) {
+                                                const model::Sequence& seq, absl::Time deadline,
+                                                bool keep_copies) {
   if (segment_ == nullptr) return 0;
   return CommitBlocksFrom(
       chain, first, last,
       [this, &seq](int64_t block_index, int64_t slot) {
         return segment_->StoreBlock(seq, block_index, slot);
       },
-      keep_copies);
+      deadline, keep_copies);
 }
 
-absl::StatusOr<int32_t> StoreLink::CommitBlocksFrom(const std::vector<kv::BlockHash>& chain,
-                                                    int64_t first, int64_t last,
-                                                    const BlockWriter& write, bool keep_copies) {
-  if (segment_ == nullptr || first >= last) return 0;
+kvrelay::v1::AllocateRequest StoreLink::AllocationFor(const std::vector<kv::BlockHash>& chain,
+                                                      int64_t first, int64_t last,
+                                                      bool keep_copies) const {
   kvrelay::v1::AllocateRequest request;
   for (int64_t i = first; i < last; ++i) {
     auto* block = request.add_blocks();
@@ -294,13 +321,13 @@ absl::StatusOr<int32_t> StoreLink::CommitBlocksFrom(const std::vector<kv::BlockH
   request.set_preferred_tier(kvrelay::v1::TIER_HOST);
   request.set_replicas(1);
   request.set_add_local_replicas(keep_copies);
-  KV_RETURN_IF_ERROR(RequestPathOpen());
-  absl::StatusOr<kvrelay::v1::AllocateResponse> allocated =
-      client_->Allocate(request, RequestCall());
-  NoteRequestPath(allocated.status());
-  KV_ASSIGN_OR_RETURN(kvrelay::v1::AllocateResponse allocation, std::move(allocated));
+  return request;
+}
+
+std::vector<kv::BlockHash> StoreLink::WriteAllocated(
+    const kvrelay::v1::AllocateResponse& allocation, const std::vector<kv::BlockHash>& chain,
+    int64_t first, const BlockWriter& write, std::vector<kvrelay::v1::AnnouncedBlock>& written) {
   std::vector<kv::BlockHash> stored;
-  std::vector<kvrelay::v1::AnnouncedBlock> written;
   for (int i = 0; i < allocation.blocks_size(); ++i) {
     const auto& block = allocation.blocks(i);
     if (block.already_committed()) continue;
@@ -332,14 +359,32 @@ absl::StatusOr<int32_t> StoreLink::CommitBlocksFrom(const std::vector<kv::BlockH
     }
     if (ok) stored.push_back(cachestore::CacheStoreClient::FromProto(block.hash()));
   }
+  return stored;
+}
+
+absl::StatusOr<int32_t> StoreLink::CommitBlocksFrom(const std::vector<kv::BlockHash>& chain,
+                                                    int64_t first, int64_t last,
+                                                    const BlockWriter& write, absl::Time deadline,
+                                                    bool keep_copies) {
+  if (segment_ == nullptr || first >= last) return 0;
+  const kvrelay::v1::AllocateRequest request = AllocationFor(chain, first, last, keep_copies);
+  KV_ASSIGN_OR_RETURN(RequestCall call, OpenRequestCall(deadline));
+  absl::StatusOr<kvrelay::v1::AllocateResponse> allocated = client_->Allocate(request, call.call);
+  NoteRequestPath(call, allocated.status());
+  KV_ASSIGN_OR_RETURN(kvrelay::v1::AllocateResponse allocation, std::move(allocated));
+  std::vector<kvrelay::v1::AnnouncedBlock> written;
+  const std::vector<kv::BlockHash> stored =
+      WriteAllocated(allocation, chain, first, write, written);
+  // Writing took time: the abort or commit gets what is left then.
+  call = BoundCall(deadline);
   if (stored.empty()) {
-    (void)client_->Abort(allocation.allocation_id(), RequestCall());
+    (void)client_->Abort(allocation.allocation_id(), call.call);
     return 0;
   }
   // A commit that times out is not retried: the store aborts the allocation after its own
   // timeout and the slots go back to it; the bytes written there are never matched.
-  absl::StatusOr<int> commit = client_->Commit(allocation.allocation_id(), stored, RequestCall());
-  NoteRequestPath(commit.status());
+  absl::StatusOr<int> commit = client_->Commit(allocation.allocation_id(), stored, call.call);
+  NoteRequestPath(call, commit.status());
   KV_ASSIGN_OR_RETURN(int committed, std::move(commit));
   absl::MutexLock lock(&mu_);
   for (auto& a : written) {

@@ -49,9 +49,11 @@ struct StoreLinkOptions {
   std::string transport_address;  // where peers reach this node's data plane
   absl::Duration ttl = absl::Seconds(10);
   absl::Duration rpc_timeout = absl::Seconds(5);
-  // Store calls on a request's critical path (MatchPrefix, the commit after a prefill) get this
-  // long: a store that does not answer costs reuse, not seconds of TTFT. After such a call
-  // fails, they are skipped for `store_backoff` (one request probes again after it).
+  // The per-call limit of a store call on a request's critical path (MatchPrefix, the commit
+  // after a prefill): each gets min(what is left of the request's deadline, this), so a store
+  // that does not answer costs reuse, not seconds of TTFT. After such a call fails because the
+  // store was slow or away (not because the request had no time left), they are skipped for
+  // `store_backoff` (one request probes again after it).
   absl::Duration request_timeout = absl::Milliseconds(500);
   absl::Duration store_backoff = absl::Seconds(1);
   server::SecurityOptions security;
@@ -59,6 +61,9 @@ struct StoreLinkOptions {
   // Registered as the segment's memory key (CacheSegment::AccessKey): what readers the store
   // sends here need to get blocks over the data plane.
   std::string segment_access_key;
+  // Tokens per KV block of the node's layout, checked by the store at registration (another
+  // value than the store's is refused: FailedPrecondition naming both); 0: not checked.
+  int32_t block_tokens = 0;
 };
 
 struct PrefixMatch {
@@ -77,25 +82,35 @@ class StoreLink {
   static absl::StatusOr<std::unique_ptr<StoreLink>> Connect(StoreLinkOptions options,
                                                             const CacheSegment* segment,
                                                             Clock* clock, absl::Time deadline);
+  // A link that never registers and sends no heartbeat: for tests of the request-path calls
+  // against a store that would not accept a registration (one that never answers).
+  static absl::StatusOr<std::unique_ptr<StoreLink>> UnregisteredForTest(StoreLinkOptions options,
+                                                                        const CacheSegment* segment,
+                                                                        Clock* clock);
   ~StoreLink();
 
+  // Request-path calls: `deadline` is the request's; each store call of them gets
+  // min(deadline, now + options.request_timeout). DeadlineExceeded without a call when the
+  // deadline has passed; Unavailable while calls are skipped after a failure; the store's error.
   absl::StatusOr<PrefixMatch> MatchPrefix(const std::vector<kv::BlockHash>& chain,
-                                          absl::Duration lease_ttl);
-  void ReleaseLease(uint64_t lease_id);
+                                          absl::Duration lease_ttl, absl::Time deadline);
+  // Best effort (a lease not released expires at the store); bounded as above.
+  void ReleaseLease(uint64_t lease_id, absl::Time deadline = absl::InfiniteFuture());
   // Commits chain[first, last) (their KV is blocks first..last-1 of `seq`): allocates slots in
   // this node's segment, copies the blocks there, commits them. Returns how many were committed.
   // With `keep_copies`, blocks already committed on other nodes get a copy here too (a decode
-  // worker keeping what it received, so a later turn need not receive it again).
+  // worker keeping what it received, so a later turn need not receive it again). Each store
+  // call is bounded by `deadline` as MatchPrefix's is.
   absl::StatusOr<int32_t> CommitBlocks(const std::vector<kv::BlockHash>& chain, int64_t first,
                                        int64_t last, const model::Sequence& seq,
-                                       bool keep_copies = false);
+                                       absl::Time deadline, bool keep_copies = false);
   // Writes one block's bytes (segment_->block_bytes() of them) into segment slot `slot`.
   using BlockWriter = std::function<absl::Status(int64_t block_index, int64_t slot)>;
   // As CommitBlocks, with the bytes of block i written by `write(i, slot)`: for Mamba, the
   // state checkpoint after block i (kept under block i's chained hash).
   absl::StatusOr<int32_t> CommitBlocksFrom(const std::vector<kv::BlockHash>& chain, int64_t first,
                                            int64_t last, const BlockWriter& write,
-                                           bool keep_copies = false);
+                                           absl::Time deadline, bool keep_copies = false);
   // How many leading blocks of `chain` the segment holds; copies them into fresh KvCache
   // slots (appended to group_slots[g], one reference each for the caller). Under the link's
   // lock, so no slot is rewritten while it is copied; every copy is checked against its slot
@@ -115,11 +130,27 @@ class StoreLink {
   // Re-announces every held block (after the store forgot this node).
   void Reannounce();
   void HeartbeatLoop();
-  // Unavailable while request-path calls are skipped after a failure; else OK.
-  absl::Status RequestPathOpen() const;
-  // Options for a request-path call; records a store that did not answer.
-  cachestore::CallOptions RequestCall() const;
-  void NoteRequestPath(const absl::Status& status);
+  // A request-path call's bound: min(the request's deadline, now + options_.request_timeout).
+  struct RequestCall {
+    cachestore::CallOptions call;
+    bool request_bound = false;  // the request's deadline is the nearer one
+  };
+  RequestCall BoundCall(absl::Time deadline) const;
+  // BoundCall, after checking the call may go out: DeadlineExceeded when `deadline` has
+  // passed, Unavailable while request-path calls are skipped after a failure.
+  absl::StatusOr<RequestCall> OpenRequestCall(absl::Time deadline) const;
+  // Records a store that did not answer within the per-call limit (not a request out of time).
+  void NoteRequestPath(const RequestCall& call, const absl::Status& status);
+  // The answer of MatchPrefix in this node's terms: own slots and readable remote replicas.
+  PrefixMatch ToPrefixMatch(const kvrelay::v1::MatchPrefixResponse& response) const;
+  kvrelay::v1::AllocateRequest AllocationFor(const std::vector<kv::BlockHash>& chain, int64_t first,
+                                             int64_t last, bool keep_copies) const;
+  // Writes the allocated blocks placed wholly in this node's segment (their slots forgotten
+  // first); appends to `written` what to record once committed. Returns the hashes written.
+  std::vector<kv::BlockHash> WriteAllocated(const kvrelay::v1::AllocateResponse& allocation,
+                                            const std::vector<kv::BlockHash>& chain, int64_t first,
+                                            const BlockWriter& write,
+                                            std::vector<kvrelay::v1::AnnouncedBlock>& written);
 
   const StoreLinkOptions options_;
   const CacheSegment* segment_;

@@ -6,7 +6,8 @@
 //
 // The transport and the clock are injected (WorkerCoreDeps), so the serving core runs over the
 // in-process or fault-injecting transport and a SimulatedClock in one-process tests, and over
-// UCX with the real clock in `kvrelay prefill|decode`.
+// UCX with the real clock in `kvrelay prefill|decode` (worker/server makes that transport: this
+// library links neither UCX nor gRPC's server side).
 //
 // Members are declared in creation order, so destruction stops the heartbeat first and the
 // transport after every region allocated from it.
@@ -22,8 +23,8 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "common/clock.h"
-#include "common/flags.h"
-#include "common/server/service_host.h"
+#include "common/server/credentials.h"
+#include "kv/hf_config.h"
 #include "model/attention_model.h"
 #include "model/mamba_runner.h"
 #include "model/select/model_select.h"
@@ -50,6 +51,11 @@ const char* MemoryKeyScopeName(MemoryKeyScope scope);
 struct WorkerCoreOptions {
   std::string role;  // "prefill" or "decode": default node ids and error attribution
   std::string model_dir;
+  // config.json of model_dir, parsed once by the caller (worker/server's flags) and handed down
+  // to the model loader; empty: WorkerCore::Create reads it with `block_tokens`.
+  std::optional<kv::ModelConfig> model_config;
+  // Tokens per KV block when WorkerCore::Create reads config.json itself.
+  int32_t block_tokens = kv::kDefaultBlockTokens;
   std::string node_id;             // empty: "<role>-<hostname>-<random>", unique per process
   std::string cachestore_address;  // empty: no cache segment, no store link
   std::string transport_host = "127.0.0.1";
@@ -77,13 +83,15 @@ struct WorkerCoreOptions {
 };
 
 struct WorkerCoreDeps {
-  transfer::TransportPtr transport;       // null: a UCX transport listening on transport_host
-  std::string transport_kind = "inproc";  // what peers are told (ignored when transport is null)
+  // The data plane (required): in-process in tests, UCX from worker/server in the commands.
+  transfer::TransportPtr transport;
+  std::string transport_kind = "inproc";  // what peers are told
   Clock* clock = Clock::Real();           // not owned; must outlive the core
 };
 
 struct WorkerCore {
   // `inbound` (may be empty) is installed before the transport can accept peers.
+  // InvalidArgument without deps.transport; the model loader's and the transport's errors.
   static absl::StatusOr<std::unique_ptr<WorkerCore>> Create(const WorkerCoreOptions& options,
                                                             transfer::InboundHandler inbound,
                                                             WorkerCoreDeps deps = {});
@@ -128,35 +136,5 @@ struct WorkerCore {
 // "<role>-<hostname>-<8 hex digits>": unique per process, so two replicas of one deployment
 // never share an id by accident.
 std::string DefaultNodeId(const std::string& role);
-
-// Command-line handling shared by `kvrelay prefill` and `kvrelay decode`: registers the server
-// flags (common/server), the WorkerCoreOptions flags and --model-name on `flags`, then parses
-// `raw_args` (with --config). Returns an exit code to return at once (0 after --help, 2 with a
-// one-line message for bad usage), or nullopt when the command should go on; fills the model
-// name's default from the directory. Call AddFlags, add command-specific flags, then Parse.
-class WorkerFlags {
- public:
-  WorkerFlags(server::ServiceHostOptions& host, WorkerCoreOptions& core, std::string& model_name)
-      : host_(host), core_(core), model_name_(model_name) {}
-  void AddFlags(FlagSet& flags);
-  std::optional<int> Parse(FlagSet& flags, const std::vector<std::string>& raw_args,
-                           bool cachestore_required);
-
- private:
-  server::ServiceHostOptions& host_;
-  WorkerCoreOptions& core_;
-  std::string& model_name_;
-  std::string device_ = "auto";  // --device, parsed into core_.device
-};
-
-// The tail `kvrelay prefill` and `kvrelay decode` share: serves `service` on `host`, then,
-// once the gRPC address is reachable, registers the worker with the store under that address
-// as others see it (`advertise_host`, see server::AdvertisedHost) through `connect_store`, and
-// serves until SIGTERM/SIGINT, then drains (`on_drain` first). Returns the exit code: 0, or 1
-// with "kvrelay <host.name>: <status>" on stderr when the server or the registration fails.
-int ServeWorker(const server::ServiceHostOptions& host, grpc::Service* service,
-                const MetricsRegistry* metrics, const std::string& advertise_host,
-                const std::function<absl::Status(const std::string& grpc_address)>& connect_store,
-                std::function<void()> on_drain = {});
 
 }  // namespace kvrelay::worker

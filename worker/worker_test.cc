@@ -1,7 +1,6 @@
 #include <cstring>
 
 #include "gmock/gmock.h"
-#include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "kv/presets.h"
 #include "model/kv_cache.h"

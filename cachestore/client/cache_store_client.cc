@@ -388,6 +388,7 @@ absl::StatusOr<v1::RegisterNodeResponse> CacheStoreClient::Register(const Regist
   req.mutable_address()->set_address(reg.transport_address);
   for (const v1::Segment& s : reg.segments) *req.add_segments() = s;
   req.set_ttl_ms(absl::ToInt64Milliseconds(reg.ttl));
+  req.set_block_tokens(reg.block_tokens);
   return RegisterNode(req, call);
 }
 
@@ -576,6 +577,15 @@ absl::StatusOr<v1::ListNodesResponse> CacheStoreClient::ListNodes(const CallOpti
   v1::ListNodesResponse resp;
   absl::Status s = Invoke(&v1::CacheStore::Stub::ListNodes, v1::ListNodesRequest(), &resp, call);
   if (!s.ok()) return s;
+  // The block size is in every block hash: with another one, no prefix would ever match.
+  if (options_.block_tokens != 0 && resp.block_tokens() != 0 &&
+      resp.block_tokens() != options_.block_tokens) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the cache store uses ", resp.block_tokens(), "-token KV blocks (--block-tokens ",
+        resp.block_tokens(), ") but this process ", options_.block_tokens,
+        "-token ones (--block-tokens ", options_.block_tokens,
+        "): every process of a deployment must use the same --block-tokens"));
+  }
   return resp;
 }
 

@@ -101,6 +101,9 @@ class CacheStoreClient {
     // reopened after it ends); a store that does not know the RPC (UNIMPLEMENTED) gets unary
     // MatchPrefix from then on. False: unary calls always.
     bool lookup_stream = true;
+    // Tokens per KV block this process uses; non-zero: ListNodes from a store with another
+    // --block-tokens is FailedPrecondition naming both (a gateway discovering workers).
+    int32_t block_tokens = 0;
   };
   // `target` is host:port, or several separated by commas (HA). Does not wait for the
   // connection.
@@ -136,6 +139,8 @@ class CacheStoreClient {
     std::string transport_address;  // data plane host:port
     std::vector<v1::Segment> segments;
     absl::Duration ttl = absl::Seconds(10);  // tolerate multi-second stalls
+    // Tokens per KV block of the node's layout, checked by the store; 0: not said.
+    int32_t block_tokens = 0;
   };
   // ALREADY_EXISTS: another live process holds the id. Idempotent for the same incarnation.
   absl::StatusOr<v1::RegisterNodeResponse> Register(const Registration& reg,

@@ -19,6 +19,7 @@
 #include "common/metrics.h"
 #include "common/server/server_flags.h"
 #include "common/server/service_host.h"
+#include "kv/hf_config.h"
 
 namespace kvrelay::cachestore::server {
 
@@ -69,6 +70,10 @@ int RunCacheStoreCommand(const std::vector<std::string>& args) {
   flags.AddDouble("high-watermark", &high, "evict when this fraction of slots is used");
   flags.AddDouble("low-watermark", &low, "... down to this fraction");
   flags.AddInt64("snapshot-every", &snapshot_every, "WAL records between snapshots");
+  int32_t block_tokens = kv::kDefaultBlockTokens;
+  flags.AddInt32("block-tokens", &block_tokens,
+                 "tokens per KV block every worker and gateway must use (a worker that "
+                 "registers with another value is refused)");
   if (std::optional<int> exit_code =
           kvrelay::server::ParseServerCommandLine(flags, args, "cachestore", host)) {
     return *exit_code;
@@ -82,6 +87,9 @@ int RunCacheStoreCommand(const std::vector<std::string>& args) {
   }
   if (tick <= absl::ZeroDuration()) {
     return kvrelay::server::UsageError("cachestore", "--tick: must be positive");
+  }
+  if (absl::Status s = kv::CheckBlockTokensFlag(block_tokens); !s.ok()) {
+    return kvrelay::server::UsageError("cachestore", s.message());
   }
   if (!etcd_endpoints.empty()) {
     absl::StatusOr<std::vector<std::string>> endpoints = etcd::ParseEndpoints(etcd_endpoints);
@@ -115,6 +123,7 @@ int RunCacheStoreCommand(const std::vector<std::string>& args) {
   options.high_watermark = high;
   options.low_watermark = low;
   options.snapshot_every_ops = snapshot_every;
+  options.block_tokens = block_tokens;
   absl::StatusOr<std::unique_ptr<kvrelay::cachestore::CacheStore>> store =
       kvrelay::cachestore::CacheStore::Create(options);
   if (!store.ok()) {

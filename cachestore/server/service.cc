@@ -348,6 +348,9 @@ grpc::Status CacheStoreService::RegisterNode(grpc::ServerContext* ctx,
     return t.Done(
         Invalid(absl::StrCat("address.address: at most ", limits_.max_address_bytes, " bytes")));
   }
+  if (auto s = store_->CheckBlockTokens(req->node_id(), req->block_tokens()); !s.ok()) {
+    return t.Done(Fail(s));
+  }
   NodeSpec spec;
   spec.node_id = req->node_id();
   spec.incarnation = req->incarnation();
@@ -469,6 +472,7 @@ grpc::Status CacheStoreService::ListNodes(grpc::ServerContext* ctx, const v1::Li
   // The sequence first: whatever changes after it shows up in events after it.
   resp->set_last_sequence(store_->last_sequence());
   resp->set_store_incarnation(store_->store_incarnation());
+  resp->set_block_tokens(store_->block_tokens());
   for (const NodeInfo& n : store_->ListNodes()) {
     v1::NodeInfo* out = resp->add_nodes();
     ToProto(n.spec, out);

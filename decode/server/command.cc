@@ -10,7 +10,9 @@
 #include "common/server/service_host.h"
 #include "decode/decode_worker.h"
 #include "decode/server/decode_service.h"
-#include "worker/worker_core.h"
+#include "worker/server/default_transport.h"
+#include "worker/server/serve_worker.h"
+#include "worker/server/worker_flags.h"
 
 namespace kvrelay::decode::server {
 
@@ -21,7 +23,7 @@ int RunDecodeCommand(const std::vector<std::string>& raw_args) {
   host.name = "decode";
   host.health_services = {"kvrelay.v1.Decode"};
   FlagSet flags("decode", "Runs a decode worker: receives KV blocks, decodes, streams tokens.");
-  worker::WorkerFlags worker_flags(host, options.core, options.model_name);
+  worker::server::WorkerFlags worker_flags(host, options.core, options.model_name);
   worker_flags.AddFlags(flags);
   flags.AddInt32("max-batch", &options.max_batch, "sequences per decode step");
   flags.AddInt32("max-queued", &options.max_queued,
@@ -57,7 +59,9 @@ int RunDecodeCommand(const std::vector<std::string>& raw_args) {
         "decode", absl::StrCat("--max-queued must be >= 0, got ", options.max_queued));
   }
   MetricsRegistry metrics;
-  absl::StatusOr<std::unique_ptr<DecodeWorker>> worker = DecodeWorker::Create(options, &metrics);
+  absl::StatusOr<worker::WorkerCoreDeps> deps = worker::server::DefaultWorkerDeps(options.core);
+  absl::StatusOr<std::unique_ptr<DecodeWorker>> worker =
+      deps.ok() ? DecodeWorker::Create(options, &metrics, *std::move(deps)) : deps.status();
   if (!worker.ok()) {
     std::fprintf(stderr, "kvrelay decode: %s\n", worker.status().ToString().c_str());
     return 1;
@@ -68,7 +72,7 @@ int RunDecodeCommand(const std::vector<std::string>& raw_args) {
                worker::MemoryKeyScopeName((*worker)->memory_key_scope()));
   host.listening_note = (*worker)->device_line();
   DecodeService service(worker->get(), kvrelay::server::Authorizer(host.security));
-  return worker::ServeWorker(
+  return worker::server::ServeWorker(
       host, &service, &metrics, options.core.advertise_host,
       [&](const std::string& grpc_address) { return (*worker)->ConnectStore(grpc_address); },
       [&] { (*worker)->Drain(); });

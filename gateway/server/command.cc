@@ -14,44 +14,67 @@
 #include "common/logging.h"
 #include "common/server/server_flags.h"
 #include "common/server/service_host.h"
+#include "common/status_macros.h"
 #include "gateway/gateway.h"
 #include "gateway/http/openai_server.h"
 #include "gateway/server/gateway_service.h"
 #include "gateway/tenant_auth.h"
+#include "kv/hf_config.h"
 
 namespace kvrelay::gateway::server {
 namespace {
+
 // Bounds of the quota flags: beyond them a "limit" limits nothing a gateway could serve.
 constexpr int64_t kMaxInFlightQuota = 100000;
 constexpr int64_t kMaxReservedTokensQuota = int64_t{1} << 32;
-}  // namespace
 
-int RunGatewayCommand(const std::vector<std::string>& raw_args) {
-  kvrelay::server::ServiceHost::BlockShutdownSignals();
+// What `kvrelay gateway`'s flags fill, before and after their checks.
+struct GatewayFlags {
   GatewayOptions options;
   kvrelay::server::ServiceHostOptions host;
-  host.name = "gateway";
-  host.port = 50051;
-  host.health_services = {"kvrelay.v1.Gateway"};
-  std::string cachestore, prefill, decode, secret_file, token_keys_file;
-  FlagSet flags("gateway", "Runs the gateway: Generate with KV-aware routing.");
-  kvrelay::server::AddServerFlags(flags, host);
-  flags.AddString("cachestore", &cachestore,
+  std::string cachestore, prefill, decode, secret_file, token_keys_file, http_host;
+  int32_t http_port = -1;
+  std::vector<std::string> prefill_addresses, decode_addresses;  // --prefill, --decode split
+};
+
+void AddRoutingFlags(FlagSet& flags, GatewayFlags& f) {
+  GatewayOptions& options = f.options;
+  flags.AddString("cachestore", &f.cachestore,
                   "cache store HOST:PORT (prefix-aware routing); several, comma-separated: an HA "
                   "store set");
-  flags.AddString("prefill", &prefill,
+  flags.AddString("prefill", &f.prefill,
                   "fixed prefill workers, HOST:PORT[,HOST:PORT...] (with --cachestore, workers "
                   "that register are discovered too)");
-  flags.AddString("decode", &decode, "fixed decode workers, HOST:PORT[,HOST:PORT...]");
+  flags.AddString("decode", &f.decode, "fixed decode workers, HOST:PORT[,HOST:PORT...]");
   flags.AddDuration("discovery-interval", &options.discovery_interval,
                     "how often the cache store's registry is read for workers that joined or "
                     "left (0: only the fixed lists)");
   flags.AddString("model", &options.model_dir, "model directory the workers serve");
   flags.AddString("model-name", &options.model_name,
                   "model name requests use (default: the directory's base name)");
-  flags.AddString("tenant-secret-file", &secret_file,
+  flags.AddInt32("block-tokens", &options.block_tokens,
+                 "tokens per KV block; the cache store and the workers must use the same value "
+                 "(a store with another one is refused)");
+  flags.AddInt32("max-attempts", &options.max_attempts, "failed worker pairs tried per request");
+  flags.AddBool("prefix-routing", &options.prefix_routing,
+                "route to the prefill node holding the prompt's prefix when its queue is worth it "
+                "(false: by load alone; workers pull or recompute what others hold)");
+  flags.AddDuration("reserve-timeout", &options.reserve_timeout,
+                    "per-attempt bound on a decode worker's Reserve");
+  flags.AddDuration("prefill-timeout", &options.prefill_timeout,
+                    "per-attempt bound on a prefill (compute + push)");
+  flags.AddDuration("chunk-timeout", &options.chunk_timeout,
+                    "per-attempt bound on the wait for the first and every next token");
+  flags.AddDuration("breaker-open", &options.breaker.open_for,
+                    "how long a failed worker is skipped before a probe (doubles per failed "
+                    "probe)");
+}
+
+void AddTenantFlags(FlagSet& flags, GatewayFlags& f) {
+  GatewayOptions& options = f.options;
+  flags.AddString("tenant-secret-file", &f.secret_file,
                   "file with the secret mixed into tenant salts (required; no default)");
-  flags.AddString("tenant-token-keys", &token_keys_file,
+  flags.AddString("tenant-token-keys", &f.token_keys_file,
                   "file with HS256 keys (one per line) that sign tenants' bearer tokens "
                   "(JWT: sub = tenant, exp); without it tenants come only from client "
                   "certificates");
@@ -66,76 +89,64 @@ int RunGatewayCommand(const std::vector<std::string>& raw_args) {
                  "limit)");
   flags.AddInt64("max-reserved-tokens-per-client", &options.max_reserved_tokens_per_client,
                  "decode KV one client may hold reserved at once, in tokens (0: no limit)");
-  flags.AddInt32("max-attempts", &options.max_attempts, "failed worker pairs tried per request");
-  flags.AddBool("prefix-routing", &options.prefix_routing,
-                "route to the prefill node holding the prompt's prefix when its queue is worth it "
-                "(false: by load alone; workers pull or recompute what others hold)");
-  flags.AddDuration("reserve-timeout", &options.reserve_timeout,
-                    "per-attempt bound on a decode worker's Reserve");
-  flags.AddDuration("prefill-timeout", &options.prefill_timeout,
-                    "per-attempt bound on a prefill (compute + push)");
-  flags.AddDuration("chunk-timeout", &options.chunk_timeout,
-                    "per-attempt bound on the wait for the first and every next token");
-  int32_t http_port = -1;
-  std::string http_host;
-  flags.AddInt32("http-port", &http_port,
+  flags.AddInt32("http-port", &f.http_port,
                  "OpenAI-compatible HTTP port (/v1/completions, /v1/chat/completions, "
                  "/v1/models); -1: off, 0: any free port");
-  flags.AddString("http-host", &http_host, "address the HTTP port listens on (default: --host)");
-  flags.AddDuration("breaker-open", &options.breaker.open_for,
-                    "how long a failed worker is skipped before a probe (doubles per failed "
-                    "probe)");
-  if (std::optional<int> exit_code =
-          kvrelay::server::ParseServerCommandLine(flags, raw_args, "gateway", host)) {
-    return *exit_code;
+  flags.AddString("http-host", &f.http_host, "address the HTTP port listens on (default: --host)");
+}
+
+// --cachestore, --prefill and --decode: split and checked. InvalidArgument with the usage line.
+absl::Status CheckAddresses(GatewayFlags& f) {
+  for (absl::string_view a : absl::StrSplit(f.prefill, ',', absl::SkipEmpty())) {
+    f.prefill_addresses.emplace_back(a);
   }
-  std::vector<std::string> prefill_addresses, decode_addresses;
-  for (absl::string_view a : absl::StrSplit(prefill, ',', absl::SkipEmpty())) {
-    prefill_addresses.emplace_back(a);
+  for (absl::string_view a : absl::StrSplit(f.decode, ',', absl::SkipEmpty())) {
+    f.decode_addresses.emplace_back(a);
   }
-  for (absl::string_view a : absl::StrSplit(decode, ',', absl::SkipEmpty())) {
-    decode_addresses.emplace_back(a);
-  }
-  if (cachestore.empty() && (prefill_addresses.empty() || decode_addresses.empty())) {
-    return kvrelay::server::UsageError(
-        "gateway",
+  if (f.cachestore.empty() && (f.prefill_addresses.empty() || f.decode_addresses.empty())) {
+    return absl::InvalidArgumentError(
         "give --cachestore (workers are discovered from its registry) or at least one --prefill "
         "and one --decode worker");
   }
-  for (const auto& list : {prefill_addresses, decode_addresses}) {
+  for (const auto& list : {f.prefill_addresses, f.decode_addresses}) {
     for (const std::string& a : list) {
       if (absl::Status s = kvrelay::server::CheckHostPort(a, "--prefill/--decode entry"); !s.ok()) {
-        return kvrelay::server::UsageError("gateway", std::string(s.message()));
+        return s;
       }
     }
   }
-  if (!cachestore.empty()) {
-    for (absl::string_view address : absl::StrSplit(cachestore, ',')) {
+  if (!f.cachestore.empty()) {
+    for (absl::string_view address : absl::StrSplit(f.cachestore, ',')) {
       if (absl::Status s = kvrelay::server::CheckHostPort(std::string(address), "--cachestore");
           !s.ok()) {
-        return kvrelay::server::UsageError("gateway", std::string(s.message()));
+        return s;
       }
     }
   }
-  if (options.model_dir.empty())
-    return kvrelay::server::UsageError("gateway", "--model is required");
-  if (options.model_name.empty())
+  return absl::OkStatus();
+}
+
+// --model, --block-tokens, the tenant secret and the quota bounds. InvalidArgument with the
+// usage line.
+absl::Status CheckModelAndTenants(GatewayFlags& f) {
+  GatewayOptions& options = f.options;
+  if (options.model_dir.empty()) return absl::InvalidArgumentError("--model is required");
+  if (options.model_name.empty()) {
     options.model_name = kvrelay::server::ModelNameFromDir(options.model_dir);
+  }
+  if (absl::Status s = kv::CheckBlockTokensFlag(options.block_tokens); !s.ok()) return s;
   // No default: a known secret makes every tenant's block hashes computable offline.
-  if (secret_file.empty()) {
-    return kvrelay::server::UsageError(
-        "gateway", "--tenant-secret-file is required (e.g. `head -c 32 /dev/urandom | base64`)");
+  if (f.secret_file.empty()) {
+    return absl::InvalidArgumentError(
+        "--tenant-secret-file is required (e.g. `head -c 32 /dev/urandom | base64`)");
   }
-  {
-    absl::StatusOr<std::string> secret = ReadFileToString(secret_file);
-    if (!secret.ok() || absl::StripAsciiWhitespace(*secret).size() < 16) {
-      return kvrelay::server::UsageError(
-          "gateway", absl::StrCat("--tenant-secret-file: ",
-                                  secret.ok() ? "want at least 16 bytes of secret"
-                                              : std::string(secret.status().message())));
-    }
-    options.tenant_secret = std::string(absl::StripAsciiWhitespace(*secret));
+  absl::StatusOr<std::string> secret = ReadFileToString(f.secret_file);
+  if (!secret.ok() || absl::StripAsciiWhitespace(*secret).size() < 16) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--tenant-secret-file: ",
+        secret.ok() ? "want at least 16 bytes of secret" : std::string(secret.status().message())));
   }
+  options.tenant_secret = std::string(absl::StripAsciiWhitespace(*secret));
   for (const auto& [flag, value, bound] : std::vector<std::tuple<const char*, int64_t, int64_t>>{
            {"--max-inflight-per-tenant", options.max_inflight_per_tenant, kMaxInFlightQuota},
            {"--max-inflight-per-client", options.max_inflight_per_client, kMaxInFlightQuota},
@@ -144,115 +155,171 @@ int RunGatewayCommand(const std::vector<std::string>& raw_args) {
            {"--max-reserved-tokens-per-client", options.max_reserved_tokens_per_client,
             kMaxReservedTokensQuota}}) {
     if (value < 0 || value > bound) {
-      return kvrelay::server::UsageError(
-          "gateway", absl::StrCat(flag, " must be in [0, ", bound, "], got ", value));
+      return absl::InvalidArgumentError(
+          absl::StrCat(flag, " must be in [0, ", bound, "], got ", value));
     }
   }
-  std::unique_ptr<TenantTokenVerifier> verifier;
-  if (!token_keys_file.empty()) {
-    absl::StatusOr<TenantTokenVerifier> loaded = TenantTokenVerifier::FromKeyFile(token_keys_file);
-    if (!loaded.ok()) {
-      return kvrelay::server::UsageError(
-          "gateway", absl::StrCat("--tenant-token-keys: ", loaded.status().message()));
-    }
-    verifier = std::make_unique<TenantTokenVerifier>(*std::move(loaded));
-  }
+  return absl::OkStatus();
+}
 
+// The fixed endpoints and the factories discovery uses. The endpoint's error (exit 1).
+absl::StatusOr<Gateway::Workers> MakeWorkers(const GatewayFlags& f) {
+  const kvrelay::server::SecurityOptions security = f.host.security;
   Gateway::Workers workers;
-  for (const std::string& a : prefill_addresses) {
-    absl::StatusOr<std::unique_ptr<PrefillEndpoint>> e = MakeGrpcPrefillEndpoint(a, host.security);
-    if (!e.ok()) return kvrelay::server::UsageError("gateway", e.status().ToString(), 1);
-    workers.prefill.push_back(*std::move(e));
+  for (const std::string& a : f.prefill_addresses) {
+    KV_ASSIGN_OR_RETURN(std::unique_ptr<PrefillEndpoint> e, MakeGrpcPrefillEndpoint(a, security));
+    workers.prefill.push_back(std::move(e));
   }
-  for (const std::string& a : decode_addresses) {
-    absl::StatusOr<std::unique_ptr<DecodeEndpoint>> e = MakeGrpcDecodeEndpoint(a, host.security);
-    if (!e.ok()) return kvrelay::server::UsageError("gateway", e.status().ToString(), 1);
-    workers.decode.push_back(*std::move(e));
+  for (const std::string& a : f.decode_addresses) {
+    KV_ASSIGN_OR_RETURN(std::unique_ptr<DecodeEndpoint> e, MakeGrpcDecodeEndpoint(a, security));
+    workers.decode.push_back(std::move(e));
   }
-  const kvrelay::server::SecurityOptions security = host.security;
   workers.make_prefill = [security](const std::string& address) {
     return MakeGrpcPrefillEndpoint(address, security);
   };
   workers.make_decode = [security](const std::string& address) {
     return MakeGrpcDecodeEndpoint(address, security);
   };
-  std::unique_ptr<cachestore::CacheStoreClient> store;
-  if (!cachestore.empty()) {
-    // One address, or several (an HA store set): the client follows the leader among them.
-    cachestore::CacheStoreClient::Options store_options{.timeout = options.route_timeout};
-    store_options.security = host.security;
-    absl::StatusOr<std::unique_ptr<cachestore::CacheStoreClient>> connected =
-        cachestore::CacheStoreClient::Connect(cachestore, store_options);
-    if (!connected.ok()) {
-      return kvrelay::server::UsageError("gateway", connected.status().ToString(), 1);
+  return workers;
+}
+
+// The store client (null without --cachestore), refusing a store whose --block-tokens differs
+// (FailedPrecondition naming both; a store not up yet is discovery's to retry).
+absl::StatusOr<std::unique_ptr<cachestore::CacheStoreClient>> ConnectStore(const GatewayFlags& f) {
+  if (f.cachestore.empty()) return nullptr;
+  // One address, or several (an HA store set): the client follows the leader among them.
+  cachestore::CacheStoreClient::Options store_options{.timeout = f.options.route_timeout};
+  store_options.security = f.host.security;
+  store_options.block_tokens = f.options.block_tokens;
+  KV_ASSIGN_OR_RETURN(std::unique_ptr<cachestore::CacheStoreClient> store,
+                      cachestore::CacheStoreClient::Connect(f.cachestore, store_options));
+  cachestore::CallOptions call;
+  call.deadline = absl::Now() + f.options.route_timeout;
+  if (absl::Status s = store->ListNodes(call).status(); absl::IsFailedPrecondition(s)) return s;
+  return store;
+}
+
+// HTTP callers name their tenant with a verified bearer token; only the plain-text dev mode
+// (--insecure) has a shared "anonymous" tenant for callers without one.
+TenantResolver MakeHttpTenantResolver(bool insecure, const TenantTokenVerifier* verifier) {
+  return [insecure, verifier](const std::string& authorization) -> absl::StatusOr<std::string> {
+    if (insecure) {
+      // Plain-text dev mode, as before: a token that verifies names its tenant, anything else
+      // (no header, a placeholder API key) is the shared "anonymous" tenant.
+      absl::StatusOr<std::string> tenant = ResolveTenant(
+          kvrelay::server::Peer{}, /*enforcing=*/true, authorization, "", verifier, absl::Now());
+      return tenant.ok() ? *tenant : std::string("anonymous");
     }
-    store = *std::move(connected);
+    if (authorization.empty()) {
+      return kvrelay::server::Unauthorized(
+          absl::UnauthenticatedError("an Authorization: Bearer token is required"));
+    }
+    return ResolveTenant(kvrelay::server::Peer{}, /*enforcing=*/true, authorization, "", verifier,
+                         absl::Now());
+  };
+}
+
+// The OpenAI-compatible HTTP server over `gateway` (null with --http-port -1); prints its
+// listening line. The server's error (exit 1).
+absl::StatusOr<std::unique_ptr<OpenAiHttpServer>> StartHttp(const GatewayFlags& f, Gateway* gateway,
+                                                            const tokenizer::Tokenizer* tokenizer,
+                                                            const TenantTokenVerifier* verifier) {
+  if (f.http_port < 0) return nullptr;
+  OpenAiHttpOptions http_options;
+  http_options.host = f.http_host.empty() ? f.host.host : f.http_host;
+  http_options.port = f.http_port;
+  http_options.model_name = f.options.model_name;
+  http_options.security = f.host.security;
+  http_options.resolve_tenant = MakeHttpTenantResolver(f.host.security.insecure, verifier);
+  KV_ASSIGN_OR_RETURN(std::unique_ptr<OpenAiHttpServer> http,
+                      OpenAiHttpServer::Start(std::move(http_options), gateway, tokenizer));
+  std::printf("gateway http listening on %s:%d\n",
+              (f.http_host.empty() ? f.host.host : f.http_host).c_str(), http->port());
+  std::fflush(stdout);
+  return http;
+}
+
+// Flags parsed and checked: an exit code to return at once, or nullopt to go on.
+std::optional<int> ParseGatewayFlags(const std::vector<std::string>& raw_args, GatewayFlags& f) {
+  f.host.name = "gateway";
+  f.host.port = 50051;
+  f.host.health_services = {"kvrelay.v1.Gateway"};
+  FlagSet flags("gateway", "Runs the gateway: Generate with KV-aware routing.");
+  kvrelay::server::AddServerFlags(flags, f.host);
+  AddRoutingFlags(flags, f);
+  AddTenantFlags(flags, f);
+  if (std::optional<int> exit_code =
+          kvrelay::server::ParseServerCommandLine(flags, raw_args, "gateway", f.host)) {
+    return exit_code;
   }
-  MetricsRegistry metrics;
-  absl::StatusOr<std::unique_ptr<Gateway>> gateway =
-      Gateway::Create(options, std::move(workers), std::move(store), &metrics);
-  if (!gateway.ok()) {
-    std::fprintf(stderr, "kvrelay gateway: %s\n", gateway.status().ToString().c_str());
-    return gateway.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
+  for (absl::Status s : {CheckAddresses(f), CheckModelAndTenants(f)}) {
+    if (!s.ok()) return kvrelay::server::UsageError("gateway", s.message());
   }
+  return std::nullopt;
+}
+
+// Serves `gateway` over gRPC (and HTTP with --http-port) until SIGTERM; the exit code.
+int Serve(const GatewayFlags& f, Gateway* gateway, const TenantTokenVerifier* verifier,
+          MetricsRegistry* metrics) {
   // Text of the OpenAI HTTP API goes through the served model's tokenizer.
   absl::StatusOr<std::unique_ptr<tokenizer::Tokenizer>> text_tokenizer;
-  if (http_port >= 0) {
-    text_tokenizer = LoadServedTokenizer(options.model_dir);
+  if (f.http_port >= 0) {
+    text_tokenizer = LoadServedTokenizer(f.options.model_dir);
     if (!text_tokenizer.ok()) {
       return kvrelay::server::UsageError(
           "gateway",
-          absl::StrCat("--model ", options.model_dir, ": ", text_tokenizer.status().ToString()));
+          absl::StrCat("--model ", f.options.model_dir, ": ", text_tokenizer.status().ToString()));
     }
   }
-  const kvrelay::server::Authorizer authorizer(host.security);
-  GatewayService service(gateway->get(), authorizer, verifier.get());
+  const kvrelay::server::Authorizer authorizer(f.host.security);
+  GatewayService service(gateway, authorizer, verifier);
   absl::StatusOr<std::unique_ptr<kvrelay::server::ServiceHost>> server =
-      kvrelay::server::ServiceHost::Start(host, {&service}, &metrics);
+      kvrelay::server::ServiceHost::Start(f.host, {&service}, metrics);
   if (!server.ok()) {
     std::fprintf(stderr, "kvrelay gateway: %s\n", server.status().ToString().c_str());
     return 1;
   }
-  std::unique_ptr<OpenAiHttpServer> http;
-  if (http_port >= 0) {
-    OpenAiHttpOptions http_options;
-    http_options.host = http_host.empty() ? host.host : http_host;
-    http_options.port = http_port;
-    http_options.model_name = options.model_name;
-    http_options.security = host.security;
-    // HTTP callers name their tenant with a verified bearer token; only the plain-text dev
-    // mode (--insecure) has a shared "anonymous" tenant for callers without one.
-    const bool insecure = host.security.insecure;
-    http_options.resolve_tenant =
-        [insecure, verifier = verifier.get()](
-            const std::string& authorization) -> absl::StatusOr<std::string> {
-      if (insecure) {
-        // Plain-text dev mode, as before: a token that verifies names its tenant, anything else
-        // (no header, a placeholder API key) is the shared "anonymous" tenant.
-        absl::StatusOr<std::string> tenant = ResolveTenant(
-            kvrelay::server::Peer{}, /*enforcing=*/true, authorization, "", verifier, absl::Now());
-        return tenant.ok() ? *tenant : std::string("anonymous");
-      }
-      if (authorization.empty()) {
-        return kvrelay::server::Unauthorized(
-            absl::UnauthenticatedError("an Authorization: Bearer token is required"));
-      }
-      return ResolveTenant(kvrelay::server::Peer{}, /*enforcing=*/true, authorization, "", verifier,
-                           absl::Now());
-    };
-    absl::StatusOr<std::unique_ptr<OpenAiHttpServer>> started =
-        OpenAiHttpServer::Start(std::move(http_options), gateway->get(), text_tokenizer->get());
-    if (!started.ok()) {
-      std::fprintf(stderr, "kvrelay gateway: %s\n", started.status().ToString().c_str());
-      return 1;
-    }
-    http = *std::move(started);
-    std::printf("gateway http listening on %s:%d\n",
-                (http_host.empty() ? host.host : http_host).c_str(), http->port());
-    std::fflush(stdout);
+  absl::StatusOr<std::unique_ptr<OpenAiHttpServer>> http =
+      StartHttp(f, gateway, text_tokenizer.ok() ? text_tokenizer->get() : nullptr, verifier);
+  if (!http.ok()) {
+    std::fprintf(stderr, "kvrelay gateway: %s\n", http.status().ToString().c_str());
+    return 1;
   }
-  (*server)->WaitForShutdown({.on_drain = [&http] { http.reset(); }});
+  (*server)->WaitForShutdown({.on_drain = [&http] { http->reset(); }});
   return 0;
+}
+
+}  // namespace
+
+int RunGatewayCommand(const std::vector<std::string>& raw_args) {
+  kvrelay::server::ServiceHost::BlockShutdownSignals();
+  GatewayFlags f;
+  if (std::optional<int> exit_code = ParseGatewayFlags(raw_args, f)) return *exit_code;
+  std::unique_ptr<TenantTokenVerifier> verifier;
+  if (!f.token_keys_file.empty()) {
+    absl::StatusOr<TenantTokenVerifier> loaded =
+        TenantTokenVerifier::FromKeyFile(f.token_keys_file);
+    if (!loaded.ok()) {
+      return kvrelay::server::UsageError(
+          "gateway", absl::StrCat("--tenant-token-keys: ", loaded.status().message()));
+    }
+    verifier = std::make_unique<TenantTokenVerifier>(*std::move(loaded));
+  }
+  absl::StatusOr<Gateway::Workers> workers = MakeWorkers(f);
+  if (!workers.ok()) return kvrelay::server::UsageError("gateway", workers.status().ToString(), 1);
+  absl::StatusOr<std::unique_ptr<cachestore::CacheStoreClient>> store = ConnectStore(f);
+  if (!store.ok()) {
+    return kvrelay::server::UsageError("gateway", store.status().ToString(),
+                                       absl::IsFailedPrecondition(store.status()) ? 2 : 1);
+  }
+  MetricsRegistry metrics;
+  absl::StatusOr<std::unique_ptr<Gateway>> gateway =
+      Gateway::Create(f.options, *std::move(workers), *std::move(store), &metrics);
+  if (!gateway.ok()) {
+    std::fprintf(stderr, "kvrelay gateway: %s\n", gateway.status().ToString().c_str());
+    return gateway.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
+  }
+  return Serve(f, gateway->get(), verifier.get(), &metrics);
 }
 
 int RunTokenCommand(const std::vector<std::string>& raw_args) {

@@ -573,6 +573,18 @@ absl::StatusOr<std::unique_ptr<AttentionModel>> LoadCudaRunner(const std::string
   config_options.block_tokens = options.block_tokens;
   KV_ASSIGN_OR_RETURN(kv::ModelConfig config,
                       kv::LoadHfConfig(model_dir + "/config.json", config_options));
+  return LoadCudaRunner(model_dir, std::move(config), options);
+}
+
+absl::StatusOr<std::unique_ptr<AttentionModel>> LoadCudaRunner(const std::string& model_dir,
+                                                               kv::ModelConfig config,
+                                                               const CudaRunnerOptions& options) {
+  KV_RETURN_IF_ERROR(CheckOptions(options));
+  if (config.layout.block_tokens() != options.block_tokens) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda runner: the config's layout has ", config.layout.block_tokens(),
+                     "-token blocks, options say ", options.block_tokens));
+  }
   KV_ASSIGN_OR_RETURN(std::string device_name, CheckConfigAndDevice(config, options));
   KV_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsModel> files, SafetensorsModel::Open(model_dir));
   KV_ASSIGN_OR_RETURN(ModelWeights weights, LoadWeights(*files, config));

@@ -21,8 +21,8 @@ namespace kvrelay::model::cuda {
 struct CudaRunnerOptions {
   int device = 0;
   WeightDType weight_dtype = WeightDType::kBf16;
-  int32_t block_tokens = 16;  // as RunnerOptions::block_tokens
-  int64_t max_rows = 2048;    // tokens per forward call (prefill chunk or decode batch)
+  int32_t block_tokens = kv::kDefaultBlockTokens;  // as RunnerOptions::block_tokens
+  int64_t max_rows = 2048;  // tokens per forward call (prefill chunk or decode batch)
   int64_t max_context = 32768;
 };
 
@@ -30,6 +30,11 @@ struct CudaRunnerOptions {
 // FailedPrecondition naming CUDA's reason when that device is not usable; Unimplemented for
 // architectures the CUDA model does not run (Gemma 3, Mamba), naming them.
 absl::StatusOr<std::unique_ptr<AttentionModel>> LoadCudaRunner(const std::string& model_dir,
+                                                               const CudaRunnerOptions& options);
+// As above, with <dir>/config.json already parsed into `config` (its layout's block_tokens
+// must equal options.block_tokens: InvalidArgument naming both otherwise).
+absl::StatusOr<std::unique_ptr<AttentionModel>> LoadCudaRunner(const std::string& model_dir,
+                                                               kv::ModelConfig config,
                                                                const CudaRunnerOptions& options);
 
 // For benchmarks of real-size shapes: a runner over random weights drawn on the device

@@ -1,5 +1,6 @@
 #include "model/select/model_select.h"
 
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -21,15 +22,22 @@ namespace {
 constexpr int kMaxCudaIndex = 1023;
 constexpr char kAcceptedForms[] = "auto, cpu, cuda or cuda:N";
 
+// `config`: config.json already parsed (empty: the loader reads it).
+using ParsedConfig = std::optional<kv::ModelConfig>;
+
 absl::StatusOr<std::unique_ptr<AttentionModel>> LoadCuda(const std::string& model_dir,
+                                                         const ParsedConfig& config,
                                                          const RunnerOptions& options, int device) {
 #ifdef KVRELAY_HAVE_CUDA
   cuda::CudaRunnerOptions cuda_options;
   cuda_options.device = device;
-  cuda_options.block_tokens = options.block_tokens;
+  cuda_options.block_tokens =
+      config.has_value() ? config->layout.block_tokens() : options.block_tokens;
+  if (config.has_value()) return cuda::LoadCudaRunner(model_dir, *config, cuda_options);
   return cuda::LoadCudaRunner(model_dir, cuda_options);
 #else
   (void)model_dir;
+  (void)config;
   (void)options;
   (void)device;
   return absl::UnimplementedError("built without CUDA");
@@ -68,10 +76,46 @@ std::string FlagOf(const DeviceChoice& choice) {
   return absl::StrCat("--device ", choice.ToString());
 }
 
-absl::StatusOr<LoadedModel> LoadCpu(const std::string& model_dir, const RunnerOptions& options,
-                                    std::string reason) {
-  KV_ASSIGN_OR_RETURN(std::unique_ptr<ModelRunner> runner, ModelRunner::Load(model_dir, options));
+absl::StatusOr<LoadedModel> LoadCpu(const std::string& model_dir, const ParsedConfig& config,
+                                    const RunnerOptions& options, std::string reason) {
+  KV_ASSIGN_OR_RETURN(std::unique_ptr<ModelRunner> runner,
+                      config.has_value() ? ModelRunner::Load(model_dir, *config, options)
+                                         : ModelRunner::Load(model_dir, options));
   return LoadedModel{std::move(runner), std::move(reason)};
+}
+
+absl::StatusOr<LoadedModel> Load(const std::string& model_dir, const ParsedConfig& config,
+                                 const RunnerOptions& options, const DeviceChoice& choice) {
+  switch (choice.kind) {
+    case DeviceChoice::Kind::kCpu:
+      return LoadCpu(model_dir, config, options, FlagOf(choice));
+    case DeviceChoice::Kind::kCuda: {
+      const std::string flag = FlagOf(choice);
+      KV_ASSIGN_OR_RETURN(platform::DeviceInfo device, FindCudaDevice(choice.cuda_index, flag));
+      absl::StatusOr<std::unique_ptr<AttentionModel>> model =
+          LoadCuda(model_dir, config, options, choice.cuda_index);
+      if (!model.ok()) {
+        return absl::Status(model.status().code(),
+                            absl::StrCat(flag, ": ", model.status().message()));
+      }
+      return LoadedModel{*std::move(model), absl::StrCat(flag, ": ", Describe(device))};
+    }
+    case DeviceChoice::Kind::kAuto:
+      break;
+  }
+  absl::StatusOr<platform::DeviceInfo> device = FindCudaDevice(0, "auto");
+  if (!device.ok()) {
+    return LoadCpu(model_dir, config, options, std::string(device.status().message()));
+  }
+  absl::StatusOr<std::unique_ptr<AttentionModel>> model = LoadCuda(model_dir, config, options, 0);
+  if (model.ok()) return LoadedModel{*std::move(model), absl::StrCat("auto: ", Describe(*device))};
+  // Any failure of the CUDA runner leaves the CPU, which says whether the model loads at all.
+  std::string why = model.status().code() == absl::StatusCode::kUnimplemented
+                        ? absl::StrCat("auto: ", Describe(*device), " does not run this model (",
+                                       model.status().message(), ")")
+                        : absl::StrCat("auto: ", Describe(*device), " could not load this model (",
+                                       model.status().ToString(), ")");
+  return LoadCpu(model_dir, config, options, std::move(why));
 }
 
 }  // namespace
@@ -108,34 +152,14 @@ absl::StatusOr<DeviceChoice> ParseDeviceFlag(absl::string_view value) {
 absl::StatusOr<LoadedModel> LoadAttentionModel(const std::string& model_dir,
                                                const RunnerOptions& options,
                                                const DeviceChoice& choice) {
-  switch (choice.kind) {
-    case DeviceChoice::Kind::kCpu:
-      return LoadCpu(model_dir, options, FlagOf(choice));
-    case DeviceChoice::Kind::kCuda: {
-      const std::string flag = FlagOf(choice);
-      KV_ASSIGN_OR_RETURN(platform::DeviceInfo device, FindCudaDevice(choice.cuda_index, flag));
-      absl::StatusOr<std::unique_ptr<AttentionModel>> model =
-          LoadCuda(model_dir, options, choice.cuda_index);
-      if (!model.ok()) {
-        return absl::Status(model.status().code(),
-                            absl::StrCat(flag, ": ", model.status().message()));
-      }
-      return LoadedModel{*std::move(model), absl::StrCat(flag, ": ", Describe(device))};
-    }
-    case DeviceChoice::Kind::kAuto:
-      break;
-  }
-  absl::StatusOr<platform::DeviceInfo> device = FindCudaDevice(0, "auto");
-  if (!device.ok()) return LoadCpu(model_dir, options, std::string(device.status().message()));
-  absl::StatusOr<std::unique_ptr<AttentionModel>> model = LoadCuda(model_dir, options, 0);
-  if (model.ok()) return LoadedModel{*std::move(model), absl::StrCat("auto: ", Describe(*device))};
-  // Any failure of the CUDA runner leaves the CPU, which says whether the model loads at all.
-  std::string why = model.status().code() == absl::StatusCode::kUnimplemented
-                        ? absl::StrCat("auto: ", Describe(*device), " does not run this model (",
-                                       model.status().message(), ")")
-                        : absl::StrCat("auto: ", Describe(*device), " could not load this model (",
-                                       model.status().ToString(), ")");
-  return LoadCpu(model_dir, options, std::move(why));
+  return Load(model_dir, std::nullopt, options, choice);
+}
+
+absl::StatusOr<LoadedModel> LoadAttentionModel(const std::string& model_dir,
+                                               const kv::ModelConfig& config,
+                                               const RunnerOptions& options,
+                                               const DeviceChoice& choice) {
+  return Load(model_dir, config, options, choice);
 }
 
 absl::StatusOr<ServingModel> LoadServingModel(const std::string& model_dir,

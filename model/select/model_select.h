@@ -57,6 +57,12 @@ struct LoadedModel {
 absl::StatusOr<LoadedModel> LoadAttentionModel(const std::string& model_dir,
                                                const RunnerOptions& options,
                                                const DeviceChoice& choice);
+// As above, with <model_dir>/config.json already parsed into `config` (a worker parses it once;
+// its layout's block_tokens is the one used).
+absl::StatusOr<LoadedModel> LoadAttentionModel(const std::string& model_dir,
+                                               const kv::ModelConfig& config,
+                                               const RunnerOptions& options,
+                                               const DeviceChoice& choice);
 
 // A model loaded to serve with, of either family: an attention model (paged KV cache) on the
 // device the choice names, or a Mamba model (recurrent state), which runs on the CPU only.

@@ -10,7 +10,9 @@
 #include "common/server/service_host.h"
 #include "prefill/prefill_worker.h"
 #include "prefill/server/prefill_service.h"
-#include "worker/worker_core.h"
+#include "worker/server/default_transport.h"
+#include "worker/server/serve_worker.h"
+#include "worker/server/worker_flags.h"
 
 namespace kvrelay::prefill::server {
 
@@ -21,7 +23,7 @@ int RunPrefillCommand(const std::vector<std::string>& raw_args) {
   host.name = "prefill";
   host.health_services = {"kvrelay.v1.Prefill"};
   FlagSet flags("prefill", "Runs a prefill worker: computes or reuses KV, pushes it to decode.");
-  worker::WorkerFlags worker_flags(host, options.core, options.model_name);
+  worker::server::WorkerFlags worker_flags(host, options.core, options.model_name);
   worker_flags.AddFlags(flags);
   flags.AddBool("pull-remote-prefix", &options.pull_remote_prefix,
                 "pull cached prefix blocks held on other nodes when the cost model says it beats "
@@ -33,7 +35,9 @@ int RunPrefillCommand(const std::vector<std::string>& raw_args) {
     return *exit_code;
   }
   MetricsRegistry metrics;
-  absl::StatusOr<std::unique_ptr<PrefillWorker>> worker = PrefillWorker::Create(options, &metrics);
+  absl::StatusOr<worker::WorkerCoreDeps> deps = worker::server::DefaultWorkerDeps(options.core);
+  absl::StatusOr<std::unique_ptr<PrefillWorker>> worker =
+      deps.ok() ? PrefillWorker::Create(options, &metrics, *std::move(deps)) : deps.status();
   if (!worker.ok()) {
     std::fprintf(stderr, "kvrelay prefill: %s\n", worker.status().ToString().c_str());
     return 1;
@@ -42,7 +46,7 @@ int RunPrefillCommand(const std::vector<std::string>& raw_args) {
                (*worker)->node_id().c_str(), (*worker)->transport_address().c_str());
   host.listening_note = (*worker)->device_line();
   PrefillService service(worker->get(), kvrelay::server::Authorizer(host.security));
-  return worker::ServeWorker(
+  return worker::server::ServeWorker(
       host, &service, &metrics, options.core.advertise_host,
       [&](const std::string& grpc_address) { return (*worker)->ConnectStore(grpc_address); });
 }

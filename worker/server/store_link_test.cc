@@ -1,0 +1,178 @@
+// StoreLink's request-path calls against a real cache store (gRPC on loopback) and against one
+// that never answers. Here and not beside store_link.cc because it needs a gRPC server, which
+// the worker library does not link.
+
+#include "worker/store_link.h"
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cachestore/cache_store.h"
+#include "cachestore/client/cache_store_client.h"
+#include "cachestore/server/service.h"
+#include "common/metrics.h"
+#include "common/server/service_host.h"
+#include "gmock/gmock.h"
+#include "grpcpp/generic/async_generic_service.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "kv/presets.h"
+#include "tests/testing/status_matchers.h"
+#include "transfer/inproc/in_process_transport.h"
+#include "worker/kv_memory.h"
+
+namespace kvrelay::worker {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+using testing::StatusIs;
+
+std::vector<kv::BlockHash> Chain(int n) {
+  std::vector<kv::BlockHash> chain;
+  for (int i = 0; i < n; ++i) chain.push_back({0x1000u + i, 0x2000u + i});
+  return chain;
+}
+
+// A gRPC server that takes every call and never answers it: calls end only at their deadline.
+class SilentServer {
+ public:
+  SilentServer() {
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
+    builder.RegisterAsyncGenericService(&service_);
+    cq_ = builder.AddCompletionQueue();
+    server_ = builder.BuildAndStart();
+  }
+  ~SilentServer() {
+    server_->Shutdown(std::chrono::system_clock::now());
+    cq_->Shutdown();
+    void* tag = nullptr;
+    bool ok = false;
+    while (cq_->Next(&tag, &ok)) {
+    }
+  }
+  std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
+
+ private:
+  int port_ = 0;
+  grpc::AsyncGenericService service_;
+  std::unique_ptr<grpc::ServerCompletionQueue> cq_;
+  std::unique_ptr<grpc::Server> server_;
+};
+
+class StoreLinkTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    KV_ASSERT_OK_AND_ASSIGN(store_, cachestore::CacheStore::Create({}));
+    service_ = std::make_unique<cachestore::server::CacheStoreService>(
+        store_.get(), cachestore::server::Limits{}, &metrics_);
+    kvrelay::server::ServiceHostOptions host;
+    host.name = "cachestore";
+    KV_ASSERT_OK_AND_ASSIGN(host_,
+                            kvrelay::server::ServiceHost::Start(host, {service_.get()}, nullptr));
+    KV_ASSERT_OK_AND_ASSIGN(transport_, transfer::MakeInProcessTransport());
+    KV_ASSERT_OK_AND_ASSIGN(segment_, CacheSegment::Create(layout_, 8, transport_.get()));
+  }
+
+  StoreLinkOptions Options(const std::string& address) const {
+    StoreLinkOptions options;
+    options.cachestore_address = address;
+    options.node_id = "prefill-0";
+    options.incarnation = 7;
+    options.role = kvrelay::v1::NODE_ROLE_PREFILL;
+    options.transport_kind = "inproc";
+    options.transport_address = transport_->address();
+    options.block_tokens = layout_.block_tokens();
+    return options;
+  }
+
+  // Writes nothing but succeeds: the bytes do not matter to the store.
+  static absl::Status WriteNothing(int64_t, int64_t) { return absl::OkStatus(); }
+
+  const kv::ModelLayout layout_ = kv::LoadPreset("tiny-llama")->layout;
+  MetricsRegistry metrics_;
+  std::unique_ptr<cachestore::CacheStore> store_;
+  std::unique_ptr<cachestore::server::CacheStoreService> service_;
+  std::unique_ptr<kvrelay::server::ServiceHost> host_;
+  transfer::TransportPtr transport_;
+  std::unique_ptr<CacheSegment> segment_;
+};
+
+// The per-call limit is an hour; the request has 100 ms left: the call ends with the request's
+// deadline (were it bounded by the limit, the test would time out).
+TEST_F(StoreLinkTest, AShortRemainingDeadlineBoundsTheCall) {
+  SilentServer silent;
+  StoreLinkOptions options = Options(silent.address());
+  options.request_timeout = absl::Hours(1);
+  KV_ASSERT_OK_AND_ASSIGN(std::unique_ptr<StoreLink> link,
+                          StoreLink::UnregisteredForTest(options, segment_.get(), Clock::Real()));
+  EXPECT_THAT(link->MatchPrefix(Chain(2), absl::Seconds(30), absl::Now() + absl::Milliseconds(100)),
+              StatusIs(absl::StatusCode::kDeadlineExceeded));
+  EXPECT_THAT(
+      link->CommitBlocksFrom(Chain(2), 0, 2, &WriteNothing, absl::Now() + absl::Milliseconds(100)),
+      StatusIs(absl::StatusCode::kDeadlineExceeded));
+}
+
+// A request with no time left makes no store call, and says nothing about the store: the next
+// request's calls go out (no backoff) and succeed.
+TEST_F(StoreLinkTest, ARequestOutOfTimeLeavesTheStoreOpen) {
+  KV_ASSERT_OK_AND_ASSIGN(std::unique_ptr<StoreLink> link,
+                          StoreLink::Connect(Options(host_->address()), segment_.get(),
+                                             Clock::Real(), absl::Now() + absl::Seconds(30)));
+  const absl::Time passed = absl::Now() - absl::Milliseconds(1);
+  EXPECT_THAT(link->MatchPrefix(Chain(2), absl::Seconds(30), passed),
+              StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("deadline passed")));
+  EXPECT_THAT(link->CommitBlocksFrom(Chain(2), 0, 2, &WriteNothing, passed),
+              StatusIs(absl::StatusCode::kDeadlineExceeded));
+  const absl::Time later = absl::Now() + absl::Seconds(30);
+  KV_ASSERT_OK_AND_ASSIGN(int32_t committed,
+                          link->CommitBlocksFrom(Chain(2), 0, 2, &WriteNothing, later));
+  EXPECT_EQ(committed, 2);
+  KV_ASSERT_OK_AND_ASSIGN(PrefixMatch match, link->MatchPrefix(Chain(2), absl::Seconds(30), later));
+  EXPECT_EQ(match.matched, 2);
+  EXPECT_EQ(match.local_slots.size(), 2u);
+  link->ReleaseLease(match.lease_id, later);
+}
+
+// The block size is in every block hash: a node with another one is refused at registration,
+// at once and naming both values, instead of never matching a prefix.
+TEST_F(StoreLinkTest, ANodeWithAnotherBlockSizeIsRefusedNamingBoth) {
+  StoreLinkOptions options = Options(host_->address());
+  options.block_tokens = 32;
+  ASSERT_EQ(store_->block_tokens(), kv::kDefaultBlockTokens);
+  EXPECT_THAT(
+      StoreLink::Connect(options, segment_.get(), Clock::Real(), absl::Now() + absl::Seconds(30))
+          .status(),
+      StatusIs(absl::StatusCode::kFailedPrecondition,
+               AllOf(HasSubstr("--block-tokens 32"), HasSubstr("--block-tokens 16"))));
+  EXPECT_TRUE(store_->ListNodes().empty());
+  // The same node with the store's block size registers.
+  options.block_tokens = kv::kDefaultBlockTokens;
+  KV_ASSERT_OK_AND_ASSIGN(
+      std::unique_ptr<StoreLink> link,
+      StoreLink::Connect(options, segment_.get(), Clock::Real(), absl::Now() + absl::Seconds(30)));
+  EXPECT_EQ(store_->ListNodes().size(), 1u);
+}
+
+// The gateway's side: discovery (ListNodes) from a store with another block size fails naming
+// both; a client that does not say its block size is not checked.
+TEST_F(StoreLinkTest, DiscoveryFromAStoreWithAnotherBlockSizeFailsNamingBoth) {
+  cachestore::CacheStoreClient::Options options;
+  options.block_tokens = 32;
+  KV_ASSERT_OK_AND_ASSIGN(std::unique_ptr<cachestore::CacheStoreClient> gateway,
+                          cachestore::CacheStoreClient::Connect(host_->address(), options));
+  EXPECT_THAT(gateway->ListNodes().status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       AllOf(HasSubstr("--block-tokens 16"), HasSubstr("--block-tokens 32"))));
+  options.block_tokens = 0;
+  KV_ASSERT_OK_AND_ASSIGN(std::unique_ptr<cachestore::CacheStoreClient> unchecked,
+                          cachestore::CacheStoreClient::Connect(host_->address(), options));
+  KV_ASSERT_OK_AND_ASSIGN(kvrelay::v1::ListNodesResponse listed, unchecked->ListNodes());
+  EXPECT_EQ(listed.block_tokens(), kv::kDefaultBlockTokens);
+}
+
+}  // namespace
+}  // namespace kvrelay::worker
