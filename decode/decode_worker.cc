@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <optional>
 
-#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/types/span.h"
 #include "common/logging.h"

@@ -174,7 +174,8 @@ class ReservationTable {
   // reservation stays). Otherwise OK: unknown, taken or already released ids are no-ops.
   absl::Status Release(const std::string& request_id, const std::string& token);
 
-  // `claim` (control message from `peer`, at most a few KiB checked by the caller).
+  // Checks `claim` (a control message from `peer`, size-checked and parsed by the caller);
+  // when allowed, binds the reservation to `peer`.
   ClaimVerdict Claim(const kvrelay::v1::PushClaim& claim, transfer::PeerId peer);
   // A kBlocks event. NOT_FOUND: no reservation has its tag. PERMISSION_DENIED: refused (the
   // message names the request); when the claimant itself wrote outside its slots, the
