@@ -39,22 +39,32 @@
 // kvrelay.v1.ErrorInfo naming the role and node. Expiry decisions use the injected Clock;
 // deadlines are absolute real times that bound blocking waits.
 //
+// Composition (each part knows nothing of this class):
+//  ReservationTable  bookings, tokens, memory-key runs, expiry, release, the push gate (claims
+//                    and deliveries from the transport's inbound thread).
+//  BatchScheduler    the queue, max_batch / max_queued and the continuous-batching thread;
+//                    this class is its BatchModel (attention or Mamba, sampling, commits).
+//
 // Thread-safe. Owns the transport, the KV memory, the model runner and the scheduler thread.
+// Lock order: publish_mu_ before the table's lock and before the scheduler's; those two are
+// never held together (nor with a sequence's stream lock). The transport's inbound thread
+// takes the table's lock, so nothing that waits for that thread (destroying a ReservedRun)
+// runs under it. No lock of this class is held while calling the model or the store.
 
 #include <atomic>
 #include <cstdint>
-#include <deque>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "common/metrics.h"
+#include "decode/batch_scheduler.h"
+#include "decode/reservation_table.h"
 #include "kvrelay/v1/decode.pb.h"
 #include "model/attention_model.h"
 #include "transfer/transport.h"
@@ -76,12 +86,12 @@ struct DecodeWorkerOptions {
 // Receives the stream's chunks in order; returns false when the client went away.
 using ChunkWriter = std::function<bool(const kvrelay::v1::DecodeChunk&)>;
 
-class DecodeWorker {
+class DecodeWorker : private BatchModel {
  public:
   static absl::StatusOr<std::unique_ptr<DecodeWorker>> Create(DecodeWorkerOptions options,
                                                               MetricsRegistry* metrics,
                                                               worker::WorkerCoreDeps deps = {});
-  ~DecodeWorker();
+  ~DecodeWorker() override;
 
   absl::StatusOr<kvrelay::v1::ReserveResponse> Reserve(const kvrelay::v1::ReserveRequest& request);
   // Streams the request's tokens through `write` until done, the deadline, or `cancelled()`.
@@ -108,62 +118,83 @@ class DecodeWorker {
   void Drain();
 
  private:
-  struct Reservation;
   struct Active;
-  class ReservedRun;
-  using ReservedRuns = std::vector<std::unique_ptr<ReservedRun>>;
+  // What Generate admitted: the reservation it took (if any) and the blocks booked for it.
+  struct Admission {
+    std::optional<TakenReservation> push;
+    std::vector<int64_t> budget;
+  };
   explicit DecodeWorker(DecodeWorkerOptions options, MetricsRegistry* metrics);
   absl::Status Init(worker::WorkerCoreDeps deps);
   absl::Status Own(absl::Status status, kvrelay::v1::FailureReason reason) const;
   // FailedPrecondition (FAILURE_IDENTITY) unless `fingerprint` is this worker's layout's.
   absl::Status CheckLayoutFingerprint(const std::string& fingerprint) const;
-  // Checks a PushClaim (control message `event`) and answers it; binds the reservation to the
-  // claiming peer when allowed.
-  void OnPushClaim(const transfer::InboundEvent& event);
-  // Whether a kBlocks event may count for reservation `r`: from its claiming peer, with its
-  // token, every block inside one of its slots. REQUIRES: mu_ held.
-  absl::Status AuthorizeBlocks(const Reservation& r, const transfer::InboundEvent& event) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // UNAVAILABLE (FAILURE_DRAINING) once Drain() ran.
+  absl::Status CheckNotDraining() const;
   // KV blocks per group a request of `tokens` total tokens can ever hold.
   std::vector<int64_t> BlockBudget(int64_t tokens) const;
-  void ReturnBudget(const std::vector<int64_t>& budget) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // The push gate: a PushClaim control message is answered with a PushVerdict; blocks are
+  // counted by the table or refused.
   void OnInbound(transfer::InboundEvent event);
-  void SchedulerLoop();
-  // Frees the reservation's slots; its per-reservation registrations move to `ended`, to be
-  // destroyed (ucp_mem_unmap, which waits for the transport's thread) once mu_ is released:
-  // that thread takes mu_ in OnInbound.
-  void ReleaseReservationSlots(Reservation& r, ReservedRuns& ended);
-  // --memory-key-scope reservation: registers each contiguous run of `r`'s pushed slots on its
-  // own and adds the runs and their keys to `response`. REQUIRES: mu_ not held.
-  absl::Status RegisterReservationRuns(const std::shared_ptr<Reservation>& r,
+  void OnPushClaim(const transfer::InboundEvent& event);
+
+  // Reserve's steps. What to book for `request` (its held prefix loaded from the cache
+  // segment, when the store link has it).
+  absl::StatusOr<ReservationRequest> PlanReservation(const kvrelay::v1::ReserveRequest& request);
+  kvrelay::v1::ReserveResponse DescribeGrant(int32_t full_blocks, int32_t held_blocks,
+                                             const ReservationGrant& grant) const;
+  // --memory-key-scope reservation: registers each contiguous run of the pushed slots on its
+  // own, adds the runs and their keys to `response` and hands the runs to the table.
+  absl::Status RegisterReservationRuns(const std::string& request_id, int32_t held_blocks,
+                                       const ReservationGrant& grant,
                                        kvrelay::v1::ReserveResponse& response);
+
+  // Generate's steps. INVALID_ARGUMENT (client's) for a malformed request; the identity check.
+  absl::Status CheckDecodeRequest(const kvrelay::v1::DecodeRequest& request) const;
+  // Takes the request's reservation (waiting for its push until `deadline` and transfer_wait)
+  // or books its budget; RESOURCE_EXHAUSTED when the batch queue or the KV is full.
+  absl::StatusOr<Admission> Admit(const kvrelay::v1::DecodeRequest& request, absl::Time deadline);
+  std::shared_ptr<Active> NewSequence(const kvrelay::v1::DecodeRequest& request,
+                                      std::vector<int64_t> budget) const;
+  // Adopts the pushed (and held) prefix when it is complete and this prompt's, else frees it;
+  // sets the tail the scheduler computes. Returns the KV bytes received.
+  absl::StatusOr<int64_t> AttachPrefix(const kvrelay::v1::DecodeRequest& request,
+                                       const std::vector<int32_t>& tokens,
+                                       std::optional<TakenReservation> push, Active& active);
+  // Whether the pushed prefix of `push` can be used for this request (else: logged, counted).
+  bool PushUsable(const kvrelay::v1::DecodeRequest& request, const std::vector<int32_t>& tokens,
+                  const TakenReservation& push);
+  // Streams the sequence's tokens through `write` until done, cancelled or the deadline.
+  absl::Status StreamTokens(Active& active, absl::Time deadline, const ChunkWriter& write,
+                            const std::function<bool()>& cancelled, int64_t received_bytes,
+                            int32_t computed_tokens);
+
+  // BatchModel, on the scheduler thread.
+  absl::StatusOr<int32_t> Prefill(BatchSequence& seq) override;
+  absl::StatusOr<std::vector<int32_t>> Step(absl::Span<BatchSequence* const> batch) override;
+  void Retire(BatchSequence& seq, const absl::Status& status) override;
+  void OnIteration() override;
+  // Multi-turn reuse: keeps every full block of a finished sequence in the cache segment.
+  void CommitSequence(const Active& active, worker::StoreLink& store) const;
+
   // The config and layout of whichever runner this worker has.
   const kv::ModelConfig& model_config() const { return core_->model_config(); }
   // Mamba: the pushed state (in the slot of the last pushed block, `slots` as a reservation
   // holds them) as a sequence of `prefix_tokens` tokens; every slot is released.
   absl::StatusOr<std::unique_ptr<model::MambaSequence>> AdoptPushedState(
       std::vector<std::vector<kv::SlotId>> slots, int64_t prefix_tokens);
-  // Sets the running/waiting gauges and the KV usage from the state mu_ guards; called where
-  // that state changes.
-  void PublishLoad() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Sets the running/waiting gauges and the KV usage from the table's and the scheduler's
+  // state; called where that state changes. Serialized by publish_mu_ so the last call's
+  // snapshot is what the gauges show.
+  void PublishLoad() ABSL_LOCKS_EXCLUDED(publish_mu_);
 
   const DecodeWorkerOptions options_;
   MetricsRegistry* metrics_;
-  std::string data_plane_key_;  // constant after Init; what Reserve hands out
+  std::string data_plane_key_;         // constant after Init; what Reserve hands out
+  std::atomic<bool> draining_{false};  // relaxed: a request racing Drain may still be admitted
+
   Counter* refused_pushes_;
-
-  // Lock order: mu_ before any Active::mu.
-  absl::Mutex mu_;
-  absl::flat_hash_map<uint64_t, std::shared_ptr<Reservation>> reservations_ ABSL_GUARDED_BY(mu_);
-  std::deque<std::shared_ptr<Active>> pending_ ABSL_GUARDED_BY(mu_);
-  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  bool draining_ ABSL_GUARDED_BY(mu_) = false;
-  int32_t active_count_ ABSL_GUARDED_BY(mu_) = 0;
-  int32_t running_count_ ABSL_GUARDED_BY(mu_) = 0;
-  // Blocks per group booked by live reservations and sequences (never above the pool size).
-  std::vector<int64_t> booked_ ABSL_GUARDED_BY(mu_);
-  std::thread scheduler_;
-
   Counter* generated_tokens_;
   Counter* received_bytes_;
   Counter* recomputed_requests_;
@@ -175,13 +206,12 @@ class DecodeWorker {
   Counter* refused_overloaded_;
   Gauge* running_gauge_;
   Gauge* waiting_gauge_;
-  // Booked share of the tightest pool (kvrelay:kv_cache_usage_perc): set by PublishLoad under
-  // mu_, read by scrapes without it (relaxed: a scrape may see it a moment late).
+  absl::Mutex publish_mu_;
+  // Booked share of the tightest pool (kvrelay:kv_cache_usage_perc): set by PublishLoad, read
+  // by scrapes without a lock (relaxed: a scrape may see it a moment late).
   std::atomic<double> usage_perc_{0};
   std::unique_ptr<worker::KvCacheMetrics> kv_metrics_;  // reads usage_perc_
 
-  // Declared last: destroyed first, so the transport stops calling OnInbound before the
-  // reservations it touches go away.
   std::unique_ptr<worker::WorkerCore> core_;
   model::AttentionModel* runner_ = nullptr;  // core_->runner (null for Mamba)
   model::MambaRunner* mamba_ = nullptr;      // core_->mamba (null for attention models)
@@ -189,6 +219,10 @@ class DecodeWorker {
   // core_->store once ConnectStore ran (null without a store); release by ConnectStore,
   // acquire by the scheduler.
   std::atomic<worker::StoreLink*> store_{nullptr};
+  // Declared after core_: destroyed before the KV pools they hold slots of. The destructor
+  // stops the inbound handler and the scheduler first.
+  std::unique_ptr<ReservationTable> table_;
+  std::unique_ptr<BatchScheduler> scheduler_;
 };
 
 }  // namespace kvrelay::decode
