@@ -24,7 +24,7 @@ using ::kvrelay::proto::Attribute;
 
 absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::RunMamba(
     const kvrelay::v1::PrefillRequest& request, absl::Time deadline, absl::Time start) {
-  const kv::ModelLayout& layout = mamba_->layout();
+  const kv::ModelLayout& layout = model_config().layout;
   const int32_t block_tokens = layout.block_tokens();
   const int64_t full_blocks = request.target().full_blocks();
   const int64_t full_tokens = full_blocks * block_tokens;
@@ -105,7 +105,7 @@ absl::StatusOr<std::pair<int64_t, int64_t>> PrefillWorker::FindCheckpoint(
 
 absl::StatusOr<PrefillWorker::MambaStates> PrefillWorker::ComputeMamba(
     absl::Span<const int32_t> tokens, int64_t resume_blocks, int64_t resume_slot) {
-  const kv::ModelLayout& layout = mamba_->layout();
+  const kv::ModelLayout& layout = model_config().layout;
   const int64_t state_bytes = layout.BlockBytes(0);
   const int64_t full_tokens = static_cast<int64_t>(tokens.size());
   const int64_t full_blocks = full_tokens / layout.block_tokens();

@@ -237,7 +237,7 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
 
 absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::RunKv(
     const kvrelay::v1::PrefillRequest& request, absl::Time deadline, absl::Time start) {
-  const kv::ModelLayout& layout = runner_->layout();
+  const kv::ModelLayout& layout = model_config().layout;
   const int32_t block_tokens = layout.block_tokens();
   const int64_t full_blocks = request.target().full_blocks();
   const int64_t full_tokens = full_blocks * block_tokens;

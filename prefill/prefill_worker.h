@@ -4,18 +4,18 @@
 // worker's reserved slots layer by layer.
 //
 // Per request: chained, tenant-salted block hashes of the full blocks the decode worker asked
-// for -> MatchPrefix under a lease -> reused blocks copied from this node's cache segment into
-// the request's KV slots -> one transport plan for every (group, block, layer) slice -> layer
-// L is posted as soon as the model finished it, so it is on the wire while layer L+1 computes
-// -> wait for every layer -> commit the new blocks to the cache store (copies in the segment)
-// -> release the lease.
+// for -> MatchPrefix under a lease -> reused blocks copied from this node's cache segment, or
+// pulled from another node's (PrefixPuller), into the request's KV slots -> one push session
+// (PushSession) with a slice per (group, block, layer) -> layer L is posted as soon as the
+// model finished it, so it is on the wire while layer L+1 computes -> wait for every layer ->
+// commit the new blocks to the cache store (copies in the segment) -> release the lease.
 //
 // Mamba (an SSM-state layout, prefill/mamba_prefill.cc): the same hashes and match, but the
 // request resumes from the deepest state checkpoint cached here, computes the rest, pushes one
 // constant-size state and commits one checkpoint per computed block.
 //
-// The push protocol is PushSession (prefill/push_session.h), pulls are PrefixPuller
-// (prefill/prefix_puller.h); this class composes them with the model and the store.
+// This class composes the model, the store link, PushSession (prefill/push_session.h) and
+// PrefixPuller (prefill/prefix_puller.h); it owns neither protocol.
 // Domain logic only: the gRPC glue is prefill/server/PrefillService. Every failure carries a
 // kvrelay.v1.ErrorInfo saying which role and node failed (proto/grpc_status.h).
 //
@@ -191,15 +191,18 @@ class PrefillWorker {
   PushMetrics push_metrics_;
   kv::RateMeter prefill_rate_;  // prompt tokens per second of compute here (read by puller_)
   std::unique_ptr<worker::WorkerCore> core_;
-  model::AttentionModel* runner_ = nullptr;   // core_->runner (null for Mamba)
-  model::MambaRunner* mamba_ = nullptr;       // core_->mamba (null for attention models)
-  transfer::Transport* transport_ = nullptr;  // core_->transport
-  worker::RegisteredKvCache* kv_ = nullptr;   // core_->kv
-  worker::CacheSegment* segment_ = nullptr;   // core_->segment
+  // One forward pass at a time: the runners are used only under it (their layouts are read
+  // through model_config()).
+  absl::Mutex compute_mu_;
+  model::AttentionModel* runner_ ABSL_PT_GUARDED_BY(compute_mu_) = nullptr;  // null for Mamba
+  model::MambaRunner* mamba_ ABSL_PT_GUARDED_BY(compute_mu_) = nullptr;      // null for attention
+  // core_'s transport, KV memory and cache segment.
+  transfer::Transport* transport_ = nullptr;
+  worker::RegisteredKvCache* kv_ = nullptr;
+  worker::CacheSegment* segment_ = nullptr;
   // core_->store once ConnectStore ran; release by ConnectStore, acquire by requests.
   std::atomic<worker::StoreLink*> store_{nullptr};
 
-  absl::Mutex compute_mu_;  // one forward pass at a time
   // Data-plane peers, shared by pushes and pulls (declared after core_: destroyed before it).
   std::unique_ptr<PeerCache> peers_;
   // Pulls of prefixes held on other nodes (holds a region of core_'s transport).
