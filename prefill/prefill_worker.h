@@ -4,16 +4,18 @@
 // worker's reserved slots layer by layer.
 //
 // Per request: chained, tenant-salted block hashes of the full blocks the decode worker asked
-// for -> MatchPrefix under a lease -> reused blocks copied from this node's cache segment into
-// the request's KV slots -> one transport plan for every (group, block, layer) slice -> layer
-// L is posted as soon as the model finished it, so it is on the wire while layer L+1 computes
-// -> wait for every layer -> commit the new blocks to the cache store (copies in the segment)
-// -> release the lease.
+// for -> MatchPrefix under a lease -> reused blocks copied from this node's cache segment, or
+// pulled from another node's (PrefixPuller), into the request's KV slots -> one push session
+// (PushSession) with a slice per (group, block, layer) -> layer L is posted as soon as the
+// model finished it, so it is on the wire while layer L+1 computes -> wait for every layer ->
+// commit the new blocks to the cache store (copies in the segment) -> release the lease.
 //
 // Mamba (an SSM-state layout, prefill/mamba_prefill.cc): the same hashes and match, but the
 // request resumes from the deepest state checkpoint cached here, computes the rest, pushes one
 // constant-size state and commits one checkpoint per computed block.
 //
+// This class composes the model, the store link, PushSession (prefill/push_session.h) and
+// PrefixPuller (prefill/prefix_puller.h); it owns neither protocol.
 // Domain logic only: the gRPC glue is prefill/server/PrefillService. Every failure carries a
 // kvrelay.v1.ErrorInfo saying which role and node failed (proto/grpc_status.h).
 //
@@ -23,18 +25,20 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
-#include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "common/metrics.h"
 #include "kv/reuse_cost.h"
 #include "kvrelay/v1/prefill.pb.h"
 #include "model/attention_model.h"
+#include "prefill/peer_cache.h"
+#include "prefill/prefix_puller.h"
+#include "prefill/push_session.h"
 #include "transfer/transport.h"
 #include "worker/block_fetch.h"
 #include "worker/worker_core.h"
@@ -80,25 +84,13 @@ class PrefillWorker {
   Clock* clock() const { return core_->clock; }
 
  private:
-  explicit PrefillWorker(PrefillWorkerOptions options, MetricsRegistry* metrics);
-  absl::Status Init(worker::WorkerCoreDeps deps);
-  // `status` attributed to this node with `reason`.
-  absl::Status Own(absl::Status status, kvrelay::v1::FailureReason reason) const;
-  absl::Status Validate(const kvrelay::v1::PrefillRequest& request) const;
-  // The config and layout of whichever runner this worker has.
-  const kv::ModelConfig& model_config() const { return core_->model_config(); }
-  // Run's Mamba path (prefill/mamba_prefill.cc), after validation: resumes from the deepest
-  // state checkpoint cached here, computes the rest, pushes the one final state and commits a
-  // checkpoint per new block.
-  absl::StatusOr<kvrelay::v1::PrefillResponse> RunMamba(const kvrelay::v1::PrefillRequest& request,
-                                                        absl::Time deadline, absl::Time start);
   // The prompt's chained block hashes and what the store holds of them, under a lease that is
   // released when this goes out of scope. Both the KV and the Mamba path start here.
   class PrefixLookup {
    public:
     PrefixLookup(std::vector<kv::BlockHash> chain, worker::PrefixMatch match,
-                 worker::StoreLink* store)
-        : chain(std::move(chain)), match(std::move(match)), store_(store) {}
+                 worker::StoreLink* store, absl::Time deadline)
+        : chain(std::move(chain)), match(std::move(match)), deadline(deadline), store_(store) {}
     PrefixLookup(const PrefixLookup&) = delete;
     PrefixLookup& operator=(const PrefixLookup&) = delete;
     ~PrefixLookup() { store_->ReleaseLease(match.lease_id); }
@@ -106,110 +98,120 @@ class PrefillWorker {
 
     const std::vector<kv::BlockHash> chain;
     const worker::PrefixMatch match;
+    const absl::Time deadline;  // the request's: bounds every store call made for it
 
    private:
     worker::StoreLink* const store_;
   };
+  // The KV path's reused leading blocks: `hit_blocks` from this node's segment, then those
+  // pulled from another node.
+  struct ReusedPrefix {
+    int64_t hit_blocks = 0;
+    PulledPrefix pulled;
+    int64_t blocks() const { return hit_blocks + pulled.blocks; }
+  };
+  // The Mamba path's computed states: the one after the last full block and the checkpoints of
+  // blocks [resume_blocks, full_blocks).
+  struct MambaStates {
+    std::vector<uint8_t> final_state;
+    std::vector<std::vector<uint8_t>> checkpoints;
+  };
+
+  explicit PrefillWorker(PrefillWorkerOptions options, MetricsRegistry* metrics);
+  absl::Status Init(worker::WorkerCoreDeps deps);
+  // `status` attributed to this node with `reason`.
+  absl::Status Own(absl::Status status, kvrelay::v1::FailureReason reason) const;
+  // Run's first step: the request's fields (Validate, the caller's fault) and the layout
+  // fingerprints of the request (this node's fault) and of the target (the decode node's).
+  absl::Status CheckRequest(const kvrelay::v1::PrefillRequest& request) const;
+  absl::Status Validate(const kvrelay::v1::PrefillRequest& request) const;
+  // The config and layout of whichever runner this worker has.
+  const kv::ModelConfig& model_config() const { return core_->model_config(); }
+  // What every push session of this worker shares.
+  PushContext push_context();
+  void OnInbound(transfer::InboundEvent event);
+
+  // --- The KV path (prefill/prefill_worker.cc) ---
+  absl::StatusOr<kvrelay::v1::PrefillResponse> RunKv(const kvrelay::v1::PrefillRequest& request,
+                                                     absl::Time deadline, absl::Time start);
+  // The decode worker holds every full block: nothing to compute or push.
+  kvrelay::v1::PrefillResponse HeldByDecode(kvrelay::v1::PrefillResponse response,
+                                            int64_t full_tokens);
   // Hashes the first `full_tokens` tokens and matches them. A store outage costs reuse, not
   // the request (an empty match); only a worker not yet registered fails.
   absl::StatusOr<std::unique_ptr<PrefixLookup>> LookUpPrefix(
       const kvrelay::v1::PrefillRequest& request, const kv::ModelLayout& layout,
       absl::Span<const int32_t> tokens, int64_t full_tokens, absl::Time deadline);
-  // The data-plane peer of the target decode worker, failures attributed as Run attributes them.
-  absl::StatusOr<transfer::PeerId> ConnectDecode(const kvrelay::v1::ReserveResponse& target,
-                                                 absl::Time deadline);
-  // A put batch to the request's decode worker over `peer`, carrying its reservation token.
-  transfer::TransferBatch PushBatch(transfer::PeerId peer,
-                                    const kvrelay::v1::PrefillRequest& request) const;
-  // Layer `layer`'s slice of local slot `local_slot` of group `g` into the target's `remote_slot`.
-  // INVALID_ARGUMENT (the caller's) when the target's runs do not hold `remote_slot`.
-  absl::StatusOr<transfer::BlockTransfer> PushSlice(const kvrelay::v1::ReserveResponse& target,
-                                                    int g, int64_t local_slot, int64_t remote_slot,
-                                                    int32_t layer) const;
-  // Prepares `batch` and claims the target's slots; nothing is written before the decode worker
-  // agreed that they are this reservation's.
-  absl::StatusOr<transfer::TransferPlan> PrepareClaimed(const transfer::TransferBatch& batch,
-                                                        const kvrelay::v1::PrefillRequest& request,
-                                                        absl::Time deadline);
-  // A failed push claim, attributed as Run attributes it.
-  absl::Status ClaimFailure(const kvrelay::v1::ReserveResponse& target, absl::Status claimed);
-  // A failed push: the caller's deadline, or the decode worker's fault.
-  absl::Status PushFailure(const kvrelay::v1::ReserveResponse& target, absl::Status failed,
-                           absl::Time deadline);
-  // `s` attributed to the target decode worker with `reason`.
-  absl::Status DecodeFailure(const kvrelay::v1::ReserveResponse& target, absl::Status s,
-                             kvrelay::v1::FailureReason reason) const;
-  absl::StatusOr<transfer::PeerId> PeerFor(const std::string& address, const std::string& key,
-                                           absl::Time deadline);
-  // Sends the PushClaim for `request` over `peer` and waits (until `deadline`) for the decode
-  // worker's verdict: OK, or PERMISSION_DENIED when the reservation is not the request's.
-  // Memory keys per reservation: imports every run's key of `target` on `peer` (appending the
-  // region ids to `imported`, which the caller forgets once its transfers are terminal); a
-  // refused key is counted and attributed to the decode worker.
-  absl::Status ImportTargetKeys(transfer::PeerId peer, const kvrelay::v1::ReserveResponse& target,
-                                std::vector<transfer::RegionId>& imported);
-  // Where the decode worker's slot `slot` of `group` is written: the group's region and the slot
-  // index in it (the run holding it, with runs; else the pool's region and `slot`).
-  static absl::StatusOr<std::pair<transfer::RegionId, int64_t>> TargetSlot(
-      const kvrelay::v1::GroupTarget& group, int64_t slot);
-  absl::Status ClaimPush(transfer::PeerId peer, const kvrelay::v1::PrefillRequest& request,
-                         absl::Time deadline);
-  void OnInbound(transfer::InboundEvent event);
-  struct PulledPrefix {
-    int64_t blocks = 0;
-    uint64_t bytes = 0;
-    bool attempted = false;
-    kv::PullOrRecompute decision;
-  };
-  // Blocks [first, matched) of `chain` held on other nodes: pulled (appended to `slots`) or
-  // left for recompute, as the cost model decides. Never fails the request.
-  PulledPrefix PullHeldElsewhere(const worker::PrefixMatch& match,
-                                 const std::vector<kv::BlockHash>& chain, int64_t first,
-                                 int64_t wanted_end, const std::string& request_id,
-                                 absl::Time deadline, std::vector<std::vector<kv::SlotId>>& slots);
-  kv::RateMeter& LinkMeter(const std::string& address);
-  // `labels` and model_name.
-  MetricLabels WithModel(MetricLabels labels) const;
-  void CountTransferFailure(const char* reason);
+  // The leading blocks cached here, then those pulled from other nodes (or left for recompute),
+  // adopted by `seq`.
+  absl::StatusOr<ReusedPrefix> ReusePrefix(const kvrelay::v1::PrefillRequest& request,
+                                           const PrefixLookup& lookup,
+                                           absl::Span<const int32_t> tokens, absl::Time deadline,
+                                           model::Sequence& seq);
+  // A claimed push session with one slice per (group, wanted block, layer) of `seq`.
+  absl::StatusOr<std::unique_ptr<PushSession>> PlanKvPush(
+      const kvrelay::v1::PrefillRequest& request, const model::Sequence& seq, absl::Time deadline);
+  // Computes tokens[compute_from, end) into `seq`, posting each layer as soon as it is done
+  // (every layer at once when nothing is left to compute).
+  absl::Status ComputeAndPush(model::Sequence& seq, absl::Span<const int32_t> tokens,
+                              int64_t compute_from, PushSession& push);
+  // Publishes blocks [first, last) of `seq` for later requests; the blocks committed (0 when the
+  // store failed: a lost commit costs later reuse, not this request).
+  int32_t CommitKv(const std::string& request_id, const PrefixLookup& lookup, int64_t first,
+                   int64_t last, const model::Sequence& seq);
+
+  // --- The Mamba path (prefill/mamba_prefill.cc) ---
+  // Resumes from the deepest state checkpoint cached here, computes the rest, pushes the one
+  // final state and commits a checkpoint per new block.
+  absl::StatusOr<kvrelay::v1::PrefillResponse> RunMamba(const kvrelay::v1::PrefillRequest& request,
+                                                        absl::Time deadline, absl::Time start);
+  // INVALID_ARGUMENT (the caller's) unless the target reserves exactly the last block's slot.
+  static absl::Status CheckMambaTarget(const kvrelay::v1::ReserveResponse& target);
+  // The deepest matched block whose checkpoint is in this node's segment: (blocks, slot), or
+  // (0, -1) for none.
+  absl::StatusOr<std::pair<int64_t, int64_t>> FindCheckpoint(const worker::PrefixMatch& match,
+                                                             int64_t full_blocks) const;
+  // Restores the checkpoint in `resume_slot` (if any) and computes tokens[resume_blocks *
+  // block_tokens, end).
+  absl::StatusOr<MambaStates> ComputeMamba(absl::Span<const int32_t> tokens, int64_t resume_blocks,
+                                           int64_t resume_slot);
+  // Puts `state` into a registered slot and pushes it into the target's last reserved slot;
+  // the bytes pushed.
+  absl::StatusOr<int64_t> PushMambaState(const kvrelay::v1::PrefillRequest& request,
+                                         const std::vector<uint8_t>& state, absl::Time deadline);
+  // Publishes the checkpoints of blocks [first, last) under their hashes; as CommitKv.
+  int32_t CommitCheckpoints(const std::string& request_id, const PrefixLookup& lookup,
+                            int64_t first, int64_t last,
+                            const std::vector<std::vector<uint8_t>>& checkpoints);
 
   const PrefillWorkerOptions options_;
   MetricsRegistry* metrics_;
+  const MetricLabels model_labels_;  // {model_name}: on every family this worker exports
+  // Push claims in flight, fed by OnInbound (which runs once core_'s transport exists).
+  ClaimVerdicts verdicts_;
+  PushMetrics push_metrics_;
+  kv::RateMeter prefill_rate_;  // prompt tokens per second of compute here (read by puller_)
   std::unique_ptr<worker::WorkerCore> core_;
-  model::AttentionModel* runner_ = nullptr;   // core_->runner (null for Mamba)
-  model::MambaRunner* mamba_ = nullptr;       // core_->mamba (null for attention models)
-  transfer::Transport* transport_ = nullptr;  // core_->transport
-  worker::RegisteredKvCache* kv_ = nullptr;   // core_->kv
-  worker::CacheSegment* segment_ = nullptr;   // core_->segment
+  // One forward pass at a time: the runners are used only under it (their layouts are read
+  // through model_config()).
+  absl::Mutex compute_mu_;
+  model::AttentionModel* runner_ ABSL_PT_GUARDED_BY(compute_mu_) = nullptr;  // null for Mamba
+  model::MambaRunner* mamba_ ABSL_PT_GUARDED_BY(compute_mu_) = nullptr;      // null for attention
+  // core_'s transport, KV memory and cache segment.
+  transfer::Transport* transport_ = nullptr;
+  worker::RegisteredKvCache* kv_ = nullptr;
+  worker::CacheSegment* segment_ = nullptr;
   // core_->store once ConnectStore ran; release by ConnectStore, acquire by requests.
   std::atomic<worker::StoreLink*> store_{nullptr};
 
-  absl::Mutex compute_mu_;  // one forward pass at a time; taken before peers_mu_ never
-  absl::Mutex peers_mu_;
-  absl::flat_hash_map<std::string, transfer::PeerId> peers_ ABSL_GUARDED_BY(peers_mu_);
-  // Verdicts on push claims in flight, by (peer, request tag): nullopt until it arrives.
-  absl::Mutex verdicts_mu_;
-  absl::flat_hash_map<std::pair<transfer::PeerId, uint64_t>, std::optional<absl::Status>> verdicts_
-      ABSL_GUARDED_BY(verdicts_mu_);
+  // Data-plane peers, shared by pushes and pulls (declared after core_: destroyed before it).
+  std::unique_ptr<PeerCache> peers_;
+  // Pulls of prefixes held on other nodes (holds a region of core_'s transport).
+  std::unique_ptr<PrefixPuller> puller_;
 
-  // Pulls: one at a time (they share the slot-entry scratch region).
-  absl::Mutex fetch_mu_;
-  transfer::MemoryRegionPtr fetch_scratch_ ABSL_GUARDED_BY(fetch_mu_);
-  // Pulls given up on, until they are terminal (declared after core_: destroyed before it).
-  std::unique_ptr<worker::FetchQuarantine> fetch_quarantine_;
-  absl::Mutex meters_mu_;
-  absl::flat_hash_map<std::string, std::unique_ptr<kv::RateMeter>> link_meters_
-      ABSL_GUARDED_BY(meters_mu_);
-  kv::RateMeter prefill_rate_;  // prompt tokens per second of compute here
-
-  const MetricLabels model_labels_;  // {model_name}: on every family this worker exports
   Counter* prefix_query_tokens_;
-  Counter* fetched_bytes_;
-  Counter* fetched_tokens_;
   Counter* prefix_hit_tokens_;
   Counter* computed_tokens_;
-  Counter* pushed_bytes_;
-  Histogram* transfer_seconds_;
-  Histogram* transfer_bytes_;
   Histogram* prefill_seconds_;
   Gauge* running_;                                      // in progress, not waiting for compute_mu_
   Gauge* waiting_;                                      // waiting for compute_mu_
