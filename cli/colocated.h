@@ -16,41 +16,17 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "gateway/client/generation.h"
 #include "model/mamba_runner.h"
 #include "model/model_runner.h"
 #include "model/select/model_select.h"
 
 namespace kvrelay::cli {
 
-struct GenerationRequest {
-  std::vector<int32_t> tokens;  // the prompt, 1 .. max_position_embeddings - max_tokens
-  int32_t max_tokens = 16;      // [1, 4096]
-  float temperature = 0.0f;     // 0 = greedy
-  float top_p = 1.0f;           // (0, 1]: nucleus sampling
-  uint64_t seed = 0;
-  int32_t eos_token = -1;  // stop after producing this token; -1 = none
-};
-
-// What `kvrelay generate --json` prints; the gateway fills the same fields from its
-// GenerateSummary. A co-located run has no prefix hits and moves no bytes.
-struct GenerationResult {
-  std::vector<int32_t> tokens;
-  double ttft_ms = 0;
-  double total_ms = 0;
-  int32_t prefix_hit_tokens = 0;
-  int32_t computed_prompt_tokens = 0;
-  int64_t transferred_bytes = 0;
-  int64_t fetched_bytes = 0;
-  int32_t prompt_tokens = 0;
-  int32_t generated_tokens = 0;
-  std::string prefill_worker;
-  std::string decode_worker;
-  int32_t attempts = 0;
-  // Where the reused prefix came from (GenerateSummary.prefix_source; "local" co-located) and
-  // leading blocks the decode worker already held.
-  std::string prefix_source;
-  int32_t decode_held_blocks = 0;
-};
+// The request and result types are the gateway client's, so a reference result and a served
+// one compare field for field.
+using GenerationRequest = gateway::client::GenerationRequest;
+using GenerationResult = gateway::client::GenerationResult;
 
 class ColocatedGenerator {
  public:

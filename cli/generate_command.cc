@@ -18,14 +18,17 @@
 #include "absl/strings/strip.h"
 #include "cli/colocated.h"
 #include "cli/command.h"
-#include "cli/gateway_client.h"
 #include "common/file_util.h"
 #include "common/flags.h"
 #include "common/server/server_flags.h"
+#include "gateway/client/gateway_client.h"
 #include "tokenizer/byte_tokenizer.h"
 #include "tokenizer/tokenizer.h"
 
 namespace kvrelay::cli {
+using ::kvrelay::gateway::client::GatewayClient;
+using ::kvrelay::gateway::client::GatewayRequest;
+
 namespace {
 
 int UsageError(const std::string& message) { return ::kvrelay::UsageError("generate", message); }

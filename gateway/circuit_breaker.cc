@@ -5,7 +5,7 @@
 namespace kvrelay::gateway {
 
 bool CircuitBreaker::Allow() {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   const absl::Time now = clock_->Now();
   if (state_ == State::kOpen && now >= open_until_) {
     state_ = State::kHalfOpen;
@@ -25,19 +25,19 @@ bool CircuitBreaker::Allow() {
 }
 
 bool CircuitBreaker::Healthy() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return state_ == State::kClosed && clock_->Now() >= busy_until_;
 }
 
 void CircuitBreaker::RecordSuccess() {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   state_ = State::kClosed;
   probe_in_flight_ = false;
   current_open_for_ = absl::ZeroDuration();
 }
 
 void CircuitBreaker::RecordFailure() {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   ++failures_;
   // A failed probe doubles the pause; a first failure opens for the base duration.
   current_open_for_ = state_ == State::kHalfOpen
@@ -50,7 +50,7 @@ void CircuitBreaker::RecordFailure() {
 }
 
 void CircuitBreaker::RecordBusy() {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   busy_until_ = clock_->Now() + options_.busy_for;
   if (state_ == State::kHalfOpen) {
     // The probe reached a live node that is merely full: it is alive.
@@ -61,13 +61,13 @@ void CircuitBreaker::RecordBusy() {
 }
 
 CircuitBreaker::State CircuitBreaker::state() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   if (state_ == State::kOpen && clock_->Now() >= open_until_) return State::kHalfOpen;
   return state_;
 }
 
 int64_t CircuitBreaker::failures() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return failures_;
 }
 

@@ -9,9 +9,9 @@
 // Time comes from the injected Clock. Thread-safe.
 
 #include <cstdint>
-#include <mutex>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/clock.h"
 
@@ -43,7 +43,7 @@ class CircuitBreaker {
  private:
   Clock* const clock_;
   const CircuitBreakerOptions options_;
-  mutable std::mutex mu_;
+  mutable absl::Mutex mu_;
   State state_ ABSL_GUARDED_BY(mu_) = State::kClosed;
   absl::Time open_until_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   absl::Time busy_until_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();

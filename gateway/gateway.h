@@ -2,45 +2,34 @@
 
 // Gateway: the front door's logic (served as kvrelay.v1.Gateway by gateway/server/).
 //
-// Generate validates the request, derives the tenant's block-hash salt from the tenant id and
-// a server-side secret (HMAC-SHA256; a client never chooses a salt), then per attempt picks a
-// prefill worker (longest cached prefix from the cache store's QueryPrefix, then least load)
-// and a decode worker (least load with room) — separate pickers per role, each skipping nodes
-// whose circuit breaker is open — and drives Reserve (decode) -> Prefill -> Generate (decode
-// stream), forwarding tokens as they come.
-//
-// Failure handling: every step has its own timeout below the request's deadline (reserve,
-// prefill, the wait for each decode chunk), so an unreachable or stopped worker fails the
-// attempt quickly. Which node failed is read from the kvrelay.v1.ErrorInfo the failure carries
-// (never from message text); that node's breaker opens and the request retries on another
-// pair, continuing from the tokens already streamed. The client's own deadline or cancellation
-// and invalid input are never counted against a worker. A request every decode worker refuses
-// for capacity ends at once with RESOURCE_EXHAUSTED.
+// Generate validates the request, admits it against the per-tenant and per-client quotas,
+// derives the tenant's block-hash salt from the tenant id and a server-side secret
+// (HMAC-SHA256; a client never chooses a salt), then hands it to a GenerateCall: attempts on
+// prefill/decode pairs the WorkerSet picks (prefix-aware prefill routing from the cache
+// store's QueryPrefix, least-load decode, circuit breakers), with failover to another pair
+// that continues from the tokens already streamed. See gateway/generate_call.h for the
+// failure handling and gateway/worker_set.h for routing and discovery.
 //
 // Thread-safe. Endpoints, the store client and the clock must outlive the gateway.
 
-#include <algorithm>
 #include <atomic>
-#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <string>
-#include <thread>
 #include <vector>
 
-#include "absl/base/thread_annotations.h"
-#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "cachestore/client/cache_store_client.h"
 #include "common/clock.h"
 #include "common/metrics.h"
 #include "gateway/circuit_breaker.h"
+#include "gateway/gateway_metrics.h"
+#include "gateway/generate_call.h"
 #include "gateway/quota.h"
 #include "gateway/worker_endpoints.h"
+#include "gateway/worker_set.h"
 #include "kv/hf_config.h"
-#include "kv/reuse_cost.h"
 #include "kvrelay/v1/gateway.pb.h"
 
 namespace kvrelay::gateway {
@@ -85,12 +74,6 @@ struct GatewayOptions {
 // HMAC-SHA256(secret, tenant), first 16 bytes.
 std::string DeriveTenantSalt(const std::string& secret, const std::string& tenant);
 
-// Receives the response stream (tokens as they come, then one message with the summary).
-// Returning false stops generation early (the caller has what it wants, e.g. a stop string);
-// the request still ends OK with its summary. A client that went away is reported through
-// Generate's `cancelled` callback instead.
-using GenerateSink = std::function<bool(const kvrelay::v1::GenerateResponse&)>;
-
 class Gateway {
  public:
   struct Workers {
@@ -126,106 +109,22 @@ class Gateway {
   const kv::ModelConfig& config() const { return config_; }
 
  private:
-  // One worker as the gateway tracks it.
-  struct Node {
-    Node(Clock* clock, CircuitBreakerOptions breaker_options) : breaker(clock, breaker_options) {}
-    std::unique_ptr<PrefillEndpoint> prefill;  // exactly one of prefill / decode
-    std::unique_ptr<DecodeEndpoint> decode;
-    CircuitBreaker breaker;
-    std::atomic<int32_t> in_flight{0};
-    // Active + queued requests the node last reported to the store (every gateway's, not only
-    // this one's); refreshed by each discovery pass.
-    std::atomic<int32_t> reported_load{0};
-    // What the pickers rank by: this gateway's own count reacts at once, the reported one sees
-    // the other gateways' traffic.
-    int32_t Load() const {
-      return std::max(in_flight.load(std::memory_order_relaxed),
-                      reported_load.load(std::memory_order_relaxed));
-    }
-    // Prefill nodes: how long a Prefill call takes, and prompt tokens computed per second of it
-    // (the cost model's inputs for routing).
-    kv::RateMeter prefill_calls;
-    kv::RateMeter prefill_tokens;
-    bool discovered = false;  // from the registry (may be dropped), not a fixed address
-    // Requests this gateway has sent to the node: a worker that joined (or came back as a new
-    // incarnation) and has had none is given the next one it is least loaded for, so prefix
-    // affinity never starves a node that holds nothing yet.
-    std::atomic<int64_t> picked{0};
-    bool Cold() const { return discovered && picked.load(std::memory_order_relaxed) == 0; }
-    uint64_t incarnation = 0;          // discovered: the registered process
-    std::atomic<bool> suspect{false};  // the registry marks it suspect: picked last
-    mutable std::mutex mu;
-    std::string node_id ABSL_GUARDED_BY(mu);  // learned from Status / Reserve
-    const std::string& address() const {
-      return prefill != nullptr ? prefill->address() : decode->address();
-    }
-    std::string NodeId() const {
-      std::lock_guard<std::mutex> lock(mu);
-      return node_id;
-    }
-    void SetNodeId(const std::string& id) {
-      std::lock_guard<std::mutex> lock(mu);
-      node_id = id;
-    }
-  };
-  enum class Blame { kNone, kPrefill, kDecode };
-
-  Gateway(GatewayOptions options, kv::ModelConfig config, MetricsRegistry* metrics, Clock* clock);
-  absl::Status Validate(const kvrelay::v1::GenerateRequest& request) const;
-  using NodeList = std::vector<std::shared_ptr<Node>>;
-  // Leading blocks of `chain` each node holds (node id -> blocks), from the store; empty when
-  // the store is unknown, skipped after a failure, or did not answer.
-  absl::flat_hash_map<std::string, int32_t> QueryHoldings(const std::vector<kv::BlockHash>& chain);
-  // `routed` is set when the prefix, not the load alone, decided the pick.
-  Node* PickPrefill(const NodeList& prefills, const absl::flat_hash_map<std::string, int32_t>& held,
-                    int64_t full_blocks, const std::vector<Node*>& excluded, absl::Time deadline,
-                    bool* routed);
-  // The least loaded decode node; among those within one request of it, the one holding the
-  // longest prefix (it is not sent again).
-  Node* PickDecode(const NodeList& decodes, const absl::flat_hash_map<std::string, int32_t>& held,
-                   const std::vector<Node*>& excluded);
-  void DiscoveryLoop();
-  // Which node a failed step is attributed to, from its ErrorInfo (the node called when the
-  // failure carries none). kNone for the caller's own deadline, cancellation or bad input.
-  Blame Attribute(const absl::Status& status, Blame called, absl::Time deadline) const;
-  void CountFailure(const absl::Status& status, const char* role);
+  Gateway(GatewayOptions options, kv::ModelConfig config, MetricsRegistry* metrics, Clock* clock,
+          std::unique_ptr<cachestore::CacheStoreClient> store, WorkerFactories factories);
 
   const GatewayOptions options_;
   const kv::ModelConfig config_;
-  const std::string layout_fingerprint_;
-  MetricsRegistry* metrics_;
-  const MetricLabels model_labels_;  // {model_name}: on every family the gateway exports
-  Clock* const clock_;
-  std::unique_ptr<cachestore::CacheStoreClient> store_;
-  Workers factories_;            // make_prefill / make_decode only
-  mutable std::mutex nodes_mu_;  // guards the two lists (not the nodes)
-  NodeList prefills_ ABSL_GUARDED_BY(nodes_mu_);
-  NodeList decodes_ ABSL_GUARDED_BY(nodes_mu_);
-  std::mutex discovery_mu_;
-  std::condition_variable discovery_cv_;
-  bool stopping_ ABSL_GUARDED_BY(discovery_mu_) = false;
-  std::atomic<int64_t> skip_query_until_us_{0};  // QueryPrefix skipped until (unix micros)
-  std::thread discovery_;
+  const GenerateCallOptions call_options_;
+  // Before the quotas: their refusal counters come from it.
+  const GatewayMetrics metrics_;
+  std::unique_ptr<cachestore::CacheStoreClient> store_;  // before workers_, which uses it
+  std::unique_ptr<WorkerSet> workers_;
+  const std::string instance_id_;  // in request ids: tells this process's apart from others'
   std::atomic<uint64_t> next_request_{1};
-  // One rotation per role, so ties are broken independently for each picker.
-  std::atomic<uint64_t> prefill_rotation_{0};
-  std::atomic<uint64_t> decode_rotation_{0};
-  const std::string instance_id_;
   QuotaTable tenant_in_flight_;
   QuotaTable client_in_flight_;
   QuotaTable tenant_reservations_;
   QuotaTable client_reservations_;
-
-  Histogram* ttft_seconds_;
-  Histogram* itl_seconds_;
-  Histogram* e2e_seconds_;
-  Counter* prompt_tokens_;
-  Counter* generation_tokens_;
-  Counter* prefix_hit_tokens_;
-  Counter* transferred_bytes_;
-  Counter* failovers_;
-  Counter* success_stop_;
-  Counter* success_length_;
 };
 
 }  // namespace kvrelay::gateway

@@ -1,6 +1,17 @@
 #include "gateway/gateway.h"
 
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/file_util.h"
+#include "common/status_macros.h"
+#include "gateway/fake_endpoints.h"
 #include "gtest/gtest.h"
+#include "kv/presets.h"
+#include "proto/grpc_status.h"
+#include "tests/testing/status_matchers.h"
+#include "tests/testing/test_env.h"
 
 namespace kvrelay::gateway {
 namespace {
@@ -18,6 +29,114 @@ TEST(TenantSalt, SeparatesTenantsAndSecrets) {
   EXPECT_EQ(DeriveTenantSalt("s", "alice"), DeriveTenantSalt("s", "alice"));
   EXPECT_NE(DeriveTenantSalt("s", "alice"), DeriveTenantSalt("s", "bob"));
   EXPECT_NE(DeriveTenantSalt("s1", "alice"), DeriveTenantSalt("s2", "alice"));
+}
+
+}  // namespace
+}  // namespace kvrelay::gateway
+
+namespace kvrelay::gateway {
+namespace {
+
+using ::kvrelay::gateway::testing::FakeDecodeEndpoint;
+using ::kvrelay::gateway::testing::FakePrefillEndpoint;
+
+// A Gateway over one fake prefill and one fake decode worker, with a real config.json.
+class GatewayTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    KV_ASSERT_OK_AND_ASSIGN(const std::string config, kv::PresetConfigJson("llama3-8b"));
+    KV_ASSERT_OK(WriteFileAtomically(dir_.File("config.json"), config));
+  }
+  absl::Status Start(GatewayOptions options = {}) {
+    options.model_dir = dir_.path();
+    options.model_name = "llama";
+    options.tenant_secret = "secret";
+    Gateway::Workers workers;
+    auto prefill = std::make_unique<FakePrefillEndpoint>("p0:1", "p0", &clock_);
+    auto decode = std::make_unique<FakeDecodeEndpoint>("d0:1", "d0", &clock_);
+    prefill_ = prefill.get();
+    decode_ = decode.get();
+    workers.prefill.push_back(std::move(prefill));
+    workers.decode.push_back(std::move(decode));
+    KV_ASSIGN_OR_RETURN(gateway_, Gateway::Create(std::move(options), std::move(workers),
+                                                  /*store=*/nullptr, &metrics_, &clock_));
+    return absl::OkStatus();
+  }
+  static kvrelay::v1::GenerateRequest Request(int32_t prompt_tokens, int32_t max_tokens) {
+    kvrelay::v1::GenerateRequest request;
+    for (int32_t i = 0; i < prompt_tokens; ++i) request.add_tokens(i + 1);
+    request.set_max_tokens(max_tokens);
+    request.set_tenant("acme");
+    return request;
+  }
+  absl::Status Generate(const kvrelay::v1::GenerateRequest& request) {
+    return gateway_->Generate(
+        request, absl::Now() + absl::Seconds(60),
+        [this](const kvrelay::v1::GenerateResponse& r) {
+          tokens_.insert(tokens_.end(), r.tokens().begin(), r.tokens().end());
+          if (r.has_summary()) summary_ = r.summary();
+          return true;
+        },
+        [] { return false; }, "client-1");
+  }
+
+  ::kvrelay::testing::TempDir dir_;
+  SimulatedClock clock_;  // the breakers'
+  MetricsRegistry metrics_;
+  FakePrefillEndpoint* prefill_ = nullptr;
+  FakeDecodeEndpoint* decode_ = nullptr;
+  std::unique_ptr<Gateway> gateway_;
+  std::vector<int32_t> tokens_;
+  kvrelay::v1::GenerateSummary summary_;
+};
+
+TEST_F(GatewayTest, ServesARequestThroughItsWorkers) {
+  KV_ASSERT_OK(Start());
+  EXPECT_EQ(gateway_->num_prefill(), 1u);
+  EXPECT_EQ(gateway_->num_decode(), 1u);
+  KV_ASSERT_OK(Generate(Request(20, 4)));
+  EXPECT_EQ(tokens_, (std::vector<int32_t>{1020, 1021, 1022, 1023}));
+  EXPECT_EQ(summary_.attempts(), 1);
+  EXPECT_EQ(summary_.generated_tokens(), 4);
+  // The salt is the tenant's, derived from the gateway's secret (never the client's choice).
+  ASSERT_EQ(prefill_->requests.size(), 1u);
+  EXPECT_EQ(prefill_->requests[0].tenant_salt(), DeriveTenantSalt("secret", "acme"));
+  EXPECT_EQ(prefill_->requests[0].model(), "llama");
+  const std::string text = metrics_.RenderText();
+  EXPECT_NE(text.find("kvrelay:prompt_tokens_total{model_name=\"llama\"} 20"), std::string::npos)
+      << text;
+}
+
+TEST_F(GatewayTest, AnInvalidRequestIsTheCallersErrorAndReachesNoWorker) {
+  KV_ASSERT_OK(Start());
+  const absl::Status s = Generate(Request(0, 4));
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  std::optional<kvrelay::v1::ErrorInfo> info = proto::GetErrorInfo(s);
+  ASSERT_TRUE(info.has_value());
+  EXPECT_EQ(info->role(), kvrelay::v1::ROLE_CLIENT);
+  EXPECT_TRUE(decode_->reserves.empty());
+}
+
+TEST_F(GatewayTest, ATenantPastItsInflightQuotaIsRefusedWhileItsRequestRuns) {
+  GatewayOptions options;
+  options.max_inflight_per_tenant = 1;
+  KV_ASSERT_OK(Start(options));
+  absl::Status nested;
+  decode_->on_reserve = [&](const kvrelay::v1::ReserveRequest&, absl::Time) {
+    // The same tenant again while its first request holds the one slot.
+    nested = Generate(Request(20, 4));
+    return absl::UnavailableError("stop here");
+  };
+  EXPECT_FALSE(Generate(Request(20, 4)).ok());
+  EXPECT_TRUE(absl::IsResourceExhausted(nested)) << nested;
+  EXPECT_THAT(std::string(nested.message()), ::testing::HasSubstr("--max-inflight-per-tenant"));
+}
+
+TEST_F(GatewayTest, CreateNeedsWorkersOrAStoreToFindThem) {
+  GatewayOptions options;
+  options.model_dir = dir_.path();
+  EXPECT_TRUE(absl::IsInvalidArgument(
+      Gateway::Create(options, Gateway::Workers(), nullptr, &metrics_, &clock_).status()));
 }
 
 }  // namespace

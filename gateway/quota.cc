@@ -34,7 +34,7 @@ void QuotaTable::Lease::Return() {
 absl::StatusOr<QuotaTable::Lease> QuotaTable::Take(const std::string& key, int64_t units) {
   if (limit_ <= 0 || key.empty()) return Lease();
   units = std::max<int64_t>(units, 1);
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   int64_t& held = held_[key];
   if (held + units > limit_) {
     const int64_t had = held;
@@ -52,13 +52,13 @@ absl::StatusOr<QuotaTable::Lease> QuotaTable::Take(const std::string& key, int64
 }
 
 int64_t QuotaTable::Held(const std::string& key) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   auto it = held_.find(key);
   return it == held_.end() ? 0 : it->second;
 }
 
 void QuotaTable::Give(const std::string& key, int64_t units) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   auto it = held_.find(key);
   if (it != held_.end() && (it->second -= units) <= 0) held_.erase(it);
 }

@@ -9,12 +9,12 @@
 // Thread-safe. Leases must not outlive their table.
 
 #include <cstdint>
-#include <mutex>
 #include <string>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "common/metrics.h"
 
 namespace kvrelay::gateway {
@@ -57,7 +57,7 @@ class QuotaTable {
   const std::string kind_, unit_, flag_;
   const int64_t limit_;
   Counter* const refusals_;
-  mutable std::mutex mu_;
+  mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, int64_t> held_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -1,11 +1,12 @@
 #include "gateway/worker_endpoints.h"
 
+#include <algorithm>
 #include <atomic>
-#include <condition_variable>
-#include <mutex>
 #include <thread>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "common/status_macros.h"
 #include "proto/grpc_status.h"
 
@@ -15,6 +16,55 @@ namespace {
 void SetDeadline(grpc::ClientContext& context, absl::Time deadline) {
   context.set_deadline(absl::ToChronoTime(deadline));
 }
+
+// Cancels a stream's context when no chunk arrived for `timeout`: a stopped or partitioned
+// worker must fail its attempt long before the request's deadline. Its thread runs from
+// construction to Stop() (or destruction). Touch() and stalled() from the reading thread.
+class StallWatchdog {
+ public:
+  StallWatchdog(grpc::ClientContext* context, absl::Duration timeout)
+      : context_(context), timeout_(timeout), thread_([this] { Run(); }) {}
+  ~StallWatchdog() { Stop(); }
+
+  // A chunk arrived: the wait starts again.
+  void Touch() {
+    absl::MutexLock lock(&mu_);
+    last_chunk_ = absl::Now();
+  }
+  // Ends the watch (idempotent); after it, stalled() is final.
+  void Stop() {
+    {
+      absl::MutexLock lock(&mu_);
+      finished_ = true;
+    }
+    if (thread_.joinable()) thread_.join();
+  }
+  bool stalled() const { return stalled_.load(); }
+
+ private:
+  void Run() {
+    absl::MutexLock lock(&mu_);
+    while (!finished_) {
+      const absl::Time limit = last_chunk_ + timeout_;
+      if (absl::Now() >= limit) {
+        stalled_.store(true);
+        context_->TryCancel();
+        return;
+      }
+      // Wakes early only when the stream finished.
+      mu_.AwaitWithTimeout(absl::Condition(&finished_),
+                           std::min(limit - absl::Now(), absl::Milliseconds(100)));
+    }
+  }
+
+  grpc::ClientContext* const context_;
+  const absl::Duration timeout_;
+  absl::Mutex mu_;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Time last_chunk_ ABSL_GUARDED_BY(mu_) = absl::Now();
+  std::atomic<bool> stalled_{false};
+  std::thread thread_;  // last: starts once the members it reads exist
+};
 
 class GrpcPrefillEndpoint final : public PrefillEndpoint {
  public:
@@ -65,33 +115,11 @@ class GrpcDecodeEndpoint final : public DecodeEndpoint {
     SetDeadline(context, deadline);
     std::unique_ptr<grpc::ClientReader<kvrelay::v1::DecodeChunk>> reader =
         stub_->Generate(&context, request);
-    // A watchdog cancels the stream when no chunk arrived for chunk_timeout: a stopped or
-    // partitioned worker must fail this attempt long before the request's deadline.
-    std::mutex mu;
-    std::condition_variable cv;
-    bool finished = false;
-    std::atomic<bool> stalled{false};
-    absl::Time last_chunk = absl::Now();
-    std::thread watchdog([&] {
-      std::unique_lock<std::mutex> lock(mu);
-      while (!finished) {
-        const absl::Time limit = last_chunk + chunk_timeout;
-        if (absl::Now() >= limit) {
-          stalled.store(true);
-          context.TryCancel();
-          return;
-        }
-        cv.wait_for(lock, absl::ToChronoMilliseconds(
-                              std::min(limit - absl::Now(), absl::Milliseconds(100))));
-      }
-    });
+    StallWatchdog watchdog(&context, chunk_timeout);
     kvrelay::v1::DecodeChunk chunk;
     bool sink_stopped = false;
     while (reader->Read(&chunk)) {
-      {
-        std::lock_guard<std::mutex> lock(mu);
-        last_chunk = absl::Now();
-      }
+      watchdog.Touch();
       if (!sink(chunk)) {
         sink_stopped = true;
         context.TryCancel();
@@ -99,14 +127,9 @@ class GrpcDecodeEndpoint final : public DecodeEndpoint {
       }
     }
     absl::Status status = proto::FromGrpcStatus(reader->Finish());
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      finished = true;
-    }
-    cv.notify_all();
-    watchdog.join();
+    watchdog.Stop();
     if (sink_stopped) return absl::CancelledError("the caller went away");
-    if (stalled.load()) {
+    if (watchdog.stalled()) {
       return absl::DeadlineExceededError(absl::StrCat(
           "decode worker ", address_, " sent nothing for ", absl::FormatDuration(chunk_timeout)));
     }

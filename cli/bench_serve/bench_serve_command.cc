@@ -20,14 +20,18 @@
 #include "cli/bench_serve/trace.h"
 #include "cli/bench_serve/verify.h"
 #include "cli/bench_serve/workload.h"
-#include "cli/gateway_client.h"
 #include "cli/up/health_check.h"
 #include "common/file_util.h"
 #include "common/flags.h"
 #include "common/server/server_flags.h"
+#include "gateway/client/gateway_client.h"
 #include "kv/hf_config.h"
 
 namespace kvrelay::cli::bench_serve {
+using ::kvrelay::gateway::client::GatewayClient;
+using ::kvrelay::gateway::client::GatewayRequest;
+using ::kvrelay::gateway::client::GenerationResult;
+
 namespace {
 
 int UsageError(const std::string& message) { return ::kvrelay::UsageError("bench-serve", message); }

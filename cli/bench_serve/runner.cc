@@ -13,6 +13,9 @@
 #include "proto/grpc_status.h"
 
 namespace kvrelay::cli::bench_serve {
+using ::kvrelay::gateway::client::GatewayClient;
+using ::kvrelay::gateway::client::GatewayRequest;
+
 namespace {
 
 double SecondsBetween(absl::Time from, absl::Time to) { return absl::ToDoubleSeconds(to - from); }
@@ -39,7 +42,7 @@ void PrintProgress(const RunOptions& options, const Progress& p, int64_t total, 
   std::fflush(stderr);
 }
 
-RequestRecord SendOne(const cli::GatewayClient& client, const WorkloadRequest& w,
+RequestRecord SendOne(const GatewayClient& client, const WorkloadRequest& w,
                       const RunOptions& options, absl::Time start, absl::Time end) {
   RequestRecord r;
   r.index = w.index;
@@ -48,7 +51,7 @@ RequestRecord SendOne(const cli::GatewayClient& client, const WorkloadRequest& w
   r.prompt_tokens = static_cast<int32_t>(w.prompt.size());
   r.max_tokens = w.max_tokens;
   r.ideal_cached_tokens = w.ideal_cached_tokens;
-  cli::GatewayRequest request;
+  GatewayRequest request;
   request.generation = MakeGenerationRequest(w, options.temperature);
   request.model = options.model;
   request.tenant = options.tenant;
@@ -78,7 +81,8 @@ RequestRecord SendOne(const cli::GatewayClient& client, const WorkloadRequest& w
   const bool capped = end - sent < options.timeout;
   const absl::Duration deadline =
       std::max(absl::Milliseconds(1), std::min(options.timeout, end - sent));
-  absl::StatusOr<cli::GenerationResult> result = client.Generate(request, deadline, on_tokens);
+  absl::StatusOr<gateway::client::GenerationResult> result =
+      client.Generate(request, deadline, on_tokens);
   const absl::Time done = absl::Now();
   r.end_s = SecondsBetween(start, done);
   r.e2e_ms = absl::ToDoubleMilliseconds(done - sent);
@@ -109,8 +113,9 @@ RequestRecord SendOne(const cli::GatewayClient& client, const WorkloadRequest& w
 
 }  // namespace
 
-cli::GenerationRequest MakeGenerationRequest(const WorkloadRequest& w, float temperature) {
-  cli::GenerationRequest g;
+gateway::client::GenerationRequest MakeGenerationRequest(const WorkloadRequest& w,
+                                                         float temperature) {
+  gateway::client::GenerationRequest g;
   g.tokens = w.prompt;
   g.max_tokens = w.max_tokens;
   g.temperature = temperature;
@@ -119,7 +124,7 @@ cli::GenerationRequest MakeGenerationRequest(const WorkloadRequest& w, float tem
   return g;
 }
 
-RunResult RunLoad(const std::vector<const cli::GatewayClient*>& gateways,
+RunResult RunLoad(const std::vector<const GatewayClient*>& gateways,
                   const std::vector<WorkloadRequest>& workload, const RunOptions& options) {
   RunResult result;
   const int64_t total = std::min<int64_t>(static_cast<int64_t>(workload.size()),
@@ -149,7 +154,7 @@ RunResult RunLoad(const std::vector<const cli::GatewayClient*>& gateways,
         return;
       }
       progress.in_flight.fetch_add(1, std::memory_order_relaxed);
-      const cli::GatewayClient& client = *gateways[static_cast<size_t>(i) % gateways.size()];
+      const GatewayClient& client = *gateways[static_cast<size_t>(i) % gateways.size()];
       records[static_cast<size_t>(i)] = SendOne(client, w, options, result.start, end);
       sent[static_cast<size_t>(i)] = 1;
       progress.in_flight.fetch_sub(1, std::memory_order_relaxed);

@@ -15,7 +15,7 @@
 #include "absl/time/time.h"
 #include "cli/bench_serve/stats.h"
 #include "cli/bench_serve/workload.h"
-#include "cli/gateway_client.h"
+#include "gateway/client/gateway_client.h"
 
 namespace kvrelay::cli::bench_serve {
 
@@ -41,10 +41,11 @@ struct RunResult {
 
 // Request i goes to gateways[i % size]. REQUIRES: workload sorted by arrival_s; gateways
 // non-empty, each outliving the call.
-RunResult RunLoad(const std::vector<const cli::GatewayClient*>& gateways,
+RunResult RunLoad(const std::vector<const gateway::client::GatewayClient*>& gateways,
                   const std::vector<WorkloadRequest>& workload, const RunOptions& options);
 
 // The generation request bench-serve sends for `w` (also what --verify replays co-located).
-cli::GenerationRequest MakeGenerationRequest(const WorkloadRequest& w, float temperature);
+gateway::client::GenerationRequest MakeGenerationRequest(const WorkloadRequest& w,
+                                                         float temperature);
 
 }  // namespace kvrelay::cli::bench_serve

@@ -145,11 +145,8 @@ bool ReadNumber(const Json& body, const char* field, double lo, double hi, doubl
   return true;
 }
 
-std::optional<HttpError> Parse(const Json& body, bool chat, const OpenAiHttpOptions& options,
-                               const tokenizer::Tokenizer& tokenizer, Parsed* out) {
-  out->chat = chat;
-  out->max_tokens = options.default_max_tokens;
-  if (!body.is_object()) return Bad("", "the request body must be a JSON object");
+// The served model must be the one named; a 404 as OpenAI answers for an unknown model.
+std::optional<HttpError> CheckModel(const Json& body, const OpenAiHttpOptions& options) {
   auto model = body.find("model");
   if (model == body.end() || !model->is_string()) {
     return Bad("model", "model is required and must be a string");
@@ -164,69 +161,89 @@ std::optional<HttpError> Parse(const Json& body, bool chat, const OpenAiHttpOpti
                              "' does not exist; this server serves '", options.model_name, "'");
     return e;
   }
-  if (chat) {
-    auto messages = body.find("messages");
-    if (messages == body.end() || !messages->is_array() || messages->empty()) {
-      return Bad("messages", "messages must be a non-empty array");
+  return std::nullopt;
+}
+
+// One chat message's text: a string, or an array of text parts.
+std::optional<HttpError> ReadMessage(const Json& m, const std::string& where,
+                                     tokenizer::ChatMessage* out) {
+  if (!m.is_object()) return Bad(where, absl::StrCat(where, " must be an object"));
+  auto role = m.find("role");
+  auto content = m.find("content");
+  if (role == m.end() || !role->is_string()) {
+    return Bad(where + ".role", absl::StrCat(where, ".role must be a string"));
+  }
+  const std::string r = role->get<std::string>();
+  if (r != "system" && r != "user" && r != "assistant" && r != "developer" && r != "tool") {
+    return Bad(where + ".role", absl::StrCat(where, ".role '", r, "' is not a known role"));
+  }
+  std::string text;
+  if (content != m.end() && content->is_string()) {
+    text = content->get<std::string>();
+  } else if (content != m.end() && content->is_array()) {
+    for (const Json& part : *content) {
+      if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") ||
+          !part["text"].is_string()) {
+        return Bad(where + ".content", "only text content parts are supported");
+      }
+      text += part["text"].get<std::string>();
     }
-    std::vector<tokenizer::ChatMessage> turns;
-    for (size_t i = 0; i < messages->size(); ++i) {
-      const Json& m = (*messages)[i];
-      const std::string where = absl::StrCat("messages[", i, "]");
-      if (!m.is_object()) return Bad(where, absl::StrCat(where, " must be an object"));
-      auto role = m.find("role");
-      auto content = m.find("content");
-      if (role == m.end() || !role->is_string()) {
-        return Bad(where + ".role", absl::StrCat(where, ".role must be a string"));
-      }
-      const std::string r = role->get<std::string>();
-      if (r != "system" && r != "user" && r != "assistant" && r != "developer" && r != "tool") {
-        return Bad(where + ".role", absl::StrCat(where, ".role '", r, "' is not a known role"));
-      }
-      std::string text;
-      if (content != m.end() && content->is_string()) {
-        text = content->get<std::string>();
-      } else if (content != m.end() && content->is_array()) {
-        for (const Json& part : *content) {
-          if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") ||
-              !part["text"].is_string()) {
-            return Bad(where + ".content", "only text content parts are supported");
-          }
-          text += part["text"].get<std::string>();
-        }
-      } else {
-        return Bad(where + ".content", absl::StrCat(where, ".content must be a string"));
-      }
-      turns.push_back({r, std::move(text)});
-    }
-    absl::StatusOr<std::string> prompt = tokenizer.ApplyChatTemplate(turns, true);
-    if (!prompt.ok()) return Bad("messages", std::string(prompt.status().message()));
-    // The template already holds whatever BOS the model wants.
-    absl::StatusOr<std::vector<int32_t>> ids =
-        tokenizer.Encode(*prompt, {.add_special_tokens = false});
-    if (!ids.ok()) return Bad("messages", std::string(ids.status().message()));
-    out->prompt = *std::move(ids);
   } else {
-    auto prompt = body.find("prompt");
-    if (prompt == body.end()) return Bad("prompt", "prompt is required");
-    if (prompt->is_string()) {
-      absl::StatusOr<std::vector<int32_t>> ids = tokenizer.Encode(prompt->get<std::string>());
-      if (!ids.ok()) return Bad("prompt", std::string(ids.status().message()));
-      out->prompt = *std::move(ids);
-    } else if (prompt->is_array() && !prompt->empty() && (*prompt)[0].is_number_integer()) {
-      for (const Json& t : *prompt) {
-        if (!t.is_number_integer()) return Bad("prompt", "prompt token ids must be integers");
-        const int64_t id = t.get<int64_t>();
-        if (id < 0 || id > INT32_MAX)
-          return Bad("prompt", absl::StrCat("token id ", id, " is out of range"));
-        out->prompt.push_back(static_cast<int32_t>(id));
-      }
-    } else {
-      return Bad("prompt", "prompt must be a string or an array of token ids (one prompt)");
+    return Bad(where + ".content", absl::StrCat(where, ".content must be a string"));
+  }
+  *out = {r, std::move(text)};
+  return std::nullopt;
+}
+
+// /v1/chat/completions: the messages through the model's chat template.
+std::optional<HttpError> ParseChatPrompt(const Json& body, const tokenizer::Tokenizer& tokenizer,
+                                         std::vector<int32_t>* prompt) {
+  auto messages = body.find("messages");
+  if (messages == body.end() || !messages->is_array() || messages->empty()) {
+    return Bad("messages", "messages must be a non-empty array");
+  }
+  std::vector<tokenizer::ChatMessage> turns(messages->size());
+  for (size_t i = 0; i < messages->size(); ++i) {
+    if (std::optional<HttpError> e =
+            ReadMessage((*messages)[i], absl::StrCat("messages[", i, "]"), &turns[i])) {
+      return e;
     }
   }
-  if (out->prompt.empty()) return Bad(chat ? "messages" : "prompt", "the prompt is empty");
+  absl::StatusOr<std::string> text = tokenizer.ApplyChatTemplate(turns, true);
+  if (!text.ok()) return Bad("messages", std::string(text.status().message()));
+  // The template already holds whatever BOS the model wants.
+  absl::StatusOr<std::vector<int32_t>> ids = tokenizer.Encode(*text, {.add_special_tokens = false});
+  if (!ids.ok()) return Bad("messages", std::string(ids.status().message()));
+  *prompt = *std::move(ids);
+  return std::nullopt;
+}
 
+// /v1/completions: the prompt as text or as token ids (one prompt).
+std::optional<HttpError> ParseCompletionPrompt(const Json& body,
+                                               const tokenizer::Tokenizer& tokenizer,
+                                               std::vector<int32_t>* out) {
+  auto prompt = body.find("prompt");
+  if (prompt == body.end()) return Bad("prompt", "prompt is required");
+  if (prompt->is_string()) {
+    absl::StatusOr<std::vector<int32_t>> ids = tokenizer.Encode(prompt->get<std::string>());
+    if (!ids.ok()) return Bad("prompt", std::string(ids.status().message()));
+    *out = *std::move(ids);
+  } else if (prompt->is_array() && !prompt->empty() && (*prompt)[0].is_number_integer()) {
+    for (const Json& t : *prompt) {
+      if (!t.is_number_integer()) return Bad("prompt", "prompt token ids must be integers");
+      const int64_t id = t.get<int64_t>();
+      if (id < 0 || id > INT32_MAX)
+        return Bad("prompt", absl::StrCat("token id ", id, " is out of range"));
+      out->push_back(static_cast<int32_t>(id));
+    }
+  } else {
+    return Bad("prompt", "prompt must be a string or an array of token ids (one prompt)");
+  }
+  return std::nullopt;
+}
+
+// max_tokens (or max_completion_tokens), temperature, top_p, seed.
+std::optional<HttpError> ParseSampling(const Json& body, Parsed* out) {
   HttpError error;
   double v = out->max_tokens;
   const char* max_field =
@@ -246,23 +263,33 @@ std::optional<HttpError> Parse(const Json& body, bool chat, const OpenAiHttpOpti
     if (!seed->is_number_integer()) return Bad("seed", "seed must be an integer");
     out->seed = static_cast<uint64_t>(seed->get<int64_t>());
   }
-  if (auto stop = body.find("stop"); stop != body.end() && !stop->is_null()) {
-    if (stop->is_string()) {
-      out->stops.push_back(stop->get<std::string>());
-    } else if (stop->is_array() && stop->size() <= kMaxStops) {
-      for (const Json& s : *stop) {
-        if (!s.is_string()) return Bad("stop", "stop entries must be strings");
-        out->stops.push_back(s.get<std::string>());
-      }
-    } else {
-      return Bad("stop", absl::StrCat("stop must be a string or up to ", kMaxStops, " strings"));
+  return std::nullopt;
+}
+
+// stop: a string or up to kMaxStops strings.
+std::optional<HttpError> ParseStops(const Json& body, Parsed* out) {
+  auto stop = body.find("stop");
+  if (stop == body.end() || stop->is_null()) return std::nullopt;
+  if (stop->is_string()) {
+    out->stops.push_back(stop->get<std::string>());
+  } else if (stop->is_array() && stop->size() <= kMaxStops) {
+    for (const Json& s : *stop) {
+      if (!s.is_string()) return Bad("stop", "stop entries must be strings");
+      out->stops.push_back(s.get<std::string>());
     }
-    for (const std::string& s : out->stops) {
-      if (s.empty() || s.size() > kMaxStopBytes) {
-        return Bad("stop", absl::StrCat("stop strings must be 1-", kMaxStopBytes, " bytes"));
-      }
+  } else {
+    return Bad("stop", absl::StrCat("stop must be a string or up to ", kMaxStops, " strings"));
+  }
+  for (const std::string& s : out->stops) {
+    if (s.empty() || s.size() > kMaxStopBytes) {
+      return Bad("stop", absl::StrCat("stop strings must be 1-", kMaxStopBytes, " bytes"));
     }
   }
+  return std::nullopt;
+}
+
+// stream, stream_options.include_usage, and n (only 1).
+std::optional<HttpError> ParseDelivery(const Json& body, Parsed* out) {
   if (auto stream = body.find("stream"); stream != body.end() && !stream->is_null()) {
     if (!stream->is_boolean()) return Bad("stream", "stream must be a boolean");
     out->stream = stream->get<bool>();
@@ -281,6 +308,22 @@ std::optional<HttpError> Parse(const Json& body, bool chat, const OpenAiHttpOpti
     return Bad("n", "only n = 1 is supported");
   }
   return std::nullopt;
+}
+
+std::optional<HttpError> Parse(const Json& body, bool chat, const OpenAiHttpOptions& options,
+                               const tokenizer::Tokenizer& tokenizer, Parsed* out) {
+  out->chat = chat;
+  out->max_tokens = options.default_max_tokens;
+  if (!body.is_object()) return Bad("", "the request body must be a JSON object");
+  if (std::optional<HttpError> e = CheckModel(body, options)) return e;
+  if (std::optional<HttpError> e = chat ? ParseChatPrompt(body, tokenizer, &out->prompt)
+                                        : ParseCompletionPrompt(body, tokenizer, &out->prompt)) {
+    return e;
+  }
+  if (out->prompt.empty()) return Bad(chat ? "messages" : "prompt", "the prompt is empty");
+  if (std::optional<HttpError> e = ParseSampling(body, out)) return e;
+  if (std::optional<HttpError> e = ParseStops(body, out)) return e;
+  return ParseDelivery(body, out);
 }
 
 // Follows the generated text: holds back what could still be the start of a stop string or an
@@ -358,6 +401,228 @@ Json Usage(int32_t prompt_tokens, int32_t completion_tokens, int32_t cached_toke
   return usage;
 }
 
+std::string Dump(const Json& j) { return j.dump(-1, ' ', false, Json::error_handler_t::replace); }
+
+// GET /v1/models: the one model this gateway serves.
+void AnswerModels(const OpenAiHttpOptions& options, const httplib::Request& req,
+                  httplib::Response& res) {
+  if (absl::StatusOr<std::string> tenant =
+          options.resolve_tenant(req.get_header_value("Authorization"));
+      !tenant.ok()) {
+    SendError(res, FromStatus(tenant.status()));
+    return;
+  }
+  Json model;
+  model["id"] = options.model_name;
+  model["object"] = "model";
+  model["created"] = 0;
+  model["owned_by"] = "kvrelay";
+  Json list;
+  list["object"] = "list";
+  list["data"] = Json::array({model});
+  res.set_content(Dump(list), "application/json");
+}
+
+// What httplib answers on its own (no route, body too large): OpenAI-shaped too.
+void AnswerHttpError(const httplib::Request& req, httplib::Response& res) {
+  if (!res.body.empty()) return;  // a handler already answered
+  HttpError e;
+  e.status = res.status;
+  e.type = res.status == 404 ? "not_found_error" : "invalid_request_error";
+  e.message = res.status == 404 ? absl::StrCat("no route ", req.method, " ", req.path)
+                                : absl::StrCat("HTTP ", res.status);
+  if (res.status == 413) e.message = "the request body is too large";
+  res.set_content(ErrorBody(e), "application/json");
+}
+
+// One completion request, parsed and admitted: what its answer needs.
+struct Completion {
+  Parsed parsed;
+  std::shared_ptr<kvrelay::v1::GenerateRequest> request;
+  std::string client;  // for the gateway's per-client quotas ("" in --insecure mode)
+  std::string id;
+  int64_t created = 0;
+  absl::Time deadline;
+};
+
+// A choice, whole (`message` / `text`) or as a streamed `delta`.
+Json ChoiceJson(bool chat, const std::string& text, const std::vector<int32_t>& ids, bool streaming,
+                const Json& finish_reason, bool first) {
+  Json choice;
+  choice["index"] = 0;
+  if (chat) {
+    Json message;
+    if (!streaming || first) message["role"] = "assistant";
+    message["content"] = text;
+    choice[streaming ? "delta" : "message"] = message;
+  } else {
+    choice["text"] = text;
+    choice["logprobs"] = nullptr;
+  }
+  choice["token_ids"] = ids;
+  choice["finish_reason"] = finish_reason;
+  return choice;
+}
+
+std::string FinishReason(const TextTracker& tracker, const kvrelay::v1::GenerateSummary& summary,
+                         int32_t max_tokens) {
+  if (tracker.stopped()) return "stop";
+  return summary.generated_tokens() >= max_tokens ? "length" : "stop";
+}
+
+// Answers POST /v1/completions and /v1/chat/completions over the gateway, at once or as
+// server-sent events. Stateless: copies run on httplib's threads; the options, the gateway and
+// the tokenizer must outlive them.
+class CompletionHandler {
+ public:
+  CompletionHandler(const OpenAiHttpOptions* options, Gateway* gateway,
+                    const tokenizer::Tokenizer* tokenizer)
+      : options_(options), gateway_(gateway), tokenizer_(tokenizer) {}
+
+  void Handle(bool chat, const httplib::Request& req, httplib::Response& res) const {
+    Completion c;
+    if (std::optional<HttpError> e = Prepare(chat, req, &c)) {
+      SendError(res, *e);
+      return;
+    }
+    if (!c.parsed.stream) {
+      AnswerOnce(c, res);
+      return;
+    }
+    res.set_header("Cache-Control", "no-cache");
+    res.set_chunked_content_provider(
+        "text/event-stream",
+        [handler = *this, c](size_t, httplib::DataSink& sink) { return handler.Stream(c, sink); });
+  }
+
+ private:
+  // The tenant from the credential, the body parsed, the gateway's request made.
+  std::optional<HttpError> Prepare(bool chat, const httplib::Request& req, Completion* c) const {
+    absl::StatusOr<std::string> tenant =
+        options_->resolve_tenant(req.get_header_value("Authorization"));
+    if (!tenant.ok()) return FromStatus(tenant.status());
+    Json body = Json::parse(req.body, nullptr, /*allow_exceptions=*/false);
+    if (body.is_discarded()) return Bad("", "the request body is not valid JSON");
+    if (std::optional<HttpError> e = Parse(body, chat, *options_, *tokenizer_, &c->parsed)) {
+      return e;
+    }
+    const Parsed& p = c->parsed;
+    c->request = std::make_shared<kvrelay::v1::GenerateRequest>();
+    for (int32_t t : p.prompt) c->request->add_tokens(t);
+    c->request->set_model(options_->model_name);
+    c->request->set_tenant(*tenant);
+    // Over HTTP the only credential is the verified bearer token: its subject is the client
+    // of the per-client quotas (none in --insecure mode).
+    c->client = options_->security.insecure ? std::string() : absl::StrCat("bearer:", *tenant);
+    c->request->set_max_tokens(p.max_tokens);
+    c->request->mutable_sampling()->set_temperature(p.temperature);
+    c->request->mutable_sampling()->set_top_p(p.top_p);
+    c->request->mutable_sampling()->set_seed(p.seed);
+    c->request->set_eos_token(-1);
+    c->id = NewId(chat ? "chatcmpl-" : "cmpl-");
+    c->created = NowSeconds();
+    c->deadline = absl::Now() + options_->request_timeout;
+    return std::nullopt;
+  }
+
+  void AnswerOnce(const Completion& c, httplib::Response& res) const {
+    const Parsed& p = c.parsed;
+    TextTracker tracker(tokenizer_, p.stops);
+    std::string text;
+    kvrelay::v1::GenerateSummary summary;
+    absl::Status s = gateway_->Generate(
+        *c.request, c.deadline,
+        [&](const kvrelay::v1::GenerateResponse& r) {
+          if (r.has_summary()) summary = r.summary();
+          text += tracker.Add(r.tokens());
+          return !tracker.stopped();
+        },
+        [] { return false; }, c.client);
+    if (!s.ok()) {
+      SendError(res, FromStatus(s));
+      return;
+    }
+    text += tracker.Finish();
+    Json out;
+    out["id"] = c.id;
+    out["object"] = p.chat ? "chat.completion" : "text_completion";
+    out["created"] = c.created;
+    out["model"] = options_->model_name;
+    out["choices"] = Json::array({ChoiceJson(p.chat, text, tracker.tokens(), false,
+                                             FinishReason(tracker, summary, p.max_tokens), true)});
+    out["usage"] =
+        Usage(static_cast<int32_t>(p.prompt.size()), static_cast<int32_t>(tracker.tokens().size()),
+              summary.prefix_hit_tokens());
+    res.set_content(Dump(out), "application/json");
+  }
+
+  // The events of one streamed answer; false when the client went away.
+  bool Stream(const Completion& c, httplib::DataSink& sink) const {
+    const Parsed& p = c.parsed;
+    bool client_gone = false;
+    bool first = true;
+    auto send = [&](const Json& event) {
+      if (client_gone) return false;
+      const std::string line = absl::StrCat("data: ", Dump(event), "\n\n");
+      if (!sink.write(line.data(), line.size())) client_gone = true;
+      return !client_gone;
+    };
+    auto envelope = [&](Json choices) {
+      Json event;
+      event["id"] = c.id;
+      event["object"] = p.chat ? "chat.completion.chunk" : "text_completion";
+      event["created"] = c.created;
+      event["model"] = options_->model_name;
+      event["choices"] = std::move(choices);
+      return event;
+    };
+    TextTracker tracker(tokenizer_, p.stops);
+    kvrelay::v1::GenerateSummary summary;
+    absl::Status s = gateway_->Generate(
+        *c.request, c.deadline,
+        [&](const kvrelay::v1::GenerateResponse& r) {
+          if (r.has_summary()) {
+            summary = r.summary();
+            return true;
+          }
+          const std::string delta = tracker.Add(r.tokens());
+          const std::vector<int32_t> ids(r.tokens().begin(), r.tokens().end());
+          if (!send(
+                  envelope(Json::array({ChoiceJson(p.chat, delta, ids, true, nullptr, first)})))) {
+            return false;
+          }
+          first = false;
+          return !tracker.stopped();
+        },
+        [&client_gone] { return client_gone; }, c.client);
+    if (client_gone) return false;
+    if (!s.ok()) {
+      // Headers are gone already: the error travels as an event, as OpenAI does.
+      const std::string line = absl::StrCat("data: ", ErrorBody(FromStatus(s)), "\n\n");
+      sink.write(line.data(), line.size());
+    } else {
+      const std::string rest = tracker.Finish();
+      send(envelope(Json::array({ChoiceJson(
+          p.chat, rest, {}, true, FinishReason(tracker, summary, p.max_tokens), first)})));
+      if (p.include_usage) {
+        Json usage = envelope(Json::array());
+        usage["usage"] =
+            Usage(static_cast<int32_t>(p.prompt.size()),
+                  static_cast<int32_t>(tracker.tokens().size()), summary.prefix_hit_tokens());
+        send(usage);
+      }
+    }
+    const std::string done = "data: [DONE]\n\n";
+    sink.write(done.data(), done.size());
+    sink.done();
+    return true;
+  }
+
+  const OpenAiHttpOptions* options_;
+  Gateway* gateway_;
+  const tokenizer::Tokenizer* tokenizer_;
+};
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<tokenizer::Tokenizer>> LoadServedTokenizer(
@@ -415,195 +680,18 @@ OpenAiHttpServer::~OpenAiHttpServer() {
 
 void OpenAiHttpServer::Routes() {
   http_->Get("/v1/models", [this](const httplib::Request& req, httplib::Response& res) {
-    if (absl::StatusOr<std::string> tenant =
-            options_.resolve_tenant(req.get_header_value("Authorization"));
-        !tenant.ok()) {
-      SendError(res, FromStatus(tenant.status()));
-      return;
-    }
-    Json model;
-    model["id"] = options_.model_name;
-    model["object"] = "model";
-    model["created"] = 0;
-    model["owned_by"] = "kvrelay";
-    Json list;
-    list["object"] = "list";
-    list["data"] = Json::array({model});
-    res.set_content(list.dump(-1, ' ', false, Json::error_handler_t::replace), "application/json");
+    AnswerModels(options_, req, res);
   });
-
-  auto generate = [this](bool chat) {
-    return [this, chat](const httplib::Request& req, httplib::Response& res) {
-      absl::StatusOr<std::string> tenant =
-          options_.resolve_tenant(req.get_header_value("Authorization"));
-      if (!tenant.ok()) {
-        SendError(res, FromStatus(tenant.status()));
-        return;
-      }
-      Json body = Json::parse(req.body, nullptr, /*allow_exceptions=*/false);
-      if (body.is_discarded()) {
-        SendError(res, Bad("", "the request body is not valid JSON"));
-        return;
-      }
-      Parsed p;
-      if (std::optional<HttpError> e = Parse(body, chat, options_, *tokenizer_, &p)) {
-        SendError(res, *e);
-        return;
-      }
-      auto request = std::make_shared<kvrelay::v1::GenerateRequest>();
-      for (int32_t t : p.prompt) request->add_tokens(t);
-      request->set_model(options_.model_name);
-      request->set_tenant(*tenant);
-      // Over HTTP the only credential is the verified bearer token: its subject is the client
-      // of the per-client quotas (none in --insecure mode).
-      const std::string client =
-          options_.security.insecure ? std::string() : absl::StrCat("bearer:", *tenant);
-      request->set_max_tokens(p.max_tokens);
-      request->mutable_sampling()->set_temperature(p.temperature);
-      request->mutable_sampling()->set_top_p(p.top_p);
-      request->mutable_sampling()->set_seed(p.seed);
-      request->set_eos_token(-1);
-      const std::string id = NewId(chat ? "chatcmpl-" : "cmpl-");
-      const int64_t created = NowSeconds();
-      const std::string object = chat ? "chat.completion" : "text_completion";
-      const absl::Time deadline = absl::Now() + options_.request_timeout;
-
-      auto choice_json = [chat](const std::string& text, const std::vector<int32_t>& ids,
-                                bool streaming, const Json& finish_reason, bool first) {
-        Json choice;
-        choice["index"] = 0;
-        if (chat) {
-          Json message;
-          if (!streaming || first) message["role"] = "assistant";
-          message["content"] = text;
-          choice[streaming ? "delta" : "message"] = message;
-        } else {
-          choice["text"] = text;
-          choice["logprobs"] = nullptr;
-        }
-        choice["token_ids"] = ids;
-        choice["finish_reason"] = finish_reason;
-        return choice;
-      };
-      auto finish_reason = [max_tokens = p.max_tokens](
-                               const TextTracker& tracker,
-                               const kvrelay::v1::GenerateSummary& summary) {
-        if (tracker.stopped()) return std::string("stop");
-        return summary.generated_tokens() >= max_tokens ? std::string("length")
-                                                        : std::string("stop");
-      };
-
-      if (!p.stream) {
-        TextTracker tracker(tokenizer_, p.stops);
-        std::string text;
-        kvrelay::v1::GenerateSummary summary;
-        absl::Status s = gateway_->Generate(
-            *request, deadline,
-            [&](const kvrelay::v1::GenerateResponse& r) {
-              if (r.has_summary()) summary = r.summary();
-              text += tracker.Add(r.tokens());
-              return !tracker.stopped();
-            },
-            [] { return false; }, client);
-        if (!s.ok()) {
-          SendError(res, FromStatus(s));
-          return;
-        }
-        text += tracker.Finish();
-        Json out;
-        out["id"] = id;
-        out["object"] = object;
-        out["created"] = created;
-        out["model"] = options_.model_name;
-        out["choices"] = Json::array(
-            {choice_json(text, tracker.tokens(), false, finish_reason(tracker, summary), true)});
-        out["usage"] =
-            Usage(static_cast<int32_t>(p.prompt.size()),
-                  static_cast<int32_t>(tracker.tokens().size()), summary.prefix_hit_tokens());
-        res.set_content(out.dump(-1, ' ', false, Json::error_handler_t::replace),
-                        "application/json");
-        return;
-      }
-
-      res.set_header("Cache-Control", "no-cache");
-      res.set_chunked_content_provider("text/event-stream", [this, request, p, id, created, chat,
-                                                             deadline, choice_json, finish_reason,
-                                                             client](size_t,
-                                                                     httplib::DataSink& sink) {
-        const std::string chunk_object = chat ? "chat.completion.chunk" : "text_completion";
-        bool client_gone = false;
-        bool first = true;
-        auto send = [&](const Json& event) {
-          if (client_gone) return false;
-          const std::string line = absl::StrCat(
-              "data: ", event.dump(-1, ' ', false, Json::error_handler_t::replace), "\n\n");
-          if (!sink.write(line.data(), line.size())) client_gone = true;
-          return !client_gone;
-        };
-        auto envelope = [&](Json choices) {
-          Json event;
-          event["id"] = id;
-          event["object"] = chunk_object;
-          event["created"] = created;
-          event["model"] = options_.model_name;
-          event["choices"] = std::move(choices);
-          return event;
-        };
-        TextTracker tracker(tokenizer_, p.stops);
-        kvrelay::v1::GenerateSummary summary;
-        absl::Status s = gateway_->Generate(
-            *request, deadline,
-            [&](const kvrelay::v1::GenerateResponse& r) {
-              if (r.has_summary()) {
-                summary = r.summary();
-                return true;
-              }
-              const std::string delta = tracker.Add(r.tokens());
-              const std::vector<int32_t> ids(r.tokens().begin(), r.tokens().end());
-              if (!send(envelope(Json::array({choice_json(delta, ids, true, nullptr, first)})))) {
-                return false;
-              }
-              first = false;
-              return !tracker.stopped();
-            },
-            [&client_gone] { return client_gone; }, client);
-        if (client_gone) return false;
-        if (!s.ok()) {
-          // Headers are gone already: the error travels as an event, as OpenAI does.
-          const HttpError e = FromStatus(s);
-          const std::string line = absl::StrCat("data: ", ErrorBody(e), "\n\n");
-          sink.write(line.data(), line.size());
-        } else {
-          const std::string rest = tracker.Finish();
-          send(envelope(
-              Json::array({choice_json(rest, {}, true, finish_reason(tracker, summary), first)})));
-          if (p.include_usage) {
-            Json usage = envelope(Json::array());
-            usage["usage"] =
-                Usage(static_cast<int32_t>(p.prompt.size()),
-                      static_cast<int32_t>(tracker.tokens().size()), summary.prefix_hit_tokens());
-            send(usage);
-          }
-        }
-        const std::string done = "data: [DONE]\n\n";
-        sink.write(done.data(), done.size());
-        sink.done();
-        return true;
-      });
-    };
-  };
-  http_->Post("/v1/completions", generate(false));
-  http_->Post("/v1/chat/completions", generate(true));
-  http_->set_error_handler([](const httplib::Request& req, httplib::Response& res) {
-    if (!res.body.empty()) return;  // a handler already answered
-    HttpError e;
-    e.status = res.status;
-    e.type = res.status == 404 ? "not_found_error" : "invalid_request_error";
-    e.message = res.status == 404 ? absl::StrCat("no route ", req.method, " ", req.path)
-                                  : absl::StrCat("HTTP ", res.status);
-    if (res.status == 413) e.message = "the request body is too large";
-    res.set_content(ErrorBody(e), "application/json");
-  });
+  const CompletionHandler completions(&options_, gateway_, tokenizer_);
+  http_->Post("/v1/completions",
+              [completions](const httplib::Request& req, httplib::Response& res) {
+                completions.Handle(/*chat=*/false, req, res);
+              });
+  http_->Post("/v1/chat/completions",
+              [completions](const httplib::Request& req, httplib::Response& res) {
+                completions.Handle(/*chat=*/true, req, res);
+              });
+  http_->set_error_handler(AnswerHttpError);
 }
 
 }  // namespace kvrelay::gateway

@@ -22,6 +22,9 @@
 #include "tests/testing/test_env.h"
 
 namespace kvrelay::e2e {
+using ::kvrelay::gateway::client::GatewayClient;
+using ::kvrelay::gateway::client::GatewayRequest;
+
 namespace {
 
 using ::testing::HasSubstr;
@@ -61,12 +64,12 @@ TEST_P(DeviceFlagCluster, ServesColocatedTokensOnTheCpuAndSaysSo) {
   KV_ASSERT_OK_AND_ASSIGN(std::unique_ptr<LocalCluster> cluster, LocalCluster::Start(options));
 
   KV_ASSERT_OK_AND_ASSIGN(auto reference, cli::ColocatedGenerator::Load(options.model_dir));
-  cli::GatewayRequest r;
+  GatewayRequest r;
   r.generation.tokens = RandomPrompt(37, 5);
   r.generation.max_tokens = 6;
   KV_ASSERT_OK_AND_ASSIGN(cli::GenerationResult want, reference->Generate(r.generation));
   KV_ASSERT_OK_AND_ASSIGN(cli::GenerationResult got,
-                          cli::GatewayClient(cluster->gateway()).Generate(r, absl::Seconds(60)));
+                          GatewayClient(cluster->gateway()).Generate(r, absl::Seconds(60)));
   EXPECT_EQ(got.tokens, want.tokens) << cluster->Log();
 
   for (const char* name : {"prefill-0", "decode-0"}) {

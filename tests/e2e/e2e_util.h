@@ -15,7 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "cli/colocated.h"
-#include "cli/gateway_client.h"
+#include "gateway/client/gateway_client.h"
 #include "grpcpp/client_context.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
@@ -42,9 +42,10 @@ inline absl::Status WriteModel(const std::string& dir, const std::string& arch) 
 
 // Runs every request on its own thread against the gateway; results in request order.
 inline std::vector<absl::StatusOr<cli::GenerationResult>> GenerateConcurrently(
-    const std::string& gateway, const std::vector<cli::GatewayRequest>& requests,
+    const std::string& gateway,
+    const std::vector<::kvrelay::gateway::client::GatewayRequest>& requests,
     absl::Duration timeout) {
-  cli::GatewayClient client(gateway);
+  ::kvrelay::gateway::client::GatewayClient client(gateway);
   std::vector<absl::StatusOr<cli::GenerationResult>> results(requests.size(),
                                                              absl::UnknownError("not run"));
   std::vector<std::thread> threads;

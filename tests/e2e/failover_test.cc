@@ -20,6 +20,9 @@
 #include "tests/testing/test_env.h"
 
 namespace kvrelay::e2e {
+using ::kvrelay::gateway::client::GatewayClient;
+using ::kvrelay::gateway::client::GatewayRequest;
+
 namespace {
 
 using ::testing::HasSubstr;
@@ -69,9 +72,9 @@ TEST(DecodeWorkerKilled, RequestsFailOverOthersUnaffectedStoreDropsBlocks) {
   KV_ASSERT_OK_AND_ASSIGN(ServiceInfo survivor, cluster->Service("decode-0"));
 
   // Warm-up: both decode workers finish requests and commit their blocks to the store.
-  std::vector<cli::GatewayRequest> warmup;
+  std::vector<GatewayRequest> warmup;
   for (int i = 0; i < 4; ++i) {
-    cli::GatewayRequest r;
+    GatewayRequest r;
     r.generation.tokens = RandomPrompt(40, 300 + i);
     r.generation.max_tokens = 40;
     r.tenant = "failover";
@@ -105,15 +108,15 @@ TEST(DecodeWorkerKilled, RequestsFailOverOthersUnaffectedStoreDropsBlocks) {
   constexpr int kRequests = 6;
   constexpr int kMaxTokens = 2000;
   constexpr absl::Duration kDeadline = absl::Seconds(90);
-  std::vector<cli::GatewayRequest> requests;
+  std::vector<GatewayRequest> requests;
   for (int i = 0; i < kRequests; ++i) {
-    cli::GatewayRequest r;
+    GatewayRequest r;
     r.generation.tokens = RandomPrompt(40, 400 + i);
     r.generation.max_tokens = kMaxTokens;
     r.tenant = "failover";
     requests.push_back(r);
   }
-  cli::GatewayClient client(cluster->gateway());
+  GatewayClient client(cluster->gateway());
   std::atomic<int> streaming{0};
   std::vector<absl::StatusOr<cli::GenerationResult>> results(kRequests,
                                                              absl::UnknownError("not run"));
@@ -190,7 +193,7 @@ TEST(DecodeWorkerKilled, RequestsFailOverOthersUnaffectedStoreDropsBlocks) {
   for (const std::set<std::string>& nodes : held) EXPECT_EQ(nodes.count("decode-1"), 0u);
 
   // Still serving through decode-0.
-  cli::GatewayRequest fresh;
+  GatewayRequest fresh;
   fresh.generation.tokens = RandomPrompt(30, 999);
   fresh.generation.max_tokens = 5;
   fresh.tenant = "failover";

@@ -29,6 +29,8 @@
 #include "transfer/ucx/ucx_transport.h"
 
 namespace kvrelay::e2e {
+using ::kvrelay::gateway::client::GatewayRequest;
+
 namespace {
 
 using ::testing::HasSubstr;
@@ -37,8 +39,8 @@ constexpr absl::Duration kRequestTimeout = absl::Seconds(90);
 constexpr char kRegions[] = "kvrelay:decode_reservation_memory_regions";
 constexpr char kRegionsTotal[] = "kvrelay:decode_reservation_memory_regions_total";
 
-cli::GatewayRequest Request(std::vector<int32_t> tokens, int32_t max_tokens) {
-  cli::GatewayRequest r;
+GatewayRequest Request(std::vector<int32_t> tokens, int32_t max_tokens) {
+  GatewayRequest r;
   r.generation.tokens = std::move(tokens);
   r.generation.max_tokens = max_tokens;
   r.tenant = "keys";
@@ -81,7 +83,7 @@ TEST_P(MemoryKeysPerReservation, TokensEqualColocatedAndKeysDieWithTheirReservat
 
   // 1. Disaggregated == co-located, every push through per-reservation keys.
   auto check_tokens = [&](int seed) {
-    std::vector<cli::GatewayRequest> requests;
+    std::vector<GatewayRequest> requests;
     for (int i = 0; i < 8; ++i) requests.push_back(Request(RandomPrompt(20 + 17 * i, seed + i), 6));
     std::vector<absl::StatusOr<cli::GenerationResult>> results =
         GenerateConcurrently(cluster->gateway(), requests, kRequestTimeout);

@@ -23,6 +23,9 @@
 #include "tests/testing/test_env.h"
 
 namespace kvrelay::e2e {
+using ::kvrelay::gateway::client::GatewayClient;
+using ::kvrelay::gateway::client::GatewayRequest;
+
 namespace {
 
 using ::testing::ElementsAreArray;
@@ -153,7 +156,7 @@ TEST(Metrics, NamesTypesBucketsAndLabelsOfEveryProcess) {
   // computes the last prompt token itself, so the prefill worker looks up (100 - 1) / 16 = 6
   // full blocks, then 115 / 16 = 7, of which the first 6 hit (and the decode worker that kept
   // them is sent only block 7).
-  cli::GatewayClient client(cluster->gateway());
+  GatewayClient client(cluster->gateway());
   const std::vector<int32_t> cold = RandomPrompt(100, 5);
   std::vector<int32_t> warm(cold.begin(), cold.begin() + 96);
   for (int32_t t : RandomPrompt(20, 6)) warm.push_back(t);
@@ -161,7 +164,7 @@ TEST(Metrics, NamesTypesBucketsAndLabelsOfEveryProcess) {
   int generated = 0;
   for (const std::vector<int32_t>* prompt :
        std::vector<const std::vector<int32_t>*>{&cold, &warm}) {
-    cli::GatewayRequest request;
+    GatewayRequest request;
     request.generation.tokens = *prompt;
     request.generation.max_tokens = kMaxTokens;
     request.tenant = "metrics";

@@ -22,6 +22,9 @@
 #include "tests/testing/test_env.h"
 
 namespace kvrelay::e2e {
+using ::kvrelay::gateway::client::GatewayClient;
+using ::kvrelay::gateway::client::GatewayRequest;
+
 namespace {
 
 constexpr absl::Duration kRequestTimeout = absl::Seconds(60);
@@ -66,15 +69,15 @@ class CrossNodeReuse : public ::testing::Test {
     }
     return bytes;
   }
-  static cli::GatewayRequest Request(std::vector<int32_t> tokens, const std::string& tenant,
-                                     int32_t max_tokens = 6) {
-    cli::GatewayRequest r;
+  static GatewayRequest Request(std::vector<int32_t> tokens, const std::string& tenant,
+                                int32_t max_tokens = 6) {
+    GatewayRequest r;
     r.generation.tokens = std::move(tokens);
     r.generation.max_tokens = max_tokens;
     r.tenant = tenant;
     return r;
   }
-  static std::vector<int32_t> Reference(const cli::GatewayRequest& r) {
+  static std::vector<int32_t> Reference(const GatewayRequest& r) {
     absl::StatusOr<cli::GenerationResult> expected = reference_->Generate(r.generation);
     EXPECT_TRUE(expected.ok()) << expected.status();
     return expected.ok() ? expected->tokens : std::vector<int32_t>{};
@@ -103,18 +106,18 @@ LocalCluster* CrossNodeReuse::cluster_ = nullptr;
 // first 96 tokens (6 blocks) and goes to the other prefill node, which pulls the 6 blocks from
 // the first and computes only block 7.
 TEST_F(CrossNodeReuse, ThePrefixIsPulledFromItsHolderNotRecomputed) {
-  cli::GatewayClient client(cluster_->gateway());
+  GatewayClient client(cluster_->gateway());
   const std::vector<int32_t> a = RandomPrompt(100, 31);
   std::vector<int32_t> b(a.begin(), a.begin() + 96);
   for (int32_t t : RandomPrompt(20, 32)) b.push_back(t);
 
-  const cli::GatewayRequest first = Request(a, "pull");
+  const GatewayRequest first = Request(a, "pull");
   KV_ASSERT_OK_AND_ASSIGN(cli::GenerationResult cold, client.Generate(first, kRequestTimeout));
   EXPECT_EQ(cold.tokens, Reference(first));
   EXPECT_EQ(cold.prefix_hit_tokens, 0);
   EXPECT_EQ(cold.fetched_bytes, 0);
 
-  const cli::GatewayRequest second = Request(b, "pull");
+  const GatewayRequest second = Request(b, "pull");
   KV_ASSERT_OK_AND_ASSIGN(cli::GenerationResult warm, client.Generate(second, kRequestTimeout));
   EXPECT_EQ(warm.tokens, Reference(second));
   ASSERT_NE(warm.prefill_worker, cold.prefill_worker)
@@ -135,8 +138,8 @@ TEST_F(CrossNodeReuse, ThePrefixIsPulledFromItsHolderNotRecomputed) {
 // (136 tokens, 8 full blocks). The decode worker kept turn 1's blocks, so turn 2 goes to it and
 // only blocks 7 and 8 are pushed.
 TEST_F(CrossNodeReuse, ASecondTurnReceivesOnlyItsNewBlocks) {
-  cli::GatewayClient client(cluster_->gateway());
-  const cli::GatewayRequest turn1 = Request(RandomPrompt(100, 41), "turns");
+  GatewayClient client(cluster_->gateway());
+  const GatewayRequest turn1 = Request(RandomPrompt(100, 41), "turns");
   KV_ASSERT_OK_AND_ASSIGN(cli::GenerationResult one, client.Generate(turn1, kRequestTimeout));
   EXPECT_EQ(one.tokens, Reference(turn1));
   EXPECT_EQ(one.transferred_bytes, 6 * BlockBytes());
@@ -145,7 +148,7 @@ TEST_F(CrossNodeReuse, ASecondTurnReceivesOnlyItsNewBlocks) {
   history.insert(history.end(), one.tokens.begin(), one.tokens.end());
   for (int32_t t : RandomPrompt(30, 42)) history.push_back(t);
   ASSERT_EQ(history.size(), 136u);
-  const cli::GatewayRequest turn2 = Request(history, "turns");
+  const GatewayRequest turn2 = Request(history, "turns");
   KV_ASSERT_OK_AND_ASSIGN(cli::GenerationResult two, client.Generate(turn2, kRequestTimeout));
   EXPECT_EQ(two.tokens, Reference(turn2));
   EXPECT_EQ(two.decode_worker, one.decode_worker);
@@ -160,11 +163,11 @@ TEST_F(CrossNodeReuse, ASecondTurnReceivesOnlyItsNewBlocks) {
 // other one) tries to pull from a holder that hangs and then dies: the pull is given up, the
 // blocks are recomputed, and the request returns the right tokens well within its deadline.
 TEST_F(CrossNodeReuse, HoldersKilledMidFetchCostThePullNotTheRequest) {
-  cli::GatewayClient client(cluster_->gateway());
+  GatewayClient client(cluster_->gateway());
   const std::vector<int32_t> a = RandomPrompt(100, 51);
   std::vector<int32_t> b(a.begin(), a.begin() + 96);
   for (int32_t t : RandomPrompt(30, 52)) b.push_back(t);
-  const cli::GatewayRequest first = Request(a, "holders-die");
+  const GatewayRequest first = Request(a, "holders-die");
   KV_ASSERT_OK_AND_ASSIGN(cli::GenerationResult cold, client.Generate(first, kRequestTimeout));
   KV_ASSERT_OK_AND_ASSIGN(ServiceInfo prefill, cluster_->Service(ServiceAt(cold.prefill_worker)));
   KV_ASSERT_OK_AND_ASSIGN(ServiceInfo decode, cluster_->Service(ServiceAt(cold.decode_worker)));
@@ -176,7 +179,7 @@ TEST_F(CrossNodeReuse, HoldersKilledMidFetchCostThePullNotTheRequest) {
     ::kill(prefill.pid, SIGKILL);
     ::kill(decode.pid, SIGKILL);
   });
-  const cli::GatewayRequest second = Request(b, "holders-die");
+  const GatewayRequest second = Request(b, "holders-die");
   const absl::Time start = absl::Now();
   absl::StatusOr<cli::GenerationResult> warm = client.Generate(second, kRequestTimeout);
   const absl::Duration took = absl::Now() - start;

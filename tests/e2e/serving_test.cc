@@ -25,6 +25,9 @@
 #include "tests/testing/test_env.h"
 
 namespace kvrelay::e2e {
+using ::kvrelay::gateway::client::GatewayClient;
+using ::kvrelay::gateway::client::GatewayRequest;
+
 namespace {
 
 using ::kvrelay::testing::StatusIs;
@@ -91,9 +94,9 @@ class Clusters : public ::testing::Environment {
 };
 Clusters* Clusters::instance_ = nullptr;
 
-cli::GatewayRequest Request(std::vector<int32_t> tokens, int32_t max_tokens,
-                            const std::string& tenant = "e2e") {
-  cli::GatewayRequest r;
+GatewayRequest Request(std::vector<int32_t> tokens, int32_t max_tokens,
+                       const std::string& tenant = "e2e") {
+  GatewayRequest r;
   r.generation.tokens = std::move(tokens);
   r.generation.max_tokens = max_tokens;
   r.tenant = tenant;
@@ -106,7 +109,7 @@ class Disaggregated : public ::testing::TestWithParam<std::string> {};
 // prompts past the 32-token sliding window) against the co-located reference.
 TEST_P(Disaggregated, TokensEqualColocatedUnder16ConcurrentRequests) {
   KV_ASSERT_OK_AND_ASSIGN(Clusters::Entry * e, Clusters::Get()->For(GetParam()));
-  std::vector<cli::GatewayRequest> requests;
+  std::vector<GatewayRequest> requests;
   for (int i = 0; i < 16; ++i) {
     requests.push_back(Request(RandomPrompt(5 + 7 * i, 1000 + i), 8, "concurrent"));
   }
@@ -142,9 +145,9 @@ INSTANTIATE_TEST_SUITE_P(Models, Disaggregated,
 // Seeded temperature sampling draws the same tokens as the co-located run with the same seed.
 TEST(SeededSampling, MatchesColocated) {
   KV_ASSERT_OK_AND_ASSIGN(Clusters::Entry * e, Clusters::Get()->For("llama"));
-  std::vector<cli::GatewayRequest> requests;
+  std::vector<GatewayRequest> requests;
   for (int i = 0; i < 4; ++i) {
-    cli::GatewayRequest r = Request(RandomPrompt(30 + 11 * i, 2000 + i), 12, "sampling");
+    GatewayRequest r = Request(RandomPrompt(30 + 11 * i, 2000 + i), 12, "sampling");
     r.generation.temperature = 0.9f;
     r.generation.seed = 100 + i;
     requests.push_back(r);
@@ -165,7 +168,7 @@ TEST(SeededSampling, MatchesColocated) {
 TEST(SharedPrefix, SecondRequestComputesOnlyNewTokens) {
   KV_ASSERT_OK_AND_ASSIGN(Clusters::Entry * e, Clusters::Get()->For("llama"));
   KV_ASSERT_OK_AND_ASSIGN(ServiceInfo prefill, e->cluster->Service("prefill-0"));
-  cli::GatewayClient client(e->cluster->gateway());
+  GatewayClient client(e->cluster->gateway());
   const std::vector<int32_t> first = RandomPrompt(200, 77);
   std::vector<int32_t> second(first.begin(), first.begin() + 180);
   for (int32_t t : RandomPrompt(20, 78)) second.push_back(t);
@@ -242,7 +245,7 @@ TEST(BytesOnTheWire, EqualTheLayoutBytesOfThePushedTokens) {
       }
       return sum;
     };
-    cli::GatewayClient client(e->cluster->gateway());
+    GatewayClient client(e->cluster->gateway());
     for (const auto& [prompt_tokens, pushed_blocks] : {std::pair{100, 6}, std::pair{96, 5}}) {
       for (int round = 0; round < 2; ++round) {  // cold, then every pushed block from the cache
         SCOPED_TRACE(absl::StrCat(prompt_tokens, " tokens, round ", round));
@@ -265,7 +268,7 @@ TEST(BytesOnTheWire, EqualTheLayoutBytesOfThePushedTokens) {
 // Every kind of bad request is INVALID_ARGUMENT with a message, and the gateway keeps serving.
 TEST(BadInput, IsInvalidArgumentAndServersKeepServing) {
   KV_ASSERT_OK_AND_ASSIGN(Clusters::Entry * e, Clusters::Get()->For("llama"));
-  cli::GatewayClient client(e->cluster->gateway());
+  GatewayClient client(e->cluster->gateway());
   auto base = [] {
     v1::GenerateRequest r;
     for (int32_t t : RandomPrompt(20, 9)) r.add_tokens(t);
@@ -324,7 +327,7 @@ TEST(BadInput, IsInvalidArgumentAndServersKeepServing) {
     EXPECT_THAT(r, StatusIs(absl::StatusCode::kInvalidArgument, Not(IsEmpty()))) << what;
   }
   // Still serving, and correctly.
-  cli::GatewayRequest good = Request(RandomPrompt(20, 9), 4, "bad-input");
+  GatewayRequest good = Request(RandomPrompt(20, 9), 4, "bad-input");
   KV_ASSERT_OK_AND_ASSIGN(cli::GenerationResult r, client.Generate(good, kRequestTimeout));
   KV_ASSERT_OK_AND_ASSIGN(cli::GenerationResult expected, e->reference->Generate(good.generation));
   EXPECT_EQ(r.tokens, expected.tokens);
@@ -343,7 +346,7 @@ TEST(TransfersOnlyWhereTheyBelong, PrefillNamingAnotherRequestsSlotsIsRefused) {
   KV_ASSERT_OK_AND_ASSIGN(ServiceInfo prefill, e->cluster->Service("prefill-0"));
   auto prefill_stub = v1::Prefill::NewStub(
       grpc::CreateChannel(prefill.address, grpc::InsecureChannelCredentials()));
-  std::vector<cli::GatewayRequest> victims;
+  std::vector<GatewayRequest> victims;
   for (int i = 0; i < 4; ++i) victims.push_back(Request(RandomPrompt(150, 500 + i), 16, "victim"));
 
   std::atomic<bool> victims_done{false};
@@ -498,7 +501,7 @@ class PrefixReuse : public ::testing::TestWithParam<std::string> {};
 TEST_P(PrefixReuse, ComputesOnlyTheNewBlocksAndChangesNoToken) {
   KV_ASSERT_OK_AND_ASSIGN(Clusters::Entry * e, Clusters::Get()->For(GetParam()));
   KV_ASSERT_OK_AND_ASSIGN(ServiceInfo prefill, e->cluster->Service("prefill-0"));
-  cli::GatewayClient client(e->cluster->gateway());
+  GatewayClient client(e->cluster->gateway());
   const std::string tenant = absl::StrCat("reuse-", GetParam());
   auto computed_by_prefill = [&]() -> double {
     absl::StatusOr<double> v =
@@ -554,7 +557,7 @@ class PrefillThenDecode : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(PrefillThenDecode, EqualsTheLongerPrefill) {
   KV_ASSERT_OK_AND_ASSIGN(Clusters::Entry * e, Clusters::Get()->For(GetParam()));
-  cli::GatewayClient client(e->cluster->gateway());
+  GatewayClient client(e->cluster->gateway());
   for (const int n : {21, 64, 90}) {
     SCOPED_TRACE(absl::StrCat(n, " prompt tokens"));
     const std::vector<int32_t> prompt = RandomPrompt(n, 4200 + n);
@@ -603,12 +606,12 @@ TEST(MambaState, BytesMovedPerRequestAreConstantAndEqualTheLayout) {
   EXPECT_EQ(state_bytes, int64_t{c.num_hidden_layers} * c.intermediate_size *
                              (c.conv_kernel + c.ssm_state_size) * 2);
   EXPECT_EQ(e->config.layout.BytesForTokens(1000), state_bytes);
-  cli::GatewayClient client(e->cluster->gateway());
+  GatewayClient client(e->cluster->gateway());
   for (const int n : {10, 17, 40, 100, 333, 1000}) {
     for (int round = 0; round < 2; ++round) {
       SCOPED_TRACE(absl::StrCat(n, " tokens, round ", round));
       const double before = ReceivedByDecodeWorkers(*e->cluster);
-      const cli::GatewayRequest request = Request(RandomPrompt(n, 4300 + n), 4, "state-bytes");
+      const GatewayRequest request = Request(RandomPrompt(n, 4300 + n), 4, "state-bytes");
       KV_ASSERT_OK_AND_ASSIGN(cli::GenerationResult r, client.Generate(request, kRequestTimeout));
       const int64_t expected = n > 16 ? state_bytes : 0;
       EXPECT_EQ(r.transferred_bytes, expected);
@@ -627,7 +630,7 @@ TEST(MambaState, BytesMovedPerRequestAreConstantAndEqualTheLayout) {
 TEST(BytesOnTheWire, SlidingWindowMovesOnlyTheWindowsBlocks) {
   KV_ASSERT_OK_AND_ASSIGN(Clusters::Entry * e, Clusters::Get()->For("gemma3"));
   const kv::ModelLayout& layout = e->config.layout;
-  cli::GatewayClient client(e->cluster->gateway());
+  GatewayClient client(e->cluster->gateway());
   for (const int n : {70, 100}) {
     const int64_t bt = layout.block_tokens();
     const int64_t pushed_blocks = (n - 1) / bt;
@@ -645,7 +648,7 @@ TEST(BytesOnTheWire, SlidingWindowMovesOnlyTheWindowsBlocks) {
     for (int round = 0; round < 2; ++round) {
       SCOPED_TRACE(absl::StrCat(n, " tokens, round ", round));
       const double before = ReceivedByDecodeWorkers(*e->cluster);
-      const cli::GatewayRequest request = Request(RandomPrompt(n, 4400 + n), 4, "window-bytes");
+      const GatewayRequest request = Request(RandomPrompt(n, 4400 + n), 4, "window-bytes");
       KV_ASSERT_OK_AND_ASSIGN(cli::GenerationResult r, client.Generate(request, kRequestTimeout));
       EXPECT_EQ(r.transferred_bytes, expected);
       EXPECT_EQ(ReceivedByDecodeWorkers(*e->cluster) - before, static_cast<double>(expected));

@@ -15,9 +15,9 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "cli/colocated.h"
-#include "cli/gateway_client.h"
 #include "common/file_util.h"
 #include "common/status_macros.h"
+#include "gateway/client/gateway_client.h"
 #include "gtest/gtest.h"
 #include "tests/cachestore/ha_cluster.h"
 #include "tests/e2e/e2e_util.h"
@@ -26,6 +26,9 @@
 #include "tests/testing/test_env.h"
 
 namespace kvrelay::e2e {
+using ::kvrelay::gateway::client::GatewayClient;
+using ::kvrelay::gateway::client::GatewayRequest;
+
 namespace {
 
 using ::kvrelay::testing::ChildProcess;
@@ -85,10 +88,10 @@ TEST(StoreLeaderKilled, GenerateGoesOnWithTheSameTokensAndPrefixHits) {
   };
 
   constexpr int kPrompts = 4;
-  std::vector<cli::GatewayRequest> requests;
+  std::vector<GatewayRequest> requests;
   std::vector<std::vector<int32_t>> expected;
   for (int i = 0; i < kPrompts; ++i) {
-    cli::GatewayRequest r;
+    GatewayRequest r;
     r.generation.tokens = RandomPrompt(80, 700 + i);
     r.generation.max_tokens = 6;
     r.tenant = "ha";
@@ -96,7 +99,7 @@ TEST(StoreLeaderKilled, GenerateGoesOnWithTheSameTokensAndPrefixHits) {
     KV_ASSERT_OK_AND_ASSIGN(cli::GenerationResult ref, reference->Generate(r.generation));
     expected.push_back(ref.tokens);
   }
-  cli::GatewayClient client(gateway_address);
+  GatewayClient client(gateway_address);
   // Warm-up: every prompt's blocks are committed (and replicated to the standbys).
   for (int i = 0; i < kPrompts; ++i) {
     KV_ASSERT_OK_AND_ASSIGN(cli::GenerationResult r,

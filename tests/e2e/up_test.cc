@@ -14,6 +14,9 @@
 #include "tests/testing/test_env.h"
 
 namespace kvrelay::e2e {
+using ::kvrelay::gateway::client::GatewayClient;
+using ::kvrelay::gateway::client::GatewayRequest;
+
 namespace {
 
 using ::testing::HasSubstr;
@@ -39,10 +42,10 @@ class UpCommand : public ::testing::Test {
     KV_ASSERT_OK_AND_ASSIGN(cluster_, LocalCluster::Start(options));
     ASSERT_EQ(cluster_->services().size(), 4u);
     // It serves.
-    cli::GatewayRequest r;
+    GatewayRequest r;
     r.generation.tokens = RandomPrompt(20, 1);
     r.generation.max_tokens = 3;
-    KV_ASSERT_OK(cli::GatewayClient(cluster_->gateway()).Generate(r, absl::Seconds(60)).status());
+    KV_ASSERT_OK(GatewayClient(cluster_->gateway()).Generate(r, absl::Seconds(60)).status());
   }
   testing::TempDir dir_;
   std::unique_ptr<LocalCluster> cluster_;

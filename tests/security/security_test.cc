@@ -14,10 +14,10 @@
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "cli/colocated.h"
-#include "cli/gateway_client.h"
 #include "common/server/auth.h"
 #include "common/server/credentials.h"
 #include "common/server/dev_certs.h"
+#include "gateway/client/gateway_client.h"
 #include "gateway/tenant_auth.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -34,6 +34,9 @@
 #include "tests/testing/test_env.h"
 
 namespace kvrelay::e2e {
+using ::kvrelay::gateway::client::GatewayClient;
+using ::kvrelay::gateway::client::GatewayRequest;
+
 namespace {
 
 using server::PeerRole;
@@ -110,7 +113,7 @@ class SecurityTest : public ::testing::Test {
   // A victim's request through the gateway with the cluster's client certificate (tenant
   // "default"): its tokens must equal the co-located reference.
   static void ExpectVictimUnharmed(uint32_t seed) {
-    cli::GatewayRequest request;
+    GatewayRequest request;
     request.generation.tokens = RandomPrompt(70, seed);
     request.generation.max_tokens = 12;
     request.tenant = "";
@@ -120,7 +123,7 @@ class SecurityTest : public ::testing::Test {
       expected = reference_->Generate(request.generation);
     }
     ASSERT_THAT(expected, testing::IsOk());
-    cli::GatewayClient client(cluster_->gateway(), cluster_->client_security());
+    GatewayClient client(cluster_->gateway(), cluster_->client_security());
     absl::StatusOr<cli::GenerationResult> got = client.Generate(request, absl::Seconds(60));
     ASSERT_THAT(got, testing::IsOk()) << cluster_->Log();
     EXPECT_EQ(got->tokens, expected->tokens) << "victim " << seed << " got wrong tokens";
@@ -155,8 +158,8 @@ TEST_F(SecurityTest, ClientsWithoutACertificateCannotConnect) {
   KV_ASSERT_OK_AND_ASSIGN(auto rogue_ca, server::DevCertificateAuthority::Create(other.path()));
   KV_ASSERT_OK_AND_ASSIGN(SecurityOptions rogue, rogue_ca->Issue(PeerRole::kGateway, "gateway"));
   rogue.ca_file = cluster_->client_security().ca_file;
-  cli::GatewayClient client(cluster_->gateway(), rogue);
-  cli::GatewayRequest request;
+  GatewayClient client(cluster_->gateway(), rogue);
+  GatewayRequest request;
   request.generation.tokens = RandomPrompt(20, 1);
   request.tenant = "";
   EXPECT_THAT(client.Generate(request, absl::Seconds(10)),
@@ -301,8 +304,8 @@ TEST_F(SecurityTest, TenantsAreAuthenticatedAndIsolated) {
   const std::vector<int32_t> prompt = RandomPrompt(96, 4242);
   auto generate = [&](const SecurityOptions& security, const std::string& tenant,
                       const std::string& token) {
-    cli::GatewayClient client(cluster_->gateway(), security, token);
-    cli::GatewayRequest request;
+    GatewayClient client(cluster_->gateway(), security, token);
+    GatewayRequest request;
     request.generation.tokens = prompt;
     request.generation.max_tokens = 6;
     request.tenant = tenant;

@@ -1,22 +1,28 @@
 #pragma once
 
 // A blocking client of kvrelay.v1.Gateway/Generate: sends one request, collects the streamed
-// tokens and the final summary. Used by `kvrelay generate --gateway`, the end-to-end tests and
-// bench/e2e_bench.
+// tokens and the final summary. Used by `kvrelay generate --gateway`, `kvrelay bench-serve`, the
+// end-to-end tests and bench/e2e_bench.
+//
+// Its channel comes from common/server/credentials (MakeChannel), as every channel does:
+// plain text with SecurityOptions::insecure, mutual TLS with cert/key/CA files.
 //
 // Thread safety: a GatewayClient may be used from many threads at once (one gRPC channel).
 
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "cli/colocated.h"
 #include "common/server/credentials.h"
+#include "gateway/client/generation.h"
 #include "kvrelay/v1/gateway.grpc.pb.h"
 
-namespace kvrelay::cli {
+namespace kvrelay::gateway::client {
 
 struct GatewayRequest {
   GenerationRequest generation;
@@ -31,7 +37,10 @@ class GatewayClient {
 
   // `address` is host:port; connects lazily. `bearer_token` (a JWT naming the tenant, see
   // gateway/tenant_auth.h) goes with every call as "authorization: Bearer ..." when non-empty.
-  explicit GatewayClient(const std::string& address, const server::SecurityOptions& security = {},
+  // TLS files that cannot be read make every call fail with that reason (the CLI checks them
+  // before it gets here).
+  explicit GatewayClient(const std::string& address,
+                         const ::kvrelay::server::SecurityOptions& security = {},
                          std::string bearer_token = "");
 
   // The gateway's error as an absl::Status with the same code (INVALID_ARGUMENT for bad input,
@@ -46,8 +55,9 @@ class GatewayClient {
                                                const TokenCallback& on_tokens = nullptr) const;
 
  private:
-  std::unique_ptr<v1::Gateway::Stub> stub_;
   const std::string bearer_token_;
+  std::unique_ptr<v1::Gateway::Stub> stub_;  // null when the channel could not be made
+  absl::Status channel_status_;              // why stub_ is null
 };
 
-}  // namespace kvrelay::cli
+}  // namespace kvrelay::gateway::client

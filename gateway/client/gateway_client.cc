@@ -1,30 +1,33 @@
-#include "cli/gateway_client.h"
+#include "gateway/client/gateway_client.h"
 
 #include "absl/strings/str_cat.h"
 #include "grpcpp/client_context.h"
-#include "grpcpp/create_channel.h"
-#include "grpcpp/security/credentials.h"
 #include "proto/grpc_status.h"
 
-namespace kvrelay::cli {
-
+namespace kvrelay::gateway::client {
 namespace {
 
-std::shared_ptr<grpc::Channel> ChannelOrBroken(const std::string& address,
-                                               const server::SecurityOptions& security) {
-  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = server::MakeChannel(address, security);
-  // Unreadable TLS files: a channel that fails every call with the reason is clearer than a
-  // crash; the CLI checks the files before it gets here.
-  if (!channel.ok()) return grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
-  return *std::move(channel);
+absl::StatusOr<std::unique_ptr<v1::Gateway::Stub>> MakeStub(
+    const std::string& address, const ::kvrelay::server::SecurityOptions& security) {
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel =
+      ::kvrelay::server::MakeChannel(address, security);
+  if (!channel.ok()) return channel.status();
+  return v1::Gateway::NewStub(*std::move(channel));
 }
 
 }  // namespace
 
-GatewayClient::GatewayClient(const std::string& address, const server::SecurityOptions& security,
+GatewayClient::GatewayClient(const std::string& address,
+                             const ::kvrelay::server::SecurityOptions& security,
                              std::string bearer_token)
-    : stub_(v1::Gateway::NewStub(ChannelOrBroken(address, security))),
-      bearer_token_(std::move(bearer_token)) {}
+    : bearer_token_(std::move(bearer_token)) {
+  absl::StatusOr<std::unique_ptr<v1::Gateway::Stub>> stub = MakeStub(address, security);
+  if (stub.ok()) {
+    stub_ = *std::move(stub);
+  } else {
+    channel_status_ = stub.status();
+  }
+}
 
 absl::StatusOr<GenerationResult> GatewayClient::Generate(const GatewayRequest& request,
                                                          absl::Duration timeout,
@@ -48,6 +51,8 @@ absl::StatusOr<GenerationResult> GatewayClient::Generate(const GatewayRequest& r
 absl::StatusOr<GenerationResult> GatewayClient::GenerateRaw(const v1::GenerateRequest& request,
                                                             absl::Duration timeout,
                                                             const TokenCallback& on_tokens) const {
+  // Unreadable TLS files: every call fails with the reason (clearer than a crash).
+  if (stub_ == nullptr) return channel_status_;
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
   if (!bearer_token_.empty()) context.AddMetadata("authorization", "Bearer " + bearer_token_);
@@ -88,4 +93,4 @@ absl::StatusOr<GenerationResult> GatewayClient::GenerateRaw(const v1::GenerateRe
   return result;
 }
 
-}  // namespace kvrelay::cli
+}  // namespace kvrelay::gateway::client

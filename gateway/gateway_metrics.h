@@ -1,0 +1,45 @@
+#pragma once
+
+// GatewayMetrics: the gateway's request-level families, registered once per gateway with the
+// served model's name as a label. Families carry vLLM's names and buckets where vLLM has one
+// (see the README's metrics table): the gateway sees each request once, from the client's side.
+//
+// Made by Gateway; GenerateCall records each request's figures through it. Thread-safe (the
+// registry's objects are). The registry must outlive it.
+
+#include <string>
+
+#include "absl/status/status.h"
+#include "common/metrics.h"
+
+namespace kvrelay::gateway {
+
+class GatewayMetrics {
+ public:
+  GatewayMetrics(MetricsRegistry* registry, const std::string& model_name);
+
+  // kvrelay:gateway_quota_refusals_total{quota}: requests a quota refused.
+  Counter* QuotaRefusals(const std::string& quota) const;
+  // kvrelay:gateway_worker_failures_total{role, reason}: an attempt failed and `role`'s node
+  // was blamed; the reason is the ErrorInfo's, else the status code's name.
+  void CountWorkerFailure(const absl::Status& status, const char* role) const;
+  // kvrelay:gateway_failures_total{reason}: a request failed with `status` (reason: its code).
+  void CountRequestFailure(const absl::Status& status) const;
+
+  Histogram* const ttft_seconds;
+  Histogram* const itl_seconds;
+  Histogram* const e2e_seconds;
+  Counter* const prompt_tokens;
+  Counter* const generation_tokens;
+  Counter* const prefix_hit_tokens;
+  Counter* const transferred_bytes;
+  Counter* const failovers;
+  Counter* const success_stop;    // finished_reason "stop" (EOS, stop string)
+  Counter* const success_length;  // finished_reason "length" (max_tokens)
+
+ private:
+  MetricsRegistry* const registry_;
+  const MetricLabels model_labels_;  // {model_name}: on every family
+};
+
+}  // namespace kvrelay::gateway

@@ -1,0 +1,387 @@
+#include "gateway/generate_call.h"
+
+#include <algorithm>
+#include <optional>
+
+#include "absl/strings/str_cat.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
+#include "proto/grpc_status.h"
+
+namespace kvrelay::gateway {
+namespace {
+
+// A decode worker that said "full" (no ErrorInfo, or FAILURE_OVERLOADED): not a failure.
+bool IsOverload(const absl::Status& s) {
+  if (!absl::IsResourceExhausted(s)) return false;
+  std::optional<kvrelay::v1::ErrorInfo> info = proto::GetErrorInfo(s);
+  return !info.has_value() || info->reason() == kvrelay::v1::FAILURE_OVERLOADED;
+}
+
+absl::Status NoWorker(const std::string& role, size_t known, size_t failed) {
+  return proto::Attribute(
+      absl::UnavailableError(absl::StrCat("no healthy ", role, " worker (", known, " known, ",
+                                          failed, " failed for this request)")),
+      kvrelay::v1::ROLE_GATEWAY, "", kvrelay::v1::FAILURE_UNREACHABLE);
+}
+
+std::string PackChain(const std::vector<kv::BlockHash>& chain) {
+  std::string packed;
+  packed.reserve(chain.size() * 16);
+  for (const kv::BlockHash& h : chain) {
+    const auto bytes = h.ToBytes();
+    packed.append(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+  }
+  return packed;
+}
+
+}  // namespace
+
+GenerateCall::GenerateCall(const GenerateCallOptions& options, const GenerateCallDeps& deps,
+                           GenerateCallRequest request, const GenerateSink& sink,
+                           const std::function<bool()>& cancelled)
+    : options_(options),
+      deps_(deps),
+      call_(std::move(request)),
+      request_(*call_.request),
+      sink_(sink),
+      cancelled_(cancelled),
+      layout_fingerprint_(deps_.layout->fingerprint().ToBytes()),
+      prompt_(request_.tokens().begin(), request_.tokens().end()),
+      eos_(request_.has_eos_token() ? request_.eos_token() : -1),
+      last_error_(proto::Attribute(absl::UnavailableError("no usable worker pair"),
+                                   kvrelay::v1::ROLE_GATEWAY, "",
+                                   kvrelay::v1::FAILURE_UNREACHABLE)) {
+  summary_.set_prompt_tokens(static_cast<int32_t>(prompt_.size()));
+}
+
+absl::Status GenerateCall::Run() {
+  while (!done_ && failures_ < options_.max_attempts && deps_.clock->Now() < call_.deadline) {
+    if (Cancelled()) {
+      client_gone_ = true;
+      break;
+    }
+    KV_ASSIGN_OR_RETURN(const bool again, Attempt());
+    if (!again) break;
+  }
+  return Finish();
+}
+
+absl::StatusOr<bool> GenerateCall::Attempt() {
+  const WorkerSet::Snapshot nodes = deps_.workers->Nodes();
+  keep_alive_.insert(keep_alive_.end(), nodes.prefill.begin(), nodes.prefill.end());
+  keep_alive_.insert(keep_alive_.end(), nodes.decode.begin(), nodes.decode.end());
+  const Plan plan = MakePlan();
+  Pair pair;
+  pair.decode = deps_.workers->PickDecode(nodes.decode, plan.held, failed_decode_);
+  if (pair.decode == nullptr) {
+    last_error_ =
+        overloaded_ > 0
+            ? proto::Attribute(
+                  absl::ResourceExhaustedError(absl::StrCat("every decode worker is at capacity (",
+                                                            overloaded_, " refused); retry later")),
+                  kvrelay::v1::ROLE_GATEWAY, "", kvrelay::v1::FAILURE_OVERLOADED)
+            : NoWorker("decode", nodes.decode.size(), failed_decode_.size());
+    return false;
+  }
+  pair.prefill = deps_.workers->PickPrefill(nodes.prefill, plan.held, plan.full_blocks,
+                                            failed_prefill_, call_.deadline, &pair.routed);
+  if (pair.prefill == nullptr) {
+    last_error_ = NoWorker("prefill", nodes.prefill.size(), failed_prefill_.size());
+    return false;
+  }
+  return RunPair(plan, pair);
+}
+
+GenerateCall::Plan GenerateCall::MakePlan() const {
+  Plan plan;
+  plan.tokens = prompt_;
+  plan.tokens.insert(plan.tokens.end(), generated_.begin(), generated_.end());
+  plan.remaining = request_.max_tokens() - static_cast<int32_t>(generated_.size());
+  // Who holds the prompt's leading blocks (prefill and decode nodes alike).
+  const int32_t block_tokens = deps_.layout->block_tokens();
+  plan.full_blocks = (static_cast<int64_t>(plan.tokens.size()) - 1) / block_tokens;
+  if (plan.full_blocks > 0) {
+    plan.chain = kv::HashChain(
+        deps_.layout->fingerprint(), call_.tenant_salt,
+        absl::MakeConstSpan(plan.tokens).subspan(0, plan.full_blocks * block_tokens), block_tokens);
+  }
+  plan.held = deps_.workers->Holdings(plan.chain);
+  return plan;
+}
+
+absl::StatusOr<bool> GenerateCall::RunPair(const Plan& plan, const Pair& pair) {
+  ++attempts_;
+  if (attempts_ > 1) deps_.metrics->failovers->Increment();
+  const std::string request_id = absl::StrCat(call_.request_id_prefix, "-", attempts_);
+  // The pickers rank by load: this attempt counts on both nodes until it ends.
+  struct InFlight {
+    Node* p;
+    Node* d;
+    ~InFlight() {
+      p->in_flight.fetch_sub(1, std::memory_order_relaxed);
+      d->in_flight.fetch_sub(1, std::memory_order_relaxed);
+    }
+  } in_flight{pair.prefill, pair.decode};
+  pair.prefill->in_flight.fetch_add(1, std::memory_order_relaxed);
+  pair.decode->in_flight.fetch_add(1, std::memory_order_relaxed);
+
+  // What Reserve books (prompt + remaining tokens) counts against the tenant's and the
+  // client's reserved-KV quotas until the decode worker streams (or the attempt ends).
+  const int64_t reserved_tokens = static_cast<int64_t>(plan.tokens.size()) + plan.remaining;
+  KV_ASSIGN_OR_RETURN(QuotaTable::Lease tenant_lease,
+                      deps_.tenant_reservations->Take(request_.tenant(), reserved_tokens));
+  KV_ASSIGN_OR_RETURN(QuotaTable::Lease client_lease,
+                      deps_.client_reservations->Take(call_.client, reserved_tokens));
+  absl::StatusOr<kvrelay::v1::ReserveResponse> target = Reserve(plan, pair.decode, request_id);
+  if (!target.ok()) {
+    last_error_ = target.status();
+    if (IsOverload(target.status())) {
+      pair.decode->breaker.RecordBusy();
+      failed_decode_.push_back(pair.decode);
+      ++overloaded_;
+      return true;
+    }
+    return Failed(target.status(), Blame::kDecode, pair, nullptr);
+  }
+  pair.decode->SetNodeId(target->node_id());
+
+  absl::StatusOr<kvrelay::v1::PrefillResponse> prefilled =
+      Prefill(plan, pair.prefill, *target, request_id);
+  if (!prefilled.ok()) {
+    pair.decode->decode->Release(request_id, target->reservation_token(),
+                                 deps_.clock->Now() + absl::Seconds(1));
+    last_error_ = prefilled.status();
+    return Failed(prefilled.status(), Blame::kPrefill, pair, nullptr);
+  }
+  pair.prefill->breaker.RecordSuccess();
+  RecordPrefill(pair, *prefilled, *target);
+
+  bool stream_done = false;
+  absl::Status s = Stream(plan, pair.decode, *prefilled, *target, request_id, &tenant_lease,
+                          &client_lease, &stream_done);
+  return AfterStream(std::move(s), stream_done, pair, request_id);
+}
+
+absl::StatusOr<kvrelay::v1::ReserveResponse> GenerateCall::Reserve(const Plan& plan, Node* decode,
+                                                                   const std::string& request_id) {
+  kvrelay::v1::ReserveRequest reserve;
+  reserve.set_request_id(request_id);
+  reserve.set_model(options_.model_name);
+  reserve.set_prompt_tokens(static_cast<int32_t>(plan.tokens.size()));
+  reserve.set_max_tokens(plan.remaining);
+  reserve.set_layout_fingerprint(layout_fingerprint_);
+  *reserve.mutable_chain_packed() = PackChain(plan.chain);
+  return decode->decode->Reserve(
+      reserve, std::min(call_.deadline, deps_.clock->Now() + options_.reserve_timeout));
+}
+
+absl::StatusOr<kvrelay::v1::PrefillResponse> GenerateCall::Prefill(
+    const Plan& plan, Node* prefill, const kvrelay::v1::ReserveResponse& target,
+    const std::string& request_id) {
+  kvrelay::v1::PrefillRequest request;
+  request.set_request_id(request_id);
+  request.set_model(options_.model_name);
+  *request.mutable_tokens() = {plan.tokens.begin(), plan.tokens.end()};
+  request.set_tenant_salt(call_.tenant_salt);
+  request.set_layout_fingerprint(layout_fingerprint_);
+  *request.mutable_target() = target;
+  const absl::Time start = deps_.clock->Now();
+  absl::StatusOr<kvrelay::v1::PrefillResponse> prefilled = prefill->prefill->Prefill(
+      request, std::min(call_.deadline, deps_.clock->Now() + options_.prefill_timeout));
+  if (prefilled.ok()) {
+    // The cost model's inputs for routing (see WorkerSet::PickPrefill).
+    const double seconds = absl::ToDoubleSeconds(deps_.clock->Now() - start);
+    prefill->prefill_calls.Observe(1, seconds, deps_.clock->Now());
+    if (prefilled->computed_tokens() > 0) {
+      prefill->prefill_tokens.Observe(prefilled->computed_tokens(), seconds, deps_.clock->Now());
+    }
+  }
+  std::optional<kvrelay::v1::ErrorInfo> error =
+      prefilled.ok() ? std::nullopt : proto::GetErrorInfo(prefilled.status());
+  if (error.has_value() && error->reason() == kvrelay::v1::FAILURE_CORRUPT) {
+    // The decode worker refused corrupted KV (checksums); it computes the prompt itself.
+    KV_LOG(WARNING) << "request " << request_id << ": pushed KV was corrupted ("
+                    << prefilled.status() << "); the decode worker recomputes it";
+    deps_.metrics->CountWorkerFailure(prefilled.status(), "decode");
+    prefilled = kvrelay::v1::PrefillResponse();
+  }
+  return prefilled;
+}
+
+void GenerateCall::RecordPrefill(const Pair& pair, const kvrelay::v1::PrefillResponse& prefilled,
+                                 const kvrelay::v1::ReserveResponse& target) {
+  // The first attempt that prefilled says what was reused; bytes add up over attempts.
+  if (summary_.prefill_worker().empty()) {
+    summary_.set_prefix_hit_tokens(prefilled.prefix_hit_tokens());
+  }
+  summary_.set_transferred_bytes(summary_.transferred_bytes() + prefilled.pushed_bytes());
+  summary_.set_fetched_bytes(summary_.fetched_bytes() + prefilled.fetched_bytes());
+  summary_.set_prefill_worker(pair.prefill->address());
+  summary_.set_decode_worker(pair.decode->address());
+  summary_.set_prefix_source(
+      pair.routed && prefilled.prefix_source() == "local" ? "routed" : prefilled.prefix_source());
+  summary_.set_decode_held_blocks(target.held_blocks());
+}
+
+absl::Status GenerateCall::Stream(const Plan& plan, Node* decode,
+                                  const kvrelay::v1::PrefillResponse& prefilled,
+                                  const kvrelay::v1::ReserveResponse& target,
+                                  const std::string& request_id, QuotaTable::Lease* tenant_lease,
+                                  QuotaTable::Lease* client_lease, bool* stream_done) {
+  kvrelay::v1::DecodeRequest request;
+  request.set_request_id(request_id);
+  *request.mutable_tokens() = {plan.tokens.begin(), plan.tokens.end()};
+  request.set_max_tokens(plan.remaining);
+  *request.mutable_sampling() = request_.sampling();
+  request.set_pushed_tokens(prefilled.pushed_tokens());
+  request.set_eos_token(eos_);
+  request.set_tenant_salt(call_.tenant_salt);
+  request.set_layout_fingerprint(layout_fingerprint_);
+  request.set_reservation_token(target.reservation_token());
+  int32_t computed_here = prefilled.computed_tokens();
+  absl::Status s = decode->decode->Generate(request, call_.deadline, options_.chunk_timeout,
+                                            [&](const kvrelay::v1::DecodeChunk& chunk) {
+                                              // Streaming: the decode worker has claimed the
+                                              // reservation.
+                                              tenant_lease->Return();
+                                              client_lease->Return();
+                                              return OnChunk(chunk, &computed_here, stream_done);
+                                            });
+  summary_.set_computed_prompt_tokens(summary_.computed_prompt_tokens() + computed_here);
+  return s;
+}
+
+bool GenerateCall::OnChunk(const kvrelay::v1::DecodeChunk& chunk, int32_t* computed_here,
+                           bool* stream_done) {
+  if (chunk.tokens_size() > 0) {
+    const absl::Time now = deps_.clock->Now();
+    if (first_token_time_ == absl::InfiniteFuture()) {
+      first_token_time_ = now;
+      deps_.metrics->ttft_seconds->Observe(absl::ToDoubleSeconds(first_token_time_ - call_.start));
+    } else {
+      // One observation per arrival, as vLLM's per iteration (also across failovers).
+      deps_.metrics->itl_seconds->Observe(absl::ToDoubleSeconds(now - last_token_time_));
+    }
+    last_token_time_ = now;
+    deps_.metrics->generation_tokens->Increment(chunk.tokens_size());
+    kvrelay::v1::GenerateResponse out;
+    for (int32_t t : chunk.tokens()) {
+      out.add_tokens(t);
+      generated_.push_back(t);
+    }
+    if (!sink_(out)) {
+      stop_requested_ = true;  // the caller has what it wants (e.g. a stop string)
+      return false;
+    }
+  }
+  if (chunk.done()) {
+    *computed_here += chunk.computed_tokens();
+    *stream_done = true;
+  }
+  return !Cancelled();
+}
+
+absl::StatusOr<bool> GenerateCall::AfterStream(absl::Status s, bool stream_done, const Pair& pair,
+                                               const std::string& request_id) {
+  if (Cancelled()) {
+    client_gone_ = true;
+    return false;
+  }
+  if (stop_requested_ || (s.ok() && stream_done)) {
+    if (!stop_requested_) pair.decode->breaker.RecordSuccess();
+    done_ = true;
+    return false;
+  }
+  if (s.ok()) s = absl::UnavailableError("the decode stream ended early");
+  last_error_ = s;
+  if (FinishedGenerating()) {
+    done_ = true;  // every token arrived; only the closing message was lost
+    return false;
+  }
+  return Failed(s, Blame::kDecode, pair, &request_id);
+}
+
+absl::StatusOr<bool> GenerateCall::Failed(const absl::Status& status, Blame called,
+                                          const Pair& pair, const std::string* failover_of) {
+  const Blame blame = Attribute(status, called);
+  if (blame == Blame::kNone) return status;
+  if (failover_of != nullptr) {
+    KV_LOG(WARNING) << "request " << *failover_of << " fails over after " << generated_.size()
+                    << " tokens: " << status;
+  }
+  if (blame == Blame::kPrefill) {
+    pair.prefill->breaker.RecordFailure();
+    failed_prefill_.push_back(pair.prefill);
+    deps_.metrics->CountWorkerFailure(status, "prefill");
+  } else {
+    pair.decode->breaker.RecordFailure();
+    failed_decode_.push_back(pair.decode);
+    deps_.metrics->CountWorkerFailure(status, "decode");
+  }
+  ++failures_;
+  return true;
+}
+
+GenerateCall::Blame GenerateCall::Attribute(const absl::Status& status, Blame called) const {
+  if (status.ok()) return Blame::kNone;
+  // The caller's own deadline or cancellation is never a worker's fault.
+  if ((absl::IsDeadlineExceeded(status) || absl::IsCancelled(status)) &&
+      deps_.clock->Now() >= call_.deadline) {
+    return Blame::kNone;
+  }
+  if (std::optional<kvrelay::v1::ErrorInfo> info = proto::GetErrorInfo(status)) {
+    switch (info->role()) {
+      case kvrelay::v1::ROLE_CLIENT:
+        return Blame::kNone;
+      case kvrelay::v1::ROLE_PREFILL:
+        return Blame::kPrefill;
+      case kvrelay::v1::ROLE_DECODE:
+        return Blame::kDecode;
+      default:
+        break;
+    }
+  }
+  // No detail (the call did not reach kvrelay code: connection refused, per-attempt timeout):
+  // the node that was called.
+  if (absl::IsInvalidArgument(status)) return Blame::kNone;
+  return called;
+}
+
+bool GenerateCall::FinishedGenerating() const {
+  return static_cast<int32_t>(generated_.size()) >= request_.max_tokens() ||
+         (eos_ >= 0 && !generated_.empty() && generated_.back() == eos_);
+}
+
+absl::Status GenerateCall::Finish() {
+  if (client_gone_) {
+    return proto::Attribute(absl::CancelledError("client went away"), kvrelay::v1::ROLE_CLIENT, "",
+                            kvrelay::v1::FAILURE_CALLER_DEADLINE);
+  }
+  if (!done_) {
+    if (deps_.clock->Now() >= call_.deadline && last_error_.ok()) {
+      last_error_ = absl::DeadlineExceededError("the request's deadline passed");
+    }
+    deps_.metrics->CountRequestFailure(last_error_);
+    return last_error_;
+  }
+  const absl::Time end = deps_.clock->Now();
+  summary_.set_attempts(attempts_);
+  summary_.set_generated_tokens(static_cast<int32_t>(generated_.size()));
+  summary_.set_ttft_ms(absl::ToDoubleMilliseconds(first_token_time_ - call_.start));
+  summary_.set_total_ms(absl::ToDoubleMilliseconds(end - call_.start));
+  deps_.metrics->e2e_seconds->Observe(absl::ToDoubleSeconds(end - call_.start));
+  // "length" when max_tokens ended it, as vLLM's FinishReason; EOS and stop strings are "stop".
+  (!stop_requested_ && static_cast<int32_t>(generated_.size()) >= request_.max_tokens()
+       ? deps_.metrics->success_length
+       : deps_.metrics->success_stop)
+      ->Increment();
+  deps_.metrics->prefix_hit_tokens->Increment(summary_.prefix_hit_tokens());
+  deps_.metrics->transferred_bytes->Increment(static_cast<double>(summary_.transferred_bytes()));
+  kvrelay::v1::GenerateResponse last;
+  *last.mutable_summary() = summary_;
+  sink_(last);
+  return absl::OkStatus();
+}
+
+}  // namespace kvrelay::gateway

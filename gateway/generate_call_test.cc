@@ -1,0 +1,361 @@
+#include "gateway/generate_call.h"
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "gateway/fake_endpoints.h"
+#include "gtest/gtest.h"
+#include "kv/presets.h"
+#include "proto/grpc_status.h"
+#include "tests/testing/status_matchers.h"
+
+namespace kvrelay::gateway {
+namespace {
+
+using ::kvrelay::gateway::testing::FakeDecodeEndpoint;
+using ::kvrelay::gateway::testing::FakePrefillEndpoint;
+using ::kvrelay::gateway::testing::StallUntil;
+using ::kvrelay::gateway::testing::WorkerFailure;
+using ::testing::HasSubstr;
+using State = CircuitBreaker::State;
+
+constexpr int32_t kPromptTokens = 40;
+constexpr int32_t kMaxTokens = 8;
+
+// Token ids the decode fake generates for this prompt: 1000 + position.
+std::vector<int32_t> Expected(int32_t n) {
+  std::vector<int32_t> tokens;
+  for (int32_t i = 0; i < n; ++i) tokens.push_back(1000 + kPromptTokens + i);
+  return tokens;
+}
+
+// One GenerateCall at a time over fake workers; every clock is one SimulatedClock.
+class GenerateCallTest : public ::testing::Test {
+ protected:
+  GenerateCallTest()
+      : config_(*kv::LoadPreset("llama3-8b")),
+        metrics_(&registry_, "m"),
+        tenant_reservations_("tenant", "tokens of decode KV reserved", "--t", 1 << 20, nullptr),
+        client_reservations_("client", "tokens of decode KV reserved", "--c", 1 << 20, nullptr),
+        workers_(WorkerSetOptions{.breaker = {.open_for = absl::Seconds(1)},
+                                  .block_tokens = config_.layout.block_tokens()},
+                 &clock_, /*store=*/nullptr, {}) {
+    for (int32_t i = 0; i < kPromptTokens; ++i) request_.add_tokens(i + 1);
+    request_.set_max_tokens(kMaxTokens);
+    request_.set_tenant("acme");
+  }
+
+  FakePrefillEndpoint* AddPrefill(const std::string& name) {
+    auto endpoint = std::make_unique<FakePrefillEndpoint>(name + ":1", name, &clock_);
+    FakePrefillEndpoint* raw = endpoint.get();
+    workers_.AddFixed(std::move(endpoint));
+    return raw;
+  }
+  FakeDecodeEndpoint* AddDecode(const std::string& name) {
+    auto endpoint = std::make_unique<FakeDecodeEndpoint>(name + ":1", name, &clock_);
+    FakeDecodeEndpoint* raw = endpoint.get();
+    workers_.AddFixed(std::move(endpoint));
+    return raw;
+  }
+  WorkerSet::Node* DecodeNode(size_t i) { return workers_.Nodes().decode[i].get(); }
+  WorkerSet::Node* PrefillNode(size_t i) { return workers_.Nodes().prefill[i].get(); }
+
+  // Runs the request with `timeout` left; the tokens and summary land in streamed_/summary_.
+  absl::Status Run(absl::Duration timeout = absl::Seconds(60)) {
+    const absl::Time start = clock_.Now();
+    GenerateCall call(options_,
+                      GenerateCallDeps{.workers = &workers_,
+                                       .metrics = &metrics_,
+                                       .tenant_reservations = &tenant_reservations_,
+                                       .client_reservations = &client_reservations_,
+                                       .layout = &config_.layout,
+                                       .clock = &clock_},
+                      GenerateCallRequest{.request = &request_,
+                                          .tenant_salt = "salt",
+                                          .client = "client-1",
+                                          .request_id_prefix = "gw-test",
+                                          .start = start,
+                                          .deadline = start + timeout},
+                      sink_, cancelled_);
+    return call.Run();
+  }
+  double CounterValue(const std::string& name, MetricLabels labels) {
+    labels["model_name"] = "m";
+    return registry_.GetCounter(name, "", labels)->value();
+  }
+
+  SimulatedClock clock_;
+  kv::ModelConfig config_;
+  MetricsRegistry registry_;
+  GatewayMetrics metrics_;
+  QuotaTable tenant_reservations_;
+  QuotaTable client_reservations_;
+  WorkerSet workers_;
+  GenerateCallOptions options_{.model_name = "m", .max_attempts = 3};
+  kvrelay::v1::GenerateRequest request_;
+  std::vector<int32_t> streamed_;
+  kvrelay::v1::GenerateSummary summary_;
+  bool summary_seen_ = false;
+  int32_t stop_after_tokens_ = -1;  // the sink says "enough" once it has this many
+  GenerateSink sink_ = [this](const kvrelay::v1::GenerateResponse& r) {
+    if (r.has_summary()) {
+      summary_ = r.summary();
+      summary_seen_ = true;
+    }
+    streamed_.insert(streamed_.end(), r.tokens().begin(), r.tokens().end());
+    return stop_after_tokens_ < 0 || static_cast<int32_t>(streamed_.size()) < stop_after_tokens_;
+  };
+  std::function<bool()> cancelled_ = [] { return false; };
+};
+
+TEST_F(GenerateCallTest, ReservesPrefillsAndStreamsThenSendsTheSummary) {
+  FakePrefillEndpoint* p = AddPrefill("p0");
+  FakeDecodeEndpoint* d = AddDecode("d0");
+  KV_ASSERT_OK(Run());
+  EXPECT_EQ(streamed_, Expected(kMaxTokens));
+  ASSERT_TRUE(summary_seen_);
+  EXPECT_EQ(summary_.attempts(), 1);
+  EXPECT_EQ(summary_.prompt_tokens(), kPromptTokens);
+  EXPECT_EQ(summary_.generated_tokens(), kMaxTokens);
+  EXPECT_EQ(summary_.prefill_worker(), "p0:1");
+  EXPECT_EQ(summary_.decode_worker(), "d0:1");
+  EXPECT_EQ(summary_.transferred_bytes(), 1024 * kPromptTokens);
+  EXPECT_GT(summary_.ttft_ms(), 0);
+
+  // Reserve books prompt + max_tokens with the prompt's two full blocks (16 tokens each).
+  ASSERT_EQ(d->reserves.size(), 1u);
+  EXPECT_EQ(d->reserves[0].request_id(), "gw-test-1");
+  EXPECT_EQ(d->reserves[0].prompt_tokens(), kPromptTokens);
+  EXPECT_EQ(d->reserves[0].max_tokens(), kMaxTokens);
+  EXPECT_EQ(d->reserves[0].chain_packed().size(), 2u * 16);
+  // The prefill goes to the reservation; the stream claims it with its token.
+  ASSERT_EQ(p->requests.size(), 1u);
+  EXPECT_EQ(p->requests[0].target().reservation_token(), "token-gw-test-1");
+  EXPECT_EQ(p->requests[0].tenant_salt(), "salt");
+  ASSERT_EQ(d->generates.size(), 1u);
+  EXPECT_EQ(d->generates[0].reservation_token(), "token-gw-test-1");
+  EXPECT_EQ(d->generates[0].pushed_tokens(), kPromptTokens);
+  EXPECT_EQ(DecodeNode(0)->in_flight.load(), 0);
+  EXPECT_EQ(CounterValue("kvrelay:request_success_total", {{"finished_reason", "length"}}), 1);
+}
+
+TEST_F(GenerateCallTest, ReservedTokensCountUntilTheStreamStarts) {
+  AddPrefill("p0");
+  FakeDecodeEndpoint* d = AddDecode("d0");
+  int64_t held_at_reserve = -1;
+  d->on_reserve = [&](const kvrelay::v1::ReserveRequest& r, absl::Time) {
+    held_at_reserve = tenant_reservations_.Held("acme");
+    kvrelay::v1::ReserveResponse response;
+    response.set_reservation_token("t-" + r.request_id());
+    return response;
+  };
+  KV_ASSERT_OK(Run());
+  EXPECT_EQ(held_at_reserve, kPromptTokens + kMaxTokens);
+  EXPECT_EQ(tenant_reservations_.Held("acme"), 0);
+  EXPECT_EQ(client_reservations_.Held("client-1"), 0);
+}
+
+TEST_F(GenerateCallTest, DecodeFailureMidStreamFailsOverAndContinuesFromTheStreamedTokens) {
+  AddPrefill("p0");
+  AddPrefill("p1");
+  FakeDecodeEndpoint* d0 = AddDecode("d0");
+  FakeDecodeEndpoint* d1 = AddDecode("d1");
+  d0->fail_after_tokens = 3;
+  d0->fail_status =
+      WorkerFailure(absl::UnavailableError("d0 lost its device"), kvrelay::v1::ROLE_DECODE, "d0");
+  const absl::Duration timeout = absl::Seconds(10);
+  const absl::Time deadline = clock_.Now() + timeout;
+  KV_ASSERT_OK(Run(timeout));
+  EXPECT_LT(clock_.Now(), deadline);
+  // Every token once, in order, although two workers made them.
+  EXPECT_EQ(streamed_, Expected(kMaxTokens));
+  EXPECT_EQ(summary_.attempts(), 2);
+  EXPECT_EQ(summary_.decode_worker(), "d1:1");
+  // The second attempt carries the streamed tokens as prompt and asks for the rest.
+  ASSERT_EQ(d1->generates.size(), 1u);
+  EXPECT_EQ(d1->generates[0].tokens_size(), kPromptTokens + 3);
+  EXPECT_EQ(d1->generates[0].max_tokens(), kMaxTokens - 3);
+  EXPECT_EQ(d1->reserves[0].request_id(), "gw-test-2");
+  EXPECT_EQ(DecodeNode(0)->breaker.state(), State::kOpen);
+  EXPECT_EQ(DecodeNode(1)->breaker.state(), State::kClosed);
+  EXPECT_EQ(CounterValue("kvrelay:gateway_failovers_total", {}), 1);
+  EXPECT_EQ(CounterValue("kvrelay:gateway_worker_failures_total",
+                         {{"role", "decode"}, {"reason", "FAILURE_UNREACHABLE"}}),
+            1);
+}
+
+TEST_F(GenerateCallTest, AStalledDecodeWorkerIsBlamedAfterTheChunkTimeout) {
+  AddPrefill("p0");
+  FakeDecodeEndpoint* d0 = AddDecode("d0");
+  AddDecode("d1");
+  d0->stall_after_tokens = 2;
+  KV_ASSERT_OK(Run());
+  EXPECT_EQ(streamed_, Expected(kMaxTokens));
+  EXPECT_EQ(summary_.decode_worker(), "d1:1");
+  EXPECT_EQ(DecodeNode(0)->breaker.state(), State::kOpen);
+}
+
+TEST_F(GenerateCallTest, PrefillFailureWithoutDetailBlamesThePrefillNodeAndReleasesTheSlot) {
+  FakePrefillEndpoint* p0 = AddPrefill("p0");
+  AddPrefill("p1");
+  FakeDecodeEndpoint* d = AddDecode("d0");
+  p0->on_prefill = [](const kvrelay::v1::PrefillRequest&, absl::Time) {
+    return absl::UnavailableError("connection refused");  // no ErrorInfo: not kvrelay code
+  };
+  // Both prefill nodes are equally loaded: make the first pick p0.
+  PrefillNode(1)->in_flight = 1;
+  KV_ASSERT_OK(Run());
+  EXPECT_EQ(streamed_, Expected(kMaxTokens));
+  EXPECT_EQ(summary_.prefill_worker(), "p1:1");
+  EXPECT_EQ(summary_.attempts(), 2);
+  EXPECT_EQ(PrefillNode(0)->breaker.state(), State::kOpen);
+  EXPECT_EQ(DecodeNode(0)->breaker.state(), State::kClosed);
+  // The first attempt's reservation was given back.
+  EXPECT_EQ(d->released, std::vector<std::string>{"token-gw-test-1"});
+}
+
+TEST_F(GenerateCallTest, CorruptedPushIsRecomputedByTheDecodeWorkerWithoutFailover) {
+  FakePrefillEndpoint* p = AddPrefill("p0");
+  FakeDecodeEndpoint* d = AddDecode("d0");
+  p->on_prefill = [](const kvrelay::v1::PrefillRequest&, absl::Time) {
+    return proto::Attribute(absl::DataLossError("checksum mismatch"), kvrelay::v1::ROLE_DECODE,
+                            "d0", kvrelay::v1::FAILURE_CORRUPT);
+  };
+  KV_ASSERT_OK(Run());
+  EXPECT_EQ(streamed_, Expected(kMaxTokens));
+  EXPECT_EQ(summary_.attempts(), 1);
+  ASSERT_EQ(d->generates.size(), 1u);
+  EXPECT_EQ(d->generates[0].pushed_tokens(), 0);  // nothing usable arrived
+  EXPECT_EQ(CounterValue("kvrelay:gateway_worker_failures_total",
+                         {{"role", "decode"}, {"reason", "FAILURE_CORRUPT"}}),
+            1);
+}
+
+TEST_F(GenerateCallTest, GivesUpWhenTheDeadlineIsSpentWithoutBlamingTheLastWorker) {
+  AddPrefill("p0");
+  std::vector<FakeDecodeEndpoint*> decodes = {AddDecode("d0"), AddDecode("d1"), AddDecode("d2")};
+  for (FakeDecodeEndpoint* d : decodes) {
+    // Reserve never answers: each attempt waits out its reserve timeout (2 s).
+    d->on_reserve = [this, d](const kvrelay::v1::ReserveRequest&, absl::Time deadline) {
+      return StallUntil(&clock_, deadline, "reserve on " + d->address());
+    };
+  }
+  options_.max_attempts = 10;
+  const absl::Time start = clock_.Now();
+  const absl::Status s = Run(absl::Seconds(5));
+  // Two attempts fail at 2 s and 4 s; the third stops at the request's own deadline.
+  EXPECT_EQ(clock_.Now(), start + absl::Seconds(5));
+  EXPECT_TRUE(absl::IsDeadlineExceeded(s)) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr("reserve on d2:1"));
+  EXPECT_EQ(DecodeNode(0)->breaker.failures(), 1);
+  EXPECT_EQ(DecodeNode(1)->breaker.failures(), 1);
+  // The caller's deadline is never a worker's fault.
+  EXPECT_EQ(DecodeNode(2)->breaker.failures(), 0);
+  EXPECT_EQ(DecodeNode(2)->breaker.state(), State::kClosed);
+  EXPECT_TRUE(streamed_.empty());
+  EXPECT_FALSE(summary_seen_);
+}
+
+TEST_F(GenerateCallTest, GivesUpNamingTheRoleWhenEveryWorkerFailed) {
+  AddPrefill("p0");
+  FakeDecodeEndpoint* d = AddDecode("d0");
+  d->on_reserve = [](const kvrelay::v1::ReserveRequest&, absl::Time) {
+    return WorkerFailure(absl::InternalError("out of memory"), kvrelay::v1::ROLE_DECODE, "d0");
+  };
+  const absl::Status s = Run();
+  EXPECT_TRUE(absl::IsUnavailable(s)) << s;
+  EXPECT_THAT(std::string(s.message()),
+              HasSubstr("no healthy decode worker (1 known, 1 failed for this request)"));
+  std::optional<kvrelay::v1::ErrorInfo> info = proto::GetErrorInfo(s);
+  ASSERT_TRUE(info.has_value());
+  EXPECT_EQ(info->role(), kvrelay::v1::ROLE_GATEWAY);
+  EXPECT_EQ(d->reserves.size(), 1u);
+  EXPECT_EQ(CounterValue("kvrelay:gateway_failures_total", {{"reason", "UNAVAILABLE"}}), 1);
+}
+
+TEST_F(GenerateCallTest, RunsOutOfAttempts) {
+  for (const char* name : {"p0", "p1", "p2"}) {
+    AddPrefill(name)->on_prefill = [](const kvrelay::v1::PrefillRequest&, absl::Time) {
+      return WorkerFailure(absl::InternalError("model crashed"), kvrelay::v1::ROLE_PREFILL, "");
+    };
+  }
+  AddDecode("d0");
+  options_.max_attempts = 2;
+  const absl::Status s = Run();
+  EXPECT_TRUE(absl::IsInternal(s)) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr("model crashed"));
+  EXPECT_EQ(CounterValue("kvrelay:gateway_worker_failures_total",
+                         {{"role", "prefill"}, {"reason", "FAILURE_UNREACHABLE"}}),
+            2);
+}
+
+TEST_F(GenerateCallTest, EveryDecodeWorkerFullIsResourceExhaustedAndNoFailure) {
+  AddPrefill("p0");
+  for (const char* name : {"d0", "d1"}) {
+    AddDecode(name)->on_reserve = [](const kvrelay::v1::ReserveRequest&, absl::Time) {
+      return absl::ResourceExhaustedError("no free slots");
+    };
+  }
+  const absl::Status s = Run();
+  EXPECT_TRUE(absl::IsResourceExhausted(s)) << s;
+  EXPECT_THAT(std::string(s.message()),
+              HasSubstr("every decode worker is at capacity (2 refused)"));
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(DecodeNode(i)->breaker.state(), State::kClosed);
+    EXPECT_FALSE(DecodeNode(i)->breaker.Healthy());  // busy: steered away for a moment
+    EXPECT_EQ(DecodeNode(i)->breaker.failures(), 0);
+  }
+}
+
+TEST_F(GenerateCallTest, InvalidInputAWorkerReportsEndsTheCallAtOnce) {
+  AddPrefill("p0");
+  FakeDecodeEndpoint* d0 = AddDecode("d0");
+  AddDecode("d1");
+  d0->on_reserve = [](const kvrelay::v1::ReserveRequest&, absl::Time) {
+    return proto::Attribute(absl::InvalidArgumentError("prompt_tokens too long"),
+                            kvrelay::v1::ROLE_CLIENT, "", kvrelay::v1::FAILURE_INVALID_REQUEST);
+  };
+  const absl::Status s = Run();
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  EXPECT_EQ(DecodeNode(0)->breaker.state(), State::kClosed);
+  EXPECT_EQ(DecodeNode(0)->breaker.failures(), 0);
+  EXPECT_EQ(DecodeNode(1)->breaker.failures(), 0);
+}
+
+TEST_F(GenerateCallTest, AClientThatWentAwayIsCancelledAndNobodysFault) {
+  AddPrefill("p0");
+  AddDecode("d0");
+  cancelled_ = [this] { return streamed_.size() >= 2; };
+  const absl::Status s = Run();
+  EXPECT_TRUE(absl::IsCancelled(s)) << s;
+  std::optional<kvrelay::v1::ErrorInfo> info = proto::GetErrorInfo(s);
+  ASSERT_TRUE(info.has_value());
+  EXPECT_EQ(info->role(), kvrelay::v1::ROLE_CLIENT);
+  EXPECT_EQ(streamed_.size(), 2u);
+  EXPECT_EQ(DecodeNode(0)->breaker.failures(), 0);
+  EXPECT_FALSE(summary_seen_);
+}
+
+TEST_F(GenerateCallTest, ASinkThatHasWhatItWantsEndsOkWithTheSummary) {
+  AddPrefill("p0");
+  AddDecode("d0");
+  stop_after_tokens_ = 3;
+  KV_ASSERT_OK(Run());
+  EXPECT_EQ(streamed_, Expected(3));
+  ASSERT_TRUE(summary_seen_);
+  EXPECT_EQ(summary_.generated_tokens(), 3);
+  EXPECT_EQ(CounterValue("kvrelay:request_success_total", {{"finished_reason", "stop"}}), 1);
+}
+
+TEST_F(GenerateCallTest, ALostClosingMessageAfterTheLastTokenIsNotAFailure) {
+  AddPrefill("p0");
+  FakeDecodeEndpoint* d = AddDecode("d0");
+  d->drop_last_chunk = true;
+  KV_ASSERT_OK(Run());
+  EXPECT_EQ(streamed_, Expected(kMaxTokens));
+  EXPECT_EQ(summary_.attempts(), 1);
+}
+
+}  // namespace
+}  // namespace kvrelay::gateway

@@ -1,0 +1,366 @@
+#include "gateway/worker_set.h"
+
+#include <algorithm>
+#include <limits>
+
+#include "common/logging.h"
+#include "common/status_macros.h"
+#include "kv/reuse_cost.h"
+
+namespace kvrelay::gateway {
+namespace {
+
+using Node = WorkerSet::Node;
+
+bool Contains(const std::vector<Node*>& nodes, const Node* n) {
+  return std::find(nodes.begin(), nodes.end(), n) != nodes.end();
+}
+
+kvrelay::v1::NodeRole RoleOf(bool prefill_role) {
+  return prefill_role ? kvrelay::v1::NODE_ROLE_PREFILL : kvrelay::v1::NODE_ROLE_DECODE;
+}
+
+// Whether `info` is the worker `n` tracks: a discovered node by id and incarnation, a fixed
+// one by its address.
+bool SameWorker(const Node& n, const kvrelay::v1::NodeInfo& info) {
+  return n.discovered ? info.node_id() == n.NodeId() && info.incarnation() == n.incarnation
+                      : info.grpc_address() == n.address();
+}
+
+}  // namespace
+
+int32_t WorkerSet::Node::Load() const {
+  return std::max(in_flight.load(std::memory_order_relaxed),
+                  reported_load.load(std::memory_order_relaxed));
+}
+
+std::string WorkerSet::Node::NodeId() const {
+  absl::MutexLock lock(&mu_);
+  return node_id_;
+}
+
+void WorkerSet::Node::SetNodeId(const std::string& id) {
+  absl::MutexLock lock(&mu_);
+  node_id_ = id;
+}
+
+WorkerSet::WorkerSet(WorkerSetOptions options, Clock* clock, cachestore::CacheStoreClient* store,
+                     WorkerFactories factories)
+    : options_(std::move(options)),
+      clock_(clock),
+      store_(store),
+      factories_(std::move(factories)) {}
+
+WorkerSet::~WorkerSet() {
+  {
+    absl::MutexLock lock(&discovery_mu_);
+    stopping_ = true;
+  }
+  if (discovery_.joinable()) discovery_.join();
+}
+
+void WorkerSet::AddFixed(std::unique_ptr<PrefillEndpoint> endpoint) {
+  auto node = std::make_shared<Node>(clock_, options_.breaker);
+  node->prefill = std::move(endpoint);
+  absl::MutexLock lock(&nodes_mu_);
+  prefills_.push_back(std::move(node));
+}
+
+void WorkerSet::AddFixed(std::unique_ptr<DecodeEndpoint> endpoint) {
+  auto node = std::make_shared<Node>(clock_, options_.breaker);
+  node->decode = std::move(endpoint);
+  absl::MutexLock lock(&nodes_mu_);
+  decodes_.push_back(std::move(node));
+}
+
+bool WorkerSet::CanDiscover() const {
+  return store_ != nullptr && factories_.make_prefill && factories_.make_decode;
+}
+
+WorkerSet::Snapshot WorkerSet::Nodes() const {
+  absl::MutexLock lock(&nodes_mu_);
+  return Snapshot{prefills_, decodes_};
+}
+
+size_t WorkerSet::num_prefill() const {
+  absl::MutexLock lock(&nodes_mu_);
+  return prefills_.size();
+}
+
+size_t WorkerSet::num_decode() const {
+  absl::MutexLock lock(&nodes_mu_);
+  return decodes_.size();
+}
+
+void WorkerSet::StartDiscovery(absl::Duration interval) {
+  discovery_ = std::thread([this, interval] { DiscoveryLoop(interval); });
+}
+
+void WorkerSet::DiscoveryLoop(absl::Duration interval) {
+  discovery_mu_.Lock();
+  while (!stopping_) {
+    // Wakes early only to stop.
+    discovery_mu_.AwaitWithTimeout(absl::Condition(&stopping_), interval);
+    if (stopping_) break;
+    discovery_mu_.Unlock();
+    if (absl::Status s = Refresh(); !s.ok()) {
+      KV_LOG(INFO) << "gateway: discovery: " << s;  // the store may be restarting
+    }
+    discovery_mu_.Lock();
+  }
+  discovery_mu_.Unlock();
+}
+
+absl::Status WorkerSet::Refresh() {
+  if (!CanDiscover()) {
+    return absl::FailedPreconditionError("worker discovery needs a cache store and factories");
+  }
+  KV_ASSIGN_OR_RETURN(kvrelay::v1::ListNodesResponse listed, store_->ListNodes());
+  Apply(listed);
+  return absl::OkStatus();
+}
+
+void WorkerSet::Apply(const kvrelay::v1::ListNodesResponse& listed) {
+  absl::MutexLock lock(&nodes_mu_);
+  prefills_ = ApplyRole(prefills_, listed, /*prefill_role=*/true);
+  decodes_ = ApplyRole(decodes_, listed, /*prefill_role=*/false);
+}
+
+WorkerSet::NodeList WorkerSet::ApplyRole(const NodeList& nodes,
+                                         const kvrelay::v1::ListNodesResponse& listed,
+                                         bool prefill_role) {
+  const kvrelay::v1::NodeRole role = RoleOf(prefill_role);
+  NodeList kept;
+  for (const auto& n : nodes) {
+    bool listed_same = false;
+    for (const auto& info : listed.nodes()) {
+      if (info.role() != role || !SameWorker(*n, info)) continue;
+      listed_same = true;
+      n->reported_load.store(static_cast<int32_t>(std::min<int64_t>(
+                                 info.load().active_requests() + info.load().queued_requests(),
+                                 std::numeric_limits<int32_t>::max())),
+                             std::memory_order_relaxed);
+      if (n->discovered) {
+        n->suspect.store(info.state() == kvrelay::v1::NODE_STATE_SUSPECT,
+                         std::memory_order_relaxed);
+      }
+    }
+    // Fixed nodes stay; a discovered one forgotten or replaced by a new process goes
+    // (in-flight requests keep their reference).
+    if (!n->discovered || listed_same) kept.push_back(n);
+  }
+  for (const auto& info : listed.nodes()) {
+    if (info.role() != role || info.grpc_address().empty() ||
+        info.state() != kvrelay::v1::NODE_STATE_LIVE) {
+      continue;
+    }
+    bool known = false;
+    for (const auto& n : kept) {
+      if (n->NodeId() == info.node_id() &&
+          (!n->discovered || n->incarnation == info.incarnation())) {
+        known = true;
+      }
+      // A fixed worker at the same address is the same worker.
+      if (!n->discovered && n->address() == info.grpc_address()) known = true;
+    }
+    if (known) continue;
+    if (std::shared_ptr<Node> node = MakeDiscovered(info, prefill_role)) {
+      kept.push_back(std::move(node));
+    }
+  }
+  return kept;
+}
+
+std::shared_ptr<WorkerSet::Node> WorkerSet::MakeDiscovered(const kvrelay::v1::NodeInfo& info,
+                                                           bool prefill_role) {
+  auto node = std::make_shared<Node>(clock_, options_.breaker);
+  node->discovered = true;
+  node->incarnation = info.incarnation();
+  node->SetNodeId(info.node_id());
+  if (prefill_role) {
+    absl::StatusOr<std::unique_ptr<PrefillEndpoint>> e =
+        factories_.make_prefill(info.grpc_address());
+    if (!e.ok()) return nullptr;
+    node->prefill = *std::move(e);
+  } else {
+    absl::StatusOr<std::unique_ptr<DecodeEndpoint>> e = factories_.make_decode(info.grpc_address());
+    if (!e.ok()) return nullptr;
+    node->decode = *std::move(e);
+  }
+  KV_LOG(INFO) << "gateway: discovered " << (prefill_role ? "prefill" : "decode") << " node "
+               << info.node_id() << " at " << info.grpc_address();
+  return node;
+}
+
+absl::flat_hash_map<std::string, int32_t> WorkerSet::Holdings(
+    const std::vector<kv::BlockHash>& chain) {
+  absl::flat_hash_map<std::string, int32_t> held;
+  if (store_ == nullptr || chain.empty()) return held;
+  // After a failure, requests route without the store for a second (one probes again after
+  // that) instead of each waiting out its timeout. Wall-clock time, as the call's deadline.
+  const int64_t now_us = absl::ToUnixMicros(absl::Now());
+  if (now_us < skip_query_until_us_.load(std::memory_order_relaxed)) return held;
+  absl::StatusOr<kvrelay::v1::QueryPrefixResponse> answer = store_->QueryPrefix(chain);
+  if (absl::IsUnavailable(answer.status()) || absl::IsDeadlineExceeded(answer.status())) {
+    skip_query_until_us_.store(now_us + absl::ToInt64Microseconds(absl::Seconds(1)),
+                               std::memory_order_relaxed);
+  }
+  if (!answer.ok()) return held;
+  for (const auto& node : answer->nodes()) held[node.node_id()] = node.matched();
+  return held;
+}
+
+Node* WorkerSet::TakeProbe(const NodeList& nodes, const std::vector<Node*>& excluded) {
+  // A node whose breaker just turned half-open gets this request as its probe, so a node that
+  // came back rejoins on the next request instead of waiting for every other node to fail.
+  for (const auto& n : nodes) {
+    if (!Contains(excluded, n.get()) && n->breaker.state() == CircuitBreaker::State::kHalfOpen &&
+        n->breaker.Allow()) {
+      return n.get();
+    }
+  }
+  return nullptr;
+}
+
+void WorkerSet::LearnNodeIds(const NodeList& prefills, const std::vector<Node*>& excluded,
+                             absl::Time deadline) {
+  // Routing matches the store's per-node answer by id; a fixed worker's id comes from its
+  // Status. The call's deadline is wall-clock time, as every RPC's.
+  for (const auto& n : prefills) {
+    if (!n->NodeId().empty() || Contains(excluded, n.get()) ||
+        n->suspect.load(std::memory_order_relaxed) || !n->breaker.Healthy()) {
+      continue;
+    }
+    absl::StatusOr<kvrelay::v1::PrefillStatusResponse> status =
+        n->prefill->Status(std::min(deadline, absl::Now() + options_.route_timeout));
+    if (status.ok()) n->SetNodeId(status->node_id());
+  }
+}
+
+Node* WorkerSet::PickPrefill(const NodeList& prefills,
+                             const absl::flat_hash_map<std::string, int32_t>& held,
+                             int64_t full_blocks, const std::vector<Node*>& excluded,
+                             absl::Time deadline, bool* routed) {
+  *routed = false;
+  LearnNodeIds(prefills, excluded, deadline);
+  std::vector<int32_t> matched(prefills.size(), 0);
+  if (options_.prefix_routing) {
+    for (size_t i = 0; i < prefills.size(); ++i) {
+      auto it = held.find(prefills[i]->NodeId());
+      if (it != held.end()) matched[i] = it->second;
+    }
+  }
+  if (Node* probe = TakeProbe(prefills, excluded)) return probe;
+  return RankPrefill(prefills, matched, full_blocks, excluded, routed);
+}
+
+Node* WorkerSet::RankPrefill(const NodeList& prefills, const std::vector<int32_t>& matched,
+                             int64_t full_blocks, const std::vector<Node*>& excluded,
+                             bool* routed) {
+  // Suspect nodes (the store lost their heartbeats; this gateway may still reach them) are
+  // taken only when no other node is usable: a partitioned store must not stop serving.
+  bool allow_suspect = false;
+  auto usable = [&](Node* n) {
+    return !Contains(excluded, n) &&
+           (allow_suspect || !n->suspect.load(std::memory_order_relaxed)) && n->breaker.Healthy();
+  };
+  // The cost model when every candidate's rates are measured: its queue (requests ahead x its
+  // time per request) plus the prompt it does not hold (at its compute rate). Until then:
+  // longest prefix first, then the least loaded. Ties rotate; open or busy breakers skipped.
+  const uint64_t rotation = prefill_rotation_.fetch_add(1, std::memory_order_relaxed);
+  Node* best = nullptr;
+  Node* least_loaded = nullptr;
+  for (bool with_suspect : {false, true}) {
+    allow_suspect = with_suspect;
+    bool measured = true;
+    for (const auto& n : prefills) {
+      if (usable(n.get()) && (n->prefill_calls.rate() == 0 || n->prefill_tokens.rate() == 0)) {
+        measured = false;
+      }
+    }
+    double best_cost = std::numeric_limits<double>::infinity();
+    int32_t lowest_load = std::numeric_limits<int32_t>::max();
+    for (size_t k = 0; k < prefills.size(); ++k) {
+      const size_t i = (rotation + k) % prefills.size();
+      Node* n = prefills[i].get();
+      if (!usable(n)) continue;
+      const double cost = !options_.prefix_routing ? static_cast<double>(n->Load())
+                          : measured
+                              ? kv::RouteSeconds(n->Load(), 1.0 / n->prefill_calls.rate(),
+                                                 (full_blocks - matched[i]) * options_.block_tokens,
+                                                 n->prefill_tokens.rate())
+                              : -(static_cast<double>(matched[i]) * 1000 - n->Load());
+      if (cost < best_cost) {
+        best_cost = cost;
+        best = n;
+      }
+      if (n->Load() < lowest_load) {
+        lowest_load = n->Load();
+        least_loaded = n;
+      }
+    }
+    if (best != nullptr) break;
+  }
+  if (least_loaded != nullptr && least_loaded->Cold() && best != least_loaded) {
+    best = least_loaded;  // a new worker gets its first request (see Node::picked)
+  }
+  if (best == nullptr) return nullptr;
+  best->picked.fetch_add(1, std::memory_order_relaxed);
+  if (best != least_loaded && best->Load() > least_loaded->Load()) {
+    *routed = true;  // the prefix outweighed the load
+    return best;
+  }
+  for (size_t i = 0; i < prefills.size(); ++i) {
+    if (prefills[i].get() != best || matched[i] == 0) continue;
+    // Several equally loaded nodes: the holder was taken for its prefix.
+    for (size_t j = 0; j < prefills.size(); ++j) {
+      if (j != i && matched[j] < matched[i] && usable(prefills[j].get())) *routed = true;
+    }
+  }
+  return best;
+}
+
+Node* WorkerSet::PickDecode(const NodeList& decodes,
+                            const absl::flat_hash_map<std::string, int32_t>& held,
+                            const std::vector<Node*>& excluded) {
+  if (Node* probe = TakeProbe(decodes, excluded)) return probe;
+  const uint64_t rotation = decode_rotation_.fetch_add(1, std::memory_order_relaxed);
+  Node* best = nullptr;
+  // Suspect nodes only when nothing else is usable (see RankPrefill).
+  for (bool with_suspect : {false, true}) {
+    std::vector<Node*> candidates;
+    int32_t lowest_load = std::numeric_limits<int32_t>::max();
+    for (size_t k = 0; k < decodes.size(); ++k) {
+      Node* n = decodes[(rotation + k) % decodes.size()].get();
+      if (Contains(excluded, n) || (!with_suspect && n->suspect.load(std::memory_order_relaxed)) ||
+          !n->breaker.Healthy()) {
+        continue;
+      }
+      candidates.push_back(n);
+      lowest_load = std::min(lowest_load, n->Load());
+    }
+    // Within one request of the least loaded, the longest held prefix wins (then rotation):
+    // it saves the push without piling a shared prefix's requests on one node.
+    int32_t best_held = -1;
+    Node* cold = nullptr;
+    for (Node* n : candidates) {
+      if (cold == nullptr && n->Cold() && n->Load() <= lowest_load) cold = n;
+    }
+    for (Node* n : candidates) {
+      if (n->Load() > lowest_load + 1) continue;
+      auto it = held.find(n->NodeId());
+      const int32_t blocks = it == held.end() ? 0 : it->second;
+      if (blocks > best_held || (blocks == best_held && n->Load() < best->Load())) {
+        best_held = blocks;
+        best = n;
+      }
+    }
+    // A new worker gets its first request (see Node::picked).
+    if (cold != nullptr) best = cold;
+    if (best != nullptr) break;
+  }
+  if (best != nullptr) best->picked.fetch_add(1, std::memory_order_relaxed);
+  return best;
+}
+
+}  // namespace kvrelay::gateway

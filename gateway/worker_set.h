@@ -1,0 +1,183 @@
+#pragma once
+
+// WorkerSet: the prefill and decode workers a gateway can route to and how each stands. It
+// holds the fixed workers (from flags) and the ones discovered in the cache store's registry
+// (ListNodes), one circuit breaker per worker, and the two pickers: PickPrefill (longest cached
+// prefix or the cost model, then least load) and PickDecode (least load, then the longest held
+// prefix). Both skip excluded nodes, open or busy breakers and, while anything else is usable,
+// nodes the registry marks suspect; a half-open node gets the next request as its probe; a
+// discovered node that has had no request yet gets the next one it is least loaded for.
+//
+// Called by Gateway (discovery, counts) and by GenerateCall (snapshots, holdings, picks).
+//
+// Thread-safe. Lock order: `nodes_mu_` before a Node's `mu` (Apply), never the reverse; the
+// discovery thread takes `discovery_mu_` alone. The store client, the endpoint factories and
+// the clock must outlive the set. Nodes are shared: a request keeps the Snapshot it picked
+// from, so a node discovery drops stays valid until that request ends.
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "cachestore/client/cache_store_client.h"
+#include "common/clock.h"
+#include "gateway/circuit_breaker.h"
+#include "gateway/worker_endpoints.h"
+#include "kv/block_hash.h"
+#include "kv/reuse_cost.h"
+#include "kvrelay/v1/cachestore.pb.h"
+
+namespace kvrelay::gateway {
+
+struct WorkerSetOptions {
+  CircuitBreakerOptions breaker;  // one breaker per node, with these settings
+  // Bound on a prefill node's Status call (to learn its node id) during a pick, below the
+  // request's deadline.
+  absl::Duration route_timeout = absl::Milliseconds(500);
+  // Route prefill by the prefix each node holds (see GatewayOptions::prefix_routing); off:
+  // by load alone.
+  bool prefix_routing = true;
+  int32_t block_tokens = 16;  // the layout's tokens per block (the cost model's unit)
+};
+
+// Makes endpoints for discovered workers from their gRPC address.
+struct WorkerFactories {
+  std::function<absl::StatusOr<std::unique_ptr<PrefillEndpoint>>(const std::string&)> make_prefill;
+  std::function<absl::StatusOr<std::unique_ptr<DecodeEndpoint>>(const std::string&)> make_decode;
+};
+
+class WorkerSet {
+ public:
+  // One worker as the gateway tracks it.
+  class Node {
+   public:
+    Node(Clock* clock, CircuitBreakerOptions breaker_options) : breaker(clock, breaker_options) {}
+
+    std::unique_ptr<PrefillEndpoint> prefill;  // exactly one of prefill / decode
+    std::unique_ptr<DecodeEndpoint> decode;
+    CircuitBreaker breaker;
+    std::atomic<int32_t> in_flight{0};  // this gateway's requests on the node now
+    // Active + queued requests the node last reported to the store (every gateway's, not only
+    // this one's); refreshed by each discovery pass.
+    std::atomic<int32_t> reported_load{0};
+    // Prefill nodes: how long a Prefill call takes, and prompt tokens computed per second of it
+    // (the cost model's inputs for routing).
+    kv::RateMeter prefill_calls;
+    kv::RateMeter prefill_tokens;
+    bool discovered = false;  // from the registry (may be dropped), not a fixed address
+    // Requests this gateway has sent to the node: a worker that joined (or came back as a new
+    // incarnation) and has had none is given the next one it is least loaded for, so prefix
+    // affinity never starves a node that holds nothing yet.
+    std::atomic<int64_t> picked{0};
+    uint64_t incarnation = 0;          // discovered: the registered process
+    std::atomic<bool> suspect{false};  // the registry marks it suspect: picked last
+
+    // What the pickers rank by: this gateway's own count reacts at once, the reported one sees
+    // the other gateways' traffic.
+    int32_t Load() const;
+    bool Cold() const { return discovered && picked.load(std::memory_order_relaxed) == 0; }
+    const std::string& address() const {
+      return prefill != nullptr ? prefill->address() : decode->address();
+    }
+    // Learned from the registry, Status or Reserve ("" until then).
+    std::string NodeId() const;
+    void SetNodeId(const std::string& id);
+
+   private:
+    mutable absl::Mutex mu_;
+    std::string node_id_ ABSL_GUARDED_BY(mu_);
+  };
+  using NodeList = std::vector<std::shared_ptr<Node>>;
+  struct Snapshot {
+    NodeList prefill;
+    NodeList decode;
+  };
+
+  // `store` may be null (no holdings, no discovery). `clock` drives the breakers.
+  WorkerSet(WorkerSetOptions options, Clock* clock, cachestore::CacheStoreClient* store,
+            WorkerFactories factories);
+  ~WorkerSet();  // stops and joins the discovery thread
+  WorkerSet(const WorkerSet&) = delete;
+  WorkerSet& operator=(const WorkerSet&) = delete;
+
+  // Fixed workers: always kept, whatever the registry says.
+  void AddFixed(std::unique_ptr<PrefillEndpoint> endpoint);
+  void AddFixed(std::unique_ptr<DecodeEndpoint> endpoint);
+
+  // True with a store and both factories: the registry can add workers.
+  bool CanDiscover() const;
+  // One discovery pass: ListNodes from the store, then Apply. Errors are the store's;
+  // FailedPrecondition without CanDiscover().
+  absl::Status Refresh();
+  // Applies one registry listing: adds workers it lists live (endpoints from the factories; a
+  // factory error skips that worker until the next pass), refreshes reported loads, marks
+  // suspect ones, drops discovered ones it no longer lists (or lists as a new incarnation).
+  void Apply(const kvrelay::v1::ListNodesResponse& listed);
+  // Calls Refresh every `interval` on a thread of its own until destruction (errors logged).
+  // REQUIRES: CanDiscover(); called at most once.
+  void StartDiscovery(absl::Duration interval);
+
+  Snapshot Nodes() const;
+  size_t num_prefill() const;
+  size_t num_decode() const;
+
+  // Leading blocks of `chain` each node holds (node id -> blocks), from the store's
+  // QueryPrefix; empty without a store, for an empty chain, when the store did not answer, and
+  // for a second after it failed so (a store that does not answer costs reuse, not requests).
+  absl::flat_hash_map<std::string, int32_t> Holdings(const std::vector<kv::BlockHash>& chain);
+
+  // A prefill node for a prompt of `full_blocks` whole blocks, of which `held` says who holds
+  // how many, or null when none is usable. Learns unknown node ids with Status calls bounded
+  // by route_timeout and `deadline`. `*routed` is set when the prefix, not the load alone,
+  // decided the pick.
+  Node* PickPrefill(const NodeList& prefills, const absl::flat_hash_map<std::string, int32_t>& held,
+                    int64_t full_blocks, const std::vector<Node*>& excluded, absl::Time deadline,
+                    bool* routed);
+  // The least loaded decode node; among those within one request of it, the one holding the
+  // longest prefix (it is not sent again). Null when none is usable.
+  Node* PickDecode(const NodeList& decodes, const absl::flat_hash_map<std::string, int32_t>& held,
+                   const std::vector<Node*>& excluded);
+
+ private:
+  void DiscoveryLoop(absl::Duration interval);
+  // Apply for one role: the nodes of `nodes` to keep, plus the new ones `listed` brings.
+  NodeList ApplyRole(const NodeList& nodes, const kvrelay::v1::ListNodesResponse& listed,
+                     bool prefill_role);
+  // A node for a newly listed worker, or null when its endpoint cannot be made.
+  std::shared_ptr<Node> MakeDiscovered(const kvrelay::v1::NodeInfo& info, bool prefill_role);
+  void LearnNodeIds(const NodeList& prefills, const std::vector<Node*>& excluded,
+                    absl::Time deadline);
+  // The first node in `nodes` (not excluded) whose breaker is half-open and lets this request
+  // be its probe.
+  static Node* TakeProbe(const NodeList& nodes, const std::vector<Node*>& excluded);
+  // PickPrefill's ranking once ids are known and no probe is due.
+  Node* RankPrefill(const NodeList& prefills, const std::vector<int32_t>& matched,
+                    int64_t full_blocks, const std::vector<Node*>& excluded, bool* routed);
+
+  const WorkerSetOptions options_;
+  Clock* const clock_;
+  cachestore::CacheStoreClient* const store_;
+  const WorkerFactories factories_;
+  mutable absl::Mutex nodes_mu_;  // guards the two lists (not the nodes)
+  NodeList prefills_ ABSL_GUARDED_BY(nodes_mu_);
+  NodeList decodes_ ABSL_GUARDED_BY(nodes_mu_);
+  // QueryPrefix is skipped until then (unix micros, wall clock as the call's own deadline).
+  std::atomic<int64_t> skip_query_until_us_{0};
+  // One rotation per role, so ties are broken independently for each picker.
+  std::atomic<uint64_t> prefill_rotation_{0};
+  std::atomic<uint64_t> decode_rotation_{0};
+  absl::Mutex discovery_mu_;
+  bool stopping_ ABSL_GUARDED_BY(discovery_mu_) = false;
+  std::thread discovery_;  // last: joined before anything it touches goes
+};
+
+}  // namespace kvrelay::gateway

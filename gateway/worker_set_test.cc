@@ -1,0 +1,306 @@
+#include "gateway/worker_set.h"
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "gateway/fake_endpoints.h"
+#include "gtest/gtest.h"
+
+namespace kvrelay::gateway {
+namespace {
+
+using ::kvrelay::gateway::testing::FakeDecodeEndpoint;
+using ::kvrelay::gateway::testing::FakePrefillEndpoint;
+using Node = WorkerSet::Node;
+using State = CircuitBreaker::State;
+
+constexpr absl::Duration kOpenFor = absl::Seconds(1);
+
+WorkerSetOptions Options() {
+  WorkerSetOptions options;
+  options.breaker = {.open_for = kOpenFor, .max_open_for = absl::Seconds(8)};
+  return options;
+}
+
+kvrelay::v1::NodeInfo Listed(const std::string& id, kvrelay::v1::NodeRole role,
+                             const std::string& address, uint64_t incarnation,
+                             kvrelay::v1::NodeState state = kvrelay::v1::NODE_STATE_LIVE) {
+  kvrelay::v1::NodeInfo info;
+  info.set_node_id(id);
+  info.set_role(role);
+  info.set_grpc_address(address);
+  info.set_incarnation(incarnation);
+  info.set_state(state);
+  return info;
+}
+
+// Fixed workers over fakes, on a simulated clock (the breakers' time).
+class WorkerSetTest : public ::testing::Test {
+ protected:
+  explicit WorkerSetTest(WorkerSetOptions options = Options())
+      : set_(options, &clock_, /*store=*/nullptr, {}) {}
+
+  FakePrefillEndpoint* AddPrefill(const std::string& name) {
+    auto endpoint = std::make_unique<FakePrefillEndpoint>(name + ":1", name, &clock_);
+    FakePrefillEndpoint* raw = endpoint.get();
+    set_.AddFixed(std::move(endpoint));
+    return raw;
+  }
+  FakeDecodeEndpoint* AddDecode(const std::string& name) {
+    auto endpoint = std::make_unique<FakeDecodeEndpoint>(name + ":1", name, &clock_);
+    FakeDecodeEndpoint* raw = endpoint.get();
+    set_.AddFixed(std::move(endpoint));
+    return raw;
+  }
+  Node* PickDecode(const std::vector<Node*>& excluded = {},
+                   const absl::flat_hash_map<std::string, int32_t>& held = {}) {
+    return set_.PickDecode(set_.Nodes().decode, held, excluded);
+  }
+  Node* PickPrefill(const absl::flat_hash_map<std::string, int32_t>& held, int64_t full_blocks,
+                    bool* routed, const std::vector<Node*>& excluded = {}) {
+    return set_.PickPrefill(set_.Nodes().prefill, held, full_blocks, excluded,
+                            absl::InfiniteFuture(), routed);
+  }
+
+  SimulatedClock clock_;
+  WorkerSet set_;
+};
+
+TEST_F(WorkerSetTest, DecodeGoesToTheLeastLoadedThenToTheLongestHeldPrefix) {
+  AddDecode("d0");
+  AddDecode("d1");
+  AddDecode("d2");
+  const WorkerSet::Snapshot nodes = set_.Nodes();
+  nodes.decode[0]->in_flight = 3;
+  nodes.decode[1]->in_flight = 1;
+  nodes.decode[2]->in_flight = 2;
+  EXPECT_EQ(PickDecode(), nodes.decode[1].get());
+  // Within one request of the least loaded, the node holding more of the prompt wins.
+  nodes.decode[2]->SetNodeId("d2");
+  EXPECT_EQ(PickDecode({}, {{"d2", 4}}), nodes.decode[2].get());
+  // Not when it is further behind than that.
+  nodes.decode[2]->in_flight = 3;
+  EXPECT_EQ(PickDecode({}, {{"d2", 4}}), nodes.decode[1].get());
+  // Excluded (failed for this request) nodes are never picked.
+  EXPECT_EQ(PickDecode({nodes.decode[1].get()}, {{"d2", 4}}), nodes.decode[2].get());
+  EXPECT_EQ(PickDecode({nodes.decode[0].get(), nodes.decode[1].get(), nodes.decode[2].get()}),
+            nullptr);
+}
+
+TEST_F(WorkerSetTest, AnOpenBreakerIsSkippedThenProbedOnceWhenHalfOpen) {
+  AddDecode("d0");
+  AddDecode("d1");
+  const WorkerSet::Snapshot nodes = set_.Nodes();
+  Node* d0 = nodes.decode[0].get();
+  Node* d1 = nodes.decode[1].get();
+  d0->breaker.RecordFailure();
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(PickDecode(), d1) << i;
+
+  clock_.Advance(kOpenFor + absl::Milliseconds(1));
+  EXPECT_EQ(d0->breaker.state(), State::kHalfOpen);
+  // The half-open node takes the next request as its probe, even though it is busier.
+  d0->in_flight = 5;
+  EXPECT_EQ(PickDecode(), d0);
+  // One probe at a time: the others go elsewhere until its outcome is known.
+  EXPECT_EQ(PickDecode(), d1);
+  d0->breaker.RecordSuccess();
+  d0->in_flight = 0;
+  d1->in_flight = 1;
+  EXPECT_EQ(d0->breaker.state(), State::kClosed);
+  EXPECT_EQ(PickDecode(), d0);
+}
+
+TEST_F(WorkerSetTest, AFailedProbeOpensTheBreakerForLonger) {
+  AddDecode("d0");
+  AddDecode("d1");
+  Node* d0 = set_.Nodes().decode[0].get();
+  d0->breaker.RecordFailure();
+  clock_.Advance(kOpenFor + absl::Milliseconds(1));
+  ASSERT_EQ(PickDecode(), d0);  // the probe
+  d0->breaker.RecordFailure();  // fails: open for twice as long
+  clock_.Advance(kOpenFor + absl::Milliseconds(1));
+  EXPECT_NE(PickDecode(), d0);
+  clock_.Advance(kOpenFor);
+  EXPECT_EQ(PickDecode(), d0);
+}
+
+TEST_F(WorkerSetTest, SuspectNodesArePickedOnlyWhenNothingElseIsUsable) {
+  AddDecode("d0");
+  AddDecode("d1");
+  const WorkerSet::Snapshot nodes = set_.Nodes();
+  nodes.decode[0]->suspect = true;
+  nodes.decode[1]->in_flight = 4;
+  EXPECT_EQ(PickDecode(), nodes.decode[1].get());
+  nodes.decode[1]->breaker.RecordFailure();
+  EXPECT_EQ(PickDecode(), nodes.decode[0].get());
+}
+
+TEST_F(WorkerSetTest, PrefillGoesToThePrefixHolderAndLearnsNodeIdsOnce) {
+  FakePrefillEndpoint* p0 = AddPrefill("p0");
+  FakePrefillEndpoint* p1 = AddPrefill("p1");
+  const WorkerSet::Snapshot nodes = set_.Nodes();
+  bool routed = false;
+  EXPECT_EQ(PickPrefill({{"p1", 3}}, 4, &routed), nodes.prefill[1].get());
+  EXPECT_TRUE(routed);
+  EXPECT_EQ(nodes.prefill[0]->NodeId(), "p0");
+  EXPECT_EQ(nodes.prefill[1]->NodeId(), "p1");
+  // A holder one request busier still wins while rates are unmeasured (prefix first).
+  nodes.prefill[1]->in_flight = 1;
+  EXPECT_EQ(PickPrefill({{"p1", 3}}, 4, &routed), nodes.prefill[1].get());
+  EXPECT_TRUE(routed);
+  // Nothing held: the least loaded, not routed.
+  EXPECT_EQ(PickPrefill({}, 4, &routed), nodes.prefill[0].get());
+  EXPECT_FALSE(routed);
+  EXPECT_EQ(p0->status_calls, 1);
+  EXPECT_EQ(p1->status_calls, 1);
+}
+
+TEST_F(WorkerSetTest, PrefillSkipsAnOpenBreakerAndExcludedNodes) {
+  AddPrefill("p0");
+  FakePrefillEndpoint* p1 = AddPrefill("p1");
+  p1->status = absl::UnavailableError("down");  // its id stays unknown
+  const WorkerSet::Snapshot nodes = set_.Nodes();
+  bool routed = false;
+  nodes.prefill[0]->breaker.RecordFailure();
+  EXPECT_EQ(PickPrefill({{"p0", 3}}, 4, &routed), nodes.prefill[1].get());
+  EXPECT_FALSE(routed);
+  EXPECT_EQ(PickPrefill({}, 4, &routed, {nodes.prefill[1].get()}), nullptr);
+}
+
+class LoadOnlyWorkerSetTest : public WorkerSetTest {
+ protected:
+  static WorkerSetOptions LoadOnly() {
+    WorkerSetOptions options = Options();
+    options.prefix_routing = false;
+    return options;
+  }
+  LoadOnlyWorkerSetTest() : WorkerSetTest(LoadOnly()) {}
+};
+
+TEST_F(LoadOnlyWorkerSetTest, PrefixRoutingOffPicksByLoadAlone) {
+  AddPrefill("p0");
+  AddPrefill("p1");
+  const WorkerSet::Snapshot nodes = set_.Nodes();
+  nodes.prefill[1]->in_flight = 1;
+  bool routed = true;
+  EXPECT_EQ(PickPrefill({{"p1", 8}}, 8, &routed), nodes.prefill[0].get());
+  EXPECT_FALSE(routed);
+}
+
+// Discovery: a set whose factories make fakes for the addresses the registry lists.
+class DiscoveryTest : public ::testing::Test {
+ protected:
+  DiscoveryTest()
+      : set_(Options(), &clock_, /*store=*/nullptr,
+             WorkerFactories{.make_prefill = [this](const std::string& address)
+                                 -> absl::StatusOr<std::unique_ptr<PrefillEndpoint>> {
+                               made_.push_back(address);
+                               if (refuse_ == address)
+                                 return absl::InvalidArgumentError("bad address");
+                               return std::make_unique<FakePrefillEndpoint>(address, "", &clock_);
+                             },
+                             .make_decode = [this](const std::string& address)
+                                 -> absl::StatusOr<std::unique_ptr<DecodeEndpoint>> {
+                               made_.push_back(address);
+                               if (refuse_ == address)
+                                 return absl::InvalidArgumentError("bad address");
+                               return std::make_unique<FakeDecodeEndpoint>(address, "", &clock_);
+                             }}) {}
+
+  SimulatedClock clock_;
+  std::vector<std::string> made_;
+  std::string refuse_;  // the factories fail for this address
+  WorkerSet set_;
+};
+
+TEST_F(DiscoveryTest, AddsListedWorkersRefreshesThemAndDropsTheOnesGone) {
+  kvrelay::v1::ListNodesResponse listed;
+  *listed.add_nodes() = Listed("p-a", kvrelay::v1::NODE_ROLE_PREFILL, "10.0.0.1:50051", 1);
+  *listed.add_nodes() = Listed("d-a", kvrelay::v1::NODE_ROLE_DECODE, "10.0.0.2:50052", 1);
+  listed.mutable_nodes(1)->mutable_load()->set_active_requests(3);
+  listed.mutable_nodes(1)->mutable_load()->set_queued_requests(2);
+  // Neither live nor reachable: not added.
+  *listed.add_nodes() = Listed("d-b", kvrelay::v1::NODE_ROLE_DECODE, "10.0.0.3:50052", 1,
+                               kvrelay::v1::NODE_STATE_SUSPECT);
+  *listed.add_nodes() = Listed("d-c", kvrelay::v1::NODE_ROLE_DECODE, "", 1);
+  set_.Apply(listed);
+  ASSERT_EQ(set_.num_prefill(), 1u);
+  ASSERT_EQ(set_.num_decode(), 1u);
+  const WorkerSet::Snapshot first = set_.Nodes();
+  EXPECT_EQ(first.prefill[0]->NodeId(), "p-a");
+  EXPECT_EQ(first.prefill[0]->address(), "10.0.0.1:50051");
+  EXPECT_TRUE(first.decode[0]->discovered);
+
+  // The same listing again makes nothing new, and refreshes the load each node reports.
+  set_.Apply(listed);
+  EXPECT_EQ(made_.size(), 2u);
+  EXPECT_EQ(first.decode[0]->Load(), 5);  // active + queued
+
+  // The decode worker turns suspect; the prefill worker is gone from the registry.
+  kvrelay::v1::ListNodesResponse later;
+  *later.add_nodes() = Listed("d-a", kvrelay::v1::NODE_ROLE_DECODE, "10.0.0.2:50052", 1,
+                              kvrelay::v1::NODE_STATE_SUSPECT);
+  set_.Apply(later);
+  EXPECT_EQ(set_.num_prefill(), 0u);
+  ASSERT_EQ(set_.num_decode(), 1u);
+  EXPECT_TRUE(set_.Nodes().decode[0]->suspect.load());
+  // A request that picked the dropped node before still holds a valid one.
+  EXPECT_EQ(first.prefill[0]->address(), "10.0.0.1:50051");
+
+  // The decode worker restarts (a new incarnation): the old node goes, a new one comes.
+  kvrelay::v1::ListNodesResponse restarted;
+  *restarted.add_nodes() = Listed("d-a", kvrelay::v1::NODE_ROLE_DECODE, "10.0.0.2:50052", 2);
+  set_.Apply(restarted);
+  ASSERT_EQ(set_.num_decode(), 1u);
+  EXPECT_NE(set_.Nodes().decode[0], first.decode[0]);
+  EXPECT_EQ(set_.Nodes().decode[0]->incarnation, 2u);
+  EXPECT_FALSE(set_.Nodes().decode[0]->suspect.load());
+}
+
+TEST_F(DiscoveryTest, FixedWorkersStayAndAreNotAddedTwice) {
+  set_.AddFixed(std::make_unique<FakeDecodeEndpoint>("10.0.0.2:50052", "d-a", &clock_));
+  kvrelay::v1::ListNodesResponse listed;
+  *listed.add_nodes() = Listed("d-a", kvrelay::v1::NODE_ROLE_DECODE, "10.0.0.2:50052", 7);
+  listed.mutable_nodes(0)->mutable_load()->set_active_requests(4);
+  set_.Apply(listed);
+  ASSERT_EQ(set_.num_decode(), 1u);
+  EXPECT_TRUE(made_.empty());
+  EXPECT_FALSE(set_.Nodes().decode[0]->discovered);
+  EXPECT_EQ(set_.Nodes().decode[0]->Load(), 4);  // a fixed worker's reported load counts too
+  set_.Apply(kvrelay::v1::ListNodesResponse());
+  EXPECT_EQ(set_.num_decode(), 1u);  // never dropped
+}
+
+TEST_F(DiscoveryTest, AWorkerWhoseEndpointCannotBeMadeIsRetriedNextPass) {
+  kvrelay::v1::ListNodesResponse listed;
+  *listed.add_nodes() = Listed("p-a", kvrelay::v1::NODE_ROLE_PREFILL, "10.0.0.1:50051", 1);
+  refuse_ = "10.0.0.1:50051";
+  set_.Apply(listed);
+  EXPECT_EQ(set_.num_prefill(), 0u);
+  refuse_.clear();
+  set_.Apply(listed);
+  EXPECT_EQ(set_.num_prefill(), 1u);
+}
+
+TEST_F(DiscoveryTest, ANewWorkerGetsTheNextRequestItIsLeastLoadedFor) {
+  set_.AddFixed(std::make_unique<FakeDecodeEndpoint>("10.0.0.9:50052", "d-fixed", &clock_));
+  kvrelay::v1::ListNodesResponse listed;
+  *listed.add_nodes() = Listed("d-new", kvrelay::v1::NODE_ROLE_DECODE, "10.0.0.2:50052", 1);
+  set_.Apply(listed);
+  const WorkerSet::Snapshot nodes = set_.Nodes();
+  ASSERT_EQ(nodes.decode.size(), 2u);
+  nodes.decode[0]->SetNodeId("d-fixed");
+  // The fixed node holds the whole prefix, but the new one has had nothing yet.
+  Node* picked = set_.PickDecode(nodes.decode, {{"d-fixed", 8}}, {});
+  EXPECT_EQ(picked, nodes.decode[1].get());
+  EXPECT_EQ(set_.PickDecode(nodes.decode, {{"d-fixed", 8}}, {}), nodes.decode[0].get());
+}
+
+TEST_F(DiscoveryTest, RefreshNeedsAStore) {
+  EXPECT_FALSE(set_.CanDiscover());
+  EXPECT_TRUE(absl::IsFailedPrecondition(set_.Refresh()));
+}
+
+}  // namespace
+}  // namespace kvrelay::gateway
