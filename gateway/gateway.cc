@@ -83,7 +83,9 @@ absl::StatusOr<std::unique_ptr<Gateway>> Gateway::Create(
     return absl::InvalidArgumentError(
         absl::StrCat("max_attempts must be positive, got ", options.max_attempts));
   }
-  KV_ASSIGN_OR_RETURN(kv::ModelConfig config, kv::LoadHfConfig(options.model_dir + "/config.json", {.block_tokens = options.block_tokens}));
+  KV_ASSIGN_OR_RETURN(
+      kv::ModelConfig config,
+      kv::LoadHfConfig(options.model_dir + "/config.json", {.block_tokens = options.block_tokens}));
   const absl::Duration discovery_interval = options.discovery_interval;
   auto gateway = std::unique_ptr<Gateway>(
       new Gateway(std::move(options), std::move(config), metrics, clock, std::move(store),

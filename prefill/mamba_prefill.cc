@@ -178,7 +178,8 @@ int32_t PrefillWorker::CommitCheckpoints(const std::string& request_id, const Pr
                                          int64_t first, int64_t last,
                                          const std::vector<std::vector<uint8_t>>& checkpoints) {
   absl::StatusOr<int32_t> committed = lookup.store().CommitBlocksFrom(
-      lookup.chain, first, last, [&](int64_t block, int64_t slot) -> absl::Status {
+      lookup.chain, first, last,
+      [&](int64_t block, int64_t slot) -> absl::Status {
         const std::vector<uint8_t>& state = checkpoints[block - first];
         if (static_cast<uint64_t>(state.size()) != segment_->block_bytes()) {
           return absl::InternalError("mamba checkpoint size differs from the segment's slots");

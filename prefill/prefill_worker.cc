@@ -316,7 +316,8 @@ absl::StatusOr<std::unique_ptr<PrefillWorker::PrefixLookup>> PrefillWorker::Look
                                                    " is not registered with the cache store yet")),
                kvrelay::v1::FAILURE_UNREACHABLE);
   }
-  absl::StatusOr<worker::PrefixMatch> match = store->MatchPrefix(chain, options_.lease_ttl, deadline);
+  absl::StatusOr<worker::PrefixMatch> match =
+      store->MatchPrefix(chain, options_.lease_ttl, deadline);
   if (!match.ok()) {
     KV_LOG(WARNING) << request.request_id() << ": MatchPrefix failed (" << match.status()
                     << "); computing everything";

@@ -207,8 +207,8 @@ TEST(AdaptivePolicyTest, BackgroundLearnerKeepsToItsCpuBudget) {
   // count, not the shift: a loaded machine may take it coarse again before the next look.
   const int64_t refinements = policy.budget_refinements();
   const auto light_until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-  for (uint64_t salt = 3; policy.budget_refinements() == refinements &&
-                          std::chrono::steady_clock::now() < light_until;
+  for (uint64_t salt = 3;
+       policy.budget_refinements() == refinements && std::chrono::steady_clock::now() < light_until;
        ++salt) {
     policy.OnRequest(ChainWithRoot(salt << 8, salt << 20, 2));
     std::this_thread::sleep_for(std::chrono::milliseconds(25));
