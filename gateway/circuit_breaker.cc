@@ -13,7 +13,7 @@ bool CircuitBreaker::Allow() {
   }
   switch (state_) {
     case State::kClosed:
-      return now >= busy_until_;
+      return true;
     case State::kOpen:
       return false;
     case State::kHalfOpen:
@@ -26,7 +26,17 @@ bool CircuitBreaker::Allow() {
 
 bool CircuitBreaker::Healthy() const {
   absl::MutexLock lock(&mu_);
-  return state_ == State::kClosed && clock_->Now() >= busy_until_;
+  return state_ == State::kClosed;
+}
+
+bool CircuitBreaker::Busy() const {
+  absl::MutexLock lock(&mu_);
+  return clock_->Now() < busy_until_;
+}
+
+absl::Duration CircuitBreaker::PredictedWait() const {
+  absl::MutexLock lock(&mu_);
+  return std::max(absl::ZeroDuration(), room_at_ - clock_->Now());
 }
 
 void CircuitBreaker::RecordSuccess() {
@@ -49,9 +59,14 @@ void CircuitBreaker::RecordFailure() {
   open_until_ = clock_->Now() + current_open_for_;
 }
 
-void CircuitBreaker::RecordBusy() {
+void CircuitBreaker::RecordBusy(absl::Duration predicted_wait) {
   absl::MutexLock lock(&mu_);
-  busy_until_ = clock_->Now() + options_.busy_for;
+  const absl::Duration busy_for = predicted_wait > absl::ZeroDuration()
+                                      ? std::min(predicted_wait, options_.busy_for)
+                                      : options_.busy_for;
+  const absl::Time now = clock_->Now();
+  busy_until_ = std::max(busy_until_, now + busy_for);
+  room_at_ = now + (predicted_wait > absl::ZeroDuration() ? predicted_wait : options_.busy_for);
   if (state_ == State::kHalfOpen) {
     // The probe reached a live node that is merely full: it is alive.
     state_ = State::kClosed;

@@ -4,7 +4,9 @@
 // attributed to the node opens it for `open_for` (doubling on each failed probe, up to
 // `max_open_for`); when that passes it is half-open: exactly one request probes the node, and
 // its outcome closes the breaker or opens it again. Overload (the node said "full") is not a
-// failure: it only steers the next pick away for a short `busy_for`.
+// failure: it never opens the breaker and never makes the node unhealthy; it only marks the
+// node busy for a short while (`busy_for`, or less when the node predicted room sooner), so
+// the pickers try another node first and the gateway can refuse at once when all are busy.
 //
 // Time comes from the injected Clock. Thread-safe.
 
@@ -29,14 +31,21 @@ class CircuitBreaker {
 
   CircuitBreaker(Clock* clock, CircuitBreakerOptions options) : clock_(clock), options_(options) {}
 
-  // True if a request may go to the node now. In half-open state only the first caller gets
-  // true (it becomes the probe) until its outcome is recorded.
+  // True if a request may go to the node now (busy or not). In half-open state only the first
+  // caller gets true (it becomes the probe) until its outcome is recorded.
   bool Allow();
-  // True if the node is closed and not busy (for ranking; does not take the probe).
+  // True if the node is closed (for ranking; does not take the probe). A busy node is healthy.
   bool Healthy() const;
+  // True while the node is busy: it refused for capacity less than its busy time ago.
+  bool Busy() const;
+  // How long until the node predicted room at its last refusal (its own figure, not capped
+  // by busy_for; busy_for when it gave none); zero once passed or when it never refused.
+  absl::Duration PredictedWait() const;
   void RecordSuccess();
   void RecordFailure();
-  void RecordBusy();
+  // The node refused for capacity: busy for `predicted_wait` when the node said (> 0 and below
+  // busy_for), else busy_for. Closes a half-open breaker (a full node is alive).
+  void RecordBusy(absl::Duration predicted_wait = absl::ZeroDuration());
   State state() const;
   int64_t failures() const;
 
@@ -47,6 +56,7 @@ class CircuitBreaker {
   State state_ ABSL_GUARDED_BY(mu_) = State::kClosed;
   absl::Time open_until_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   absl::Time busy_until_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+  absl::Time room_at_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();  // see PredictedWait
   absl::Duration current_open_for_ ABSL_GUARDED_BY(mu_) = absl::ZeroDuration();
   bool probe_in_flight_ ABSL_GUARDED_BY(mu_) = false;
   int64_t failures_ ABSL_GUARDED_BY(mu_) = 0;

@@ -47,11 +47,36 @@ TEST(CircuitBreaker, BusyIsNotAFailure) {
   CircuitBreaker breaker(&clock, {.busy_for = absl::Milliseconds(200)});
   breaker.RecordBusy();
   EXPECT_EQ(breaker.state(), State::kClosed);
-  EXPECT_FALSE(breaker.Healthy());
-  EXPECT_FALSE(breaker.Allow());
+  EXPECT_TRUE(breaker.Healthy());  // overload is not sickness
+  EXPECT_TRUE(breaker.Busy());
+  EXPECT_TRUE(breaker.Allow());
   clock.Advance(absl::Milliseconds(201));
-  EXPECT_TRUE(breaker.Healthy());
+  EXPECT_FALSE(breaker.Busy());
   EXPECT_EQ(breaker.failures(), 0);
+}
+
+TEST(CircuitBreaker, BusyLastsThePredictedWaitWhenShorter) {
+  SimulatedClock clock;
+  CircuitBreaker breaker(&clock, {.busy_for = absl::Milliseconds(200)});
+  breaker.RecordBusy(absl::Milliseconds(50));
+  EXPECT_EQ(breaker.PredictedWait(), absl::Milliseconds(50));
+  clock.Advance(absl::Milliseconds(51));
+  EXPECT_FALSE(breaker.Busy());
+  breaker.RecordBusy(absl::Seconds(30));
+  EXPECT_EQ(breaker.PredictedWait(), absl::Seconds(30));  // what clients are told
+  clock.Advance(absl::Milliseconds(201));
+  EXPECT_FALSE(breaker.Busy());  // capped at busy_for: the node is asked again soon
+}
+
+TEST(CircuitBreaker, ABusyProbeClosesTheBreaker) {
+  SimulatedClock clock;
+  CircuitBreaker breaker(&clock, {.open_for = absl::Seconds(1)});
+  breaker.RecordFailure();
+  clock.Advance(absl::Seconds(2));
+  ASSERT_TRUE(breaker.Allow());  // the probe
+  breaker.RecordBusy();
+  EXPECT_EQ(breaker.state(), State::kClosed);
+  EXPECT_EQ(breaker.failures(), 1);
 }
 
 }  // namespace

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
@@ -116,6 +117,17 @@ absl::Status Gateway::Generate(const kvrelay::v1::GenerateRequest& request, absl
                                const std::string& client) {
   if (absl::Status s = ValidateGenerateRequest(request, options_.model_name, config_); !s.ok()) {
     return CallerError(std::move(s));
+  }
+  // The gateway's own cap first: a refusal costs nothing but this check (relaxed: the count
+  // orders nothing else).
+  const int32_t in_flight = in_flight_.fetch_add(1, std::memory_order_relaxed) + 1;
+  absl::Cleanup leave = [this] { in_flight_.fetch_sub(1, std::memory_order_relaxed); };
+  if (options_.max_inflight > 0 && in_flight > options_.max_inflight) {
+    metrics_.CountShed("gateway", "inflight");
+    metrics_.CountRequestFailure(absl::ResourceExhaustedError(""));
+    return proto::Overloaded(absl::StrCat("the gateway has ", options_.max_inflight,
+                                          " requests in flight (--max-inflight); retry later"),
+                             kvrelay::v1::ROLE_GATEWAY, "", "inflight", /*retry_after_ms=*/0);
   }
   KV_ASSIGN_OR_RETURN(QuotaTable::Lease tenant_slot, tenant_in_flight_.Take(request.tenant()));
   KV_ASSIGN_OR_RETURN(QuotaTable::Lease client_slot, client_in_flight_.Take(client));

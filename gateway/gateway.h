@@ -49,6 +49,11 @@ struct GatewayOptions {
   absl::Duration chunk_timeout = absl::Seconds(5);         // first token and every gap after it
   absl::Duration route_timeout = absl::Milliseconds(500);  // QueryPrefix / worker Status
   CircuitBreakerOptions breaker;
+  // Requests this gateway has in flight at once, all tenants together (--max-inflight; 0: no
+  // limit). More are refused at once with RESOURCE_EXHAUSTED (ROLE_GATEWAY,
+  // FAILURE_OVERLOADED, "inflight"): a request beyond it would only queue behind the workers'
+  // own admission and hold a server thread meanwhile.
+  int32_t max_inflight = 1024;
   // Requests one tenant may have in flight at once (0: no limit); more are refused with
   // RESOURCE_EXHAUSTED naming the tenant, so one tenant cannot take every decode slot.
   int32_t max_inflight_per_tenant = 64;
@@ -121,6 +126,7 @@ class Gateway {
   std::unique_ptr<WorkerSet> workers_;
   const std::string instance_id_;  // in request ids: tells this process's apart from others'
   std::atomic<uint64_t> next_request_{1};
+  std::atomic<int32_t> in_flight_{0};  // Generate calls past validation (max_inflight)
   QuotaTable tenant_in_flight_;
   QuotaTable client_in_flight_;
   QuotaTable tenant_reservations_;

@@ -13,6 +13,14 @@ Counter* Success(MetricsRegistry* registry, MetricLabels labels, const char* fin
                               "Count of successfully processed requests.", labels);
 }
 
+Counter* BreakerOpens(MetricsRegistry* registry, MetricLabels labels, const char* role) {
+  labels["role"] = role;
+  return registry->GetCounter("kvrelay:gateway_breaker_opens_total",
+                              "Worker circuit breakers opened by failures blamed on the worker "
+                              "(never by overload), by role.",
+                              labels);
+}
+
 }  // namespace
 
 GatewayMetrics::GatewayMetrics(MetricsRegistry* registry, const std::string& model_name)
@@ -42,6 +50,8 @@ GatewayMetrics::GatewayMetrics(MetricsRegistry* registry, const std::string& mod
                                      {{"model_name", model_name}})),
       success_stop(Success(registry, {{"model_name", model_name}}, "stop")),
       success_length(Success(registry, {{"model_name", model_name}}, "length")),
+      breaker_opens_prefill(BreakerOpens(registry, {{"model_name", model_name}}, "prefill")),
+      breaker_opens_decode(BreakerOpens(registry, {{"model_name", model_name}}, "decode")),
       registry_(registry),
       model_labels_({{"model_name", model_name}}) {}
 
@@ -71,6 +81,18 @@ void GatewayMetrics::CountRequestFailure(const absl::Status& status) const {
   MetricLabels labels = model_labels_;
   labels["reason"] = std::string(absl::StatusCodeToString(status.code()));
   registry_->GetCounter("kvrelay:gateway_failures_total", "Failed requests by status code.", labels)
+      ->Increment();
+}
+
+void GatewayMetrics::CountShed(const std::string& tier, const std::string& reason) const {
+  MetricLabels labels = model_labels_;
+  labels["tier"] = tier;
+  labels["reason"] = reason;
+  registry_
+      ->GetCounter("kvrelay:gateway_shed_total",
+                   "Requests refused at once for capacity (RESOURCE_EXHAUSTED, HTTP 429), by the "
+                   "tier that is full and what of it.",
+                   labels)
       ->Increment();
 }
 

@@ -25,6 +25,10 @@ class GatewayMetrics {
   void CountWorkerFailure(const absl::Status& status, const char* role) const;
   // kvrelay:gateway_failures_total{reason}: a request failed with `status` (reason: its code).
   void CountRequestFailure(const absl::Status& status) const;
+  // kvrelay:gateway_shed_total{tier, reason}: a request refused for capacity at once. `tier`
+  // is what is full ("gateway", "decode", "prefill"), `reason` what of it ("inflight",
+  // "slots", "kv_blocks", "queue"; "busy" when the workers were known full without asking).
+  void CountShed(const std::string& tier, const std::string& reason) const;
 
   Histogram* const ttft_seconds;
   Histogram* const itl_seconds;
@@ -36,6 +40,10 @@ class GatewayMetrics {
   Counter* const failovers;
   Counter* const success_stop;    // finished_reason "stop" (EOS, stop string)
   Counter* const success_length;  // finished_reason "length" (max_tokens)
+  // kvrelay:gateway_breaker_opens_total{role}: a worker's breaker opened (or reopened) on a
+  // failure blamed on it. Overload never moves it.
+  Counter* const breaker_opens_prefill;
+  Counter* const breaker_opens_decode;
 
  private:
   MetricsRegistry* const registry_;

@@ -73,21 +73,25 @@ absl::StatusOr<bool> GenerateCall::Attempt() {
   keep_alive_.insert(keep_alive_.end(), nodes.decode.begin(), nodes.decode.end());
   const Plan plan = MakePlan();
   Pair pair;
-  pair.decode = deps_.workers->PickDecode(nodes.decode, plan.held, failed_decode_);
+  // Nothing picked: overload when a usable node is busy (refused for capacity, here or for
+  // another request a moment ago), else no healthy node is left.
+  pair.decode = deps_.workers->PickDecode(nodes.decode, plan.held, Excluded(Blame::kDecode));
   if (pair.decode == nullptr) {
-    last_error_ =
-        overloaded_ > 0
-            ? proto::Attribute(
-                  absl::ResourceExhaustedError(absl::StrCat("every decode worker is at capacity (",
-                                                            overloaded_, " refused); retry later")),
-                  kvrelay::v1::ROLE_GATEWAY, "", kvrelay::v1::FAILURE_OVERLOADED)
-            : NoWorker("decode", nodes.decode.size(), failed_decode_.size());
+    std::optional<absl::Duration> wait = WorkerSet::BusyWait(nodes.decode, failed_decode_);
+    if (!busy_decode_.empty()) wait = std::min(wait.value_or(predicted_wait_), predicted_wait_);
+    last_error_ = wait.has_value() ? AtCapacity(Blame::kDecode, *wait)
+                                   : NoWorker("decode", nodes.decode.size(), failed_decode_.size());
     return false;
   }
-  pair.prefill = deps_.workers->PickPrefill(nodes.prefill, plan.held, plan.full_blocks,
-                                            failed_prefill_, call_.deadline, &pair.routed);
+  pair.prefill =
+      deps_.workers->PickPrefill(nodes.prefill, plan.held, plan.full_blocks,
+                                 Excluded(Blame::kPrefill), call_.deadline, &pair.routed);
   if (pair.prefill == nullptr) {
-    last_error_ = NoWorker("prefill", nodes.prefill.size(), failed_prefill_.size());
+    std::optional<absl::Duration> wait = WorkerSet::BusyWait(nodes.prefill, failed_prefill_);
+    if (!busy_prefill_.empty()) wait = std::min(wait.value_or(predicted_wait_), predicted_wait_);
+    last_error_ = wait.has_value()
+                      ? AtCapacity(Blame::kPrefill, *wait)
+                      : NoWorker("prefill", nodes.prefill.size(), failed_prefill_.size());
     return false;
   }
   return RunPair(plan, pair);
@@ -136,12 +140,7 @@ absl::StatusOr<bool> GenerateCall::RunPair(const Plan& plan, const Pair& pair) {
   absl::StatusOr<kvrelay::v1::ReserveResponse> target = Reserve(plan, pair.decode, request_id);
   if (!target.ok()) {
     last_error_ = target.status();
-    if (IsOverload(target.status())) {
-      pair.decode->breaker.RecordBusy();
-      failed_decode_.push_back(pair.decode);
-      ++overloaded_;
-      return true;
-    }
+    if (IsOverload(target.status())) return Busy(target.status(), pair.decode, Blame::kDecode);
     return Failed(target.status(), Blame::kDecode, pair, nullptr);
   }
   pair.decode->SetNodeId(target->node_id());
@@ -152,6 +151,14 @@ absl::StatusOr<bool> GenerateCall::RunPair(const Plan& plan, const Pair& pair) {
     pair.decode->decode->Release(request_id, target->reservation_token(),
                                  deps_.clock->Now() + absl::Seconds(1));
     last_error_ = prefilled.status();
+    if (IsOverload(prefilled.status())) {
+      // Full is whoever the refusal names: the prefill node (its queue), or the decode node
+      // it pushes to.
+      std::optional<kvrelay::v1::ErrorInfo> info = proto::GetErrorInfo(prefilled.status());
+      const bool decode_full = info.has_value() && info->role() == kvrelay::v1::ROLE_DECODE;
+      return Busy(prefilled.status(), decode_full ? pair.decode : pair.prefill,
+                  decode_full ? Blame::kDecode : Blame::kPrefill);
+    }
     return Failed(prefilled.status(), Blame::kPrefill, pair, nullptr);
   }
   pair.prefill->breaker.RecordSuccess();
@@ -295,6 +302,8 @@ absl::StatusOr<bool> GenerateCall::AfterStream(absl::Status s, bool stream_done,
   }
   if (s.ok()) s = absl::UnavailableError("the decode stream ended early");
   last_error_ = s;
+  // Refused at Generate (its batch queue filled since Reserve): busy, not failed.
+  if (IsOverload(s)) return Busy(s, pair.decode, Blame::kDecode);
   if (FinishedGenerating()) {
     done_ = true;  // every token arrived; only the closing message was lost
     return false;
@@ -312,15 +321,51 @@ absl::StatusOr<bool> GenerateCall::Failed(const absl::Status& status, Blame call
   }
   if (blame == Blame::kPrefill) {
     pair.prefill->breaker.RecordFailure();
+    deps_.metrics->breaker_opens_prefill->Increment();
     failed_prefill_.push_back(pair.prefill);
     deps_.metrics->CountWorkerFailure(status, "prefill");
   } else {
     pair.decode->breaker.RecordFailure();
+    deps_.metrics->breaker_opens_decode->Increment();
     failed_decode_.push_back(pair.decode);
     deps_.metrics->CountWorkerFailure(status, "decode");
   }
   ++failures_;
   return true;
+}
+
+bool GenerateCall::Busy(const absl::Status& status, Node* node, Blame role) {
+  absl::Duration said = absl::ZeroDuration();
+  if (std::optional<kvrelay::v1::ErrorInfo> info = proto::GetErrorInfo(status)) {
+    said = absl::Milliseconds(info->retry_after_ms());
+    if (!info->exhausted().empty()) exhausted_ = info->exhausted();
+  }
+  node->breaker.RecordBusy(said);
+  predicted_wait_ = std::min(predicted_wait_, node->breaker.PredictedWait());
+  (role == Blame::kPrefill ? busy_prefill_ : busy_decode_).push_back(node);
+  return true;
+}
+
+absl::Status GenerateCall::AtCapacity(Blame role, absl::Duration wait) {
+  const char* name = role == Blame::kPrefill ? "prefill" : "decode";
+  const size_t refused = (role == Blame::kPrefill ? busy_prefill_ : busy_decode_).size();
+  if (wait == absl::InfiniteDuration()) wait = absl::ZeroDuration();
+  // Whole milliseconds, rounded up: a client told "0" would come straight back.
+  const int64_t wait_ms = absl::ToInt64Milliseconds(absl::Ceil(wait, absl::Milliseconds(1)));
+  deps_.metrics->CountShed(name, exhausted_.empty() ? "busy" : exhausted_);
+  return proto::Overloaded(
+      absl::StrCat("every ", name, " worker is at capacity (", refused, " refused this request",
+                   exhausted_.empty() ? "" : absl::StrCat(", full: ", exhausted_),
+                   "); predicted room in ", wait_ms, " ms"),
+      kvrelay::v1::ROLE_GATEWAY, "", exhausted_, wait_ms);
+}
+
+std::vector<GenerateCall::Node*> GenerateCall::Excluded(Blame role) const {
+  const bool prefill = role == Blame::kPrefill;
+  std::vector<Node*> excluded = prefill ? failed_prefill_ : failed_decode_;
+  const std::vector<Node*>& busy = prefill ? busy_prefill_ : busy_decode_;
+  excluded.insert(excluded.end(), busy.begin(), busy.end());
+  return excluded;
 }
 
 GenerateCall::Blame GenerateCall::Attribute(const absl::Status& status, Blame called) const {

@@ -7,9 +7,13 @@
 // node its ErrorInfo names (the node called when it names none); that node's breaker opens and
 // the next attempt, on another pair, continues from the tokens already streamed. The caller's
 // own deadline or cancellation and invalid input are never counted against a worker: they end
-// the call at once. A request every decode worker refuses for capacity ends with
-// RESOURCE_EXHAUSTED; one that runs out of attempts, workers or time ends with the last
-// failure (a status naming the node or step that failed).
+// the call at once. Overload is not a failure: a worker that refuses for capacity
+// (RESOURCE_EXHAUSTED, FAILURE_OVERLOADED) is marked busy, never blamed, and not asked again
+// by this request; the next attempt tries another worker while the deadline allows. When every
+// usable decode (or prefill) worker is busy the call ends at once with RESOURCE_EXHAUSTED
+// (ROLE_GATEWAY, FAILURE_OVERLOADED, naming what is full and the predicted wait); one that runs
+// out of attempts, workers or time ends with the last failure (a status naming the node or
+// step that failed).
 //
 // Made and run by Gateway::Generate, one per request; tests drive it over fake endpoints.
 //
@@ -81,9 +85,10 @@ class GenerateCall {
 
   // Runs the attempts; OK once the summary went to the sink. Failures: the caller's own
   // (Cancelled with ROLE_CLIENT when it went away, its deadline, invalid input a worker
-  // reported, a reserved-KV quota: returned as they came); RESOURCE_EXHAUSTED when every decode
-  // worker is full; UNAVAILABLE naming the role when no healthy worker is left; else the last
-  // attempt's failure.
+  // reported, a reserved-KV quota: returned as they came); RESOURCE_EXHAUSTED when every usable
+  // decode or prefill worker is full (ErrorInfo: ROLE_GATEWAY, FAILURE_OVERLOADED, what is full
+  // and retry_after_ms); UNAVAILABLE naming the role when no healthy worker is left; else the
+  // last attempt's failure.
   absl::Status Run();
 
  private:
@@ -132,6 +137,14 @@ class GenerateCall {
   // Which node a failed step is attributed to, from its ErrorInfo (the node called when the
   // failure carries none). kNone for the caller's own deadline, cancellation or bad input.
   Blame Attribute(const absl::Status& status, Blame called) const;
+  // A refusal for capacity from `node` (of `role`): marks it busy (the breaker does not move),
+  // keeps it out of this request's later attempts; always true (try another worker).
+  bool Busy(const absl::Status& status, Node* node, Blame role);
+  // The call's end when the picker for `role` found no node and `wait` says some were busy:
+  // RESOURCE_EXHAUSTED naming what the workers said is full and the predicted wait.
+  absl::Status AtCapacity(Blame role, absl::Duration wait);
+  // This request's exclusion list for a role: failed and busy nodes.
+  std::vector<Node*> Excluded(Blame role) const;
   bool Cancelled() const { return cancelled_ && cancelled_(); }
   bool FinishedGenerating() const;
   absl::Status Finish();
@@ -152,12 +165,15 @@ class GenerateCall {
   absl::Time last_token_time_ = absl::InfiniteFuture();
   std::vector<Node*> failed_prefill_;  // excluded from later attempts
   std::vector<Node*> failed_decode_;
+  std::vector<Node*> busy_prefill_;  // refused for capacity: excluded too, never blamed
+  std::vector<Node*> busy_decode_;
+  std::string exhausted_;  // what the last refusal for capacity said is full ("" unknown)
+  absl::Duration predicted_wait_ = absl::InfiniteDuration();  // shortest a refusal predicted
   // Nodes discovery may drop stay valid while this call names them.
   std::vector<std::shared_ptr<Node>> keep_alive_;
   absl::Status last_error_;
-  int32_t failures_ = 0;    // attempts blamed on a worker
-  int32_t attempts_ = 0;    // attempts that reached a pair
-  int32_t overloaded_ = 0;  // decode workers that refused for capacity
+  int32_t failures_ = 0;  // attempts blamed on a worker
+  int32_t attempts_ = 0;  // attempts that reached a pair
   bool done_ = false;
   bool client_gone_ = false;
   bool stop_requested_ = false;  // the sink has what it wants

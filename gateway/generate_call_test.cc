@@ -107,6 +107,7 @@ class GenerateCallTest : public ::testing::Test {
     return stop_after_tokens_ < 0 || static_cast<int32_t>(streamed_.size()) < stop_after_tokens_;
   };
   std::function<bool()> cancelled_ = [] { return false; };
+  FakeDecodeEndpoint* first_asked_ = nullptr;  // AFullWorkerIsNotAskedTwice...
 };
 
 TEST_F(GenerateCallTest, ReservesPrefillsAndStreamsThenSendsTheSummary) {
@@ -293,19 +294,160 @@ TEST_F(GenerateCallTest, RunsOutOfAttempts) {
 TEST_F(GenerateCallTest, EveryDecodeWorkerFullIsResourceExhaustedAndNoFailure) {
   AddPrefill("p0");
   for (const char* name : {"d0", "d1"}) {
-    AddDecode(name)->on_reserve = [](const kvrelay::v1::ReserveRequest&, absl::Time) {
-      return absl::ResourceExhaustedError("no free slots");
+    AddDecode(name)->on_reserve = [name](const kvrelay::v1::ReserveRequest&, absl::Time) {
+      return proto::Overloaded("no free slots", kvrelay::v1::ROLE_DECODE, name, "kv_blocks", 0);
     };
   }
   const absl::Status s = Run();
   EXPECT_TRUE(absl::IsResourceExhausted(s)) << s;
   EXPECT_THAT(std::string(s.message()),
-              HasSubstr("every decode worker is at capacity (2 refused)"));
+              HasSubstr("every decode worker is at capacity (2 refused this request, full: "
+                        "kv_blocks)"));
+  std::optional<kvrelay::v1::ErrorInfo> info = proto::GetErrorInfo(s);
+  ASSERT_TRUE(info.has_value());
+  EXPECT_EQ(info->role(), kvrelay::v1::ROLE_GATEWAY);
+  EXPECT_EQ(info->reason(), kvrelay::v1::FAILURE_OVERLOADED);
+  EXPECT_EQ(info->exhausted(), "kv_blocks");
+  EXPECT_GT(info->retry_after_ms(), 0u);
   for (size_t i = 0; i < 2; ++i) {
     EXPECT_EQ(DecodeNode(i)->breaker.state(), State::kClosed);
-    EXPECT_FALSE(DecodeNode(i)->breaker.Healthy());  // busy: steered away for a moment
+    EXPECT_TRUE(DecodeNode(i)->breaker.Healthy());  // overload is not sickness
+    EXPECT_TRUE(DecodeNode(i)->breaker.Busy());     // passed over for a moment
     EXPECT_EQ(DecodeNode(i)->breaker.failures(), 0);
   }
+  EXPECT_EQ(CounterValue("kvrelay:gateway_breaker_opens_total", {{"role", "decode"}}), 0);
+  EXPECT_EQ(
+      CounterValue("kvrelay:gateway_shed_total", {{"tier", "decode"}, {"reason", "kv_blocks"}}), 1);
+}
+
+// The smallest reproduction of issue 34 at the gateway: one decode worker refused one request
+// for capacity; the requests that come meanwhile are refused for capacity too, at once and
+// without asking it (never "no healthy decode worker"), and it serves again after busy_for.
+TEST_F(GenerateCallTest, ABusyOnlyWorkerIsRefusedAtOnceNotUnavailableAndServesAfterBusyFor) {
+  AddPrefill("p0");
+  FakeDecodeEndpoint* d = AddDecode("d0");
+  bool full = true;
+  d->on_reserve = [&full](const kvrelay::v1::ReserveRequest& r,
+                          absl::Time) -> absl::StatusOr<kvrelay::v1::ReserveResponse> {
+    if (full)
+      return proto::Overloaded("no KV left", kvrelay::v1::ROLE_DECODE, "d0", "kv_blocks", 0);
+    kvrelay::v1::ReserveResponse response;
+    response.set_node_id("d0");
+    response.set_reservation_token(absl::StrCat("token-", r.request_id()));
+    return response;
+  };
+  EXPECT_TRUE(absl::IsResourceExhausted(Run()));
+  EXPECT_EQ(d->reserves.size(), 1u);
+  for (int i = 0; i < 3; ++i) {
+    const absl::Status s = Run();
+    EXPECT_TRUE(absl::IsResourceExhausted(s)) << s;
+    EXPECT_THAT(std::string(s.message()), HasSubstr("every decode worker is at capacity"));
+  }
+  EXPECT_EQ(d->reserves.size(), 1u);  // refused without a call
+  full = false;
+  clock_.Advance(CircuitBreakerOptions().busy_for);
+  KV_ASSERT_OK(Run());
+  EXPECT_EQ(streamed_, Expected(kMaxTokens));
+  EXPECT_EQ(DecodeNode(0)->breaker.failures(), 0);
+  EXPECT_EQ(CounterValue("kvrelay:gateway_breaker_opens_total", {{"role", "decode"}}), 0);
+}
+
+TEST_F(GenerateCallTest, AFullWorkerIsNotAskedTwiceAndAnotherServes) {
+  AddPrefill("p0");
+  FakeDecodeEndpoint* d0 = AddDecode("d0");
+  FakeDecodeEndpoint* d1 = AddDecode("d1");
+  for (FakeDecodeEndpoint* d : {d0, d1}) {
+    d->on_reserve = [d, this](const kvrelay::v1::ReserveRequest& r,
+                              absl::Time) -> absl::StatusOr<kvrelay::v1::ReserveResponse> {
+      if (d->reserves.size() == 1 && d == first_asked_) {
+        return proto::Overloaded("full", kvrelay::v1::ROLE_DECODE, "", "slots", 0);
+      }
+      if (first_asked_ == nullptr) {
+        first_asked_ = d;
+        return proto::Overloaded("full", kvrelay::v1::ROLE_DECODE, "", "slots", 0);
+      }
+      kvrelay::v1::ReserveResponse response;
+      response.set_reservation_token(absl::StrCat("token-", r.request_id()));
+      return response;
+    };
+  }
+  KV_ASSERT_OK(Run());
+  EXPECT_EQ(streamed_, Expected(kMaxTokens));
+  ASSERT_NE(first_asked_, nullptr);
+  EXPECT_EQ(first_asked_->reserves.size(), 1u);
+  EXPECT_EQ(d0->reserves.size() + d1->reserves.size(), 2u);
+  EXPECT_EQ(DecodeNode(0)->breaker.failures() + DecodeNode(1)->breaker.failures(), 0);
+}
+
+TEST_F(GenerateCallTest, AFullPrefillQueueIsNotAFailureAndItsPredictedWaitIsReported) {
+  FakePrefillEndpoint* p = AddPrefill("p0");
+  FakeDecodeEndpoint* d = AddDecode("d0");
+  p->on_prefill = [](const kvrelay::v1::PrefillRequest&, absl::Time) {
+    return proto::Overloaded("queue past the deadline", kvrelay::v1::ROLE_PREFILL, "p0", "queue",
+                             1500);
+  };
+  const absl::Status s = Run();
+  EXPECT_TRUE(absl::IsResourceExhausted(s)) << s;
+  std::optional<kvrelay::v1::ErrorInfo> info = proto::GetErrorInfo(s);
+  ASSERT_TRUE(info.has_value());
+  EXPECT_EQ(info->role(), kvrelay::v1::ROLE_GATEWAY);
+  EXPECT_EQ(info->exhausted(), "queue");
+  EXPECT_EQ(info->retry_after_ms(), 1500u);  // the worker's own prediction
+  EXPECT_EQ(d->released.size(), 1u);         // the decode reservation went back
+  EXPECT_EQ(PrefillNode(0)->breaker.state(), State::kClosed);
+  EXPECT_EQ(PrefillNode(0)->breaker.failures(), 0);
+  EXPECT_EQ(CounterValue("kvrelay:gateway_breaker_opens_total", {{"role", "prefill"}}), 0);
+}
+
+TEST_F(GenerateCallTest, ARefusalAtGenerateIsBusyAndRetriedOnAnotherWorker) {
+  AddPrefill("p0");
+  FakeDecodeEndpoint* d0 = AddDecode("d0");
+  FakeDecodeEndpoint* d1 = AddDecode("d1");
+  for (FakeDecodeEndpoint* d : {d0, d1}) {
+    d->fail_after_tokens = 0;
+    d->fail_status =
+        proto::Overloaded("batch queue full", kvrelay::v1::ROLE_DECODE, "", "queue", 0);
+  }
+  // Whichever is asked first refuses; the other serves.
+  d0->on_reserve = [d0, d1](const kvrelay::v1::ReserveRequest& r, absl::Time) {
+    if (d1->generates.empty())
+      d1->fail_after_tokens = -1;
+    else
+      d0->fail_after_tokens = -1;
+    kvrelay::v1::ReserveResponse response;
+    response.set_reservation_token(absl::StrCat("token-", r.request_id()));
+    return response;
+  };
+  d1->on_reserve = [d0, d1](const kvrelay::v1::ReserveRequest& r, absl::Time) {
+    if (d0->generates.empty())
+      d0->fail_after_tokens = -1;
+    else
+      d1->fail_after_tokens = -1;
+    kvrelay::v1::ReserveResponse response;
+    response.set_reservation_token(absl::StrCat("token-", r.request_id()));
+    return response;
+  };
+  KV_ASSERT_OK(Run());
+  EXPECT_EQ(streamed_, Expected(kMaxTokens));
+  EXPECT_EQ(d0->generates.size() + d1->generates.size(), 2u);
+  EXPECT_EQ(DecodeNode(0)->breaker.failures() + DecodeNode(1)->breaker.failures(), 0);
+}
+
+TEST_F(GenerateCallTest, ARetryAfterARefusalRespectsTheDeadline) {
+  AddPrefill("p0");
+  FakeDecodeEndpoint* d0 = AddDecode("d0");
+  FakeDecodeEndpoint* d1 = AddDecode("d1");
+  // Whichever is asked first answers "full" only when the deadline has passed.
+  for (FakeDecodeEndpoint* d : {d0, d1}) {
+    d->on_reserve = [this](const kvrelay::v1::ReserveRequest&, absl::Time deadline) {
+      clock_.Set(deadline);
+      return proto::Overloaded("full", kvrelay::v1::ROLE_DECODE, "", "slots", 0);
+    };
+  }
+  options_.reserve_timeout = absl::Seconds(5);
+  const absl::Status s = Run(absl::Seconds(1));
+  EXPECT_FALSE(s.ok());
+  EXPECT_EQ(d0->reserves.size() + d1->reserves.size(), 1u);  // no second try past the deadline
 }
 
 TEST_F(GenerateCallTest, InvalidInputAWorkerReportsEndsTheCallAtOnce) {

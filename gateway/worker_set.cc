@@ -262,7 +262,8 @@ Node* WorkerSet::RankPrefill(const NodeList& prefills, const std::vector<int32_t
   bool allow_suspect = false;
   auto usable = [&](Node* n) {
     return !Contains(excluded, n) &&
-           (allow_suspect || !n->suspect.load(std::memory_order_relaxed)) && n->breaker.Healthy();
+           (allow_suspect || !n->suspect.load(std::memory_order_relaxed)) && n->breaker.Healthy() &&
+           !n->breaker.Busy();
   };
   // The cost model when every candidate's rates are measured: its queue (requests ahead x its
   // time per request) plus the prompt it does not hold (at its compute rate). Until then:
@@ -320,6 +321,17 @@ Node* WorkerSet::RankPrefill(const NodeList& prefills, const std::vector<int32_t
   return best;
 }
 
+std::optional<absl::Duration> WorkerSet::BusyWait(const NodeList& nodes,
+                                                  const std::vector<Node*>& excluded) {
+  std::optional<absl::Duration> wait;
+  for (const auto& n : nodes) {
+    if (Contains(excluded, n.get()) || !n->breaker.Healthy() || !n->breaker.Busy()) continue;
+    const absl::Duration w = std::max(n->breaker.PredictedWait(), absl::Microseconds(1));
+    wait = wait.has_value() ? std::min(*wait, w) : w;
+  }
+  return wait;
+}
+
 Node* WorkerSet::PickDecode(const NodeList& decodes,
                             const absl::flat_hash_map<std::string, int32_t>& held,
                             const std::vector<Node*>& excluded) {
@@ -333,7 +345,7 @@ Node* WorkerSet::PickDecode(const NodeList& decodes,
     for (size_t k = 0; k < decodes.size(); ++k) {
       Node* n = decodes[(rotation + k) % decodes.size()].get();
       if (Contains(excluded, n) || (!with_suspect && n->suspect.load(std::memory_order_relaxed)) ||
-          !n->breaker.Healthy()) {
+          !n->breaker.Healthy() || n->breaker.Busy()) {
         continue;
       }
       candidates.push_back(n);

@@ -4,9 +4,11 @@
 // holds the fixed workers (from flags) and the ones discovered in the cache store's registry
 // (ListNodes), one circuit breaker per worker, and the two pickers: PickPrefill (longest cached
 // prefix or the cost model, then least load) and PickDecode (least load, then the longest held
-// prefix). Both skip excluded nodes, open or busy breakers and, while anything else is usable,
-// nodes the registry marks suspect; a half-open node gets the next request as its probe; a
-// discovered node that has had no request yet gets the next one it is least loaded for.
+// prefix). Both skip excluded nodes, open breakers, busy nodes (they refused for capacity a
+// moment ago: see CircuitBreaker) and, while anything else is usable, nodes the registry marks
+// suspect; a half-open node gets the next request as its probe; a discovered node that has had
+// no request yet gets the next one it is least loaded for. A busy node is never unhealthy:
+// when the pickers find nothing, BusyWait tells overload (refuse for capacity) from sickness.
 //
 // Called by Gateway (discovery, counts) and by GenerateCall (snapshots, holdings, picks).
 //
@@ -19,6 +21,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -142,6 +145,11 @@ class WorkerSet {
   Node* PickPrefill(const NodeList& prefills, const absl::flat_hash_map<std::string, int32_t>& held,
                     int64_t full_blocks, const std::vector<Node*>& excluded, absl::Time deadline,
                     bool* routed);
+  // Of the nodes of `nodes` not excluded and not open, the busy ones' shortest PredictedWait
+  // (at least one microsecond); nullopt when none of them is busy. A picker that found nothing
+  // while this has a value: every usable node is at capacity.
+  static std::optional<absl::Duration> BusyWait(const NodeList& nodes,
+                                                const std::vector<Node*>& excluded);
   // The least loaded decode node; among those within one request of it, the one holding the
   // longest prefix (it is not sent again). Null when none is usable.
   Node* PickDecode(const NodeList& decodes, const absl::flat_hash_map<std::string, int32_t>& held,

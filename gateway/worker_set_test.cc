@@ -111,6 +111,40 @@ TEST_F(WorkerSetTest, AnOpenBreakerIsSkippedThenProbedOnceWhenHalfOpen) {
   EXPECT_EQ(PickDecode(), d0);
 }
 
+TEST_F(WorkerSetTest, ABusyNodeIsPassedOverNotUnhealthyAndPickedAgainAfterBusyFor) {
+  AddDecode("d0");
+  AddDecode("d1");
+  const WorkerSet::Snapshot nodes = set_.Nodes();
+  nodes.decode[0]->breaker.RecordBusy(absl::Milliseconds(150));
+  EXPECT_TRUE(nodes.decode[0]->breaker.Healthy());
+  EXPECT_EQ(PickDecode(), nodes.decode[1].get());
+  EXPECT_EQ(PickDecode(), nodes.decode[1].get());
+  // Every usable node busy: no pick, and BusyWait says overload (the shortest predicted wait),
+  // where a failed node would say nothing.
+  nodes.decode[1]->breaker.RecordBusy(absl::Milliseconds(80));
+  EXPECT_EQ(PickDecode(), nullptr);
+  EXPECT_EQ(WorkerSet::BusyWait(nodes.decode, {}), absl::Milliseconds(80));
+  EXPECT_EQ(WorkerSet::BusyWait(nodes.decode, {nodes.decode[1].get()}), absl::Milliseconds(150));
+  nodes.decode[1]->breaker.RecordFailure();
+  EXPECT_EQ(WorkerSet::BusyWait(nodes.decode, {nodes.decode[0].get()}), std::nullopt);
+  clock_.Advance(absl::Milliseconds(151));
+  EXPECT_EQ(PickDecode(), nodes.decode[0].get());  // busy no more
+  EXPECT_EQ(nodes.decode[0]->breaker.failures(), 0);
+}
+
+TEST_F(WorkerSetTest, PrefillPassesOverABusyNode) {
+  AddPrefill("p0");
+  AddPrefill("p1");
+  const WorkerSet::Snapshot nodes = set_.Nodes();
+  nodes.prefill[1]->breaker.RecordBusy();
+  bool routed = false;
+  EXPECT_EQ(PickPrefill({}, 4, &routed), nodes.prefill[0].get());
+  EXPECT_EQ(PickPrefill({}, 4, &routed), nodes.prefill[0].get());
+  nodes.prefill[0]->breaker.RecordBusy();
+  EXPECT_EQ(PickPrefill({}, 4, &routed), nullptr);
+  EXPECT_TRUE(WorkerSet::BusyWait(nodes.prefill, {}).has_value());
+}
+
 TEST_F(WorkerSetTest, AFailedProbeOpensTheBreakerForLonger) {
   AddDecode("d0");
   AddDecode("d1");

@@ -1,5 +1,8 @@
 #include "proto/grpc_status.h"
 
+#include <algorithm>
+#include <limits>
+
 namespace kvrelay::proto {
 
 absl::Status WithErrorInfo(absl::Status status, const kvrelay::v1::ErrorInfo& info) {
@@ -16,6 +19,19 @@ absl::Status Attribute(absl::Status status, kvrelay::v1::Role role, const std::s
   info.set_reason(reason);
   info.set_address(address);
   return WithErrorInfo(std::move(status), info);
+}
+
+absl::Status Overloaded(std::string message, kvrelay::v1::Role role, const std::string& node_id,
+                        const std::string& exhausted, int64_t retry_after_ms) {
+  kvrelay::v1::ErrorInfo info;
+  info.set_role(role);
+  info.set_node_id(node_id);
+  info.set_reason(kvrelay::v1::FAILURE_OVERLOADED);
+  info.set_exhausted(exhausted);
+  // Clamped to the field's range; a wait past ~49 days is as good as unknown anyway.
+  info.set_retry_after_ms(static_cast<uint32_t>(
+      std::clamp<int64_t>(retry_after_ms, 0, std::numeric_limits<uint32_t>::max())));
+  return WithErrorInfo(absl::ResourceExhaustedError(std::move(message)), info);
 }
 
 std::optional<kvrelay::v1::ErrorInfo> GetErrorInfo(const absl::Status& status) {

@@ -6,6 +6,7 @@
 // structured detail travels as an absl::Status payload under kErrorInfoTypeUrl inside a process
 // and as a google.rpc.Status-compatible RpcStatus in grpc::Status::error_details() on the wire.
 
+#include <cstdint>
 #include <optional>
 #include <string>
 
@@ -22,6 +23,11 @@ absl::Status WithErrorInfo(absl::Status status, const kvrelay::v1::ErrorInfo& in
 // Shorthand: attributes `status` to (role, node, reason).
 absl::Status Attribute(absl::Status status, kvrelay::v1::Role role, const std::string& node_id,
                        kvrelay::v1::FailureReason reason, const std::string& address = "");
+// RESOURCE_EXHAUSTED with ErrorInfo{role, node, FAILURE_OVERLOADED, exhausted, retry_after_ms}:
+// a refusal for capacity. `exhausted` names what is full ("slots", "kv_blocks", "queue",
+// "inflight"); `retry_after_ms` the predicted wait until there is room (0: unknown).
+absl::Status Overloaded(std::string message, kvrelay::v1::Role role, const std::string& node_id,
+                        const std::string& exhausted, int64_t retry_after_ms);
 // The attached ErrorInfo, if any.
 std::optional<kvrelay::v1::ErrorInfo> GetErrorInfo(const absl::Status& status);
 

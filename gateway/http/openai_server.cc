@@ -44,6 +44,7 @@ struct HttpError {
   std::string message;
   std::string param;  // the offending field, when one is
   std::string code;
+  int64_t retry_after_s = 0;  // 429: the Retry-After header (whole seconds, >= 1)
 };
 
 HttpError FromStatus(const absl::Status& s) {
@@ -66,10 +67,18 @@ HttpError FromStatus(const absl::Status& s) {
       e.status = 404;
       e.type = "not_found_error";
       break;
-    case absl::StatusCode::kResourceExhausted:
+    case absl::StatusCode::kResourceExhausted: {
       e.status = 429;
-      e.type = "rate_limit_error";
+      // A quota of the caller's own is a rate limit; a full tier is overload. Either way the
+      // client may come back: after the predicted wait when the refusal carries one, else 1 s.
+      std::optional<kvrelay::v1::ErrorInfo> info = proto::GetErrorInfo(s);
+      const bool quota = info.has_value() && info->role() == kvrelay::v1::ROLE_CLIENT;
+      e.type = quota ? "rate_limit_error" : "overloaded_error";
+      e.code = quota ? "rate_limit_exceeded" : "overloaded";
+      const int64_t wait_ms = info.has_value() ? info->retry_after_ms() : 0;
+      e.retry_after_s = std::max<int64_t>(1, (wait_ms + 999) / 1000);
       break;
+    }
     case absl::StatusCode::kUnavailable:
       e.status = 503;
       e.type = "service_unavailable";
@@ -105,6 +114,7 @@ std::string ErrorBody(const HttpError& e) {
 
 void SendError(httplib::Response& res, const HttpError& e) {
   res.status = e.status;
+  if (e.retry_after_s > 0) res.set_header("Retry-After", absl::StrCat(e.retry_after_s));
   res.set_content(ErrorBody(e), "application/json");
 }
 

@@ -14,7 +14,9 @@
 // carries `token_ids` (as vLLM's return_token_ids), so clients can compare ids exactly.
 // Errors are OpenAI-shaped: {"error": {"message", "type", "param", "code"}} with the matching
 // HTTP status (400 bad field, 401/403 credentials, 404 unknown model or path, 429 no capacity,
-// 503 no worker, 504 deadline).
+// 503 no worker, 504 deadline). A 429 carries Retry-After (seconds: the predicted wait when the
+// refusal has one, else 1); its type is "overloaded_error" (code "overloaded") when a tier is full
+// and "rate_limit_error" when a per-tenant or per-client quota refused.
 //
 // The tenant comes from the credential (TenantResolver over the Authorization header), never
 // from the body.

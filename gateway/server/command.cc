@@ -68,6 +68,12 @@ void AddRoutingFlags(FlagSet& flags, GatewayFlags& f) {
   flags.AddDuration("breaker-open", &options.breaker.open_for,
                     "how long a failed worker is skipped before a probe (doubles per failed "
                     "probe)");
+  flags.AddDuration("busy-for", &options.breaker.busy_for,
+                    "how long a worker that refused for capacity is passed over (at most; less "
+                    "when it predicts room sooner); overload never opens its breaker");
+  flags.AddInt32("max-inflight", &options.max_inflight,
+                 "requests this gateway has in flight at once; more are refused at once with "
+                 "RESOURCE_EXHAUSTED / HTTP 429 (0: no limit)");
 }
 
 void AddTenantFlags(FlagSet& flags, GatewayFlags& f) {
