@@ -57,6 +57,8 @@ struct DecodeWorker::Active : BatchSequence {
   // The request's: bounds the end-of-stream commit (the store link bounds it further by
   // --store-request-timeout).
   absl::Time deadline = absl::InfiniteFuture();
+  // When the sequence joined the batch (its prefill): its residency is measured from here.
+  absl::Time joined = absl::InfinitePast();
 };
 
 DecodeWorker::DecodeWorker(DecodeWorkerOptions options, MetricsRegistry* metrics)
@@ -95,6 +97,9 @@ DecodeWorker::DecodeWorker(DecodeWorkerOptions options, MetricsRegistry* metrics
   refused_overloaded_ =
       metrics_->GetCounter("kvrelay:decode_refused_total",
                            "Requests refused at admission, by reason.", with_reason("capacity"));
+  refused_queue_ =
+      metrics_->GetCounter("kvrelay:decode_refused_total",
+                           "Requests refused at admission, by reason.", with_reason("queue"));
   refused_pushes_ = metrics_->GetCounter(
       "kvrelay:decode_refused_pushes_total",
       "Data-plane claims and block deliveries refused: wrong or expired reservation token, "
@@ -201,6 +206,9 @@ absl::Status DecodeWorker::Init(worker::WorkerCoreDeps deps) {
   kv_metrics_ = std::make_unique<worker::KvCacheMetrics>(
       metrics_, MetricLabels{{"model_name", options_.model_name}}, info,
       [usage = &usage_perc_] { return usage->load(std::memory_order_relaxed); });
+  admission_ = std::make_unique<DecodeAdmission>(
+      DecodeAdmissionOptions{.max_batch = options_.max_batch, .max_queued = options_.max_queued},
+      core_->node_id);
   scheduler_ = std::make_unique<BatchScheduler>(
       BatchSchedulerOptions{.max_batch = options_.max_batch, .max_queued = options_.max_queued},
       static_cast<BatchModel*>(this));
@@ -330,8 +338,21 @@ kvrelay::v1::ReserveResponse DecodeWorker::DescribeGrant(int32_t full_blocks, in
   return response;
 }
 
+absl::Status DecodeWorker::AdmitReserve(absl::Time deadline) {
+  // Ahead of this request: every sequence running or queued, and every reservation whose
+  // push is under way (it becomes a sequence at its Generate).
+  const int32_t waiting = table_->Load().waiting;
+  const int32_t ahead = scheduler_->counts().active + waiting;
+  absl::Status admitted = admission_->Check(ahead, deadline - absl::Now());
+  if (!admitted.ok()) {
+    refused_queue_->Increment();
+    PublishLoad();
+  }
+  return admitted;
+}
+
 absl::StatusOr<kvrelay::v1::ReserveResponse> DecodeWorker::Reserve(
-    const kvrelay::v1::ReserveRequest& request) {
+    const kvrelay::v1::ReserveRequest& request, absl::Time deadline) {
   const kv::ModelLayout& layout = model_config().layout;
   if (absl::Status s = ValidateReserveRequest(request, options_.model_name, layout); !s.ok()) {
     if (absl::IsFailedPrecondition(s)) {
@@ -346,14 +367,20 @@ absl::StatusOr<kvrelay::v1::ReserveResponse> DecodeWorker::Reserve(
     table_->FreeSlots(planned.held_slots);
     return s;
   }
+  if (absl::Status s = AdmitReserve(deadline); !s.ok()) {
+    table_->FreeSlots(planned.held_slots);
+    return s;
+  }
   const int32_t full_blocks = planned.full_blocks;
   const int32_t held_blocks = planned.held_blocks;
   absl::StatusOr<ReservationGrant> grant = table_->Book(std::move(planned));
   if (absl::IsAlreadyExists(grant.status())) return Invalid(std::string(grant.status().message()));
   if (absl::IsResourceExhausted(grant.status())) {
-    return Own(absl::ResourceExhaustedError(
-                   absl::StrCat("decode node ", core_->node_id, ": ", grant.status().message())),
-               kvrelay::v1::FAILURE_OVERLOADED);
+    // KV frees when a running sequence ends: about one departure from now.
+    return proto::Overloaded(
+        absl::StrCat("decode node ", core_->node_id, ": ", grant.status().message()),
+        kvrelay::v1::ROLE_DECODE, core_->node_id, "kv_blocks",
+        absl::ToInt64Milliseconds(admission_->NextDeparture(scheduler_->counts().running)));
   }
   KV_RETURN_IF_ERROR(grant.status());
   held_blocks_->Increment(held_blocks);
@@ -475,10 +502,11 @@ absl::StatusOr<DecodeWorker::Admission> DecodeWorker::Admit(
   if (fits) table_->Unbook(admission.budget);
   PublishLoad();
   refused_overloaded_->Increment();
-  return Own(absl::ResourceExhaustedError(absl::StrCat(
-                 "decode node ", core_->node_id, ": ",
-                 queue_full ? "the batch and its queue are full" : "no KV capacity left")),
-             kvrelay::v1::FAILURE_OVERLOADED);
+  return proto::Overloaded(
+      absl::StrCat("decode node ", core_->node_id, ": ",
+                   queue_full ? "the batch and its queue are full" : "no KV capacity left"),
+      kvrelay::v1::ROLE_DECODE, core_->node_id, queue_full ? "queue" : "kv_blocks",
+      absl::ToInt64Milliseconds(admission_->NextDeparture(scheduler_->counts().running)));
 }
 
 std::shared_ptr<DecodeWorker::Active> DecodeWorker::NewSequence(
@@ -629,6 +657,7 @@ absl::Status DecodeWorker::StreamTokens(Active& active, absl::Time deadline,
 absl::StatusOr<int32_t> DecodeWorker::Prefill(BatchSequence& seq) {
   // Every sequence this worker submits is an Active.
   Active& a = static_cast<Active&>(seq);
+  a.joined = absl::Now();
   absl::StatusOr<std::vector<float>> logits =
       a.mamba != nullptr ? mamba_->Prefill(*a.mamba, a.tail) : runner_->Prefill(*a.seq, a.tail);
   if (!logits.ok()) return logits.status();
@@ -701,6 +730,10 @@ void DecodeWorker::Retire(BatchSequence& seq, const absl::Status& status) {
   // Mamba commits nothing from here: decode rounds the state after every step, so a
   // checkpoint taken here would not be the prefill's bit for bit (model/README.md).
   if (status.ok() && store != nullptr && a.mamba == nullptr) CommitSequence(a, *store);
+  // What admission predicts waits from: how long a sequence holds its place in the batch.
+  if (status.ok() && a.joined != absl::InfinitePast()) {
+    admission_->ObserveResidency(absl::Now() - a.joined);
+  }
   a.seq.reset();  // frees the slots
   a.mamba.reset();
   table_->Unbook(a.budget);

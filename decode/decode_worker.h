@@ -33,7 +33,11 @@
 // Admission: Reserve books the KV blocks a request can ever need (prompt + max_tokens, windows
 // capped) against the pool; a request that does not fit is refused at once with
 // RESOURCE_EXHAUSTED, so every admitted request can finish. At most max_batch sequences decode
-// at once and at most max_queued more wait; beyond that Generate is refused too.
+// at once; Reserve also refuses a request whose predicted start (its place in the queue x the
+// measured time between sequences leaving the batch, see DecodeAdmission) is past its
+// deadline, or that finds max_queued waiting already; Generate refuses too if the queue filled
+// since. Every refusal for capacity is RESOURCE_EXHAUSTED with ErrorInfo FAILURE_OVERLOADED,
+// naming what is full ("queue", "kv_blocks") and the predicted wait (proto::Overloaded).
 //
 // Domain logic only: the gRPC glue is decode/server/DecodeService. Failures carry a
 // kvrelay.v1.ErrorInfo naming the role and node. Expiry decisions use the injected Clock;
@@ -63,6 +67,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "common/metrics.h"
+#include "decode/admission.h"
 #include "decode/batch_scheduler.h"
 #include "decode/reservation_table.h"
 #include "kvrelay/v1/decode.pb.h"
@@ -93,7 +98,9 @@ class DecodeWorker : private BatchModel {
                                                               worker::WorkerCoreDeps deps = {});
   ~DecodeWorker() override;
 
-  absl::StatusOr<kvrelay::v1::ReserveResponse> Reserve(const kvrelay::v1::ReserveRequest& request);
+  // `deadline` (the caller's, real time): a request that cannot start by then is refused.
+  absl::StatusOr<kvrelay::v1::ReserveResponse> Reserve(
+      const kvrelay::v1::ReserveRequest& request, absl::Time deadline = absl::InfiniteFuture());
   // Streams the request's tokens through `write` until done, the deadline, or `cancelled()`.
   absl::Status Generate(const kvrelay::v1::DecodeRequest& request, absl::Time deadline,
                         const ChunkWriter& write, const std::function<bool()>& cancelled);
@@ -142,6 +149,9 @@ class DecodeWorker : private BatchModel {
   // Reserve's steps. What to book for `request` (its held prefix loaded from the cache
   // segment, when the store link has it).
   absl::StatusOr<ReservationRequest> PlanReservation(const kvrelay::v1::ReserveRequest& request);
+  // RESOURCE_EXHAUSTED ("queue") when what is ahead of a new request would not let it start
+  // before `deadline` (see DecodeAdmission).
+  absl::Status AdmitReserve(absl::Time deadline);
   kvrelay::v1::ReserveResponse DescribeGrant(int32_t full_blocks, int32_t held_blocks,
                                              const ReservationGrant& grant) const;
   // --memory-key-scope reservation: registers each contiguous run of the pushed slots on its
@@ -204,6 +214,7 @@ class DecodeWorker : private BatchModel {
   Gauge* active_gauge_;
   Histogram* step_seconds_;
   Counter* refused_overloaded_;
+  Counter* refused_queue_;  // refused at Reserve: predicted start past the deadline
   Gauge* running_gauge_;
   Gauge* waiting_gauge_;
   absl::Mutex publish_mu_;
@@ -222,6 +233,7 @@ class DecodeWorker : private BatchModel {
   // Declared after core_: destroyed before the KV pools they hold slots of. The destructor
   // stops the inbound handler and the scheduler first.
   std::unique_ptr<ReservationTable> table_;
+  std::unique_ptr<DecodeAdmission> admission_;  // before scheduler_: its thread observes it
   std::unique_ptr<BatchScheduler> scheduler_;
 };
 

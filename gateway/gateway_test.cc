@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "common/file_util.h"
 #include "common/status_macros.h"
 #include "gateway/fake_endpoints.h"
@@ -130,6 +131,40 @@ TEST_F(GatewayTest, ATenantPastItsInflightQuotaIsRefusedWhileItsRequestRuns) {
   EXPECT_FALSE(Generate(Request(20, 4)).ok());
   EXPECT_TRUE(absl::IsResourceExhausted(nested)) << nested;
   EXPECT_THAT(std::string(nested.message()), ::testing::HasSubstr("--max-inflight-per-tenant"));
+}
+
+TEST_F(GatewayTest, PastItsInflightCapTheGatewayRefusesAtOnceWithoutAWorker) {
+  GatewayOptions options;
+  options.max_inflight = 1;
+  KV_ASSERT_OK(Start(options));
+  absl::Status nested;
+  size_t reserves_seen = 0;
+  decode_->on_reserve = [&](const kvrelay::v1::ReserveRequest& r,
+                            absl::Time) -> absl::StatusOr<kvrelay::v1::ReserveResponse> {
+    // Another tenant while the first request holds the one place.
+    kvrelay::v1::GenerateRequest other = Request(20, 4);
+    other.set_tenant("globex");
+    reserves_seen = decode_->reserves.size();
+    if (reserves_seen == 1) nested = Generate(other);
+    kvrelay::v1::ReserveResponse response;
+    response.set_reservation_token(absl::StrCat("token-", r.request_id()));
+    return response;
+  };
+  KV_ASSERT_OK(Generate(Request(20, 4)));
+  EXPECT_TRUE(absl::IsResourceExhausted(nested)) << nested;
+  std::optional<kvrelay::v1::ErrorInfo> info = proto::GetErrorInfo(nested);
+  ASSERT_TRUE(info.has_value());
+  EXPECT_EQ(info->role(), kvrelay::v1::ROLE_GATEWAY);
+  EXPECT_EQ(info->reason(), kvrelay::v1::FAILURE_OVERLOADED);
+  EXPECT_EQ(info->exhausted(), "inflight");
+  EXPECT_EQ(decode_->reserves.size(), 1u);  // the refused request reached no worker
+  const std::string text = metrics_.RenderText();
+  EXPECT_NE(text.find("kvrelay:gateway_shed_total{model_name=\"llama\",reason=\"inflight\","
+                      "tier=\"gateway\"} 1"),
+            std::string::npos)
+      << text;
+  // The place is free again.
+  KV_ASSERT_OK(Generate(Request(20, 4)));
 }
 
 TEST_F(GatewayTest, CreateNeedsWorkersOrAStoreToFindThem) {

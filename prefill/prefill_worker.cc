@@ -52,6 +52,13 @@ PrefillWorker::PrefillWorker(PrefillWorkerOptions options, MetricsRegistry* metr
   waiting_ = metrics_->GetGauge("kvrelay:num_requests_waiting",
                                 "Requests waiting for the model (one forward pass at a time).",
                                 model_labels_);
+  MetricLabels queue_labels = model_labels_;
+  queue_labels["reason"] = "queue";
+  refused_queue_ = metrics_->GetCounter(
+      "kvrelay:prefill_refused_total",
+      "Requests refused at admission (RESOURCE_EXHAUSTED), by reason: queue = their predicted "
+      "start was past their deadline.",
+      queue_labels);
 }
 
 absl::StatusOr<std::unique_ptr<PrefillWorker>> PrefillWorker::Create(PrefillWorkerOptions options,
@@ -91,6 +98,7 @@ absl::Status PrefillWorker::Init(worker::WorkerCoreDeps deps) {
   transport_ = core_->transport.get();
   kv_ = core_->kv.get();
   segment_ = core_->segment.get();
+  queue_ = std::make_unique<PrefillQueue>(&prefill_rate_, core_->node_id);
   peers_ = std::make_unique<PeerCache>(transport_);
   KV_ASSIGN_OR_RETURN(puller_,
                       PrefixPuller::Create({.enabled = options_.pull_remote_prefix,
@@ -228,6 +236,16 @@ absl::Status PrefillWorker::CheckRequest(const kvrelay::v1::PrefillRequest& requ
 absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
     const kvrelay::v1::PrefillRequest& request, absl::Time deadline) {
   KV_RETURN_IF_ERROR(CheckRequest(request));
+  // Admission: what cannot start before its deadline behind the tokens queued here is refused
+  // now, before any lookup or lease (an upper bound: a reused prefix is computed faster).
+  const int64_t to_compute = std::max<int64_t>(
+      0, int64_t{request.target().full_blocks() - request.target().held_blocks()} *
+             model_config().layout.block_tokens());
+  absl::StatusOr<PrefillQueue::Ticket> queued = queue_->Admit(to_compute, deadline - absl::Now());
+  if (!queued.ok()) {
+    refused_queue_->Increment();
+    return queued.status();
+  }
   const absl::Time start = core_->clock->Now();
   running_->Add(1);
   absl::Cleanup not_running = [this] { running_->Add(-1); };

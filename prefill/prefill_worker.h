@@ -19,6 +19,10 @@
 // Domain logic only: the gRPC glue is prefill/server/PrefillService. Every failure carries a
 // kvrelay.v1.ErrorInfo saying which role and node failed (proto/grpc_status.h).
 //
+// Admission: a request whose predicted start (prompt tokens queued here / the measured compute
+// rate, see PrefillQueue) is past its deadline is refused at once with RESOURCE_EXHAUSTED
+// (FAILURE_OVERLOADED, "queue", the predicted wait).
+//
 // Thread-safe; one model computation at a time (the runner is shared), transfers of earlier
 // requests overlap later computations.
 
@@ -36,6 +40,7 @@
 #include "kv/reuse_cost.h"
 #include "kvrelay/v1/prefill.pb.h"
 #include "model/attention_model.h"
+#include "prefill/admission.h"
 #include "prefill/peer_cache.h"
 #include "prefill/prefix_puller.h"
 #include "prefill/push_session.h"
@@ -191,6 +196,8 @@ class PrefillWorker {
   ClaimVerdicts verdicts_;
   PushMetrics push_metrics_;
   kv::RateMeter prefill_rate_;  // prompt tokens per second of compute here (read by puller_)
+  // Prompt tokens admitted and not finished; admission by predicted start (reads prefill_rate_).
+  std::unique_ptr<PrefillQueue> queue_;
   std::unique_ptr<worker::WorkerCore> core_;
   // One forward pass at a time: the runners are used only under it (their layouts are read
   // through model_config()).
@@ -213,8 +220,9 @@ class PrefillWorker {
   Counter* prefix_hit_tokens_;
   Counter* computed_tokens_;
   Histogram* prefill_seconds_;
-  Gauge* running_;                                      // in progress, not waiting for compute_mu_
-  Gauge* waiting_;                                      // waiting for compute_mu_
+  Gauge* running_;          // in progress, not waiting for compute_mu_
+  Gauge* waiting_;          // waiting for compute_mu_
+  Counter* refused_queue_;  // refused at admission: predicted start past the deadline
   std::unique_ptr<worker::KvCacheMetrics> kv_metrics_;  // reads kv_: reset before core_ goes
 };
 

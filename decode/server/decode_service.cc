@@ -11,7 +11,9 @@ grpc::Status DecodeService::Reserve(grpc::ServerContext* context,
       !allowed.ok()) {
     return proto::ToGrpcStatus(allowed);
   }
-  absl::StatusOr<kvrelay::v1::ReserveResponse> result = worker_->Reserve(*request);
+  // The caller's deadline: a request that cannot start by then is refused now.
+  absl::StatusOr<kvrelay::v1::ReserveResponse> result =
+      worker_->Reserve(*request, absl::FromChrono(context->deadline()));
   if (!result.ok()) return proto::ToGrpcStatus(result.status());
   *response = *std::move(result);
   return grpc::Status::OK;

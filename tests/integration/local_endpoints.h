@@ -60,9 +60,9 @@ class LocalDecodeEndpoint final : public gateway::DecodeEndpoint {
   }
 
   absl::StatusOr<kvrelay::v1::ReserveResponse> Reserve(const kvrelay::v1::ReserveRequest& request,
-                                                       absl::Time) override {
+                                                       absl::Time deadline) override {
     if (dead_.load()) return absl::UnavailableError("connection refused");
-    return worker_->Reserve(request);
+    return worker_->Reserve(request, deadline);
   }
   absl::Status Generate(const kvrelay::v1::DecodeRequest& request, absl::Time deadline,
                         absl::Duration, const gateway::DecodeChunkSink& sink) override {
