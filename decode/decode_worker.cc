@@ -343,7 +343,11 @@ absl::Status DecodeWorker::AdmitReserve(absl::Time deadline) {
   // push is under way (it becomes a sequence at its Generate).
   const int32_t waiting = table_->Load().waiting;
   const int32_t ahead = scheduler_->counts().active + waiting;
-  absl::Status admitted = admission_->Check(ahead, deadline - absl::Now());
+  absl::Duration may_wait = deadline - absl::Now();
+  if (options_.max_queue_wait > absl::ZeroDuration()) {
+    may_wait = std::min(may_wait, options_.max_queue_wait);
+  }
+  absl::Status admitted = admission_->Check(ahead, may_wait);
   if (!admitted.ok()) {
     refused_queue_->Increment();
     PublishLoad();

@@ -86,6 +86,9 @@ struct DecodeWorkerOptions {
   int32_t max_queued = 64;
   absl::Duration reservation_ttl = absl::Seconds(60);
   absl::Duration transfer_wait = absl::Seconds(30);  // upper bound on waiting for a push
+  // Admission: the longest predicted wait for a batch place that is admitted, below the
+  // request's deadline (--max-queue-wait; zero, the default: the deadline alone).
+  absl::Duration max_queue_wait = absl::ZeroDuration();
 };
 
 // Receives the stream's chunks in order; returns false when the client went away.

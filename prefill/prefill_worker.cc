@@ -241,7 +241,11 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
   const int64_t to_compute = std::max<int64_t>(
       0, int64_t{request.target().full_blocks() - request.target().held_blocks()} *
              model_config().layout.block_tokens());
-  absl::StatusOr<PrefillQueue::Ticket> queued = queue_->Admit(to_compute, deadline - absl::Now());
+  absl::Duration may_wait = deadline - absl::Now();
+  if (options_.max_queue_wait > absl::ZeroDuration()) {
+    may_wait = std::min(may_wait, options_.max_queue_wait);
+  }
+  absl::StatusOr<PrefillQueue::Ticket> queued = queue_->Admit(to_compute, may_wait);
   if (!queued.ok()) {
     refused_queue_->Increment();
     return queued.status();

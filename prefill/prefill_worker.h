@@ -63,6 +63,10 @@ struct PrefillWorkerOptions {
   absl::Duration fetch_reprobe_interval = absl::Seconds(5);
   // Off: blocks held on other nodes are always recomputed (the behaviour before pulls).
   bool pull_remote_prefix = true;
+  // Admission: the longest predicted wait before a request's compute starts that is admitted,
+  // below its deadline (--max-queue-wait; zero, the default: the deadline alone). A latency
+  // target (a TTFT SLO) set here sheds what would miss it instead of queueing it.
+  absl::Duration max_queue_wait = absl::ZeroDuration();
 };
 
 class PrefillWorker {

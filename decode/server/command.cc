@@ -28,6 +28,9 @@ int RunDecodeCommand(const std::vector<std::string>& raw_args) {
   flags.AddInt32("max-batch", &options.max_batch, "sequences per decode step");
   flags.AddInt32("max-queued", &options.max_queued,
                  "admitted requests waiting for a batch slot before new ones are refused");
+  flags.AddDuration("max-queue-wait", &options.max_queue_wait,
+                    "refuse (RESOURCE_EXHAUSTED) a Reserve whose predicted wait for a batch place "
+                    "is longer than this, below its deadline (0: the deadline alone)");
   flags.AddDuration("reservation-ttl", &options.reservation_ttl,
                     "a reservation not used by Generate within this long is dropped");
   std::string memory_key_scope = "auto";

@@ -30,6 +30,11 @@ int RunPrefillCommand(const std::vector<std::string>& raw_args) {
                 "recomputing them (false: always recompute them)");
   flags.AddDuration("fetch-timeout", &options.fetch_timeout,
                     "how long a pull from another node may take before the rest is recomputed");
+  flags.AddDuration(
+      "max-queue-wait", &options.max_queue_wait,
+      "refuse (RESOURCE_EXHAUSTED) a request whose predicted wait for compute (prompt "
+      "tokens queued / measured rate) is longer than this, below its deadline (0: "
+      "the deadline alone)");
   if (std::optional<int> exit_code =
           worker_flags.Parse(flags, raw_args, /*cachestore_required=*/true)) {
     return *exit_code;
