@@ -5,6 +5,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <deque>
+#include <memory>
+#include <optional>
 #include <thread>
 
 #include "absl/strings/match.h"
@@ -455,6 +458,73 @@ struct Completion {
   absl::Time deadline;
 };
 
+// One streamed answer between the thread that runs Generate and the HTTP writer. The stream is
+// committed (200, text/event-stream) only once its first event came, so a request refused
+// before any token gets its own status (429 with Retry-After, 503, ...) like an unstreamed one,
+// not a 200 carrying an error event.
+//
+// Thread-safe. The gateway must outlive the feed's thread; Join (idempotent) ends it: the
+// response's releaser calls it once the answer is written or abandoned.
+class StreamFeed {
+ public:
+  // Runs Generate for `c` on a thread of its own.
+  void Start(Gateway* gateway, const Completion& c) {
+    thread_ = std::thread([this, gateway, c] {
+      absl::Status s = gateway->Generate(
+          *c.request, c.deadline,
+          [this](const kvrelay::v1::GenerateResponse& r) {
+            absl::MutexLock lock(&mu_);
+            events_.push_back(r);
+            return !stop_.load(std::memory_order_relaxed);
+          },
+          [this] { return gone_.load(std::memory_order_relaxed); }, c.client);
+      absl::MutexLock lock(&mu_);
+      status_ = std::move(s);
+      done_ = true;
+    });
+  }
+  // Waits for the first event or the end; true when the call ended without any (refused or
+  // failed before its first token): status() says why.
+  bool EndedEmpty() {
+    absl::MutexLock lock(&mu_);
+    mu_.Await(absl::Condition(this, &StreamFeed::Ready));
+    return events_.empty();
+  }
+  // The next event, waiting for it; nullopt once the call ended (then status()).
+  std::optional<kvrelay::v1::GenerateResponse> Next() {
+    absl::MutexLock lock(&mu_);
+    mu_.Await(absl::Condition(this, &StreamFeed::Ready));
+    if (events_.empty()) return std::nullopt;
+    kvrelay::v1::GenerateResponse r = std::move(events_.front());
+    events_.pop_front();
+    return r;
+  }
+  absl::Status status() {
+    absl::MutexLock lock(&mu_);
+    return status_;
+  }
+  // The writer has what it wants (a stop string): generation ends, OK, with its summary.
+  void Stop() { stop_.store(true, std::memory_order_relaxed); }
+  // The client went away: the call is cancelled (relaxed: a flag polled between chunks).
+  void Cancel() { gone_.store(true, std::memory_order_relaxed); }
+  void Join() {
+    absl::MutexLock lock(&join_mu_);
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  bool Ready() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return done_ || !events_.empty(); }
+
+  absl::Mutex mu_;
+  std::deque<kvrelay::v1::GenerateResponse> events_ ABSL_GUARDED_BY(mu_);
+  bool done_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status status_ ABSL_GUARDED_BY(mu_);
+  std::atomic<bool> stop_{false};
+  std::atomic<bool> gone_{false};
+  absl::Mutex join_mu_;  // Join may be called from several copies of the response
+  std::thread thread_;
+};
+
 // A choice, whole (`message` / `text`) or as a streamed `delta`.
 Json ChoiceJson(bool chat, const std::string& text, const std::vector<int32_t>& ids, bool streaming,
                 const Json& finish_reason, bool first) {
@@ -499,10 +569,23 @@ class CompletionHandler {
       AnswerOnce(c, res);
       return;
     }
+    auto feed = std::make_shared<StreamFeed>();
+    feed->Start(gateway_, c);
+    if (feed->EndedEmpty()) {
+      feed->Join();
+      SendError(res, FromStatus(feed->status()));
+      return;
+    }
     res.set_header("Cache-Control", "no-cache");
     res.set_chunked_content_provider(
         "text/event-stream",
-        [handler = *this, c](size_t, httplib::DataSink& sink) { return handler.Stream(c, sink); });
+        [handler = *this, c, feed](size_t, httplib::DataSink& sink) {
+          return handler.Stream(c, *feed, sink);
+        },
+        [feed](bool) {
+          feed->Cancel();  // no-op when the call already ended
+          feed->Join();
+        });
   }
 
  private:
@@ -566,8 +649,8 @@ class CompletionHandler {
     res.set_content(Dump(out), "application/json");
   }
 
-  // The events of one streamed answer; false when the client went away.
-  bool Stream(const Completion& c, httplib::DataSink& sink) const {
+  // The events of one streamed answer, as `feed` delivers them; false when the client went away.
+  bool Stream(const Completion& c, StreamFeed& feed, httplib::DataSink& sink) const {
     const Parsed& p = c.parsed;
     bool client_gone = false;
     bool first = true;
@@ -588,24 +671,23 @@ class CompletionHandler {
     };
     TextTracker tracker(tokenizer_, p.stops);
     kvrelay::v1::GenerateSummary summary;
-    absl::Status s = gateway_->Generate(
-        *c.request, c.deadline,
-        [&](const kvrelay::v1::GenerateResponse& r) {
-          if (r.has_summary()) {
-            summary = r.summary();
-            return true;
-          }
-          const std::string delta = tracker.Add(r.tokens());
-          const std::vector<int32_t> ids(r.tokens().begin(), r.tokens().end());
-          if (!send(
-                  envelope(Json::array({ChoiceJson(p.chat, delta, ids, true, nullptr, first)})))) {
-            return false;
-          }
-          first = false;
-          return !tracker.stopped();
-        },
-        [&client_gone] { return client_gone; }, c.client);
-    if (client_gone) return false;
+    while (std::optional<kvrelay::v1::GenerateResponse> r = feed.Next()) {
+      if (r->has_summary()) {
+        summary = r->summary();
+        continue;
+      }
+      // Tokens that came after a stop string, before the call saw Stop(): not the answer's.
+      if (tracker.stopped()) continue;
+      const std::string delta = tracker.Add(r->tokens());
+      const std::vector<int32_t> ids(r->tokens().begin(), r->tokens().end());
+      if (!send(envelope(Json::array({ChoiceJson(p.chat, delta, ids, true, nullptr, first)})))) {
+        feed.Cancel();
+        return false;
+      }
+      first = false;
+      if (tracker.stopped()) feed.Stop();
+    }
+    const absl::Status s = feed.status();
     if (!s.ok()) {
       // Headers are gone already: the error travels as an event, as OpenAI does.
       const std::string line = absl::StrCat("data: ", ErrorBody(FromStatus(s)), "\n\n");
