@@ -71,11 +71,16 @@ absl::StatusOr<bool> GenerateCall::Attempt() {
   const WorkerSet::Snapshot nodes = deps_.workers->Nodes();
   keep_alive_.insert(keep_alive_.end(), nodes.prefill.begin(), nodes.prefill.end());
   keep_alive_.insert(keep_alive_.end(), nodes.decode.begin(), nodes.decode.end());
-  const Plan plan = MakePlan();
   Pair pair;
+  Plan plan;
+  // When no decode node could take it, the plan (the store's QueryPrefix) is not made: a
+  // refusal costs nothing.
+  if (WorkerSet::AnyPickable(nodes.decode, Excluded(Blame::kDecode))) {
+    plan = MakePlan();
+    pair.decode = deps_.workers->PickDecode(nodes.decode, plan.held, Excluded(Blame::kDecode));
+  }
   // Nothing picked: overload when a usable node is busy (refused for capacity, here or for
   // another request a moment ago), else no healthy node is left.
-  pair.decode = deps_.workers->PickDecode(nodes.decode, plan.held, Excluded(Blame::kDecode));
   if (pair.decode == nullptr) {
     std::optional<absl::Duration> wait = WorkerSet::BusyWait(nodes.decode, failed_decode_);
     if (!busy_decode_.empty()) wait = std::min(wait.value_or(predicted_wait_), predicted_wait_);

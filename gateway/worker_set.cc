@@ -332,6 +332,16 @@ std::optional<absl::Duration> WorkerSet::BusyWait(const NodeList& nodes,
   return wait;
 }
 
+bool WorkerSet::AnyPickable(const NodeList& nodes, const std::vector<Node*>& excluded) {
+  for (const auto& n : nodes) {
+    if (!Contains(excluded, n.get()) && !n->breaker.Busy() &&
+        n->breaker.state() != CircuitBreaker::State::kOpen) {
+      return true;
+    }
+  }
+  return false;
+}
+
 Node* WorkerSet::PickDecode(const NodeList& decodes,
                             const absl::flat_hash_map<std::string, int32_t>& held,
                             const std::vector<Node*>& excluded) {

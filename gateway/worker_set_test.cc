@@ -117,11 +117,14 @@ TEST_F(WorkerSetTest, ABusyNodeIsPassedOverNotUnhealthyAndPickedAgainAfterBusyFo
   const WorkerSet::Snapshot nodes = set_.Nodes();
   nodes.decode[0]->breaker.RecordBusy(absl::Milliseconds(150));
   EXPECT_TRUE(nodes.decode[0]->breaker.Healthy());
+  EXPECT_TRUE(WorkerSet::AnyPickable(nodes.decode, {}));
+  EXPECT_FALSE(WorkerSet::AnyPickable(nodes.decode, {nodes.decode[1].get()}));
   EXPECT_EQ(PickDecode(), nodes.decode[1].get());
   EXPECT_EQ(PickDecode(), nodes.decode[1].get());
   // Every usable node busy: no pick, and BusyWait says overload (the shortest predicted wait),
   // where a failed node would say nothing.
   nodes.decode[1]->breaker.RecordBusy(absl::Milliseconds(80));
+  EXPECT_FALSE(WorkerSet::AnyPickable(nodes.decode, {}));
   EXPECT_EQ(PickDecode(), nullptr);
   EXPECT_EQ(WorkerSet::BusyWait(nodes.decode, {}), absl::Milliseconds(80));
   EXPECT_EQ(WorkerSet::BusyWait(nodes.decode, {nodes.decode[1].get()}), absl::Milliseconds(150));
