@@ -82,6 +82,7 @@ absl::Status PrefillWorker::Init(worker::WorkerCoreDeps deps) {
   if (options_.core.cachestore_address.empty()) {
     return absl::InvalidArgumentError("--cachestore is required");
   }
+  if (deps.metrics == nullptr) deps.metrics = metrics_;  // the store link's gate
   KV_ASSIGN_OR_RETURN(
       core_, worker::WorkerCore::Create(
                  options_.core, [this](transfer::InboundEvent e) { OnInbound(std::move(e)); },
