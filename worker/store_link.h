@@ -61,7 +61,7 @@ struct StoreLinkOptions {
   // store costs a request little.
   absl::Duration request_timeout = absl::Milliseconds(500);
   absl::Duration store_backoff = absl::Milliseconds(250);
-  absl::Duration store_backoff_max = absl::Seconds(10);
+  absl::Duration store_backoff_max = absl::Seconds(2);
   absl::Duration probe_timeout = absl::Milliseconds(100);
   // The gate's state gauge and fast-fail counter (kvrelay:dependency_*{dependency="cachestore"})
   // are registered here when set; not owned.
