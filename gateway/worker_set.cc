@@ -63,7 +63,8 @@ WorkerSet::WorkerSet(WorkerSetOptions options, Clock* clock, cachestore::CacheSt
       clock_(clock),
       store_(store),
       factories_(std::move(factories)),
-      store_gate_(clock, StoreGateOptions(options_, store)) {}
+      store_gate_(options_.store_gate_clock != nullptr ? options_.store_gate_clock : Clock::Real(),
+                  StoreGateOptions(options_, store)) {}
 
 WorkerSet::~WorkerSet() {
   {

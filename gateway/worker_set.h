@@ -57,6 +57,9 @@ struct WorkerSetOptions {
   absl::Duration store_backoff = absl::Milliseconds(250);
   absl::Duration store_backoff_max = absl::Seconds(1);
   absl::Duration store_probe_timeout = absl::Milliseconds(100);
+  // The gate's time; null: the real clock (the gate bounds wall-clock RPC waits, while the
+  // WorkerSet's clock, which drives the breakers, may be a test's SimulatedClock). Not owned.
+  Clock* store_gate_clock = nullptr;
   // Where the gate's state and fast failures are exported (optional; not owned).
   MetricsRegistry* metrics = nullptr;
 };

@@ -31,7 +31,8 @@ StoreLink::StoreLink(StoreLinkOptions options, const CacheSegment* segment, Cloc
       segment_(segment),
       clock_(clock),
       client_(std::move(client)),
-      gate_(clock, GateOptions(options_)) {}
+      gate_(options_.gate_clock != nullptr ? options_.gate_clock : Clock::Real(),
+            GateOptions(options_)) {}
 
 absl::StatusOr<std::unique_ptr<StoreLink>> StoreLink::Connect(StoreLinkOptions options,
                                                               const CacheSegment* segment,

@@ -63,6 +63,9 @@ struct StoreLinkOptions {
   absl::Duration store_backoff = absl::Milliseconds(250);
   absl::Duration store_backoff_max = absl::Seconds(2);
   absl::Duration probe_timeout = absl::Milliseconds(100);
+  // The gate's time (not the link's clock, which may be a test's frozen SimulatedClock: the gate
+  // bounds wall-clock RPC waits, as the calls' deadlines); null: the real clock. Not owned.
+  Clock* gate_clock = nullptr;
   // The gate's state gauge and fast-fail counter (kvrelay:dependency_*{dependency="cachestore"})
   // are registered here when set; not owned.
   MetricsRegistry* metrics = nullptr;

@@ -164,6 +164,7 @@ TEST_F(StoreLinkTest, AHungStoreCostsOneBoundedWaitThenNothingUntilAProbeGetsThr
   options.probe_timeout = absl::Milliseconds(50);
   options.metrics = &metrics_;
   SimulatedClock clock;
+  options.gate_clock = &clock;
   KV_ASSERT_OK_AND_ASSIGN(
       std::unique_ptr<StoreLink> link,
       StoreLink::Connect(options, segment_.get(), &clock, absl::Now() + absl::Seconds(30)));
