@@ -10,6 +10,8 @@
 #include <signal.h>
 
 #include <algorithm>
+#include <fstream>
+#include <iterator>
 #include <memory>
 #include <string>
 #include <vector>
@@ -35,6 +37,21 @@ constexpr absl::Duration kRequestTimeout = absl::Seconds(30);
 constexpr int kPromptTokens = 256;
 // The processes that call the store on a request's path: the gateway and the prefill worker.
 constexpr int kStoreCallers = 2;
+
+// Whether process `pid` is stopped (state T in /proc/<pid>/stat), waiting up to 5 s: SIGSTOP
+// is delivered asynchronously, and a call must not be answered just before it takes effect.
+bool WaitStopped(pid_t pid) {
+  for (absl::Time deadline = absl::Now() + absl::Seconds(5); absl::Now() < deadline;) {
+    std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+    std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+    const size_t paren = text.rfind(')');
+    if (paren != std::string::npos && paren + 2 < text.size() && text[paren + 2] == 'T') {
+      return true;
+    }
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  return false;
+}
 
 GatewayRequest Request(uint32_t seed) {
   GatewayRequest r;
@@ -72,6 +89,7 @@ TEST(StorePaused, CostsAtMostOneBoundedWaitPerProcessAndReuseComesBack) {
   ASSERT_GT(hit.prefix_hit_tokens, 0) << cluster->Log();
 
   ASSERT_EQ(::kill(store.pid, SIGSTOP), 0);
+  ASSERT_TRUE(WaitStopped(store.pid));
   const absl::Time resume_at = absl::Now() + absl::Seconds(5);
   std::vector<GatewayRequest> sent;
   std::vector<absl::StatusOr<cli::GenerationResult>> results;

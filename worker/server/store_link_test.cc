@@ -7,6 +7,8 @@
 #include <signal.h>
 
 #include <chrono>
+#include <fstream>
+#include <iterator>
 #include <memory>
 #include <string>
 #include <vector>
@@ -39,6 +41,21 @@ std::vector<kv::BlockHash> Chain(int n) {
   std::vector<kv::BlockHash> chain;
   for (int i = 0; i < n; ++i) chain.push_back({0x1000u + i, 0x2000u + i});
   return chain;
+}
+
+// Whether process `pid` is stopped (state T in /proc/<pid>/stat), waiting up to 5 s: SIGSTOP
+// is delivered asynchronously, and a call must not be answered just before it takes effect.
+bool WaitStopped(pid_t pid) {
+  for (absl::Time deadline = absl::Now() + absl::Seconds(5); absl::Now() < deadline;) {
+    std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+    std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+    const size_t paren = text.rfind(')');
+    if (paren != std::string::npos && paren + 2 < text.size() && text[paren + 2] == 'T') {
+      return true;
+    }
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  return false;
 }
 
 // A gRPC server that takes every call and never answers it: calls end only at their deadline.
@@ -179,6 +196,7 @@ TEST_F(StoreLinkTest, AHungStoreCostsOneBoundedWaitThenNothingUntilAProbeGetsThr
   };
 
   store->Signal(SIGSTOP);
+  ASSERT_TRUE(WaitStopped(store->pid()));
   // The one bounded wait: the per-call limit, not the request's minute.
   EXPECT_THAT(link->MatchPrefix(Chain(2), absl::Seconds(30), request_deadline),
               StatusIs(absl::StatusCode::kDeadlineExceeded));
