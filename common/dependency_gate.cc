@@ -27,7 +27,8 @@ void DependencyGate::Ticket::Record(const absl::Status& status, bool caller_boun
 DependencyGate::DependencyGate(Clock* clock, DependencyGateOptions options)
     : clock_(clock), options_(std::move(options)), cooldown_(options_.min_cooldown) {
   if (options_.metrics != nullptr) {
-    const MetricLabels labels = {{"dependency", options_.metric_label}};
+    MetricLabels labels = options_.extra_labels;
+    labels["dependency"] = options_.metric_label;
     state_gauge_ = options_.metrics->GetGauge(
         "kvrelay:dependency_state",
         "Request-path gate of a dependency: 0 closed (calls go), 1 open (calls fail fast), "

@@ -34,9 +34,11 @@ struct DependencyGateOptions {
   absl::Duration min_cooldown = absl::Milliseconds(250);
   absl::Duration max_cooldown = absl::Seconds(10);
   // With a registry: kvrelay:dependency_state{dependency=<metric_label>} (0 closed, 1 open,
-  // 2 half-open) and kvrelay:dependency_fast_failures_total{dependency=<metric_label>}.
+  // 2 half-open) and kvrelay:dependency_fast_failures_total{dependency=<metric_label>}, each
+  // with `extra_labels` too (a worker's model_name).
   MetricsRegistry* metrics = nullptr;
   std::string metric_label;
+  MetricLabels extra_labels;
 };
 
 class DependencyGate {

@@ -37,6 +37,7 @@ DependencyGateOptions StoreGateOptions(const WorkerSetOptions& options,
   gate.max_cooldown = std::max(options.store_backoff, options.store_backoff_max);
   gate.metrics = options.metrics;
   gate.metric_label = "cachestore";
+  gate.extra_labels = options.metric_labels;
   return gate;
 }
 

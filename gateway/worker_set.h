@@ -60,8 +60,10 @@ struct WorkerSetOptions {
   // The gate's time; null: the real clock (the gate bounds wall-clock RPC waits, while the
   // WorkerSet's clock, which drives the breakers, may be a test's SimulatedClock). Not owned.
   Clock* store_gate_clock = nullptr;
-  // Where the gate's state and fast failures are exported (optional; not owned).
+  // Where the gate's state and fast failures are exported (optional; not owned), with these
+  // labels too (model_name).
   MetricsRegistry* metrics = nullptr;
+  MetricLabels metric_labels;
 };
 
 // Makes endpoints for discovered workers from their gRPC address.

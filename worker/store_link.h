@@ -69,6 +69,7 @@ struct StoreLinkOptions {
   // The gate's state gauge and fast-fail counter (kvrelay:dependency_*{dependency="cachestore"})
   // are registered here when set; not owned.
   MetricsRegistry* metrics = nullptr;
+  MetricLabels metric_labels;  // on those families too (model_name)
   server::SecurityOptions security;
   std::function<kvrelay::v1::NodeLoad()> load;  // reported with each heartbeat (optional)
   // Registered as the segment's memory key (CacheSegment::AccessKey): what readers the store

@@ -88,8 +88,10 @@ struct WorkerCoreDeps {
   transfer::TransportPtr transport;
   std::string transport_kind = "inproc";  // what peers are told
   Clock* clock = Clock::Real();           // not owned; must outlive the core
-  // Where the store link's gate is exported (optional; not owned; must outlive the core).
+  // Where the store link's gate is exported (optional; not owned; must outlive the core), with
+  // these labels (the worker's model_name).
   MetricsRegistry* metrics = nullptr;
+  MetricLabels metric_labels;
 };
 
 struct WorkerCore {
@@ -114,6 +116,7 @@ struct WorkerCore {
 
   Clock* clock = nullptr;
   MetricsRegistry* metrics = nullptr;  // from WorkerCoreDeps; may be null
+  MetricLabels metric_labels;
   std::string node_id;
   uint64_t incarnation = 0;  // random per process start
   // Exactly one of the two: attention models run on `runner` (CPU or CUDA, by
