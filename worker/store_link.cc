@@ -208,16 +208,20 @@ int64_t StoreLink::held_blocks() const {
   return static_cast<int64_t>(held_.size());
 }
 
-absl::StatusOr<StoreLink::RequestCall> StoreLink::OpenRequestCall(absl::Time deadline) {
+absl::StatusOr<StoreLink::RequestCall> StoreLink::OpenRequestCall(absl::Time deadline,
+                                                                  absl::Time limit) {
   if (absl::Now() >= deadline) {
     return absl::DeadlineExceededError(
         "the request's deadline passed before its cache store call could go out");
   }
   DependencyGate::Ticket ticket = gate_.Admit();
   KV_RETURN_IF_ERROR(ticket.status());
-  absl::Duration limit = options_.request_timeout;
-  if (ticket.probe()) limit = std::min(limit, options_.probe_timeout);
-  const absl::Time bound = absl::Now() + limit;
+  absl::Time bound = std::min(limit, absl::Now() + options_.request_timeout);
+  if (ticket.probe()) bound = std::min(bound, absl::Now() + options_.probe_timeout);
+  if (bound <= absl::Now()) {
+    return absl::DeadlineExceededError(
+        "this commit's time for the cache store was spent before its last call could go out");
+  }
   return RequestCall{.call = {.deadline = std::min(deadline, bound)},
                      .request_bound = deadline < bound,
                      .ticket = std::move(ticket)};
@@ -366,17 +370,23 @@ absl::StatusOr<int32_t> StoreLink::CommitBlocksFrom(const std::vector<kv::BlockH
                                                     const BlockWriter& write, absl::Time deadline,
                                                     bool keep_copies) {
   if (segment_ == nullptr || first >= last) return 0;
+  // The whole commit (allocate, write, commit) gets one per-call limit, not one per call: it
+  // runs before the prefill answers, so a slow store adds at most that much.
+  const absl::Time limit = absl::Now() + options_.request_timeout;
   const kvrelay::v1::AllocateRequest request = AllocationFor(chain, first, last, keep_copies);
-  KV_ASSIGN_OR_RETURN(RequestCall call, OpenRequestCall(deadline));
+  KV_ASSIGN_OR_RETURN(RequestCall call, OpenRequestCall(deadline, limit));
   absl::StatusOr<kvrelay::v1::AllocateResponse> allocated = client_->Allocate(request, call.call);
   call.Done(allocated.status());
   KV_ASSIGN_OR_RETURN(kvrelay::v1::AllocateResponse allocation, std::move(allocated));
   std::vector<kvrelay::v1::AnnouncedBlock> written;
+  const absl::Time write_start = absl::Now();
   const std::vector<kv::BlockHash> stored =
       WriteAllocated(allocation, chain, first, write, written);
+  // The limit counts time waiting on the store, not copying here.
+  const absl::Time finish_limit = limit + (absl::Now() - write_start);
   // Writing took time: the abort or commit gets what is left then, through the gate again (an
   // allocation neither committed nor aborted is aborted by the store after its own timeout).
-  KV_ASSIGN_OR_RETURN(RequestCall finish, OpenRequestCall(deadline));
+  KV_ASSIGN_OR_RETURN(RequestCall finish, OpenRequestCall(deadline, finish_limit));
   if (stored.empty()) {
     finish.Done(client_->Abort(allocation.allocation_id(), finish.call));
     return 0;

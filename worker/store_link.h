@@ -114,7 +114,9 @@ class StoreLink {
   // Commits chain[first, last) (their KV is blocks first..last-1 of `seq`): allocates slots in
   // this node's segment, copies the blocks there, commits them. Returns how many were committed.
   // With `keep_copies`, blocks already committed on other nodes get a copy here too (a decode
-  // worker keeping what it received, so a later turn need not receive it again). Each store
+  // worker keeping what it received, so a later turn need not receive it again). The whole
+  // commit's waits on the store share one per-call limit (it runs before a prefill answers).
+  // Each store
   // call is bounded by `deadline` as MatchPrefix's is.
   absl::StatusOr<int32_t> CommitBlocks(const std::vector<kv::BlockHash>& chain, int64_t first,
                                        int64_t last, const model::Sequence& seq,
@@ -155,8 +157,10 @@ class StoreLink {
     void Done(const absl::Status& status) { ticket.Record(status, request_bound); }
   };
   // Through the gate: DeadlineExceeded when `deadline` has passed, the gate's Unavailable
-  // while it is open, else the call's bound and ticket.
-  absl::StatusOr<RequestCall> OpenRequestCall(absl::Time deadline);
+  // while it is open, else the call's bound and ticket. `limit`: an earlier end of the per-call
+  // limit shared by several calls (a commit's allocate and commit).
+  absl::StatusOr<RequestCall> OpenRequestCall(absl::Time deadline,
+                                              absl::Time limit = absl::InfiniteFuture());
   // The answer of MatchPrefix in this node's terms: own slots and readable remote replicas.
   PrefixMatch ToPrefixMatch(const kvrelay::v1::MatchPrefixResponse& response) const;
   kvrelay::v1::AllocateRequest AllocationFor(const std::vector<kv::BlockHash>& chain, int64_t first,
