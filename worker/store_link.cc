@@ -217,7 +217,12 @@ absl::StatusOr<StoreLink::RequestCall> StoreLink::OpenRequestCall(absl::Time dea
   DependencyGate::Ticket ticket = gate_.Admit();
   KV_RETURN_IF_ERROR(ticket.status());
   absl::Time bound = std::min(limit, absl::Now() + options_.request_timeout);
-  if (ticket.probe()) bound = std::min(bound, absl::Now() + options_.probe_timeout);
+  if (ticket.probe()) {
+    const absl::Duration probe = options_.probe_timeout > absl::ZeroDuration()
+                                     ? options_.probe_timeout
+                                     : options_.request_timeout / 5;
+    bound = std::min(bound, absl::Now() + probe);
+  }
   if (bound <= absl::Now()) {
     return absl::DeadlineExceededError(
         "this commit's time for the cache store was spent before its last call could go out");

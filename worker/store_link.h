@@ -57,12 +57,13 @@ struct StoreLinkOptions {
   // such a call fails because the store was slow or away (not because the request had no time
   // left), the link's DependencyGate fails the next ones fast for `store_backoff`, doubling per
   // failed probe up to `store_backoff_max`; one call at a time then probes, bounded by
-  // `probe_timeout` as well (a store that answers does so in milliseconds), so probing a hung
-  // store costs a request little.
+  // `probe_timeout` as well (zero: a fifth of request_timeout; a store that answers does so in
+  // milliseconds, and a patient request_timeout on a slow machine keeps a patient probe), so
+  // probing a hung store costs a request little.
   absl::Duration request_timeout = absl::Milliseconds(500);
   absl::Duration store_backoff = absl::Milliseconds(250);
   absl::Duration store_backoff_max = absl::Seconds(2);
-  absl::Duration probe_timeout = absl::Milliseconds(100);
+  absl::Duration probe_timeout = absl::ZeroDuration();
   // The gate's time (not the link's clock, which may be a test's frozen SimulatedClock: the gate
   // bounds wall-clock RPC waits, as the calls' deadlines); null: the real clock. Not owned.
   Clock* gate_clock = nullptr;

@@ -71,7 +71,10 @@ void LeaderFaultUnderAStream(Fault fault, absl::Duration settle) {
       std::string prefill_address,
       StartServer("prefill",
                   with_common({"prefill", "--cachestore", store_list, "--model", model_dir,
-                               "--node-id", "prefill-0", "--threads", "1"}),
+                               "--node-id", "prefill-0", "--threads", "1",
+                               // Patient store calls (and so probes): the test counts prefix
+                               // hits, and ASan on a loaded machine slows the store.
+                               "--store-request-timeout", "2s"}),
                   &prefill));
   KV_ASSERT_OK_AND_ASSIGN(
       std::string decode_address,
