@@ -382,7 +382,7 @@ TEST_F(CacheStoreHaTest, AShortCallBudgetStillFailsOverToTheNewLeader) {
       absl::ToDoubleMilliseconds(*reached - stopped), absl::ToDoubleMilliseconds(longest_call));
   // Lease TTL (2 s) plus one call, with room for a loaded machine.
   EXPECT_LT(*reached - stopped, absl::Seconds(2) + absl::Seconds(2));
-  EXPECT_LT(longest_call, absl::Milliseconds(500) + absl::Milliseconds(300));
+  EXPECT_LT(longest_call, absl::Seconds(1)) << "a call outlived its 500 ms budget";
 }
 
 TEST_F(CacheStoreHaTest, SigtermOfTheLeaderHandsOverAtOnce) {
