@@ -177,6 +177,10 @@ absl::Status DecodeWorker::Init(worker::WorkerCoreDeps deps) {
   core_options.transport_accept_key = data_plane_key_;
   // OnInbound runs on the transport's thread from now on; it reaches table_ only through
   // inbound events for reservations, and there are none before table_ exists.
+  if (deps.metrics == nullptr) {  // the store link's gate
+    deps.metrics = metrics_;
+    deps.metric_labels = {{"model_name", options_.model_name}};
+  }
   KV_ASSIGN_OR_RETURN(
       core_, worker::WorkerCore::Create(
                  core_options, [this](transfer::InboundEvent e) { OnInbound(std::move(e)); },

@@ -115,7 +115,7 @@ GenerateCall::Plan GenerateCall::MakePlan() const {
         deps_.layout->fingerprint(), call_.tenant_salt,
         absl::MakeConstSpan(plan.tokens).subspan(0, plan.full_blocks * block_tokens), block_tokens);
   }
-  plan.held = deps_.workers->Holdings(plan.chain);
+  plan.held = deps_.workers->Holdings(plan.chain, call_.deadline);
   return plan;
 }
 

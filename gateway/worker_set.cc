@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <limits>
 
+#include "absl/strings/str_cat.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "kv/reuse_cost.h"
@@ -27,6 +28,19 @@ bool SameWorker(const Node& n, const kvrelay::v1::NodeInfo& info) {
                       : info.grpc_address() == n.address();
 }
 
+DependencyGateOptions StoreGateOptions(const WorkerSetOptions& options,
+                                       const cachestore::CacheStoreClient* store) {
+  DependencyGateOptions gate;
+  gate.name = store != nullptr ? absl::StrCat("the cache store at ", store->current_address())
+                               : std::string("the cache store");
+  gate.min_cooldown = options.store_backoff;
+  gate.max_cooldown = std::max(options.store_backoff, options.store_backoff_max);
+  gate.metrics = options.metrics;
+  gate.metric_label = "cachestore";
+  gate.extra_labels = options.metric_labels;
+  return gate;
+}
+
 }  // namespace
 
 int32_t WorkerSet::Node::Load() const {
@@ -49,7 +63,9 @@ WorkerSet::WorkerSet(WorkerSetOptions options, Clock* clock, cachestore::CacheSt
     : options_(std::move(options)),
       clock_(clock),
       store_(store),
-      factories_(std::move(factories)) {}
+      factories_(std::move(factories)),
+      store_gate_(options_.store_gate_clock != nullptr ? options_.store_gate_clock : Clock::Real(),
+                  StoreGateOptions(options_, store)) {}
 
 WorkerSet::~WorkerSet() {
   {
@@ -193,18 +209,21 @@ std::shared_ptr<WorkerSet::Node> WorkerSet::MakeDiscovered(const kvrelay::v1::No
 }
 
 absl::flat_hash_map<std::string, int32_t> WorkerSet::Holdings(
-    const std::vector<kv::BlockHash>& chain) {
+    const std::vector<kv::BlockHash>& chain, absl::Time deadline) {
   absl::flat_hash_map<std::string, int32_t> held;
   if (store_ == nullptr || chain.empty()) return held;
-  // After a failure, requests route without the store for a second (one probes again after
-  // that) instead of each waiting out its timeout. Wall-clock time, as the call's deadline.
-  const int64_t now_us = absl::ToUnixMicros(absl::Now());
-  if (now_us < skip_query_until_us_.load(std::memory_order_relaxed)) return held;
-  absl::StatusOr<kvrelay::v1::QueryPrefixResponse> answer = store_->QueryPrefix(chain);
-  if (absl::IsUnavailable(answer.status()) || absl::IsDeadlineExceeded(answer.status())) {
-    skip_query_until_us_.store(now_us + absl::ToInt64Microseconds(absl::Seconds(1)),
-                               std::memory_order_relaxed);
-  }
+  // After the store did not answer, requests route by load alone at once (one probes after
+  // the cool-down) instead of each waiting out its timeout.
+  DependencyGate::Ticket ticket = store_gate_.Admit();
+  if (!ticket.ok()) return held;
+  absl::Duration limit = options_.route_timeout;
+  if (ticket.probe()) limit = std::min(limit, options_.store_probe_timeout);
+  // Wall-clock time, as every RPC's deadline.
+  const absl::Time bound = absl::Now() + limit;
+  cachestore::CallOptions call;
+  call.deadline = std::min(deadline, bound);
+  absl::StatusOr<kvrelay::v1::QueryPrefixResponse> answer = store_->QueryPrefix(chain, call);
+  ticket.Record(answer.status(), /*caller_bound=*/deadline < bound);
   if (!answer.ok()) return held;
   for (const auto& node : answer->nodes()) held[node.node_id()] = node.matched();
   return held;

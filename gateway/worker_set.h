@@ -33,6 +33,8 @@
 #include "absl/time/time.h"
 #include "cachestore/client/cache_store_client.h"
 #include "common/clock.h"
+#include "common/dependency_gate.h"
+#include "common/metrics.h"
 #include "gateway/circuit_breaker.h"
 #include "gateway/worker_endpoints.h"
 #include "kv/block_hash.h"
@@ -50,6 +52,21 @@ struct WorkerSetOptions {
   // by load alone.
   bool prefix_routing = true;
   int32_t block_tokens = 16;  // the layout's tokens per block (the cost model's unit)
+  // The store's gate on the request path (QueryPrefix for holdings): after a lookup the store
+  // did not answer, lookups fail fast (routing by load alone) for `store_backoff`, doubling per
+  // failed probe up to `store_backoff_max`; the probe is bounded by `store_probe_timeout` too.
+  // The max is short so that with an HA store set the gateway reaches a new leader within
+  // about a second of its election; a probe costs one request at most the probe timeout.
+  absl::Duration store_backoff = absl::Milliseconds(250);
+  absl::Duration store_backoff_max = absl::Seconds(1);
+  absl::Duration store_probe_timeout = absl::Milliseconds(100);
+  // The gate's time; null: the real clock (the gate bounds wall-clock RPC waits, while the
+  // WorkerSet's clock, which drives the breakers, may be a test's SimulatedClock). Not owned.
+  Clock* store_gate_clock = nullptr;
+  // Where the gate's state and fast failures are exported (optional; not owned), with these
+  // labels too (model_name).
+  MetricsRegistry* metrics = nullptr;
+  MetricLabels metric_labels;
 };
 
 // Makes endpoints for discovered workers from their gRPC address.
@@ -134,9 +151,12 @@ class WorkerSet {
   size_t num_decode() const;
 
   // Leading blocks of `chain` each node holds (node id -> blocks), from the store's
-  // QueryPrefix; empty without a store, for an empty chain, when the store did not answer, and
-  // for a second after it failed so (a store that does not answer costs reuse, not requests).
-  absl::flat_hash_map<std::string, int32_t> Holdings(const std::vector<kv::BlockHash>& chain);
+  // QueryPrefix, bounded by min(`deadline`, now + route_timeout); empty without a store, for an
+  // empty chain, when the store did not answer, and at once while the store's gate is open
+  // after that (a store that does not answer costs reuse, not requests or latency).
+  absl::flat_hash_map<std::string, int32_t> Holdings(const std::vector<kv::BlockHash>& chain,
+                                                     absl::Time deadline = absl::InfiniteFuture());
+  const DependencyGate& store_gate() const { return store_gate_; }
 
   // A prefill node for a prompt of `full_blocks` whole blocks, of which `held` says who holds
   // how many, or null when none is usable. Learns unknown node ids with Status calls bounded
@@ -181,8 +201,7 @@ class WorkerSet {
   mutable absl::Mutex nodes_mu_;  // guards the two lists (not the nodes)
   NodeList prefills_ ABSL_GUARDED_BY(nodes_mu_);
   NodeList decodes_ ABSL_GUARDED_BY(nodes_mu_);
-  // QueryPrefix is skipped until then (unix micros, wall clock as the call's own deadline).
-  std::atomic<int64_t> skip_query_until_us_{0};
+  DependencyGate store_gate_;  // QueryPrefix on the request path
   // One rotation per role, so ties are broken independently for each picker.
   std::atomic<uint64_t> prefill_rotation_{0};
   std::atomic<uint64_t> decode_rotation_{0};

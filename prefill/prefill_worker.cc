@@ -89,6 +89,10 @@ absl::Status PrefillWorker::Init(worker::WorkerCoreDeps deps) {
   if (options_.core.cachestore_address.empty()) {
     return absl::InvalidArgumentError("--cachestore is required");
   }
+  if (deps.metrics == nullptr) {  // the store link's gate
+    deps.metrics = metrics_;
+    deps.metric_labels = model_labels_;
+  }
   KV_ASSIGN_OR_RETURN(
       core_, worker::WorkerCore::Create(
                  options_.core, [this](transfer::InboundEvent e) { OnInbound(std::move(e)); },

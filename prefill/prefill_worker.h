@@ -102,7 +102,8 @@ class PrefillWorker {
         : chain(std::move(chain)), match(std::move(match)), deadline(deadline), store_(store) {}
     PrefixLookup(const PrefixLookup&) = delete;
     PrefixLookup& operator=(const PrefixLookup&) = delete;
-    ~PrefixLookup() { store_->ReleaseLease(match.lease_id); }
+    // Bounded as every store call of the request (a lease not released expires at the store).
+    ~PrefixLookup() { store_->ReleaseLease(match.lease_id, deadline); }
     worker::StoreLink& store() const { return *store_; }
 
     const std::vector<kv::BlockHash> chain;

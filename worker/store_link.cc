@@ -13,11 +13,27 @@ namespace {
 
 constexpr char kSegmentId[] = "kv";
 
+DependencyGateOptions GateOptions(const StoreLinkOptions& options) {
+  DependencyGateOptions gate;
+  gate.name = absl::StrCat("the cache store at ", options.cachestore_address);
+  gate.min_cooldown = options.store_backoff;
+  gate.max_cooldown = std::max(options.store_backoff, options.store_backoff_max);
+  gate.metrics = options.metrics;
+  gate.metric_label = "cachestore";
+  gate.extra_labels = options.metric_labels;
+  return gate;
+}
+
 }  // namespace
 
 StoreLink::StoreLink(StoreLinkOptions options, const CacheSegment* segment, Clock* clock,
                      std::unique_ptr<cachestore::CacheStoreClient> client)
-    : options_(std::move(options)), segment_(segment), clock_(clock), client_(std::move(client)) {}
+    : options_(std::move(options)),
+      segment_(segment),
+      clock_(clock),
+      client_(std::move(client)),
+      gate_(options_.gate_clock != nullptr ? options_.gate_clock : Clock::Real(),
+            GateOptions(options_)) {}
 
 absl::StatusOr<std::unique_ptr<StoreLink>> StoreLink::Connect(StoreLinkOptions options,
                                                               const CacheSegment* segment,
@@ -192,36 +208,28 @@ int64_t StoreLink::held_blocks() const {
   return static_cast<int64_t>(held_.size());
 }
 
-StoreLink::RequestCall StoreLink::BoundCall(absl::Time deadline) const {
-  const absl::Time limit = absl::Now() + options_.request_timeout;
-  RequestCall bound;
-  bound.request_bound = deadline < limit;
-  bound.call.deadline = std::min(deadline, limit);
-  return bound;
-}
-
-absl::StatusOr<StoreLink::RequestCall> StoreLink::OpenRequestCall(absl::Time deadline) const {
+absl::StatusOr<StoreLink::RequestCall> StoreLink::OpenRequestCall(absl::Time deadline,
+                                                                  absl::Time limit) {
   if (absl::Now() >= deadline) {
     return absl::DeadlineExceededError(
         "the request's deadline passed before its cache store call could go out");
   }
-  // Relaxed: the backoff is a hint; a stale value costs one more or one fewer store call.
-  if (absl::ToUnixMicros(absl::Now()) < skip_store_until_us_.load(std::memory_order_relaxed)) {
-    return absl::UnavailableError(
-        absl::StrCat("the cache store at ", options_.cachestore_address,
-                     " did not answer a request-path call just now; skipping it for up to ",
-                     absl::FormatDuration(options_.store_backoff)));
+  DependencyGate::Ticket ticket = gate_.Admit();
+  KV_RETURN_IF_ERROR(ticket.status());
+  absl::Time bound = std::min(limit, absl::Now() + options_.request_timeout);
+  if (ticket.probe()) {
+    const absl::Duration probe = options_.probe_timeout > absl::ZeroDuration()
+                                     ? options_.probe_timeout
+                                     : options_.request_timeout / 5;
+    bound = std::min(bound, absl::Now() + probe);
   }
-  return BoundCall(deadline);
-}
-
-void StoreLink::NoteRequestPath(const RequestCall& call, const absl::Status& status) {
-  // A request that ran out of its own time says nothing about the store.
-  if (call.request_bound && absl::IsDeadlineExceeded(status)) return;
-  if (absl::IsUnavailable(status) || absl::IsDeadlineExceeded(status)) {
-    skip_store_until_us_.store(absl::ToUnixMicros(absl::Now() + options_.store_backoff),
-                               std::memory_order_relaxed);
+  if (bound <= absl::Now()) {
+    return absl::DeadlineExceededError(
+        "this commit's time for the cache store was spent before its last call could go out");
   }
+  return RequestCall{.call = {.deadline = std::min(deadline, bound)},
+                     .request_bound = deadline < bound,
+                     .ticket = std::move(ticket)};
 }
 
 absl::StatusOr<PrefixMatch> StoreLink::MatchPrefix(const std::vector<kv::BlockHash>& chain,
@@ -230,7 +238,7 @@ absl::StatusOr<PrefixMatch> StoreLink::MatchPrefix(const std::vector<kv::BlockHa
   KV_ASSIGN_OR_RETURN(RequestCall call, OpenRequestCall(deadline));
   absl::StatusOr<kvrelay::v1::MatchPrefixResponse> answered =
       client_->MatchPrefix(chain, lease_ttl, call.call);
-  NoteRequestPath(call, answered.status());
+  call.Done(answered.status());
   KV_RETURN_IF_ERROR(answered.status());
   return ToPrefixMatch(*answered);
 }
@@ -290,7 +298,7 @@ void StoreLink::ReleaseLease(uint64_t lease_id, absl::Time deadline) {
   absl::StatusOr<RequestCall> call = OpenRequestCall(deadline);
   if (!call.ok()) return;
   absl::Status s = client_->ReleaseLease(lease_id, call->call);
-  NoteRequestPath(*call, s);
+  call->Done(s);
   if (!s.ok()) KV_LOG(WARNING) << "ReleaseLease: " << s;
 }
 
@@ -367,24 +375,31 @@ absl::StatusOr<int32_t> StoreLink::CommitBlocksFrom(const std::vector<kv::BlockH
                                                     const BlockWriter& write, absl::Time deadline,
                                                     bool keep_copies) {
   if (segment_ == nullptr || first >= last) return 0;
+  // The whole commit (allocate, write, commit) gets one per-call limit, not one per call: it
+  // runs before the prefill answers, so a slow store adds at most that much.
+  const absl::Time limit = absl::Now() + options_.request_timeout;
   const kvrelay::v1::AllocateRequest request = AllocationFor(chain, first, last, keep_copies);
-  KV_ASSIGN_OR_RETURN(RequestCall call, OpenRequestCall(deadline));
+  KV_ASSIGN_OR_RETURN(RequestCall call, OpenRequestCall(deadline, limit));
   absl::StatusOr<kvrelay::v1::AllocateResponse> allocated = client_->Allocate(request, call.call);
-  NoteRequestPath(call, allocated.status());
+  call.Done(allocated.status());
   KV_ASSIGN_OR_RETURN(kvrelay::v1::AllocateResponse allocation, std::move(allocated));
   std::vector<kvrelay::v1::AnnouncedBlock> written;
+  const absl::Time write_start = absl::Now();
   const std::vector<kv::BlockHash> stored =
       WriteAllocated(allocation, chain, first, write, written);
-  // Writing took time: the abort or commit gets what is left then.
-  call = BoundCall(deadline);
+  // The limit counts time waiting on the store, not copying here.
+  const absl::Time finish_limit = limit + (absl::Now() - write_start);
+  // Writing took time: the abort or commit gets what is left then, through the gate again (an
+  // allocation neither committed nor aborted is aborted by the store after its own timeout).
+  KV_ASSIGN_OR_RETURN(RequestCall finish, OpenRequestCall(deadline, finish_limit));
   if (stored.empty()) {
-    (void)client_->Abort(allocation.allocation_id(), call.call);
+    finish.Done(client_->Abort(allocation.allocation_id(), finish.call));
     return 0;
   }
   // A commit that times out is not retried: the store aborts the allocation after its own
   // timeout and the slots go back to it; the bytes written there are never matched.
-  absl::StatusOr<int> commit = client_->Commit(allocation.allocation_id(), stored, call.call);
-  NoteRequestPath(call, commit.status());
+  absl::StatusOr<int> commit = client_->Commit(allocation.allocation_id(), stored, finish.call);
+  finish.Done(commit.status());
   KV_ASSIGN_OR_RETURN(int committed, std::move(commit));
   absl::MutexLock lock(&mu_);
   for (auto& a : written) {

@@ -32,6 +32,8 @@
 #include "absl/time/time.h"
 #include "cachestore/client/cache_store_client.h"
 #include "common/clock.h"
+#include "common/dependency_gate.h"
+#include "common/metrics.h"
 #include "common/server/credentials.h"
 #include "kv/block_hash.h"
 #include "model/kv_cache.h"
@@ -50,12 +52,25 @@ struct StoreLinkOptions {
   absl::Duration ttl = absl::Seconds(10);
   absl::Duration rpc_timeout = absl::Seconds(5);
   // The per-call limit of a store call on a request's critical path (MatchPrefix, the commit
-  // after a prefill): each gets min(what is left of the request's deadline, this), so a store
-  // that does not answer costs reuse, not seconds of TTFT. After such a call fails because the
-  // store was slow or away (not because the request had no time left), they are skipped for
-  // `store_backoff` (one request probes again after it).
+  // after a prefill or at the end of a stream): each gets min(what is left of the request's
+  // deadline, this), so a store that does not answer costs reuse, not seconds of TTFT. After
+  // such a call fails because the store was slow or away (not because the request had no time
+  // left), the link's DependencyGate fails the next ones fast for `store_backoff`, doubling per
+  // failed probe up to `store_backoff_max`; one call at a time then probes, bounded by
+  // `probe_timeout` as well (zero: a fifth of request_timeout; a store that answers does so in
+  // milliseconds, and a patient request_timeout on a slow machine keeps a patient probe), so
+  // probing a hung store costs a request little.
   absl::Duration request_timeout = absl::Milliseconds(500);
-  absl::Duration store_backoff = absl::Seconds(1);
+  absl::Duration store_backoff = absl::Milliseconds(250);
+  absl::Duration store_backoff_max = absl::Seconds(2);
+  absl::Duration probe_timeout = absl::ZeroDuration();
+  // The gate's time (not the link's clock, which may be a test's frozen SimulatedClock: the gate
+  // bounds wall-clock RPC waits, as the calls' deadlines); null: the real clock. Not owned.
+  Clock* gate_clock = nullptr;
+  // The gate's state gauge and fast-fail counter (kvrelay:dependency_*{dependency="cachestore"})
+  // are registered here when set; not owned.
+  MetricsRegistry* metrics = nullptr;
+  MetricLabels metric_labels;  // on those families too (model_name)
   server::SecurityOptions security;
   std::function<kvrelay::v1::NodeLoad()> load;  // reported with each heartbeat (optional)
   // Registered as the segment's memory key (CacheSegment::AccessKey): what readers the store
@@ -91,7 +106,8 @@ class StoreLink {
 
   // Request-path calls: `deadline` is the request's; each store call of them gets
   // min(deadline, now + options.request_timeout). DeadlineExceeded without a call when the
-  // deadline has passed; Unavailable while calls are skipped after a failure; the store's error.
+  // deadline has passed; Unavailable at once while the gate is open (the store did not answer
+  // just before); the store's error.
   absl::StatusOr<PrefixMatch> MatchPrefix(const std::vector<kv::BlockHash>& chain,
                                           absl::Duration lease_ttl, absl::Time deadline);
   // Best effort (a lease not released expires at the store); bounded as above.
@@ -99,7 +115,9 @@ class StoreLink {
   // Commits chain[first, last) (their KV is blocks first..last-1 of `seq`): allocates slots in
   // this node's segment, copies the blocks there, commits them. Returns how many were committed.
   // With `keep_copies`, blocks already committed on other nodes get a copy here too (a decode
-  // worker keeping what it received, so a later turn need not receive it again). Each store
+  // worker keeping what it received, so a later turn need not receive it again). The whole
+  // commit's waits on the store share one per-call limit (it runs before a prefill answers).
+  // Each store
   // call is bounded by `deadline` as MatchPrefix's is.
   absl::StatusOr<int32_t> CommitBlocks(const std::vector<kv::BlockHash>& chain, int64_t first,
                                        int64_t last, const model::Sequence& seq,
@@ -130,17 +148,20 @@ class StoreLink {
   // Re-announces every held block (after the store forgot this node).
   void Reannounce();
   void HeartbeatLoop();
-  // A request-path call's bound: min(the request's deadline, now + options_.request_timeout).
+  // A request-path call: its bound, min(the request's deadline, now + options_.request_timeout,
+  // and now + options_.probe_timeout for the gate's probe), and the gate's ticket.
   struct RequestCall {
     cachestore::CallOptions call;
     bool request_bound = false;  // the request's deadline is the nearer one
+    DependencyGate::Ticket ticket;
+    // Records `status` with the gate (once).
+    void Done(const absl::Status& status) { ticket.Record(status, request_bound); }
   };
-  RequestCall BoundCall(absl::Time deadline) const;
-  // BoundCall, after checking the call may go out: DeadlineExceeded when `deadline` has
-  // passed, Unavailable while request-path calls are skipped after a failure.
-  absl::StatusOr<RequestCall> OpenRequestCall(absl::Time deadline) const;
-  // Records a store that did not answer within the per-call limit (not a request out of time).
-  void NoteRequestPath(const RequestCall& call, const absl::Status& status);
+  // Through the gate: DeadlineExceeded when `deadline` has passed, the gate's Unavailable
+  // while it is open, else the call's bound and ticket. `limit`: an earlier end of the per-call
+  // limit shared by several calls (a commit's allocate and commit).
+  absl::StatusOr<RequestCall> OpenRequestCall(absl::Time deadline,
+                                              absl::Time limit = absl::InfiniteFuture());
   // The answer of MatchPrefix in this node's terms: own slots and readable remote replicas.
   PrefixMatch ToPrefixMatch(const kvrelay::v1::MatchPrefixResponse& response) const;
   kvrelay::v1::AllocateRequest AllocationFor(const std::vector<kv::BlockHash>& chain, int64_t first,
@@ -162,7 +183,7 @@ class StoreLink {
   // The same blocks by hash (hi, lo) -> slot.
   absl::flat_hash_map<std::pair<uint64_t, uint64_t>, int64_t> slot_of_ ABSL_GUARDED_BY(mu_);
   void ForgetSlotLocked(int64_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  std::atomic<int64_t> skip_store_until_us_{0};  // unix micros
+  DependencyGate gate_;  // the store on the request path
   absl::Notification stop_;
   std::thread heartbeat_;
 };

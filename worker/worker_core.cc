@@ -79,6 +79,8 @@ absl::StatusOr<std::unique_ptr<WorkerCore>> WorkerCore::Create(const WorkerCoreO
   }
   auto core = std::make_unique<WorkerCore>();
   core->clock = deps.clock != nullptr ? deps.clock : Clock::Real();
+  core->metrics = deps.metrics;
+  core->metric_labels = deps.metric_labels;
   core->node_id = options.node_id.empty() ? DefaultNodeId(options.role) : options.node_id;
   core->incarnation = RandomU64() | 1;  // never 0: 0 means "unknown" on the wire
   KV_RETURN_IF_ERROR(LoadModel(options, *core));
@@ -149,6 +151,9 @@ absl::Status WorkerCore::ConnectStore(const std::string& grpc_address,
   link.security = options.security;
   link.request_timeout = options.store_request_timeout;
   link.store_backoff = options.store_backoff;
+  link.store_backoff_max = options.store_backoff_max;
+  link.metrics = metrics;
+  link.metric_labels = metric_labels;
   link.block_tokens = model_config().layout.block_tokens();
   link.load = std::move(load);
   if (segment != nullptr) {

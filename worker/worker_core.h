@@ -71,10 +71,11 @@ struct WorkerCoreOptions {
   int64_t pool_blocks = 1024;        // request KV slots per layer group
   int64_t cache_slots = 256;         // whole-block slots offered to the store
   server::SecurityOptions security;  // for the channel to the store
-  // Store calls on a request's critical path and how long they are skipped after one fails
-  // (StoreLinkOptions, whose defaults these are).
+  // Store calls on a request's critical path and how long they fail fast after one failed,
+  // doubling per failed probe up to the max (StoreLinkOptions, whose defaults these are).
   absl::Duration store_request_timeout = StoreLinkOptions().request_timeout;
   absl::Duration store_backoff = StoreLinkOptions().store_backoff;
+  absl::Duration store_backoff_max = StoreLinkOptions().store_backoff_max;
   // Non-empty: the data-plane key peers must present to connect (Transport::SetAcceptKey),
   // installed before the inbound handler. The decode worker sets its own random one.
   std::string transport_accept_key;
@@ -87,6 +88,10 @@ struct WorkerCoreDeps {
   transfer::TransportPtr transport;
   std::string transport_kind = "inproc";  // what peers are told
   Clock* clock = Clock::Real();           // not owned; must outlive the core
+  // Where the store link's gate is exported (optional; not owned; must outlive the core), with
+  // these labels (the worker's model_name).
+  MetricsRegistry* metrics = nullptr;
+  MetricLabels metric_labels;
 };
 
 struct WorkerCore {
@@ -110,6 +115,8 @@ struct WorkerCore {
   std::string DeviceLine() const;
 
   Clock* clock = nullptr;
+  MetricsRegistry* metrics = nullptr;  // from WorkerCoreDeps; may be null
+  MetricLabels metric_labels;
   std::string node_id;
   uint64_t incarnation = 0;  // random per process start
   // Exactly one of the two: attention models run on `runner` (CPU or CUDA, by

@@ -24,6 +24,8 @@ using ::kvrelay::proto::FromGrpcStatus;
 
 namespace {
 constexpr int kAnnounceBatch = 4096;
+// The shortest attempt on one of several instances (see AttemptDeadline).
+constexpr absl::Duration kMinAttempt = absl::Milliseconds(20);
 
 uint64_t KernelRandom64() {
   uint64_t v = 0;
@@ -154,8 +156,7 @@ absl::Status CacheStoreClient::StreamedMatchPrefix(const v1::MatchPrefixRequest&
     std::shared_ptr<Endpoint> endpoint = Current(&index, &count);
     if (endpoint->no_lookup_stream.load(std::memory_order_relaxed)) return unary();
     std::shared_ptr<LookupStream> stream = LookupStreamOf(*endpoint);
-    const absl::Time attempt_deadline =
-        count > 1 ? std::min(deadline, absl::Now() + options_.attempt_timeout) : deadline;
+    const absl::Time attempt_deadline = AttemptDeadline(deadline, count);
     LookupStream::Result r = stream->Lookup(request, attempt_deadline);
     absl::Status status = std::move(r.status);
     if (status.ok()) {
@@ -198,6 +199,17 @@ absl::Status CacheStoreClient::StreamedMatchPrefix(const v1::MatchPrefixRequest&
     }
     if (!PauseBeforeRetry(failures, deadline)) return result(status);
   }
+}
+
+absl::Time CacheStoreClient::AttemptDeadline(absl::Time deadline, size_t count) const {
+  if (count <= 1) return deadline;
+  const absl::Time now = absl::Now();
+  const absl::Duration left = deadline - now;
+  // Half of what is left (a paused instance leaves the other half for the next, however short
+  // the caller's budget), not below a floor a live store answers within, nor above
+  // attempt_timeout.
+  const absl::Duration share = std::max(left / 2, std::min(left, kMinAttempt));
+  return std::min(deadline, now + std::min(options_.attempt_timeout, share));
 }
 
 std::shared_ptr<CacheStoreClient::Endpoint> CacheStoreClient::Current(size_t* index,
@@ -301,8 +313,7 @@ absl::Status CacheStoreClient::Invoke(
     size_t index = 0, count = 0;
     std::shared_ptr<Endpoint> endpoint = Current(&index, &count);
     grpc::ClientContext ctx;
-    const absl::Time attempt_deadline =
-        count > 1 ? std::min(deadline, absl::Now() + options_.attempt_timeout) : deadline;
+    const absl::Time attempt_deadline = AttemptDeadline(deadline, count);
     ctx.set_deadline(absl::ToChronoTime(attempt_deadline));
     response->Clear();
     absl::Status status = FromGrpcStatus(((*endpoint->stub).*method)(&ctx, request, response));

@@ -39,13 +39,14 @@
 // instances ("a:7000,b:7000,c:7000"). Calls go to the one believed to lead; an instance that
 // does not lead answers UNAVAILABLE with ErrorInfo FAILURE_NOT_LEADER and the leader's address,
 // and the call is retried there (an address not in the list is added); an instance that does not
-// answer within Options::attempt_timeout, or refuses the connection, is skipped for the next, all
-// within the call's deadline. Every reply of an HA store carries its term (trailing metadata
-// kvrelay-store-term); the client keeps the highest term seen and drops a reply from an older
-// one (a deposed leader that resumed) as UNAVAILABLE FAILURE_NOT_LEADER, trying elsewhere. A
-// call that failed on a store that died may or may not have been applied there: writes are
-// idempotent (Register, Heartbeat, Announce, Release) or bound to ids the new leader does not
-// know (Commit/Abort of an allocation taken on the old one: NOT_FOUND, FAILURE_EXPIRED).
+// answer within its attempt's share of the call (Options::attempt_timeout, at most half of what
+// is left), or refuses the connection, is skipped for the next, all within the call's deadline.
+// Every reply of an HA store carries its term (trailing metadata kvrelay-store-term); the client
+// keeps the highest term seen and drops a reply from an older one (a deposed leader that resumed)
+// as UNAVAILABLE FAILURE_NOT_LEADER, trying elsewhere. A call that failed on a store that died may
+// or may not have been applied there: writes are idempotent (Register, Heartbeat, Announce,
+// Release) or bound to ids the new leader does not know (Commit/Abort of an allocation taken on the
+// old one: NOT_FOUND, FAILURE_EXPIRED).
 //
 // Thread-safe (gRPC stubs are; SetNode may be called while other calls run).
 
@@ -94,8 +95,10 @@ class CacheStoreClient {
     server::SecurityOptions security;  // plain text unless TLS files are given
     // The calling node; empty for anonymous clients (gateway, tools).
     NodeIdentity node;
-    // With several store instances: one attempt waits at most this long before the next
-    // instance is tried (a leader paused by SIGSTOP answers nobody).
+    // With several store instances: one attempt waits at most this long, and at most half of
+    // what is left of the call's budget (at least 20 ms), before the next instance is tried (a
+    // leader paused by SIGSTOP answers nobody). So a call fails over within its own budget,
+    // however short the caller made it.
     absl::Duration attempt_timeout = absl::Seconds(1);
     // MatchPrefix goes over one MatchPrefixStream per store instance (opened on first use,
     // reopened after it ends); a store that does not know the RPC (UNIMPLEMENTED) gets unary
@@ -234,6 +237,9 @@ class CacheStoreClient {
                                                                    const Request&, Response*),
                       const Request& request, Response* response, const CallOptions& call);
   std::shared_ptr<Endpoint> Current(size_t* index, size_t* count) const;
+  // One attempt's deadline within the call's `deadline` with `count` instances known (see
+  // Options::attempt_timeout).
+  absl::Time AttemptDeadline(absl::Time deadline, size_t count) const;
   // MatchPrefix on the lookup streams, with Invoke's leader-following and term check.
   absl::Status StreamedMatchPrefix(const v1::MatchPrefixRequest& request,
                                    v1::MatchPrefixResponse* response, const CallOptions& call);

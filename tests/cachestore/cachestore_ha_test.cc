@@ -16,6 +16,7 @@
 #include <atomic>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -335,6 +336,53 @@ TEST_F(CacheStoreHaTest, SigstopOfTheLeaderForTenSeconds) {
   EXPECT_EQ(client_->term(), next->term);
   KV_ASSERT_OK_AND_ASSIGN(v1::StatsResponse stats, client_->Stats());
   EXPECT_TRUE(StandbysHave(stats.committed_blocks(), absl::Seconds(5))) << cluster_.Logs();
+}
+
+// The gateway's case (issue 34): a client whose calls each get only 500 ms (below the default
+// 1 s per-instance attempt) and the leader SIGSTOPped. Each call fails over within its own
+// budget (half of what is left per instance), so the calls reach the standby that takes the
+// lease within one call of its election instead of waiting on the paused leader for good, and
+// no call outlives its budget.
+TEST_F(CacheStoreHaTest, AShortCallBudgetStillFailsOverToTheNewLeader) {
+  KV_ASSERT_OK_AND_ASSIGN(HaCluster::Leader leader, cluster_.WaitForLeader(absl::Seconds(5)));
+  CacheStoreClient::Options o;  // anonymous, default attempt_timeout, as the gateway's
+  o.timeout = absl::Milliseconds(500);
+  o.own_connection = true;
+  KV_ASSERT_OK_AND_ASSIGN(std::unique_ptr<CacheStoreClient> gateway,
+                          CacheStoreClient::Connect(cluster_.addresses(), o));
+  const std::vector<kv::BlockHash> chain = Chain(0);
+  KV_ASSERT_OK_AND_ASSIGN(v1::QueryPrefixResponse before, gateway->QueryPrefix(chain));
+  ASSERT_EQ(before.nodes_size(), 1);
+  cluster_.store(leader.index)->Signal(SIGSTOP);
+  const absl::Time stopped = absl::Now();
+  absl::Duration longest_call;
+  std::optional<absl::Time> elected, reached;
+  std::thread watch([&] {
+    absl::StatusOr<HaCluster::Leader> next = cluster_.WaitForLeader(absl::Seconds(8), leader.term);
+    if (next.ok()) elected = absl::Now();
+  });
+  while (!reached.has_value() && absl::Now() < stopped + absl::Seconds(10)) {
+    const absl::Time start = absl::Now();
+    absl::StatusOr<v1::QueryPrefixResponse> r = gateway->QueryPrefix(chain);
+    longest_call = std::max(longest_call, absl::Now() - start);
+    if (r.ok()) {
+      reached = absl::Now();
+      EXPECT_EQ(r->nodes_size(), 1);
+      EXPECT_EQ(r->nodes(0).matched(), kChainBlocks);
+    }
+  }
+  watch.join();
+  cluster_.store(leader.index)->Signal(SIGCONT);
+  ASSERT_TRUE(elected.has_value()) << cluster_.Logs();
+  ASSERT_TRUE(reached.has_value()) << "no call reached the new leader\n" << cluster_.Logs();
+  std::printf(
+      "paused leader: new leader after %.0f ms, first answer after %.0f ms; longest "
+      "call %.0f ms\n",
+      absl::ToDoubleMilliseconds(*elected - stopped),
+      absl::ToDoubleMilliseconds(*reached - stopped), absl::ToDoubleMilliseconds(longest_call));
+  // Lease TTL (2 s) plus one call, with room for a loaded machine.
+  EXPECT_LT(*reached - stopped, absl::Seconds(2) + absl::Seconds(2));
+  EXPECT_LT(longest_call, absl::Seconds(1)) << "a call outlived its 500 ms budget";
 }
 
 TEST_F(CacheStoreHaTest, SigtermOfTheLeaderHandsOverAtOnce) {

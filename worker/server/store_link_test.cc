@@ -4,11 +4,16 @@
 
 #include "worker/store_link.h"
 
+#include <signal.h>
+
 #include <chrono>
+#include <fstream>
+#include <iterator>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_split.h"
 #include "cachestore/cache_store.h"
 #include "cachestore/client/cache_store_client.h"
 #include "cachestore/server/service.h"
@@ -19,7 +24,9 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "kv/presets.h"
+#include "tests/testing/process_harness.h"
 #include "tests/testing/status_matchers.h"
+#include "tests/testing/test_env.h"
 #include "transfer/inproc/in_process_transport.h"
 #include "worker/kv_memory.h"
 
@@ -34,6 +41,21 @@ std::vector<kv::BlockHash> Chain(int n) {
   std::vector<kv::BlockHash> chain;
   for (int i = 0; i < n; ++i) chain.push_back({0x1000u + i, 0x2000u + i});
   return chain;
+}
+
+// Whether process `pid` is stopped (state T in /proc/<pid>/stat), waiting up to 5 s: SIGSTOP
+// is delivered asynchronously, and a call must not be answered just before it takes effect.
+bool WaitStopped(pid_t pid) {
+  for (absl::Time deadline = absl::Now() + absl::Seconds(5); absl::Now() < deadline;) {
+    std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+    std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+    const size_t paren = text.rfind(')');
+    if (paren != std::string::npos && paren + 2 < text.size() && text[paren + 2] == 'T') {
+      return true;
+    }
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  return false;
 }
 
 // A gRPC server that takes every call and never answers it: calls end only at their deadline.
@@ -135,6 +157,82 @@ TEST_F(StoreLinkTest, ARequestOutOfTimeLeavesTheStoreOpen) {
   EXPECT_EQ(match.matched, 2);
   EXPECT_EQ(match.local_slots.size(), 2u);
   link->ReleaseLease(match.lease_id, later);
+}
+
+// A real cache store process, SIGSTOPped: the first request-path call waits its bounded time
+// once; the next ones fail fast (no call goes out) with UNAVAILABLE naming the store; a probe
+// per cool-down is bounded by the short probe limit; after SIGCONT a probe gets through and
+// the prefix is reused again. The gate's time is a SimulatedClock, so the cool-downs are not
+// waited out.
+TEST_F(StoreLinkTest, AHungStoreCostsOneBoundedWaitThenNothingUntilAProbeGetsThrough) {
+  KV_ASSERT_OK_AND_ASSIGN(std::unique_ptr<kvrelay::testing::ChildProcess> store,
+                          kvrelay::testing::ChildProcess::Start(
+                              {kvrelay::testing::BinaryPath("kvrelay"), "cachestore", "--host",
+                               "127.0.0.1", "--port", "0", "--metrics-port", "0", "--insecure"}));
+  KV_ASSERT_OK_AND_ASSIGN(std::string line,
+                          store->WaitForOutput("cachestore listening on", absl::Seconds(60)));
+  std::vector<std::string> words = absl::StrSplit(line, ' ', absl::SkipEmpty());
+  ASSERT_GE(words.size(), 4u) << line;
+  StoreLinkOptions options = Options(words[3]);
+  options.rpc_timeout = absl::Seconds(1);  // the heartbeat's, so the link's end is quick
+  options.request_timeout = absl::Milliseconds(400);
+  options.store_backoff = absl::Milliseconds(250);
+  options.store_backoff_max = absl::Seconds(2);
+  options.probe_timeout = absl::Milliseconds(50);
+  options.metrics = &metrics_;
+  SimulatedClock clock;
+  options.gate_clock = &clock;
+  KV_ASSERT_OK_AND_ASSIGN(
+      std::unique_ptr<StoreLink> link,
+      StoreLink::Connect(options, segment_.get(), &clock, absl::Now() + absl::Seconds(30)));
+  const absl::Time request_deadline = absl::Now() + absl::Seconds(60);
+  KV_ASSERT_OK_AND_ASSIGN(int32_t committed,
+                          link->CommitBlocksFrom(Chain(2), 0, 2, &WriteNothing, request_deadline));
+  ASSERT_EQ(committed, 2);
+  auto fast_failures = [&] {
+    return metrics_.RenderText().find(
+               "kvrelay:dependency_fast_failures_total{dependency=\"cachestore\"} 2") !=
+           std::string::npos;
+  };
+
+  store->Signal(SIGSTOP);
+  ASSERT_TRUE(WaitStopped(store->pid()));
+  // The one bounded wait: the per-call limit, not the request's minute.
+  EXPECT_THAT(link->MatchPrefix(Chain(2), absl::Seconds(30), request_deadline),
+              StatusIs(absl::StatusCode::kDeadlineExceeded));
+  // Then nothing: no call goes out, reuse is simply off.
+  EXPECT_THAT(
+      link->MatchPrefix(Chain(2), absl::Seconds(30), request_deadline),
+      StatusIs(absl::StatusCode::kUnavailable,
+               AllOf(HasSubstr("cache store at " + words[3]), HasSubstr("did not answer"))));
+  EXPECT_THAT(link->CommitBlocksFrom(Chain(3), 2, 3, &WriteNothing, request_deadline),
+              StatusIs(absl::StatusCode::kUnavailable));
+  EXPECT_TRUE(fast_failures()) << metrics_.RenderText();
+  EXPECT_THAT(metrics_.RenderText(),
+              HasSubstr("kvrelay:dependency_state{dependency=\"cachestore\"} 1"));
+  // After the cool-down one call probes (bounded by the probe limit) and finds it still away.
+  clock.Advance(absl::Milliseconds(250));
+  EXPECT_THAT(link->MatchPrefix(Chain(2), absl::Seconds(30), request_deadline),
+              StatusIs(absl::StatusCode::kDeadlineExceeded));
+  EXPECT_THAT(link->MatchPrefix(Chain(2), absl::Seconds(30), request_deadline),
+              StatusIs(absl::StatusCode::kUnavailable));
+
+  store->Signal(SIGCONT);
+  // A probe per (simulated) cool-down until one gets an answer: reuse is back.
+  absl::StatusOr<PrefixMatch> match;
+  for (int probe = 0; probe < 100; ++probe) {
+    clock.Advance(options.store_backoff_max);
+    match = link->MatchPrefix(Chain(2), absl::Seconds(30), request_deadline);
+    if (match.ok()) break;
+  }
+  KV_ASSERT_OK(match.status());
+  EXPECT_EQ(match->matched, 2);
+  EXPECT_EQ(match->local_slots.size(), 2u);
+  link->ReleaseLease(match->lease_id, request_deadline);
+  KV_ASSERT_OK_AND_ASSIGN(PrefixMatch again,
+                          link->MatchPrefix(Chain(2), absl::Seconds(30), request_deadline));
+  EXPECT_EQ(again.matched, 2);
+  link->ReleaseLease(again.lease_id, request_deadline);
 }
 
 // The block size is in every block hash: a node with another one is refused at registration,

@@ -49,7 +49,11 @@ void WorkerFlags::AddStoreFlags(FlagSet& flags) {
                     "shortened to what is left of the request's deadline: a store slower than "
                     "this costs reuse, not latency");
   flags.AddDuration("store-backoff", &core_.store_backoff,
-                    "how long request-path store calls are skipped after one failed");
+                    "after a request-path store call found the store not answering, how long "
+                    "the next ones fail fast (reuse off, no wait) before one probes it; doubles "
+                    "per failed probe up to --store-backoff-max");
+  flags.AddDuration("store-backoff-max", &core_.store_backoff_max,
+                    "the longest --store-backoff grows to while the store stays away");
 }
 
 std::optional<int> WorkerFlags::Parse(FlagSet& flags, const std::vector<std::string>& raw_args,
@@ -137,9 +141,10 @@ absl::Status WorkerFlags::CheckSizes() {
         "--threads, --pool-blocks and --cache-slots must be positive");
   }
   if (core_.store_request_timeout <= absl::ZeroDuration() ||
-      core_.store_backoff < absl::ZeroDuration()) {
+      core_.store_backoff < absl::ZeroDuration() || core_.store_backoff_max < core_.store_backoff) {
     return absl::InvalidArgumentError(
-        "--store-request-timeout must be positive and --store-backoff not negative");
+        "--store-request-timeout must be positive, --store-backoff not negative and "
+        "--store-backoff-max not below --store-backoff");
   }
   return absl::OkStatus();
 }
