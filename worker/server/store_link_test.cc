@@ -25,6 +25,7 @@
 #include "gtest/gtest.h"
 #include "kv/presets.h"
 #include "tests/testing/process_harness.h"
+#include "tests/testing/silent_server.h"
 #include "tests/testing/status_matchers.h"
 #include "tests/testing/test_env.h"
 #include "transfer/inproc/in_process_transport.h"
@@ -58,32 +59,7 @@ bool WaitStopped(pid_t pid) {
   return false;
 }
 
-// A gRPC server that takes every call and never answers it: calls end only at their deadline.
-class SilentServer {
- public:
-  SilentServer() {
-    grpc::ServerBuilder builder;
-    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
-    builder.RegisterAsyncGenericService(&service_);
-    cq_ = builder.AddCompletionQueue();
-    server_ = builder.BuildAndStart();
-  }
-  ~SilentServer() {
-    server_->Shutdown(std::chrono::system_clock::now());
-    cq_->Shutdown();
-    void* tag = nullptr;
-    bool ok = false;
-    while (cq_->Next(&tag, &ok)) {
-    }
-  }
-  std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
-
- private:
-  int port_ = 0;
-  grpc::AsyncGenericService service_;
-  std::unique_ptr<grpc::ServerCompletionQueue> cq_;
-  std::unique_ptr<grpc::Server> server_;
-};
+using ::kvrelay::testing::SilentServer;
 
 class StoreLinkTest : public ::testing::Test {
  protected:
