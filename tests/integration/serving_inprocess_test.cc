@@ -795,12 +795,16 @@ TEST_F(InProcessCluster, BlocksWithoutAClaimOrOutsideTheReservationAreNotUsed) {
 // Two prefill nodes: the second pulls what the first computed. Through a transport that flips a
 // byte of every fetched block, the pull is refused by its checksum and the blocks are
 // recomputed (never used); without the fault the same pull delivers every block.
-class TwoPrefillNodes : public InProcessCluster {
+// A third node holds the clean phase's prompt: its link is one prefill-1 has never measured, so
+// the cost model pulls (an unmeasured link is tried). Pulling it from prefill-0 again made the
+// test depend on machine load: the corrupted pull's time caps that link's rate, and on a loaded
+// machine the cap fell below the tiny model's compute rate, so the clean prompt was recomputed.
+class ThreePrefillNodes : public InProcessCluster {
  protected:
-  TwoPrefillNodes() { num_prefill_ = 2; }
+  ThreePrefillNodes() { num_prefill_ = 3; }
 };
 
-TEST_F(TwoPrefillNodes, ACorruptedPulledBlockIsDetectedAndRecomputed) {
+TEST_F(ThreePrefillNodes, ACorruptedPulledBlockIsDetectedAndRecomputed) {
   const kv::ModelLayout& layout = gateway_->config().layout;
   int64_t block_bytes = 0;
   for (size_t g = 0; g < layout.groups().size(); ++g) {
@@ -835,10 +839,10 @@ TEST_F(TwoPrefillNodes, ACorruptedPulledBlockIsDetectedAndRecomputed) {
   // prefill-1 kept a copy of what it recomputed: the same prompt is local there now.
   EXPECT_EQ(run(1, "local-a", a).prefix_source(), "local");
 
-  // Without the fault, a prompt computed on prefill-0 is pulled, every block of it.
+  // Without the fault, a prompt computed on prefill-2 is pulled, every block of it.
   prefill_faults_[1]->SetFaults({});
   const std::vector<int32_t> b = Prompt(70, 10);
-  EXPECT_EQ(run(0, "computed-b", b).computed_tokens(), 64);
+  EXPECT_EQ(run(2, "computed-b", b).computed_tokens(), 64);
   kvrelay::v1::PrefillResponse pulled = run(1, "clean-pull", b);
   EXPECT_EQ(pulled.prefix_source(), "pulled");
   EXPECT_EQ(pulled.fetched_bytes(), 4 * block_bytes);
