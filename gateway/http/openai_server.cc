@@ -467,6 +467,15 @@ struct Completion {
 // response's releaser calls it once the answer is written or abandoned.
 class StreamFeed {
  public:
+  StreamFeed() = default;
+  StreamFeed(const StreamFeed&) = delete;
+  StreamFeed& operator=(const StreamFeed&) = delete;
+  // A response dropped without its releaser (the server stopping) still ends the call: a
+  // joinable thread left behind would terminate the process.
+  ~StreamFeed() {
+    Cancel();
+    Join();
+  }
   // Runs Generate for `c` on a thread of its own.
   void Start(Gateway* gateway, const Completion& c) {
     thread_ = std::thread([this, gateway, c] {
