@@ -24,6 +24,7 @@
 #include "gtest/gtest.h"
 #include "tests/e2e/e2e_util.h"
 #include "tests/e2e/local_cluster.h"
+#include "tests/testing/process_harness.h"
 #include "tests/testing/status_matchers.h"
 #include "tests/testing/test_env.h"
 
@@ -38,20 +39,7 @@ constexpr int kPromptTokens = 256;
 // The processes that call the store on a request's path: the gateway and the prefill worker.
 constexpr int kStoreCallers = 2;
 
-// Whether process `pid` is stopped (state T in /proc/<pid>/stat), waiting up to 5 s: SIGSTOP
-// is delivered asynchronously, and a call must not be answered just before it takes effect.
-bool WaitStopped(pid_t pid) {
-  for (absl::Time deadline = absl::Now() + absl::Seconds(5); absl::Now() < deadline;) {
-    std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
-    std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
-    const size_t paren = text.rfind(')');
-    if (paren != std::string::npos && paren + 2 < text.size() && text[paren + 2] == 'T') {
-      return true;
-    }
-    absl::SleepFor(absl::Milliseconds(1));
-  }
-  return false;
-}
+using ::kvrelay::testing::WaitStopped;
 
 GatewayRequest Request(uint32_t seed) {
   GatewayRequest r;

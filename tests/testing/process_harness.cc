@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <iterator>
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
@@ -140,6 +141,19 @@ CommandResult RunKvrelay(std::vector<std::string> args, absl::Duration timeout) 
   absl::StatusOr<CommandResult> result = RunCommand(args, timeout);
   EXPECT_TRUE(result.ok()) << result.status();
   return result.ok() ? *std::move(result) : CommandResult{};
+}
+
+bool WaitStopped(pid_t pid, absl::Duration timeout) {
+  for (absl::Time deadline = absl::Now() + timeout; absl::Now() < deadline;) {
+    std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+    std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+    const size_t paren = text.rfind(')');
+    if (paren != std::string::npos && paren + 2 < text.size() && text[paren + 2] == 'T') {
+      return true;
+    }
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  return false;
 }
 
 }  // namespace kvrelay::testing

@@ -36,6 +36,11 @@ absl::StatusOr<CommandResult> RunCommand(const std::vector<std::string>& argv,
 CommandResult RunKvrelay(std::vector<std::string> args,
                          absl::Duration timeout = absl::Seconds(120));
 
+// Whether process `pid` is stopped (state T in /proc/<pid>/stat), waiting up to `timeout`:
+// SIGSTOP is delivered asynchronously, and a call must not be answered just before it takes
+// effect.
+bool WaitStopped(pid_t pid, absl::Duration timeout = absl::Seconds(5));
+
 class ChildProcess {
  public:
   static absl::StatusOr<std::unique_ptr<ChildProcess>> Start(

@@ -44,20 +44,7 @@ std::vector<kv::BlockHash> Chain(int n) {
   return chain;
 }
 
-// Whether process `pid` is stopped (state T in /proc/<pid>/stat), waiting up to 5 s: SIGSTOP
-// is delivered asynchronously, and a call must not be answered just before it takes effect.
-bool WaitStopped(pid_t pid) {
-  for (absl::Time deadline = absl::Now() + absl::Seconds(5); absl::Now() < deadline;) {
-    std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
-    std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
-    const size_t paren = text.rfind(')');
-    if (paren != std::string::npos && paren + 2 < text.size() && text[paren + 2] == 'T') {
-      return true;
-    }
-    absl::SleepFor(absl::Milliseconds(1));
-  }
-  return false;
-}
+using ::kvrelay::testing::WaitStopped;
 
 using ::kvrelay::testing::SilentServer;
 
