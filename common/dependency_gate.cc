@@ -25,7 +25,9 @@ void DependencyGate::Ticket::Record(const absl::Status& status, bool caller_boun
 }
 
 DependencyGate::DependencyGate(Clock* clock, DependencyGateOptions options)
-    : clock_(clock), options_(std::move(options)), cooldown_(options_.min_cooldown) {
+    : clock_(clock),
+      options_(std::move(options)),
+      backoff_(options_.min_cooldown, options_.max_cooldown) {
   if (options_.metrics != nullptr) {
     MetricLabels labels = options_.extra_labels;
     labels["dependency"] = options_.metric_label;
@@ -46,11 +48,6 @@ bool DependencyGate::DidNotAnswer(const absl::Status& status, bool caller_bound)
   return absl::IsDeadlineExceeded(status) && !caller_bound;
 }
 
-DependencyGate::State DependencyGate::StateLocked(absl::Time now) const {
-  if (!open_) return State::kClosed;
-  return now < open_until_ ? State::kOpen : State::kHalfOpen;
-}
-
 void DependencyGate::PublishLocked(State state) {
   if (state_gauge_ != nullptr) state_gauge_->Set(static_cast<double>(state));
 }
@@ -58,17 +55,14 @@ void DependencyGate::PublishLocked(State state) {
 DependencyGate::Ticket DependencyGate::Admit() {
   absl::MutexLock lock(&mu_);
   const absl::Time now = clock_->Now();
-  const State state = StateLocked(now);
+  const State state = backoff_.At(now);
   PublishLocked(state);
   if (state == State::kClosed) return Ticket(this, absl::OkStatus(), false);
-  if (state == State::kHalfOpen && !probe_in_flight_) {
-    probe_in_flight_ = true;
-    return Ticket(this, absl::OkStatus(), true);
-  }
+  if (backoff_.TakeProbe(now)) return Ticket(this, absl::OkStatus(), true);
   ++fast_failures_;
   if (fast_fail_counter_ != nullptr) fast_fail_counter_->Increment();
   const absl::Duration next =
-      state == State::kOpen ? open_until_ - now : absl::ZeroDuration();  // a probe is out
+      state == State::kOpen ? backoff_.open_until() - now : absl::ZeroDuration();  // a probe is out
   return Ticket(
       nullptr,
       absl::UnavailableError(absl::StrCat(
@@ -80,26 +74,20 @@ DependencyGate::Ticket DependencyGate::Admit() {
       false);
 }
 
-void DependencyGate::OpenLocked(absl::Time now, const absl::Status& why) {
-  open_ = true;
+void DependencyGate::OpenLocked(absl::Time now, const absl::Status& why, bool after_probe) {
+  backoff_.Open(now, after_probe);
   failed_at_ = now;
   failed_with_ = why.code();
-  open_until_ = now + cooldown_;
   PublishLocked(State::kOpen);
 }
 
 void DependencyGate::Finish(bool probe, const absl::Status& status, bool caller_bound) {
   absl::MutexLock lock(&mu_);
   const absl::Time now = clock_->Now();
-  if (probe) probe_in_flight_ = false;
+  if (probe) backoff_.ReleaseProbe();
   if (DidNotAnswer(status, caller_bound)) {
-    if (probe) {
-      // The probe found it still away: wait twice as long before the next one.
-      cooldown_ = std::min(cooldown_ * 2, options_.max_cooldown);
-      OpenLocked(now, status);
-    } else if (!open_) {
-      OpenLocked(now, status);
-    }
+    // A failed probe: it is still away, wait twice as long before the next one.
+    if (probe || !backoff_.open()) OpenLocked(now, status, /*after_probe=*/probe);
     // Open already: a call admitted before it opened failed too; that is no news.
     return;
   }
@@ -107,19 +95,18 @@ void DependencyGate::Finish(bool probe, const absl::Status& status, bool caller_
   // so, and the next call probes.
   if (absl::IsCancelled(status) || (caller_bound && absl::IsDeadlineExceeded(status))) return;
   // Any answer, even an error, shows the dependency answers.
-  open_ = false;
-  cooldown_ = options_.min_cooldown;
+  backoff_.Close();
   PublishLocked(State::kClosed);
 }
 
 DependencyGate::State DependencyGate::state() const {
   absl::MutexLock lock(&mu_);
-  return StateLocked(clock_->Now());
+  return backoff_.At(clock_->Now());
 }
 
 absl::Duration DependencyGate::cooldown() const {
   absl::MutexLock lock(&mu_);
-  return cooldown_;
+  return backoff_.cooldown();
 }
 
 int64_t DependencyGate::fast_failures() const {

@@ -26,6 +26,7 @@
 #include "absl/time/time.h"
 #include "common/clock.h"
 #include "common/metrics.h"
+#include "common/probe_backoff.h"
 
 namespace kvrelay {
 
@@ -43,7 +44,7 @@ struct DependencyGateOptions {
 
 class DependencyGate {
  public:
-  enum class State { kClosed = 0, kOpen = 1, kHalfOpen = 2 };
+  using State = ProbeBackoff::State;
 
   // One admitted call (or a refusal). Movable; a ticket destroyed without Record frees its
   // probe slot and decides nothing.
@@ -89,9 +90,8 @@ class DependencyGate {
   // Whether `status` (not bound by the caller's deadline) says the dependency did not answer.
   static bool DidNotAnswer(const absl::Status& status, bool caller_bound);
   void Finish(bool probe, const absl::Status& status, bool caller_bound) ABSL_LOCKS_EXCLUDED(mu_);
-  void OpenLocked(absl::Time now, const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Open -> half-open once the cool-down has passed.
-  State StateLocked(absl::Time now) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void OpenLocked(absl::Time now, const absl::Status& why, bool after_probe)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PublishLocked(State state) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   Clock* const clock_;
@@ -99,12 +99,9 @@ class DependencyGate {
   Gauge* state_gauge_ = nullptr;
   Counter* fast_fail_counter_ = nullptr;
   mutable absl::Mutex mu_;
-  bool open_ ABSL_GUARDED_BY(mu_) = false;
+  ProbeBackoff backoff_ ABSL_GUARDED_BY(mu_);
   absl::Time failed_at_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
-  absl::Time open_until_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
-  absl::Duration cooldown_ ABSL_GUARDED_BY(mu_);
   absl::StatusCode failed_with_ ABSL_GUARDED_BY(mu_) = absl::StatusCode::kOk;
-  bool probe_in_flight_ ABSL_GUARDED_BY(mu_) = false;
   int64_t fast_failures_ ABSL_GUARDED_BY(mu_) = 0;
 };
 

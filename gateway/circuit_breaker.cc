@@ -7,26 +7,12 @@ namespace kvrelay::gateway {
 bool CircuitBreaker::Allow() {
   absl::MutexLock lock(&mu_);
   const absl::Time now = clock_->Now();
-  if (state_ == State::kOpen && now >= open_until_) {
-    state_ = State::kHalfOpen;
-    probe_in_flight_ = false;
-  }
-  switch (state_) {
-    case State::kClosed:
-      return true;
-    case State::kOpen:
-      return false;
-    case State::kHalfOpen:
-      if (probe_in_flight_) return false;
-      probe_in_flight_ = true;
-      return true;
-  }
-  return false;
+  return backoff_.At(now) == State::kClosed || backoff_.TakeProbe(now);
 }
 
 bool CircuitBreaker::Healthy() const {
   absl::MutexLock lock(&mu_);
-  return state_ == State::kClosed;
+  return !backoff_.open();
 }
 
 bool CircuitBreaker::Busy() const {
@@ -41,22 +27,14 @@ absl::Duration CircuitBreaker::PredictedWait() const {
 
 void CircuitBreaker::RecordSuccess() {
   absl::MutexLock lock(&mu_);
-  state_ = State::kClosed;
-  probe_in_flight_ = false;
-  current_open_for_ = absl::ZeroDuration();
+  backoff_.Close();
 }
 
 void CircuitBreaker::RecordFailure() {
   absl::MutexLock lock(&mu_);
   ++failures_;
-  // A failed probe doubles the pause; a first failure opens for the base duration.
-  current_open_for_ = state_ == State::kHalfOpen
-                          ? std::min(current_open_for_ * 2, options_.max_open_for)
-                          : std::max(current_open_for_, options_.open_for);
-  if (current_open_for_ <= absl::ZeroDuration()) current_open_for_ = options_.open_for;
-  state_ = State::kOpen;
-  probe_in_flight_ = false;
-  open_until_ = clock_->Now() + current_open_for_;
+  // A failed probe doubles the pause; any other failure (re)opens it for the current one.
+  backoff_.Open(clock_->Now(), /*after_failed_probe=*/backoff_.probe_out());
 }
 
 void CircuitBreaker::RecordBusy(absl::Duration predicted_wait) {
@@ -67,18 +45,13 @@ void CircuitBreaker::RecordBusy(absl::Duration predicted_wait) {
   const absl::Time now = clock_->Now();
   busy_until_ = std::max(busy_until_, now + busy_for);
   room_at_ = now + (predicted_wait > absl::ZeroDuration() ? predicted_wait : options_.busy_for);
-  if (state_ == State::kHalfOpen) {
-    // The probe reached a live node that is merely full: it is alive.
-    state_ = State::kClosed;
-    probe_in_flight_ = false;
-    current_open_for_ = absl::ZeroDuration();
-  }
+  // The probe reached a live node that is merely full: it is alive.
+  if (backoff_.probe_out()) backoff_.Close();
 }
 
 CircuitBreaker::State CircuitBreaker::state() const {
   absl::MutexLock lock(&mu_);
-  if (state_ == State::kOpen && clock_->Now() >= open_until_) return State::kHalfOpen;
-  return state_;
+  return backoff_.At(clock_->Now());
 }
 
 int64_t CircuitBreaker::failures() const {

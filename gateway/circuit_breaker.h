@@ -16,6 +16,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/clock.h"
+#include "common/probe_backoff.h"
 
 namespace kvrelay::gateway {
 
@@ -27,9 +28,10 @@ struct CircuitBreakerOptions {
 
 class CircuitBreaker {
  public:
-  enum class State { kClosed, kOpen, kHalfOpen };
+  using State = ProbeBackoff::State;
 
-  CircuitBreaker(Clock* clock, CircuitBreakerOptions options) : clock_(clock), options_(options) {}
+  CircuitBreaker(Clock* clock, CircuitBreakerOptions options)
+      : clock_(clock), options_(options), backoff_(options.open_for, options.max_open_for) {}
 
   // True if a request may go to the node now (busy or not). In half-open state only the first
   // caller gets true (it becomes the probe) until its outcome is recorded.
@@ -53,12 +55,9 @@ class CircuitBreaker {
   Clock* const clock_;
   const CircuitBreakerOptions options_;
   mutable absl::Mutex mu_;
-  State state_ ABSL_GUARDED_BY(mu_) = State::kClosed;
-  absl::Time open_until_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+  ProbeBackoff backoff_ ABSL_GUARDED_BY(mu_);
   absl::Time busy_until_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   absl::Time room_at_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();  // see PredictedWait
-  absl::Duration current_open_for_ ABSL_GUARDED_BY(mu_) = absl::ZeroDuration();
-  bool probe_in_flight_ ABSL_GUARDED_BY(mu_) = false;
   int64_t failures_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
