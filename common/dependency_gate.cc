@@ -74,6 +74,17 @@ DependencyGate::Ticket DependencyGate::Admit() {
       false);
 }
 
+absl::StatusOr<DependencyGate::BoundCall> DependencyGate::AdmitCall(absl::Time request_deadline,
+                                                                    absl::Time limit,
+                                                                    absl::Duration probe_limit) {
+  Ticket ticket = Admit();
+  if (!ticket.ok()) return ticket.status();
+  const absl::Time bound = ticket.probe() ? std::min(limit, absl::Now() + probe_limit) : limit;
+  return BoundCall{.ticket = std::move(ticket),
+                   .deadline = std::min(request_deadline, bound),
+                   .caller_bound = request_deadline < bound};
+}
+
 void DependencyGate::OpenLocked(absl::Time now, const absl::Status& why, bool after_probe) {
   backoff_.Open(now, after_probe);
   failed_at_ = now;

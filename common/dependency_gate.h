@@ -22,6 +22,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/clock.h"
@@ -73,6 +74,16 @@ class DependencyGate {
     bool probe_;
   };
 
+  // An admitted call with its bound: the request's deadline or the call's limit, whichever
+  // comes first (a probe's limit is tighter still).
+  struct BoundCall {
+    Ticket ticket;
+    absl::Time deadline;        // the RPC's (wall-clock)
+    bool caller_bound = false;  // the request's deadline is the nearer one
+    // Records the call's outcome with the gate (once).
+    void Done(const absl::Status& status) { ticket.Record(status, caller_bound); }
+  };
+
   DependencyGate(Clock* clock, DependencyGateOptions options);
   DependencyGate(const DependencyGate&) = delete;
   DependencyGate& operator=(const DependencyGate&) = delete;
@@ -80,6 +91,10 @@ class DependencyGate {
   // Lets a call go out (closed; or half-open with no probe in flight: it becomes the probe) or
   // refuses it at once.
   Ticket Admit() ABSL_LOCKS_EXCLUDED(mu_);
+  // Admit, bounded: a call that must end by `request_deadline` and by `limit` (wall-clock), and
+  // a probe also within `probe_limit` from now. The gate's refusal while it is open.
+  absl::StatusOr<BoundCall> AdmitCall(absl::Time request_deadline, absl::Time limit,
+                                      absl::Duration probe_limit) ABSL_LOCKS_EXCLUDED(mu_);
   State state() const ABSL_LOCKS_EXCLUDED(mu_);
   // The cool-down the gate opens (or opened) for next.
   absl::Duration cooldown() const ABSL_LOCKS_EXCLUDED(mu_);

@@ -214,16 +214,14 @@ absl::flat_hash_map<std::string, int32_t> WorkerSet::Holdings(
   if (store_ == nullptr || chain.empty()) return held;
   // After the store did not answer, requests route by load alone at once (one probes after
   // the cool-down) instead of each waiting out its timeout.
-  DependencyGate::Ticket ticket = store_gate_.Admit();
-  if (!ticket.ok()) return held;
-  absl::Duration limit = options_.route_timeout;
-  if (ticket.probe()) limit = std::min(limit, options_.store_probe_timeout);
   // Wall-clock time, as every RPC's deadline.
-  const absl::Time bound = absl::Now() + limit;
+  absl::StatusOr<DependencyGate::BoundCall> gated = store_gate_.AdmitCall(
+      deadline, absl::Now() + options_.route_timeout, options_.store_probe_timeout);
+  if (!gated.ok()) return held;
   cachestore::CallOptions call;
-  call.deadline = std::min(deadline, bound);
+  call.deadline = gated->deadline;
   absl::StatusOr<kvrelay::v1::QueryPrefixResponse> answer = store_->QueryPrefix(chain, call);
-  ticket.Record(answer.status(), /*caller_bound=*/deadline < bound);
+  gated->Done(answer.status());
   if (!answer.ok()) return held;
   for (const auto& node : answer->nodes()) held[node.node_id()] = node.matched();
   return held;

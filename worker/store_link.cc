@@ -214,22 +214,17 @@ absl::StatusOr<StoreLink::RequestCall> StoreLink::OpenRequestCall(absl::Time dea
     return absl::DeadlineExceededError(
         "the request's deadline passed before its cache store call could go out");
   }
-  DependencyGate::Ticket ticket = gate_.Admit();
-  KV_RETURN_IF_ERROR(ticket.status());
-  absl::Time bound = std::min(limit, absl::Now() + options_.request_timeout);
-  if (ticket.probe()) {
-    const absl::Duration probe = options_.probe_timeout > absl::ZeroDuration()
-                                     ? options_.probe_timeout
-                                     : options_.request_timeout / 5;
-    bound = std::min(bound, absl::Now() + probe);
-  }
+  const absl::Time bound = std::min(limit, absl::Now() + options_.request_timeout);
   if (bound <= absl::Now()) {
     return absl::DeadlineExceededError(
         "this commit's time for the cache store was spent before its last call could go out");
   }
-  return RequestCall{.call = {.deadline = std::min(deadline, bound)},
-                     .request_bound = deadline < bound,
-                     .ticket = std::move(ticket)};
+  const absl::Duration probe = options_.probe_timeout > absl::ZeroDuration()
+                                   ? options_.probe_timeout
+                                   : options_.request_timeout / 5;
+  KV_ASSIGN_OR_RETURN(DependencyGate::BoundCall gated, gate_.AdmitCall(deadline, bound, probe));
+  const cachestore::CallOptions call{.deadline = gated.deadline};
+  return RequestCall{.call = call, .gated = std::move(gated)};
 }
 
 absl::StatusOr<PrefixMatch> StoreLink::MatchPrefix(const std::vector<kv::BlockHash>& chain,

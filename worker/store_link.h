@@ -152,10 +152,9 @@ class StoreLink {
   // and now + options_.probe_timeout for the gate's probe), and the gate's ticket.
   struct RequestCall {
     cachestore::CallOptions call;
-    bool request_bound = false;  // the request's deadline is the nearer one
-    DependencyGate::Ticket ticket;
+    DependencyGate::BoundCall gated;
     // Records `status` with the gate (once).
-    void Done(const absl::Status& status) { ticket.Record(status, request_bound); }
+    void Done(const absl::Status& status) { gated.Done(status); }
   };
   // Through the gate: DeadlineExceeded when `deadline` has passed, the gate's Unavailable
   // while it is open, else the call's bound and ticket. `limit`: an earlier end of the per-call
