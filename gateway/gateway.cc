@@ -126,10 +126,12 @@ absl::Status Gateway::Generate(const kvrelay::v1::GenerateRequest& request, absl
   absl::Cleanup leave = [this] { in_flight_.fetch_sub(1, std::memory_order_relaxed); };
   if (options_.max_inflight > 0 && in_flight > options_.max_inflight) {
     metrics_.CountShed("gateway", "inflight");
-    metrics_.CountRequestFailure(absl::ResourceExhaustedError(""));
-    return proto::Overloaded(absl::StrCat("the gateway has ", options_.max_inflight,
-                                          " requests in flight (--max-inflight); retry later"),
-                             kvrelay::v1::ROLE_GATEWAY, "", "inflight", /*retry_after_ms=*/0);
+    absl::Status refused =
+        proto::Overloaded(absl::StrCat("the gateway has ", options_.max_inflight,
+                                       " requests in flight (--max-inflight); retry later"),
+                          kvrelay::v1::ROLE_GATEWAY, "", "inflight", /*retry_after_ms=*/0);
+    metrics_.CountRequestFailure(refused);
+    return refused;
   }
   KV_ASSIGN_OR_RETURN(QuotaTable::Lease tenant_slot, tenant_in_flight_.Take(request.tenant()));
   KV_ASSIGN_OR_RETURN(QuotaTable::Lease client_slot, client_in_flight_.Take(client));
