@@ -585,8 +585,17 @@ absl::StatusOr<ModelConfig> ParseHfConfig(std::string_view json_text,
         t, "-",
         absl::BytesToHexString(absl::string_view(reinterpret_cast<char*>(digest.data()), 4)));
   }
-  KV_ASSIGN_OR_RETURN(c.layout, ModelLayout::Create(std::move(model_id), c.dtype,
-                                                    options.block_tokens, *std::move(groups)));
+  absl::StatusOr<ModelLayout> layout =
+      ModelLayout::Create(std::move(model_id), options.kv_dtype.value_or(c.dtype),
+                          options.block_tokens, *std::move(groups));
+  if (!layout.ok() && options.kv_dtype.has_value()) {
+    return absl::Status(
+        layout.status().code(),
+        absl::StrCat("config: kv_cache_dtype ", std::string(DTypeName(*options.kv_dtype)),
+                     " for model_type '", t, "': ", layout.status().message()));
+  }
+  KV_RETURN_IF_ERROR(layout.status());
+  c.layout = *std::move(layout);
   return c;
 }
 

@@ -25,7 +25,10 @@ inline constexpr int32_t kDefaultBlockTokens = 16;
 absl::Status CheckBlockTokensFlag(int32_t block_tokens);
 
 struct ConfigOptions {
-  std::optional<DType> dtype;  // overrides torch_dtype
+  std::optional<DType> dtype;  // overrides torch_dtype (the model's dtype, and the KV's)
+  // The KV cache's dtype (kv_cache_dtype) when it differs from the model's: fp8_e4m3 halves a
+  // bf16 cache (kv/fp8.h). Default: the model's dtype.
+  std::optional<DType> kv_dtype;
   int32_t block_tokens = kDefaultBlockTokens;
   std::string model_id;  // empty: "<model_type>" + "-" + short config digest
 };
@@ -105,7 +108,7 @@ struct ModelConfig {
   // "field = value" (the layout is still exact; ModelRunner::Load refuses the config).
   std::vector<std::string> unsupported;
   DType dtype = DType::kBf16;  // torch_dtype, or the override
-  ModelLayout layout;
+  ModelLayout layout;          // its dtype() is the KV cache's: kv_dtype, or dtype
 };
 
 absl::StatusOr<ModelConfig> ParseHfConfig(std::string_view json_text,

@@ -147,6 +147,18 @@ TEST(HfConfig, DTypeFromConfigAndOverride) {
   options.dtype = DType::kFp8;
   KV_ASSERT_OK_AND_ASSIGN(ModelConfig o, ParseHfConfig(json, options));
   EXPECT_EQ(o.layout.dtype(), DType::kFp8);
+  // kv_dtype changes only the cache: the model keeps computing in its own dtype.
+  ConfigOptions kv_only;
+  kv_only.kv_dtype = DType::kFp8;
+  KV_ASSERT_OK_AND_ASSIGN(ModelConfig k, ParseHfConfig(json, kv_only));
+  EXPECT_EQ(k.dtype, DType::kFp32);
+  EXPECT_EQ(k.layout.dtype(), DType::kFp8);
+  EXPECT_NE(k.layout.fingerprint(), c.layout.fingerprint());
+  EXPECT_THAT(ParseHfConfig(R"({"model_type":"mamba","hidden_size":64,"intermediate_size":128,
+                  "state_size":16,"conv_kernel":4,"num_hidden_layers":2,"vocab_size":64})",
+                            kv_only),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("kv_cache_dtype fp8_e4m3 for model_type 'mamba'")));
   EXPECT_THAT(ParseHfConfig(R"({"model_type":"llama","hidden_size":64,"num_attention_heads":4,
                   "num_hidden_layers":2,"torch_dtype":"int3"})"),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("int3")));

@@ -9,6 +9,7 @@
 #include "common/check.h"
 #include "common/status_macros.h"
 #include "kv/digest.h"
+#include "kv/fp8.h"
 
 namespace kvrelay::kv {
 namespace {
@@ -61,6 +62,12 @@ absl::Status ValidateGroup(const LayerGroup& g, int index) {
   return absl::InvalidArgumentError(absl::StrCat(prefix, "kind is not a known LayerKind"));
 }
 
+// Names the element format and scale granularity of kv/fp8.h; change it whenever either changes.
+constexpr std::string_view kFp8SchemeId =
+    "e4m3fn-rne-sat448;attn=pow2/block/layer/kv/head/first-token+7;mla=pow2/token/128";
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
 LayoutFingerprint ComputeFingerprint(const std::string& model_id, DType dtype, int32_t block_tokens,
                                      const std::vector<LayerGroup>& groups,
                                      const std::string& numerics_id) {
@@ -80,6 +87,12 @@ LayoutFingerprint ComputeFingerprint(const std::string& model_id, DType dtype, i
     w.U32(static_cast<uint32_t>(g.rope_dim));
     w.U32(static_cast<uint32_t>(g.window_tokens));
     w.U64(static_cast<uint64_t>(g.state_bytes));
+  }
+  // The quantisation scheme (kv/fp8.h): element format and where each scale applies. Only for
+  // fp8, so the other layouts keep the fingerprints they always had.
+  if (dtype == DType::kFp8) {
+    w.Bytes("kv_quant");
+    w.LengthPrefixed(kFp8SchemeId);
   }
   // Appended only when set, so the CPU reference layouts keep the fingerprints they always had.
   if (!numerics_id.empty()) {
@@ -114,7 +127,7 @@ std::string_view DTypeName(DType dtype) {
     case DType::kFp16:
       return "fp16";
     case DType::kFp8:
-      return "fp8";
+      return "fp8_e4m3";
     case DType::kFp32:
       return "fp32";
   }
@@ -125,12 +138,13 @@ absl::StatusOr<DType> ParseDType(std::string_view name) {
   const std::string lower = absl::AsciiStrToLower(absl::string_view(name.data(), name.size()));
   if (lower == "bf16" || lower == "bfloat16") return DType::kBf16;
   if (lower == "fp16" || lower == "float16" || lower == "half") return DType::kFp16;
-  if (lower == "fp8" || lower == "float8_e4m3fn" || lower == "float8_e4m3" || lower == "e4m3") {
+  if (lower == "fp8" || lower == "fp8_e4m3" || lower == "float8_e4m3fn" || lower == "float8_e4m3" ||
+      lower == "e4m3") {
     return DType::kFp8;
   }
   if (lower == "fp32" || lower == "float32" || lower == "float") return DType::kFp32;
-  return absl::InvalidArgumentError(
-      absl::StrCat("unknown dtype '", std::string(name), "' (expected bf16, fp16, fp8 or fp32)"));
+  return absl::InvalidArgumentError(absl::StrCat("unknown dtype '", std::string(name),
+                                                 "' (expected bf16, fp16, fp8_e4m3 or fp32)"));
 }
 
 std::string_view LayerKindName(LayerKind kind) {
@@ -172,6 +186,12 @@ absl::StatusOr<ModelLayout> ModelLayout::Create(std::string model_id, DType dtyp
   for (size_t i = 0; i < groups.size(); ++i) {
     LayerGroup& g = groups[i];
     if (absl::Status s = ValidateGroup(g, static_cast<int>(i)); !s.ok()) return s;
+    if (dtype == DType::kFp8 && g.kind == LayerKind::kSsmState) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "groups[", i, "]: an fp8_e4m3 KV cache applies to attention and MLA caches; a ",
+          std::string(LayerKindName(g.kind)),
+          " group keeps its recurrent state in the model's dtype"));
+    }
     std::sort(g.layer_ids.begin(), g.layer_ids.end());
     for (int32_t id : g.layer_ids) {
       if (id < 0 || id >= kMaxLayers) {
@@ -220,13 +240,15 @@ ModelLayout ModelLayout::WithNumerics(std::string numerics_id) const {
 
 int64_t ModelLayout::GroupBytesPerToken(int group) const {
   const LayerGroup& g = groups_[group];
-  const int64_t dtype_bytes = DTypeBytes(dtype_);
   switch (g.kind) {
     case LayerKind::kFullAttention:
     case LayerKind::kSlidingWindow:
-      return int64_t{2} * g.num_kv_heads * g.head_dim * dtype_bytes * g.num_layers();
+      // fp8: the block's scales spread over its tokens (exact whenever block_tokens divides
+      // 8 * num_kv_heads, as for every seed model at 16 tokens per block).
+      if (IsFp8()) return CeilDiv(BlockBytes(group), block_tokens_);
+      return int64_t{2} * g.num_kv_heads * g.head_dim * DTypeBytes(dtype_) * g.num_layers();
     case LayerKind::kMlaLatent:
-      return int64_t{g.latent_dim + g.rope_dim} * dtype_bytes * g.num_layers();
+      return MlaEntryBytes(group) * g.num_layers();
     case LayerKind::kSsmState:
       return 0;
   }
@@ -245,10 +267,17 @@ int64_t ModelLayout::GroupBytesForTokens(int group, int64_t n) const {
   const LayerGroup& g = groups_[group];
   switch (g.kind) {
     case LayerKind::kFullAttention:
+    case LayerKind::kSlidingWindow: {
+      const int64_t kept =
+          g.kind == LayerKind::kSlidingWindow ? std::min<int64_t>(n, g.window_tokens) : n;
+      if (!IsFp8()) return kept * GroupBytesPerToken(group);
+      // Values per token kept, scales per block those tokens fill.
+      const int64_t scales = int64_t{2} * g.num_kv_heads * kFp8ScaleBytes * g.num_layers();
+      return kept * int64_t{2} * g.num_kv_heads * g.head_dim * g.num_layers() +
+             CeilDiv(kept, block_tokens_) * scales;
+    }
     case LayerKind::kMlaLatent:
       return n * GroupBytesPerToken(group);
-    case LayerKind::kSlidingWindow:
-      return std::min<int64_t>(n, g.window_tokens) * GroupBytesPerToken(group);
     case LayerKind::kSsmState:
       return g.state_bytes * g.num_layers();
   }
@@ -263,8 +292,16 @@ int64_t ModelLayout::BytesForTokens(int64_t n) const {
 
 int64_t ModelLayout::BlockBytes(int group) const {
   const LayerGroup& g = groups_[group];
-  if (g.kind == LayerKind::kSsmState) return g.state_bytes * g.num_layers();
-  return int64_t{block_tokens_} * GroupBytesPerToken(group);
+  switch (g.kind) {
+    case LayerKind::kFullAttention:
+    case LayerKind::kSlidingWindow:
+      return LayerStripBytes(group) * g.num_layers();
+    case LayerKind::kMlaLatent:
+      return int64_t{block_tokens_} * MlaEntryBytes(group) * g.num_layers();
+    case LayerKind::kSsmState:
+      return g.state_bytes * g.num_layers();
+  }
+  return 0;
 }
 
 int64_t ModelLayout::BlocksNeeded(int group, int64_t n) const {
@@ -292,7 +329,7 @@ BlockStrides ModelLayout::Strides(int group, BlockOrder order) const {
   KV_DCHECK(g.IsAttention());
   BlockStrides s;
   const int64_t per_kv = int64_t{block_tokens_} * g.num_kv_heads * g.head_dim;
-  s.layer = 2 * per_kv;
+  s.layer = IsFp8() ? LayerStripBytes(group) : 2 * per_kv;  // fp8: one byte per element
   s.kv = per_kv;
   if (order == BlockOrder::kNHD) {
     s.token = int64_t{g.num_kv_heads} * g.head_dim;
@@ -302,6 +339,41 @@ BlockStrides ModelLayout::Strides(int group, BlockOrder order) const {
     s.token = g.head_dim;
   }
   return s;
+}
+
+int64_t ModelLayout::LayerStripBytes(int group) const {
+  const LayerGroup& g = groups_[group];
+  KV_DCHECK(g.IsAttention());
+  const int64_t values = int64_t{2} * block_tokens_ * g.num_kv_heads * g.head_dim;
+  if (!IsFp8()) return values * DTypeBytes(dtype_);
+  return values + int64_t{2} * g.num_kv_heads * kFp8ScaleBytes;
+}
+
+int64_t ModelLayout::Fp8ScaleOffset(int group, int kv, int32_t kv_head) const {
+  const LayerGroup& g = groups_[group];
+  KV_DCHECK(IsFp8() && g.IsAttention());
+  const int64_t values = int64_t{2} * block_tokens_ * g.num_kv_heads * g.head_dim;
+  return values + (int64_t{kv} * g.num_kv_heads + kv_head) * kFp8ScaleBytes;
+}
+
+int64_t ModelLayout::MlaEntryBytes(int group) const {
+  const LayerGroup& g = groups_[group];
+  KV_DCHECK(g.kind == LayerKind::kMlaLatent);
+  if (!IsFp8()) return int64_t{g.latent_dim + g.rope_dim} * DTypeBytes(dtype_);
+  return MlaRopeOffset(group) + int64_t{g.rope_dim} * DTypeBytes(DType::kBf16);
+}
+
+int64_t ModelLayout::MlaScaleOffset(int group) const {
+  const LayerGroup& g = groups_[group];
+  KV_DCHECK(IsFp8() && g.kind == LayerKind::kMlaLatent);
+  return g.latent_dim;
+}
+
+int64_t ModelLayout::MlaRopeOffset(int group) const {
+  const LayerGroup& g = groups_[group];
+  KV_DCHECK(g.kind == LayerKind::kMlaLatent);
+  if (!IsFp8()) return int64_t{g.latent_dim} * DTypeBytes(dtype_);
+  return g.latent_dim + CeilDiv(g.latent_dim, kFp8MlaTile) * kFp8ScaleBytes;
 }
 
 }  // namespace kvrelay::kv

@@ -18,6 +18,18 @@
 //   SSM:       [num_layers, state_bytes] raw bytes (the state after the block's last token)
 // kHND swaps the token and head axes of attention units.
 //
+// FP8 KV (DType::kFp8, kv_cache_dtype fp8_e4m3; numerics in kv/fp8.h). Scales live inside the
+// block unit, so they are checksummed, moved, cached and verified with the values:
+//   attention: per layer, a strip of LayerStripBytes(g) bytes:
+//                [2 (K, V), block_tokens, num_kv_heads, head_dim] E4M3 bytes (kNHD as above),
+//                then [2 (K, V), num_kv_heads] float32 scales (one per block, layer, K/V, head)
+//   MLA (the FlashMLA FP8 layout): per token and layer an entry of MlaEntryBytes(g) bytes:
+//                [latent_dim] E4M3 bytes, [ceil(latent_dim / 128)] float32 scales (one per
+//                128 latent values), [rope_dim] bf16 rope key: DeepSeek V3 656 instead of 1,152
+//   SSM: no fp8 (a recurrent state is not a KV cache; Create refuses it).
+// The fingerprint digests the dtype and this scale layout, so an FP8 block can never be read
+// as another dtype or with another scale granularity.
+//
 // Thread-safe: immutable after Create().
 
 #include <array>
@@ -37,9 +49,9 @@ inline constexpr int32_t kMaxBlockTokens = 65536;
 enum class DType { kBf16, kFp16, kFp8, kFp32 };
 
 int32_t DTypeBytes(DType dtype);
-std::string_view DTypeName(DType dtype);  // "bf16", "fp16", "fp8", "fp32"
-// Accepts our names and Hugging Face torch_dtype spellings ("bfloat16", "float16", "float32",
-// "float8_e4m3fn", ...). InvalidArgument naming the value otherwise.
+std::string_view DTypeName(DType dtype);  // "bf16", "fp16", "fp8_e4m3", "fp32"
+// Accepts our names and Hugging Face / vLLM spellings ("bfloat16", "float16", "float32",
+// "fp8", "float8_e4m3fn", ...). InvalidArgument naming the value otherwise.
 absl::StatusOr<DType> ParseDType(std::string_view name);
 
 enum class LayerKind { kFullAttention, kMlaLatent, kSlidingWindow, kSsmState };
@@ -64,7 +76,8 @@ struct LayerGroup {
   }
 };
 
-// Element strides (not bytes) inside one block unit of an attention group.
+// Element strides (not bytes) inside one block unit of an attention group. For fp8 an element
+// is one byte and `layer` spans the whole strip, scales included.
 struct BlockStrides {
   int64_t layer = 0;
   int64_t kv = 0;  // K -> V
@@ -124,6 +137,17 @@ class ModelLayout {
   int64_t BlocksNeeded(int group, int64_t n) const;
   // Strides of an attention group's block unit. REQUIRES: groups()[group].IsAttention().
   BlockStrides Strides(int group, BlockOrder order = BlockOrder::kNHD) const;
+
+  bool IsFp8() const { return dtype_ == DType::kFp8; }
+  // Attention: bytes of one layer's part of a block unit (K, V and, for fp8, their scales).
+  int64_t LayerStripBytes(int group) const;
+  // fp8 attention: byte offset inside a layer strip of the float32 scale of (K or V, kv head).
+  int64_t Fp8ScaleOffset(int group, int kv, int32_t kv_head) const;
+  // MLA: bytes of one token's entry for one layer; where its float32 tile scales (fp8 only)
+  // and its rope key start inside it.
+  int64_t MlaEntryBytes(int group) const;
+  int64_t MlaScaleOffset(int group) const;
+  int64_t MlaRopeOffset(int group) const;
 
   const LayoutFingerprint& fingerprint() const { return fingerprint_; }
 

@@ -28,6 +28,82 @@ TEST(ModelLayout, SeedBytesPerToken) {
   EXPECT_EQ(Preset("mamba-2.8b").BytesPerToken(), 0);
 }
 
+ModelLayout Fp8Preset(const char* name) {
+  absl::StatusOr<ModelLayout> fp8 = Preset(name).WithDType(DType::kFp8);
+  KV_CHECK(fp8.ok());
+  return *fp8;
+}
+
+// Per layer and token: one byte per K and V value, plus per 16-token block one float32 scale
+// per (K or V, kv head), i.e. 2 * heads * 4 / 16 bytes; MLA: 512 fp8 + 4 scales + 64 bf16.
+TEST(ModelLayout, SeedBytesPerTokenFp8) {
+  EXPECT_EQ(Fp8Preset("gpt2-xl").BytesPerToken(), 48 * (2 * 25 * 64) + 48 * 2 * 25 * 4 / 16);
+  EXPECT_EQ(Fp8Preset("gpt2-xl").BytesPerToken(), 154200);
+  EXPECT_EQ(Fp8Preset("llama3-8b").BytesPerToken(), 32 * (2 * 8 * 128 + 2 * 8 * 4 / 16));
+  EXPECT_EQ(Fp8Preset("llama3-8b").BytesPerToken(), 65664);
+  EXPECT_EQ(Fp8Preset("llama3-70b").BytesPerToken(), 80 * (2 * 8 * 128 + 2 * 8 * 4 / 16));
+  EXPECT_EQ(Fp8Preset("deepseek-v3").BytesPerToken(), 61 * (512 + 4 * 4 + 64 * 2));
+  EXPECT_EQ(Fp8Preset("deepseek-v3").BytesPerToken(), 40016);
+  EXPECT_EQ(Fp8Preset("gemma3-27b").BytesPerToken(), 62 * (2 * 16 * 128 + 2 * 16 * 4 / 16));
+  EXPECT_EQ(Fp8Preset("gemma3-27b").BytesPerToken(), 254448);
+  // A recurrent state is not a KV cache: no fp8 for it, and the refusal says why.
+  EXPECT_THAT(Preset("mamba-2.8b").WithDType(DType::kFp8),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("ssm_state")));
+}
+
+TEST(ModelLayout, Fp8BlockBytesHoldValuesThenScalesPerLayer) {
+  ModelLayout l = Fp8Preset("llama3-8b");
+  EXPECT_EQ(l.LayerStripBytes(0), 2 * 16 * 8 * 128 + 2 * 8 * 4);
+  EXPECT_EQ(l.BlockBytes(0), 32 * l.LayerStripBytes(0));
+  EXPECT_EQ(l.BlockBytes(0), 16 * l.BytesPerToken());
+  // Scales follow the 32768 value bytes: K heads 0..7, then V heads 0..7.
+  EXPECT_EQ(l.Fp8ScaleOffset(0, 0, 0), 32768);
+  EXPECT_EQ(l.Fp8ScaleOffset(0, 0, 7), 32768 + 7 * 4);
+  EXPECT_EQ(l.Fp8ScaleOffset(0, 1, 0), 32768 + 8 * 4);
+  EXPECT_EQ(l.Fp8ScaleOffset(0, 1, 7), l.LayerStripBytes(0) - 4);
+  const BlockStrides s = l.Strides(0);
+  EXPECT_EQ(s.layer, l.LayerStripBytes(0));
+  EXPECT_EQ(s.kv, 16 * 8 * 128);
+  EXPECT_EQ(s.token, 8 * 128);
+  EXPECT_EQ(s.head, 128);
+  // Gemma's window keeps 1024 tokens (64 blocks of scales) on the 52 local layers.
+  ModelLayout gemma = Fp8Preset("gemma3-27b");
+  EXPECT_EQ(gemma.GroupBytesForTokens(1, 32768), 52 * (1024 * 2 * 16 * 128 + 64 * 2 * 16 * 4));
+  EXPECT_EQ(gemma.GroupBytesForTokens(0, 17), 10 * (17 * 2 * 16 * 128 + 2 * 2 * 16 * 4));
+}
+
+// DeepSeek V3.2 / FlashMLA's FP8 cache entry, per token and layer: 512 E4M3 latent values,
+// 4 float32 scales (one per 128 values), 64 bf16 rope values: 656 bytes.
+TEST(ModelLayout, FlashMlaFp8EntryOffsets) {
+  ModelLayout l = Fp8Preset("deepseek-v3");
+  EXPECT_EQ(l.MlaEntryBytes(0), 656);
+  EXPECT_EQ(l.MlaScaleOffset(0), 512);
+  EXPECT_EQ(l.MlaRopeOffset(0), 528);
+  EXPECT_EQ(l.BlockBytes(0), 16 * 656 * 61);
+  ModelLayout bf16 = Preset("deepseek-v3");
+  EXPECT_EQ(bf16.MlaEntryBytes(0), 1152);
+  EXPECT_EQ(bf16.MlaRopeOffset(0), 1024);
+  // A latent that is not a multiple of 128 still gets a scale for its last partial tile.
+  LayerGroup g{LayerKind::kMlaLatent, {0}};
+  g.latent_dim = 200;
+  g.rope_dim = 8;
+  absl::StatusOr<ModelLayout> odd = ModelLayout::Create("odd", DType::kFp8, 4, {g});
+  ASSERT_TRUE(odd.ok()) << odd.status();
+  EXPECT_EQ(odd->MlaEntryBytes(0), 200 + 2 * 4 + 8 * 2);
+}
+
+TEST(ModelLayout, Fp8FingerprintDiffersFromEveryOtherDtype) {
+  ModelLayout bf16 = Preset("llama3-8b");
+  ModelLayout fp8 = Fp8Preset("llama3-8b");
+  for (DType other : {DType::kBf16, DType::kFp16, DType::kFp32}) {
+    absl::StatusOr<ModelLayout> l = bf16.WithDType(other);
+    ASSERT_TRUE(l.ok());
+    EXPECT_NE(l->fingerprint(), fp8.fingerprint()) << DTypeName(other);
+  }
+  EXPECT_EQ(DTypeName(fp8.dtype()), "fp8_e4m3");
+  EXPECT_EQ(fp8.fingerprint(), Fp8Preset("llama3-8b").fingerprint());
+}
+
 TEST(ModelLayout, BytesForTokensIsLinearForFullAttentionAndMla) {
   for (const char* name : {"gpt2-xl", "llama3-8b", "deepseek-v3"}) {
     ModelLayout l = Preset(name);
@@ -103,7 +179,8 @@ TEST(ModelLayout, DTypeOverrideAndFingerprint) {
   ModelLayout bf16 = Preset("llama3-8b");
   absl::StatusOr<ModelLayout> fp8 = bf16.WithDType(DType::kFp8);
   ASSERT_TRUE(fp8.ok());
-  EXPECT_EQ(fp8->BytesPerToken(), 65536);
+  // 32 layers x (2 x 8 heads x 128 values + 2 x 8 float32 scales per 16-token block).
+  EXPECT_EQ(fp8->BytesPerToken(), 32 * (2 * 8 * 128 + 2 * 8 * 4 / 16));
   EXPECT_NE(fp8->fingerprint(), bf16.fingerprint());
   absl::StatusOr<ModelLayout> fp32 = bf16.WithDType(DType::kFp32);
   ASSERT_TRUE(fp32.ok());
@@ -179,6 +256,7 @@ TEST(DType, ParsesNamesAndRejectsUnknown) {
   EXPECT_EQ(*ParseDType("bfloat16"), DType::kBf16);
   EXPECT_EQ(*ParseDType("float16"), DType::kFp16);
   EXPECT_EQ(*ParseDType("FP8"), DType::kFp8);
+  EXPECT_EQ(*ParseDType("fp8_e4m3"), DType::kFp8);
   EXPECT_EQ(*ParseDType("float32"), DType::kFp32);
   EXPECT_THAT(ParseDType("int4"), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("int4")));
 }
