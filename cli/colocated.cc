@@ -15,10 +15,12 @@ double MillisSince(absl::Time start) { return absl::ToDoubleMilliseconds(absl::N
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<ColocatedGenerator>> ColocatedGenerator::Load(
-    const std::string& model_dir, int32_t threads, const model::DeviceChoice& device) {
+    const std::string& model_dir, int32_t threads, const model::DeviceChoice& device,
+    std::optional<kv::DType> kv_dtype) {
   model::RunnerOptions options;
   options.threads = threads;
-  KV_ASSIGN_OR_RETURN(kv::ModelConfig config, kv::LoadHfConfig(model_dir + "/config.json"));
+  KV_ASSIGN_OR_RETURN(kv::ModelConfig config,
+                      kv::LoadHfConfig(model_dir + "/config.json", {.kv_dtype = kv_dtype}));
   KV_ASSIGN_OR_RETURN(model::ServingModel loaded,
                       model::LoadServingModel(model_dir, config, options, device));
   return std::unique_ptr<ColocatedGenerator>(

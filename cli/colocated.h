@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -32,10 +33,12 @@ class ColocatedGenerator {
  public:
   // Loads <model_dir>/config.json + safetensors. `threads` as RunnerOptions::threads; `device`
   // as a worker's --device (the CPU by default: the reference; a CUDA reference for a cluster
-  // of CUDA workers, whose bits are not the CPU's). Mamba runs on the CPU only.
+  // of CUDA workers, whose bits are not the CPU's). Mamba runs on the CPU only. `kv_dtype` as a
+  // worker's --kv-cache-dtype (empty: the model's dtype).
   static absl::StatusOr<std::unique_ptr<ColocatedGenerator>> Load(
       const std::string& model_dir, int32_t threads = 1,
-      const model::DeviceChoice& device = {.kind = model::DeviceChoice::Kind::kCpu});
+      const model::DeviceChoice& device = {.kind = model::DeviceChoice::Kind::kCpu},
+      std::optional<kv::DType> kv_dtype = std::nullopt);
 
   // InvalidArgument for an empty prompt, a token id outside [0, vocab), max_tokens outside
   // [1, 4096] or a prompt + max_tokens longer than the model's max_position_embeddings.

@@ -137,12 +137,13 @@ absl::Status DecodeWorker::Own(absl::Status status, kvrelay::v1::FailureReason r
   return proto::WithErrorInfo(std::move(status), info);
 }
 
-absl::Status DecodeWorker::CheckLayoutFingerprint(const std::string& fingerprint) const {
-  const kv::LayoutFingerprint& own = model_config().layout.fingerprint();
-  if (fingerprint == own.ToBytes()) return absl::OkStatus();
+absl::Status DecodeWorker::CheckLayoutFingerprint(const std::string& fingerprint,
+                                                  const std::string& description) const {
+  const kv::ModelLayout& own = model_config().layout;
+  if (fingerprint == own.fingerprint().ToBytes()) return absl::OkStatus();
   return Own(absl::FailedPreconditionError(
-                 absl::StrCat("layout_fingerprint: decode node ", core_->node_id, " serves layout ",
-                              own.ToHex(), ", the request was routed for another")),
+                 absl::StrCat("layout_fingerprint: decode node ", core_->node_id, " serves ",
+                              kv::LayoutMismatch(own, "request's", description))),
              kvrelay::v1::FAILURE_IDENTITY);
 }
 
@@ -324,6 +325,7 @@ kvrelay::v1::ReserveResponse DecodeWorker::DescribeGrant(int32_t full_blocks, in
   response.set_block_tokens(layout.block_tokens());
   response.set_ttl_ms(absl::ToInt64Milliseconds(options_.reservation_ttl));
   response.set_layout_fingerprint(layout.fingerprint().ToBytes());
+  response.set_layout_description(layout.Describe());
   response.set_node_id(core_->node_id);
   response.set_incarnation(core_->incarnation);
   response.set_reservation_token(grant.token);
@@ -478,7 +480,7 @@ absl::Status DecodeWorker::CheckDecodeRequest(const kvrelay::v1::DecodeRequest& 
   if (request.tenant_salt().size() > limits::kMaxTenantSaltBytes) {
     return Invalid(absl::StrCat("tenant_salt is over ", limits::kMaxTenantSaltBytes, " bytes"));
   }
-  return CheckLayoutFingerprint(request.layout_fingerprint());
+  return CheckLayoutFingerprint(request.layout_fingerprint(), request.layout_description());
 }
 
 absl::StatusOr<DecodeWorker::Admission> DecodeWorker::Admit(
@@ -803,6 +805,7 @@ kvrelay::v1::DecodeStatusResponse DecodeWorker::Describe() {
   response.set_node_id(core_->node_id);
   response.set_incarnation(core_->incarnation);
   response.set_layout_fingerprint(model_config().layout.fingerprint().ToBytes());
+  response.set_layout_description(model_config().layout.Describe());
   response.set_active_requests(counts.active);
   response.set_queued_requests(counts.queued);
   response.set_max_queued(options_.max_queued);

@@ -138,7 +138,8 @@ class DecodeWorker : private BatchModel {
   absl::Status Init(worker::WorkerCoreDeps deps);
   absl::Status Own(absl::Status status, kvrelay::v1::FailureReason reason) const;
   // FailedPrecondition (FAILURE_IDENTITY) unless `fingerprint` is this worker's layout's.
-  absl::Status CheckLayoutFingerprint(const std::string& fingerprint) const;
+  absl::Status CheckLayoutFingerprint(const std::string& fingerprint,
+                                      const std::string& description) const;
   // UNAVAILABLE (FAILURE_DRAINING) once Drain() ran.
   absl::Status CheckNotDraining() const;
   // KV blocks per group a request of `tokens` total tokens can ever hold.

@@ -33,8 +33,8 @@ absl::Status ValidateReserveRequest(const kvrelay::v1::ReserveRequest& request,
   if (request.layout_fingerprint() !=
       std::string_view(reinterpret_cast<const char*>(fp.bytes.data()), fp.bytes.size())) {
     return absl::FailedPreconditionError(
-        absl::StrCat("layout_fingerprint: this worker serves layout ", fp.ToHex(),
-                     ", the request was routed for another"));
+        absl::StrCat("layout_fingerprint: this worker serves ",
+                     kv::LayoutMismatch(layout, "request's", request.layout_description())));
   }
   if (request.prompt_tokens() < 1 || request.prompt_tokens() > limits::kMaxPromptTokens) {
     return absl::InvalidArgumentError(absl::StrCat("prompt_tokens must be in [1, ",

@@ -55,10 +55,13 @@ class FakePrefillEndpoint final : public PrefillEndpoint {
     if (!status.ok()) return status;
     kvrelay::v1::PrefillStatusResponse response;
     response.set_node_id(node_id_);
+    response.set_layout_fingerprint(layout_fingerprint);
+    response.set_layout_description(layout_fingerprint.empty() ? "" : "fake " + layout_fingerprint);
     return response;
   }
 
   // Settings.
+  std::string layout_fingerprint;  // what Status reports (empty: says none)
   std::function<absl::StatusOr<kvrelay::v1::PrefillResponse>(const kvrelay::v1::PrefillRequest&,
                                                              absl::Time deadline)>
       on_prefill;                                        // replaces the default answer
@@ -116,12 +119,17 @@ class FakeDecodeEndpoint final : public DecodeEndpoint {
     released.push_back(reservation_token);
   }
   absl::StatusOr<kvrelay::v1::DecodeStatusResponse> Status(absl::Time /*deadline*/) override {
+    ++status_calls;
     kvrelay::v1::DecodeStatusResponse response;
     response.set_node_id(node_id_);
+    response.set_layout_fingerprint(layout_fingerprint);
+    response.set_layout_description(layout_fingerprint.empty() ? "" : "fake " + layout_fingerprint);
     return response;
   }
 
   // Settings.
+  std::string layout_fingerprint;  // what Status reports (empty: says none)
+  int status_calls = 0;
   std::function<absl::StatusOr<kvrelay::v1::ReserveResponse>(const kvrelay::v1::ReserveRequest&,
                                                              absl::Time deadline)>
       on_reserve;                                      // replaces the default answer

@@ -53,6 +53,8 @@ Gateway::Gateway(GatewayOptions options, kv::ModelConfig config, MetricsRegistry
                            .route_timeout = options_.route_timeout,
                            .prefix_routing = options_.prefix_routing,
                            .block_tokens = config_.layout.block_tokens(),
+                           .layout_fingerprint = config_.layout.fingerprint().ToBytes(),
+                           .layout_description = config_.layout.Describe(),
                            .metrics = metrics,
                            .metric_labels = {{"model_name", options_.model_name}}},
           clock, store_.get(), std::move(factories))),
@@ -88,7 +90,8 @@ absl::StatusOr<std::unique_ptr<Gateway>> Gateway::Create(
   }
   KV_ASSIGN_OR_RETURN(
       kv::ModelConfig config,
-      kv::LoadHfConfig(options.model_dir + "/config.json", {.block_tokens = options.block_tokens}));
+      kv::LoadHfConfig(options.model_dir + "/config.json",
+                       {.kv_dtype = options.kv_cache_dtype, .block_tokens = options.block_tokens}));
   const absl::Duration discovery_interval = options.discovery_interval;
   auto gateway = std::unique_ptr<Gateway>(
       new Gateway(std::move(options), std::move(config), metrics, clock, std::move(store),

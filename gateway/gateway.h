@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -40,6 +41,9 @@ struct GatewayOptions {
   // Tokens per KV block (--block-tokens): the layout requests are hashed for; the store and
   // the workers must use the same.
   int32_t block_tokens = kv::kDefaultBlockTokens;
+  // KV dtype (--kv-cache-dtype; empty: the model's): with the model and block size, the layout
+  // whose fingerprint requests carry; workers of another layout are not paired.
+  std::optional<kv::DType> kv_cache_dtype;
   std::string tenant_secret;
   int32_t max_attempts = 3;
   absl::Duration default_deadline = absl::Seconds(120);

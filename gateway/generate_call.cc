@@ -18,10 +18,15 @@ bool IsOverload(const absl::Status& s) {
   return !info.has_value() || info->reason() == kvrelay::v1::FAILURE_OVERLOADED;
 }
 
-absl::Status NoWorker(const std::string& role, size_t known, size_t failed) {
+// `other_layout`: workers left out because they serve another layout than this gateway's.
+absl::Status NoWorker(const std::string& role, size_t known, size_t failed, size_t other_layout) {
   return proto::Attribute(
-      absl::UnavailableError(absl::StrCat("no healthy ", role, " worker (", known, " known, ",
-                                          failed, " failed for this request)")),
+      absl::UnavailableError(absl::StrCat(
+          "no healthy ", role, " worker (", known, " known, ", failed, " failed for this request",
+          other_layout == 0
+              ? ""
+              : absl::StrCat(", ", other_layout, " serving another KV layout, never paired"),
+          ")")),
       kvrelay::v1::ROLE_GATEWAY, "", kvrelay::v1::FAILURE_UNREACHABLE);
 }
 
@@ -68,9 +73,13 @@ absl::Status GenerateCall::Run() {
 }
 
 absl::StatusOr<bool> GenerateCall::Attempt() {
-  const WorkerSet::Snapshot nodes = deps_.workers->Nodes();
+  WorkerSet::Snapshot nodes = deps_.workers->Nodes();
   keep_alive_.insert(keep_alive_.end(), nodes.prefill.begin(), nodes.prefill.end());
   keep_alive_.insert(keep_alive_.end(), nodes.decode.begin(), nodes.decode.end());
+  // Workers of another layout (model, KV dtype, block size) are never paired with this one.
+  const size_t all_decode = nodes.decode.size(), all_prefill = nodes.prefill.size();
+  nodes.decode = deps_.workers->SameLayout(nodes.decode, call_.deadline);
+  nodes.prefill = deps_.workers->SameLayout(nodes.prefill, call_.deadline);
   Pair pair;
   Plan plan;
   // When no decode node could take it, the plan (the store's QueryPrefix) is not made: a
@@ -85,7 +94,8 @@ absl::StatusOr<bool> GenerateCall::Attempt() {
     std::optional<absl::Duration> wait = WorkerSet::BusyWait(nodes.decode, failed_decode_);
     if (!busy_decode_.empty()) wait = std::min(wait.value_or(predicted_wait_), predicted_wait_);
     last_error_ = wait.has_value() ? AtCapacity(Blame::kDecode, *wait)
-                                   : NoWorker("decode", nodes.decode.size(), failed_decode_.size());
+                                   : NoWorker("decode", nodes.decode.size(), failed_decode_.size(),
+                                              all_decode - nodes.decode.size());
     return false;
   }
   pair.prefill =
@@ -96,7 +106,8 @@ absl::StatusOr<bool> GenerateCall::Attempt() {
     if (!busy_prefill_.empty()) wait = std::min(wait.value_or(predicted_wait_), predicted_wait_);
     last_error_ = wait.has_value()
                       ? AtCapacity(Blame::kPrefill, *wait)
-                      : NoWorker("prefill", nodes.prefill.size(), failed_prefill_.size());
+                      : NoWorker("prefill", nodes.prefill.size(), failed_prefill_.size(),
+                                 all_prefill - nodes.prefill.size());
     return false;
   }
   return RunPair(plan, pair);
@@ -183,6 +194,7 @@ absl::StatusOr<kvrelay::v1::ReserveResponse> GenerateCall::Reserve(const Plan& p
   reserve.set_prompt_tokens(static_cast<int32_t>(plan.tokens.size()));
   reserve.set_max_tokens(plan.remaining);
   reserve.set_layout_fingerprint(layout_fingerprint_);
+  reserve.set_layout_description(deps_.layout->Describe());
   *reserve.mutable_chain_packed() = PackChain(plan.chain);
   return decode->decode->Reserve(
       reserve, std::min(call_.deadline, deps_.clock->Now() + options_.reserve_timeout));
@@ -197,6 +209,7 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> GenerateCall::Prefill(
   *request.mutable_tokens() = {plan.tokens.begin(), plan.tokens.end()};
   request.set_tenant_salt(call_.tenant_salt);
   request.set_layout_fingerprint(layout_fingerprint_);
+  request.set_layout_description(deps_.layout->Describe());
   *request.mutable_target() = target;
   const absl::Time start = deps_.clock->Now();
   absl::StatusOr<kvrelay::v1::PrefillResponse> prefilled = prefill->prefill->Prefill(
@@ -250,6 +263,7 @@ absl::Status GenerateCall::Stream(const Plan& plan, Node* decode,
   request.set_eos_token(eos_);
   request.set_tenant_salt(call_.tenant_salt);
   request.set_layout_fingerprint(layout_fingerprint_);
+  request.set_layout_description(deps_.layout->Describe());
   request.set_reservation_token(target.reservation_token());
   int32_t computed_here = prefilled.computed_tokens();
   absl::Status s = decode->decode->Generate(request, call_.deadline, options_.chunk_timeout,

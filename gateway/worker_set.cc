@@ -227,6 +227,73 @@ absl::flat_hash_map<std::string, int32_t> WorkerSet::Holdings(
   return held;
 }
 
+WorkerSet::NodeList WorkerSet::SameLayout(const NodeList& nodes, absl::Time deadline) {
+  if (options_.layout_fingerprint.empty()) return nodes;
+  NodeList same;
+  same.reserve(nodes.size());
+  for (const auto& n : nodes) {
+    if (n->layout.load(std::memory_order_relaxed) == Node::LayoutMatch::kUnknown)
+      LearnLayout(*n, deadline);
+    if (n->layout.load(std::memory_order_relaxed) != Node::LayoutMatch::kOther) same.push_back(n);
+  }
+  return same;
+}
+
+void WorkerSet::LearnLayout(Node& n, absl::Time deadline) {
+  const int64_t now_us = absl::ToUnixMicros(absl::Now());
+  if (n.layout_probe_after_us.load(std::memory_order_relaxed) > now_us ||
+      n.suspect.load(std::memory_order_relaxed) || !n.breaker.Healthy()) {
+    return;
+  }
+  const absl::Time until = std::min(deadline, absl::Now() + options_.route_timeout);
+  std::string fingerprint, description, node_id;
+  if (n.prefill != nullptr) {
+    absl::StatusOr<kvrelay::v1::PrefillStatusResponse> status = n.prefill->Status(until);
+    if (status.ok()) {
+      fingerprint = status->layout_fingerprint();
+      description = status->layout_description();
+      node_id = status->node_id();
+    }
+  } else {
+    absl::StatusOr<kvrelay::v1::DecodeStatusResponse> status = n.decode->Status(until);
+    if (status.ok()) {
+      fingerprint = status->layout_fingerprint();
+      description = status->layout_description();
+      node_id = status->node_id();
+    }
+  }
+  if (fingerprint.empty()) {  // no answer (or a worker too old to say): ask again later
+    n.layout_probe_after_us.store(now_us + absl::ToInt64Microseconds(absl::Seconds(1)),
+                                  std::memory_order_relaxed);
+    return;
+  }
+  if (n.NodeId().empty()) n.SetNodeId(node_id);
+  const bool same = fingerprint == options_.layout_fingerprint;
+  Node::LayoutMatch expected = Node::LayoutMatch::kUnknown;
+  if (!n.layout.compare_exchange_strong(
+          expected, same ? Node::LayoutMatch::kSame : Node::LayoutMatch::kOther) ||
+      same) {
+    return;
+  }
+  const char* role = n.prefill != nullptr ? "prefill" : "decode";
+  KV_LOG(WARNING) << "gateway: not pairing " << role << " worker " << node_id << " at "
+                  << n.address() << ": it serves "
+                  << (description.empty() ? std::string("(not described)")
+                                          : description.substr(0, 256))
+                  << ", this gateway routes for " << options_.layout_description
+                  << " (KV is never exchanged between layouts)";
+  if (options_.metrics != nullptr) {
+    MetricLabels labels = options_.metric_labels;
+    labels["role"] = role;
+    options_.metrics
+        ->GetCounter("kvrelay:gateway_layout_mismatch_total",
+                     "workers found serving another KV layout (model, dtype, block size) than "
+                     "this gateway's, never paired",
+                     labels)
+        ->Increment();
+  }
+}
+
 Node* WorkerSet::TakeProbe(const NodeList& nodes, const std::vector<Node*>& excluded) {
   // A node whose breaker just turned half-open gets this request as its probe, so a node that
   // came back rejoins on the next request instead of waiting for every other node to fail.

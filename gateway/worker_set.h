@@ -52,6 +52,10 @@ struct WorkerSetOptions {
   // by load alone.
   bool prefix_routing = true;
   int32_t block_tokens = 16;  // the layout's tokens per block (the cost model's unit)
+  // The layout requests are routed for (kv::LayoutFingerprint bytes and its Describe()):
+  // workers whose Status reports another are never paired (SameLayout). Empty: no check.
+  std::string layout_fingerprint;
+  std::string layout_description;
   // The store's gate on the request path (QueryPrefix for holdings): after a lookup the store
   // did not answer, lookups fail fast (routing by load alone) for `store_backoff`, doubling per
   // failed probe up to `store_backoff_max`; the probe is bounded by `store_probe_timeout` too.
@@ -100,6 +104,13 @@ class WorkerSet {
     std::atomic<int64_t> picked{0};
     uint64_t incarnation = 0;          // discovered: the registered process
     std::atomic<bool> suspect{false};  // the registry marks it suspect: picked last
+    // Whether the node serves the gateway's layout, from its Status: unknown until one answers
+    // (the worker refuses another layout's requests itself meanwhile), then fixed for this
+    // node (a restarted discovered worker is a new Node).
+    enum class LayoutMatch : int8_t { kUnknown, kSame, kOther };
+    std::atomic<LayoutMatch> layout{LayoutMatch::kUnknown};
+    // No layout Status call before this (wall-clock micros) after one went unanswered.
+    std::atomic<int64_t> layout_probe_after_us{0};
 
     // What the pickers rank by: this gateway's own count reacts at once, the reported one sees
     // the other gateways' traffic.
@@ -158,6 +169,14 @@ class WorkerSet {
                                                      absl::Time deadline = absl::InfiniteFuture());
   const DependencyGate& store_gate() const { return store_gate_; }
 
+  // `nodes` without those known to serve another layout than options.layout_fingerprint
+  // (every node when that is empty). Asks each node of unknown layout whose breaker is healthy
+  // for its Status, bounded by route_timeout and `deadline`; one that does not answer is kept
+  // (unknown: the worker refuses another layout's request itself) and not asked again for a
+  // second. Logs each node found serving another layout once, naming both layouts, and counts
+  // it in kvrelay:gateway_layout_mismatch_total{role}.
+  NodeList SameLayout(const NodeList& nodes, absl::Time deadline);
+
   // A prefill node for a prompt of `full_blocks` whole blocks, of which `held` says who holds
   // how many, or null when none is usable. Learns unknown node ids with Status calls bounded
   // by route_timeout and `deadline`. `*routed` is set when the prefix, not the load alone,
@@ -187,6 +206,8 @@ class WorkerSet {
   std::shared_ptr<Node> MakeDiscovered(const kvrelay::v1::NodeInfo& info, bool prefill_role);
   void LearnNodeIds(const NodeList& prefills, const std::vector<Node*>& excluded,
                     absl::Time deadline);
+  // SameLayout's Status call for one node of unknown layout.
+  void LearnLayout(Node& n, absl::Time deadline);
   // The first node in `nodes` (not excluded) whose breaker is half-open and lets this request
   // be its probe.
   static Node* TakeProbe(const NodeList& nodes, const std::vector<Node*>& excluded);

@@ -4,6 +4,8 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "common/metrics.h"
 #include "gateway/fake_endpoints.h"
 #include "gtest/gtest.h"
 
@@ -191,6 +193,54 @@ TEST_F(WorkerSetTest, PrefillGoesToThePrefixHolderAndLearnsNodeIdsOnce) {
   EXPECT_FALSE(routed);
   EXPECT_EQ(p0->status_calls, 1);
   EXPECT_EQ(p1->status_calls, 1);
+}
+
+TEST(WorkerSetLayout, WorkersOfAnotherLayoutAreNeverPairedAndAskedOnce) {
+  SimulatedClock clock;
+  MetricsRegistry metrics;
+  WorkerSetOptions options = Options();
+  options.layout_fingerprint = "fp8-layout";
+  options.layout_description = "model m, KV fp8_e4m3";
+  options.metrics = &metrics;
+  WorkerSet set(options, &clock, /*store=*/nullptr, {});
+  std::vector<FakeDecodeEndpoint*> decodes;
+  for (const char* fp : {"fp8-layout", "bf16-layout", ""}) {
+    auto endpoint = std::make_unique<FakeDecodeEndpoint>(absl::StrCat("d", decodes.size(), ":1"),
+                                                         absl::StrCat("d", decodes.size()), &clock);
+    endpoint->layout_fingerprint = fp;
+    decodes.push_back(endpoint.get());
+    set.AddFixed(std::move(endpoint));
+  }
+  auto prefill = std::make_unique<FakePrefillEndpoint>("p0:1", "p0", &clock);
+  prefill->layout_fingerprint = "bf16-layout";
+  FakePrefillEndpoint* p0 = prefill.get();
+  set.AddFixed(std::move(prefill));
+  const WorkerSet::Snapshot nodes = set.Nodes();
+  for (int round = 0; round < 3; ++round) {
+    // The same layout and the one that does not say (it refuses other layouts itself) stay.
+    const WorkerSet::NodeList same = set.SameLayout(nodes.decode, absl::InfiniteFuture());
+    ASSERT_EQ(same.size(), 2u);
+    EXPECT_EQ(same[0].get(), nodes.decode[0].get());
+    EXPECT_EQ(same[1].get(), nodes.decode[2].get());
+    EXPECT_TRUE(set.SameLayout(nodes.prefill, absl::InfiniteFuture()).empty());
+  }
+  // A known layout is learned once; one that said nothing is asked again only after a second.
+  EXPECT_EQ(decodes[0]->status_calls, 1);
+  EXPECT_EQ(decodes[1]->status_calls, 1);
+  EXPECT_EQ(decodes[2]->status_calls, 1);
+  EXPECT_EQ(p0->status_calls, 1);
+  EXPECT_EQ(nodes.prefill[0]->NodeId(), "p0");
+  EXPECT_EQ(metrics.GetCounter("kvrelay:gateway_layout_mismatch_total", "", {{"role", "decode"}})
+                ->value(),
+            1);
+  // Without a layout to check (in-process tests), every node stays, no call made.
+  WorkerSet unchecked(Options(), &clock, /*store=*/nullptr, {});
+  auto d = std::make_unique<FakeDecodeEndpoint>("x:1", "x", &clock);
+  d->layout_fingerprint = "other";
+  FakeDecodeEndpoint* x = d.get();
+  unchecked.AddFixed(std::move(d));
+  EXPECT_EQ(unchecked.SameLayout(unchecked.Nodes().decode, absl::InfiniteFuture()).size(), 1u);
+  EXPECT_EQ(x->status_calls, 0);
 }
 
 TEST_F(WorkerSetTest, PrefillSkipsAnOpenBreakerAndExcludedNodes) {

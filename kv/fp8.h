@@ -73,7 +73,7 @@ KV_FP8_HD uint8_t EncodeE4M3(float x) {
   const uint32_t bits = Fp8FloatBits(x);
   const uint8_t sign = static_cast<uint8_t>((bits >> 24) & 0x80u);
   const uint32_t abs_bits = bits & 0x7FFFFFFFu;
-  if (abs_bits > 0x7F800000u) return static_cast<uint8_t>(sign | 0x7Fu);  // NaN
+  if (abs_bits > 0x7F800000u) return static_cast<uint8_t>(sign | 0x7Fu);   // NaN
   if (abs_bits >= 0x43E00000u) return static_cast<uint8_t>(sign | 0x7Eu);  // >= 448, inf too
   const int32_t exp = static_cast<int32_t>(abs_bits >> 23) - 127;
   if (exp < -10) return sign;  // below 2^-10: rounds to zero (2^-10 itself is a tie to 0)

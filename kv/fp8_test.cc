@@ -105,7 +105,7 @@ TEST(Fp8, ScaleExponentIsTheSmallestThatHoldsTheAmax) {
 TEST(Fp8, QuantizeWithScaleIsExactOnRepresentableValues) {
   EXPECT_EQ(QuantizeE4M3(3.0f, -1), 0x4C);  // 3 / 0.5 = 6
   EXPECT_EQ(DequantizeE4M3(0x4C, Fp8ScaleFromExp(-1)), 3.0f);
-  EXPECT_EQ(QuantizeE4M3(1000.0f, 0), 0x7E);  // saturates at 448 * scale
+  EXPECT_EQ(QuantizeE4M3(1000.0f, 0), 0x7E);    // saturates at 448 * scale
   EXPECT_EQ(DequantizeE4M3(0x38, 0.0f), 0.0f);  // a zero scale gives zeros
   EXPECT_TRUE(std::isnan(DequantizeE4M3(0x7F, 0.0f)));
   // Tile rule: the tile's amax itself always fits.

@@ -341,6 +341,21 @@ BlockStrides ModelLayout::Strides(int group, BlockOrder order) const {
   return s;
 }
 
+std::string ModelLayout::Describe() const {
+  return absl::StrCat("model ", model_id_, ", KV ", std::string(DTypeName(dtype_)), ", ",
+                      block_tokens_, "-token blocks",
+                      numerics_id_.empty() ? "" : absl::StrCat(", numerics ", numerics_id_),
+                      ", fingerprint ", fingerprint_.ToHex().substr(0, 16));
+}
+
+std::string LayoutMismatch(const ModelLayout& own, std::string_view what,
+                           std::string_view other_description) {
+  std::string other =
+      other_description.empty() ? "(not described)" : std::string(other_description.substr(0, 256));
+  return absl::StrCat(own.Describe(), "; not the ", std::string(what), " layout ", other,
+                      ": KV is never exchanged between layouts");
+}
+
 int64_t ModelLayout::LayerStripBytes(int group) const {
   const LayerGroup& g = groups_[group];
   KV_DCHECK(g.IsAttention());

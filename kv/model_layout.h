@@ -150,6 +150,9 @@ class ModelLayout {
   int64_t MlaRopeOffset(int group) const;
 
   const LayoutFingerprint& fingerprint() const { return fingerprint_; }
+  // For people (error messages, logs): "model llama-1a2b3c4d, KV fp8_e4m3, 16-token blocks,
+  // fingerprint 0123456789abcdef", with the numerics id when set. Never parsed.
+  std::string Describe() const;
 
  private:
   std::string model_id_;
@@ -160,5 +163,11 @@ class ModelLayout {
   std::string numerics_id_;
   LayoutFingerprint fingerprint_;
 };
+
+// "<own.Describe()>, not the <what> layout <other_description>" for the refusal of a
+// request (or target) routed for another layout; `other_description` comes from the wire
+// (layout_description, untrusted): cut to 256 bytes, "(not described)" when empty.
+std::string LayoutMismatch(const ModelLayout& own, std::string_view what,
+                           std::string_view other_description);
 
 }  // namespace kvrelay::kv

@@ -101,6 +101,8 @@ TEST(ModelLayout, Fp8FingerprintDiffersFromEveryOtherDtype) {
     EXPECT_NE(l->fingerprint(), fp8.fingerprint()) << DTypeName(other);
   }
   EXPECT_EQ(DTypeName(fp8.dtype()), "fp8_e4m3");
+  EXPECT_THAT(fp8.Describe(), HasSubstr("KV fp8_e4m3, 16-token blocks"));
+  EXPECT_THAT(bf16.Describe(), HasSubstr("KV bf16"));
   EXPECT_EQ(fp8.fingerprint(), Fp8Preset("llama3-8b").fingerprint());
 }
 

@@ -223,16 +223,20 @@ absl::Status PrefillWorker::CheckRequest(const kvrelay::v1::PrefillRequest& requ
   if (request.layout_fingerprint() != own_fingerprint) {
     return Own(
         absl::FailedPreconditionError(absl::StrCat(
-            "layout_fingerprint: prefill node ", core_->node_id, " serves layout ",
-            model_config().layout.fingerprint().ToHex(), ", the request was routed for another")),
+            "layout_fingerprint: prefill node ", core_->node_id, " serves ",
+            kv::LayoutMismatch(model_config().layout, "request's", request.layout_description()))),
         kvrelay::v1::FAILURE_IDENTITY);
   }
   if (request.target().layout_fingerprint() != own_fingerprint) {
-    return Attribute(absl::FailedPreconditionError(absl::StrCat(
-                         "target.layout_fingerprint: decode node ", request.target().node_id(),
-                         " serves another layout than prefill node ", core_->node_id)),
-                     kvrelay::v1::ROLE_DECODE, request.target().node_id(),
-                     kvrelay::v1::FAILURE_IDENTITY, request.target().transport().address());
+    return Attribute(
+        absl::FailedPreconditionError(absl::StrCat(
+            "target.layout_fingerprint: prefill node ", core_->node_id, " serves ",
+            kv::LayoutMismatch(model_config().layout,
+                               absl::StrCat("target decode node ",
+                                            request.target().node_id().substr(0, 128), "'s"),
+                               request.target().layout_description()))),
+        kvrelay::v1::ROLE_DECODE, request.target().node_id(), kvrelay::v1::FAILURE_IDENTITY,
+        request.target().transport().address());
   }
   return absl::OkStatus();
 }
@@ -474,6 +478,7 @@ kvrelay::v1::PrefillStatusResponse PrefillWorker::Describe() const {
   response.set_computed_tokens_total(static_cast<int64_t>(computed_tokens_->value()));
   response.set_prefix_hit_tokens_total(static_cast<int64_t>(prefix_hit_tokens_->value()));
   response.set_layout_fingerprint(model_config().layout.fingerprint().ToBytes());
+  response.set_layout_description(model_config().layout.Describe());
   return response;
 }
 

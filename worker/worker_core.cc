@@ -41,7 +41,8 @@ absl::Status LoadModel(const WorkerCoreOptions& options, WorkerCore& core) {
     config = *options.model_config;
   } else {
     KV_ASSIGN_OR_RETURN(config, kv::LoadHfConfig(options.model_dir + "/config.json",
-                                                 {.block_tokens = options.block_tokens}));
+                                                 {.kv_dtype = options.kv_cache_dtype,
+                                                  .block_tokens = options.block_tokens}));
   }
   KV_ASSIGN_OR_RETURN(
       model::ServingModel loaded,

@@ -54,8 +54,10 @@ struct WorkerCoreOptions {
   // config.json of model_dir, parsed once by the caller (worker/server's flags) and handed down
   // to the model loader; empty: WorkerCore::Create reads it with `block_tokens`.
   std::optional<kv::ModelConfig> model_config;
-  // Tokens per KV block when WorkerCore::Create reads config.json itself.
+  // Tokens per KV block and KV dtype (empty: the model's) when WorkerCore::Create reads
+  // config.json itself.
   int32_t block_tokens = kv::kDefaultBlockTokens;
+  std::optional<kv::DType> kv_cache_dtype;
   std::string node_id;             // empty: "<role>-<hostname>-<random>", unique per process
   std::string cachestore_address;  // empty: no cache segment, no store link
   std::string transport_host = "127.0.0.1";

@@ -33,6 +33,7 @@ struct GatewayFlags {
   GatewayOptions options;
   kvrelay::server::ServiceHostOptions host;
   std::string cachestore, prefill, decode, secret_file, token_keys_file, http_host;
+  std::string kv_cache_dtype = "auto";
   int32_t http_port = -1;
   std::vector<std::string> prefill_addresses, decode_addresses;  // --prefill, --decode split
 };
@@ -55,6 +56,10 @@ void AddRoutingFlags(FlagSet& flags, GatewayFlags& f) {
   flags.AddInt32("block-tokens", &options.block_tokens,
                  "tokens per KV block; the cache store and the workers must use the same value "
                  "(a store with another one is refused)");
+  flags.AddString("kv-cache-dtype", &f.kv_cache_dtype,
+                  "KV cache dtype the workers use (auto: the model's torch_dtype; bf16, fp16, "
+                  "fp32 or fp8_e4m3): part of the layout requests are hashed and routed for; "
+                  "workers serving another layout are never paired");
   flags.AddInt32("max-attempts", &options.max_attempts, "failed worker pairs tried per request");
   flags.AddBool("prefix-routing", &options.prefix_routing,
                 "route to the prefill node holding the prompt's prefix when its queue is worth it "
@@ -141,6 +146,14 @@ absl::Status CheckModelAndTenants(GatewayFlags& f) {
     options.model_name = kvrelay::server::ModelNameFromDir(options.model_dir);
   }
   if (absl::Status s = kv::CheckBlockTokensFlag(options.block_tokens); !s.ok()) return s;
+  if (f.kv_cache_dtype != "auto") {
+    absl::StatusOr<kv::DType> dtype = kv::ParseDType(f.kv_cache_dtype);
+    if (!dtype.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--kv-cache-dtype: ", dtype.status().message(), " or auto"));
+    }
+    options.kv_cache_dtype = *dtype;
+  }
   // No default: a known secret makes every tenant's block hashes computable offline.
   if (f.secret_file.empty()) {
     return absl::InvalidArgumentError(

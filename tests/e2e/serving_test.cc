@@ -4,14 +4,19 @@
 // model under 16 concurrent requests; a shared prefix is reused, not recomputed; the KV bytes moved
 // are exactly the layout's; bad input is INVALID_ARGUMENT and the servers keep serving; the CLI
 // client agrees with the co-located reference; seeded sampling draws the same tokens as co-located.
+// The attention models run again with an fp8_e4m3 KV cache (`--kv-cache-dtype`), against an fp8
+// co-located reference; workers of different KV dtypes are never paired and refuse each other.
 
 #include <algorithm>
 #include <atomic>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
 
+#include "absl/strings/str_replace.h"
+#include "absl/strings/str_split.h"
 #include "common/status_macros.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -54,23 +59,35 @@ class Clusters : public ::testing::Environment {
     ::testing::AddGlobalTestEnvironment(instance_);
   }
 
-  absl::StatusOr<Entry*> For(const std::string& arch) {
-    auto it = entries_.find(arch);
+  // `key`: an arch ("llama"), or an arch and a KV dtype ("llama/fp8_e4m3": every worker, the
+  // gateway and the reference use that --kv-cache-dtype).
+  absl::StatusOr<Entry*> For(const std::string& key) {
+    auto it = entries_.find(key);
     if (it != entries_.end()) return it->second.get();
     if (dir_ == nullptr) dir_ = std::make_unique<testing::TempDir>();
+    const std::vector<std::string> parts = absl::StrSplit(key, '/');
+    const std::string& arch = parts[0];
+    std::optional<kv::DType> kv_dtype;
+    if (parts.size() > 1) {
+      KV_ASSIGN_OR_RETURN(kv_dtype, kv::ParseDType(parts[1]));
+    }
     auto e = std::make_unique<Entry>();
-    e->model_dir = dir_->File(arch);
+    e->model_dir = dir_->File(absl::StrReplaceAll(key, {{"/", "-"}}));
     KV_RETURN_IF_ERROR(WriteModel(e->model_dir, arch));
-    KV_ASSIGN_OR_RETURN(e->config, kv::LoadHfConfig(e->model_dir + "/config.json"));
-    KV_ASSIGN_OR_RETURN(e->reference, cli::ColocatedGenerator::Load(e->model_dir));
+    KV_ASSIGN_OR_RETURN(e->config,
+                        kv::LoadHfConfig(e->model_dir + "/config.json", {.kv_dtype = kv_dtype}));
+    KV_ASSIGN_OR_RETURN(e->reference,
+                        cli::ColocatedGenerator::Load(
+                            e->model_dir, 1, {.kind = model::DeviceChoice::Kind::kCpu}, kv_dtype));
     ClusterOptions options;
     options.model_dir = e->model_dir;
     options.prefill = 1;
     options.decode = 2;
     options.worker_args = kPatientStoreCalls;
+    if (kv_dtype.has_value()) options.extra_args = {"--kv-cache-dtype", parts[1]};
     KV_ASSIGN_OR_RETURN(e->cluster, LocalCluster::Start(options));
     Entry* raw = e.get();
-    entries_[arch] = std::move(e);
+    entries_[key] = std::move(e);
     return raw;
   }
 
@@ -136,11 +153,15 @@ TEST_P(Disaggregated, TokensEqualColocatedUnder16ConcurrentRequests) {
   EXPECT_EQ(decode_workers.size(), 2u);
 }
 
+std::string KeyName(const ::testing::TestParamInfo<std::string>& info) {
+  return absl::StrReplaceAll(info.param, {{"/", "_"}});
+}
+
 INSTANTIATE_TEST_SUITE_P(Models, Disaggregated,
-                         ::testing::Values("llama", "deepseek_v3", "gemma3", "gpt2", "mamba"),
-                         [](const ::testing::TestParamInfo<std::string>& info) {
-                           return info.param;
-                         });
+                         ::testing::Values("llama", "deepseek_v3", "gemma3", "gpt2", "mamba",
+                                           "llama/fp8_e4m3", "deepseek_v3/fp8_e4m3",
+                                           "gemma3/fp8_e4m3", "gpt2/fp8_e4m3"),
+                         KeyName);
 
 // Seeded temperature sampling draws the same tokens as the co-located run with the same seed.
 TEST(SeededSampling, MatchesColocated) {
@@ -217,14 +238,28 @@ TEST(SharedPrefix, SecondRequestComputesOnlyNewTokens) {
 // region, offset, length, checksum flag and value, then the 4 + 32 bytes of the reservation
 // token) and its ack.
 TEST(BytesOnTheWire, EqualTheLayoutBytesOfThePushedTokens) {
-  for (const std::string arch : {"llama", "deepseek_v3", "gpt2"}) {
+  for (const std::string arch : {"llama", "deepseek_v3", "gpt2", "deepseek_v3/fp8_e4m3",
+                                 "gpt2/fp8_e4m3", "llama/fp8_e4m3"}) {
     SCOPED_TRACE(arch);
     KV_ASSERT_OK_AND_ASSIGN(Clusters::Entry * e, Clusters::Get()->For(arch));
     const kv::ModelLayout& layout = e->config.layout;
+    const kv::ModelConfig& c = e->config;
     if (arch == "gpt2") {
       // MHA: 2 (K, V) x layers x heads x head_dim x dtype per token.
-      EXPECT_EQ(layout.BytesPerToken(), 2 * e->config.num_hidden_layers *
-                                            e->config.num_attention_heads * e->config.head_dim * 2);
+      EXPECT_EQ(layout.BytesPerToken(),
+                2 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * 2);
+    }
+    if (arch == "gpt2/fp8_e4m3") {
+      // One byte per value, plus per 16-token block a float32 scale per layer, K/V and head.
+      EXPECT_EQ(16 * layout.BytesPerToken(),
+                c.num_hidden_layers *
+                    (16 * 2 * c.num_attention_heads * c.head_dim + 2 * c.num_attention_heads * 4));
+    }
+    if (arch == "deepseek_v3/fp8_e4m3") {
+      // FlashMLA's entry: latent in fp8, a float32 scale per 128 of it, rope in bf16.
+      EXPECT_EQ(layout.BytesPerToken(),
+                c.num_hidden_layers *
+                    (c.kv_lora_rank + (c.kv_lora_rank + 127) / 128 * 4 + c.qk_rope_head_dim * 2));
     }
     ASSERT_EQ(layout.block_tokens(), 16);
     int64_t block_bytes = 0;
@@ -545,10 +580,10 @@ TEST_P(PrefixReuse, ComputesOnlyTheNewBlocksAndChangesNoToken) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, PrefixReuse,
-                         ::testing::Values("deepseek_v3", "gemma3", "gpt2", "mamba"),
-                         [](const ::testing::TestParamInfo<std::string>& info) {
-                           return info.param;
-                         });
+                         ::testing::Values("deepseek_v3", "gemma3", "gpt2", "mamba",
+                                           "llama/fp8_e4m3", "deepseek_v3/fp8_e4m3",
+                                           "gemma3/fp8_e4m3", "gpt2/fp8_e4m3"),
+                         KeyName);
 
 // prefill(n) + decode(k) == prefill(n + k), through the cluster: the k-th token a request of n
 // prompt tokens decodes equals the first token of a request whose prompt is those n tokens
@@ -575,11 +610,12 @@ TEST_P(PrefillThenDecode, EqualsTheLongerPrefill) {
   }
 }
 
+// fp8: a block's scales are fixed by its first token, so the bytes of a token do not depend on
+// whether it was prefilled or decoded.
 INSTANTIATE_TEST_SUITE_P(Models, PrefillThenDecode,
-                         ::testing::Values("llama", "deepseek_v3", "gemma3", "gpt2", "mamba"),
-                         [](const ::testing::TestParamInfo<std::string>& info) {
-                           return info.param;
-                         });
+                         ::testing::Values("llama", "deepseek_v3", "gemma3", "gpt2", "mamba",
+                                           "llama/fp8_e4m3", "deepseek_v3/fp8_e4m3"),
+                         KeyName);
 
 double ReceivedByDecodeWorkers(LocalCluster& cluster) {
   double sum = 0;
@@ -694,6 +730,108 @@ TEST(UnsupportedConfig, IsRefusedNamingTheField) {
     EXPECT_NE(decode.exit_code, 0);
     EXPECT_THAT(decode.stderr_text, HasSubstr(edit.first)) << decode.stderr_text;
   }
+}
+
+// "" when the decode worker has received no KV byte, else what it says.
+std::string NothingReceived(const ServiceInfo& decode) {
+  absl::StatusOr<double> v =
+      ScrapeMetric(decode.metrics_address, "kvrelay:decode_received_kv_bytes_total");
+  if (absl::IsNotFound(v.status()) || (v.ok() && *v == 0)) return "";
+  return v.ok() ? absl::StrCat(*v, " bytes received") : v.status().ToString();
+}
+
+// A prefill worker with an fp8_e4m3 KV cache beside a bf16 decode worker and gateway (real
+// processes): the gateway never pairs them (the request fails at once, naming why, and no byte
+// moves), and a direct attempt each way is refused naming both layouts.
+TEST(MixedKvDtypes, AreNeverPairedAndRefuseEachOtherNamingBothLayouts) {
+  testing::TempDir dir;
+  const std::string model = dir.File("llama");
+  KV_ASSERT_OK(WriteModel(model, "llama"));
+  ClusterOptions options;
+  options.model_dir = model;
+  options.prefill = 1;
+  options.decode = 1;
+  options.extra_args = {"--prefill-args", "--kv-cache-dtype fp8_e4m3"};
+  KV_ASSERT_OK_AND_ASSIGN(std::unique_ptr<LocalCluster> cluster, LocalCluster::Start(options));
+  KV_ASSERT_OK_AND_ASSIGN(ServiceInfo prefill, cluster->Service("prefill-0"));
+  KV_ASSERT_OK_AND_ASSIGN(ServiceInfo decode, cluster->Service("decode-0"));
+  KV_ASSERT_OK_AND_ASSIGN(ServiceInfo gateway, cluster->Service("gateway"));
+
+  // 1. Through the gateway: no pair exists.
+  GatewayClient client(cluster->gateway());
+  absl::StatusOr<cli::GenerationResult> r =
+      client.Generate(Request(RandomPrompt(40, 7), 4, "mixed"), kRequestTimeout);
+  EXPECT_THAT(r, StatusIs(absl::StatusCode::kUnavailable,
+                          HasSubstr("1 serving another KV layout, never paired")));
+  KV_ASSERT_OK_AND_ASSIGN(double mismatched, ScrapeMetric(gateway.metrics_address,
+                                                          "kvrelay:gateway_layout_mismatch_total"));
+  EXPECT_EQ(mismatched, 1.0);
+  EXPECT_EQ(NothingReceived(decode), "");
+
+  // 2. Directly: each worker reports its own layout, and each refuses the other's.
+  auto decode_stub =
+      v1::Decode::NewStub(grpc::CreateChannel(decode.address, grpc::InsecureChannelCredentials()));
+  auto prefill_stub = v1::Prefill::NewStub(
+      grpc::CreateChannel(prefill.address, grpc::InsecureChannelCredentials()));
+  auto deadline = [] { return absl::ToChronoTime(absl::Now() + absl::Seconds(10)); };
+  v1::DecodeStatusResponse decode_status;
+  v1::PrefillStatusResponse prefill_status;
+  {
+    grpc::ClientContext context;
+    context.set_deadline(deadline());
+    ASSERT_TRUE(decode_stub->Status(&context, v1::DecodeStatusRequest(), &decode_status).ok());
+  }
+  {
+    grpc::ClientContext context;
+    context.set_deadline(deadline());
+    ASSERT_TRUE(prefill_stub->Status(&context, v1::PrefillStatusRequest(), &prefill_status).ok());
+  }
+  EXPECT_THAT(decode_status.layout_description(), HasSubstr("KV bf16"));
+  EXPECT_THAT(prefill_status.layout_description(), HasSubstr("KV fp8_e4m3"));
+  EXPECT_NE(decode_status.layout_fingerprint(), prefill_status.layout_fingerprint());
+  const std::vector<int32_t> prompt = RandomPrompt(40, 8);
+  auto reserve = [&](const std::string& id, const std::string& fingerprint,
+                     const std::string& description, v1::ReserveResponse* response) {
+    v1::ReserveRequest request;
+    request.set_request_id(id);
+    request.set_model(decode_status.model());
+    request.set_prompt_tokens(static_cast<int32_t>(prompt.size()));
+    request.set_max_tokens(1);
+    request.set_layout_fingerprint(fingerprint);
+    request.set_layout_description(description);
+    grpc::ClientContext context;
+    context.set_deadline(deadline());
+    return decode_stub->Reserve(&context, request, response);
+  };
+  // The fp8 prefill worker's layout, asked of the bf16 decode worker.
+  v1::ReserveResponse refused;
+  grpc::Status s = reserve("mixed-fp8", prefill_status.layout_fingerprint(),
+                           prefill_status.layout_description(), &refused);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(s.error_message(), HasSubstr("KV bf16"));
+  EXPECT_THAT(s.error_message(), HasSubstr("KV fp8_e4m3"));
+  // A bf16 reservation handed to the fp8 prefill worker as its push target.
+  v1::ReserveResponse target;
+  s = reserve("mixed-bf16", decode_status.layout_fingerprint(), decode_status.layout_description(),
+              &target);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  v1::PrefillRequest push;
+  push.set_request_id("mixed-bf16");
+  push.set_model(prefill_status.model());
+  for (int32_t t : prompt) push.add_tokens(t);
+  push.set_layout_fingerprint(prefill_status.layout_fingerprint());
+  push.set_layout_description(prefill_status.layout_description());
+  *push.mutable_target() = target;
+  v1::PrefillResponse ignored;
+  grpc::ClientContext context;
+  context.set_deadline(deadline());
+  s = prefill_stub->Prefill(&context, push, &ignored);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(s.error_message(), HasSubstr("KV fp8_e4m3"));
+  EXPECT_THAT(s.error_message(), HasSubstr("KV bf16"));
+  EXPECT_EQ(NothingReceived(decode), "");
+  KV_ASSERT_OK_AND_ASSIGN(int code, cluster->Stop());
+  EXPECT_EQ(code, 0) << cluster->Log();
 }
 }  // namespace
 }  // namespace kvrelay::e2e

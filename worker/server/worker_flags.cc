@@ -37,6 +37,11 @@ void WorkerFlags::AddModelFlags(FlagSet& flags) {
   flags.AddInt32("block-tokens", &core_.block_tokens,
                  "tokens per KV block; the cache store and the gateway must use the same value "
                  "(registration with another one is refused)");
+  flags.AddString("kv-cache-dtype", &kv_cache_dtype_,
+                  "dtype of the KV cache: auto (the model's torch_dtype), bf16, fp16, fp32 or "
+                  "fp8_e4m3 (half of bf16's bytes per token; E4M3 with per-block scales, "
+                  "kv/fp8.h); every worker a request crosses must use the same one (blocks of "
+                  "another dtype are refused, never converted)");
   flags.AddString("device", &device_,
                   "where the model computes: auto (CUDA device 0 when one is usable and runs the "
                   "model, else the CPU), cpu, cuda or cuda:N (that device or an error); KV "
@@ -121,10 +126,19 @@ absl::Status WorkerFlags::SettleModel() {
   if (!device.ok()) return absl::InvalidArgumentError(device.status().message());
   core_.device = *device;
   if (absl::Status s = kv::CheckBlockTokensFlag(core_.block_tokens); !s.ok()) return s;
+  if (kv_cache_dtype_ != "auto") {
+    absl::StatusOr<kv::DType> dtype = kv::ParseDType(kv_cache_dtype_);
+    if (!dtype.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--kv-cache-dtype: ", dtype.status().message(), " or auto"));
+    }
+    core_.kv_cache_dtype = *dtype;
+  }
   // The one parse of config.json in this process; a config that does not parse is left to the
   // worker's load, which reports the model directory's problem.
   absl::StatusOr<kv::ModelConfig> config =
-      kv::LoadHfConfig(core_.model_dir + "/config.json", {.block_tokens = core_.block_tokens});
+      kv::LoadHfConfig(core_.model_dir + "/config.json",
+                       {.kv_dtype = core_.kv_cache_dtype, .block_tokens = core_.block_tokens});
   if (!config.ok()) return absl::OkStatus();
   // An explicit device this machine cannot honour is bad usage, refused before any weight is
   // read (auto and cpu always go on).

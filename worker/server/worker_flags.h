@@ -43,14 +43,15 @@ class WorkerFlags {
   // The certificate names this node: its role must be ours, and it is the node id.
   absl::Status CheckIdentity();
   absl::Status CheckAddresses(bool cachestore_required);
-  // --block-tokens, --device and config.json (parsed into core_.model_config).
+  // --block-tokens, --kv-cache-dtype, --device and config.json (parsed into core_.model_config).
   absl::Status SettleModel();
   absl::Status CheckSizes();
 
   kvrelay::server::ServiceHostOptions& host_;
   WorkerCoreOptions& core_;
   std::string& model_name_;
-  std::string device_ = "auto";  // --device, parsed into core_.device
+  std::string device_ = "auto";          // --device, parsed into core_.device
+  std::string kv_cache_dtype_ = "auto";  // --kv-cache-dtype, parsed into core_.kv_cache_dtype
 };
 
 }  // namespace kvrelay::worker::server
