@@ -121,6 +121,28 @@ std::string Bytes(double b) {
   return absl::StrFormat("%.1f %s", b, units[u]);
 }
 
+// --kv-dtype: nullopt for auto (each model's own dtype); InvalidArgument naming the flag.
+absl::StatusOr<std::optional<kv::DType>> ParseKvDtype(const std::string& text) {
+  if (text == "auto") return std::nullopt;
+  absl::StatusOr<kv::DType> parsed = kv::ParseDType(text);
+  if (!parsed.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("kv-dtype: ", parsed.status().message(), " (or auto)"));
+  }
+  return *parsed;
+}
+
+// One line per model: the KV dtype its blocks are sized in and their bytes.
+void PrintModels(const std::vector<PlanModel>& models) {
+  for (const PlanModel& m : models) {
+    const kv::ModelLayout& layout = m.config.layout;
+    std::printf("model %s: KV %s, %lld bytes per %d-token block\n", m.name.c_str(),
+                std::string(kv::DTypeName(layout.dtype())).c_str(),
+                static_cast<long long>(m.parts.full_bytes + m.parts.window_bytes),
+                layout.block_tokens());
+  }
+}
+
 }  // namespace
 
 int RunPlanCommand(const std::vector<std::string>& args) {
@@ -166,18 +188,11 @@ int RunPlanCommand(const std::vector<std::string>& args) {
   absl::StatusOr<std::vector<std::string>> policies = ParsePolicyList("policy", policies_text);
   if (!policies.ok()) return Fail(policies.status());
   options.policies = *policies;
-  std::optional<kv::DType> kv_dtype;
-  if (kv_dtype_text != "auto") {
-    absl::StatusOr<kv::DType> parsed = kv::ParseDType(kv_dtype_text);
-    if (!parsed.ok()) {
-      return Fail(absl::InvalidArgumentError(
-          absl::StrCat("kv-dtype: ", parsed.status().message(), " (or auto)")));
-    }
-    kv_dtype = *parsed;
-  }
+  absl::StatusOr<std::optional<kv::DType>> kv_dtype = ParseKvDtype(kv_dtype_text);
+  if (!kv_dtype.ok()) return Fail(kv_dtype.status());
   std::vector<PlanModel> models;
   for (absl::string_view spec : absl::StrSplit(models_text, ',')) {
-    absl::StatusOr<PlanModel> m = LoadPlanModel(std::string(spec), kv_dtype);
+    absl::StatusOr<PlanModel> m = LoadPlanModel(std::string(spec), *kv_dtype);
     if (!m.ok()) return Fail(m.status());
     models.push_back(*std::move(m));
   }
@@ -186,13 +201,7 @@ int RunPlanCommand(const std::vector<std::string>& args) {
   std::vector<PlanRow> all;
   if (!json) {
     std::printf("trace %s: %zu requests\n", trace->name.c_str(), trace->requests.size());
-    for (const PlanModel& m : models) {
-      const kv::ModelLayout& layout = m.config.layout;
-      std::printf("model %s: KV %s, %lld bytes per %d-token block\n", m.name.c_str(),
-                  std::string(kv::DTypeName(layout.dtype())).c_str(),
-                  static_cast<long long>(m.parts.full_bytes + m.parts.window_bytes),
-                  layout.block_tokens());
-    }
+    PrintModels(models);
     std::printf("%-14s %-13s %9s %10s %8s %10s %12s %12s\n", "model", "policy", "GiB/node",
                 "blocks", "hit", "compute", "read/req", "written/req");
   }
@@ -247,12 +256,11 @@ int RunPlanCommand(const std::vector<std::string>& args) {
     all.insert(all.end(), rows->begin(), rows->end());
   }
   if (!plot.empty()) {
-    absl::Status s = WritePlot(
-        plot,
-        absl::StrCat("prefix hit rate vs memory, trace ", trace->name,
-                     kv_dtype.has_value() ? ", KV " : "",
-                     kv_dtype.has_value() ? std::string(kv::DTypeName(*kv_dtype)) : std::string()),
-        target, all);
+    const std::string dtype = kv_dtype->has_value() ? std::string(kv::DTypeName(**kv_dtype)) : "";
+    absl::Status s = WritePlot(plot,
+                               absl::StrCat("prefix hit rate vs memory, trace ", trace->name,
+                                            dtype.empty() ? "" : ", KV ", dtype),
+                               target, all);
     if (!s.ok()) return Fail(s);
     if (!json) std::printf("wrote %s\n", plot.c_str());
   }

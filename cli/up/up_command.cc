@@ -93,6 +93,17 @@ absl::Status WriteSecretFile(const std::string& path, const std::string& content
   return absl::OkStatus();
 }
 
+// --kv-cache-dtype: nullopt for auto (the model's dtype); InvalidArgument naming the flag.
+absl::StatusOr<std::optional<kv::DType>> ParseKvCacheDtype(const std::string& text) {
+  if (text == "auto") return std::nullopt;
+  absl::StatusOr<kv::DType> dtype = kv::ParseDType(text);
+  if (!dtype.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--kv-cache-dtype: ", dtype.status().message(), " (or auto)"));
+  }
+  return *dtype;
+}
+
 struct Service {
   std::string name;
   int index = -1;  // in the supervisor
@@ -159,16 +170,14 @@ int RunUpCommand(const std::vector<std::string>& args) {
   if (absl::Status s = model::ParseDeviceFlag(device).status(); !s.ok()) {
     return UsageError(std::string(s.message()));
   }
+  absl::StatusOr<std::optional<kv::DType>> kv_dtype = ParseKvCacheDtype(kv_cache_dtype);
+  if (!kv_dtype.ok()) return UsageError(std::string(kv_dtype.status().message()));
+  kv::ConfigOptions config_options;
+  config_options.kv_dtype = *kv_dtype;
   // Passed on only when given, so a default cluster runs exactly the flags it always did.
   std::vector<std::string> kv_dtype_flags;
-  kv::ConfigOptions config_options;
-  if (kv_cache_dtype != "auto") {
-    absl::StatusOr<kv::DType> dtype = kv::ParseDType(kv_cache_dtype);
-    if (!dtype.ok()) {
-      return UsageError(absl::StrCat("--kv-cache-dtype: ", dtype.status().message(), " (or auto)"));
-    }
-    config_options.kv_dtype = *dtype;
-    kv_dtype_flags = {"--kv-cache-dtype", std::string(kv::DTypeName(*dtype))};
+  if (kv_dtype->has_value()) {
+    kv_dtype_flags = {"--kv-cache-dtype", std::string(kv::DTypeName(**kv_dtype))};
   }
   if (seed < 0) return UsageError(absl::StrCat("--seed must be >= 0, got ", seed));
   const size_t colon = gateway_address.rfind(':');
