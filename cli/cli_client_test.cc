@@ -1,7 +1,12 @@
 // `kvrelay generate` (co-located path and argument errors) and `kvrelay up` argument errors,
 // through the real binary; ParseListeningLine directly.
 
+#include <signal.h>
+
+#include <memory>
 #include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -166,6 +171,9 @@ TEST_F(CliClientTest, BadInputExitsTwoWithOneLine) {
       {"up", "--arch", "gpt5"},
       {"up", "--arch", "llama", "--model", m},
       {"up", "--model", "/nonexistent"},
+      {"up", "--kv-cache-dtype", "int4"},
+      // A recurrent state has no fp8 form: refused before anything starts.
+      {"up", "--arch", "mamba", "--insecure", "--kv-cache-dtype", "fp8_e4m3"},
   };
   for (const std::vector<std::string>& args : cases) {
     testing::CommandResult r = testing::RunKvrelay(args);
@@ -174,6 +182,45 @@ TEST_F(CliClientTest, BadInputExitsTwoWithOneLine) {
     EXPECT_THAT(r.stderr_text, HasSubstr("kvrelay " + args[0] + ":")) << what;
     EXPECT_EQ(std::count(r.stderr_text.begin(), r.stderr_text.end(), '\n'), 1) << what << "\n"
                                                                                << r.stderr_text;
+  }
+}
+
+// `up`'s first line names the KV dtype and gives the bytes per token of that layout: the test
+// model is 4 layers x (K, V) x 2 KV heads x 32, plus for fp8 one float32 scale per (layer, K/V,
+// head) per 16-token block. The cluster is stopped as soon as the line is out.
+TEST_F(CliClientTest, UpNamesTheKvDtypeAndItsBytesFirst) {
+  struct Case {
+    std::vector<std::string> flags;
+    std::string line;
+  };
+  const std::vector<Case> cases = {
+      {{}, absl::StrCat("(llama, KV bf16, ", 4 * 2 * 2 * 32 * 2, " KV bytes per token)")},
+      {{"--kv-cache-dtype", "fp8"},
+       absl::StrCat("(llama, KV fp8_e4m3, ", 4 * 2 * 2 * 32 + 4 * 2 * 2 * 4 / 16,
+                    " KV bytes per token)")}};
+  for (const Case& c : cases) {
+    testing::TempDir data;
+    std::vector<std::string> argv = {testing::BinaryPath("kvrelay"),
+                                     "up",
+                                     "--model",
+                                     model_dir(),
+                                     "--insecure",
+                                     "--gateway-address",
+                                     "127.0.0.1:0",
+                                     "--http-address",
+                                     "",
+                                     "--data-dir",
+                                     data.path()};
+    argv.insert(argv.end(), c.flags.begin(), c.flags.end());
+    KV_ASSERT_OK_AND_ASSIGN(std::unique_ptr<testing::ChildProcess> up,
+                            testing::ChildProcess::Start(argv));
+    absl::StatusOr<std::string> first = up->WaitForOutput("KV bytes per token)", absl::Seconds(60));
+    up->Signal(SIGTERM);
+    EXPECT_TRUE(up->Wait(absl::Seconds(60)).ok());
+    ASSERT_TRUE(first.ok()) << first.status() << "\n" << up->Stderr();
+    EXPECT_THAT(up->Stdout(),
+                HasSubstr(absl::StrCat("kvrelay up: model ", model_dir(), " ", c.line)))
+        << up->Stdout();
   }
 }
 

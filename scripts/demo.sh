@@ -16,6 +16,8 @@ echo "== KV-cache bytes per model (kvrelay layout --seed-table)"
 # then 8 concurrent requests. Everything is bounded in time and stopped on exit.
 KVRELAY="$BIN/kvrelay"
 STEP_TIMEOUT=${DEMO_STEP_TIMEOUT:-60}  # seconds for each start-up and each request
+# The KV cache's dtype: auto (the model's, bf16) or e.g. fp8_e4m3 (half the bytes per token).
+KV_DTYPE=${DEMO_KV_CACHE_DTYPE:-auto}
 WORK=$(mktemp -d /tmp/kvrelay-demo-XXXXXX)
 UP_PID=""
 cleanup() {
@@ -43,6 +45,7 @@ import json, sys
 layout = json.load(open(sys.argv[1]))
 bpt = layout["bytes_per_token"]
 block = layout["block_tokens"]
+print(f"layout: KV {layout['kv_dtype']}, {bpt} bytes per token, {block}-token blocks")
 print(f"{'request':<14}{'prompt':>7}{'cached':>8}{'computed':>9}{'TTFT ms':>9}"
       f"{'KV moved':>11}{'B/pushed tok':>13}{'layout B/tok':>13}  generated tokens")
 for arg in sys.argv[2:]:
@@ -62,12 +65,13 @@ run_cluster() {  # run_cluster ARCH
   local arch=$1 dir="$WORK/$1"
   mkdir -p "$dir"
   echo
-  echo "== $arch: kvrelay up --model $dir/model --prefill 1 --decode 2"
+  echo "== $arch: kvrelay up --model $dir/model --prefill 1 --decode 2 --kv-cache-dtype $KV_DTYPE"
   "$KVRELAY" make-test-model --arch "$arch" --seed 7 --out "$dir/model" >/dev/null
-  "$KVRELAY" layout --config "$dir/model/config.json" --json >"$dir/layout.json"
+  "$KVRELAY" layout --config "$dir/model/config.json" --kv-dtype "$KV_DTYPE" --json \
+    >"$dir/layout.json"
   # Mutual TLS on: `up` makes a throwaway CA and certificates under $dir/data/tls.
   "$KVRELAY" up --model "$dir/model" --prefill 1 --decode 2 --gateway-address 127.0.0.1:0 \
-    --data-dir "$dir/data" --tenant demo >"$dir/up.log" 2>&1 &
+    --data-dir "$dir/data" --tenant demo --kv-cache-dtype "$KV_DTYPE" >"$dir/up.log" 2>&1 &
   UP_PID=$!
   GATEWAY=""
   for _ in $(seq 1 $((STEP_TIMEOUT * 10))); do
@@ -81,7 +85,7 @@ run_cluster() {  # run_cluster ARCH
     tail -n 40 "$dir/up.log" >&2
     exit 1
   fi
-  sed -n '/^kvrelay up: endpoints/,/^kvrelay up: ready/p' "$dir/up.log"
+  sed -n '/^kvrelay up: model /p; /^kvrelay up: endpoints/,/^kvrelay up: ready/p' "$dir/up.log"
   CLIENT_TLS=$(sed -n 's/^kvrelay up: mutual TLS; client flags \(--tls-cert [^ ]* --tls-key [^ ]* --tls-ca [^ ]*\).*/\1/p' "$dir/up.log")
   if [[ -z "$CLIENT_TLS" ]]; then
     echo "demo: kvrelay up printed no client certificate" >&2

@@ -21,6 +21,7 @@
 #include "cachestore/tools/planner.h"
 #include "common/file_util.h"
 #include "common/flags.h"
+#include "kv/model_layout.h"
 
 extern char** environ;
 
@@ -120,6 +121,28 @@ std::string Bytes(double b) {
   return absl::StrFormat("%.1f %s", b, units[u]);
 }
 
+// --kv-dtype: nullopt for auto (each model's own dtype); InvalidArgument naming the flag.
+absl::StatusOr<std::optional<kv::DType>> ParseKvDtype(const std::string& text) {
+  if (text == "auto") return std::nullopt;
+  absl::StatusOr<kv::DType> parsed = kv::ParseDType(text);
+  if (!parsed.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("kv-dtype: ", parsed.status().message(), " (or auto)"));
+  }
+  return *parsed;
+}
+
+// One line per model: the KV dtype its blocks are sized in and their bytes.
+void PrintModels(const std::vector<PlanModel>& models) {
+  for (const PlanModel& m : models) {
+    const kv::ModelLayout& layout = m.config.layout;
+    std::printf("model %s: KV %s, %lld bytes per %d-token block\n", m.name.c_str(),
+                std::string(kv::DTypeName(layout.dtype())).c_str(),
+                static_cast<long long>(m.parts.full_bytes + m.parts.window_bytes),
+                layout.block_tokens());
+  }
+}
+
 }  // namespace
 
 int RunPlanCommand(const std::vector<std::string>& args) {
@@ -135,8 +158,12 @@ int RunPlanCommand(const std::vector<std::string>& args) {
   double target = 0.5;
   std::string plot;
   bool json = false;
+  std::string kv_dtype_text = "auto";
   source.Register(flags);
   flags.AddString("model", &models_text, "comma list of presets or config.json paths");
+  flags.AddString("kv-dtype", &kv_dtype_text,
+                  "the KV cache's dtype the blocks are sized in: auto (each model's own), bf16, "
+                  "fp16, fp32 or fp8_e4m3 (about half of bf16: E4M3 values, scales in the block)");
   flags.AddString("memory-gib", &memory_text, "comma list of KV cache memory per node, GiB");
   flags.AddString(
       "policy", &policies_text,
@@ -161,9 +188,11 @@ int RunPlanCommand(const std::vector<std::string>& args) {
   absl::StatusOr<std::vector<std::string>> policies = ParsePolicyList("policy", policies_text);
   if (!policies.ok()) return Fail(policies.status());
   options.policies = *policies;
+  absl::StatusOr<std::optional<kv::DType>> kv_dtype = ParseKvDtype(kv_dtype_text);
+  if (!kv_dtype.ok()) return Fail(kv_dtype.status());
   std::vector<PlanModel> models;
   for (absl::string_view spec : absl::StrSplit(models_text, ',')) {
-    absl::StatusOr<PlanModel> m = LoadPlanModel(std::string(spec));
+    absl::StatusOr<PlanModel> m = LoadPlanModel(std::string(spec), *kv_dtype);
     if (!m.ok()) return Fail(m.status());
     models.push_back(*std::move(m));
   }
@@ -172,10 +201,12 @@ int RunPlanCommand(const std::vector<std::string>& args) {
   std::vector<PlanRow> all;
   if (!json) {
     std::printf("trace %s: %zu requests\n", trace->name.c_str(), trace->requests.size());
+    PrintModels(models);
     std::printf("%-14s %-13s %9s %10s %8s %10s %12s %12s\n", "model", "policy", "GiB/node",
                 "blocks", "hit", "compute", "read/req", "written/req");
   }
   for (const PlanModel& m : models) {
+    const std::string dtype(kv::DTypeName(m.config.layout.dtype()));
     absl::StatusOr<std::vector<PlanRow>> rows = Plan(*trace, m, options);
     if (!rows.ok()) return Fail(rows.status());
     for (const PlanRow& r : *rows) {
@@ -183,10 +214,10 @@ int RunPlanCommand(const std::vector<std::string>& args) {
           r.compute_saved < 0 ? "-" : absl::StrFormat("%.1f%%", 100 * r.compute_saved);
       if (json) {
         std::printf(
-            "{\"model\": %s, \"policy\": \"%s\", \"memory_gib\": %g, \"capacity_blocks\": "
-            "%lld, \"hit_rate\": %.6f, \"compute_saved\": %.6f, "
+            "{\"model\": %s, \"kv_dtype\": \"%s\", \"policy\": \"%s\", \"memory_gib\": %g, "
+            "\"capacity_blocks\": %lld, \"hit_rate\": %.6f, \"compute_saved\": %.6f, "
             "\"bytes_read_per_request\": %.0f, \"bytes_written_per_request\": %.0f}\n",
-            JsonString(r.model).c_str(), r.policy.c_str(), r.memory_gib,
+            JsonString(r.model).c_str(), dtype.c_str(), r.policy.c_str(), r.memory_gib,
             static_cast<long long>(r.capacity_blocks), r.hit_rate, r.compute_saved,
             r.bytes_read_per_request, r.bytes_written_per_request);
       } else {
@@ -218,14 +249,17 @@ int RunPlanCommand(const std::vector<std::string>& args) {
         prev = &r;
       }
       if (!json) {
-        std::printf("  %s %s: %.0f%% prefix hits need %s\n", m.name.c_str(), policy.c_str(),
-                    100 * target, answer.c_str());
+        std::printf("  %s %s: %.0f%% prefix hits need %s (KV %s)\n", m.name.c_str(), policy.c_str(),
+                    100 * target, answer.c_str(), dtype.c_str());
       }
     }
     all.insert(all.end(), rows->begin(), rows->end());
   }
   if (!plot.empty()) {
-    absl::Status s = WritePlot(plot, absl::StrCat("prefix hit rate vs memory, trace ", trace->name),
+    const std::string dtype = kv_dtype->has_value() ? std::string(kv::DTypeName(**kv_dtype)) : "";
+    absl::Status s = WritePlot(plot,
+                               absl::StrCat("prefix hit rate vs memory, trace ", trace->name,
+                                            dtype.empty() ? "" : ", KV ", dtype),
                                target, all);
     if (!s.ok()) return Fail(s);
     if (!json) std::printf("wrote %s\n", plot.c_str());

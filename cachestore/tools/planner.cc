@@ -130,12 +130,19 @@ double PairFlops(const kv::ModelConfig& c) {
 
 }  // namespace
 
-absl::StatusOr<PlanModel> LoadPlanModel(const std::string& spec) {
+absl::StatusOr<PlanModel> LoadPlanModel(const std::string& spec,
+                                        std::optional<kv::DType> kv_dtype) {
   kv::ConfigOptions options;
   options.block_tokens = static_cast<int32_t>(sim::kTraceBlockTokens);
+  options.kv_dtype = kv_dtype;
   PlanModel m;
   m.name = spec;
   absl::StatusOr<kv::ModelConfig> config = kv::LoadPreset(spec, options);
+  // A known preset that refuses the options (fp8 for an SSM state) is not a path either.
+  if (!config.ok() && !absl::IsNotFound(config.status())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("model: ", spec, ": ", config.status().message()));
+  }
   if (!config.ok() && spec.find('/') == std::string::npos &&
       spec.find(".json") == std::string::npos) {
     return absl::InvalidArgumentError(absl::StrCat("model: '", spec,

@@ -7,6 +7,7 @@
 // prefix hit rate, the prefill compute saved and the KV bytes moved.
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -47,16 +48,18 @@ absl::StatusOr<std::vector<std::string>> ParsePolicyList(const std::string& flag
 // What the planner needs to know about one model.
 struct PlanModel {
   std::string name;
-  kv::ModelConfig config;               // layout with 512-token blocks
+  kv::ModelConfig config;               // layout with 512-token blocks, in the KV dtype
   sim::BlockParts parts;                // bytes of one 512-token block: full part, window part
   double linear_flops_per_token = 0;    // 2 x parameters a token passes through (dense estimate)
   double attention_flops_per_pair = 0;  // per (query, key) pair, summed over full layers
   double window_flops_per_pair = 0;     // same, over sliding-window layers
   int64_t window_tokens = 0;
 };
-// A preset name (kv/presets.h) or a path to a Hugging Face config.json. NotFound /
-// InvalidArgument naming the model.
-absl::StatusOr<PlanModel> LoadPlanModel(const std::string& spec);
+// A preset name (kv/presets.h) or a path to a Hugging Face config.json, its cache in `kv_dtype`
+// (nullopt: the model's dtype; fp8_e4m3 blocks carry their scales, kv/model_layout.h).
+// InvalidArgument naming the model (unknown, or a kv_dtype its layout refuses: fp8 for an SSM).
+absl::StatusOr<PlanModel> LoadPlanModel(const std::string& spec,
+                                        std::optional<kv::DType> kv_dtype = std::nullopt);
 // FLOPs to prefill the first n tokens of a sequence (linear layers + attention score/value).
 double PrefillFlops(const PlanModel& model, int64_t n);
 

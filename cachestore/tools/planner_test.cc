@@ -1,5 +1,7 @@
 #include "cachestore/tools/planner.h"
 
+#include <cmath>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -13,6 +15,7 @@ namespace kvrelay::cachestore::tools {
 namespace {
 
 using ::kvrelay::testing::StatusIs;
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 
 TEST(PlanModelTest, BlockPartsFollowTheLayout) {
@@ -31,6 +34,69 @@ TEST(PlanModelTest, BlockPartsFollowTheLayout) {
   EXPECT_GT(PrefillFlops(llama, 2000), 2 * PrefillFlops(llama, 1000));
   EXPECT_THAT(LoadPlanModel("llama9"),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("model: 'llama9'")));
+}
+
+TEST(PlanModelTest, Fp8BlocksAreTheLayoutsBytesScalesIncluded) {
+  KV_ASSERT_OK_AND_ASSIGN(PlanModel llama, LoadPlanModel("llama3-70b", kv::DType::kFp8));
+  EXPECT_EQ(llama.config.layout.dtype(), kv::DType::kFp8);
+  // Per layer: (K, V) x 512 tokens x 8 KV heads x 128 E4M3 bytes, then one float32 scale per
+  // (K/V, KV head) for the whole 512-token block.
+  EXPECT_EQ(llama.parts.full_bytes, int64_t{80} * (2 * 512 * 8 * 128 + 2 * 8 * 4));
+  KV_ASSERT_OK_AND_ASSIGN(PlanModel dsv3, LoadPlanModel("deepseek-v3", kv::DType::kFp8));
+  // The FlashMLA entry: 512 E4M3 latent bytes + 4 float32 tile scales + 64 bf16 rope values.
+  EXPECT_EQ(dsv3.parts.full_bytes, int64_t{512} * 61 * (512 + 4 * 4 + 64 * 2));
+  KV_ASSERT_OK_AND_ASSIGN(PlanModel gemma, LoadPlanModel("gemma3-27b", kv::DType::kFp8));
+  EXPECT_EQ(gemma.parts.full_bytes, int64_t{10} * (2 * 512 * 16 * 128 + 2 * 16 * 4));
+  EXPECT_EQ(gemma.parts.window_bytes, int64_t{52} * (2 * 512 * 16 * 128 + 2 * 16 * 4));
+  EXPECT_EQ(gemma.parts.window_blocks, 2);
+  // A recurrent state has no fp8 form: refused naming the model, not taken for a missing file.
+  EXPECT_THAT(LoadPlanModel("mamba-2.8b", kv::DType::kFp8),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("model: mamba-2.8b"), HasSubstr("fp8_e4m3"))));
+}
+
+// fp8 sizes the same cache in the fp8 layout's bytes: at any memory the capacity is the bf16
+// capacity scaled by bf16 / fp8 block bytes (to the whole block), and memory scaled by the
+// bytes ratio buys exactly the bf16 capacity and hit rate: the cache a hit rate needs halves.
+TEST(PlanTest, Fp8CapacityIsBf16ScaledByTheLayoutsBytesRatio) {
+  TraceSourceFlags source;
+  source.shape = "agent";
+  source.requests = 300;
+  KV_ASSERT_OK_AND_ASSIGN(LoadedTrace trace, source.Load());
+  KV_ASSERT_OK_AND_ASSIGN(PlanModel bf16, LoadPlanModel("llama3-70b"));
+  KV_ASSERT_OK_AND_ASSIGN(PlanModel fp8, LoadPlanModel("llama3-70b", kv::DType::kFp8));
+  const int64_t bf16_block = bf16.parts.full_bytes, fp8_block = fp8.parts.full_bytes;
+  ASSERT_EQ(bf16_block, int64_t{80} * 2 * 512 * 8 * 128 * 2);
+  PlanOptions options;
+  options.memory_gib = {16, 64};
+  options.policies = {"lru"};
+  KV_ASSERT_OK_AND_ASSIGN(auto bf16_rows, Plan(trace, bf16, options));
+  KV_ASSERT_OK_AND_ASSIGN(auto fp8_rows, Plan(trace, fp8, options));
+  ASSERT_EQ(bf16_rows.size(), 2u);
+  ASSERT_EQ(fp8_rows.size(), 2u);
+  for (size_t i = 0; i < 2; ++i) {
+    const int64_t bytes = static_cast<int64_t>(options.memory_gib[i] * 1073741824.0);
+    EXPECT_EQ(bf16_rows[i].capacity_blocks, bytes / bf16_block);
+    EXPECT_EQ(fp8_rows[i].capacity_blocks, bytes / fp8_block);
+    // bf16 capacity x (bf16 / fp8 block bytes), short of it only by the last partial block.
+    const double scaled = static_cast<double>(bytes / bf16_block) * bf16_block / fp8_block;
+    EXPECT_GE(static_cast<double>(fp8_rows[i].capacity_blocks), std::floor(scaled));
+    EXPECT_LE(static_cast<double>(fp8_rows[i].capacity_blocks), scaled + 2);
+    EXPECT_GE(fp8_rows[i].hit_rate, bf16_rows[i].hit_rate);
+  }
+  // N whole blocks (and half a spare) of each layout: the same capacity, the same hit rate.
+  for (int64_t blocks : {64, 256}) {
+    PlanOptions b = options, f = options;
+    b.memory_gib = {(static_cast<double>(blocks) + 0.5) * bf16_block / 1073741824.0};
+    f.memory_gib = {(static_cast<double>(blocks) + 0.5) * fp8_block / 1073741824.0};
+    KV_ASSERT_OK_AND_ASSIGN(auto br, Plan(trace, bf16, b));
+    KV_ASSERT_OK_AND_ASSIGN(auto fr, Plan(trace, fp8, f));
+    EXPECT_EQ(br[0].capacity_blocks, blocks);
+    EXPECT_EQ(fr[0].capacity_blocks, blocks);
+    EXPECT_EQ(fr[0].hit_rate, br[0].hit_rate);
+    EXPECT_NEAR(f.memory_gib[0] / b.memory_gib[0],
+                (2.0 * 512 * 8 * 128 + 2 * 8 * 4) / (2.0 * 512 * 8 * 128 * 2), 1e-12);
+  }
 }
 
 TEST(PlanTest, HitRateGrowsWithMemoryAndBadParametersAreNamed) {
@@ -92,6 +158,30 @@ TEST(PlanCommandTest, PlansTheStoresPolicyAndBoundsATargetReachedAtOnce) {
   const CommandRun bad = RunCaptured(RunPlanCommand, {"--shape", "agent", "--memory-gib", "8,-1"});
   EXPECT_EQ(bad.code, 2);
   EXPECT_THAT(bad.err, HasSubstr("memory-gib"));
+}
+
+// --kv-dtype sizes every model in that layout and says so; an SSM state refuses fp8.
+TEST(PlanCommandTest, KvDtypeIsNamedAndSizesTheBlocks) {
+  const CommandRun run =
+      RunCaptured(RunPlanCommand, {"--shape", "agent", "--requests", "100", "--model",
+                                   "deepseek-v3", "--memory-gib", "8", "--kv-dtype", "fp8"});
+  ASSERT_EQ(run.code, 0) << run.out << run.err;
+  // 512 tokens x 61 layers x 656 bytes.
+  EXPECT_THAT(run.out, HasSubstr("model deepseek-v3: KV fp8_e4m3, 20488192 bytes per 512-token"));
+  EXPECT_THAT(run.out, HasSubstr("(KV fp8_e4m3)"));
+  const CommandRun json =
+      RunCaptured(RunPlanCommand, {"--shape", "agent", "--requests", "100", "--model", "llama3-8b",
+                                   "--memory-gib", "8", "--json"});
+  ASSERT_EQ(json.code, 0) << json.out << json.err;
+  EXPECT_THAT(json.out, HasSubstr("\"kv_dtype\": \"bf16\""));
+
+  const CommandRun mamba = RunCaptured(
+      RunPlanCommand, {"--shape", "agent", "--model", "mamba-2.8b", "--kv-dtype", "fp8_e4m3"});
+  EXPECT_EQ(mamba.code, 2);
+  EXPECT_THAT(mamba.err, HasSubstr("fp8_e4m3"));
+  const CommandRun bad = RunCaptured(RunPlanCommand, {"--shape", "agent", "--kv-dtype", "int4"});
+  EXPECT_EQ(bad.code, 2);
+  EXPECT_THAT(bad.err, HasSubstr("kv-dtype"));
 }
 
 TEST(TraceReplayCommandTest, LearnerSamplingIsAPowerOfTwo) {

@@ -93,6 +93,17 @@ absl::Status WriteSecretFile(const std::string& path, const std::string& content
   return absl::OkStatus();
 }
 
+// --kv-cache-dtype: nullopt for auto (the model's dtype); InvalidArgument naming the flag.
+absl::StatusOr<std::optional<kv::DType>> ParseKvCacheDtype(const std::string& text) {
+  if (text == "auto") return std::nullopt;
+  absl::StatusOr<kv::DType> dtype = kv::ParseDType(text);
+  if (!dtype.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--kv-cache-dtype: ", dtype.status().message(), " (or auto)"));
+  }
+  return *dtype;
+}
+
 struct Service {
   std::string name;
   int index = -1;  // in the supervisor
@@ -130,6 +141,10 @@ int RunUpCommand(const std::vector<std::string>& args) {
   std::string device = "auto";
   flags.AddString("device", &device,
                   "--device of every prefill and decode worker: auto, cpu, cuda or cuda:N");
+  std::string kv_cache_dtype = "auto";
+  flags.AddString("kv-cache-dtype", &kv_cache_dtype,
+                  "KV cache dtype of every worker and the gateway: auto (the model's), bf16, "
+                  "fp16, fp32 or fp8_e4m3 (half of bf16; E4M3 values, scales inside each block)");
   flags.AddDuration("start-timeout", &start_timeout, "how long each service may take to start");
   flags.AddDuration("grace", &grace, "how long each service may take to drain on stop");
   flags.AddString("cachestore-args", &cachestore_args, "extra flags for the cache store");
@@ -154,6 +169,15 @@ int RunUpCommand(const std::vector<std::string>& args) {
   }
   if (absl::Status s = model::ParseDeviceFlag(device).status(); !s.ok()) {
     return UsageError(std::string(s.message()));
+  }
+  absl::StatusOr<std::optional<kv::DType>> kv_dtype = ParseKvCacheDtype(kv_cache_dtype);
+  if (!kv_dtype.ok()) return UsageError(std::string(kv_dtype.status().message()));
+  kv::ConfigOptions config_options;
+  config_options.kv_dtype = *kv_dtype;
+  // Passed on only when given, so a default cluster runs exactly the flags it always did.
+  std::vector<std::string> kv_dtype_flags;
+  if (kv_dtype->has_value()) {
+    kv_dtype_flags = {"--kv-cache-dtype", std::string(kv::DTypeName(**kv_dtype))};
   }
   if (seed < 0) return UsageError(absl::StrCat("--seed must be >= 0, got ", seed));
   const size_t colon = gateway_address.rfind(':');
@@ -252,12 +276,15 @@ int RunUpCommand(const std::vector<std::string>& args) {
     client_security = *client;
   }
 
-  absl::StatusOr<kv::ModelConfig> config = kv::LoadHfConfig(model_dir + "/config.json");
+  absl::StatusOr<kv::ModelConfig> config =
+      kv::LoadHfConfig(model_dir + "/config.json", config_options);
   if (!config.ok()) return UsageError(absl::StrCat("--model: ", config.status().message()));
   absl::StatusOr<std::string> self = SelfPath();
   if (!self.ok()) return Fail(std::string(self.status().message()));
-  std::printf("kvrelay up: model %s (%s, %lld KV bytes per token)\n", model_dir.c_str(),
-              config->model_type.c_str(), static_cast<long long>(config->layout.BytesPerToken()));
+  std::printf("kvrelay up: model %s (%s, KV %s, %lld KV bytes per token)\n", model_dir.c_str(),
+              config->model_type.c_str(),
+              std::string(kv::DTypeName(config->layout.dtype())).c_str(),
+              static_cast<long long>(config->layout.BytesPerToken()));
   std::fflush(stdout);
 
   std::vector<Service> services;
@@ -269,6 +296,10 @@ int RunUpCommand(const std::vector<std::string>& args) {
     argv.insert(argv.begin(), *self);
     KV_ASSIGN_OR_RETURN(std::vector<std::string> security, security_flags(role, id));
     argv.insert(argv.end(), security.begin(), security.end());
+    if (role == server::PeerRole::kPrefill || role == server::PeerRole::kDecode ||
+        role == server::PeerRole::kGateway) {
+      argv.insert(argv.end(), kv_dtype_flags.begin(), kv_dtype_flags.end());
+    }
     for (std::string& a : SplitArgs(extra)) argv.push_back(std::move(a));
     absl::StatusOr<int> index = sup.Start(name, argv);
     if (!index.ok()) return index.status();
