@@ -414,14 +414,16 @@ absl::Status CudaRunner::Decode(absl::Span<Sequence* const> seqs, absl::Span<con
     status = model_->Enqueue(batch);
     if (!status.ok()) break;
     // Each new token's entries, back to the host pools on the compute stream (after every
-    // layer): per (row, group) one 2D copy of the token's row in each layer's K and V (or MLA)
-    // plane, which sit block_tokens rows apart inside the unit (kv/model_layout.h).
+    // layer): per (row, group) 2D copies of the token's row in each layer's K and V (or MLA)
+    // plane and, for fp8 at a block's first token, the scales it set (TokenEntryCopies).
     for (int64_t r = 0; status.ok() && r < rows; ++r) {
       const Sequence& s = *seqs[members[r]];
       const int64_t pos = s.num_tokens();
       for (int g = 0; status.ok() && g < num_groups; ++g) {
-        status = CopyToHost(*mirror, g, TokenEntryCopy(cache, g, s.blocks(g)[pos / bt], pos),
-                            compute_stream(), "cudaMemcpy2DAsync(decode entries)");
+        for (const PoolCopy& c : TokenEntryCopies(cache, g, s.blocks(g)[pos / bt], pos)) {
+          status = CopyToHost(*mirror, g, c, compute_stream(), "cudaMemcpy2DAsync(decode entries)");
+          if (!status.ok()) break;
+        }
       }
     }
     if (!status.ok()) break;
@@ -514,9 +516,6 @@ absl::Status CheckOptions(const CudaRunnerOptions& options) {
 absl::StatusOr<std::string> CheckConfigAndDevice(const kv::ModelConfig& config,
                                                  const CudaRunnerOptions& options) {
   KV_RETURN_IF_ERROR(CudaModelSupports(config));
-  if (config.layout.dtype() == kv::DType::kFp8) {
-    return absl::UnimplementedError("cuda runner: fp8 KV cache entries are not implemented");
-  }
   int count = 0;
   const cudaError_t e = cudaGetDeviceCount(&count);
   if (e != cudaSuccess) {
