@@ -10,7 +10,7 @@
 #      cache bytes against kv/fp8.h on the host (its own line in the summary);
 #   3. starts a disaggregated cluster (`kvrelay up`, prefill and decode workers with
 #      --device cuda) per test architecture and checks its tokens equal co-located generation,
-#      again with --kv-cache-dtype fp8_e4m3 when the workers and `generate` take that flag;
+#      again with --kv-cache-dtype fp8_e4m3 when `up` and `generate` take that flag;
 #   4. times prefill tokens/s against cuBLAS alone at the same GEMM shapes (Llama-3-8B-shaped
 #      stack), decode tokens/s, and the staging copies' bandwidth against cudaMemcpy into pinned
 #      memory, printing the ratios (gpu_model_bench);
@@ -138,10 +138,11 @@ CO_DEVICE=()
 if [[ "${DEVICE}" != none ]] && "${KVRELAY}" generate --help 2>&1 | grep -q -- '--device'; then
   CO_DEVICE=(--device "${DEVICE}")
 fi
-# Each architecture with the model's KV dtype and, when the workers and `generate` take
-# --kv-cache-dtype, with an FP8 E4M3 cache on both sides of the comparison.
+# Each architecture with the model's KV dtype and, when `up` (which hands the flag to every
+# worker and the gateway) and `generate` take --kv-cache-dtype, with an FP8 E4M3 cache on both
+# sides of the comparison.
 KV_DTYPES=(model)
-if "${KVRELAY}" prefill --help 2>&1 | grep -q -- '--kv-cache-dtype' &&
+if "${KVRELAY}" up --help 2>&1 | grep -q -- '--kv-cache-dtype' &&
    "${KVRELAY}" generate --help 2>&1 | grep -q -- '--kv-cache-dtype'; then
   KV_DTYPES+=(fp8_e4m3)
 else
@@ -161,8 +162,8 @@ for case in llama:model deepseek_v3:model llama:fp8_e4m3 deepseek_v3:fp8_e4m3; d
   # timeout itself in the background, so that TERM to it reaches `up`, which stops its children.
   timeout --kill-after=10 180 "${KVRELAY}" up --model "${model}" --prefill 1 --decode 1 \
     --insecure --gateway-address 127.0.0.1:0 --http-address 127.0.0.1:0 \
-    --data-dir "${work}/data" --prefill-args "${WORKER_ARGS} ${KV_ARGS[*]}" \
-    --decode-args "${WORKER_ARGS} ${KV_ARGS[*]}" \
+    --data-dir "${work}/data" --prefill-args "${WORKER_ARGS}" --decode-args "${WORKER_ARGS}" \
+    "${KV_ARGS[@]}" \
     >"${work}/up.log" 2>&1 &
   up_pid=$!
   gateway=""
