@@ -127,7 +127,8 @@ PagedLayer MakePagedLayer(const kv::ModelLayout& layout, int group, int32_t inde
   l.dtype = layout.dtype();
   const int64_t bt = layout.block_tokens();
   if (g.kind == kv::LayerKind::kMlaLatent) {
-    // Elements per entry; for fp8 one element is one byte of the 656-byte-style entry.
+    // Elements per entry; for fp8 an element is one byte of the FlashMLA entry (latent E4M3,
+    // tile scales, bf16 rope: MlaEntryBytes).
     const int64_t entry = layout.MlaEntryBytes(group) / kv::DTypeBytes(layout.dtype());
     l.k_offset = l.v_offset = index_in_group * bt * entry;
     l.token_stride = entry;
