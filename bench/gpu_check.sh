@@ -6,9 +6,11 @@
 #   2. runs the CUDA tests with KVRELAY_REQUIRE_GPU=1, so a test that finds no device fails
 #      instead of skipping (the CUDA runner against the CPU runner on every test architecture:
 #      greedy tokens equal, logits close; staging, on_layer_done order, adopted prefixes,
-#      device argmax);
+#      device argmax), each architecture also with an FP8 E4M3 KV cache, and the FP8 kernels'
+#      cache bytes against kv/fp8.h on the host (its own line in the summary);
 #   3. starts a disaggregated cluster (`kvrelay up`, prefill and decode workers with
-#      --device cuda) per test architecture and checks its tokens equal co-located generation;
+#      --device cuda) per test architecture and checks its tokens equal co-located generation,
+#      again with --kv-cache-dtype fp8_e4m3 when `up` and `generate` take that flag;
 #   4. times prefill tokens/s against cuBLAS alone at the same GEMM shapes (Llama-3-8B-shaped
 #      stack), decode tokens/s, and the staging copies' bandwidth against cudaMemcpy into pinned
 #      memory, printing the ratios (gpu_model_bench);
@@ -112,6 +114,21 @@ else
   record "CUDA runner == CPU runner (greedy, per arch)" FAIL "model_cuda_test --gtest_filter=*MatchCpu*"
 fi
 
+# The FP8 E4M3 KV cache on its own line: the kernels' cache bytes and gathers equal kv/fp8.h on
+# the host, paged attention over fp8 equals host dequantisation, and the runner checks above
+# with an fp8 cache on both sides (the *_fp8 cases).
+out=$(KVRELAY_REQUIRE_GPU=1 LIMIT=300 bounded "${BUILD}/bin/tests/model_cuda_test" \
+      --gtest_filter='*Fp8*:*_fp8' 2>&1)
+rc=$?
+echo "${out}" | grep -E '^\[ +(OK|FAILED|SKIPPED) ' || true
+if ((rc == 0)) && ! echo "${out}" | grep -q '^\[  SKIPPED \]'; then
+  record "CUDA fp8 KV == kv/fp8.h (bytes, runner)" PASS \
+    "$(echo "${out}" | grep -c '^\[       OK \]') cases"
+else
+  record "CUDA fp8 KV == kv/fp8.h (bytes, runner)" FAIL \
+    "model_cuda_test --gtest_filter='*Fp8*:*_fp8'"
+fi
+
 echo "== disaggregated (kvrelay up, --device ${DEVICE}) == co-located"
 KVRELAY="${BUILD}/bin/kvrelay"
 WORKER_ARGS="--device ${DEVICE}"
@@ -121,7 +138,24 @@ CO_DEVICE=()
 if [[ "${DEVICE}" != none ]] && "${KVRELAY}" generate --help 2>&1 | grep -q -- '--device'; then
   CO_DEVICE=(--device "${DEVICE}")
 fi
-for arch in llama deepseek_v3; do
+# Each architecture with the model's KV dtype and, when `up` (which hands the flag to every
+# worker and the gateway) and `generate` take --kv-cache-dtype, with an FP8 E4M3 cache on both
+# sides of the comparison.
+KV_DTYPES=(model)
+if "${KVRELAY}" up --help 2>&1 | grep -q -- '--kv-cache-dtype' &&
+   "${KVRELAY}" generate --help 2>&1 | grep -q -- '--kv-cache-dtype'; then
+  KV_DTYPES+=(fp8_e4m3)
+else
+  record "disaggregated == co-located (fp8 KV)" WARN "no --kv-cache-dtype flag: not run"
+fi
+for case in llama:model deepseek_v3:model llama:fp8_e4m3 deepseek_v3:fp8_e4m3; do
+  arch=${case%%:*}
+  kv=${case#*:}
+  [[ " ${KV_DTYPES[*]} " == *" ${kv} "* ]] || continue
+  KV_ARGS=()
+  [[ "${kv}" != model ]] && KV_ARGS=(--kv-cache-dtype "${kv}")
+  label="${arch}"
+  [[ "${kv}" != model ]] && label="${arch}, ${kv} KV"
   work=$(mktemp -d /tmp/kvrelay-gpu-check-XXXXXX)
   model="${work}/model"
   "${KVRELAY}" make-test-model --arch "${arch}" --seed 5 --out "${model}" >/dev/null
@@ -129,6 +163,7 @@ for arch in llama deepseek_v3; do
   timeout --kill-after=10 180 "${KVRELAY}" up --model "${model}" --prefill 1 --decode 1 \
     --insecure --gateway-address 127.0.0.1:0 --http-address 127.0.0.1:0 \
     --data-dir "${work}/data" --prefill-args "${WORKER_ARGS}" --decode-args "${WORKER_ARGS}" \
+    "${KV_ARGS[@]}" \
     >"${work}/up.log" 2>&1 &
   up_pid=$!
   gateway=""
@@ -140,7 +175,7 @@ for arch in llama deepseek_v3; do
   done
   if [[ -z "${gateway}" ]]; then
     tail -30 "${work}/up.log"
-    record "disaggregated == co-located (${arch})" FAIL "the cluster did not start; ${work}/up.log"
+    record "disaggregated == co-located (${label})" FAIL "the cluster did not start; ${work}/up.log"
     kill -TERM "${up_pid}" 2>/dev/null; wait "${up_pid}" 2>/dev/null
     continue
   fi
@@ -149,22 +184,22 @@ for arch in llama deepseek_v3; do
   dis=$(LIMIT=120 bounded "${KVRELAY}" generate --gateway "${gateway}" --insecure \
         --tokens "${tokens}" --max-tokens 24 --json 2>"${work}/dis.err")
   co=$(LIMIT=120 bounded "${KVRELAY}" generate --colocated --model "${model}" "${CO_DEVICE[@]}" \
-       --tokens "${tokens}" --max-tokens 24 --json 2>"${work}/co.err")
+       "${KV_ARGS[@]}" --tokens "${tokens}" --max-tokens 24 --json 2>"${work}/co.err")
   kill -TERM "${up_pid}" 2>/dev/null
   wait "${up_pid}" 2>/dev/null
   dis_tokens=$(echo "${dis}" | "${PY}" -c 'import json,sys; print(json.load(sys.stdin)["tokens"])' 2>/dev/null)
   co_tokens=$(echo "${co}" | "${PY}" -c 'import json,sys; print(json.load(sys.stdin)["tokens"])' 2>/dev/null)
-  echo "  ${arch}: disaggregated ${dis_tokens:-<none>}"
-  echo "  ${arch}: co-located    ${co_tokens:-<none>} (${CO_DEVICE[*]:-cpu})"
+  echo "  ${label}: disaggregated ${dis_tokens:-<none>}"
+  echo "  ${label}: co-located    ${co_tokens:-<none>} (${CO_DEVICE[*]:-cpu})"
   if [[ -z "${dis_tokens}" || -z "${co_tokens}" ]]; then
     cat "${work}/dis.err" "${work}/co.err" | tail -10
-    record "disaggregated == co-located (${arch})" FAIL "a generate call failed; ${work}"
+    record "disaggregated == co-located (${label})" FAIL "a generate call failed; ${work}"
   elif [[ "${dis_tokens}" == "${co_tokens}" ]]; then
-    record "disaggregated == co-located (${arch})" PASS "24 tokens, reference ${CO_DEVICE[*]:-cpu}"
+    record "disaggregated == co-located (${label})" PASS "24 tokens, reference ${CO_DEVICE[*]:-cpu}"
   elif ((${#CO_DEVICE[@]} == 0)); then
-    record "disaggregated == co-located (${arch})" WARN "differs from the CPU reference (no --device on generate)"
+    record "disaggregated == co-located (${label})" WARN "differs from the CPU reference (no --device on generate)"
   else
-    record "disaggregated == co-located (${arch})" FAIL "tokens differ (reference ${CO_DEVICE[*]})"
+    record "disaggregated == co-located (${label})" FAIL "tokens differ (reference ${CO_DEVICE[*]})"
   fi
 done
 

@@ -3,6 +3,7 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "model/cuda/launch.h"
 #include "platform/cuda/cuda_util.h"
 
@@ -28,7 +29,8 @@ absl::StatusOr<internal::PagedLayerDesc> Desc(const PagedLayer& l) {
       d.dtype = internal::kCacheFp32;
       break;
     case kv::DType::kFp8:
-      return absl::UnimplementedError("cuda: fp8 cache entries are not implemented");
+      d.dtype = internal::kCacheFp8;
+      break;
   }
   if (l.base == nullptr || l.block_tokens <= 0 || l.slot_stride_bytes <= 0) {
     return absl::InvalidArgumentError("cuda: paged layer needs a base, block_tokens and stride");
@@ -40,7 +42,23 @@ absl::StatusOr<internal::PagedLayerDesc> Desc(const PagedLayer& l) {
   d.v_offset = l.v_offset;
   d.token_stride = l.token_stride;
   d.head_stride = l.head_stride;
+  d.k_scale_offset = l.k_scale_offset;
+  d.v_scale_offset = l.v_scale_offset;
+  d.mla_latent = l.mla_latent;
+  d.mla_scale_offset = l.mla_scale_offset;
+  d.mla_rope_offset = l.mla_rope_offset;
   return d;
+}
+
+// fp8 rows: attention values are whole KV heads (each one scale), an MLA row holds the latent.
+absl::Status CheckFp8Width(const PagedLayer& l, int64_t width, const char* what) {
+  if (l.dtype != kv::DType::kFp8) return absl::OkStatus();
+  const bool ok =
+      l.mla_latent > 0 ? width >= l.mla_latent : l.head_stride > 0 && width % l.head_stride == 0;
+  if (ok) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      what, ": fp8 width ", width, " is not whole ", l.mla_latent > 0 ? "latent" : "KV heads",
+      " (head_stride ", l.head_stride, ", latent ", l.mla_latent, ")"));
 }
 
 }  // namespace
@@ -109,16 +127,28 @@ PagedLayer MakePagedLayer(const kv::ModelLayout& layout, int group, int32_t inde
   l.dtype = layout.dtype();
   const int64_t bt = layout.block_tokens();
   if (g.kind == kv::LayerKind::kMlaLatent) {
-    const int64_t entry = g.latent_dim + g.rope_dim;
+    // Elements per entry; for fp8 an element is one byte of the FlashMLA entry (latent E4M3,
+    // tile scales, bf16 rope: MlaEntryBytes).
+    const int64_t entry = layout.MlaEntryBytes(group) / kv::DTypeBytes(layout.dtype());
     l.k_offset = l.v_offset = index_in_group * bt * entry;
     l.token_stride = entry;
     l.head_stride = 0;
+    if (layout.IsFp8()) {
+      l.mla_latent = g.latent_dim;
+      l.mla_scale_offset = layout.MlaScaleOffset(group);
+      l.mla_rope_offset = layout.MlaRopeOffset(group);
+    }
   } else {
+    // fp8: s.layer is the strip's bytes (values, then scales) and every element one byte.
     const kv::BlockStrides s = layout.Strides(group);
     l.k_offset = index_in_group * s.layer;
     l.v_offset = index_in_group * s.layer + s.kv;
     l.token_stride = s.token;
     l.head_stride = s.head;
+    if (layout.IsFp8()) {
+      l.k_scale_offset = index_in_group * s.layer + layout.Fp8ScaleOffset(group, 0, 0);
+      l.v_scale_offset = index_in_group * s.layer + layout.Fp8ScaleOffset(group, 1, 0);
+    }
   }
   return l;
 }
@@ -128,6 +158,7 @@ absl::Status WriteCache(const PagedLayer& layer, const float* k, const float* v,
                         const int32_t* block_tables, int32_t max_blocks, cudaStream_t stream) {
   absl::StatusOr<internal::PagedLayerDesc> d = Desc(layer);
   if (!d.ok()) return d.status();
+  KV_RETURN_IF_ERROR(CheckFp8Width(layer, width, "cuda WriteCache"));
   return Check(internal::LaunchWriteCache(*d, k, v, ldk, ldv, width, rows, positions, block_tables,
                                           max_blocks, stream),
                "WriteCacheKernel");
@@ -138,6 +169,7 @@ absl::Status GatherCache(const PagedLayer& layer, const int32_t* block_table, in
                          cudaStream_t stream) {
   absl::StatusOr<internal::PagedLayerDesc> d = Desc(layer);
   if (!d.ok()) return d.status();
+  KV_RETURN_IF_ERROR(CheckFp8Width(layer, width, "cuda GatherCache"));
   return Check(
       internal::LaunchGatherCache(*d, block_table, begin, end, width, k_out, v_out, stream),
       "GatherCacheKernel");

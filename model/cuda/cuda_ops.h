@@ -2,7 +2,8 @@
 
 // CUDA launchers for the model's kernels. Each mirrors a CPU function in model/cpu_ops.h (the
 // reference) and cuda_ops_test.cc checks it against that function with the tolerance stated
-// here. All activations are fp32; cache entries bf16, fp16 or fp32 as the layout says.
+// here. All activations are fp32; cache entries bf16, fp16, fp32 or FP8 E4M3 with their scales
+// (kv/fp8.h, kv/model_layout.h) as the layout says.
 // Launchers validate their arguments and return Status; errors of the launch itself come back
 // from cudaGetLastError. Every pointer is a device pointer unless named *_host.
 
@@ -51,6 +52,8 @@ absl::Status Embed(const void* table, bool table_bf16, const int32_t* tokens, in
 // Where one layer's entries sit inside a paged pool of (group, block) units:
 //   entry(slot, t) = base + slot * slot_stride_bytes + (offset + t * token_stride) * dtype bytes
 // with offset = K's (or V's) element offset of the layer inside the unit (kv/model_layout.h).
+// fp8 counts one byte per element, so offsets and strides are bytes, and an MLA "element" of
+// the entry stride is a byte of the whole FlashMLA entry (latent, scales, bf16 rope).
 struct PagedLayer {
   uint8_t* base = nullptr;
   int64_t slot_stride_bytes = 0;
@@ -60,6 +63,15 @@ struct PagedLayer {
   int64_t v_offset = 0;      // elements (MLA: same as k_offset; values are the latent part)
   int64_t token_stride = 0;  // elements between tokens of a block
   int64_t head_stride = 0;   // elements between KV heads (MLA: 0)
+  // fp8 attention only: byte offset inside the unit of this layer's float32 K scales, one per
+  // KV head 4 bytes apart (Fp8ScaleOffset), and of its V scales. 0 otherwise.
+  int64_t k_scale_offset = 0;
+  int64_t v_scale_offset = 0;
+  // fp8 MLA only: latent_dim, and where an entry's float32 tile scales and bf16 rope key start
+  // inside it (MlaScaleOffset, MlaRopeOffset). 0 otherwise.
+  int32_t mla_latent = 0;
+  int64_t mla_scale_offset = 0;
+  int64_t mla_rope_offset = 0;
 };
 // The PagedLayer of model layer `layer` in a pool laid out as `layout` says.
 PagedLayer MakePagedLayer(const kv::ModelLayout& layout, int group, int32_t index_in_group,
@@ -69,12 +81,23 @@ PagedLayer MakePagedLayer(const kv::ModelLayout& layout, int group, int32_t inde
 // entry block_tables[r * max_blocks + pos[r] / block_tokens] at token pos[r] % block_tokens.
 // width values per row (num_kv_heads * head_dim, or latent + rope). Bit-exact with
 // StoreCacheValues at KvCache::EntryAddress.
+// fp8 (kv/fp8.h, the same functions compiled for the device, so the bytes equal the CPU's):
+//   attention: a row at a block's first token (pos % block_tokens == 0) sets the block's scale
+//     of each (K or V, KV head) to Fp8BlockScaleExp(Fp8FiniteAmax of its head_dim values) and
+//     stores the float32 2^k; every row then quantises with its block's stored scale. A first
+//     pass writes the scales of the launch's block-start rows, a second the values, so rows
+//     of one block in one launch (a prefill) see their first token's scale; a block whose first
+//     token an earlier call wrote keeps the scale stored then.
+//   MLA: per row and 128-value latent tile Fp8TileScaleExp(tile amax), stored in the entry;
+//     the rope key as bf16.
+// REQUIRES for fp8 attention: width == num_kv_heads * head_dim (heads head_stride apart).
 absl::Status WriteCache(const PagedLayer& layer, const float* k, const float* v, int64_t ldk,
                         int64_t ldv, int64_t width, int64_t rows, const int64_t* positions,
                         const int32_t* block_tables, int32_t max_blocks, cudaStream_t stream);
 
 // Gathers positions [begin, end) of one sequence (block_table [max_blocks]) into contiguous
-// fp32 rows of `width`: K into k_out, V into v_out (unless null). Bit-exact with GatherLayer.
+// fp32 rows of `width`: K into k_out, V into v_out (unless null). Bit-exact with GatherLayer
+// (fp8: DequantizeE4M3 with the stored scale; the MLA rope key from bf16).
 absl::Status GatherCache(const PagedLayer& layer, const int32_t* block_table, int64_t begin,
                          int64_t end, int64_t width, float* k_out, float* v_out,
                          cudaStream_t stream);

@@ -253,6 +253,23 @@ absl::Status CopyToHost(const DeviceMirror& mirror, int g, const PoolCopy& copy,
       what);
 }
 
+// Each decoded token's entries, back to the host pools on `stream` (after every layer): per
+// (row, group) 2D copies of the token's row in each layer's K and V (or MLA) plane and, for fp8
+// at a block's first token, the scales it set (TokenEntryCopies). Rows before their append.
+absl::Status CopyDecodedEntriesToHost(const DeviceMirror& mirror,
+                                      absl::Span<const Sequence* const> rows, cudaStream_t stream) {
+  for (const Sequence* s : rows) {
+    const int64_t pos = s->num_tokens();
+    const int64_t bt = s->cache().layout().block_tokens();
+    for (int g = 0; g < s->cache().num_groups(); ++g) {
+      for (const PoolCopy& c : TokenEntryCopies(s->cache(), g, s->blocks(g)[pos / bt], pos)) {
+        KV_RETURN_IF_ERROR(CopyToHost(mirror, g, c, stream, "cudaMemcpy2DAsync(decode entries)"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::vector<float>> CudaRunner::Prefill(Sequence& seq,
                                                        absl::Span<const int32_t> tokens,
                                                        const PrefillOptions& options) const {
@@ -413,17 +430,7 @@ absl::Status CudaRunner::Decode(absl::Span<Sequence* const> seqs, absl::Span<con
     batch.block_tables = BlockTables(row_seqs, max_blocks);
     status = model_->Enqueue(batch);
     if (!status.ok()) break;
-    // Each new token's entries, back to the host pools on the compute stream (after every
-    // layer): per (row, group) one 2D copy of the token's row in each layer's K and V (or MLA)
-    // plane, which sit block_tokens rows apart inside the unit (kv/model_layout.h).
-    for (int64_t r = 0; status.ok() && r < rows; ++r) {
-      const Sequence& s = *seqs[members[r]];
-      const int64_t pos = s.num_tokens();
-      for (int g = 0; status.ok() && g < num_groups; ++g) {
-        status = CopyToHost(*mirror, g, TokenEntryCopy(cache, g, s.blocks(g)[pos / bt], pos),
-                            compute_stream(), "cudaMemcpy2DAsync(decode entries)");
-      }
-    }
+    status = CopyDecodedEntriesToHost(*mirror, row_seqs, compute_stream());
     if (!status.ok()) break;
     // Waits for the stream: logits (or ids) and the staged entries.
     if (logits != nullptr) {
@@ -514,9 +521,6 @@ absl::Status CheckOptions(const CudaRunnerOptions& options) {
 absl::StatusOr<std::string> CheckConfigAndDevice(const kv::ModelConfig& config,
                                                  const CudaRunnerOptions& options) {
   KV_RETURN_IF_ERROR(CudaModelSupports(config));
-  if (config.layout.dtype() == kv::DType::kFp8) {
-    return absl::UnimplementedError("cuda runner: fp8 KV cache entries are not implemented");
-  }
   int count = 0;
   const cudaError_t e = cudaGetDeviceCount(&count);
   if (e != cudaSuccess) {

@@ -2,19 +2,22 @@
 // greedy tokens equal and logits close through prefill and continuous-batching decode, the host
 // pools holding exactly the device mirror's bytes after every call (staging), on_layer_done in
 // layer order with the layer's bytes already in the host pool, adopted prefixes uploaded before
-// they are read, DecodeStepGreedy's device argmax equal to host Greedy. GPU tests skip without
-// a device, or fail with KVRELAY_REQUIRE_GPU=1 (bench/gpu_check.sh sets it); the refusal of
-// Gemma 3 and Mamba happens before any device use and runs everywhere.
+// they are read, DecodeStepGreedy's device argmax equal to host Greedy; each architecture with
+// its own cache dtype and with an FP8 E4M3 cache (scales staged with the values). GPU tests
+// skip without a device, or fail with KVRELAY_REQUIRE_GPU=1 (bench/gpu_check.sh sets it); the
+// refusal of Gemma 3 and Mamba happens before any device use and runs everywhere.
 
 #include "model/cuda/cuda_runner.h"
 
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "kv/hf_config.h"
 #include "model/cuda/cuda_ops.h"
 #include "model/cuda/skip_without_gpu.h"
 #include "model/model_runner.h"
@@ -55,6 +58,7 @@ struct Arch {
   std::string name;
   std::string arch;
   std::string patch;
+  std::optional<kv::DType> kv_dtype;  // the KV cache's dtype when not the model's (fp8_e4m3)
 };
 
 void PrintTo(const Arch& arch, std::ostream* os) { *os << arch.name; }
@@ -62,10 +66,18 @@ void PrintTo(const Arch& arch, std::ostream* os) { *os << arch.name; }
 std::vector<Arch> TestArchs() {
   // The presets' rope_scaling as they come (tiny-llama: llama3; tiny-deepseek_v3: yarn with
   // mscale), and a plain-RoPE sliding-window model.
-  return {{"llama", "llama", ""},
-          {"deepseek_v3", "deepseek_v3", ""},
-          {"mistral_window", "llama",
-           R"({"model_type": "mistral", "sliding_window": 24, "rope_scaling": null})"}};
+  // The same with an FP8 E4M3 cache on both sides: both quantise K/V with kv/fp8.h, so the
+  // logits stay as close as the bf16 cache's (a code or a scale flips only where the two
+  // backends' K/V straddle a rounding boundary); the host pool must hold the device's bytes,
+  // block scales included, after every call.
+  const std::string window =
+      R"({"model_type": "mistral", "sliding_window": 24, "rope_scaling": null})";
+  return {{"llama", "llama", "", std::nullopt},
+          {"deepseek_v3", "deepseek_v3", "", std::nullopt},
+          {"mistral_window", "llama", window, std::nullopt},
+          {"llama_fp8", "llama", "", kv::DType::kFp8},
+          {"deepseek_v3_fp8", "deepseek_v3", "", kv::DType::kFp8},
+          {"mistral_window_fp8", "llama", window, kv::DType::kFp8}};
 }
 
 class CudaRunnerTest : public ::testing::TestWithParam<Arch> {
@@ -77,15 +89,24 @@ class CudaRunnerTest : public ::testing::TestWithParam<Arch> {
     o.seed = 11;
     o.config_patch = GetParam().patch;
     KV_ASSERT_OK(WriteTestModel(dir_.path(), o));
-    KV_ASSERT_OK_AND_ASSIGN(cpu_, ModelRunner::Load(dir_.path()));
+    kv::ConfigOptions config_options;
+    config_options.kv_dtype = GetParam().kv_dtype;
+    KV_ASSERT_OK_AND_ASSIGN(config_,
+                            kv::LoadHfConfig(dir_.path() + "/config.json", config_options));
+    KV_ASSERT_OK_AND_ASSIGN(cpu_, ModelRunner::Load(dir_.path(), config_, RunnerOptions{}));
     CudaRunnerOptions options;
     options.weight_dtype = WeightDType::kFp32;  // close to the CPU's fp32 GEMMs
     options.max_rows = 64;
     options.max_context = 256;
-    KV_ASSERT_OK_AND_ASSIGN(gpu_, LoadCudaRunner(dir_.path(), options));
+    KV_ASSERT_OK_AND_ASSIGN(gpu_, LoadGpu(options));
     KV_ASSERT_OK_AND_ASSIGN(cpu_cache_, KvCache::Create(cpu_->layout(), 32));
     KV_ASSERT_OK_AND_ASSIGN(gpu_cache_, KvCache::Create(gpu_->layout(), 32));
     for (int i = 0; i < 96; ++i) tokens_.push_back((i * 37 + 5) % cpu_->config().vocab_size);
+  }
+
+  // A CUDA runner of the test model with this test's KV dtype.
+  absl::StatusOr<std::unique_ptr<AttentionModel>> LoadGpu(const CudaRunnerOptions& options) {
+    return LoadCudaRunner(dir_.path(), config_, options);
   }
 
   // Every live unit of `seq` holds the same bytes in the host pool and on the device.
@@ -108,6 +129,7 @@ class CudaRunnerTest : public ::testing::TestWithParam<Arch> {
   }
 
   testing::TempDir dir_;
+  kv::ModelConfig config_;
   std::unique_ptr<ModelRunner> cpu_;
   std::unique_ptr<AttentionModel> gpu_;
   std::unique_ptr<KvCache> cpu_cache_, gpu_cache_;
@@ -279,8 +301,7 @@ TEST_P(CudaRunnerTest, DecodeOverTwoCachesBeyondMaxRowsMatchesCpu) {
   options.weight_dtype = WeightDType::kFp32;
   options.max_rows = 2;
   options.max_context = 256;
-  KV_ASSERT_OK_AND_ASSIGN(std::unique_ptr<AttentionModel> small,
-                          LoadCudaRunner(dir_.path(), options));
+  KV_ASSERT_OK_AND_ASSIGN(std::unique_ptr<AttentionModel> small, LoadGpu(options));
   KV_ASSERT_OK_AND_ASSIGN(auto cache_a, KvCache::Create(small->layout(), 16));
   KV_ASSERT_OK_AND_ASSIGN(auto cache_b, KvCache::Create(small->layout(), 16));
   constexpr int kSeqs = 5;
@@ -332,8 +353,7 @@ TEST_P(CudaRunnerTest, PrepareCacheMirrorsOnceAndRefusesAnotherRunner) {
   CudaRunnerOptions small;
   small.max_rows = 2;
   small.max_context = 256;
-  KV_ASSERT_OK_AND_ASSIGN(std::unique_ptr<AttentionModel> other,
-                          LoadCudaRunner(dir_.path(), small));
+  KV_ASSERT_OK_AND_ASSIGN(std::unique_ptr<AttentionModel> other, LoadGpu(small));
   EXPECT_THAT(other->PrepareCache(*gpu_cache_),
               testing::StatusIs(absl::StatusCode::kFailedPrecondition,
                                 ::testing::HasSubstr("another device runner")));

@@ -70,8 +70,24 @@ cudaError_t LaunchWriteCache(PagedLayerDesc layer, const float* k, const float* 
                              int64_t ldv, int64_t width, int64_t rows, const int64_t* positions,
                              const int32_t* block_tables, int32_t max_blocks, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
-  WriteCacheKernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
-      layer, k, v, ldk, ldv, width, positions, block_tables, max_blocks);
+  const unsigned grid = static_cast<unsigned>(rows);
+  if (layer.dtype != kCacheFp8) {
+    WriteCacheKernel<<<grid, kThreads, 0, stream>>>(layer, k, v, ldk, ldv, width, positions,
+                                                    block_tables, max_blocks);
+    return cudaGetLastError();
+  }
+  if (layer.mla_latent > 0) {
+    Fp8MlaWriteKernel<<<grid, kThreads, 0, stream>>>(layer, k, ldk, width, positions, block_tables,
+                                                     max_blocks);
+    return cudaGetLastError();
+  }
+  // Two launches on one stream: every block-start row's scales are stored before any row of
+  // the same block (in this launch's rows) reads them to quantise.
+  Fp8BlockScalesKernel<<<grid, kThreads, 0, stream>>>(layer, k, v, ldk, ldv, width, positions,
+                                                      block_tables, max_blocks);
+  if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  Fp8WriteValuesKernel<<<grid, kThreads, 0, stream>>>(layer, k, v, ldk, ldv, width, positions,
+                                                      block_tables, max_blocks);
   return cudaGetLastError();
 }
 

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "kv/fp8.h"
 #include "model/cuda/launch.h"
 
 namespace kvrelay::model::cuda::internal {
@@ -38,7 +39,53 @@ __device__ __forceinline__ void StoreEntry(uint8_t* p, int32_t dtype, float f) {
     *reinterpret_cast<uint16_t*>(p) = __half_as_ushort(__float2half_rn(f));
   }
 }
-__device__ __forceinline__ int DTypeBytesDev(int32_t dtype) { return dtype == kCacheFp32 ? 4 : 2; }
+__device__ __forceinline__ int DTypeBytesDev(int32_t dtype) {
+  return dtype == kCacheFp32 ? 4 : (dtype == kCacheFp8 ? 1 : 2);
+}
+
+// Little-endian byte loads and stores: fp8 scales and the fp8 MLA entry's bf16 rope key sit at
+// offsets the layout does not align (kv/model_layout.h), and the CPU writes them with memcpy.
+__device__ __forceinline__ float LoadF32Bytes(const uint8_t* p) {
+  return __uint_as_float(static_cast<uint32_t>(p[0]) | static_cast<uint32_t>(p[1]) << 8 |
+                         static_cast<uint32_t>(p[2]) << 16 | static_cast<uint32_t>(p[3]) << 24);
+}
+__device__ __forceinline__ void StoreF32Bytes(uint8_t* p, float f) {
+  const uint32_t b = __float_as_uint(f);
+  p[0] = static_cast<uint8_t>(b);
+  p[1] = static_cast<uint8_t>(b >> 8);
+  p[2] = static_cast<uint8_t>(b >> 16);
+  p[3] = static_cast<uint8_t>(b >> 24);
+}
+__device__ __forceinline__ uint16_t LoadU16Bytes(const uint8_t* p) {
+  return static_cast<uint16_t>(p[0] | p[1] << 8);
+}
+__device__ __forceinline__ void StoreU16Bytes(uint8_t* p, uint16_t v) {
+  p[0] = static_cast<uint8_t>(v);
+  p[1] = static_cast<uint8_t>(v >> 8);
+}
+
+// The k of a stored block scale 2^k: its float exponent, clamped as every scale exponent is.
+// A block only ever stores Fp8ScaleFromExp(k) with k in range, for which this gives k back.
+__device__ __forceinline__ int32_t StoredScaleExp(float scale) {
+  return kv::Fp8ClampScaleExp(static_cast<int32_t>((__float_as_uint(scale) >> 23) & 0xFFu) - 127);
+}
+
+// Value i of a cache entry as fp32. `entry` is the entry's first value (attention: of the head
+// the caller reads, or of head 0 when i spans heads), `scale` the byte address of the float32
+// scale of the value's (K or V, KV head) for fp8 attention, unused otherwise. fp8 values are
+// kv::DequantizeE4M3 with the stored scale, exactly as the CPU's GatherLayer; an fp8 MLA entry
+// is latent_dim E4M3 values with one scale per kFp8MlaTile of them, then the rope key in bf16.
+__device__ __forceinline__ float LoadCacheValue(const PagedLayerDesc& l, const uint8_t* entry,
+                                                const uint8_t* scale, int64_t i) {
+  if (l.dtype != kCacheFp8) return LoadEntry(entry + i * DTypeBytesDev(l.dtype), l.dtype);
+  if (l.mla_latent == 0) return kv::DequantizeE4M3(entry[i], LoadF32Bytes(scale));
+  if (i < l.mla_latent) {
+    const uint8_t* tile_scale =
+        entry + l.mla_scale_offset + (i / kv::kFp8MlaTile) * kv::kFp8ScaleBytes;
+    return kv::DequantizeE4M3(entry[i], LoadF32Bytes(tile_scale));
+  }
+  return Bf16ToFloatDev(LoadU16Bytes(entry + l.mla_rope_offset + (i - l.mla_latent) * 2));
+}
 
 // Block-wide reductions; blockDim.x is a multiple of 32 and <= 1024.
 __device__ __forceinline__ float WarpSum(float v) {
@@ -49,6 +96,16 @@ __device__ __forceinline__ float WarpMax(float v) {
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
 }
+// kv::Fp8FiniteAmax(x, n) computed by one whole warp (every lane calls it with the same x, n):
+// each lane takes it over its own contiguous chunk, then the warp the max of those. A max of
+// non-negative finite floats (or 0) is exact in any order, so the result is Fp8FiniteAmax's.
+__device__ __forceinline__ float WarpFiniteAmax(const float* x, int64_t n) {
+  const int64_t chunk = (n + 31) / 32;
+  const int64_t lo = min(n, static_cast<int64_t>(threadIdx.x & 31) * chunk);
+  const int64_t hi = min(n, lo + chunk);
+  return WarpMax(kv::Fp8FiniteAmax(x + lo, hi - lo));
+}
+
 template <bool kMax>
 __device__ float BlockReduce(float v, float* shared /* >= 32 floats */) {
   v = kMax ? WarpMax(v) : WarpSum(v);
@@ -155,10 +212,12 @@ __global__ void EmbedKernel(const void* table, bool table_bf16, const int32_t* t
   }
 }
 
+__device__ __forceinline__ uint8_t* UnitPtr(const PagedLayerDesc& l, int32_t slot) {
+  return l.base + static_cast<int64_t>(slot) * l.slot_stride_bytes;
+}
 __device__ __forceinline__ uint8_t* EntryPtr(const PagedLayerDesc& l, int32_t slot, int64_t t,
                                              int64_t offset) {
-  return l.base + static_cast<int64_t>(slot) * l.slot_stride_bytes +
-         (offset + t * l.token_stride) * DTypeBytesDev(l.dtype);
+  return UnitPtr(l, slot) + (offset + t * l.token_stride) * DTypeBytesDev(l.dtype);
 }
 
 // One block per row.
@@ -178,18 +237,99 @@ __global__ void WriteCacheKernel(PagedLayerDesc l, const float* k, const float* 
   }
 }
 
-// One block per position.
+// fp8 attention, first pass of a cache write (one block per row): a row at its block's first
+// token sets the block's scale of each (K or V, KV head), one warp per pair, from the row's
+// own head_dim values (heads head_stride apart, head_stride == head_dim in kNHD).
+__global__ void Fp8BlockScalesKernel(PagedLayerDesc l, const float* k, const float* v, int64_t ldk,
+                                     int64_t ldv, int64_t width, const int64_t* positions,
+                                     const int32_t* block_tables, int32_t max_blocks) {
+  const int64_t r = blockIdx.x;
+  const int64_t pos = positions[r];
+  if (pos % l.block_tokens != 0) return;  // uniform over the block: no warp is split
+  uint8_t* unit = UnitPtr(l, block_tables[r * max_blocks + pos / l.block_tokens]);
+  const int64_t head_dim = l.head_stride;
+  const int64_t heads = width / head_dim;
+  const int64_t pairs = (v != nullptr ? 2 : 1) * heads;
+  const int lane = threadIdx.x & 31;
+  for (int64_t u = threadIdx.x >> 5; u < pairs; u += blockDim.x >> 5) {
+    const bool is_v = u >= heads;
+    const int64_t h = is_v ? u - heads : u;
+    const float* x = (is_v ? v + r * ldv : k + r * ldk) + h * head_dim;
+    const float amax = WarpFiniteAmax(x, head_dim);
+    if (lane == 0) {
+      uint8_t* scale = unit + (is_v ? l.v_scale_offset : l.k_scale_offset) + h * kv::kFp8ScaleBytes;
+      StoreF32Bytes(scale, kv::Fp8ScaleFromExp(kv::Fp8BlockScaleExp(amax)));
+    }
+  }
+}
+
+// fp8 attention, second pass (one block per row): every value quantised with its block's
+// stored scale, written by the first pass or by the call that wrote the block's first token.
+__global__ void Fp8WriteValuesKernel(PagedLayerDesc l, const float* k, const float* v, int64_t ldk,
+                                     int64_t ldv, int64_t width, const int64_t* positions,
+                                     const int32_t* block_tables, int32_t max_blocks) {
+  const int64_t r = blockIdx.x;
+  const int64_t pos = positions[r];
+  const int32_t slot = block_tables[r * max_blocks + pos / l.block_tokens];
+  const int64_t t = pos % l.block_tokens;
+  const uint8_t* unit = UnitPtr(l, slot);
+  uint8_t* kd = EntryPtr(l, slot, t, l.k_offset);
+  uint8_t* vd = EntryPtr(l, slot, t, l.v_offset);
+  for (int64_t i = threadIdx.x; i < width; i += blockDim.x) {
+    const int64_t scale_at = (i / l.head_stride) * kv::kFp8ScaleBytes;
+    const float ks = LoadF32Bytes(unit + l.k_scale_offset + scale_at);
+    kd[i] = kv::QuantizeE4M3(k[r * ldk + i], StoredScaleExp(ks));
+    if (v != nullptr) {
+      const float vs = LoadF32Bytes(unit + l.v_scale_offset + scale_at);
+      vd[i] = kv::QuantizeE4M3(v[r * ldv + i], StoredScaleExp(vs));
+    }
+  }
+}
+
+// fp8 MLA (one block per row): per kFp8MlaTile latent values one warp computes the tile's
+// scale, stores it in the entry and quantises the tile with it; the rope key goes in as bf16.
+// Each entry holds its own scales, so rows are independent.
+__global__ void Fp8MlaWriteKernel(PagedLayerDesc l, const float* x, int64_t ldx, int64_t width,
+                                  const int64_t* positions, const int32_t* block_tables,
+                                  int32_t max_blocks) {
+  const int64_t r = blockIdx.x;
+  const int64_t pos = positions[r];
+  const int32_t slot = block_tables[r * max_blocks + pos / l.block_tokens];
+  uint8_t* entry = EntryPtr(l, slot, pos % l.block_tokens, l.k_offset);
+  const float* xr = x + r * ldx;
+  const int64_t latent = l.mla_latent;
+  const int64_t tiles = (latent + kv::kFp8MlaTile - 1) / kv::kFp8MlaTile;
+  const int lane = threadIdx.x & 31;
+  for (int64_t tile = threadIdx.x >> 5; tile < tiles; tile += blockDim.x >> 5) {
+    const int64_t begin = tile * kv::kFp8MlaTile;
+    const int64_t n = min(static_cast<int64_t>(kv::kFp8MlaTile), latent - begin);
+    const int32_t k = kv::Fp8TileScaleExp(WarpFiniteAmax(xr + begin, n));
+    if (lane == 0) {
+      StoreF32Bytes(entry + l.mla_scale_offset + tile * kv::kFp8ScaleBytes, kv::Fp8ScaleFromExp(k));
+    }
+    for (int64_t i = lane; i < n; i += 32) entry[begin + i] = kv::QuantizeE4M3(xr[begin + i], k);
+  }
+  for (int64_t i = threadIdx.x; i < width - latent; i += blockDim.x) {
+    StoreU16Bytes(entry + l.mla_rope_offset + 2 * i, FloatToBf16Dev(xr[latent + i]));
+  }
+}
+
+// One block per position. fp8 attention: value i belongs to KV head i / head_stride.
 __global__ void GatherCacheKernel(PagedLayerDesc l, const int32_t* block_table, int64_t begin,
                                   int64_t width, float* k_out, float* v_out) {
   const int64_t p = begin + blockIdx.x;
   const int32_t slot = block_table[p / l.block_tokens];
   const int64_t t = p % l.block_tokens;
-  const int esize = DTypeBytesDev(l.dtype);
+  const uint8_t* unit = UnitPtr(l, slot);
   const uint8_t* ks = EntryPtr(l, slot, t, l.k_offset);
   const uint8_t* vs = EntryPtr(l, slot, t, l.v_offset);
+  const bool fp8_heads = l.dtype == kCacheFp8 && l.mla_latent == 0;
   for (int64_t i = threadIdx.x; i < width; i += blockDim.x) {
-    k_out[blockIdx.x * width + i] = LoadEntry(ks + i * esize, l.dtype);
-    if (v_out != nullptr) v_out[blockIdx.x * width + i] = LoadEntry(vs + i * esize, l.dtype);
+    const int64_t scale_at = fp8_heads ? (i / l.head_stride) * kv::kFp8ScaleBytes : 0;
+    k_out[blockIdx.x * width + i] = LoadCacheValue(l, ks, unit + l.k_scale_offset + scale_at, i);
+    if (v_out != nullptr) {
+      v_out[blockIdx.x * width + i] = LoadCacheValue(l, vs, unit + l.v_scale_offset + scale_at, i);
+    }
   }
 }
 
@@ -207,16 +347,19 @@ __global__ void PagedAttentionKernel(PagedLayerDesc l, AttentionDesc p) {
   __syncthreads();
   const int64_t kv_head = head / p.group_size;
   const int32_t* table = p.block_tables + row * p.max_blocks;
-  const int esize = DTypeBytesDev(l.dtype);
   float* scores = p.scratch + static_cast<int64_t>(blockIdx.x) * p.max_context;
+  // fp8 attention: this KV head's scale sits at the same offset in every unit.
+  const int64_t head_scale = kv_head * kv::kFp8ScaleBytes;
 
   float local_max = -INFINITY;
   for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
     const int64_t t = first + j;
-    const uint8_t* key = EntryPtr(l, table[t / l.block_tokens], t % l.block_tokens,
-                                  l.k_offset + kv_head * l.head_stride);
+    const int32_t slot = table[t / l.block_tokens];
+    const uint8_t* key =
+        EntryPtr(l, slot, t % l.block_tokens, l.k_offset + kv_head * l.head_stride);
+    const uint8_t* key_scale = UnitPtr(l, slot) + l.k_scale_offset + head_scale;
     float dot = 0.0f;
-    for (int i = 0; i < p.qk_dim; ++i) dot += q_shared[i] * LoadEntry(key + i * esize, l.dtype);
+    for (int i = 0; i < p.qk_dim; ++i) dot += q_shared[i] * LoadCacheValue(l, key, key_scale, i);
     dot *= p.scale;
     scores[j] = dot;
     local_max = fmaxf(local_max, dot);
@@ -235,9 +378,11 @@ __global__ void PagedAttentionKernel(PagedLayerDesc l, AttentionDesc p) {
     float acc = 0.0f;
     for (int64_t j = 0; j < n; ++j) {
       const int64_t t = first + j;
-      const uint8_t* value = EntryPtr(l, table[t / l.block_tokens], t % l.block_tokens,
-                                      l.v_offset + kv_head * l.head_stride);
-      acc += scores[j] * LoadEntry(value + d * esize, l.dtype);
+      const int32_t slot = table[t / l.block_tokens];
+      const uint8_t* value =
+          EntryPtr(l, slot, t % l.block_tokens, l.v_offset + kv_head * l.head_stride);
+      const uint8_t* value_scale = UnitPtr(l, slot) + l.v_scale_offset + head_scale;
+      acc += scores[j] * LoadCacheValue(l, value, value_scale, d);
     }
     out[d] = acc * inv;
   }

@@ -10,8 +10,9 @@
 
 namespace kvrelay::model::cuda::internal {
 
-enum CacheDType : int { kCacheBf16 = 0, kCacheFp16 = 1, kCacheFp32 = 2 };
+enum CacheDType : int { kCacheBf16 = 0, kCacheFp16 = 1, kCacheFp32 = 2, kCacheFp8 = 3 };
 
+// See cuda_ops.h PagedLayer (offsets in elements; an fp8 element is one byte).
 struct PagedLayerDesc {
   uint8_t* base;
   int64_t slot_stride_bytes;
@@ -21,6 +22,14 @@ struct PagedLayerDesc {
   int64_t v_offset;
   int64_t token_stride;
   int64_t head_stride;
+  // fp8 attention: byte offsets inside a unit of the layer's K and V scales (head h at + 4 h).
+  int64_t k_scale_offset;
+  int64_t v_scale_offset;
+  // fp8 MLA (mla_latent > 0): latent values, then their tile scales at mla_scale_offset, then
+  // the bf16 rope key at mla_rope_offset (bytes inside an entry).
+  int32_t mla_latent;
+  int64_t mla_scale_offset;
+  int64_t mla_rope_offset;
 };
 
 struct AttentionDesc {

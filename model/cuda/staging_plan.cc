@@ -57,21 +57,41 @@ std::vector<PoolCopy> LayerStripCopies(const KvCache& cache, int32_t layer,
   return copies;
 }
 
-PoolCopy TokenEntryCopy(const KvCache& cache, int group, kv::SlotId slot, int64_t position) {
-  const kv::ModelLayout& layout = cache.layout();
+std::vector<PoolCopy> TokenEntryCopies(const KvCache& cache, int group, kv::SlotId slot,
+                                       int64_t position) {
+  return TokenEntryCopies(cache.layout(), group,
+                          static_cast<int64_t>(cache.pool(group).slot_stride()), slot, position);
+}
+
+std::vector<PoolCopy> TokenEntryCopies(const kv::ModelLayout& layout, int group,
+                                       int64_t slot_stride_bytes, kv::SlotId slot,
+                                       int64_t position) {
   const kv::LayerGroup& grp = layout.groups()[group];
   KV_CHECK(grp.kind != kv::LayerKind::kSsmState && slot >= 0);
-  const bool mla = grp.kind == kv::LayerKind::kMlaLatent;
   const int64_t bt = layout.block_tokens();
-  const int64_t entry_bytes =
-      (mla ? int64_t{grp.latent_dim} + grp.rope_dim : int64_t{grp.num_kv_heads} * grp.head_dim) *
-      kv::DTypeBytes(layout.dtype());
-  // kNHD: a layer's K and V (or its MLA entries) are planes of block_tokens rows, one after the
-  // other (kv/model_layout.h).
-  const int64_t planes = mla ? grp.num_layers() : 2 * int64_t{grp.num_layers()};
-  const int64_t stride = static_cast<int64_t>(cache.pool(group).slot_stride());
-  return {int64_t{slot} * stride + (position % bt) * entry_bytes, bt * entry_bytes, entry_bytes,
-          planes};
+  const int64_t t = position % bt;
+  const int64_t unit = int64_t{slot} * slot_stride_bytes;
+  const int64_t layers = grp.num_layers();
+  if (grp.kind == kv::LayerKind::kMlaLatent) {
+    // Per layer a plane of block_tokens entries (fp8: latent, tile scales, bf16 rope each).
+    const int64_t entry = layout.MlaEntryBytes(group);
+    return {{unit + t * entry, bt * entry, entry, layers}};
+  }
+  const int64_t entry = int64_t{grp.num_kv_heads} * grp.head_dim * kv::DTypeBytes(layout.dtype());
+  const int64_t plane = bt * entry;
+  if (!layout.IsFp8()) {
+    // kNHD: a layer's K and V planes, then the next layer's, back to back (kv/model_layout.h).
+    return {{unit + t * entry, plane, entry, 2 * layers}};
+  }
+  // fp8: each layer strip is its K plane, its V plane, then its scales.
+  const int64_t strip = layout.LayerStripBytes(group);
+  std::vector<PoolCopy> copies = {{unit + t * entry, strip, entry, layers},
+                                  {unit + plane + t * entry, strip, entry, layers}};
+  if (t == 0) {
+    const int64_t scales = layout.Fp8ScaleOffset(group, 0, 0);
+    copies.push_back({unit + scales, strip, strip - scales, layers});
+  }
+  return copies;
 }
 
 std::vector<RowRange> PrefillChunks(int64_t n, int64_t max_rows) {

@@ -54,9 +54,18 @@ std::vector<PoolCopy> LayerStripCopies(const KvCache& cache, int32_t layer,
                                        absl::Span<const SlotRun> runs);
 
 // The entries of the token at `position` of every layer of group `group` (K and V, or the MLA
-// entry) in unit `slot`: one 2D copy, one row per (layer, K/V) plane.
+// entry) in unit `slot`, what a decode step wrote there: one 2D copy, one row per (layer, K/V)
+// plane (an fp8 MLA entry holds its scales and rope key). fp8 attention: one 2D copy for the
+// K rows and one for the V rows (the scales at the end of each layer strip break the planes'
+// even spacing), and at a block's first token (position % block_tokens == 0) a third for the
+// scales that token set, every layer's.
 // REQUIRES: an attention or MLA group, slot >= 0.
-PoolCopy TokenEntryCopy(const KvCache& cache, int group, kv::SlotId slot, int64_t position);
+std::vector<PoolCopy> TokenEntryCopies(const KvCache& cache, int group, kv::SlotId slot,
+                                       int64_t position);
+// The same for units of `layout` slot_stride_bytes apart (what the KvCache overload passes).
+std::vector<PoolCopy> TokenEntryCopies(const kv::ModelLayout& layout, int group,
+                                       int64_t slot_stride_bytes, kv::SlotId slot,
+                                       int64_t position);
 
 // Prefill chunks: [begin, begin + rows) row ranges of at most max_rows, covering [0, n).
 struct RowRange {

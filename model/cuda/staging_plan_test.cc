@@ -59,10 +59,9 @@ int64_t EntryBytes(const kv::ModelLayout& layout, int g) {
   return elements * kv::DTypeBytes(layout.dtype());
 }
 
-// Which bytes of group g's pool `copies` touch; fails the test on a byte outside the pool or a
-// row wider than its pitch (cudaMemcpy2D refuses those).
-std::vector<bool> Moved(const KvCache& cache, int g, const std::vector<PoolCopy>& copies) {
-  const int64_t size = static_cast<int64_t>(cache.pool(g).size_bytes());
+// Which of a pool's `size` bytes `copies` touch; fails the test on a byte outside the pool or
+// a row wider than its pitch (cudaMemcpy2D refuses those).
+std::vector<bool> MovedBytes(int64_t size, const std::vector<PoolCopy>& copies) {
   std::vector<bool> moved(static_cast<size_t>(size), false);
   for (const PoolCopy& c : copies) {
     EXPECT_GT(c.width, 0);
@@ -80,6 +79,10 @@ std::vector<bool> Moved(const KvCache& cache, int g, const std::vector<PoolCopy>
     }
   }
   return moved;
+}
+
+std::vector<bool> Moved(const KvCache& cache, int g, const std::vector<PoolCopy>& copies) {
+  return MovedBytes(static_cast<int64_t>(cache.pool(g).size_bytes()), copies);
 }
 
 void Mark(const KvCache& cache, int g, const uint8_t* entry, int64_t bytes,
@@ -190,7 +193,9 @@ TEST_P(StagingPlanTest, TokenEntryCopyIsExactlyTheTokensEntries) {
     kv::BlockPool& pool = cache_->pool(g);
     for (int64_t pos = 5 * bt; pos < 6 * bt; ++pos) {
       const int32_t t = static_cast<int32_t>(pos % bt);
-      const PoolCopy copy = TokenEntryCopy(*cache_, g, slot, pos);
+      const std::vector<PoolCopy> copies = TokenEntryCopies(*cache_, g, slot, pos);
+      ASSERT_EQ(copies.size(), 1u) << "one 2D copy outside fp8";
+      const PoolCopy& copy = copies[0];
       std::vector<bool> expected(pool.size_bytes(), false);
       for (int32_t layer : layout_.groups()[g].layer_ids) {
         const bool mla = layout_.groups()[g].kind == kv::LayerKind::kMlaLatent;
@@ -284,6 +289,48 @@ INSTANTIATE_TEST_SUITE_P(Layouts, StagingPlanTest, ::testing::Values(0, 1, 2),
                          [](const ::testing::TestParamInfo<int>& info) {
                            return Layouts()[info.param].model_id();
                          });
+
+// fp8 decode staging, from kv/model_layout.h's byte offsets (no KvCache: the layout alone
+// places the bytes): K and V rows of the token in every layer strip and, at a block's first
+// token only, every strip's scales, never a byte of another token or slot. Units in slots with
+// padding between them; MLA entries carry their scales and rope key with them.
+TEST(Fp8TokenEntryCopiesTest, TheTokensValuesAndItsBlocksScalesAtTheFirstToken) {
+  kv::LayerGroup attention = Attention({0, 1, 2}, 2, 6);
+  kv::LayerGroup mla;
+  mla.kind = kv::LayerKind::kMlaLatent;
+  mla.layer_ids = {0, 1};
+  mla.latent_dim = 130;
+  mla.rope_dim = 4;
+  for (const kv::LayerGroup& g : {attention, mla}) {
+    KV_ASSERT_OK_AND_ASSIGN(kv::ModelLayout layout,
+                            kv::ModelLayout::Create("fp8", kv::DType::kFp8, 4, {g}));
+    const int64_t bt = 4, stride = layout.BlockBytes(0) + 24, slots = 3, slot = 1;
+    for (int64_t pos = 8; pos < 12; ++pos) {
+      const int64_t t = pos % bt;
+      std::vector<bool> expected(static_cast<size_t>(slots * stride), false);
+      auto mark = [&](int64_t at, int64_t n) {
+        for (int64_t i = 0; i < n; ++i)
+          expected[static_cast<size_t>(slot * stride + at + i)] = true;
+      };
+      for (int64_t li = 0; li < g.num_layers(); ++li) {
+        if (g.kind == kv::LayerKind::kMlaLatent) {
+          const int64_t entry = layout.MlaEntryBytes(0);
+          EXPECT_EQ(entry, 130 + 2 * 4 + 4 * 2);
+          mark((li * bt + t) * entry, entry);
+          continue;
+        }
+        const int64_t strip = layout.LayerStripBytes(0), values = 2 * 6;  // bytes per token
+        EXPECT_EQ(strip, 2 * bt * values + 2 * 2 * 4);
+        mark(li * strip + t * values, values);               // K
+        mark(li * strip + (bt + t) * values, values);        // V
+        if (t == 0) mark(li * strip + 2 * bt * values, 16);  // K and V scales, 2 heads each
+      }
+      const std::vector<PoolCopy> copies = TokenEntryCopies(layout, 0, stride, slot, pos);
+      EXPECT_EQ(MovedBytes(slots * stride, copies), expected)
+          << kv::LayerKindName(g.kind) << " position " << pos;
+    }
+  }
+}
 
 // Every entry in exactly one pass, each pass one cache and at most max_rows rows, batch order
 // inside a pass.
