@@ -151,7 +151,7 @@ TEST_P(Fp8CacheTest, OnePassChunkedAndDecodedAgreeBitForBit) {
   auto runner = Load();
   ASSERT_NE(runner, nullptr);
   const int32_t vocab = runner->config().vocab_size;
-  const int n = 52, prompt = 21;
+  const int n = 40, prompt = 14;
   const std::vector<int32_t> tokens = Tokens(n, vocab, 3);
   KV_ASSERT_OK_AND_ASSIGN(auto cache, KvCache::Create(runner->layout(), 24));
   PrefillOptions all;
@@ -163,7 +163,7 @@ TEST_P(Fp8CacheTest, OnePassChunkedAndDecodedAgreeBitForBit) {
   Sequence chunked(cache.get());
   std::vector<float> got;
   int64_t done = 0;
-  for (int64_t chunk : {5, 1, 10, 17, 19}) {
+  for (int64_t chunk : {5, 1, 10, 13, 11}) {
     KV_ASSERT_OK_AND_ASSIGN(
         std::vector<float> part,
         runner->Prefill(chunked, absl::MakeConstSpan(tokens).subspan(done, chunk), all));
@@ -175,7 +175,8 @@ TEST_P(Fp8CacheTest, OnePassChunkedAndDecodedAgreeBitForBit) {
   EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)), 0);
   EXPECT_TRUE(SameCacheBytes(chunked, full, n));
 
-  // Decode from a one-pass prefill and from a chunked one: equal logits at every step. A
+  // Decode from a one-pass prefill and (across a block's start) from a chunked one: equal
+  // logits at every step. A
   // decode step's logits come from the batch-invariant logits GEMM, not the prefill's per-row
   // one, so against the prefill's logits they agree within fp32 rounding only (as for bf16
   // KV); the KV bytes they write are the prefill's exactly.
@@ -185,21 +186,24 @@ TEST_P(Fp8CacheTest, OnePassChunkedAndDecodedAgreeBitForBit) {
   KV_ASSERT_OK(runner->Prefill(decoded_chunked, absl::MakeConstSpan(tokens).first(7)).status());
   KV_ASSERT_OK(runner->Prefill(decoded_chunked, absl::MakeConstSpan(tokens).subspan(7, prompt - 7))
                    .status());
+  const int chunked_end = 20;  // past the block starting at 16
   int64_t freed = 0;
   double worst = 0;
   for (int i = prompt; i < n; ++i) {
     freed += decoded.FreeBlocksOutsideWindow();
-    decoded_chunked.FreeBlocksOutsideWindow();
     Sequence* one[] = {&decoded};
-    Sequence* other[] = {&decoded_chunked};
     KV_ASSERT_OK_AND_ASSIGN(got, runner->DecodeStep(one, {tokens[i]}));
-    KV_ASSERT_OK_AND_ASSIGN(std::vector<float> got_chunked, runner->DecodeStep(other, {tokens[i]}));
-    ASSERT_EQ(got, got_chunked) << "decode of position " << i;
+    if (i < chunked_end) {
+      Sequence* other[] = {&decoded_chunked};
+      KV_ASSERT_OK_AND_ASSIGN(std::vector<float> got_chunked,
+                              runner->DecodeStep(other, {tokens[i]}));
+      ASSERT_EQ(got, got_chunked) << "decode of position " << i;
+    }
     worst = std::max(worst, RelErr(got.data(), want.data() + i * vocab, vocab));
   }
   EXPECT_LE(worst, 1e-5);
   EXPECT_TRUE(SameCacheBytes(decoded, full, n));
-  EXPECT_TRUE(SameCacheBytes(decoded_chunked, full, n));
+  EXPECT_TRUE(SameCacheBytes(decoded_chunked, full, chunked_end));
   if (GetParam() == "gemma3") EXPECT_GT(freed, 0);
 }
 
