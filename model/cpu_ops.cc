@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "common/check.h"
+#include "kv/fp8.h"
 #include "model/numeric.h"
 
 namespace kvrelay::model {
@@ -243,7 +244,7 @@ void StoreCacheValues(const float* src, int64_t n, kv::DType dtype, uint8_t* dst
     case kv::DType::kFp8:
       break;
   }
-  KV_CHECK(false && "fp8 cache values are rejected by KvCache::Create");
+  KV_CHECK(false && "fp8 cache values go through StoreFp8AttentionHead / StoreFp8MlaEntry");
 }
 
 void LoadCacheValues(const uint8_t* src, int64_t n, kv::DType dtype, float* dst) {
@@ -268,7 +269,67 @@ void LoadCacheValues(const uint8_t* src, int64_t n, kv::DType dtype, float* dst)
     case kv::DType::kFp8:
       break;
   }
-  KV_CHECK(false && "fp8 cache values are rejected by KvCache::Create");
+  KV_CHECK(false && "fp8 cache values go through LoadFp8AttentionHead / LoadFp8MlaEntry");
+}
+
+namespace {
+
+float LoadFloat(const uint8_t* p) {
+  float f;
+  std::memcpy(&f, p, sizeof(f));
+  return f;
+}
+
+void StoreFloat(float f, uint8_t* p) { std::memcpy(p, &f, sizeof(f)); }
+
+// The exponent k of a stored scale 2^k (clamped, so a damaged scale still quantises
+// finitely; checksums keep damaged blocks out of the cache anyway).
+int32_t StoredScaleExp(float scale) {
+  return kv::Fp8ClampScaleExp(static_cast<int32_t>((kv::Fp8FloatBits(scale) >> 23) & 0xFFu) - 127);
+}
+
+}  // namespace
+
+void StoreFp8AttentionHead(const float* src, int32_t n, bool first_in_block, uint8_t* scale,
+                           uint8_t* dst) {
+  int32_t k;
+  if (first_in_block) {
+    k = kv::Fp8BlockScaleExp(kv::Fp8FiniteAmax(src, n));
+    StoreFloat(kv::Fp8ScaleFromExp(k), scale);
+  } else {
+    k = StoredScaleExp(LoadFloat(scale));
+  }
+  for (int32_t i = 0; i < n; ++i) dst[i] = kv::QuantizeE4M3(src[i], k);
+}
+
+void LoadFp8AttentionHead(const uint8_t* src, int32_t n, const uint8_t* scale, float* dst) {
+  const float s = LoadFloat(scale);
+  for (int32_t i = 0; i < n; ++i) dst[i] = kv::DequantizeE4M3(src[i], s);
+}
+
+void StoreFp8MlaEntry(const kv::ModelLayout& layout, int group, const float* src, uint8_t* entry) {
+  const kv::LayerGroup& g = layout.groups()[group];
+  uint8_t* scales = entry + layout.MlaScaleOffset(group);
+  for (int32_t t0 = 0, tile = 0; t0 < g.latent_dim; t0 += kv::kFp8MlaTile, ++tile) {
+    const int32_t n = std::min(kv::kFp8MlaTile, g.latent_dim - t0);
+    const int32_t k = kv::Fp8TileScaleExp(kv::Fp8FiniteAmax(src + t0, n));
+    StoreFloat(kv::Fp8ScaleFromExp(k), scales + int64_t{tile} * kv::kFp8ScaleBytes);
+    for (int32_t i = 0; i < n; ++i) entry[t0 + i] = kv::QuantizeE4M3(src[t0 + i], k);
+  }
+  StoreCacheValues(src + g.latent_dim, g.rope_dim, kv::DType::kBf16,
+                   entry + layout.MlaRopeOffset(group));
+}
+
+void LoadFp8MlaEntry(const kv::ModelLayout& layout, int group, const uint8_t* entry, float* dst) {
+  const kv::LayerGroup& g = layout.groups()[group];
+  const uint8_t* scales = entry + layout.MlaScaleOffset(group);
+  for (int32_t t0 = 0, tile = 0; t0 < g.latent_dim; t0 += kv::kFp8MlaTile, ++tile) {
+    const int32_t n = std::min(kv::kFp8MlaTile, g.latent_dim - t0);
+    const float s = LoadFloat(scales + int64_t{tile} * kv::kFp8ScaleBytes);
+    for (int32_t i = 0; i < n; ++i) dst[t0 + i] = kv::DequantizeE4M3(entry[t0 + i], s);
+  }
+  LoadCacheValues(entry + layout.MlaRopeOffset(group), g.rope_dim, kv::DType::kBf16,
+                  dst + g.latent_dim);
 }
 
 float Dot(const float* a, const float* b, int64_t n) {
@@ -313,21 +374,36 @@ void GatherLayer(const kv::ModelLayout& layout, int group, int32_t index_in_grou
   const kv::DType dtype = layout.dtype();
   const int64_t esize = kv::DTypeBytes(dtype);
   if (g.kind == kv::LayerKind::kMlaLatent) {
+    const int64_t entry_bytes = layout.MlaEntryBytes(group);
     const int64_t entry = g.latent_dim + g.rope_dim;
     for (int64_t p = begin; p < end; ++p) {
-      const uint8_t* unit = block_units[p / bt];
-      const int64_t element = (index_in_group * bt + p % bt) * entry;
-      LoadCacheValues(unit + element * esize, entry, dtype, k_out + (p - begin) * entry);
+      const uint8_t* src = block_units[p / bt] + (index_in_group * bt + p % bt) * entry_bytes;
+      float* dst = k_out + (p - begin) * entry;
+      if (layout.IsFp8()) {
+        LoadFp8MlaEntry(layout, group, src, dst);
+      } else {
+        LoadCacheValues(src, entry, dtype, dst);
+      }
     }
     return;
   }
   const int64_t per_token = int64_t{g.num_kv_heads} * g.head_dim;
   for (int64_t p = begin; p < end; ++p) {
-    const uint8_t* unit = block_units[p / bt];
-    const int64_t k_elem = ((int64_t{index_in_group} * 2 + 0) * bt + p % bt) * per_token;
-    const int64_t v_elem = ((int64_t{index_in_group} * 2 + 1) * bt + p % bt) * per_token;
-    LoadCacheValues(unit + k_elem * esize, per_token, dtype, k_out + (p - begin) * per_token);
-    LoadCacheValues(unit + v_elem * esize, per_token, dtype, v_out + (p - begin) * per_token);
+    // The layer's strip: K then V, [bt][heads][head_dim] each, then (fp8) the scales.
+    const uint8_t* strip = block_units[p / bt] + index_in_group * layout.LayerStripBytes(group);
+    for (int kv = 0; kv < 2; ++kv) {
+      const uint8_t* src = strip + (kv * bt + p % bt) * per_token * esize;
+      float* dst = (kv == 0 ? k_out : v_out) + (p - begin) * per_token;
+      if (!layout.IsFp8()) {
+        LoadCacheValues(src, per_token, dtype, dst);
+        continue;
+      }
+      for (int32_t h = 0; h < g.num_kv_heads; ++h) {
+        LoadFp8AttentionHead(src + int64_t{h} * g.head_dim, g.head_dim,
+                             strip + layout.Fp8ScaleOffset(group, kv, h),
+                             dst + int64_t{h} * g.head_dim);
+      }
+    }
   }
 }
 

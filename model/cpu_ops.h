@@ -71,9 +71,26 @@ void SoftCap(float* x, int64_t n, float cap);
 void LayerNorm(const float* x, int64_t rows, int64_t dim, const float* w, const float* b, float eps,
                float* out);
 
-// fp32 <-> cache dtype (bf16, fp16 or fp32).
+// fp32 <-> cache dtype (bf16, fp16 or fp32). fp8 values need their scales: see below.
 void StoreCacheValues(const float* src, int64_t n, kv::DType dtype, uint8_t* dst);
 void LoadCacheValues(const uint8_t* src, int64_t n, kv::DType dtype, float* dst);
+
+// fp8 attention (kv/fp8.h, the block rule), one (token, K or V, kv head): quantises src[0..n)
+// (n = head_dim) into n E4M3 bytes at dst with the scale of the head's block. first_in_block:
+// the token is the block's first, so the scale comes from its own values
+// (Fp8BlockScaleExp(Fp8FiniteAmax)) and is stored as the float32 2^k at `scale`; otherwise the
+// scale already stored there is read and used. So a token's bytes depend on its values and its
+// block's first token only, never on how the writes were batched.
+void StoreFp8AttentionHead(const float* src, int32_t n, bool first_in_block, uint8_t* scale,
+                           uint8_t* dst);
+// The stored float32 scale at `scale` applied to n E4M3 bytes.
+void LoadFp8AttentionHead(const uint8_t* src, int32_t n, const uint8_t* scale, float* dst);
+// fp8 MLA (the FlashMLA layout), one token's entry of an MLA group: src is [latent + rope] fp32;
+// the latent goes in tiles of kFp8MlaTile values, each with its own Fp8TileScaleExp scale, the
+// rope key as bf16, at the layout's MlaScaleOffset / MlaRopeOffset. Load is the inverse
+// (dequantised latent, then rope), [latent + rope] fp32.
+void StoreFp8MlaEntry(const kv::ModelLayout& layout, int group, const float* src, uint8_t* entry);
+void LoadFp8MlaEntry(const kv::ModelLayout& layout, int group, const uint8_t* entry, float* dst);
 
 // Fixed-order dot product (8 partial sums, combined the same way every time).
 float Dot(const float* a, const float* b, int64_t n);
@@ -89,6 +106,7 @@ void AttendOne(const float* q, int32_t qk_dim, const float* k, int64_t k_stride,
 // Gathers positions [begin, end) of one layer from paged block units into contiguous fp32:
 //   attention groups: k_out/v_out [end - begin, num_kv_heads * head_dim]
 //   MLA groups:       k_out [end - begin, latent + rope]  (v_out unused)
+// fp8 values come back dequantised with their stored scales.
 // block_units[b] points at block b's unit (for any b whose tokens are read).
 void GatherLayer(const kv::ModelLayout& layout, int group, int32_t index_in_group,
                  const std::vector<const uint8_t*>& block_units, int64_t begin, int64_t end,

@@ -79,10 +79,6 @@ absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Wrap(const kv::ModelLayout& la
 }
 
 absl::Status KvCache::Init() {
-  const kv::DType dtype = layout_.dtype();
-  if (dtype == kv::DType::kFp8) {
-    return absl::UnimplementedError("kv cache: fp8 cache entries are not implemented");
-  }
   layer_group_.assign(layout_.num_layers(), -1);
   layer_index_.assign(layout_.num_layers(), -1);
   for (int g = 0; g < static_cast<int>(layout_.groups().size()); ++g) {
@@ -103,19 +99,24 @@ absl::Status KvCache::Init() {
 uint8_t* KvCache::EntryAddress(int32_t layer, kv::SlotId slot, int32_t token_in_block,
                                int kv) const {
   const int g = layer_group_[layer];
-  const int li = layer_index_[layer];
+  const int64_t li = layer_index_[layer];
   const kv::LayerGroup& group = layout_.groups()[g];
   const int64_t bt = layout_.block_tokens();
-  int64_t element;
+  uint8_t* unit = static_cast<uint8_t*>(pools_[g]->SlotAddress(slot));
   if (group.kind == kv::LayerKind::kMlaLatent) {
-    const int64_t entry = group.latent_dim + group.rope_dim;
-    element = (li * bt + token_in_block) * entry;
-  } else {
-    const int64_t per_token = int64_t{group.num_kv_heads} * group.head_dim;
-    element = ((int64_t{li} * 2 + kv) * bt + token_in_block) * per_token;
+    return unit + (li * bt + token_in_block) * layout_.MlaEntryBytes(g);
   }
+  // A layer's strip holds K then V, [bt][heads][head_dim] each (then the scales, for fp8).
+  const int64_t per_token = int64_t{group.num_kv_heads} * group.head_dim;
+  return unit + li * layout_.LayerStripBytes(g) +
+         (kv * bt + token_in_block) * per_token * kv::DTypeBytes(layout_.dtype());
+}
+
+uint8_t* KvCache::Fp8ScaleAddress(int32_t layer, kv::SlotId slot, int kv, int32_t kv_head) const {
+  const int g = layer_group_[layer];
+  KV_DCHECK(layout_.IsFp8() && layout_.groups()[g].IsAttention());
   return static_cast<uint8_t*>(pools_[g]->SlotAddress(slot)) +
-         element * kv::DTypeBytes(layout_.dtype());
+         layer_index_[layer] * layout_.LayerStripBytes(g) + layout_.Fp8ScaleOffset(g, kv, kv_head);
 }
 
 Sequence::Sequence(KvCache* cache) : cache_(cache), blocks_(cache->num_groups()) {}

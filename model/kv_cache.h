@@ -5,6 +5,9 @@
 // documents (kNHD):
 //   attention: [num_layers_in_group, 2 (K, V), block_tokens, num_kv_heads, head_dim]
 //   MLA:       [num_layers_in_group, block_tokens, latent_dim + rope_dim]
+// (fp8: each layer's attention strip ends with its float32 scales, and an MLA entry is
+// [latent E4M3, tile scales, rope bf16]; the layout's LayerStripBytes / MlaEntryBytes say how
+// long each is, and EntryAddress / Fp8ScaleAddress point into them.)
 //   SSM:       [num_layers_in_group, state_bytes]: one recurrent state per slot (what the
 //              workers move and checkpoint for Mamba; MambaRunner keeps its own copy, so no
 //              Sequence ever holds such a slot through Prefill/DecodeStep)
@@ -36,8 +39,8 @@ class CacheDeviceState {
 
 class KvCache {
  public:
-  // One host-memory pool per group with `blocks_per_group` slots each.
-  // Unimplemented for fp8 (not implemented on CPU).
+  // One host-memory pool per group with `blocks_per_group` slots each. Any KV dtype, fp8
+  // included (kv/fp8.h: the scales live inside the block units).
   static absl::StatusOr<std::unique_ptr<KvCache>> Create(const kv::ModelLayout& layout,
                                                          int64_t blocks_per_group);
   // Uses pools made elsewhere (e.g. registered with a transport); one per group, each with
@@ -53,8 +56,14 @@ class KvCache {
   int index_in_group(int32_t layer) const { return layer_index_[layer]; }
 
   // Address of layer `layer`'s part of a block unit: attention K (kv = 0) or V (kv = 1) at
-  // token `t` of the block, or the MLA entry (kv ignored). REQUIRES: not an SSM group.
+  // token `t` of the block (num_kv_heads * head_dim values of the KV dtype; fp8: one byte
+  // each), or the MLA entry (kv ignored; layout().MlaEntryBytes(g) bytes, fp8: latent E4M3,
+  // then tile scales at MlaScaleOffset, rope bf16 at MlaRopeOffset). REQUIRES: not an SSM group.
   uint8_t* EntryAddress(int32_t layer, kv::SlotId slot, int32_t token_in_block, int kv) const;
+  // fp8 attention: address of the float32 scale of (block `slot`, `layer`, K or V, kv head),
+  // at Fp8ScaleOffset inside the layer's strip. REQUIRES: layout().IsFp8() and an attention
+  // group.
+  uint8_t* Fp8ScaleAddress(int32_t layer, kv::SlotId slot, int kv, int32_t kv_head) const;
 
   // Process-unique and never reused (unlike an address), so a device backend can tell caches
   // apart.

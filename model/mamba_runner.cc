@@ -70,6 +70,8 @@ absl::StatusOr<std::unique_ptr<MambaRunner>> MambaRunner::Load(const std::string
   kv::ConfigOptions config_options;
   config_options.block_tokens = options.block_tokens;
   config_options.dtype = options.cache_dtype;
+  // LoadHfConfig refuses fp8 for a recurrent state, naming kv_cache_dtype.
+  config_options.kv_dtype = options.kv_cache_dtype;
   KV_ASSIGN_OR_RETURN(kv::ModelConfig config,
                       kv::LoadHfConfig(model_dir + "/config.json", config_options));
   return Load(model_dir, std::move(config), options);
@@ -100,7 +102,9 @@ absl::StatusOr<std::unique_ptr<MambaRunner>> MambaRunner::Create(kv::ModelConfig
         absl::StrCat("runner: threads must be in [1, 256], got ", options.threads));
   }
   if (config.layout.dtype() == kv::DType::kFp8) {
-    return absl::UnimplementedError("mamba runner: fp8 state is not implemented");
+    return absl::UnimplementedError(
+        "mamba runner: kv_cache_dtype fp8_e4m3 is for attention KV caches; a Mamba recurrent "
+        "state has no fp8 form (use bf16, fp16 or fp32)");
   }
   if (static_cast<int32_t>(weights.layers.size()) != config.num_hidden_layers) {
     return absl::InvalidArgumentError("mamba runner: weights and config disagree on layers");

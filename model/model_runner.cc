@@ -34,6 +34,7 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Load(const std::string
   kv::ConfigOptions config_options;
   config_options.block_tokens = options.block_tokens;
   config_options.dtype = options.cache_dtype;
+  config_options.kv_dtype = options.kv_cache_dtype;
   KV_ASSIGN_OR_RETURN(kv::ModelConfig config,
                       kv::LoadHfConfig(model_dir + "/config.json", config_options));
   return Load(model_dir, std::move(config), options);
@@ -69,9 +70,6 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(kv::ModelConfig
   if (options.gemm_tile_tokens < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("runner: gemm_tile_tokens must be >= 0, got ", options.gemm_tile_tokens));
-  }
-  if (config.layout.dtype() == kv::DType::kFp8) {
-    return absl::UnimplementedError("runner: fp8 KV cache is not implemented on CPU");
   }
   if (static_cast<int32_t>(weights.layers.size()) != config.num_hidden_layers) {
     return absl::InvalidArgumentError(absl::StrCat("runner: weights hold ", weights.layers.size(),
@@ -414,11 +412,36 @@ void ModelRunner::WriteCache(int32_t layer, const std::vector<Row>& rows, const 
     KvCache& row_cache = rows[i].seq->cache();
     const int64_t pos = rows[i].position;
     const kv::SlotId slot = rows[i].seq->blocks(group)[pos / bt];
-    StoreCacheValues(k + i * width, width, dtype,
-                     row_cache.EntryAddress(layer, slot, static_cast<int32_t>(pos % bt), 0));
+    const int32_t t = static_cast<int32_t>(pos % bt);
+    if (dtype == kv::DType::kFp8) {
+      WriteFp8Row(row_cache, layer, slot, t, k + i * width, v == nullptr ? nullptr : v + i * width);
+      continue;
+    }
+    StoreCacheValues(k + i * width, width, dtype, row_cache.EntryAddress(layer, slot, t, 0));
     if (v != nullptr) {
-      StoreCacheValues(v + i * width, width, dtype,
-                       row_cache.EntryAddress(layer, slot, static_cast<int32_t>(pos % bt), 1));
+      StoreCacheValues(v + i * width, width, dtype, row_cache.EntryAddress(layer, slot, t, 1));
+    }
+  }
+}
+
+void ModelRunner::WriteFp8Row(KvCache& cache, int32_t layer, kv::SlotId slot,
+                              int32_t token_in_block, const float* k, const float* v) const {
+  const int group = cache.group_of_layer(layer);
+  const kv::LayerGroup& g = layout().groups()[group];
+  if (g.kind == kv::LayerKind::kMlaLatent) {
+    StoreFp8MlaEntry(layout(), group, k, cache.EntryAddress(layer, slot, token_in_block, 0));
+    return;
+  }
+  // The block's first token fixes each head's scale; rows are written in position order, so
+  // every later token of the block finds it stored (kv/fp8.h says why the first token).
+  const bool first = token_in_block == 0;
+  for (int kv = 0; kv < 2; ++kv) {
+    const float* src = kv == 0 ? k : v;
+    uint8_t* dst = cache.EntryAddress(layer, slot, token_in_block, kv);
+    for (int32_t h = 0; h < g.num_kv_heads; ++h) {
+      StoreFp8AttentionHead(src + int64_t{h} * g.head_dim, g.head_dim, first,
+                            cache.Fp8ScaleAddress(layer, slot, kv, h),
+                            dst + int64_t{h} * g.head_dim);
     }
   }
 }

@@ -55,6 +55,10 @@ struct RunnerOptions {
   int32_t threads = 1;  // attention threads; also sets OpenBLAS's (process-wide) count
   int32_t block_tokens = kv::kDefaultBlockTokens;  // tokens per cache block
   std::optional<kv::DType> cache_dtype;  // default: the config's torch_dtype (bf16, fp16, fp32)
+  // The KV cache's dtype when it differs from the model's (cache_dtype above): kFp8 stores
+  // E4M3 values with their scales inside the blocks (kv/fp8.h). Default: the model's dtype.
+  // Only Load(dir, options) reads it; a parsed config already carries its layout.
+  std::optional<kv::DType> kv_cache_dtype;
   // No effect on results or speed any more: prefill GEMMs are row-invariant (see the
   // determinism note above); kept so callers that set it still build. Must be >= 0.
   int32_t gemm_tile_tokens = 0;
@@ -134,6 +138,9 @@ class ModelRunner : public AttentionModel {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void WriteCache(int32_t layer, const std::vector<Row>& rows, const float* k, const float* v,
                   int64_t width) const;
+  // fp8: quantises one row's K and V (or its MLA entry, v null) into (slot, token_in_block).
+  void WriteFp8Row(KvCache& cache, int32_t layer, kv::SlotId slot, int32_t token_in_block,
+                   const float* k, const float* v) const;
 
   // A layer's projection weights packed for PackedLinear (empty where the architecture has no
   // such weight). Prefill and batch-invariant decode run on these alone, so with
