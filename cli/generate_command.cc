@@ -22,6 +22,7 @@
 #include "common/flags.h"
 #include "common/server/server_flags.h"
 #include "gateway/client/gateway_client.h"
+#include "kv/hf_config.h"
 #include "tokenizer/byte_tokenizer.h"
 #include "tokenizer/tokenizer.h"
 
@@ -133,9 +134,19 @@ int RunGenerateCommand(const std::vector<std::string>& args) {
   flags.AddString("device", &device_text,
                   "cpu|cuda[:N]|auto: where --colocated computes (cpu, the reference, by "
                   "default; a CUDA cluster's tokens equal a CUDA co-located run's)");
+  std::string kv_dtype_text = "auto";
+  flags.AddString("kv-cache-dtype", &kv_dtype_text,
+                  "KV cache dtype of --colocated (auto: the model's; bf16, fp16, fp32 or "
+                  "fp8_e4m3), as the workers' flag of the same name");
   flags.AddDuration("timeout", &timeout, "deadline of the whole request");
   flags.AddBool("json", &json, "print one JSON object");
   if (std::optional<int> exit_code = ParseCommandLine(flags, args)) return *exit_code;
+  absl::StatusOr<std::optional<kv::DType>> kv_dtype =
+      kv::ParseKvDTypeFlag("--kv-cache-dtype", kv_dtype_text);
+  if (!kv_dtype.ok()) return UsageError(std::string(kv_dtype.status().message()));
+  if (!colocated && kv_dtype->has_value()) {
+    return UsageError("--kv-cache-dtype is for --colocated; a gateway's workers have their own");
+  }
   if (colocated == !gateway_address.empty()) {
     return UsageError("give exactly one of --gateway ADDR or --colocated");
   }
@@ -198,7 +209,7 @@ int RunGenerateCommand(const std::vector<std::string>& args) {
   if (colocated) {
     mode = "colocated";
     absl::StatusOr<std::unique_ptr<ColocatedGenerator>> generator =
-        ColocatedGenerator::Load(model_dir, threads, *device);
+        ColocatedGenerator::Load(model_dir, threads, *device, *kv_dtype);
     if (!generator.ok()) {
       return UsageError(absl::StrCat("--model ", model_dir, ": ", generator.status().message()));
     }

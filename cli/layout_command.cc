@@ -302,15 +302,13 @@ int RunLayoutCommand(const std::vector<std::string>& args) {
     }
     options.dtype = *dtype;
   }
-  if (kv_dtype_name != "auto") {
-    absl::StatusOr<kv::DType> kv_dtype = kv::ParseDType(kv_dtype_name);
-    if (!kv_dtype.ok()) {
-      std::fprintf(stderr, "kvrelay layout: --kv-dtype: %s (or auto)\n",
-                   std::string(kv_dtype.status().message()).c_str());
-      return 2;
-    }
-    options.kv_dtype = *kv_dtype;
+  absl::StatusOr<std::optional<kv::DType>> kv_dtype =
+      kv::ParseKvDTypeFlag("--kv-dtype", kv_dtype_name);
+  if (!kv_dtype.ok()) {
+    std::fprintf(stderr, "kvrelay layout: %s\n", std::string(kv_dtype.status().message()).c_str());
+    return 2;
   }
+  options.kv_dtype = *kv_dtype;
   absl::StatusOr<kv::ModelConfig> config =
       preset.empty() ? kv::LoadHfConfig(config_path, options) : kv::LoadPreset(preset, options);
   if (!config.ok()) {

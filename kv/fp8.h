@@ -114,6 +114,13 @@ KV_FP8_HD int32_t Fp8ClampScaleExp(int32_t k) {
   return k < kFp8MinScaleExp ? kFp8MinScaleExp : (k > kFp8MaxScaleExp ? kFp8MaxScaleExp : k);
 }
 
+// The k of a stored attention scale 2^k, which later tokens of the block quantise with: its
+// exponent bits, clamped (so even a damaged scale, which checksums refuse anyway, quantises
+// within range). The CPU and CUDA writers both read it this way.
+KV_FP8_HD int32_t Fp8StoredScaleExp(float scale) {
+  return Fp8ClampScaleExp(static_cast<int32_t>((Fp8FloatBits(scale) >> 23) & 0xFFu) - 127);
+}
+
 // Smallest k with 448 * 2^k >= amax * 2^headroom_log2, clamped; 0 when amax is 0 or not
 // finite (callers pass the max over finite values, so that only happens for all-zero input).
 KV_FP8_HD int32_t Fp8ScaleExpFor(float amax, int32_t headroom_log2) {

@@ -102,6 +102,15 @@ TEST(Fp8, ScaleExponentIsTheSmallestThatHoldsTheAmax) {
   EXPECT_EQ(Fp8ScaleFromExp(kFp8MinScaleExp), std::ldexp(1.0f, kFp8MinScaleExp));
 }
 
+TEST(Fp8, StoredScaleGivesItsExponentBack) {
+  for (int32_t k = kFp8MinScaleExp; k <= kFp8MaxScaleExp; ++k) {
+    EXPECT_EQ(Fp8StoredScaleExp(Fp8ScaleFromExp(k)), k);
+  }
+  // A damaged scale (checksums refuse such blocks anyway) still quantises within range.
+  EXPECT_EQ(Fp8StoredScaleExp(0.0f), kFp8MinScaleExp);
+  EXPECT_EQ(Fp8StoredScaleExp(std::numeric_limits<float>::infinity()), kFp8MaxScaleExp);
+}
+
 TEST(Fp8, QuantizeWithScaleIsExactOnRepresentableValues) {
   EXPECT_EQ(QuantizeE4M3(3.0f, -1), 0x4C);  // 3 / 0.5 = 6
   EXPECT_EQ(DequantizeE4M3(0x4C, Fp8ScaleFromExp(-1)), 3.0f);

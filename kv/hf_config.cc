@@ -510,6 +510,17 @@ absl::Status CheckBlockTokensFlag(int32_t block_tokens) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<std::optional<DType>> ParseKvDTypeFlag(std::string_view flag,
+                                                      std::string_view value) {
+  if (value == "auto") return std::nullopt;
+  absl::StatusOr<DType> dtype = ParseDType(value);
+  if (!dtype.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(std::string(flag), ": ", dtype.status().message(), " (or auto)"));
+  }
+  return *dtype;
+}
+
 absl::StatusOr<ModelConfig> ParseHfConfig(std::string_view json_text,
                                           const ConfigOptions& options) {
   Json root = Json::parse(json_text.begin(), json_text.end(), nullptr, /*allow_exceptions=*/false);

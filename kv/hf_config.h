@@ -24,6 +24,11 @@ inline constexpr int32_t kDefaultBlockTokens = 16;
 // the value otherwise.
 absl::Status CheckBlockTokensFlag(int32_t block_tokens);
 
+// A KV-dtype flag's value (`flag` as the user wrote it, e.g. "--kv-cache-dtype"): nullopt for
+// "auto" (the model's own dtype), else a ParseDType name; InvalidArgument naming the flag.
+absl::StatusOr<std::optional<DType>> ParseKvDTypeFlag(std::string_view flag,
+                                                      std::string_view value);
+
 struct ConfigOptions {
   std::optional<DType> dtype;  // overrides torch_dtype (the model's dtype, and the KV's)
   // The KV cache's dtype (kv_cache_dtype) when it differs from the model's: fp8_e4m3 halves a

@@ -282,12 +282,6 @@ float LoadFloat(const uint8_t* p) {
 
 void StoreFloat(float f, uint8_t* p) { std::memcpy(p, &f, sizeof(f)); }
 
-// The exponent k of a stored scale 2^k (clamped, so a damaged scale still quantises
-// finitely; checksums keep damaged blocks out of the cache anyway).
-int32_t StoredScaleExp(float scale) {
-  return kv::Fp8ClampScaleExp(static_cast<int32_t>((kv::Fp8FloatBits(scale) >> 23) & 0xFFu) - 127);
-}
-
 }  // namespace
 
 void StoreFp8AttentionHead(const float* src, int32_t n, bool first_in_block, uint8_t* scale,
@@ -297,7 +291,7 @@ void StoreFp8AttentionHead(const float* src, int32_t n, bool first_in_block, uin
     k = kv::Fp8BlockScaleExp(kv::Fp8FiniteAmax(src, n));
     StoreFloat(kv::Fp8ScaleFromExp(k), scale);
   } else {
-    k = StoredScaleExp(LoadFloat(scale));
+    k = kv::Fp8StoredScaleExp(LoadFloat(scale));
   }
   for (int32_t i = 0; i < n; ++i) dst[i] = kv::QuantizeE4M3(src[i], k);
 }

@@ -121,17 +121,6 @@ std::string Bytes(double b) {
   return absl::StrFormat("%.1f %s", b, units[u]);
 }
 
-// --kv-dtype: nullopt for auto (each model's own dtype); InvalidArgument naming the flag.
-absl::StatusOr<std::optional<kv::DType>> ParseKvDtype(const std::string& text) {
-  if (text == "auto") return std::nullopt;
-  absl::StatusOr<kv::DType> parsed = kv::ParseDType(text);
-  if (!parsed.ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("kv-dtype: ", parsed.status().message(), " (or auto)"));
-  }
-  return *parsed;
-}
-
 // One line per model: the KV dtype its blocks are sized in and their bytes.
 void PrintModels(const std::vector<PlanModel>& models) {
   for (const PlanModel& m : models) {
@@ -188,7 +177,8 @@ int RunPlanCommand(const std::vector<std::string>& args) {
   absl::StatusOr<std::vector<std::string>> policies = ParsePolicyList("policy", policies_text);
   if (!policies.ok()) return Fail(policies.status());
   options.policies = *policies;
-  absl::StatusOr<std::optional<kv::DType>> kv_dtype = ParseKvDtype(kv_dtype_text);
+  absl::StatusOr<std::optional<kv::DType>> kv_dtype =
+      kv::ParseKvDTypeFlag("--kv-dtype", kv_dtype_text);
   if (!kv_dtype.ok()) return Fail(kv_dtype.status());
   std::vector<PlanModel> models;
   for (absl::string_view spec : absl::StrSplit(models_text, ',')) {

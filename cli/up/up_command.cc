@@ -93,17 +93,6 @@ absl::Status WriteSecretFile(const std::string& path, const std::string& content
   return absl::OkStatus();
 }
 
-// --kv-cache-dtype: nullopt for auto (the model's dtype); InvalidArgument naming the flag.
-absl::StatusOr<std::optional<kv::DType>> ParseKvCacheDtype(const std::string& text) {
-  if (text == "auto") return std::nullopt;
-  absl::StatusOr<kv::DType> dtype = kv::ParseDType(text);
-  if (!dtype.ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--kv-cache-dtype: ", dtype.status().message(), " (or auto)"));
-  }
-  return *dtype;
-}
-
 struct Service {
   std::string name;
   int index = -1;  // in the supervisor
@@ -170,7 +159,8 @@ int RunUpCommand(const std::vector<std::string>& args) {
   if (absl::Status s = model::ParseDeviceFlag(device).status(); !s.ok()) {
     return UsageError(std::string(s.message()));
   }
-  absl::StatusOr<std::optional<kv::DType>> kv_dtype = ParseKvCacheDtype(kv_cache_dtype);
+  absl::StatusOr<std::optional<kv::DType>> kv_dtype =
+      kv::ParseKvDTypeFlag("--kv-cache-dtype", kv_cache_dtype);
   if (!kv_dtype.ok()) return UsageError(std::string(kv_dtype.status().message()));
   kv::ConfigOptions config_options;
   config_options.kv_dtype = *kv_dtype;

@@ -146,14 +146,8 @@ absl::Status CheckModelAndTenants(GatewayFlags& f) {
     options.model_name = kvrelay::server::ModelNameFromDir(options.model_dir);
   }
   if (absl::Status s = kv::CheckBlockTokensFlag(options.block_tokens); !s.ok()) return s;
-  if (f.kv_cache_dtype != "auto") {
-    absl::StatusOr<kv::DType> dtype = kv::ParseDType(f.kv_cache_dtype);
-    if (!dtype.ok()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--kv-cache-dtype: ", dtype.status().message(), " or auto"));
-    }
-    options.kv_cache_dtype = *dtype;
-  }
+  KV_ASSIGN_OR_RETURN(options.kv_cache_dtype,
+                      kv::ParseKvDTypeFlag("--kv-cache-dtype", f.kv_cache_dtype));
   // No default: a known secret makes every tenant's block hashes computable offline.
   if (f.secret_file.empty()) {
     return absl::InvalidArgumentError(

@@ -64,12 +64,6 @@ __device__ __forceinline__ void StoreU16Bytes(uint8_t* p, uint16_t v) {
   p[1] = static_cast<uint8_t>(v >> 8);
 }
 
-// The k of a stored block scale 2^k: its float exponent, clamped as every scale exponent is.
-// A block only ever stores Fp8ScaleFromExp(k) with k in range, for which this gives k back.
-__device__ __forceinline__ int32_t StoredScaleExp(float scale) {
-  return kv::Fp8ClampScaleExp(static_cast<int32_t>((__float_as_uint(scale) >> 23) & 0xFFu) - 127);
-}
-
 // Value i of a cache entry as fp32. `entry` is the entry's first value (attention: of the head
 // the caller reads, or of head 0 when i spans heads), `scale` the byte address of the float32
 // scale of the value's (K or V, KV head) for fp8 attention, unused otherwise. fp8 values are
@@ -278,10 +272,10 @@ __global__ void Fp8WriteValuesKernel(PagedLayerDesc l, const float* k, const flo
   for (int64_t i = threadIdx.x; i < width; i += blockDim.x) {
     const int64_t scale_at = (i / l.head_stride) * kv::kFp8ScaleBytes;
     const float ks = LoadF32Bytes(unit + l.k_scale_offset + scale_at);
-    kd[i] = kv::QuantizeE4M3(k[r * ldk + i], StoredScaleExp(ks));
+    kd[i] = kv::QuantizeE4M3(k[r * ldk + i], kv::Fp8StoredScaleExp(ks));
     if (v != nullptr) {
       const float vs = LoadF32Bytes(unit + l.v_scale_offset + scale_at);
-      vd[i] = kv::QuantizeE4M3(v[r * ldv + i], StoredScaleExp(vs));
+      vd[i] = kv::QuantizeE4M3(v[r * ldv + i], kv::Fp8StoredScaleExp(vs));
     }
   }
 }

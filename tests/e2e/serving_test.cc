@@ -788,6 +788,11 @@ TEST(MixedKvDtypes, AreNeverPairedAndRefuseEachOtherNamingBothLayouts) {
   }
   EXPECT_THAT(decode_status.layout_description(), HasSubstr("KV bf16"));
   EXPECT_THAT(prefill_status.layout_description(), HasSubstr("KV fp8_e4m3"));
+  // vLLM's cache_config_info says which, as operators' dashboards read it.
+  KV_ASSERT_OK_AND_ASSIGN(std::string prefill_metrics, ScrapeText(prefill.metrics_address));
+  KV_ASSERT_OK_AND_ASSIGN(std::string decode_metrics, ScrapeText(decode.metrics_address));
+  EXPECT_THAT(prefill_metrics, HasSubstr("cache_dtype=\"fp8_e4m3\""));
+  EXPECT_THAT(decode_metrics, HasSubstr("cache_dtype=\"bf16\""));
   EXPECT_NE(decode_status.layout_fingerprint(), prefill_status.layout_fingerprint());
   const std::vector<int32_t> prompt = RandomPrompt(40, 8);
   auto reserve = [&](const std::string& id, const std::string& fingerprint,

@@ -4,6 +4,7 @@
 #include "absl/strings/str_split.h"
 #include "common/server/auth.h"
 #include "common/server/server_flags.h"
+#include "common/status_macros.h"
 #include "kv/hf_config.h"
 #include "model/select/model_select.h"
 
@@ -126,14 +127,8 @@ absl::Status WorkerFlags::SettleModel() {
   if (!device.ok()) return absl::InvalidArgumentError(device.status().message());
   core_.device = *device;
   if (absl::Status s = kv::CheckBlockTokensFlag(core_.block_tokens); !s.ok()) return s;
-  if (kv_cache_dtype_ != "auto") {
-    absl::StatusOr<kv::DType> dtype = kv::ParseDType(kv_cache_dtype_);
-    if (!dtype.ok()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--kv-cache-dtype: ", dtype.status().message(), " or auto"));
-    }
-    core_.kv_cache_dtype = *dtype;
-  }
+  KV_ASSIGN_OR_RETURN(core_.kv_cache_dtype,
+                      kv::ParseKvDTypeFlag("--kv-cache-dtype", kv_cache_dtype_));
   // The one parse of config.json in this process; a config that does not parse is left to the
   // worker's load, which reports the model directory's problem.
   absl::StatusOr<kv::ModelConfig> config =
