@@ -216,7 +216,6 @@ void PrefillWorker::OnInbound(transfer::InboundEvent event) {
 }
 
 absl::Status PrefillWorker::CheckRequest(const kvrelay::v1::PrefillRequest& request) const {
-  if (absl::Status s = Validate(request); !s.ok()) return CallerError(std::move(s));
   // The layout (model, dtype, block size, groups) the caller hashed for, this worker's and the
   // target's must be one and the same, or blocks would be read as another layout's.
   const std::string own_fingerprint = model_config().layout.fingerprint().ToBytes();
@@ -238,6 +237,9 @@ absl::Status PrefillWorker::CheckRequest(const kvrelay::v1::PrefillRequest& requ
         kvrelay::v1::ROLE_DECODE, request.target().node_id(), kvrelay::v1::FAILURE_IDENTITY,
         request.target().transport().address());
   }
+  // After the layouts: a target of another layout fails the shape checks too, but the layouts
+  // say why.
+  if (absl::Status s = Validate(request); !s.ok()) return CallerError(std::move(s));
   return absl::OkStatus();
 }
 

@@ -175,7 +175,8 @@ absl::StatusOr<ServingModel> LoadServingModel(const std::string& model_dir,
     out.device = {.kind = DeviceKind::kCpu, .index = 0, .name = "cpu"};
     return out;
   }
-  KV_ASSIGN_OR_RETURN(LoadedModel loaded, LoadAttentionModel(model_dir, options, choice));
+  // The parsed config, not config.json again: it carries the caller's block size and KV dtype.
+  KV_ASSIGN_OR_RETURN(LoadedModel loaded, LoadAttentionModel(model_dir, config, options, choice));
   out.attention = std::move(loaded.model);
   out.device = out.attention->device();
   out.reason = std::move(loaded.reason);

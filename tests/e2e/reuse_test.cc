@@ -5,7 +5,10 @@
 //  - a second turn on the same decode worker receives only its new blocks;
 //  - holders killed while another node pulls from them cost the pull, not the request: the
 //    reader recomputes and the tokens are right, within the deadline.
-// Every output is compared with the co-located reference.
+// Every output is compared with the co-located reference. The cluster runs an fp8_e4m3 KV cache
+// (--kv-cache-dtype): the blocks pulled across nodes carry their scales inside them, and the
+// fetched bytes are the fp8 layout's (bf16 blocks cross nodes in serving_inprocess_test and
+// tests/multinode/reuse_cost_test.sh).
 
 #include <signal.h>
 
@@ -35,11 +38,13 @@ class CrossNodeReuse : public ::testing::Test {
     dir_ = new testing::TempDir();
     model_dir_ = dir_->File("llama");
     ASSERT_TRUE(WriteModel(model_dir_, "llama").ok());
-    absl::StatusOr<kv::ModelConfig> config = kv::LoadHfConfig(model_dir_ + "/config.json");
+    absl::StatusOr<kv::ModelConfig> config =
+        kv::LoadHfConfig(model_dir_ + "/config.json", {.kv_dtype = kv::DType::kFp8});
     ASSERT_TRUE(config.ok()) << config.status();
     config_ = new kv::ModelConfig(*config);
     absl::StatusOr<std::unique_ptr<cli::ColocatedGenerator>> reference =
-        cli::ColocatedGenerator::Load(model_dir_);
+        cli::ColocatedGenerator::Load(model_dir_, 1, {.kind = model::DeviceChoice::Kind::kCpu},
+                                      kv::DType::kFp8);
     ASSERT_TRUE(reference.ok()) << reference.status();
     reference_ = reference->release();
     ClusterOptions options;
@@ -49,8 +54,9 @@ class CrossNodeReuse : public ::testing::Test {
     options.worker_args = kPatientStoreCalls;
     // By load alone, consecutive requests alternate between the two prefill workers, so a
     // prefix computed on one is next asked of the other.
-    options.extra_args = {"--gateway-args", "--prefix-routing=false --prefill-timeout 10s",
-                          "--prefill-args", "--fetch-timeout 3s"};
+    options.extra_args = {"--gateway-args",   "--prefix-routing=false --prefill-timeout 10s",
+                          "--prefill-args",   "--fetch-timeout 3s",
+                          "--kv-cache-dtype", "fp8_e4m3"};
     absl::StatusOr<std::unique_ptr<LocalCluster>> cluster = LocalCluster::Start(options);
     ASSERT_TRUE(cluster.ok()) << cluster.status();
     cluster_ = cluster->release();

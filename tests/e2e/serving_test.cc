@@ -769,72 +769,74 @@ TEST(MixedKvDtypes, AreNeverPairedAndRefuseEachOtherNamingBothLayouts) {
   EXPECT_EQ(NothingReceived(decode), "");
 
   // 2. Directly: each worker reports its own layout, and each refuses the other's.
-  auto decode_stub =
-      v1::Decode::NewStub(grpc::CreateChannel(decode.address, grpc::InsecureChannelCredentials()));
-  auto prefill_stub = v1::Prefill::NewStub(
-      grpc::CreateChannel(prefill.address, grpc::InsecureChannelCredentials()));
-  auto deadline = [] { return absl::ToChronoTime(absl::Now() + absl::Seconds(10)); };
-  v1::DecodeStatusResponse decode_status;
-  v1::PrefillStatusResponse prefill_status;
   {
+    auto decode_stub = v1::Decode::NewStub(
+        grpc::CreateChannel(decode.address, grpc::InsecureChannelCredentials()));
+    auto prefill_stub = v1::Prefill::NewStub(
+        grpc::CreateChannel(prefill.address, grpc::InsecureChannelCredentials()));
+    auto deadline = [] { return absl::ToChronoTime(absl::Now() + absl::Seconds(10)); };
+    v1::DecodeStatusResponse decode_status;
+    v1::PrefillStatusResponse prefill_status;
+    {
+      grpc::ClientContext context;
+      context.set_deadline(deadline());
+      ASSERT_TRUE(decode_stub->Status(&context, v1::DecodeStatusRequest(), &decode_status).ok());
+    }
+    {
+      grpc::ClientContext context;
+      context.set_deadline(deadline());
+      ASSERT_TRUE(prefill_stub->Status(&context, v1::PrefillStatusRequest(), &prefill_status).ok());
+    }
+    EXPECT_THAT(decode_status.layout_description(), HasSubstr("KV bf16"));
+    EXPECT_THAT(prefill_status.layout_description(), HasSubstr("KV fp8_e4m3"));
+    // vLLM's cache_config_info says which, as operators' dashboards read it.
+    KV_ASSERT_OK_AND_ASSIGN(std::string prefill_metrics, ScrapeText(prefill.metrics_address));
+    KV_ASSERT_OK_AND_ASSIGN(std::string decode_metrics, ScrapeText(decode.metrics_address));
+    EXPECT_THAT(prefill_metrics, HasSubstr("cache_dtype=\"fp8_e4m3\""));
+    EXPECT_THAT(decode_metrics, HasSubstr("cache_dtype=\"bf16\""));
+    EXPECT_NE(decode_status.layout_fingerprint(), prefill_status.layout_fingerprint());
+    const std::vector<int32_t> prompt = RandomPrompt(40, 8);
+    auto reserve = [&](const std::string& id, const std::string& fingerprint,
+                       const std::string& description, v1::ReserveResponse* response) {
+      v1::ReserveRequest request;
+      request.set_request_id(id);
+      request.set_model(decode_status.model());
+      request.set_prompt_tokens(static_cast<int32_t>(prompt.size()));
+      request.set_max_tokens(1);
+      request.set_layout_fingerprint(fingerprint);
+      request.set_layout_description(description);
+      grpc::ClientContext context;
+      context.set_deadline(deadline());
+      return decode_stub->Reserve(&context, request, response);
+    };
+    // The fp8 prefill worker's layout, asked of the bf16 decode worker.
+    v1::ReserveResponse refused;
+    grpc::Status s = reserve("mixed-fp8", prefill_status.layout_fingerprint(),
+                             prefill_status.layout_description(), &refused);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+    EXPECT_THAT(s.error_message(), HasSubstr("KV bf16"));
+    EXPECT_THAT(s.error_message(), HasSubstr("KV fp8_e4m3"));
+    // A bf16 reservation handed to the fp8 prefill worker as its push target.
+    v1::ReserveResponse target;
+    s = reserve("mixed-bf16", decode_status.layout_fingerprint(),
+                decode_status.layout_description(), &target);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    v1::PrefillRequest push;
+    push.set_request_id("mixed-bf16");
+    push.set_model(prefill_status.model());
+    for (int32_t t : prompt) push.add_tokens(t);
+    push.set_layout_fingerprint(prefill_status.layout_fingerprint());
+    push.set_layout_description(prefill_status.layout_description());
+    *push.mutable_target() = target;
+    v1::PrefillResponse ignored;
     grpc::ClientContext context;
     context.set_deadline(deadline());
-    ASSERT_TRUE(decode_stub->Status(&context, v1::DecodeStatusRequest(), &decode_status).ok());
+    s = prefill_stub->Prefill(&context, push, &ignored);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+    EXPECT_THAT(s.error_message(), HasSubstr("KV fp8_e4m3"));
+    EXPECT_THAT(s.error_message(), HasSubstr("KV bf16"));
+    EXPECT_EQ(NothingReceived(decode), "");
   }
-  {
-    grpc::ClientContext context;
-    context.set_deadline(deadline());
-    ASSERT_TRUE(prefill_stub->Status(&context, v1::PrefillStatusRequest(), &prefill_status).ok());
-  }
-  EXPECT_THAT(decode_status.layout_description(), HasSubstr("KV bf16"));
-  EXPECT_THAT(prefill_status.layout_description(), HasSubstr("KV fp8_e4m3"));
-  // vLLM's cache_config_info says which, as operators' dashboards read it.
-  KV_ASSERT_OK_AND_ASSIGN(std::string prefill_metrics, ScrapeText(prefill.metrics_address));
-  KV_ASSERT_OK_AND_ASSIGN(std::string decode_metrics, ScrapeText(decode.metrics_address));
-  EXPECT_THAT(prefill_metrics, HasSubstr("cache_dtype=\"fp8_e4m3\""));
-  EXPECT_THAT(decode_metrics, HasSubstr("cache_dtype=\"bf16\""));
-  EXPECT_NE(decode_status.layout_fingerprint(), prefill_status.layout_fingerprint());
-  const std::vector<int32_t> prompt = RandomPrompt(40, 8);
-  auto reserve = [&](const std::string& id, const std::string& fingerprint,
-                     const std::string& description, v1::ReserveResponse* response) {
-    v1::ReserveRequest request;
-    request.set_request_id(id);
-    request.set_model(decode_status.model());
-    request.set_prompt_tokens(static_cast<int32_t>(prompt.size()));
-    request.set_max_tokens(1);
-    request.set_layout_fingerprint(fingerprint);
-    request.set_layout_description(description);
-    grpc::ClientContext context;
-    context.set_deadline(deadline());
-    return decode_stub->Reserve(&context, request, response);
-  };
-  // The fp8 prefill worker's layout, asked of the bf16 decode worker.
-  v1::ReserveResponse refused;
-  grpc::Status s = reserve("mixed-fp8", prefill_status.layout_fingerprint(),
-                           prefill_status.layout_description(), &refused);
-  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
-  EXPECT_THAT(s.error_message(), HasSubstr("KV bf16"));
-  EXPECT_THAT(s.error_message(), HasSubstr("KV fp8_e4m3"));
-  // A bf16 reservation handed to the fp8 prefill worker as its push target.
-  v1::ReserveResponse target;
-  s = reserve("mixed-bf16", decode_status.layout_fingerprint(), decode_status.layout_description(),
-              &target);
-  ASSERT_TRUE(s.ok()) << s.error_message();
-  v1::PrefillRequest push;
-  push.set_request_id("mixed-bf16");
-  push.set_model(prefill_status.model());
-  for (int32_t t : prompt) push.add_tokens(t);
-  push.set_layout_fingerprint(prefill_status.layout_fingerprint());
-  push.set_layout_description(prefill_status.layout_description());
-  *push.mutable_target() = target;
-  v1::PrefillResponse ignored;
-  grpc::ClientContext context;
-  context.set_deadline(deadline());
-  s = prefill_stub->Prefill(&context, push, &ignored);
-  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
-  EXPECT_THAT(s.error_message(), HasSubstr("KV fp8_e4m3"));
-  EXPECT_THAT(s.error_message(), HasSubstr("KV bf16"));
-  EXPECT_EQ(NothingReceived(decode), "");
   KV_ASSERT_OK_AND_ASSIGN(int code, cluster->Stop());
   EXPECT_EQ(code, 0) << cluster->Log();
 }
