@@ -184,44 +184,25 @@ TEST_F(CudaOpsTest, CacheWriteAndGatherAreBitExact) {
   }
 }
 
-// Paged attention (GQA with and without a window, and MLA-shaped) against GatherLayer +
-// AttendOne on the same cache bytes.
-void CheckAttention(const char* preset, int64_t window) {
-  kv::ConfigOptions options;
-  options.block_tokens = 4;
-  absl::StatusOr<kv::ModelConfig> config = kv::LoadPreset(preset, options);
-  ASSERT_TRUE(config.ok());
-  const kv::ModelLayout& layout = config->layout;
+// PagedAttention over `pool_host` (blocks in `table` order) for four query rows against
+// AttendOne on `kbuf` / `vbuf`, the same cache read on the host (MLA: keys only).
+void ExpectPagedAttentionMatchesHost(const kv::ModelLayout& layout, int32_t heads,
+                                     const std::vector<uint8_t>& pool_host,
+                                     const std::vector<int32_t>& table, int64_t ctx, int64_t window,
+                                     const std::vector<float>& kbuf, const std::vector<float>& vbuf,
+                                     const std::string& label) {
   const kv::LayerGroup& g = layout.groups()[0];
   const bool mla = g.kind == kv::LayerKind::kMlaLatent;
-  const int32_t heads = config->num_attention_heads;
   const int32_t kv_heads = mla ? 1 : g.num_kv_heads;
   const int64_t width = mla ? g.latent_dim + g.rope_dim : int64_t{kv_heads} * g.head_dim;
   const int32_t qk_dim = mla ? static_cast<int32_t>(width) : g.head_dim;
   const int32_t v_dim = mla ? g.latent_dim : g.head_dim;
-  const int64_t ctx = 23;
-  const int64_t n_blocks = (ctx + 3) / 4;
-  // Random cache contents for slots 0..n_blocks-1, in reverse order in the table.
-  std::vector<uint8_t> pool_host(n_blocks * layout.BlockBytes(0));
-  {
-    const std::vector<float> values =
-        Random(static_cast<int64_t>(pool_host.size() / kv::DTypeBytes(layout.dtype())), 8);
-    StoreCacheValues(values.data(), static_cast<int64_t>(values.size()), layout.dtype(),
-                     pool_host.data());
-  }
-  std::vector<int32_t> table(n_blocks);
-  for (int64_t b = 0; b < n_blocks; ++b) table[b] = static_cast<int32_t>(n_blocks - 1 - b);
+  const int64_t n_blocks = static_cast<int64_t>(table.size());
   const std::vector<int64_t> pos = {0, 5, 14, ctx - 1};
   const int64_t rows = static_cast<int64_t>(pos.size());
   const std::vector<float> q = Random(rows * heads * qk_dim, 9);
   const float scale = 0.125f;
-  // CPU reference.
-  std::vector<const uint8_t*> units(n_blocks);
-  for (int64_t b = 0; b < n_blocks; ++b) {
-    units[b] = pool_host.data() + table[b] * layout.BlockBytes(0);
-  }
-  std::vector<float> kbuf(ctx * width), vbuf(ctx * width), want(rows * heads * v_dim), scratch(ctx);
-  GatherLayer(layout, 0, 0, units, 0, ctx, kbuf.data(), mla ? nullptr : vbuf.data());
+  std::vector<float> want(rows * heads * v_dim), scratch(ctx);
   const float* vbase = mla ? kbuf.data() : vbuf.data();
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t first = window > 0 ? std::max<int64_t>(0, pos[r] - window + 1) : 0;
@@ -257,7 +238,42 @@ void CheckAttention(const char* preset, int64_t window) {
   p.out = dout.get();
   KV_ASSERT_OK(
       PagedAttention(MakePagedLayer(layout, 0, 0, pool.get(), layout.BlockBytes(0)), p, nullptr));
-  EXPECT_LE(MaxRelErr(dout.Host(), want), 2e-5) << preset << " window " << window;
+  EXPECT_LE(MaxRelErr(dout.Host(), want), 2e-5) << label << " window " << window;
+}
+
+// Paged attention (GQA with and without a window, and MLA-shaped) against GatherLayer +
+// AttendOne on the same cache bytes.
+void CheckAttention(const char* preset, int64_t window) {
+  kv::ConfigOptions options;
+  options.block_tokens = 4;
+  absl::StatusOr<kv::ModelConfig> config = kv::LoadPreset(preset, options);
+  ASSERT_TRUE(config.ok());
+  const kv::ModelLayout& layout = config->layout;
+  const kv::LayerGroup& g = layout.groups()[0];
+  const bool mla = g.kind == kv::LayerKind::kMlaLatent;
+  const int32_t kv_heads = mla ? 1 : g.num_kv_heads;
+  const int64_t width = mla ? g.latent_dim + g.rope_dim : int64_t{kv_heads} * g.head_dim;
+  const int64_t ctx = 23;
+  const int64_t n_blocks = (ctx + 3) / 4;
+  // Random cache contents for slots 0..n_blocks-1, in reverse order in the table.
+  std::vector<uint8_t> pool_host(n_blocks * layout.BlockBytes(0));
+  {
+    const std::vector<float> values =
+        Random(static_cast<int64_t>(pool_host.size() / kv::DTypeBytes(layout.dtype())), 8);
+    StoreCacheValues(values.data(), static_cast<int64_t>(values.size()), layout.dtype(),
+                     pool_host.data());
+  }
+  std::vector<int32_t> table(n_blocks);
+  for (int64_t b = 0; b < n_blocks; ++b) table[b] = static_cast<int32_t>(n_blocks - 1 - b);
+  // CPU reference.
+  std::vector<const uint8_t*> units(n_blocks);
+  for (int64_t b = 0; b < n_blocks; ++b) {
+    units[b] = pool_host.data() + table[b] * layout.BlockBytes(0);
+  }
+  std::vector<float> kbuf(ctx * width), vbuf(ctx * width);
+  GatherLayer(layout, 0, 0, units, 0, ctx, kbuf.data(), mla ? nullptr : vbuf.data());
+  ExpectPagedAttentionMatchesHost(layout, config->num_attention_heads, pool_host, table, ctx,
+                                  window, kbuf, vbuf, preset);
 }
 
 TEST_F(CudaOpsTest, PagedAttentionMatchesCpu) {
@@ -455,8 +471,6 @@ void CheckFp8Attention(bool mla, int64_t window) {
   const int32_t kv_heads = mla ? 1 : g.num_kv_heads;
   const int32_t heads = mla ? 4 : 2 * kv_heads;
   const int64_t width = mla ? g.latent_dim + g.rope_dim : int64_t{kv_heads} * g.head_dim;
-  const int32_t qk_dim = mla ? static_cast<int32_t>(width) : g.head_dim;
-  const int32_t v_dim = mla ? g.latent_dim : g.head_dim;
   const int64_t ctx = 23, bt = 4, n_blocks = (ctx + bt - 1) / bt;
   std::vector<int64_t> all(ctx);
   for (int64_t p = 0; p < ctx; ++p) all[p] = p;
@@ -477,47 +491,8 @@ void CheckFp8Attention(bool mla, int64_t window) {
       if (!mla) vbuf[p * width + i] = HostFp8Read(layout, 0, unit, p % bt, 1, i);
     }
   }
-  const std::vector<int64_t> pos = {0, 5, 14, ctx - 1};
-  const int64_t rows = static_cast<int64_t>(pos.size());
-  const std::vector<float> q = Random(rows * heads * qk_dim, 9);
-  const float scale = 0.125f;
-  std::vector<float> want(rows * heads * v_dim), scratch(ctx);
-  const float* vbase = mla ? kbuf.data() : vbuf.data();
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t first = window > 0 ? std::max<int64_t>(0, pos[r] - window + 1) : 0;
-    for (int32_t h = 0; h < heads; ++h) {
-      const int64_t off = first * width + (mla ? 0 : (h / (heads / kv_heads)) * g.head_dim);
-      AttendOne(q.data() + (r * heads + h) * qk_dim, qk_dim, kbuf.data() + off, width, vbase + off,
-                width, v_dim, pos[r] - first + 1, scale, scratch.data(),
-                want.data() + (r * heads + h) * v_dim);
-    }
-  }
-  Dev<uint8_t> pool(pool_host);
-  Dev<float> dq(q), dout(static_cast<size_t>(rows * heads * v_dim)),
-      dscratch(static_cast<size_t>(rows * heads * ctx));
-  Dev<int64_t> dpos(pos);
-  std::vector<int32_t> tables;
-  for (int64_t r = 0; r < rows; ++r) tables.insert(tables.end(), table.begin(), table.end());
-  Dev<int32_t> dtables(tables);
-  AttentionParams p;
-  p.q = dq.get();
-  p.q_row_stride = int64_t{heads} * qk_dim;
-  p.heads = heads;
-  p.group_size = heads / kv_heads;
-  p.qk_dim = qk_dim;
-  p.v_dim = v_dim;
-  p.window = window;
-  p.scale = scale;
-  p.rows = rows;
-  p.positions = dpos.get();
-  p.block_tables = dtables.get();
-  p.max_blocks = static_cast<int32_t>(n_blocks);
-  p.max_context = ctx;
-  p.scratch = dscratch.get();
-  p.out = dout.get();
-  KV_ASSERT_OK(
-      PagedAttention(MakePagedLayer(layout, 0, 0, pool.get(), layout.BlockBytes(0)), p, nullptr));
-  EXPECT_LE(MaxRelErr(dout.Host(), want), 2e-5) << (mla ? "mla" : "gqa") << " window " << window;
+  ExpectPagedAttentionMatchesHost(layout, heads, pool_host, table, ctx, window, kbuf, vbuf,
+                                  mla ? "mla" : "gqa");
 }
 
 TEST_F(CudaOpsTest, Fp8PagedAttentionMatchesHostDequantisation) {
