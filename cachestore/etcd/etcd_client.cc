@@ -8,6 +8,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "common/file_util.h"
+#include "common/server/tls_files.h"
+#include "common/status_macros.h"
 
 namespace kvrelay::etcd {
 namespace {
@@ -56,7 +59,7 @@ absl::StatusOr<std::vector<std::string>> ParseEndpoints(const std::string& text)
   std::vector<std::string> out;
   for (absl::string_view part : absl::StrSplit(text, ',', absl::SkipWhitespace())) {
     absl::string_view e = absl::StripAsciiWhitespace(part);
-    absl::ConsumePrefix(&e, "http://");
+    if (!absl::ConsumePrefix(&e, "http://")) absl::ConsumePrefix(&e, "https://");
     const size_t colon = e.rfind(':');
     int port = 0;
     if (colon == absl::string_view::npos || colon == 0 ||
@@ -72,26 +75,53 @@ absl::StatusOr<std::vector<std::string>> ParseEndpoints(const std::string& text)
 
 EtcdClient::EtcdClient(EtcdOptions options) : options_(std::move(options)) {}
 
+namespace {
+
+// Plain text, or mutual TLS from `options`' files once they verify.
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> EtcdCredentials(
+    const EtcdOptions& options) {
+  if (!options.tls()) return grpc::InsecureChannelCredentials();
+  if (options.ca_file.empty() || options.cert_file.empty() || options.key_file.empty()) {
+    return absl::InvalidArgumentError(
+        "etcd TLS needs all of --etcd-ca, --etcd-cert and --etcd-key (or none: plain text)");
+  }
+  KV_RETURN_IF_ERROR(server::VerifyTlsFiles(
+      {.cert_file = options.cert_file, .key_file = options.key_file, .ca_file = options.ca_file},
+      "etcd TLS"));
+  grpc::SslCredentialsOptions ssl;
+  KV_ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadFileToString(options.ca_file));
+  KV_ASSIGN_OR_RETURN(ssl.pem_cert_chain, ReadFileToString(options.cert_file));
+  KV_ASSIGN_OR_RETURN(ssl.pem_private_key, ReadFileToString(options.key_file));
+  return grpc::SslCredentials(ssl);
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<EtcdClient>> EtcdClient::Create(EtcdOptions options) {
   if (options.endpoints.empty()) return absl::InvalidArgumentError("etcd: no endpoints");
   if (options.rpc_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("etcd: rpc_timeout must be positive");
   }
+  KV_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> credentials,
+                      EtcdCredentials(options));
   auto client = std::unique_ptr<EtcdClient>(new EtcdClient(options));
+  client->credentials_ = std::move(credentials);
   for (const std::string& address : options.endpoints) {
     auto e = std::make_unique<Endpoint>();
     e->address = address;
     absl::MutexLock lock(&e->mu);
-    e->stubs = Connect(address);
+    e->stubs = client->Connect(address);
     e->connected_at = absl::Now();
     client->endpoints_.push_back(std::move(e));
   }
   return client;
 }
 
-std::shared_ptr<const EtcdClient::Stubs> EtcdClient::Connect(const std::string& address) {
-  // etcd on plain text (TLS to etcd is a deployment's choice).
+std::shared_ptr<const EtcdClient::Stubs> EtcdClient::Connect(const std::string& address) const {
   grpc::ChannelArguments args;
+  // etcd's certificate is checked against the host this client dials, whatever the target
+  // scheme (a numeric address goes to the ipv4 resolver, see ChannelTarget).
+  if (options_.tls()) args.SetSslTargetNameOverride(address.substr(0, address.rfind(':')));
   args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 5000);
   args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 2000);
   args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
@@ -99,7 +129,7 @@ std::shared_ptr<const EtcdClient::Stubs> EtcdClient::Connect(const std::string& 
   // Its own connection: a fresh channel must not reuse a subchannel stuck in backoff.
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   std::shared_ptr<grpc::Channel> channel =
-      grpc::CreateCustomChannel(ChannelTarget(address), grpc::InsecureChannelCredentials(), args);
+      grpc::CreateCustomChannel(ChannelTarget(address), credentials_, args);
   auto stubs = std::make_shared<Stubs>();
   stubs->address = address;
   stubs->kv = etcdserverpb::KV::NewStub(channel);

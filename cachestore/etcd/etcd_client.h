@@ -25,16 +25,22 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "etcd/etcdserver/etcdserverpb/rpc.grpc.pb.h"
+#include "grpcpp/security/credentials.h"
 
 namespace kvrelay::etcd {
 
 struct EtcdOptions {
-  // host:port (an http:// prefix is accepted), tried in order.
+  // host:port (an http:// or https:// prefix is accepted), tried in order.
   std::vector<std::string> endpoints;
   absl::Duration rpc_timeout = absl::Seconds(2);
+  // Mutual TLS (an etcd started with --client-cert-auth): the CA bundle etcd's certificate must
+  // chain to, this client's certificate and its key, all three or none (plain text). Create
+  // refuses files that do not verify (server::VerifyTlsFiles), naming the file.
+  std::string ca_file, cert_file, key_file;
+  bool tls() const { return !ca_file.empty() || !cert_file.empty() || !key_file.empty(); }
 };
 
-// "a:2379,http://b:2379" -> {"a:2379", "b:2379"}. InvalidArgument naming the bad entry.
+// "a:2379,https://b:2379" -> {"a:2379", "b:2379"}. InvalidArgument naming the bad entry.
 absl::StatusOr<std::vector<std::string>> ParseEndpoints(const std::string& text);
 
 struct KeyValue {
@@ -75,6 +81,7 @@ class EtcdClient {
                                      absl::Time deadline);
 
   const std::string& endpoint() const;  // the one calls go to now
+  bool tls() const { return options_.tls(); }
 
  private:
   explicit EtcdClient(EtcdOptions options);
@@ -98,11 +105,13 @@ class EtcdClient {
     std::shared_ptr<const Stubs> stubs ABSL_GUARDED_BY(mu);
     absl::Time connected_at ABSL_GUARDED_BY(mu);
   };
-  static std::shared_ptr<const Stubs> Connect(const std::string& address);
+  std::shared_ptr<const Stubs> Connect(const std::string& address) const;
   std::shared_ptr<const Stubs> StubsOf(size_t i) const;
   void Reconnect(size_t i);
 
   EtcdOptions options_;
+  // Plain text, or SSL credentials from the verified files; fixed at Create.
+  std::shared_ptr<grpc::ChannelCredentials> credentials_;
   std::vector<std::unique_ptr<Endpoint>> endpoints_;
   std::atomic<size_t> current_{0};
 };

@@ -1,6 +1,7 @@
 #include "cachestore/etcd/leader_election.h"
 
 #include <algorithm>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
@@ -84,17 +85,28 @@ bool LeaderElection::Renew() {
 
 void LeaderElection::Run() {
   const absl::Duration renew_every = options_.ttl / 3;
+  // The code of the failure last logged: one line per kind of failure, not one per retry.
+  std::optional<absl::StatusCode> logged;
   while (!stop_.HasBeenNotified()) {
     // A fresh lease for each campaign: an expired one can never be renewed.
     const absl::Time granted_at = absl::Now();
     absl::StatusOr<int64_t> lease = etcd_->GrantLease(options_.ttl);
     if (!lease.ok()) {
-      KV_LOG(WARNING) << "election: cannot get a lease from etcd (" << lease.status()
-                      << "); retrying";
+      if (logged != lease.status().code()) {
+        logged = lease.status().code();
+        KV_LOG(WARNING) << "election: cannot get a lease from etcd (" << lease.status()
+                        << "); retrying every " << renew_every << ", logged again only when "
+                        << "the failure changes"
+                        << (etcd_->tls() ? ""
+                                         : "; this store talks to etcd in plain text, which an "
+                                           "etcd started with --client-cert-auth refuses: give "
+                                           "--etcd-ca, --etcd-cert and --etcd-key");
+      }
       SetState(State{});
       stop_.WaitForNotificationWithTimeout(renew_every);
       continue;
     }
+    logged.reset();
     lease_ = *lease;
     {
       absl::MutexLock lock(&mu_);

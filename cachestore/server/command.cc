@@ -53,6 +53,13 @@ int RunCacheStoreCommand(const std::vector<std::string>& args) {
   flags.AddString("election-key", &ha_options.election_key, "with --etcd: the leader key");
   flags.AddDuration("etcd-lease-ttl", &ha_options.lease_ttl,
                     "with --etcd: the leader's lease; a dead leader is replaced after about this");
+  flags.AddString("etcd-ca", &ha_options.etcd_ca_file,
+                  "with --etcd: mutual TLS to etcd (an etcd with --client-cert-auth): PEM CA "
+                  "bundle etcd's certificate must chain to; with --etcd-cert and --etcd-key, "
+                  "all checked at start (none of the three: plain text)");
+  flags.AddString("etcd-cert", &ha_options.etcd_cert_file,
+                  "with --etcd-ca: this store's PEM client certificate for etcd");
+  flags.AddString("etcd-key", &ha_options.etcd_key_file, "with --etcd-ca: its PEM private key");
   kvrelay::cachestore::kvevents::KvEventsOptions kv_events;
   kvrelay::cachestore::kvevents::AddKvEventsFlags(flags, &kv_events);
   flags.AddString("data-dir", &data_dir, "WAL + snapshot directory; empty = no durability");
@@ -109,6 +116,10 @@ int RunCacheStoreCommand(const std::vector<std::string>& args) {
     }
   } else if (!advertise_address.empty()) {
     return kvrelay::server::UsageError("cachestore", "--advertise-address needs --etcd");
+  } else if (!ha_options.etcd_ca_file.empty() || !ha_options.etcd_cert_file.empty() ||
+             !ha_options.etcd_key_file.empty()) {
+    return kvrelay::server::UsageError("cachestore",
+                                       "--etcd-ca, --etcd-cert and --etcd-key need --etcd");
   }
 
   kvrelay::cachestore::CacheStoreOptions options;

@@ -30,7 +30,10 @@ absl::StatusOr<std::unique_ptr<HighAvailability>> HighAvailability::Create(Cache
   }
   KV_ASSIGN_OR_RETURN(std::unique_ptr<etcd::EtcdClient> etcd,
                       etcd::EtcdClient::Create({.endpoints = options.etcd_endpoints,
-                                                .rpc_timeout = options.etcd_timeout}));
+                                                .rpc_timeout = options.etcd_timeout,
+                                                .ca_file = options.etcd_ca_file,
+                                                .cert_file = options.etcd_cert_file,
+                                                .key_file = options.etcd_key_file}));
   store->EnableReplicationLog();
   return std::unique_ptr<HighAvailability>(
       new HighAvailability(store, std::move(options), std::move(etcd)));

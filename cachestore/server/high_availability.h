@@ -46,6 +46,8 @@ namespace kvrelay::cachestore::server {
 
 struct HaOptions {
   std::vector<std::string> etcd_endpoints;
+  // Mutual TLS to etcd (--etcd-ca, --etcd-cert, --etcd-key): all three or none (plain text).
+  std::string etcd_ca_file, etcd_cert_file, etcd_key_file;
   // This instance's gRPC address as clients and the other instances reach it (host:port).
   std::string advertise_address;
   std::string election_key = "/kvrelay/cachestore/leader";

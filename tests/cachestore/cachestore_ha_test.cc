@@ -12,6 +12,7 @@
 //     instance fails closed with FAILURE_NOT_LEADER; service resumes when etcd returns.
 
 #include <signal.h>
+#include <sys/stat.h>
 
 #include <atomic>
 #include <map>
@@ -25,6 +26,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "cachestore/client/cache_store_client.h"
+#include "common/server/dev_certs.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
@@ -36,9 +38,12 @@
 namespace kvrelay::cachestore {
 namespace {
 
+using ::kvrelay::testing::ChildProcess;
 using ::kvrelay::testing::HaCluster;
 using ::kvrelay::testing::IsOk;
 using ::kvrelay::testing::IsOkAndHolds;
+using ::kvrelay::testing::PickUnusedPort;
+using ::testing::HasSubstr;
 
 constexpr int kChainBlocks = 8;
 constexpr int kPreloadChains = 16;
@@ -528,6 +533,67 @@ TEST(CacheStoreClientFencing, FollowsRedirectsAndDropsRepliesOfAnOlderTerm) {
   EXPECT_EQ(client->term(), 6);
   EXPECT_EQ(client->current_address(), addresses[1]);
   for (auto& server : servers) server->Shutdown();
+}
+
+// etcd over mutual TLS (a real etcd started with --client-cert-auth): stores with the client
+// certificate elect a leader that serves; a store talking plain text is refused by etcd, never
+// leads, and says so in one log line however often it retries; a store whose TLS files do not
+// verify is refused at start, naming the file.
+TEST(CacheStoreEtcdTls, StoresWithTheClientCertificateLeadOthersAreRefused) {
+  if (!HaCluster::EtcdInstalled()) GTEST_SKIP() << "etcd missing (scripts/setup.sh)";
+  HaCluster cluster;
+  ASSERT_THAT(cluster.UseEtcdTls(), IsOk());
+  ASSERT_THAT(cluster.Start(2), IsOk()) << cluster.Logs();
+  KV_ASSERT_OK_AND_ASSIGN(HaCluster::Leader leader, cluster.WaitForLeader(absl::Seconds(15)));
+
+  // Plain text against the TLS etcd: refused, one line, the flags named.
+  KV_ASSERT_OK_AND_ASSIGN(std::unique_ptr<ChildProcess> plain,
+                          cluster.StartStoreProcess(absl::StrCat("127.0.0.1:", PickUnusedPort()),
+                                                    cluster.TempPath("plain-store"), {}));
+  KV_ASSERT_OK_AND_ASSIGN(std::string line,
+                          plain->WaitForOutput("cannot get a lease from etcd", absl::Seconds(20)));
+  EXPECT_THAT(line, HasSubstr("--etcd-cert"));
+  // Retries every lease TTL / 3 (about 0.7 s): over 3 s it has retried several times, and
+  // logged once.
+  absl::SleepFor(absl::Seconds(3));
+  const std::string log = plain->Stderr();
+  size_t lines = 0;
+  for (size_t at = log.find("cannot get a lease from etcd"); at != std::string::npos;
+       at = log.find("cannot get a lease from etcd", at + 1)) {
+    ++lines;
+  }
+  EXPECT_EQ(lines, 1u) << log;
+  KV_ASSERT_OK_AND_ASSIGN(HaCluster::Leader still, cluster.WaitForLeader(absl::Seconds(5)));
+  EXPECT_EQ(still.term, leader.term);
+
+  // Files that do not verify: refused at start (exit 2), naming what is wrong.
+  const std::string other_dir = cluster.TempPath("other-ca");
+  ASSERT_EQ(::mkdir(other_dir.c_str(), 0700), 0);
+  KV_ASSERT_OK_AND_ASSIGN(auto other_ca,
+                          ::kvrelay::server::DevCertificateAuthority::Create(other_dir));
+  KV_ASSERT_OK_AND_ASSIGN(::kvrelay::server::SecurityOptions stranger,
+                          other_ca->Issue(::kvrelay::server::PeerRole::kStore, "stranger"));
+  const std::vector<std::string> good = cluster.EtcdTlsFlags();  // ca, cert, key
+  struct BadFiles {
+    std::vector<std::string> flags;
+    std::string says;
+  };
+  for (const BadFiles& bad : {
+           BadFiles{{"--etcd-ca", good[1], "--etcd-cert", stranger.cert_file, "--etcd-key",
+                     stranger.key_file},
+                    "does not verify against"},
+           BadFiles{{"--etcd-ca", good[1], "--etcd-cert", good[3], "--etcd-key", stranger.key_file},
+                    "is not the key of the certificate"},
+           BadFiles{{"--etcd-ca", good[1]}, "needs all of --etcd-ca, --etcd-cert and --etcd-key"},
+       }) {
+    KV_ASSERT_OK_AND_ASSIGN(
+        std::unique_ptr<ChildProcess> refused,
+        cluster.StartStoreProcess(absl::StrCat("127.0.0.1:", PickUnusedPort()),
+                                  cluster.TempPath("refused-store"), bad.flags));
+    KV_ASSERT_OK_AND_ASSIGN(int code, refused->Wait(absl::Seconds(30)));
+    EXPECT_EQ(code, 2) << refused->Stderr();
+    EXPECT_THAT(refused->Stderr(), HasSubstr(bad.says));
+  }
 }
 
 }  // namespace

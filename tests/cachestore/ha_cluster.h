@@ -2,11 +2,14 @@
 
 // HaCluster: a real etcd (Debian's etcd-server) and N `kvrelay cachestore --etcd` processes on
 // free loopback ports, each with its own data dir, for the HA tests and the failover bench.
-// Failures come back as absl::Status (no gtest here, so bench/ can use it too).
+// Failures come back as absl::Status (no gtest here, so bench/ can use it too). UseEtcdTls()
+// before Start: etcd requires client certificates (--client-cert-auth) over https, and every
+// store and the cluster's own etcd client present one (the cluster's throwaway CA).
 //
 // Not thread-safe: one thread drives it.
 
 #include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <memory>
@@ -21,6 +24,7 @@
 #include "absl/time/time.h"
 #include "cachestore/client/cache_store_client.h"
 #include "cachestore/etcd/etcd_client.h"
+#include "common/server/dev_certs.h"
 #include "tests/testing/process_harness.h"
 #include "tests/testing/test_env.h"
 
@@ -38,13 +42,46 @@ class HaCluster {
 
   static bool EtcdInstalled() { return ::access(kEtcd, X_OK) == 0; }
 
+  // Mutual TLS to etcd; call before Start. The certificates (etcd's server certificate, one
+  // client certificate every store and this cluster's client share) come from a throwaway CA.
+  absl::Status UseEtcdTls() {
+    const std::string dir = dir_.File("etcd-tls");
+    if (::mkdir(dir.c_str(), 0700) != 0) return absl::InternalError("mkdir " + dir);
+    absl::StatusOr<std::unique_ptr<server::DevCertificateAuthority>> ca =
+        server::DevCertificateAuthority::Create(dir);
+    if (!ca.ok()) return ca.status();
+    absl::StatusOr<server::SecurityOptions> etcd_server =
+        (*ca)->Issue(server::PeerRole::kStore, "etcd");
+    absl::StatusOr<server::SecurityOptions> client =
+        (*ca)->Issue(server::PeerRole::kStore, "cachestore");
+    if (!etcd_server.ok() || !client.ok()) {
+      return etcd_server.ok() ? client.status() : etcd_server.status();
+    }
+    etcd_server_tls_ = *etcd_server;
+    etcd_client_tls_ = *client;
+    return absl::OkStatus();
+  }
+  bool etcd_tls() const { return !etcd_client_tls_.ca_file.empty(); }
+  // A store's flags for its client certificate to etcd (none without UseEtcdTls).
+  std::vector<std::string> EtcdTlsFlags() const {
+    if (!etcd_tls()) return {};
+    return {"--etcd-ca",  etcd_client_tls_.ca_file, "--etcd-cert", etcd_client_tls_.cert_file,
+            "--etcd-key", etcd_client_tls_.key_file};
+  }
+  // etcd's client endpoint as a store's --etcd takes it.
+  std::string etcd_url() const { return (etcd_tls() ? "https://" : "http://") + etcd_endpoint_; }
+
   absl::Status Start(int stores) {
     etcd_endpoint_ = absl::StrCat("127.0.0.1:", PickUnusedPort());
     etcd_peer_ = absl::StrCat("http://127.0.0.1:", PickUnusedPort());
     absl::Status s = StartEtcd();
     if (!s.ok()) return s;
-    absl::StatusOr<std::unique_ptr<etcd::EtcdClient>> client = etcd::EtcdClient::Create(
-        {.endpoints = {etcd_endpoint_}, .rpc_timeout = absl::Milliseconds(500)});
+    absl::StatusOr<std::unique_ptr<etcd::EtcdClient>> client =
+        etcd::EtcdClient::Create({.endpoints = {etcd_endpoint_},
+                                  .rpc_timeout = absl::Milliseconds(500),
+                                  .ca_file = etcd_client_tls_.ca_file,
+                                  .cert_file = etcd_client_tls_.cert_file,
+                                  .key_file = etcd_client_tls_.key_file});
     if (!client.ok()) return client.status();
     etcd_client_ = *std::move(client);
     const absl::Time deadline = absl::Now() + absl::Seconds(30);
@@ -66,12 +103,34 @@ class HaCluster {
 
   // Restarts etcd with the same data dir (after StopEtcd) or starts it.
   absl::Status StartEtcd() {
-    absl::StatusOr<std::unique_ptr<ChildProcess>> etcd = ChildProcess::Start(
-        {kEtcd, "--name", "t", "--data-dir", dir_.File("etcd"), "--listen-client-urls",
-         "http://" + etcd_endpoint_, "--advertise-client-urls", "http://" + etcd_endpoint_,
-         "--listen-peer-urls", etcd_peer_, "--initial-advertise-peer-urls", etcd_peer_,
-         "--initial-cluster", "t=" + etcd_peer_, "--heartbeat-interval", "50", "--election-timeout",
-         "300"});
+    std::vector<std::string> argv = {kEtcd,
+                                     "--name",
+                                     "t",
+                                     "--data-dir",
+                                     dir_.File("etcd"),
+                                     "--listen-client-urls",
+                                     etcd_url(),
+                                     "--advertise-client-urls",
+                                     etcd_url(),
+                                     "--listen-peer-urls",
+                                     etcd_peer_,
+                                     "--initial-advertise-peer-urls",
+                                     etcd_peer_,
+                                     "--initial-cluster",
+                                     "t=" + etcd_peer_,
+                                     "--heartbeat-interval",
+                                     "50",
+                                     "--election-timeout",
+                                     "300"};
+    if (etcd_tls()) {
+      for (const std::string& a :
+           {std::string("--cert-file"), etcd_server_tls_.cert_file, std::string("--key-file"),
+            etcd_server_tls_.key_file, std::string("--client-cert-auth"),
+            std::string("--trusted-ca-file"), etcd_server_tls_.ca_file}) {
+        argv.push_back(a);
+      }
+    }
+    absl::StatusOr<std::unique_ptr<ChildProcess>> etcd = ChildProcess::Start(argv);
     if (!etcd.ok()) return etcd.status();
     etcd_ = *std::move(etcd);
     return absl::OkStatus();
@@ -79,11 +138,8 @@ class HaCluster {
 
   // Starts (or restarts, after KillStore) store `i` on its port with its data dir.
   absl::Status StartStore(int i) {
-    const std::string port = addresses_[i].substr(addresses_[i].rfind(':') + 1);
-    absl::StatusOr<std::unique_ptr<ChildProcess>> proc = ChildProcess::Start(
-        {BinaryPath("kvrelay"), "cachestore", "--port", port, "--metrics-port", "0", "--data-dir",
-         dir_.File(absl::StrCat("store", i)), "--tick", "20ms", "--insecure", "--etcd",
-         etcd_endpoint_, "--etcd-lease-ttl", "2s", "--wal-fsync=false"});
+    absl::StatusOr<std::unique_ptr<ChildProcess>> proc =
+        StartStoreProcess(addresses_[i], dir_.File(absl::StrCat("store", i)), EtcdTlsFlags());
     if (!proc.ok()) return proc.status();
     stores_[i] = *std::move(proc);
     absl::StatusOr<std::string> line =
@@ -95,6 +151,31 @@ class HaCluster {
     }
     return absl::OkStatus();
   }
+
+  // A store process on `address` with `data_dir` and these etcd TLS flags, not waited for.
+  absl::StatusOr<std::unique_ptr<ChildProcess>> StartStoreProcess(
+      const std::string& address, const std::string& data_dir,
+      const std::vector<std::string>& etcd_tls_flags) {
+    std::vector<std::string> argv = {BinaryPath("kvrelay"),
+                                     "cachestore",
+                                     "--port",
+                                     address.substr(address.rfind(':') + 1),
+                                     "--metrics-port",
+                                     "0",
+                                     "--data-dir",
+                                     data_dir,
+                                     "--tick",
+                                     "20ms",
+                                     "--insecure",
+                                     "--etcd",
+                                     etcd_url(),
+                                     "--etcd-lease-ttl",
+                                     "2s",
+                                     "--wal-fsync=false"};
+    argv.insert(argv.end(), etcd_tls_flags.begin(), etcd_tls_flags.end());
+    return ChildProcess::Start(argv);
+  }
+  std::string TempPath(const std::string& name) { return dir_.File(name); }
 
   void KillStore(int i) {
     stores_[i]->Signal(SIGKILL);
@@ -161,6 +242,7 @@ class HaCluster {
   std::string etcd_endpoint_, etcd_peer_;
   std::unique_ptr<ChildProcess> etcd_;
   std::unique_ptr<etcd::EtcdClient> etcd_client_;
+  server::SecurityOptions etcd_server_tls_, etcd_client_tls_;  // empty without UseEtcdTls
   std::vector<std::string> addresses_;
   std::vector<std::unique_ptr<ChildProcess>> stores_;
 };
