@@ -48,8 +48,7 @@ absl::StatusOr<std::vector<Cert>> ReadCerts(const std::string& path, const std::
   std::vector<Cert> certs;
   while (X509* x = PEM_read_bio_X509(bio.get(), nullptr, nullptr, nullptr)) certs.emplace_back(x);
   if (certs.empty()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, ": ", path, " holds no PEM certificate"));
+    return absl::InvalidArgumentError(absl::StrCat(what, ": ", path, " holds no PEM certificate"));
   }
   return certs;
 }
@@ -83,9 +82,9 @@ absl::Status VerifyTlsFiles(const TlsFiles& files, const std::string& what) {
   }
   if (X509_verify_cert(ctx.get()) != 1) {
     const int error = X509_STORE_CTX_get_error(ctx.get());
-    return absl::InvalidArgumentError(absl::StrCat(
-        what, ": the certificate in ", files.cert_file, " does not verify against ", files.ca_file,
-        " (", X509_verify_cert_error_string(error), ")"));
+    return absl::InvalidArgumentError(absl::StrCat(what, ": the certificate in ", files.cert_file,
+                                                   " does not verify against ", files.ca_file, " (",
+                                                   X509_verify_cert_error_string(error), ")"));
   }
   return absl::OkStatus();
 }
