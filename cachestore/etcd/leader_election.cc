@@ -1,7 +1,6 @@
 #include "cachestore/etcd/leader_election.h"
 
 #include <algorithm>
-#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
@@ -85,15 +84,16 @@ bool LeaderElection::Renew() {
 
 void LeaderElection::Run() {
   const absl::Duration renew_every = options_.ttl / 3;
-  // The code of the failure last logged: one line per kind of failure, not one per retry.
-  std::optional<absl::StatusCode> logged;
+  // The code of the failure last logged (-1: none): one line per kind of failure, not one per
+  // retry.
+  int logged_code = -1;
   while (!stop_.HasBeenNotified()) {
     // A fresh lease for each campaign: an expired one can never be renewed.
     const absl::Time granted_at = absl::Now();
     absl::StatusOr<int64_t> lease = etcd_->GrantLease(options_.ttl);
     if (!lease.ok()) {
-      if (logged != lease.status().code()) {
-        logged = lease.status().code();
+      if (logged_code != static_cast<int>(lease.status().code())) {
+        logged_code = static_cast<int>(lease.status().code());
         KV_LOG(WARNING) << "election: cannot get a lease from etcd (" << lease.status()
                         << "); retrying every " << renew_every << ", logged again only when "
                         << "the failure changes"
@@ -106,7 +106,7 @@ void LeaderElection::Run() {
       stop_.WaitForNotificationWithTimeout(renew_every);
       continue;
     }
-    logged.reset();
+    logged_code = -1;
     lease_ = *lease;
     {
       absl::MutexLock lock(&mu_);
