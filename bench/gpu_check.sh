@@ -102,32 +102,26 @@ else
   tail -60 "${LOGS}/gpu-tests.log"
   record "ctest -L gpu" FAIL "see ${LOGS}/gpu-tests.log"
 fi
-# The CUDA runner against the CPU runner, per test architecture, printed on its own.
-out=$(KVRELAY_REQUIRE_GPU=1 LIMIT=300 bounded "${BUILD}/bin/tests/model_cuda_test" \
-      --gtest_filter='*MatchCpu*:*MatchCpuRunner*' 2>&1)
-rc=$?
-echo "${out}" | grep -E '^\[ +(OK|FAILED|SKIPPED) ' || true
-if ((rc == 0)) && ! echo "${out}" | grep -q '^\[  SKIPPED \]'; then
-  record "CUDA runner == CPU runner (greedy, per arch)" PASS \
-    "$(echo "${out}" | grep -c '^\[       OK \]') cases"
-else
-  record "CUDA runner == CPU runner (greedy, per arch)" FAIL "model_cuda_test --gtest_filter=*MatchCpu*"
-fi
-
-# The FP8 E4M3 KV cache on its own line: the kernels' cache bytes and gathers equal kv/fp8.h on
-# the host, paged attention over fp8 equals host dequantisation, and the runner checks above
-# with an fp8 cache on both sides (the *_fp8 cases).
-out=$(KVRELAY_REQUIRE_GPU=1 LIMIT=300 bounded "${BUILD}/bin/tests/model_cuda_test" \
-      --gtest_filter='*Fp8*:*_fp8' 2>&1)
-rc=$?
-echo "${out}" | grep -E '^\[ +(OK|FAILED|SKIPPED) ' || true
-if ((rc == 0)) && ! echo "${out}" | grep -q '^\[  SKIPPED \]'; then
-  record "CUDA fp8 KV == kv/fp8.h (bytes, runner)" PASS \
-    "$(echo "${out}" | grep -c '^\[       OK \]') cases"
-else
-  record "CUDA fp8 KV == kv/fp8.h (bytes, runner)" FAIL \
-    "model_cuda_test --gtest_filter='*Fp8*:*_fp8'"
-fi
+# model_cuda_test cases matching a filter, printed and recorded on a line of their own; a case
+# that skips (no device after all) fails the line.
+cuda_cases() {  # LABEL FILTER
+  local out rc
+  out=$(KVRELAY_REQUIRE_GPU=1 LIMIT=300 bounded "${BUILD}/bin/tests/model_cuda_test" \
+        --gtest_filter="$2" 2>&1)
+  rc=$?
+  echo "${out}" | grep -E '^\[ +(OK|FAILED|SKIPPED) ' || true
+  if ((rc == 0)) && ! echo "${out}" | grep -q '^\[  SKIPPED \]'; then
+    record "$1" PASS "$(echo "${out}" | grep -c '^\[       OK \]') cases"
+  else
+    record "$1" FAIL "model_cuda_test --gtest_filter='$2'"
+  fi
+}
+# The CUDA runner against the CPU runner, per test architecture.
+cuda_cases "CUDA runner == CPU runner (greedy, per arch)" '*MatchCpu*:*MatchCpuRunner*'
+# The FP8 E4M3 KV cache: the kernels' cache bytes and gathers equal kv/fp8.h on the host, paged
+# attention over fp8 equals host dequantisation, and the runner checks above with an fp8 cache
+# on both sides (the *_fp8 cases).
+cuda_cases "CUDA fp8 KV == kv/fp8.h (bytes, runner)" '*Fp8*:*_fp8'
 
 echo "== disaggregated (kvrelay up, --device ${DEVICE}) == co-located"
 KVRELAY="${BUILD}/bin/kvrelay"

@@ -247,20 +247,17 @@ void WorkerSet::LearnLayout(Node& n, absl::Time deadline) {
   }
   const absl::Time until = std::min(deadline, absl::Now() + options_.route_timeout);
   std::string fingerprint, description, node_id;
+  // Both roles' Status answers carry the same three fields.
+  auto take = [&](const auto& status) {
+    if (!status.ok()) return;
+    fingerprint = status->layout_fingerprint();
+    description = status->layout_description();
+    node_id = status->node_id();
+  };
   if (n.prefill != nullptr) {
-    absl::StatusOr<kvrelay::v1::PrefillStatusResponse> status = n.prefill->Status(until);
-    if (status.ok()) {
-      fingerprint = status->layout_fingerprint();
-      description = status->layout_description();
-      node_id = status->node_id();
-    }
+    take(n.prefill->Status(until));
   } else {
-    absl::StatusOr<kvrelay::v1::DecodeStatusResponse> status = n.decode->Status(until);
-    if (status.ok()) {
-      fingerprint = status->layout_fingerprint();
-      description = status->layout_description();
-      node_id = status->node_id();
-    }
+    take(n.decode->Status(until));
   }
   if (fingerprint.empty()) {  // no answer (or a worker too old to say): ask again later
     n.layout_probe_after_us.store(now_us + absl::ToInt64Microseconds(absl::Seconds(1)),

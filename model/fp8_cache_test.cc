@@ -21,6 +21,7 @@
 #include "model/model_runner.h"
 #include "model/numeric.h"
 #include "model/test_model.h"
+#include "tests/testing/float_compare.h"
 #include "tests/testing/random_floats.h"
 #include "tests/testing/status_matchers.h"
 #include "tests/testing/test_env.h"
@@ -41,14 +42,8 @@ float ReadFloat(const uint8_t* p) {
   return f;
 }
 
-// max |a - b| / max |b|: the relative error of a logits vector.
 double RelErr(const float* a, const float* b, int64_t n) {
-  double diff = 0, scale = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    diff = std::max(diff, std::abs(static_cast<double>(a[i]) - b[i]));
-    scale = std::max(scale, std::abs(static_cast<double>(b[i])));
-  }
-  return diff / scale;
+  return kvrelay::testing::MaxRelativeError(absl::MakeConstSpan(a, n), absl::MakeConstSpan(b, n));
 }
 
 int32_t Argmax(const float* x, int32_t n) {

@@ -20,6 +20,7 @@
 #include "model/safetensors.h"
 #include "model/sampler.h"
 #include "model/test_model.h"
+#include "tests/testing/float_compare.h"
 #include "tests/testing/random_floats.h"
 #include "tests/testing/status_matchers.h"
 #include "tests/testing/test_env.h"
@@ -30,14 +31,8 @@ namespace {
 using ::kvrelay::testing::StatusIs;
 using ::testing::HasSubstr;
 
-// max |a - b| / max |b|: the relative error of a logits vector.
 double RelErr(const float* a, const float* b, int64_t n) {
-  double diff = 0, scale = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    diff = std::max(diff, std::abs(static_cast<double>(a[i]) - b[i]));
-    scale = std::max(scale, std::abs(static_cast<double>(b[i])));
-  }
-  return diff / scale;
+  return kvrelay::testing::MaxRelativeError(absl::MakeConstSpan(a, n), absl::MakeConstSpan(b, n));
 }
 
 std::vector<int32_t> Tokens(int n, int32_t vocab, uint32_t seed) {

@@ -16,6 +16,7 @@
 #include "model/numeric.h"
 #include "model/safetensors.h"
 #include "model/test_model.h"
+#include "tests/testing/float_compare.h"
 #include "tests/testing/status_matchers.h"
 #include "tests/testing/test_env.h"
 
@@ -23,12 +24,7 @@ namespace kvrelay::model::cuda {
 namespace {
 
 double RelErr(const float* a, const float* b, int64_t n) {
-  double diff = 0, scale = 1e-30;
-  for (int64_t i = 0; i < n; ++i) {
-    diff = std::max(diff, std::abs(double{a[i]} - b[i]));
-    scale = std::max(scale, std::abs(double{b[i]}));
-  }
-  return diff / scale;
+  return kvrelay::testing::MaxRelativeError(absl::MakeConstSpan(a, n), absl::MakeConstSpan(b, n));
 }
 
 class CudaModelTest : public ::testing::TestWithParam<std::string> {

@@ -24,20 +24,14 @@
 #include "model/sampler.h"
 #include "model/test_model.h"
 #include "platform/cuda/cuda_util.h"
+#include "tests/testing/float_compare.h"
 #include "tests/testing/status_matchers.h"
 #include "tests/testing/test_env.h"
 
 namespace kvrelay::model::cuda {
 namespace {
 
-double RelErr(absl::Span<const float> a, absl::Span<const float> b) {
-  double diff = 0, scale = 1e-30;
-  for (size_t i = 0; i < a.size(); ++i) {
-    diff = std::max(diff, std::abs(double{a[i]} - b[i]));
-    scale = std::max(scale, std::abs(double{b[i]}));
-  }
-  return diff / scale;
-}
+using ::kvrelay::testing::MaxRelativeError;
 
 // Logits from the two backends differ by rounding (cuBLAS vs the CPU's GEMMs, bf16 cache
 // entries rounded from slightly different values). Relative to max |logit|.
@@ -160,7 +154,7 @@ TEST_P(CudaRunnerTest, PrefillAndBatchedDecodeMatchCpu) {
     auto prompt = absl::MakeConstSpan(tokens_).subspan(s, lengths[s]);
     KV_ASSERT_OK_AND_ASSIGN(std::vector<float> want, cpu_->Prefill(*cpu_seqs[s], prompt));
     KV_ASSERT_OK_AND_ASSIGN(std::vector<float> got, gpu_->Prefill(*gpu_seqs[s], prompt));
-    EXPECT_LE(RelErr(got, want), kLogitTolerance) << "prefill " << s;
+    EXPECT_LE(MaxRelativeError(got, want), kLogitTolerance) << "prefill " << s;
     ExpectSameGreedy(want, Greedy(got), "prefill " + std::to_string(s));
     ExpectHostEqualsDevice(*gpu_seqs[s], "after prefill " + std::to_string(s));
     next.push_back(Greedy(want));
@@ -178,7 +172,7 @@ TEST_P(CudaRunnerTest, PrefillAndBatchedDecodeMatchCpu) {
       auto w = absl::MakeConstSpan(want).subspan(s * vocab, vocab);
       auto g = absl::MakeConstSpan(got).subspan(s * vocab, vocab);
       const std::string where = "step " + std::to_string(step) + " seq " + std::to_string(s);
-      EXPECT_LE(RelErr(g, w), kLogitTolerance) << where;
+      EXPECT_LE(MaxRelativeError(g, w), kLogitTolerance) << where;
       ExpectSameGreedy(w, Greedy(g), where);
       next[s] = Greedy(w);  // both sides continue with the CPU's token
       // Window freeing works the same on both sides (a no-op without sliding-window groups).
@@ -203,8 +197,8 @@ TEST_P(CudaRunnerTest, ChunkedPrefillMatchesCpu) {
   ASSERT_EQ(got.size(), want.size());
   const int64_t vocab = cpu_->config().vocab_size;
   for (size_t r = 0; r < longer.size(); ++r) {
-    EXPECT_LE(RelErr(absl::MakeConstSpan(got).subspan(r * vocab, vocab),
-                     absl::MakeConstSpan(want).subspan(r * vocab, vocab)),
+    EXPECT_LE(MaxRelativeError(absl::MakeConstSpan(got).subspan(r * vocab, vocab),
+                               absl::MakeConstSpan(want).subspan(r * vocab, vocab)),
               kLogitTolerance)
         << "row " << r;
   }
@@ -313,7 +307,7 @@ TEST_P(CudaRunnerTest, DecodeOverTwoCachesBeyondMaxRowsMatchesCpu) {
     auto prompt = absl::MakeConstSpan(tokens_).subspan(3 * s, 5 + 4 * s);
     KV_ASSERT_OK_AND_ASSIGN(std::vector<float> want, cpu_->Prefill(*cpu_seqs[s], prompt));
     KV_ASSERT_OK_AND_ASSIGN(std::vector<float> got, small->Prefill(*gpu_seqs[s], prompt));
-    EXPECT_LE(RelErr(got, want), kLogitTolerance) << "prefill " << s;
+    EXPECT_LE(MaxRelativeError(got, want), kLogitTolerance) << "prefill " << s;
     next.push_back(Greedy(want));
   }
   const int64_t vocab = cpu_->config().vocab_size;
@@ -330,7 +324,7 @@ TEST_P(CudaRunnerTest, DecodeOverTwoCachesBeyondMaxRowsMatchesCpu) {
       const std::string where = "step " + std::to_string(step) + " seq " + std::to_string(s);
       auto w = absl::MakeConstSpan(want).subspan(s * vocab, vocab);
       auto g = absl::MakeConstSpan(got).subspan(s * vocab, vocab);
-      EXPECT_LE(RelErr(g, w), kLogitTolerance) << where;
+      EXPECT_LE(MaxRelativeError(g, w), kLogitTolerance) << where;
       ExpectSameGreedy(w, Greedy(g), where);
       next[s] = Greedy(w);
       ExpectHostEqualsDeviceOf(*small, *gpu_seqs[s], where);
