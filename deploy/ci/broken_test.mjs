@@ -148,10 +148,18 @@ test("a grace period shorter than the drain fails", async () => {
   /terminationGracePeriodSeconds 20 must exceed preStop 5s \+ drain 30s/);
 });
 
-test("scaling decode without updating the gateway's list fails", async () => {
-  await expectFailure("replica-list", ["dev"], (root) =>
-    edit(root, "deploy/k8s/overlays/dev/small-workers.patch.yaml", (t) => t.replace("value: 1", "value: 2")),
-  /--decode lists 1 of the 2 pods of kvrelay-decode/);
+test("a static worker list in the gateway's config fails", async () => {
+  await expectFailure("static-list", ["dev"], (root) =>
+    edit(root, "deploy/k8s/overlays/dev/config/gateway.yaml",
+         (t) => t + "decode:\n- kvrelay-decode-0.kvrelay-decode:50051\n"),
+  /--decode lists workers: these manifests discover workers from the store's registry/);
+});
+
+test("a worker that does not register under its pod DNS name fails", async () => {
+  await expectFailure("advertise", ["base"], (root) =>
+    edit(root, "deploy/k8s/base/decode.yaml",
+         (t) => t.replace("--advertise-address=$(POD_NAME).kvrelay-decode", "--advertise-address=$(POD_IP)")),
+  /--advertise-address is \$\(POD_IP\): want \$\(POD_NAME\)\.kvrelay-decode/);
 });
 
 test("a Dockerfile COPY of a missing file and a malformed HEALTHCHECK fail", async () => {

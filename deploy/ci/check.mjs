@@ -671,7 +671,18 @@ async function checkKvrelayContainer({ obj, spec, c, init, objects, ctx, report 
     const v = effective.get(name);
     if (v === undefined) continue;
     const list = Array.isArray(v) ? v : String(v).split(",").filter(Boolean);
+    if (name !== "cachestore" && list.length > 0) {
+      report(`--${name} lists workers: these manifests discover workers from the store's ` +
+             "registry (kubectl scale is the whole scale-out); drop the list");
+      continue;
+    }
     checkAddresses({ name, list, objects, nsOfObj: obj.metadata?.namespace, report });
+  }
+  if (help.flags.has("discovery-interval") && effective.get("cachestore") === undefined) {
+    report("the gateway has no --cachestore: it discovers its workers from the store's registry");
+  }
+  if (help.flags.has("advertise-address") && help.flags.has("transport-host")) {  // a worker
+    checkAdvertisedName({ obj, c, advertised: effective.get("advertise-address"), objects, report });
   }
 
   // Termination grace > preStop sleep + drain.
@@ -688,10 +699,9 @@ async function checkKvrelayContainer({ obj, spec, c, init, objects, ctx, report 
   }
 }
 
-// A worker or store address must name a pod the render creates: <sts>-<i>.<headless svc>:<port>
-// with i < replicas, or <svc>:<port>. For worker lists every replica must be listed.
+// A store address must name a pod the render creates: <sts>-<i>.<headless svc>:<port> with
+// i < replicas, or <svc>:<port>.
 function checkAddresses({ name, list, objects, nsOfObj, report }) {
-  const covered = new Map();
   for (const address of list) {
     const m = String(address).match(/^([a-z0-9.-]+):(\d+)$/);
     if (!m) {
@@ -716,8 +726,6 @@ function checkAddresses({ name, list, objects, nsOfObj, report }) {
       if (ordinal >= (sts.spec.replicas ?? 1)) {
         report(`--${name} entry ${address}: ${sts.metadata.name} has only ${sts.spec.replicas ?? 1} replicas`);
       }
-      if (!covered.has(sts.metadata.name)) covered.set(sts.metadata.name, { sts, seen: new Set() });
-      covered.get(sts.metadata.name).seen.add(ordinal);
     } else {
       svc = parts[0];
     }
@@ -729,14 +737,25 @@ function checkAddresses({ name, list, objects, nsOfObj, report }) {
       report(`--${name} entry ${address}: Service ${svc} has no port ${portText}`);
     }
   }
-  if (name === "prefill" || name === "decode") {
-    for (const { sts, seen } of covered.values()) {
-      const replicas = sts.spec.replicas ?? 1;
-      if (seen.size !== replicas) {
-        report(`--${name} lists ${seen.size} of the ${replicas} pods of ${sts.metadata.name}: ` +
-               `keep the list and the replica count in step`);
-      }
-    }
+}
+
+// A worker registers under --advertise-address and gateways dial that name and verify its
+// certificate against it: it must be the pod's own stable DNS name, $(POD_NAME).<the
+// StatefulSet's headless Service>, published before the pod is ready (a registered worker that
+// does not resolve yet would look down to every gateway).
+function checkAdvertisedName({ obj, c, advertised, objects, report }) {
+  const podNameVar = (c.env ?? []).find((e) => e.valueFrom?.fieldRef?.fieldPath === "metadata.name");
+  const service = obj.kind === "StatefulSet" ? obj.spec.serviceName : null;
+  const want = podNameVar && service ? `$(${podNameVar.name}).${service}` : null;
+  if (want === null || advertised !== want) {
+    report(`--advertise-address is ${advertised ?? "unset"}: want ${want ?? "$(POD_NAME).<headless Service>"} ` +
+           "(the name gateways discover and verify)");
+    return;
+  }
+  const svc = objects.find((o) => o.kind === "Service" && o.metadata.name === service);
+  if (svc && !(svc.spec.clusterIP === "None" && svc.spec.publishNotReadyAddresses === true)) {
+    report(`Service ${service} must be headless with publishNotReadyAddresses: true ` +
+           "(registered workers must resolve before they are ready)");
   }
 }
 

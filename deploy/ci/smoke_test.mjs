@@ -78,7 +78,8 @@ function localizer(pod, pods, objects) {
   const rewrite = (key, value) => {
     if (Array.isArray(value)) return value.map((v) => rewrite(key, v));
     let v = String(value);
-    if (key === "host" || key === "transport-host") v = "127.0.0.1";
+    // The pod's own DNS name it registers under (its headless Service's record) is loopback here.
+    if (key === "host" || key === "transport-host" || key === "advertise-address") v = "127.0.0.1";
     if (key === "port") v = String(pod.grpcPort);
     if (key === "metrics-port") v = String(pod.metricsPort);
     if (key === "http-port") v = String(pod.httpPort);
