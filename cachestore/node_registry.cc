@@ -74,13 +74,18 @@ absl::StatusOr<NodeRegistry::RegisterResult> NodeRegistry::Register(const NodeSp
     const bool successor = allow_successor && !spec.grpc_address.empty() &&
                            spec.grpc_address == n.spec.grpc_address && spec.role == n.spec.role;
     if (n.state == NodeState::kLive && !force_replace && !successor) {
-      return IdentityError(
+      absl::Status refused = IdentityError(
           absl::AlreadyExistsError(absl::StrCat(
               "node_id: '", spec.node_id, "' is registered by a live process (incarnation ",
               n.spec.incarnation, ", data plane ", n.spec.transport_address,
               n.spec.grpc_address.empty() ? "" : ", gRPC ", n.spec.grpc_address,
               "); refusing incarnation ", spec.incarnation, ": give each process its own node id")),
           spec.node_id);
+      refused.SetPayload(kHolderPayload,
+                         absl::Cord(absl::StrCat(absl::ToInt64Milliseconds(std::max(
+                                                     now - n.last_heartbeat, absl::ZeroDuration())),
+                                                 "/", absl::ToInt64Milliseconds(n.spec.ttl))));
+      return refused;
     }
     return RegisterResult{it->second, true, false, false};
   }

@@ -56,6 +56,10 @@ struct SegmentSpec {
 // so nobody parses the message).
 inline constexpr char kIdentityPayload[] = "kvrelay.cachestore/identity";
 absl::Status IdentityError(absl::Status status, std::string_view node_id);
+// A node id held by a live process (ALREADY_EXISTS at registration) also carries this payload:
+// "<ms since the holder's last heartbeat>/<its TTL in ms>", which the gRPC glue turns into
+// ErrorInfo.holder_silent_ms / holder_ttl_ms.
+inline constexpr char kHolderPayload[] = "kvrelay.cachestore/holder";
 
 // Same numbers as kvrelay.v1.NodeRole.
 enum class NodeRole : uint8_t { kUnspecified = 0, kPrefill = 1, kDecode = 2, kCache = 3 };

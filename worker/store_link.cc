@@ -7,6 +7,7 @@
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "kv/checksum.h"
+#include "proto/grpc_status.h"
 
 namespace kvrelay::worker {
 namespace {
@@ -22,6 +23,19 @@ DependencyGateOptions GateOptions(const StoreLinkOptions& options) {
   gate.metric_label = "cachestore";
   gate.extra_labels = options.metric_labels;
   return gate;
+}
+
+// Until when a registration refused because a live process holds this node id is worth
+// retrying: the holder's last heartbeat plus its TTL (plus a second), after which the store
+// forgets it; `now` when it heartbeated within half its TTL (it heartbeats every quarter, so it
+// runs: a real duplicate, refused at once). A store that does not say: `fallback`.
+absl::Time HolderGoneBy(const absl::Status& refused, absl::Time now, absl::Time fallback) {
+  const std::optional<kvrelay::v1::ErrorInfo> info = proto::GetErrorInfo(refused);
+  if (!info.has_value() || !info->has_holder_silent_ms()) return fallback;
+  const absl::Duration silent = absl::Milliseconds(info->holder_silent_ms());
+  const absl::Duration ttl = absl::Milliseconds(info->holder_ttl_ms());
+  if (silent < ttl / 2) return now;
+  return now + (ttl - silent) + absl::Seconds(1);
 }
 
 }  // namespace
@@ -51,12 +65,14 @@ absl::StatusOr<std::unique_ptr<StoreLink>> StoreLink::Connect(StoreLinkOptions o
   absl::Status status;
   // Another live process holds this id: it may be this node's earlier process, gone without
   // deregistering from another address (a pod rescheduled with a new IP), which the store
-  // forgets within one TTL. A real duplicate keeps heartbeating and is still refused then.
-  const absl::Time holder_gone_by = absl::Now() + link->options_.ttl + absl::Seconds(1);
+  // forgets within one TTL. A real duplicate keeps heartbeating: refused at once.
+  const absl::Time fallback_gone_by = absl::Now() + link->options_.ttl + absl::Seconds(1);
   bool waiting_logged = false;
   while (true) {
     status = link->Register();
-    if (absl::IsAlreadyExists(status) && absl::Now() < std::min(deadline, holder_gone_by)) {
+    const absl::Time now = absl::Now();
+    if (absl::IsAlreadyExists(status) &&
+        now < std::min(deadline, HolderGoneBy(status, now, fallback_gone_by))) {
       if (!waiting_logged) {
         KV_LOG(WARNING) << link->options_.node_id << ": " << status.message()
                         << "; retrying until that registration's TTL has passed";
@@ -73,10 +89,15 @@ absl::StatusOr<std::unique_ptr<StoreLink>> StoreLink::Connect(StoreLinkOptions o
     absl::SleepFor(absl::Milliseconds(200));
   }
   if (!status.ok()) {
-    return absl::Status(
+    absl::Status named(
         status.code(),
         absl::StrCat("cannot register node ", link->options_.node_id, " with the cache store at ",
                      link->options_.cachestore_address, ": ", status.message()));
+    // The store's ErrorInfo (who holds the id, how long silent) stays for the caller.
+    status.ForEachPayload([&named](absl::string_view type_url, const absl::Cord& payload) {
+      named.SetPayload(type_url, payload);
+    });
+    return named;
   }
   link->heartbeat_ = std::thread([l = link.get()] { l->HeartbeatLoop(); });
   return link;
@@ -96,7 +117,9 @@ absl::StatusOr<std::unique_ptr<StoreLink>> StoreLink::UnregisteredForTest(
 
 StoreLink::~StoreLink() {
   stop_.Notify();
-  if (heartbeat_.joinable()) heartbeat_.join();
+  // The heartbeat runs only once registered: a refused link has nothing to deregister.
+  if (!heartbeat_.joinable()) return;
+  heartbeat_.join();
   // Leaving on purpose: the store drops this node and its blocks now, not after the TTL.
   cachestore::CallOptions call;
   call.deadline = absl::Now() + absl::Seconds(1);

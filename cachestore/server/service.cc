@@ -2,9 +2,12 @@
 
 #include <chrono>
 #include <cstdio>
+#include <utility>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "proto/grpc_status.h"
 
@@ -227,6 +230,16 @@ grpc::Status CacheStoreService::Fail(absl::Status status, bool ids_expire) const
     info.set_node_id(std::string(*node));
     info.set_role(ToRole(store_->RoleOf(info.node_id()).value_or(NodeRole::kUnspecified)));
     info.set_reason(v1::FAILURE_IDENTITY);
+    if (absl::optional<absl::Cord> holder = status.GetPayload(kHolderPayload)) {
+      status.ErasePayload(kHolderPayload);
+      std::pair<std::string, std::string> parts = absl::StrSplit(std::string(*holder), '/');
+      uint32_t silent_ms = 0;
+      uint32_t ttl_ms = 0;
+      if (absl::SimpleAtoi(parts.first, &silent_ms) && absl::SimpleAtoi(parts.second, &ttl_ms)) {
+        info.set_holder_silent_ms(silent_ms);
+        info.set_holder_ttl_ms(ttl_ms);
+      }
+    }
     return ToGrpcStatus(proto::WithErrorInfo(std::move(status), info));
   }
   switch (status.code()) {

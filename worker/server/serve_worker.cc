@@ -27,7 +27,10 @@ int ServeWorker(const kvrelay::server::ServiceHostOptions& host, grpc::Service* 
     if (status.ok()) (*server)->SetServing(true);
   }
   if (!status.ok()) {
-    std::fprintf(stderr, "kvrelay %s: %s\n", host.name.c_str(), status.ToString().c_str());
+    // The code and the message; the status's ErrorInfo payload is for programs, not people.
+    std::fprintf(stderr, "kvrelay %s: %s: %s\n", host.name.c_str(),
+                 absl::StatusCodeToString(status.code()).c_str(),
+                 std::string(status.message()).c_str());
     return 1;
   }
   (*server)->WaitForShutdown({.on_drain = std::move(on_drain)});

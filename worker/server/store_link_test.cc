@@ -11,9 +11,11 @@
 #include <iterator>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/notification.h"
 #include "cachestore/cache_store.h"
 #include "cachestore/client/cache_store_client.h"
 #include "cachestore/server/service.h"
@@ -24,6 +26,7 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "kv/presets.h"
+#include "proto/grpc_status.h"
 #include "tests/testing/process_harness.h"
 #include "tests/testing/silent_server.h"
 #include "tests/testing/status_matchers.h"
@@ -36,6 +39,7 @@ namespace {
 
 using ::testing::AllOf;
 using ::testing::HasSubstr;
+using testing::IsOk;
 using testing::StatusIs;
 
 std::vector<kv::BlockHash> Chain(int n) {
@@ -233,6 +237,53 @@ TEST_F(StoreLinkTest, DiscoveryFromAStoreWithAnotherBlockSizeFailsNamingBoth) {
                           cachestore::CacheStoreClient::Connect(host_->address(), options));
   KV_ASSERT_OK_AND_ASSIGN(kvrelay::v1::ListNodesResponse listed, unchecked->ListNodes());
   EXPECT_EQ(listed.block_tokens(), kv::kDefaultBlockTokens);
+}
+
+// A second process with a node id a running process holds is refused at once (it names the
+// holder); one whose holder went silent (killed without deregistering, from another address)
+// waits until the store forgets the holder after its TTL, then registers.
+TEST_F(StoreLinkTest, ARunningDuplicateIsRefusedAtOnceASilentHolderIsWaitedOut) {
+  StoreLinkOptions first = Options(host_->address());
+  KV_ASSERT_OK_AND_ASSIGN(
+      std::unique_ptr<StoreLink> running,
+      StoreLink::Connect(first, segment_.get(), Clock::Real(), absl::Now() + absl::Seconds(30)));
+  StoreLinkOptions duplicate = first;
+  duplicate.incarnation = first.incarnation + 1;
+  const absl::Time started = absl::Now();
+  const absl::Status refused =
+      StoreLink::Connect(duplicate, segment_.get(), Clock::Real(), absl::Now() + absl::Seconds(30))
+          .status();
+  EXPECT_LT(absl::Now() - started, absl::Seconds(2)) << "a running holder is not waited out";
+  EXPECT_THAT(refused, StatusIs(absl::StatusCode::kAlreadyExists, HasSubstr("prefill-0")));
+  const std::optional<kvrelay::v1::ErrorInfo> info = proto::GetErrorInfo(refused);
+  ASSERT_TRUE(info.has_value() && info->has_holder_silent_ms()) << refused;
+  EXPECT_EQ(info->reason(), kvrelay::v1::FAILURE_IDENTITY);
+  EXPECT_LT(info->holder_silent_ms(), info->holder_ttl_ms() / 2);
+  EXPECT_EQ(info->holder_ttl_ms(), absl::ToInt64Milliseconds(first.ttl));
+
+  // A holder that never heartbeats again (TTL 1 s), registered from another address.
+  cachestore::NodeSpec silent;
+  silent.node_id = "prefill-9";
+  silent.incarnation = 3;
+  silent.role = cachestore::NodeRole::kPrefill;
+  silent.grpc_address = "127.0.0.1:1";
+  silent.transport_kind = "inproc";
+  silent.transport_address = "gone";
+  silent.ttl = absl::Seconds(1);
+  ASSERT_THAT(store_->RegisterNode(silent), IsOk());
+  absl::Notification done;
+  std::thread ticker([&] {  // what the store server's timer does
+    while (!done.WaitForNotificationWithTimeout(absl::Milliseconds(50))) store_->Tick();
+  });
+  absl::SleepFor(absl::Milliseconds(600));  // silent for over half its TTL
+  StoreLinkOptions successor = Options(host_->address());
+  successor.node_id = "prefill-9";
+  successor.incarnation = 4;
+  const absl::StatusOr<std::unique_ptr<StoreLink>> replaced =
+      StoreLink::Connect(successor, segment_.get(), Clock::Real(), absl::Now() + absl::Seconds(30));
+  done.Notify();
+  ticker.join();
+  EXPECT_THAT(replaced.status(), IsOk());
 }
 
 }  // namespace
