@@ -11,7 +11,7 @@ PACKAGES=(
   libucx-dev ucx-utils
   libgtest-dev libgmock-dev libbenchmark-dev
   libxxhash-dev libssl-dev libcpp-httplib-dev libopenblas-dev nlohmann-json3-dev libyaml-cpp-dev
-  libre2-dev libicu-dev zlib1g-dev libzmq3-dev libmsgpack-dev
+  libre2-dev libicu-dev zlib1g-dev libzmq3-dev libmsgpack-dev liburing-dev fio
   redis-server iproute2 procps python3 python3-matplotlib python3-zmq python3-msgpack python3-prometheus-client
   etcd-server etcd-client
 )
