@@ -84,10 +84,11 @@ double Seconds(std::chrono::steady_clock::time_point since) {
 double RunFio(const Flags& f, uint64_t block, bool write) {
   const std::string file = f.dir + "/fio.data";
   const uint64_t size = f.bytes / block * block;
-  const std::string cmd = absl::StrCat(
-      "fio --name=kvrelay --filename=", file, " --size=", size, " --bs=", block,
-      " --iodepth=", f.queue_depth, " --ioengine=io_uring --direct=1 --rw=",
-      write ? "randwrite" : "randread", " --numjobs=1 --output-format=json 2>&1");
+  const std::string cmd =
+      absl::StrCat("fio --name=kvrelay --filename=", file, " --size=", size, " --bs=", block,
+                   " --iodepth=", f.queue_depth,
+                   " --ioengine=io_uring --direct=1 --rw=", write ? "randwrite" : "randread",
+                   " --numjobs=1 --output-format=json 2>&1");
   FILE* pipe = popen(cmd.c_str(), "r");
   if (pipe == nullptr) Usage("cannot run fio");
   std::string out;

@@ -170,10 +170,14 @@ int RunBenchServeCommand(const std::vector<std::string>& args) {
   flags.AddString("python", &python, "python with matplotlib, for --plot");
   flags.AddString("fault-contract", &contract_text,
                   "check the fault contract against --events and exit 4 when it is broken: "
-                  "'serve-again=5s,hits-again=5s,deadline-slack=1s' (any subset; 'default' for "
-                  "these values): failures at most those in flight on the faulted node, a node "
-                  "that is back serves (the store: with prefix hits) within the limit, no "
-                  "request outlives --timeout, a duplicate node id is refused");
+                  "'serve-again=5s,hits-again=5s,deadline-slack=1s,ttft-factor=2,ttft-floor=750ms,"
+                  "fair-share=0.5' (any subset; 'default' for these values): failures at most "
+                  "those in flight on the faulted node, a node that is back serves (the store: "
+                  "with prefix hits) within serve-again, p99 TTFT of the requests sent while a "
+                  "fault is active within ttft-factor x the fault-free p99 + ttft-floor, a worker "
+                  "back gets at least fair-share of its fair share in the serve-again window "
+                  "after that, no request outlives --timeout, a duplicate node id is refused; a "
+                  "clause the run gave no evidence for is reported as not judged");
   flags.AddString("events", &events_path,
                   "fault events file, read after the run: '<start unix s> <end unix s|-> label' "
                   "per line (scripts/cluster writes it)");

@@ -18,6 +18,7 @@ namespace {
 
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
+using ::testing::IsEmpty;
 
 // Four requests in the trace's format; ids 0-1 are shared by the first, second and fourth.
 constexpr char kTrace[] =
@@ -424,6 +425,115 @@ TEST(FaultContractTest, FailuresOnlyInFlightOnTheNodeAndItServesAgain) {
   EXPECT_TRUE(ParseFaultContract("serve-again=3s,hits-again=500ms").ok());
   EXPECT_THAT(ParseFaultContract("serve-again=soon").status().message(), HasSubstr("serve-again"));
   EXPECT_THAT(ParseFaultContract("recover=1s").status().message(), HasSubstr("unknown key"));
+}
+
+// The store SIGSTOPped for 10 s under 5 req/s, as measured: before the request path's store
+// gate (issue 34) every request sent during the pause waited the store timeouts (TTFT
+// 1,022-1,027 ms against ~27 ms); with it, one request per process waits (~1,020 ms), a probe
+// now and then ~230 ms, the rest are served as cold (~18-30 ms).
+std::vector<RequestRecord> StorePauseRun(bool gated) {
+  const std::string p = "10.0.0.1:7100", d = "10.0.0.3:7200";
+  std::vector<RequestRecord> records;
+  for (int i = 0; i < 200; ++i) {
+    const double send = 0.2 * i;  // 40 s at 5 req/s; the pause is 20-30 s
+    double ttft = 20 + (i % 7) * 2;
+    const bool paused = send >= 20 && send < 30;  // no prefix reuse while the store is away
+    if (paused) {
+      if (!gated) {
+        ttft = 1022 + (i % 6);
+      } else if (send == 20) {
+        ttft = 1020;
+      } else if (i % 10 == 0) {
+        ttft = 230;
+      }
+    }
+    records.push_back(On(Ok(send, send + ttft / 1000 + 0.2, ttft, 10, 64, paused ? 0 : 32), p, d));
+  }
+  return records;
+}
+
+TEST(FaultContractTest, LatencyClauseFailsAFixedWaitPerRequestAndPassesOneWaitPerProcess) {
+  const std::string events_text = "1020 1030 stop store for 10s\n";
+  absl::StatusOr<std::vector<FaultEvent>> events = ParseFaultEvents(events_text, 1000.0, 40);
+  ASSERT_TRUE(events.ok()) << events.status();
+  const auto nodes = ParseNodeAddresses(events_text);
+
+  ContractReport before = CheckFaultContract(StorePauseRun(false), *events, nodes, {}, 20);
+  EXPECT_GT(before.steady_requests, 100);
+  EXPECT_LT(before.steady_ttft_p99_ms, 40);
+  EXPECT_GT(before.verdicts[0].window_ttft_p99_ms, 1000);
+  EXPECT_THAT(before.violations, ElementsAre(HasSubstr("p99 TTFT 10")));
+
+  ContractReport after = CheckFaultContract(StorePauseRun(true), *events, nodes, {}, 20);
+  EXPECT_GE(after.verdicts[0].window_requests, 75);  // 20-35 s: the pause and serve-again
+  EXPECT_LE(after.verdicts[0].window_requests, 76);
+  EXPECT_LT(after.verdicts[0].window_ttft_p99_ms, 850);
+  EXPECT_TRUE(after.kept()) << after.violations[0];
+
+  // Too few fault-free requests: not judged, and said so.
+  const std::vector<RequestRecord> full_run = StorePauseRun(false);
+  const std::vector<RequestRecord> short_run(full_run.begin() + 98, full_run.begin() + 160);
+  ContractReport thin = CheckFaultContract(short_run, *events, nodes, {}, 20);
+  EXPECT_TRUE(thin.kept());
+  EXPECT_THAT(thin.verdicts[0].not_judged, ElementsAre(HasSubstr("too few for a baseline")));
+}
+
+TEST(FaultContractTest, AWorkerBackFromAPauseMustGetItsFairShareAgain) {
+  const std::string events_text =
+      "@node decode-0 10.0.0.3:7200\n"
+      "@node decode-1 10.0.0.4:7200\n"
+      "1010 1016 stop decode-0 for 6s\n";
+  absl::StatusOr<std::vector<FaultEvent>> events = ParseFaultEvents(events_text, 1000.0, 40);
+  ASSERT_TRUE(events.ok()) << events.status();
+  const auto nodes = ParseNodeAddresses(events_text);
+  const std::string p = "10.0.0.1:7100", d0 = "10.0.0.3:7200", d1 = "10.0.0.4:7200";
+  // Requests every 0.25 s; decode-0 serves one right after SIGCONT (serves again), then
+  // `share_after` of the rest from 21 s (16 s back + 5 s serve-again) on.
+  auto run = [&](int every) {
+    std::vector<RequestRecord> records;
+    for (int i = 0; i < 160; ++i) {
+      const double send = 0.25 * i;
+      std::string decode = d1;
+      if (send < 10) {
+        decode = i % 2 == 0 ? d0 : d1;
+      } else if (send >= 16.5 && send < 17) {
+        decode = d0;  // serves again at once
+      } else if (send >= 17) {
+        decode = i % every == 0 ? d0 : d1;
+      }
+      records.push_back(On(Ok(send, send + 0.1, 20, 10, 64, 0), p, decode));
+    }
+    return records;
+  };
+  ContractReport starved = CheckFaultContract(run(1000), *events, nodes, {}, 20);
+  ASSERT_EQ(starved.verdicts.size(), 1u);
+  EXPECT_DOUBLE_EQ(starved.verdicts[0].fair_share, 0.5);
+  EXPECT_DOUBLE_EQ(starved.verdicts[0].share, 0);
+  EXPECT_THAT(starved.violations, ElementsAre(HasSubstr("decode-0 served 0 of the 20 decode")));
+  ContractReport fair = CheckFaultContract(run(3), *events, nodes, {}, 20);
+  EXPECT_GT(fair.verdicts[0].share, 0.25);
+  EXPECT_TRUE(fair.kept()) << fair.violations[0];
+}
+
+TEST(FaultContractTest, ClausesWithoutEvidenceAreNotJudgedNotFailed) {
+  // The store comes back at 31 s, and decode-0 is stopped at 32 s: requests after 32 s do not
+  // speak for the store; no request sent after the store was back could hit.
+  const std::string events_text =
+      "@node decode-0 10.0.0.3:7200\n"
+      "1030 1031 restart store\n"
+      "1032 1060 stop decode-0 for 28s\n";
+  absl::StatusOr<std::vector<FaultEvent>> events = ParseFaultEvents(events_text, 1000.0, 60);
+  ASSERT_TRUE(events.ok()) << events.status();
+  const auto nodes = ParseNodeAddresses(events_text);
+  const std::string p = "10.0.0.1:7100", d1 = "10.0.0.4:7200";
+  RequestRecord no_prefix = On(Ok(33, 34, 20, 10, 64, 0), p, d1);
+  no_prefix.ideal_cached_tokens = 0;
+  ContractReport report = CheckFaultContract({no_prefix}, *events, nodes, {}, 20);
+  const FaultVerdict& store = report.verdicts[0];
+  EXPECT_THAT(store.violations, IsEmpty());
+  EXPECT_THAT(store.not_judged, ElementsAre(HasSubstr("next fault struck 1.0 s after"),
+                                            HasSubstr("hits again: the next fault struck first"),
+                                            HasSubstr("too few for a baseline")));
 }
 
 TEST(VerifyTest, WrongTokensCountMismatchesExtrasAndMissingOnlyWhenComplete) {

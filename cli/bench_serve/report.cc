@@ -98,18 +98,35 @@ std::string FormatRun(const ReportContext& c, const RunReport& run) {
   }
   if (run.contract.has_value()) {
     const ContractReport& k = *run.contract;
-    absl::StrAppend(&out, absl::StrFormat("contract %6s  %-28s %9s %6s %11s %10s\n", "at", "what",
-                                          "in flight", "failed", "serves again", "hits again"));
+    absl::StrAppend(&out, absl::StrFormat("contract %6s  %-28s %9s %6s %11s %10s %12s %9s\n", "at",
+                                          "what", "in flight", "failed", "serves again",
+                                          "hits again", "p99 TTFT", "share"));
     auto seconds = [](double s) { return s < 0 ? std::string("-") : absl::StrFormat("%.1f s", s); };
     for (const FaultVerdict& v : k.verdicts) {
+      const std::string p99 =
+          v.window_ttft_p99_ms < 0 ? "-" : absl::StrFormat("%.0f ms", v.window_ttft_p99_ms);
+      const std::string share =
+          v.share < 0 ? "-" : absl::StrFormat("%.0f/%.0f%%", 100 * v.share, 100 * v.fair_share);
       absl::StrAppend(
-          &out, absl::StrFormat("        %6.1fs  %-28s %4d/%-4d %6d %11s %10s\n", v.fault.start_s,
-                                v.fault.label.substr(0, 28), v.in_flight_on_target, v.in_flight,
-                                v.failed, seconds(v.served_again_s), seconds(v.hits_again_s)));
+          &out, absl::StrFormat("        %6.1fs  %-28s %4d/%-4d %6d %11s %10s %12s %9s\n",
+                                v.fault.start_s, v.fault.label.substr(0, 28), v.in_flight_on_target,
+                                v.in_flight, v.failed, seconds(v.served_again_s),
+                                seconds(v.hits_again_s), p99, share));
     }
-    absl::StrAppend(&out, absl::StrFormat("        (in flight: on the faulted node / in all; "
-                                          "failed without a fault: %d; longest request %.0f ms)\n",
-                                          k.failed_without_fault, k.max_e2e_ms));
+    absl::StrAppend(
+        &out,
+        absl::StrFormat("        (in flight: on the faulted node / in all; p99 TTFT: of the "
+                        "requests sent while it was active, fault-free p99 %s over %d; "
+                        "share: of its role's requests after it was back / fair; failed "
+                        "without a fault: %d; longest request %.0f ms)\n",
+                        k.steady_ttft_p99_ms < 0 ? std::string("-")
+                                                 : absl::StrFormat("%.0f ms", k.steady_ttft_p99_ms),
+                        k.steady_requests, k.failed_without_fault, k.max_e2e_ms));
+    for (const FaultVerdict& v : k.verdicts) {
+      for (const std::string& n : v.not_judged) {
+        absl::StrAppend(&out, "contract        not judged: ", n, "\n");
+      }
+    }
     if (k.kept()) {
       absl::StrAppend(&out, "contract        kept\n");
     } else {
@@ -228,13 +245,20 @@ nlohmann::json ReportJson(const ReportContext& c, const std::vector<RunReport>& 
                             {"failed", v.failed},
                             {"served_again_s", v.served_again_s},
                             {"hits_again_s", v.hits_again_s},
-                            {"violations", v.violations}});
+                            {"window_requests", v.window_requests},
+                            {"window_ttft_p99_ms", v.window_ttft_p99_ms},
+                            {"share", v.share},
+                            {"fair_share", v.fair_share},
+                            {"violations", v.violations},
+                            {"not_judged", v.not_judged}});
       }
       r["contract"] = {{"kept", k.kept()},
                        {"faults", verdicts},
                        {"failed_without_fault", k.failed_without_fault},
                        {"over_deadline", k.over_deadline},
                        {"max_e2e_ms", k.max_e2e_ms},
+                       {"steady_requests", k.steady_requests},
+                       {"steady_ttft_p99_ms", k.steady_ttft_p99_ms},
                        {"violations", k.violations}};
     }
     if (with_requests) {

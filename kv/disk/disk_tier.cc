@@ -96,15 +96,15 @@ absl::Status DiskTier::Init() {
   slot_bytes_ = io_bytes_;
   num_slots_ = static_cast<int64_t>(options_.capacity_bytes / slot_bytes_);
   if (num_slots_ == 0) {
-    return absl::InvalidArgumentError(absl::StrCat("disk tier: ", options_.capacity_bytes,
-                                                   " bytes hold no block slot of ", slot_bytes_,
-                                                   " bytes (", options_.block_bytes,
-                                                   "-byte blocks and a 4 KiB header)"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "disk tier: ", options_.capacity_bytes, " bytes hold no block slot of ", slot_bytes_,
+        " bytes (", options_.block_bytes, "-byte blocks and a 4 KiB header)"));
   }
   std::error_code ec;
   std::filesystem::create_directories(options_.directory, ec);
   if (ec) {
-    return ErrnoToStatus(ec.value(), absl::StrCat("create disk tier directory ", options_.directory));
+    return ErrnoToStatus(ec.value(),
+                         absl::StrCat("create disk tier directory ", options_.directory));
   }
   path_ = absl::StrCat(options_.directory, "/kvrelay-", options_.layout.ToHex(), ".tier");
   fd_ = open(path_.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_DIRECT, 0600);
@@ -134,9 +134,9 @@ absl::Status DiskTier::Init() {
       struct statvfs fs {};
       const uint64_t free_bytes =
           fstatvfs(fd_, &fs) == 0 ? static_cast<uint64_t>(fs.f_bavail) * fs.f_frsize : 0;
-      return absl::ResourceExhaustedError(
-          absl::StrCat("disk tier ", path_, " needs ", file_bytes, " bytes; the file system has ",
-                       free_bytes, " free (lower --ssd-bytes)"));
+      return absl::ResourceExhaustedError(absl::StrCat("disk tier ", path_, " needs ", file_bytes,
+                                                       " bytes; the file system has ", free_bytes,
+                                                       " free (lower --ssd-bytes)"));
     }
     if (err != EOPNOTSUPP) return ErrnoToStatus(err, absl::StrCat("fallocate ", path_));
   }
@@ -161,8 +161,7 @@ absl::Status DiskTier::Init() {
   ring_->spare = options_.queue_depth;
   // Fixed buffers save the kernel pinning pages per operation; without them (a memlock
   // limit) the ring still works.
-  ring_->fixed_buffers =
-      io_uring_register_buffers(&ring_->ring, iovecs.data(), iovecs.size()) == 0;
+  ring_->fixed_buffers = io_uring_register_buffers(&ring_->ring, iovecs.data(), iovecs.size()) == 0;
   return absl::OkStatus();
 }
 
@@ -180,9 +179,7 @@ void DiskTier::Disable(DiskTierFailure failure, const std::string& reason) {
   failure_.store(failure);
 }
 
-absl::Status DiskTier::DisabledStatus() const {
-  return absl::UnavailableError(disabled_reason());
-}
+absl::Status DiskTier::DisabledStatus() const { return absl::UnavailableError(disabled_reason()); }
 
 void DiskTier::RunOps(size_t count, bool is_write, const std::function<int64_t(size_t)>& slot_of,
                       const std::function<void(size_t, uint8_t*)>& prepare,
@@ -265,9 +262,9 @@ std::vector<absl::Status> DiskTier::WriteBlocks(absl::Span<const BlockWrite> wri
   for (size_t i = 0; i < writes.size(); ++i) {
     const BlockWrite& w = writes[i];
     if (w.slot < 0 || w.slot >= num_slots_ || w.data.size() != options_.block_bytes) {
-      statuses[i] = absl::InvalidArgumentError(absl::StrCat(
-          "disk tier write: slot ", w.slot, " of ", num_slots_, ", ", w.data.size(),
-          " bytes where a block is ", options_.block_bytes));
+      statuses[i] = absl::InvalidArgumentError(
+          absl::StrCat("disk tier write: slot ", w.slot, " of ", num_slots_, ", ", w.data.size(),
+                       " bytes where a block is ", options_.block_bytes));
     }
   }
   if (Refuses(/*is_write=*/true)) {
@@ -309,8 +306,8 @@ std::vector<absl::Status> DiskTier::WriteBlocks(absl::Span<const BlockWrite> wri
         if (result == -ENOSPC || result >= 0) {
           Disable(DiskTierFailure::kFull,
                   result < 0 ? absl::StrCat("the disk is full (", where, ": ENOSPC)")
-                             : absl::StrCat("the disk is full (", where, " wrote ", result,
-                                            " of ", io_bytes_, " bytes)"));
+                             : absl::StrCat("the disk is full (", where, " wrote ", result, " of ",
+                                            io_bytes_, " bytes)"));
           statuses[i] = absl::ResourceExhaustedError(disabled_reason());
         } else {
           Disable(DiskTierFailure::kIoError, absl::StrCat(where, ": ", std::strerror(-result)));
@@ -336,9 +333,9 @@ absl::Status DiskTier::VerifySlot(const uint8_t* image, int64_t slot, const Bloc
   }
   if (h.version != kVersion || h.header_bytes != kHeaderBytes ||
       h.block_bytes != options_.block_bytes) {
-    return absl::DataLossError(absl::StrCat(where, ": format v", h.version, " with ",
-                                            h.block_bytes, "-byte blocks, not v", kVersion,
-                                            " with ", options_.block_bytes));
+    return absl::DataLossError(absl::StrCat(where, ": format v", h.version, " with ", h.block_bytes,
+                                            "-byte blocks, not v", kVersion, " with ",
+                                            options_.block_bytes));
   }
   if (std::memcmp(h.layout, options_.layout.bytes.data(), sizeof h.layout) != 0) {
     return absl::DataLossError(absl::StrCat(where, " holds a block of another layout"));
@@ -348,8 +345,8 @@ absl::Status DiskTier::VerifySlot(const uint8_t* image, int64_t slot, const Bloc
   }
   *found = BlockHash{h.hash_hi, h.hash_lo};
   if (expected != nullptr && *found != *expected) {
-    return absl::DataLossError(absl::StrCat(where, " holds block ", found->ToHex(), ", not ",
-                                            expected->ToHex()));
+    return absl::DataLossError(
+        absl::StrCat(where, " holds block ", found->ToHex(), ", not ", expected->ToHex()));
   }
   const uint8_t* payload = image + kHeaderBytes;
   if (BlockChecksum(payload, options_.block_bytes) != h.payload_checksum) {
@@ -365,9 +362,9 @@ std::vector<absl::Status> DiskTier::ReadBlocks(absl::Span<const BlockRead> reads
   for (size_t i = 0; i < reads.size(); ++i) {
     const BlockRead& r = reads[i];
     if (r.slot < 0 || r.slot >= num_slots_ || r.out.size() != options_.block_bytes) {
-      statuses[i] = absl::InvalidArgumentError(absl::StrCat(
-          "disk tier read: slot ", r.slot, " of ", num_slots_, ", ", r.out.size(),
-          " bytes where a block is ", options_.block_bytes));
+      statuses[i] = absl::InvalidArgumentError(
+          absl::StrCat("disk tier read: slot ", r.slot, " of ", num_slots_, ", ", r.out.size(),
+                       " bytes where a block is ", options_.block_bytes));
     }
   }
   if (Refuses(/*is_write=*/false)) {
@@ -395,9 +392,9 @@ std::vector<absl::Status> DiskTier::ReadBlocks(absl::Span<const BlockRead> reads
         }
         const std::string where = absl::StrCat("read slot ", r.slot);
         Disable(DiskTierFailure::kIoError,
-                result < 0 ? absl::StrCat(where, ": ", std::strerror(-result))
-                           : absl::StrCat(where, ": short read (", result, " of ", io_bytes_,
-                                          " bytes)"));
+                result < 0
+                    ? absl::StrCat(where, ": ", std::strerror(-result))
+                    : absl::StrCat(where, ": short read (", result, " of ", io_bytes_, " bytes)"));
         statuses[i] = DisabledStatus();
       });
   for (size_t i : valid) {

@@ -123,7 +123,8 @@ TEST(DiskTierTest, AFlippedByteIsDetectedAndOnlyThatBlockIsLost) {
   ASSERT_THAT(tier.status(), IsOk());
   std::vector<std::vector<uint8_t>> data;
   WriteSlots(**tier, 3, data);
-  const off_t payload_byte = static_cast<off_t>((*tier)->slot_bytes() + DiskTier::kHeaderBytes + 77);
+  const off_t payload_byte =
+      static_cast<off_t>((*tier)->slot_bytes() + DiskTier::kHeaderBytes + 77);
   const uint8_t flipped = data[1][77] ^ 0x01;
   PokeFile((*tier)->path(), payload_byte, &flipped, 1);
   std::vector<uint8_t> out;
