@@ -377,6 +377,33 @@ void BlockIndex::ReleaseLeases(absl::Span<const BlockHash> hashes) {
   }
 }
 
+absl::StatusOr<RemovedBlock> BlockIndex::RemoveLeaf(const BlockHash& hash) {
+  absl::MutexLock evict_lock(&evict_mu_);
+  Shard& s = shards_[ShardOf(hash)];
+  RecordId parent = kNoRecord;
+  RemovedBlock out;
+  {
+    absl::MutexLock lock(&s.mu);
+    auto it = s.map.find(hash);
+    if (it == s.map.end()) {
+      return absl::NotFoundError(absl::StrCat("block ", hash.ToHex(), " is not in the index"));
+    }
+    const Record& r = Rec(s, it->second);
+    if (!Evictable(r)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "block ", hash.ToHex(), " is leased, uncommitted or has children: not a free leaf"));
+    }
+    // As EvictOne: only prefix-aware policies keep children counts to maintain.
+    parent = policy().prefix_aware() ? r.parent : kNoRecord;
+    out = FreeRecord(s, it->second, BlockHash{});
+  }
+  if (parent != kNoRecord) {
+    out.parent = HashOf(parent);
+    DetachFromParent(parent);
+  }
+  return out;
+}
+
 std::optional<RemovedBlock> BlockIndex::EvictOne(
     const std::function<bool(const RemovedBlock&)>& accept) {
   absl::MutexLock evict_lock(&evict_mu_);

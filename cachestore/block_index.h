@@ -117,6 +117,12 @@ class BlockIndex {
   // annotations cannot express.
   std::vector<RemovedBlock> RemoveSubtree(const BlockHash& hash) ABSL_NO_THREAD_SAFETY_ANALYSIS;
 
+  // Removes one committed, unleased block that no other block descends from (for prefix-aware
+  // policies), at the cost of one lookup: a block moving to another tier's index. NotFound if
+  // absent, FailedPrecondition if it is leased, uncommitted or has children. Not a ghost (the
+  // block lives on elsewhere).
+  absl::StatusOr<RemovedBlock> RemoveLeaf(const BlockHash& hash);
+
   // Adds a replica to a committed block (a node re-announcing a copy it holds). AlreadyExists
   // if listed, NotFound if absent, FailedPrecondition if uncommitted or at the replica limit.
   absl::Status AddReplica(const BlockHash& hash, const Replica& replica);

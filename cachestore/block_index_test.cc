@@ -78,6 +78,30 @@ TEST_F(BlockIndexTest, EvictsLeavesBeforeParentsAndSkipsLeased) {
   EXPECT_EQ(index_->ghost_size(), 5u);
 }
 
+TEST_F(BlockIndexTest, RemoveLeafTakesOnlyAFreeLeafAndItsParentBecomesEvictable) {
+  ASSERT_THAT(index_->Insert(B(0, {}), BlockState::kCommitted), IsOk());
+  ASSERT_THAT(index_->Insert(B(1, 0), BlockState::kCommitted), IsOk());
+  ASSERT_THAT(index_->Insert(B(2, {}), BlockState::kAllocated), IsOk());
+  EXPECT_THAT(index_->RemoveLeaf(H(0)).status(), StatusIs(absl::StatusCode::kFailedPrecondition));
+  EXPECT_THAT(index_->RemoveLeaf(H(2)).status(), StatusIs(absl::StatusCode::kFailedPrecondition));
+  EXPECT_THAT(index_->RemoveLeaf(H(7)).status(), StatusIs(absl::StatusCode::kNotFound));
+  ASSERT_TRUE(index_->Touch(H(1), /*lease=*/true));
+  EXPECT_THAT(index_->RemoveLeaf(H(1)).status(), StatusIs(absl::StatusCode::kFailedPrecondition));
+  const BlockHash leased = H(1);
+  index_->ReleaseLeases({&leased, 1});
+  absl::StatusOr<RemovedBlock> removed = index_->RemoveLeaf(H(1));
+  ASSERT_THAT(removed.status(), IsOk());
+  EXPECT_EQ(removed->hash, H(1));
+  EXPECT_EQ(removed->parent, H(0));
+  const BlockHash chain[] = {H(0), H(1)};
+  EXPECT_EQ(index_->MatchPrefix(chain, false, false, nullptr), 1);
+  // The parent is a leaf now: the next eviction takes it (its stale heap entry is skipped).
+  std::optional<RemovedBlock> evicted = index_->EvictOne();
+  ASSERT_TRUE(evicted.has_value());
+  EXPECT_EQ(evicted->hash, H(0));
+  EXPECT_FALSE(index_->EvictOne().has_value());  // the allocated block is not evictable
+}
+
 TEST_F(BlockIndexTest, RemoveNodeCascadesToDescendants) {
   ASSERT_THAT(index_->Insert(B(0, {}, /*node=*/1), BlockState::kCommitted), IsOk());
   ASSERT_THAT(index_->Insert(B(1, 0, /*node=*/2), BlockState::kCommitted), IsOk());

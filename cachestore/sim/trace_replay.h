@@ -82,6 +82,26 @@ ReplayResult ReplayBelady(const std::vector<TraceRequest>& trace, int64_t capaci
 // shared trace it is 0.3742 at 2k blocks against ReplayBelady's 0.3795 (see cachestore/README.md).
 ReplayResult ReplayBeladyLeaf(const std::vector<TraceRequest>& trace, int64_t capacity_blocks);
 
+// A DRAM tier of `dram_blocks` in front of a disk tier of `disk_blocks` (issue 30), both run by
+// the store's own BlockIndex: the DRAM tier by `policy` (as ReplayTrace), the disk tier by LRU
+// over single blocks (it sees demotions, not requests). A block the DRAM policy evicts is demoted
+// to disk (the disk's LRU block goes when it is full); a request's hits are the leading blocks
+// found in either tier, and a hit on disk promotes the block back into DRAM (exclusive tiers: it
+// leaves the disk, so the two hold dram + disk distinct blocks). Online policies only.
+struct TieredReplayResult {
+  ReplayResult total;  // hit_blocks: leading blocks found in DRAM or on disk
+  int64_t disk_blocks = 0;
+  int64_t dram_hit_blocks = 0;
+  int64_t disk_hit_blocks = 0;
+  int64_t demotions = 0;       // DRAM -> disk
+  int64_t promotions = 0;      // disk -> DRAM
+  int64_t disk_evictions = 0;  // dropped from disk
+};
+absl::StatusOr<TieredReplayResult> ReplayTiered(const std::vector<TraceRequest>& trace,
+                                                int64_t dram_blocks, int64_t disk_blocks,
+                                                std::string_view policy,
+                                                const ReplayOptions& options = {});
+
 // True for the offline policies ReplayTrace runs without an EvictionPolicy ("belady",
 // "belady-leaf").
 bool IsOfflinePolicy(std::string_view policy);

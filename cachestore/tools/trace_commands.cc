@@ -1,5 +1,6 @@
 // `kvrelay trace-replay` and `kvrelay trace-gen`.
 
+#include <algorithm>
 #include <bit>
 #include <cstdio>
 #include <iostream>
@@ -32,6 +33,7 @@ int RunTraceReplayCommand(const std::vector<std::string>& args) {
   std::string policies_text(kDefaultPolicy);
   bool json = false;
   int64_t learner_sampling = 1;
+  int64_t ssd_blocks = 0;
   source.Register(flags);
   flags.AddString("capacity-blocks", &capacities_text,
                   "cache capacity in 512-token blocks; a comma list sweeps (2000,6000,20000)");
@@ -40,10 +42,19 @@ int RunTraceReplayCommand(const std::vector<std::string>& args) {
                   "(default), belady, belady-leaf (Belady leaf-first, as the store evicts); "
                   "all = each");
   flags.AddBool("json", &json, "one JSON object per result");
+  flags.AddInt64("ssd-blocks", &ssd_blocks,
+                 "a disk tier of this many blocks behind each DRAM capacity (0 = none): blocks "
+                 "DRAM evicts are demoted to it, hits on it promoted back; online policies "
+                 "also print the tiered hit rate, split by tier");
   flags.AddInt64("learner-sampling", &learner_sampling,
                  "adaptive: its shadows learn from 1 in N times fewer chains (a power of two), "
                  "as the store's learner does over its CPU budget under load");
   if (std::optional<int> exit_code = ParseCommandLine(flags, args)) return *exit_code;
+  if (ssd_blocks < 0) {
+    return CommandFailed(
+        "trace-replay", absl::InvalidArgumentError(absl::StrCat(
+                            "ssd-blocks: want a non-negative number of blocks, got ", ssd_blocks)));
+  }
   if (learner_sampling < 1 || !std::has_single_bit(static_cast<uint64_t>(learner_sampling))) {
     return CommandFailed(
         "trace-replay", absl::InvalidArgumentError(absl::StrCat(
@@ -77,6 +88,32 @@ int RunTraceReplayCommand(const std::vector<std::string>& args) {
           trace->name.c_str(), r.policy.c_str(), static_cast<long long>(r.capacity_blocks),
           r.hit_rate(), static_cast<long long>(r.hit_blocks), static_cast<long long>(r.blocks),
           static_cast<long long>(r.requests), static_cast<long long>(r.evictions));
+    }
+    if (ssd_blocks == 0 || sim::IsOfflinePolicy(r.policy)) continue;
+    absl::StatusOr<sim::TieredReplayResult> tiered =
+        sim::ReplayTiered(trace->requests, r.capacity_blocks, ssd_blocks, r.policy, replay_options);
+    if (!tiered.ok()) return CommandFailed("trace-replay", tiered.status());
+    const sim::TieredReplayResult& t = *tiered;
+    const double blocks = static_cast<double>(std::max<int64_t>(t.total.blocks, 1));
+    if (json) {
+      std::printf(
+          "{\"trace\": \"%s\", \"policy\": \"%s\", \"capacity_blocks\": %lld, \"ssd_blocks\": "
+          "%lld, \"hit_rate\": %.6f, \"dram_hit_rate\": %.6f, \"ssd_hit_rate\": %.6f, "
+          "\"demotions\": %lld, \"promotions\": %lld, \"ssd_evictions\": %lld}\n",
+          trace->name.c_str(), t.total.policy.c_str(),
+          static_cast<long long>(t.total.capacity_blocks), static_cast<long long>(t.disk_blocks),
+          t.total.hit_rate(), t.dram_hit_blocks / blocks, t.disk_hit_blocks / blocks,
+          static_cast<long long>(t.demotions), static_cast<long long>(t.promotions),
+          static_cast<long long>(t.disk_evictions));
+    } else {
+      std::printf(
+          "%s policy %s capacity %lld blocks + ssd %lld blocks: hit rate %.4f (dram %.4f, ssd "
+          "%.4f; %lld demoted, %lld promoted, %lld dropped from ssd)\n",
+          trace->name.c_str(), t.total.policy.c_str(),
+          static_cast<long long>(t.total.capacity_blocks), static_cast<long long>(t.disk_blocks),
+          t.total.hit_rate(), t.dram_hit_blocks / blocks, t.disk_hit_blocks / blocks,
+          static_cast<long long>(t.demotions), static_cast<long long>(t.promotions),
+          static_cast<long long>(t.disk_evictions));
     }
   }
   return 0;
