@@ -133,7 +133,7 @@ TEST(KvEventsEndToEnd, BlockStoredCarriesThePromptsTokensOverCurve) {
   for (const Tokens& prompt : prompts) {
     GatewayRequest r;
     r.generation.tokens = prompt;
-    r.generation.max_tokens = 6;
+    r.generation.max_tokens = 16;  // decode then commits blocks holding generated tokens too
     KV_ASSERT_OK_AND_ASSIGN(cli::GenerationResult result, client.Generate(r, absl::Seconds(60)));
     Tokens sequence = prompt;
     sequence.insert(sequence.end(), result.tokens.begin(), result.tokens.end());
