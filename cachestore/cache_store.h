@@ -273,7 +273,7 @@ class CacheStore {
   // The tokens kept for a committed block (empty when none: keep_block_tokens off, not sent,
   // or recovered from disk).
   std::vector<int32_t> TokensOf(const BlockHash& hash) const;
-  // Blocks whose tokens are kept (for tests and /metrics).
+  // Blocks whose tokens are kept (for tests).
   size_t kept_token_blocks() const;
 
   // The role a registered node gave (nullopt when not registered).
