@@ -141,6 +141,7 @@ absl::Status CacheStore::ApplyOp(const WalOp& op, uint64_t* max_seq) {
           if (listed || !registry_.MarkUsed(rep)) continue;
           if (!index_->AddReplica(op.hash, rep).ok()) registry_.FreeSlot(rep);
         }
+        if (index_->StateOf(op.hash) == BlockState::kCommitted) KeepTokens(op.hash, op.token_ids);
         return absl::OkStatus();
       }
       NewBlock block;
@@ -158,13 +159,16 @@ absl::Status CacheStore::ApplyOp(const WalOp& op, uint64_t* max_seq) {
       if (block.replicas.empty()) return absl::OkStatus();
       if (!index_->Insert(block, BlockState::kCommitted).ok()) {
         for (const Replica& r : block.replicas) registry_.FreeSlot(r);
+        return absl::OkStatus();
       }
+      KeepTokens(op.hash, op.token_ids);  // replicated from a leader (never on disk)
       return absl::OkStatus();
     }
     case WalOp::Type::kRemoveBlock: {
       if (op.hash.IsZero()) return absl::OkStatus();  // sequence marker of a snapshot
       for (const RemovedBlock& b : index_->RemoveSubtree(op.hash)) {
         for (const Replica& r : b.replicas) registry_.FreeSlot(r);
+        DropTokens(b.hash);
       }
       return absl::OkStatus();
     }
@@ -219,6 +223,30 @@ uint64_t CacheStore::Publish(StoreEvent event) {
   return seq;
 }
 
+void CacheStore::KeepTokens(const BlockHash& hash, absl::Span<const int32_t> tokens) {
+  if (!options_.keep_block_tokens || tokens.empty()) return;
+  absl::MutexLock lock(&tokens_mu_);
+  tokens_.try_emplace(hash, tokens.begin(), tokens.end());
+}
+
+void CacheStore::DropTokens(const BlockHash& hash) {
+  if (!options_.keep_block_tokens) return;
+  absl::MutexLock lock(&tokens_mu_);
+  tokens_.erase(hash);
+}
+
+std::vector<int32_t> CacheStore::TokensOf(const BlockHash& hash) const {
+  if (!options_.keep_block_tokens) return {};
+  absl::MutexLock lock(&tokens_mu_);
+  auto it = tokens_.find(hash);
+  return it == tokens_.end() ? std::vector<int32_t>() : it->second;
+}
+
+size_t CacheStore::kept_token_blocks() const {
+  absl::MutexLock lock(&tokens_mu_);
+  return tokens_.size();
+}
+
 uint64_t CacheStore::last_sequence() const {
   absl::MutexLock lock(&events_mu_);
   return next_sequence_ - 1;
@@ -245,6 +273,7 @@ void CacheStore::AppendWal(const std::vector<WalOp>& ops) {
 
 void CacheStore::OnRemoved(const std::vector<RemovedBlock>& removed, std::vector<WalOp>* wal) {
   for (const RemovedBlock& b : removed) {
+    DropTokens(b.hash);
     std::vector<std::string> nodes;
     for (const Replica& r : b.replicas) {
       if (auto id = registry_.NodeId(r.node)) nodes.push_back(*id);
@@ -768,7 +797,20 @@ absl::Status CacheStore::CheckOwner(uint64_t allocation_id, const PendingAllocat
 }
 
 absl::StatusOr<int> CacheStore::Commit(uint64_t allocation_id, absl::Span<const BlockHash> hashes,
-                                       const Caller& caller) {
+                                       const Caller& caller, absl::Span<const int32_t> token_ids) {
+  const size_t block_tokens = static_cast<size_t>(options_.block_tokens);
+  if (!token_ids.empty() && token_ids.size() != hashes.size() * block_tokens) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("token_ids: ", token_ids.size(), " tokens for ", hashes.size(), " hashes of ",
+                     block_tokens, " tokens each (want ", hashes.size() * block_tokens, ")"));
+  }
+  // Block hash -> its tokens; empty when not kept (nothing is copied then).
+  absl::flat_hash_map<BlockHash, absl::Span<const int32_t>> tokens_of;
+  if (options_.keep_block_tokens && !token_ids.empty()) {
+    for (size_t i = 0; i < hashes.size(); ++i) {
+      tokens_of[hashes[i]] = token_ids.subspan(i * block_tokens, block_tokens);
+    }
+  }
   absl::MutexLock lock(&mu_);
   auto it = allocations_.find(allocation_id);
   if (it == allocations_.end()) {
@@ -820,7 +862,12 @@ absl::StatusOr<int> CacheStore::Commit(uint64_t allocation_id, absl::Span<const 
     op.replicas = WalReplicas(found[0].replicas);
     std::vector<std::string> nodes;
     for (const WalReplica& r : op.replicas) nodes.push_back(r.node_id);
-    op.sequence = Publish({0, StoreEvent::Kind::kStored, op.hash, op.parent, std::move(nodes)});
+    if (auto t = tokens_of.find(h); t != tokens_of.end()) {
+      KeepTokens(h, t->second);
+      op.token_ids.assign(t->second.begin(), t->second.end());
+    }
+    op.sequence = Publish(
+        {0, StoreEvent::Kind::kStored, op.hash, op.parent, std::move(nodes), {}, op.token_ids});
     pending.parents.erase(h);
     wal.push_back(std::move(op));
     ++committed;
@@ -850,7 +897,10 @@ absl::StatusOr<int> CacheStore::Commit(uint64_t allocation_id, absl::Span<const 
     op.replicas = WalReplicas(found[0].replicas);
     std::vector<std::string> nodes;
     for (const WalReplica& r : op.replicas) nodes.push_back(r.node_id);
-    op.sequence = Publish({0, StoreEvent::Kind::kStored, op.hash, op.parent, std::move(nodes)});
+    if (auto t = tokens_of.find(x.hash); t != tokens_of.end()) KeepTokens(x.hash, t->second);
+    op.token_ids = TokensOf(x.hash);  // the first committer's, when it sent them
+    op.sequence = Publish(
+        {0, StoreEvent::Kind::kStored, op.hash, op.parent, std::move(nodes), {}, op.token_ids});
     wal.push_back(std::move(op));
     ++committed;
   }
@@ -966,7 +1016,11 @@ absl::StatusOr<AnnounceResult> CacheStore::AnnounceBlocks(const Caller& node,
     op.replicas = WalReplicas(found[0].replicas);
     std::vector<std::string> nodes;
     for (const WalReplica& r : op.replicas) nodes.push_back(r.node_id);
-    op.sequence = Publish({0, StoreEvent::Kind::kStored, hash, parent, std::move(nodes), {}});
+    // A replica re-announced to a block the store already has keeps that block's tokens; an
+    // announcement carries none of its own.
+    op.token_ids = TokensOf(hash);
+    op.sequence =
+        Publish({0, StoreEvent::Kind::kStored, hash, parent, std::move(nodes), {}, op.token_ids});
     wal.push_back(std::move(op));
   };
   for (size_t i = 0; i < blocks.size(); ++i) {
@@ -1124,12 +1178,12 @@ absl::Status CacheStore::WriteSnapshotNow() {
 }
 
 absl::Status CacheStore::SnapshotLocked() {
-  std::vector<WalOp> ops = StateAsOpsLocked();
+  std::vector<WalOp> ops = StateAsOpsLocked(WalTokens::kDrop);
   KV_RETURN_IF_ERROR(WriteSnapshot(options_.data_dir + kSnapshotFile, ops));
   return wal_->Reset();
 }
 
-std::vector<WalOp> CacheStore::StateAsOpsLocked() {
+std::vector<WalOp> CacheStore::StateAsOpsLocked(WalTokens tokens) {
   std::vector<WalOp> ops;
   for (const NodeSpec& spec : registry_.AllSpecs()) {
     WalOp op;
@@ -1146,6 +1200,7 @@ std::vector<WalOp> CacheStore::StateAsOpsLocked() {
     op.parent = b.parent;
     op.size_bytes = b.size_bytes;
     op.replicas = WalReplicas(b.replicas);
+    if (tokens == WalTokens::kInclude) op.token_ids = TokensOf(b.hash);
     blocks.push_back(std::move(op));
   });
   absl::flat_hash_map<BlockHash, size_t> pos;
@@ -1216,7 +1271,7 @@ std::vector<WalOp> CacheStore::ReplicationSnapshot(uint64_t* position) {
   absl::MutexLock lock(&mu_);
   // Ops are appended under mu_, so no op lands between the state and its position.
   *position = replication_position();
-  return StateAsOpsLocked();
+  return StateAsOpsLocked(WalTokens::kInclude);
 }
 
 void CacheStore::ResetForReplication() {
@@ -1229,6 +1284,10 @@ void CacheStore::ResetForReplication() {
   for (auto& [id, pending] : allocations_) AbortLocked(pending);
   allocations_.clear();
   allocated_blocks_ = 0;
+  {
+    absl::MutexLock tokens_lock(&tokens_mu_);
+    tokens_.clear();  // every block went with its node; the snapshot brings them back
+  }
   replaying_ = false;
 }
 

@@ -7,7 +7,7 @@
 // Thread safety: all methods are thread-safe. Lock order:
 //   mu_ (mutations: register, allocate, commit, abort, tick, snapshot)
 //     -> BlockIndex locks (see block_index.h) -> registry / lease table (leaf locks)
-//     -> events_mu_ (leaf)
+//     -> events_mu_, tokens_mu_ (leaves)
 // MatchPrefix / QueryPrefix / Heartbeat / ReleaseLease never take mu_ (Heartbeat only to
 // publish a suspect node's return): they use the index's shard locks and the leaf locks only,
 // so lookups are not serialized behind writers.
@@ -70,6 +70,10 @@ struct CacheStoreOptions {
   // Tokens per KV block of every node's layout (--block-tokens): a node that registers with
   // another value is refused (CheckBlockTokens), and ListNodes tells the gateway.
   int32_t block_tokens = kv::kDefaultBlockTokens;
+  // Keep the tokens committers send with their blocks (CommitRequest.token_ids) while a block
+  // is cached, for the KV events' BlockStored.token_ids. Set when a KV-event publisher runs;
+  // off, tokens are dropped on arrival and cost nothing. Memory only (cachestore/README.md).
+  bool keep_block_tokens = false;
 };
 
 // MatchPrefix's answer. Replicas refer to `segments` (distinct node/segment pairs, resolved
@@ -157,6 +161,9 @@ struct StoreEvent {
   BlockHash parent;                   // block events
   std::vector<std::string> node_ids;  // kStored: replica nodes; kRemoved: nodes it was on
   NodeSpec node;                      // node events (segments left out)
+  // kStored: the block's tokens when the store keeps them (keep_block_tokens) and its
+  // committer sent them; empty otherwise.
+  std::vector<int32_t> token_ids;
 };
 
 struct RegisterResult {
@@ -254,13 +261,21 @@ class CacheStore {
   // Commits the named blocks of the allocation (all when empty); returns how many. An
   // allocation taken by a node can be committed / aborted only by that node and incarnation
   // (PermissionDenied naming both nodes; FailedPrecondition for another incarnation).
+  // `token_ids` (optional): the tokens of `hashes`, block_tokens per hash in the same order;
+  // InvalidArgument naming both lengths when they do not match. Kept with keep_block_tokens.
   absl::StatusOr<int> Commit(uint64_t allocation_id, absl::Span<const BlockHash> hashes,
-                             const Caller& caller = {});
+                             const Caller& caller = {}, absl::Span<const int32_t> token_ids = {});
   absl::Status Abort(uint64_t allocation_id, const Caller& caller = {});
   absl::Status ReleaseLease(uint64_t lease_id, const Caller& caller = {});
   // Re-announces blocks `node` still holds in `segment_id` (idempotent); see AnnouncedBlock.
   absl::StatusOr<AnnounceResult> AnnounceBlocks(const Caller& node, const std::string& segment_id,
                                                 absl::Span<const AnnouncedBlock> blocks);
+  // The tokens kept for a committed block (empty when none: keep_block_tokens off, not sent,
+  // or recovered from disk).
+  std::vector<int32_t> TokensOf(const BlockHash& hash) const;
+  // Blocks whose tokens are kept (for tests).
+  size_t kept_token_blocks() const;
+
   // The role a registered node gave (nullopt when not registered).
   std::optional<NodeRole> RoleOf(const std::string& node_id) const;
   // Registered nodes (live and suspect) with their addresses, role, load and liveness.
@@ -353,8 +368,12 @@ class CacheStore {
   void AppendWal(const std::vector<WalOp>& ops) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MaybeSnapshotLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status SnapshotLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The committed state as ops: nodes, then blocks parent-first, then a sequence mark.
-  std::vector<WalOp> StateAsOpsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The committed state as ops: nodes, then blocks parent-first, then a sequence mark; with
+  // `tokens`, each block's kept tokens (for standbys; a snapshot file never has them).
+  std::vector<WalOp> StateAsOpsLocked(WalTokens tokens) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Keeps `tokens` for `hash` (keep_block_tokens, non-empty, not kept yet).
+  void KeepTokens(const BlockHash& hash, absl::Span<const int32_t> tokens);
+  void DropTokens(const BlockHash& hash);
   // Assigns and returns the sequence (0 while replaying the log: nothing is published).
   uint64_t Publish(StoreEvent event) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::vector<Location> Describe(const Replicas& replicas) const;
@@ -389,6 +408,11 @@ class CacheStore {
   size_t repl_retention_ ABSL_GUARDED_BY(repl_mu_) = 0;
   std::deque<WalOp> repl_ops_ ABSL_GUARDED_BY(repl_mu_);
   uint64_t repl_end_ ABSL_GUARDED_BY(repl_mu_) = 0;  // position after the newest op
+
+  // Kept block tokens (keep_block_tokens): a leaf lock, read by the KV-event publisher's state
+  // resend without mu_.
+  mutable absl::Mutex tokens_mu_;
+  absl::flat_hash_map<BlockHash, std::vector<int32_t>> tokens_ ABSL_GUARDED_BY(tokens_mu_);
 
   mutable absl::Mutex events_mu_;
   absl::CondVar events_cv_;

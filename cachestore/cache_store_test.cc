@@ -3,11 +3,15 @@
 
 #include "cachestore/cache_store.h"
 
+#include <malloc.h>
+
+#include <cstdio>
 #include <set>
 #include <string>
 #include <vector>
 
 #include "common/check.h"
+#include "common/file_util.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kv/block_hash.h"
@@ -480,6 +484,208 @@ TEST(DurabilityTest, SnapshotPlusLogReplay) {
     s.Restart();
     EXPECT_EQ(s.Match(first), 4);
   }
+}
+
+// The tokens Chain(tenant, n, start) hashed: [start, start + n * 4).
+std::vector<int32_t> ChainTokens(int n, int start = 0) {
+  std::vector<int32_t> tokens;
+  for (int i = 0; i < n * 4; ++i) tokens.push_back(start + i);
+  return tokens;
+}
+
+// Makes `s` a store that keeps block tokens (it runs a KV-event publisher), with blocks of 4
+// tokens as Chain's.
+void KeepTokens(Scenario& s) {
+  s.options().block_tokens = 4;
+  s.options().keep_block_tokens = true;
+  s.options().wal_fsync = false;
+  s.Restart();
+}
+
+TEST(BlockTokensTest, CommittedTokensReachTheEventAndGoWithTheBlock) {
+  Scenario s("leaf-lru");
+  KeepTokens(s);
+  s.Node("a", 3, absl::Hours(1));
+  const auto chain = Chain("t", 2, 100);
+  const std::vector<int32_t> tokens = ChainTokens(2, 100);
+  KV_ASSERT_OK_AND_ASSIGN(AllocateResult a, s.Allocate(chain));
+  KV_ASSERT_OK_AND_ASSIGN(int n, s.store().Commit(a.allocation_id, chain, {}, tokens));
+  EXPECT_EQ(n, 2);
+  KV_ASSERT_OK_AND_ASSIGN(auto events, s.store().EventsSince(1, 100, absl::Now()));
+  ASSERT_EQ(events.size(), 3u);  // joined, stored x2
+  EXPECT_EQ(events[1].kind, StoreEvent::Kind::kStored);
+  EXPECT_EQ(events[1].hash, chain[0]);
+  EXPECT_EQ(events[1].token_ids, std::vector<int32_t>({100, 101, 102, 103}));
+  EXPECT_EQ(events[2].token_ids, std::vector<int32_t>({104, 105, 106, 107}));
+  EXPECT_EQ(s.store().TokensOf(chain[1]), std::vector<int32_t>({104, 105, 106, 107}));
+  EXPECT_EQ(s.store().kept_token_blocks(), 2u);
+  // Two more blocks in a 3-slot node: chain's leaf is evicted, and its tokens with it.
+  ASSERT_THAT(s.Commit(Chain("u", 2)), IsOk());
+  EXPECT_EQ(s.Match(chain), 1);
+  EXPECT_TRUE(s.store().TokensOf(chain[1]).empty());
+  EXPECT_EQ(s.store().kept_token_blocks(), 1u);  // chain[0]; "u" was committed without tokens
+  // The node leaves: every block goes, every token with it.
+  ASSERT_THAT(s.store().DeregisterNode({"a", 0}), IsOk());
+  EXPECT_EQ(s.store().kept_token_blocks(), 0u);
+}
+
+TEST(BlockTokensTest, WrongLengthIsRefusedNamingBothNumbers) {
+  Scenario s;
+  KeepTokens(s);
+  s.Node("a", 8, absl::Hours(1));
+  const auto chain = Chain("t", 2);
+  KV_ASSERT_OK_AND_ASSIGN(AllocateResult a, s.Allocate(chain));
+  std::vector<int32_t> tokens = ChainTokens(2);
+  tokens.pop_back();
+  EXPECT_THAT(s.store().Commit(a.allocation_id, chain, {}, tokens),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("token_ids: 7 tokens for 2 hashes of 4 tokens each (want 8)")));
+  // Tokens without the hashes they belong to.
+  EXPECT_THAT(s.store().Commit(a.allocation_id, {}, {}, ChainTokens(2)),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("8 tokens for 0 hashes")));
+  // Nothing was committed by the refused calls.
+  EXPECT_EQ(s.Match(chain), 0);
+  KV_ASSERT_OK_AND_ASSIGN(int n, s.store().Commit(a.allocation_id, chain, {}, ChainTokens(2)));
+  EXPECT_EQ(n, 2);
+}
+
+TEST(BlockTokensTest, WithoutAPublisherTokensAreNotKept) {
+  Scenario s;
+  s.options().block_tokens = 4;
+  s.Restart();
+  s.Node("a", 8, absl::Hours(1));
+  const auto chain = Chain("t", 2);
+  KV_ASSERT_OK_AND_ASSIGN(AllocateResult a, s.Allocate(chain));
+  ASSERT_THAT(s.store().Commit(a.allocation_id, chain, {}, ChainTokens(2)), IsOk());
+  EXPECT_EQ(s.store().kept_token_blocks(), 0u);
+  KV_ASSERT_OK_AND_ASSIGN(auto events, s.store().EventsSince(1, 100, absl::Now()));
+  for (const StoreEvent& e : events) EXPECT_TRUE(e.token_ids.empty());
+}
+
+// Tokens are never written to disk: after a restart the recovered blocks have none (not
+// garbage), and their state resend carries empty token_ids; new commits carry tokens again.
+TEST(BlockTokensTest, RestartFromTheWalKeepsNoTokens) {
+  testing::TempDir dir;
+  Scenario s("lrfu", dir.path());
+  KeepTokens(s);
+  s.Node("a", 16, absl::Hours(1));
+  const auto first = Chain("t", 3);
+  KV_ASSERT_OK_AND_ASSIGN(AllocateResult a, s.Allocate(first));
+  ASSERT_THAT(s.store().Commit(a.allocation_id, first, {}, ChainTokens(3)), IsOk());
+  ASSERT_EQ(s.store().kept_token_blocks(), 3u);
+  // The log holds no token: the tokens' bytes (as 32-bit little-endian) appear nowhere in it.
+  KV_ASSERT_OK_AND_ASSIGN(std::string wal, ReadFileToString(dir.path() + "/wal.log"));
+  const std::string token_bytes("\x04\x00\x00\x00\x05\x00\x00\x00\x06\x00\x00\x00", 12);
+  EXPECT_EQ(wal.find(token_bytes), std::string::npos);
+  s.Restart();
+  EXPECT_EQ(s.Match(first), 3);
+  EXPECT_EQ(s.store().kept_token_blocks(), 0u);
+  for (const BlockHash& h : first) EXPECT_TRUE(s.store().TokensOf(h).empty());
+  ASSERT_THAT(s.store().WriteSnapshotNow(), IsOk());  // a snapshot has none either
+  s.Restart();
+  EXPECT_EQ(s.store().kept_token_blocks(), 0u);
+  const auto second = Chain("t", 1, 500);
+  KV_ASSERT_OK_AND_ASSIGN(a, s.Allocate(second));
+  const uint64_t from = s.store().last_sequence() + 1;
+  ASSERT_THAT(s.store().Commit(a.allocation_id, second, {}, ChainTokens(1, 500)), IsOk());
+  KV_ASSERT_OK_AND_ASSIGN(auto events, s.store().EventsSince(from, 100, absl::Now()));
+  ASSERT_FALSE(events.empty());
+  EXPECT_EQ(events.back().kind, StoreEvent::Kind::kStored);
+  EXPECT_EQ(events.back().token_ids, ChainTokens(1, 500));
+}
+
+// The replication stream carries the tokens (a standby's events keep them after promotion);
+// the standby's own WAL does not.
+TEST(BlockTokensTest, ReplicationCarriesTokensToAStandby) {
+  Scenario leader;
+  KeepTokens(leader);
+  leader.store().EnableReplicationLog();
+  leader.Node("a", 8, absl::Hours(1));
+  const auto chain = Chain("t", 2);
+  KV_ASSERT_OK_AND_ASSIGN(AllocateResult a, leader.Allocate(chain));
+  ASSERT_THAT(leader.store().Commit(a.allocation_id, chain, {}, ChainTokens(2)), IsOk());
+  uint64_t position = 0;
+  std::vector<WalOp> snapshot = leader.store().ReplicationSnapshot(&position);
+  testing::TempDir dir;
+  Scenario standby("lrfu", dir.path());
+  KeepTokens(standby);
+  std::vector<WalOp> decoded;
+  for (const WalOp& op : snapshot) {
+    KV_ASSERT_OK_AND_ASSIGN(WalOp d, DecodeWalOp(EncodeWalOp(op, WalTokens::kInclude)));
+    decoded.push_back(std::move(d));
+  }
+  ASSERT_THAT(standby.store().ApplyReplicated(decoded), IsOk());
+  EXPECT_EQ(standby.store().TokensOf(chain[1]), std::vector<int32_t>({4, 5, 6, 7}));
+  // A live op too: one more block.
+  const auto more = Chain("t", 1, 900);
+  KV_ASSERT_OK_AND_ASSIGN(a, leader.Allocate(more));
+  ASSERT_THAT(leader.store().Commit(a.allocation_id, more, {}, ChainTokens(1, 900)), IsOk());
+  uint64_t next = 0;
+  KV_ASSERT_OK_AND_ASSIGN(std::vector<WalOp> ops,
+                          leader.store().ReplicationSince(position, 100, absl::Now(), &next));
+  decoded.clear();
+  for (const WalOp& op : ops) {
+    KV_ASSERT_OK_AND_ASSIGN(WalOp d, DecodeWalOp(EncodeWalOp(op, WalTokens::kInclude)));
+    decoded.push_back(std::move(d));
+  }
+  ASSERT_THAT(standby.store().ApplyReplicated(decoded), IsOk());
+  EXPECT_EQ(standby.store().TokensOf(more[0]), ChainTokens(1, 900));
+  // Promoted, the standby resends its state with the tokens; its disk never had them.
+  standby.store().PromoteToLeader();
+  EXPECT_EQ(standby.store().kept_token_blocks(), 3u);
+  standby.Restart();
+  EXPECT_EQ(standby.Match(chain), 2);
+  EXPECT_EQ(standby.store().kept_token_blocks(), 0u);
+}
+
+// What keeping tokens costs per block (cachestore/README.md quotes the figure): the heap of a
+// store that keeps them minus that of one that does not, after the same commits of 16-token
+// blocks. Event retention is kept tiny in both, so only the per-block map is measured (the
+// retained events' copies are bounded by event_retention, not by the cache).
+TEST(BlockTokensTest, MemoryPerBlock) {
+#if defined(__SANITIZE_ADDRESS__)
+  GTEST_SKIP() << "ASan's allocator does not report through mallinfo2";
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(memory_sanitizer)
+  GTEST_SKIP() << "the sanitizer's allocator does not report through mallinfo2";
+#endif
+#endif
+  constexpr int kBlocks = 20000, kBatch = 1000, kTokens = 16;
+  size_t grown[2] = {0, 0};
+  for (bool keep : {false, true}) {
+    Scenario s;
+    s.options().block_tokens = kTokens;
+    s.options().keep_block_tokens = keep;
+    s.options().event_retention = 16;
+    s.Restart();
+    s.Node("a", kBlocks, absl::Hours(1));
+    const auto chain = Chain("t", kBlocks);  // hashes only: the store does not rehash tokens
+    std::vector<int32_t> tokens(static_cast<size_t>(kBatch) * kTokens, 7);
+    // Large tables come from mmap: hblkhd counts those, uordblks the rest.
+    auto heap = [] {
+      const struct mallinfo2 m = mallinfo2();
+      return m.uordblks + m.hblkhd;
+    };
+    const size_t before = heap();
+    for (int b = 0; b < kBlocks; b += kBatch) {
+      const std::vector<BlockHash> part(chain.begin() + b, chain.begin() + b + kBatch);
+      KV_ASSERT_OK_AND_ASSIGN(AllocateResult a,
+                              s.Allocate(part, "", b == 0 ? BlockHash{} : chain[b - 1]));
+      KV_ASSERT_OK_AND_ASSIGN(int n, s.store().Commit(a.allocation_id, part, {}, tokens));
+      ASSERT_EQ(n, kBatch);
+    }
+    const size_t after = heap();
+    grown[keep ? 1 : 0] = after > before ? after - before : 0;
+    EXPECT_EQ(s.store().kept_token_blocks(), keep ? static_cast<size_t>(kBlocks) : 0u);
+  }
+  const double per_block =
+      (static_cast<double>(grown[1]) - static_cast<double>(grown[0])) / kBlocks;
+  std::printf(
+      "kept tokens: %.0f bytes per block of %d tokens (%d blocks; heap grew %zu B with "
+      "tokens kept, %zu B without)\n",
+      per_block, kTokens, kBlocks, grown[1], grown[0]);
+  EXPECT_GE(per_block, kTokens * 4.0);  // at least the tokens themselves
+  EXPECT_LE(per_block, 256.0);
 }
 
 }  // namespace

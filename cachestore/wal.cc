@@ -21,6 +21,8 @@ constexpr uint32_t kChecksumSeed = 0x6b76;
 constexpr char kSnapshotMagic[] = "KVRSNAP1";
 constexpr size_t kMagicLen = 8;
 constexpr uint32_t kMaxRecordBytes = 64u << 20;
+// Tokens of one block: far above any --block-tokens, far below a record's size limit.
+constexpr uint32_t kMaxBlockTokenIds = 1u << 16;
 
 void PutU8(std::string* s, uint8_t v) { s->push_back(static_cast<char>(v)); }
 void PutU32(std::string* s, uint32_t v) {
@@ -81,7 +83,7 @@ absl::Status Bad(std::string_view what) {
 
 }  // namespace
 
-std::string EncodeWalOp(const WalOp& op) {
+std::string EncodeWalOp(const WalOp& op, WalTokens tokens) {
   std::string s;
   PutU8(&s, static_cast<uint8_t>(op.type));
   switch (op.type) {
@@ -121,6 +123,10 @@ std::string EncodeWalOp(const WalOp& op) {
         PutStr(&s, r.node_id);
         PutStr(&s, r.segment_id);
         PutU32(&s, r.slot);
+      }
+      if (tokens == WalTokens::kInclude && !op.token_ids.empty()) {
+        PutU32(&s, static_cast<uint32_t>(op.token_ids.size()));
+        for (int32_t t : op.token_ids) PutU32(&s, static_cast<uint32_t>(t));
       }
       break;
     case WalOp::Type::kRemoveBlock:
@@ -186,6 +192,17 @@ absl::StatusOr<WalOp> DecodeWalOp(std::string_view payload) {
           return Bad("truncated replica");
         }
         op.replicas.push_back(std::move(rep));
+      }
+      if (!r.done()) {  // token_ids (replication only)
+        uint32_t count;
+        if (!r.U32(&count) || count == 0 || count > kMaxBlockTokenIds)
+          return Bad("bad token count");
+        op.token_ids.reserve(count);
+        for (uint32_t i = 0; i < count; ++i) {
+          uint32_t t;
+          if (!r.U32(&t)) return Bad("truncated token ids");
+          op.token_ids.push_back(static_cast<int32_t>(t));
+        }
       }
       break;
     }

@@ -46,9 +46,17 @@ struct WalOp {
   kv::BlockHash parent;   // kCommitBlock
   uint32_t size_bytes = 0;
   std::vector<WalReplica> replicas;
+  // kCommitBlock: the block's tokens (kept for KV events), or empty. Carried to HA standbys
+  // only; never written to the WAL or a snapshot (tokens are tenant data, and the events of
+  // blocks recovered from disk carry none).
+  std::vector<int32_t> token_ids;
 };
 
-std::string EncodeWalOp(const WalOp& op);
+// Whether an encoded kCommitBlock carries its token_ids: the replication stream does, the WAL
+// and snapshots never do. A payload with tokens appends them after the replicas, so a store
+// older than them refuses it (trailing bytes): HA standbys are upgraded before the leader.
+enum class WalTokens { kDrop, kInclude };
+std::string EncodeWalOp(const WalOp& op, WalTokens tokens = WalTokens::kDrop);
 // InvalidArgument (naming what is wrong) for a payload that does not decode.
 absl::StatusOr<WalOp> DecodeWalOp(std::string_view payload);
 

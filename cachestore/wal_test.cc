@@ -48,6 +48,44 @@ TEST(WalOpTest, RoundTripsEveryType) {
   EXPECT_THAT(DecodeWalOp("\x09"), StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
+TEST(WalOpTest, TokensTravelOnlyWhenIncluded) {
+  WalOp op = Block(5);
+  op.token_ids = {1, -2, 70000, 0x7fffffff};
+  // The replication stream's encoding carries them...
+  KV_ASSERT_OK_AND_ASSIGN(WalOp back, DecodeWalOp(EncodeWalOp(op, WalTokens::kInclude)));
+  EXPECT_EQ(back.token_ids, op.token_ids);
+  EXPECT_EQ(back.replicas[0].slot, 5u);
+  // ... the WAL's does not: byte for byte the record of a block without tokens.
+  EXPECT_EQ(EncodeWalOp(op), EncodeWalOp(Block(5)));
+  KV_ASSERT_OK_AND_ASSIGN(back, DecodeWalOp(EncodeWalOp(op)));
+  EXPECT_TRUE(back.token_ids.empty());
+  // A cut token list is refused, not read as garbage.
+  const std::string enc = EncodeWalOp(op, WalTokens::kInclude);
+  EXPECT_THAT(DecodeWalOp(enc.substr(0, enc.size() - 2)),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+TEST(WalOpTest, LoggedBlocksComeBackWithoutTokens) {
+  testing::TempDir dir;
+  WalOp op = Block(1);
+  op.token_ids = {11, 12, 13, 14};
+  {
+    Wal::Recovered rec;
+    KV_ASSERT_OK_AND_ASSIGN(auto wal, Wal::Open(dir.File("wal.log"), /*fsync=*/false, &rec));
+    ASSERT_THAT(wal->Append({op}), IsOk());
+  }
+  Wal::Recovered rec;
+  KV_ASSERT_OK_AND_ASSIGN(auto wal, Wal::Open(dir.File("wal.log"), /*fsync=*/false, &rec));
+  ASSERT_EQ(rec.ops.size(), 1u);
+  EXPECT_EQ(rec.ops[0].hash, op.hash);
+  EXPECT_TRUE(rec.ops[0].token_ids.empty());
+  EXPECT_EQ(rec.cut_bytes, 0);
+  ASSERT_THAT(WriteSnapshot(dir.File("snapshot"), {op}), IsOk());
+  KV_ASSERT_OK_AND_ASSIGN(std::vector<WalOp> snap, ReadSnapshot(dir.File("snapshot")));
+  ASSERT_EQ(snap.size(), 1u);
+  EXPECT_TRUE(snap[0].token_ids.empty());
+}
+
 class WalFileTest : public ::testing::Test {
  protected:
   std::string path() const { return dir_.File("wal.log"); }

@@ -96,6 +96,9 @@ for k, op in enumerate(ops):
 write(W, "op-register-many-segments", register(b"n", 3))
 write(W, "op-unknown-type", u8(9) + u64(1))
 write(W, "op-huge-count", u8(3) + u64(1) + h128(1, 1) + h128(0, 0) + u32(1) + u32(0xFFFFFFFF))
+# A commit with its block's tokens (the replication stream's form), and one whose count lies.
+write(W, "op-commit-tokens", commit(1, 1, 0) + u32(4) + u32(1) + u32(2) + u32(0xFFFFFFFE) + u32(7))
+write(W, "op-tokens-count-lies", commit(1, 1, 0) + u32(0xFFFFFFFF) + u32(1))
 write(W, "huge-length", u32(0x7FFFFFFF) + u32(0) + b"x")
 
 # --- Data-plane control frames (transfer/ucx/wire.h, version 3) -------------------------

@@ -1,5 +1,6 @@
 // WAL records (cachestore/wal): a log file's bytes are read record by record up to the first
-// bad one; every record read re-encodes to bytes that decode to the same op.
+// bad one; every record read re-encodes to bytes that decode to the same op, with its tokens
+// in the replication stream's form and without them in the log's.
 
 #include <cstddef>
 #include <cstdint>
@@ -26,7 +27,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (op.ok()) {
     absl::StatusOr<WalOp> again =
         kvrelay::cachestore::DecodeWalOp(kvrelay::cachestore::EncodeWalOp(*op));
-    if (!again.ok() || !SameOp(*op, *again)) __builtin_trap();
+    if (!again.ok() || !SameOp(*op, *again) || !again->token_ids.empty()) __builtin_trap();
+    absl::StatusOr<WalOp> replicated = kvrelay::cachestore::DecodeWalOp(
+        kvrelay::cachestore::EncodeWalOp(*op, kvrelay::cachestore::WalTokens::kInclude));
+    if (!replicated.ok() || !SameOp(*op, *replicated) || replicated->token_ids != op->token_ids) {
+      __builtin_trap();
+    }
   }
   // A whole log: framing, checksums, torn tails.
   int64_t good_bytes = -1;

@@ -48,7 +48,7 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::RunMamba(
   KV_ASSIGN_OR_RETURN(const int64_t pushed, PushMambaState(request, states.final_state, deadline));
   // 4. Publish the checkpoints computed here, each under its block's hash.
   const int32_t committed = CommitCheckpoints(request.request_id(), *lookup, resume_blocks,
-                                              full_blocks, states.checkpoints);
+                                              full_blocks, states.checkpoints, tokens);
 
   // 5. Respond.
   const int64_t compute_from = resume_blocks * block_tokens;
@@ -176,7 +176,8 @@ absl::StatusOr<int64_t> PrefillWorker::PushMambaState(const kvrelay::v1::Prefill
 
 int32_t PrefillWorker::CommitCheckpoints(const std::string& request_id, const PrefixLookup& lookup,
                                          int64_t first, int64_t last,
-                                         const std::vector<std::vector<uint8_t>>& checkpoints) {
+                                         const std::vector<std::vector<uint8_t>>& checkpoints,
+                                         absl::Span<const int32_t> tokens) {
   absl::StatusOr<int32_t> committed = lookup.store().CommitBlocksFrom(
       lookup.chain, first, last,
       [&](int64_t block, int64_t slot) -> absl::Status {
@@ -187,7 +188,7 @@ int32_t PrefillWorker::CommitCheckpoints(const std::string& request_id, const Pr
         std::memcpy(segment_->GroupUnit(slot, 0), state.data(), state.size());
         return absl::OkStatus();
       },
-      lookup.deadline);
+      lookup.deadline, /*keep_copies=*/false, tokens);
   if (!committed.ok()) {
     KV_LOG(WARNING) << request_id << ": commit failed: " << committed.status();
     return 0;

@@ -189,10 +189,12 @@ class PrefillWorker {
   // the bytes pushed.
   absl::StatusOr<int64_t> PushMambaState(const kvrelay::v1::PrefillRequest& request,
                                          const std::vector<uint8_t>& state, absl::Time deadline);
-  // Publishes the checkpoints of blocks [first, last) under their hashes; as CommitKv.
+  // Publishes the checkpoints of blocks [first, last) under their hashes, with their tokens
+  // (`tokens`: the prompt's); as CommitKv.
   int32_t CommitCheckpoints(const std::string& request_id, const PrefixLookup& lookup,
                             int64_t first, int64_t last,
-                            const std::vector<std::vector<uint8_t>>& checkpoints);
+                            const std::vector<std::vector<uint8_t>>& checkpoints,
+                            absl::Span<const int32_t> tokens);
 
   const PrefillWorkerOptions options_;
   MetricsRegistry* metrics_;

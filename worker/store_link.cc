@@ -330,7 +330,7 @@ absl::StatusOr<int32_t> StoreLink::CommitBlocks(const std::vector<kv::BlockHash>
       [this, &seq](int64_t block_index, int64_t slot) {
         return segment_->StoreBlock(seq, block_index, slot);
       },
-      deadline, keep_copies);
+      deadline, keep_copies, seq.tokens());
 }
 
 kvrelay::v1::AllocateRequest StoreLink::AllocationFor(const std::vector<kv::BlockHash>& chain,
@@ -350,10 +350,11 @@ kvrelay::v1::AllocateRequest StoreLink::AllocationFor(const std::vector<kv::Bloc
   return request;
 }
 
-std::vector<kv::BlockHash> StoreLink::WriteAllocated(
-    const kvrelay::v1::AllocateResponse& allocation, const std::vector<kv::BlockHash>& chain,
-    int64_t first, const BlockWriter& write, std::vector<kvrelay::v1::AnnouncedBlock>& written) {
-  std::vector<kv::BlockHash> stored;
+std::vector<int64_t> StoreLink::WriteAllocated(const kvrelay::v1::AllocateResponse& allocation,
+                                               const std::vector<kv::BlockHash>& chain,
+                                               int64_t first, const BlockWriter& write,
+                                               std::vector<kvrelay::v1::AnnouncedBlock>& written) {
+  std::vector<int64_t> stored;
   for (int i = 0; i < allocation.blocks_size(); ++i) {
     const auto& block = allocation.blocks(i);
     if (block.already_committed()) continue;
@@ -383,7 +384,7 @@ std::vector<kv::BlockHash> StoreLink::WriteAllocated(
       a.set_size_bytes(segment_->block_bytes());
       written.push_back(std::move(a));
     }
-    if (ok) stored.push_back(cachestore::CacheStoreClient::FromProto(block.hash()));
+    if (ok) stored.push_back(first + i);
   }
   return stored;
 }
@@ -391,7 +392,8 @@ std::vector<kv::BlockHash> StoreLink::WriteAllocated(
 absl::StatusOr<int32_t> StoreLink::CommitBlocksFrom(const std::vector<kv::BlockHash>& chain,
                                                     int64_t first, int64_t last,
                                                     const BlockWriter& write, absl::Time deadline,
-                                                    bool keep_copies) {
+                                                    bool keep_copies,
+                                                    absl::Span<const int32_t> tokens) {
   if (segment_ == nullptr || first >= last) return 0;
   // The whole commit (allocate, write, commit) gets one per-call limit, not one per call: it
   // runs before the prefill answers, so a slow store adds at most that much.
@@ -403,8 +405,22 @@ absl::StatusOr<int32_t> StoreLink::CommitBlocksFrom(const std::vector<kv::BlockH
   KV_ASSIGN_OR_RETURN(kvrelay::v1::AllocateResponse allocation, std::move(allocated));
   std::vector<kvrelay::v1::AnnouncedBlock> written;
   const absl::Time write_start = absl::Now();
-  const std::vector<kv::BlockHash> stored =
+  const std::vector<int64_t> stored_blocks =
       WriteAllocated(allocation, chain, first, write, written);
+  std::vector<kv::BlockHash> stored;
+  // The committed blocks' tokens, for the store's KV events (routers key blocks by them).
+  const size_t block_tokens = static_cast<size_t>(std::max(options_.block_tokens, 0));
+  const bool send_tokens =
+      block_tokens > 0 && tokens.size() >= static_cast<size_t>(last) * block_tokens;
+  std::vector<int32_t> stored_tokens;
+  for (int64_t b : stored_blocks) {
+    stored.push_back(chain[b]);
+    if (send_tokens) {
+      absl::Span<const int32_t> t =
+          tokens.subspan(static_cast<size_t>(b) * block_tokens, block_tokens);
+      stored_tokens.insert(stored_tokens.end(), t.begin(), t.end());
+    }
+  }
   // The limit counts time waiting on the store, not copying here.
   const absl::Time finish_limit = limit + (absl::Now() - write_start);
   // Writing took time: the abort or commit gets what is left then, through the gate again (an
@@ -416,7 +432,8 @@ absl::StatusOr<int32_t> StoreLink::CommitBlocksFrom(const std::vector<kv::BlockH
   }
   // A commit that times out is not retried: the store aborts the allocation after its own
   // timeout and the slots go back to it; the bytes written there are never matched.
-  absl::StatusOr<int> commit = client_->Commit(allocation.allocation_id(), stored, finish.call);
+  absl::StatusOr<int> commit =
+      client_->Commit(allocation.allocation_id(), stored, finish.call, stored_tokens);
   finish.Done(commit.status());
   KV_ASSIGN_OR_RETURN(int committed, std::move(commit));
   absl::MutexLock lock(&mu_);

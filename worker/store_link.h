@@ -113,7 +113,8 @@ class StoreLink {
   // Best effort (a lease not released expires at the store); bounded as above.
   void ReleaseLease(uint64_t lease_id, absl::Time deadline = absl::InfiniteFuture());
   // Commits chain[first, last) (their KV is blocks first..last-1 of `seq`): allocates slots in
-  // this node's segment, copies the blocks there, commits them. Returns how many were committed.
+  // this node's segment, copies the blocks there, commits them with their tokens (from
+  // seq.tokens(), for the store's KV events). Returns how many were committed.
   // With `keep_copies`, blocks already committed on other nodes get a copy here too (a decode
   // worker keeping what it received, so a later turn need not receive it again). The whole
   // commit's waits on the store share one per-call limit (it runs before a prefill answers).
@@ -125,10 +126,13 @@ class StoreLink {
   // Writes one block's bytes (segment_->block_bytes() of them) into segment slot `slot`.
   using BlockWriter = std::function<absl::Status(int64_t block_index, int64_t slot)>;
   // As CommitBlocks, with the bytes of block i written by `write(i, slot)`: for Mamba, the
-  // state checkpoint after block i (kept under block i's chained hash).
+  // state checkpoint after block i (kept under block i's chained hash). `tokens`: those `chain`
+  // was hashed from (block i's are tokens[i * block_tokens, (i + 1) * block_tokens)), sent with
+  // the commit; none are sent when it is shorter or options.block_tokens is 0.
   absl::StatusOr<int32_t> CommitBlocksFrom(const std::vector<kv::BlockHash>& chain, int64_t first,
                                            int64_t last, const BlockWriter& write,
-                                           absl::Time deadline, bool keep_copies = false);
+                                           absl::Time deadline, bool keep_copies = false,
+                                           absl::Span<const int32_t> tokens = {});
   // How many leading blocks of `chain` the segment holds; copies them into fresh KvCache
   // slots (appended to group_slots[g], one reference each for the caller). Under the link's
   // lock, so no slot is rewritten while it is copied; every copy is checked against its slot
@@ -166,11 +170,12 @@ class StoreLink {
   kvrelay::v1::AllocateRequest AllocationFor(const std::vector<kv::BlockHash>& chain, int64_t first,
                                              int64_t last, bool keep_copies) const;
   // Writes the allocated blocks placed wholly in this node's segment (their slots forgotten
-  // first); appends to `written` what to record once committed. Returns the hashes written.
-  std::vector<kv::BlockHash> WriteAllocated(const kvrelay::v1::AllocateResponse& allocation,
-                                            const std::vector<kv::BlockHash>& chain, int64_t first,
-                                            const BlockWriter& write,
-                                            std::vector<kvrelay::v1::AnnouncedBlock>& written);
+  // first); appends to `written` what to record once committed. Returns the chain indices of
+  // the blocks written.
+  std::vector<int64_t> WriteAllocated(const kvrelay::v1::AllocateResponse& allocation,
+                                      const std::vector<kv::BlockHash>& chain, int64_t first,
+                                      const BlockWriter& write,
+                                      std::vector<kvrelay::v1::AnnouncedBlock>& written);
 
   const StoreLinkOptions options_;
   const CacheSegment* segment_;

@@ -557,10 +557,12 @@ absl::StatusOr<v1::AllocateResponse> CacheStoreClient::AllocateChain(
 
 absl::StatusOr<int> CacheStoreClient::Commit(uint64_t allocation_id,
                                              absl::Span<const kv::BlockHash> hashes,
-                                             const CallOptions& call) {
+                                             const CallOptions& call,
+                                             absl::Span<const int32_t> token_ids) {
   v1::CommitRequest req;
   req.set_allocation_id(allocation_id);
   for (const kv::BlockHash& h : hashes) ToProto(h, req.add_hashes());
+  req.mutable_token_ids()->Add(token_ids.begin(), token_ids.end());
   StampCaller(node(), req);
   v1::CommitResponse resp;
   absl::Status s = Invoke(&v1::CacheStore::Stub::Commit, req, &resp, call);

@@ -185,8 +185,11 @@ class CacheStoreClient {
                                                      kv::BlockHash first_parent = {},
                                                      const std::string& preferred_node = "",
                                                      const CallOptions& call = {});
+  // `token_ids`: the tokens of `hashes` (block_tokens per hash, in order), for the store's KV
+  // events; optional.
   absl::StatusOr<int> Commit(uint64_t allocation_id, absl::Span<const kv::BlockHash> hashes = {},
-                             const CallOptions& call = {});
+                             const CallOptions& call = {},
+                             absl::Span<const int32_t> token_ids = {});
   absl::Status Abort(uint64_t allocation_id, const CallOptions& call = {});
 
   // --- Discovery and monitoring ---

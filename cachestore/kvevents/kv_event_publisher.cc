@@ -106,7 +106,8 @@ void AddKvEventsFlags(FlagSet& flags, KvEventsOptions* o) {
                   "bind the ROUTER socket answering vLLM replay requests here; empty = off");
   flags.AddString("kv-events-model", &o->model, "model name in the topic kv@<node>@<model>");
   flags.AddInt32("kv-events-block-size", &o->block_size,
-                 "tokens per block, sent as BlockStored.block_size");
+                 "tokens per block, sent as BlockStored.block_size; defaults to --block-tokens "
+                 "and must equal it");
   flags.AddInt64("kv-events-replay-batches", &o->replay_batches,
                  "batches kept for replay (all topics together)");
   flags.AddString("kv-events-curve-secret-key-file", &o->curve_secret_key_file,
@@ -198,10 +199,12 @@ struct KvEventPublisher::Impl {
     return m;
   }
 
-  BlockStored Stored(const BlockHash& hash, const BlockHash& parent, const std::string& node) {
+  BlockStored Stored(const BlockHash& hash, const BlockHash& parent, const std::string& node,
+                     std::vector<int32_t> token_ids) {
     BlockStored e;
     e.block_hashes = {hash.hi};
     if (!parent.IsZero()) e.parent_block_hash = parent.hi;
+    e.token_ids = std::move(token_ids);
     e.block_size = options.block_size;
     e.medium = Medium(node);
     e.group_idx = 0;  // one kvrelay block holds every layer group
@@ -235,11 +238,12 @@ struct KvEventPublisher::Impl {
       by_topic[Topic(spec.node_id)].emplace_back(std::in_place_type<AllBlocksCleared>);
     }
     store->index().ForEachCommitted([&](const NewBlock& b) {
+      const std::vector<int32_t> tokens = store->TokensOf(b.hash);
       for (const Replica& r : b.replicas) {
         std::optional<std::string> node = store->registry().NodeId(r.node);
         if (!node) continue;
         by_topic[Topic(*node)].emplace_back(std::in_place_type<BlockStored>,
-                                            Stored(b.hash, b.parent, *node));
+                                            Stored(b.hash, b.parent, *node, tokens));
       }
     });
     for (auto& [topic, events] : by_topic) Send(topic, std::move(events));
@@ -315,7 +319,8 @@ struct KvEventPublisher::Impl {
           std::vector<KvEvent>& out = by_topic[Topic(node)];
           switch (e.kind) {
             case StoreEvent::Kind::kStored:
-              out.emplace_back(std::in_place_type<BlockStored>, Stored(e.hash, e.parent, node));
+              out.emplace_back(std::in_place_type<BlockStored>,
+                               Stored(e.hash, e.parent, node, e.token_ids));
               break;
             case StoreEvent::Kind::kRemoved:
               out.emplace_back(std::in_place_type<BlockRemoved>,
@@ -352,9 +357,14 @@ absl::StatusOr<std::unique_ptr<KvEventPublisher>> KvEventPublisher::Start(CacheS
     return absl::InvalidArgumentError(absl::StrCat(
         "--kv-events-model: must be non-empty without '@', got '", options.model, "'"));
   }
-  if (options.block_size <= 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--kv-events-block-size: must be positive, got ", options.block_size));
+  if (options.block_size == 0) options.block_size = store->block_tokens();
+  if (options.block_size != store->block_tokens()) {
+    // BlockStored.token_ids holds one store block's tokens: another block_size would make a
+    // router cut them at the wrong places.
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--kv-events-block-size ", options.block_size, " differs from the store's --block-tokens ",
+        store->block_tokens(), ": the events carry the store's blocks (leave it out to use ",
+        store->block_tokens(), ")"));
   }
   if (options.replay_batches < 0) {
     return absl::InvalidArgumentError(

@@ -8,8 +8,10 @@
 // Events: BlockStored when a block is committed (once per replica node), BlockRemoved when it
 // leaves the store, AllBlocksCleared when a node expires or re-registers with a new spec (its
 // blocks that live on elsewhere lose only that replica). block_hashes are kv::BlockHash::hi, the
-// first 8 bytes of kvrelay's 128-bit chained hash read big-endian; token_ids are empty (the store
-// sees hashes, never tokens). See cachestore/README.md "KV events".
+// first 8 bytes of kvrelay's 128-bit chained hash read big-endian; token_ids are the block's
+// block_size tokens as its committing worker sent them (CommitRequest.token_ids; the store keeps
+// them in memory while the publisher runs), empty for blocks the store recovered from its WAL or
+// learned from a re-announcement only. See cachestore/README.md "KV events".
 //
 // On start (and whenever it falls behind the store's event retention) the publisher sends every
 // node's state: AllBlocksCleared, then BlockStored for each block it holds, so a subscriber's
@@ -43,7 +45,9 @@ struct KvEventsOptions {
   std::string endpoint;         // PUB endpoint to bind, e.g. tcp://127.0.0.1:5557; empty = off
   std::string replay_endpoint;  // ROUTER endpoint to bind; empty = no replay
   std::string model = "kvrelay";
-  int32_t block_size = 16;         // tokens per block, as BlockStored.block_size
+  // Tokens per block, as BlockStored.block_size: the store's --block-tokens (0 = that; any
+  // other value is refused, since token_ids are the store's blocks' tokens).
+  int32_t block_size = 0;
   int64_t replay_batches = 10000;  // batches retained for replay (all topics)
   int32_t data_parallel_rank = 0;
   // ZeroMQ CURVE: this server's secret key (a file holding its 40-character Z85 text) and the
@@ -63,9 +67,9 @@ class KvEventPublisher {
  public:
   // Binds the sockets and starts the thread; nullptr when options.endpoint is empty.
   // InvalidArgument for a bad option (an endpoint without CURVE keys unless insecure, a key
-  // that is not Z85), FailedPrecondition when libzmq has no CURVE, Unavailable when an endpoint
-  // cannot be bound.
-  // `store` must outlive the publisher.
+  // that is not Z85, a block size other than the store's), FailedPrecondition when libzmq has no
+  // CURVE, Unavailable when an endpoint cannot be bound. `store` must outlive the publisher and
+  // should keep block tokens (CacheStoreOptions::keep_block_tokens), or every token_ids is empty.
   static absl::StatusOr<std::unique_ptr<KvEventPublisher>> Start(CacheStore* store,
                                                                  KvEventsOptions options);
   ~KvEventPublisher();  // stops the thread, closes the sockets (linger 0)

@@ -135,6 +135,8 @@ int RunCacheStoreCommand(const std::vector<std::string>& args) {
   options.low_watermark = low;
   options.snapshot_every_ops = snapshot_every;
   options.block_tokens = block_tokens;
+  // The events' BlockStored.token_ids; without a publisher tokens are dropped on arrival.
+  options.keep_block_tokens = !kv_events.endpoint.empty();
   absl::StatusOr<std::unique_ptr<kvrelay::cachestore::CacheStore>> store =
       kvrelay::cachestore::CacheStore::Create(options);
   if (!store.ok()) {

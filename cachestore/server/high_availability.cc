@@ -304,7 +304,8 @@ grpc::Status ReplicationService::Follow(grpc::ServerContext* ctx,
       const size_t n = std::min(kOpsPerBatch, snapshot.size() - sent);
       kvrelay::v1::ReplicationBatch batch =
           make_batch(/*reset=*/sent == 0, /*current=*/sent + n == snapshot.size(), position);
-      for (size_t i = 0; i < n; ++i) batch.add_ops(EncodeWalOp(snapshot[sent + i]));
+      for (size_t i = 0; i < n; ++i)
+        batch.add_ops(EncodeWalOp(snapshot[sent + i], WalTokens::kInclude));
       sent += n;
       if (!writer->Write(batch)) return grpc::Status::OK;
     } while (sent < snapshot.size());
@@ -320,7 +321,7 @@ grpc::Status ReplicationService::Follow(grpc::ServerContext* ctx,
     // Ops logged under a term this instance no longer holds are not the cluster's.
     if (grpc::Status s = still_leading(); !s.ok()) return s;
     kvrelay::v1::ReplicationBatch batch = make_batch(false, true, next);
-    for (const WalOp& op : *ops) batch.add_ops(EncodeWalOp(op));
+    for (const WalOp& op : *ops) batch.add_ops(EncodeWalOp(op, WalTokens::kInclude));
     if (!writer->Write(batch)) return grpc::Status::OK;
     position = next;
   }

@@ -713,7 +713,8 @@ grpc::Status CacheStoreService::Commit(grpc::ServerContext* ctx, const v1::Commi
   if (auto s = ParseCaller(req->node_id(), req->incarnation(), false, &caller); !s.ok()) {
     return t.Done(s);
   }
-  absl::StatusOr<int> n = store_->Commit(req->allocation_id(), hashes, caller);
+  absl::StatusOr<int> n =
+      store_->Commit(req->allocation_id(), hashes, caller, absl::MakeConstSpan(req->token_ids()));
   if (!n.ok()) return t.Done(Fail(n.status(), /*ids_expire=*/true));
   resp->set_committed(*n);
   return t.Done(Served(term));

@@ -9,7 +9,9 @@
 //     refuses writes at once, steps down and follows the new one;
 //   - SIGTERM of the leader: it resigns as its drain starts, a standby leads within 1 s;
 //   - etcd SIGSTOPped for 10 s: the leader serves until its lease could have expired, then every
-//     instance fails closed with FAILURE_NOT_LEADER; service resumes when etcd returns.
+//     instance fails closed with FAILURE_NOT_LEADER; service resumes when etcd returns;
+//   - KV events: a standby that takes over publishes its blocks with the tokens they were
+//     committed with (replicated, never on disk).
 
 #include <signal.h>
 #include <sys/stat.h>
@@ -27,11 +29,13 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "cachestore/client/cache_store_client.h"
+#include "common/file_util.h"
 #include "common/server/dev_certs.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "kv/block_hash.h"
+#include "nlohmann/json.hpp"
 #include "proto/grpc_status.h"
 #include "tests/cachestore/ha_cluster.h"
 #include "tests/testing/status_matchers.h"
@@ -534,6 +538,105 @@ TEST(CacheStoreClientFencing, FollowsRedirectsAndDropsRepliesOfAnOlderTerm) {
   EXPECT_EQ(client->term(), 6);
   EXPECT_EQ(client->current_address(), addresses[1]);
   for (auto& server : servers) server->Shutdown();
+}
+
+// Issue 35.5: the replication stream carries each block's tokens, so a standby that takes over
+// publishes its blocks (its KV-event state resend after the promotion) with their token_ids,
+// as the old leader would have. Its own WAL never holds them.
+TEST(CacheStoreHaEvents, ANewLeadersEventsCarryTheTokens) {
+  if (!HaCluster::EtcdInstalled()) GTEST_SKIP() << "etcd missing (scripts/setup.sh)";
+  if (::access("/usr/bin/python3", X_OK) != 0) GTEST_SKIP() << "no /usr/bin/python3";
+  HaCluster cluster;
+  std::vector<std::string> pub, replay;
+  for (int i = 0; i < 2; ++i) {
+    pub.push_back(absl::StrCat("tcp://127.0.0.1:", PickUnusedPort()));
+    replay.push_back(absl::StrCat("tcp://127.0.0.1:", PickUnusedPort()));
+  }
+  cluster.extra_store_flags = [&](int i) {
+    return std::vector<std::string>{"--kv-events-endpoint",        pub[i],
+                                    "--kv-events-replay-endpoint", replay[i],
+                                    "--kv-events-model",           "ha"};
+  };
+  ASSERT_THAT(cluster.Start(2), IsOk()) << cluster.Logs();
+  KV_ASSERT_OK_AND_ASSIGN(HaCluster::Leader leader, cluster.WaitForLeader(absl::Seconds(15)));
+  const int standby = 1 - leader.index;
+
+  CacheStoreClient::Options o;
+  o.node = {kNode, CacheStoreClient::NewIncarnation()};
+  o.timeout = absl::Seconds(6);
+  o.own_connection = true;
+  KV_ASSERT_OK_AND_ASSIGN(std::unique_ptr<CacheStoreClient> client,
+                          CacheStoreClient::Connect(cluster.addresses(), o));
+  CacheStoreClient::Registration reg;
+  reg.role = v1::NODE_ROLE_PREFILL;
+  reg.grpc_address = "127.0.0.1:7100";
+  reg.transport_kind = "ucx";
+  reg.transport_address = "127.0.0.1:13337";
+  reg.ttl = absl::Seconds(30);  // outlives the fail-over without heartbeats
+  v1::Segment seg;
+  seg.set_segment_id(kSegment);
+  seg.set_tier(v1::TIER_HOST);
+  seg.set_capacity_slots(64);
+  seg.set_slot_bytes(4096);
+  reg.segments.push_back(seg);
+  ASSERT_THAT(client->Register(reg), IsOk());
+  // Chain(7)'s tokens, as Chain builds them.
+  std::vector<int32_t> tokens;
+  for (int i = 0; i < kChainBlocks * 16; ++i) tokens.push_back(7 * 100000 + i);
+  const std::vector<kv::BlockHash> chain = Chain(7);
+  KV_ASSERT_OK_AND_ASSIGN(v1::AllocateResponse a, client->AllocateChain(chain, 4096));
+  KV_ASSERT_OK_AND_ASSIGN(int n, client->Commit(a.allocation_id(), chain, {}, tokens));
+  ASSERT_EQ(n, kChainBlocks);
+  // The standby has applied the commit.
+  const absl::Time applied_by = absl::Now() + absl::Seconds(10);
+  for (;;) {
+    absl::StatusOr<std::unique_ptr<CacheStoreClient>> c = cluster.Direct(standby);
+    absl::StatusOr<v1::StatsResponse> stats =
+        c.ok() ? (*c)->Stats() : absl::StatusOr<v1::StatsResponse>(c.status());
+    if (stats.ok() && stats->committed_blocks() >= kChainBlocks) break;
+    ASSERT_LT(absl::Now(), applied_by) << cluster.Logs();
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+
+  // A subscriber of the standby's stream, then the leader dies.
+  testing::TempDir dir;
+  KV_ASSERT_OK_AND_ASSIGN(
+      std::unique_ptr<ChildProcess> subscriber,
+      ChildProcess::Start({"/usr/bin/python3",
+                           testing::SourceDir() + "/tests/cachestore/kv_events_subscriber.py",
+                           "--endpoint", pub[standby], "--replay", replay[standby], "--model", "ha",
+                           "--state", dir.File("state.json")}));
+  ASSERT_THAT(subscriber->WaitForOutput("subscriber ready", absl::Seconds(30)), IsOk());
+  cluster.KillStore(leader.index);
+  KV_ASSERT_OK_AND_ASSIGN(HaCluster::Leader next,
+                          cluster.WaitForLeader(absl::Seconds(10), leader.term));
+  ASSERT_EQ(next.index, standby);
+
+  // The new leader's stream has every block of the chain with its 16 tokens.
+  std::map<std::string, std::vector<int32_t>> want;
+  for (int i = 0; i < kChainBlocks; ++i) {
+    want[absl::StrCat(chain[i].hi)] =
+        std::vector<int32_t>(tokens.begin() + i * 16, tokens.begin() + (i + 1) * 16);
+  }
+  std::map<std::string, std::vector<int32_t>> seen;
+  nlohmann::json state;
+  const absl::Time deadline = absl::Now() + absl::Seconds(15);
+  while (seen != want && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(50));
+    absl::StatusOr<std::string> text = ReadFileToString(dir.File("state.json"));
+    if (!text.ok()) continue;
+    state = nlohmann::json::parse(*text, nullptr, false);
+    seen.clear();
+    if (state.is_discarded() || !state.contains("tokens") || !state["tokens"].contains(kNode)) {
+      continue;
+    }
+    for (const auto& [hash, ids] : state["tokens"][kNode].items()) {
+      seen[hash] = ids.get<std::vector<int32_t>>();
+    }
+  }
+  EXPECT_EQ(seen, want) << state.dump() << "\n" << cluster.Logs();
+  ASSERT_TRUE(state.contains("errors"));
+  EXPECT_TRUE(state["errors"].empty()) << state["errors"].dump();
 }
 
 // etcd over mutual TLS (a real etcd started with --client-cert-auth): stores with the client

@@ -12,6 +12,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -136,10 +137,17 @@ class HaCluster {
     return absl::OkStatus();
   }
 
+  // Extra flags of store `i` (its own KV-event endpoints, say); set before Start.
+  std::function<std::vector<std::string>(int)> extra_store_flags;
+
   // Starts (or restarts, after KillStore) store `i` on its port with its data dir.
   absl::Status StartStore(int i) {
+    std::vector<std::string> flags = EtcdTlsFlags();
+    if (extra_store_flags) {
+      for (std::string& f : extra_store_flags(i)) flags.push_back(std::move(f));
+    }
     absl::StatusOr<std::unique_ptr<ChildProcess>> proc =
-        StartStoreProcess(addresses_[i], dir_.File(absl::StrCat("store", i)), EtcdTlsFlags());
+        StartStoreProcess(addresses_[i], dir_.File(absl::StrCat("store", i)), flags);
     if (!proc.ok()) return proc.status();
     stores_[i] = *std::move(proc);
     absl::StatusOr<std::string> line =

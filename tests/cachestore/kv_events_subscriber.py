@@ -2,9 +2,25 @@
 """An independent subscriber of kvrelay's vLLM-format KV events (Debian's python3-zmq and
 python3-msgpack; none of kvrelay's code). It rebuilds the per-node block index from the stream
 and writes it, after every change, to --state as JSON:
-  {"nodes": {node: [hash, ...]}, "batches": n, "replays": n, "errors": [...]}
-with hashes as decimal strings. Any deviation from vLLM's KVEventBatch schema is recorded in
-"errors" (the test requires none).
+  {"nodes": {node: [hash, ...]}, "tokens": {node: {hash: [token id, ...]}},
+   "stored": [[node, hash, parent or null, [token id, ...], block_size], ...],
+   "batches": n, "replays": n, "errors": [...]}
+with hashes as decimal strings; "tokens" holds the token_ids of the blocks each node holds now,
+"stored" every BlockStored received (one entry per block hash, the first 20000). Any deviation
+from vLLM's KVEventBatch schema is recorded in "errors" (the test requires none).
+
+The schema is a strict mirror of vLLM's msgspec types (vllm/distributed/kv_events.py; msgspec
+itself is not in Debian 12): maps (not array_like), the tag "type" first, then the fields in
+declaration order, fields equal to their default omitted (omit_defaults):
+  EventBatch:       ts: float, events: list, data_parallel_rank: int | None = None
+  BlockStored:      block_hashes: list[int], parent_block_hash: int | None, token_ids: list[int],
+                    block_size: int, lora_id: int | None, medium: str | None,
+                    lora_name: str | None, extra_keys: list | None = None,
+                    group_idx: int | None = None, kv_cache_spec_kind: str | None = None,
+                    kv_cache_spec_sliding_window: int | None = None
+  BlockRemoved:     block_hashes: list[int], medium: str | None, group_idx: int | None = None
+  AllBlocksCleared: (no field)
+A BlockStored whose token_ids are not empty must hold len(block_hashes) * block_size of them.
 
 Client algorithm (what a router does with vLLM's publisher):
   topic kv@<node>@<model>, one sequence per topic;
@@ -26,12 +42,84 @@ import msgpack
 import zmq
 import zmq.utils.monitor
 
-BLOCK_STORED_REQUIRED = {"type", "block_hashes", "parent_block_hash", "token_ids", "block_size",
-                         "lora_id", "medium", "lora_name"}
-BLOCK_STORED_OPTIONAL = {"extra_keys", "group_idx", "kv_cache_spec_kind",
-                         "kv_cache_spec_sliding_window"}
-BLOCK_REMOVED_REQUIRED = {"type", "block_hashes", "medium"}
-BLOCK_REMOVED_OPTIONAL = {"group_idx"}
+
+
+def is_u64(v):
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2 ** 64
+
+
+def is_int(v):
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def optional(check):
+    return lambda v: v is None or check(v)
+
+
+def list_of(check):
+    return lambda v: isinstance(v, list) and all(map(check, v))
+
+
+def is_str(v):
+    return isinstance(v, str)
+
+
+# (field, type check, required) in vLLM's declaration order; optional fields default to None.
+SCHEMAS = {
+    "BlockStored": [
+        ("block_hashes", list_of(is_u64), True),
+        ("parent_block_hash", optional(is_u64), True),
+        ("token_ids", list_of(lambda t: is_int(t) and -2 ** 31 <= t < 2 ** 31), True),
+        ("block_size", lambda v: is_int(v) and v > 0, True),
+        ("lora_id", optional(is_int), True),
+        ("medium", optional(is_str), True),
+        ("lora_name", optional(is_str), True),
+        ("extra_keys", optional(lambda v: isinstance(v, list)), False),
+        ("group_idx", optional(is_int), False),
+        ("kv_cache_spec_kind", optional(is_str), False),
+        ("kv_cache_spec_sliding_window", optional(is_int), False),
+    ],
+    "BlockRemoved": [
+        ("block_hashes", list_of(is_u64), True),
+        ("medium", optional(is_str), True),
+        ("group_idx", optional(is_int), False),
+    ],
+    "AllBlocksCleared": [],
+}
+BATCH_SCHEMA = [("ts", lambda v: isinstance(v, float), True),
+                ("events", lambda v: isinstance(v, list), True),
+                ("data_parallel_rank", optional(is_int), False)]
+MAX_STORED_LOG = 20000
+
+
+def is_map(v):
+    """A msgpack map as decoded with object_pairs_hook=list (arrays stay lists of values)."""
+    return isinstance(v, list) and all(isinstance(p, tuple) and len(p) == 2 for p in v)
+
+
+def check_fields(pairs, schema):
+    """None when `pairs` (a map's (key, value) pairs in wire order) is exactly `schema` in
+    order, optional fields possibly left out; otherwise what is wrong."""
+    if not is_map(pairs):
+        return f"not a map: {pairs!r}"[:300]
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        return f"duplicate keys {keys}"
+    position = 0
+    for key, value in pairs:
+        while position < len(schema) and schema[position][0] != key:
+            if schema[position][2]:
+                return f"required field {schema[position][0]!r} missing or out of order in {keys}"
+            position += 1
+        if position == len(schema):
+            return f"unknown or out-of-order field {key!r} in {keys}"
+        if not schema[position][1](value):
+            return f"field {key!r} has a wrong type: {value!r}"[:300]
+        position += 1
+    for name, _, required in schema[position:]:
+        if required:
+            return f"required field {name!r} missing in {keys}"
+    return None
 
 
 class Subscriber:
@@ -51,7 +139,8 @@ class Subscriber:
             | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
         self.sub.connect(args.endpoint)
         self.handshake_failures = 0
-        self.nodes = {}   # node -> set of hashes
+        self.nodes = {}   # node -> {hash: token_ids}
+        self.stored = []  # every BlockStored block: [node, hash, parent, token_ids, block_size]
         self.last = {}    # topic -> last applied sequence
         self.batches = 0
         self.replays = 0
@@ -68,37 +157,28 @@ class Subscriber:
         if len(self.errors) < 50:
             self.errors.append(message)
 
-    def is_u64(self, v):
-        return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2 ** 64
-
-    def check_event(self, e):
-        if not isinstance(e, dict) or not isinstance(e.get("type"), str):
-            self.error(f"event is not a tagged map: {e!r}")
-            return False
-        keys = set(e)
-        if e["type"] == "BlockStored":
-            if not BLOCK_STORED_REQUIRED <= keys or not keys <= BLOCK_STORED_REQUIRED | BLOCK_STORED_OPTIONAL:
-                self.error(f"BlockStored fields {sorted(keys)}")
-                return False
-            ok = (isinstance(e["block_hashes"], list) and all(map(self.is_u64, e["block_hashes"]))
-                  and (e["parent_block_hash"] is None or self.is_u64(e["parent_block_hash"]))
-                  and isinstance(e["token_ids"], list) and isinstance(e["block_size"], int)
-                  and e["block_size"] > 0 and e["lora_id"] is None and e["lora_name"] is None
-                  and (e["medium"] is None or isinstance(e["medium"], str))
-                  and isinstance(e.get("group_idx", 0), int))
-        elif e["type"] == "BlockRemoved":
-            if not BLOCK_REMOVED_REQUIRED <= keys or not keys <= BLOCK_REMOVED_REQUIRED | BLOCK_REMOVED_OPTIONAL:
-                self.error(f"BlockRemoved fields {sorted(keys)}")
-                return False
-            ok = (isinstance(e["block_hashes"], list) and all(map(self.is_u64, e["block_hashes"]))
-                  and (e["medium"] is None or isinstance(e["medium"], str)))
-        elif e["type"] == "AllBlocksCleared":
-            ok = keys == {"type"}
-        else:
-            ok = False
-        if not ok:
-            self.error(f"bad {e['type']}: {e!r}")
-        return ok
+    def check_event(self, pairs):
+        """The event as a dict when it matches vLLM's tagged types exactly, else None."""
+        if (not is_map(pairs) or not pairs or pairs[0][0] != "type"
+                or pairs[0][1] not in SCHEMAS):
+            self.error(f"event is not a map tagged first with a known type: {pairs!r}"[:300])
+            return None
+        kind = pairs[0][1]
+        wrong = check_fields(pairs[1:], SCHEMAS[kind])
+        if wrong:
+            self.error(f"{kind}: {wrong}")
+            return None
+        e = dict(pairs)
+        # kvrelay sets neither LoRA field.
+        if kind == "BlockStored" and (e["lora_id"] is not None or e["lora_name"] is not None):
+            self.error(f"BlockStored with a LoRA: {e!r}"[:300])
+            return None
+        if kind == "BlockStored" and e["token_ids"] and (
+                len(e["token_ids"]) != len(e["block_hashes"]) * e["block_size"]):
+            self.error(f"BlockStored: {len(e['token_ids'])} token_ids for "
+                       f"{len(e['block_hashes'])} blocks of {e['block_size']}")
+            return None
+        return e
 
     def apply(self, topic, seq, payload):
         parts = topic.split("@")
@@ -107,23 +187,36 @@ class Subscriber:
             return
         node = parts[1]
         try:
-            batch = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+            # Maps as (key, value) lists in wire order, so the field order can be checked.
+            batch = msgpack.unpackb(payload, raw=False, strict_map_key=True,
+                                    object_pairs_hook=list)
         except Exception as ex:  # any decoding failure is a format error
             self.error(f"msgpack: {ex}")
             return
-        if (not isinstance(batch, dict) or set(batch) != {"ts", "events", "data_parallel_rank"}
-                or not isinstance(batch["ts"], float) or not isinstance(batch["events"], list)
-                or not isinstance(batch["data_parallel_rank"], int)):
-            self.error(f"batch shape: {batch!r}"[:300])
+        wrong = check_fields(batch, BATCH_SCHEMA)
+        if wrong:
+            self.error(f"batch: {wrong}"[:300])
             return
-        blocks = self.nodes.setdefault(node, set())
-        for e in batch["events"]:
-            if not self.check_event(e):
+        batch = dict(batch)
+        blocks = self.nodes.setdefault(node, {})
+        for pairs in batch["events"]:
+            e = self.check_event(pairs)
+            if e is None:
                 continue
             if e["type"] == "BlockStored":
-                blocks.update(e["block_hashes"])
+                size = e["block_size"]
+                tokens = e["token_ids"]
+                parent = e["parent_block_hash"]
+                for i, h in enumerate(e["block_hashes"]):
+                    mine = tokens[i * size:(i + 1) * size]
+                    blocks[h] = mine
+                    if len(self.stored) < MAX_STORED_LOG:
+                        self.stored.append([node, str(h), None if parent is None else str(parent),
+                                            mine, size])
+                    parent = h
             elif e["type"] == "BlockRemoved":
-                blocks.difference_update(e["block_hashes"])
+                for h in e["block_hashes"]:
+                    blocks.pop(h, None)
             else:
                 blocks.clear()
         self.last[topic] = seq
@@ -173,11 +266,13 @@ class Subscriber:
         for topic in list(self.last):
             node = topic.split("@")[1]
             self.last[topic] = -1
-            self.nodes[node] = set()
+            self.nodes[node] = {}
             self.replay(topic, 0)
 
     def dump(self):
         state = {"nodes": {n: sorted(str(h) for h in b) for n, b in self.nodes.items()},
+                 "tokens": {n: {str(h): t for h, t in b.items()} for n, b in self.nodes.items()},
+                 "stored": self.stored,
                  "batches": self.batches, "replays": self.replays, "errors": self.errors,
                  "handshake_failures": self.handshake_failures}
         tmp = self.args.state + ".tmp"

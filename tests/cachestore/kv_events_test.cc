@@ -2,6 +2,8 @@
 // (kv_events_subscriber.py: Debian's python3-zmq + python3-msgpack) decodes the ZeroMQ stream,
 // checks every batch against vLLM's KVEventBatch schema and rebuilds the per-node block index,
 // which must equal the store's, including after a node expires and across a store restart.
+// Blocks committed with their tokens carry them in BlockStored.token_ids; blocks recovered from
+// the WAL after a restart carry none (tokens never reach the disk).
 
 #include <signal.h>
 #include <unistd.h>
@@ -32,10 +34,15 @@ using ::kvrelay::testing::ChildProcess;
 using ::kvrelay::testing::IsOk;
 using Index = std::map<std::string, std::set<std::string>>;  // node -> 64-bit hashes (decimal)
 
-std::vector<kv::BlockHash> Chain(const std::string& salt, int n, int start) {
+// The tokens of Chain(salt, n, start): [start, start + n * 16).
+std::vector<int32_t> ChainTokens(int n, int start) {
   std::vector<int32_t> tokens;
   for (int i = 0; i < n * 16; ++i) tokens.push_back(start + i);
-  return kv::HashChain(kv::LayoutFingerprint{}, salt, tokens, 16);
+  return tokens;
+}
+
+std::vector<kv::BlockHash> Chain(const std::string& salt, int n, int start) {
+  return kv::HashChain(kv::LayoutFingerprint{}, salt, ChainTokens(n, start), 16);
 }
 
 class KvEventsTest : public ::testing::Test {
@@ -85,8 +92,12 @@ class KvEventsTest : public ::testing::Test {
     ASSERT_THAT(client_->RegisterNode(req), IsOk());
   }
 
-  // Stores `chain` on `node` and records it in the expected index.
-  void Store(const std::vector<kv::BlockHash>& chain, const std::string& node) {
+  // Stores Chain(salt, n, start) on `node` (committed with its tokens unless `with_tokens` is
+  // false) and records it in the expected index.
+  void Store(const std::string& salt, int n, int start, const std::string& node,
+             bool with_tokens = true) {
+    const std::vector<kv::BlockHash> chain = Chain(salt, n, start);
+    const std::vector<int32_t> tokens = ChainTokens(n, start);
     KV_ASSERT_OK_AND_ASSIGN(v1::AllocateResponse a,
                             client_->AllocateChain(chain, 1 << 20, {}, node));
     ASSERT_EQ(a.blocks_size(), static_cast<int>(chain.size()));
@@ -94,10 +105,25 @@ class KvEventsTest : public ::testing::Test {
       ASSERT_EQ(b.replicas_size(), 1);
       ASSERT_EQ(b.replicas(0).node_id(), node);
     }
-    KV_ASSERT_OK_AND_ASSIGN(int n, client_->Commit(a.allocation_id()));
-    ASSERT_EQ(n, static_cast<int>(chain.size()));
-    for (const kv::BlockHash& h : chain) expected_[node].insert(absl::StrCat(h.hi));
+    KV_ASSERT_OK_AND_ASSIGN(int committed,
+                            client_->Commit(a.allocation_id(), chain, {},
+                                            with_tokens ? tokens : std::vector<int32_t>()));
+    ASSERT_EQ(committed, static_cast<int>(chain.size()));
+    for (int i = 0; i < n; ++i) {
+      const std::string hash = absl::StrCat(chain[i].hi);
+      expected_[node].insert(hash);
+      expected_tokens_[node][hash] =
+          with_tokens ? std::vector<int32_t>(tokens.begin() + i * 16, tokens.begin() + (i + 1) * 16)
+                      : std::vector<int32_t>();
+    }
     chains_[node].push_back(chain);
+  }
+
+  // What a store restart does to the expected tokens: recovered blocks have none.
+  void ForgetExpectedTokens() {
+    for (auto& [node, blocks] : expected_tokens_) {
+      for (auto& [hash, tokens] : blocks) tokens.clear();
+    }
   }
 
   // The store's own view agrees with the expected index: every expected chain matches whole.
@@ -125,6 +151,31 @@ class KvEventsTest : public ::testing::Test {
   }
 
   // Waits (bounded) until the subscriber's index equals the expected one.
+  // The token_ids the subscriber holds for every expected block, as "node hash" -> tokens
+  // (absent when it does not hold the block).
+  std::map<std::string, std::vector<int32_t>> SeenTokens(const nlohmann::json& state) {
+    std::map<std::string, std::vector<int32_t>> out;
+    if (!state.contains("tokens")) return out;
+    for (const auto& [node, hashes] : expected_) {
+      for (const std::string& hash : hashes) {
+        if (state["tokens"].contains(node) && state["tokens"][node].contains(hash)) {
+          out[node + " " + hash] = state["tokens"][node][hash].get<std::vector<int32_t>>();
+        }
+      }
+    }
+    return out;
+  }
+  std::map<std::string, std::vector<int32_t>> WantedTokens() {
+    std::map<std::string, std::vector<int32_t>> out;
+    for (const auto& [node, hashes] : expected_) {
+      for (const std::string& hash : hashes) out[node + " " + hash] = expected_tokens_[node][hash];
+    }
+    return out;
+  }
+
+  // Waits (bounded) until the subscriber's index equals the expected one and every block it
+  // holds has the token_ids it was committed with (none for one committed without, or
+  // recovered from the WAL).
   void ExpectSubscriberConverges() {
     Index seen;
     nlohmann::json state;
@@ -136,12 +187,13 @@ class KvEventsTest : public ::testing::Test {
           for (const auto& h : hashes) seen[node].insert(h.get<std::string>());
         }
       }
-      if (NonEmpty(seen) == NonEmpty(expected_)) break;
+      if (NonEmpty(seen) == NonEmpty(expected_) && SeenTokens(state) == WantedTokens()) break;
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
     EXPECT_EQ(NonEmpty(seen), NonEmpty(expected_)) << state.dump() << "\n" << subscriber_->Stderr();
     ASSERT_TRUE(state.contains("errors"));
     EXPECT_TRUE(state["errors"].empty()) << state["errors"].dump();
+    EXPECT_EQ(SeenTokens(state), WantedTokens()) << state.dump();
   }
 
   // The subscriber script with `extra` flags, writing its state to `state`.
@@ -163,6 +215,7 @@ class KvEventsTest : public ::testing::Test {
   std::unique_ptr<ChildProcess> store_, subscriber_;
   std::unique_ptr<CacheStoreClient> client_;
   Index expected_;
+  std::map<std::string, std::map<std::string, std::vector<int32_t>>> expected_tokens_;
   std::map<std::string, std::vector<std::vector<kv::BlockHash>>> chains_;
 };
 
@@ -180,10 +233,10 @@ TEST_F(KvEventsTest, SubscriberRebuildsTheIndexAcrossExpiryAndRestart) {
   Register("prefill-a", 60000);
   Register("decode-b", 60000);
   Register("short-lived", 400);
-  Store(Chain("tenant-1", 3, 0), "prefill-a");
-  Store(Chain("tenant-2", 2, 0), "prefill-a");  // same tokens, other tenant salt: other hashes
-  Store(Chain("tenant-1", 2, 500), "decode-b");
-  Store(Chain("tenant-1", 2, 900), "short-lived");
+  Store("tenant-1", 3, 0, "prefill-a");
+  Store("tenant-2", 2, 0, "prefill-a");  // same tokens, other tenant salt: other hashes
+  Store("tenant-1", 2, 500, "decode-b", /*with_tokens=*/false);  // an older worker
+  Store("tenant-1", 2, 900, "short-lived");
   // short-lived stops heartbeating: its blocks go (BlockRemoved) and it is cleared.
   expected_["short-lived"].clear();
   for (int i = 0; i < 200; ++i) {
@@ -197,12 +250,14 @@ TEST_F(KvEventsTest, SubscriberRebuildsTheIndexAcrossExpiryAndRestart) {
   ExpectSubscriberConverges();
 
   // Restart: the store recovers its index from the WAL; the subscriber reconnects, replays each
-  // node from sequence 0 (its full state) and keeps following new events.
+  // node from sequence 0 (its full state, the recovered blocks without tokens) and keeps
+  // following new events.
   StopStore();
   StartStore();
   if (HasFatalFailure()) return;
-  Store(Chain("tenant-1", 2, 2000), "decode-b");
-  Store(Chain("tenant-3", 2, 0), "prefill-a");
+  ForgetExpectedTokens();
+  Store("tenant-1", 2, 2000, "decode-b");
+  Store("tenant-3", 2, 0, "prefill-a");
   ExpectStoreHoldsExpected();
   ExpectSubscriberConverges();
   const nlohmann::json state = ReadState();
@@ -248,8 +303,8 @@ TEST_F(KvEventsTest, CurveAdmitsOnlyListedSubscribers) {
     ASSERT_THAT(p->WaitForOutput("subscriber ready", absl::Seconds(30)), IsOk());
   }
   Register("prefill-a", 60000);
-  Store(Chain("tenant-1", 3, 0), "prefill-a");
-  Store(Chain("tenant-2", 2, 0), "prefill-a");
+  Store("tenant-1", 3, 0, "prefill-a");
+  Store("tenant-2", 2, 0, "prefill-a");
   ExpectSubscriberConverges();
   for (const std::string name : {"intruder.json", "plain.json"}) {
     absl::StatusOr<std::string> text = ReadFileToString(dir_.File(name));
@@ -267,6 +322,25 @@ TEST_F(KvEventsTest, CurveAdmitsOnlyListedSubscribers) {
     EXPECT_GT(state["handshake_failures"].get<int>(), 0) << name << ": " << *text;
   }
   EXPECT_THAT(store_->Stderr(), ::testing::HasSubstr("its CURVE key is not listed"));
+}
+
+// A commit whose token_ids do not cover its blocks exactly is refused as a whole, naming both
+// numbers; nothing of it is published.
+TEST_F(KvEventsTest, TokensOfTheWrongLengthAreRefused) {
+  StartStore();
+  if (HasFatalFailure()) return;
+  Register("prefill-a", 60000);
+  const std::vector<kv::BlockHash> chain = Chain("tenant-1", 2, 0);
+  KV_ASSERT_OK_AND_ASSIGN(v1::AllocateResponse a,
+                          client_->AllocateChain(chain, 1 << 20, {}, "prefill-a"));
+  std::vector<int32_t> tokens = ChainTokens(2, 0);
+  tokens.resize(20);
+  absl::StatusOr<int> refused = client_->Commit(a.allocation_id(), chain, {}, tokens);
+  EXPECT_THAT(refused.status(),
+              ::kvrelay::testing::StatusIs(absl::StatusCode::kInvalidArgument,
+                                           ::testing::HasSubstr("20 tokens for 2 hashes of 16")));
+  KV_ASSERT_OK_AND_ASSIGN(v1::MatchPrefixResponse m, client_->MatchPrefix(chain));
+  EXPECT_EQ(m.matched(), 0);
 }
 
 TEST_F(KvEventsTest, BadFlagsAreRefused) {
@@ -296,6 +370,15 @@ TEST_F(KvEventsTest, BadFlagsAreRefused) {
   ASSERT_THAT(r, IsOk());
   EXPECT_EQ(r->exit_code, 2);
   EXPECT_THAT(r->stderr_text, ::testing::HasSubstr("go together"));
+  // The events' block size is the store's: another one is refused, naming both.
+  r = testing::RunCommand({testing::BinaryPath("kvrelay"), "cachestore", "--port", "0",
+                           "--kv-events-endpoint", pub_, "--kv-events-block-size", "32",
+                           "--block-tokens", "16", "--insecure"});
+  ASSERT_THAT(r, IsOk());
+  EXPECT_EQ(r->exit_code, 2);
+  EXPECT_THAT(r->stderr_text,
+              ::testing::HasSubstr("--kv-events-block-size 32 differs from the store's "
+                                   "--block-tokens 16"));
 }
 
 // With TLS on (no --insecure) the store does not publish every tenant's activity in plain text.
