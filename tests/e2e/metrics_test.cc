@@ -305,6 +305,16 @@ TEST(Metrics, NamesTypesBucketsAndLabelsOfEveryProcess) {
                 "kvrelay:kv_bytes_per_token"),
             bytes_per_token);
   EXPECT_EQ(Sum(xfer_bytes, "kvrelay:kv_transfer_bytes_sum"), pushed_tokens * bytes_per_token);
+  // Per link: the one decode worker got every pushed byte.
+  const Family* link = Expect(prefill, "prefill", "kvrelay:kv_transfer_link_bytes", "counter");
+  EXPECT_EQ(Sum(link, "kvrelay:kv_transfer_link_bytes_total"),
+            Sum(xfer_bytes, "kvrelay:kv_transfer_bytes_sum"));
+  if (link != nullptr) {
+    for (const Sample& s : link->samples) EXPECT_EQ(s.labels.at("decode"), "decode-0") << s.name;
+  }
+  EXPECT_GT(Sum(Expect(prefill, "prefill", "kvrelay:kv_transfer_link_seconds", "counter"),
+                "kvrelay:kv_transfer_link_seconds_total"),
+            0);
   // Failures by reason: the family is registered on first failure; none happened here.
   EXPECT_EQ(prefill.count("kvrelay:kv_transfer_failures"), 0u);
 
