@@ -506,6 +506,15 @@ absl::StatusOr<MatchResult> CacheStore::MatchPrefix(absl::Span<const BlockHash> 
   counters_.prefix_query_blocks.fetch_add(static_cast<int64_t>(chain.size()),
                                           std::memory_order_relaxed);
   counters_.prefix_hit_blocks.fetch_add(result.matched, std::memory_order_relaxed);
+  for (const MatchResult::Block& b : result.blocks) {
+    Tier fastest = Tier::kUnspecified;
+    for (const MatchResult::Replica& r : b.replicas) {
+      const Tier t = result.segments[r.segment].tier;
+      if (fastest == Tier::kUnspecified || (t != Tier::kUnspecified && t < fastest)) fastest = t;
+    }
+    counters_.prefix_hit_blocks_by_tier[static_cast<size_t>(fastest)].fetch_add(
+        1, std::memory_order_relaxed);
+  }
   if (lease && result.matched > 0) {
     std::vector<BlockHash> hashes;
     hashes.reserve(found.size());

@@ -217,6 +217,9 @@ struct StoreCounters {
   std::atomic<int64_t> prefix_queries{0};
   std::atomic<int64_t> prefix_query_blocks{0};
   std::atomic<int64_t> prefix_hit_blocks{0};
+  // The same hits by the fastest tier holding each block (where a reader fetches it from),
+  // indexed by Tier; they add up to prefix_hit_blocks.
+  std::atomic<int64_t> prefix_hit_blocks_by_tier[4] = {};
   std::atomic<int64_t> allocated_blocks{0};
   std::atomic<int64_t> committed_blocks{0};
   std::atomic<int64_t> aborted_blocks{0};

@@ -360,6 +360,24 @@ TEST(ScenarioTest, PlacementPrefersTheRequestedTierAndNode) {
               StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("blocks[0]")));
 }
 
+TEST(ScenarioTest, HitsAreCountedByTheFastestTierHoldingEachBlock) {
+  Scenario s;
+  s.Node("gpu0", 8, absl::Hours(1), Tier::kGpu);
+  s.Node("host0", 8, absl::Hours(1), Tier::kHost);
+  const auto on_gpu = Chain("t", 2);
+  const auto on_host = Chain("t", 3, 100);
+  ASSERT_THAT(s.Commit(on_gpu, "gpu0"), IsOk());
+  ASSERT_THAT(s.Commit(on_host, "host0"), IsOk());
+  ASSERT_EQ(s.Match(on_gpu), 2);
+  ASSERT_EQ(s.Match(on_host), 3);
+  ASSERT_EQ(s.Match(Chain("t", 2, 200)), 0);
+  const StoreCounters& c = s.store().counters();
+  EXPECT_EQ(c.prefix_hit_blocks_by_tier[static_cast<size_t>(Tier::kGpu)].load(), 2);
+  EXPECT_EQ(c.prefix_hit_blocks_by_tier[static_cast<size_t>(Tier::kHost)].load(), 3);
+  EXPECT_EQ(c.prefix_hit_blocks_by_tier[static_cast<size_t>(Tier::kSsd)].load(), 0);
+  EXPECT_EQ(c.prefix_hit_blocks.load(), 5);
+}
+
 TEST(ScenarioTest, WatermarkEvictionRunsOnTick) {
   Scenario s;
   s.options().high_watermark = 0.75;

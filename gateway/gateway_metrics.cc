@@ -1,6 +1,7 @@
 #include "gateway/gateway_metrics.h"
 
 #include <optional>
+#include <utility>
 
 #include "proto/grpc_status.h"
 
@@ -53,7 +54,13 @@ GatewayMetrics::GatewayMetrics(MetricsRegistry* registry, const std::string& mod
       breaker_opens_prefill(BreakerOpens(registry, {{"model_name", model_name}}, "prefill")),
       breaker_opens_decode(BreakerOpens(registry, {{"model_name", model_name}}, "decode")),
       registry_(registry),
-      model_labels_({{"model_name", model_name}}) {}
+      model_labels_({{"model_name", model_name}}) {
+  // Registered at zero so a shed-rate query has a series before the first refusal (an alert
+  // on an absent series never fires, a dashboard shows "no data").
+  constexpr std::pair<const char*, const char*> kShedAtStart[] = {
+      {"gateway", "inflight"}, {"prefill", "busy"}, {"decode", "busy"}};
+  for (const auto& [tier, reason] : kShedAtStart) ShedCounter(tier, reason);
+}
 
 Counter* GatewayMetrics::QuotaRefusals(const std::string& quota) const {
   MetricLabels labels = model_labels_;
@@ -84,16 +91,19 @@ void GatewayMetrics::CountRequestFailure(const absl::Status& status) const {
       ->Increment();
 }
 
-void GatewayMetrics::CountShed(const std::string& tier, const std::string& reason) const {
+Counter* GatewayMetrics::ShedCounter(const std::string& tier, const std::string& reason) const {
   MetricLabels labels = model_labels_;
   labels["tier"] = tier;
   labels["reason"] = reason;
-  registry_
-      ->GetCounter("kvrelay:gateway_shed_total",
-                   "Requests refused at once for capacity (RESOURCE_EXHAUSTED, HTTP 429), by the "
-                   "tier that is full and what of it.",
-                   labels)
-      ->Increment();
+  return registry_->GetCounter(
+      "kvrelay:gateway_shed_total",
+      "Requests refused at once for capacity (RESOURCE_EXHAUSTED, HTTP 429), by the "
+      "tier that is full and what of it.",
+      labels);
+}
+
+void GatewayMetrics::CountShed(const std::string& tier, const std::string& reason) const {
+  ShedCounter(tier, reason)->Increment();
 }
 
 }  // namespace kvrelay::gateway

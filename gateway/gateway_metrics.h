@@ -28,6 +28,7 @@ class GatewayMetrics {
   // kvrelay:gateway_shed_total{tier, reason}: a request refused for capacity at once. `tier`
   // is what is full ("gateway", "decode", "prefill"), `reason` what of it ("inflight",
   // "slots", "kv_blocks", "queue"; "busy" when the workers were known full without asking).
+  // (gateway, inflight), (prefill, busy) and (decode, busy) exist from the start, at zero.
   void CountShed(const std::string& tier, const std::string& reason) const;
 
   Histogram* const ttft_seconds;
@@ -46,6 +47,8 @@ class GatewayMetrics {
   Counter* const breaker_opens_decode;
 
  private:
+  Counter* ShedCounter(const std::string& tier, const std::string& reason) const;
+
   MetricsRegistry* const registry_;
   const MetricLabels model_labels_;  // {model_name}: on every family
 };

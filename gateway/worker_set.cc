@@ -1,6 +1,7 @@
 #include "gateway/worker_set.h"
 
 #include <algorithm>
+#include <functional>
 #include <limits>
 
 #include "absl/strings/str_cat.h"
@@ -65,7 +66,9 @@ WorkerSet::WorkerSet(WorkerSetOptions options, Clock* clock, cachestore::CacheSt
       store_(store),
       factories_(std::move(factories)),
       store_gate_(options_.store_gate_clock != nullptr ? options_.store_gate_clock : Clock::Real(),
-                  StoreGateOptions(options_, store)) {}
+                  StoreGateOptions(options_, store)) {
+  SetNodeGauges(/*live=*/true);
+}
 
 WorkerSet::~WorkerSet() {
   {
@@ -73,6 +76,37 @@ WorkerSet::~WorkerSet() {
     stopping_ = true;
   }
   if (discovery_.joinable()) discovery_.join();
+  // Replaced under the registry's lock: no scrape reads this set after this returns.
+  SetNodeGauges(/*live=*/false);
+}
+
+void WorkerSet::SetNodeGauges(bool live) {
+  if (options_.metrics == nullptr) return;
+  for (const bool prefill_role : {true, false}) {
+    MetricLabels labels = options_.metric_labels;
+    labels["role"] = prefill_role ? "prefill" : "decode";
+    // Read at each scrape: a breaker turns half-open by the clock alone, with no call to hook.
+    auto count = [this, prefill_role, live](bool open_only) -> std::function<double()> {
+      if (!live) return [] { return 0.0; };
+      return [this, prefill_role, open_only] {
+        const Snapshot nodes = Nodes();
+        const NodeList& list = prefill_role ? nodes.prefill : nodes.decode;
+        if (!open_only) return static_cast<double>(list.size());
+        return static_cast<double>(std::count_if(list.begin(), list.end(), [](const auto& n) {
+          return n->breaker.state() != CircuitBreaker::State::kClosed;
+        }));
+      };
+    };
+    options_.metrics->AddGaugeFunc(
+        "kvrelay:gateway_workers",
+        "Workers this gateway routes to (fixed and discovered), by role.", labels,
+        count(/*open_only=*/false));
+    options_.metrics->AddGaugeFunc(
+        "kvrelay:gateway_breakers_open",
+        "Workers whose circuit breaker is open or half-open (failed; not sent requests but a "
+        "probe), by role.",
+        labels, count(/*open_only=*/true));
+  }
 }
 
 void WorkerSet::AddFixed(std::unique_ptr<PrefillEndpoint> endpoint) {

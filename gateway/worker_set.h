@@ -198,6 +198,9 @@ class WorkerSet {
                    const std::vector<Node*>& excluded);
 
  private:
+  // kvrelay:gateway_workers{role} and kvrelay:gateway_breakers_open{role} in options.metrics,
+  // read from this set while `live`, zero after (the destructor).
+  void SetNodeGauges(bool live);
   void DiscoveryLoop(absl::Duration interval);
   // Apply for one role: the nodes of `nodes` to keep, plus the new ones `listed` brings.
   NodeList ApplyRole(const NodeList& nodes, const kvrelay::v1::ListNodesResponse& listed,

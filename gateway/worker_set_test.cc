@@ -195,6 +195,43 @@ TEST_F(WorkerSetTest, PrefillGoesToThePrefixHolderAndLearnsNodeIdsOnce) {
   EXPECT_EQ(p1->status_calls, 1);
 }
 
+TEST(WorkerSetMetrics, WorkersAndOpenBreakersByRoleAreReadAtEachScrape) {
+  SimulatedClock clock;
+  MetricsRegistry metrics;
+  WorkerSetOptions options = Options();
+  options.metrics = &metrics;
+  options.metric_labels = {{"model_name", "m"}};
+  auto gauge = [&metrics](const std::string& name, const std::string& role) {
+    const std::string text = metrics.RenderText();
+    const std::string series = absl::StrCat(name, "{model_name=\"m\",role=\"", role, "\"} ");
+    const size_t at = text.find(series);
+    if (at == std::string::npos) return -1.0;
+    return std::stod(text.substr(at + series.size()));
+  };
+  {
+    WorkerSet set(options, &clock, /*store=*/nullptr, {});
+    EXPECT_EQ(gauge("kvrelay:gateway_workers", "decode"), 0);
+    for (const char* name : {"d0", "d1"}) {
+      set.AddFixed(std::make_unique<FakeDecodeEndpoint>(absl::StrCat(name, ":1"), name, &clock));
+    }
+    set.AddFixed(std::make_unique<FakePrefillEndpoint>("p0:1", "p0", &clock));
+    EXPECT_EQ(gauge("kvrelay:gateway_workers", "decode"), 2);
+    EXPECT_EQ(gauge("kvrelay:gateway_workers", "prefill"), 1);
+    EXPECT_EQ(gauge("kvrelay:gateway_breakers_open", "decode"), 0);
+    set.Nodes().decode[1]->breaker.RecordFailure();
+    EXPECT_EQ(gauge("kvrelay:gateway_breakers_open", "decode"), 1);
+    EXPECT_EQ(gauge("kvrelay:gateway_breakers_open", "prefill"), 0);
+    // Half-open (its probe not answered yet) still counts; a good probe closes it.
+    clock.Advance(kOpenFor + absl::Milliseconds(1));
+    EXPECT_EQ(set.Nodes().decode[1]->breaker.state(), State::kHalfOpen);
+    EXPECT_EQ(gauge("kvrelay:gateway_breakers_open", "decode"), 1);
+    set.Nodes().decode[1]->breaker.RecordSuccess();
+    EXPECT_EQ(gauge("kvrelay:gateway_breakers_open", "decode"), 0);
+  }
+  // The set is gone: the scrape reads zeros, not freed memory.
+  EXPECT_EQ(gauge("kvrelay:gateway_workers", "decode"), 0);
+}
+
 TEST(WorkerSetLayout, WorkersOfAnotherLayoutAreNeverPairedAndAskedOnce) {
   SimulatedClock clock;
   MetricsRegistry metrics;

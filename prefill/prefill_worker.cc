@@ -44,6 +44,11 @@ PrefillWorker::PrefillWorker(PrefillWorkerOptions options, MetricsRegistry* metr
       model_labels_);
   computed_tokens_ = metrics_->GetCounter("kvrelay:prefill_computed_tokens_total",
                                           "Prompt tokens computed.", model_labels_);
+  pushed_tokens_ = metrics_->GetCounter(
+      "kvrelay:prefill_pushed_kv_tokens_total",
+      "Prompt tokens whose KV was pushed to decode workers (full blocks the decode worker did not "
+      "hold already); kvrelay:prefill_pushed_kv_bytes_total over it is the bytes moved per token.",
+      model_labels_);
   prefill_seconds_ =
       metrics_->GetHistogram("kvrelay:prefill_request_seconds", "Whole prefill requests.",
                              LatencyBucketsSeconds(), model_labels_);
@@ -310,6 +315,8 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::RunKv(
   const int64_t compute_from = reused.blocks() * block_tokens;
   KV_RETURN_IF_ERROR(ComputeAndPush(seq, tokens, compute_from, *push));
   KV_ASSIGN_OR_RETURN(const int64_t pushed, push->Finish());
+  pushed_tokens_->Increment(
+      static_cast<double>((full_blocks - request.target().held_blocks()) * block_tokens));
 
   // 5. Publish the blocks computed here for later requests, and keep a copy of those pulled or
   //    recomputed although held elsewhere (the next request for them here is local).

@@ -226,6 +226,7 @@ class PrefillWorker {
   Counter* prefix_query_tokens_;
   Counter* prefix_hit_tokens_;
   Counter* computed_tokens_;
+  Counter* pushed_tokens_;  // tokens of the blocks pushed (not those the decode worker held)
   Histogram* prefill_seconds_;
   Gauge* running_;          // in progress, not waiting for compute_mu_
   Gauge* waiting_;          // waiting for compute_mu_

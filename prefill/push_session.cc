@@ -135,10 +135,24 @@ void PushMetrics::CountFailure(const char* reason) {
       ->Increment();
 }
 
-void PushMetrics::RecordPush(int64_t bytes, absl::Duration elapsed) {
+void PushMetrics::RecordPush(int64_t bytes, absl::Duration elapsed, const std::string& decode) {
   pushed_bytes_->Increment(static_cast<double>(bytes));
   transfer_seconds_->Observe(absl::ToDoubleSeconds(elapsed));
   transfer_bytes_->Observe(static_cast<double>(bytes));
+  // Per link (this worker -> one decode worker): bytes over seconds is the link's rate while
+  // pushing; the families above add up every link.
+  MetricLabels link = labels_;
+  link["decode"] = decode;
+  registry_
+      ->GetCounter("kvrelay:kv_transfer_link_bytes_total",
+                   "KV bytes pushed to each decode worker (label decode: its node id).", link)
+      ->Increment(static_cast<double>(bytes));
+  registry_
+      ->GetCounter("kvrelay:kv_transfer_link_seconds_total",
+                   "Time spent pushing to each decode worker, first layer posted to last "
+                   "delivered (label decode: its node id).",
+                   link)
+      ->Increment(absl::ToDoubleSeconds(elapsed));
 }
 
 // --- PushSession ----------------------------------------------------------------------------
@@ -279,7 +293,7 @@ absl::StatusOr<int64_t> PushSession::Finish() {
   }
   if (!transfer_status.ok()) return PushFailure(std::move(transfer_status));
   if (first_post_ != absl::InfiniteFuture()) {
-    context_.metrics->RecordPush(pushed, absl::Now() - first_post_);
+    context_.metrics->RecordPush(pushed, absl::Now() - first_post_, target_.node_id());
   }
   return pushed;
 }

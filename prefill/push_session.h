@@ -74,8 +74,10 @@ class PushMetrics {
   // kvrelay:kv_transfer_failures_total{reason}: "timeout", "peer_lost", "corrupt", "cancelled",
   // "refused", "unreachable" or "error".
   void CountFailure(const char* reason);
-  // One push that delivered `bytes` in `elapsed` (first layer posted to last layer delivered).
-  void RecordPush(int64_t bytes, absl::Duration elapsed);
+  // One push that delivered `bytes` in `elapsed` (first layer posted to last layer delivered)
+  // to the decode worker whose node id is `decode`; also counted per link in
+  // kvrelay:kv_transfer_link_bytes_total / _seconds_total{decode}.
+  void RecordPush(int64_t bytes, absl::Duration elapsed, const std::string& decode);
 
  private:
   MetricsRegistry* const registry_;

@@ -196,6 +196,11 @@ TEST_F(PushSessionTest, AcceptedClaimLandsTheBlocksByteForByte) {
   const std::vector<uint8_t> zeros(kSlotBytes, 0);
   EXPECT_EQ(std::memcmp(decode.slot(0), zeros.data(), kSlotBytes), 0);
   EXPECT_EQ(PushedBytes(), static_cast<double>(2 * kSlotBytes));
+  // The same bytes on the link to the target decode worker, with the push's time.
+  const MetricLabels link = {{"model_name", "m"}, {"decode", "decode-7"}};
+  EXPECT_EQ(registry_.GetCounter("kvrelay:kv_transfer_link_bytes_total", "", link)->value(),
+            static_cast<double>(2 * kSlotBytes));
+  EXPECT_GT(registry_.GetCounter("kvrelay:kv_transfer_link_seconds_total", "", link)->value(), 0);
   EXPECT_EQ(registry_.RenderText().find("kvrelay:kv_transfer_failures_total{"), std::string::npos);
 }
 

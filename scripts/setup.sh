@@ -14,6 +14,7 @@ PACKAGES=(
   libre2-dev libicu-dev zlib1g-dev libzmq3-dev libmsgpack-dev liburing-dev fio
   redis-server iproute2 procps python3 python3-matplotlib python3-zmq python3-msgpack python3-prometheus-client
   etcd-server etcd-client
+  prometheus python3-yaml
 )
 
 install_missing() {

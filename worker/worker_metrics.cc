@@ -34,6 +34,16 @@ KvCacheMetrics::KvCacheMetrics(MetricsRegistry* metrics, MetricLabels model_labe
       ->GetGauge("kvrelay:cache_config_info", "Information of the worker's KV cache config.",
                  labels)
       ->Set(1);
+  // The layout's figure as a number (the info labels above are strings PromQL cannot divide
+  // by): dashboards set the KV bytes a request moved per token against it.
+  MetricLabels role_labels = model_labels_;
+  role_labels["role"] = info.role;
+  metrics_
+      ->GetGauge("kvrelay:kv_bytes_per_token",
+                 "KV bytes per token of the worker's layout (all layers, K and V, scales "
+                 "included): the least a token's KV takes in memory and on the wire.",
+                 role_labels)
+      ->Set(static_cast<double>(info.layout->BytesPerToken()));
   metrics_->AddGaugeFunc(kUsageName, kUsageHelp, model_labels_, std::move(usage));
 }
 

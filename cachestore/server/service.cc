@@ -842,8 +842,15 @@ void CacheStoreService::RegisterMetrics(MetricsRegistry* metrics) {
   counter("kvrelay:cachestore_prefix_queries_total", "MatchPrefix calls.", &c->prefix_queries);
   counter("kvrelay:cachestore_prefix_query_blocks_total", "Blocks asked for in MatchPrefix.",
           &c->prefix_query_blocks);
-  counter("kvrelay:cachestore_prefix_hit_blocks_total", "Blocks found by MatchPrefix.",
-          &c->prefix_hit_blocks);
+  // Hits by tier (the fastest holding each block); their sum is every hit.
+  for (Tier tier : {Tier::kGpu, Tier::kHost, Tier::kSsd}) {
+    const std::atomic<int64_t>* value = &c->prefix_hit_blocks_by_tier[static_cast<size_t>(tier)];
+    metrics->AddCounterFunc("kvrelay:cachestore_prefix_hit_blocks_total",
+                            "Blocks found by MatchPrefix, by the fastest tier holding each.",
+                            {{"tier", std::string(TierName(tier))}}, [value] {
+                              return static_cast<double>(value->load(std::memory_order_relaxed));
+                            });
+  }
   counter("kvrelay:cachestore_allocated_blocks_total", "Blocks reserved by Allocate.",
           &c->allocated_blocks);
   counter("kvrelay:cachestore_committed_blocks_total", "Blocks committed.", &c->committed_blocks);

@@ -178,7 +178,10 @@ TEST_F(CacheStoreProcessTest, RegisterAllocateCommitMatchQueryAndMetrics) {
   EXPECT_EQ(st.policy(), "adaptive");
   const std::string metrics = testing::HttpGet(metrics_port_, "/metrics");
   EXPECT_THAT(metrics, HasSubstr("200 OK"));
-  EXPECT_THAT(metrics, HasSubstr("kvrelay:cachestore_prefix_hit_blocks_total 16"));
+  // The node registered a host segment: every hit is the host tier's.
+  EXPECT_THAT(metrics, HasSubstr("kvrelay:cachestore_prefix_hit_blocks_total{tier=\"host\"} 16"));
+  EXPECT_THAT(metrics, HasSubstr("kvrelay:cachestore_prefix_hit_blocks_total{tier=\"gpu\"} 0"));
+  EXPECT_THAT(metrics, HasSubstr("kvrelay:cachestore_prefix_hit_blocks_total{tier=\"ssd\"} 0"));
   EXPECT_THAT(metrics, HasSubstr("kvrelay:cachestore_used_bytes{tier=\"host\"} 8388608"));
   EXPECT_THAT(metrics, HasSubstr("kvrelay:cachestore_rpc_seconds_count{rpc=\"MatchPrefix\"}"));
   // Every family the store exports, each with its type (one renderer: common/metrics).

@@ -219,6 +219,29 @@ TEST(Metrics, NamesTypesBucketsAndLabelsOfEveryProcess) {
     EXPECT_EQ(reasons, (std::set<std::string>{"length", "stop"}));
   }
 
+  // Workers and breakers as the gateway routes, and the shed families alerts read, at zero.
+  for (const char* role : {"prefill", "decode"}) {
+    const Family* workers = Expect(gateway, "gateway", "kvrelay:gateway_workers", "gauge");
+    const Family* open = Expect(gateway, "gateway", "kvrelay:gateway_breakers_open", "gauge");
+    for (const Family* f : {workers, open}) {
+      if (f == nullptr) continue;
+      for (const Sample& s : f->samples) {
+        if (s.labels.at("role") != role) continue;
+        EXPECT_EQ(s.value, f == workers ? 1 : 0) << s.name << " " << role;
+      }
+    }
+  }
+  const Family* shed = Expect(gateway, "gateway", "kvrelay:gateway_shed", "counter");
+  if (shed != nullptr) {
+    std::set<std::string> tiers;
+    for (const Sample& s : shed->samples) {
+      if (s.name != "kvrelay:gateway_shed_total") continue;
+      tiers.insert(s.labels.at("tier"));
+      EXPECT_EQ(s.value, 0) << s.labels.at("tier");
+    }
+    EXPECT_EQ(tiers, (std::set<std::string>{"decode", "gateway", "prefill"}));
+  }
+
   // The prefill worker: prefix-cache queries and hits in tokens, engine state, transfers.
   const Exposition& prefill = scraped.at("prefill-0");
   const double queries = Sum(Expect(prefill, "prefill", "kvrelay:prefix_cache_queries", "counter"),
@@ -268,6 +291,30 @@ TEST(Metrics, NamesTypesBucketsAndLabelsOfEveryProcess) {
             Sum(Expect(prefill, "prefill", "kvrelay:prefill_pushed_kv_bytes", "counter"),
                 "kvrelay:prefill_pushed_kv_bytes_total"));
   EXPECT_GT(Sum(xfer_bytes, "kvrelay:kv_transfer_bytes_sum"), 0);
+  // Bytes moved per token: what was pushed is exactly the layout's bytes for the tokens of the
+  // blocks sent (6 cold, then only block 7: the decode worker held the first 6).
+  const double pushed_tokens =
+      Sum(Expect(prefill, "prefill", "kvrelay:prefill_pushed_kv_tokens", "counter"),
+          "kvrelay:prefill_pushed_kv_tokens_total");
+  EXPECT_EQ(pushed_tokens, (6 + 1) * kBlockTokens);
+  const double bytes_per_token =
+      Sum(Expect(prefill, "prefill", "kvrelay:kv_bytes_per_token", "gauge"),
+          "kvrelay:kv_bytes_per_token");
+  EXPECT_GT(bytes_per_token, 0);
+  EXPECT_EQ(Sum(Expect(decode, "decode", "kvrelay:kv_bytes_per_token", "gauge"),
+                "kvrelay:kv_bytes_per_token"),
+            bytes_per_token);
+  EXPECT_EQ(Sum(xfer_bytes, "kvrelay:kv_transfer_bytes_sum"), pushed_tokens * bytes_per_token);
+  // Per link: the one decode worker got every pushed byte.
+  const Family* link = Expect(prefill, "prefill", "kvrelay:kv_transfer_link_bytes", "counter");
+  EXPECT_EQ(Sum(link, "kvrelay:kv_transfer_link_bytes_total"),
+            Sum(xfer_bytes, "kvrelay:kv_transfer_bytes_sum"));
+  if (link != nullptr) {
+    for (const Sample& s : link->samples) EXPECT_EQ(s.labels.at("decode"), "decode-0") << s.name;
+  }
+  EXPECT_GT(Sum(Expect(prefill, "prefill", "kvrelay:kv_transfer_link_seconds", "counter"),
+                "kvrelay:kv_transfer_link_seconds_total"),
+            0);
   // Failures by reason: the family is registered on first failure; none happened here.
   EXPECT_EQ(prefill.count("kvrelay:kv_transfer_failures"), 0u);
 
