@@ -119,9 +119,9 @@ void AddWorker(NodeRow& row, const std::string& gateway, const WorkerStatus& w) 
       row.state = "draining";
       row.why.push_back(absl::StrCat("draining (refused gateway ", gateway, "'s Status)"));
     } else {
-      row.why.push_back(absl::StrCat("no Status answer to gateway ", gateway, ": ",
-                                     absl::StatusCodeToString(
-                                         static_cast<absl::StatusCode>(w.status_code()))));
+      row.why.push_back(
+          absl::StrCat("no Status answer to gateway ", gateway, ": ",
+                       absl::StatusCodeToString(static_cast<absl::StatusCode>(w.status_code()))));
     }
     return;
   }
@@ -130,8 +130,8 @@ void AddWorker(NodeRow& row, const std::string& gateway, const WorkerStatus& w) 
     row.active_requests = p.active_requests();
     row.hit_tokens = p.prefix_hit_tokens_total();
     row.computed_tokens = p.computed_tokens_total();
-    row.hit_rate = Ratio(p.prefix_hit_tokens_total(),
-                         p.prefix_hit_tokens_total() + p.computed_tokens_total());
+    row.hit_rate =
+        Ratio(p.prefix_hit_tokens_total(), p.prefix_hit_tokens_total() + p.computed_tokens_total());
     row.compute_tokens_per_second = p.compute_tokens_per_second();
     row.link_rates.clear();
     for (const kvrelay::v1::LinkRate& l : p.link_rates()) {
@@ -286,8 +286,8 @@ nlohmann::json StatusJson(const ClusterStatus& status) {
          {"registered", n.registered},
          {"since_heartbeat_ms", known(n.since_heartbeat_ms)},
          {"tiers",
-          {{"dram", {{"used_slots", known(n.dram_used_slots)},
-                     {"total_slots", known(n.dram_total_slots)}}},
+          {{"dram",
+            {{"used_slots", known(n.dram_used_slots)}, {"total_slots", known(n.dram_total_slots)}}},
            {"ssd", nullptr}}},
          {"kv_pool",
           {{"free_slots", known(n.pool_free_slots)}, {"total_slots", known(n.pool_total_slots)}}},
@@ -334,14 +334,14 @@ std::string StatusTable(const ClusterStatus& status) {
       absl::StrAppend(&out, "gateway  ", g.address, "  ok  model ", g.reply->model(), ", ",
                       g.reply->workers_size(), " workers\n");
     } else {
-      absl::StrAppend(&out, "gateway  ", g.address, "  NOT ANSWERING: ",
-                      absl::StatusCodeToString(g.reply.status().code()), ": ",
+      absl::StrAppend(&out, "gateway  ", g.address,
+                      "  NOT ANSWERING: ", absl::StatusCodeToString(g.reply.status().code()), ": ",
                       g.reply.status().message(), "\n");
     }
   }
-  std::vector<std::vector<std::string>> cells = {
-      {"NODE", "ROLE", "INCARNATION", "ADDRESS", "STATE", "DRAM SLOTS", "SSD", "KV POOL FREE",
-       "HIT RATE", "IN-FLIGHT", "ACTIVE", "BREAKER", "RATES"}};
+  std::vector<std::vector<std::string>> cells = {{"NODE", "ROLE", "INCARNATION", "ADDRESS", "STATE",
+                                                  "DRAM SLOTS", "SSD", "KV POOL FREE", "HIT RATE",
+                                                  "IN-FLIGHT", "ACTIVE", "BREAKER", "RATES"}};
   auto slots = [](int64_t used, int64_t total) {
     return total >= 0 ? absl::StrCat(used, "/", total) : std::string("-");
   };
@@ -353,8 +353,8 @@ std::string StatusTable(const ClusterStatus& status) {
     for (const LinkRateRow& l : n.link_rates) {
       rates.push_back(absl::StrCat("from ", l.holder, " ", Bytes(l.bytes_per_second), "/s"));
     }
-    cells.push_back({n.node_id, n.role, absl::StrFormat("%016x", n.incarnation), n.address,
-                     n.state, slots(n.dram_used_slots, n.dram_total_slots), "-",
+    cells.push_back({n.node_id, n.role, absl::StrFormat("%016x", n.incarnation), n.address, n.state,
+                     slots(n.dram_used_slots, n.dram_total_slots), "-",
                      slots(n.pool_free_slots, n.pool_total_slots), Percent(n.hit_rate),
                      absl::StrCat(n.in_flight),
                      n.active_requests >= 0 ? absl::StrCat(n.active_requests) : "-", n.breaker,

@@ -38,8 +38,8 @@ struct NodeRow {
   std::string node_id;  // the gRPC address while unknown
   std::string role;     // prefill, decode, cache, unknown
   uint64_t incarnation = 0;
-  std::string address;  // gRPC
-  std::string state;    // serving, draining, suspect, unregistered
+  std::string address;           // gRPC
+  std::string state;             // serving, draining, suspect, unregistered
   std::vector<std::string> why;  // what made it other than serving
   bool registered = false;
   int64_t since_heartbeat_ms = -1;  // -1: not registered
@@ -53,7 +53,7 @@ struct NodeRow {
   std::optional<double> hit_rate;
   int64_t hit_tokens = 0;
   int64_t computed_tokens = 0;
-  int32_t in_flight = 0;        // the gateways' requests on it, summed
+  int32_t in_flight = 0;         // the gateways' requests on it, summed
   int32_t active_requests = -1;  // the node's own (decode: active + queued); -1: unknown
   std::string breaker = "-";     // the worst of the gateways' (closed < half-open < open)
   std::vector<std::pair<std::string, std::string>> breakers;  // gateway -> state
