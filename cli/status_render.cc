@@ -320,6 +320,7 @@ std::string StatusTable(const ClusterStatus& status) {
                     " evicted  hit rate ", Percent(s.hit_rate), " (", s.stats.prefix_hit_blocks(),
                     "/", s.stats.prefix_query_blocks(), " blocks)\n");
     for (const kvrelay::v1::TierStats& t : s.stats.tiers()) {
+      if (t.capacity_bytes() == 0) continue;  // no node has this tier
       absl::StrAppend(&out, "  tier ", TierName(t.tier()), ": ", Bytes(t.used_bytes()), " of ",
                       Bytes(t.capacity_bytes()), " used\n");
     }
