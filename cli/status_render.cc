@@ -107,6 +107,7 @@ void AddWorker(NodeRow& row, const std::string& gateway, const WorkerStatus& w) 
   if (row.incarnation == 0) row.incarnation = w.incarnation();
   if (row.address.empty()) row.address = w.address();
   row.in_flight += w.in_flight();
+  row.picked += w.picked();
   const std::string breaker = BreakerName(w.breaker());
   row.breakers.emplace_back(gateway, breaker);
   if (BreakerRank(breaker) > BreakerRank(row.breaker)) row.breaker = breaker;
@@ -295,6 +296,7 @@ nlohmann::json StatusJson(const ClusterStatus& status) {
          {"prefix_hit_tokens", n.hit_tokens},
          {"computed_tokens", n.computed_tokens},
          {"in_flight", n.in_flight},
+         {"picked", n.picked},
          {"active_requests", known(n.active_requests)},
          {"breaker", n.breaker},
          {"breakers", breakers},

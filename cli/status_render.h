@@ -54,6 +54,7 @@ struct NodeRow {
   int64_t hit_tokens = 0;
   int64_t computed_tokens = 0;
   int32_t in_flight = 0;         // the gateways' requests on it, summed
+  int64_t picked = 0;            // requests the gateways have sent it, summed
   int32_t active_requests = -1;  // the node's own (decode: active + queued); -1: unknown
   std::string breaker = "-";     // the worst of the gateways' (closed < half-open < open)
   std::vector<std::pair<std::string, std::string>> breakers;  // gateway -> state

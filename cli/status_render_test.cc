@@ -83,6 +83,7 @@ v1::GatewayStatusResponse FixedCluster() {
   *r.add_workers() = Worker("prefill-0", v1::NODE_ROLE_PREFILL, "127.0.0.1:7100");
   v1::WorkerStatus d0 = Worker("decode-0", v1::NODE_ROLE_DECODE, "127.0.0.1:7200");
   d0.set_in_flight(2);
+  d0.set_picked(7);
   *r.add_workers() = d0;
   // Fixed workers that did not answer: no node id from their Status.
   v1::WorkerStatus d1 = Worker("", v1::NODE_ROLE_DECODE, "127.0.0.1:7201");
@@ -136,6 +137,7 @@ TEST(StatusRender, MergesTheRegistryAndTheGatewaysIntoOneStatePerNode) {
   ASSERT_NE(d0, nullptr);
   EXPECT_EQ(d0->state, "serving");
   EXPECT_EQ(d0->in_flight, 2);
+  EXPECT_EQ(d0->picked, 7);
   EXPECT_EQ(d0->active_requests, 3);
   EXPECT_EQ(d0->pool_free_slots, 500);
   // The paused one: the registry's id joined to the gateway's fixed address.
@@ -187,6 +189,7 @@ TEST(StatusRender, JsonCarriesEveryField) {
                                               "draining"}));
   // A decode node has no hit rate of its own; an unregistered one no heartbeat.
   EXPECT_TRUE(j["nodes"][2]["hit_rate"].is_null());
+  EXPECT_EQ(j["nodes"][2]["picked"], 7);
   EXPECT_TRUE(j["nodes"][1]["since_heartbeat_ms"].is_null());
 }
 
