@@ -53,6 +53,8 @@ constexpr Subcommand kSubcommands[] = {
      kvrelay::cachestore::tools::RunPlanCommand},
     {"prefill", "run a prefill worker (computes or reuses KV, pushes it to decode)",
      kvrelay::prefill::server::RunPrefillCommand},
+    {"status", "show the cluster: nodes, states, cache, hit rate, breakers, rates, store leader",
+     kvrelay::cli::RunStatusCommand},
     {"token", "print a bearer token (JWT) naming a tenant, for gateway --tenant-token-keys",
      kvrelay::gateway::server::RunTokenCommand},
     {"tokenize", "encode text or decode ids with a model's tokenizer.json",

@@ -4,6 +4,7 @@
 #include <openssl/hmac.h>
 
 #include <algorithm>
+#include <thread>
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
@@ -28,6 +29,68 @@ GenerateCallOptions CallOptions(const GatewayOptions& options) {
   call.prefill_timeout = options.prefill_timeout;
   call.chunk_timeout = options.chunk_timeout;
   return call;
+}
+
+kvrelay::v1::BreakerState BreakerStateOf(CircuitBreaker::State state) {
+  switch (state) {
+    case CircuitBreaker::State::kClosed:
+      return kvrelay::v1::BREAKER_STATE_CLOSED;
+    case CircuitBreaker::State::kOpen:
+      return kvrelay::v1::BREAKER_STATE_OPEN;
+    case CircuitBreaker::State::kHalfOpen:
+      return kvrelay::v1::BREAKER_STATE_HALF_OPEN;
+  }
+  return kvrelay::v1::BREAKER_STATE_UNSPECIFIED;
+}
+
+// `n` as this gateway tracks it, then its own Status (bounded by `bound`) into `out`.
+void DescribeWorker(WorkerSet::Node& n, absl::Time bound, kvrelay::v1::WorkerStatus* out) {
+  const bool prefill = n.prefill != nullptr;
+  out->set_role(prefill ? kvrelay::v1::NODE_ROLE_PREFILL : kvrelay::v1::NODE_ROLE_DECODE);
+  out->set_node_id(n.NodeId());
+  out->set_incarnation(n.incarnation);
+  out->set_address(n.address());
+  out->set_discovered(n.discovered);
+  out->set_breaker(BreakerStateOf(n.breaker.state()));
+  out->set_breaker_failures(n.breaker.failures());
+  out->set_in_flight(n.in_flight.load(std::memory_order_relaxed));
+  out->set_reported_load(n.reported_load.load(std::memory_order_relaxed));
+  out->set_picked(n.picked.load(std::memory_order_relaxed));
+  out->set_busy(n.breaker.Busy());
+  out->set_suspect(n.suspect.load(std::memory_order_relaxed));
+  if (prefill) out->set_prefill_tokens_per_second(n.prefill_tokens.rate());
+  absl::Status status;
+  std::string node_id;
+  uint64_t incarnation = 0;
+  if (prefill) {
+    absl::StatusOr<kvrelay::v1::PrefillStatusResponse> r = n.prefill->Status(bound);
+    status = r.status();
+    if (r.ok()) {
+      node_id = r->node_id();
+      incarnation = r->incarnation();
+      *out->mutable_prefill() = *std::move(r);
+    }
+  } else {
+    absl::StatusOr<kvrelay::v1::DecodeStatusResponse> r = n.decode->Status(bound);
+    status = r.status();
+    if (r.ok()) {
+      node_id = r->node_id();
+      incarnation = r->incarnation();
+      *out->mutable_decode() = *std::move(r);
+    }
+  }
+  out->set_answered(status.ok());
+  if (status.ok()) {
+    // A fixed worker is known by its address until it answers.
+    if (out->node_id().empty()) out->set_node_id(node_id);
+    if (out->incarnation() == 0) out->set_incarnation(incarnation);
+    return;
+  }
+  out->set_status_code(static_cast<int32_t>(status.code()));
+  out->set_status_error(std::string(status.message()));
+  if (std::optional<kvrelay::v1::ErrorInfo> info = proto::GetErrorInfo(status)) {
+    out->set_status_reason(info->reason());
+  }
 }
 
 }  // namespace
@@ -116,6 +179,49 @@ size_t Gateway::num_prefill() const { return workers_->num_prefill(); }
 size_t Gateway::num_decode() const { return workers_->num_decode(); }
 
 absl::Status Gateway::RefreshFromRegistry() { return workers_->Refresh(); }
+
+absl::StatusOr<kvrelay::v1::GatewayStatusResponse> Gateway::Status(absl::Time deadline) {
+  const absl::Time now = absl::Now();
+  if (deadline <= now) return absl::DeadlineExceededError("the status deadline has passed");
+  const absl::Time bound = std::min(now + options_.route_timeout, now + (deadline - now) / 2);
+  kvrelay::v1::GatewayStatusResponse response;
+  response.set_model(options_.model_name);
+  WorkerSet::Snapshot nodes = workers_->Nodes();
+  WorkerSet::NodeList all = std::move(nodes.prefill);
+  all.insert(all.end(), nodes.decode.begin(), nodes.decode.end());
+  for (size_t i = 0; i < all.size(); ++i) response.add_workers();
+  {
+    // One thread per worker: a paused worker costs the bound once, not once per worker.
+    std::vector<std::thread> askers;
+    askers.reserve(all.size());
+    for (size_t i = 0; i < all.size(); ++i) {
+      askers.emplace_back([&all, &response, bound, i] {
+        DescribeWorker(*all[i], bound, response.mutable_workers(static_cast<int>(i)));
+      });
+    }
+    if (store_ != nullptr) {
+      response.set_store_address(store_->current_address());
+      const cachestore::CallOptions call{.deadline = bound};
+      absl::Status store_status;
+      absl::StatusOr<kvrelay::v1::ListNodesResponse> listed = store_->ListNodes(call);
+      if (listed.ok()) {
+        *response.mutable_registry() = *std::move(listed);
+        absl::StatusOr<kvrelay::v1::StatsResponse> stats = store_->Stats(call);
+        if (stats.ok()) {
+          *response.mutable_store() = *std::move(stats);
+        } else {
+          store_status = stats.status();
+        }
+      } else {
+        store_status = listed.status();
+      }
+      response.set_store_code(static_cast<int32_t>(store_status.code()));
+      response.set_store_error(std::string(store_status.message()));
+    }
+    for (std::thread& t : askers) t.join();
+  }
+  return response;
+}
 
 absl::Status Gateway::Generate(const kvrelay::v1::GenerateRequest& request, absl::Time deadline,
                                const GenerateSink& sink, const std::function<bool()>& cancelled,

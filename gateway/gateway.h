@@ -111,6 +111,12 @@ class Gateway {
   // One discovery pass (the discovery thread calls it every discovery_interval): adds workers
   // the registry lists live, marks suspect ones, drops discovered ones it no longer lists.
   absl::Status RefreshFromRegistry();
+  // The cluster as this gateway sees it (Gateway/Status, `kvrelay status`): each worker with
+  // its breaker, loads and its own Status, then the store's registry and stats. Every call it
+  // makes (the workers' in parallel) is bounded by min(route_timeout, half of what is left
+  // before `deadline`), so a worker or store that does not answer is reported as such in
+  // time; it fails only with DEADLINE_EXCEEDED when `deadline` has passed.
+  absl::StatusOr<kvrelay::v1::GatewayStatusResponse> Status(absl::Time deadline);
   // Known workers by role (fixed + discovered), for tests and /metrics.
   size_t num_prefill() const;
   size_t num_decode() const;

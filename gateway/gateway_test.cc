@@ -167,6 +167,53 @@ TEST_F(GatewayTest, PastItsInflightCapTheGatewayRefusesAtOnceWithoutAWorker) {
   KV_ASSERT_OK(Generate(Request(20, 4)));
 }
 
+TEST_F(GatewayTest, StatusReportsEachWorkerItsBreakerAndItsOwnStatus) {
+  KV_ASSERT_OK(Start());
+  KV_ASSERT_OK_AND_ASSIGN(kvrelay::v1::GatewayStatusResponse healthy,
+                          gateway_->Status(absl::Now() + absl::Seconds(5)));
+  EXPECT_EQ(healthy.model(), "llama");
+  EXPECT_TRUE(healthy.store_address().empty());  // no store: no registry, no stats
+  ASSERT_EQ(healthy.workers_size(), 2);
+  const kvrelay::v1::WorkerStatus& p = healthy.workers(0);
+  EXPECT_EQ(p.role(), kvrelay::v1::NODE_ROLE_PREFILL);
+  EXPECT_EQ(p.node_id(), "p0");  // learned from its Status
+  EXPECT_EQ(p.address(), "p0:1");
+  EXPECT_FALSE(p.discovered());
+  EXPECT_EQ(p.breaker(), kvrelay::v1::BREAKER_STATE_CLOSED);
+  EXPECT_TRUE(p.answered());
+  EXPECT_EQ(p.prefill().node_id(), "p0");
+  const kvrelay::v1::WorkerStatus& d = healthy.workers(1);
+  EXPECT_EQ(d.role(), kvrelay::v1::NODE_ROLE_DECODE);
+  EXPECT_EQ(d.node_id(), "d0");
+  EXPECT_TRUE(d.answered());
+  EXPECT_TRUE(d.has_decode());
+
+  // A decode failure opens its breaker; a draining prefill refuses its Status with
+  // FAILURE_DRAINING, which the answer carries as a reason, not as text.
+  decode_->on_reserve = [](const kvrelay::v1::ReserveRequest&,
+                           absl::Time) -> absl::StatusOr<kvrelay::v1::ReserveResponse> {
+    return proto::Attribute(absl::UnavailableError("gone"), kvrelay::v1::ROLE_DECODE, "d0",
+                            kvrelay::v1::FAILURE_UNREACHABLE);
+  };
+  EXPECT_FALSE(Generate(Request(20, 4)).ok());
+  prefill_->status = proto::Attribute(absl::UnavailableError("draining"), kvrelay::v1::ROLE_PREFILL,
+                                      "p0", kvrelay::v1::FAILURE_DRAINING);
+  KV_ASSERT_OK_AND_ASSIGN(kvrelay::v1::GatewayStatusResponse sick,
+                          gateway_->Status(absl::Now() + absl::Seconds(5)));
+  ASSERT_EQ(sick.workers_size(), 2);
+  EXPECT_FALSE(sick.workers(0).answered());
+  EXPECT_EQ(sick.workers(0).status_code(), static_cast<int>(absl::StatusCode::kUnavailable));
+  EXPECT_EQ(sick.workers(0).status_reason(), kvrelay::v1::FAILURE_DRAINING);
+  EXPECT_FALSE(sick.workers(0).has_prefill());
+  EXPECT_EQ(sick.workers(1).breaker(), kvrelay::v1::BREAKER_STATE_OPEN);
+  EXPECT_GE(sick.workers(1).breaker_failures(), 1);
+  EXPECT_GE(sick.workers(1).picked(), 1);
+  EXPECT_EQ(sick.workers(1).in_flight(), 0);
+
+  // A deadline already past is the caller's error.
+  EXPECT_TRUE(absl::IsDeadlineExceeded(gateway_->Status(absl::Now()).status()));
+}
+
 TEST_F(GatewayTest, CreateNeedsWorkersOrAStoreToFindThem) {
   GatewayOptions options;
   options.model_dir = dir_.path();

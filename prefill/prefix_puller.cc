@@ -161,6 +161,16 @@ kv::RateMeter& PrefixPuller::LinkMeter(const std::string& address) {
   return *meter;
 }
 
+std::vector<std::pair<std::string, double>> PrefixPuller::LinkRates() const {
+  std::vector<std::pair<std::string, double>> rates;
+  absl::MutexLock lock(&meters_mu_);
+  for (const auto& [address, meter] : link_meters_) {
+    if (const double rate = meter->rate(); rate > 0) rates.emplace_back(address, rate);
+  }
+  std::sort(rates.begin(), rates.end());
+  return rates;
+}
+
 void PrefixPuller::CountFailure(const std::string& reason) {
   deps_.metrics
       ->GetCounter("kvrelay:prefill_fetch_failures_total",

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -77,6 +78,10 @@ class PrefixPuller {
                     int64_t first, int64_t wanted_end, const std::string& request_id,
                     absl::Time deadline, std::vector<std::vector<kv::SlotId>>& slots);
 
+  // The measured rate of pulls from each holder (data-plane address -> bytes per second), for
+  // holders measured at least once.
+  std::vector<std::pair<std::string, double>> LinkRates() const;
+
  private:
   // The holder of block `first` and its slots of the run of blocks from `first` it holds.
   struct HolderRun {
@@ -99,7 +104,7 @@ class PrefixPuller {
   const Deps deps_;
   Counter* const fetched_bytes_;
   Counter* const fetched_tokens_;
-  absl::Mutex meters_mu_;
+  mutable absl::Mutex meters_mu_;
   absl::flat_hash_map<std::string, std::unique_ptr<kv::RateMeter>> link_meters_
       ABSL_GUARDED_BY(meters_mu_);
   absl::Mutex fetch_mu_;  // one pull at a time

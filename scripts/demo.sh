@@ -114,6 +114,13 @@ print(f"second request: {warm['prefix_hit_tokens']} of {warm['prompt_tokens']} p
       f"({share:.0f}%) came from the cache; TTFT {cold['ttft_ms']:.1f} ms cold -> "
       f"{warm['ttft_ms']:.1f} ms warm")
 PY
+  # What an operator runs first: the cluster as the gateway and the store see it (the admin
+  # certificate `up` issued).
+  local status_cmd
+  status_cmd=$(sed -n 's/^kvrelay up: status: kvrelay status //p' "$dir/up.log")
+  echo "-- kvrelay status --gateway $GATEWAY (admin certificate)"
+  # shellcheck disable=SC2086
+  timeout "$STEP_TIMEOUT" "$KVRELAY" status $status_cmd
 
   kill -TERM "$UP_PID"
   local code=0

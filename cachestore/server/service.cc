@@ -761,7 +761,19 @@ grpc::Status CacheStoreService::Stats(grpc::ServerContext* ctx, const v1::StatsR
   if (auto s = Authorize(ctx, kStats, ""); !s.ok()) return t.Done(s);
   // Standbys answer too (their own counts show how far they follow); the term only when leading.
   int64_t term = 0;
-  (void)Lead(ctx, &term);
+  if (grpc::Status leading = Lead(ctx, &term); leading.ok()) {
+    resp->set_leading(true);
+    resp->set_term(term);
+  } else if (leadership_ != nullptr) {
+    // A standby: the leader's address travels in the refusal's ErrorInfo.
+    if (std::optional<v1::ErrorInfo> info =
+            proto::GetErrorInfo(leadership_->LeaderTerm().status())) {
+      resp->set_leader_address(info->address());
+    }
+  }
+  resp->set_prefix_query_blocks(
+      store_->counters().prefix_query_blocks.load(std::memory_order_relaxed));
+  resp->set_prefix_hit_blocks(store_->counters().prefix_hit_blocks.load(std::memory_order_relaxed));
   StoreStats s = store_->Stats();
   resp->set_nodes(s.nodes);
   resp->set_committed_blocks(s.committed_blocks);

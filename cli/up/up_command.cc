@@ -427,6 +427,13 @@ int RunUpCommand(const std::vector<std::string>& args) {
         client_security.cert_file.c_str(), client_security.key_file.c_str(),
         client_security.ca_file.c_str(), tenant.c_str(), token_keys_file.c_str());
   }
+  // The operator's view (Gateway/Status is for admin certificates): the command to run first.
+  const std::string status_flags =
+      insecure ? std::string("--insecure")
+               : absl::StrCat("--tls-cert ", admin_security.cert_file, " --tls-key ",
+                              admin_security.key_file, " --tls-ca ", admin_security.ca_file);
+  std::printf("kvrelay up: status: kvrelay status --gateway %s %s\n",
+              services.back().endpoint.address.c_str(), status_flags.c_str());
   std::printf("kvrelay up: ready; gateway %s (Ctrl-C or SIGTERM stops the cluster)\n",
               services.back().endpoint.address.c_str());
   std::fflush(stdout);

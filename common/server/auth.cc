@@ -154,6 +154,8 @@ const std::vector<MethodRule>& AuthorizationTable() {
       {"/kvrelay.v1.Decode/Status", kObservers, false},
       // The front door: tenants (certificate or bearer token) and operators.
       {"/kvrelay.v1.Gateway/Generate", {PeerRole::kClient, PeerRole::kAdmin}, false},
+      // The cluster's state (`kvrelay status`): every tenant's load, so operators only.
+      {"/kvrelay.v1.Gateway/Status", kObservers, false},
   };
   return *table;
 }

@@ -25,7 +25,8 @@
 //   - WatchEvents and Stats expose every tenant's block activity and the whole registry, so only
 //     gateways (routers consume events) and admin certificates (operators) get them;
 //   - Gateway/Generate is for clients (their tenant is in the certificate or a bearer token) and
-//     admin; worker Status RPCs for gateways and admin.
+//     admin; worker Status RPCs and Gateway/Status (`kvrelay status`: every node's load) for
+//     gateways and admin.
 // With --insecure nothing is checked (the caller is anonymous), so plain-text dev clusters and
 // tests behave exactly as before.
 //

@@ -93,4 +93,15 @@ absl::StatusOr<GenerationResult> GatewayClient::GenerateRaw(const v1::GenerateRe
   return result;
 }
 
+absl::StatusOr<v1::GatewayStatusResponse> GatewayClient::Status(absl::Duration timeout) const {
+  if (stub_ == nullptr) return channel_status_;
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+  if (!bearer_token_.empty()) context.AddMetadata("authorization", "Bearer " + bearer_token_);
+  v1::GatewayStatusResponse response;
+  grpc::Status status = stub_->Status(&context, v1::GatewayStatusRequest(), &response);
+  if (!status.ok()) return proto::FromGrpcStatus(status);
+  return response;
+}
+
 }  // namespace kvrelay::gateway::client

@@ -54,6 +54,10 @@ class GatewayClient {
                                                absl::Duration timeout,
                                                const TokenCallback& on_tokens = nullptr) const;
 
+  // Gateway/Status (`kvrelay status`): the cluster as the gateway sees it, within `timeout`.
+  // Needs an admin or gateway certificate under mutual TLS.
+  absl::StatusOr<v1::GatewayStatusResponse> Status(absl::Duration timeout) const;
+
  private:
   const std::string bearer_token_;
   std::unique_ptr<v1::Gateway::Stub> stub_;  // null when the channel could not be made

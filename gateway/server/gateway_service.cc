@@ -1,5 +1,7 @@
 #include "gateway/server/gateway_service.h"
 
+#include <algorithm>
+
 #include "proto/grpc_status.h"
 
 namespace kvrelay::gateway::server {
@@ -32,6 +34,21 @@ grpc::Status GatewayService::Generate(grpc::ServerContext* context,
       *request, absl::FromChrono(context->deadline()),
       [writer](const kvrelay::v1::GenerateResponse& response) { return writer->Write(response); },
       [context] { return context->IsCancelled(); }, client));
+}
+
+grpc::Status GatewayService::Status(grpc::ServerContext* context,
+                                    const kvrelay::v1::GatewayStatusRequest* /*request*/,
+                                    kvrelay::v1::GatewayStatusResponse* response) {
+  if (absl::Status allowed = authorizer_.Authorize(*context, "/kvrelay.v1.Gateway/Status").status();
+      !allowed.ok()) {
+    return proto::ToGrpcStatus(allowed);
+  }
+  const absl::Time deadline =
+      std::min(absl::FromChrono(context->deadline()), absl::Now() + absl::Seconds(10));
+  absl::StatusOr<kvrelay::v1::GatewayStatusResponse> status = gateway_->Status(deadline);
+  if (!status.ok()) return proto::ToGrpcStatus(status.status());
+  *response = *std::move(status);
+  return grpc::Status::OK;
 }
 
 }  // namespace kvrelay::gateway::server

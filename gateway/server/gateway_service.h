@@ -24,6 +24,10 @@ class GatewayService final : public kvrelay::v1::Gateway::Service {
 
   grpc::Status Generate(grpc::ServerContext* context, const kvrelay::v1::GenerateRequest* request,
                         grpc::ServerWriter<kvrelay::v1::GenerateResponse>* writer) override;
+  // Gateway::Status within the call's deadline (10 s when it has none).
+  grpc::Status Status(grpc::ServerContext* context,
+                      const kvrelay::v1::GatewayStatusRequest* request,
+                      kvrelay::v1::GatewayStatusResponse* response) override;
 
  private:
   Gateway* const gateway_;

@@ -413,6 +413,30 @@ TEST_F(CacheStoreHaTest, SigtermOfTheLeaderHandsOverAtOnce) {
   ExpectClean(stream, 1);
 }
 
+// What `kvrelay status` shows as the HA leader: every instance's Stats says whether it leads
+// (with its term), and a standby names the leader's address.
+TEST_F(CacheStoreHaTest, StatsNameTheLeaderOnEveryInstance) {
+  KV_ASSERT_OK_AND_ASSIGN(HaCluster::Leader leader, cluster_.WaitForLeader(absl::Seconds(5)));
+  for (int i = 0; i < cluster_.size(); ++i) {
+    KV_ASSERT_OK_AND_ASSIGN(std::unique_ptr<CacheStoreClient> direct, cluster_.Direct(i));
+    absl::StatusOr<v1::StatsResponse> stats;
+    const absl::Time deadline = absl::Now() + absl::Seconds(5);
+    do {
+      stats = direct->Stats();
+      // A standby may not know the leader's address for a moment after the election.
+      if (stats.ok() && (stats->leading() || !stats->leader_address().empty())) break;
+      absl::SleepFor(absl::Milliseconds(50));
+    } while (absl::Now() < deadline);
+    ASSERT_THAT(stats, IsOk());
+    EXPECT_EQ(stats->leading(), i == leader.index) << i;
+    if (i == leader.index) {
+      EXPECT_EQ(stats->term(), leader.term);
+    } else {
+      EXPECT_EQ(stats->leader_address(), cluster_.address(leader.index)) << i;
+    }
+  }
+}
+
 TEST_F(CacheStoreHaTest, EtcdUnavailableForTenSeconds) {
   KV_ASSERT_OK_AND_ASSIGN(HaCluster::Leader leader, cluster_.WaitForLeader(absl::Seconds(5)));
   KV_ASSERT_OK_AND_ASSIGN(std::unique_ptr<CacheStoreClient> direct, cluster_.Direct(leader.index));
