@@ -385,8 +385,10 @@ drain_node() {
   fi
   start_node "$target"
   wait_listening "$target" 60 $((seen + 1)) || true
-  sleep 1.5  # the gateways' discovery interval (1 s) and a margin
+  # Back when it listens (it registers right after): a gateway gives a new worker its next
+  # request, and prefix routing may send it nothing more at a light load.
   echo "$t0 $(now) drain $target" >>"$EVENTS"
+  sleep 1.5  # the gateways' discovery interval (1 s) and a margin before the next drain
 }
 running_workers() {  # the workers of role $1 (prefill, decode, workers) that run now
   local name
