@@ -383,11 +383,14 @@ drain_node() {
     echo "$t0 $t1 retire $target" >>"$EVENTS"
     return 0
   fi
+  # Back from the new process's start (its start-up counts against serve-again): a gateway
+  # gives a newly registered worker its next request, and prefix routing may send it nothing
+  # more at a light load, so that first request must count.
+  local back
+  back=$(now)
   start_node "$target"
   wait_listening "$target" 60 $((seen + 1)) || true
-  # Back when it listens (it registers right after): a gateway gives a new worker its next
-  # request, and prefix routing may send it nothing more at a light load.
-  echo "$t0 $(now) drain $target" >>"$EVENTS"
+  echo "$t0 $back drain $target" >>"$EVENTS"
   sleep 1.5  # the gateways' discovery interval (1 s) and a margin before the next drain
 }
 running_workers() {  # the workers of role $1 (prefill, decode, workers) that run now
