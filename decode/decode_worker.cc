@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <optional>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/types/span.h"
 #include "common/logging.h"
@@ -148,7 +149,7 @@ absl::Status DecodeWorker::CheckLayoutFingerprint(const std::string& fingerprint
 }
 
 absl::Status DecodeWorker::CheckNotDraining() const {
-  if (!draining_.load(std::memory_order_relaxed)) return absl::OkStatus();
+  if (!draining_.load()) return absl::OkStatus();
   return Own(absl::UnavailableError(absl::StrCat("decode node ", core_->node_id, " is draining")),
              kvrelay::v1::FAILURE_DRAINING);
 }
@@ -233,7 +234,16 @@ DecodeWorker::~DecodeWorker() {
 
 const std::string& DecodeWorker::transport_address() const { return core_->transport_address; }
 
-void DecodeWorker::Drain() { draining_.store(true, std::memory_order_relaxed); }
+bool DecodeWorker::Drain(absl::Time deadline) {
+  draining_.store(true);
+  return core_->DrainAndLeave(
+      [this] {
+        const BatchScheduler::Counts counts = scheduler_->counts();
+        return calls_.load() == 0 && table_->Load().waiting == 0 && counts.active == 0 &&
+               counts.queued == 0;
+      },
+      deadline);
+}
 
 void DecodeWorker::OnPushClaim(const transfer::InboundEvent& event) {
   kvrelay::v1::PushClaim claim;
@@ -363,6 +373,8 @@ absl::Status DecodeWorker::AdmitReserve(absl::Time deadline) {
 
 absl::StatusOr<kvrelay::v1::ReserveResponse> DecodeWorker::Reserve(
     const kvrelay::v1::ReserveRequest& request, absl::Time deadline) {
+  calls_.fetch_add(1);
+  absl::Cleanup counted = [this] { calls_.fetch_sub(1); };
   const kv::ModelLayout& layout = model_config().layout;
   if (absl::Status s = ValidateReserveRequest(request, options_.model_name, layout); !s.ok()) {
     if (absl::IsFailedPrecondition(s)) {
@@ -485,7 +497,8 @@ absl::Status DecodeWorker::CheckDecodeRequest(const kvrelay::v1::DecodeRequest& 
 
 absl::StatusOr<DecodeWorker::Admission> DecodeWorker::Admit(
     const kvrelay::v1::DecodeRequest& request, absl::Time deadline) {
-  KV_RETURN_IF_ERROR(CheckNotDraining());
+  // A request reserved before the drain began is admitted work: it finishes here.
+  if (request.reservation_token().empty()) KV_RETURN_IF_ERROR(CheckNotDraining());
   // Wait for the pushed prefix, bounded by the caller's deadline and transfer_wait.
   const absl::Time wait_deadline = std::min(absl::Now() + options_.transfer_wait, deadline);
   absl::StatusOr<std::optional<TakenReservation>> taken = table_->Take(
@@ -606,6 +619,8 @@ absl::StatusOr<int64_t> DecodeWorker::AttachPrefix(const kvrelay::v1::DecodeRequ
 absl::Status DecodeWorker::Generate(const kvrelay::v1::DecodeRequest& request, absl::Time deadline,
                                     const ChunkWriter& write,
                                     const std::function<bool()>& cancelled) {
+  calls_.fetch_add(1);
+  absl::Cleanup counted = [this] { calls_.fetch_sub(1); };
   KV_RETURN_IF_ERROR(CheckDecodeRequest(request));
   const std::vector<int32_t> tokens(request.tokens().begin(), request.tokens().end());
   KV_ASSIGN_OR_RETURN(Admission admission, Admit(request, deadline));

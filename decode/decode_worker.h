@@ -124,8 +124,11 @@ class DecodeWorker : private BatchModel {
   // Where the model computes and why ("device cpu (--device cpu)"), for the listening line.
   std::string device_line() const { return core_->DeviceLine(); }
   uint64_t incarnation() const { return core_->incarnation; }
-  // Stops admitting work (SIGTERM drain); in-flight sequences finish.
-  void Drain();
+  // SIGTERM drain: refuses new reservations (UNAVAILABLE, FAILURE_DRAINING: gateways go
+  // elsewhere without counting it a failure) while requests already reserved are generated;
+  // waits until none is left (reserved, queued or running) or `deadline`, then deregisters.
+  // Returns whether every request finished in time. Blocks the caller.
+  bool Drain(absl::Time deadline);
 
  private:
   struct Active;
@@ -205,8 +208,12 @@ class DecodeWorker : private BatchModel {
 
   const DecodeWorkerOptions options_;
   MetricsRegistry* metrics_;
-  std::string data_plane_key_;         // constant after Init; what Reserve hands out
-  std::atomic<bool> draining_{false};  // relaxed: a request racing Drain may still be admitted
+  std::string data_plane_key_;  // constant after Init; what Reserve hands out
+  // Drain's handshake with Reserve and Generate, both sequentially consistent: a call counts
+  // itself in `calls_` and then reads `draining_`; Drain sets `draining_` and then waits for
+  // `calls_` to reach zero, so a call either sees the drain or is waited for.
+  std::atomic<bool> draining_{false};
+  std::atomic<int32_t> calls_{0};  // Reserve and Generate calls running now
 
   Counter* refused_pushes_;
   Counter* generated_tokens_;

@@ -7,12 +7,18 @@ namespace kvrelay::gateway {
 bool CircuitBreaker::Allow() {
   absl::MutexLock lock(&mu_);
   const absl::Time now = clock_->Now();
+  if (now < draining_until_) return false;
   return backoff_.At(now) == State::kClosed || backoff_.TakeProbe(now);
 }
 
 bool CircuitBreaker::Healthy() const {
   absl::MutexLock lock(&mu_);
-  return !backoff_.open();
+  return !backoff_.open() && clock_->Now() >= draining_until_;
+}
+
+bool CircuitBreaker::Draining() const {
+  absl::MutexLock lock(&mu_);
+  return clock_->Now() < draining_until_;
 }
 
 bool CircuitBreaker::Busy() const {
@@ -46,6 +52,12 @@ void CircuitBreaker::RecordBusy(absl::Duration predicted_wait) {
   busy_until_ = std::max(busy_until_, now + busy_for);
   room_at_ = now + (predicted_wait > absl::ZeroDuration() ? predicted_wait : options_.busy_for);
   // The probe reached a live node that is merely full: it is alive.
+  if (backoff_.probe_out()) backoff_.Close();
+}
+
+void CircuitBreaker::RecordDraining() {
+  absl::MutexLock lock(&mu_);
+  draining_until_ = clock_->Now() + options_.draining_for;
   if (backoff_.probe_out()) backoff_.Close();
 }
 

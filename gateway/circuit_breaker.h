@@ -7,6 +7,9 @@
 // failure: it never opens the breaker and never makes the node unhealthy; it only marks the
 // node busy for a short while (`busy_for`, or less when the node predicted room sooner), so
 // the pickers try another node first and the gateway can refuse at once when all are busy.
+// Draining (the node said FAILURE_DRAINING: it got SIGTERM and finishes what it admitted) is
+// not a failure either: the node is skipped for `draining_for` (renewed by each refusal)
+// without opening the breaker; a restarted discovered worker is a new node anyway.
 //
 // Time comes from the injected Clock. Thread-safe.
 
@@ -24,6 +27,7 @@ struct CircuitBreakerOptions {
   absl::Duration open_for = absl::Seconds(1);
   absl::Duration max_open_for = absl::Seconds(30);
   absl::Duration busy_for = absl::Milliseconds(200);
+  absl::Duration draining_for = absl::Seconds(5);
 };
 
 class CircuitBreaker {
@@ -36,8 +40,11 @@ class CircuitBreaker {
   // True if a request may go to the node now (busy or not). In half-open state only the first
   // caller gets true (it becomes the probe) until its outcome is recorded.
   bool Allow();
-  // True if the node is closed (for ranking; does not take the probe). A busy node is healthy.
+  // True if the node is closed and not draining (for ranking; does not take the probe). A busy
+  // node is healthy.
   bool Healthy() const;
+  // True while the node drains: it refused with FAILURE_DRAINING less than draining_for ago.
+  bool Draining() const;
   // True while the node is busy: it refused for capacity less than its busy time ago.
   bool Busy() const;
   // How long until the node predicted room at its last refusal (its own figure, not capped
@@ -48,6 +55,9 @@ class CircuitBreaker {
   // The node refused for capacity: busy for `predicted_wait` when the node said (> 0 and below
   // busy_for), else busy_for. Closes a half-open breaker (a full node is alive).
   void RecordBusy(absl::Duration predicted_wait = absl::ZeroDuration());
+  // The node refused because it drains: skipped for draining_for; not a failure (closes a
+  // half-open breaker: the node is alive).
+  void RecordDraining();
   State state() const;
   int64_t failures() const;
 
@@ -58,6 +68,7 @@ class CircuitBreaker {
   ProbeBackoff backoff_ ABSL_GUARDED_BY(mu_);
   absl::Time busy_until_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   absl::Time room_at_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();  // see PredictedWait
+  absl::Time draining_until_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   int64_t failures_ ABSL_GUARDED_BY(mu_) = 0;
 };
 

@@ -55,6 +55,21 @@ TEST(CircuitBreaker, BusyIsNotAFailure) {
   EXPECT_EQ(breaker.failures(), 0);
 }
 
+TEST(CircuitBreaker, DrainingSkipsTheNodeWithoutOpeningTheBreaker) {
+  SimulatedClock clock;
+  CircuitBreaker breaker(&clock, {.draining_for = absl::Seconds(5)});
+  breaker.RecordDraining();
+  EXPECT_EQ(breaker.state(), State::kClosed);
+  EXPECT_EQ(breaker.failures(), 0);
+  EXPECT_TRUE(breaker.Draining());
+  EXPECT_FALSE(breaker.Healthy());  // not ranked while it drains
+  EXPECT_FALSE(breaker.Allow());
+  clock.Advance(absl::Seconds(5));
+  EXPECT_FALSE(breaker.Draining());
+  EXPECT_TRUE(breaker.Healthy());
+  EXPECT_TRUE(breaker.Allow());
+}
+
 TEST(CircuitBreaker, BusyLastsThePredictedWaitWhenShorter) {
   SimulatedClock clock;
   CircuitBreaker breaker(&clock, {.busy_for = absl::Milliseconds(200)});

@@ -18,6 +18,19 @@ bool IsOverload(const absl::Status& s) {
   return !info.has_value() || info->reason() == kvrelay::v1::FAILURE_OVERLOADED;
 }
 
+// A worker that refused because it drains (SIGTERM): not a failure, go elsewhere.
+bool IsDraining(const absl::Status& s) {
+  std::optional<kvrelay::v1::ErrorInfo> info = proto::GetErrorInfo(s);
+  return info.has_value() && info->reason() == kvrelay::v1::FAILURE_DRAINING;
+}
+
+// Which role a refusal names: the decode node when its ErrorInfo says so (a prefill node
+// reports its push target's refusals), else the node that was called.
+bool NamesDecode(const absl::Status& s) {
+  std::optional<kvrelay::v1::ErrorInfo> info = proto::GetErrorInfo(s);
+  return info.has_value() && info->role() == kvrelay::v1::ROLE_DECODE;
+}
+
 // `other_layout`: workers left out because they serve another layout than this gateway's.
 absl::Status NoWorker(const std::string& role, size_t known, size_t failed, size_t other_layout) {
   return proto::Attribute(
@@ -157,6 +170,7 @@ absl::StatusOr<bool> GenerateCall::RunPair(const Plan& plan, const Pair& pair) {
   if (!target.ok()) {
     last_error_ = target.status();
     if (IsOverload(target.status())) return Busy(target.status(), pair.decode, Blame::kDecode);
+    if (IsDraining(target.status())) return Drained(pair.decode, Blame::kDecode);
     return Failed(target.status(), Blame::kDecode, pair, nullptr);
   }
   pair.decode->SetNodeId(target->node_id());
@@ -170,10 +184,13 @@ absl::StatusOr<bool> GenerateCall::RunPair(const Plan& plan, const Pair& pair) {
     if (IsOverload(prefilled.status())) {
       // Full is whoever the refusal names: the prefill node (its queue), or the decode node
       // it pushes to.
-      std::optional<kvrelay::v1::ErrorInfo> info = proto::GetErrorInfo(prefilled.status());
-      const bool decode_full = info.has_value() && info->role() == kvrelay::v1::ROLE_DECODE;
+      const bool decode_full = NamesDecode(prefilled.status());
       return Busy(prefilled.status(), decode_full ? pair.decode : pair.prefill,
                   decode_full ? Blame::kDecode : Blame::kPrefill);
+    }
+    if (IsDraining(prefilled.status())) {
+      return NamesDecode(prefilled.status()) ? Drained(pair.decode, Blame::kDecode)
+                                             : Drained(pair.prefill, Blame::kPrefill);
     }
     return Failed(prefilled.status(), Blame::kPrefill, pair, nullptr);
   }
@@ -323,6 +340,7 @@ absl::StatusOr<bool> GenerateCall::AfterStream(absl::Status s, bool stream_done,
   last_error_ = s;
   // Refused at Generate (its batch queue filled since Reserve): busy, not failed.
   if (IsOverload(s)) return Busy(s, pair.decode, Blame::kDecode);
+  if (IsDraining(s)) return Drained(pair.decode, Blame::kDecode);
   if (FinishedGenerating()) {
     done_ = true;  // every token arrived; only the closing message was lost
     return false;
@@ -365,6 +383,12 @@ bool GenerateCall::Busy(const absl::Status& status, Node* node, Blame role) {
   return true;
 }
 
+bool GenerateCall::Drained(Node* node, Blame role) {
+  node->breaker.RecordDraining();
+  (role == Blame::kPrefill ? draining_prefill_ : draining_decode_).push_back(node);
+  return true;
+}
+
 absl::Status GenerateCall::AtCapacity(Blame role, absl::Duration wait) {
   const char* name = role == Blame::kPrefill ? "prefill" : "decode";
   const size_t refused = (role == Blame::kPrefill ? busy_prefill_ : busy_decode_).size();
@@ -384,6 +408,8 @@ std::vector<GenerateCall::Node*> GenerateCall::Excluded(Blame role) const {
   std::vector<Node*> excluded = prefill ? failed_prefill_ : failed_decode_;
   const std::vector<Node*>& busy = prefill ? busy_prefill_ : busy_decode_;
   excluded.insert(excluded.end(), busy.begin(), busy.end());
+  const std::vector<Node*>& draining = prefill ? draining_prefill_ : draining_decode_;
+  excluded.insert(excluded.end(), draining.begin(), draining.end());
   return excluded;
 }
 

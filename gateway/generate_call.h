@@ -9,7 +9,9 @@
 // own deadline or cancellation and invalid input are never counted against a worker: they end
 // the call at once. Overload is not a failure: a worker that refuses for capacity
 // (RESOURCE_EXHAUSTED, FAILURE_OVERLOADED) is marked busy, never blamed, and not asked again
-// by this request; the next attempt tries another worker while the deadline allows. When every
+// by this request; the next attempt tries another worker while the deadline allows. Nor is a
+// drain (FAILURE_DRAINING: the worker got SIGTERM): that worker is skipped, no attempt is spent
+// and the request goes on with another. When every
 // usable decode (or prefill) worker is busy the call ends at once with RESOURCE_EXHAUSTED
 // (ROLE_GATEWAY, FAILURE_OVERLOADED, naming what is full and the predicted wait); one that runs
 // out of attempts, workers or time ends with the last failure (a status naming the node or
@@ -140,6 +142,10 @@ class GenerateCall {
   // A refusal for capacity from `node` (of `role`): marks it busy (the breaker does not move),
   // keeps it out of this request's later attempts; always true (try another worker).
   bool Busy(const absl::Status& status, Node* node, Blame role);
+  // `node` refused because it drains (FAILURE_DRAINING): skipped by this request and, for a
+  // while, by every request (its breaker's RecordDraining); no attempt spent, no breaker
+  // opened. Returns true (try another pair).
+  bool Drained(Node* node, Blame role);
   // The call's end when the picker for `role` found no node and `wait` says some were busy:
   // RESOURCE_EXHAUSTED naming what the workers said is full and the predicted wait.
   absl::Status AtCapacity(Blame role, absl::Duration wait);
@@ -167,6 +173,8 @@ class GenerateCall {
   std::vector<Node*> failed_decode_;
   std::vector<Node*> busy_prefill_;  // refused for capacity: excluded too, never blamed
   std::vector<Node*> busy_decode_;
+  std::vector<Node*> draining_prefill_;  // refused because they drain: excluded, never blamed
+  std::vector<Node*> draining_decode_;
   std::string exhausted_;  // what the last refusal for capacity said is full ("" unknown)
   absl::Duration predicted_wait_ = absl::InfiniteDuration();  // shortest a refusal predicted
   // Nodes discovery may drop stay valid while this call names them.

@@ -379,6 +379,47 @@ TEST_F(GenerateCallTest, AFullWorkerIsNotAskedTwiceAndAnotherServes) {
   EXPECT_EQ(DecodeNode(0)->breaker.failures() + DecodeNode(1)->breaker.failures(), 0);
 }
 
+// A rolling restart: the worker that got SIGTERM refuses new work (FAILURE_DRAINING). The
+// request goes to another worker without spending an attempt or opening a breaker, and later
+// requests skip the draining worker.
+TEST_F(GenerateCallTest, ADrainingWorkerIsSkippedWithoutSpendingAnAttempt) {
+  FakePrefillEndpoint* p0 = AddPrefill("p0");
+  FakePrefillEndpoint* p1 = AddPrefill("p1");
+  FakeDecodeEndpoint* d0 = AddDecode("d0");
+  FakeDecodeEndpoint* d1 = AddDecode("d1");
+  auto draining = [](kvrelay::v1::Role role, const std::string& node) {
+    return proto::Attribute(absl::UnavailableError(node + " is draining"), role, node,
+                            kvrelay::v1::FAILURE_DRAINING);
+  };
+  d0->on_reserve = [&](const kvrelay::v1::ReserveRequest&,
+                       absl::Time) -> absl::StatusOr<kvrelay::v1::ReserveResponse> {
+    return draining(kvrelay::v1::ROLE_DECODE, "d0");
+  };
+  p0->on_prefill = [&](const kvrelay::v1::PrefillRequest&,
+                       absl::Time) -> absl::StatusOr<kvrelay::v1::PrefillResponse> {
+    return draining(kvrelay::v1::ROLE_PREFILL, "p0");
+  };
+  // One attempt a failure may spend: only drains happen, so none is spent.
+  options_.max_attempts = 1;
+  for (int i = 0; i < 3; ++i) {
+    streamed_.clear();
+    KV_ASSERT_OK(Run());
+    EXPECT_EQ(streamed_, Expected(kMaxTokens));
+  }
+  EXPECT_EQ(d1->generates.size(), 3u);
+  EXPECT_EQ(p1->requests.size(), 3u);
+  // Each draining worker was asked once; the later requests skipped it.
+  EXPECT_EQ(d0->reserves.size(), 1u);
+  EXPECT_EQ(p0->requests.size(), 1u);
+  for (WorkerSet::Node* n : {DecodeNode(0), DecodeNode(1), PrefillNode(0), PrefillNode(1)}) {
+    EXPECT_EQ(n->breaker.failures(), 0);
+    EXPECT_EQ(n->breaker.state(), State::kClosed);
+  }
+  EXPECT_TRUE(DecodeNode(0)->breaker.Draining());
+  EXPECT_EQ(CounterValue("kvrelay:gateway_breaker_opens_total", {{"role", "decode"}}), 0);
+  EXPECT_EQ(CounterValue("kvrelay:gateway_breaker_opens_total", {{"role", "prefill"}}), 0);
+}
+
 TEST_F(GenerateCallTest, AFullPrefillQueueIsNotAFailureAndItsPredictedWaitIsReported) {
   FakePrefillEndpoint* p = AddPrefill("p0");
   FakeDecodeEndpoint* d = AddDecode("d0");

@@ -449,7 +449,7 @@ std::optional<absl::Duration> WorkerSet::BusyWait(const NodeList& nodes,
 
 bool WorkerSet::AnyPickable(const NodeList& nodes, const std::vector<Node*>& excluded) {
   for (const auto& n : nodes) {
-    if (!Contains(excluded, n.get()) && !n->breaker.Busy() &&
+    if (!Contains(excluded, n.get()) && !n->breaker.Busy() && !n->breaker.Draining() &&
         n->breaker.state() != CircuitBreaker::State::kOpen) {
       return true;
     }

@@ -189,8 +189,8 @@ class WorkerSet {
   // while this has a value: every usable node is at capacity.
   static std::optional<absl::Duration> BusyWait(const NodeList& nodes,
                                                 const std::vector<Node*>& excluded);
-  // Whether a picker could return one of `nodes` now: one not excluded, not busy, and closed
-  // or due a half-open probe (suspect ones included). Takes no probe.
+  // Whether a picker could return one of `nodes` now: one not excluded, not busy or draining,
+  // and closed or due a half-open probe (suspect ones included). Takes no probe.
   static bool AnyPickable(const NodeList& nodes, const std::vector<Node*>& excluded);
   // The least loaded decode node; among those within one request of it, the one holding the
   // longest prefix (it is not sent again). Null when none is usable.

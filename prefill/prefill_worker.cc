@@ -83,6 +83,11 @@ absl::Status PrefillWorker::Own(absl::Status status, kvrelay::v1::FailureReason 
   return proto::WithErrorInfo(std::move(status), info);
 }
 
+bool PrefillWorker::Drain(absl::Time deadline) {
+  draining_.store(true);
+  return core_->DrainAndLeave([this] { return calls_.load() == 0; }, deadline);
+}
+
 PrefillWorker::~PrefillWorker() {
   kv_metrics_.reset();  // its usage function reads kv_
   // The transport's threads call OnInbound until the handler is replaced (the replacement waits
@@ -250,6 +255,13 @@ absl::Status PrefillWorker::CheckRequest(const kvrelay::v1::PrefillRequest& requ
 
 absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::Run(
     const kvrelay::v1::PrefillRequest& request, absl::Time deadline) {
+  calls_.fetch_add(1);
+  absl::Cleanup counted = [this] { calls_.fetch_sub(1); };
+  if (draining_.load()) {
+    return Own(
+        absl::UnavailableError(absl::StrCat("prefill node ", core_->node_id, " is draining")),
+        kvrelay::v1::FAILURE_DRAINING);
+  }
   KV_RETURN_IF_ERROR(CheckRequest(request));
   // Admission: what cannot start before its deadline behind the tokens queued here is refused
   // now, before any lookup or lease (an upper bound: a reused prefix is computed faster).

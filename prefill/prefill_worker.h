@@ -81,6 +81,10 @@ class PrefillWorker {
   absl::StatusOr<kvrelay::v1::PrefillResponse> Run(const kvrelay::v1::PrefillRequest& request,
                                                    absl::Time deadline);
   kvrelay::v1::PrefillStatusResponse Describe() const;
+  // SIGTERM drain: refuses new requests (UNAVAILABLE, FAILURE_DRAINING: gateways go elsewhere
+  // without counting it a failure) while admitted ones finish; waits until none is left or
+  // `deadline`, then deregisters. Returns whether every request finished in time. Blocks.
+  bool Drain(absl::Time deadline);
   // Registers with the cache store once the gRPC server listens on `grpc_address` (requests
   // before that fail Unavailable). ALREADY_EXISTS when another live process holds the node id.
   absl::Status ConnectStore(const std::string& grpc_address);
@@ -215,6 +219,10 @@ class PrefillWorker {
   transfer::Transport* transport_ = nullptr;
   worker::RegisteredKvCache* kv_ = nullptr;
   worker::CacheSegment* segment_ = nullptr;
+  // Drain's handshake with Run, both sequentially consistent: Run counts itself in `calls_`,
+  // then reads `draining_`; Drain sets `draining_`, then waits for `calls_` to reach zero.
+  std::atomic<bool> draining_{false};
+  std::atomic<int32_t> calls_{0};
   // core_->store once ConnectStore ran; release by ConnectStore, acquire by requests.
   std::atomic<worker::StoreLink*> store_{nullptr};
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The default load scenario: the whole system under load with faults, in a few minutes on 2 cores.
 #
-#   scripts/load.sh [--out DIR] [--no-faults] [--requests N] [--trace FILE]
+#   scripts/load.sh [--out DIR] [--no-faults | --rollout] [--requests N] [--trace FILE]
 #
 # Starts a cluster in network namespaces (scripts/cluster/run.sh: cache store, 2 prefill and 2
 # decode workers, 1 gateway, each its own "host", UCX over tcp) serving a generated tiny llama,
@@ -14,18 +14,22 @@
 #   at 50s  shape decode-1 50mbit    (tc tbf on its link, until the end)
 #   at 65s  kill decode-1            (SIGKILL, not restarted)
 #   at 80s  restart store            (SIGKILL, started again on its WAL)
+# --rollout replaces them with a rolling restart at 20 s (every worker drained by SIGTERM and
+# started again under its node id, one at a time) checked by --fault-contract: no request may
+# fail, and the table gives the p99 TTFT during the rollout beside the one before it.
 # Every served token is checked against the co-located reference (--verify). Prints the table
 # and the path of the plot. Needs root (network namespaces); builds build/bin/kvrelay if missing.
 # Without the trace (../shared/data/traces/synthetic_trace.jsonl, or --trace / $KVRELAY_TRACE)
 # it runs a synthetic workload with 50% shared prefixes instead.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-OUT="" FAULTS=1 REQUESTS=120
+OUT="" FAULTS=1 ROLLOUT=0 REQUESTS=120
 TRACE=${KVRELAY_TRACE:-}
 while (($#)); do
   case "$1" in
     --out) OUT=$2; shift 2 ;;
     --no-faults) FAULTS=0; shift ;;
+    --rollout) ROLLOUT=1; shift ;;
     --requests) REQUESTS=$2; shift 2 ;;
     --trace) TRACE=$2; shift 2 ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
@@ -46,8 +50,11 @@ if [[ -z $TRACE ]]; then
 fi
 OUT=${OUT:-$(mktemp -d /tmp/kvrelay-load-XXXXXX)}
 
-fault_args=()
-if ((FAULTS)); then
+fault_args=() contract_args=()
+if ((ROLLOUT)); then
+  fault_args=(--fault "at=20.03s rollout")
+  contract_args=(--fault-contract default)
+elif ((FAULTS)); then
   fault_args=(--fault "at=20s stop decode-0 for 6s" --fault "at=35s cut store for 8s"
               --fault "at=50s shape decode-1 50mbit" --fault "at=65s kill decode-1"
               --fault "at=80s restart store")
@@ -61,5 +68,5 @@ else
             --shared-prefix-ratio 0.5 --prefix-groups 8 --rate 1.5)
 fi
 exec "$ROOT/scripts/cluster/run.sh" --prefill 2 --decode 2 --gateways 1 --out "$OUT" \
-  "${fault_args[@]}" -- "${workload[@]}" --max-requests "$REQUESTS" --max-duration 150s \
-  --timeout 20s --concurrency 32 --slo ttft=2s,tpot=250ms --verify --verify-threads 2
+  "${fault_args[@]}" -- "${workload[@]}" "${contract_args[@]}" --max-requests "$REQUESTS" \
+  --max-duration 150s --timeout 20s --concurrency 32 --slo ttft=2s,tpot=250ms --verify --verify-threads 2

@@ -115,7 +115,10 @@ absl::StatusOr<std::unique_ptr<StoreLink>> StoreLink::UnregisteredForTest(
       new StoreLink(std::move(options), segment, clock, std::move(client)));
 }
 
-StoreLink::~StoreLink() {
+StoreLink::~StoreLink() { Leave(); }
+
+void StoreLink::Leave() {
+  if (left_.exchange(true, std::memory_order_acq_rel)) return;
   stop_.Notify();
   // The heartbeat runs only once registered: a refused link has nothing to deregister.
   if (!heartbeat_.joinable()) return;

@@ -8,7 +8,8 @@
 // store instances (HA) the client follows the leader, and a new leader's term makes the link
 // re-announce its blocks too (idempotent), so blocks the old leader had not replicated return.
 // Matches prefixes under leases bound to this node and commits new blocks into its own segment.
-// Deregisters on destruction, so the store drops the node at once instead of waiting out its TTL.
+// Deregisters on Leave() or destruction, so the store drops the node at once instead of waiting
+// out its TTL (and the node id is free for the next process at once).
 //
 // What each segment slot holds is tracked exactly: a slot is forgotten before new bytes are
 // written into it and recorded only after its commit, so a re-announce never names bytes that
@@ -104,6 +105,11 @@ class StoreLink {
                                                                         Clock* clock);
   ~StoreLink();
 
+  // Stops heartbeating and deregisters (bounded by one second), once: the drain's last step,
+  // so gateways stop routing here before the gRPC server stops. Request-path calls after it
+  // may be refused by the store (this node is unknown there).
+  void Leave();
+
   // Request-path calls: `deadline` is the request's; each store call of them gets
   // min(deadline, now + options.request_timeout). DeadlineExceeded without a call when the
   // deadline has passed; Unavailable at once while the gate is open (the store did not answer
@@ -189,6 +195,7 @@ class StoreLink {
   void ForgetSlotLocked(int64_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   DependencyGate gate_;  // the store on the request path
   absl::Notification stop_;
+  std::atomic<bool> left_{false};  // Leave ran (exchange: the first caller deregisters)
   std::thread heartbeat_;
 };
 

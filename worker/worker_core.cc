@@ -7,6 +7,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "common/logging.h"
 #include "common/status_macros.h"
 #include "kv/secret.h"
 
@@ -135,6 +137,21 @@ const char* MemoryKeyScopeName(MemoryKeyScope scope) {
       return "pool";
   }
   return "?";
+}
+
+bool WorkerCore::DrainAndLeave(const std::function<bool()>& idle, absl::Time deadline) {
+  // Polled, not signalled: idleness spans the reservation table, the batch scheduler and the
+  // prefill queue, and a drain happens once per process.
+  bool went_idle = idle();
+  while (!went_idle && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(10));
+    went_idle = idle();
+  }
+  if (!went_idle) {
+    KV_LOG(WARNING) << node_id << ": drain timed out with requests still in flight";
+  }
+  if (store != nullptr) store->Leave();
+  return went_idle;
 }
 
 absl::Status WorkerCore::ConnectStore(const std::string& grpc_address,

@@ -107,6 +107,11 @@ struct WorkerCore {
   // process holds this node id. REQUIRES: called once.
   absl::Status ConnectStore(const std::string& grpc_address,
                             std::function<kvrelay::v1::NodeLoad()> load);
+  // The drain's tail (SIGTERM; the worker already refuses new work): waits until `idle()`
+  // holds (every admitted request finished) or `deadline`, then leaves the store (the node id is
+  // free for the next process at once). Returns whether the worker went idle in time. Blocks
+  // the caller, checking `idle` every 10 ms.
+  bool DrainAndLeave(const std::function<bool()>& idle, absl::Time deadline);
 
   // The model's config and layout, whichever runner computes it.
   const kv::ModelConfig& model_config() const {

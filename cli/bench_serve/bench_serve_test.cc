@@ -16,6 +16,7 @@
 namespace kvrelay::cli::bench_serve {
 namespace {
 
+using ::testing::Contains;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::IsEmpty;
@@ -534,6 +535,32 @@ TEST(FaultContractTest, ClausesWithoutEvidenceAreNotJudgedNotFailed) {
   EXPECT_THAT(store.not_judged, ElementsAre(HasSubstr("next fault struck 1.0 s after"),
                                             HasSubstr("hits again: the next fault struck first"),
                                             HasSubstr("too few for a baseline")));
+}
+
+TEST(FaultContractTest, APlannedDrainFailsNothingEvenInFlightOnTheNode) {
+  const std::string events_text =
+      "@node decode-0 10.0.0.3:7200\n"
+      "1010 1020 rollout decode\n"
+      "1010 1013 drain decode-0\n";
+  absl::StatusOr<std::vector<FaultEvent>> events = ParseFaultEvents(events_text, 1000.0, 60);
+  ASSERT_TRUE(events.ok()) << events.status();
+  const auto nodes = ParseNodeAddresses(events_text);
+  const std::string p = "10.0.0.1:7100", d0 = "10.0.0.3:7200";
+  std::vector<RequestRecord> records = {On(Ok(9, 11, 50, 10, 10, 0), p, d0),
+                                        On(Ok(14, 15, 50, 10, 10, 0), p, d0)};
+  ContractReport report = CheckFaultContract(records, *events, nodes, FaultContract{}, 20);
+  EXPECT_TRUE(report.kept()) << report.violations[0];
+  ASSERT_EQ(report.verdicts.size(), 2u);
+  EXPECT_EQ(report.verdicts[1].action, "drain");
+  EXPECT_DOUBLE_EQ(report.verdicts[1].served_again_s, 2);  // back at 13 s, served by 15 s
+
+  // One failure in flight on the drained node: a kill may lose it, a drain may not.
+  RequestRecord failed_on_d0 = Failed(9, 12, absl::StatusCode::kUnavailable, "x");
+  failed_on_d0.error_node_id = "decode-0";
+  records.push_back(failed_on_d0);
+  report = CheckFaultContract(records, *events, nodes, FaultContract{}, 20);
+  EXPECT_FALSE(report.kept());
+  EXPECT_THAT(report.violations, Contains(HasSubstr("a drain may fail none")));
 }
 
 TEST(VerifyTest, WrongTokensCountMismatchesExtrasAndMissingOnlyWhenComplete) {

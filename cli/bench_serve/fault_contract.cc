@@ -18,10 +18,17 @@ bool IsStore(const std::string& node) { return node == "store"; }
 
 // Actions after which the node is back (at the event's end) and must serve again.
 bool ComesBack(const FaultVerdict& v, const std::vector<std::string>& words) {
-  if (v.action == "stop" || v.action == "cut" || v.action == "restart" || v.action == "add") {
+  if (v.action == "stop" || v.action == "cut" || v.action == "restart" || v.action == "add" ||
+      v.action == "drain") {
     return true;
   }
   return v.action == "kill" && words.size() >= 4 && words[2] == "for";  // kill ... for 3s
+}
+
+// Planned restarts and scale-in (SIGTERM drain; restarted with the same node id or not):
+// nothing may fail.
+bool Planned(const FaultVerdict& v) {
+  return v.action == "drain" || v.action == "rollout" || v.action == "retire";
 }
 
 bool Contains(const std::vector<std::string>& list, const std::string& item) {
@@ -277,7 +284,10 @@ ContractReport CheckFaultContract(const std::vector<RequestRecord>& records,
       }
       continue;
     }
-    if (v.failed > v.in_flight_on_target) {
+    if (Planned(v) && v.failed > 0) {
+      v.violations.push_back(
+          absl::StrFormat("%s: %d requests failed; a drain may fail none", name, v.failed));
+    } else if (v.failed > v.in_flight_on_target) {
       v.violations.push_back(
           absl::StrFormat("%s: %d requests failed, more than the %d in flight on %s when it struck",
                           name, v.failed, v.in_flight_on_target, v.target));

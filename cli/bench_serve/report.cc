@@ -91,6 +91,17 @@ std::string FormatRun(const ReportContext& c, const RunReport& run) {
                     std::isnan(f.ttft_p99_ms) ? "-" : absl::StrFormat("%.0f ms", f.ttft_p99_ms),
                     f.recovery_s < 0 ? "never" : absl::StrFormat("%.1f s", f.recovery_s)));
     }
+    for (const FaultCost& f : run.faults) {
+      if (f.requests_during == 0) continue;
+      absl::StrAppend(
+          &out, absl::StrFormat("        %6.1fs  %-28s p99 TTFT %.0f ms over the %d "
+                                "requests sent during it, %s before it\n",
+                                f.fault.start_s, f.fault.label.substr(0, 28), f.ttft_p99_during_ms,
+                                f.requests_during,
+                                std::isnan(f.ttft_p99_before_ms)
+                                    ? "none ended"
+                                    : absl::StrFormat("%.0f ms", f.ttft_p99_before_ms)));
+    }
     absl::StrAppend(&out,
                     "        (ended: requests that ended before the next fault; slow: ok "
                     "but missed the SLO;\n         recovery: until a request sent after "
@@ -229,6 +240,9 @@ nlohmann::json ReportJson(const ReportContext& c, const std::vector<RunReport>& 
                              {"slo_missed", f.slo_missed},
                              {"wrong_tokens", f.wrong_tokens},
                              {"ttft_p99_ms", Finite(f.ttft_p99_ms)},
+                             {"requests_during", f.requests_during},
+                             {"ttft_p99_during_ms", Finite(f.ttft_p99_during_ms)},
+                             {"ttft_p99_before_ms", Finite(f.ttft_p99_before_ms)},
                              {"recovery_s", f.recovery_s}});
     }
     if (run.contract.has_value()) {

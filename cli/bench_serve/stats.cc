@@ -143,6 +143,18 @@ std::vector<FaultCost> CostOfFaults(const std::vector<RequestRecord>& records,
         last_bad_send = std::max(last_bad_send, r.send_s);
     }
     c.ttft_p99_ms = Percentile(ttft, 99);
+    std::vector<double> during, before;
+    for (const RequestRecord& r : records) {
+      if (!r.ok() || r.ttft_ms < 0) continue;
+      if (r.end_s < c.fault.start_s) before.push_back(r.ttft_ms);
+      if (c.fault.end_s > c.fault.start_s && r.send_s >= c.fault.start_s &&
+          r.send_s <= c.fault.end_s) {
+        during.push_back(r.ttft_ms);
+      }
+    }
+    c.requests_during = static_cast<int64_t>(during.size());
+    c.ttft_p99_during_ms = Percentile(during, 99);
+    c.ttft_p99_before_ms = Percentile(before, 99);
     if (last_bad_send >= 0) {
       double first_good_end = -1;
       for (const RequestRecord& r : records) {

@@ -84,6 +84,11 @@ struct FaultCost {
   int64_t slo_missed = 0;    // of those, succeeded but missed the SLO
   int64_t wrong_tokens = 0;  // of those, verified tokens that differ from the reference
   double ttft_p99_ms = 0;
+  // A lasting fault (a rollout): OK requests sent while it lasted, [start, end], and their p99
+  // TTFT, beside the p99 of those sent and ended before it (steady state). NaN when none.
+  int64_t requests_during = 0;
+  double ttft_p99_during_ms = 0;
+  double ttft_p99_before_ms = 0;
   // From the fault's start until a request completes well after the last bad (failed or
   // SLO-missing) one in the window: 0 when none was bad, -1 when none completed well after.
   double recovery_s = 0;

@@ -133,11 +133,14 @@ void ServiceHost::WaitForShutdown(const ShutdownHooks& hooks) {
       next_tick = absl::Now() + hooks.tick;
     }
   }
+  // One drain_timeout from the signal, whatever on_drain spends of it (a worker waits there for
+  // its admitted requests): the pod's grace period is sized on it.
+  const absl::Time drain_deadline = absl::Now() + options_.drain_timeout;
   draining_.store(true, std::memory_order_release);
   SetServing(false);
   if (hooks.on_drain) hooks.on_drain();
   // Refuses new RPCs at once; in-flight ones get until the deadline, then are cancelled.
-  server_->Shutdown(absl::ToChronoTime(absl::Now() + options_.drain_timeout));
+  server_->Shutdown(absl::ToChronoTime(drain_deadline));
   server_->Wait();
   KV_LOG(INFO) << options_.name << ": drained";
 }

@@ -50,7 +50,7 @@ struct ServiceHostOptions {
 };
 
 struct ShutdownHooks {
-  std::function<void()> on_drain;  // after health turned NOT_SERVING, before the server stops
+  std::function<void()> on_drain;  // after NOT_SERVING, before the stop; spends drain_timeout
   std::function<void()> on_tick;   // periodically on the waiting thread until the signal
   absl::Duration tick = absl::Milliseconds(100);
 };

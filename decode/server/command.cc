@@ -78,7 +78,7 @@ int RunDecodeCommand(const std::vector<std::string>& raw_args) {
   return worker::server::ServeWorker(
       host, &service, &metrics, options.core.advertise_host,
       [&](const std::string& grpc_address) { return (*worker)->ConnectStore(grpc_address); },
-      [&] { (*worker)->Drain(); });
+      [&](absl::Time deadline) { (*worker)->Drain(deadline); });
 }
 
 }  // namespace kvrelay::decode::server

@@ -148,6 +148,12 @@ test("a grace period shorter than the drain fails", async () => {
   /terminationGracePeriodSeconds 20 must exceed preStop 5s \+ drain 30s/);
 });
 
+test("a worker budget that lets a rollout take two workers at once fails", async () => {
+  await expectFailure("pdb-two", ["base"], (root) =>
+    edit(root, "deploy/k8s/base/decode.yaml", (t) => t.replace(/maxUnavailable: 1\n/, "maxUnavailable: 2\n")),
+  /StatefulSet\/kvrelay-decode: no PodDisruptionBudget with maxUnavailable 1/);
+});
+
 test("a static worker list in the gateway's config fails", async () => {
   await expectFailure("static-list", ["dev"], (root) =>
     edit(root, "deploy/k8s/overlays/dev/config/gateway.yaml",

@@ -504,6 +504,18 @@ export async function checkObjects(objects, ctx) {
       errors.push(`${ref(pdb)}: selector selects no pod`);
     }
   }
+  // A rolling restart takes one worker of a role at a time (SIGTERM drain, restart under the
+  // same node id): each worker StatefulSet needs a PDB with maxUnavailable 1 over its pods.
+  for (const sts of byKind("StatefulSet")) {
+    const labels = sts.spec?.template?.metadata?.labels ?? {};
+    if (!["prefill", "decode"].includes(labels["app.kubernetes.io/component"])) continue;
+    const budgets = byKind("PodDisruptionBudget").filter(
+      (pdb) => nsOf(pdb) === nsOf(sts) && labelsMatch(pdb.spec?.selector, labels));
+    if (!budgets.some((pdb) => pdb.spec?.maxUnavailable === 1)) {
+      errors.push(`${ref(sts)}: no PodDisruptionBudget with maxUnavailable 1 selects its pods ` +
+                  "(rollouts drain one worker at a time)");
+    }
+  }
   for (const hpa of byKind("HorizontalPodAutoscaler")) {
     const t = hpa.spec?.scaleTargetRef ?? {};
     if (!objects.some((o) => o.kind === t.kind && o.metadata.name === t.name && nsOf(o) === nsOf(hpa))) {

@@ -53,7 +53,8 @@ int RunPrefillCommand(const std::vector<std::string>& raw_args) {
   PrefillService service(worker->get(), kvrelay::server::Authorizer(host.security));
   return worker::server::ServeWorker(
       host, &service, &metrics, options.core.advertise_host,
-      [&](const std::string& grpc_address) { return (*worker)->ConnectStore(grpc_address); });
+      [&](const std::string& grpc_address) { return (*worker)->ConnectStore(grpc_address); },
+      [&](absl::Time deadline) { (*worker)->Drain(deadline); });
 }
 
 }  // namespace kvrelay::prefill::server

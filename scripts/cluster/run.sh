@@ -28,6 +28,13 @@
 #                                         'at=T add NODE' (start a spare worker), 'at=T dup NODE'
 #                                         (start a second process with NODE's node id on another
 #                                         host; it must be refused)
+#                                         'at=T drain NODE' (SIGTERM: the worker drains and exits;
+#                                         started again with the same node id), 'at=T rollout
+#                                         [prefill|decode|workers]' (drain and restart every running
+#                                         worker of the role, default workers, one at a time, each
+#                                         serving again before the next), 'at=T retire NODE'
+#                                         (SIGTERM drain, not started again: scale-in); drains.txt
+#                                         gets each drain's SIGTERM-to-exit time
 #   --out DIR                             logs, report.json, requests.csv, plot.png
 #   --subnet 10.77.0                      first three octets of the namespace addresses
 #   --name ID                             namespace prefix (default kvr<pid>): ID-hub, ID-store..
@@ -325,9 +332,16 @@ check_fault() {
   local spec=$1 at action target rest
   read -r at action target rest <<<"$spec"
   [[ $at == at=* ]] && seconds "${at#at=}" >/dev/null || fault_error "$spec" "want 'at=<seconds>s ...'"
+  if [[ $action == rollout ]]; then
+    [[ -z $rest && ${target:-workers} =~ ^(prefill|decode|workers)$ ]] ||
+      fault_error "$spec" "want 'rollout', 'rollout prefill', 'rollout decode' or 'rollout workers'"
+    return 0
+  fi
   [[ -n ${ADDR[$target]:-} && $target != client && $target != dup ]] ||
     fault_error "$spec" "unknown node '$target'"
   case "$action" in
+    drain|retire) [[ -z $rest && ($target == prefill-* || $target == decode-*) ]] ||
+                    fault_error "$spec" "'$action NODE' takes a worker" ;;
     restart) [[ -z $rest ]] || fault_error "$spec" "'$action NODE' takes nothing more" ;;
     kill) [[ -z $rest || ($rest =~ ^for\ ([0-9.]+s?)$ && -n $(seconds "${BASH_REMATCH[1]}")) ]] ||
             fault_error "$spec" "want 'kill NODE' or 'kill NODE for <seconds>s'" ;;
@@ -338,10 +352,56 @@ check_fault() {
     stop|cut) [[ $rest =~ ^for\ ([0-9.]+s?)$ ]] && seconds "${BASH_REMATCH[1]}" >/dev/null ||
                 fault_error "$spec" "want '$action NODE for <seconds>s'" ;;
     shape) [[ $rest =~ ^[0-9]+(kbit|mbit|gbit)$ ]] || fault_error "$spec" "want 'shape NODE 200mbit'" ;;
-    *) fault_error "$spec" "unknown action '$action' (kill, stop, cut, shape, restart, add, dup)" ;;
+    *) fault_error "$spec" "unknown action '$action' (kill, stop, cut, shape, restart, add, dup," \
+                   "drain, retire, rollout)" ;;
   esac
 }
 for spec in "${FAULTS[@]}"; do check_fault "$spec"; done
+
+# SIGTERM, wait for the exit (the worker's --drain-timeout bounds it; SIGKILL after 60 s), then
+# (unless $2 is 'retire') start it again under the same node id and wait until it listens and
+# gateways can have discovered it (one discovery interval). Appends 'NODE SECONDS drained|killed'
+# to drains.txt and the event ('drain NODE' or 'retire NODE').
+drain_node() {
+  local target=$1 action=${2:-drain} seen drained pid t0 t1 how=drained deadline
+  seen=$(listen_count "$target")
+  drained=$(grep -c ": drained" "$OUT/logs/$target.log" 2>/dev/null) || true
+  pid=$(node_pid "$target")
+  t0=$(now)
+  kill -TERM "$pid" 2>/dev/null || true
+  deadline=$((SECONDS + 60))
+  while kill -0 "$pid" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.02; done
+  if kill -0 "$pid" 2>/dev/null; then
+    kill -KILL "$pid" 2>/dev/null || true
+    how=killed
+  fi
+  t1=$(now)
+  (($(grep -c ": drained" "$OUT/logs/$target.log" 2>/dev/null || true) > ${drained:-0})) ||
+    how=killed
+  echo "$target $(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.3f", b - a }') $how" >>"$OUT/drains.txt"
+  if [[ $action == retire ]]; then
+    echo "$t0 $t1 retire $target" >>"$EVENTS"
+    return 0
+  fi
+  # Back from the new process's start (its start-up counts against serve-again): a gateway
+  # gives a newly registered worker its next request, and prefix routing may send it nothing
+  # more at a light load, so that first request must count.
+  local back
+  back=$(now)
+  start_node "$target"
+  wait_listening "$target" 60 $((seen + 1)) || true
+  echo "$t0 $back drain $target" >>"$EVENTS"
+  sleep 1.5  # the gateways' discovery interval (1 s) and a margin before the next drain
+}
+running_workers() {  # the workers of role $1 (prefill, decode, workers) that run now
+  local name
+  for name in "${NODES[@]}"; do
+    [[ $name == prefill-* || $name == decode-* ]] || continue
+    [[ $1 == workers || $name == "$1"-* ]] || continue
+    [[ -f $OUT/pids/$name ]] && kill -0 "$(node_pid "$name")" 2>/dev/null && echo "$name"
+  done
+  return 0
+}
 
 run_fault() {
   local spec=$1 at action target rest t0 when d start ns=""
@@ -389,6 +449,11 @@ run_fault() {
       tc -n "$ID-$target" qdisc replace dev eth0 root tbf rate "$rest" burst 64kb latency 100ms
       tc -n "$HUB" qdisc replace dev "h${INDEX[$target]}" root tbf rate "$rest" burst 64kb latency 100ms
       echo "$start - shape $target $rest" >>"$EVENTS" ;;
+    drain|retire) drain_node "$target" "$action" ;;
+    rollout)
+      local name
+      for name in $(running_workers "${target:-workers}"); do drain_node "$name"; done
+      echo "$start $(now) rollout ${target:-workers}" >>"$EVENTS" ;;
     restart)
       local seen
       seen=$(listen_count "$target")

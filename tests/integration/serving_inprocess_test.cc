@@ -352,6 +352,45 @@ TEST_F(InProcessCluster, OverloadIsRefusedAtOnceNotCollapsed) {
   KV_ASSERT_OK(small.status);
 }
 
+// SIGTERM drain of a decode worker: new reservations are refused with FAILURE_DRAINING, the
+// gateway serves every request on the other worker without a failure, and the drain waits for
+// the reservation the worker granted before it began.
+TEST_F(InProcessCluster, ADrainingDecodeWorkerRefusesNewWorkAndFinishesWhatItReserved) {
+  kvrelay::v1::ReserveRequest r;
+  r.set_model("tiny");
+  r.set_prompt_tokens(10);
+  r.set_max_tokens(8);
+  r.set_layout_fingerprint(gateway_->config().layout.fingerprint().ToBytes());
+  r.set_request_id("admitted");
+  KV_ASSERT_OK_AND_ASSIGN(kvrelay::v1::ReserveResponse held, decodes_[0]->Reserve(r));
+  // A deadline already passed: the drain begins, finds the reservation and returns at once.
+  EXPECT_FALSE(decodes_[0]->Drain(absl::Now()));
+  r.set_request_id("new");
+  absl::StatusOr<kvrelay::v1::ReserveResponse> refused = decodes_[0]->Reserve(r);
+  EXPECT_THAT(refused.status(), StatusIs(absl::StatusCode::kUnavailable));
+  std::optional<kvrelay::v1::ErrorInfo> info = proto::GetErrorInfo(refused.status());
+  ASSERT_TRUE(info.has_value());
+  EXPECT_EQ(info->reason(), kvrelay::v1::FAILURE_DRAINING);
+  EXPECT_EQ(info->role(), kvrelay::v1::ROLE_DECODE);
+
+  const std::vector<int32_t> prompt = Prompt(33, 6);
+  const std::vector<int32_t> expected = Reference(prompt);
+  for (int i = 0; i < 4; ++i) {
+    Outcome out = Generate(prompt);
+    KV_ASSERT_OK(out.status) << i;
+    EXPECT_THAT(out.tokens, ElementsAreArray(expected));
+    EXPECT_EQ(out.summary.decode_worker(), decode_endpoints_[1]->address());
+  }
+  EXPECT_EQ(metrics_
+                .GetCounter("kvrelay:gateway_breaker_opens_total", "",
+                            {{"model_name", "tiny"}, {"role", "decode"}})
+                ->value(),
+            0);
+  // The admitted reservation ends (released here): the drain completes.
+  KV_ASSERT_OK(decodes_[0]->Release("admitted", held.reservation_token()));
+  EXPECT_TRUE(decodes_[0]->Drain(absl::Now() + absl::Seconds(30)));
+}
+
 // Mamba: the recurrent state is what is pushed, checkpointed and reused.
 class InProcessMambaCluster : public InProcessCluster {
  protected:

@@ -4,6 +4,7 @@
 #include <memory>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "common/server/server_flags.h"
 
 namespace kvrelay::worker::server {
@@ -11,7 +12,7 @@ namespace kvrelay::worker::server {
 int ServeWorker(const kvrelay::server::ServiceHostOptions& host, grpc::Service* service,
                 const MetricsRegistry* metrics, const std::string& advertise_host,
                 const std::function<absl::Status(const std::string& grpc_address)>& connect_store,
-                std::function<void()> on_drain) {
+                std::function<void(absl::Time deadline)> on_drain) {
   kvrelay::server::ServiceHostOptions options = host;
   options.serving_at_start = false;
   absl::StatusOr<std::unique_ptr<kvrelay::server::ServiceHost>> server =
@@ -33,7 +34,11 @@ int ServeWorker(const kvrelay::server::ServiceHostOptions& host, grpc::Service* 
                  std::string(status.message()).c_str());
     return 1;
   }
-  (*server)->WaitForShutdown({.on_drain = std::move(on_drain)});
+  (*server)->WaitForShutdown({.on_drain = [&] {
+    // Health turned NOT_SERVING; the worker refuses new work with FAILURE_DRAINING (gateways
+    // skip it), finishes what it admitted and deregisters while its gRPC server still answers.
+    if (on_drain) on_drain(absl::Now() + host.drain_timeout);
+  }});
   return 0;
 }
 
