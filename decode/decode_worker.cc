@@ -296,9 +296,17 @@ absl::StatusOr<ReservationRequest> DecodeWorker::PlanReservation(
                                 limits::kMaxChainBlocks, " hashes; got ",
                                 request.chain_packed().size(), " bytes"));
   }
+  constexpr int64_t kMaxRequestBudgetMs = 3600 * 1000;
+  if (request.request_budget_ms() < 0 || request.request_budget_ms() > kMaxRequestBudgetMs) {
+    return Invalid(absl::StrCat("request_budget_ms: want [0, ", kMaxRequestBudgetMs, "], got ",
+                                request.request_budget_ms()));
+  }
   ReservationRequest r;
   r.request_id = request.request_id();
   r.prompt_tokens = request.prompt_tokens();
+  if (request.request_budget_ms() > 0) {
+    r.lifetime = absl::Milliseconds(request.request_budget_ms());
+  }
   // The last prompt token is always computed here: its logits give the first output token.
   r.full_blocks = (r.prompt_tokens - 1) / layout.block_tokens();
   r.expected_layers = r.full_blocks > 0 ? layout.num_layers() : 0;

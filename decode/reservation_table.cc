@@ -168,7 +168,7 @@ absl::StatusOr<ReservationGrant> ReservationTable::Book(ReservationRequest reque
 
   absl::MutexLock lock(&mu_);
   const absl::Time now = clock_->Now();
-  r->expires = now + options_.ttl;
+  r->expires = now + std::min(options_.ttl, request.lifetime);
   SweepLocked(now, ended);
   if (reservations_.contains(tag)) {
     return absl::AlreadyExistsError(
@@ -411,9 +411,13 @@ void ReservationTable::UnbookLocked(const std::vector<int64_t>& budget) {
 ReservationLoad ReservationTable::Load() const {
   ReservationLoad load;
   for (const SlotGroup& group : groups_) load.capacity.push_back(group.pool->num_slots());
+  const absl::Time now = clock_->Now();
   absl::MutexLock lock(&mu_);
   load.reservations = static_cast<int32_t>(reservations_.size());
-  for (const auto& [tag, r] : reservations_) load.waiting += !r->taken && !r->released;
+  // A lapsed one waits for nothing (the next Book sweeps it): a drain does not wait for it.
+  for (const auto& [tag, r] : reservations_) {
+    load.waiting += !r->taken && !r->released && now <= r->expires;
+  }
   load.booked = booked_;
   return load;
 }

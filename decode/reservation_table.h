@@ -104,6 +104,9 @@ struct ReservationTableOptions {
 struct ReservationRequest {
   std::string request_id;
   int32_t prompt_tokens = 0;
+  // How long the request can still use the reservation (its remaining deadline); it lapses
+  // after the earlier of this and the table's ttl.
+  absl::Duration lifetime = absl::InfiniteDuration();
   int32_t full_blocks = 0;      // prompt blocks pushed or held: slots [g][0, full_blocks)
   int32_t expected_layers = 0;  // layers whose delivery completes the push (0: nothing pushed)
   std::vector<int64_t> budget;  // blocks per group booked until the sequence ends
@@ -147,7 +150,7 @@ struct ClaimVerdict {
 
 struct ReservationLoad {
   int32_t reservations = 0;       // in the table, taken-and-quiet ones not yet swept included
-  int32_t waiting = 0;            // neither taken nor released: their pushes are under way
+  int32_t waiting = 0;            // neither taken, released nor lapsed: pushes under way
   std::vector<int64_t> booked;    // per group, by reservations and sequences
   std::vector<int64_t> capacity;  // per group: the pool's slots
 };

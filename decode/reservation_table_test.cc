@@ -159,6 +159,24 @@ TEST_F(ReservationTableTest, ExpiresOnTheClockAndIsSweptByTheNextBook) {
   EXPECT_FALSE(gone.has_value());
 }
 
+// A request's remaining deadline shortens its reservation; once lapsed it is no longer waiting
+// (a draining worker stops waiting for it) even before a Book sweeps it.
+TEST_F(ReservationTableTest, LapsesWithItsRequestsDeadlineAndStopsWaiting) {
+  ReservationRequest short_lived = Request("a", 2, 4);
+  short_lived.lifetime = absl::Seconds(2);
+  KV_ASSERT_OK_AND_ASSIGN(ReservationGrant a, table_->Book(std::move(short_lived)));
+  KV_ASSERT_OK(table_->Book(Request("b", 1, 4)).status());  // the table's 60 s ttl
+  EXPECT_EQ(table_->Load().waiting, 2);
+  clock_.Advance(absl::Seconds(3));
+  EXPECT_EQ(table_->Load().waiting, 1);
+  EXPECT_EQ(table_->Load().reservations, 2);  // not swept yet
+  EXPECT_TRUE(table_->Claim(ClaimOf("a", a), kPusher).expired);
+  clock_.Advance(absl::Seconds(58));
+  EXPECT_EQ(table_->Load().waiting, 0);
+  KV_EXPECT_OK(table_->Book(Request("c", 1, 8)).status());
+  EXPECT_EQ(table_->Load().reservations, 1);
+}
+
 TEST_F(ReservationTableTest, ReleaseNeedsTheTokenAndIsIdempotent) {
   KV_ASSERT_OK_AND_ASSIGN(ReservationGrant a, table_->Book(Request("a", 2, 4)));
   EXPECT_THAT(table_->Release("a", "not the token"),

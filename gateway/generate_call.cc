@@ -213,6 +213,11 @@ absl::StatusOr<kvrelay::v1::ReserveResponse> GenerateCall::Reserve(const Plan& p
   reserve.set_layout_fingerprint(layout_fingerprint_);
   reserve.set_layout_description(deps_.layout->Describe());
   *reserve.mutable_chain_packed() = PackChain(plan.chain);
+  // The reservation lapses with the request: slots are not held for a request that gave up.
+  if (call_.deadline != absl::InfiniteFuture()) {
+    reserve.set_request_budget_ms(std::clamp<int64_t>(
+        absl::ToInt64Milliseconds(call_.deadline - deps_.clock->Now()) + 1, 1, 3600 * 1000));
+  }
   return decode->decode->Reserve(
       reserve, std::min(call_.deadline, deps_.clock->Now() + options_.reserve_timeout));
 }

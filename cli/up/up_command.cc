@@ -170,6 +170,10 @@ int RunUpCommand(const std::vector<std::string>& args) {
     kv_dtype_flags = {"--kv-cache-dtype", std::string(kv::DTypeName(**kv_dtype))};
   }
   if (seed < 0) return UsageError(absl::StrCat("--seed must be >= 0, got ", seed));
+  if (grace < absl::Seconds(1) || grace > absl::Minutes(10)) {
+    return UsageError(
+        absl::StrCat("--grace must be in [1s, 10m], got ", absl::FormatDuration(grace)));
+  }
   const size_t colon = gateway_address.rfind(':');
   int gateway_port = -1;
   if (colon == std::string::npos || colon == 0 ||
@@ -318,8 +322,13 @@ int RunUpCommand(const std::vector<std::string>& args) {
         absl::StrCat(s.name, " at ", s.endpoint.address, " is not SERVING after ",
                      absl::FormatDuration(start_timeout), ": ", health.message()));
   };
-  const std::vector<std::string> common = {"--host", "127.0.0.1",      "--port",
-                                           "0",      "--metrics-port", "0"};
+  // Each service's own drain ends inside the grace period, so a request that never completes
+  // (a reservation whose push never comes) costs a logged timeout, not a SIGKILL.
+  const std::string drain_timeout =
+      absl::FormatDuration(grace - std::min(absl::Seconds(2), grace / 5));
+  const std::vector<std::string> common = {
+      "--host",         "127.0.0.1", "--port",          "0",
+      "--metrics-port", "0",         "--drain-timeout", drain_timeout};
   auto with_common = [&](std::vector<std::string> head, std::vector<std::string> tail) {
     head.insert(head.end(), common.begin(), common.end());
     head.insert(head.end(), tail.begin(), tail.end());

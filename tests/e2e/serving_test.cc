@@ -805,6 +805,7 @@ TEST(MixedKvDtypes, AreNeverPairedAndRefuseEachOtherNamingBothLayouts) {
       request.set_max_tokens(1);
       request.set_layout_fingerprint(fingerprint);
       request.set_layout_description(description);
+      request.set_request_budget_ms(3000);  // a gateway's would be the request's deadline
       grpc::ClientContext context;
       context.set_deadline(deadline());
       return decode_stub->Reserve(&context, request, response);
