@@ -126,6 +126,11 @@ void AddWorker(NodeRow& row, const std::string& gateway, const WorkerStatus& w) 
     }
     return;
   }
+  if ((w.has_prefill() && w.prefill().draining()) || (w.has_decode() && w.decode().draining())) {
+    row.state = "draining";
+    row.why.push_back(absl::StrCat("draining (told gateway ", gateway,
+                                   "): refuses new work, finishes what it admitted, then leaves"));
+  }
   if (w.has_prefill()) {
     const kvrelay::v1::PrefillStatusResponse& p = w.prefill();
     row.active_requests = p.active_requests();

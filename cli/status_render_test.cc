@@ -160,6 +160,28 @@ TEST(StatusRender, MergesTheRegistryAndTheGatewaysIntoOneStatePerNode) {
   EXPECT_DOUBLE_EQ(*s.store.hit_rate, 0.45);
 }
 
+// A SIGTERMed worker still answers Status while it finishes what it admitted: draining, with
+// its load, from whichever gateway asked.
+TEST(StatusRender, AWorkerThatSaysItDrainsIsDrainingWithItsLoad) {
+  v1::GatewayStatusResponse r;
+  r.set_model("model-llama");
+  *r.mutable_registry()->add_nodes() =
+      Registered("decode-0", v1::NODE_ROLE_DECODE, "127.0.0.1:7200", 0xb1);
+  v1::WorkerStatus d0 = Worker("decode-0", v1::NODE_ROLE_DECODE, "127.0.0.1:7200");
+  d0.mutable_decode()->set_draining(true);
+  *r.add_workers() = d0;
+  std::vector<GatewayReply> replies;
+  replies.push_back({"127.0.0.1:50051", r});
+  const ClusterStatus s = MergeStatus(std::move(replies));
+  const NodeRow* d = Find(s, "decode-0");
+  ASSERT_NE(d, nullptr);
+  EXPECT_EQ(d->state, "draining");
+  EXPECT_GT(d->active_requests, 0);
+  ASSERT_EQ(d->why.size(), 1u);
+  EXPECT_THAT(d->why[0], HasSubstr("finishes what it admitted"));
+  EXPECT_THAT(StatusTable(s), HasSubstr("decode-0 draining:"));
+}
+
 TEST(StatusRender, JsonCarriesEveryField) {
   const nlohmann::json j = StatusJson(Merged());
   ASSERT_EQ(j["gateways"].size(), 2u);

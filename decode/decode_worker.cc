@@ -833,6 +833,7 @@ kvrelay::v1::DecodeStatusResponse DecodeWorker::Describe() {
   response.set_queued_requests(counts.queued);
   response.set_max_queued(options_.max_queued);
   response.set_reserved_requests(load.reservations);
+  response.set_draining(draining_.load());
   // Capacity as admission sees it: blocks not booked, in the tightest group.
   int64_t free_slots = INT64_MAX, total = 0;
   for (size_t g = 0; g < load.capacity.size(); ++g) {

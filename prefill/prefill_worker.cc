@@ -500,6 +500,7 @@ kvrelay::v1::PrefillStatusResponse PrefillWorker::Describe() const {
   response.set_prefix_hit_tokens_total(static_cast<int64_t>(prefix_hit_tokens_->value()));
   response.set_layout_fingerprint(model_config().layout.fingerprint().ToBytes());
   response.set_layout_description(model_config().layout.Describe());
+  response.set_draining(draining_.load());
   if (puller_ != nullptr) {
     for (const auto& [holder, rate] : puller_->LinkRates()) {
       kvrelay::v1::LinkRate* link = response.add_link_rates();

@@ -8,6 +8,7 @@
 
 #include <nlohmann/json.hpp>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -174,6 +175,32 @@ TEST_F(StatusCommand, ShowsServingSuspectAndUnregisteredNodes) {
               absl::ToDoubleSeconds(absl::Now() - killed_at));
   const nlohmann::json after = WaitForState(paused.address, "serving", absl::Seconds(10));
   EXPECT_EQ(Node(after, paused.address)["state"], "serving") << after.dump(2);
+
+  // SIGTERMed with a long generation in flight (decode-0 is the only decode worker left): it
+  // says it is draining while it finishes that request, which still ends with every token.
+  GatewayRequest long_one;
+  long_one.generation.tokens = RandomPrompt(40, 5);
+  long_one.generation.max_tokens = 1500;  // ~2 s here, under the 8 s drain with ASan too
+  absl::StatusOr<cli::GenerationResult> finished = absl::UnknownError("not run");
+  std::thread generating([&] {
+    finished = GatewayClient(cluster_->gateway(), cluster_->client_security())
+                   .Generate(long_one, absl::Seconds(60));
+  });
+  nlohmann::json busy;
+  const absl::Time busy_deadline = absl::Now() + absl::Seconds(20);
+  do {
+    busy = AdminStatus();
+    const nlohmann::json d = Node(busy, paused.address);
+    if (d.is_object() && d["active_requests"].is_number() && d["active_requests"] > 0) break;
+    absl::SleepFor(absl::Milliseconds(50));
+  } while (absl::Now() < busy_deadline);
+  ASSERT_EQ(::kill(paused.pid, SIGTERM), 0);
+  const nlohmann::json draining = WaitForState(paused.address, "draining", absl::Seconds(5));
+  generating.join();
+  EXPECT_EQ(Node(draining, paused.address)["state"], "draining")
+      << busy.dump(2) << draining.dump(2);
+  KV_ASSERT_OK(finished.status());
+  EXPECT_EQ(finished->tokens.size(), 1500u);
 }
 
 }  // namespace
