@@ -108,6 +108,8 @@ void AddWorker(NodeRow& row, const std::string& gateway, const WorkerStatus& w) 
   if (row.address.empty()) row.address = w.address();
   row.in_flight += w.in_flight();
   row.picked += w.picked();
+  row.service_ms = std::max(row.service_ms, w.service_ms());
+  row.transfer_ms_per_mib = std::max(row.transfer_ms_per_mib, w.transfer_ms_per_mib());
   const std::string breaker = BreakerName(w.breaker());
   row.breakers.emplace_back(gateway, breaker);
   if (BreakerRank(breaker) > BreakerRank(row.breaker)) row.breaker = breaker;
@@ -306,6 +308,8 @@ nlohmann::json StatusJson(const ClusterStatus& status) {
          {"breaker", n.breaker},
          {"breakers", breakers},
          {"compute_tokens_per_second", n.compute_tokens_per_second},
+         {"service_ms", n.service_ms},
+         {"transfer_ms_per_mib", n.transfer_ms_per_mib},
          {"link_rates", links}});
   }
   return {{"gateways", gateways}, {"store", store}, {"nodes", nodes}};
@@ -360,6 +364,10 @@ std::string StatusTable(const ClusterStatus& status) {
     }
     for (const LinkRateRow& l : n.link_rates) {
       rates.push_back(absl::StrCat("from ", l.holder, " ", Bytes(l.bytes_per_second), "/s"));
+    }
+    if (n.service_ms > 0) rates.push_back(absl::StrFormat("first token %.0f ms", n.service_ms));
+    if (n.transfer_ms_per_mib > 0) {
+      rates.push_back(absl::StrFormat("push %.1f ms/MiB", n.transfer_ms_per_mib));
     }
     cells.push_back({n.node_id, n.role, absl::StrFormat("%016x", n.incarnation), n.address, n.state,
                      slots(n.dram_used_slots, n.dram_total_slots), "-",

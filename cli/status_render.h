@@ -60,6 +60,9 @@ struct NodeRow {
   std::vector<std::pair<std::string, std::string>> breakers;  // gateway -> state
   double compute_tokens_per_second = 0;                       // prefill; 0: not measured
   std::vector<LinkRateRow> link_rates;                        // prefill pulls, per holder
+  // Decode: what the gateways learned (the slowest gateway's view); 0: nothing yet.
+  double service_ms = 0;
+  double transfer_ms_per_mib = 0;
 };
 
 struct StoreRow {

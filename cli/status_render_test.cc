@@ -84,6 +84,8 @@ v1::GatewayStatusResponse FixedCluster() {
   v1::WorkerStatus d0 = Worker("decode-0", v1::NODE_ROLE_DECODE, "127.0.0.1:7200");
   d0.set_in_flight(2);
   d0.set_picked(7);
+  d0.set_service_ms(84);
+  d0.set_transfer_ms_per_mib(12.5);
   *r.add_workers() = d0;
   // Fixed workers that did not answer: no node id from their Status.
   v1::WorkerStatus d1 = Worker("", v1::NODE_ROLE_DECODE, "127.0.0.1:7201");
@@ -140,6 +142,9 @@ TEST(StatusRender, MergesTheRegistryAndTheGatewaysIntoOneStatePerNode) {
   EXPECT_EQ(d0->picked, 7);
   EXPECT_EQ(d0->active_requests, 3);
   EXPECT_EQ(d0->pool_free_slots, 500);
+  EXPECT_EQ(d0->service_ms, 84);
+  EXPECT_EQ(d0->transfer_ms_per_mib, 12.5);
+  EXPECT_THAT(StatusTable(s), HasSubstr("first token 84 ms; push 12.5 ms/MiB"));
   // The paused one: the registry's id joined to the gateway's fixed address.
   const NodeRow* d1 = Find(s, "decode-1");
   ASSERT_NE(d1, nullptr);

@@ -25,7 +25,6 @@ GenerateCallOptions CallOptions(const GatewayOptions& options) {
   GenerateCallOptions call;
   call.model_name = options.model_name;
   call.max_attempts = options.max_attempts;
-  call.reserve_timeout = options.reserve_timeout;
   call.prefill_timeout = options.prefill_timeout;
   call.chunk_timeout = options.chunk_timeout;
   return call;
@@ -59,6 +58,8 @@ void DescribeWorker(WorkerSet::Node& n, absl::Time bound, kvrelay::v1::WorkerSta
   out->set_busy(n.breaker.Busy());
   out->set_suspect(n.suspect.load(std::memory_order_relaxed));
   if (prefill) out->set_prefill_tokens_per_second(n.prefill_tokens.rate());
+  out->set_service_ms(n.service.Last().value_or(0) * 1000);
+  out->set_transfer_ms_per_mib(n.transfer_seconds_per_mib.Last().value_or(0) * 1000);
   absl::Status status;
   std::string node_id;
   uint64_t incarnation = 0;
@@ -112,14 +113,19 @@ Gateway::Gateway(GatewayOptions options, kv::ModelConfig config, MetricsRegistry
       metrics_(metrics, options_.model_name),
       store_(std::move(store)),
       workers_(std::make_unique<WorkerSet>(
-          WorkerSetOptions{.breaker = options_.breaker,
-                           .route_timeout = options_.route_timeout,
-                           .prefix_routing = options_.prefix_routing,
-                           .block_tokens = config_.layout.block_tokens(),
-                           .layout_fingerprint = config_.layout.fingerprint().ToBytes(),
-                           .layout_description = config_.layout.Describe(),
-                           .metrics = metrics,
-                           .metric_labels = {{"model_name", options_.model_name}}},
+          WorkerSetOptions{
+              .breaker = options_.breaker,
+              .route_timeout = options_.route_timeout,
+              .prefix_routing = options_.prefix_routing,
+              .block_tokens = config_.layout.block_tokens(),
+              .layout_fingerprint = config_.layout.fingerprint().ToBytes(),
+              .layout_description = config_.layout.Describe(),
+              .metrics = metrics,
+              .metric_labels = {{"model_name", options_.model_name}},
+              .block_bytes = config_.layout.BytesPerToken() * config_.layout.block_tokens(),
+              .reserve_timeout_floor =
+                  std::min(options_.reserve_timeout_floor, options_.reserve_timeout),
+              .reserve_timeout = options_.reserve_timeout},
           clock, store_.get(), std::move(factories))),
       instance_id_(absl::StrCat(absl::ToUnixMicros(absl::Now()) % 1000000000)),
       tenant_in_flight_("tenant", "requests in flight", "--max-inflight-per-tenant",

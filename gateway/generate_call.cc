@@ -99,7 +99,8 @@ absl::StatusOr<bool> GenerateCall::Attempt() {
   // refusal costs nothing.
   if (WorkerSet::AnyPickable(nodes.decode, Excluded(Blame::kDecode))) {
     plan = MakePlan();
-    pair.decode = deps_.workers->PickDecode(nodes.decode, plan.held, Excluded(Blame::kDecode));
+    pair.decode = deps_.workers->PickDecode(nodes.decode, plan.held, plan.full_blocks,
+                                            Excluded(Blame::kDecode));
   }
   // Nothing picked: overload when a usable node is busy (refused for capacity, here or for
   // another request a moment ago), else no healthy node is left.
@@ -146,6 +147,8 @@ GenerateCall::Plan GenerateCall::MakePlan() const {
 absl::StatusOr<bool> GenerateCall::RunPair(const Plan& plan, const Pair& pair) {
   ++attempts_;
   if (attempts_ > 1) deps_.metrics->failovers->Increment();
+  attempt_start_ = deps_.clock->Now();
+  attempt_streamed_ = false;
   const std::string request_id = absl::StrCat(call_.request_id_prefix, "-", attempts_);
   // The pickers rank by load: this attempt counts on both nodes until it ends.
   struct InFlight {
@@ -175,8 +178,15 @@ absl::StatusOr<bool> GenerateCall::RunPair(const Plan& plan, const Pair& pair) {
   }
   pair.decode->SetNodeId(target->node_id());
 
+  const absl::Time prefill_start = deps_.clock->Now();
   absl::StatusOr<kvrelay::v1::PrefillResponse> prefilled =
       Prefill(plan, pair.prefill, *target, request_id);
+  if (prefilled.ok() && prefilled->pushed_bytes() >= (64 << 10)) {
+    // A bound on the decode node's link: the whole call (compute included) over what it moved.
+    const double mib = static_cast<double>(prefilled->pushed_bytes()) / (1 << 20);
+    pair.decode->transfer_seconds_per_mib.Observe(
+        absl::ToDoubleSeconds(deps_.clock->Now() - prefill_start) / mib, deps_.clock->Now());
+  }
   if (!prefilled.ok()) {
     pair.decode->decode->Release(request_id, target->reservation_token(),
                                  deps_.clock->Now() + absl::Seconds(1));
@@ -218,8 +228,14 @@ absl::StatusOr<kvrelay::v1::ReserveResponse> GenerateCall::Reserve(const Plan& p
     reserve.set_request_budget_ms(std::clamp<int64_t>(
         absl::ToInt64Milliseconds(call_.deadline - deps_.clock->Now()) + 1, 1, 3600 * 1000));
   }
-  return decode->decode->Reserve(
-      reserve, std::min(call_.deadline, deps_.clock->Now() + options_.reserve_timeout));
+  const absl::Time start = deps_.clock->Now();
+  absl::StatusOr<kvrelay::v1::ReserveResponse> reserved = decode->decode->Reserve(
+      reserve, std::min(call_.deadline, start + deps_.workers->ReserveTimeout()));
+  // Any answer is a round trip (a refusal too); a timeout or a lost connection is not.
+  if (reserved.ok() || proto::GetErrorInfo(reserved.status()).has_value()) {
+    deps_.workers->ObserveReserve(deps_.clock->Now() - start);
+  }
+  return reserved;
 }
 
 absl::StatusOr<kvrelay::v1::PrefillResponse> GenerateCall::Prefill(
@@ -288,14 +304,19 @@ absl::Status GenerateCall::Stream(const Plan& plan, Node* decode,
   request.set_layout_description(deps_.layout->Describe());
   request.set_reservation_token(target.reservation_token());
   int32_t computed_here = prefilled.computed_tokens();
-  absl::Status s = decode->decode->Generate(request, call_.deadline, options_.chunk_timeout,
-                                            [&](const kvrelay::v1::DecodeChunk& chunk) {
-                                              // Streaming: the decode worker has claimed the
-                                              // reservation.
-                                              tenant_lease->Return();
-                                              client_lease->Return();
-                                              return OnChunk(chunk, &computed_here, stream_done);
-                                            });
+  absl::Status s = decode->decode->Generate(
+      request, call_.deadline, options_.chunk_timeout, [&](const kvrelay::v1::DecodeChunk& chunk) {
+        // Streaming: the decode worker has claimed the
+        // reservation.
+        tenant_lease->Return();
+        client_lease->Return();
+        if (!attempt_streamed_ && chunk.tokens_size() > 0) {
+          attempt_streamed_ = true;
+          const absl::Time now = deps_.clock->Now();
+          decode->service.Observe(absl::ToDoubleSeconds(now - attempt_start_), now);
+        }
+        return OnChunk(chunk, &computed_here, stream_done);
+      });
   summary_.set_computed_prompt_tokens(summary_.computed_prompt_tokens() + computed_here);
   return s;
 }
@@ -304,6 +325,7 @@ bool GenerateCall::OnChunk(const kvrelay::v1::DecodeChunk& chunk, int32_t* compu
                            bool* stream_done) {
   if (chunk.tokens_size() > 0) {
     const absl::Time now = deps_.clock->Now();
+
     if (first_token_time_ == absl::InfiniteFuture()) {
       first_token_time_ = now;
       deps_.metrics->ttft_seconds->Observe(absl::ToDoubleSeconds(first_token_time_ - call_.start));
@@ -367,6 +389,9 @@ absl::StatusOr<bool> GenerateCall::Failed(const absl::Status& status, Blame call
     failed_prefill_.push_back(pair.prefill);
     deps_.metrics->CountWorkerFailure(status, "prefill");
   } else {
+    // What the failure cost this request, believed at once (it decays back while idle).
+    pair.decode->service.ObservePenalty(absl::ToDoubleSeconds(deps_.clock->Now() - attempt_start_),
+                                        deps_.clock->Now());
     pair.decode->breaker.RecordFailure();
     deps_.metrics->breaker_opens_decode->Increment();
     failed_decode_.push_back(pair.decode);

@@ -49,8 +49,8 @@ using GenerateSink = std::function<bool(const kvrelay::v1::GenerateResponse&)>;
 struct GenerateCallOptions {
   std::string model_name;    // sent to the workers
   int32_t max_attempts = 3;  // attempts blamed on a worker before the request fails
-  // Per-step bounds, each below the request's deadline.
-  absl::Duration reserve_timeout = absl::Seconds(2);
+  // Per-step bounds, each below the request's deadline (Reserve's is the WorkerSet's adaptive
+  // one: WorkerSet::ReserveTimeout).
   absl::Duration prefill_timeout = absl::Seconds(30);
   absl::Duration chunk_timeout = absl::Seconds(5);  // first token and every gap after it
 };
@@ -168,6 +168,10 @@ class GenerateCall {
   std::vector<int32_t> generated_;  // streamed to the sink so far, across attempts
   kvrelay::v1::GenerateSummary summary_;
   absl::Time first_token_time_ = absl::InfiniteFuture();
+  // The current attempt's start (before its Reserve) and whether its first token arrived: the
+  // decode node's service-time sample (WorkerSet::Node::service).
+  absl::Time attempt_start_ = absl::InfinitePast();
+  bool attempt_streamed_ = false;
   absl::Time last_token_time_ = absl::InfiniteFuture();
   std::vector<Node*> failed_prefill_;  // excluded from later attempts
   std::vector<Node*> failed_decode_;

@@ -485,7 +485,6 @@ TEST_F(GenerateCallTest, ARetryAfterARefusalRespectsTheDeadline) {
       return proto::Overloaded("full", kvrelay::v1::ROLE_DECODE, "", "slots", 0);
     };
   }
-  options_.reserve_timeout = absl::Seconds(5);
   const absl::Status s = Run(absl::Seconds(1));
   EXPECT_FALSE(s.ok());
   EXPECT_EQ(d0->reserves.size() + d1->reserves.size(), 1u);  // no second try past the deadline

@@ -66,7 +66,8 @@ WorkerSet::WorkerSet(WorkerSetOptions options, Clock* clock, cachestore::CacheSt
       store_(store),
       factories_(std::move(factories)),
       store_gate_(options_.store_gate_clock != nullptr ? options_.store_gate_clock : Clock::Real(),
-                  StoreGateOptions(options_, store)) {
+                  StoreGateOptions(options_, store)),
+      reserve_rtt_(options_.reserve_timeout_floor, options_.reserve_timeout) {
   SetNodeGauges(/*live=*/true);
 }
 
@@ -110,14 +111,14 @@ void WorkerSet::SetNodeGauges(bool live) {
 }
 
 void WorkerSet::AddFixed(std::unique_ptr<PrefillEndpoint> endpoint) {
-  auto node = std::make_shared<Node>(clock_, options_.breaker);
+  auto node = std::make_shared<Node>(clock_, options_.breaker, options_.learned);
   node->prefill = std::move(endpoint);
   absl::MutexLock lock(&nodes_mu_);
   prefills_.push_back(std::move(node));
 }
 
 void WorkerSet::AddFixed(std::unique_ptr<DecodeEndpoint> endpoint) {
-  auto node = std::make_shared<Node>(clock_, options_.breaker);
+  auto node = std::make_shared<Node>(clock_, options_.breaker, options_.learned);
   node->decode = std::move(endpoint);
   absl::MutexLock lock(&nodes_mu_);
   decodes_.push_back(std::move(node));
@@ -223,7 +224,7 @@ WorkerSet::NodeList WorkerSet::ApplyRole(const NodeList& nodes,
 
 std::shared_ptr<WorkerSet::Node> WorkerSet::MakeDiscovered(const kvrelay::v1::NodeInfo& info,
                                                            bool prefill_role) {
-  auto node = std::make_shared<Node>(clock_, options_.breaker);
+  auto node = std::make_shared<Node>(clock_, options_.breaker, options_.learned);
   node->discovered = true;
   node->incarnation = info.incarnation();
   node->SetNodeId(info.node_id());
@@ -365,7 +366,10 @@ Node* WorkerSet::PickPrefill(const NodeList& prefills,
       if (it != held.end()) matched[i] = it->second;
     }
   }
-  if (Node* probe = TakeProbe(prefills, excluded)) return probe;
+  if (Node* probe = TakeProbe(prefills, excluded)) {
+    CountPick("prefill", *probe, PickReason::kProbe);
+    return probe;
+  }
   return RankPrefill(prefills, matched, full_blocks, excluded, routed);
 }
 
@@ -384,9 +388,27 @@ Node* WorkerSet::RankPrefill(const NodeList& prefills, const std::vector<int32_t
   // time per request) plus the prompt it does not hold (at its compute rate). Until then:
   // longest prefix first, then the least loaded. Ties rotate; open or busy breakers skipped.
   const uint64_t rotation = prefill_rotation_.fetch_add(1, std::memory_order_relaxed);
+  // Rates a node has not refreshed for a while are forgotten toward the fleet's best (see
+  // WorkerSetOptions::learned): a node measured slow once is not ranked by it forever.
+  const absl::Time now = clock_->Now();
+  double best_call_rate = 0, best_token_rate = 0;
+  for (const auto& n : prefills) {
+    best_call_rate = std::max(best_call_rate, n->prefill_calls.rate());
+    best_token_rate = std::max(best_token_rate, n->prefill_tokens.rate());
+  }
+  auto seconds_per_call = [&](const Node& n) {
+    return Forget(1.0 / n.prefill_calls.rate(), 1.0 / best_call_rate,
+                  now - n.prefill_calls.last_observed(), options_.learned.half_life);
+  };
+  auto tokens_per_second = [&](const Node& n) {
+    return Forget(n.prefill_tokens.rate(), best_token_rate, now - n.prefill_tokens.last_observed(),
+                  options_.learned.half_life);
+  };
   Node* best = nullptr;
   Node* least_loaded = nullptr;
+  bool only_suspect = false;
   for (bool with_suspect : {false, true}) {
+    only_suspect = with_suspect;
     allow_suspect = with_suspect;
     bool measured = true;
     for (const auto& n : prefills) {
@@ -402,9 +424,9 @@ Node* WorkerSet::RankPrefill(const NodeList& prefills, const std::vector<int32_t
       if (!usable(n)) continue;
       const double cost = !options_.prefix_routing ? static_cast<double>(n->Load())
                           : measured
-                              ? kv::RouteSeconds(n->Load(), 1.0 / n->prefill_calls.rate(),
+                              ? kv::RouteSeconds(n->Load(), seconds_per_call(*n),
                                                  (full_blocks - matched[i]) * options_.block_tokens,
-                                                 n->prefill_tokens.rate())
+                                                 tokens_per_second(*n))
                               : -(static_cast<double>(matched[i]) * 1000 - n->Load());
       if (cost < best_cost) {
         best_cost = cost;
@@ -417,22 +439,28 @@ Node* WorkerSet::RankPrefill(const NodeList& prefills, const std::vector<int32_t
     }
     if (best != nullptr) break;
   }
+  bool cold = false;
   if (least_loaded != nullptr && least_loaded->Cold() && best != least_loaded) {
     best = least_loaded;  // a new worker gets its first request (see Node::picked)
+    cold = true;
   }
   if (best == nullptr) return nullptr;
   best->picked.fetch_add(1, std::memory_order_relaxed);
-  if (best != least_loaded && best->Load() > least_loaded->Load()) {
+  if (!cold && best != least_loaded && best->Load() > least_loaded->Load()) {
     *routed = true;  // the prefix outweighed the load
-    return best;
   }
-  for (size_t i = 0; i < prefills.size(); ++i) {
+  for (size_t i = 0; i < prefills.size() && !cold && !*routed; ++i) {
     if (prefills[i].get() != best || matched[i] == 0) continue;
     // Several equally loaded nodes: the holder was taken for its prefix.
     for (size_t j = 0; j < prefills.size(); ++j) {
       if (j != i && matched[j] < matched[i] && usable(prefills[j].get())) *routed = true;
     }
   }
+  CountPick("prefill", *best,
+            cold           ? PickReason::kCold
+            : only_suspect ? PickReason::kSuspect
+            : *routed      ? PickReason::kPrefix
+                           : PickReason::kLoad);
   return best;
 }
 
@@ -457,15 +485,85 @@ bool WorkerSet::AnyPickable(const NodeList& nodes, const std::vector<Node*>& exc
   return false;
 }
 
+const char* PickReasonName(PickReason reason) {
+  switch (reason) {
+    case PickReason::kProbe:
+      return "probe";
+    case PickReason::kCold:
+      return "cold";
+    case PickReason::kLoad:
+      return "load";
+    case PickReason::kService:
+      return "service";
+    case PickReason::kPrefix:
+      return "prefix";
+    case PickReason::kSuspect:
+      return "suspect";
+  }
+  return "?";
+}
+
+void WorkerSet::CountPick(const char* role, const Node& node, PickReason reason) {
+  KV_LOG(DEBUG) << "gateway: " << role << " pick " << node.address() << " ("
+                << PickReasonName(reason) << ", load " << node.Load() << ")";
+  if (options_.metrics == nullptr) return;
+  MetricLabels labels = options_.metric_labels;
+  labels["role"] = role;
+  labels["reason"] = PickReasonName(reason);
+  options_.metrics
+      ->GetCounter("kvrelay:gateway_picks_total",
+                   "workers picked by this gateway, by why: probe (half-open breaker), cold (a "
+                   "new worker's first request), load, service (measured time outweighed load), "
+                   "prefix (the held prefix outweighed the cost), suspect (nothing else usable)",
+                   labels)
+      ->Increment();
+}
+
+namespace {
+
+// The lowest of `decodes`' learned figures (the fleet's best, which the others forget toward).
+std::optional<double> Best(const WorkerSet::NodeList& decodes,
+                           LearnedLatency WorkerSet::Node::*figure) {
+  std::optional<double> best;
+  for (const auto& n : decodes) {
+    if (std::optional<double> v = ((*n).*figure).Last()) best = std::min(best.value_or(*v), *v);
+  }
+  return best;
+}
+
+}  // namespace
+
+std::optional<double> WorkerSet::BestService(const NodeList& decodes) {
+  return Best(decodes, &Node::service);
+}
+std::optional<double> WorkerSet::BestTransfer(const NodeList& decodes) {
+  return Best(decodes, &Node::transfer_seconds_per_mib);
+}
+
 Node* WorkerSet::PickDecode(const NodeList& decodes,
                             const absl::flat_hash_map<std::string, int32_t>& held,
-                            const std::vector<Node*>& excluded) {
-  if (Node* probe = TakeProbe(decodes, excluded)) return probe;
+                            int64_t full_blocks, const std::vector<Node*>& excluded,
+                            PickReason* reason) {
+  PickReason why = PickReason::kLoad;
+  Node* best = TakeProbe(decodes, excluded);
+  if (best != nullptr) why = PickReason::kProbe;
+  const absl::Time now = clock_->Now();
+  // Until some node has a figure, a nominal 50 ms per request: the load alone decides, and a
+  // held prefix breaks ties.
+  const double service_prior = BestService(decodes).value_or(0.05);
+  const double transfer_prior = BestTransfer(decodes).value_or(0.0);
+  const double mib_per_block = static_cast<double>(options_.block_bytes) / (1 << 20);
   const uint64_t rotation = decode_rotation_.fetch_add(1, std::memory_order_relaxed);
-  Node* best = nullptr;
   // Suspect nodes only when nothing else is usable (see RankPrefill).
   for (bool with_suspect : {false, true}) {
-    std::vector<Node*> candidates;
+    if (best != nullptr) break;
+    struct Candidate {
+      Node* node;
+      int32_t held;
+      double cost;       // with what it holds
+      double cost_cold;  // as if it held nothing
+    };
+    std::vector<Candidate> candidates;
     int32_t lowest_load = std::numeric_limits<int32_t>::max();
     for (size_t k = 0; k < decodes.size(); ++k) {
       Node* n = decodes[(rotation + k) % decodes.size()].get();
@@ -473,30 +571,51 @@ Node* WorkerSet::PickDecode(const NodeList& decodes,
           !n->breaker.Healthy() || n->breaker.Busy()) {
         continue;
       }
-      candidates.push_back(n);
+      auto it = held.find(n->NodeId());
+      const int32_t blocks =
+          it == held.end() ? 0 : static_cast<int32_t>(std::min<int64_t>(it->second, full_blocks));
+      const double queue = (n->Load() + 1) * n->service.Value(now, service_prior);
+      const double per_block =
+          mib_per_block * n->transfer_seconds_per_mib.Value(now, transfer_prior);
+      candidates.push_back(
+          {n, blocks, queue + (full_blocks - blocks) * per_block, queue + full_blocks * per_block});
       lowest_load = std::min(lowest_load, n->Load());
     }
-    // Within one request of the least loaded, the longest held prefix wins (then rotation):
-    // it saves the push without piling a shared prefix's requests on one node.
-    int32_t best_held = -1;
-    Node* cold = nullptr;
-    for (Node* n : candidates) {
-      if (cold == nullptr && n->Cold() && n->Load() <= lowest_load) cold = n;
-    }
-    for (Node* n : candidates) {
-      if (n->Load() > lowest_load + 1) continue;
-      auto it = held.find(n->NodeId());
-      const int32_t blocks = it == held.end() ? 0 : it->second;
-      if (blocks > best_held || (blocks == best_held && n->Load() < best->Load())) {
-        best_held = blocks;
-        best = n;
+    // A new worker gets its first request (see Node::picked).
+    for (const Candidate& c : candidates) {
+      if (c.node->Cold() && c.node->Load() <= lowest_load) {
+        best = c.node;
+        why = PickReason::kCold;
+        break;
       }
     }
-    // A new worker gets its first request (see Node::picked).
-    if (cold != nullptr) best = cold;
-    if (best != nullptr) break;
+    if (best != nullptr || candidates.empty()) continue;
+    // Costs within 0.1 ms are a tie: the longer held prefix, then the rotation.
+    constexpr double kTie = 1e-4;
+    const Candidate* chosen = nullptr;
+    const Candidate* without_prefix = nullptr;
+    for (const Candidate& c : candidates) {
+      if (chosen == nullptr || c.cost < chosen->cost - kTie ||
+          (c.cost <= chosen->cost + kTie && c.held > chosen->held)) {
+        chosen = &c;
+      }
+      if (without_prefix == nullptr || c.cost_cold < without_prefix->cost_cold - kTie) {
+        without_prefix = &c;
+      }
+    }
+    best = chosen->node;
+    if (with_suspect) {
+      why = PickReason::kSuspect;
+    } else if (chosen->node != without_prefix->node && chosen->held > without_prefix->held) {
+      why = PickReason::kPrefix;
+    } else if (chosen->node->Load() > lowest_load) {
+      why = PickReason::kService;
+    }
   }
-  if (best != nullptr) best->picked.fetch_add(1, std::memory_order_relaxed);
+  if (best == nullptr) return nullptr;
+  best->picked.fetch_add(1, std::memory_order_relaxed);
+  CountPick("decode", *best, why);
+  if (reason != nullptr) *reason = why;
   return best;
 }
 

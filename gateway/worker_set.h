@@ -36,6 +36,7 @@
 #include "common/dependency_gate.h"
 #include "common/metrics.h"
 #include "gateway/circuit_breaker.h"
+#include "gateway/learned_latency.h"
 #include "gateway/worker_endpoints.h"
 #include "kv/block_hash.h"
 #include "kv/reuse_cost.h"
@@ -71,7 +72,28 @@ struct WorkerSetOptions {
   // labels too (model_name).
   MetricsRegistry* metrics = nullptr;
   MetricLabels metric_labels;
+  // Layout bytes of one block (every layer group): the decode picker's transfer term.
+  int64_t block_bytes = 0;
+  // How fast what the pickers learned about a node (service time, transfer rate) is forgotten
+  // while it gets no request: half the distance to the fleet's best per half-life.
+  LearnedLatencyOptions learned;
+  // Decode Reserve calls are bounded by an adaptive timeout (SRTT + 4 RTTVAR of this gateway's
+  // Reserve round trips) within [reserve_timeout_floor, reserve_timeout]: a hung or cut-off
+  // decode worker costs a few round trips, not the fixed worst case.
+  absl::Duration reserve_timeout_floor = absl::Milliseconds(250);
+  absl::Duration reserve_timeout = absl::Seconds(2);
 };
+
+// Why a picker chose a node (kvrelay:gateway_picks_total{role, reason}).
+enum class PickReason : int8_t {
+  kProbe,    // its breaker was half-open: this request is the probe
+  kCold,     // a new worker's first request
+  kLoad,     // the lowest load (and learned service time) won
+  kService,  // not the least loaded: the others' measured service time outweighed its load
+  kPrefix,   // the prefix it holds outweighed another node's lower cost without it
+  kSuspect,  // only nodes the registry marks suspect were usable
+};
+const char* PickReasonName(PickReason reason);
 
 // Makes endpoints for discovered workers from their gRPC address.
 struct WorkerFactories {
@@ -84,7 +106,8 @@ class WorkerSet {
   // One worker as the gateway tracks it.
   class Node {
    public:
-    Node(Clock* clock, CircuitBreakerOptions breaker_options) : breaker(clock, breaker_options) {}
+    Node(Clock* clock, CircuitBreakerOptions breaker_options, LearnedLatencyOptions learned = {})
+        : breaker(clock, breaker_options), service(learned), transfer_seconds_per_mib(learned) {}
 
     std::unique_ptr<PrefillEndpoint> prefill;  // exactly one of prefill / decode
     std::unique_ptr<DecodeEndpoint> decode;
@@ -97,6 +120,12 @@ class WorkerSet {
     // (the cost model's inputs for routing).
     kv::RateMeter prefill_calls;
     kv::RateMeter prefill_tokens;
+    // Decode nodes: an attempt's time from its start (Reserve) to its first token, penalized
+    // by what a failure cost; and seconds per MiB of the pushes into it (a bound on its link:
+    // the Prefill call's time over the bytes it pushed). Forgotten while idle (see
+    // WorkerSetOptions::learned).
+    LearnedLatency service;
+    LearnedLatency transfer_seconds_per_mib;
     bool discovered = false;  // from the registry (may be dropped), not a fixed address
     // Requests this gateway has sent to the node: a worker that joined (or came back as a new
     // incarnation) and has had none is given the next one it is least loaded for, so prefix
@@ -192,10 +221,21 @@ class WorkerSet {
   // Whether a picker could return one of `nodes` now: one not excluded, not busy or draining,
   // and closed or due a half-open probe (suspect ones included). Takes no probe.
   static bool AnyPickable(const NodeList& nodes, const std::vector<Node*>& excluded);
-  // The least loaded decode node; among those within one request of it, the one holding the
-  // longest prefix (it is not sent again). Null when none is usable.
+  // The decode node with the lowest predicted cost: (load + 1) x its learned service time,
+  // plus the push of the `full_blocks` blocks it does not hold at its learned transfer rate
+  // (figures a node has not learned yet, or forgot, are the fleet's best). Ties go to the
+  // longest held prefix, then rotate. A new worker gets its first request. Null when none is
+  // usable. `*reason` (optional) says why.
   Node* PickDecode(const NodeList& decodes, const absl::flat_hash_map<std::string, int32_t>& held,
-                   const std::vector<Node*>& excluded);
+                   int64_t full_blocks, const std::vector<Node*>& excluded,
+                   PickReason* reason = nullptr);
+  // The bound for the next Reserve call, and a Reserve round trip to learn it from.
+  absl::Duration ReserveTimeout() const { return reserve_rtt_.Timeout(); }
+  void ObserveReserve(absl::Duration round_trip) { reserve_rtt_.Observe(round_trip); }
+  // The fleet's best learned service time and transfer seconds per MiB among `decodes` (the
+  // prior everything forgets toward); nullopt where none has learned one.
+  static std::optional<double> BestService(const NodeList& decodes);
+  static std::optional<double> BestTransfer(const NodeList& decodes);
 
  private:
   // kvrelay:gateway_workers{role} and kvrelay:gateway_breakers_open{role} in options.metrics,
@@ -214,6 +254,8 @@ class WorkerSet {
   // The first node in `nodes` (not excluded) whose breaker is half-open and lets this request
   // be its probe.
   static Node* TakeProbe(const NodeList& nodes, const std::vector<Node*>& excluded);
+  // Counts a pick in kvrelay:gateway_picks_total{role, reason} and logs it at debug level.
+  void CountPick(const char* role, const Node& node, PickReason reason);
   // PickPrefill's ranking once ids are known and no probe is due.
   Node* RankPrefill(const NodeList& prefills, const std::vector<int32_t>& matched,
                     int64_t full_blocks, const std::vector<Node*>& excluded, bool* routed);
@@ -229,6 +271,7 @@ class WorkerSet {
   // One rotation per role, so ties are broken independently for each picker.
   std::atomic<uint64_t> prefill_rotation_{0};
   std::atomic<uint64_t> decode_rotation_{0};
+  AdaptiveTimeout reserve_rtt_;
   absl::Mutex discovery_mu_;
   bool stopping_ ABSL_GUARDED_BY(discovery_mu_) = false;
   std::thread discovery_;  // last: joined before anything it touches goes

@@ -22,6 +22,7 @@ constexpr absl::Duration kOpenFor = absl::Seconds(1);
 WorkerSetOptions Options() {
   WorkerSetOptions options;
   options.breaker = {.open_for = kOpenFor, .max_open_for = absl::Seconds(8)};
+  options.block_bytes = 1 << 20;
   return options;
 }
 
@@ -57,7 +58,7 @@ class WorkerSetTest : public ::testing::Test {
   }
   Node* PickDecode(const std::vector<Node*>& excluded = {},
                    const absl::flat_hash_map<std::string, int32_t>& held = {}) {
-    return set_.PickDecode(set_.Nodes().decode, held, excluded);
+    return set_.PickDecode(set_.Nodes().decode, held, /*full_blocks=*/8, excluded);
   }
   Node* PickPrefill(const absl::flat_hash_map<std::string, int32_t>& held, int64_t full_blocks,
                     bool* routed, const std::vector<Node*>& excluded = {}) {
@@ -69,25 +70,74 @@ class WorkerSetTest : public ::testing::Test {
   WorkerSet set_;
 };
 
-TEST_F(WorkerSetTest, DecodeGoesToTheLeastLoadedThenToTheLongestHeldPrefix) {
+TEST_F(WorkerSetTest, DecodeTradesTheHeldPrefixAgainstLoadAtTheLearnedTransferRate) {
   AddDecode("d0");
   AddDecode("d1");
   AddDecode("d2");
   const WorkerSet::Snapshot nodes = set_.Nodes();
+  Node* d1 = nodes.decode[1].get();
+  Node* d2 = nodes.decode[2].get();
   nodes.decode[0]->in_flight = 3;
-  nodes.decode[1]->in_flight = 1;
-  nodes.decode[2]->in_flight = 2;
-  EXPECT_EQ(PickDecode(), nodes.decode[1].get());
-  // Within one request of the least loaded, the node holding more of the prompt wins.
-  nodes.decode[2]->SetNodeId("d2");
-  EXPECT_EQ(PickDecode({}, {{"d2", 4}}), nodes.decode[2].get());
-  // Not when it is further behind than that.
-  nodes.decode[2]->in_flight = 3;
-  EXPECT_EQ(PickDecode({}, {{"d2", 4}}), nodes.decode[1].get());
+  d1->in_flight = 1;
+  d2->in_flight = 2;
+  PickReason why{};
+  auto pick = [&](const absl::flat_hash_map<std::string, int32_t>& held) {
+    return set_.PickDecode(nodes.decode, held, /*full_blocks=*/8, {}, &why);
+  };
+  EXPECT_EQ(pick({}), d1);
+  EXPECT_EQ(why, PickReason::kLoad);
+  // Half the prompt held one request further behind: no transfer rate learned yet, so the
+  // load decides.
+  d2->SetNodeId("d2");
+  EXPECT_EQ(pick({{"d2", 4}}), d1);
+  // Over a slow link (0.1 s per MiB, 1 MiB blocks) the 4 blocks not pushed again are worth
+  // more than one request ahead (50 ms each): the holder wins, for its prefix.
+  for (const auto& n : nodes.decode) n->transfer_seconds_per_mib.Observe(0.1, clock_.Now());
+  EXPECT_EQ(pick({{"d2", 4}}), d2);
+  EXPECT_EQ(why, PickReason::kPrefix);
+  // Over a fast one they are not.
+  for (const auto& n : nodes.decode) n->transfer_seconds_per_mib.Observe(0.001, clock_.Now());
+  for (int i = 0; i < 10; ++i) d2->transfer_seconds_per_mib.Observe(0.001, clock_.Now());
+  for (int i = 0; i < 10; ++i) d1->transfer_seconds_per_mib.Observe(0.001, clock_.Now());
+  EXPECT_EQ(pick({{"d2", 4}}), d1);
+  // Equal cost: the longer held prefix.
+  d2->in_flight = 1;
+  EXPECT_EQ(pick({{"d2", 4}}), d2);
   // Excluded (failed for this request) nodes are never picked.
-  EXPECT_EQ(PickDecode({nodes.decode[1].get()}, {{"d2", 4}}), nodes.decode[2].get());
-  EXPECT_EQ(PickDecode({nodes.decode[0].get(), nodes.decode[1].get(), nodes.decode[2].get()}),
-            nullptr);
+  EXPECT_EQ(set_.PickDecode(nodes.decode, {{"d2", 4}}, 8, {d2}), d1);
+  EXPECT_EQ(set_.PickDecode(nodes.decode, {}, 8, {nodes.decode[0].get(), d1, d2}), nullptr);
+}
+
+// A node measured slow (or penalized by a failure) loses traffic to busier fast ones, then
+// forgets it while idle and gets traffic back.
+TEST_F(WorkerSetTest, DecodeLearnsAServiceTimeAndForgetsItWhileIdle) {
+  AddDecode("d0");
+  AddDecode("d1");
+  const WorkerSet::Snapshot nodes = set_.Nodes();
+  Node* d0 = nodes.decode[0].get();
+  Node* d1 = nodes.decode[1].get();
+  d0->service.Observe(0.05, clock_.Now());
+  d1->service.ObservePenalty(2.0, clock_.Now());  // a 2 s timeout
+  d0->in_flight = 3;
+  PickReason why{};
+  EXPECT_EQ(set_.PickDecode(nodes.decode, {}, 0, {}, &why), d0);
+  EXPECT_EQ(why, PickReason::kService);
+  EXPECT_EQ(WorkerSet::BestService(nodes.decode), 0.05);
+  // Left alone for a while (half-life 5 s), it is the fleet's best again.
+  clock_.Advance(absl::Seconds(30));
+  EXPECT_EQ(set_.PickDecode(nodes.decode, {}, 0, {}, &why), d1);
+  EXPECT_EQ(why, PickReason::kLoad);
+  // Its first answer is believed at once.
+  d1->service.Observe(0.04, clock_.Now());
+  d1->in_flight = 1;
+  d0->in_flight = 1;
+  EXPECT_EQ(set_.PickDecode(nodes.decode, {}, 0, {}), d1);
+}
+
+TEST_F(WorkerSetTest, TheReserveTimeoutFollowsMeasuredRoundTripsWithinItsBounds) {
+  EXPECT_EQ(set_.ReserveTimeout(), absl::Seconds(2));  // nothing measured: the upper bound
+  for (int i = 0; i < 10; ++i) set_.ObserveReserve(absl::Milliseconds(3));
+  EXPECT_EQ(set_.ReserveTimeout(), absl::Milliseconds(250));  // the floor
 }
 
 TEST_F(WorkerSetTest, AnOpenBreakerIsSkippedThenProbedOnceWhenHalfOpen) {
@@ -416,9 +466,9 @@ TEST_F(DiscoveryTest, ANewWorkerGetsTheNextRequestItIsLeastLoadedFor) {
   ASSERT_EQ(nodes.decode.size(), 2u);
   nodes.decode[0]->SetNodeId("d-fixed");
   // The fixed node holds the whole prefix, but the new one has had nothing yet.
-  Node* picked = set_.PickDecode(nodes.decode, {{"d-fixed", 8}}, {});
+  Node* picked = set_.PickDecode(nodes.decode, {{"d-fixed", 8}}, 8, {});
   EXPECT_EQ(picked, nodes.decode[1].get());
-  EXPECT_EQ(set_.PickDecode(nodes.decode, {{"d-fixed", 8}}, {}), nodes.decode[0].get());
+  EXPECT_EQ(set_.PickDecode(nodes.decode, {{"d-fixed", 8}}, 8, {}), nodes.decode[0].get());
 }
 
 TEST_F(DiscoveryTest, RefreshNeedsAStore) {

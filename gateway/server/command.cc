@@ -65,7 +65,10 @@ void AddRoutingFlags(FlagSet& flags, GatewayFlags& f) {
                 "route to the prefill node holding the prompt's prefix when its queue is worth it "
                 "(false: by load alone; workers pull or recompute what others hold)");
   flags.AddDuration("reserve-timeout", &options.reserve_timeout,
-                    "per-attempt bound on a decode worker's Reserve");
+                    "per-attempt upper bound on a decode worker's Reserve");
+  flags.AddDuration("reserve-timeout-floor", &options.reserve_timeout_floor,
+                    "lower bound of the adaptive Reserve timeout (SRTT + 4 RTTVAR of measured "
+                    "Reserve round trips, within [floor, --reserve-timeout])");
   flags.AddDuration("prefill-timeout", &options.prefill_timeout,
                     "per-attempt bound on a prefill (compute + push)");
   flags.AddDuration("chunk-timeout", &options.chunk_timeout,
