@@ -41,6 +41,11 @@ class ProbeBackoff {
     probe_out_ = false;
     open_until_ = now + cooldown_;
   }
+  // Something says the peer may be back: an open breaker turns half-open now (the cool-down
+  // is kept, so a failed probe still doubles it).
+  void ProbeNow(absl::Time now) {
+    if (open_ && now < open_until_) open_until_ = now;
+  }
   void Close() {
     open_ = false;
     probe_out_ = false;

@@ -61,6 +61,11 @@ void CircuitBreaker::RecordDraining() {
   if (backoff_.probe_out()) backoff_.Close();
 }
 
+void CircuitBreaker::ProbeNow() {
+  absl::MutexLock lock(&mu_);
+  backoff_.ProbeNow(clock_->Now());
+}
+
 CircuitBreaker::State CircuitBreaker::state() const {
   absl::MutexLock lock(&mu_);
   return backoff_.At(clock_->Now());

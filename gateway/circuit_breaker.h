@@ -58,6 +58,9 @@ class CircuitBreaker {
   // The node refused because it drains: skipped for draining_for; not a failure (closes a
   // half-open breaker: the node is alive).
   void RecordDraining();
+  // The registry says the node is back (heartbeating again): an open breaker turns
+  // half-open now, so the next request probes it.
+  void ProbeNow();
   State state() const;
   int64_t failures() const;
 

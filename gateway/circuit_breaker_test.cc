@@ -25,6 +25,22 @@ TEST(CircuitBreaker, OpensOnFailureProbesOnceThenCloses) {
   EXPECT_EQ(breaker.failures(), 1);
 }
 
+TEST(CircuitBreaker, ProbeNowEndsTheCoolDownButKeepsItsLength) {
+  SimulatedClock clock;
+  CircuitBreaker breaker(&clock, {.open_for = absl::Seconds(1), .max_open_for = absl::Seconds(8)});
+  breaker.ProbeNow();  // closed: nothing to do
+  EXPECT_EQ(breaker.state(), State::kClosed);
+  breaker.RecordFailure();
+  breaker.ProbeNow();
+  EXPECT_EQ(breaker.state(), State::kHalfOpen);
+  ASSERT_TRUE(breaker.Allow());
+  breaker.RecordFailure();  // the probe failed: open for 2 s
+  clock.Advance(absl::Milliseconds(1500));
+  EXPECT_EQ(breaker.state(), State::kOpen);
+  clock.Advance(absl::Milliseconds(501));
+  EXPECT_EQ(breaker.state(), State::kHalfOpen);
+}
+
 TEST(CircuitBreaker, FailedProbesBackOffUpToTheCap) {
   SimulatedClock clock;
   CircuitBreaker breaker(&clock, {.open_for = absl::Seconds(1), .max_open_for = absl::Seconds(4)});

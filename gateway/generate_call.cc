@@ -313,7 +313,7 @@ absl::Status GenerateCall::Stream(const Plan& plan, Node* decode,
         if (!attempt_streamed_ && chunk.tokens_size() > 0) {
           attempt_streamed_ = true;
           const absl::Time now = deps_.clock->Now();
-          decode->service.Observe(absl::ToDoubleSeconds(now - attempt_start_), now);
+          decode->service.Observe(absl::ToDoubleSeconds(now - attempt_start_), now, attempt_start_);
         }
         return OnChunk(chunk, &computed_here, stream_done);
       });

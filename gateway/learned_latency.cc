@@ -5,11 +5,12 @@
 
 namespace kvrelay::gateway {
 
-void LearnedLatency::Observe(double seconds, absl::Time now) {
+void LearnedLatency::Observe(double seconds, absl::Time now, absl::Time began) {
   absl::MutexLock lock(&mu_);
+  if (began < penalty_at_) return;
   seconds = std::max(seconds, 0.0);
-  ewma_ = ewma_.has_value() && !penalized_ ? *ewma_ + options_.weight * (seconds - *ewma_)
-                                           : seconds;
+  ewma_ =
+      ewma_.has_value() && !penalized_ ? *ewma_ + options_.weight * (seconds - *ewma_) : seconds;
   penalized_ = false;
   last_ = now;
 }
@@ -18,6 +19,7 @@ void LearnedLatency::ObservePenalty(double seconds, absl::Time now) {
   absl::MutexLock lock(&mu_);
   ewma_ = std::max(ewma_.value_or(0.0), seconds);
   penalized_ = true;
+  penalty_at_ = now;
   last_ = now;
 }
 
@@ -51,6 +53,17 @@ void AdaptiveTimeout::Observe(absl::Duration round_trip) {
   // RFC 6298 2.3 (alpha 1/8, beta 1/4).
   rttvar_ = rttvar_ * 3 / 4 + absl::AbsDuration(srtt_ - round_trip) / 4;
   srtt_ = srtt_ * 7 / 8 + round_trip / 8;
+}
+
+void DecayingCount::Add(absl::Time now) {
+  absl::MutexLock lock(&mu_);
+  count_ = Forget(count_, 0, now - at_, half_life_) + 1;
+  at_ = now;
+}
+
+double DecayingCount::Value(absl::Time now) const {
+  absl::MutexLock lock(&mu_);
+  return Forget(count_, 0, now - at_, half_life_);
 }
 
 absl::Duration AdaptiveTimeout::Timeout() const {

@@ -19,16 +19,19 @@
 namespace kvrelay::gateway {
 
 struct LearnedLatencyOptions {
-  double weight = 0.3;                       // of each new sample, in (0, 1]
-  absl::Duration half_life = absl::Seconds(5);  // of the distance to the prior, without samples
+  double weight = 0.3;                          // of each new sample, in (0, 1]
+  absl::Duration half_life = absl::Seconds(2);  // of the distance to the prior, without samples
 };
 
 class LearnedLatency {
  public:
   explicit LearnedLatency(LearnedLatencyOptions options = {}) : options_(options) {}
 
-  // A sample of `seconds` (>= 0) at `now`.
-  void Observe(double seconds, absl::Time now) ABSL_LOCKS_EXCLUDED(mu_);
+  // A sample of `seconds` (>= 0) at `now`, of work that began at `began`. Ignored when it
+  // began before the last penalty: it describes the fault the penalty already recorded (a
+  // request stuck on a paused node answers seconds late once the node runs again).
+  void Observe(double seconds, absl::Time now, absl::Time began = absl::InfiniteFuture())
+      ABSL_LOCKS_EXCLUDED(mu_);
   // A failure that cost `seconds`: believed at once (the estimate is at least that), not
   // averaged in, so one timeout moves traffic away; the next sample is believed at once too,
   // so a node that answers again is not held back by its penalty.
@@ -45,6 +48,21 @@ class LearnedLatency {
   std::optional<double> ewma_ ABSL_GUARDED_BY(mu_);
   absl::Time last_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   bool penalized_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Time penalty_at_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+};
+
+// A count that halves every `half_life`: how many requests a node got lately.
+class DecayingCount {
+ public:
+  explicit DecayingCount(absl::Duration half_life = absl::Seconds(5)) : half_life_(half_life) {}
+  void Add(absl::Time now) ABSL_LOCKS_EXCLUDED(mu_);
+  double Value(absl::Time now) const ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  const absl::Duration half_life_;
+  mutable absl::Mutex mu_;
+  double count_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Time at_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
 };
 
 // `value` moved toward `prior` by half the distance per `half_life` of `idle` (the same

@@ -36,6 +36,21 @@ TEST(LearnedLatency, ForgetsTowardThePriorWhileNotSampled) {
   EXPECT_DOUBLE_EQ(l.Value(kStart, 1.0), 0.1);
   l.Observe(0.2, kStart);
   EXPECT_NEAR(l.Value(kStart, 1.0), 0.13, 1e-9);
+  // A request that was stuck through a later penalty answers late: not a sample.
+  l.ObservePenalty(0.25, kStart + absl::Seconds(1));
+  l.Observe(6.0, kStart + absl::Seconds(7), /*began=*/kStart + absl::Milliseconds(500));
+  EXPECT_DOUBLE_EQ(*l.Last(), 0.25);
+}
+
+TEST(DecayingCount, HalvesPerHalfLife) {
+  DecayingCount c(absl::Seconds(5));
+  EXPECT_EQ(c.Value(kStart), 0);
+  c.Add(kStart);
+  c.Add(kStart);
+  EXPECT_DOUBLE_EQ(c.Value(kStart), 2);
+  EXPECT_DOUBLE_EQ(c.Value(kStart + absl::Seconds(5)), 1);
+  c.Add(kStart + absl::Seconds(10));
+  EXPECT_DOUBLE_EQ(c.Value(kStart + absl::Seconds(10)), 1.5);
 }
 
 TEST(Forget, MovesHalfTheDistancePerHalfLife) {

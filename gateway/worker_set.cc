@@ -192,8 +192,12 @@ WorkerSet::NodeList WorkerSet::ApplyRole(const NodeList& nodes,
                                  std::numeric_limits<int32_t>::max())),
                              std::memory_order_relaxed);
       if (n->discovered) {
-        n->suspect.store(info.state() == kvrelay::v1::NODE_STATE_SUSPECT,
-                         std::memory_order_relaxed);
+        const bool suspect = info.state() == kvrelay::v1::NODE_STATE_SUSPECT;
+        // Heartbeating again after the store lost it (a pause or a partition that ended): an
+        // open breaker probes at once instead of waiting out its (doubled) cool-down.
+        if (n->suspect.exchange(suspect, std::memory_order_relaxed) && !suspect) {
+          n->breaker.ProbeNow();
+        }
       }
     }
     // Fixed nodes stay; a discovered one forgotten or replaced by a new process goes
@@ -590,23 +594,31 @@ Node* WorkerSet::PickDecode(const NodeList& decodes,
       }
     }
     if (best != nullptr || candidates.empty()) continue;
-    // Costs within 0.1 ms are a tie: the longer held prefix, then the rotation.
-    constexpr double kTie = 1e-4;
-    const Candidate* chosen = nullptr;
-    const Candidate* without_prefix = nullptr;
+    // Ties: costs within 50% + 1 ms of the lowest. The lowest without any held prefix tells
+    // a prefix win.
+    double lowest = std::numeric_limits<double>::infinity();
+    double lowest_cold = std::numeric_limits<double>::infinity();
+    double recent_total = 0;
     for (const Candidate& c : candidates) {
-      if (chosen == nullptr || c.cost < chosen->cost - kTie ||
-          (c.cost <= chosen->cost + kTie && c.held > chosen->held)) {
-        chosen = &c;
-      }
-      if (without_prefix == nullptr || c.cost_cold < without_prefix->cost_cold - kTie) {
-        without_prefix = &c;
-      }
+      lowest = std::min(lowest, c.cost);
+      lowest_cold = std::min(lowest_cold, c.cost_cold);
+      recent_total += c.node->recent_picks.Value(now);
+    }
+    auto tied = [](double cost, double low) { return cost <= low * 1.5 + 1e-3; };
+    // A holder past 1.25x its share of recent requests (+2) wins no more by its prefix.
+    const double share_bound = 1.25 * recent_total / static_cast<double>(candidates.size()) + 2;
+    auto prefix_rank = [&](const Candidate& c) {
+      return c.node->recent_picks.Value(now) <= share_bound ? c.held : 0;
+    };
+    const Candidate* chosen = nullptr;
+    for (const Candidate& c : candidates) {  // in rotation order: the first of equals wins
+      if (!tied(c.cost, lowest)) continue;
+      if (chosen == nullptr || prefix_rank(c) > prefix_rank(*chosen)) chosen = &c;
     }
     best = chosen->node;
     if (with_suspect) {
       why = PickReason::kSuspect;
-    } else if (chosen->node != without_prefix->node && chosen->held > without_prefix->held) {
+    } else if (prefix_rank(*chosen) > 0 || !tied(chosen->cost_cold, lowest_cold)) {
       why = PickReason::kPrefix;
     } else if (chosen->node->Load() > lowest_load) {
       why = PickReason::kService;
@@ -614,6 +626,7 @@ Node* WorkerSet::PickDecode(const NodeList& decodes,
   }
   if (best == nullptr) return nullptr;
   best->picked.fetch_add(1, std::memory_order_relaxed);
+  best->recent_picks.Add(now);
   CountPick("decode", *best, why);
   if (reason != nullptr) *reason = why;
   return best;

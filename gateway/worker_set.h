@@ -126,6 +126,9 @@ class WorkerSet {
     // WorkerSetOptions::learned).
     LearnedLatency service;
     LearnedLatency transfer_seconds_per_mib;
+    // Requests this gateway sent it lately (halving every 5 s): bounds how much more than its
+    // share a prefix it holds may win it.
+    DecayingCount recent_picks;
     bool discovered = false;  // from the registry (may be dropped), not a fixed address
     // Requests this gateway has sent to the node: a worker that joined (or came back as a new
     // incarnation) and has had none is given the next one it is least loaded for, so prefix
@@ -223,9 +226,11 @@ class WorkerSet {
   static bool AnyPickable(const NodeList& nodes, const std::vector<Node*>& excluded);
   // The decode node with the lowest predicted cost: (load + 1) x its learned service time,
   // plus the push of the `full_blocks` blocks it does not hold at its learned transfer rate
-  // (figures a node has not learned yet, or forgot, are the fleet's best). Ties go to the
-  // longest held prefix, then rotate. A new worker gets its first request. Null when none is
-  // usable. `*reason` (optional) says why.
+  // (figures a node has not learned yet, or forgot, are the fleet's best). Costs within 50%
+  // + 1 ms of the lowest are a tie (measurement noise must not send all light traffic to
+  // one node): among them the longest held prefix wins, unless its holder already got more
+  // than 1.25x its share of recent requests (+2), then they rotate. A new worker gets its
+  // first request. Null when none is usable. `*reason` (optional) says why.
   Node* PickDecode(const NodeList& decodes, const absl::flat_hash_map<std::string, int32_t>& held,
                    int64_t full_blocks, const std::vector<Node*>& excluded,
                    PickReason* reason = nullptr);

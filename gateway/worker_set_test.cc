@@ -77,35 +77,58 @@ TEST_F(WorkerSetTest, DecodeTradesTheHeldPrefixAgainstLoadAtTheLearnedTransferRa
   const WorkerSet::Snapshot nodes = set_.Nodes();
   Node* d1 = nodes.decode[1].get();
   Node* d2 = nodes.decode[2].get();
-  nodes.decode[0]->in_flight = 3;
+  // Nothing learned yet: 50 ms per request ahead, so 250 / 100 / 200 ms.
+  nodes.decode[0]->in_flight = 4;
   d1->in_flight = 1;
-  d2->in_flight = 2;
+  d2->in_flight = 3;
   PickReason why{};
   auto pick = [&](const absl::flat_hash_map<std::string, int32_t>& held) {
     return set_.PickDecode(nodes.decode, held, /*full_blocks=*/8, {}, &why);
   };
   EXPECT_EQ(pick({}), d1);
   EXPECT_EQ(why, PickReason::kLoad);
-  // Half the prompt held one request further behind: no transfer rate learned yet, so the
+  // Half the prompt held two requests further behind: no transfer rate learned yet, so the
   // load decides.
   d2->SetNodeId("d2");
   EXPECT_EQ(pick({{"d2", 4}}), d1);
   // Over a slow link (0.1 s per MiB, 1 MiB blocks) the 4 blocks not pushed again are worth
-  // more than one request ahead (50 ms each): the holder wins, for its prefix.
+  // more than two requests ahead: the holder wins, for its prefix.
   for (const auto& n : nodes.decode) n->transfer_seconds_per_mib.Observe(0.1, clock_.Now());
   EXPECT_EQ(pick({{"d2", 4}}), d2);
   EXPECT_EQ(why, PickReason::kPrefix);
   // Over a fast one they are not.
-  for (const auto& n : nodes.decode) n->transfer_seconds_per_mib.Observe(0.001, clock_.Now());
-  for (int i = 0; i < 10; ++i) d2->transfer_seconds_per_mib.Observe(0.001, clock_.Now());
-  for (int i = 0; i < 10; ++i) d1->transfer_seconds_per_mib.Observe(0.001, clock_.Now());
+  for (int i = 0; i < 20; ++i) {
+    for (const auto& n : nodes.decode) n->transfer_seconds_per_mib.Observe(0.001, clock_.Now());
+  }
   EXPECT_EQ(pick({{"d2", 4}}), d1);
-  // Equal cost: the longer held prefix.
+  // Within the tie margin (50% + 1 ms) the holder wins.
   d2->in_flight = 1;
   EXPECT_EQ(pick({{"d2", 4}}), d2);
+  EXPECT_EQ(why, PickReason::kPrefix);
   // Excluded (failed for this request) nodes are never picked.
   EXPECT_EQ(set_.PickDecode(nodes.decode, {{"d2", 4}}, 8, {d2}), d1);
   EXPECT_EQ(set_.PickDecode(nodes.decode, {}, 8, {nodes.decode[0].get(), d1, d2}), nullptr);
+}
+
+// A prefix every recent request shared must not keep a node that just joined (or came back)
+// from its share: past 1.25x its share of recent picks (+2), a holder's prefix no longer wins
+// ties, and tied nodes rotate.
+TEST_F(WorkerSetTest, AHoldersPrefixWinsTiesOnlyUpToItsShare) {
+  AddDecode("d0");
+  AddDecode("d1");
+  const WorkerSet::Snapshot nodes = set_.Nodes();
+  Node* d0 = nodes.decode[0].get();
+  Node* d1 = nodes.decode[1].get();
+  d0->SetNodeId("d0");
+  const absl::flat_hash_map<std::string, int32_t> held = {{"d0", 4}};
+  int to_d0 = 0;
+  for (int i = 0; i < 40; ++i) {
+    to_d0 += set_.PickDecode(nodes.decode, held, 5, {}) == d0;
+    clock_.Advance(absl::Milliseconds(200));  // 5 requests a second, none overlapping
+  }
+  EXPECT_GE(to_d0, 20);  // the holder gets more than its half...
+  EXPECT_LE(to_d0, 32);  // ...but d1 gets well over half of its own
+  EXPECT_GT(d1->picked.load(), 8);
 }
 
 // A node measured slow (or penalized by a failure) loses traffic to busier fast ones, then
@@ -123,14 +146,14 @@ TEST_F(WorkerSetTest, DecodeLearnsAServiceTimeAndForgetsItWhileIdle) {
   EXPECT_EQ(set_.PickDecode(nodes.decode, {}, 0, {}, &why), d0);
   EXPECT_EQ(why, PickReason::kService);
   EXPECT_EQ(WorkerSet::BestService(nodes.decode), 0.05);
-  // Left alone for a while (half-life 5 s), it is the fleet's best again.
+  // Left alone for a while (half-life 2 s), it is the fleet's best again.
   clock_.Advance(absl::Seconds(30));
   EXPECT_EQ(set_.PickDecode(nodes.decode, {}, 0, {}, &why), d1);
   EXPECT_EQ(why, PickReason::kLoad);
   // Its first answer is believed at once.
   d1->service.Observe(0.04, clock_.Now());
-  d1->in_flight = 1;
-  d0->in_flight = 1;
+  EXPECT_EQ(*d1->service.Last(), 0.04);
+  d0->in_flight = 2;
   EXPECT_EQ(set_.PickDecode(nodes.decode, {}, 0, {}), d1);
 }
 
@@ -469,6 +492,31 @@ TEST_F(DiscoveryTest, ANewWorkerGetsTheNextRequestItIsLeastLoadedFor) {
   Node* picked = set_.PickDecode(nodes.decode, {{"d-fixed", 8}}, 8, {});
   EXPECT_EQ(picked, nodes.decode[1].get());
   EXPECT_EQ(set_.PickDecode(nodes.decode, {{"d-fixed", 8}}, 8, {}), nodes.decode[0].get());
+}
+
+// A worker back from a pause or partition heartbeats again: the registry no longer marks it
+// suspect, and its open breaker (cool-down doubled by failed probes) probes on the next pick.
+TEST_F(DiscoveryTest, AWorkerHeartbeatingAgainIsProbedAtOnce) {
+  kvrelay::v1::ListNodesResponse listed;
+  *listed.add_nodes() = Listed("d0", kvrelay::v1::NODE_ROLE_DECODE, "10.0.0.1:50052", 1);
+  *listed.add_nodes() = Listed("d1", kvrelay::v1::NODE_ROLE_DECODE, "10.0.0.2:50052", 1);
+  set_.Apply(listed);
+  const WorkerSet::Snapshot nodes = set_.Nodes();
+  ASSERT_EQ(nodes.decode.size(), 2u);
+  Node* d0 = nodes.decode[0].get();
+  d0->breaker.RecordFailure();
+  clock_.Advance(kOpenFor + absl::Milliseconds(1));
+  ASSERT_TRUE(d0->breaker.Allow());
+  d0->breaker.RecordFailure();  // a failed probe: open for 2 s now
+  listed.mutable_nodes(0)->set_state(kvrelay::v1::NODE_STATE_SUSPECT);
+  set_.Apply(listed);
+  EXPECT_EQ(d0->breaker.state(), State::kOpen);
+  listed.mutable_nodes(0)->set_state(kvrelay::v1::NODE_STATE_LIVE);
+  set_.Apply(listed);
+  EXPECT_EQ(d0->breaker.state(), State::kHalfOpen);
+  PickReason why{};
+  EXPECT_EQ(set_.PickDecode(nodes.decode, {}, 0, {}, &why), d0);
+  EXPECT_EQ(why, PickReason::kProbe);
 }
 
 TEST_F(DiscoveryTest, RefreshNeedsAStore) {
