@@ -9,6 +9,13 @@ void LearnedLatency::Observe(double seconds, absl::Time now, absl::Time began) {
   absl::MutexLock lock(&mu_);
   if (began < penalty_at_) return;
   seconds = std::max(seconds, 0.0);
+  if (ewma_.has_value() && !penalized_) {
+    if (seconds < 0.25 * *ewma_) {
+      half_life_ = options_.half_life;  // it got fast: forget quickly again
+    } else if (now - last_ >= half_life_) {
+      half_life_ = std::min(half_life_ * 2, std::max(options_.max_half_life, options_.half_life));
+    }
+  }
   ewma_ =
       ewma_.has_value() && !penalized_ ? *ewma_ + options_.weight * (seconds - *ewma_) : seconds;
   penalized_ = false;
@@ -33,7 +40,12 @@ double Forget(double value, double prior, absl::Duration idle, absl::Duration ha
 double LearnedLatency::Value(absl::Time now, double prior) const {
   absl::MutexLock lock(&mu_);
   if (!ewma_.has_value()) return prior;
-  return Forget(*ewma_, prior, now - last_, options_.half_life);
+  return Forget(*ewma_, prior, now - last_, half_life_);
+}
+
+absl::Duration LearnedLatency::half_life() const {
+  absl::MutexLock lock(&mu_);
+  return half_life_;
 }
 
 std::optional<double> LearnedLatency::Last() const {

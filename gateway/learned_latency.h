@@ -21,11 +21,16 @@ namespace kvrelay::gateway {
 struct LearnedLatencyOptions {
   double weight = 0.3;                          // of each new sample, in (0, 1]
   absl::Duration half_life = absl::Seconds(2);  // of the distance to the prior, without samples
+  // A sample after a forgetting (idle for a half-life or more) that confirms the figure (at
+  // least a quarter of it) doubles the half-life, up to this: a node that is still slow is
+  // probed ever more rarely, like a breaker's cool-down; a fast sample restores half_life.
+  absl::Duration max_half_life = absl::Seconds(32);
 };
 
 class LearnedLatency {
  public:
-  explicit LearnedLatency(LearnedLatencyOptions options = {}) : options_(options) {}
+  explicit LearnedLatency(LearnedLatencyOptions options = {})
+      : options_(options), half_life_(options.half_life) {}
 
   // A sample of `seconds` (>= 0) at `now`, of work that began at `began`. Ignored when it
   // began before the last penalty: it describes the fault the penalty already recorded (a
@@ -41,6 +46,7 @@ class LearnedLatency {
   double Value(absl::Time now, double prior) const ABSL_LOCKS_EXCLUDED(mu_);
   // The EWMA as last sampled; nullopt before any sample.
   std::optional<double> Last() const ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Duration half_life() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   const LearnedLatencyOptions options_;
@@ -49,6 +55,7 @@ class LearnedLatency {
   absl::Time last_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   bool penalized_ ABSL_GUARDED_BY(mu_) = false;
   absl::Time penalty_at_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+  absl::Duration half_life_ ABSL_GUARDED_BY(mu_);  // the current one (see max_half_life)
 };
 
 // A count that halves every `half_life`: how many requests a node got lately.

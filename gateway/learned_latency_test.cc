@@ -42,6 +42,24 @@ TEST(LearnedLatency, ForgetsTowardThePriorWhileNotSampled) {
   EXPECT_DOUBLE_EQ(*l.Last(), 0.25);
 }
 
+// A node still slow when forgetting lets it be probed keeps its figure twice as long each
+// time; once it answers fast it is forgotten quickly again.
+TEST(LearnedLatency, ASlownessConfirmedByAProbeIsForgottenMoreSlowly) {
+  LearnedLatency l(
+      {.weight = 0.3, .half_life = absl::Seconds(2), .max_half_life = absl::Seconds(8)});
+  absl::Time t = kStart;
+  l.Observe(0.4, t);
+  for (absl::Duration want : {absl::Seconds(4), absl::Seconds(8), absl::Seconds(8)}) {
+    t += l.half_life() * 3;  // forgotten enough to be probed
+    l.Observe(0.4, t);       // still slow
+    EXPECT_EQ(l.half_life(), want);
+  }
+  l.Observe(0.4, t + absl::Milliseconds(10));  // busy, not a probe: unchanged
+  EXPECT_EQ(l.half_life(), absl::Seconds(8));
+  l.Observe(0.02, t + absl::Seconds(30));  // fast again
+  EXPECT_EQ(l.half_life(), absl::Seconds(2));
+}
+
 TEST(DecayingCount, HalvesPerHalfLife) {
   DecayingCount c(absl::Seconds(5));
   EXPECT_EQ(c.Value(kStart), 0);

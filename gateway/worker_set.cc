@@ -594,7 +594,7 @@ Node* WorkerSet::PickDecode(const NodeList& decodes,
       }
     }
     if (best != nullptr || candidates.empty()) continue;
-    // Ties: costs within 50% + 1 ms of the lowest. The lowest without any held prefix tells
+    // Ties: costs within 50% + tie_margin of the lowest. The lowest without any held prefix tells
     // a prefix win.
     double lowest = std::numeric_limits<double>::infinity();
     double lowest_cold = std::numeric_limits<double>::infinity();
@@ -604,9 +604,11 @@ Node* WorkerSet::PickDecode(const NodeList& decodes,
       lowest_cold = std::min(lowest_cold, c.cost_cold);
       recent_total += c.node->recent_picks.Value(now);
     }
-    auto tied = [](double cost, double low) { return cost <= low * 1.5 + 1e-3; };
-    // A holder past 1.25x its share of recent requests (+2) wins no more by its prefix.
-    const double share_bound = 1.25 * recent_total / static_cast<double>(candidates.size()) + 2;
+    const double margin = absl::ToDoubleSeconds(options_.tie_margin);
+    auto tied = [margin](double cost, double low) { return cost <= low * 1.5 + margin; };
+    // A holder past 1.1x its share of recent requests (+1) wins no more by its prefix: with n
+    // nodes the least picked keeps at least (n - 1.1 (n - 1)) of its share (bounded loads).
+    const double share_bound = 1.1 * recent_total / static_cast<double>(candidates.size()) + 1;
     auto prefix_rank = [&](const Candidate& c) {
       return c.node->recent_picks.Value(now) <= share_bound ? c.held : 0;
     };

@@ -82,6 +82,9 @@ struct WorkerSetOptions {
   // decode worker costs a few round trips, not the fixed worst case.
   absl::Duration reserve_timeout_floor = absl::Milliseconds(250);
   absl::Duration reserve_timeout = absl::Seconds(2);
+  // Decode costs within 50% + this of the lowest are a tie: differences a request's own noise
+  // makes (a new process's first requests pay connection set-up) must not steer light traffic.
+  absl::Duration tie_margin = absl::Milliseconds(20);
 };
 
 // Why a picker chose a node (kvrelay:gateway_picks_total{role, reason}).
@@ -227,9 +230,9 @@ class WorkerSet {
   // The decode node with the lowest predicted cost: (load + 1) x its learned service time,
   // plus the push of the `full_blocks` blocks it does not hold at its learned transfer rate
   // (figures a node has not learned yet, or forgot, are the fleet's best). Costs within 50%
-  // + 1 ms of the lowest are a tie (measurement noise must not send all light traffic to
+  // + tie_margin of the lowest are a tie (measurement noise must not send all light traffic to
   // one node): among them the longest held prefix wins, unless its holder already got more
-  // than 1.25x its share of recent requests (+2), then they rotate. A new worker gets its
+  // than 1.1x its share of recent requests (+1), then they rotate. A new worker gets its
   // first request. Null when none is usable. `*reason` (optional) says why.
   Node* PickDecode(const NodeList& decodes, const absl::flat_hash_map<std::string, int32_t>& held,
                    int64_t full_blocks, const std::vector<Node*>& excluded,

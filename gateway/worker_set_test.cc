@@ -101,7 +101,7 @@ TEST_F(WorkerSetTest, DecodeTradesTheHeldPrefixAgainstLoadAtTheLearnedTransferRa
     for (const auto& n : nodes.decode) n->transfer_seconds_per_mib.Observe(0.001, clock_.Now());
   }
   EXPECT_EQ(pick({{"d2", 4}}), d1);
-  // Within the tie margin (50% + 1 ms) the holder wins.
+  // Within the tie margin (50% + 20 ms) the holder wins.
   d2->in_flight = 1;
   EXPECT_EQ(pick({{"d2", 4}}), d2);
   EXPECT_EQ(why, PickReason::kPrefix);
@@ -111,7 +111,7 @@ TEST_F(WorkerSetTest, DecodeTradesTheHeldPrefixAgainstLoadAtTheLearnedTransferRa
 }
 
 // A prefix every recent request shared must not keep a node that just joined (or came back)
-// from its share: past 1.25x its share of recent picks (+2), a holder's prefix no longer wins
+// from its share: past 1.1x its share of recent picks (+1), a holder's prefix no longer wins
 // ties, and tied nodes rotate.
 TEST_F(WorkerSetTest, AHoldersPrefixWinsTiesOnlyUpToItsShare) {
   AddDecode("d0");
