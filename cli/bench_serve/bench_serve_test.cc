@@ -596,8 +596,10 @@ TEST(FaultContractTest, ADrainedGatewayAndStoreReplicaServeAgain) {
 }
 
 TEST(RunnerTest, OnlyARefusalBeforeAnyTokenGoesToTheNextGateway) {
-  // gRPC's own refusal (no ErrorInfo): connection refused, a server shutting down.
+  // gRPC's own refusal (no ErrorInfo): connection refused; a call that reached a server whose
+  // Shutdown began is cancelled by it (bench-serve never cancels a call itself).
   EXPECT_TRUE(RetryOnNextGateway(absl::UnavailableError("connect failed"), 0));
+  EXPECT_TRUE(RetryOnNextGateway(absl::CancelledError("CANCELLED"), 0));
   // The gateway itself drains.
   EXPECT_TRUE(RetryOnNextGateway(
       proto::Attribute(absl::UnavailableError("draining"), kvrelay::v1::ROLE_GATEWAY, "gateway-0",
@@ -616,7 +618,11 @@ TEST(RunnerTest, OnlyARefusalBeforeAnyTokenGoesToTheNextGateway) {
                        kvrelay::v1::FAILURE_DRAINING),
       0));
   EXPECT_FALSE(RetryOnNextGateway(absl::DeadlineExceededError("deadline"), 0));
-  EXPECT_FALSE(RetryOnNextGateway(absl::CancelledError("cancelled"), 0));
+  EXPECT_FALSE(RetryOnNextGateway(absl::CancelledError("cancelled"), 2));
+  EXPECT_FALSE(RetryOnNextGateway(
+      proto::Attribute(absl::CancelledError("the caller went away"), kvrelay::v1::ROLE_CLIENT, "",
+                       kvrelay::v1::FAILURE_CALLER_DEADLINE),
+      0));
   EXPECT_FALSE(RetryOnNextGateway(absl::InvalidArgumentError("bad prompt"), 0));
 }
 

@@ -132,10 +132,11 @@ RequestRecord SendOne(const std::vector<const GatewayClient*>& gateways, size_t 
 }  // namespace
 
 bool RetryOnNextGateway(const absl::Status& status, int64_t tokens_received) {
-  if (tokens_received > 0 || !absl::IsUnavailable(status)) return false;
+  if (tokens_received > 0) return false;
   const std::optional<kvrelay::v1::ErrorInfo> info = proto::GetErrorInfo(status);
-  if (!info.has_value()) return true;  // gRPC's own refusal: no gateway decided anything
-  return info->role() == kvrelay::v1::ROLE_GATEWAY &&
+  // gRPC's own refusal: no gateway decided anything.
+  if (!info.has_value()) return absl::IsUnavailable(status) || absl::IsCancelled(status);
+  return absl::IsUnavailable(status) && info->role() == kvrelay::v1::ROLE_GATEWAY &&
          info->reason() == kvrelay::v1::FAILURE_DRAINING;
 }
 

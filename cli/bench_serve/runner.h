@@ -49,12 +49,14 @@ RunResult RunLoad(const std::vector<const gateway::client::GatewayClient*>& gate
 
 // Whether a request that ended with `status` after `tokens_received` tokens goes again to the
 // next gateway: only when the gateway refused it before any token, as a terminating gateway does
-// — UNAVAILABLE with no ErrorInfo (what gRPC itself answers: connection refused, a server that
-// shuts down; the gateway's own refusals carry ErrorInfo naming who failed) or UNAVAILABLE with
-// ErrorInfo{ROLE_GATEWAY, FAILURE_DRAINING}. A failure the gateway decided (no healthy worker,
-// a worker's error, a deadline) is the service's answer and stays a failure. Decided from the
-// status code and the structured ErrorInfo only, never from the message. (The harness's stand-in
-// for a load balancer: a client behind a Kubernetes Service never reaches a terminating pod.)
+// — UNAVAILABLE or CANCELLED with no ErrorInfo (what gRPC itself answers: connection refused; a
+// call that reaches a server after its Shutdown began is cancelled, and bench-serve never
+// cancels a call itself; the gateway's own refusals carry ErrorInfo naming who failed) or
+// UNAVAILABLE with ErrorInfo{ROLE_GATEWAY, FAILURE_DRAINING}. A failure the gateway decided (no
+// healthy worker, a worker's error, a deadline) is the service's answer and stays a failure.
+// Decided from the status code and the structured ErrorInfo only, never from the message. (The
+// harness's stand-in for a load balancer: a client behind a Kubernetes Service never reaches a
+// terminating pod.)
 bool RetryOnNextGateway(const absl::Status& status, int64_t tokens_received);
 
 // The generation request bench-serve sends for `w` (also what --verify replays co-located).
