@@ -6,12 +6,14 @@
 #include "absl/strings/str_cat.h"
 #include "cli/bench_serve/fault_contract.h"
 #include "cli/bench_serve/report.h"
+#include "cli/bench_serve/runner.h"
 #include "cli/bench_serve/stats.h"
 #include "cli/bench_serve/trace.h"
 #include "cli/bench_serve/verify.h"
 #include "cli/bench_serve/workload.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "proto/grpc_status.h"
 
 namespace kvrelay::cli::bench_serve {
 namespace {
@@ -563,6 +565,67 @@ TEST(FaultContractTest, APlannedDrainFailsNothingEvenInFlightOnTheNode) {
   EXPECT_THAT(report.violations, Contains(HasSubstr("a drain may fail none")));
 }
 
+TEST(FaultContractTest, ADrainedGatewayAndStoreReplicaServeAgain) {
+  const std::string events_text =
+      "@node store-1 10.0.0.9:7000\n"
+      "@node gateway-0 10.0.0.20:8000\n"
+      "@node gateway-1 10.0.0.21:8000\n"
+      "1010 1013 drain store-1\n"
+      "1020 1023 drain gateway-0\n";
+  absl::StatusOr<std::vector<FaultEvent>> events = ParseFaultEvents(events_text, 1000.0, 60);
+  ASSERT_TRUE(events.ok()) << events.status();
+  const auto nodes = ParseNodeAddresses(events_text);
+  auto via = [](RequestRecord r, const std::string& gateway) {
+    r.gateway = gateway;
+    return r;
+  };
+  // After gateway-0 is back (23 s) only gateway-1 answers: gateway-0 never served again.
+  std::vector<RequestRecord> records = {via(Ok(14, 15, 50, 10, 10, 5), "10.0.0.21:8000"),
+                                        via(Ok(24, 25, 50, 10, 10, 5), "10.0.0.21:8000")};
+  ContractReport report = CheckFaultContract(records, *events, nodes, FaultContract{}, 20);
+  ASSERT_EQ(report.verdicts.size(), 2u);
+  // A store replica counts as the store: any request after it is back serves (and hits) again.
+  EXPECT_DOUBLE_EQ(report.verdicts[0].served_again_s, 2);  // back at 13 s, served by 15 s
+  EXPECT_DOUBLE_EQ(report.verdicts[0].hits_again_s, 2);
+  EXPECT_THAT(report.violations, Contains(HasSubstr("gateway-0 never served a request")));
+
+  records.push_back(via(Ok(24, 26, 50, 10, 10, 5), "10.0.0.20:8000"));
+  report = CheckFaultContract(records, *events, nodes, FaultContract{}, 20);
+  EXPECT_TRUE(report.kept()) << report.violations[0];
+  EXPECT_DOUBLE_EQ(report.verdicts[1].served_again_s, 3);
+}
+
+TEST(RunnerTest, OnlyARefusalBeforeAnyTokenGoesToTheNextGateway) {
+  // gRPC's own refusal (no ErrorInfo): connection refused; a call that reached a server whose
+  // Shutdown began is cancelled by it (bench-serve never cancels a call itself).
+  EXPECT_TRUE(RetryOnNextGateway(absl::UnavailableError("connect failed"), 0));
+  EXPECT_TRUE(RetryOnNextGateway(absl::CancelledError("CANCELLED"), 0));
+  // The gateway itself drains.
+  EXPECT_TRUE(RetryOnNextGateway(
+      proto::Attribute(absl::UnavailableError("draining"), kvrelay::v1::ROLE_GATEWAY, "gateway-0",
+                       kvrelay::v1::FAILURE_DRAINING),
+      0));
+  // Tokens were served: sending it again would serve them twice.
+  EXPECT_FALSE(RetryOnNextGateway(absl::UnavailableError("connection reset"), 3));
+  // The service's answers stay failures: no healthy worker, a worker draining, a deadline,
+  // anything but UNAVAILABLE.
+  EXPECT_FALSE(RetryOnNextGateway(
+      proto::Attribute(absl::UnavailableError("no healthy decode"), kvrelay::v1::ROLE_GATEWAY, "",
+                       kvrelay::v1::FAILURE_UNREACHABLE),
+      0));
+  EXPECT_FALSE(RetryOnNextGateway(
+      proto::Attribute(absl::UnavailableError("draining"), kvrelay::v1::ROLE_DECODE, "decode-0",
+                       kvrelay::v1::FAILURE_DRAINING),
+      0));
+  EXPECT_FALSE(RetryOnNextGateway(absl::DeadlineExceededError("deadline"), 0));
+  EXPECT_FALSE(RetryOnNextGateway(absl::CancelledError("cancelled"), 2));
+  EXPECT_FALSE(RetryOnNextGateway(
+      proto::Attribute(absl::CancelledError("the caller went away"), kvrelay::v1::ROLE_CLIENT, "",
+                       kvrelay::v1::FAILURE_CALLER_DEADLINE),
+      0));
+  EXPECT_FALSE(RetryOnNextGateway(absl::InvalidArgumentError("bad prompt"), 0));
+}
+
 TEST(VerifyTest, WrongTokensCountMismatchesExtrasAndMissingOnlyWhenComplete) {
   EXPECT_EQ(CountWrongTokens({1, 2, 3}, {1, 2, 3}, true), 0);
   EXPECT_EQ(CountWrongTokens({1, 9, 3}, {1, 2, 3}, true), 1);
@@ -576,6 +639,8 @@ TEST(ReportTest, TableJsonAndCsvCarryTheFigures) {
   run.records = {Ok(0, 1, 50, 10, 100, 50),
                  Failed(1, 2, absl::StatusCode::kUnavailable, "decode \"x\" gone")};
   run.records[0].wrong_tokens = 0;
+  run.records[0].gateway = "10.0.0.21:8000";
+  run.records[0].gateway_retries = 2;
   run.summary = Summarize(run.records, Slo{});
   ReportContext c;
   c.workload = "synthetic";
@@ -587,11 +652,15 @@ TEST(ReportTest, TableJsonAndCsvCarryTheFigures) {
   const nlohmann::json j = ReportJson(c, {run}, true);
   EXPECT_EQ(j["runs"][0]["summary"]["ok"], 1);
   EXPECT_EQ(j["runs"][0]["summary"]["errors"]["UNAVAILABLE"]["count"], 1);
+  EXPECT_EQ(j["runs"][0]["summary"]["gateway_retries"], 2);
+  EXPECT_EQ(j["runs"][0]["summary"]["retried_requests"], 1);
+  EXPECT_THAT(table, HasSubstr("gateway retries 2 sends of 1 requests"));
   EXPECT_EQ(j["runs"][0]["requests"].size(), 2u);
   const std::string csv = RecordsCsv({run});
   EXPECT_EQ(std::count(csv.begin(), csv.end(), '\n'), 3);
   EXPECT_THAT(csv, HasSubstr("UNAVAILABLE"));
   EXPECT_THAT(csv, HasSubstr("\"decode 'x' gone\""));
+  EXPECT_THAT(csv, HasSubstr(",10.0.0.21:8000,2,"));
 }
 
 }  // namespace

@@ -14,7 +14,9 @@
 namespace kvrelay::cli::bench_serve {
 namespace {
 
-bool IsStore(const std::string& node) { return node == "store"; }
+// The single store ("store") or a replica of an HA store set ("store-0", ...): every request
+// asks the store set (its leader), so each is judged on every request.
+bool IsStore(const std::string& node) { return node == "store" || node.rfind("store-", 0) == 0; }
 
 // Actions after which the node is back (at the event's end) and must serve again.
 bool ComesBack(const FaultVerdict& v, const std::vector<std::string>& words) {
@@ -236,6 +238,7 @@ ContractReport CheckFaultContract(const std::vector<RequestRecord>& records,
     auto it = nodes.find(node);
     if (it == nodes.end()) return false;
     return Contains(it->second, r.prefill_worker) || Contains(it->second, r.decode_worker) ||
+           (!r.gateway.empty() && Contains(it->second, r.gateway)) ||
            (!r.error_address.empty() && Contains(it->second, r.error_address));
   };
   auto in_flight_at = [](const RequestRecord& r, double t) { return r.send_s <= t && r.end_s > t; };

@@ -4,12 +4,12 @@
 // and the cluster scripts' events file:
 //   - no wrong token (checked by --verify, reported beside this);
 //   - the requests a fault may fail are at most those in flight on the faulted node when it
-//     struck (every request touches the store, so for the store that is all in flight); a
-//     planned restart or scale-in ('drain NODE', 'rollout ROLE', 'retire NODE': SIGTERM
-//     drain) fails none;
-//   - a node that comes back (SIGCONT, link up, restart, drain, or a node added) serves
-//     a request again within `serve_again`; after the store comes back, a request is served with
-//     prefix hits within `hits_again`;
+//     struck (every request touches the store, so for the store, or a replica 'store-i' of an
+//     HA set, that is all in flight); a planned restart or scale-in ('drain NODE', 'rollout
+//     ROLE', 'retire NODE': SIGTERM drain) fails none;
+//   - a node that comes back (SIGCONT, link up, restart, drain, or a node added) serves a
+//     request again within `serve_again` (a gateway: one it answered, RequestRecord::gateway);
+//     after the store comes back, a request is served with prefix hits within `hits_again`;
 //     (judged only over requests sent before the next fault struck, and for hits only when a
 //     request that could hit was sent);
 //   - latency: the p99 TTFT of the requests sent while a fault is active (from its start until

@@ -42,6 +42,12 @@ std::string FormatRun(const ReportContext& c, const RunReport& run) {
                                                             " sent >100 ms late: client saturated, "
                                                             "raise --concurrency)")
                                              : ""));
+  if (s.gateway_retries > 0) {
+    absl::StrAppend(&out,
+                    absl::StrFormat("gateway retries %d sends of %d requests went to the next "
+                                    "gateway (one refused them before any token)\n",
+                                    s.gateway_retries, s.retried_requests));
+  }
   absl::StrAppend(&out, absl::StrFormat("throughput      %.2f req/s, %.1f output tok/s\n",
                                         s.request_rate, s.output_token_rate));
   absl::StrAppend(
@@ -228,7 +234,9 @@ nlohmann::json ReportJson(const ReportContext& c, const std::vector<RunReport>& 
                     {"errors", errors},
                     {"verified", s.verified},
                     {"wrong_tokens", s.wrong_tokens},
-                    {"late_sends", s.late_sends}};
+                    {"late_sends", s.late_sends},
+                    {"gateway_retries", s.gateway_retries},
+                    {"retried_requests", s.retried_requests}};
     r["faults"] = nlohmann::json::array();
     for (const FaultCost& f : run.faults) {
       r["faults"].push_back({{"label", f.fault.label},
@@ -304,7 +312,7 @@ std::string RecordsCsv(const std::vector<RunReport>& runs) {
       "rate,index,trace_line,scheduled_s,send_s,end_s,outcome,cut,ttft_ms,tpot_ms,e2e_ms,"
       "itl_mean_ms,prompt_tokens,cached_tokens,computed_tokens,ideal_cached_tokens,max_tokens,"
       "output_tokens,transferred_bytes,fetched_bytes,attempts,prefill_worker,decode_worker,"
-      "wrong_tokens,prefix_source,error\n";
+      "wrong_tokens,prefix_source,gateway,gateway_retries,error\n";
   for (const RunReport& run : runs) {
     for (const RequestRecord& r : run.records) {
       double itl = 0;
@@ -316,16 +324,16 @@ std::string RecordsCsv(const std::vector<RunReport>& runs) {
         if (ch == '\n') ch = ' ';
       }
       absl::StrAppend(
-          &out,
-          absl::StrFormat("%s,%d,%d,%.4f,%.4f,%.4f,%s,%d,%.3f,%.3f,%.3f,%.3f,%d,%d,%d,%d,%d,%d,%d,%"
-                          "d,%d,%s,%s,%d,%s,"
-                          "\"%s\"\n",
-                          run.rate ? absl::StrFormat("%g", *run.rate) : "", r.index, r.trace_line,
-                          r.scheduled_s, r.send_s, r.end_s, CodeName(r.code), r.cut ? 1 : 0,
-                          r.ttft_ms, r.tpot_ms, r.e2e_ms, itl, r.prompt_tokens, r.cached_tokens,
-                          r.computed_tokens, r.ideal_cached_tokens, r.max_tokens, r.output_tokens,
-                          r.transferred_bytes, r.fetched_bytes, r.attempts, r.prefill_worker,
-                          r.decode_worker, r.wrong_tokens, r.prefix_source, error));
+          &out, absl::StrFormat(
+                    "%s,%d,%d,%.4f,%.4f,%.4f,%s,%d,%.3f,%.3f,%.3f,%.3f,%d,%d,%d,%d,%d,%d,%d,%"
+                    "d,%d,%s,%s,%d,%s,%s,%d,"
+                    "\"%s\"\n",
+                    run.rate ? absl::StrFormat("%g", *run.rate) : "", r.index, r.trace_line,
+                    r.scheduled_s, r.send_s, r.end_s, CodeName(r.code), r.cut ? 1 : 0, r.ttft_ms,
+                    r.tpot_ms, r.e2e_ms, itl, r.prompt_tokens, r.cached_tokens, r.computed_tokens,
+                    r.ideal_cached_tokens, r.max_tokens, r.output_tokens, r.transferred_bytes,
+                    r.fetched_bytes, r.attempts, r.prefill_worker, r.decode_worker, r.wrong_tokens,
+                    r.prefix_source, r.gateway, r.gateway_retries, error));
     }
   }
   return out;

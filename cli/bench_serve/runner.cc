@@ -42,8 +42,11 @@ void PrintProgress(const RunOptions& options, const Progress& p, int64_t total, 
   std::fflush(stderr);
 }
 
-RequestRecord SendOne(const GatewayClient& client, const WorkloadRequest& w,
-                      const RunOptions& options, absl::Time start, absl::Time end) {
+// Sends `w` to gateways[first_gateway % size], and on to the next one while RetryOnNextGateway says
+// so and the request's deadline (from its first send) has time left.
+RequestRecord SendOne(const std::vector<const GatewayClient*>& gateways, size_t first_gateway,
+                      const WorkloadRequest& w, const RunOptions& options, absl::Time start,
+                      absl::Time end) {
   RequestRecord r;
   r.index = w.index;
   r.trace_line = w.trace_line;
@@ -79,10 +82,25 @@ RequestRecord SendOne(const GatewayClient& client, const WorkloadRequest& w,
     r.tokens.insert(r.tokens.end(), tokens.begin(), tokens.end());
   };
   const bool capped = end - sent < options.timeout;
-  const absl::Duration deadline =
-      std::max(absl::Milliseconds(1), std::min(options.timeout, end - sent));
-  absl::StatusOr<gateway::client::GenerationResult> result =
-      client.Generate(request, deadline, on_tokens);
+  // One deadline for the request, whichever gateways it tries: a retry never extends it.
+  const absl::Time deadline = sent + std::min(options.timeout, end - sent);
+  absl::StatusOr<gateway::client::GenerationResult> result;
+  for (size_t g = first_gateway;; ++g) {
+    const size_t index = g % gateways.size();
+    r.gateway = gateways[index]->address();
+    result = gateways[index]->Generate(
+        request, std::max(absl::Milliseconds(1), deadline - absl::Now()), on_tokens);
+    if (result.ok() || !RetryOnNextGateway(result.status(), r.tokens.size()) ||
+        absl::Now() >= deadline) {
+      break;
+    }
+    ++r.gateway_retries;
+    // Every gateway refused it once more: none serves now (one restarting, say). Wait a little
+    // rather than spin on refused connections.
+    if (static_cast<size_t>(r.gateway_retries) % gateways.size() == 0) {
+      absl::SleepFor(std::min(absl::Milliseconds(100), deadline - absl::Now()));
+    }
+  }
   const absl::Time done = absl::Now();
   r.end_s = SecondsBetween(start, done);
   r.e2e_ms = absl::ToDoubleMilliseconds(done - sent);
@@ -112,6 +130,15 @@ RequestRecord SendOne(const GatewayClient& client, const WorkloadRequest& w,
 }
 
 }  // namespace
+
+bool RetryOnNextGateway(const absl::Status& status, int64_t tokens_received) {
+  if (tokens_received > 0) return false;
+  const std::optional<kvrelay::v1::ErrorInfo> info = proto::GetErrorInfo(status);
+  // gRPC's own refusal: no gateway decided anything.
+  if (!info.has_value()) return absl::IsUnavailable(status) || absl::IsCancelled(status);
+  return absl::IsUnavailable(status) && info->role() == kvrelay::v1::ROLE_GATEWAY &&
+         info->reason() == kvrelay::v1::FAILURE_DRAINING;
+}
 
 gateway::client::GenerationRequest MakeGenerationRequest(const WorkloadRequest& w,
                                                          float temperature) {
@@ -154,8 +181,8 @@ RunResult RunLoad(const std::vector<const GatewayClient*>& gateways,
         return;
       }
       progress.in_flight.fetch_add(1, std::memory_order_relaxed);
-      const GatewayClient& client = *gateways[static_cast<size_t>(i) % gateways.size()];
-      records[static_cast<size_t>(i)] = SendOne(client, w, options, result.start, end);
+      records[static_cast<size_t>(i)] =
+          SendOne(gateways, static_cast<size_t>(i), w, options, result.start, end);
       sent[static_cast<size_t>(i)] = 1;
       progress.in_flight.fetch_sub(1, std::memory_order_relaxed);
       if (!records[static_cast<size_t>(i)].ok()) {

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "cli/bench_serve/stats.h"
 #include "cli/bench_serve/workload.h"
@@ -39,10 +40,24 @@ struct RunResult {
   bool stopped_by_duration = false;
 };
 
-// Request i goes to gateways[i % size]. REQUIRES: workload sorted by arrival_s; gateways
-// non-empty, each outliving the call.
+// Request i goes to gateways[i % size]. A gateway that refuses it before any token (see
+// RetryOnNextGateway) sends it to the next gateway, round the list, while its deadline allows
+// (RequestRecord::gateway_retries counts these; the request's deadline runs from its first
+// send). REQUIRES: workload sorted by arrival_s; gateways non-empty, each outliving the call.
 RunResult RunLoad(const std::vector<const gateway::client::GatewayClient*>& gateways,
                   const std::vector<WorkloadRequest>& workload, const RunOptions& options);
+
+// Whether a request that ended with `status` after `tokens_received` tokens goes again to the
+// next gateway: only when the gateway refused it before any token, as a terminating gateway does
+// — UNAVAILABLE or CANCELLED with no ErrorInfo (what gRPC itself answers: connection refused; a
+// call that reaches a server after its Shutdown began is cancelled, and bench-serve never
+// cancels a call itself; the gateway's own refusals carry ErrorInfo naming who failed) or
+// UNAVAILABLE with ErrorInfo{ROLE_GATEWAY, FAILURE_DRAINING}. A failure the gateway decided (no
+// healthy worker, a worker's error, a deadline) is the service's answer and stays a failure.
+// Decided from the status code and the structured ErrorInfo only, never from the message. (The
+// harness's stand-in for a load balancer: a client behind a Kubernetes Service never reaches a
+// terminating pod.)
+bool RetryOnNextGateway(const absl::Status& status, int64_t tokens_received);
 
 // The generation request bench-serve sends for `w` (also what --verify replays co-located).
 gateway::client::GenerationRequest MakeGenerationRequest(const WorkloadRequest& w,

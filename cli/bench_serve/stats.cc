@@ -180,6 +180,8 @@ Summary Summarize(const std::vector<RequestRecord>& records, const Slo& slo) {
     first_send = std::min(first_send, r.send_s);
     last_end = std::max(last_end, r.end_s);
     if (r.send_s - r.scheduled_s > 0.1) ++s.late_sends;
+    s.gateway_retries += r.gateway_retries;
+    if (r.gateway_retries > 0) ++s.retried_requests;
     if (r.wrong_tokens >= 0) {
       ++s.verified;
       s.wrong_tokens += r.wrong_tokens;

@@ -40,6 +40,8 @@ struct RequestRecord {
   std::string prefix_source;      // GenerateSummary.prefix_source
   int32_t attempts = 0;
   std::string prefill_worker, decode_worker;
+  std::string gateway;          // the address of the gateway that answered (the last one tried)
+  int32_t gateway_retries = 0;  // times sent again to the next gateway (see RetryOnNextGateway)
   std::vector<int32_t> tokens;  // streamed tokens (kept for --verify)
   int64_t wrong_tokens = -1;    // -1 = not verified
   bool ok() const { return code == absl::StatusCode::kOk; }
@@ -116,6 +118,9 @@ struct Summary {
   int64_t verified = 0;                              // requests compared with the reference
   int64_t wrong_tokens = 0;                          // over the verified ones
   int64_t late_sends = 0;  // sent > 100 ms after their arrival time (client saturated)
+  // Sends again to the next gateway after one refused before any token (it drained or
+  // restarted), over all requests; and how many requests needed at least one.
+  int64_t gateway_retries = 0, retried_requests = 0;
 };
 Summary Summarize(const std::vector<RequestRecord>& records, const Slo& slo);
 

@@ -20,7 +20,7 @@ absl::StatusOr<std::unique_ptr<v1::Gateway::Stub>> MakeStub(
 GatewayClient::GatewayClient(const std::string& address,
                              const ::kvrelay::server::SecurityOptions& security,
                              std::string bearer_token)
-    : bearer_token_(std::move(bearer_token)) {
+    : address_(address), bearer_token_(std::move(bearer_token)) {
   absl::StatusOr<std::unique_ptr<v1::Gateway::Stub>> stub = MakeStub(address, security);
   if (stub.ok()) {
     stub_ = *std::move(stub);

@@ -58,7 +58,10 @@ class GatewayClient {
   // Needs an admin or gateway certificate under mutual TLS.
   absl::StatusOr<v1::GatewayStatusResponse> Status(absl::Duration timeout) const;
 
+  const std::string& address() const { return address_; }  // as given to the constructor
+
  private:
+  const std::string address_;
   const std::string bearer_token_;
   std::unique_ptr<v1::Gateway::Stub> stub_;  // null when the channel could not be made
   absl::Status channel_status_;              // why stub_ is null

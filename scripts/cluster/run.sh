@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # A multi-host kvrelay cluster on one machine, driven by `kvrelay bench-serve`, with faults.
 #
-# Every component runs in its own network namespace (one "host" each): the cache store, M prefill
-# workers, K decode workers, G gateways and the load client, joined by a bridge that lives in a
+# Every component runs in its own network namespace (one "host" each): the cache store (or N HA
+# replicas and their etcd), M prefill workers, K decode workers, G gateways and the load client, joined by a bridge that lives in a
 # namespace of its own. Addresses are 10.x inside the namespaces only; nothing in the root
 # namespace gets one or contacts them. UCX_TLS=tcp, so workers talk as separate hosts would
 # (namespaces do not isolate shared memory). Everything is torn down on exit, Ctrl-C or failure:
@@ -12,6 +12,9 @@
 #   scripts/cluster/run.sh [options] [-- bench-serve flags...]
 # Options:
 #   --prefill M --decode K --gateways G   workers and gateways (default 2 2 1)
+#   --stores N                            cache store replicas (default 1: one store, node 'store');
+#                                         N >= 2: an etcd node and HA replicas store-0..store-N-1
+#                                         (cachestore --etcd; every client gets all N addresses)
 #   --spare-prefill M --spare-decode K    workers with a namespace but not started: 'add' starts
 #                                         them while the cluster runs (default 0 0)
 #   --fixed-workers                       gateways take fixed worker lists (--prefill/--decode)
@@ -28,13 +31,16 @@
 #                                         'at=T add NODE' (start a spare worker), 'at=T dup NODE'
 #                                         (start a second process with NODE's node id on another
 #                                         host; it must be refused)
-#                                         'at=T drain NODE' (SIGTERM: the worker drains and exits;
-#                                         started again with the same node id), 'at=T rollout
-#                                         [prefill|decode|workers]' (drain and restart every running
-#                                         worker of the role, default workers, one at a time, each
-#                                         serving again before the next), 'at=T retire NODE'
-#                                         (SIGTERM drain, not started again: scale-in); drains.txt
-#                                         gets each drain's SIGTERM-to-exit time
+#                                         'at=T drain NODE' (SIGTERM: a worker, store or gateway
+#                                         drains and exits; started again with the same node id),
+#                                         'at=T rollout [prefill|decode|workers|stores|gateways|
+#                                         all]' (drain and restart every running node of the kind,
+#                                         default workers, one at a time, each serving again before
+#                                         the next; all = stores, then workers, then gateways),
+#                                         'at=T retire NODE' (SIGTERM drain of a worker, not started
+#                                         again: scale-in); drains.txt gets each drain's
+#                                         SIGTERM-to-exit time; 'at=T status' (kvrelay status from
+#                                         the client host, saved to status-<T>s.txt and printed)
 #   --out DIR                             logs, report.json, requests.csv, plot.png
 #   --subnet 10.77.0                      first three octets of the namespace addresses
 #   --name ID                             namespace prefix (default kvr<pid>): ID-hub, ID-store..
@@ -42,8 +48,8 @@
 #                                         hosts (faults are not available there)
 #   --print-commands                      print the command each node runs (for a real
 #                                         multi-host deployment), then exit
-# Node names: store, prefill-0.., decode-0.., gateway-0.., client, dup (the host of 'dup'
-# processes). bench-serve gets --gateway, --model, --events and --start-file from here; everything
+# Node names: store (or etcd, store-0..), prefill-0.., decode-0.., gateway-0.., client, dup (the
+# host of 'dup' processes). bench-serve gets --gateway, --model, --events and --start-file from here; everything
 # after `--` is passed on. The events file also lists every node's addresses ('@node NAME
 # GRPC,DATA'), which bench-serve's --fault-contract uses to tell which requests a node served.
 # Exit: bench-serve's status (3 = wrong tokens, 4 = fault contract broken), 77 when network
@@ -53,7 +59,8 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 BIN=${KVRELAY_BIN_DIR:-$ROOT/build/bin}
 KVRELAY="$BIN/kvrelay"
-PREFILL=2 DECODE=2 GATEWAYS=1 THREADS=1 POOL_BLOCKS=1024 CACHE_SLOTS=4096
+ETCD_BIN=${KVRELAY_ETCD:-/usr/bin/etcd}
+PREFILL=2 DECODE=2 GATEWAYS=1 STORES=1 THREADS=1 POOL_BLOCKS=1024 CACHE_SLOTS=4096
 SPARE_PREFILL=0 SPARE_DECODE=0 FIXED_WORKERS=0
 PREFILL_ARGS="" DECODE_ARGS="" GATEWAY_ARGS=""
 MODEL="" ARCH=llama OUT="" SUBNET=10.77.0 EXTERNAL="" PRINT_ONLY=0 ID="kvr$$"
@@ -66,6 +73,7 @@ while (($#)); do
     --prefill) PREFILL=$2; shift 2 ;;
     --decode) DECODE=$2; shift 2 ;;
     --gateways) GATEWAYS=$2; shift 2 ;;
+    --stores) STORES=$2; shift 2 ;;
     --spare-prefill) SPARE_PREFILL=$2; shift 2 ;;
     --spare-decode) SPARE_DECODE=$2; shift 2 ;;
     --fixed-workers) FIXED_WORKERS=1; shift ;;
@@ -91,6 +99,9 @@ done
 for n in PREFILL DECODE GATEWAYS THREADS; do
   [[ ${!n} =~ ^[0-9]+$ ]] && ((${!n} >= 1 && ${!n} <= 16)) || die "--${n,,} must be 1-16, got '${!n}'"
 done
+[[ $STORES =~ ^[0-9]+$ ]] && ((STORES >= 1 && STORES <= 7)) || die "--stores must be 1-7, got '$STORES'"
+((STORES == 1)) || [[ -x $ETCD_BIN ]] ||
+  die "--stores $STORES needs etcd at $ETCD_BIN (Debian: apt-get install etcd-server)"
 for n in SPARE_PREFILL SPARE_DECODE; do
   [[ ${!n} =~ ^[0-9]+$ ]] && ((${!n} <= 8)) || die "--${n,,} must be 0-8, got '${!n}'"
 done
@@ -122,7 +133,12 @@ MODEL=$(cd "$MODEL" && pwd)
 
 # --- nodes: name -> address, command --------------------------------------------------------------
 HUB="$ID-hub"
-NODES=(store)
+if ((STORES == 1)); then
+  NODES=(store)
+else
+  NODES=(etcd)
+  for ((i = 0; i < STORES; i++)); do NODES+=("store-$i"); done
+fi
 for ((i = 0; i < PREFILL + SPARE_PREFILL; i++)); do NODES+=("prefill-$i"); done
 for ((i = 0; i < DECODE + SPARE_DECODE; i++)); do NODES+=("decode-$i"); done
 for ((i = 0; i < GATEWAYS; i++)); do NODES+=("gateway-$i"); done
@@ -135,7 +151,13 @@ for ((k = 0; k < ${#NODES[@]}; k++)); do
   ADDR[${NODES[k]}]="$SUBNET.$((k + 10))"
   INDEX[${NODES[k]}]=$k
 done
-STORE="${ADDR[store]}:7000"
+store_names() {  # the cache store nodes: store, or store-0..store-N-1
+  if ((STORES == 1)); then echo store; else local i; for ((i = 0; i < STORES; i++)); do echo "store-$i"; done; fi
+}
+store_list() { local n out=(); for n in $(store_names); do out+=("${ADDR[$n]}:7000"); done; local IFS=,; echo "${out[*]}"; }
+STORE=$(store_list)  # what workers and gateways take as --cachestore (every replica)
+ETCD_URL=""
+((STORES == 1)) || ETCD_URL="http://${ADDR[etcd]}:2379"
 prefill_list() { local i out=(); for ((i = 0; i < PREFILL; i++)); do out+=("${ADDR[prefill-$i]}:7100"); done; local IFS=,; echo "${out[*]}"; }
 decode_list() { local i out=(); for ((i = 0; i < DECODE; i++)); do out+=("${ADDR[decode-$i]}:7200"); done; local IFS=,; echo "${out[*]}"; }
 gateway_list() { local i out=(); for ((i = 0; i < GATEWAYS; i++)); do out+=("${ADDR[gateway-$i]}:8000"); done; local IFS=,; echo "${out[*]}"; }
@@ -147,6 +169,14 @@ node_args() {
   case "$name" in
     store) echo "cachestore --host $a --port 7000 --metrics-port 0 --data-dir $OUT/store-data" \
                 "--insecure" ;;
+    store-*) echo "cachestore --host $a --port 7000 --metrics-port 0 --data-dir $OUT/$name" \
+                  "--etcd $ETCD_URL --etcd-lease-ttl 2s --insecure" ;;
+    # etcd's own arguments (its binary is not kvrelay); a heartbeat and election as short as the
+    # HA tests use (tests/cachestore/ha_cluster.h), so a lost etcd leader is noticed fast.
+    etcd) echo "--name etcd --data-dir $OUT/etcd-data --listen-client-urls http://$a:2379" \
+               "--advertise-client-urls http://$a:2379 --listen-peer-urls http://$a:2380" \
+               "--initial-advertise-peer-urls http://$a:2380 --initial-cluster etcd=http://$a:2380" \
+               "--heartbeat-interval 50 --election-timeout 300" ;;
     prefill-*) echo "prefill --host $a --port 7100 --metrics-port 0 --transport-host $a" \
                     "--transport-port 7300 --cachestore $STORE --model $MODEL --node-id $name" \
                     "--threads $THREADS --pool-blocks $POOL_BLOCKS --cache-slots $CACHE_SLOTS" \
@@ -166,11 +196,13 @@ node_args() {
       fi ;;
   esac
 }
+node_binary() { if [[ $1 == etcd ]]; then echo "$ETCD_BIN"; else echo "$KVRELAY"; fi; }
 node_addresses() {  # the addresses a gateway or an error may name the node by
   case "$1" in
     prefill-*) echo "${ADDR[$1]}:7100,${ADDR[$1]}:7300" ;;
     decode-*) echo "${ADDR[$1]}:7200,${ADDR[$1]}:7300" ;;
-    store) echo "${ADDR[$1]}:7000" ;;
+    store|store-*) echo "${ADDR[$1]}:7000" ;;
+    etcd) echo "${ADDR[$1]}:2379" ;;
     gateway-*) echo "${ADDR[$1]}:8000" ;;
   esac
 }
@@ -178,7 +210,11 @@ node_addresses() {  # the addresses a gateway or an error may name the node by
 if ((PRINT_ONLY)); then
   for name in "${NODES[@]}"; do
     [[ $name == client || $name == dup ]] && continue
-    echo "# $name (${ADDR[$name]}): UCX_TLS=tcp kvrelay $(node_args "$name")"
+    if [[ $name == etcd ]]; then
+      echo "# $name (${ADDR[$name]}): etcd $(node_args "$name")"
+    else
+      echo "# $name (${ADDR[$name]}): UCX_TLS=tcp kvrelay $(node_args "$name")"
+    fi
   done
   echo "# client: kvrelay bench-serve --gateway $(gateway_list) --model $MODEL --insecure ${BENCH_ARGS[*]}"
   exit 0
@@ -254,7 +290,7 @@ start_node() {
   local name=$1
   # shellcheck disable=SC2046
   ip netns exec "$ID-$name" env UCX_TLS=tcp UCX_NET_DEVICES=eth0 \
-    "$KVRELAY" $(node_args "$name") >>"$OUT/logs/$name.log" 2>&1 &
+    "$(node_binary "$name")" $(node_args "$name") >>"$OUT/logs/$name.log" 2>&1 &
   echo $! >"$OUT/pids/$name"
   disown "$!"  # killed by faults on purpose: no "Killed" job notices; teardown uses the pid files
 }
@@ -281,10 +317,25 @@ start_duplicate() {
 }
 node_pid() { cat "$OUT/pids/$1"; }
 
-listen_count() {  # how many times a node's log says it listens (once per start)
+log_count() {  # how many lines of node $1's log contain $2
   local n
-  n=$(grep -c "listening on" "$OUT/logs/$1.log" 2>/dev/null) || true
+  n=$(grep -c -- "$2" "$OUT/logs/$1.log" 2>/dev/null) || true
   echo "${n:-0}"
+}
+listen_count() {  # how many times a node's log says it listens (once per start)
+  if [[ $1 == etcd ]]; then log_count etcd "ready to serve client requests"; else log_count "$1" "listening on"; fi
+}
+# How many times an HA store replica's log says it took its part: it leads, or it follows the
+# leader with a complete snapshot.
+replica_count() { echo $(($(log_count "$1" "leads with term") + $(log_count "$1" "cachestore: following .* (term "))); }
+# Waits up to `timeout` s until replica $1 took its part more than `seen` times.
+wait_replica() {
+  local name=$1 timeout=$2 seen=$3 deadline
+  deadline=$((SECONDS + timeout))
+  while (($(replica_count "$name") <= seen)); do
+    ((SECONDS < deadline)) || { echo "cluster: $name neither leads nor follows after ${timeout}s" >&2; return 1; }
+    sleep 0.1
+  done
 }
 wait_listening() {
   local name=$1 timeout=${2:-60} seen=${3:-1} deadline
@@ -300,10 +351,21 @@ wait_listening() {
   done
 }
 
-echo "cluster: ${#NODES[@]} namespaces ($ID-*), store $STORE, prefill $(prefill_list)," \
-     "decode $(decode_list), gateway $(gateway_list); logs in $OUT/logs" >&2
-start_node store
-wait_listening store
+echo "cluster: ${#NODES[@]} namespaces ($ID-*), store $STORE${ETCD_URL:+ (etcd $ETCD_URL)}," \
+     "prefill $(prefill_list), decode $(decode_list), gateway $(gateway_list); logs in $OUT/logs" >&2
+if ((STORES > 1)); then
+  start_node etcd
+  wait_listening etcd
+fi
+for name in $(store_names); do start_node "$name"; done
+for name in $(store_names); do wait_listening "$name"; done
+if ((STORES > 1)); then  # one replica leads before the workers register
+  deadline=$((SECONDS + 30))
+  until grep -q "leads with term" "$OUT"/logs/store-*.log; do
+    ((SECONDS < deadline)) || die "no store replica leads after 30 s (logs in $OUT/logs)"
+    sleep 0.1
+  done
+fi
 is_worker() { [[ ($1 == prefill-* || $1 == decode-*) && -z ${SPARE[$1]:-} ]]; }
 for name in "${NODES[@]}"; do
   if is_worker "$name"; then start_node "$name"; fi
@@ -333,15 +395,21 @@ check_fault() {
   read -r at action target rest <<<"$spec"
   [[ $at == at=* ]] && seconds "${at#at=}" >/dev/null || fault_error "$spec" "want 'at=<seconds>s ...'"
   if [[ $action == rollout ]]; then
-    [[ -z $rest && ${target:-workers} =~ ^(prefill|decode|workers)$ ]] ||
-      fault_error "$spec" "want 'rollout', 'rollout prefill', 'rollout decode' or 'rollout workers'"
+    [[ -z $rest && ${target:-workers} =~ ^(prefill|decode|workers|stores|gateways|all)$ ]] ||
+      fault_error "$spec" "want 'rollout [prefill|decode|workers|stores|gateways|all]'"
+    return 0
+  fi
+  if [[ $action == status ]]; then
+    [[ -z $target ]] || fault_error "$spec" "'status' takes nothing more"
     return 0
   fi
   [[ -n ${ADDR[$target]:-} && $target != client && $target != dup ]] ||
     fault_error "$spec" "unknown node '$target'"
   case "$action" in
-    drain|retire) [[ -z $rest && ($target == prefill-* || $target == decode-*) ]] ||
-                    fault_error "$spec" "'$action NODE' takes a worker" ;;
+    drain) [[ -z $rest && $target != etcd ]] ||
+             fault_error "$spec" "'drain NODE' takes a worker, a store or a gateway" ;;
+    retire) [[ -z $rest && ($target == prefill-* || $target == decode-*) ]] ||
+              fault_error "$spec" "'retire NODE' takes a worker" ;;
     restart) [[ -z $rest ]] || fault_error "$spec" "'$action NODE' takes nothing more" ;;
     kill) [[ -z $rest || ($rest =~ ^for\ ([0-9.]+s?)$ && -n $(seconds "${BASH_REMATCH[1]}")) ]] ||
             fault_error "$spec" "want 'kill NODE' or 'kill NODE for <seconds>s'" ;;
@@ -353,18 +421,20 @@ check_fault() {
                 fault_error "$spec" "want '$action NODE for <seconds>s'" ;;
     shape) [[ $rest =~ ^[0-9]+(kbit|mbit|gbit)$ ]] || fault_error "$spec" "want 'shape NODE 200mbit'" ;;
     *) fault_error "$spec" "unknown action '$action' (kill, stop, cut, shape, restart, add, dup," \
-                   "drain, retire, rollout)" ;;
+                   "drain, retire, rollout, status)" ;;
   esac
 }
 for spec in "${FAULTS[@]}"; do check_fault "$spec"; done
 
-# SIGTERM, wait for the exit (the worker's --drain-timeout bounds it; SIGKILL after 60 s), then
+# SIGTERM, wait for the exit (the node's --drain-timeout bounds it; SIGKILL after 60 s), then
 # (unless $2 is 'retire') start it again under the same node id and wait until it listens and
-# gateways can have discovered it (one discovery interval). Appends 'NODE SECONDS drained|killed'
-# to drains.txt and the event ('drain NODE' or 'retire NODE').
+# gateways can have discovered it (one discovery interval; an HA store replica: until it leads or
+# follows the leader again). Appends 'NODE SECONDS drained|killed' to drains.txt and the event
+# ('drain NODE' or 'retire NODE').
 drain_node() {
-  local target=$1 action=${2:-drain} seen drained pid t0 t1 how=drained deadline
+  local target=$1 action=${2:-drain} seen drained pid t0 t1 how=drained deadline replica=0
   seen=$(listen_count "$target")
+  [[ $target != store-* ]] || replica=$(replica_count "$target")
   drained=$(grep -c ": drained" "$OUT/logs/$target.log" 2>/dev/null) || true
   pid=$(node_pid "$target")
   t0=$(now)
@@ -390,17 +460,30 @@ drain_node() {
   back=$(now)
   start_node "$target"
   wait_listening "$target" 60 $((seen + 1)) || true
+  # A replica that neither leads nor follows yet would leave the next drain one standby short.
+  [[ $target != store-* ]] || wait_replica "$target" 30 "$replica" || true
   echo "$t0 $back drain $target" >>"$EVENTS"
   sleep 1.5  # the gateways' discovery interval (1 s) and a margin before the next drain
 }
-running_workers() {  # the workers of role $1 (prefill, decode, workers) that run now
+running_nodes() {  # the nodes of kind $1 (prefill, decode, workers, stores, gateways) that run now
   local name
   for name in "${NODES[@]}"; do
-    [[ $name == prefill-* || $name == decode-* ]] || continue
-    [[ $1 == workers || $name == "$1"-* ]] || continue
+    case "$1" in
+      workers) [[ $name == prefill-* || $name == decode-* ]] || continue ;;
+      stores) [[ $name == store || $name == store-* ]] || continue ;;
+      gateways) [[ $name == gateway-* ]] || continue ;;
+      *) [[ $name == "$1"-* ]] || continue ;;
+    esac
     [[ -f $OUT/pids/$name ]] && kill -0 "$(node_pid "$name")" 2>/dev/null && echo "$name"
   done
   return 0
+}
+# `kvrelay status` from the client host: what an operator sees; saved and printed.
+cluster_status() {
+  local file="$OUT/status-$1s.txt"
+  ip netns exec "$ID-client" "$KVRELAY" status --gateway "$(gateway_list)" --insecure >"$file" 2>&1 ||
+    echo "(kvrelay status exited $?)" >>"$file"
+  { echo "cluster: status at $1s:"; cat "$file"; } >&2
 }
 
 run_fault() {
@@ -451,9 +534,13 @@ run_fault() {
       echo "$start - shape $target $rest" >>"$EVENTS" ;;
     drain|retire) drain_node "$target" "$action" ;;
     rollout)
-      local name
-      for name in $(running_workers "${target:-workers}"); do drain_node "$name"; done
+      local name kind kinds=${target:-workers}
+      [[ $kinds != all ]] || kinds="stores workers gateways"
+      for kind in $kinds; do
+        for name in $(running_nodes "$kind"); do drain_node "$name"; done
+      done
       echo "$start $(now) rollout ${target:-workers}" >>"$EVENTS" ;;
+    status) cluster_status "$at" ;;
     restart)
       local seen
       seen=$(listen_count "$target")
