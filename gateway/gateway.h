@@ -51,7 +51,7 @@ struct GatewayOptions {
   absl::Duration reserve_timeout = absl::Seconds(2);
   // The adaptive Reserve timeout's lower bound (WorkerSetOptions::reserve_timeout_floor);
   // reserve_timeout is its upper bound.
-  absl::Duration reserve_timeout_floor = absl::Milliseconds(250);
+  absl::Duration reserve_timeout_floor = absl::Milliseconds(500);
   absl::Duration prefill_timeout = absl::Seconds(30);
   absl::Duration chunk_timeout = absl::Seconds(5);         // first token and every gap after it
   absl::Duration route_timeout = absl::Milliseconds(500);  // QueryPrefix / worker Status

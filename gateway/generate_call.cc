@@ -170,6 +170,7 @@ absl::StatusOr<bool> GenerateCall::RunPair(const Plan& plan, const Pair& pair) {
   KV_ASSIGN_OR_RETURN(QuotaTable::Lease client_lease,
                       deps_.client_reservations->Take(call_.client, reserved_tokens));
   absl::StatusOr<kvrelay::v1::ReserveResponse> target = Reserve(plan, pair.decode, request_id);
+  attempt_reserve_ = deps_.clock->Now() - attempt_start_;
   if (!target.ok()) {
     last_error_ = target.status();
     if (IsOverload(target.status())) return Busy(target.status(), pair.decode, Blame::kDecode);
@@ -304,6 +305,7 @@ absl::Status GenerateCall::Stream(const Plan& plan, Node* decode,
   request.set_layout_description(deps_.layout->Describe());
   request.set_reservation_token(target.reservation_token());
   int32_t computed_here = prefilled.computed_tokens();
+  const absl::Time stream_start = deps_.clock->Now();
   absl::Status s = decode->decode->Generate(
       request, call_.deadline, options_.chunk_timeout, [&](const kvrelay::v1::DecodeChunk& chunk) {
         // Streaming: the decode worker has claimed the
@@ -313,7 +315,10 @@ absl::Status GenerateCall::Stream(const Plan& plan, Node* decode,
         if (!attempt_streamed_ && chunk.tokens_size() > 0) {
           attempt_streamed_ = true;
           const absl::Time now = deps_.clock->Now();
-          decode->service.Observe(absl::ToDoubleSeconds(now - attempt_start_), now, attempt_start_);
+          // The decode worker's own part: its Reserve and its first token once pushed (the
+          // prefill's compute and the push are the prefill node's and the link's).
+          decode->service.Observe(absl::ToDoubleSeconds(attempt_reserve_ + (now - stream_start)),
+                                  now, attempt_start_);
         }
         return OnChunk(chunk, &computed_here, stream_done);
       });

@@ -168,9 +168,10 @@ class GenerateCall {
   std::vector<int32_t> generated_;  // streamed to the sink so far, across attempts
   kvrelay::v1::GenerateSummary summary_;
   absl::Time first_token_time_ = absl::InfiniteFuture();
-  // The current attempt's start (before its Reserve) and whether its first token arrived: the
-  // decode node's service-time sample (WorkerSet::Node::service).
+  // The current attempt's start (before its Reserve), how long its Reserve took, and whether
+  // its first token arrived: the decode node's service-time sample (WorkerSet::Node::service).
   absl::Time attempt_start_ = absl::InfinitePast();
+  absl::Duration attempt_reserve_;
   bool attempt_streamed_ = false;
   absl::Time last_token_time_ = absl::InfiniteFuture();
   std::vector<Node*> failed_prefill_;  // excluded from later attempts

@@ -608,7 +608,10 @@ Node* WorkerSet::PickDecode(const NodeList& decodes,
     auto tied = [margin](double cost, double low) { return cost <= low * 1.5 + margin; };
     // A holder past 1.1x its share of recent requests (+1) wins no more by its prefix: with n
     // nodes the least picked keeps at least (n - 1.1 (n - 1)) of its share (bounded loads).
-    const double share_bound = 1.1 * recent_total / static_cast<double>(candidates.size()) + 1;
+    // Only under sustained traffic (8 recent requests per node or more, about 1.2 a second
+    // each): a burst of requests in a row (a conversation's turns) keeps its affinity.
+    const double fair = recent_total / static_cast<double>(candidates.size());
+    const double share_bound = fair >= 8 ? 1.1 * fair + 1 : std::numeric_limits<double>::infinity();
     auto prefix_rank = [&](const Candidate& c) {
       return c.node->recent_picks.Value(now) <= share_bound ? c.held : 0;
     };

@@ -80,11 +80,11 @@ struct WorkerSetOptions {
   // Decode Reserve calls are bounded by an adaptive timeout (SRTT + 4 RTTVAR of this gateway's
   // Reserve round trips) within [reserve_timeout_floor, reserve_timeout]: a hung or cut-off
   // decode worker costs a few round trips, not the fixed worst case.
-  absl::Duration reserve_timeout_floor = absl::Milliseconds(250);
+  absl::Duration reserve_timeout_floor = absl::Milliseconds(500);
   absl::Duration reserve_timeout = absl::Seconds(2);
   // Decode costs within 50% + this of the lowest are a tie: differences a request's own noise
   // makes (a new process's first requests pay connection set-up) must not steer light traffic.
-  absl::Duration tie_margin = absl::Milliseconds(20);
+  absl::Duration tie_margin = absl::Milliseconds(50);
 };
 
 // Why a picker chose a node (kvrelay:gateway_picks_total{role, reason}).
@@ -123,10 +123,10 @@ class WorkerSet {
     // (the cost model's inputs for routing).
     kv::RateMeter prefill_calls;
     kv::RateMeter prefill_tokens;
-    // Decode nodes: an attempt's time from its start (Reserve) to its first token, penalized
-    // by what a failure cost; and seconds per MiB of the pushes into it (a bound on its link:
-    // the Prefill call's time over the bytes it pushed). Forgotten while idle (see
-    // WorkerSetOptions::learned).
+    // Decode nodes: its own time to a first token (its Reserve, plus its first token once the
+    // push is done), penalized by what a failure cost; and seconds per MiB of the pushes into
+    // it (a bound on its link: the Prefill call's time over the bytes it pushed). Forgotten
+    // while idle (see WorkerSetOptions::learned).
     LearnedLatency service;
     LearnedLatency transfer_seconds_per_mib;
     // Requests this gateway sent it lately (halving every 5 s): bounds how much more than its
@@ -232,7 +232,8 @@ class WorkerSet {
   // (figures a node has not learned yet, or forgot, are the fleet's best). Costs within 50%
   // + tie_margin of the lowest are a tie (measurement noise must not send all light traffic to
   // one node): among them the longest held prefix wins, unless its holder already got more
-  // than 1.1x its share of recent requests (+1), then they rotate. A new worker gets its
+  // than 1.1x its share of recent requests (+1) under sustained traffic (8 or more recent
+  // requests per node), then they rotate. A new worker gets its
   // first request. Null when none is usable. `*reason` (optional) says why.
   Node* PickDecode(const NodeList& decodes, const absl::flat_hash_map<std::string, int32_t>& held,
                    int64_t full_blocks, const std::vector<Node*>& excluded,

@@ -77,22 +77,22 @@ TEST_F(WorkerSetTest, DecodeTradesTheHeldPrefixAgainstLoadAtTheLearnedTransferRa
   const WorkerSet::Snapshot nodes = set_.Nodes();
   Node* d1 = nodes.decode[1].get();
   Node* d2 = nodes.decode[2].get();
-  // Nothing learned yet: 50 ms per request ahead, so 250 / 100 / 200 ms.
-  nodes.decode[0]->in_flight = 4;
+  // Nothing learned yet: 50 ms per request ahead, so 300 / 100 / 250 ms.
+  nodes.decode[0]->in_flight = 5;
   d1->in_flight = 1;
-  d2->in_flight = 3;
+  d2->in_flight = 4;
   PickReason why{};
   auto pick = [&](const absl::flat_hash_map<std::string, int32_t>& held) {
     return set_.PickDecode(nodes.decode, held, /*full_blocks=*/8, {}, &why);
   };
   EXPECT_EQ(pick({}), d1);
   EXPECT_EQ(why, PickReason::kLoad);
-  // Half the prompt held two requests further behind: no transfer rate learned yet, so the
+  // Half the prompt held three requests further behind: no transfer rate learned yet, so the
   // load decides.
   d2->SetNodeId("d2");
   EXPECT_EQ(pick({{"d2", 4}}), d1);
   // Over a slow link (0.1 s per MiB, 1 MiB blocks) the 4 blocks not pushed again are worth
-  // more than two requests ahead: the holder wins, for its prefix.
+  // more than three requests ahead: the holder wins, for its prefix.
   for (const auto& n : nodes.decode) n->transfer_seconds_per_mib.Observe(0.1, clock_.Now());
   EXPECT_EQ(pick({{"d2", 4}}), d2);
   EXPECT_EQ(why, PickReason::kPrefix);
@@ -101,7 +101,7 @@ TEST_F(WorkerSetTest, DecodeTradesTheHeldPrefixAgainstLoadAtTheLearnedTransferRa
     for (const auto& n : nodes.decode) n->transfer_seconds_per_mib.Observe(0.001, clock_.Now());
   }
   EXPECT_EQ(pick({{"d2", 4}}), d1);
-  // Within the tie margin (50% + 20 ms) the holder wins.
+  // Within the tie margin (50% + 50 ms) the holder wins.
   d2->in_flight = 1;
   EXPECT_EQ(pick({{"d2", 4}}), d2);
   EXPECT_EQ(why, PickReason::kPrefix);
@@ -129,6 +129,18 @@ TEST_F(WorkerSetTest, AHoldersPrefixWinsTiesOnlyUpToItsShare) {
   EXPECT_GE(to_d0, 20);  // the holder gets more than its half...
   EXPECT_LE(to_d0, 32);  // ...but d1 gets well over half of its own
   EXPECT_GT(d1->picked.load(), 8);
+}
+
+// A few requests in a row (a conversation's turns, not sustained traffic) keep their affinity.
+TEST_F(WorkerSetTest, AFewRequestsInARowStayWithTheirHolder) {
+  AddDecode("d0");
+  AddDecode("d1");
+  const WorkerSet::Snapshot nodes = set_.Nodes();
+  nodes.decode[0]->SetNodeId("d0");
+  for (int i = 0; i < 6; ++i) {
+    EXPECT_EQ(set_.PickDecode(nodes.decode, {{"d0", 4}}, 5, {}), nodes.decode[0].get()) << i;
+    clock_.Advance(absl::Milliseconds(500));
+  }
 }
 
 // A node measured slow (or penalized by a failure) loses traffic to busier fast ones, then
@@ -160,7 +172,7 @@ TEST_F(WorkerSetTest, DecodeLearnsAServiceTimeAndForgetsItWhileIdle) {
 TEST_F(WorkerSetTest, TheReserveTimeoutFollowsMeasuredRoundTripsWithinItsBounds) {
   EXPECT_EQ(set_.ReserveTimeout(), absl::Seconds(2));  // nothing measured: the upper bound
   for (int i = 0; i < 10; ++i) set_.ObserveReserve(absl::Milliseconds(3));
-  EXPECT_EQ(set_.ReserveTimeout(), absl::Milliseconds(250));  // the floor
+  EXPECT_EQ(set_.ReserveTimeout(), absl::Milliseconds(500));  // the floor
 }
 
 TEST_F(WorkerSetTest, AnOpenBreakerIsSkippedThenProbedOnceWhenHalfOpen) {

@@ -54,9 +54,12 @@ class CrossNodeReuse : public ::testing::Test {
     options.worker_args = kPatientStoreCalls;
     // By load alone, consecutive requests alternate between the two prefill workers, so a
     // prefix computed on one is next asked of the other.
-    options.extra_args = {"--gateway-args",   "--prefix-routing=false --prefill-timeout 10s",
-                          "--prefill-args",   "--fetch-timeout 3s",
-                          "--kv-cache-dtype", "fp8_e4m3"};
+    options.extra_args = {"--gateway-args",
+                          "--prefix-routing=false --prefill-timeout 10s --reserve-timeout-floor 2s",
+                          "--prefill-args",
+                          "--fetch-timeout 3s",
+                          "--kv-cache-dtype",
+                          "fp8_e4m3"};
     absl::StatusOr<std::unique_ptr<LocalCluster>> cluster = LocalCluster::Start(options);
     ASSERT_TRUE(cluster.ok()) << cluster.status();
     cluster_ = cluster->release();
@@ -165,9 +168,11 @@ TEST_F(CrossNodeReuse, ASecondTurnReceivesOnlyItsNewBlocks) {
 
 // Both holders of a prefix (the prefill node that computed it and the decode node that kept a
 // copy) hang (SIGSTOP) and are killed 2.5 s later. The next request sharing the prefix waits
-// out its reserve on the hung decode node, fails over to the other, and its prefill node (the
-// other one) tries to pull from a holder that hangs and then dies: the pull is given up, the
-// blocks are recomputed, and the request returns the right tokens well within its deadline.
+// out its reserve on the hung decode node (the gateway's --reserve-timeout-floor 2s keeps that
+// wait at 2 s, so the pull below starts close to the kill), fails over to the other, and its
+// prefill node (the other one) tries to pull from a holder that hangs and then dies: the pull
+// is given up, the blocks are recomputed, and the request returns the right tokens well within
+// its deadline.
 TEST_F(CrossNodeReuse, HoldersKilledMidFetchCostThePullNotTheRequest) {
   GatewayClient client(cluster_->gateway());
   const std::vector<int32_t> a = RandomPrompt(100, 51);
