@@ -308,8 +308,7 @@ absl::Status GenerateCall::Stream(const Plan& plan, Node* decode,
   const absl::Time stream_start = deps_.clock->Now();
   absl::Status s = decode->decode->Generate(
       request, call_.deadline, options_.chunk_timeout, [&](const kvrelay::v1::DecodeChunk& chunk) {
-        // Streaming: the decode worker has claimed the
-        // reservation.
+        // Streaming: the decode worker has claimed the reservation.
         tenant_lease->Return();
         client_lease->Return();
         if (!attempt_streamed_ && chunk.tokens_size() > 0) {
@@ -330,7 +329,6 @@ bool GenerateCall::OnChunk(const kvrelay::v1::DecodeChunk& chunk, int32_t* compu
                            bool* stream_done) {
   if (chunk.tokens_size() > 0) {
     const absl::Time now = deps_.clock->Now();
-
     if (first_token_time_ == absl::InfiniteFuture()) {
       first_token_time_ = now;
       deps_.metrics->ttft_seconds->Observe(absl::ToDoubleSeconds(first_token_time_ - call_.start));
