@@ -5,8 +5,8 @@
 // alternating round by round so machine load hits both alike. Prints each round and the
 // median ratio per block size and direction (the bar: >= 0.8x).
 //
-//   build/bin/disk_tier_bench --dir /mnt/nvme/bench --block-bytes 65536,1048576 \
-//     --queue-depth 32 --bytes 1073741824 --rounds 3
+//   build/bin/disk_tier_bench --dir /mnt/nvme/bench --block-bytes 65536,1048576
+//       --queue-depth 32 --bytes 1073741824 --rounds 3   (one command line)
 //
 // Needs fio (Debian package fio). Payload bandwidth: ours counts block bytes, not the 4 KiB
 // header each slot carries.
