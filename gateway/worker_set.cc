@@ -566,6 +566,7 @@ Node* WorkerSet::PickDecode(const NodeList& decodes,
       int32_t held;
       double cost;       // with what it holds
       double cost_cold;  // as if it held nothing
+      double recent;     // its recent picks (read once: each read takes its lock)
     };
     std::vector<Candidate> candidates;
     int32_t lowest_load = std::numeric_limits<int32_t>::max();
@@ -581,8 +582,8 @@ Node* WorkerSet::PickDecode(const NodeList& decodes,
       const double queue = (n->Load() + 1) * n->service.Value(now, service_prior);
       const double per_block =
           mib_per_block * n->transfer_seconds_per_mib.Value(now, transfer_prior);
-      candidates.push_back(
-          {n, blocks, queue + (full_blocks - blocks) * per_block, queue + full_blocks * per_block});
+      candidates.push_back({n, blocks, queue + (full_blocks - blocks) * per_block,
+                            queue + full_blocks * per_block, n->recent_picks.Value(now)});
       lowest_load = std::min(lowest_load, n->Load());
     }
     // A new worker gets its first request (see Node::picked).
@@ -602,7 +603,7 @@ Node* WorkerSet::PickDecode(const NodeList& decodes,
     for (const Candidate& c : candidates) {
       lowest = std::min(lowest, c.cost);
       lowest_cold = std::min(lowest_cold, c.cost_cold);
-      recent_total += c.node->recent_picks.Value(now);
+      recent_total += c.recent;
     }
     const double margin = absl::ToDoubleSeconds(options_.tie_margin);
     auto tied = [margin](double cost, double low) { return cost <= low * 1.5 + margin; };
@@ -612,9 +613,7 @@ Node* WorkerSet::PickDecode(const NodeList& decodes,
     // each): a burst of requests in a row (a conversation's turns) keeps its affinity.
     const double fair = recent_total / static_cast<double>(candidates.size());
     const double share_bound = fair >= 8 ? 1.1 * fair + 1 : std::numeric_limits<double>::infinity();
-    auto prefix_rank = [&](const Candidate& c) {
-      return c.node->recent_picks.Value(now) <= share_bound ? c.held : 0;
-    };
+    auto prefix_rank = [&](const Candidate& c) { return c.recent <= share_bound ? c.held : 0; };
     const Candidate* chosen = nullptr;
     for (const Candidate& c : candidates) {  // in rotation order: the first of equals wins
       if (!tied(c.cost, lowest)) continue;
