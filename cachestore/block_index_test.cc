@@ -102,6 +102,35 @@ TEST_F(BlockIndexTest, RemoveLeafTakesOnlyAFreeLeafAndItsParentBecomesEvictable)
   EXPECT_FALSE(index_->EvictOne().has_value());  // the allocated block is not evictable
 }
 
+TEST_F(BlockIndexTest, RemoveSubtreeTakesALeafAloneAndAnInnerBlockWithItsDescendants) {
+  // 0 <- 1 <- 2, 1 <- 3; 4 alone.
+  ASSERT_THAT(index_->Insert(B(0, {}), BlockState::kCommitted), IsOk());
+  ASSERT_THAT(index_->Insert(B(1, 0), BlockState::kCommitted), IsOk());
+  ASSERT_THAT(index_->Insert(B(2, 1), BlockState::kCommitted), IsOk());
+  ASSERT_THAT(index_->Insert(B(3, 1), BlockState::kCommitted), IsOk());
+  ASSERT_THAT(index_->Insert(B(4, {}), BlockState::kCommitted), IsOk());
+  EXPECT_TRUE(index_->RemoveSubtree(H(9)).empty());  // absent: ignored
+  // A leaf (the replay of an eviction): itself only, its parent named and still counting the
+  // other child.
+  std::vector<RemovedBlock> leaf = index_->RemoveSubtree(H(2));
+  ASSERT_EQ(leaf.size(), 1u);
+  EXPECT_EQ(leaf[0].hash, H(2));
+  EXPECT_EQ(leaf[0].parent, H(1));
+  EXPECT_EQ(leaf[0].replicas.size(), 1u);
+  EXPECT_THAT(index_->RemoveLeaf(H(1)).status(), StatusIs(absl::StatusCode::kFailedPrecondition));
+  // An inner block: it and every descendant, children first.
+  std::vector<RemovedBlock> inner = index_->RemoveSubtree(H(0));
+  ASSERT_EQ(inner.size(), 3u);
+  EXPECT_EQ(inner[0].hash, H(3));
+  EXPECT_EQ(inner[2].hash, H(0));
+  EXPECT_EQ(index_->committed_count(), 1);
+  EXPECT_TRUE(index_->Contains(H(4)));
+  // The last leaf left is still evictable after the removals (its heap entry intact).
+  std::optional<RemovedBlock> evicted = index_->EvictOne();
+  ASSERT_TRUE(evicted.has_value());
+  EXPECT_EQ(evicted->hash, H(4));
+}
+
 TEST_F(BlockIndexTest, RemoveNodeCascadesToDescendants) {
   ASSERT_THAT(index_->Insert(B(0, {}, /*node=*/1), BlockState::kCommitted), IsOk());
   ASSERT_THAT(index_->Insert(B(1, 0, /*node=*/2), BlockState::kCommitted), IsOk());

@@ -238,7 +238,11 @@ absl::Status Gateway::Generate(const kvrelay::v1::GenerateRequest& request, absl
   // The gateway's own cap first: a refusal costs nothing but this check (relaxed: the count
   // orders nothing else).
   const int32_t in_flight = in_flight_.fetch_add(1, std::memory_order_relaxed) + 1;
-  absl::Cleanup leave = [this] { in_flight_.fetch_sub(1, std::memory_order_relaxed); };
+  metrics_.requests_in_flight->Add(1);
+  absl::Cleanup leave = [this] {
+    in_flight_.fetch_sub(1, std::memory_order_relaxed);
+    metrics_.requests_in_flight->Add(-1);
+  };
   if (options_.max_inflight > 0 && in_flight > options_.max_inflight) {
     metrics_.CountShed("gateway", "inflight");
     absl::Status refused =

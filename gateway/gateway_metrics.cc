@@ -53,6 +53,9 @@ GatewayMetrics::GatewayMetrics(MetricsRegistry* registry, const std::string& mod
       success_length(Success(registry, {{"model_name", model_name}}, "length")),
       breaker_opens_prefill(BreakerOpens(registry, {{"model_name", model_name}}, "prefill")),
       breaker_opens_decode(BreakerOpens(registry, {{"model_name", model_name}}, "decode")),
+      requests_in_flight(registry->GetGauge("kvrelay:gateway_requests_in_flight",
+                                            "Generate requests in flight at the gateway.",
+                                            {{"model_name", model_name}})),
       registry_(registry),
       model_labels_({{"model_name", model_name}}) {
   // Registered at zero so a shed-rate query has a series before the first refusal (an alert

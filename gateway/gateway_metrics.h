@@ -45,6 +45,9 @@ class GatewayMetrics {
   // failure blamed on it. Overload never moves it.
   Counter* const breaker_opens_prefill;
   Counter* const breaker_opens_decode;
+  // kvrelay:gateway_requests_in_flight: Generate calls past validation and not yet ended. Back
+  // to zero whenever the gateway is idle (the soak's leak check reads it).
+  Gauge* const requests_in_flight;
 
  private:
   Counter* ShedCounter(const std::string& tier, const std::string& reason) const;

@@ -1,3 +1,4 @@
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
@@ -104,7 +105,7 @@ int RunBenchServeCommand(const std::vector<std::string>& args) {
   int64_t verify_sample = 0, trace_offset = 0;
   bool verify = false, quiet = false;
   absl::Duration max_duration = absl::Minutes(10), timeout = absl::Seconds(60);
-  absl::Duration wait_ready = absl::ZeroDuration();
+  absl::Duration wait_ready = absl::ZeroDuration(), sweep_duration = absl::ZeroDuration();
   FlagSet flags("bench-serve",
                 "Drives a gateway with a Mooncake-format trace (replayed at its timestamps, or "
                 "scaled) or a synthetic workload, and reports TTFT/TPOT/ITL/E2E percentiles, "
@@ -129,6 +130,11 @@ int RunBenchServeCommand(const std::vector<std::string>& args) {
   flags.AddString("arrival", &arrival, "synthetic arrivals: poisson or fixed");
   flags.AddString("sweep-rates", &sweep_text,
                   "comma-separated rates: run the workload once per rate (TTFT vs rate plot)");
+  flags.AddDuration("sweep-duration", &sweep_duration,
+                    "synthetic sweep: each rate sends for this long (rate x duration requests, "
+                    "instead of --num-requests), so every rate is measured over the same "
+                    "window; a fixed count at a high rate is a short burst whose drain "
+                    "dominates");
   flags.AddInt64("num-requests", &num_requests, "synthetic: number of requests");
   flags.AddInt32("input-tokens", &input_tokens, "synthetic: prompt tokens per request");
   flags.AddInt32("output-tokens", &output_tokens, "synthetic: tokens generated per request");
@@ -228,6 +234,11 @@ int RunBenchServeCommand(const std::vector<std::string>& args) {
   }
   absl::StatusOr<std::vector<double>> sweep = ParseRates(sweep_text);
   if (!sweep.ok()) return UsageError(std::string(sweep.status().message()));
+  if (sweep_duration < absl::ZeroDuration() ||
+      (sweep_duration > absl::ZeroDuration() && (sweep->empty() || !trace_path.empty()))) {
+    return UsageError(
+        "--sweep-duration: a positive duration, with --sweep-rates and a synthetic workload");
+  }
 
   // The served model bounds the prompts: its vocab, its context, its KV block.
   int32_t context_tokens = 0;
@@ -274,10 +285,12 @@ int RunBenchServeCommand(const std::vector<std::string>& args) {
                  : absl::StrFormat("time scale %.3g", time_scale));
   } else {
     description = absl::StrFormat(
-        "synthetic: %d requests, %d prompt + %d output tokens, %.0f%% shared prefix over %d "
+        "synthetic: %s, %d prompt + %d output tokens, %.0f%% shared prefix over %d "
         "groups, %s",
-        std::min(num_requests, max_requests), input_tokens, output_tokens,
-        100 * shared_prefix_ratio, prefix_groups,
+        sweep_duration > absl::ZeroDuration()
+            ? absl::StrCat("rate x ", absl::FormatDuration(sweep_duration), " requests")
+            : absl::StrCat(std::min(num_requests, max_requests), " requests"),
+        input_tokens, output_tokens, 100 * shared_prefix_ratio, prefix_groups,
         rate > 0 ? absl::StrFormat("%s arrivals at %.3g req/s", arrival, rate)
                  : absl::StrFormat("closed loop at concurrency %d", concurrency));
   }
@@ -290,6 +303,11 @@ int RunBenchServeCommand(const std::vector<std::string>& args) {
     }
     SyntheticOptions s;
     s.num_requests = std::min(num_requests, max_requests);
+    if (sweep_duration > absl::ZeroDuration() && at_rate > 0) {
+      s.num_requests = std::min(
+          max_requests,
+          static_cast<int64_t>(std::ceil(at_rate * absl::ToDoubleSeconds(sweep_duration))));
+    }
     s.input_tokens = input_tokens;
     s.output_tokens = output_tokens;
     s.shared_prefix_ratio = shared_prefix_ratio;

@@ -42,6 +42,13 @@
 #                                         SIGTERM-to-exit time; 'at=T status' (kvrelay status from
 #                                         the client host, saved to status-<T>s.txt and printed)
 #   --out DIR                             logs, report.json, requests.csv, plot.png
+#   --sample-every S                      every S seconds, each running node's RSS, open file
+#                                         descriptors, CPU seconds and load gauges (requests running and
+#                                         waiting, KV pool use, reservation memory regions, store
+#                                         leases, gateway requests in flight) go to samples.csv
+#   --settle S                            after the load, wait S seconds, then take a last sample
+#                                         (t = "final") and save every node's /metrics in
+#                                         metrics/NODE.prom: what is still held when idle
 #   --subnet 10.77.0                      first three octets of the namespace addresses
 #   --name ID                             namespace prefix (default kvr<pid>): ID-hub, ID-store..
 #   --external HOST:PORT[,...]            no namespaces: drive gateways that already run on real
@@ -61,7 +68,7 @@ BIN=${KVRELAY_BIN_DIR:-$ROOT/build/bin}
 KVRELAY="$BIN/kvrelay"
 ETCD_BIN=${KVRELAY_ETCD:-/usr/bin/etcd}
 PREFILL=2 DECODE=2 GATEWAYS=1 STORES=1 THREADS=1 POOL_BLOCKS=1024 CACHE_SLOTS=4096
-SPARE_PREFILL=0 SPARE_DECODE=0 FIXED_WORKERS=0
+SPARE_PREFILL=0 SPARE_DECODE=0 FIXED_WORKERS=0 SAMPLE_EVERY=0 SETTLE=0
 PREFILL_ARGS="" DECODE_ARGS="" GATEWAY_ARGS=""
 MODEL="" ARCH=llama OUT="" SUBNET=10.77.0 EXTERNAL="" PRINT_ONLY=0 ID="kvr$$"
 FAULTS=()
@@ -87,6 +94,8 @@ while (($#)); do
     --gateway-args) GATEWAY_ARGS=$2; shift 2 ;;
     --fault) FAULTS+=("$2"); shift 2 ;;
     --out) OUT=$2; shift 2 ;;
+    --sample-every) SAMPLE_EVERY=$2; shift 2 ;;
+    --settle) SETTLE=$2; shift 2 ;;
     --subnet) SUBNET=$2; shift 2 ;;
     --name) ID=$2; shift 2 ;;
     --external) EXTERNAL=$2; shift 2 ;;
@@ -107,6 +116,8 @@ for n in SPARE_PREFILL SPARE_DECODE; do
 done
 ((FIXED_WORKERS == 0 || SPARE_PREFILL + SPARE_DECODE == 0)) ||
   die "spare workers are found by discovery: drop --fixed-workers"
+[[ $SAMPLE_EVERY =~ ^[0-9]+$ ]] || die "--sample-every must be whole seconds, got '$SAMPLE_EVERY'"
+[[ $SETTLE =~ ^[0-9]+$ ]] || die "--settle must be whole seconds, got '$SETTLE'"
 [[ $SUBNET =~ ^10\.[0-9]+\.[0-9]+$ ]] || die "--subnet must be 10.A.B, got '$SUBNET'"
 [[ $ID =~ ^[a-z][a-z0-9]{0,11}$ ]] || die "--name must be 1-12 lowercase letters/digits, got '$ID'"
 [[ -x $KVRELAY ]] || die "no $KVRELAY; build it first (TARGETS=kvrelay scripts/build.sh)"
@@ -557,6 +568,57 @@ for spec in "${FAULTS[@]}"; do
   HELPERS+=($!)
 done
 
+# --- samples: memory, descriptors and load gauges of every node ------------------------------------
+metrics_address() {  # HOST:PORT of node $1's /metrics, from its latest "listening on" line
+  grep -o "listening on [^ ]* metrics [^ ]*" "$OUT/logs/$1.log" 2>/dev/null | tail -1 | cut -d' ' -f5
+}
+scrape_metrics() {  # node $1's /metrics text (empty when it does not answer within 2 s)
+  local addr
+  addr=$(metrics_address "$1")
+  [[ -n $addr ]] || return 0
+  ip netns exec "$ID-client" curl -s --max-time 2 "http://$addr/metrics" 2>/dev/null || true
+}
+SAMPLES=$OUT/samples.csv
+sample_nodes() {  # one row per running node, t = $1
+  local name pid rss fds gauges
+  for name in "${NODES[@]}"; do
+    [[ -f $OUT/pids/$name && $name != client && $name != dup ]] || continue
+    pid=$(node_pid "$name")
+    rss=$(awk '/^VmRSS:/ { print $2 }' "/proc/$pid/status" 2>/dev/null) || true
+    [[ -n $rss ]] || continue  # not running (killed, not yet restarted)
+    fds=$(find "/proc/$pid/fd" -mindepth 1 -maxdepth 1 2>/dev/null | wc -l)
+    # utime + stime (fields 14, 15 after the parenthesised name) in clock ticks
+    cpu=$(sed 's/^.*) //' "/proc/$pid/stat" 2>/dev/null |
+          awk -v hz="$(getconf CLK_TCK)" '{ printf "%.2f", ($12 + $13) / hz }') || true
+    gauges=$(scrape_metrics "$name" | awk '
+      function add(k, v) { sum[k] += v; seen[k] = 1 }
+      /^kvrelay:num_requests_running[{ ]/ { add("running", $NF) }
+      /^kvrelay:num_requests_waiting[{ ]/ { add("waiting", $NF) }
+      /^kvrelay:kv_cache_usage_perc[{ ]/ { add("kv_usage", $NF) }
+      /^kvrelay:decode_reservation_memory_regions[{ ]/ { add("regions", $NF) }
+      /^kvrelay:cachestore_active_leases[{ ]/ { add("leases", $NF) }
+      /^kvrelay:gateway_requests_in_flight[{ ]/ { add("in_flight", $NF) }
+      END { n = split("running waiting kv_usage regions leases in_flight", k, " ")
+            for (i = 1; i <= n; i++) printf "%s%s", (i > 1 ? "," : ""), (seen[k[i]] ? sum[k[i]] : "")
+            print "" }')
+    echo "$1,$name,$pid,$rss,$fds,$cpu,$gauges" >>"$SAMPLES"
+  done
+}
+if ((SAMPLE_EVERY > 0 || SETTLE > 0)); then
+  echo "t,node,pid,rss_kb,fds,cpu_s,running,waiting,kv_usage,regions,leases,in_flight" >"$SAMPLES"
+fi
+if ((SAMPLE_EVERY > 0)); then
+  (
+    while [[ ! -s $START_FILE ]]; do sleep 0.2; done
+    t0=$(cat "$START_FILE")
+    while :; do
+      sample_nodes "$(awk -v a="$t0" -v n="$(now)" 'BEGIN { printf "%.0f", n - a }')"
+      sleep "$SAMPLE_EVERY"
+    done
+  ) &
+  HELPERS+=($!)
+fi
+
 # --- the load ----------------------------------------------------------------------------------
 set +e
 ip netns exec "$ID-client" "$KVRELAY" bench-serve --gateway "$(gateway_list)" --model "$MODEL" \
@@ -564,5 +626,15 @@ ip netns exec "$ID-client" "$KVRELAY" bench-serve --gateway "$(gateway_list)" --
   --csv "$OUT/requests.csv" --plot "$OUT/plot.png" "${BENCH_ARGS[@]}"
 rc=$?
 set -e
+if ((SETTLE > 0)); then
+  echo "cluster: load done; settling ${SETTLE}s before the last sample" >&2
+  sleep "$SETTLE"
+  sample_nodes final
+  mkdir -p "$OUT/metrics"
+  for name in "${NODES[@]}"; do
+    [[ -f $OUT/pids/$name && $name != client && $name != dup && $name != etcd ]] || continue
+    scrape_metrics "$name" >"$OUT/metrics/$name.prom"
+  done
+fi
 echo "cluster: report $OUT/report.json, per request $OUT/requests.csv, plot $OUT/plot.png" >&2
 exit "$rc"
