@@ -3,8 +3,8 @@
 # for leaks (issue 34).
 #
 #   scripts/soak.sh [--minutes 30] [--rate R] [--fault-every 60] [--rss-from 300]
-#                   [--rss-growth 2] [--cache-slots N] [--verify-sample N] [--out DIR]
-#                   [--name ID]
+#                   [--rss-growth 2] [--cache-slots N] [--event-retention N]
+#                   [--verify-sample N] [--out DIR] [--name ID]
 #
 # Starts scripts/cluster/run.sh (cache store, 2 prefill and 2 decode workers, 1 gateway, each in
 # its own network namespace, UCX over tcp, a generated tiny llama) and sends Poisson arrivals
@@ -12,12 +12,15 @@
 # VM; see the README) of 512-token prompts (half a shared prefix over 16 groups) and 16 output
 # tokens for --minutes, every token checked against the co-located reference (or
 # --verify-sample requests spread over the run). --cache-slots (per worker, default 4096) sets
-# how soon the caches and the store's index are full: a short run needs small caches to reach
-# its steady state. A fault every --fault-every
+# how soon the caches and the store's index are full, --event-retention (the store's, default
+# 65536 events of about 350 bytes) how soon its event ring is: a short run needs both small to
+# reach its steady state. A fault every --fault-every
 # seconds, in turn:
 #   stop decode-0 for 6s, cut store for 8s, kill prefill-1 for 5s (a new incarnation),
-#   stop prefill-0 for 5s, cut decode-1 for 5s, restart store (SIGKILL, back on its WAL),
+#   stop prefill-0 for 5s, cut decode-1 for 5s, stop store for 8s (a hung store),
 #   drain decode-0 (SIGTERM, started again)
+# (The store is paused and cut, not restarted, so that its memory is judged over the whole
+# run too; tests/multinode/faults_test.sh restarts it.)
 # Every 10 s each process's RSS, open file descriptors and load gauges are sampled
 # (samples.csv); 20 s after the load (past every reservation's TTL) a last sample is taken.
 # Checks, each printed with its figures:
@@ -34,7 +37,7 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 MINUTES=30 RATE=20 FAULT_EVERY=60 RSS_FROM=300 RSS_GROWTH=2 OUT="" NAME="soak$$" MODEL_ARGS=()
-CACHE_SLOTS=4096 VERIFY_SAMPLE=0
+CACHE_SLOTS=4096 VERIFY_SAMPLE=0 EVENT_RETENTION=65536
 while (($#)); do
   case "$1" in
     --minutes) MINUTES=$2; shift 2 ;;
@@ -47,11 +50,12 @@ while (($#)); do
     --model) MODEL_ARGS=(--model "$2"); shift 2 ;;
     --cache-slots) CACHE_SLOTS=$2; shift 2 ;;
     --verify-sample) VERIFY_SAMPLE=$2; shift 2 ;;
+    --event-retention) EVENT_RETENTION=$2; shift 2 ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) echo "soak.sh: unknown option '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
-for n in MINUTES FAULT_EVERY RSS_FROM CACHE_SLOTS; do
+for n in MINUTES FAULT_EVERY RSS_FROM CACHE_SLOTS EVENT_RETENTION; do
   [[ ${!n} =~ ^[0-9]+$ ]] && ((${!n} >= 1)) || { echo "soak.sh: --${n,,} must be a positive integer" >&2; exit 2; }
 done
 [[ $VERIFY_SAMPLE =~ ^[0-9]+$ ]] || { echo "soak.sh: --verify-sample must be a count" >&2; exit 2; }
@@ -64,7 +68,7 @@ OUT=${OUT:-$(mktemp -d /tmp/kvrelay-soak-XXXXXX)}
 mkdir -p "$OUT"
 
 CYCLE=("stop decode-0 for 6s" "cut store for 8s" "kill prefill-1 for 5s" "stop prefill-0 for 5s"
-       "cut decode-1 for 5s" "restart store" "drain decode-0")
+       "cut decode-1 for 5s" "stop store for 8s" "drain decode-0")
 faults=()
 for ((k = 0, at = FAULT_EVERY / 2; at + 20 < DURATION; k++, at += FAULT_EVERY)); do
   faults+=(--fault "at=${at}s ${CYCLE[k % ${#CYCLE[@]}]}")
@@ -74,10 +78,12 @@ echo "soak: ${MINUTES} min at ${RATE} req/s ($REQUESTS requests), $((${#faults[@
 
 set +e
 "$ROOT/scripts/cluster/run.sh" --name "$NAME" --out "$OUT" "${MODEL_ARGS[@]}" --sample-every 10 \
-  --cache-slots "$CACHE_SLOTS" --settle 20 "${faults[@]}" -- --rate "$RATE" --num-requests "$REQUESTS" \
-  --max-requests "$REQUESTS" --max-duration "$((DURATION + 60))s" --input-tokens 512 \
-  --output-tokens 16 --shared-prefix-ratio 0.5 --prefix-groups 16 --concurrency 128 \
-  --timeout 20s --slo ttft=2s,tpot=250ms --verify --verify-sample "$VERIFY_SAMPLE" --quiet >"$OUT/bench.txt" 2>"$OUT/cluster.txt"
+  --cache-slots "$CACHE_SLOTS" --store-args "--event-retention $EVENT_RETENTION" --settle 20 \
+  "${faults[@]}" -- --rate "$RATE" --num-requests "$REQUESTS" --max-requests "$REQUESTS" \
+  --max-duration "$((DURATION + 60))s" --input-tokens 512 --output-tokens 16 \
+  --shared-prefix-ratio 0.5 --prefix-groups 16 --concurrency 128 --timeout 20s \
+  --slo ttft=2s,tpot=250ms --verify --verify-sample "$VERIFY_SAMPLE" --quiet \
+  >"$OUT/bench.txt" 2>"$OUT/cluster.txt"
 rc=$?
 set -e
 ((rc != 77)) || { echo "SKIP: network namespaces are not available here"; exit 77; }

@@ -41,6 +41,7 @@ int RunCacheStoreCommand(const std::vector<std::string>& args) {
   bool wal_fsync = true;
   double high = 0.95, low = 0.90;
   int64_t snapshot_every = 100000;
+  int64_t event_retention = 1 << 16;
   std::string etcd_endpoints, advertise_address;
   HaOptions ha_options;
   kvrelay::server::AddServerFlags(flags, host);
@@ -77,6 +78,9 @@ int RunCacheStoreCommand(const std::vector<std::string>& args) {
   flags.AddDouble("high-watermark", &high, "evict when this fraction of slots is used");
   flags.AddDouble("low-watermark", &low, "... down to this fraction");
   flags.AddInt64("snapshot-every", &snapshot_every, "WAL records between snapshots");
+  flags.AddInt64("event-retention", &event_retention,
+                 "block and node events kept in memory for WatchEvents to resume from (about "
+                 "350 bytes each)");
   int32_t block_tokens = kv::kDefaultBlockTokens;
   flags.AddInt32("block-tokens", &block_tokens,
                  "tokens per KV block every worker and gateway must use (a worker that "
@@ -94,6 +98,9 @@ int RunCacheStoreCommand(const std::vector<std::string>& args) {
   }
   if (tick <= absl::ZeroDuration()) {
     return kvrelay::server::UsageError("cachestore", "--tick: must be positive");
+  }
+  if (event_retention < 1 || event_retention > (int64_t{1} << 24)) {
+    return kvrelay::server::UsageError("cachestore", "--event-retention: want 1-16777216");
   }
   if (absl::Status s = kv::CheckBlockTokensFlag(block_tokens); !s.ok()) {
     return kvrelay::server::UsageError("cachestore", s.message());
@@ -134,6 +141,7 @@ int RunCacheStoreCommand(const std::vector<std::string>& args) {
   options.high_watermark = high;
   options.low_watermark = low;
   options.snapshot_every_ops = snapshot_every;
+  options.event_retention = static_cast<size_t>(event_retention);
   options.block_tokens = block_tokens;
   // The events' BlockStored.token_ids; without a publisher tokens are dropped on arrival.
   options.keep_block_tokens = !kv_events.endpoint.empty();

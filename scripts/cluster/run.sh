@@ -24,6 +24,7 @@
 #   --pool-blocks N --cache-slots N       per-worker KV slots (default 1024 / 4096)
 #   --prefill-args A --decode-args A      extra flags for every prefill / decode worker / gateway
 #   --gateway-args A                      (e.g. --gateway-args '--prefix-routing=false')
+#   --store-args A                        extra flags for every cache store replica
 #   --fault 'at=20s kill decode-1'        repeatable; also 'at=T stop NODE for D', 'at=T cut NODE
 #                                         for D' (link down), 'at=T shape NODE 200mbit' (tc tbf,
 #                                         both directions, until the end), 'at=T restart NODE',
@@ -69,7 +70,7 @@ KVRELAY="$BIN/kvrelay"
 ETCD_BIN=${KVRELAY_ETCD:-/usr/bin/etcd}
 PREFILL=2 DECODE=2 GATEWAYS=1 STORES=1 THREADS=1 POOL_BLOCKS=1024 CACHE_SLOTS=4096
 SPARE_PREFILL=0 SPARE_DECODE=0 FIXED_WORKERS=0 SAMPLE_EVERY=0 SETTLE=0
-PREFILL_ARGS="" DECODE_ARGS="" GATEWAY_ARGS=""
+PREFILL_ARGS="" DECODE_ARGS="" GATEWAY_ARGS="" STORE_ARGS=""
 MODEL="" ARCH=llama OUT="" SUBNET=10.77.0 EXTERNAL="" PRINT_ONLY=0 ID="kvr$$"
 FAULTS=()
 BENCH_ARGS=()
@@ -92,6 +93,7 @@ while (($#)); do
     --prefill-args) PREFILL_ARGS=$2; shift 2 ;;
     --decode-args) DECODE_ARGS=$2; shift 2 ;;
     --gateway-args) GATEWAY_ARGS=$2; shift 2 ;;
+    --store-args) STORE_ARGS=$2; shift 2 ;;
     --fault) FAULTS+=("$2"); shift 2 ;;
     --out) OUT=$2; shift 2 ;;
     --sample-every) SAMPLE_EVERY=$2; shift 2 ;;
@@ -179,9 +181,9 @@ node_args() {
   local name=$1 a=${2:-${ADDR[$1]}}
   case "$name" in
     store) echo "cachestore --host $a --port 7000 --metrics-port 0 --data-dir $OUT/store-data" \
-                "--insecure" ;;
+                "--insecure $STORE_ARGS" ;;
     store-*) echo "cachestore --host $a --port 7000 --metrics-port 0 --data-dir $OUT/$name" \
-                  "--etcd $ETCD_URL --etcd-lease-ttl 2s --insecure" ;;
+                  "--etcd $ETCD_URL --etcd-lease-ttl 2s --insecure $STORE_ARGS" ;;
     # etcd's own arguments (its binary is not kvrelay); a heartbeat and election as short as the
     # HA tests use (tests/cachestore/ha_cluster.h), so a lost etcd leader is noticed fast.
     etcd) echo "--name etcd --data-dir $OUT/etcd-data --listen-client-urls http://$a:2379" \
