@@ -14,6 +14,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "common/logging.h"
 #include "common/server/credentials.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/grpc_status.h"
@@ -230,6 +231,16 @@ std::string CacheStoreClient::current_address() const {
   return Current(&index, &count)->address;
 }
 
+void CacheStoreClient::NoteAnswered(size_t index, size_t count, const Endpoint& endpoint,
+                                    int64_t term) {
+  if (count <= 1) return;
+  // Relaxed: a log line's order, nothing else.
+  if (last_answered_.exchange(index, std::memory_order_relaxed) == index) return;
+  // Once per switch of replica: when the calls reached a new leader (operators and the
+  // namespace harness read it).
+  KV_LOG(INFO) << "cachestore client: " << endpoint.address << " answers (term " << term << ")";
+}
+
 void CacheStoreClient::MoveOn(size_t index) {
   absl::MutexLock lock(&mu_);
   if (current_ == index) current_ = (index + 1) % endpoints_.size();
@@ -319,7 +330,10 @@ absl::Status CacheStoreClient::Invoke(
     absl::Status status = FromGrpcStatus(((*endpoint->stub).*method)(&ctx, request, response));
     const int64_t term = TermOf(ctx);
     if (status.ok()) {
-      if (AcceptTerm(term)) return status;
+      if (AcceptTerm(term)) {
+        NoteAnswered(index, count, *endpoint, term);
+        return status;
+      }
       // A store deposed since (it resumed after a pause): what it said is not the cluster's.
       status = StaleTermRefusal(*endpoint, term);
       response->Clear();

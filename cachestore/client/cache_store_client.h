@@ -250,6 +250,9 @@ class CacheStoreClient {
   static std::shared_ptr<LookupStream> LookupStreamOf(Endpoint& endpoint);
   // Calls go to the instance after `index` next (unless another call moved on already).
   void MoveOn(size_t index);
+  // A call succeeded at instance `index` of `count`: logs when that is another replica than
+  // the last success's.
+  void NoteAnswered(size_t index, size_t count, const Endpoint& endpoint, int64_t term);
   // Calls go to `address` next (added when not known). False when it is `index` itself.
   bool Redirect(const std::string& address, size_t index);
   // After a FAILURE_NOT_LEADER answer from instance `index`: follows the leader it named (true:
@@ -268,6 +271,8 @@ class CacheStoreClient {
   NodeIdentity node_ ABSL_GUARDED_BY(mu_);
   std::vector<std::shared_ptr<Endpoint>> endpoints_ ABSL_GUARDED_BY(mu_);
   size_t current_ ABSL_GUARDED_BY(mu_) = 0;
+  // The replica that answered the last successful call (NoteAnswered).
+  std::atomic<size_t> last_answered_{~size_t{0}};
   std::atomic<int64_t> max_term_{0};
 };
 

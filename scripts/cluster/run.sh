@@ -38,6 +38,8 @@
 #                                         all]' (drain and restart every running node of the kind,
 #                                         default workers, one at a time, each serving again before
 #                                         the next; all = stores, then workers, then gateways),
+#                                         NODE may be 'leader' with --stores N: the replica that
+#                                         leads when the fault strikes (events name it)
 #                                         'at=T retire NODE' (SIGTERM drain of a worker, not started
 #                                         again: scale-in); drains.txt gets each drain's
 #                                         SIGTERM-to-exit time; 'at=T status' (kvrelay status from
@@ -416,6 +418,15 @@ check_fault() {
     [[ -z $target ]] || fault_error "$spec" "'status' takes nothing more"
     return 0
   fi
+  if [[ $target == leader ]]; then  # the HA store replica that leads when the fault strikes
+    ((STORES > 1)) || fault_error "$spec" "'leader' needs --stores 2 or more"
+    [[ $action =~ ^(stop|cut|kill|restart|drain)$ ]] ||
+      fault_error "$spec" "'leader' takes stop, cut, kill, restart or drain"
+    [[ $action != kill || -n $rest ]] || fault_error "$spec" "want 'kill leader for <seconds>s'"
+    [[ $action != stop && $action != cut ]] || [[ $rest =~ ^for\ ([0-9.]+s?)$ ]] ||
+      fault_error "$spec" "want '$action leader for <seconds>s'"
+    return 0
+  fi
   [[ -n ${ADDR[$target]:-} && $target != client && $target != dup ]] ||
     fault_error "$spec" "unknown node '$target'"
   case "$action" in
@@ -491,6 +502,18 @@ running_nodes() {  # the nodes of kind $1 (prefill, decode, workers, stores, gat
   done
   return 0
 }
+# The HA store replica whose log last said it leads (after its last "following" line, if any).
+store_leader() {
+  local name best="" last_lead last_follow
+  for name in $(store_names); do
+    last_lead=$(grep -n "leads with term" "$OUT/logs/$name.log" 2>/dev/null | tail -1 | cut -d: -f1)
+    last_follow=$(grep -n "cachestore: following \|stepped down" "$OUT/logs/$name.log" 2>/dev/null |
+                  tail -1 | cut -d: -f1)
+    [[ -n $last_lead ]] && ((last_lead > ${last_follow:-0})) || continue
+    best=$name
+  done
+  echo "$best"
+}
 # `kvrelay status` from the client host: what an operator sees; saved and printed.
 cluster_status() {
   local file="$OUT/status-$1s.txt"
@@ -508,6 +531,10 @@ run_fault() {
   when=$(awk -v a="$t0" -v b="$at" -v n="$(now)" 'BEGIN { d = a + b - n; print (d > 0 ? d : 0) }')
   sleep "$when"
   start=$(now)
+  if [[ $target == leader ]]; then
+    target=$(store_leader)
+    [[ -n $target ]] || { echo "cluster: fault at ${at}s: no store replica leads" >&2; return 0; }
+  fi
   case "$action" in
     kill)
       local seen

@@ -35,3 +35,24 @@ run_cluster() {
   leftover=$(ip netns list 2>/dev/null | grep -E "^$name-" || true)
   [[ -z $leftover ]] || fail "namespaces left: $leftover"
 }
+
+# `run_checking_script NAME WHAT OUT COMMAND...`: runs a script that judges a run itself
+# (scripts/soak.sh, scripts/overload.sh) with namespaces named NAME-* and its files in OUT;
+# exits 77 when it found no namespaces, fails the test on any other non-zero exit (OUT kept)
+# or a namespace left behind.
+run_checking_script() {
+  local name=$1 what=$2 out=$3 rc leftover
+  shift 3
+  set +e
+  "$@"
+  rc=$?
+  set -e
+  ((rc != 77)) || exit 77
+  if ((rc != 0)); then
+    KEEP=1
+    tail -20 "$out/cluster.txt" >&2
+    fail "$what failed (exit $rc); files in $out"
+  fi
+  leftover=$(ip netns list 2>/dev/null | grep -E "^$name-" || true)
+  [[ -z $leftover ]] || fail "namespaces left: $leftover"
+}

@@ -13,17 +13,7 @@
 set -euo pipefail
 source "$(dirname "$0")/lib.sh"
 
-set +e
-"$ROOT/scripts/soak.sh" --minutes 2 --fault-every 30 --rss-from 40 --rate 10 --cache-slots 256 \
+run_checking_script "kvk$$" "soak" "$WORK/soak" \
+  "$ROOT/scripts/soak.sh" --minutes 2 --fault-every 30 --rss-from 40 --rate 10 --cache-slots 256 \
   --event-retention 4096 --rss-growth 3 --verify-sample 300 --model "$MODEL" --name "kvk$$" \
   --out "$WORK/soak"
-rc=$?
-set -e
-((rc != 77)) || exit 77
-if ((rc != 0)); then
-  KEEP=1
-  tail -20 "$WORK/soak/cluster.txt" >&2
-  fail "soak failed (exit $rc); logs in $WORK/soak"
-fi
-leftover=$(ip netns list 2>/dev/null | grep -E "^kvk$$-" || true)
-[[ -z $leftover ]] || fail "namespaces left: $leftover"
