@@ -110,6 +110,17 @@ absl::StatusOr<std::unique_ptr<WorkerCore>> WorkerCore::Create(const WorkerCoreO
   if (!options.cachestore_address.empty()) {
     KV_ASSIGN_OR_RETURN(core->segment,
                         CacheSegment::Create(layout, options.cache_slots, core->transport.get()));
+    if (!options.ssd_dir.empty()) {
+      DiskCacheOptions disk;
+      disk.directory = options.ssd_dir;
+      disk.capacity_bytes = static_cast<uint64_t>(options.ssd_bytes);
+      disk.block_bytes = core->segment->block_bytes();
+      disk.layout = layout.fingerprint();
+      disk.node_id = core->node_id;
+      disk.metrics = core->metrics;
+      disk.metric_labels = core->metric_labels;
+      KV_ASSIGN_OR_RETURN(core->disk, DiskCache::Open(std::move(disk)));
+    }
   }
   core->options = std::move(effective);
   return core;
