@@ -373,6 +373,7 @@ std::vector<int64_t> StoreLink::WriteAllocated(const kvrelay::v1::AllocateRespon
       // The slot's old content is gone from the moment we write (readers on other nodes
       // check its entry, cleared first).
       absl::MutexLock lock(&mu_);
+      DemoteSlotLocked(replica.slot());
       ForgetSlotLocked(replica.slot());
       if (!write(first + i, replica.slot()).ok()) {
         ok = false;
@@ -456,6 +457,23 @@ void StoreLink::ForgetSlotLocked(int64_t slot) {
     held_.erase(it);
   }
   if (segment_ != nullptr && slot >= 0 && slot < segment_->num_slots()) segment_->ClearEntry(slot);
+}
+
+void StoreLink::DemoteSlotLocked(int64_t slot) {
+  if (options_.disk == nullptr || segment_ == nullptr) return;
+  auto it = held_.find(slot);
+  if (it == held_.end()) return;
+  const kv::BlockHash hash{it->second.hash().hi(), it->second.hash().lo()};
+  const CacheSegment::SlotEntry entry = segment_->Entry(slot);
+  const uint8_t* bytes = segment_->GroupUnit(slot, 0);
+  const size_t size = static_cast<size_t>(segment_->block_bytes());
+  // Only bytes that are the block they claim to be go to disk (the tier writes its own checksum
+  // of what it is given).
+  if (entry.hash_hi != hash.hi || entry.hash_lo != hash.lo ||
+      entry.checksum != kv::BlockChecksum(bytes, size)) {
+    return;
+  }
+  options_.disk->Demote(hash, absl::MakeConstSpan(bytes, size));
 }
 
 int64_t StoreLink::LoadHeldPrefix(const std::vector<kv::BlockHash>& chain, model::KvCache& cache,

@@ -38,6 +38,7 @@
 #include "common/server/credentials.h"
 #include "kv/block_hash.h"
 #include "model/kv_cache.h"
+#include "worker/disk_cache.h"
 #include "worker/kv_memory.h"
 
 namespace kvrelay::worker {
@@ -80,6 +81,10 @@ struct StoreLinkOptions {
   // Tokens per KV block of the node's layout, checked by the store at registration (another
   // value than the store's is refused: FailedPrecondition naming both); 0: not checked.
   int32_t block_tokens = 0;
+  // The node's disk tier (optional, not owned, must outlive the link): a committed block whose
+  // segment slot the store hands to another block is demoted there (a copy that verified
+  // against its slot entry) instead of dropped.
+  DiskCache* disk = nullptr;
 };
 
 struct PrefixMatch {
@@ -193,6 +198,9 @@ class StoreLink {
   // The same blocks by hash (hi, lo) -> slot.
   absl::flat_hash_map<std::pair<uint64_t, uint64_t>, int64_t> slot_of_ ABSL_GUARDED_BY(mu_);
   void ForgetSlotLocked(int64_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Before `slot` is rewritten: hands the committed block it holds (if any, and if its bytes
+  // still verify against the slot entry) to the disk tier.
+  void DemoteSlotLocked(int64_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   DependencyGate gate_;  // the store on the request path
   absl::Notification stop_;
   std::atomic<bool> left_{false};  // Leave ran (exchange: the first caller deregisters)

@@ -182,6 +182,7 @@ absl::Status WorkerCore::ConnectStore(const std::string& grpc_address,
   link.store_backoff = options.store_backoff;
   link.store_backoff_max = options.store_backoff_max;
   link.metrics = metrics;
+  link.disk = disk.get();
   link.metric_labels = metric_labels;
   link.block_tokens = model_config().layout.block_tokens();
   link.load = std::move(load);
