@@ -30,8 +30,8 @@ absl::StatusOr<std::unique_ptr<DiskCache>> DiskCache::Open(DiskCacheOptions opti
                                   "1 while the disk tier (--ssd-dir) takes blocks, 0 once it "
                                   "stopped (full disk, I/O error): serving goes on from DRAM",
                                   o.metric_labels);
-    cache->blocks_gauge_ = m.GetGauge(
-        "kvrelay:disk_tier_blocks", "blocks the disk tier holds (verified)", o.metric_labels);
+    cache->blocks_gauge_ = m.GetGauge("kvrelay:disk_tier_blocks",
+                                      "blocks the disk tier holds (verified)", o.metric_labels);
     cache->demoted_ =
         m.GetCounter("kvrelay:disk_tier_demoted_blocks_total",
                      "blocks written to the disk tier after leaving DRAM", o.metric_labels);
@@ -81,9 +81,9 @@ absl::StatusOr<std::unique_ptr<DiskCache>> DiskCache::Open(DiskCacheOptions opti
     }
     if (!scanned.ok()) {
       const kv::DiskTierFailure failure = cache->tier_->failure();
-      cache->NoteStopped(failure == kv::DiskTierFailure::kNone ? kv::DiskTierFailure::kIoError
-                                                               : failure,
-                         std::string(scanned.status().message()));
+      cache->NoteStopped(
+          failure == kv::DiskTierFailure::kNone ? kv::DiskTierFailure::kIoError : failure,
+          std::string(scanned.status().message()));
     }
   }
   if (cache->up_gauge_ != nullptr) cache->up_gauge_->Set(cache->up() ? 1 : 0);
@@ -213,7 +213,8 @@ void DiskCache::Loop() {
         read = std::move(reads_.front());
         reads_.pop_front();
       } else {
-        const size_t n = std::min<size_t>(writes_.size(), std::max<uint32_t>(options_.queue_depth, 1));
+        const size_t n =
+            std::min<size_t>(writes_.size(), std::max<uint32_t>(options_.queue_depth, 1));
         for (size_t i = 0; i < n; ++i) {
           writes.push_back(std::move(writes_.front()));
           writes_.pop_front();
@@ -225,11 +226,13 @@ void DiskCache::Loop() {
     if (read != nullptr) {
       RunRead(*read);
       CheckTier();
+      NotifyChanges();
       read->done.Notify();
     } else {
       const size_t n = writes.size();
       RunWrites(std::move(writes));
       CheckTier();
+      NotifyChanges();
       absl::MutexLock lock(&mu_);
       writes_done_ += n;
       flushed_cv_.SignalAll();
@@ -292,8 +295,7 @@ void DiskCache::RunRead(ReadJob& job) {
   }
   if (good < statuses.size() && absl::IsDataLoss(statuses[good])) {
     KV_LOG(WARNING) << options_.node_id << ": disk tier block in slot " << job.slots[good]
-                    << " failed verification (" << statuses[good].message()
-                    << "); recomputing it";
+                    << " failed verification (" << statuses[good].message() << "); recomputing it";
     absl::MutexLock lock(&mu_);
     auto it = slot_of_.find(job.hashes[good]);
     if (it != slot_of_.end() && it->second == job.slots[good]) {
@@ -359,6 +361,7 @@ int64_t DiskCache::TakeSlotLocked() {
 }
 
 void DiskCache::ListLocked(const kv::BlockHash& hash, int64_t slot) {
+  if (listener_) changes_.push_back({slot, hash});
   SlotState& s = slots_[static_cast<size_t>(slot)];
   s.listed = true;
   s.hash = hash;
@@ -370,10 +373,48 @@ void DiskCache::ListLocked(const kv::BlockHash& hash, int64_t slot) {
 void DiskCache::UnlistLocked(int64_t slot) {
   SlotState& s = slots_[static_cast<size_t>(slot)];
   if (!s.listed) return;
+  if (listener_) changes_.push_back({slot, kv::BlockHash{}});
   auto it = slot_of_.find(s.hash);
   if (it != slot_of_.end() && it->second == slot) slot_of_.erase(it);
   lru_.erase(s.lru);
   s.listed = false;
+}
+
+void DiskCache::Listen(Listener listener) {
+  absl::MutexLock notify(&notify_mu_);
+  {
+    absl::MutexLock lock(&mu_);
+    listener_ = std::move(listener);
+    changes_.clear();
+    if (listener_) {
+      for (const auto& [hash, slot] : slot_of_) changes_.push_back({slot, hash});
+    }
+  }
+  DeliverChanges();
+}
+
+std::vector<std::pair<int64_t, kv::BlockHash>> DiskCache::Listed() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<std::pair<int64_t, kv::BlockHash>> out;
+  for (const auto& [hash, slot] : slot_of_) out.push_back({slot, hash});
+  return out;
+}
+
+void DiskCache::NotifyChanges() {
+  absl::MutexLock notify(&notify_mu_);
+  DeliverChanges();
+}
+
+void DiskCache::DeliverChanges() {
+  Listener listener;
+  std::vector<std::pair<int64_t, kv::BlockHash>> changes;
+  {
+    absl::MutexLock lock(&mu_);
+    if (changes_.empty() || !listener_) return;
+    listener = listener_;
+    changes.swap(changes_);
+  }
+  for (const auto& [slot, hash] : changes) listener(slot, hash);
 }
 
 void DiskCache::TouchLocked(int64_t slot) {

@@ -93,7 +93,18 @@ class DiskCache {
   // For tests and orderly shutdown.
   bool Flush(absl::Time deadline);
 
+  // What each slot holds, for the cache store: `hash` listed in `slot`, or a zero hash when the
+  // slot was unlisted (overwritten, failed verification, or the tier stopped on an I/O error).
+  using Listener = std::function<void(int64_t slot, const kv::BlockHash& hash)>;
+  // Installs `listener` and calls it at once with every listed (slot, block), then with every
+  // change after them, in order (on the tier thread; never two calls at once; it must be cheap
+  // and must not call back into the cache). Empty: none from now on; after Listen({}) returns
+  // no call of an earlier listener is running or will run.
+  void Listen(Listener listener) ABSL_LOCKS_EXCLUDED(notify_mu_, mu_);
+  std::vector<std::pair<int64_t, kv::BlockHash>> Listed() const;
+
   bool up() const;  // takes blocks (not stopped)
+  uint64_t slot_bytes() const { return tier_ != nullptr ? tier_->slot_bytes() : 0; }
   int64_t listed_blocks() const;
   int64_t num_slots() const { return num_slots_; }
   // Blocks that verified at open (the restart scan) and slots that held a header of this layout
@@ -125,6 +136,9 @@ class DiskCache {
   void ListLocked(const kv::BlockHash& hash, int64_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void UnlistLocked(int64_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void TouchLocked(int64_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Hands the changes recorded since the last call to the listener (outside mu_).
+  void NotifyChanges() ABSL_LOCKS_EXCLUDED(notify_mu_, mu_);
+  void DeliverChanges() ABSL_EXCLUSIVE_LOCKS_REQUIRED(notify_mu_) ABSL_LOCKS_EXCLUDED(mu_);
 
   const DiskCacheOptions options_;
   std::unique_ptr<kv::DiskTier> tier_;  // null when the tier could not be opened (full disk)
@@ -141,6 +155,8 @@ class DiskCache {
   Counter* promoted_ = nullptr;
   Counter* corrupt_ = nullptr;
 
+  // Lock order: notify_mu_ (held while the listener runs) -> mu_.
+  absl::Mutex notify_mu_;
   mutable absl::Mutex mu_;
   absl::CondVar work_cv_;
   absl::CondVar flushed_cv_;
@@ -161,6 +177,8 @@ class DiskCache {
   std::vector<SlotState> slots_ ABSL_GUARDED_BY(mu_);
   std::list<int64_t> lru_ ABSL_GUARDED_BY(mu_);
   std::vector<int64_t> free_ ABSL_GUARDED_BY(mu_);
+  Listener listener_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::pair<int64_t, kv::BlockHash>> changes_ ABSL_GUARDED_BY(mu_);  // for listener_
   std::thread thread_;  // last: started after everything above exists, joined first
 };
 

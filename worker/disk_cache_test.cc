@@ -4,8 +4,10 @@
 #include <sys/mount.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <map>
 #include <random>
 
 #include "gmock/gmock.h"
@@ -218,8 +220,7 @@ TEST_F(DiskCacheTest, AnIoErrorStopsTheTierAndItSaysSo) {
 // A disk too small for --ssd-bytes (a 64 KiB tmpfs): the worker starts with the tier stopped.
 TEST_F(DiskCacheTest, AFullDiskStopsTheTierAtOpen) {
   if (mount("tmpfs", dir_.path().c_str(), "tmpfs", 0, "size=64k") != 0) {
-    GTEST_SKIP() << "SKIP: cannot mount a size-limited tmpfs here (" << std::strerror(errno)
-                 << ")";
+    GTEST_SKIP() << "SKIP: cannot mount a size-limited tmpfs here (" << std::strerror(errno) << ")";
   }
   std::unique_ptr<DiskCache> cache = Open(Options(64));
   umount2(dir_.path().c_str(), MNT_DETACH);
@@ -228,6 +229,47 @@ TEST_F(DiskCacheTest, AFullDiskStopsTheTierAtOpen) {
   EXPECT_THAT(cache->stopped_reason(), HasSubstr("full"));
   EXPECT_FALSE(cache->Demote(HashOf(0), Bytes(0)));
   EXPECT_EQ(Metric("kvrelay:disk_tier_stopped_total{reason=\"full\"}"), 1);
+}
+
+// What the store is told: every listed block first, then each change in order (an overwritten
+// slot: the new block; a block that failed verification: a zero hash).
+TEST_F(DiskCacheTest, AListenerHearsEverySlotChangeInOrder) {
+  std::unique_ptr<DiskCache> cache = Open(Options(2));
+  ASSERT_NE(cache, nullptr);
+  DemoteAll(*cache, 0, 1);
+  absl::Mutex mu;
+  std::vector<std::pair<int64_t, kv::BlockHash>> heard;
+  cache->Listen([&](int64_t slot, const kv::BlockHash& hash) {
+    absl::MutexLock lock(&mu);
+    heard.push_back({slot, hash});
+  });
+  {
+    absl::MutexLock lock(&mu);
+    ASSERT_EQ(heard.size(), 1u);
+    EXPECT_EQ(heard[0].second, HashOf(0));
+  }
+  DemoteAll(*cache, 1, 2);  // the free slot, then block 0's (the oldest) again
+  size_t before_stop = 0;
+  {
+    absl::MutexLock lock(&mu);
+    // Applied in order, what was heard is what the tier lists; block 0's slot was emptied
+    // before block 2 was announced there.
+    std::map<int64_t, kv::BlockHash> slots;
+    for (const auto& [slot, hash] : heard) slots[slot] = hash;
+    std::map<int64_t, kv::BlockHash> listed;
+    for (const auto& [slot, hash] : cache->Listed()) listed[slot] = hash;
+    EXPECT_EQ(slots, listed);
+    EXPECT_EQ(listed.size(), 2u);
+    EXPECT_EQ(listed[heard[0].first], HashOf(2));
+    ASSERT_EQ(heard.size(), 4u);
+    EXPECT_EQ(
+        std::count(heard.begin(), heard.end(), std::make_pair(heard[0].first, kv::BlockHash{})), 1);
+    before_stop = heard.size();
+  }
+  cache->Listen({});
+  DemoteAll(*cache, 3, 1);
+  absl::MutexLock lock(&mu);
+  EXPECT_EQ(heard.size(), before_stop);
 }
 
 TEST_F(DiskCacheTest, AReadPastItsDeadlineReturnsNothing) {

@@ -83,7 +83,9 @@ struct StoreLinkOptions {
   int32_t block_tokens = 0;
   // The node's disk tier (optional, not owned, must outlive the link): a committed block whose
   // segment slot the store hands to another block is demoted there (a copy that verified
-  // against its slot entry) instead of dropped.
+  // against its slot entry) instead of dropped. The tier is registered as a second segment
+  // ("disk", TIER_SSD) and what each of its slots holds is announced there (from the heartbeat
+  // thread, within ~100 ms of the change; all of it again whenever the link registers).
   DiskCache* disk = nullptr;
 };
 
@@ -163,6 +165,11 @@ class StoreLink {
   // Re-announces every held block (after the store forgot this node).
   void Reannounce();
   void HeartbeatLoop();
+  // Queues every block the disk tier lists (and, with `listen`, what changes from now on).
+  void QueueDiskBlocks(bool listen);
+  // Announces the queued disk slot changes (best effort: a failed call is logged and the slots
+  // are announced again on the next registration).
+  void AnnounceDiskChanges();
   // A request-path call: its bound, min(the request's deadline, now + options_.request_timeout,
   // and now + options_.probe_timeout for the gate's probe), and the gate's ticket.
   struct RequestCall {
@@ -201,6 +208,9 @@ class StoreLink {
   // Before `slot` is rewritten: hands the committed block it holds (if any, and if its bytes
   // still verify against the slot entry) to the disk tier.
   void DemoteSlotLocked(int64_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Disk slot changes not yet announced, in order.
+  absl::Mutex disk_mu_;
+  std::vector<kvrelay::v1::AnnouncedBlock> disk_pending_ ABSL_GUARDED_BY(disk_mu_);
   DependencyGate gate_;  // the store on the request path
   absl::Notification stop_;
   std::atomic<bool> left_{false};  // Leave ran (exchange: the first caller deregisters)

@@ -154,11 +154,21 @@ TEST_F(DiskTier, BlocksPushedOutOfDramComeBackFromDisk) {
       "(%s)\n",
       cold.ttft_ms, cold.prefix_source.c_str(), dram.ttft_ms, dram.prefix_source.c_str(),
       disk.ttft_ms, disk.prefix_source.c_str());
-  KV_ASSERT_OK_AND_ASSIGN(double promoted,
-                          ScrapeMetric(PrefillMetrics(), "kvrelay:disk_tier_promoted_blocks_total"));
+  KV_ASSERT_OK_AND_ASSIGN(
+      double promoted, ScrapeMetric(PrefillMetrics(), "kvrelay:disk_tier_promoted_blocks_total"));
   EXPECT_GE(promoted, 6);
   KV_ASSERT_OK_AND_ASSIGN(double up, ScrapeMetric(PrefillMetrics(), "kvrelay:disk_tier_up"));
   EXPECT_EQ(up, 1);
+  // The store knows the disk tier's blocks (announced by the workers) as tier SSD.
+  KV_ASSERT_OK_AND_ASSIGN(ServiceInfo store, cluster_->Service("cachestore"));
+  KV_ASSERT_OK_AND_ASSIGN(std::string text, ScrapeText(store.metrics_address));
+  EXPECT_THAT(text, ::testing::HasSubstr("kvrelay:cachestore_tier_used_slots{tier=\"ssd\"}"));
+  KV_ASSERT_OK_AND_ASSIGN(v1::StatsResponse stats, CacheStoreStats(store.address));
+  int64_t ssd_used = 0;
+  for (const auto& t : stats.tiers()) {
+    if (t.tier() == v1::TIER_SSD) ssd_used = t.used_bytes();
+  }
+  EXPECT_GT(ssd_used, 0);
 }
 
 // Every listed slot's payload gets one flipped byte: whatever the next request reads from disk
@@ -211,12 +221,32 @@ TEST_F(DiskTier, ARestartedWorkerUsesItsVerifiedDiskBlocks) {
   KV_ASSERT_OK_AND_ASSIGN(ServiceInfo store, cluster_->Service("cachestore"));
   ASSERT_EQ(::kill(prefill.pid, SIGKILL), 0);
   const std::string port = prefill.address.substr(prefill.address.rfind(':') + 1);
-  absl::StatusOr<std::unique_ptr<testing::ChildProcess>> restarted = testing::ChildProcess::Start(
-      {testing::BinaryPath("kvrelay"), "prefill", "--insecure", "--host", "127.0.0.1", "--port",
-       port, "--metrics-port", "0", "--cachestore", store.address, "--model", model_dir_,
-       "--node-id", "prefill-0", "--device", "cpu", "--cache-slots", absl::StrCat(kCacheSlots),
-       "--store-request-timeout", "5s", "--ssd-dir", ssd_dir_ + "/prefill-0", "--ssd-bytes",
-       absl::StrCat(kSsdBytes)});
+  absl::StatusOr<std::unique_ptr<testing::ChildProcess>> restarted =
+      testing::ChildProcess::Start({testing::BinaryPath("kvrelay"),
+                                    "prefill",
+                                    "--insecure",
+                                    "--host",
+                                    "127.0.0.1",
+                                    "--port",
+                                    port,
+                                    "--metrics-port",
+                                    "0",
+                                    "--cachestore",
+                                    store.address,
+                                    "--model",
+                                    model_dir_,
+                                    "--node-id",
+                                    "prefill-0",
+                                    "--device",
+                                    "cpu",
+                                    "--cache-slots",
+                                    absl::StrCat(kCacheSlots),
+                                    "--store-request-timeout",
+                                    "5s",
+                                    "--ssd-dir",
+                                    ssd_dir_ + "/prefill-0",
+                                    "--ssd-bytes",
+                                    absl::StrCat(kSsdBytes)});
   ASSERT_TRUE(restarted.ok()) << restarted.status();
   restarted_ = restarted->release();
   absl::StatusOr<std::string> listening =
@@ -226,10 +256,11 @@ TEST_F(DiskTier, ARestartedWorkerUsesItsVerifiedDiskBlocks) {
   const size_t scan = log.find("verified blocks found");
   ASSERT_NE(scan, std::string::npos) << log;
   const size_t line_start = log.rfind('\n', scan);
-  std::printf("restarted prefill-0: %s\n",
-              log.substr(line_start == std::string::npos ? 0 : line_start + 1,
-                         log.find('\n', scan) - (line_start == std::string::npos ? 0 : line_start + 1))
-                  .c_str());
+  std::printf(
+      "restarted prefill-0: %s\n",
+      log.substr(line_start == std::string::npos ? 0 : line_start + 1,
+                 log.find('\n', scan) - (line_start == std::string::npos ? 0 : line_start + 1))
+          .c_str());
   // "prefill listening on HOST:PORT metrics HOST:PORT": the metrics address follows "metrics ".
   const std::string out = restarted_->Stdout();
   const size_t at = out.find("metrics ");
