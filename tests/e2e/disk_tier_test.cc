@@ -6,13 +6,18 @@
 //  - a byte flipped in the tier's file is detected on read and the block recomputed (tokens
 //    still right, kvrelay:disk_tier_corrupt_blocks_total counts it);
 //  - after kill -9 and a restart of the prefill worker (same node id, new incarnation), its
-//    disk blocks are used again, only after the restart scan verified them.
+//    disk blocks are used again, only after the restart scan verified them;
+//  - a disk too small for the tier (a 64 KiB tmpfs) stops it with a log line and a metric while
+//    the worker serves on from DRAM.
 
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/mount.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 
 #include "common/status_macros.h"
@@ -116,6 +121,69 @@ class DiskTier : public ::testing::Test {
     return "";
   }
 
+  // kill -9 of prefill-0 (the cluster's, or the one restarted earlier) and a new process with the
+  // same node id on the same port with its disk tier in `ssd_dir`; returns once the gateway
+  // routes through it again.
+  static void RestartPrefill(const std::string& ssd_dir) {
+    KV_ASSERT_OK_AND_ASSIGN(ServiceInfo prefill, cluster_->Service("prefill-0"));
+    KV_ASSERT_OK_AND_ASSIGN(ServiceInfo store, cluster_->Service("cachestore"));
+    if (restarted_ != nullptr) {
+      restarted_->Signal(SIGKILL);
+      (void)restarted_->Wait(absl::Seconds(10));
+      delete restarted_;
+      restarted_ = nullptr;
+    } else {
+      ASSERT_EQ(::kill(prefill.pid, SIGKILL), 0);
+    }
+    const std::string port = prefill.address.substr(prefill.address.rfind(':') + 1);
+    absl::StatusOr<std::unique_ptr<testing::ChildProcess>> restarted =
+        testing::ChildProcess::Start({testing::BinaryPath("kvrelay"),
+                                      "prefill",
+                                      "--insecure",
+                                      "--host",
+                                      "127.0.0.1",
+                                      "--port",
+                                      port,
+                                      "--metrics-port",
+                                      "0",
+                                      "--cachestore",
+                                      store.address,
+                                      "--model",
+                                      model_dir_,
+                                      "--node-id",
+                                      "prefill-0",
+                                      "--device",
+                                      "cpu",
+                                      "--cache-slots",
+                                      absl::StrCat(kCacheSlots),
+                                      "--store-request-timeout",
+                                      "5s",
+                                      "--ssd-dir",
+                                      ssd_dir,
+                                      "--ssd-bytes",
+                                      absl::StrCat(kSsdBytes)});
+    ASSERT_TRUE(restarted.ok()) << restarted.status();
+    restarted_ = restarted->release();
+    absl::StatusOr<std::string> listening =
+        restarted_->WaitForOutput("listening on", absl::Seconds(60));
+    ASSERT_TRUE(listening.ok()) << listening.status() << restarted_->Stderr();
+    // "prefill listening on HOST:PORT metrics HOST:PORT": the metrics address follows "metrics ".
+    const std::string out = restarted_->Stdout();
+    const size_t at = out.find("metrics ");
+    ASSERT_NE(at, std::string::npos) << out;
+    restarted_metrics_ = out.substr(at + 8, out.find_first_of(" \n", at + 8) - (at + 8));
+    // The gateway finds the worker again (its breaker half-opens); unrelated prompts until one
+    // goes through a prefill worker, so the next one under test does too.
+    absl::StatusOr<cli::GenerationResult> warm;
+    for (int i = 0; i < 40; ++i) {
+      const GatewayRequest probe = Request(RandomPrompt(40, 1100 + static_cast<uint32_t>(i)));
+      warm = Generate(probe);
+      if (warm.ok() && !warm->prefill_worker.empty()) break;
+      absl::SleepFor(absl::Milliseconds(250));
+    }
+    ASSERT_TRUE(warm.ok()) << warm.status() << restarted_->Stderr();
+  }
+
   static testing::TempDir* dir_;
   static std::string model_dir_;
   static std::string ssd_dir_;
@@ -217,41 +285,7 @@ TEST_F(DiskTier, ARestartedWorkerUsesItsVerifiedDiskBlocks) {
   // The demotions are queued to the tier thread: give them a moment to reach the disk.
   absl::SleepFor(absl::Milliseconds(500));
 
-  KV_ASSERT_OK_AND_ASSIGN(ServiceInfo prefill, cluster_->Service("prefill-0"));
-  KV_ASSERT_OK_AND_ASSIGN(ServiceInfo store, cluster_->Service("cachestore"));
-  ASSERT_EQ(::kill(prefill.pid, SIGKILL), 0);
-  const std::string port = prefill.address.substr(prefill.address.rfind(':') + 1);
-  absl::StatusOr<std::unique_ptr<testing::ChildProcess>> restarted =
-      testing::ChildProcess::Start({testing::BinaryPath("kvrelay"),
-                                    "prefill",
-                                    "--insecure",
-                                    "--host",
-                                    "127.0.0.1",
-                                    "--port",
-                                    port,
-                                    "--metrics-port",
-                                    "0",
-                                    "--cachestore",
-                                    store.address,
-                                    "--model",
-                                    model_dir_,
-                                    "--node-id",
-                                    "prefill-0",
-                                    "--device",
-                                    "cpu",
-                                    "--cache-slots",
-                                    absl::StrCat(kCacheSlots),
-                                    "--store-request-timeout",
-                                    "5s",
-                                    "--ssd-dir",
-                                    ssd_dir_ + "/prefill-0",
-                                    "--ssd-bytes",
-                                    absl::StrCat(kSsdBytes)});
-  ASSERT_TRUE(restarted.ok()) << restarted.status();
-  restarted_ = restarted->release();
-  absl::StatusOr<std::string> listening =
-      restarted_->WaitForOutput("listening on", absl::Seconds(60));
-  ASSERT_TRUE(listening.ok()) << listening.status() << restarted_->Stderr();
+  ASSERT_NO_FATAL_FAILURE(RestartPrefill(ssd_dir_ + "/prefill-0"));
   const std::string log = restarted_->Stderr() + restarted_->Stdout();
   const size_t scan = log.find("verified blocks found");
   ASSERT_NE(scan, std::string::npos) << log;
@@ -261,25 +295,35 @@ TEST_F(DiskTier, ARestartedWorkerUsesItsVerifiedDiskBlocks) {
       log.substr(line_start == std::string::npos ? 0 : line_start + 1,
                  log.find('\n', scan) - (line_start == std::string::npos ? 0 : line_start + 1))
           .c_str());
-  // "prefill listening on HOST:PORT metrics HOST:PORT": the metrics address follows "metrics ".
-  const std::string out = restarted_->Stdout();
-  const size_t at = out.find("metrics ");
-  ASSERT_NE(at, std::string::npos) << out;
-  restarted_metrics_ = out.substr(at + 8, out.find_first_of(" \n", at + 8) - (at + 8));
-
-  // The gateway finds the worker again (its breaker half-opens); an unrelated prompt first, so
-  // the one under test goes through the prefill worker.
-  absl::StatusOr<cli::GenerationResult> warm;
-  for (int i = 0; i < 40; ++i) {
-    const GatewayRequest probe = Request(RandomPrompt(40, 1100 + static_cast<uint32_t>(i)));
-    warm = Generate(probe);
-    if (warm.ok() && !warm->prefill_worker.empty()) break;
-    absl::SleepFor(absl::Milliseconds(250));
-  }
-  ASSERT_TRUE(warm.ok()) << warm.status() << restarted_->Stderr();
   KV_ASSERT_OK_AND_ASSIGN(cli::GenerationResult after, Generate(d));
   EXPECT_EQ(after.tokens, expected);
   EXPECT_EQ(after.prefix_source, "disk") << restarted_->Stderr();
+}
+
+// A disk too small for --ssd-bytes (a 64 KiB tmpfs): the restarted worker says so in one line
+// and its metrics, and serves on from DRAM with the right tokens.
+TEST_F(DiskTier, AFullDiskStopsTheTierAndServingGoesOn) {
+  testing::TempDir small;
+  if (::mount("tmpfs", small.path().c_str(), "tmpfs", 0, "size=64k") != 0) {
+    GTEST_SKIP() << "SKIP: cannot mount a size-limited tmpfs here (" << std::strerror(errno) << ")";
+  }
+  ASSERT_NO_FATAL_FAILURE(RestartPrefill(small.path() + "/prefill-0"));
+  const std::string log = restarted_->Stderr();
+  EXPECT_THAT(log, ::testing::HasSubstr("disk tier stopped taking blocks (full)"));
+  EXPECT_THAT(log, ::testing::HasSubstr("serving goes on from DRAM"));
+  KV_ASSERT_OK_AND_ASSIGN(double up, ScrapeMetric(PrefillMetrics(), "kvrelay:disk_tier_up"));
+  EXPECT_EQ(up, 0);
+  KV_ASSERT_OK_AND_ASSIGN(double stopped,
+                          ScrapeMetric(PrefillMetrics(), "kvrelay:disk_tier_stopped_total"));
+  EXPECT_EQ(stopped, 1);
+  for (uint32_t i = 0; i < 3; ++i) {
+    const GatewayRequest r = Request(RandomPrompt(100, 1300 + i));
+    KV_ASSERT_OK_AND_ASSIGN(cli::GenerationResult out, Generate(r));
+    EXPECT_EQ(out.tokens, Reference(r));
+  }
+  restarted_->Signal(SIGKILL);
+  (void)restarted_->Wait(absl::Seconds(10));
+  ::umount2(small.path().c_str(), MNT_DETACH);
 }
 
 }  // namespace
