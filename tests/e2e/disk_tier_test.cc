@@ -222,6 +222,14 @@ TEST_F(DiskTier, BlocksPushedOutOfDramComeBackFromDisk) {
       "(%s)\n",
       cold.ttft_ms, cold.prefix_source.c_str(), dram.ttft_ms, dram.prefix_source.c_str(),
       disk.ttft_ms, disk.prefix_source.c_str());
+  // The same prompt for another tenant: its blocks hash with another salt, so nothing on disk
+  // (or in DRAM) matches it.
+  GatewayRequest other = a;
+  other.tenant = "disk-other";
+  KV_ASSERT_OK_AND_ASSIGN(cli::GenerationResult foreign, Generate(other));
+  EXPECT_EQ(foreign.tokens, expected);
+  EXPECT_EQ(foreign.prefix_hit_tokens, 0);
+  EXPECT_EQ(foreign.prefix_source, "none");
   KV_ASSERT_OK_AND_ASSIGN(
       double promoted, ScrapeMetric(PrefillMetrics(), "kvrelay:disk_tier_promoted_blocks_total"));
   EXPECT_GE(promoted, 6);
