@@ -7,8 +7,8 @@
 //    still right, kvrelay:disk_tier_corrupt_blocks_total counts it);
 //  - after kill -9 and a restart of the prefill worker (same node id, new incarnation), its
 //    disk blocks are used again, only after the restart scan verified them;
-//  - a disk too small for the tier (a 64 KiB tmpfs) stops it with a log line and a metric while
-//    the worker serves on from DRAM.
+//  - a disk that fails reads (its file cut short) and a disk too small for the tier (a 64 KiB
+//    tmpfs) stop it with a log line and a metric while the worker serves on from DRAM.
 
 #include <fcntl.h>
 #include <signal.h>
@@ -306,6 +306,37 @@ TEST_F(DiskTier, ARestartedWorkerUsesItsVerifiedDiskBlocks) {
   KV_ASSERT_OK_AND_ASSIGN(cli::GenerationResult after, Generate(d));
   EXPECT_EQ(after.tokens, expected);
   EXPECT_EQ(after.prefix_source, "disk") << restarted_->Stderr();
+}
+
+// A disk that fails reads (the tier's file cut to nothing behind the worker's back: every read
+// comes back short, as from a failing device): the tier stops for good with a log line and a
+// metric; the request that met it recomputes its prefix, and serving goes on from DRAM.
+TEST_F(DiskTier, ADiskThatFailsReadsStopsTheTierAndServingGoesOn) {
+  ASSERT_NE(restarted_, nullptr) << "runs after ARestartedWorkerUsesItsVerifiedDiskBlocks";
+  const GatewayRequest e = Request(RandomPrompt(100, 1401));
+  const std::vector<int32_t> expected = Reference(e);
+  KV_ASSERT_OK_AND_ASSIGN(cli::GenerationResult cold, Generate(e));
+  EXPECT_EQ(cold.tokens, expected);
+  PushOutOfDram(1500);
+  absl::SleepFor(absl::Milliseconds(500));  // the demotions reach the disk
+  const std::string file = TierFile();
+  ASSERT_FALSE(file.empty());
+  ASSERT_EQ(::truncate(file.c_str(), 0), 0) << std::strerror(errno);
+  KV_ASSERT_OK_AND_ASSIGN(cli::GenerationResult failed_read, Generate(e));
+  EXPECT_EQ(failed_read.tokens, expected);
+  EXPECT_NE(failed_read.prefix_source, "disk");
+  EXPECT_THAT(restarted_->Stderr(),
+              ::testing::HasSubstr("disk tier stopped taking blocks (io_error)"));
+  KV_ASSERT_OK_AND_ASSIGN(double up, ScrapeMetric(PrefillMetrics(), "kvrelay:disk_tier_up"));
+  EXPECT_EQ(up, 0);
+  KV_ASSERT_OK_AND_ASSIGN(double stopped,
+                          ScrapeMetric(PrefillMetrics(), "kvrelay:disk_tier_stopped_total"));
+  EXPECT_EQ(stopped, 1);
+  for (uint32_t i = 0; i < 3; ++i) {
+    const GatewayRequest r = Request(RandomPrompt(100, 1600 + i));
+    KV_ASSERT_OK_AND_ASSIGN(cli::GenerationResult out, Generate(r));
+    EXPECT_EQ(out.tokens, Reference(r));
+  }
 }
 
 // A disk too small for --ssd-bytes (a 64 KiB tmpfs): the restarted worker says so in one line
