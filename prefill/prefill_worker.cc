@@ -428,12 +428,9 @@ int64_t PrefillWorker::PromoteFromDisk(const std::vector<kv::BlockHash>& chain, 
   if (run <= 0) return 0;
   const int32_t block_tokens = kv_->cache().layout().block_tokens();
   // An SSD slower than this node's compute is not read: its blocks are recomputed.
-  const kv::PullOrRecompute decision =
-      kv::ChoosePullOrRecompute({.bytes = static_cast<uint64_t>(run) * segment_->block_bytes(),
-                                 .tokens = run * block_tokens,
-                                 .link_bytes_per_second = disk->read_bytes_per_second(),
-                                 .link_latency_seconds = 0,
-                                 .prefill_tokens_per_second = prefill_rate_.rate()});
+  const kv::PullOrRecompute decision = worker::ChooseDiskOrRecompute(
+      static_cast<uint64_t>(run) * segment_->block_bytes(), run * block_tokens,
+      disk->read_bytes_per_second(), prefill_rate_.rate());
   if (decision.choice == kv::ReuseChoice::kRecompute) {
     KV_LOG(INFO) << request_id << ": " << run << " blocks on disk recomputed (read "
                  << decision.pull_seconds * 1e3 << " ms vs compute "

@@ -19,6 +19,16 @@ struct DiskCache::ReadJob {
   absl::Notification done;
 };
 
+kv::PullOrRecompute ChooseDiskOrRecompute(uint64_t bytes, int64_t tokens,
+                                          double disk_bytes_per_second,
+                                          double prefill_tokens_per_second) {
+  return kv::ChoosePullOrRecompute({.bytes = bytes,
+                                    .tokens = tokens,
+                                    .link_bytes_per_second = disk_bytes_per_second,
+                                    .link_latency_seconds = 0,
+                                    .prefill_tokens_per_second = prefill_tokens_per_second});
+}
+
 DiskCache::DiskCache(DiskCacheOptions options) : options_(std::move(options)) {}
 
 absl::StatusOr<std::unique_ptr<DiskCache>> DiskCache::Open(DiskCacheOptions options) {

@@ -62,6 +62,15 @@ struct DiskCacheOptions {
   std::function<int(bool is_write, int64_t slot, int result)> inject_result;
 };
 
+// Whether to read `blocks` blocks (`bytes`, `tokens` of prompt) back from a disk tier that reads
+// at `disk_bytes_per_second` (0: not measured yet) or to recompute them at
+// `prefill_tokens_per_second` (0: not measured yet): kv::ChoosePullOrRecompute with the disk as
+// the link. A disk slower than recomputing is not read (kRecompute); unmeasured, it is read
+// (that measures it).
+kv::PullOrRecompute ChooseDiskOrRecompute(uint64_t bytes, int64_t tokens,
+                                          double disk_bytes_per_second,
+                                          double prefill_tokens_per_second);
+
 class DiskCache {
  public:
   // Opens (or creates) the tier file, scans it and starts the tier thread. The tier's own errors

@@ -272,6 +272,20 @@ TEST_F(DiskCacheTest, AListenerHearsEverySlotChangeInOrder) {
   EXPECT_EQ(heard.size(), before_stop);
 }
 
+// An SSD hit slower than recomputing is recomputed; a fast or not yet measured disk is read.
+TEST(ChooseDiskOrRecomputeTest, ASlowDiskIsNotRead) {
+  // 6 blocks of 1 MiB (96 tokens) against 10,000 tokens/s of compute (9.6 ms).
+  const uint64_t bytes = 6 << 20;
+  EXPECT_EQ(ChooseDiskOrRecompute(bytes, 96, /*disk_bytes_per_second=*/50e6, 10000).choice,
+            kv::ReuseChoice::kRecompute);  // 126 ms to read
+  EXPECT_EQ(ChooseDiskOrRecompute(bytes, 96, /*disk_bytes_per_second=*/2e9, 10000).choice,
+            kv::ReuseChoice::kPull);  // 3 ms to read
+  EXPECT_EQ(ChooseDiskOrRecompute(bytes, 96, /*disk_bytes_per_second=*/0, 10000).choice,
+            kv::ReuseChoice::kPull);  // not measured yet: read, which measures it
+  const kv::PullOrRecompute slow = ChooseDiskOrRecompute(bytes, 96, 50e6, 10000);
+  EXPECT_GT(slow.pull_seconds, slow.recompute_seconds);
+}
+
 TEST_F(DiskCacheTest, AReadPastItsDeadlineReturnsNothing) {
   std::unique_ptr<DiskCache> cache = Open(Options(4));
   ASSERT_NE(cache, nullptr);
