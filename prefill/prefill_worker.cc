@@ -437,26 +437,36 @@ int64_t PrefillWorker::PromoteFromDisk(const std::vector<kv::BlockHash>& chain, 
                  << decision.recompute_seconds * 1e3 << " ms)";
     return 0;
   }
-  absl::StatusOr<std::vector<std::vector<uint8_t>>> read = disk->Read(
-      absl::MakeConstSpan(chain).subspan(static_cast<size_t>(first), static_cast<size_t>(run)),
-      deadline);
-  if (!read.ok()) {
-    KV_LOG(WARNING) << request_id << ": disk tier read failed (" << read.status()
-                    << "); recomputing";
-    return 0;
-  }
+  // Read in chunks of at most ~64 MiB of blocks: each chunk's buffers live only until its
+  // blocks are copied into the request's KV.
+  const int64_t per_read =
+      std::max<int64_t>(1, (int64_t{64} << 20) / static_cast<int64_t>(segment_->block_bytes()));
   int64_t loaded = 0;
-  for (const std::vector<uint8_t>& unit : *read) {
-    std::vector<std::vector<kv::SlotId>> one;
-    if (!segment_->LoadBlockBytes(unit, kv_->cache(), one).ok()) {
-      ReleaseSlots(kv_->cache(), one);
-      break;
+  while (loaded < run) {
+    const int64_t n = std::min(per_read, run - loaded);
+    absl::StatusOr<std::vector<std::vector<uint8_t>>> read =
+        disk->Read(absl::MakeConstSpan(chain).subspan(static_cast<size_t>(first + loaded),
+                                                      static_cast<size_t>(n)),
+                   deadline);
+    if (!read.ok()) {
+      KV_LOG(WARNING) << request_id << ": disk tier read failed (" << read.status()
+                      << "); recomputing the rest";
+      return loaded;
     }
-    slots.resize(one.size());
-    for (size_t g = 0; g < one.size(); ++g) {
-      slots[g].insert(slots[g].end(), one[g].begin(), one[g].end());
+    for (const std::vector<uint8_t>& unit : *read) {
+      std::vector<std::vector<kv::SlotId>> one;
+      if (!segment_->LoadBlockBytes(unit, kv_->cache(), one).ok()) {
+        ReleaseSlots(kv_->cache(), one);
+        return loaded;
+      }
+      slots.resize(one.size());
+      for (size_t g = 0; g < one.size(); ++g) {
+        slots[g].insert(slots[g].end(), one[g].begin(), one[g].end());
+      }
+      ++loaded;
     }
-    ++loaded;
+    // Fewer than asked: a block failed verification or left the tier; the rest is recomputed.
+    if (static_cast<int64_t>(read->size()) < n) return loaded;
   }
   return loaded;
 }

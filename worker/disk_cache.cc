@@ -141,7 +141,9 @@ bool DiskCache::Demote(const kv::BlockHash& hash, absl::Span<const uint8_t> byte
   absl::MutexLock lock(&mu_);
   const bool take = tier_ != nullptr && !stopped_ && !stop_ &&
                     bytes.size() == options_.block_bytes &&
-                    writes_.size() < options_.max_queued_blocks && !slot_of_.contains(hash);
+                    (writes_.empty() ||
+                     (writes_.size() + 1) * options_.block_bytes <= options_.max_queued_bytes) &&
+                    !slot_of_.contains(hash);
   if (!take) {
     if (dropped_ != nullptr) dropped_->Increment();
     return false;

@@ -53,9 +53,9 @@ struct DiskCacheOptions {
   kv::LayoutFingerprint layout;
   std::string node_id;  // for log lines
   uint32_t queue_depth = 32;
-  // Demotions waiting for the tier thread; more are dropped (counted) so a slow disk never
-  // holds DRAM copies without bound. Default 256 blocks.
-  size_t max_queued_blocks = 256;
+  // Bytes of demotions waiting for the tier thread (at least one block is always taken); more
+  // are dropped (counted) so a slow disk never holds copies without bound. Default 256 MiB.
+  uint64_t max_queued_bytes = uint64_t{256} << 20;
   MetricsRegistry* metrics = nullptr;  // not owned; optional
   MetricLabels metric_labels;
   // Test hook, handed to kv::DiskTierOptions::inject_result (e.g. -EIO).
