@@ -165,7 +165,9 @@ absl::Status StoreLink::Register() {
     s.set_slot_bytes(options_.disk->slot_bytes());
     reg.segments.push_back(std::move(s));  // no memory key: read back by this node only
   }
-  return client_->Register(reg).status();
+  absl::StatusOr<kvrelay::v1::RegisterNodeResponse> r = client_->Register(reg);
+  if (r.ok()) store_incarnation_.store(r->store_incarnation(), std::memory_order_relaxed);
+  return r.status();
 }
 
 void StoreLink::QueueDiskBlocks(bool listen) {
@@ -275,6 +277,17 @@ void StoreLink::HeartbeatLoop() {
     kvrelay::v1::NodeLoad load;
     if (options_.load) load = options_.load();
     absl::StatusOr<kvrelay::v1::HeartbeatResponse> r = client_->Heartbeat(&load);
+    if (r.ok() && r->known() && r->store_incarnation() != 0) {
+      // A store that restarted from its log knows this node and its DRAM blocks, not what the
+      // disk tier holds (memory only there): announce that again.
+      const uint64_t before =
+          store_incarnation_.exchange(r->store_incarnation(), std::memory_order_relaxed);
+      if (before != 0 && before != r->store_incarnation()) {
+        KV_LOG(INFO) << options_.node_id << ": the cache store restarted; re-announcing what the "
+                     << "disk tier holds";
+        QueueDiskBlocks(/*listen=*/false);
+      }
+    }
     if (r.ok() && !r->known()) {
       KV_LOG(WARNING) << options_.node_id << ": the cache store forgot this node; registering "
                       << "and re-announcing what the segment holds";

@@ -214,6 +214,9 @@ class StoreLink {
   DependencyGate gate_;  // the store on the request path
   absl::Notification stop_;
   std::atomic<bool> left_{false};  // Leave ran (exchange: the first caller deregisters)
+  // The store process this link last registered with or heard from (0: not yet); relaxed: read
+  // and written by the heartbeat thread, and by Register on the connecting thread before it.
+  std::atomic<uint64_t> store_incarnation_{0};
   std::thread heartbeat_;
 };
 
