@@ -313,6 +313,7 @@ void CacheStore::RemoveNodeLocked(uint16_t node, bool log, std::string_view why)
   }
   std::vector<RemovedBlock> removed = index_->RemoveNode(node);
   OnRemoved(removed, nullptr);  // replay of kRemoveNode repeats the same sweep
+  DropDiskReplicasLocked(node);
   registry_.Remove(node);
   ReapOrphansLocked();
   UpdateCapacityHint();
@@ -502,6 +503,29 @@ absl::StatusOr<MatchResult> CacheStore::MatchPrefix(absl::Span<const BlockHash> 
       index_->ReleaseLeases(pinned);
     }
   }
+  // Where the DRAM prefix ends, the nodes' disk tiers may go on. No lease there: a block read
+  // from disk is verified by its reader, and one overwritten meanwhile is recomputed.
+  if (static_cast<size_t>(result.matched) < chain.size()) {
+    absl::InlinedVector<std::pair<uint32_t, uint32_t>, 4> seen;  // (node << 16 | segment, ref)
+    for (const MatchedBlock& b : DiskRun(chain, static_cast<size_t>(std::max(result.matched, 0)))) {
+      MatchResult::Block out{b.hash, b.size_bytes, {}};
+      for (const Replica& r : b.replicas) {
+        const uint32_t key = (static_cast<uint32_t>(r.node) << 16) | r.segment;
+        uint32_t ref = UINT32_MAX;
+        for (const auto& [k, v] : seen) {
+          if (k == key) ref = v;
+        }
+        if (ref == UINT32_MAX) {
+          ref = static_cast<uint32_t>(result.segments.size());
+          result.segments.push_back(registry_.Describe(Replica{r.node, r.segment, 0}));
+          seen.push_back({key, ref});
+        }
+        out.replicas.push_back({ref, r.slot});
+      }
+      result.blocks.push_back(std::move(out));
+      ++result.matched;
+    }
+  }
   counters_.prefix_queries.fetch_add(1, std::memory_order_relaxed);
   counters_.prefix_query_blocks.fetch_add(static_cast<int64_t>(chain.size()),
                                           std::memory_order_relaxed);
@@ -528,21 +552,39 @@ absl::StatusOr<MatchResult> CacheStore::MatchPrefix(absl::Span<const BlockHash> 
 std::vector<NodePrefix> CacheStore::QueryPrefix(absl::Span<const BlockHash> chain) {
   std::vector<MatchedBlock> found;
   index_->MatchPrefix(chain, /*touch=*/false, /*lease=*/false, &found);
-  absl::flat_hash_map<uint16_t, int> run;  // node -> leading blocks held, while unbroken
-  for (size_t i = 0; i < found.size(); ++i) {
-    for (const Replica& r : found[i].replicas) {
-      if (registry_.IsSuspect(r.node)) continue;
-      auto it = run.find(r.node);
-      if (i == 0) {
-        run[r.node] = 1;
-      } else if (it != run.end() && it->second == static_cast<int>(i)) {
-        it->second = static_cast<int>(i) + 1;
+  // node -> leading blocks held (in DRAM or on its disk tier) while unbroken, and how many of
+  // them only on disk.
+  struct Run {
+    int matched = 0;
+    int disk = 0;
+  };
+  absl::flat_hash_map<uint16_t, Run> run;
+  absl::MutexLock disk_lock(&disk_mu_);
+  for (size_t i = 0; i < chain.size(); ++i) {
+    bool advanced = false;
+    auto hold = [&](uint16_t node, bool on_disk) {
+      if (registry_.IsSuspect(node)) return;
+      auto it = run.find(node);
+      if (i == 0 && it == run.end()) {
+        run[node] = {1, on_disk ? 1 : 0};
+        advanced = true;
+      } else if (it != run.end() && it->second.matched == static_cast<int>(i)) {
+        it->second.matched = static_cast<int>(i) + 1;
+        if (on_disk) ++it->second.disk;
+        advanced = true;
       }
+    };
+    if (i < found.size()) {
+      for (const Replica& r : found[i].replicas) hold(r.node, false);
     }
+    if (auto it = disk_blocks_.find(chain[i]); it != disk_blocks_.end()) {
+      for (const Replica& r : it->second.replicas) hold(r.node, true);
+    }
+    if (!advanced) break;
   }
   std::vector<NodePrefix> out;
   for (const auto& [node, n] : run) {
-    if (auto id = registry_.NodeId(node)) out.push_back({*id, n});
+    if (auto id = registry_.NodeId(node)) out.push_back({*id, n.matched, n.disk});
   }
   std::sort(out.begin(), out.end(), [](const NodePrefix& a, const NodePrefix& b) {
     return a.matched != b.matched ? a.matched > b.matched : a.node_id < b.node_id;
@@ -1010,6 +1052,12 @@ absl::StatusOr<AnnounceResult> CacheStore::AnnounceBlocks(const Caller& node,
   }
   std::optional<NodeSpec> spec = registry_.Spec(index);
   const SegmentSpec& seg = spec->segments[*segment];
+  if (seg.tier == Tier::kSsd) {
+    AnnounceResult disk =
+        AnnounceDiskLocked(index, *segment, seg.slot_bytes, seg.capacity_slots, blocks);
+    counters_.announced_blocks.fetch_add(disk.accepted, std::memory_order_relaxed);
+    return disk;
+  }
   AnnounceResult result;
   std::vector<WalOp> wal;
   auto log_commit = [&](const BlockHash& hash,
@@ -1098,6 +1146,103 @@ absl::StatusOr<AnnounceResult> CacheStore::AnnounceBlocks(const Caller& node,
   return result;
 }
 
+namespace {
+uint64_t DiskSlotKey(const Replica& r) {
+  return (static_cast<uint64_t>(r.node) << 48) | (static_cast<uint64_t>(r.segment) << 32) | r.slot;
+}
+}  // namespace
+
+AnnounceResult CacheStore::AnnounceDiskLocked(uint16_t node, uint16_t segment, uint64_t slot_bytes,
+                                              int64_t capacity_slots,
+                                              absl::Span<const AnnouncedBlock> blocks) {
+  AnnounceResult result;
+  const std::string node_id = registry_.NodeId(node).value_or("");
+  std::vector<StoreEvent> events;
+  auto event = [&](StoreEvent::Kind kind, const BlockHash& hash) {
+    StoreEvent e;
+    e.kind = kind;
+    e.hash = hash;
+    e.node_ids = {node_id};
+    e.tier = Tier::kSsd;
+    events.push_back(std::move(e));
+  };
+  {
+    absl::MutexLock lock(&disk_mu_);
+    for (size_t i = 0; i < blocks.size(); ++i) {
+      const AnnouncedBlock& b = blocks[i];
+      if (b.size_bytes > slot_bytes || static_cast<int64_t>(b.slot) >= capacity_slots) {
+        result.rejected.push_back({static_cast<int>(i), AnnounceRejection::kBadInput});
+        continue;
+      }
+      const Replica rep{node, segment, b.slot};
+      const uint64_t key = DiskSlotKey(rep);
+      if (auto old = disk_slots_.find(key); old != disk_slots_.end()) {
+        if (old->second == b.hash) {
+          ++result.already_present;
+          continue;
+        }
+        // The node wrote another block into the slot: the one it held is gone from there.
+        const BlockHash gone = old->second;
+        disk_slots_.erase(old);
+        registry_.FreeSlot(rep);
+        if (auto it = disk_blocks_.find(gone); it != disk_blocks_.end()) {
+          Replicas& reps = it->second.replicas;
+          reps.erase(std::remove(reps.begin(), reps.end(), rep), reps.end());
+          if (reps.empty()) disk_blocks_.erase(it);
+        }
+        event(StoreEvent::Kind::kRemoved, gone);
+      }
+      ++result.accepted;
+      if (b.hash.IsZero()) continue;  // the slot holds nothing now
+      DiskBlock& block = disk_blocks_[b.hash];
+      block.size_bytes = static_cast<uint32_t>(b.size_bytes);
+      block.replicas.push_back(rep);
+      disk_slots_[key] = b.hash;
+      registry_.MarkUsed(rep);
+      event(StoreEvent::Kind::kStored, b.hash);
+    }
+  }
+  for (StoreEvent& e : events) Publish(std::move(e));
+  return result;
+}
+
+void CacheStore::DropDiskReplicasLocked(uint16_t node) {
+  absl::MutexLock lock(&disk_mu_);
+  for (auto it = disk_slots_.begin(); it != disk_slots_.end();) {
+    if (static_cast<uint16_t>(it->first >> 48) != node) {
+      ++it;
+      continue;
+    }
+    if (auto b = disk_blocks_.find(it->second); b != disk_blocks_.end()) {
+      Replicas& reps = b->second.replicas;
+      reps.erase(std::remove_if(reps.begin(), reps.end(),
+                                [node](const Replica& r) { return r.node == node; }),
+                 reps.end());
+      if (reps.empty()) disk_blocks_.erase(b);
+    }
+    disk_slots_.erase(it++);
+  }
+}
+
+std::vector<MatchedBlock> CacheStore::DiskRun(absl::Span<const BlockHash> chain,
+                                              size_t from) const {
+  std::vector<MatchedBlock> out;
+  absl::MutexLock lock(&disk_mu_);
+  for (size_t i = from; i < chain.size() && !disk_blocks_.empty(); ++i) {
+    auto it = disk_blocks_.find(chain[i]);
+    if (it == disk_blocks_.end()) break;
+    MatchedBlock m;
+    m.hash = chain[i];
+    m.size_bytes = it->second.size_bytes;
+    for (const Replica& r : it->second.replicas) {
+      if (!registry_.IsSuspect(r.node)) m.replicas.push_back(r);
+    }
+    if (m.replicas.empty()) break;
+    out.push_back(std::move(m));
+  }
+  return out;
+}
+
 std::vector<NodeInfo> CacheStore::ListNodes() const { return registry_.List(clock_->Now()); }
 
 std::optional<NodeRole> CacheStore::RoleOf(const std::string& node_id) const {
@@ -1117,6 +1262,10 @@ StoreStats CacheStore::Stats() const {
   s.allocated_blocks = index_->size() - s.committed_blocks;
   s.active_leases = leases_.active();
   s.evictions = counters_.evicted_blocks.load(std::memory_order_relaxed);
+  {
+    absl::MutexLock lock(&disk_mu_);
+    s.disk_blocks = static_cast<int64_t>(disk_blocks_.size());
+  }
   s.last_sequence = last_sequence();
   s.tiers = registry_.Usage();
   s.policy = std::string(policy_->name());

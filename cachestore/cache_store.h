@@ -113,6 +113,9 @@ struct Caller {
 struct NodePrefix {
   std::string node_id;
   int matched = 0;
+  // Of `matched`, the blocks this node holds only on its disk tier (SSD): reading them costs a
+  // disk read, not a copy from DRAM.
+  int disk_blocks = 0;
 };
 
 struct AllocateArgs {
@@ -164,6 +167,9 @@ struct StoreEvent {
   // kStored: the block's tokens when the store keeps them (keep_block_tokens) and its
   // committer sent them; empty otherwise.
   std::vector<int32_t> token_ids;
+  // Block events of a disk tier's replicas: kSsd (the KV events' medium DISK); otherwise
+  // unspecified (the node's DRAM tier).
+  Tier tier = Tier::kUnspecified;
 };
 
 struct RegisterResult {
@@ -207,6 +213,7 @@ struct StoreStats {
   int64_t allocated_blocks = 0;
   int64_t active_leases = 0;
   int64_t evictions = 0;
+  int64_t disk_blocks = 0;  // distinct blocks with a replica on some node's disk tier
   uint64_t last_sequence = 0;
   std::vector<TierUsage> tiers;
   std::string policy;
@@ -271,6 +278,8 @@ class CacheStore {
   absl::Status Abort(uint64_t allocation_id, const Caller& caller = {});
   absl::Status ReleaseLease(uint64_t lease_id, const Caller& caller = {});
   // Re-announces blocks `node` still holds in `segment_id` (idempotent); see AnnouncedBlock.
+  // A segment of tier SSD (the node's disk tier) takes "slot `slot` now holds `hash`" instead
+  // (a zero hash: the slot holds nothing); parents are not needed there (see disk_blocks_).
   absl::StatusOr<AnnounceResult> AnnounceBlocks(const Caller& node, const std::string& segment_id,
                                                 absl::Span<const AnnouncedBlock> blocks);
   // The tokens kept for a committed block (empty when none: keep_block_tokens off, not sent,
@@ -380,6 +389,15 @@ class CacheStore {
   // Assigns and returns the sequence (0 while replaying the log: nothing is published).
   uint64_t Publish(StoreEvent event) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::vector<Location> Describe(const Replicas& replicas) const;
+  // AnnounceBlocks into a disk-tier segment.
+  AnnounceResult AnnounceDiskLocked(uint16_t node, uint16_t segment, uint64_t slot_bytes,
+                                    int64_t capacity_slots, absl::Span<const AnnouncedBlock> blocks)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Forgets every disk replica of `node` (removed, replaced or forgotten).
+  void DropDiskReplicasLocked(uint16_t node) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Blocks chain[from, ...) in an unbroken run that some live node's disk tier holds, with their
+  // replicas (the run stops at a block no live node's disk holds).
+  std::vector<MatchedBlock> DiskRun(absl::Span<const BlockHash> chain, size_t from) const;
   std::vector<WalReplica> WalReplicas(const Replicas& replicas) const;
   void UpdateCapacityHint();
 
@@ -416,6 +434,22 @@ class CacheStore {
   // resend without mu_.
   mutable absl::Mutex tokens_mu_;
   absl::flat_hash_map<BlockHash, std::vector<int32_t>> tokens_ ABSL_GUARDED_BY(tokens_mu_);
+
+  // Disk replicas (segments of tier SSD): blocks a node keeps on its own NVMe after they left
+  // DRAM. Kept apart from the index: no parents, no leases, no eviction by the store (the
+  // node's disk overwrites its least recently used blocks and announces what each slot now
+  // holds); MatchPrefix and QueryPrefix go on into them where the DRAM prefix ends. Memory only
+  // (not logged): a node re-announces them whenever it registers again. Readers verify every
+  // block read from disk, so an entry gone stale costs a recompute, never a wrong block.
+  // Lock order: mu_ -> disk_mu_ -> the registry's lock (disk_mu_ is also taken alone).
+  mutable absl::Mutex disk_mu_;
+  struct DiskBlock {
+    uint32_t size_bytes = 0;
+    Replicas replicas;
+  };
+  absl::flat_hash_map<BlockHash, DiskBlock> disk_blocks_ ABSL_GUARDED_BY(disk_mu_);
+  // (node << 48 | segment << 32 | slot) -> the block announced there.
+  absl::flat_hash_map<uint64_t, BlockHash> disk_slots_ ABSL_GUARDED_BY(disk_mu_);
 
   mutable absl::Mutex events_mu_;
   absl::CondVar events_cv_;

@@ -360,6 +360,121 @@ TEST(ScenarioTest, PlacementPrefersTheRequestedTierAndNode) {
               StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("blocks[0]")));
 }
 
+// A node's disk tier (an SSD segment): never a placement target; what its slots hold is what
+// the node announces; prefixes go on into it where DRAM ends, and QueryPrefix says how much of
+// a node's run is on disk.
+TEST(ScenarioTest, ADiskTierIsAnnouncedNotPlacedAndExtendsPrefixes) {
+  Scenario s;
+  NodeSpec spec;
+  spec.node_id = "w";
+  spec.incarnation = 7;
+  spec.transport_kind = "inproc";
+  spec.transport_address = "w";
+  spec.ttl = absl::Hours(1);
+  spec.segments.push_back(SegmentSpec{"kv", Tier::kHost, 2, kBlockBytes, "key-w"});
+  spec.segments.push_back(SegmentSpec{"disk", Tier::kSsd, 16, kBlockBytes + 4096, ""});
+  ASSERT_THAT(s.store().RegisterNode(spec), IsOk());
+  const Caller w{"w", 7};
+  // Own-node allocations go to DRAM only (2 slots), evicting there, never onto the disk.
+  const auto chain = Chain("t", 2);
+  for (int i = 0; i < 4; ++i) {
+    AllocateArgs args;
+    args.caller = w;
+    args.blocks = {{Chain("r", 1, 1000 * (i + 1))[0], {}, kBlockBytes}};
+    KV_ASSERT_OK_AND_ASSIGN(AllocateResult r, s.store().Allocate(args, absl::InfiniteFuture()));
+    ASSERT_EQ(r.blocks[0].replicas.size(), 1u);
+    EXPECT_EQ(r.blocks[0].replicas[0].segment_id, "kv") << i;
+    KV_ASSERT_OK_AND_ASSIGN(int n, s.store().Commit(r.allocation_id, {}, w));
+    EXPECT_EQ(n, 1);
+  }
+  EXPECT_LE(s.store().Stats().committed_blocks, 2);
+  // The node demoted blocks 0 and 1 to its disk (slots 3 and 5).
+  KV_ASSERT_OK_AND_ASSIGN(AnnounceResult a,
+                          s.store().AnnounceBlocks(w, "disk",
+                                                   std::vector<AnnouncedBlock>{
+                                                       {chain[0], {}, 3, kBlockBytes},
+                                                       {chain[1], {}, 5, kBlockBytes},
+                                                   }));
+  EXPECT_EQ(a.accepted, 2);
+  EXPECT_EQ(s.store().Stats().disk_blocks, 2);
+  // Blocks 0 and 1 are on disk only: a match of 2, with SSD locations, no lease needed.
+  EXPECT_EQ(s.Match({chain[0], chain[1]}), 2);
+  EXPECT_EQ(s.last_match().ReplicaLocation(0, 0).tier, Tier::kSsd);
+  EXPECT_EQ(s.last_match().ReplicaLocation(0, 0).segment_id, "disk");
+  EXPECT_EQ(s.last_match().ReplicaLocation(1, 0).slot, 5u);
+  EXPECT_EQ(s.store().counters().prefix_hit_blocks_by_tier[static_cast<size_t>(Tier::kSsd)].load(),
+            2);
+  std::vector<NodePrefix> q = s.store().QueryPrefix({chain[0], chain[1]});
+  ASSERT_EQ(q.size(), 1u);
+  EXPECT_EQ(q[0].node_id, "w");
+  EXPECT_EQ(q[0].matched, 2);
+  EXPECT_EQ(q[0].disk_blocks, 2);
+  // The slot rewritten with another block: the first is gone from there; a zero hash empties it.
+  const auto other = Chain("t", 1, 500);
+  KV_ASSERT_OK_AND_ASSIGN(
+      a, s.store().AnnounceBlocks(w, "disk", std::vector<AnnouncedBlock>{{other[0], {}, 3, 1}}));
+  EXPECT_EQ(s.Match({chain[0]}), 0);
+  EXPECT_EQ(s.Match(other), 1);
+  KV_ASSERT_OK_AND_ASSIGN(
+      a, s.store().AnnounceBlocks(w, "disk", std::vector<AnnouncedBlock>{{BlockHash{}, {}, 3, 1}}));
+  EXPECT_EQ(s.Match(other), 0);
+  EXPECT_EQ(s.store().Stats().disk_blocks, 1);
+  // Out of the segment's range: refused.
+  KV_ASSERT_OK_AND_ASSIGN(
+      a, s.store().AnnounceBlocks(w, "disk", std::vector<AnnouncedBlock>{{other[0], {}, 16, 1}}));
+  ASSERT_EQ(a.rejected.size(), 1u);
+  EXPECT_EQ(a.rejected[0].second, AnnounceRejection::kBadInput);
+  // The disk tier counts as SSD in Stats, and not in the DRAM slot totals.
+  bool saw_ssd = false;
+  for (const TierUsage& u : s.store().Stats().tiers) {
+    if (u.tier != Tier::kSsd) continue;
+    saw_ssd = true;
+    EXPECT_EQ(u.capacity_slots, 16);
+    EXPECT_EQ(u.used_slots, 1);
+  }
+  EXPECT_TRUE(saw_ssd);
+  // Its disk replicas go with the node.
+  ASSERT_THAT(s.store().DeregisterNode(w), IsOk());
+  EXPECT_EQ(s.store().Stats().disk_blocks, 0);
+  EXPECT_TRUE(s.store().QueryPrefix({chain[1]}).empty());
+}
+
+// Block events of a disk tier say so (the KV events' medium DISK).
+TEST(ScenarioTest, DiskTierEventsCarryTheirTier) {
+  Scenario s;
+  NodeSpec spec;
+  spec.node_id = "w";
+  spec.incarnation = 9;
+  spec.transport_kind = "inproc";
+  spec.transport_address = "w";
+  spec.ttl = absl::Hours(1);
+  spec.segments.push_back(SegmentSpec{"kv", Tier::kHost, 2, kBlockBytes, "key-w"});
+  spec.segments.push_back(SegmentSpec{"disk", Tier::kSsd, 4, kBlockBytes, ""});
+  ASSERT_THAT(s.store().RegisterNode(spec), IsOk());
+  const uint64_t from = s.store().last_sequence() + 1;
+  const auto chain = Chain("t", 2);
+  const Caller w{"w", 9};
+  ASSERT_THAT(
+      s.store().AnnounceBlocks(w, "disk", std::vector<AnnouncedBlock>{{chain[0], {}, 0, 1}}),
+      IsOk());
+  ASSERT_THAT(
+      s.store().AnnounceBlocks(w, "disk", std::vector<AnnouncedBlock>{{chain[1], {}, 0, 1}}),
+      IsOk());
+  KV_ASSERT_OK_AND_ASSIGN(std::vector<StoreEvent> events,
+                          s.store().EventsSince(from, 10, absl::Now()));
+  ASSERT_EQ(events.size(), 3u);
+  EXPECT_EQ(events[0].kind, StoreEvent::Kind::kStored);
+  EXPECT_EQ(events[0].hash, chain[0]);
+  EXPECT_EQ(events[1].kind, StoreEvent::Kind::kRemoved);
+  EXPECT_EQ(events[1].hash, chain[0]);
+  EXPECT_EQ(events[2].kind, StoreEvent::Kind::kStored);
+  EXPECT_EQ(events[2].hash, chain[1]);
+  for (const StoreEvent& e : events) {
+    EXPECT_EQ(e.tier, Tier::kSsd);
+    EXPECT_THAT(e.node_ids, ::testing::ElementsAre("w"));
+  }
+}
+
 TEST(ScenarioTest, HitsAreCountedByTheFastestTierHoldingEachBlock) {
   Scenario s;
   s.Node("gpu0", 8, absl::Hours(1), Tier::kGpu);

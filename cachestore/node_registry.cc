@@ -316,6 +316,9 @@ std::vector<SegmentView> NodeRegistry::Segments(std::optional<uint16_t> include)
     if (n.state == NodeState::kSuspect && include != static_cast<uint16_t>(i)) continue;
     for (size_t j = 0; j < n.segments.size(); ++j) {
       const Segment& s = n.segments[j];
+      // A disk tier (SSD) is its node's own: the node announces what each of its slots holds
+      // (CacheStore, "disk replicas"); the store places and evicts only in DRAM tiers.
+      if (s.spec.tier == Tier::kSsd) continue;
       out.push_back(SegmentView{static_cast<uint16_t>(i), static_cast<uint16_t>(j), s.spec.tier,
                                 s.spec.capacity_slots, s.spec.capacity_slots - s.used,
                                 s.spec.slot_bytes, &n.spec.node_id});
@@ -372,6 +375,7 @@ std::pair<int64_t, int64_t> NodeRegistry::SlotTotals() const {
   for (const Node& n : nodes_) {
     if (!n.live) continue;
     for (const Segment& s : n.segments) {
+      if (s.spec.tier == Tier::kSsd) continue;  // watermarks and the policy size DRAM only
       used += s.used;
       cap += s.spec.capacity_slots;
     }

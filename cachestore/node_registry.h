@@ -213,10 +213,11 @@ class NodeRegistry {
 
   // Segments of live nodes (suspect ones are not offered to placement) plus, when given, all
   // segments of `include` even if suspect.
+  // SSD segments (disk tiers) are left out of both: the store does not place blocks there.
   std::vector<SegmentView> Segments(std::optional<uint16_t> include = std::nullopt) const;
   Location Describe(const Replica& replica) const;
   std::vector<TierUsage> Usage() const;
-  // Used / capacity slots over all segments.
+  // Used / capacity slots over all segments but disk tiers (SSD).
   std::pair<int64_t, int64_t> SlotTotals() const;
 
  private:

@@ -100,7 +100,7 @@ absl::StatusOr<bool> GenerateCall::Attempt() {
   if (WorkerSet::AnyPickable(nodes.decode, Excluded(Blame::kDecode))) {
     plan = MakePlan();
     pair.decode = deps_.workers->PickDecode(nodes.decode, plan.held, plan.full_blocks,
-                                            Excluded(Blame::kDecode));
+                                            Excluded(Blame::kDecode), nullptr, &plan.disk);
   }
   // Nothing picked: overload when a usable node is busy (refused for capacity, here or for
   // another request a moment ago), else no healthy node is left.
@@ -112,9 +112,9 @@ absl::StatusOr<bool> GenerateCall::Attempt() {
                                               all_decode - nodes.decode.size());
     return false;
   }
-  pair.prefill =
-      deps_.workers->PickPrefill(nodes.prefill, plan.held, plan.full_blocks,
-                                 Excluded(Blame::kPrefill), call_.deadline, &pair.routed);
+  pair.prefill = deps_.workers->PickPrefill(nodes.prefill, plan.held, plan.full_blocks,
+                                            Excluded(Blame::kPrefill), call_.deadline, &pair.routed,
+                                            &plan.disk);
   if (pair.prefill == nullptr) {
     std::optional<absl::Duration> wait = WorkerSet::BusyWait(nodes.prefill, failed_prefill_);
     if (!busy_prefill_.empty()) wait = std::min(wait.value_or(predicted_wait_), predicted_wait_);
@@ -140,7 +140,7 @@ GenerateCall::Plan GenerateCall::MakePlan() const {
         deps_.layout->fingerprint(), call_.tenant_salt,
         absl::MakeConstSpan(plan.tokens).subspan(0, plan.full_blocks * block_tokens), block_tokens);
   }
-  plan.held = deps_.workers->Holdings(plan.chain, call_.deadline);
+  plan.held = deps_.workers->Holdings(plan.chain, call_.deadline, &plan.disk);
   return plan;
 }
 

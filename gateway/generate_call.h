@@ -103,6 +103,7 @@ class GenerateCall {
     int64_t full_blocks = 0;
     std::vector<kv::BlockHash> chain;
     absl::flat_hash_map<std::string, int32_t> held;
+    absl::flat_hash_map<std::string, int32_t> disk;  // of `held`, only on a node's disk tier
   };
   struct Pair {
     Node* prefill = nullptr;

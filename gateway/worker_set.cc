@@ -248,7 +248,8 @@ std::shared_ptr<WorkerSet::Node> WorkerSet::MakeDiscovered(const kvrelay::v1::No
 }
 
 absl::flat_hash_map<std::string, int32_t> WorkerSet::Holdings(
-    const std::vector<kv::BlockHash>& chain, absl::Time deadline) {
+    const std::vector<kv::BlockHash>& chain, absl::Time deadline,
+    absl::flat_hash_map<std::string, int32_t>* disk) {
   absl::flat_hash_map<std::string, int32_t> held;
   if (store_ == nullptr || chain.empty()) return held;
   // After the store did not answer, requests route by load alone at once (one probes after
@@ -262,7 +263,10 @@ absl::flat_hash_map<std::string, int32_t> WorkerSet::Holdings(
   absl::StatusOr<kvrelay::v1::QueryPrefixResponse> answer = store_->QueryPrefix(chain, call);
   gated->Done(answer.status());
   if (!answer.ok()) return held;
-  for (const auto& node : answer->nodes()) held[node.node_id()] = node.matched();
+  for (const auto& node : answer->nodes()) {
+    held[node.node_id()] = node.matched();
+    if (disk != nullptr && node.disk_blocks() > 0) (*disk)[node.node_id()] = node.disk_blocks();
+  }
   return held;
 }
 
@@ -360,26 +364,31 @@ void WorkerSet::LearnNodeIds(const NodeList& prefills, const std::vector<Node*>&
 Node* WorkerSet::PickPrefill(const NodeList& prefills,
                              const absl::flat_hash_map<std::string, int32_t>& held,
                              int64_t full_blocks, const std::vector<Node*>& excluded,
-                             absl::Time deadline, bool* routed) {
+                             absl::Time deadline, bool* routed,
+                             const absl::flat_hash_map<std::string, int32_t>* disk) {
   *routed = false;
   LearnNodeIds(prefills, excluded, deadline);
   std::vector<int32_t> matched(prefills.size(), 0);
+  std::vector<int32_t> on_disk(prefills.size(), 0);
   if (options_.prefix_routing) {
     for (size_t i = 0; i < prefills.size(); ++i) {
       auto it = held.find(prefills[i]->NodeId());
       if (it != held.end()) matched[i] = it->second;
+      if (disk == nullptr) continue;
+      auto d = disk->find(prefills[i]->NodeId());
+      if (d != disk->end()) on_disk[i] = std::min(d->second, matched[i]);
     }
   }
   if (Node* probe = TakeProbe(prefills, excluded)) {
     CountPick("prefill", *probe, PickReason::kProbe);
     return probe;
   }
-  return RankPrefill(prefills, matched, full_blocks, excluded, routed);
+  return RankPrefill(prefills, matched, on_disk, full_blocks, excluded, routed);
 }
 
 Node* WorkerSet::RankPrefill(const NodeList& prefills, const std::vector<int32_t>& matched,
-                             int64_t full_blocks, const std::vector<Node*>& excluded,
-                             bool* routed) {
+                             const std::vector<int32_t>& on_disk, int64_t full_blocks,
+                             const std::vector<Node*>& excluded, bool* routed) {
   // Suspect nodes (the store lost their heartbeats; this gateway may still reach them) are
   // taken only when no other node is usable: a partitioned store must not stop serving.
   bool allow_suspect = false;
@@ -426,11 +435,18 @@ Node* WorkerSet::RankPrefill(const NodeList& prefills, const std::vector<int32_t
       const size_t i = (rotation + k) % prefills.size();
       Node* n = prefills[i].get();
       if (!usable(n)) continue;
+      // A block held only on the node's disk costs its read there.
+      const double disk_seconds = options_.disk_read_bytes_per_second > 0
+                                      ? static_cast<double>(on_disk[i]) *
+                                            static_cast<double>(options_.block_bytes) /
+                                            options_.disk_read_bytes_per_second
+                                      : 0;
       const double cost = !options_.prefix_routing ? static_cast<double>(n->Load())
                           : measured
                               ? kv::RouteSeconds(n->Load(), seconds_per_call(*n),
                                                  (full_blocks - matched[i]) * options_.block_tokens,
-                                                 tokens_per_second(*n))
+                                                 tokens_per_second(*n)) +
+                                    disk_seconds
                               : -(static_cast<double>(matched[i]) * 1000 - n->Load());
       if (cost < best_cost) {
         best_cost = cost;
@@ -547,7 +563,8 @@ std::optional<double> WorkerSet::BestTransfer(const NodeList& decodes) {
 Node* WorkerSet::PickDecode(const NodeList& decodes,
                             const absl::flat_hash_map<std::string, int32_t>& held,
                             int64_t full_blocks, const std::vector<Node*>& excluded,
-                            PickReason* reason) {
+                            PickReason* reason,
+                            const absl::flat_hash_map<std::string, int32_t>* disk) {
   PickReason why = PickReason::kLoad;
   Node* best = TakeProbe(decodes, excluded);
   if (best != nullptr) why = PickReason::kProbe;
@@ -577,8 +594,14 @@ Node* WorkerSet::PickDecode(const NodeList& decodes,
         continue;
       }
       auto it = held.find(n->NodeId());
-      const int32_t blocks =
+      int32_t blocks =
           it == held.end() ? 0 : static_cast<int32_t>(std::min<int64_t>(it->second, full_blocks));
+      if (disk != nullptr) {
+        // A decode worker reads no disk: what it holds only there is pushed like the rest.
+        if (auto d = disk->find(n->NodeId()); d != disk->end()) {
+          blocks = std::max(0, blocks - d->second);
+        }
+      }
       const double queue = (n->Load() + 1) * n->service.Value(now, service_prior);
       const double per_block =
           mib_per_block * n->transfer_seconds_per_mib.Value(now, transfer_prior);

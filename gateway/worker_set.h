@@ -74,6 +74,11 @@ struct WorkerSetOptions {
   MetricLabels metric_labels;
   // Layout bytes of one block (every layer group): the decode picker's transfer term.
   int64_t block_bytes = 0;
+  // Bytes per second a prefill worker is assumed to read its disk tier at when a held prefix
+  // lies there (the prefill picker's cost of a disk-held block: block_bytes / this, against
+  // recomputing it). Nominal, one NVMe; the workers measure their own and recompute blocks
+  // whose read would be slower.
+  double disk_read_bytes_per_second = 1e9;
   // How fast what the pickers learned about a node (service time, transfer rate) is forgotten
   // while it gets no request: half the distance to the fleet's best per half-life.
   LearnedLatencyOptions learned;
@@ -200,8 +205,10 @@ class WorkerSet {
   // QueryPrefix, bounded by min(`deadline`, now + route_timeout); empty without a store, for an
   // empty chain, when the store did not answer, and at once while the store's gate is open
   // after that (a store that does not answer costs reuse, not requests or latency).
-  absl::flat_hash_map<std::string, int32_t> Holdings(const std::vector<kv::BlockHash>& chain,
-                                                     absl::Time deadline = absl::InfiniteFuture());
+  // `disk` (optional): of those, how many each node holds only on its disk tier.
+  absl::flat_hash_map<std::string, int32_t> Holdings(
+      const std::vector<kv::BlockHash>& chain, absl::Time deadline = absl::InfiniteFuture(),
+      absl::flat_hash_map<std::string, int32_t>* disk = nullptr);
   const DependencyGate& store_gate() const { return store_gate_; }
 
   // `nodes` without those known to serve another layout than options.layout_fingerprint
@@ -216,9 +223,11 @@ class WorkerSet {
   // how many, or null when none is usable. Learns unknown node ids with Status calls bounded
   // by route_timeout and `deadline`. `*routed` is set when the prefix, not the load alone,
   // decided the pick.
+  // `disk` (optional): of `held`, the blocks each node holds only on its disk tier; with measured
+  // rates each costs a read at options.disk_read_bytes_per_second instead of nothing.
   Node* PickPrefill(const NodeList& prefills, const absl::flat_hash_map<std::string, int32_t>& held,
                     int64_t full_blocks, const std::vector<Node*>& excluded, absl::Time deadline,
-                    bool* routed);
+                    bool* routed, const absl::flat_hash_map<std::string, int32_t>* disk = nullptr);
   // Of the nodes of `nodes` not excluded and not open, the busy ones' shortest PredictedWait
   // (at least one microsecond); nullopt when none of them is busy. A picker that found nothing
   // while this has a value: every usable node is at capacity.
@@ -235,9 +244,12 @@ class WorkerSet {
   // than 1.1x its share of recent requests (+1) under sustained traffic (8 or more recent
   // requests per node), then they rotate. A new worker gets its
   // first request. Null when none is usable. `*reason` (optional) says why.
+  // `disk` (optional): of `held`, the blocks each node holds only on its disk tier, which a
+  // decode worker does not read back: they cost a push like blocks it does not hold.
   Node* PickDecode(const NodeList& decodes, const absl::flat_hash_map<std::string, int32_t>& held,
                    int64_t full_blocks, const std::vector<Node*>& excluded,
-                   PickReason* reason = nullptr);
+                   PickReason* reason = nullptr,
+                   const absl::flat_hash_map<std::string, int32_t>* disk = nullptr);
   // The bound for the next Reserve call, and a Reserve round trip to learn it from.
   absl::Duration ReserveTimeout() const { return reserve_rtt_.Timeout(); }
   void ObserveReserve(absl::Duration round_trip) { reserve_rtt_.Observe(round_trip); }
@@ -267,7 +279,8 @@ class WorkerSet {
   void CountPick(const char* role, const Node& node, PickReason reason);
   // PickPrefill's ranking once ids are known and no probe is due.
   Node* RankPrefill(const NodeList& prefills, const std::vector<int32_t>& matched,
-                    int64_t full_blocks, const std::vector<Node*>& excluded, bool* routed);
+                    const std::vector<int32_t>& on_disk, int64_t full_blocks,
+                    const std::vector<Node*>& excluded, bool* routed);
 
   const WorkerSetOptions options_;
   Clock* const clock_;

@@ -143,6 +143,34 @@ TEST_F(WorkerSetTest, AFewRequestsInARowStayWithTheirHolder) {
   }
 }
 
+// A decode worker does not read its disk tier: a prefix it holds only there is no reason to
+// pick it.
+TEST_F(WorkerSetTest, ADecodeWorkersDiskHeldBlocksAreNotCountedAsHeld) {
+  AddDecode("d0");
+  AddDecode("d1");
+  const WorkerSet::Snapshot nodes = set_.Nodes();
+  nodes.decode[0]->SetNodeId("d0");
+  nodes.decode[1]->SetNodeId("d1");
+  const absl::flat_hash_map<std::string, int32_t> held = {{"d1", 4}};
+  const absl::flat_hash_map<std::string, int32_t> on_disk = {{"d1", 4}};
+  int to_d1_dram = 0, to_d1_disk = 0;
+  for (int i = 0; i < 6; ++i) {
+    PickReason why{};
+    to_d1_dram += set_.PickDecode(nodes.decode, held, 5, {}, &why) == nodes.decode[1].get();
+    EXPECT_EQ(why, PickReason::kPrefix) << i;
+    clock_.Advance(absl::Milliseconds(500));
+  }
+  for (int i = 0; i < 6; ++i) {
+    PickReason why{};
+    to_d1_disk +=
+        set_.PickDecode(nodes.decode, held, 5, {}, &why, &on_disk) == nodes.decode[1].get();
+    EXPECT_NE(why, PickReason::kPrefix) << i;
+    clock_.Advance(absl::Milliseconds(500));
+  }
+  EXPECT_EQ(to_d1_dram, 6);  // held in DRAM: the holder wins each time
+  EXPECT_EQ(to_d1_disk, 3);  // held on disk only: the two rotate
+}
+
 // A node measured slow (or penalized by a failure) loses traffic to busier fast ones, then
 // forgets it while idle and gets traffic back.
 TEST_F(WorkerSetTest, DecodeLearnsAServiceTimeAndForgetsItWhileIdle) {

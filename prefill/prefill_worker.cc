@@ -311,11 +311,12 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::RunKv(
                       ReusePrefix(request, *lookup, tokens, deadline, seq));
   KV_RETURN_IF_ERROR(seq.EnsureBlocks(full_tokens));
   const PulledPrefix& pulled = reused.pulled;
-  response.set_prefix_source(pulled.blocks > 0 ? "pulled"
-                             : pulled.attempted || lookup->match.matched > reused.hit_blocks
-                                 ? "recomputed"
-                             : reused.hit_blocks > 0 ? "local"
-                                                     : "none");
+  const int64_t held_here = reused.hit_blocks + reused.disk_blocks;
+  response.set_prefix_source(pulled.blocks > 0                                       ? "pulled"
+                             : pulled.attempted || lookup->match.matched > held_here ? "recomputed"
+                             : reused.disk_blocks > 0                                ? "disk"
+                             : reused.hit_blocks > 0                                 ? "local"
+                                                                                     : "none");
   response.set_fetched_bytes(static_cast<int64_t>(pulled.bytes));
   response.set_fetched_tokens(static_cast<int32_t>(pulled.blocks * block_tokens));
   response.set_estimated_pull_ms(pulled.decision.pull_seconds * 1e3);
@@ -398,9 +399,13 @@ absl::StatusOr<PrefillWorker::ReusedPrefix> PrefillWorker::ReusePrefix(
       return loaded;
     }
   }
+  // Blocks on this node's disk after those in its DRAM: read back (promoted), verified.
+  reused.disk_blocks = PromoteFromDisk(lookup.chain, reused.hit_blocks, full_blocks,
+                                       request.request_id(), deadline, slots);
+  prefix_hit_tokens_->Increment(static_cast<double>(reused.disk_blocks * block_tokens));
   // Blocks held on other nodes after ours: pulled, or recomputed when that is cheaper.
-  reused.pulled = puller_->Pull(match, lookup.chain, reused.hit_blocks, full_blocks,
-                                request.request_id(), deadline, slots);
+  reused.pulled = puller_->Pull(match, lookup.chain, reused.hit_blocks + reused.disk_blocks,
+                                full_blocks, request.request_id(), deadline, slots);
   if (reused.blocks() > 0) {
     absl::Status adopted = seq.AdoptPrefix(
         tokens.subspan(0, static_cast<size_t>(reused.blocks() * block_tokens)), std::move(slots));
@@ -410,6 +415,60 @@ absl::StatusOr<PrefillWorker::ReusedPrefix> PrefillWorker::ReusePrefix(
     }
   }
   return reused;
+}
+
+int64_t PrefillWorker::PromoteFromDisk(const std::vector<kv::BlockHash>& chain, int64_t first,
+                                       int64_t wanted_end, const std::string& request_id,
+                                       absl::Time deadline,
+                                       std::vector<std::vector<kv::SlotId>>& slots) {
+  worker::DiskCache* disk = core_->disk.get();
+  if (disk == nullptr || segment_ == nullptr || first >= wanted_end) return 0;
+  const int64_t run = std::min(
+      disk->HeldRun(absl::MakeConstSpan(chain).subspan(0, wanted_end), first), wanted_end - first);
+  if (run <= 0) return 0;
+  const int32_t block_tokens = kv_->cache().layout().block_tokens();
+  // An SSD slower than this node's compute is not read: its blocks are recomputed.
+  const kv::PullOrRecompute decision = worker::ChooseDiskOrRecompute(
+      static_cast<uint64_t>(run) * segment_->block_bytes(), run * block_tokens,
+      disk->read_bytes_per_second(), prefill_rate_.rate());
+  if (decision.choice == kv::ReuseChoice::kRecompute) {
+    KV_LOG(INFO) << request_id << ": " << run << " blocks on disk recomputed (read "
+                 << decision.pull_seconds * 1e3 << " ms vs compute "
+                 << decision.recompute_seconds * 1e3 << " ms)";
+    return 0;
+  }
+  // Read in chunks of at most ~64 MiB of blocks: each chunk's buffers live only until its
+  // blocks are copied into the request's KV.
+  const int64_t per_read =
+      std::max<int64_t>(1, (int64_t{64} << 20) / static_cast<int64_t>(segment_->block_bytes()));
+  int64_t loaded = 0;
+  while (loaded < run) {
+    const int64_t n = std::min(per_read, run - loaded);
+    absl::StatusOr<std::vector<std::vector<uint8_t>>> read =
+        disk->Read(absl::MakeConstSpan(chain).subspan(static_cast<size_t>(first + loaded),
+                                                      static_cast<size_t>(n)),
+                   deadline);
+    if (!read.ok()) {
+      KV_LOG(WARNING) << request_id << ": disk tier read failed (" << read.status()
+                      << "); recomputing the rest";
+      return loaded;
+    }
+    for (const std::vector<uint8_t>& unit : *read) {
+      std::vector<std::vector<kv::SlotId>> one;
+      if (!segment_->LoadBlockBytes(unit, kv_->cache(), one).ok()) {
+        ReleaseSlots(kv_->cache(), one);
+        return loaded;
+      }
+      slots.resize(one.size());
+      for (size_t g = 0; g < one.size(); ++g) {
+        slots[g].insert(slots[g].end(), one[g].begin(), one[g].end());
+      }
+      ++loaded;
+    }
+    // Fewer than asked: a block failed verification or left the tier; the rest is recomputed.
+    if (static_cast<int64_t>(read->size()) < n) return loaded;
+  }
+  return loaded;
 }
 
 absl::StatusOr<std::unique_ptr<PushSession>> PrefillWorker::PlanKvPush(

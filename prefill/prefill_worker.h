@@ -120,9 +120,10 @@ class PrefillWorker {
   // The KV path's reused leading blocks: `hit_blocks` from this node's segment, then those
   // pulled from another node.
   struct ReusedPrefix {
-    int64_t hit_blocks = 0;
+    int64_t hit_blocks = 0;   // from this node's DRAM cache segment
+    int64_t disk_blocks = 0;  // after those: read back from this node's disk tier (promoted)
     PulledPrefix pulled;
-    int64_t blocks() const { return hit_blocks + pulled.blocks; }
+    int64_t blocks() const { return hit_blocks + disk_blocks + pulled.blocks; }
   };
   // The Mamba path's computed states: the one after the last full block and the checkpoints of
   // blocks [resume_blocks, full_blocks).
@@ -132,6 +133,13 @@ class PrefillWorker {
   };
 
   explicit PrefillWorker(PrefillWorkerOptions options, MetricsRegistry* metrics);
+  // Blocks chain[first, ...) that this node's disk tier holds, read back and verified, copied
+  // into fresh KV slots (appended to `slots[g]`) when reading them is predicted faster than
+  // recomputing them (kv::ChoosePullOrRecompute with the tier's measured read rate). Returns how
+  // many; never fails the request (a block that does not verify or arrive is recomputed).
+  int64_t PromoteFromDisk(const std::vector<kv::BlockHash>& chain, int64_t first,
+                          int64_t wanted_end, const std::string& request_id, absl::Time deadline,
+                          std::vector<std::vector<kv::SlotId>>& slots);
   absl::Status Init(worker::WorkerCoreDeps deps);
   // `status` attributed to this node with `reason`.
   absl::Status Own(absl::Status status, kvrelay::v1::FailureReason reason) const;

@@ -118,6 +118,22 @@ absl::Status CacheSegment::LoadBlock(int64_t slot, model::KvCache& cache,
   return absl::OkStatus();
 }
 
+absl::Status CacheSegment::LoadBlockBytes(absl::Span<const uint8_t> unit, model::KvCache& cache,
+                                          std::vector<std::vector<kv::SlotId>>& group_slots) const {
+  if (unit.size() != block_bytes_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("block unit of ", unit.size(), " bytes, want ", block_bytes_));
+  }
+  group_slots.resize(static_cast<size_t>(cache.num_groups()));
+  for (int g = 0; g < cache.num_groups(); ++g) {
+    KV_ASSIGN_OR_RETURN(kv::SlotId s, cache.pool(g).Allocate());
+    std::memcpy(cache.pool(g).SlotAddress(s), unit.data() + group_offsets_[g],
+                static_cast<size_t>(layout_.BlockBytes(g)));
+    group_slots[g].push_back(s);
+  }
+  return absl::OkStatus();
+}
+
 LayerSlice SliceOfLayer(const kv::ModelLayout& layout, const model::KvCache& cache, int32_t layer) {
   const int g = cache.group_of_layer(layer);
   const uint64_t layer_bytes = static_cast<uint64_t>(layout.BlockBytes(g)) /

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "kv/block_hash.h"
 #include "kv/model_layout.h"
 #include "kv/pool/block_pool.h"
@@ -63,6 +64,11 @@ class CacheSegment {
   // `group_slots[g]`); the caller owns one reference on each.
   absl::Status LoadBlock(int64_t slot, model::KvCache& cache,
                          std::vector<std::vector<kv::SlotId>>& group_slots) const;
+  // As LoadBlock, from a block unit's bytes held elsewhere (block_bytes() of them, every group's
+  // unit at group_offset(g)): a block read back from the disk tier. InvalidArgument for another
+  // size.
+  absl::Status LoadBlockBytes(absl::Span<const uint8_t> unit, model::KvCache& cache,
+                              std::vector<std::vector<kv::SlotId>>& group_slots) const;
 
   // The slot table: one SlotEntry per slot naming the block it holds, so a reader on another
   // node (which gets the bytes over the data plane) checks identity and integrity before it

@@ -13,6 +13,7 @@ namespace kvrelay::worker {
 namespace {
 
 constexpr char kSegmentId[] = "kv";
+constexpr char kDiskSegmentId[] = "disk";
 
 DependencyGateOptions GateOptions(const StoreLinkOptions& options) {
   DependencyGateOptions gate;
@@ -99,6 +100,9 @@ absl::StatusOr<std::unique_ptr<StoreLink>> StoreLink::Connect(StoreLinkOptions o
     });
     return named;
   }
+  // What the disk tier holds (verified by its scan at open, for a restarted worker) is announced
+  // from the first heartbeat poll on.
+  link->QueueDiskBlocks(/*listen=*/true);
   link->heartbeat_ = std::thread([l = link.get()] { l->HeartbeatLoop(); });
   return link;
 }
@@ -115,7 +119,11 @@ absl::StatusOr<std::unique_ptr<StoreLink>> StoreLink::UnregisteredForTest(
       new StoreLink(std::move(options), segment, clock, std::move(client)));
 }
 
-StoreLink::~StoreLink() { Leave(); }
+StoreLink::~StoreLink() {
+  // No call into this link from the disk tier once this returns.
+  if (options_.disk != nullptr) options_.disk->Listen({});
+  Leave();
+}
 
 void StoreLink::Leave() {
   if (left_.exchange(true, std::memory_order_acq_rel)) return;
@@ -149,7 +157,62 @@ absl::Status StoreLink::Register() {
     s.set_memory_key(options_.segment_access_key);
     reg.segments.push_back(std::move(s));
   }
-  return client_->Register(reg).status();
+  if (options_.disk != nullptr && options_.disk->num_slots() > 0) {
+    kvrelay::v1::Segment s;
+    s.set_segment_id(kDiskSegmentId);
+    s.set_tier(kvrelay::v1::TIER_SSD);
+    s.set_capacity_slots(options_.disk->num_slots());
+    s.set_slot_bytes(options_.disk->slot_bytes());
+    reg.segments.push_back(std::move(s));  // no memory key: read back by this node only
+  }
+  absl::StatusOr<kvrelay::v1::RegisterNodeResponse> r = client_->Register(reg);
+  if (r.ok()) store_incarnation_.store(r->store_incarnation(), std::memory_order_relaxed);
+  return r.status();
+}
+
+void StoreLink::QueueDiskBlocks(bool listen) {
+  if (options_.disk == nullptr || options_.disk->num_slots() == 0) return;
+  const uint64_t size = options_.disk->slot_bytes();
+  auto announced = [size](int64_t slot, const kv::BlockHash& hash) {
+    kvrelay::v1::AnnouncedBlock a;
+    cachestore::CacheStoreClient::ToProto(hash, a.mutable_hash());
+    a.set_slot(slot);
+    a.set_size_bytes(size);
+    return a;
+  };
+  if (listen) {
+    // Every listed block first, then each change, in order, into the queue the heartbeat
+    // thread announces from.
+    options_.disk->Listen([this, announced](int64_t slot, const kv::BlockHash& hash) {
+      absl::MutexLock lock(&disk_mu_);
+      disk_pending_.push_back(announced(slot, hash));
+    });
+    return;
+  }
+  const std::vector<std::pair<int64_t, kv::BlockHash>> listed = options_.disk->Listed();
+  absl::MutexLock lock(&disk_mu_);
+  for (const auto& [slot, hash] : listed) disk_pending_.push_back(announced(slot, hash));
+}
+
+void StoreLink::AnnounceDiskChanges() {
+  std::vector<kvrelay::v1::AnnouncedBlock> pending;
+  {
+    absl::MutexLock lock(&disk_mu_);
+    pending.swap(disk_pending_);
+  }
+  constexpr size_t kPerCall = 1024;
+  for (size_t begin = 0; begin < pending.size(); begin += kPerCall) {
+    std::vector<kvrelay::v1::AnnouncedBlock> chunk(
+        pending.begin() + static_cast<std::ptrdiff_t>(begin),
+        pending.begin() + static_cast<std::ptrdiff_t>(std::min(pending.size(), begin + kPerCall)));
+    absl::StatusOr<kvrelay::v1::AnnounceBlocksResponse> r =
+        client_->Announce(kDiskSegmentId, chunk);
+    if (!r.ok()) {
+      KV_LOG(WARNING) << options_.node_id << ": announcing " << chunk.size()
+                      << " disk tier slots failed: " << r.status();
+      return;
+    }
+  }
 }
 
 void StoreLink::Reannounce() {
@@ -199,11 +262,13 @@ void StoreLink::HeartbeatLoop() {
   int64_t term = client_->term();
   absl::Time next_heartbeat = absl::Now() + interval;
   while (!stop_.WaitForNotificationWithTimeout(term_poll)) {
+    AnnounceDiskChanges();
     if (const int64_t now_term = client_->term(); now_term != term) {
       if (term != 0) {
         KV_LOG(INFO) << options_.node_id << ": a new cache store leader (term " << now_term
                      << ", was " << term << "); re-announcing what the segment holds";
         Reannounce();
+        QueueDiskBlocks(/*listen=*/false);
       }
       term = now_term;
     }
@@ -212,11 +277,23 @@ void StoreLink::HeartbeatLoop() {
     kvrelay::v1::NodeLoad load;
     if (options_.load) load = options_.load();
     absl::StatusOr<kvrelay::v1::HeartbeatResponse> r = client_->Heartbeat(&load);
+    if (r.ok() && r->known() && r->store_incarnation() != 0) {
+      // A store that restarted from its log knows this node and its DRAM blocks, not what the
+      // disk tier holds (memory only there): announce that again.
+      const uint64_t before =
+          store_incarnation_.exchange(r->store_incarnation(), std::memory_order_relaxed);
+      if (before != 0 && before != r->store_incarnation()) {
+        KV_LOG(INFO) << options_.node_id << ": the cache store restarted; re-announcing what the "
+                     << "disk tier holds";
+        QueueDiskBlocks(/*listen=*/false);
+      }
+    }
     if (r.ok() && !r->known()) {
       KV_LOG(WARNING) << options_.node_id << ": the cache store forgot this node; registering "
                       << "and re-announcing what the segment holds";
       if (absl::Status s = Register(); s.ok()) {
         Reannounce();
+        QueueDiskBlocks(/*listen=*/false);
       } else {
         KV_LOG(WARNING) << options_.node_id << ": register failed: " << s;
       }
@@ -373,6 +450,7 @@ std::vector<int64_t> StoreLink::WriteAllocated(const kvrelay::v1::AllocateRespon
       // The slot's old content is gone from the moment we write (readers on other nodes
       // check its entry, cleared first).
       absl::MutexLock lock(&mu_);
+      DemoteSlotLocked(replica.slot());
       ForgetSlotLocked(replica.slot());
       if (!write(first + i, replica.slot()).ok()) {
         ok = false;
@@ -456,6 +534,23 @@ void StoreLink::ForgetSlotLocked(int64_t slot) {
     held_.erase(it);
   }
   if (segment_ != nullptr && slot >= 0 && slot < segment_->num_slots()) segment_->ClearEntry(slot);
+}
+
+void StoreLink::DemoteSlotLocked(int64_t slot) {
+  if (options_.disk == nullptr || segment_ == nullptr) return;
+  auto it = held_.find(slot);
+  if (it == held_.end()) return;
+  const kv::BlockHash hash{it->second.hash().hi(), it->second.hash().lo()};
+  const CacheSegment::SlotEntry entry = segment_->Entry(slot);
+  const uint8_t* bytes = segment_->GroupUnit(slot, 0);
+  const size_t size = static_cast<size_t>(segment_->block_bytes());
+  // Only bytes that are the block they claim to be go to disk (the tier writes its own checksum
+  // of what it is given).
+  if (entry.hash_hi != hash.hi || entry.hash_lo != hash.lo ||
+      entry.checksum != kv::BlockChecksum(bytes, size)) {
+    return;
+  }
+  options_.disk->Demote(hash, absl::MakeConstSpan(bytes, size));
 }
 
 int64_t StoreLink::LoadHeldPrefix(const std::vector<kv::BlockHash>& chain, model::KvCache& cache,

@@ -38,6 +38,7 @@
 #include "common/server/credentials.h"
 #include "kv/block_hash.h"
 #include "model/kv_cache.h"
+#include "worker/disk_cache.h"
 #include "worker/kv_memory.h"
 
 namespace kvrelay::worker {
@@ -80,6 +81,12 @@ struct StoreLinkOptions {
   // Tokens per KV block of the node's layout, checked by the store at registration (another
   // value than the store's is refused: FailedPrecondition naming both); 0: not checked.
   int32_t block_tokens = 0;
+  // The node's disk tier (optional, not owned, must outlive the link): a committed block whose
+  // segment slot the store hands to another block is demoted there (a copy that verified
+  // against its slot entry) instead of dropped. The tier is registered as a second segment
+  // ("disk", TIER_SSD) and what each of its slots holds is announced there (from the heartbeat
+  // thread, within ~100 ms of the change; all of it again whenever the link registers).
+  DiskCache* disk = nullptr;
 };
 
 struct PrefixMatch {
@@ -158,6 +165,11 @@ class StoreLink {
   // Re-announces every held block (after the store forgot this node).
   void Reannounce();
   void HeartbeatLoop();
+  // Queues every block the disk tier lists (and, with `listen`, what changes from now on).
+  void QueueDiskBlocks(bool listen);
+  // Announces the queued disk slot changes (best effort: a failed call is logged and the slots
+  // are announced again on the next registration).
+  void AnnounceDiskChanges();
   // A request-path call: its bound, min(the request's deadline, now + options_.request_timeout,
   // and now + options_.probe_timeout for the gate's probe), and the gate's ticket.
   struct RequestCall {
@@ -193,9 +205,18 @@ class StoreLink {
   // The same blocks by hash (hi, lo) -> slot.
   absl::flat_hash_map<std::pair<uint64_t, uint64_t>, int64_t> slot_of_ ABSL_GUARDED_BY(mu_);
   void ForgetSlotLocked(int64_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Before `slot` is rewritten: hands the committed block it holds (if any, and if its bytes
+  // still verify against the slot entry) to the disk tier.
+  void DemoteSlotLocked(int64_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Disk slot changes not yet announced, in order.
+  absl::Mutex disk_mu_;
+  std::vector<kvrelay::v1::AnnouncedBlock> disk_pending_ ABSL_GUARDED_BY(disk_mu_);
   DependencyGate gate_;  // the store on the request path
   absl::Notification stop_;
   std::atomic<bool> left_{false};  // Leave ran (exchange: the first caller deregisters)
+  // The store process this link last registered with or heard from (0: not yet); relaxed: read
+  // and written by the heartbeat thread, and by Register on the connecting thread before it.
+  std::atomic<uint64_t> store_incarnation_{0};
   std::thread heartbeat_;
 };
 

@@ -110,6 +110,17 @@ absl::StatusOr<std::unique_ptr<WorkerCore>> WorkerCore::Create(const WorkerCoreO
   if (!options.cachestore_address.empty()) {
     KV_ASSIGN_OR_RETURN(core->segment,
                         CacheSegment::Create(layout, options.cache_slots, core->transport.get()));
+    if (!options.ssd_dir.empty()) {
+      DiskCacheOptions disk;
+      disk.directory = options.ssd_dir;
+      disk.capacity_bytes = static_cast<uint64_t>(options.ssd_bytes);
+      disk.block_bytes = core->segment->block_bytes();
+      disk.layout = layout.fingerprint();
+      disk.node_id = core->node_id;
+      disk.metrics = core->metrics;
+      disk.metric_labels = core->metric_labels;
+      KV_ASSIGN_OR_RETURN(core->disk, DiskCache::Open(std::move(disk)));
+    }
   }
   core->options = std::move(effective);
   return core;
@@ -171,6 +182,7 @@ absl::Status WorkerCore::ConnectStore(const std::string& grpc_address,
   link.store_backoff = options.store_backoff;
   link.store_backoff_max = options.store_backoff_max;
   link.metrics = metrics;
+  link.disk = disk.get();
   link.metric_labels = metric_labels;
   link.block_tokens = model_config().layout.block_tokens();
   link.load = std::move(load);

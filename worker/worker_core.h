@@ -29,6 +29,7 @@
 #include "model/mamba_runner.h"
 #include "model/select/model_select.h"
 #include "transfer/transport.h"
+#include "worker/disk_cache.h"
 #include "worker/kv_memory.h"
 #include "worker/store_link.h"
 
@@ -70,8 +71,12 @@ struct WorkerCoreOptions {
   // defaults to auto; in-process users (tests comparing with the CPU reference) get the CPU
   // unless they ask. Mamba models run on the CPU whatever auto finds; cuda with one is refused.
   model::DeviceChoice device{.kind = model::DeviceChoice::Kind::kCpu};
-  int64_t pool_blocks = 1024;        // request KV slots per layer group
-  int64_t cache_slots = 256;         // whole-block slots offered to the store
+  int64_t pool_blocks = 1024;  // request KV slots per layer group
+  int64_t cache_slots = 256;   // whole-block slots offered to the store
+  // The disk tier behind the cache segment (worker/disk_cache.h): a directory on local NVMe
+  // (empty: none; needs a store) and the tier file's size in bytes (--ssd-dir, --ssd-bytes).
+  std::string ssd_dir;
+  int64_t ssd_bytes = 0;
   server::SecurityOptions security;  // for the channel to the store
   // Store calls on a request's critical path and how long they fail fast after one failed,
   // doubling per failed probe up to the max (StoreLinkOptions, whose defaults these are).
@@ -143,7 +148,10 @@ struct WorkerCore {
   // options.memory_key_scope resolved: kReservation (kv's pools are private regions) or kPool.
   MemoryKeyScope memory_key_scope = MemoryKeyScope::kPool;
   std::unique_ptr<CacheSegment> segment;  // null without a store
-  std::unique_ptr<StoreLink> store;       // null without a store or before ConnectStore
+  // The disk tier behind `segment` (options.ssd_dir); null without one. Declared before `store`,
+  // which demotes into it, so it outlives the link.
+  std::unique_ptr<DiskCache> disk;
+  std::unique_ptr<StoreLink> store;  // null without a store or before ConnectStore
   WorkerCoreOptions options;
 };
 

@@ -45,6 +45,8 @@ absl::Status ZmqError(std::string_view what) {
 std::optional<std::string> MediumOf(const NodeSpec& spec) {
   std::optional<Tier> tier;
   for (const SegmentSpec& s : spec.segments) {
+    // A disk tier's blocks come with their own events (StoreEvent::tier kSsd: "DISK").
+    if (s.tier == Tier::kSsd) continue;
     if (tier && *tier != s.tier) return std::nullopt;  // mixed tiers: unknown per block
     tier = s.tier;
   }
@@ -199,14 +201,20 @@ struct KvEventPublisher::Impl {
     return m;
   }
 
-  BlockStored Stored(const BlockHash& hash, const BlockHash& parent, const std::string& node,
-                     std::vector<int32_t> token_ids) {
+  // The medium of a block event: DISK for a disk tier's, else the node's DRAM tier.
+  std::optional<std::string> EventMedium(const StoreEvent& e, const std::string& node) {
+    if (e.tier == Tier::kSsd) return std::string("DISK");
+    return Medium(node);
+  }
+
+  BlockStored Stored(const BlockHash& hash, const BlockHash& parent, std::vector<int32_t> token_ids,
+                     std::optional<std::string> medium) {
     BlockStored e;
     e.block_hashes = {hash.hi};
     if (!parent.IsZero()) e.parent_block_hash = parent.hi;
     e.token_ids = std::move(token_ids);
     e.block_size = options.block_size;
-    e.medium = Medium(node);
+    e.medium = std::move(medium);
     e.group_idx = 0;  // one kvrelay block holds every layer group
     return e;
   }
@@ -243,7 +251,7 @@ struct KvEventPublisher::Impl {
         std::optional<std::string> node = store->registry().NodeId(r.node);
         if (!node) continue;
         by_topic[Topic(*node)].emplace_back(std::in_place_type<BlockStored>,
-                                            Stored(b.hash, b.parent, *node, tokens));
+                                            Stored(b.hash, b.parent, tokens, Medium(*node)));
       }
     });
     for (auto& [topic, events] : by_topic) Send(topic, std::move(events));
@@ -320,11 +328,11 @@ struct KvEventPublisher::Impl {
           switch (e.kind) {
             case StoreEvent::Kind::kStored:
               out.emplace_back(std::in_place_type<BlockStored>,
-                               Stored(e.hash, e.parent, node, e.token_ids));
+                               Stored(e.hash, e.parent, e.token_ids, EventMedium(e, node)));
               break;
             case StoreEvent::Kind::kRemoved:
               out.emplace_back(std::in_place_type<BlockRemoved>,
-                               BlockRemoved{{e.hash.hi}, Medium(node), 0});
+                               BlockRemoved{{e.hash.hi}, EventMedium(e, node), 0});
               break;
             default:
               break;

@@ -643,6 +643,7 @@ grpc::Status CacheStoreService::QueryPrefix(grpc::ServerContext* ctx,
     v1::NodePrefix* np = resp->add_nodes();
     np->set_node_id(n.node_id);
     np->set_matched(n.matched);
+    np->set_disk_blocks(n.disk_blocks);
   }
   return t.Done(Served(term));
 }
@@ -826,6 +827,7 @@ grpc::Status CacheStoreService::WatchEvents(grpc::ServerContext* ctx,
                                           : v1::NODE_STATE_LIVE);
       }
       for (const std::string& n : e.node_ids) out.add_node_ids(n);
+      out.set_tier(static_cast<v1::Tier>(e.tier));
       if (!writer->Write(out)) return t.Done(grpc::Status::OK);
       next = e.sequence + 1;
     }
@@ -897,6 +899,11 @@ void CacheStoreService::RegisterMetrics(MetricsRegistry* metrics) {
         [](const StoreStats& s) { return s.active_leases; });
   for (Tier tier : {Tier::kGpu, Tier::kHost, Tier::kSsd}) {
     const MetricLabels labels = {{"tier", std::string(TierName(tier))}};
+    gauge("kvrelay:cachestore_tier_used_slots",
+          "Slots holding a block, by tier (ssd: the workers' disk tiers, as they announce them).",
+          labels, [tier](const StoreStats& s) { return UsageOf(s, tier).used_slots; });
+    gauge("kvrelay:cachestore_tier_capacity_slots", "Registered slots by tier.", labels,
+          [tier](const StoreStats& s) { return UsageOf(s, tier).capacity_slots; });
     gauge("kvrelay:cachestore_used_bytes", "Bytes of slots in use by tier.", labels,
           [tier](const StoreStats& s) { return UsageOf(s, tier).used_bytes; });
     gauge("kvrelay:cachestore_capacity_bytes", "Registered bytes by tier.", labels,

@@ -164,7 +164,56 @@ int RunPlanCommand(const std::vector<std::string>& args) {
                   "print the least memory (interpolated) that reaches this hit rate");
   flags.AddString("plot", &plot, "write a PNG: hit rate vs memory, one curve per model");
   flags.AddBool("json", &json, "one JSON object per row");
+  std::string tiers_text;
+  flags.AddString("tiers", &tiers_text,
+                  "dram=SIZE,ssd=SIZE (e.g. dram=64GiB,ssd=2TiB): DRAM per node with a disk tier "
+                  "behind it instead of --memory-gib; prints the hit rate per tier against the "
+                  "same DRAM alone (online policies)");
   if (std::optional<int> exit_code = ParseCommandLine(flags, args)) return *exit_code;
+  if (!tiers_text.empty()) {
+    absl::StatusOr<TierSizes> sizes = ParseTierSizes("--tiers", tiers_text);
+    if (!sizes.ok()) return Fail(sizes.status());
+    absl::StatusOr<std::vector<std::string>> policies = ParsePolicyList("policy", policies_text);
+    if (!policies.ok()) return Fail(policies.status());
+    absl::StatusOr<std::optional<kv::DType>> kv_dtype =
+        kv::ParseKvDTypeFlag("--kv-dtype", kv_dtype_text);
+    if (!kv_dtype.ok()) return Fail(kv_dtype.status());
+    absl::StatusOr<LoadedTrace> trace = source.Load();
+    if (!trace.ok()) return Fail(trace.status());
+    if (!json) {
+      std::printf("trace %s: %zu requests; DRAM %s + SSD %s per node\n", trace->name.c_str(),
+                  trace->requests.size(), Bytes(static_cast<double>(sizes->dram_bytes)).c_str(),
+                  Bytes(static_cast<double>(sizes->ssd_bytes)).c_str());
+      std::printf("%-14s %-13s %10s %10s %8s %8s %8s %10s %14s %12s\n", "model", "policy",
+                  "dram blk", "ssd blk", "hit", "dram", "disk", "dram only", "+tokens/req",
+                  "disk rd/req");
+    }
+    for (absl::string_view spec : absl::StrSplit(models_text, ',')) {
+      absl::StatusOr<PlanModel> m = LoadPlanModel(std::string(spec), *kv_dtype);
+      if (!m.ok()) return Fail(m.status());
+      absl::StatusOr<std::vector<TieredPlanRow>> rows = PlanTiered(*trace, *m, *sizes, *policies);
+      if (!rows.ok()) return Fail(rows.status());
+      for (const TieredPlanRow& r : *rows) {
+        if (json) {
+          std::printf(
+              "{\"model\": %s, \"policy\": \"%s\", \"dram_blocks\": %lld, \"ssd_blocks\": "
+              "%lld, \"hit_rate\": %.6f, \"dram_hit_rate\": %.6f, \"disk_hit_rate\": %.6f, "
+              "\"dram_only_hit_rate\": %.6f, \"extra_hit_tokens_per_request\": %.1f, "
+              "\"disk_read_bytes_per_request\": %.0f}\n",
+              JsonString(r.model).c_str(), r.policy.c_str(), static_cast<long long>(r.dram_blocks),
+              static_cast<long long>(r.ssd_blocks), r.hit_rate, r.dram_hit_rate, r.disk_hit_rate,
+              r.dram_only_hit_rate, r.extra_hit_tokens_per_request, r.disk_read_bytes_per_request);
+        } else {
+          std::printf("%-14s %-13s %10lld %10lld %7.1f%% %7.1f%% %7.1f%% %9.1f%% %14.0f %12s\n",
+                      r.model.c_str(), r.policy.c_str(), static_cast<long long>(r.dram_blocks),
+                      static_cast<long long>(r.ssd_blocks), 100 * r.hit_rate, 100 * r.dram_hit_rate,
+                      100 * r.disk_hit_rate, 100 * r.dram_only_hit_rate,
+                      r.extra_hit_tokens_per_request, Bytes(r.disk_read_bytes_per_request).c_str());
+        }
+      }
+    }
+    return 0;
+  }
   if (!(target > 0 && target < 1)) {
     return Fail(absl::InvalidArgumentError(
         absl::StrCat("target-hit-rate: want a fraction in (0, 1), got ", target)));

@@ -217,6 +217,89 @@ double PrefillFlops(const PlanModel& model, int64_t n) {
          model.window_flops_per_pair * pairs_window;
 }
 
+absl::StatusOr<TierSizes> ParseTierSizes(const std::string& flag, const std::string& text) {
+  TierSizes sizes;
+  bool dram = false, ssd = false;
+  for (absl::string_view part : absl::StrSplit(text, ',')) {
+    const std::pair<absl::string_view, absl::string_view> kv = absl::StrSplit(part, '=');
+    absl::string_view value = kv.second;
+    uint64_t unit = 1;
+    for (const auto& [suffix, scale] :
+         std::vector<std::pair<absl::string_view, uint64_t>>{{"TiB", uint64_t{1} << 40},
+                                                             {"GiB", uint64_t{1} << 30},
+                                                             {"MiB", uint64_t{1} << 20},
+                                                             {"KiB", uint64_t{1} << 10},
+                                                             {"B", 1}}) {
+      if (absl::ConsumeSuffix(&value, suffix)) {
+        unit = scale;
+        break;
+      }
+    }
+    double number = 0;
+    if (!absl::SimpleAtod(value, &number) || !(number > 0) || number * unit > 9e18) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          flag, ": want dram=SIZE,ssd=SIZE (e.g. dram=64GiB,ssd=2TiB), got '", part, "'"));
+    }
+    const uint64_t bytes = static_cast<uint64_t>(number * static_cast<double>(unit));
+    if (kv.first == "dram") {
+      sizes.dram_bytes = bytes;
+      dram = true;
+    } else if (kv.first == "ssd") {
+      sizes.ssd_bytes = bytes;
+      ssd = true;
+    } else {
+      return absl::InvalidArgumentError(
+          absl::StrCat(flag, ": unknown tier '", kv.first, "' (want dram and ssd)"));
+    }
+  }
+  if (!dram || !ssd) {
+    return absl::InvalidArgumentError(absl::StrCat(flag, ": give both dram=SIZE and ssd=SIZE"));
+  }
+  return sizes;
+}
+
+absl::StatusOr<std::vector<TieredPlanRow>> PlanTiered(const LoadedTrace& trace,
+                                                      const PlanModel& model, TierSizes sizes,
+                                                      const std::vector<std::string>& policies) {
+  const int64_t block_bytes = model.parts.full_bytes + model.parts.window_bytes;
+  const int64_t dram_blocks = static_cast<int64_t>(sizes.dram_bytes) / block_bytes;
+  const int64_t ssd_blocks = static_cast<int64_t>(sizes.ssd_bytes) / block_bytes;
+  if (dram_blocks < 1 || ssd_blocks < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tiers: each tier must hold at least one 512-token block of ", model.name,
+                     " (", block_bytes, " bytes)"));
+  }
+  std::vector<TieredPlanRow> rows;
+  for (const std::string& policy : policies) {
+    if (sim::IsOfflinePolicy(policy)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("policy: ", policy, " is offline; a tiered plan takes online policies"));
+    }
+    KV_ASSIGN_OR_RETURN(sim::TieredReplayResult tiered,
+                        sim::ReplayTiered(trace.requests, dram_blocks, ssd_blocks, policy));
+    KV_ASSIGN_OR_RETURN(sim::ReplayResult alone,
+                        sim::ReplayTrace(trace.requests, dram_blocks, policy));
+    TieredPlanRow row;
+    row.model = model.name;
+    row.policy = policy;
+    row.dram_blocks = dram_blocks;
+    row.ssd_blocks = ssd_blocks;
+    const double blocks = static_cast<double>(std::max<int64_t>(tiered.total.blocks, 1));
+    const double requests = static_cast<double>(std::max<int64_t>(tiered.total.requests, 1));
+    row.hit_rate = static_cast<double>(tiered.total.hit_blocks) / blocks;
+    row.dram_hit_rate = static_cast<double>(tiered.dram_hit_blocks) / blocks;
+    row.disk_hit_rate = static_cast<double>(tiered.disk_hit_blocks) / blocks;
+    row.dram_only_hit_rate = alone.hit_rate();
+    row.extra_hit_tokens_per_request =
+        static_cast<double>(tiered.total.hit_blocks - alone.hit_blocks) * sim::kTraceBlockTokens /
+        requests;
+    row.disk_read_bytes_per_request =
+        static_cast<double>(tiered.disk_hit_blocks) * static_cast<double>(block_bytes) / requests;
+    rows.push_back(std::move(row));
+  }
+  return rows;
+}
+
 absl::StatusOr<std::vector<PlanRow>> Plan(const LoadedTrace& trace, const PlanModel& model,
                                           const PlanOptions& options) {
   if (options.memory_gib.empty()) return absl::InvalidArgumentError("memory-gib: empty list");

@@ -84,4 +84,33 @@ struct PlanOptions {
 absl::StatusOr<std::vector<PlanRow>> Plan(const LoadedTrace& trace, const PlanModel& model,
                                           const PlanOptions& options);
 
+// `kvrelay plan --tiers dram=SIZE,ssd=SIZE`: DRAM per node with a disk tier behind it.
+struct TierSizes {
+  uint64_t dram_bytes = 0;
+  uint64_t ssd_bytes = 0;
+};
+// "dram=64GiB,ssd=2TiB" (units B, KiB, MiB, GiB, TiB; both keys required); InvalidArgument
+// naming the flag and the part that does not parse.
+absl::StatusOr<TierSizes> ParseTierSizes(const std::string& flag, const std::string& text);
+
+struct TieredPlanRow {
+  std::string model;
+  std::string policy;
+  int64_t dram_blocks = 0;
+  int64_t ssd_blocks = 0;
+  double hit_rate = 0;            // leading blocks found in DRAM or on disk / all blocks
+  double dram_hit_rate = 0;       // of those, found in DRAM
+  double disk_hit_rate = 0;       // found on disk (each read back: a disk read, not compute)
+  double dram_only_hit_rate = 0;  // the same DRAM without the disk tier
+  // Prompt tokens not recomputed thanks to the disk tier, per request: the prefill work a
+  // request saves over DRAM alone (what its TTFT saves, less the disk reads).
+  double extra_hit_tokens_per_request = 0;
+  double disk_read_bytes_per_request = 0;  // KV read back from disk
+};
+// Replays the trace through DRAM (sized in the model's whole blocks) with a disk tier behind it
+// (sim::ReplayTiered, online policies only) and through the same DRAM alone.
+absl::StatusOr<std::vector<TieredPlanRow>> PlanTiered(const LoadedTrace& trace,
+                                                      const PlanModel& model, TierSizes sizes,
+                                                      const std::vector<std::string>& policies);
+
 }  // namespace kvrelay::cachestore::tools

@@ -128,6 +128,35 @@ TEST(PlanTest, HitRateGrowsWithMemoryAndBadParametersAreNamed) {
   EXPECT_THAT(both.Load(), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--trace")));
 }
 
+// DRAM with a disk tier behind it: at least the hit rate of the same DRAM alone, split by tier;
+// the flag names what it cannot parse.
+TEST(PlanTest, ADiskTierAddsHitsOnTopOfTheSameDram) {
+  TraceSourceFlags source;
+  source.shape = "agent";
+  source.requests = 300;
+  KV_ASSERT_OK_AND_ASSIGN(LoadedTrace trace, source.Load());
+  KV_ASSERT_OK_AND_ASSIGN(PlanModel model, LoadPlanModel("deepseek-v3"));
+  KV_ASSERT_OK_AND_ASSIGN(TierSizes sizes, ParseTierSizes("--tiers", "dram=1GiB,ssd=8GiB"));
+  EXPECT_EQ(sizes.dram_bytes, uint64_t{1} << 30);
+  EXPECT_EQ(sizes.ssd_bytes, uint64_t{8} << 30);
+  KV_ASSERT_OK_AND_ASSIGN(auto rows, PlanTiered(trace, model, sizes, {"lru"}));
+  ASSERT_EQ(rows.size(), 1u);
+  const TieredPlanRow& r = rows[0];
+  EXPECT_NEAR(r.hit_rate, r.dram_hit_rate + r.disk_hit_rate, 1e-9);
+  EXPECT_GE(r.hit_rate, r.dram_only_hit_rate);
+  EXPECT_GT(r.disk_hit_rate, 0);
+  EXPECT_GT(r.disk_read_bytes_per_request, 0);
+  EXPECT_GE(r.ssd_blocks, 8 * r.dram_blocks);
+  EXPECT_THAT(ParseTierSizes("--tiers", "dram=1GiB"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("both")));
+  EXPECT_THAT(ParseTierSizes("--tiers", "dram=1GiB,ssd=lots"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("ssd=lots")));
+  EXPECT_THAT(ParseTierSizes("--tiers", "dram=1GiB,hbm=2GiB"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("'hbm'")));
+  EXPECT_THAT(PlanTiered(trace, model, sizes, {"belady"}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("offline")));
+}
+
 // What one `kvrelay` subcommand returned and printed.
 struct CommandRun {
   int code = 0;

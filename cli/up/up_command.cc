@@ -140,6 +140,12 @@ int RunUpCommand(const std::vector<std::string>& args) {
   flags.AddString("prefill-args", &prefill_args, "extra flags for every prefill worker");
   flags.AddString("decode-args", &decode_args, "extra flags for every decode worker");
   flags.AddString("gateway-args", &gateway_args, "extra flags for the gateway");
+  std::string ssd_dir;
+  int64_t ssd_bytes = 0;
+  flags.AddString("ssd-dir", &ssd_dir,
+                  "a disk tier for every prefill and decode worker: each gets --ssd-dir "
+                  "DIR/<node id> (empty: none)");
+  flags.AddInt64("ssd-bytes", &ssd_bytes, "--ssd-bytes of each worker's disk tier");
   bool insecure = false;
   flags.AddBool("insecure", &insecure,
                 "plain-text gRPC without authentication (default: mutual TLS with throwaway "
@@ -170,6 +176,14 @@ int RunUpCommand(const std::vector<std::string>& args) {
     kv_dtype_flags = {"--kv-cache-dtype", std::string(kv::DTypeName(**kv_dtype))};
   }
   if (seed < 0) return UsageError(absl::StrCat("--seed must be >= 0, got ", seed));
+  if (ssd_dir.empty() != (ssd_bytes == 0) || ssd_bytes < 0) {
+    return UsageError("--ssd-dir and a positive --ssd-bytes go together");
+  }
+  // Each worker's own directory (a tier file is locked by the one process that uses it).
+  auto disk_flags = [&](const std::string& id) {
+    if (ssd_dir.empty()) return std::string();
+    return absl::StrCat("--ssd-dir ", ssd_dir, "/", id, " --ssd-bytes ", ssd_bytes, " ");
+  };
   if (grace < absl::Seconds(1) || grace > absl::Minutes(10)) {
     return UsageError(
         absl::StrCat("--grace must be in [1s, 10m], got ", absl::FormatDuration(grace)));
@@ -367,7 +381,7 @@ int RunUpCommand(const std::vector<std::string>& args) {
           launch(id,
                  with_common({"prefill"}, {"--cachestore", store, "--model", model_dir, "--node-id",
                                            id, "--threads", threads, "--device", device}),
-                 prefill_args, server::PeerRole::kPrefill, id));
+                 disk_flags(id) + prefill_args, server::PeerRole::kPrefill, id));
     }
     for (int i = 0; i < num_decode; ++i) {
       const std::string id = absl::StrCat("decode-", i);
@@ -375,7 +389,7 @@ int RunUpCommand(const std::vector<std::string>& args) {
           launch(id,
                  with_common({"decode"}, {"--cachestore", store, "--model", model_dir, "--node-id",
                                           id, "--threads", threads, "--device", device}),
-                 decode_args, server::PeerRole::kDecode, id));
+                 disk_flags(id) + decode_args, server::PeerRole::kDecode, id));
     }
     std::vector<std::string> prefill_addrs, decode_addrs;
     for (size_t i = 1; i < services.size(); ++i) {

@@ -7,6 +7,7 @@
 #include <signal.h>
 
 #include <chrono>
+#include <cstring>
 #include <fstream>
 #include <iterator>
 #include <memory>
@@ -32,6 +33,7 @@
 #include "tests/testing/status_matchers.h"
 #include "tests/testing/test_env.h"
 #include "transfer/inproc/in_process_transport.h"
+#include "worker/disk_cache.h"
 #include "worker/kv_memory.h"
 
 namespace kvrelay::worker {
@@ -89,6 +91,65 @@ class StoreLinkTest : public ::testing::Test {
   transfer::TransportPtr transport_;
   std::unique_ptr<CacheSegment> segment_;
 };
+
+// A committed block whose cache slot the store hands to another block is demoted to the node's
+// disk tier, verified, and announced there: the store then matches it as an SSD replica of this
+// node (not a DRAM slot), and the disk gives back the bytes the slot held.
+TEST_F(StoreLinkTest, EvictedBlocksAreDemotedToTheDiskTierAndAnnounced) {
+  kvrelay::testing::TempDir dir;
+  DiskCacheOptions disk_options;
+  disk_options.directory = dir.path();
+  disk_options.block_bytes = segment_->block_bytes();
+  disk_options.capacity_bytes = 32 * (4096 + (segment_->block_bytes() + 4095) / 4096 * 4096);
+  disk_options.layout = layout_.fingerprint();
+  disk_options.node_id = "prefill-0";
+  KV_ASSERT_OK_AND_ASSIGN(std::unique_ptr<DiskCache> disk, DiskCache::Open(disk_options));
+  StoreLinkOptions options = Options(host_->address());
+  options.disk = disk.get();
+  KV_ASSERT_OK_AND_ASSIGN(
+      std::unique_ptr<StoreLink> link,
+      StoreLink::Connect(options, segment_.get(), Clock::Real(), absl::Now() + absl::Seconds(10)));
+  // Block i's bytes are all (i + 1).
+  auto fill = [this](uint8_t base) {
+    return [this, base](int64_t block_index, int64_t slot) {
+      std::memset(segment_->GroupUnit(slot, 0), base + static_cast<int>(block_index),
+                  static_cast<size_t>(segment_->block_bytes()));
+      return absl::OkStatus();
+    };
+  };
+  const std::vector<kv::BlockHash> first = Chain(8);
+  std::vector<kv::BlockHash> second;
+  for (int i = 0; i < 8; ++i) second.push_back({0x9000u + i, 0x7000u + i});
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  KV_ASSERT_OK_AND_ASSIGN(int32_t n, link->CommitBlocksFrom(first, 0, 8, fill(1), deadline));
+  EXPECT_EQ(n, 8);
+  // The segment has 8 slots: the second chain takes every one of them.
+  KV_ASSERT_OK_AND_ASSIGN(n, link->CommitBlocksFrom(second, 0, 8, fill(101), deadline));
+  EXPECT_EQ(n, 8);
+  ASSERT_TRUE(disk->Flush(deadline));
+  EXPECT_EQ(disk->HeldRun(first, 0), 8);
+  while (store_->Stats().disk_blocks < 8 && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_EQ(store_->Stats().disk_blocks, 8);
+  const std::vector<cachestore::NodePrefix> held = store_->QueryPrefix(first);
+  ASSERT_EQ(held.size(), 1u);
+  EXPECT_EQ(held[0].node_id, "prefill-0");
+  EXPECT_EQ(held[0].matched, 8);
+  EXPECT_EQ(held[0].disk_blocks, 8);
+  KV_ASSERT_OK_AND_ASSIGN(PrefixMatch match,
+                          link->MatchPrefix(first, absl::ZeroDuration(), deadline));
+  EXPECT_EQ(match.matched, 8);
+  for (int64_t slot : match.local_slots) EXPECT_EQ(slot, -1);  // on disk, not in the segment
+  for (const auto& remote : match.remote) EXPECT_TRUE(remote.empty());
+  KV_ASSERT_OK_AND_ASSIGN(auto bytes, disk->Read(first, deadline));
+  ASSERT_EQ(bytes.size(), 8u);
+  for (size_t i = 0; i < bytes.size(); ++i) {
+    EXPECT_EQ(bytes[i], std::vector<uint8_t>(segment_->block_bytes(), static_cast<uint8_t>(1 + i)))
+        << i;
+  }
+  link.reset();  // before the disk tier it announces from
+}
 
 // The per-call limit is an hour; the request has 100 ms left: the call ends with the request's
 // deadline (were it bounded by the limit, the test would time out).

@@ -28,6 +28,12 @@ void WorkerFlags::AddFlags(FlagSet& flags) {
   flags.AddInt32("threads", &core_.threads, "compute threads");
   flags.AddInt64("pool-blocks", &core_.pool_blocks, "request KV slots per layer group");
   flags.AddInt64("cache-slots", &core_.cache_slots, "whole-block slots offered to the store");
+  flags.AddString("ssd-dir", &core_.ssd_dir,
+                  "directory on local NVMe for the disk tier behind the cache slots: blocks that "
+                  "leave DRAM are kept there (io_uring, O_DIRECT, each verified on read) and read "
+                  "back when a request needs them (empty: no disk tier; needs --cachestore)");
+  flags.AddInt64("ssd-bytes", &core_.ssd_bytes,
+                 "size in bytes of the disk tier's file under --ssd-dir (reserved at start)");
   AddStoreFlags(flags);
 }
 
@@ -148,6 +154,14 @@ absl::Status WorkerFlags::CheckSizes() {
   if (core_.threads < 1 || core_.pool_blocks < 1 || core_.cache_slots < 1) {
     return absl::InvalidArgumentError(
         "--threads, --pool-blocks and --cache-slots must be positive");
+  }
+  if (!core_.ssd_dir.empty() && (core_.ssd_bytes <= 0 || core_.cachestore_address.empty())) {
+    return absl::InvalidArgumentError(
+        "--ssd-dir needs a positive --ssd-bytes and a --cachestore (the disk tier keeps blocks "
+        "that leave the cache slots)");
+  }
+  if (core_.ssd_dir.empty() && core_.ssd_bytes != 0) {
+    return absl::InvalidArgumentError("--ssd-bytes needs --ssd-dir");
   }
   if (core_.store_request_timeout <= absl::ZeroDuration() ||
       core_.store_backoff < absl::ZeroDuration() || core_.store_backoff_max < core_.store_backoff) {

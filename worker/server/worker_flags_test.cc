@@ -3,6 +3,7 @@
 #include <string>
 #include <vector>
 
+#include "common/file_util.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "model/test_model.h"
@@ -65,6 +66,29 @@ TEST_F(WorkerFlagsTest, LeavesABrokenConfigToTheLoader) {
   EXPECT_EQ(worker_flags.Parse(flags, {"--insecure", "--model=" + empty.path()}, false),
             std::nullopt);
   EXPECT_FALSE(core_.model_config.has_value());
+}
+
+TEST_F(WorkerFlagsTest, TakesTheDiskTierFromFlagsAndConfig) {
+  EXPECT_EQ(Parse({"--cachestore=127.0.0.1:1", "--ssd-dir=/nvme/kv", "--ssd-bytes=1048576"}),
+            std::nullopt);
+  EXPECT_EQ(core_.ssd_dir, "/nvme/kv");
+  EXPECT_EQ(core_.ssd_bytes, 1048576);
+
+  core_ = WorkerCoreOptions();
+  const std::string config = dir_.path() + "/worker.yaml";
+  KV_ASSERT_OK(
+      WriteFileAtomically(config, "cachestore: 127.0.0.1:1\nssd-dir: /var/kv\nssd-bytes: 4096\n"));
+  EXPECT_EQ(Parse({"--config=" + config}), std::nullopt);
+  EXPECT_EQ(core_.ssd_dir, "/var/kv");
+  EXPECT_EQ(core_.ssd_bytes, 4096);
+}
+
+TEST_F(WorkerFlagsTest, RefusesAnIncompleteDiskTier) {
+  EXPECT_EQ(Parse({"--cachestore=127.0.0.1:1", "--ssd-dir=/nvme/kv"}), 2);  // no size
+  core_ = WorkerCoreOptions();
+  EXPECT_EQ(Parse({"--ssd-dir=/nvme/kv", "--ssd-bytes=4096"}), 2);  // no store
+  core_ = WorkerCoreOptions();
+  EXPECT_EQ(Parse({"--cachestore=127.0.0.1:1", "--ssd-bytes=4096"}), 2);  // no directory
 }
 
 }  // namespace
