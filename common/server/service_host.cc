@@ -62,6 +62,12 @@ absl::StatusOr<std::unique_ptr<ServiceHost>> ServiceHost::Start(
   // Clients ping every 10 s (server::MakeChannel); accept that instead of answering GOAWAY.
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 5000);
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  // The server pings each connection too and closes one that does not answer: a client whose
+  // connection died in a partition (its close lost on the cut link) reconnects on a new one,
+  // and without this the old one stayed ESTABLISHED here for TCP's two hours (the soak: one
+  // descriptor more per link cut, without end).
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, 20000);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 10000);
   // Two live processes never share a port: the cache store takes a registration from a live
   // node's gRPC address as that node's successor (see cachestore::NodeRegistry::Register).
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
