@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Goodput past saturation (issue 34): a rate sweep on the namespace cluster, judged.
 #
-#   scripts/overload.sh [--rates 3,6,12,24,48] [--window 15s] [--input-tokens 1024]
+#   scripts/overload.sh [--rates 4,8,16,32,64] [--window 15s] [--input-tokens 1024]
 #                       [--output-tokens 32] [--min-ratio 0.9] [--out DIR] [--name ID]
 #
 # Starts scripts/cluster/run.sh (cache store, 2 prefill and 2 decode workers with
@@ -19,7 +19,7 @@
 # Exit 0 when every check holds, 1 when one fails, 3 on wrong tokens, 77 without namespaces.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-RATES=3,6,12,24,48 WINDOW=15s INPUT=1024 OUTPUT=32 MIN_RATIO=0.9 OUT="" NAME="ovl$$" MODEL_ARGS=()
+RATES=4,8,16,32,64 WINDOW=15s INPUT=1024 OUTPUT=32 MIN_RATIO=0.9 OUT="" NAME="ovl$$" MODEL_ARGS=()
 while (($#)); do
   case "$1" in
     --rates) RATES=$2; shift 2 ;;
