@@ -100,10 +100,10 @@ class DependencyGate {
   absl::Duration cooldown() const ABSL_LOCKS_EXCLUDED(mu_);
   int64_t fast_failures() const ABSL_LOCKS_EXCLUDED(mu_);
   const std::string& name() const { return options_.name; }
-
- private:
   // Whether `status` (not bound by the caller's deadline) says the dependency did not answer.
   static bool DidNotAnswer(const absl::Status& status, bool caller_bound);
+
+ private:
   void Finish(bool probe, const absl::Status& status, bool caller_bound) ABSL_LOCKS_EXCLUDED(mu_);
   void OpenLocked(absl::Time now, const absl::Status& why, bool after_probe)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

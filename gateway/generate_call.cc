@@ -140,7 +140,10 @@ GenerateCall::Plan GenerateCall::MakePlan() const {
         deps_.layout->fingerprint(), call_.tenant_salt,
         absl::MakeConstSpan(plan.tokens).subspan(0, plan.full_blocks * block_tokens), block_tokens);
   }
-  plan.held = deps_.workers->Holdings(plan.chain, call_.deadline, &plan.disk);
+  WorkerSet::PrefixHoldings holdings = deps_.workers->Holdings(plan.chain, call_.deadline);
+  plan.held = std::move(holdings.held);
+  plan.disk = std::move(holdings.disk);
+  plan.store_unreachable = holdings.store_unreachable;
   return plan;
 }
 
@@ -250,6 +253,7 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> GenerateCall::Prefill(
   request.set_layout_fingerprint(layout_fingerprint_);
   request.set_layout_description(deps_.layout->Describe());
   *request.mutable_target() = target;
+  request.set_skip_store_lookup(plan.store_unreachable);
   const absl::Time start = deps_.clock->Now();
   absl::StatusOr<kvrelay::v1::PrefillResponse> prefilled = prefill->prefill->Prefill(
       request, std::min(call_.deadline, deps_.clock->Now() + options_.prefill_timeout));

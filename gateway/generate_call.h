@@ -104,6 +104,7 @@ class GenerateCall {
     std::vector<kv::BlockHash> chain;
     absl::flat_hash_map<std::string, int32_t> held;
     absl::flat_hash_map<std::string, int32_t> disk;  // of `held`, only on a node's disk tier
+    bool store_unreachable = false;                  // see WorkerSet::PrefixHoldings
   };
   struct Pair {
     Node* prefill = nullptr;

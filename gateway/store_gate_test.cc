@@ -44,12 +44,15 @@ TEST(WorkerSetStoreGate, AStoreThatDoesNotAnswerIsWaitedOnOnceThenSkippedUntilAP
   const std::vector<kv::BlockHash> chain = {{1, 2}, {3, 4}};
   const absl::Time request_deadline = absl::Now() + absl::Minutes(1);
 
-  // The one bounded wait (route_timeout, not the request's minute): no holdings.
-  EXPECT_TRUE(set.Holdings(chain, request_deadline).empty());
+  // The one bounded wait (route_timeout, not the request's minute): no holdings, and the
+  // request's prefill is told to skip its own lookup.
+  WorkerSet::PrefixHoldings first = set.Holdings(chain, request_deadline);
+  EXPECT_TRUE(first.held.empty());
+  EXPECT_TRUE(first.store_unreachable);
   EXPECT_EQ(set.store_gate().state(), State::kOpen);
-  // Then no call: the lookup is skipped, routing goes by load alone.
-  EXPECT_TRUE(set.Holdings(chain, request_deadline).empty());
-  EXPECT_TRUE(set.Holdings(chain, request_deadline).empty());
+  // Then no call: the lookup is skipped, routing goes by load alone (prefills skip theirs).
+  EXPECT_TRUE(set.Holdings(chain, request_deadline).store_unreachable);
+  EXPECT_TRUE(set.Holdings(chain, request_deadline).held.empty());
   EXPECT_EQ(set.store_gate().fast_failures(), 2);
   EXPECT_NE(metrics.RenderText().find(
                 "kvrelay:dependency_fast_failures_total{dependency=\"cachestore\"} 2"),
@@ -58,7 +61,7 @@ TEST(WorkerSetStoreGate, AStoreThatDoesNotAnswerIsWaitedOnOnceThenSkippedUntilAP
   // After the cool-down one lookup probes, still unanswered: the cool-down doubles.
   gate_clock.Advance(absl::Milliseconds(250));
   EXPECT_EQ(set.store_gate().state(), State::kHalfOpen);
-  EXPECT_TRUE(set.Holdings(chain, request_deadline).empty());
+  EXPECT_TRUE(set.Holdings(chain, request_deadline).held.empty());
   EXPECT_EQ(set.store_gate().state(), State::kOpen);
   EXPECT_EQ(set.store_gate().cooldown(), absl::Milliseconds(500));
   EXPECT_EQ(set.store_gate().fast_failures(), 2);
@@ -74,7 +77,9 @@ TEST(WorkerSetStoreGate, ARequestOutOfTimeLeavesTheGateClosed) {
   options.route_timeout = absl::Seconds(10);
   options.store_gate_clock = &gate_clock;
   WorkerSet set(options, &breakers, store.get(), {});
-  EXPECT_TRUE(set.Holdings({{1, 2}}, absl::Now() + absl::Milliseconds(50)).empty());
+  WorkerSet::PrefixHoldings holdings = set.Holdings({{1, 2}}, absl::Now() + absl::Milliseconds(50));
+  EXPECT_TRUE(holdings.held.empty());
+  EXPECT_FALSE(holdings.store_unreachable);
   EXPECT_EQ(set.store_gate().state(), State::kClosed);
 }
 

@@ -247,27 +247,32 @@ std::shared_ptr<WorkerSet::Node> WorkerSet::MakeDiscovered(const kvrelay::v1::No
   return node;
 }
 
-absl::flat_hash_map<std::string, int32_t> WorkerSet::Holdings(
-    const std::vector<kv::BlockHash>& chain, absl::Time deadline,
-    absl::flat_hash_map<std::string, int32_t>* disk) {
-  absl::flat_hash_map<std::string, int32_t> held;
-  if (store_ == nullptr || chain.empty()) return held;
+WorkerSet::PrefixHoldings WorkerSet::Holdings(const std::vector<kv::BlockHash>& chain,
+                                              absl::Time deadline) {
+  PrefixHoldings holdings;
+  if (store_ == nullptr || chain.empty()) return holdings;
   // After the store did not answer, requests route by load alone at once (one probes after
   // the cool-down) instead of each waiting out its timeout.
   // Wall-clock time, as every RPC's deadline.
   absl::StatusOr<DependencyGate::BoundCall> gated = store_gate_.AdmitCall(
       deadline, absl::Now() + options_.route_timeout, options_.store_probe_timeout);
-  if (!gated.ok()) return held;
+  if (!gated.ok()) {
+    holdings.store_unreachable = true;
+    return holdings;
+  }
   cachestore::CallOptions call;
   call.deadline = gated->deadline;
   absl::StatusOr<kvrelay::v1::QueryPrefixResponse> answer = store_->QueryPrefix(chain, call);
   gated->Done(answer.status());
-  if (!answer.ok()) return held;
-  for (const auto& node : answer->nodes()) {
-    held[node.node_id()] = node.matched();
-    if (disk != nullptr && node.disk_blocks() > 0) (*disk)[node.node_id()] = node.disk_blocks();
+  if (!answer.ok()) {
+    holdings.store_unreachable = DependencyGate::DidNotAnswer(answer.status(), gated->caller_bound);
+    return holdings;
   }
-  return held;
+  for (const auto& node : answer->nodes()) {
+    holdings.held[node.node_id()] = node.matched();
+    if (node.disk_blocks() > 0) holdings.disk[node.node_id()] = node.disk_blocks();
+  }
+  return holdings;
 }
 
 WorkerSet::NodeList WorkerSet::SameLayout(const NodeList& nodes, absl::Time deadline) {

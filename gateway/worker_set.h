@@ -201,14 +201,20 @@ class WorkerSet {
   size_t num_prefill() const;
   size_t num_decode() const;
 
-  // Leading blocks of `chain` each node holds (node id -> blocks), from the store's
-  // QueryPrefix, bounded by min(`deadline`, now + route_timeout); empty without a store, for an
-  // empty chain, when the store did not answer, and at once while the store's gate is open
-  // after that (a store that does not answer costs reuse, not requests or latency).
-  // `disk` (optional): of those, how many each node holds only on its disk tier.
-  absl::flat_hash_map<std::string, int32_t> Holdings(
-      const std::vector<kv::BlockHash>& chain, absl::Time deadline = absl::InfiniteFuture(),
-      absl::flat_hash_map<std::string, int32_t>* disk = nullptr);
+  struct PrefixHoldings {
+    absl::flat_hash_map<std::string, int32_t> held;  // node id -> leading blocks it holds
+    absl::flat_hash_map<std::string, int32_t> disk;  // of `held`, only on a node's disk tier
+    // The store did not answer (timed out or unreachable), or its gate fails calls fast after
+    // that: the request's prefill skips its own lookup, so a hung store costs a request one
+    // wait (the gateway's), not one per process on its path.
+    bool store_unreachable = false;
+  };
+  // Leading blocks of `chain` each node holds, from the store's QueryPrefix, bounded by
+  // min(`deadline`, now + route_timeout); none without a store, for an empty chain, when the
+  // store did not answer, and at once while the store's gate is open after that (a store that
+  // does not answer costs reuse, not requests or latency).
+  PrefixHoldings Holdings(const std::vector<kv::BlockHash>& chain,
+                          absl::Time deadline = absl::InfiniteFuture());
   const DependencyGate& store_gate() const { return store_gate_; }
 
   // `nodes` without those known to serve another layout than options.layout_fingerprint

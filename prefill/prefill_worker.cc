@@ -368,6 +368,12 @@ absl::StatusOr<std::unique_ptr<PrefillWorker::PrefixLookup>> PrefillWorker::Look
                                                    " is not registered with the cache store yet")),
                kvrelay::v1::FAILURE_UNREACHABLE);
   }
+  if (request.skip_store_lookup()) {
+    // The gateway waited for the store on this request already and got no answer: waiting
+    // again here would double what a hung store costs the request.
+    KV_LOG(DEBUG) << request.request_id() << ": the store did not answer the gateway; no lookup";
+    return std::make_unique<PrefixLookup>(std::move(chain), worker::PrefixMatch{}, store, deadline);
+  }
   absl::StatusOr<worker::PrefixMatch> match =
       store->MatchPrefix(chain, options_.lease_ttl, deadline);
   if (!match.ok()) {
