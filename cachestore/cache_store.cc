@@ -436,6 +436,25 @@ absl::StatusOr<HeartbeatResult> CacheStore::Heartbeat(const std::string& node_id
   return HeartbeatResult{true, NodeState::kLive};
 }
 
+void CacheStore::AppendMatched(const MatchedBlock& block, SegmentRefs& seen,
+                               MatchResult& result) const {
+  MatchResult::Block out{block.hash, block.size_bytes, {}};
+  for (const Replica& r : block.replicas) {
+    const uint32_t key = (static_cast<uint32_t>(r.node) << 16) | r.segment;
+    uint32_t ref = UINT32_MAX;
+    for (const auto& [k, v] : seen) {
+      if (k == key) ref = v;
+    }
+    if (ref == UINT32_MAX) {
+      ref = static_cast<uint32_t>(result.segments.size());
+      result.segments.push_back(registry_.Describe(Replica{r.node, r.segment, 0}));
+      seen.push_back({key, ref});
+    }
+    out.replicas.push_back({ref, r.slot});
+  }
+  result.blocks.push_back(std::move(out));
+}
+
 absl::StatusOr<MatchResult> CacheStore::MatchPrefix(absl::Span<const BlockHash> chain,
                                                     absl::Duration lease_ttl,
                                                     const Caller& caller) {
@@ -478,24 +497,8 @@ absl::StatusOr<MatchResult> CacheStore::MatchPrefix(absl::Span<const BlockHash> 
     }
     // Resolve each distinct (node, segment) once; chains usually live on one or two segments.
     result.blocks.reserve(found.size());
-    absl::InlinedVector<std::pair<uint32_t, uint32_t>, 4> seen;  // (node << 16 | segment, ref)
-    for (MatchedBlock& b : found) {
-      MatchResult::Block out{b.hash, b.size_bytes, {}};
-      for (const Replica& r : b.replicas) {
-        const uint32_t key = (static_cast<uint32_t>(r.node) << 16) | r.segment;
-        uint32_t ref = UINT32_MAX;
-        for (const auto& [k, v] : seen) {
-          if (k == key) ref = v;
-        }
-        if (ref == UINT32_MAX) {
-          ref = static_cast<uint32_t>(result.segments.size());
-          result.segments.push_back(registry_.Describe(Replica{r.node, r.segment, 0}));
-          seen.push_back({key, ref});
-        }
-        out.replicas.push_back({ref, r.slot});
-      }
-      result.blocks.push_back(std::move(out));
-    }
+    SegmentRefs seen;
+    for (const MatchedBlock& b : found) AppendMatched(b, seen, result);
     if (registry_.removals() == removals) break;
     if (lease) {
       std::vector<BlockHash> pinned;
@@ -506,23 +509,9 @@ absl::StatusOr<MatchResult> CacheStore::MatchPrefix(absl::Span<const BlockHash> 
   // Where the DRAM prefix ends, the nodes' disk tiers may go on. No lease there: a block read
   // from disk is verified by its reader, and one overwritten meanwhile is recomputed.
   if (static_cast<size_t>(result.matched) < chain.size()) {
-    absl::InlinedVector<std::pair<uint32_t, uint32_t>, 4> seen;  // (node << 16 | segment, ref)
+    SegmentRefs seen;
     for (const MatchedBlock& b : DiskRun(chain, static_cast<size_t>(std::max(result.matched, 0)))) {
-      MatchResult::Block out{b.hash, b.size_bytes, {}};
-      for (const Replica& r : b.replicas) {
-        const uint32_t key = (static_cast<uint32_t>(r.node) << 16) | r.segment;
-        uint32_t ref = UINT32_MAX;
-        for (const auto& [k, v] : seen) {
-          if (k == key) ref = v;
-        }
-        if (ref == UINT32_MAX) {
-          ref = static_cast<uint32_t>(result.segments.size());
-          result.segments.push_back(registry_.Describe(Replica{r.node, r.segment, 0}));
-          seen.push_back({key, ref});
-        }
-        out.replicas.push_back({ref, r.slot});
-      }
-      result.blocks.push_back(std::move(out));
+      AppendMatched(b, seen, result);
       ++result.matched;
     }
   }

@@ -30,9 +30,11 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/inlined_vector.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -398,6 +400,10 @@ class CacheStore {
   // Blocks chain[from, ...) in an unbroken run that some live node's disk tier holds, with their
   // replicas (the run stops at a block no live node's disk holds).
   std::vector<MatchedBlock> DiskRun(absl::Span<const BlockHash> chain, size_t from) const;
+  // (node << 16 | segment, index into MatchResult::segments) of the segments described so far.
+  using SegmentRefs = absl::InlinedVector<std::pair<uint32_t, uint32_t>, 4>;
+  // Appends `block` to `result`, each of its replicas' segments described once per result.
+  void AppendMatched(const MatchedBlock& block, SegmentRefs& seen, MatchResult& result) const;
   std::vector<WalReplica> WalReplicas(const Replicas& replicas) const;
   void UpdateCapacityHint();
 
