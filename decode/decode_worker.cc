@@ -58,6 +58,9 @@ struct DecodeWorker::Active : BatchSequence {
   // The request's: bounds the end-of-stream commit (the store link bounds it further by
   // --store-request-timeout).
   absl::Time deadline = absl::InfiniteFuture();
+  // Set by Retire (before the stream sees done) when the sequence's commit was queued:
+  // notified once it ended and the slots are free.
+  std::shared_ptr<absl::Notification> commit_done;
   // When the sequence joined the batch (its prefill): its residency is measured from here.
   absl::Time joined = absl::InfinitePast();
 };
@@ -111,6 +114,16 @@ DecodeWorker::DecodeWorker(DecodeWorkerOptions options, MetricsRegistry* metrics
   waiting_gauge_ = metrics_->GetGauge(
       "kvrelay:num_requests_waiting",
       "Requests waiting: reserved while their KV is pushed, or queued for a batch slot.", model);
+  reservations_gauge_ = metrics_->GetGauge(
+      "kvrelay:decode_reservations",
+      "Reservations holding KV bookings: pushes under way, and released or lapsed ones until "
+      "the next sweep (at most a second later; released ones while their push may still write).",
+      model);
+  commits_skipped_ = metrics_->GetCounter(
+      "kvrelay:decode_commits_skipped_total",
+      "Finished sequences whose blocks were not kept for reuse: max_batch commits were "
+      "waiting for the store already.",
+      model);
 }
 
 void DecodeWorker::PublishLoad() {
@@ -119,6 +132,7 @@ void DecodeWorker::PublishLoad() {
   const BatchScheduler::Counts counts = scheduler_->counts();
   running_gauge_->Set(counts.running);
   waiting_gauge_->Set(load.waiting + counts.queued);
+  reservations_gauge_->Set(load.reservations);
   double booked = 0;
   for (size_t g = 0; g < load.capacity.size(); ++g) {
     if (load.capacity[g] > 0) {
@@ -219,14 +233,29 @@ absl::Status DecodeWorker::Init(worker::WorkerCoreDeps deps) {
       BatchSchedulerOptions{.max_batch = options_.max_batch, .max_queued = options_.max_queued},
       static_cast<BatchModel*>(this));
   scheduler_->Start();
+  commit_thread_ = std::thread([this] { CommitLoop(); });
+  housekeeping_ = std::thread([this] { HousekeepingLoop(); });
   return absl::OkStatus();
 }
 
+void DecodeWorker::HousekeepingLoop() {
+  while (!stop_housekeeping_.WaitForNotificationWithTimeout(absl::Seconds(1))) {
+    table_->Sweep();
+    PublishLoad();
+  }
+}
+
 DecodeWorker::~DecodeWorker() {
+  if (housekeeping_.joinable()) {
+    stop_housekeeping_.Notify();
+    housekeeping_.join();
+  }
   // No more inbound events (see ~PrefillWorker): they reach the table.
   if (core_ != nullptr && core_->transport != nullptr) core_->transport->SetInboundHandler(nullptr);
   // Sequences still running or queued end (UNAVAILABLE) and return their slots and bookings.
   if (scheduler_ != nullptr) scheduler_->Stop();
+  // Then the commits they queued (before the table and the KV cache their jobs hold go).
+  StopCommits();
   // Reservations hold slots of kv_; free them (and unmap their runs) before the cache goes.
   scheduler_.reset();
   table_.reset();
@@ -413,6 +442,15 @@ absl::StatusOr<kvrelay::v1::ReserveResponse> DecodeWorker::Reserve(
         absl::ToInt64Milliseconds(admission_->NextDeparture(scheduler_->counts().running)));
   }
   KV_RETURN_IF_ERROR(grant.status());
+  // The caller gave up while this call waited (a stopped process, a slow queue): nobody will
+  // take or release the reservation, so it ends here instead of at its lapse.
+  if (absl::Now() > deadline) {
+    table_->Cancel(request.request_id(), grant->token);
+    PublishLoad();
+    return Own(absl::DeadlineExceededError(absl::StrCat(
+                   "decode node ", core_->node_id, ": the caller's deadline passed at Reserve")),
+               kvrelay::v1::FAILURE_CALLER_DEADLINE);
+  }
   held_blocks_->Increment(held_blocks);
   PublishLoad();
   kvrelay::v1::ReserveResponse response = DescribeGrant(full_blocks, held_blocks, *grant);
@@ -663,6 +701,17 @@ absl::Status DecodeWorker::StreamTokens(Active& active, absl::Time deadline,
     if (stopped && out.tokens.empty()) break;
     kvrelay::v1::DecodeChunk chunk;
     for (int32_t t : out.tokens) chunk.add_tokens(t);
+    if (out.done && final_status.ok() && active.commit_done != nullptr) {
+      // The last tokens go now; done follows the commit, so a next turn sent after it finds
+      // this one's blocks. The commit is bounded by the deadline (and the store's per-call
+      // limit); past the deadline the stream ends done anyway: every token was sent.
+      if (!out.tokens.empty() && !write(chunk)) {
+        stopped = true;
+        break;
+      }
+      chunk.clear_tokens();
+      active.commit_done->WaitForNotificationWithDeadline(deadline);
+    }
     if (out.done && final_status.ok()) {
       chunk.set_done(true);
       chunk.set_received_bytes(received_bytes);
@@ -744,28 +793,90 @@ absl::StatusOr<std::vector<int32_t>> DecodeWorker::Step(absl::Span<BatchSequence
   return tokens;
 }
 
-void DecodeWorker::CommitSequence(const Active& a, worker::StoreLink& store) const {
+void DecodeWorker::CommitSequence(const CommitJob& job, worker::StoreLink& store) const {
   // Keep every full block of the sequence in the cache segment — the ones received (a copy
   // beside the prefill node's) and the ones computed here — so a later turn routed here
   // receives only what is new.
   const kv::ModelLayout& layout = model_config().layout;
-  std::vector<kv::BlockHash> chain =
-      kv::HashChain(layout.fingerprint(), a.tenant_salt, a.seq->tokens(), layout.block_tokens());
+  std::vector<kv::BlockHash> chain = kv::HashChain(layout.fingerprint(), job.tenant_salt,
+                                                   job.seq->tokens(), layout.block_tokens());
   absl::StatusOr<int32_t> committed =
-      store.CommitBlocks(chain, a.held_blocks, static_cast<int64_t>(chain.size()), *a.seq,
-                         a.deadline, /*keep_copies=*/true);
-  if (!committed.ok()) KV_LOG(WARNING) << a.request_id << ": commit: " << committed.status();
+      store.CommitBlocks(chain, job.held_blocks, static_cast<int64_t>(chain.size()), *job.seq,
+                         job.deadline, /*keep_copies=*/true);
+  if (!committed.ok()) KV_LOG(WARNING) << job.request_id << ": commit: " << committed.status();
+}
+
+bool DecodeWorker::QueueCommit(CommitJob& job) {
+  absl::MutexLock lock(&commit_mu_);
+  if (stop_commits_ || static_cast<int32_t>(commits_.size()) >= options_.max_batch) return false;
+  commits_.push_back(std::move(job));
+  return true;
+}
+
+void DecodeWorker::CommitLoop() {
+  while (true) {
+    CommitJob job;
+    {
+      absl::MutexLock lock(&commit_mu_);
+      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(commit_mu_) {
+        return stop_commits_ || !commits_.empty();
+      };
+      commit_mu_.Await(absl::Condition(&ready));
+      if (stop_commits_) return;
+      job = std::move(commits_.front());
+      commits_.pop_front();
+    }
+    if (worker::StoreLink* store = store_.load(std::memory_order_acquire); store != nullptr) {
+      CommitSequence(job, *store);
+    }
+    EndCommit(job);
+  }
+}
+
+void DecodeWorker::EndCommit(CommitJob& job) {
+  job.seq.reset();  // frees the slots
+  table_->Unbook(job.budget);
+  job.budget.clear();
+  PublishLoad();
+  if (job.done != nullptr) job.done->Notify();
+}
+
+void DecodeWorker::StopCommits() {
+  std::deque<CommitJob> left;
+  {
+    absl::MutexLock lock(&commit_mu_);
+    stop_commits_ = true;
+  }
+  if (commit_thread_.joinable()) commit_thread_.join();
+  {
+    absl::MutexLock lock(&commit_mu_);
+    left.swap(commits_);
+  }
+  for (CommitJob& job : left) EndCommit(job);
 }
 
 void DecodeWorker::Retire(BatchSequence& seq, const absl::Status& status) {
   Active& a = static_cast<Active&>(seq);  // every sequence submitted is an Active
-  worker::StoreLink* store = store_.load(std::memory_order_acquire);
-  // Mamba commits nothing from here: decode rounds the state after every step, so a
-  // checkpoint taken here would not be the prefill's bit for bit (model/README.md).
-  if (status.ok() && store != nullptr && a.mamba == nullptr) CommitSequence(a, *store);
   // What admission predicts waits from: how long a sequence holds its place in the batch.
   if (status.ok() && a.joined != absl::InfinitePast()) {
     admission_->ObserveResidency(absl::Now() - a.joined);
+  }
+  // Mamba commits nothing from here: decode rounds the state after every step, so a
+  // checkpoint taken here would not be the prefill's bit for bit (model/README.md).
+  if (status.ok() && a.mamba == nullptr && store_.load(std::memory_order_acquire) != nullptr) {
+    CommitJob job{.request_id = a.request_id,
+                  .tenant_salt = a.tenant_salt,
+                  .seq = std::move(a.seq),
+                  .held_blocks = a.held_blocks,
+                  .deadline = a.deadline,
+                  .budget = std::move(a.budget),
+                  .done = std::make_shared<absl::Notification>()};
+    a.commit_done = job.done;
+    if (QueueCommit(job)) return;  // the commit thread frees the slots and the booking
+    commits_skipped_->Increment();
+    a.commit_done.reset();
+    a.seq = std::move(job.seq);
+    a.budget = std::move(job.budget);
   }
   a.seq.reset();  // frees the slots
   a.mamba.reset();

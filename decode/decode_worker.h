@@ -57,15 +57,18 @@
 
 #include <atomic>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "common/metrics.h"
 #include "decode/admission.h"
 #include "decode/batch_scheduler.h"
@@ -192,8 +195,29 @@ class DecodeWorker : private BatchModel {
   absl::StatusOr<std::vector<int32_t>> Step(absl::Span<BatchSequence* const> batch) override;
   void Retire(BatchSequence& seq, const absl::Status& status) override;
   void OnIteration() override;
-  // Multi-turn reuse: keeps every full block of a finished sequence in the cache segment.
-  void CommitSequence(const Active& active, worker::StoreLink& store) const;
+  // Multi-turn reuse: a finished sequence's full blocks go into the cache segment on the
+  // commit thread, never on the scheduler's (a slow or hung store would stall every sequence
+  // in the batch). The job keeps the sequence's slots and booking until the commit ends; the
+  // stream's done chunk waits for it (bounded by the request's deadline), so a next turn sent
+  // after it finds the blocks.
+  struct CommitJob {
+    std::string request_id;
+    std::string tenant_salt;
+    std::unique_ptr<model::Sequence> seq;
+    int32_t held_blocks = 0;
+    absl::Time deadline = absl::InfiniteFuture();
+    std::vector<int64_t> budget;
+    std::shared_ptr<absl::Notification> done;
+  };
+  // Queues `job` (false when max_batch jobs wait already: the caller ends it uncommitted).
+  bool QueueCommit(CommitJob& job) ABSL_LOCKS_EXCLUDED(commit_mu_);
+  void CommitLoop();
+  // Keeps every full block of the job's sequence in the cache segment.
+  void CommitSequence(const CommitJob& job, worker::StoreLink& store) const;
+  // Frees the job's slots and booking and tells its stream.
+  void EndCommit(CommitJob& job);
+  // Stops the commit thread; queued jobs end uncommitted. Idempotent.
+  void StopCommits() ABSL_LOCKS_EXCLUDED(commit_mu_);
 
   // The config and layout of whichever runner this worker has.
   const kv::ModelConfig& model_config() const { return core_->model_config(); }
@@ -228,6 +252,7 @@ class DecodeWorker : private BatchModel {
   Counter* refused_queue_;  // refused at Reserve: predicted start past the deadline
   Gauge* running_gauge_;
   Gauge* waiting_gauge_;
+  Gauge* reservations_gauge_;  // reservations in the table (lapsed ones until swept)
   absl::Mutex publish_mu_;
   // Booked share of the tightest pool (kvrelay:kv_cache_usage_perc): set by PublishLoad, read
   // by scrapes without a lock (relaxed: a scrape may see it a moment late).
@@ -246,6 +271,17 @@ class DecodeWorker : private BatchModel {
   std::unique_ptr<ReservationTable> table_;
   std::unique_ptr<DecodeAdmission> admission_;  // before scheduler_: its thread observes it
   std::unique_ptr<BatchScheduler> scheduler_;
+  Counter* commits_skipped_;  // finished sequences not committed: the commit queue was full
+  absl::Mutex commit_mu_;
+  std::deque<CommitJob> commits_ ABSL_GUARDED_BY(commit_mu_);
+  bool stop_commits_ ABSL_GUARDED_BY(commit_mu_) = false;
+  std::thread commit_thread_;
+  // Every second: ends lapsed and released reservations (ReservationTable::Sweep) and
+  // republishes the load gauges, so an idle worker shows and holds nothing a gone request
+  // reserved. Stopped first by the destructor.
+  void HousekeepingLoop();
+  absl::Notification stop_housekeeping_;
+  std::thread housekeeping_;
 };
 
 }  // namespace kvrelay::decode

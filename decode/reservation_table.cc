@@ -229,7 +229,15 @@ absl::Status ReservationTable::Release(const std::string& request_id, const std:
     for (std::unique_ptr<ReservedRun>& run : r->runs) ended.push_back(std::move(run));
     r->runs.clear();
   }
+  // A quiet one ends now: its slots and booking return with the Release.
+  SweepLocked(r->released_at, ended);
   return absl::OkStatus();
+}
+
+void ReservationTable::Sweep() {
+  ReservedRuns ended;  // destroyed after the lock is released (declared first)
+  absl::MutexLock lock(&mu_);
+  SweepLocked(clock_->Now(), ended);
 }
 
 absl::Status ReservationTable::CheckClaimLocked(const Reservation& r,

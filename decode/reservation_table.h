@@ -12,6 +12,7 @@
 //  Deliver  counts a block delivery only from the claiming peer, with the token, and only
 //           inside the reservation's slots; a claimant that writes elsewhere spoils its own
 //           reservation (the prompt is then computed locally).
+//  Sweep    ends lapsed reservations and released, quiet ones (Book sweeps first too).
 //  Take     hands the reservation to its Generate once the push is complete, failed, or the
 //           wait is over; the slots and the booking go with it.
 //  Release  gives a reservation up (its token required); its slots stay quarantined until its
@@ -202,6 +203,11 @@ class ReservationTable {
   void FreeSlots(std::vector<std::vector<kv::SlotId>>& slots) const;
 
   ReservationLoad Load() const;
+
+  // Ends reservations that lapsed untaken, and released ones whose push is quiet or whose
+  // grace period passed: their slots and bookings return now, not at the next Book. The
+  // worker calls it every second, so an idle worker holds nothing a gone request reserved.
+  void Sweep();
 
  private:
   struct Reservation;

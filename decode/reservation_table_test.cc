@@ -207,6 +207,37 @@ TEST_F(ReservationTableTest, ReleasedSlotsStayQuarantinedWhileAClaimedPushMayWri
   EXPECT_EQ(pool_->RefCount(a.slots[0][0]), 0);
 }
 
+TEST_F(ReservationTableTest, SweepReturnsLapsedAndQuietReleasedReservationsWithoutABook) {
+  // Nothing pushed (quiet at once): its Release gives slots and booking back at once.
+  KV_ASSERT_OK_AND_ASSIGN(ReservationGrant quiet, table_->Book(Request("quiet", 0, 2)));
+  KV_ASSERT_OK(table_->Release("quiet", quiet.token));
+  EXPECT_EQ(table_->Load().reservations, 0);
+  EXPECT_EQ(table_->Load().booked, std::vector<int64_t>{0});
+
+  // One nobody takes nor releases, and one released while its claimed push may still write.
+  ReservationRequest short_lived = Request("lapsed", 2, 3);
+  short_lived.lifetime = absl::Seconds(5);
+  KV_ASSERT_OK(table_->Book(std::move(short_lived)).status());
+  KV_ASSERT_OK_AND_ASSIGN(ReservationGrant pushed, table_->Book(Request("pushed", 1, 2)));
+  KV_ASSERT_OK(table_->Claim(ClaimOf("pushed", pushed), kPusher).status);
+  KV_ASSERT_OK(table_->Release("pushed", pushed.token));
+  table_->Sweep();
+  EXPECT_EQ(table_->Load().booked, std::vector<int64_t>{5});
+  EXPECT_EQ(pool_->free_slots(), 5);
+
+  clock_.Advance(absl::Seconds(6));  // past the lapse, not the grace
+  table_->Sweep();
+  EXPECT_EQ(table_->Load().reservations, 1);
+  EXPECT_EQ(table_->Load().booked, std::vector<int64_t>{2});
+  EXPECT_EQ(pool_->RefCount(pushed.slots[0][0]), 1) << "a push may still land in it";
+
+  clock_.Advance(absl::Seconds(25));  // past the grace
+  table_->Sweep();
+  EXPECT_EQ(table_->Load().reservations, 0);
+  EXPECT_EQ(table_->Load().booked, std::vector<int64_t>{0});
+  EXPECT_EQ(pool_->free_slots(), 8);
+}
+
 TEST_F(ReservationTableTest, ClaimRules) {
   KV_ASSERT_OK_AND_ASSIGN(ReservationGrant a, table_->Book(Request("a", 2, 4)));
   kvrelay::v1::PushClaim wrong_token = ClaimOf("a", a);

@@ -51,7 +51,9 @@
 #                                         leases, gateway requests in flight) go to samples.csv
 #   --settle S                            after the load, wait S seconds, then take a last sample
 #                                         (t = "final") and save every node's /metrics in
-#                                         metrics/NODE.prom: what is still held when idle
+#                                         metrics/NODE.prom: what is still held when idle;
+#                                         each node's descriptors and TCP connections in
+#                                         fds/NODE.txt
 #   --subnet 10.77.0                      first three octets of the namespace addresses
 #   --name ID                             namespace prefix (default kvr<pid>): ID-hub, ID-store..
 #   --external HOST:PORT[,...]            no namespaces: drive gateways that already run on real
@@ -659,10 +661,13 @@ if ((SETTLE > 0)); then
   echo "cluster: load done; settling ${SETTLE}s before the last sample" >&2
   sleep "$SETTLE"
   sample_nodes final
-  mkdir -p "$OUT/metrics"
+  mkdir -p "$OUT/metrics" "$OUT/fds"
   for name in "${NODES[@]}"; do
     [[ -f $OUT/pids/$name && $name != client && $name != dup && $name != etcd ]] || continue
     scrape_metrics "$name" >"$OUT/metrics/$name.prom"
+    # What each descriptor is, and the node's TCP connections: where a descriptor count grew.
+    { ls -l "/proc/$(node_pid "$name")/fd" 2>&1; echo
+      ip netns exec "$ID-$name" ss -tanp 2>&1; } >"$OUT/fds/$name.txt" || true
   done
 fi
 echo "cluster: report $OUT/report.json, per request $OUT/requests.csv, plot $OUT/plot.png" >&2
