@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "absl/cleanup/cleanup.h"
+#include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
@@ -174,11 +175,85 @@ absl::StatusOr<std::unique_ptr<Gateway>> Gateway::Create(
     }
     gateway->workers_->StartDiscovery(discovery_interval);
   }
+  if (gateway->options_.link_canary_interval > absl::ZeroDuration()) {
+    Gateway* g = gateway.get();
+    gateway->canary_thread_ = std::thread([g] {
+      while (!g->stop_canaries_.WaitForNotificationWithTimeout(g->options_.link_canary_interval)) {
+        g->RunLinkCanaries();
+      }
+    });
+  }
   return gateway;
 }
 
-// The worker set (declared after what it uses) stops its discovery thread first.
-Gateway::~Gateway() = default;
+// The canary thread first; then the worker set (declared after what it uses) stops its
+// discovery thread.
+Gateway::~Gateway() {
+  stop_canaries_.Notify();
+  if (canary_thread_.joinable()) canary_thread_.join();
+}
+
+int Gateway::RunLinkCanaries() {
+  const WorkerSet::Snapshot nodes = workers_->Nodes();
+  const std::optional<double> best = WorkerSet::BestTransfer(nodes.decode);
+  if (!best.has_value()) return 0;
+  // Unique blocks (so all of them are pushed) of about 128 KiB in all: enough to tell a link's
+  // rate from the compute, little for the prefill worker.
+  const kv::ModelLayout& layout = config_.layout;
+  const int64_t block_bytes = std::max<int64_t>(1, layout.BytesPerToken() * layout.block_tokens());
+  const int64_t blocks = std::clamp<int64_t>(((128 << 10) + block_bytes - 1) / block_bytes, 2, 16);
+  const double canary_mib = static_cast<double>(blocks * block_bytes) / (1 << 20);
+  int ran = 0;
+  for (const auto& decode : nodes.decode) {
+    const std::optional<double> last = decode->transfer_seconds_per_mib.Last();
+    // Slow enough to lose picks: twice the best, and slower by more than the pickers' tie
+    // margin on the canary's own push (noise on a fast link is not worth a request).
+    if (!last.has_value() || *last < 2 * *best || (*last - *best) * canary_mib < 0.05 ||
+        !decode->breaker.Healthy() || decode->breaker.Draining()) {
+      continue;
+    }
+    WorkerSet::Node* prefill = nullptr;
+    for (const auto& p : nodes.prefill) {
+      if (!p->breaker.Healthy() || p->breaker.Busy() || p->breaker.Draining()) continue;
+      if (prefill == nullptr || p->Load() < prefill->Load()) prefill = p.get();
+    }
+    if (prefill == nullptr) return ran;
+    const uint64_t n = next_canary_.fetch_add(1);
+    kvrelay::v1::GenerateRequest request;
+    request.set_model(options_.model_name);
+    request.set_tenant("kvrelay-link-canary");
+    request.set_max_tokens(1);
+    // Distinct from every other canary's and from client prompts (another tenant's salt).
+    absl::BitGen random;
+    for (int64_t i = 0; i <= blocks * layout.block_tokens(); ++i) {
+      request.add_tokens(absl::Uniform<int32_t>(random, 0, config_.vocab_size));
+    }
+    Clock* const request_clock = Clock::Real();
+    const absl::Time start = request_clock->Now();
+    GenerateCall call(
+        call_options_,
+        GenerateCallDeps{.workers = workers_.get(),
+                         .metrics = &metrics_,
+                         .tenant_reservations = &tenant_reservations_,
+                         .client_reservations = &client_reservations_,
+                         .layout = &config_.layout,
+                         .clock = request_clock},
+        GenerateCallRequest{
+            .request = &request,
+            .tenant_salt = DeriveTenantSalt(options_.tenant_secret, request.tenant()),
+            .request_id_prefix = absl::StrCat("gw", instance_id_, "-canary-", n),
+            .start = start,
+            .deadline = start + options_.reserve_timeout + absl::Seconds(2)},
+        [](const kvrelay::v1::GenerateResponse&) { return true; }, [] { return false; });
+    const absl::Status s = call.Canary(prefill, decode.get());
+    ++ran;
+    KV_LOG(DEBUG) << "gateway: link canary to decode node " << decode->address() << " via "
+                  << prefill->address() << ": " << s << "; push time now "
+                  << decode->transfer_seconds_per_mib.Last().value_or(0) << " s/MiB (best " << *best
+                  << ")";
+  }
+  return ran;
+}
 
 size_t Gateway::num_prefill() const { return workers_->num_prefill(); }
 

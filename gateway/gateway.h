@@ -18,9 +18,11 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/synchronization/notification.h"
 #include "cachestore/client/cache_store_client.h"
 #include "common/clock.h"
 #include "common/metrics.h"
@@ -81,6 +83,14 @@ struct GatewayOptions {
   // (kv::RouteSeconds: its queue vs the compute the others would do) says so. Off: prefill
   // nodes are picked by load alone, and they pull or recompute what others hold.
   bool prefix_routing = true;
+  // Link canaries (--link-canary-interval; zero: off): this often, every decode worker whose
+  // learned push time per MiB is at least twice the fleet's best (and more than 50 ms slower
+  // on the canary's push) gets a synthetic request
+  // (Reserve, a Prefill on the least loaded prefill worker that pushes a few unique blocks,
+  // Release; nothing generated or kept), and its push is measured as a request's. A worker
+  // whose link is slow stays known as slow without a client request finding out again, and
+  // one whose link recovered gets its traffic back.
+  absl::Duration link_canary_interval = absl::ZeroDuration();
 };
 
 // HMAC-SHA256(secret, tenant), first 16 bytes.
@@ -114,6 +124,11 @@ class Gateway {
   // One discovery pass (the discovery thread calls it every discovery_interval): adds workers
   // the registry lists live, marks suspect ones, drops discovered ones it no longer lists.
   absl::Status RefreshFromRegistry();
+  // One round of link canaries (the canary thread runs one every link_canary_interval): one
+  // for each decode worker whose learned push time per MiB is slow (see
+  // link_canary_interval), one at a time, each bounded by reserve_timeout + 2 s. Returns how
+  // many ran.
+  int RunLinkCanaries();
   // The cluster as this gateway sees it (Gateway/Status, `kvrelay status`): each worker with
   // its breaker, loads and its own Status, then the store's registry and stats. Every call it
   // makes (the workers' in parallel) is bounded by min(route_timeout, half of what is left
@@ -144,6 +159,10 @@ class Gateway {
   QuotaTable client_in_flight_;
   QuotaTable tenant_reservations_;
   QuotaTable client_reservations_;
+  // The synthetic requests of link canaries: unique tokens, one per canary.
+  std::atomic<uint64_t> next_canary_{1};
+  absl::Notification stop_canaries_;
+  std::thread canary_thread_;  // runs while link_canary_interval > 0; joined first
 };
 
 }  // namespace kvrelay::gateway

@@ -48,17 +48,21 @@ class GatewayTest : public ::testing::Test {
     KV_ASSERT_OK_AND_ASSIGN(const std::string config, kv::PresetConfigJson("llama3-8b"));
     KV_ASSERT_OK(WriteFileAtomically(dir_.File("config.json"), config));
   }
-  absl::Status Start(GatewayOptions options = {}) {
+  absl::Status Start(GatewayOptions options = {}, int decode_workers = 1) {
     options.model_dir = dir_.path();
     options.model_name = "llama";
     options.tenant_secret = "secret";
     Gateway::Workers workers;
     auto prefill = std::make_unique<FakePrefillEndpoint>("p0:1", "p0", &clock_);
-    auto decode = std::make_unique<FakeDecodeEndpoint>("d0:1", "d0", &clock_);
     prefill_ = prefill.get();
-    decode_ = decode.get();
     workers.prefill.push_back(std::move(prefill));
-    workers.decode.push_back(std::move(decode));
+    for (int i = 0; i < decode_workers; ++i) {
+      const std::string name = absl::StrCat("d", i);
+      auto decode = std::make_unique<FakeDecodeEndpoint>(name + ":1", name, &clock_);
+      decodes_.push_back(decode.get());
+      workers.decode.push_back(std::move(decode));
+    }
+    decode_ = decodes_[0];
     KV_ASSIGN_OR_RETURN(gateway_, Gateway::Create(std::move(options), std::move(workers),
                                                   /*store=*/nullptr, &metrics_, &clock_));
     return absl::OkStatus();
@@ -85,7 +89,8 @@ class GatewayTest : public ::testing::Test {
   SimulatedClock clock_;  // the breakers'
   MetricsRegistry metrics_;
   FakePrefillEndpoint* prefill_ = nullptr;
-  FakeDecodeEndpoint* decode_ = nullptr;
+  FakeDecodeEndpoint* decode_ = nullptr;  // decodes_[0]
+  std::vector<FakeDecodeEndpoint*> decodes_;
   std::unique_ptr<Gateway> gateway_;
   std::vector<int32_t> tokens_;
   kvrelay::v1::GenerateSummary summary_;
@@ -106,6 +111,40 @@ TEST_F(GatewayTest, ServesARequestThroughItsWorkers) {
   const std::string text = metrics_.RenderText();
   EXPECT_NE(text.find("kvrelay:prompt_tokens_total{model_name=\"llama\"} 20"), std::string::npos)
       << text;
+}
+
+TEST_F(GatewayTest, LinkCanariesGoToADecodeWorkerWhosePushesWereSlowUntilTheyAreFastAgain) {
+  KV_ASSERT_OK(Start({}, /*decode_workers=*/2));
+  EXPECT_EQ(gateway_->RunLinkCanaries(), 0) << "no push measured yet";
+  // Pushes into d1 take 100 ms (real time: request figures are wall-clock), into d0 none.
+  bool d1_slow = true;
+  prefill_->on_prefill = [&d1_slow](const kvrelay::v1::PrefillRequest& request, absl::Time) {
+    if (d1_slow && request.target().node_id() == "d1") absl::SleepFor(absl::Milliseconds(100));
+    kvrelay::v1::PrefillResponse response;
+    response.set_computed_tokens(request.tokens_size());
+    response.set_pushed_tokens(request.tokens_size());
+    response.set_pushed_bytes(1 << 20);
+    return absl::StatusOr<kvrelay::v1::PrefillResponse>(response);
+  };
+  for (int i = 0; i < 2; ++i) KV_ASSERT_OK(Generate(Request(40, 2)));  // each new worker's first
+  ASSERT_EQ(decodes_[1]->generates.size(), 1u);
+
+  EXPECT_EQ(gateway_->RunLinkCanaries(), 1);
+  ASSERT_EQ(decodes_[1]->reserves.size(), 2u);
+  EXPECT_EQ(decodes_[0]->reserves.size(), 1u) << "the fast worker gets no canary";
+  EXPECT_EQ(decodes_[1]->generates.size(), 1u) << "a canary generates nothing";
+  EXPECT_EQ(decodes_[1]->released.size(), 1u);
+  const kvrelay::v1::PrefillRequest& canary = prefill_->requests.back();
+  EXPECT_TRUE(canary.no_commit());
+  EXPECT_EQ(canary.tenant_salt(), DeriveTenantSalt("secret", "kvrelay-link-canary"));
+  EXPECT_EQ(canary.tokens_size(), 2 * 16 + 1) << "two 2 MiB blocks, and the last token";
+
+  // Its link is fast again: the canaries see it, and stop once its figure is back.
+  d1_slow = false;
+  int rounds = 0;
+  while (gateway_->RunLinkCanaries() > 0 && rounds < 30) ++rounds;
+  EXPECT_LT(rounds, 30);
+  EXPECT_EQ(gateway_->RunLinkCanaries(), 0);
 }
 
 TEST_F(GatewayTest, AnInvalidRequestIsTheCallersErrorAndReachesNoWorker) {

@@ -128,6 +128,15 @@ absl::StatusOr<bool> GenerateCall::Attempt() {
 }
 
 GenerateCall::Plan GenerateCall::MakePlan() const {
+  Plan plan = PlanTokens();
+  WorkerSet::PrefixHoldings holdings = deps_.workers->Holdings(plan.chain, call_.deadline);
+  plan.held = std::move(holdings.held);
+  plan.disk = std::move(holdings.disk);
+  plan.store_unreachable = holdings.store_unreachable;
+  return plan;
+}
+
+GenerateCall::Plan GenerateCall::PlanTokens() const {
   Plan plan;
   plan.tokens = prompt_;
   plan.tokens.insert(plan.tokens.end(), generated_.begin(), generated_.end());
@@ -140,10 +149,6 @@ GenerateCall::Plan GenerateCall::MakePlan() const {
         deps_.layout->fingerprint(), call_.tenant_salt,
         absl::MakeConstSpan(plan.tokens).subspan(0, plan.full_blocks * block_tokens), block_tokens);
   }
-  WorkerSet::PrefixHoldings holdings = deps_.workers->Holdings(plan.chain, call_.deadline);
-  plan.held = std::move(holdings.held);
-  plan.disk = std::move(holdings.disk);
-  plan.store_unreachable = holdings.store_unreachable;
   return plan;
 }
 
@@ -185,12 +190,7 @@ absl::StatusOr<bool> GenerateCall::RunPair(const Plan& plan, const Pair& pair) {
   const absl::Time prefill_start = deps_.clock->Now();
   absl::StatusOr<kvrelay::v1::PrefillResponse> prefilled =
       Prefill(plan, pair.prefill, *target, request_id);
-  if (prefilled.ok() && prefilled->pushed_bytes() >= (64 << 10)) {
-    // A bound on the decode node's link: the whole call (compute included) over what it moved.
-    const double mib = static_cast<double>(prefilled->pushed_bytes()) / (1 << 20);
-    pair.decode->transfer_seconds_per_mib.Observe(
-        absl::ToDoubleSeconds(deps_.clock->Now() - prefill_start) / mib, deps_.clock->Now());
-  }
+  if (prefilled.ok()) ObservePush(pair.decode, *prefilled, prefill_start);
   if (!prefilled.ok()) {
     pair.decode->decode->Release(request_id, target->reservation_token(),
                                  deps_.clock->Now() + absl::Seconds(1));
@@ -215,6 +215,29 @@ absl::StatusOr<bool> GenerateCall::RunPair(const Plan& plan, const Pair& pair) {
   absl::Status s = Stream(plan, pair.decode, *prefilled, *target, request_id, &tenant_lease,
                           &client_lease, &stream_done);
   return AfterStream(std::move(s), stream_done, pair, request_id);
+}
+
+void GenerateCall::ObservePush(Node* decode, const kvrelay::v1::PrefillResponse& prefilled,
+                               absl::Time prefill_start) const {
+  if (prefilled.pushed_bytes() < (64 << 10)) return;  // too little to tell the link from compute
+  const double mib = static_cast<double>(prefilled.pushed_bytes()) / (1 << 20);
+  decode->transfer_seconds_per_mib.Observe(
+      absl::ToDoubleSeconds(deps_.clock->Now() - prefill_start) / mib, deps_.clock->Now());
+}
+
+absl::Status GenerateCall::Canary(Node* prefill, Node* decode) {
+  Plan plan = PlanTokens();
+  plan.canary = true;
+  ++attempts_;
+  const std::string request_id = absl::StrCat(call_.request_id_prefix, "-", attempts_);
+  KV_ASSIGN_OR_RETURN(const kvrelay::v1::ReserveResponse target, Reserve(plan, decode, request_id));
+  const absl::Time prefill_start = deps_.clock->Now();
+  absl::StatusOr<kvrelay::v1::PrefillResponse> prefilled =
+      Prefill(plan, prefill, target, request_id);
+  if (prefilled.ok()) ObservePush(decode, *prefilled, prefill_start);
+  decode->decode->Release(request_id, target.reservation_token(),
+                          std::min(call_.deadline, deps_.clock->Now() + absl::Seconds(1)));
+  return prefilled.status();
 }
 
 absl::StatusOr<kvrelay::v1::ReserveResponse> GenerateCall::Reserve(const Plan& plan, Node* decode,
@@ -253,7 +276,8 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> GenerateCall::Prefill(
   request.set_layout_fingerprint(layout_fingerprint_);
   request.set_layout_description(deps_.layout->Describe());
   *request.mutable_target() = target;
-  request.set_skip_store_lookup(plan.store_unreachable);
+  request.set_skip_store_lookup(plan.store_unreachable || plan.canary);
+  request.set_no_commit(plan.canary);
   const absl::Time start = deps_.clock->Now();
   absl::StatusOr<kvrelay::v1::PrefillResponse> prefilled = prefill->prefill->Prefill(
       request, std::min(call_.deadline, deps_.clock->Now() + options_.prefill_timeout));

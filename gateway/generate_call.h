@@ -93,6 +93,13 @@ class GenerateCall {
   // last attempt's failure.
   absl::Status Run();
 
+  // A link canary (the gateway's, for a decode node whose pushes were slow): Reserve on
+  // `decode`, Prefill on `prefill` (whose push into `decode` is measured as a request's is:
+  // its transfer_seconds_per_mib), then Release. Nothing is generated; no breaker, pick or
+  // failure is counted, and nothing goes to the sink. The request should be synthetic (unique
+  // tokens, so the whole prompt is pushed). Returns the first failed step's status.
+  absl::Status Canary(WorkerSet::Node* prefill, WorkerSet::Node* decode);
+
  private:
   enum class Blame { kNone, kPrefill, kDecode };
   using Node = WorkerSet::Node;
@@ -105,6 +112,7 @@ class GenerateCall {
     absl::flat_hash_map<std::string, int32_t> held;
     absl::flat_hash_map<std::string, int32_t> disk;  // of `held`, only on a node's disk tier
     bool store_unreachable = false;                  // see WorkerSet::PrefixHoldings
+    bool canary = false;  // a link canary's: no store lookup, nothing committed (Canary)
   };
   struct Pair {
     Node* prefill = nullptr;
@@ -115,6 +123,8 @@ class GenerateCall {
   // One attempt. An error ends the call with it; true: try again; false: stop attempting.
   absl::StatusOr<bool> Attempt();
   Plan MakePlan() const;
+  // MakePlan's tokens and chain, without asking the store who holds them.
+  Plan PlanTokens() const;
   absl::StatusOr<bool> RunPair(const Plan& plan, const Pair& pair);
   absl::StatusOr<kvrelay::v1::ReserveResponse> Reserve(const Plan& plan, Node* decode,
                                                        const std::string& request_id);
@@ -123,6 +133,10 @@ class GenerateCall {
                                                        const std::string& request_id);
   void RecordPrefill(const Pair& pair, const kvrelay::v1::PrefillResponse& prefilled,
                      const kvrelay::v1::ReserveResponse& target);
+  // The push's time per MiB into `decode` (a bound on its link: the Prefill call's time,
+  // compute included, over the bytes it pushed), when it pushed enough to tell.
+  void ObservePush(Node* decode, const kvrelay::v1::PrefillResponse& prefilled,
+                   absl::Time prefill_start) const;
   // Streams the decode worker's tokens to the sink; the leases go back at the first chunk
   // (the worker has claimed the reservation). `*stream_done` when the closing chunk came.
   absl::Status Stream(const Plan& plan, Node* decode, const kvrelay::v1::PrefillResponse& prefilled,

@@ -17,6 +17,7 @@ using ::kvrelay::gateway::testing::FakeDecodeEndpoint;
 using ::kvrelay::gateway::testing::FakePrefillEndpoint;
 using ::kvrelay::gateway::testing::StallUntil;
 using ::kvrelay::gateway::testing::WorkerFailure;
+using ::kvrelay::testing::StatusIs;
 using ::testing::HasSubstr;
 using State = CircuitBreaker::State;
 
@@ -62,23 +63,24 @@ class GenerateCallTest : public ::testing::Test {
   WorkerSet::Node* PrefillNode(size_t i) { return workers_.Nodes().prefill[i].get(); }
 
   // Runs the request with `timeout` left; the tokens and summary land in streamed_/summary_.
-  absl::Status Run(absl::Duration timeout = absl::Seconds(60)) {
+  absl::Status Run(absl::Duration timeout = absl::Seconds(60)) { return MakeCall(timeout)->Run(); }
+  std::unique_ptr<GenerateCall> MakeCall(absl::Duration timeout = absl::Seconds(60)) {
     const absl::Time start = clock_.Now();
-    GenerateCall call(options_,
-                      GenerateCallDeps{.workers = &workers_,
-                                       .metrics = &metrics_,
-                                       .tenant_reservations = &tenant_reservations_,
-                                       .client_reservations = &client_reservations_,
-                                       .layout = &config_.layout,
-                                       .clock = &clock_},
-                      GenerateCallRequest{.request = &request_,
-                                          .tenant_salt = "salt",
-                                          .client = "client-1",
-                                          .request_id_prefix = "gw-test",
-                                          .start = start,
-                                          .deadline = start + timeout},
-                      sink_, cancelled_);
-    return call.Run();
+    return std::make_unique<GenerateCall>(
+        options_,
+        GenerateCallDeps{.workers = &workers_,
+                         .metrics = &metrics_,
+                         .tenant_reservations = &tenant_reservations_,
+                         .client_reservations = &client_reservations_,
+                         .layout = &config_.layout,
+                         .clock = &clock_},
+        GenerateCallRequest{.request = &request_,
+                            .tenant_salt = "salt",
+                            .client = "client-1",
+                            .request_id_prefix = "gw-test",
+                            .start = start,
+                            .deadline = start + timeout},
+        sink_, cancelled_);
   }
   double CounterValue(const std::string& name, MetricLabels labels) {
     labels["model_name"] = "m";
@@ -109,6 +111,41 @@ class GenerateCallTest : public ::testing::Test {
   std::function<bool()> cancelled_ = [] { return false; };
   FakeDecodeEndpoint* first_asked_ = nullptr;  // AFullWorkerIsNotAskedTwice...
 };
+
+TEST_F(GenerateCallTest, ACanaryMeasuresThePushIntoItsDecodeNodeAndReleasesItsReservation) {
+  FakePrefillEndpoint* p = AddPrefill("p0");
+  FakeDecodeEndpoint* d = AddDecode("d0");
+  request_.clear_tokens();
+  for (int32_t i = 0; i < 80; ++i) request_.add_tokens(i + 1);  // 80 KiB pushed by the fake
+  request_.set_max_tokens(1);
+  p->prefill_time = absl::Milliseconds(500);
+  KV_ASSERT_OK(MakeCall()->Canary(PrefillNode(0), DecodeNode(0)));
+
+  ASSERT_EQ(d->reserves.size(), 1u);
+  ASSERT_EQ(p->requests.size(), 1u);
+  EXPECT_TRUE(p->requests[0].skip_store_lookup());
+  EXPECT_TRUE(p->requests[0].no_commit()) << "a synthetic prompt is not kept for reuse";
+  EXPECT_EQ(p->requests[0].target().reservation_token(), "token-gw-test-1");
+  EXPECT_TRUE(d->generates.empty());
+  EXPECT_EQ(d->released, std::vector<std::string>{"token-gw-test-1"});
+  EXPECT_TRUE(streamed_.empty());
+  EXPECT_FALSE(summary_seen_);
+  // The push is measured as a request's: the Prefill call's time over the MiB it pushed.
+  const std::optional<double> learned = DecodeNode(0)->transfer_seconds_per_mib.Last();
+  ASSERT_TRUE(learned.has_value());
+  EXPECT_NEAR(*learned, 0.5 / (80.0 * 1024 / (1 << 20)), 1e-6);
+  EXPECT_EQ(DecodeNode(0)->breaker.state(), State::kClosed);
+  EXPECT_EQ(DecodeNode(0)->picked.load(), 0);
+
+  // A canary that fails counts against no one.
+  p->on_prefill = [](const kvrelay::v1::PrefillRequest&, absl::Time) {
+    return absl::StatusOr<kvrelay::v1::PrefillResponse>(absl::UnavailableError("down"));
+  };
+  EXPECT_THAT(MakeCall()->Canary(PrefillNode(0), DecodeNode(0)),
+              StatusIs(absl::StatusCode::kUnavailable));
+  EXPECT_EQ(d->released.size(), 2u);
+  EXPECT_EQ(PrefillNode(0)->breaker.state(), State::kClosed);
+}
 
 TEST_F(GenerateCallTest, ReservesPrefillsAndStreamsThenSendsTheSummary) {
   FakePrefillEndpoint* p = AddPrefill("p0");

@@ -69,6 +69,11 @@ void AddRoutingFlags(FlagSet& flags, GatewayFlags& f) {
   flags.AddDuration("reserve-timeout-floor", &options.reserve_timeout_floor,
                     "lower bound of the adaptive Reserve timeout (SRTT + 4 RTTVAR of measured "
                     "Reserve round trips, within [floor, --reserve-timeout])");
+  options.link_canary_interval = absl::Seconds(1);
+  flags.AddDuration("link-canary-interval", &options.link_canary_interval,
+                    "how often a decode worker whose pushes were at least twice as slow per MiB "
+                    "as the fleet's best gets a synthetic request that measures its link again, "
+                    "instead of a client's (0: off)");
   flags.AddDuration("prefill-timeout", &options.prefill_timeout,
                     "per-attempt bound on a prefill (compute + push)");
   flags.AddDuration("chunk-timeout", &options.chunk_timeout,
