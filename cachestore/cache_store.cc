@@ -1256,6 +1256,12 @@ StoreStats CacheStore::Stats() const {
     s.disk_blocks = static_cast<int64_t>(disk_blocks_.size());
   }
   s.last_sequence = last_sequence();
+  s.index_bytes = static_cast<int64_t>(index_->MemoryUsageBytes());
+  {
+    absl::MutexLock lock(&events_mu_);
+    s.retained_events = static_cast<int64_t>(events_.size());
+  }
+  s.kept_token_blocks = static_cast<int64_t>(kept_token_blocks());
   s.tiers = registry_.Usage();
   s.policy = std::string(policy_->name());
   return s;

@@ -217,6 +217,12 @@ struct StoreStats {
   int64_t evictions = 0;
   int64_t disk_blocks = 0;  // distinct blocks with a replica on some node's disk tier
   uint64_t last_sequence = 0;
+  // Memory a long run could grow, so a soak can tell which part did: the index structures
+  // (BlockIndex::MemoryUsageBytes), the events kept for WatchEvents resumption, the blocks
+  // whose token ids are kept for KV events.
+  int64_t index_bytes = 0;
+  int64_t retained_events = 0;
+  int64_t kept_token_blocks = 0;
   std::vector<TierUsage> tiers;
   std::string policy;
 };

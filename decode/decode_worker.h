@@ -39,6 +39,13 @@
 // since. Every refusal for capacity is RESOURCE_EXHAUSTED with ErrorInfo FAILURE_OVERLOADED,
 // naming what is full ("queue", "kv_blocks") and the predicted wait (proto::Overloaded).
 //
+// Housekeeping: every second reservations that lapsed untaken (their request's deadline, or
+// the TTL) or were released end (ReservationTable::Sweep), so an idle worker holds no slot or
+// booking for a request that went away; a Reserve answered after its caller's deadline (the
+// process was paused) ends its own reservation at once. A finished sequence's blocks are
+// committed to the cache segment on a commit thread (at most max_batch waiting, else skipped
+// and counted), never on the scheduler's: a slow or hung store must not stall the batch.
+//
 // Domain logic only: the gRPC glue is decode/server/DecodeService. Failures carry a
 // kvrelay.v1.ErrorInfo naming the role and node. Expiry decisions use the injected Clock;
 // deadlines are absolute real times that bound blocking waits.
@@ -49,11 +56,13 @@
 //  BatchScheduler    the queue, max_batch / max_queued and the continuous-batching thread;
 //                    this class is its BatchModel (attention or Mamba, sampling, commits).
 //
-// Thread-safe. Owns the transport, the KV memory, the model runner and the scheduler thread.
+// Thread-safe. Owns the transport, the KV memory, the model runner, the scheduler, commit and
+// housekeeping threads.
 // Lock order: publish_mu_ before the table's lock and before the scheduler's; those two are
 // never held together (nor with a sequence's stream lock). The transport's inbound thread
 // takes the table's lock, so nothing that waits for that thread (destroying a ReservedRun)
-// runs under it. No lock of this class is held while calling the model or the store.
+// runs under it. commit_mu_ is a leaf. No lock of this class is held while calling the model or
+// the store.
 
 #include <atomic>
 #include <cstdint>

@@ -333,9 +333,12 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::RunKv(
 
   // 5. Publish the blocks computed here for later requests, and keep a copy of those pulled or
   //    recomputed although held elsewhere (the next request for them here is local).
-  const int32_t committed = request.no_commit() ? 0
-                                                : CommitKv(request.request_id(), *lookup,
-                                                           reused.hit_blocks, full_blocks, seq);
+  //    Not when the gateway found the store not answering: the commit would wait for it
+  //    before this request's answer.
+  const int32_t committed =
+      request.no_commit() || request.skip_store_lookup()
+          ? 0
+          : CommitKv(request.request_id(), *lookup, reused.hit_blocks, full_blocks, seq);
 
   // 6. Respond.
   computed_tokens_->Increment(static_cast<double>(full_tokens - compute_from));

@@ -3,7 +3,7 @@
 # for leaks (issue 34).
 #
 #   scripts/soak.sh [--minutes 30] [--rate R] [--fault-every 60] [--rss-from 300]
-#                   [--rss-growth 2] [--cache-slots N] [--event-retention N]
+#                   [--rss-growth 2] [--fd-slack 4] [--cache-slots N] [--event-retention N]
 #                   [--verify-sample N] [--out DIR] [--name ID]
 #
 # Starts scripts/cluster/run.sh (cache store, 2 prefill and 2 decode workers, 1 gateway, each in
@@ -30,7 +30,7 @@
 #     than --rss-growth percent, from the median of its samples in the 30 s from --rss-from
 #     to the idle end (processes restarted by a fault are listed with their own figures, not
 #     judged);
-#   - descriptors: the same processes hold at most max(4, 10%) more at the end than the most
+#   - descriptors: the same processes hold at most max(--fd-slack, 10%) more at the end than the most
 #     they held in those 30 s (a leak per fault or per request grows without bound; a
 #     connection opened lazily is not one); a failure lists what the descriptors are;
 #   - slots: when idle, nothing is still held: no request running or waiting, no decode KV pool
@@ -39,7 +39,7 @@
 # CI runs a 2-minute version (tests/multinode/soak_test.sh).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-MINUTES=30 RATE=20 FAULT_EVERY=60 RSS_FROM=300 RSS_GROWTH=2 OUT="" NAME="soak$$" MODEL_ARGS=()
+MINUTES=30 RATE=20 FAULT_EVERY=60 RSS_FROM=300 RSS_GROWTH=2 FD_SLACK=4 OUT="" NAME="soak$$" MODEL_ARGS=()
 CACHE_SLOTS=4096 VERIFY_SAMPLE=0 EVENT_RETENTION=65536
 while (($#)); do
   case "$1" in
@@ -48,6 +48,7 @@ while (($#)); do
     --fault-every) FAULT_EVERY=$2; shift 2 ;;
     --rss-from) RSS_FROM=$2; shift 2 ;;
     --rss-growth) RSS_GROWTH=$2; shift 2 ;;
+    --fd-slack) FD_SLACK=$2; shift 2 ;;
     --out) OUT=$2; shift 2 ;;
     --name) NAME=$2; shift 2 ;;
     --model) MODEL_ARGS=(--model "$2"); shift 2 ;;
@@ -58,7 +59,7 @@ while (($#)); do
     *) echo "soak.sh: unknown option '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
-for n in MINUTES FAULT_EVERY RSS_FROM CACHE_SLOTS EVENT_RETENTION; do
+for n in MINUTES FAULT_EVERY RSS_FROM CACHE_SLOTS EVENT_RETENTION FD_SLACK; do
   [[ ${!n} =~ ^[0-9]+$ ]] && ((${!n} >= 1)) || { echo "soak.sh: --${n,,} must be a positive integer" >&2; exit 2; }
 done
 [[ $VERIFY_SAMPLE =~ ^[0-9]+$ ]] || { echo "soak.sh: --verify-sample must be a count" >&2; exit 2; }
@@ -93,9 +94,10 @@ set -e
 sed -n '/^requests/,/^wrong tokens/p' "$OUT/bench.txt"
 ((rc == 0 || rc == 3)) || { tail -20 "$OUT/cluster.txt" >&2; echo "soak: the run failed (exit $rc)" >&2; exit 1; }
 
-/usr/bin/python3 - "$OUT" "$RSS_FROM" "$RSS_GROWTH" "$rc" <<'PY'
+/usr/bin/python3 - "$OUT" "$RSS_FROM" "$RSS_GROWTH" "$rc" "$FD_SLACK" <<'PY'
 import csv, json, sys
 out, rss_from, growth_limit, rc = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
+fd_min_slack = int(sys.argv[5])
 rows = list(csv.DictReader(open(f"{out}/samples.csv")))
 final = [r for r in rows if r["t"] == "final"]
 timed = [r for r in rows if r["t"] != "final"]
@@ -149,7 +151,7 @@ for node in sorted({r["node"] for r in rows}):
     fd0 = max(int(r["fds"]) for r in early)
     rss1, fd1 = int(end["rss_kb"]), int(end["fds"])
     grew = 100.0 * (rss1 - rss0) / rss0
-    fd_slack = max(4, int(0.1 * fd0))
+    fd_slack = max(fd_min_slack, int(0.1 * fd0))
     verdict = "ok"
     if grew >= growth_limit:
         verdict = "RSS GREW"

@@ -897,6 +897,14 @@ void CacheStoreService::RegisterMetrics(MetricsRegistry* metrics) {
         [](const StoreStats& s) { return s.committed_blocks; });
   gauge("kvrelay:cachestore_active_leases", "Read leases held.", {},
         [](const StoreStats& s) { return s.active_leases; });
+  gauge("kvrelay:cachestore_index_bytes", "Bytes held by the block index's structures.", {},
+        [](const StoreStats& s) { return s.index_bytes; });
+  gauge("kvrelay:cachestore_retained_events",
+        "KV events kept for WatchEvents resumption (at most --event-retention).", {},
+        [](const StoreStats& s) { return s.retained_events; });
+  gauge("kvrelay:cachestore_kept_token_blocks",
+        "Blocks whose token ids the store keeps for KV events.", {},
+        [](const StoreStats& s) { return s.kept_token_blocks; });
   for (Tier tier : {Tier::kGpu, Tier::kHost, Tier::kSsd}) {
     const MetricLabels labels = {{"tier", std::string(TierName(tier))}};
     gauge("kvrelay:cachestore_tier_used_slots",

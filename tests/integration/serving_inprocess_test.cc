@@ -204,13 +204,15 @@ class InProcessCluster : public ::testing::Test {
   absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillOn(int index, const std::string& id,
                                                          const std::vector<int32_t>& prompt,
                                                          const kvrelay::v1::ReserveResponse& target,
-                                                         const std::string& salt) {
+                                                         const std::string& salt,
+                                                         bool skip_store_lookup = false) {
     kvrelay::v1::PrefillRequest p;
     p.set_request_id(id);
     p.set_model("tiny");
     for (int32_t t : prompt) p.add_tokens(t);
     p.set_tenant_salt(salt);
     p.set_layout_fingerprint(Fingerprint());
+    p.set_skip_store_lookup(skip_store_lookup);
     *p.mutable_target() = target;
     return prefills_[index]->Run(p, absl::Now() + absl::Seconds(30));
   }
@@ -624,6 +626,21 @@ TEST_F(InProcessCluster, UnclaimedReservationsExpireOnTheClock) {
   kvrelay::v1::DecodeStatusResponse status = decodes_[0]->Describe();
   EXPECT_EQ(status.reserved_requests(), 1);     // the lapsed one was swept
   EXPECT_EQ(status.free_slots(), free_before);  // and its blocks returned
+}
+
+TEST_F(InProcessCluster, APrefillToldTheStoreDidNotAnswerNeitherLooksUpNorCommits) {
+  const std::vector<int32_t> prompt = Prompt(70, 5);
+  // The gateway's lookup got no answer: this prefill must not wait for the store either.
+  KV_ASSERT_OK_AND_ASSIGN(
+      kvrelay::v1::PrefillResponse skipped,
+      PrefillOn(0, "skip-1", prompt, Reserve(0, "skip-1", prompt), "tenant", true));
+  EXPECT_EQ(skipped.committed_blocks(), 0);
+  EXPECT_GT(skipped.pushed_bytes(), 0);
+  // So the same prompt later finds nothing, computes it all, and commits it then.
+  KV_ASSERT_OK_AND_ASSIGN(kvrelay::v1::PrefillResponse looked,
+                          PrefillOn(0, "skip-2", prompt, Reserve(0, "skip-2", prompt), "tenant"));
+  EXPECT_EQ(looked.prefix_hit_tokens(), 0);
+  EXPECT_EQ(looked.committed_blocks(), 4);
 }
 
 TEST_F(InProcessCluster, LayoutMismatchIsRefusedNotServed) {

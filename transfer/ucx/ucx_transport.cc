@@ -57,7 +57,6 @@ bool PeerErrorModeByDefault() {
   return false;
 #else
   const char* tls = std::getenv("UCX_TLS");
-  const char* tls = std::getenv("UCX_TLS");
   if (tls == nullptr) return true;
   const std::string v(tls);
   for (const char* net : {"tcp", "rc", "dc", "ud", "all", "ib", "^"}) {
