@@ -193,6 +193,15 @@ Gateway::~Gateway() {
   if (canary_thread_.joinable()) canary_thread_.join();
 }
 
+GenerateCallDeps Gateway::CallDeps(Clock* request_clock) {
+  return GenerateCallDeps{.workers = workers_.get(),
+                          .metrics = &metrics_,
+                          .tenant_reservations = &tenant_reservations_,
+                          .client_reservations = &client_reservations_,
+                          .layout = &config_.layout,
+                          .clock = request_clock};
+}
+
 int Gateway::RunLinkCanaries() {
   const WorkerSet::Snapshot nodes = workers_->Nodes();
   const std::optional<double> best = WorkerSet::BestTransfer(nodes.decode);
@@ -231,13 +240,7 @@ int Gateway::RunLinkCanaries() {
     Clock* const request_clock = Clock::Real();
     const absl::Time start = request_clock->Now();
     GenerateCall call(
-        call_options_,
-        GenerateCallDeps{.workers = workers_.get(),
-                         .metrics = &metrics_,
-                         .tenant_reservations = &tenant_reservations_,
-                         .client_reservations = &client_reservations_,
-                         .layout = &config_.layout,
-                         .clock = request_clock},
+        call_options_, CallDeps(request_clock),
         GenerateCallRequest{
             .request = &request,
             .tenant_salt = DeriveTenantSalt(options_.tenant_secret, request.tenant()),
@@ -335,13 +338,7 @@ absl::Status Gateway::Generate(const kvrelay::v1::GenerateRequest& request, absl
   const absl::Time start = request_clock->Now();
   metrics_.prompt_tokens->Increment(static_cast<double>(request.tokens_size()));
   GenerateCall call(
-      call_options_,
-      GenerateCallDeps{.workers = workers_.get(),
-                       .metrics = &metrics_,
-                       .tenant_reservations = &tenant_reservations_,
-                       .client_reservations = &client_reservations_,
-                       .layout = &config_.layout,
-                       .clock = request_clock},
+      call_options_, CallDeps(request_clock),
       GenerateCallRequest{
           .request = &request,
           .tenant_salt = DeriveTenantSalt(options_.tenant_secret, request.tenant()),

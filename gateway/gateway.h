@@ -145,6 +145,9 @@ class Gateway {
   Gateway(GatewayOptions options, kv::ModelConfig config, MetricsRegistry* metrics, Clock* clock,
           std::unique_ptr<cachestore::CacheStoreClient> store, WorkerFactories factories);
 
+  // What a GenerateCall (a request's, or a link canary's) borrows from this gateway.
+  GenerateCallDeps CallDeps(Clock* request_clock);
+
   const GatewayOptions options_;
   const kv::ModelConfig config_;
   const GenerateCallOptions call_options_;

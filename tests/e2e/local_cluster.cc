@@ -40,16 +40,21 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(const ClusterO
   if (!options.tls) argv.push_back("--insecure");
   if (!options.device.empty()) argv.insert(argv.end(), {"--device", options.device});
   std::vector<std::string> extra = options.extra_args;
+  // Appends `args` to the value of `role_flag` in `extra`, or adds the flag.
+  auto join = [&extra](const char* role_flag, const std::string& args) {
+    auto it = std::find(extra.begin(), extra.end(), role_flag);
+    if (it != extra.end() && it + 1 != extra.end()) {
+      absl::StrAppend(&*(it + 1), " ", args);
+    } else {
+      extra.insert(extra.end(), {role_flag, args});
+    }
+  };
   if (!options.worker_args.empty()) {
     for (const char* role_flag : {"--prefill-args", "--decode-args"}) {
-      auto it = std::find(extra.begin(), extra.end(), role_flag);
-      if (it != extra.end() && it + 1 != extra.end()) {
-        absl::StrAppend(&*(it + 1), " ", options.worker_args);
-      } else {
-        extra.insert(extra.end(), {role_flag, options.worker_args});
-      }
+      join(role_flag, options.worker_args);
     }
   }
+  if (!options.link_canaries) join("--gateway-args", "--link-canary-interval 0");
   argv.insert(argv.end(), extra.begin(), extra.end());
   absl::StatusOr<std::unique_ptr<testing::ChildProcess>> up = testing::ChildProcess::Start(argv);
   if (!up.ok()) return up.status();

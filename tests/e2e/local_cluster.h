@@ -41,6 +41,10 @@ struct ClusterOptions {
   // default (auto).
   std::string device = "cpu";
   absl::Duration start_timeout = absl::Seconds(90);
+  // The gateway's link canaries (synthetic requests to a decode worker whose pushes were
+  // slow). Off by default: a canary's Prefill would change the token and push counts the tests
+  // check; the multi-host slow-link test runs them.
+  bool link_canaries = false;
   // Mutual TLS with `kvrelay up`'s throwaway certificates (client_security() then holds the
   // client certificate); plain text (--insecure) otherwise, for tests not about security.
   bool tls = false;
