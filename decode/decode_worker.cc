@@ -234,22 +234,10 @@ absl::Status DecodeWorker::Init(worker::WorkerCoreDeps deps) {
       static_cast<BatchModel*>(this));
   scheduler_->Start();
   commit_thread_ = std::thread([this] { CommitLoop(); });
-  housekeeping_ = std::thread([this] { HousekeepingLoop(); });
   return absl::OkStatus();
 }
 
-void DecodeWorker::HousekeepingLoop() {
-  while (!stop_housekeeping_.WaitForNotificationWithTimeout(absl::Seconds(1))) {
-    table_->Sweep();
-    PublishLoad();
-  }
-}
-
 DecodeWorker::~DecodeWorker() {
-  if (housekeeping_.joinable()) {
-    stop_housekeeping_.Notify();
-    housekeeping_.join();
-  }
   // No more inbound events (see ~PrefillWorker): they reach the table.
   if (core_ != nullptr && core_->transport != nullptr) core_->transport->SetInboundHandler(nullptr);
   // Sequences still running or queued end (UNAVAILABLE) and return their slots and bookings.
@@ -806,30 +794,50 @@ void DecodeWorker::CommitSequence(const CommitJob& job, worker::StoreLink& store
   if (!committed.ok()) KV_LOG(WARNING) << job.request_id << ": commit: " << committed.status();
 }
 
-bool DecodeWorker::QueueCommit(CommitJob& job) {
+bool DecodeWorker::CommitQueueHasRoom() {
   absl::MutexLock lock(&commit_mu_);
-  if (stop_commits_ || static_cast<int32_t>(commits_.size()) >= options_.max_batch) return false;
-  commits_.push_back(std::move(job));
-  return true;
+  return static_cast<int32_t>(commits_.size()) < options_.max_batch;
+}
+
+void DecodeWorker::QueueCommit(CommitJob job) {
+  {
+    absl::MutexLock lock(&commit_mu_);
+    if (!stop_commits_) {
+      commits_.push_back(std::move(job));
+      return;
+    }
+  }
+  EndCommit(job);
 }
 
 void DecodeWorker::CommitLoop() {
+  constexpr absl::Duration kSweepInterval = absl::Seconds(1);
+  absl::Time next_sweep = absl::Now() + kSweepInterval;
   while (true) {
-    CommitJob job;
+    std::optional<CommitJob> job;
     {
       absl::MutexLock lock(&commit_mu_);
       auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(commit_mu_) {
         return stop_commits_ || !commits_.empty();
       };
-      commit_mu_.Await(absl::Condition(&ready));
+      commit_mu_.AwaitWithDeadline(absl::Condition(&ready), next_sweep);
       if (stop_commits_) return;
-      job = std::move(commits_.front());
-      commits_.pop_front();
+      if (!commits_.empty()) {
+        job = std::move(commits_.front());
+        commits_.pop_front();
+      }
     }
-    if (worker::StoreLink* store = store_.load(std::memory_order_acquire); store != nullptr) {
-      CommitSequence(job, *store);
+    if (job.has_value()) {
+      if (worker::StoreLink* store = store_.load(std::memory_order_acquire); store != nullptr) {
+        CommitSequence(*job, *store);
+      }
+      EndCommit(*job);
     }
-    EndCommit(job);
+    if (absl::Now() >= next_sweep) {
+      table_->Sweep();
+      PublishLoad();
+      next_sweep = absl::Now() + kSweepInterval;
+    }
   }
 }
 
@@ -863,21 +871,21 @@ void DecodeWorker::Retire(BatchSequence& seq, const absl::Status& status) {
   }
   // Mamba commits nothing from here: decode rounds the state after every step, so a
   // checkpoint taken here would not be the prefill's bit for bit (model/README.md).
-  if (status.ok() && a.mamba == nullptr && store_.load(std::memory_order_acquire) != nullptr) {
-    CommitJob job{.request_id = a.request_id,
-                  .tenant_salt = a.tenant_salt,
-                  .seq = std::move(a.seq),
-                  .held_blocks = a.held_blocks,
-                  .deadline = a.deadline,
-                  .budget = std::move(a.budget),
-                  .done = std::make_shared<absl::Notification>()};
-    a.commit_done = job.done;
-    if (QueueCommit(job)) return;  // the commit thread frees the slots and the booking
-    commits_skipped_->Increment();
-    a.commit_done.reset();
-    a.seq = std::move(job.seq);
-    a.budget = std::move(job.budget);
+  const bool commits =
+      status.ok() && a.mamba == nullptr && store_.load(std::memory_order_acquire) != nullptr;
+  if (commits && CommitQueueHasRoom()) {
+    a.commit_done = std::make_shared<absl::Notification>();
+    // The commit thread frees the slots and the booking.
+    QueueCommit(CommitJob{.request_id = a.request_id,
+                          .tenant_salt = a.tenant_salt,
+                          .seq = std::move(a.seq),
+                          .held_blocks = a.held_blocks,
+                          .deadline = a.deadline,
+                          .budget = std::move(a.budget),
+                          .done = a.commit_done});
+    return;
   }
+  if (commits) commits_skipped_->Increment();
   a.seq.reset();  // frees the slots
   a.mamba.reset();
   table_->Unbook(a.budget);

@@ -39,11 +39,11 @@
 // since. Every refusal for capacity is RESOURCE_EXHAUSTED with ErrorInfo FAILURE_OVERLOADED,
 // naming what is full ("queue", "kv_blocks") and the predicted wait (proto::Overloaded).
 //
-// Housekeeping: every second reservations that lapsed untaken (their request's deadline, or
-// the TTL) or were released end (ReservationTable::Sweep), so an idle worker holds no slot or
-// booking for a request that went away; a Reserve answered after its caller's deadline (the
-// process was paused) ends its own reservation at once. A finished sequence's blocks are
-// committed to the cache segment on a commit thread (at most max_batch waiting, else skipped
+// Housekeeping (on the commit thread): every second reservations that lapsed untaken (their
+// request's deadline, or the TTL) or were released end (ReservationTable::Sweep), so an idle worker
+// holds no slot or booking for a request that went away; a Reserve answered after its caller's
+// deadline (the process was paused) ends its own reservation at once. A finished sequence's blocks
+// are committed to the cache segment on a commit thread (at most max_batch waiting, else skipped
 // and counted), never on the scheduler's: a slow or hung store must not stall the batch.
 //
 // Domain logic only: the gRPC glue is decode/server/DecodeService. Failures carry a
@@ -56,8 +56,8 @@
 //  BatchScheduler    the queue, max_batch / max_queued and the continuous-batching thread;
 //                    this class is its BatchModel (attention or Mamba, sampling, commits).
 //
-// Thread-safe. Owns the transport, the KV memory, the model runner, the scheduler, commit and
-// housekeeping threads.
+// Thread-safe. Owns the transport, the KV memory, the model runner, the scheduler and commit
+// threads.
 // Lock order: publish_mu_ before the table's lock and before the scheduler's; those two are
 // never held together (nor with a sequence's stream lock). The transport's inbound thread
 // takes the table's lock, so nothing that waits for that thread (destroying a ReservedRun)
@@ -218,8 +218,14 @@ class DecodeWorker : private BatchModel {
     std::vector<int64_t> budget;
     std::shared_ptr<absl::Notification> done;
   };
-  // Queues `job` (false when max_batch jobs wait already: the caller ends it uncommitted).
-  bool QueueCommit(CommitJob& job) ABSL_LOCKS_EXCLUDED(commit_mu_);
+  // Fewer than max_batch jobs wait (only the scheduler's thread queues, so room stays).
+  bool CommitQueueHasRoom() ABSL_LOCKS_EXCLUDED(commit_mu_);
+  // Queues `job`; once commits stopped, ends it uncommitted at once.
+  void QueueCommit(CommitJob job) ABSL_LOCKS_EXCLUDED(commit_mu_);
+  // The commit thread. Between jobs, and at least every second, it also ends lapsed and
+  // released reservations (ReservationTable::Sweep) and republishes the load gauges, so an
+  // idle worker shows and holds nothing a gone request reserved. A commit waiting on a slow
+  // store delays a sweep by at most its store call's limit.
   void CommitLoop();
   // Keeps every full block of the job's sequence in the cache segment.
   void CommitSequence(const CommitJob& job, worker::StoreLink& store) const;
@@ -285,12 +291,6 @@ class DecodeWorker : private BatchModel {
   std::deque<CommitJob> commits_ ABSL_GUARDED_BY(commit_mu_);
   bool stop_commits_ ABSL_GUARDED_BY(commit_mu_) = false;
   std::thread commit_thread_;
-  // Every second: ends lapsed and released reservations (ReservationTable::Sweep) and
-  // republishes the load gauges, so an idle worker shows and holds nothing a gone request
-  // reserved. Stopped first by the destructor.
-  void HousekeepingLoop();
-  absl::Notification stop_housekeeping_;
-  std::thread housekeeping_;
 };
 
 }  // namespace kvrelay::decode

@@ -135,7 +135,7 @@ TEST_F(GatewayTest, LinkCanariesGoToADecodeWorkerWhosePushesWereSlowUntilTheyAre
   EXPECT_EQ(decodes_[1]->generates.size(), 1u) << "a canary generates nothing";
   EXPECT_EQ(decodes_[1]->released.size(), 1u);
   const kvrelay::v1::PrefillRequest& canary = prefill_->requests.back();
-  EXPECT_TRUE(canary.no_commit());
+  EXPECT_TRUE(canary.skip_store_lookup()) << "nothing looked up or committed";
   EXPECT_EQ(canary.tenant_salt(), DeriveTenantSalt("secret", "kvrelay-link-canary"));
   EXPECT_EQ(canary.tokens_size(), 2 * 16 + 1) << "two 2 MiB blocks, and the last token";
 

@@ -277,7 +277,6 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> GenerateCall::Prefill(
   request.set_layout_description(deps_.layout->Describe());
   *request.mutable_target() = target;
   request.set_skip_store_lookup(plan.store_unreachable || plan.canary);
-  request.set_no_commit(plan.canary);
   const absl::Time start = deps_.clock->Now();
   absl::StatusOr<kvrelay::v1::PrefillResponse> prefilled = prefill->prefill->Prefill(
       request, std::min(call_.deadline, deps_.clock->Now() + options_.prefill_timeout));

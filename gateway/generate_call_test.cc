@@ -123,8 +123,7 @@ TEST_F(GenerateCallTest, ACanaryMeasuresThePushIntoItsDecodeNodeAndReleasesItsRe
 
   ASSERT_EQ(d->reserves.size(), 1u);
   ASSERT_EQ(p->requests.size(), 1u);
-  EXPECT_TRUE(p->requests[0].skip_store_lookup());
-  EXPECT_TRUE(p->requests[0].no_commit()) << "a synthetic prompt is not kept for reuse";
+  EXPECT_TRUE(p->requests[0].skip_store_lookup()) << "a synthetic prompt is not kept for reuse";
   EXPECT_EQ(p->requests[0].target().reservation_token(), "token-gw-test-1");
   EXPECT_TRUE(d->generates.empty());
   EXPECT_EQ(d->released, std::vector<std::string>{"token-gw-test-1"});

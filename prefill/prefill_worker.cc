@@ -333,10 +333,10 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::RunKv(
 
   // 5. Publish the blocks computed here for later requests, and keep a copy of those pulled or
   //    recomputed although held elsewhere (the next request for them here is local).
-  //    Not when the gateway found the store not answering: the commit would wait for it
-  //    before this request's answer.
+  //    Not when the gateway found the store not answering (the commit would wait for it
+  //    before this request's answer), nor for a link canary's synthetic prompt.
   const int32_t committed =
-      request.no_commit() || request.skip_store_lookup()
+      request.skip_store_lookup()
           ? 0
           : CommitKv(request.request_id(), *lookup, reused.hit_blocks, full_blocks, seq);
 
