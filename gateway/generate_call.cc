@@ -11,6 +11,9 @@
 namespace kvrelay::gateway {
 namespace {
 
+// A push smaller than this tells too little about the link (compute and set-up dominate).
+constexpr int64_t kMeasurablePushBytes = 64 << 10;
+
 // A decode worker that said "full" (no ErrorInfo, or FAILURE_OVERLOADED): not a failure.
 bool IsOverload(const absl::Status& s) {
   if (!absl::IsResourceExhausted(s)) return false;
@@ -169,6 +172,23 @@ absl::StatusOr<bool> GenerateCall::RunPair(const Plan& plan, const Pair& pair) {
   } in_flight{pair.prefill, pair.decode};
   pair.prefill->in_flight.fetch_add(1, std::memory_order_relaxed);
   pair.decode->in_flight.fetch_add(1, std::memory_order_relaxed);
+  // Whether this attempt's push may be the first measure of the decode node's link (see
+  // Node::LinkBeingMeasured): counted until its Prefill ends.
+  struct MeasuringPush {
+    Node* d = nullptr;
+    void End() {
+      if (d != nullptr) d->measuring_pushes.fetch_sub(1, std::memory_order_relaxed);
+      d = nullptr;
+    }
+    ~MeasuringPush() { End(); }
+  } measuring;
+  const int64_t block_bytes =
+      deps_.layout->BytesPerToken() * static_cast<int64_t>(deps_.layout->block_tokens());
+  if (plan.full_blocks * block_bytes >= kMeasurablePushBytes &&
+      !pair.decode->transfer_seconds_per_mib.Last().has_value()) {
+    measuring.d = pair.decode;
+    pair.decode->measuring_pushes.fetch_add(1, std::memory_order_relaxed);
+  }
 
   // What Reserve books (prompt + remaining tokens) counts against the tenant's and the
   // client's reserved-KV quotas until the decode worker streams (or the attempt ends).
@@ -191,6 +211,7 @@ absl::StatusOr<bool> GenerateCall::RunPair(const Plan& plan, const Pair& pair) {
   absl::StatusOr<kvrelay::v1::PrefillResponse> prefilled =
       Prefill(plan, pair.prefill, *target, request_id);
   if (prefilled.ok()) ObservePush(pair.decode, *prefilled, prefill_start);
+  measuring.End();
   if (!prefilled.ok()) {
     pair.decode->decode->Release(request_id, target->reservation_token(),
                                  deps_.clock->Now() + absl::Seconds(1));
@@ -219,7 +240,8 @@ absl::StatusOr<bool> GenerateCall::RunPair(const Plan& plan, const Pair& pair) {
 
 void GenerateCall::ObservePush(Node* decode, const kvrelay::v1::PrefillResponse& prefilled,
                                absl::Time prefill_start) const {
-  if (prefilled.pushed_bytes() < (64 << 10)) return;  // too little to tell the link from compute
+  // Too little to tell the link from compute.
+  if (prefilled.pushed_bytes() < kMeasurablePushBytes) return;
   const double mib = static_cast<double>(prefilled.pushed_bytes()) / (1 << 20);
   decode->transfer_seconds_per_mib.Observe(
       absl::ToDoubleSeconds(deps_.clock->Now() - prefill_start) / mib, deps_.clock->Now());

@@ -612,8 +612,15 @@ Node* WorkerSet::PickDecode(const NodeList& decodes,
           mib_per_block * n->transfer_seconds_per_mib.Value(now, transfer_prior);
       candidates.push_back({n, blocks, queue + (full_blocks - blocks) * per_block,
                             queue + full_blocks * per_block, n->recent_picks.Value(now)});
-      lowest_load = std::min(lowest_load, n->Load());
     }
+    // A link is measured by one push before it takes more: until a node's first push is
+    // measured, its unknown link looks as fast as the fleet's best, and a burst would pile on
+    // a slow one (seconds each at 5 Mbit). Only while another node is usable.
+    if (std::any_of(candidates.begin(), candidates.end(),
+                    [](const Candidate& c) { return !c.node->LinkBeingMeasured(); })) {
+      std::erase_if(candidates, [](const Candidate& c) { return c.node->LinkBeingMeasured(); });
+    }
+    for (const Candidate& c : candidates) lowest_load = std::min(lowest_load, c.node->Load());
     // A new worker gets its first request (see Node::picked).
     for (const Candidate& c : candidates) {
       if (c.node->Cold() && c.node->Load() <= lowest_load) {

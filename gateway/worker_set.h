@@ -7,7 +7,8 @@
 // prefix). Both skip excluded nodes, open breakers, busy nodes (they refused for capacity a
 // moment ago: see CircuitBreaker) and, while anything else is usable, nodes the registry marks
 // suspect; a half-open node gets the next request as its probe; a discovered node that has had
-// no request yet gets the next one it is least loaded for. A busy node is never unhealthy:
+// no request yet gets the next one it is least loaded for; a decode node whose link has no
+// measured rate yet takes one push at a time until it has one. A busy node is never unhealthy:
 // when the pickers find nothing, BusyWait tells overload (refuse for capacity) from sickness.
 //
 // Called by Gateway (discovery, counts) and by GenerateCall (snapshots, holdings, picks).
@@ -134,6 +135,14 @@ class WorkerSet {
     // while idle (see WorkerSetOptions::learned).
     LearnedLatency service;
     LearnedLatency transfer_seconds_per_mib;
+    // Attempts on this decode node, up to the end of their Prefill, that could push enough to
+    // measure its link while it has no figure yet (see PickDecode: one such push at a time).
+    std::atomic<int32_t> measuring_pushes{0};
+    // No transfer figure yet and a push in flight that may give the first one.
+    bool LinkBeingMeasured() const {
+      return measuring_pushes.load(std::memory_order_relaxed) > 0 &&
+             !transfer_seconds_per_mib.Last().has_value();
+    }
     // Requests this gateway sent it lately (halving every 5 s): bounds how much more than its
     // share a prefix it holds may win it.
     DecayingCount recent_picks;

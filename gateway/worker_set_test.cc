@@ -197,6 +197,38 @@ TEST_F(WorkerSetTest, DecodeLearnsAServiceTimeAndForgetsItWhileIdle) {
   EXPECT_EQ(set_.PickDecode(nodes.decode, {}, 0, {}), d1);
 }
 
+// Until its first push is measured, a node's link looks as fast as the fleet's best: a burst
+// must not pile onto a link that may be slow (at 5 Mbit, seconds per request). One push at a
+// time measures it.
+TEST_F(WorkerSetTest, AnUnmeasuredLinkTakesOnePushAtATimeUntilItIsMeasured) {
+  AddDecode("d0");
+  AddDecode("d1");
+  const WorkerSet::Snapshot nodes = set_.Nodes();
+  Node* d0 = nodes.decode[0].get();
+  Node* d1 = nodes.decode[1].get();
+  d0->transfer_seconds_per_mib.Observe(0.01, clock_.Now());
+  d0->in_flight = 4;
+  EXPECT_EQ(PickDecode(), d1) << "idle and not being measured: the load decides";
+  d1->in_flight = 1;
+  d1->measuring_pushes = 1;
+  EXPECT_TRUE(d1->LinkBeingMeasured());
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(PickDecode(), d0) << "the measured node, though busier";
+  EXPECT_EQ(PickDecode({d0}), d1) << "nothing else usable";
+  d1->transfer_seconds_per_mib.Observe(0.01, clock_.Now());
+  EXPECT_FALSE(d1->LinkBeingMeasured());
+  EXPECT_EQ(PickDecode(), d1) << "measured: the load decides again";
+}
+
+TEST_F(WorkerSetTest, WhenEveryLinkIsBeingMeasuredNoneIsHeldBack) {
+  AddDecode("d0");
+  AddDecode("d1");
+  const WorkerSet::Snapshot nodes = set_.Nodes();
+  for (const auto& n : nodes.decode) n->measuring_pushes = 1;
+  nodes.decode[0]->in_flight = 5;
+  nodes.decode[1]->in_flight = 1;
+  EXPECT_EQ(PickDecode(), nodes.decode[1].get());
+}
+
 TEST_F(WorkerSetTest, TheReserveTimeoutFollowsMeasuredRoundTripsWithinItsBounds) {
   EXPECT_EQ(set_.ReserveTimeout(), absl::Seconds(2));  // nothing measured: the upper bound
   for (int i = 0; i < 10; ++i) set_.ObserveReserve(absl::Milliseconds(3));

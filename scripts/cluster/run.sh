@@ -27,7 +27,8 @@
 #   --store-args A                        extra flags for every cache store replica
 #   --fault 'at=20s kill decode-1'        repeatable; also 'at=T stop NODE for D', 'at=T cut NODE
 #                                         for D' (link down), 'at=T shape NODE 200mbit' (tc tbf,
-#                                         both directions, until the end), 'at=T restart NODE',
+#                                         both directions, until the end; at=0s: before the first
+#                                         request is sent), 'at=T restart NODE',
 #                                         'at=T kill NODE for D' (SIGKILL, started again after D),
 #                                         'at=T add NODE' (start a spare worker), 'at=T dup NODE'
 #                                         (start a second process with NODE's node id on another
@@ -524,14 +525,16 @@ cluster_status() {
   { echo "cluster: status at $1s:"; cat "$file"; } >&2
 }
 
-run_fault() {
+run_fault() {  # $2 = now: at once, before the load starts
   local spec=$1 at action target rest t0 when d start ns=""
   read -r at action target rest <<<"$spec"
   at=$(seconds "${at#at=}")
-  while [[ ! -s $START_FILE ]]; do sleep 0.1; done
-  t0=$(cat "$START_FILE")
-  when=$(awk -v a="$t0" -v b="$at" -v n="$(now)" 'BEGIN { d = a + b - n; print (d > 0 ? d : 0) }')
-  sleep "$when"
+  if [[ ${2:-} != now ]]; then
+    while [[ ! -s $START_FILE ]]; do sleep 0.1; done
+    t0=$(cat "$START_FILE")
+    when=$(awk -v a="$t0" -v b="$at" -v n="$(now)" 'BEGIN { d = a + b - n; print (d > 0 ? d : 0) }')
+    sleep "$when"
+  fi
   start=$(now)
   if [[ $target == leader ]]; then
     target=$(store_leader)
@@ -595,6 +598,13 @@ run_fault() {
   echo "cluster: fault at ${at}s: $action $target${rest:+ $rest}" >&2
 }
 for spec in "${FAULTS[@]}"; do
+  read -r fault_at fault_action _ <<<"$spec"
+  if [[ $fault_action == shape && $(seconds "${fault_at#at=}") =~ ^0(\.0*)?$ ]]; then
+    # A link slow from the start: shaped before the first request, not up to 0.1 s into the
+    # load (the fault threads poll for the start), when a request may already have used it.
+    run_fault "$spec" now
+    continue
+  fi
   run_fault "$spec" &
   HELPERS+=($!)
 done

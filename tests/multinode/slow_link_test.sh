@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # A slow link is learned (issue 34): the same load twice on network namespaces (store, 2 prefill,
 # 2 decode, 1 gateway, UCX over tcp), once as is and once with decode-1's link shaped to 5 Mbit
-# (tc tbf, both directions) from the start; 384-token prompts, half of them a shared prefix, so
+# (tc tbf, both directions) before the first request; 384-token prompts, half of them a shared prefix, so
 # a push is about 200 KB (0.3 s at 5 Mbit). The gateway learns decode-1's time to first token
 # and its push rate; from then on the gateway's link canaries (a synthetic Reserve + Prefill
 # every second, no client request) keep measuring decode-1's link, so no client request probes
-# it: after the first 20 s decode-1 serves at most 10% of the decode requests, and the requests
-# the other worker served keep a p99 TTFT within 1.5x of the unshaped run's (+ 25 ms: one
-# request's noise on a shared 2-core CI machine). 0 failed, 0 wrong tokens in both. The p99 of
-# all requests is printed, not judged: it depends on how many requests decode-1 gets before its
-# first push is measured (2 of 240 in one run: 1.26x; 3 in one CI run: 699 ms, in the p99).
+# it: after the first 20 s decode-1 serves at most 10% of the decode requests, and the p99 TTFT
+# of all requests, and of those the other worker served, stays within 1.5x of the unshaped
+# run's (+ 25 ms: one request's noise on a shared 2-core CI machine). 0 failed, 0 wrong tokens
+# in both. The p99 of all requests holds because a link with no figure yet takes one push at a
+# time (WorkerSet::PickDecode): decode-1 gets its first request, none while that one's push is
+# slow, and none after (1 of 240 here; 3 before that rule, which put 699 ms in the p99).
 # Skips (exit 77) where `ip netns add` is not allowed.
 set -euo pipefail
 source "$(dirname "$0")/lib.sh"
@@ -50,5 +51,6 @@ others = [r for r in rows if r["decode_worker"] != addr]
 print(f"p99 TTFT of the requests decode-0 served: {p99(others):.0f} ms "
       f"(unshaped, all: {p99(base_rows):.0f} ms)")
 assert p99(others) <= 1.5 * p99(base_rows) + 25, (p99(others), p99(base_rows))
+assert p99(rows) <= 1.5 * p99(base_rows) + 25, (p99(rows), p99(base_rows))
 PY
 echo PASS
