@@ -939,6 +939,11 @@ absl::Status DecodeWorker::ConnectStore(const std::string& grpc_address) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<kvrelay::v1::PromoteResponse> DecodeWorker::Promote(
+    const kvrelay::v1::PromoteRequest& request, absl::Time deadline) {
+  return core_->Promote(request, kvrelay::v1::ROLE_DECODE, deadline);
+}
+
 kvrelay::v1::DecodeStatusResponse DecodeWorker::Describe() {
   const ReservationLoad load = table_->Load();
   const BatchScheduler::Counts counts = scheduler_->counts();

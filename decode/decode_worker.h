@@ -125,6 +125,11 @@ class DecodeWorker : private BatchModel {
   // else's.
   absl::Status Release(const std::string& request_id, const std::string& reservation_token);
   kvrelay::v1::DecodeStatusResponse Describe();
+  // A gateway's Promote: blocks this node holds on its disk tier back into DRAM, so its next
+  // Reserve finds them (not pushed) and a prefill worker can pull them
+  // (worker::WorkerCore::Promote).
+  absl::StatusOr<kvrelay::v1::PromoteResponse> Promote(const kvrelay::v1::PromoteRequest& request,
+                                                       absl::Time deadline);
   // Registers with the cache store (if configured) once the gRPC server listens on
   // `grpc_address`. ALREADY_EXISTS when another live process holds the node id.
   absl::Status ConnectStore(const std::string& grpc_address);

@@ -59,8 +59,19 @@ class FakePrefillEndpoint final : public PrefillEndpoint {
     response.set_layout_description(layout_fingerprint.empty() ? "" : "fake " + layout_fingerprint);
     return response;
   }
+  absl::StatusOr<kvrelay::v1::PromoteResponse> Promote(const kvrelay::v1::PromoteRequest& request,
+                                                       absl::Time /*deadline*/) override {
+    promotes.push_back(request);
+    if (!promote_status.ok()) return promote_status;
+    kvrelay::v1::PromoteResponse response;
+    response.set_promoted(promoted);
+    return response;
+  }
 
   // Settings.
+  int32_t promoted = 0;         // what Promote answers
+  absl::Status promote_status;  // what Promote fails with, if not OK
+  std::vector<kvrelay::v1::PromoteRequest> promotes;
   std::string layout_fingerprint;  // what Status reports (empty: says none)
   std::function<absl::StatusOr<kvrelay::v1::PrefillResponse>(const kvrelay::v1::PrefillRequest&,
                                                              absl::Time deadline)>
@@ -126,8 +137,19 @@ class FakeDecodeEndpoint final : public DecodeEndpoint {
     response.set_layout_description(layout_fingerprint.empty() ? "" : "fake " + layout_fingerprint);
     return response;
   }
+  absl::StatusOr<kvrelay::v1::PromoteResponse> Promote(const kvrelay::v1::PromoteRequest& request,
+                                                       absl::Time /*deadline*/) override {
+    promotes.push_back(request);
+    if (!promote_status.ok()) return promote_status;
+    kvrelay::v1::PromoteResponse response;
+    response.set_promoted(promoted);
+    return response;
+  }
 
   // Settings.
+  int32_t promoted = 0;         // what Promote answers
+  absl::Status promote_status;  // what Promote fails with, if not OK
+  std::vector<kvrelay::v1::PromoteRequest> promotes;
   std::string layout_fingerprint;  // what Status reports (empty: says none)
   int status_calls = 0;
   std::function<absl::StatusOr<kvrelay::v1::ReserveResponse>(const kvrelay::v1::ReserveRequest&,

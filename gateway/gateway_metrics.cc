@@ -22,6 +22,13 @@ Counter* BreakerOpens(MetricsRegistry* registry, MetricLabels labels, const char
                               labels);
 }
 
+Counter* Promotions(MetricsRegistry* registry, const std::string& model_name, const char* outcome) {
+  return registry->GetCounter(
+      "kvrelay:gateway_disk_promotions_total",
+      "Promote calls to workers holding a prompt's blocks on their disk tier only, by outcome.",
+      {{"model_name", model_name}, {"outcome", outcome}});
+}
+
 }  // namespace
 
 GatewayMetrics::GatewayMetrics(MetricsRegistry* registry, const std::string& model_name)
@@ -49,6 +56,12 @@ GatewayMetrics::GatewayMetrics(MetricsRegistry* registry, const std::string& mod
       failovers(registry->GetCounter("kvrelay:gateway_failovers_total",
                                      "Attempts retried on another worker pair.",
                                      {{"model_name", model_name}})),
+      promotions_ok(Promotions(registry, model_name, "ok")),
+      promotions_failed(Promotions(registry, model_name, "failed")),
+      promoted_blocks(registry->GetCounter(
+          "kvrelay:gateway_promoted_blocks_total",
+          "Blocks workers read back from their disk tier into DRAM at this gateway's Promote.",
+          {{"model_name", model_name}})),
       success_stop(Success(registry, {{"model_name", model_name}}, "stop")),
       success_length(Success(registry, {{"model_name", model_name}}, "length")),
       breaker_opens_prefill(BreakerOpens(registry, {{"model_name", model_name}}, "prefill")),

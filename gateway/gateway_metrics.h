@@ -39,6 +39,12 @@ class GatewayMetrics {
   Counter* const prefix_hit_tokens;
   Counter* const transferred_bytes;
   Counter* const failovers;
+  // kvrelay:gateway_disk_promotions_total{outcome}: Promote calls to workers holding a prompt's
+  // blocks on disk only (ok, failed); kvrelay:gateway_promoted_blocks_total: blocks they read
+  // back into DRAM.
+  Counter* const promotions_ok;
+  Counter* const promotions_failed;
+  Counter* const promoted_blocks;
   Counter* const success_stop;    // finished_reason "stop" (EOS, stop string)
   Counter* const success_length;  // finished_reason "length" (max_tokens)
   // kvrelay:gateway_breaker_opens_total{role}: a worker's breaker opened (or reopened) on a

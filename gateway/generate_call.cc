@@ -118,6 +118,10 @@ absl::StatusOr<bool> GenerateCall::Attempt() {
   pair.prefill = deps_.workers->PickPrefill(nodes.prefill, plan.held, plan.full_blocks,
                                             Excluded(Blame::kPrefill), call_.deadline, &pair.routed,
                                             &plan.disk);
+  if (pair.prefill != nullptr && !plan.store_unreachable) {
+    pair.promotions = deps_.workers->Promotions(nodes, plan.held, plan.disk, pair.prefill,
+                                                pair.decode, plan.full_blocks);
+  }
   if (pair.prefill == nullptr) {
     std::optional<absl::Duration> wait = WorkerSet::BusyWait(nodes.prefill, failed_prefill_);
     if (!busy_prefill_.empty()) wait = std::min(wait.value_or(predicted_wait_), predicted_wait_);
@@ -197,6 +201,7 @@ absl::StatusOr<bool> GenerateCall::RunPair(const Plan& plan, const Pair& pair) {
                       deps_.tenant_reservations->Take(request_.tenant(), reserved_tokens));
   KV_ASSIGN_OR_RETURN(QuotaTable::Lease client_lease,
                       deps_.client_reservations->Take(call_.client, reserved_tokens));
+  attempt_promoted_elsewhere_ = Promote(plan, pair, request_id);
   absl::StatusOr<kvrelay::v1::ReserveResponse> target = Reserve(plan, pair.decode, request_id);
   attempt_reserve_ = deps_.clock->Now() - attempt_start_;
   if (!target.ok()) {
@@ -260,6 +265,34 @@ absl::Status GenerateCall::Canary(Node* prefill, Node* decode) {
   decode->decode->Release(request_id, target.reservation_token(),
                           std::min(call_.deadline, deps_.clock->Now() + absl::Seconds(1)));
   return prefilled.status();
+}
+
+bool GenerateCall::Promote(const Plan& plan, const Pair& pair, const std::string& request_id) {
+  bool elsewhere = false;
+  for (const WorkerSet::Promotion& promotion : pair.promotions) {
+    kvrelay::v1::PromoteRequest request;
+    request.set_request_id(request_id);
+    request.set_layout_fingerprint(layout_fingerprint_);
+    *request.mutable_chain_packed() = PackChain(plan.chain);
+    request.set_first(static_cast<int32_t>(promotion.first));
+    const absl::Time deadline =
+        std::min(call_.deadline, deps_.clock->Now() + options_.promote_timeout);
+    Node* node = promotion.node;
+    absl::StatusOr<kvrelay::v1::PromoteResponse> promoted =
+        node->prefill != nullptr ? node->prefill->Promote(request, deadline)
+                                 : node->decode->Promote(request, deadline);
+    if (!promoted.ok()) {
+      deps_.metrics->promotions_failed->Increment();
+      deps_.workers->PromoteFailed(node);
+      KV_LOG(WARNING) << "request " << request_id << ": promote at " << node->address()
+                      << " failed (its disk-held blocks are recomputed): " << promoted.status();
+      continue;
+    }
+    deps_.metrics->promotions_ok->Increment();
+    deps_.metrics->promoted_blocks->Increment(static_cast<double>(promoted->promoted()));
+    if (promoted->promoted() > 0 && node != pair.prefill) elsewhere = true;
+  }
+  return elsewhere;
 }
 
 absl::StatusOr<kvrelay::v1::ReserveResponse> GenerateCall::Reserve(const Plan& plan, Node* decode,
@@ -332,8 +365,10 @@ void GenerateCall::RecordPrefill(const Pair& pair, const kvrelay::v1::PrefillRes
   summary_.set_fetched_bytes(summary_.fetched_bytes() + prefilled.fetched_bytes());
   summary_.set_prefill_worker(pair.prefill->address());
   summary_.set_decode_worker(pair.decode->address());
-  summary_.set_prefix_source(
-      pair.routed && prefilled.prefix_source() == "local" ? "routed" : prefilled.prefix_source());
+  summary_.set_prefix_source(pair.routed && prefilled.prefix_source() == "local" ? "routed"
+                             : attempt_promoted_elsewhere_ && prefilled.prefix_source() == "pulled"
+                                 ? "remote_disk"
+                                 : prefilled.prefix_source());
   summary_.set_decode_held_blocks(target.held_blocks());
 }
 

@@ -53,6 +53,9 @@ struct GenerateCallOptions {
   // one: WorkerSet::ReserveTimeout).
   absl::Duration prefill_timeout = absl::Seconds(30);
   absl::Duration chunk_timeout = absl::Seconds(5);  // first token and every gap after it
+  // Each Promote to a worker holding the prompt's blocks on disk (WorkerSet::Promotions): a
+  // local disk read of a prefix answers in milliseconds.
+  absl::Duration promote_timeout = absl::Milliseconds(250);
 };
 
 // What a call borrows from its gateway. None owned; all must outlive the call.
@@ -117,7 +120,8 @@ class GenerateCall {
   struct Pair {
     Node* prefill = nullptr;
     Node* decode = nullptr;
-    bool routed = false;  // the prefill node was picked for its prefix
+    bool routed = false;                           // the prefill node was picked for its prefix
+    std::vector<WorkerSet::Promotion> promotions;  // sent before the Reserve
   };
 
   // One attempt. An error ends the call with it; true: try again; false: stop attempting.
@@ -128,6 +132,11 @@ class GenerateCall {
   absl::StatusOr<bool> RunPair(const Plan& plan, const Pair& pair);
   absl::StatusOr<kvrelay::v1::ReserveResponse> Reserve(const Plan& plan, Node* decode,
                                                        const std::string& request_id);
+  // Sends the pair's promotions in turn, each bounded by the request's deadline and
+  // options.promote_timeout; a failed one costs only the reuse (and no Promote goes to that
+  // node for a while: WorkerSet::PromoteFailed). Returns whether a node other than the
+  // prefill's read blocks back (the prefill may pull them: prefix_source "remote_disk").
+  bool Promote(const Plan& plan, const Pair& pair, const std::string& request_id);
   absl::StatusOr<kvrelay::v1::PrefillResponse> Prefill(const Plan& plan, Node* prefill,
                                                        const kvrelay::v1::ReserveResponse& target,
                                                        const std::string& request_id);
@@ -189,6 +198,7 @@ class GenerateCall {
   absl::Time attempt_start_ = absl::InfinitePast();
   absl::Duration attempt_reserve_;
   bool attempt_streamed_ = false;
+  bool attempt_promoted_elsewhere_ = false;  // Promote's answer for this attempt
   absl::Time last_token_time_ = absl::InfiniteFuture();
   std::vector<Node*> failed_prefill_;  // excluded from later attempts
   std::vector<Node*> failed_decode_;

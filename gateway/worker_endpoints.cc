@@ -89,6 +89,15 @@ class GrpcPrefillEndpoint final : public PrefillEndpoint {
     return response;
   }
 
+  absl::StatusOr<kvrelay::v1::PromoteResponse> Promote(const kvrelay::v1::PromoteRequest& request,
+                                                       absl::Time deadline) override {
+    grpc::ClientContext context;
+    SetDeadline(context, deadline);
+    kvrelay::v1::PromoteResponse response;
+    KV_RETURN_IF_ERROR(proto::FromGrpcStatus(stub_->Promote(&context, request, &response)));
+    return response;
+  }
+
  private:
   const std::string address_;
   std::unique_ptr<kvrelay::v1::Prefill::Stub> stub_;
@@ -153,6 +162,15 @@ class GrpcDecodeEndpoint final : public DecodeEndpoint {
     kvrelay::v1::DecodeStatusResponse response;
     KV_RETURN_IF_ERROR(proto::FromGrpcStatus(
         stub_->Status(&context, kvrelay::v1::DecodeStatusRequest(), &response)));
+    return response;
+  }
+
+  absl::StatusOr<kvrelay::v1::PromoteResponse> Promote(const kvrelay::v1::PromoteRequest& request,
+                                                       absl::Time deadline) override {
+    grpc::ClientContext context;
+    SetDeadline(context, deadline);
+    kvrelay::v1::PromoteResponse response;
+    KV_RETURN_IF_ERROR(proto::FromGrpcStatus(stub_->Promote(&context, request, &response)));
     return response;
   }
 

@@ -29,6 +29,9 @@ class PrefillEndpoint {
   virtual absl::StatusOr<kvrelay::v1::PrefillResponse> Prefill(
       const kvrelay::v1::PrefillRequest& request, absl::Time deadline) = 0;
   virtual absl::StatusOr<kvrelay::v1::PrefillStatusResponse> Status(absl::Time deadline) = 0;
+  // Blocks the worker holds on its disk tier back into its DRAM segment (best effort).
+  virtual absl::StatusOr<kvrelay::v1::PromoteResponse> Promote(
+      const kvrelay::v1::PromoteRequest& request, absl::Time deadline) = 0;
 };
 
 // Receives decode chunks in order; returns false to stop (the caller went away).
@@ -48,6 +51,9 @@ class DecodeEndpoint {
   virtual void Release(const std::string& request_id, const std::string& reservation_token,
                        absl::Time deadline) = 0;
   virtual absl::StatusOr<kvrelay::v1::DecodeStatusResponse> Status(absl::Time deadline) = 0;
+  // As PrefillEndpoint::Promote.
+  virtual absl::StatusOr<kvrelay::v1::PromoteResponse> Promote(
+      const kvrelay::v1::PromoteRequest& request, absl::Time deadline) = 0;
 };
 
 absl::StatusOr<std::unique_ptr<PrefillEndpoint>> MakeGrpcPrefillEndpoint(

@@ -671,4 +671,52 @@ Node* WorkerSet::PickDecode(const NodeList& decodes,
   return best;
 }
 
+std::vector<WorkerSet::Promotion> WorkerSet::Promotions(
+    const Snapshot& nodes, const absl::flat_hash_map<std::string, int32_t>& held,
+    const absl::flat_hash_map<std::string, int32_t>& disk, Node* prefill, Node* decode,
+    int64_t full_blocks) const {
+  std::vector<Promotion> out;
+  if (disk.empty()) return out;
+  const int64_t now_ns = absl::ToUnixNanos(clock_->Now());
+  auto count = [](const absl::flat_hash_map<std::string, int32_t>& m, const std::string& id) {
+    auto it = m.find(id);
+    return it == m.end() ? int64_t{0} : int64_t{it->second};
+  };
+  auto promotable = [&](const Node* n) {
+    return !n->NodeId().empty() && count(disk, n->NodeId()) > 0 &&
+           n->promote_after_ns.load(std::memory_order_relaxed) <= now_ns;
+  };
+  const int64_t prefill_held =
+      prefill == nullptr ? 0 : std::min(count(held, prefill->NodeId()), full_blocks);
+  Node* holder = nullptr;
+  int64_t holder_held = prefill_held;
+  for (const NodeList* list : {&nodes.prefill, &nodes.decode}) {
+    for (const auto& n : *list) {
+      if (n.get() == prefill || !promotable(n.get())) continue;
+      const int64_t h = std::min(count(held, n->NodeId()), full_blocks);
+      if (h > holder_held) {
+        holder = n.get();
+        holder_held = h;
+      }
+    }
+  }
+  if (holder != nullptr && prefill != nullptr) {
+    const double rate = prefill->prefill_tokens.rate();
+    const double blocks = static_cast<double>(holder_held - prefill_held);
+    const double read_seconds = options_.disk_read_bytes_per_second > 0
+                                    ? blocks * static_cast<double>(options_.block_bytes) /
+                                          options_.disk_read_bytes_per_second
+                                    : 0;
+    if (rate > 0 && read_seconds >= blocks * options_.block_tokens / rate) holder = nullptr;
+  }
+  if (holder != nullptr) out.push_back({holder, holder == decode ? 0 : prefill_held});
+  if (decode != nullptr && decode != holder && promotable(decode)) out.push_back({decode, 0});
+  return out;
+}
+
+void WorkerSet::PromoteFailed(Node* node) const {
+  node->promote_after_ns.store(absl::ToUnixNanos(clock_->Now() + options_.promote_backoff),
+                               std::memory_order_relaxed);
+}
+
 }  // namespace kvrelay::gateway

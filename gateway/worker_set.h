@@ -88,6 +88,9 @@ struct WorkerSetOptions {
   // decode worker costs a few round trips, not the fixed worst case.
   absl::Duration reserve_timeout_floor = absl::Milliseconds(500);
   absl::Duration reserve_timeout = absl::Seconds(2);
+  // After a Promote to a node failed, none goes to it for this long: a hung or slow disk holder
+  // costs one request one wait, not every request.
+  absl::Duration promote_backoff = absl::Seconds(5);
   // Decode costs within 50% + this of the lowest are a tie: differences a request's own noise
   // makes (a new process's first requests pay connection set-up) must not steer light traffic.
   absl::Duration tie_margin = absl::Milliseconds(50);
@@ -138,6 +141,8 @@ class WorkerSet {
     // Attempts on this decode node, up to the end of their Prefill, that could push enough to
     // measure its link while it has no figure yet (see PickDecode: one such push at a time).
     std::atomic<int32_t> measuring_pushes{0};
+    // When Promote calls to this node may resume (unix ns; see WorkerSet::PromoteFailed).
+    mutable std::atomic<int64_t> promote_after_ns{0};
     // No transfer figure yet and a push in flight that may give the first one.
     bool LinkBeingMeasured() const {
       return measuring_pushes.load(std::memory_order_relaxed) > 0 &&
@@ -265,6 +270,29 @@ class WorkerSet {
                    int64_t full_blocks, const std::vector<Node*>& excluded,
                    PickReason* reason = nullptr,
                    const absl::flat_hash_map<std::string, int32_t>* disk = nullptr);
+  // A Promote to send before a request's Reserve: `node` reads the prompt's blocks it holds on
+  // its disk tier only, from chain index `first` on, back into its DRAM segment.
+  struct Promotion {
+    Node* node = nullptr;
+    int64_t first = 0;
+  };
+  // Where reading a prompt's disk-held blocks back pays, at most one Promotion per node:
+  //  - the node (not `prefill`) whose held prefix runs furthest past the prefill node's and
+  //    holds some of it on disk only, from the prefill node's end: once in DRAM the prefill
+  //    worker pulls them (or recomputes them, by its own cost model). Only when reading them at
+  //    options.disk_read_bytes_per_second is faster than `prefill` computing them at its learned
+  //    rate (or no rate is learned yet);
+  //  - `decode`, when it holds blocks on disk only: its Reserve then finds them in DRAM, and
+  //    they are not pushed.
+  // Nodes whose last Promote failed less than promote_backoff ago are skipped.
+  std::vector<Promotion> Promotions(const Snapshot& nodes,
+                                    const absl::flat_hash_map<std::string, int32_t>& held,
+                                    const absl::flat_hash_map<std::string, int32_t>& disk,
+                                    Node* prefill, Node* decode, int64_t full_blocks) const;
+  // A Promote to `node` failed (it did not answer in time, or refused): none is sent to it for
+  // options.promote_backoff.
+  void PromoteFailed(Node* node) const;
+
   // The bound for the next Reserve call, and a Reserve round trip to learn it from.
   absl::Duration ReserveTimeout() const { return reserve_rtt_.Timeout(); }
   void ObserveReserve(absl::Duration round_trip) { reserve_rtt_.Observe(round_trip); }

@@ -229,6 +229,51 @@ TEST_F(WorkerSetTest, WhenEveryLinkIsBeingMeasuredNoneIsHeldBack) {
   EXPECT_EQ(PickDecode(), nodes.decode[1].get());
 }
 
+// Promote goes to the node whose held prefix runs furthest past the prefill node's with some
+// of it on disk only (from the prefill node's end), and to the picked decode node when it holds
+// blocks on disk; not when recomputing is faster than reading, nor to a node whose last
+// Promote failed within promote_backoff.
+TEST_F(WorkerSetTest, PromotionsGoToTheFurthestDiskHolderAndToTheDecodeNode) {
+  AddPrefill("p0");
+  AddPrefill("p1");
+  AddDecode("d0");
+  AddDecode("d1");
+  const WorkerSet::Snapshot nodes = set_.Nodes();
+  Node* p0 = nodes.prefill[0].get();
+  Node* p1 = nodes.prefill[1].get();
+  Node* d0 = nodes.decode[0].get();
+  Node* d1 = nodes.decode[1].get();
+  p0->SetNodeId("p0");
+  p1->SetNodeId("p1");
+  d0->SetNodeId("d0");
+  d1->SetNodeId("d1");
+  using Held = absl::flat_hash_map<std::string, int32_t>;
+  auto promotions = [&](const Held& held, const Held& disk, Node* decode) {
+    std::vector<std::pair<Node*, int64_t>> out;
+    for (const WorkerSet::Promotion& p : set_.Promotions(nodes, held, disk, p0, decode, 8)) {
+      out.emplace_back(p.node, p.first);
+    }
+    return out;
+  };
+  using Expected = std::vector<std::pair<Node*, int64_t>>;
+  const Held held = {{"p0", 2}, {"p1", 6}, {"d0", 4}, {"d1", 3}};
+  EXPECT_EQ(promotions(held, {}, d0), Expected{}) << "nothing on disk";
+  EXPECT_EQ(promotions(held, {{"p1", 3}}, d0), (Expected{{p1, 2}}));
+  EXPECT_EQ(promotions(held, {{"p1", 3}, {"d1", 1}}, d1), (Expected{{p1, 2}, {d1, 0}}));
+  EXPECT_EQ(promotions({{"p0", 2}, {"d1", 6}}, {{"d1", 2}}, d1), (Expected{{d1, 0}}))
+      << "the decode node is the holder: one Promote, from its first block";
+  EXPECT_EQ(promotions(held, {{"p0", 2}}, d0), Expected{}) << "the prefill node reads its own";
+  // 4 blocks of 1 MiB read at 1 GB/s (4 ms) against 64 tokens at a million per second.
+  p0->prefill_tokens.Observe(1e6, 1.0, clock_.Now());
+  EXPECT_EQ(promotions(held, {{"p1", 3}}, d0), Expected{}) << "recomputing is faster";
+  p0->prefill_tokens.ObserveCeiling(1e3, 1.0, clock_.Now());  // now slow: reading pays
+  ASSERT_EQ(promotions(held, {{"p1", 3}}, d0), (Expected{{p1, 2}}));
+  set_.PromoteFailed(p1);
+  EXPECT_EQ(promotions(held, {{"p1", 3}}, d0), Expected{}) << "it just failed";
+  clock_.Advance(Options().promote_backoff);
+  EXPECT_EQ(promotions(held, {{"p1", 3}}, d0), (Expected{{p1, 2}}));
+}
+
 TEST_F(WorkerSetTest, TheReserveTimeoutFollowsMeasuredRoundTripsWithinItsBounds) {
   EXPECT_EQ(set_.ReserveTimeout(), absl::Seconds(2));  // nothing measured: the upper bound
   for (int i = 0; i < 10; ++i) set_.ObserveReserve(absl::Milliseconds(3));

@@ -559,6 +559,11 @@ absl::Status PrefillWorker::ConnectStore(const std::string& grpc_address) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<kvrelay::v1::PromoteResponse> PrefillWorker::Promote(
+    const kvrelay::v1::PromoteRequest& request, absl::Time deadline) {
+  return core_->Promote(request, kvrelay::v1::ROLE_PREFILL, deadline);
+}
+
 kvrelay::v1::PrefillStatusResponse PrefillWorker::Describe() const {
   kvrelay::v1::PrefillStatusResponse response;
   response.set_model(options_.model_name);

@@ -81,6 +81,10 @@ class PrefillWorker {
   absl::StatusOr<kvrelay::v1::PrefillResponse> Run(const kvrelay::v1::PrefillRequest& request,
                                                    absl::Time deadline);
   kvrelay::v1::PrefillStatusResponse Describe() const;
+  // A gateway's Promote: blocks this node holds on its disk tier back into DRAM, for a prefill
+  // worker elsewhere to pull (worker::WorkerCore::Promote).
+  absl::StatusOr<kvrelay::v1::PromoteResponse> Promote(const kvrelay::v1::PromoteRequest& request,
+                                                       absl::Time deadline);
   // SIGTERM drain: refuses new requests (UNAVAILABLE, FAILURE_DRAINING: gateways go elsewhere
   // without counting it a failure) while admitted ones finish; waits until none is left or
   // `deadline`, then deregisters. Returns whether every request finished in time. Blocks.

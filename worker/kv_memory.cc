@@ -103,6 +103,21 @@ absl::Status CacheSegment::StoreBlock(const model::Sequence& seq, int64_t block_
   return absl::OkStatus();
 }
 
+absl::Status CacheSegment::StoreBlockBytes(absl::Span<const uint8_t> unit, int64_t slot) const {
+  if (slot < 0 || slot >= num_slots()) {
+    return absl::InvalidArgumentError(absl::StrCat("cache slot ", slot, " out of range"));
+  }
+  if (unit.size() != block_bytes_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("block unit of ", unit.size(), " bytes, want ", block_bytes_));
+  }
+  for (size_t g = 0; g < group_offsets_.size(); ++g) {
+    std::memcpy(GroupUnit(slot, static_cast<int>(g)), unit.data() + group_offsets_[g],
+                static_cast<size_t>(layout_.BlockBytes(static_cast<int>(g))));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CacheSegment::LoadBlock(int64_t slot, model::KvCache& cache,
                                      std::vector<std::vector<kv::SlotId>>& group_slots) const {
   if (slot < 0 || slot >= num_slots()) {

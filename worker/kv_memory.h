@@ -60,6 +60,9 @@ class CacheSegment {
   // Copies block `block_index` of `seq` (every group) into `slot`. FailedPrecondition when a
   // group's block was freed (-1).
   absl::Status StoreBlock(const model::Sequence& seq, int64_t block_index, int64_t slot) const;
+  // Copies a block unit's bytes (block_bytes() of them, laid out as LoadBlockBytes reads them:
+  // a block read back from the disk tier) into `slot`. InvalidArgument for another size.
+  absl::Status StoreBlockBytes(absl::Span<const uint8_t> unit, int64_t slot) const;
   // Copies `slot` into freshly allocated KvCache slots, one per group (appended to
   // `group_slots[g]`); the caller owns one reference on each.
   absl::Status LoadBlock(int64_t slot, model::KvCache& cache,

@@ -11,6 +11,8 @@
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "kv/secret.h"
+#include "proto/grpc_status.h"
+#include "proto/limits.h"
 
 namespace kvrelay::worker {
 namespace {
@@ -193,6 +195,88 @@ absl::Status WorkerCore::ConnectStore(const std::string& grpc_address,
   KV_ASSIGN_OR_RETURN(
       store, StoreLink::Connect(link, segment.get(), clock, absl::Now() + absl::Seconds(30)));
   return absl::OkStatus();
+}
+
+absl::StatusOr<kvrelay::v1::PromoteResponse> WorkerCore::Promote(
+    const kvrelay::v1::PromoteRequest& request, kvrelay::v1::Role role, absl::Time deadline) {
+  auto refuse = [&](absl::Status status, kvrelay::v1::FailureReason reason) {
+    kvrelay::v1::ErrorInfo info;
+    info.set_role(role);
+    info.set_node_id(node_id);
+    info.set_incarnation(incarnation);
+    info.set_reason(reason);
+    return proto::WithErrorInfo(std::move(status), info);
+  };
+  if (request.request_id().empty() || request.request_id().size() > 64) {
+    return refuse(absl::InvalidArgumentError(absl::StrCat("request_id: want 1-64 bytes, got ",
+                                                          request.request_id().size())),
+                  kvrelay::v1::FAILURE_INVALID_REQUEST);
+  }
+  const std::string& packed = request.chain_packed();
+  const int64_t blocks = static_cast<int64_t>(packed.size() / 16);
+  if (packed.size() % 16 != 0 || blocks > limits::kMaxChainBlocks) {
+    return refuse(absl::InvalidArgumentError(absl::StrCat(
+                      "chain_packed: want a multiple of 16 bytes, at most ",
+                      limits::kMaxChainBlocks, " hashes; got ", packed.size(), " bytes")),
+                  kvrelay::v1::FAILURE_INVALID_REQUEST);
+  }
+  if (request.first() < 0 || request.first() >= blocks) {
+    return refuse(absl::InvalidArgumentError(
+                      absl::StrCat("first: want [0, ", blocks, "), got ", request.first())),
+                  kvrelay::v1::FAILURE_INVALID_REQUEST);
+  }
+  const kv::ModelLayout& layout = model_config().layout;
+  if (request.layout_fingerprint() != layout.fingerprint().ToBytes()) {
+    return refuse(absl::FailedPreconditionError(absl::StrCat(
+                      "promote: the chain was hashed for another layout than this node's (",
+                      layout.Describe(), ")")),
+                  kvrelay::v1::FAILURE_IDENTITY);
+  }
+  kvrelay::v1::PromoteResponse response;
+  if (disk == nullptr || segment == nullptr || store == nullptr) return response;
+  std::vector<kv::BlockHash> chain;
+  chain.reserve(static_cast<size_t>(blocks));
+  for (int64_t i = 0; i < blocks; ++i) {
+    chain.push_back(kv::BlockHash::FromBytes(
+        absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(packed.data()) + i * 16, 16)));
+  }
+  // Reads of at most ~64 MiB: each read's buffers live only until its blocks are committed.
+  const int64_t per_read =
+      std::max<int64_t>(1, (int64_t{64} << 20) / static_cast<int64_t>(segment->block_bytes()));
+  int64_t i = request.first();
+  while (i < blocks && clock->Now() < deadline) {
+    const int64_t run = std::min(disk->HeldRun(chain, i), per_read);
+    if (run == 0) {  // not on disk (in DRAM, or nowhere here): the next one may be
+      ++i;
+      continue;
+    }
+    absl::StatusOr<std::vector<std::vector<uint8_t>>> read = disk->Read(
+        absl::MakeConstSpan(chain).subspan(static_cast<size_t>(i), static_cast<size_t>(run)),
+        deadline);
+    if (!read.ok() || read->empty()) {
+      if (!read.ok()) {
+        KV_LOG(WARNING) << request.request_id() << ": promote: disk read: " << read.status();
+        break;
+      }
+      ++i;  // the block failed verification (unlisted now): the rest may still verify
+      continue;
+    }
+    const std::vector<std::vector<uint8_t>>& units = *read;
+    const int64_t from = i;
+    absl::StatusOr<int32_t> committed = store->CommitBlocksFrom(
+        chain, from, from + static_cast<int64_t>(units.size()),
+        [&](int64_t block, int64_t slot) {
+          return segment->StoreBlockBytes(units[static_cast<size_t>(block - from)], slot);
+        },
+        deadline);
+    if (!committed.ok()) {
+      KV_LOG(WARNING) << request.request_id() << ": promote: commit: " << committed.status();
+      break;
+    }
+    response.set_promoted(response.promoted() + *committed);
+    i += static_cast<int64_t>(units.size());
+  }
+  return response;
 }
 
 }  // namespace kvrelay::worker

@@ -25,6 +25,7 @@
 #include "common/clock.h"
 #include "common/server/credentials.h"
 #include "kv/hf_config.h"
+#include "kvrelay/v1/common.pb.h"
 #include "model/attention_model.h"
 #include "model/mamba_runner.h"
 #include "model/select/model_select.h"
@@ -117,6 +118,18 @@ struct WorkerCore {
   // free for the next process at once). Returns whether the worker went idle in time. Blocks
   // the caller, checking `idle` every 10 ms.
   bool DrainAndLeave(const std::function<bool()>& idle, absl::Time deadline);
+
+  // A gateway's PromoteRequest (proto/kvrelay/v1/common.proto): reads the blocks of the
+  // request's chain, from `first` on, that the disk tier lists (runs of them; blocks not listed
+  // are skipped) back into the cache segment and commits them there, so a prefill worker
+  // elsewhere can pull them and this node's own next Reserve or Prefill finds them in DRAM.
+  // Bounded by `deadline` (the disk reads and the store calls). Without a disk tier or store:
+  // nothing promoted. InvalidArgument (FAILURE_INVALID_REQUEST) for a malformed request,
+  // FailedPrecondition (FAILURE_IDENTITY) for another layout; both attributed to `role` and
+  // this node. A disk read or commit that fails ends the promotion with what it had: the
+  // blocks are recomputed elsewhere, not an error.
+  absl::StatusOr<kvrelay::v1::PromoteResponse> Promote(const kvrelay::v1::PromoteRequest& request,
+                                                       kvrelay::v1::Role role, absl::Time deadline);
 
   // The model's config and layout, whichever runner computes it.
   const kv::ModelConfig& model_config() const {

@@ -148,10 +148,12 @@ const std::vector<MethodRule>& AuthorizationTable() {
       // Workers act only for a gateway.
       {"/kvrelay.v1.Prefill/Prefill", kGateways, false},
       {"/kvrelay.v1.Prefill/Status", kObservers, false},
+      {"/kvrelay.v1.Prefill/Promote", kGateways, false},
       {"/kvrelay.v1.Decode/Reserve", kGateways, false},
       {"/kvrelay.v1.Decode/Generate", kGateways, false},
       {"/kvrelay.v1.Decode/Release", kGateways, false},
       {"/kvrelay.v1.Decode/Status", kObservers, false},
+      {"/kvrelay.v1.Decode/Promote", kGateways, false},
       // The front door: tenants (certificate or bearer token) and operators.
       {"/kvrelay.v1.Gateway/Generate", {PeerRole::kClient, PeerRole::kAdmin}, false},
       // The cluster's state (`kvrelay status`): every tenant's load, so operators only.

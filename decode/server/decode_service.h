@@ -26,6 +26,8 @@ class DecodeService final : public kvrelay::v1::Decode::Service {
                        kvrelay::v1::ReleaseResponse* response) override;
   grpc::Status Status(grpc::ServerContext* context, const kvrelay::v1::DecodeStatusRequest* request,
                       kvrelay::v1::DecodeStatusResponse* response) override;
+  grpc::Status Promote(grpc::ServerContext* context, const kvrelay::v1::PromoteRequest* request,
+                       kvrelay::v1::PromoteResponse* response) override;
 
  private:
   DecodeWorker* const worker_;

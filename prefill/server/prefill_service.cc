@@ -32,4 +32,21 @@ grpc::Status PrefillService::Status(grpc::ServerContext* context,
   return grpc::Status::OK;
 }
 
+grpc::Status PrefillService::Promote(grpc::ServerContext* context,
+                                     const kvrelay::v1::PromoteRequest* request,
+                                     kvrelay::v1::PromoteResponse* response) {
+  if (absl::Status allowed =
+          authorizer_.Authorize(*context, "/kvrelay.v1.Prefill/Promote").status();
+      !allowed.ok()) {
+    return proto::ToGrpcStatus(allowed);
+  }
+  // Best effort for a request on its way: a call without a deadline gets a few seconds.
+  absl::Time deadline = absl::FromChrono(context->deadline());
+  if (deadline > absl::Now() + absl::Minutes(1)) deadline = absl::Now() + absl::Seconds(5);
+  absl::StatusOr<kvrelay::v1::PromoteResponse> result = worker_->Promote(*request, deadline);
+  if (!result.ok()) return proto::ToGrpcStatus(result.status());
+  *response = *std::move(result);
+  return grpc::Status::OK;
+}
+
 }  // namespace kvrelay::prefill::server

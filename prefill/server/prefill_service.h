@@ -22,6 +22,8 @@ class PrefillService final : public kvrelay::v1::Prefill::Service {
   grpc::Status Status(grpc::ServerContext* context,
                       const kvrelay::v1::PrefillStatusRequest* request,
                       kvrelay::v1::PrefillStatusResponse* response) override;
+  grpc::Status Promote(grpc::ServerContext* context, const kvrelay::v1::PromoteRequest* request,
+                       kvrelay::v1::PromoteResponse* response) override;
 
  private:
   PrefillWorker* const worker_;

@@ -22,6 +22,9 @@
 #   --model DIR | --arch A                model to serve (default: a generated tiny llama)
 #   --threads N                           compute threads per worker (default 1)
 #   --pool-blocks N --cache-slots N       per-worker KV slots (default 1024 / 4096)
+#   --ssd-slots N                         a disk tier of N block slots per worker (--ssd-dir
+#                                         OUT/ssd/NODE, --ssd-bytes N slots of the model's layout;
+#                                         a restarted node finds its disk again)
 #   --prefill-args A --decode-args A      extra flags for every prefill / decode worker / gateway
 #   --gateway-args A                      (e.g. --gateway-args '--prefix-routing=false')
 #   --store-args A                        extra flags for every cache store replica
@@ -73,7 +76,7 @@ ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 BIN=${KVRELAY_BIN_DIR:-$ROOT/build/bin}
 KVRELAY="$BIN/kvrelay"
 ETCD_BIN=${KVRELAY_ETCD:-/usr/bin/etcd}
-PREFILL=2 DECODE=2 GATEWAYS=1 STORES=1 THREADS=1 POOL_BLOCKS=1024 CACHE_SLOTS=4096
+PREFILL=2 DECODE=2 GATEWAYS=1 STORES=1 THREADS=1 POOL_BLOCKS=1024 CACHE_SLOTS=4096 SSD_SLOTS=0
 SPARE_PREFILL=0 SPARE_DECODE=0 FIXED_WORKERS=0 SAMPLE_EVERY=0 SETTLE=0
 PREFILL_ARGS="" DECODE_ARGS="" GATEWAY_ARGS="" STORE_ARGS=""
 MODEL="" ARCH=llama OUT="" SUBNET=10.77.0 EXTERNAL="" PRINT_ONLY=0 ID="kvr$$"
@@ -95,6 +98,7 @@ while (($#)); do
     --threads) THREADS=$2; shift 2 ;;
     --pool-blocks) POOL_BLOCKS=$2; shift 2 ;;
     --cache-slots) CACHE_SLOTS=$2; shift 2 ;;
+    --ssd-slots) SSD_SLOTS=$2; shift 2 ;;
     --prefill-args) PREFILL_ARGS=$2; shift 2 ;;
     --decode-args) DECODE_ARGS=$2; shift 2 ;;
     --gateway-args) GATEWAY_ARGS=$2; shift 2 ;;
@@ -148,6 +152,19 @@ if [[ -z $MODEL ]]; then
   [[ -f $MODEL/config.json ]] || "$KVRELAY" make-test-model --arch "$ARCH" --seed 5 --out "$MODEL" >/dev/null
 fi
 MODEL=$(cd "$MODEL" && pwd)
+SSD_BYTES=0
+if ((SSD_SLOTS > 0)); then
+  # A disk slot is a 4 KiB header and the block (every layer group), 4 KiB aligned
+  # (kv/disk/DiskTier).
+  block_bytes=$("$KVRELAY" layout --config "$MODEL/config.json" --json |
+    /usr/bin/python3 -c 'import json, sys; print(sum(g["block_bytes"] for g in json.load(sys.stdin)["groups"]))')
+  SSD_BYTES=$((SSD_SLOTS * (4096 + (block_bytes + 4095) / 4096 * 4096)))
+fi
+ssd_args() {  # a worker's disk tier flags ($1: its node name)
+  ((SSD_BYTES > 0)) || return 0
+  mkdir -p "$OUT/ssd/$1"
+  echo "--ssd-dir $OUT/ssd/$1 --ssd-bytes $SSD_BYTES"
+}
 
 # --- nodes: name -> address, command --------------------------------------------------------------
 HUB="$ID-hub"
@@ -198,11 +215,11 @@ node_args() {
     prefill-*) echo "prefill --host $a --port 7100 --metrics-port 0 --transport-host $a" \
                     "--transport-port 7300 --cachestore $STORE --model $MODEL --node-id $name" \
                     "--threads $THREADS --pool-blocks $POOL_BLOCKS --cache-slots $CACHE_SLOTS" \
-                    "--insecure $PREFILL_ARGS" ;;
+                    "$(ssd_args "$name") --insecure $PREFILL_ARGS" ;;
     decode-*) echo "decode --host $a --port 7200 --metrics-port 0 --transport-host $a" \
                    "--transport-port 7300 --cachestore $STORE --model $MODEL --node-id $name" \
                    "--threads $THREADS --pool-blocks $POOL_BLOCKS --cache-slots $CACHE_SLOTS" \
-                   "--insecure $DECODE_ARGS" ;;
+                   "$(ssd_args "$name") --insecure $DECODE_ARGS" ;;
     gateway-*)
       if ((FIXED_WORKERS)); then
         echo "gateway --host $a --port 8000 --metrics-port 0 --cachestore $STORE" \

@@ -1,5 +1,7 @@
-// The workers' disk tier on real processes (`kvrelay up --ssd-dir`: cache store, 1 prefill and
-// 1 decode worker with 8 DRAM cache slots each and a disk tier behind them, a gateway):
+// The workers' disk tier on real processes (a cache store, 1 prefill and 1 decode worker with 8
+// DRAM cache slots each, a gateway; the prefill worker with a disk tier behind its DRAM, the
+// decode worker without, so its copies do not serve the prompts these cases read from the
+// prefill worker's disk):
 //  - a prompt whose blocks were pushed out of DRAM by other prompts comes back from the prefill
 //    worker's disk (prefix_source "disk"), with the co-located reference's tokens; its TTFT is
 //    printed next to a cold request's and a DRAM hit's;
@@ -8,7 +10,10 @@
 //  - after kill -9 and a restart of the prefill worker (same node id, new incarnation), its
 //    disk blocks are used again, only after the restart scan verified them;
 //  - a disk that fails reads (its file cut short) and a disk too small for the tier (a 64 KiB
-//    tmpfs) stop it with a log line and a metric while the worker serves on from DRAM.
+//    tmpfs) stop it with a log line and a metric while the worker serves on from DRAM;
+//  - with a disk tier on both workers (`kvrelay up --ssd-dir`, a second cluster), a
+//    conversation's next turn held on the decode worker's disk is promoted there before the
+//    Reserve and pulled by the prefill worker.
 
 #include <fcntl.h>
 #include <signal.h>
@@ -46,6 +51,7 @@ class DiskTier : public ::testing::Test {
     dir_ = new testing::TempDir();
     model_dir_ = dir_->File("llama");
     ssd_dir_ = dir_->File("ssd");
+    std::filesystem::create_directories(ssd_dir_ + "/prefill-0");
     ASSERT_TRUE(WriteModel(model_dir_, "llama").ok());
     absl::StatusOr<kv::ModelConfig> config = kv::LoadHfConfig(model_dir_ + "/config.json", {});
     ASSERT_TRUE(config.ok()) << config.status();
@@ -54,21 +60,34 @@ class DiskTier : public ::testing::Test {
         cli::ColocatedGenerator::Load(model_dir_, 1, {.kind = model::DeviceChoice::Kind::kCpu});
     ASSERT_TRUE(reference.ok()) << reference.status();
     reference_ = reference->release();
+    absl::StatusOr<std::unique_ptr<LocalCluster>> cluster = StartCluster(/*decode_disk=*/false);
+    ASSERT_TRUE(cluster.ok()) << cluster.status();
+    cluster_ = cluster->release();
+  }
+  // With `decode_disk` both workers get a disk tier (under ssd_dir_/both), else the prefill
+  // worker alone (ssd_dir_/prefill-0).
+  static absl::StatusOr<std::unique_ptr<LocalCluster>> StartCluster(bool decode_disk) {
     ClusterOptions options;
     options.model_dir = model_dir_;
     options.prefill = 1;
     options.decode = 1;
     options.worker_args = absl::StrCat(kPatientStoreCalls, " --cache-slots ", kCacheSlots);
-    options.extra_args = {"--ssd-dir",         ssd_dir_,
-                          "--ssd-bytes",       absl::StrCat(kSsdBytes),
-                          "--cachestore-args", "--node-ttl 3s --policy leaf-lru",
-                          "--gateway-args",    "--prefill-timeout 10s"};
-    absl::StatusOr<std::unique_ptr<LocalCluster>> cluster = LocalCluster::Start(options);
-    ASSERT_TRUE(cluster.ok()) << cluster.status();
-    cluster_ = cluster->release();
+    options.extra_args = {"--cachestore-args", "--node-ttl 3s --policy leaf-lru", "--gateway-args",
+                          "--prefill-timeout 10s"};
+    if (decode_disk) {
+      options.extra_args.insert(options.extra_args.end(), {"--ssd-dir", ssd_dir_ + "/both",
+                                                           "--ssd-bytes", absl::StrCat(kSsdBytes)});
+    } else {
+      options.extra_args.insert(
+          options.extra_args.end(),
+          {"--prefill-args",
+           absl::StrCat("--ssd-dir ", ssd_dir_, "/prefill-0 --ssd-bytes ", kSsdBytes)});
+    }
+    return LocalCluster::Start(options);
   }
   static void TearDownTestSuite() {
     delete restarted_;
+    delete both_;
     delete cluster_;
     delete reference_;
     delete config_;
@@ -94,18 +113,37 @@ class DiskTier : public ::testing::Test {
     EXPECT_TRUE(expected.ok()) << expected.status();
     return expected.ok() ? expected->tokens : std::vector<int32_t>{};
   }
-  static absl::StatusOr<cli::GenerationResult> Generate(const GatewayRequest& r) {
-    GatewayClient client(cluster_->gateway());
+  static absl::StatusOr<cli::GenerationResult> Generate(const GatewayRequest& r,
+                                                        LocalCluster* cluster = cluster_) {
+    GatewayClient client(cluster->gateway());
     return client.Generate(r, kRequestTimeout);
   }
   // Prompts of 6 full blocks each, 4 of them: 24 blocks through 8 DRAM slots on each worker.
-  static void PushOutOfDram(uint32_t seed) {
+  static void PushOutOfDram(uint32_t seed, LocalCluster* cluster = cluster_) {
     for (uint32_t i = 0; i < 4; ++i) {
       const GatewayRequest r = Request(RandomPrompt(100, seed + i));
-      absl::StatusOr<cli::GenerationResult> out = Generate(r);
-      ASSERT_TRUE(out.ok()) << out.status() << cluster_->Log();
+      absl::StatusOr<cli::GenerationResult> out = Generate(r, cluster);
+      ASSERT_TRUE(out.ok()) << out.status() << cluster->Log();
       EXPECT_EQ(out->tokens, Reference(r));
     }
+  }
+  // Until the store lists as many disk blocks as the workers' tiers hold (each worker announces
+  // its tier's changes within about 100 ms): what the next request's routing sees.
+  static void WaitForDiskAnnounced(LocalCluster* cluster) {
+    KV_ASSERT_OK_AND_ASSIGN(ServiceInfo store, cluster->Service("cachestore"));
+    double on_disks = 0, listed = -1;
+    for (int i = 0; i < 100 && on_disks != listed; ++i) {
+      if (i > 0) absl::SleepFor(absl::Milliseconds(50));
+      on_disks = 0;
+      for (const char* name : {"prefill-0", "decode-0"}) {
+        KV_ASSERT_OK_AND_ASSIGN(ServiceInfo worker, cluster->Service(name));
+        on_disks += ScrapeMetric(worker.metrics_address, "kvrelay:disk_tier_blocks").value_or(0);
+      }
+      listed =
+          ScrapeMetric(store.metrics_address, "kvrelay:cachestore_tier_used_slots{tier=\"ssd\"}")
+              .value_or(-1);
+    }
+    ASSERT_EQ(on_disks, listed) << "the store did not list the workers' disk blocks";
   }
   static std::string PrefillMetrics() {
     if (restarted_metrics_.empty()) {
@@ -190,6 +228,7 @@ class DiskTier : public ::testing::Test {
   static kv::ModelConfig* config_;
   static cli::ColocatedGenerator* reference_;
   static LocalCluster* cluster_;
+  static LocalCluster* both_;  // both workers with a disk tier (started by the test using it)
   static testing::ChildProcess* restarted_;
   static std::string restarted_metrics_;
 };
@@ -199,6 +238,7 @@ std::string DiskTier::ssd_dir_;
 kv::ModelConfig* DiskTier::config_ = nullptr;
 cli::ColocatedGenerator* DiskTier::reference_ = nullptr;
 LocalCluster* DiskTier::cluster_ = nullptr;
+LocalCluster* DiskTier::both_ = nullptr;
 testing::ChildProcess* DiskTier::restarted_ = nullptr;
 std::string DiskTier::restarted_metrics_;
 
@@ -245,6 +285,49 @@ TEST_F(DiskTier, BlocksPushedOutOfDramComeBackFromDisk) {
     if (t.tier() == v1::TIER_SSD) ssd_used = t.used_bytes();
   }
   EXPECT_GT(ssd_used, 0);
+}
+
+// A conversation's next turn whose blocks were pushed out of DRAM: the prefill worker's disk
+// holds the first prompt's 5 blocks, the decode worker's disk the first turn's whole sequence
+// (7 blocks: prompt and answer). The gateway has the decode worker read its disk back before
+// the Reserve (WorkerSet::Promotions): the decode worker then holds all 7 in DRAM (nothing of
+// them is pushed), and the prefill worker reads its own 5 from disk and pulls the 2 it lacks
+// from the decode worker's DRAM (prefix_source "remote_disk"), with the reference's tokens.
+TEST_F(DiskTier, ANextTurnOnAnotherNodesDiskIsPromotedThereAndPulled) {
+  absl::StatusOr<std::unique_ptr<LocalCluster>> both = StartCluster(/*decode_disk=*/true);
+  ASSERT_TRUE(both.ok()) << both.status();
+  both_ = both->release();
+  GatewayRequest first = Request(RandomPrompt(90, 701));
+  first.generation.max_tokens = 30;
+  const std::vector<int32_t> answer = Reference(first);
+  ASSERT_EQ(answer.size(), 30u);
+  KV_ASSERT_OK_AND_ASSIGN(cli::GenerationResult turn1, Generate(first, both_));
+  EXPECT_EQ(turn1.tokens, answer);
+
+  GatewayRequest next = Request(first.generation.tokens);
+  next.generation.tokens.insert(next.generation.tokens.end(), answer.begin(), answer.end());
+  for (int32_t t : RandomPrompt(10, 702)) next.generation.tokens.push_back(t);
+  const std::vector<int32_t> expected = Reference(next);
+  KV_ASSERT_OK_AND_ASSIGN(ServiceInfo gateway, both_->Service("gateway"));
+  KV_ASSERT_OK_AND_ASSIGN(
+      double promoted_before,
+      ScrapeMetric(gateway.metrics_address, "kvrelay:gateway_promoted_blocks_total"));
+
+  PushOutOfDram(800, both_);
+  ASSERT_NO_FATAL_FAILURE(WaitForDiskAnnounced(both_));
+  KV_ASSERT_OK_AND_ASSIGN(cli::GenerationResult turn2, Generate(next, both_));
+  EXPECT_EQ(turn2.tokens, expected);
+  EXPECT_EQ(turn2.prefix_source, "remote_disk") << both_->Log();
+  EXPECT_EQ(turn2.prefix_hit_tokens, 7 * 16);
+  EXPECT_EQ(turn2.decode_held_blocks, 7) << "promoted before the Reserve: not pushed";
+  EXPECT_GT(turn2.fetched_bytes, 0) << "the 2 blocks the prefill worker lacked were pulled";
+  KV_ASSERT_OK_AND_ASSIGN(double promoted, ScrapeMetric(gateway.metrics_address,
+                                                        "kvrelay:gateway_promoted_blocks_total"));
+  EXPECT_GE(promoted - promoted_before, 7);
+  std::printf(
+      "next turn from another node's disk: TTFT %.1f ms, %d prompt tokens reused, %lld bytes "
+      "pulled\n",
+      turn2.ttft_ms, turn2.prefix_hit_tokens, static_cast<long long>(turn2.fetched_bytes));
 }
 
 // Every listed slot's payload gets one flipped byte: whatever the next request reads from disk

@@ -37,6 +37,11 @@ class LocalPrefillEndpoint final : public gateway::PrefillEndpoint {
     if (dead_.load()) return absl::UnavailableError("connection refused");
     return worker_->Describe();
   }
+  absl::StatusOr<kvrelay::v1::PromoteResponse> Promote(const kvrelay::v1::PromoteRequest& request,
+                                                       absl::Time deadline) override {
+    if (dead_.load()) return absl::UnavailableError("connection refused");
+    return worker_->Promote(request, deadline);
+  }
 
  private:
   prefill::PrefillWorker* const worker_;
@@ -96,6 +101,11 @@ class LocalDecodeEndpoint final : public gateway::DecodeEndpoint {
   absl::StatusOr<kvrelay::v1::DecodeStatusResponse> Status(absl::Time) override {
     if (dead_.load()) return absl::UnavailableError("connection refused");
     return worker_->Describe();
+  }
+  absl::StatusOr<kvrelay::v1::PromoteResponse> Promote(const kvrelay::v1::PromoteRequest& request,
+                                                       absl::Time deadline) override {
+    if (dead_.load()) return absl::UnavailableError("connection refused");
+    return worker_->Promote(request, deadline);
   }
 
  private:

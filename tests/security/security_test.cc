@@ -189,6 +189,14 @@ TEST_F(SecurityTest, OnlyGatewaysPrefillAndReserve) {
       context.set_deadline(In(absl::Seconds(10)));
       v1::PrefillResponse response;
       ExpectDenied(prefill->Prefill(&context, request, &response), "Prefill/Prefill");
+      // Nor may it make workers read their disk tier into DRAM (only gateways promote).
+      v1::PromoteRequest promote;
+      promote.set_request_id("attack-1");
+      promote.set_chain_packed(std::string(16, 'x'));
+      grpc::ClientContext promote_context;
+      promote_context.set_deadline(In(absl::Seconds(10)));
+      v1::PromoteResponse promoted;
+      ExpectDenied(prefill->Promote(&promote_context, promote, &promoted), "Prefill/Promote");
 
       // Attack 4's last part: Reserve calls that would fill every decode worker's slots.
       for (const char* decode : {"decode-0", "decode-1"}) {
@@ -201,6 +209,13 @@ TEST_F(SecurityTest, OnlyGatewaysPrefillAndReserve) {
         reserve_context.set_deadline(In(absl::Seconds(10)));
         v1::ReserveResponse reserved;
         ExpectDenied(stub->Reserve(&reserve_context, reserve, &reserved), "Decode/Reserve");
+        v1::PromoteRequest promote;
+        promote.set_request_id("attack-4");
+        promote.set_chain_packed(std::string(16, 'x'));
+        grpc::ClientContext promote_context;
+        promote_context.set_deadline(In(absl::Seconds(10)));
+        v1::PromoteResponse promoted;
+        ExpectDenied(stub->Promote(&promote_context, promote, &promoted), "Decode/Promote");
       }
     }
   }
