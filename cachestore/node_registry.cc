@@ -252,6 +252,10 @@ std::vector<NodeInfo> NodeRegistry::List(absl::Time now) const {
     for (const Segment& s : n.segments) {
       info.capacity_slots += s.spec.capacity_slots;
       info.used_slots += s.used;
+      if (s.spec.tier == Tier::kSsd) {
+        info.ssd_capacity_slots += s.spec.capacity_slots;
+        info.ssd_used_slots += s.used;
+      }
     }
     out.push_back(std::move(info));
   }

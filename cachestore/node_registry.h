@@ -85,6 +85,7 @@ struct NodeLoad {
   int64_t queued_requests = 0;
   int64_t free_kv_blocks = 0;
   int64_t total_kv_blocks = 0;
+  int64_t disk_read_bytes_per_second = 0;
   friend bool operator==(const NodeLoad&, const NodeLoad&) = default;
 };
 
@@ -96,8 +97,10 @@ struct NodeInfo {
   NodeState state = NodeState::kLive;
   NodeLoad load;
   absl::Duration since_heartbeat;
-  int64_t capacity_slots = 0;
+  int64_t capacity_slots = 0;  // every segment
   int64_t used_slots = 0;
+  int64_t ssd_capacity_slots = 0;  // of those, the disk tier's (Tier::kSsd) segments
+  int64_t ssd_used_slots = 0;
 };
 
 // A replica described for a reader.

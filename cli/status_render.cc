@@ -159,8 +159,12 @@ void AddRegistered(NodeRow& row, const NodeInfo& n) {
   row.incarnation = n.incarnation();
   row.address = n.grpc_address();
   row.since_heartbeat_ms = n.since_heartbeat_ms();
-  row.dram_used_slots = n.used_slots();
-  row.dram_total_slots = n.capacity_slots();
+  row.dram_used_slots = n.used_slots() - n.ssd_used_slots();
+  row.dram_total_slots = n.capacity_slots() - n.ssd_capacity_slots();
+  if (n.ssd_capacity_slots() > 0) {
+    row.ssd_used_slots = n.ssd_used_slots();
+    row.ssd_total_slots = n.ssd_capacity_slots();
+  }
   if (n.state() == kvrelay::v1::NODE_STATE_SUSPECT) {
     row.why.push_back(absl::StrCat("registry: no heartbeat for ", n.since_heartbeat_ms(),
                                    " ms (TTL ", n.ttl_ms(), " ms)"));
@@ -296,7 +300,9 @@ nlohmann::json StatusJson(const ClusterStatus& status) {
          {"tiers",
           {{"dram",
             {{"used_slots", known(n.dram_used_slots)}, {"total_slots", known(n.dram_total_slots)}}},
-           {"ssd", nullptr}}},
+           {"ssd", n.ssd_total_slots < 0 ? nlohmann::json(nullptr)
+                                         : nlohmann::json{{"used_slots", n.ssd_used_slots},
+                                                          {"total_slots", n.ssd_total_slots}}}}},
          {"kv_pool",
           {{"free_slots", known(n.pool_free_slots)}, {"total_slots", known(n.pool_total_slots)}}},
          {"hit_rate", n.hit_rate.has_value() ? nlohmann::json(*n.hit_rate) : nullptr},
@@ -369,12 +375,12 @@ std::string StatusTable(const ClusterStatus& status) {
     if (n.transfer_ms_per_mib > 0) {
       rates.push_back(absl::StrFormat("push %.1f ms/MiB", n.transfer_ms_per_mib));
     }
-    cells.push_back({n.node_id, n.role, absl::StrFormat("%016x", n.incarnation), n.address, n.state,
-                     slots(n.dram_used_slots, n.dram_total_slots), "-",
-                     slots(n.pool_free_slots, n.pool_total_slots), Percent(n.hit_rate),
-                     absl::StrCat(n.in_flight),
-                     n.active_requests >= 0 ? absl::StrCat(n.active_requests) : "-", n.breaker,
-                     rates.empty() ? "-" : absl::StrJoin(rates, "; ")});
+    cells.push_back(
+        {n.node_id, n.role, absl::StrFormat("%016x", n.incarnation), n.address, n.state,
+         slots(n.dram_used_slots, n.dram_total_slots), slots(n.ssd_used_slots, n.ssd_total_slots),
+         slots(n.pool_free_slots, n.pool_total_slots), Percent(n.hit_rate),
+         absl::StrCat(n.in_flight), n.active_requests >= 0 ? absl::StrCat(n.active_requests) : "-",
+         n.breaker, rates.empty() ? "-" : absl::StrJoin(rates, "; ")});
   }
   std::vector<size_t> widths(cells[0].size(), 0);
   for (const auto& row : cells) {

@@ -46,6 +46,9 @@ struct NodeRow {
   // Cache segment (DRAM tier) slots, from the registry; -1: unknown.
   int64_t dram_used_slots = -1;
   int64_t dram_total_slots = -1;
+  // Its disk tier's slots, from the registry; -1: no disk tier (or unknown).
+  int64_t ssd_used_slots = -1;
+  int64_t ssd_total_slots = -1;
   // The request KV pool (decode: free of total slots), from the node's Status; -1: unknown.
   int64_t pool_free_slots = -1;
   int64_t pool_total_slots = -1;

@@ -123,6 +123,30 @@ const NodeRow* Find(const ClusterStatus& s, const std::string& id) {
   return nullptr;
 }
 
+// A worker with a disk tier: the registry counts its disk segment's slots apart, and the
+// table shows them under SSD, not in DRAM SLOTS.
+TEST(StatusRender, ADiskTiersSlotsShowUnderSsd) {
+  v1::GatewayStatusResponse cluster = FixedCluster();
+  v1::NodeInfo* p0 = cluster.mutable_registry()->mutable_nodes(0);
+  p0->set_capacity_slots(256 + 2048);
+  p0->set_used_slots(12 + 100);
+  p0->set_ssd_capacity_slots(2048);
+  p0->set_ssd_used_slots(100);
+  std::vector<GatewayReply> replies;
+  replies.push_back({"127.0.0.1:50051", cluster});
+  const ClusterStatus s = MergeStatus(std::move(replies));
+  const NodeRow* row = Find(s, "prefill-0");
+  ASSERT_NE(row, nullptr);
+  EXPECT_EQ(row->dram_used_slots, 12);
+  EXPECT_EQ(row->dram_total_slots, 256);
+  EXPECT_EQ(row->ssd_used_slots, 100);
+  EXPECT_EQ(row->ssd_total_slots, 2048);
+  EXPECT_THAT(StatusTable(s), ::testing::ContainsRegex("prefill-0 .* 12/256 +100/2048 "));
+  const NodeRow* d0 = Find(s, "decode-0");
+  ASSERT_NE(d0, nullptr);
+  EXPECT_EQ(d0->ssd_total_slots, -1) << "no disk tier";
+}
+
 TEST(StatusRender, MergesTheRegistryAndTheGatewaysIntoOneStatePerNode) {
   const ClusterStatus s = Merged();
   ASSERT_EQ(s.nodes.size(), 5u);

@@ -191,6 +191,8 @@ WorkerSet::NodeList WorkerSet::ApplyRole(const NodeList& nodes,
                                  info.load().active_requests() + info.load().queued_requests(),
                                  std::numeric_limits<int32_t>::max())),
                              std::memory_order_relaxed);
+      n->disk_read_bytes_per_second.store(
+          static_cast<double>(info.load().disk_read_bytes_per_second()), std::memory_order_relaxed);
       if (n->discovered) {
         const bool suspect = info.state() == kvrelay::v1::NODE_STATE_SUSPECT;
         // Heartbeating again after the store lost it (a pause or a partition that ended): an
@@ -440,11 +442,12 @@ Node* WorkerSet::RankPrefill(const NodeList& prefills, const std::vector<int32_t
       const size_t i = (rotation + k) % prefills.size();
       Node* n = prefills[i].get();
       if (!usable(n)) continue;
-      // A block held only on the node's disk costs its read there.
-      const double disk_seconds = options_.disk_read_bytes_per_second > 0
+      // A block held only on the node's disk costs its read there, at the rate the node
+      // measured (nominal until it has).
+      const double disk_rate = n->DiskReadRate(options_.disk_read_bytes_per_second);
+      const double disk_seconds = disk_rate > 0
                                       ? static_cast<double>(on_disk[i]) *
-                                            static_cast<double>(options_.block_bytes) /
-                                            options_.disk_read_bytes_per_second
+                                            static_cast<double>(options_.block_bytes) / disk_rate
                                       : 0;
       const double cost = !options_.prefix_routing ? static_cast<double>(n->Load())
                           : measured
@@ -703,10 +706,9 @@ std::vector<WorkerSet::Promotion> WorkerSet::Promotions(
   if (holder != nullptr && prefill != nullptr) {
     const double rate = prefill->prefill_tokens.rate();
     const double blocks = static_cast<double>(holder_held - prefill_held);
-    const double read_seconds = options_.disk_read_bytes_per_second > 0
-                                    ? blocks * static_cast<double>(options_.block_bytes) /
-                                          options_.disk_read_bytes_per_second
-                                    : 0;
+    const double disk_rate = holder->DiskReadRate(options_.disk_read_bytes_per_second);
+    const double read_seconds =
+        disk_rate > 0 ? blocks * static_cast<double>(options_.block_bytes) / disk_rate : 0;
     if (rate > 0 && read_seconds >= blocks * options_.block_tokens / rate) holder = nullptr;
   }
   if (holder != nullptr) out.push_back({holder, holder == decode ? 0 : prefill_held});

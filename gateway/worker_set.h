@@ -75,10 +75,10 @@ struct WorkerSetOptions {
   MetricLabels metric_labels;
   // Layout bytes of one block (every layer group): the decode picker's transfer term.
   int64_t block_bytes = 0;
-  // Bytes per second a prefill worker is assumed to read its disk tier at when a held prefix
-  // lies there (the prefill picker's cost of a disk-held block: block_bytes / this, against
-  // recomputing it). Nominal, one NVMe; the workers measure their own and recompute blocks
-  // whose read would be slower.
+  // Bytes per second a worker is assumed to read its disk tier at until it reports the rate it
+  // measured (NodeLoad.disk_read_bytes_per_second, with its heartbeats): the prefill picker's
+  // cost of a disk-held block (block_bytes / rate, against recomputing it) and Promotions'.
+  // Nominal, one NVMe; the workers also recompute blocks whose read would be slower.
   double disk_read_bytes_per_second = 1e9;
   // How fast what the pickers learned about a node (service time, transfer rate) is forgotten
   // while it gets no request: half the distance to the fleet's best per half-life.
@@ -128,6 +128,13 @@ class WorkerSet {
     // Active + queued requests the node last reported to the store (every gateway's, not only
     // this one's); refreshed by each discovery pass.
     std::atomic<int32_t> reported_load{0};
+    // Its disk tier's read rate as it measured it (bytes/s; 0: unknown), refreshed likewise.
+    std::atomic<double> disk_read_bytes_per_second{0};
+    // That rate, or options.disk_read_bytes_per_second (nominal) while unknown.
+    double DiskReadRate(double nominal) const {
+      const double measured = disk_read_bytes_per_second.load(std::memory_order_relaxed);
+      return measured > 0 ? measured : nominal;
+    }
     // Prefill nodes: how long a Prefill call takes, and prompt tokens computed per second of it
     // (the cost model's inputs for routing).
     kv::RateMeter prefill_calls;
@@ -244,7 +251,8 @@ class WorkerSet {
   // by route_timeout and `deadline`. `*routed` is set when the prefix, not the load alone,
   // decided the pick.
   // `disk` (optional): of `held`, the blocks each node holds only on its disk tier; with measured
-  // rates each costs a read at options.disk_read_bytes_per_second instead of nothing.
+  // rates each costs a read at the node's measured disk read rate (options.
+  // disk_read_bytes_per_second until it reported one) instead of nothing.
   Node* PickPrefill(const NodeList& prefills, const absl::flat_hash_map<std::string, int32_t>& held,
                     int64_t full_blocks, const std::vector<Node*>& excluded, absl::Time deadline,
                     bool* routed, const absl::flat_hash_map<std::string, int32_t>* disk = nullptr);
@@ -280,8 +288,8 @@ class WorkerSet {
   //  - the node (not `prefill`) whose held prefix runs furthest past the prefill node's and
   //    holds some of it on disk only, from the prefill node's end: once in DRAM the prefill
   //    worker pulls them (or recomputes them, by its own cost model). Only when reading them at
-  //    options.disk_read_bytes_per_second is faster than `prefill` computing them at its learned
-  //    rate (or no rate is learned yet);
+  //    the holder's measured disk rate (nominal until known) is faster than `prefill` computing
+  //    them at its learned rate (or no rate is learned yet);
   //  - `decode`, when it holds blocks on disk only: its Reserve then finds them in DRAM, and
   //    they are not pushed.
   // Nodes whose last Promote failed less than promote_backoff ago are skipped.

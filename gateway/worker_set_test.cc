@@ -272,6 +272,9 @@ TEST_F(WorkerSetTest, PromotionsGoToTheFurthestDiskHolderAndToTheDecodeNode) {
   EXPECT_EQ(promotions(held, {{"p1", 3}}, d0), Expected{}) << "it just failed";
   clock_.Advance(Options().promote_backoff);
   EXPECT_EQ(promotions(held, {{"p1", 3}}, d0), (Expected{{p1, 2}}));
+  // The holder measured its disk at 1 MB/s: 4 MiB read in 4 s, 64 tokens computed in 64 ms.
+  p1->disk_read_bytes_per_second = 1e6;
+  EXPECT_EQ(promotions(held, {{"p1", 3}}, d0), Expected{}) << "its disk is slower than compute";
 }
 
 TEST_F(WorkerSetTest, TheReserveTimeoutFollowsMeasuredRoundTripsWithinItsBounds) {
@@ -534,6 +537,7 @@ TEST_F(DiscoveryTest, AddsListedWorkersRefreshesThemAndDropsTheOnesGone) {
   *listed.add_nodes() = Listed("d-a", kvrelay::v1::NODE_ROLE_DECODE, "10.0.0.2:50052", 1);
   listed.mutable_nodes(1)->mutable_load()->set_active_requests(3);
   listed.mutable_nodes(1)->mutable_load()->set_queued_requests(2);
+  listed.mutable_nodes(0)->mutable_load()->set_disk_read_bytes_per_second(3'000'000'000);
   // Neither live nor reachable: not added.
   *listed.add_nodes() = Listed("d-b", kvrelay::v1::NODE_ROLE_DECODE, "10.0.0.3:50052", 1,
                                kvrelay::v1::NODE_STATE_SUSPECT);
@@ -550,6 +554,8 @@ TEST_F(DiscoveryTest, AddsListedWorkersRefreshesThemAndDropsTheOnesGone) {
   set_.Apply(listed);
   EXPECT_EQ(made_.size(), 2u);
   EXPECT_EQ(first.decode[0]->Load(), 5);  // active + queued
+  EXPECT_EQ(first.prefill[0]->DiskReadRate(1e9), 3e9) << "the rate it measured";
+  EXPECT_EQ(first.decode[0]->DiskReadRate(1e9), 1e9) << "none reported: nominal";
 
   // The decode worker turns suspect; the prefill worker is gone from the registry.
   kvrelay::v1::ListNodesResponse later;

@@ -276,6 +276,10 @@ void StoreLink::HeartbeatLoop() {
     next_heartbeat = absl::Now() + interval;
     kvrelay::v1::NodeLoad load;
     if (options_.load) load = options_.load();
+    if (options_.disk != nullptr) {
+      load.set_disk_read_bytes_per_second(
+          static_cast<int64_t>(std::min(options_.disk->read_bytes_per_second(), 1e12)));
+    }
     absl::StatusOr<kvrelay::v1::HeartbeatResponse> r = client_->Heartbeat(&load);
     if (r.ok() && r->known() && r->store_incarnation() != 0) {
       // A store that restarted from its log knows this node and its DRAM blocks, not what the

@@ -299,10 +299,12 @@ void ToProto(const NodeSpec& spec, v1::NodeInfo* out) {
 }
 
 grpc::Status ParseLoad(const v1::NodeLoad& in, int64_t max, NodeLoad* out) {
-  const std::pair<const char*, int64_t> fields[] = {{"load.active_requests", in.active_requests()},
-                                                    {"load.queued_requests", in.queued_requests()},
-                                                    {"load.free_kv_blocks", in.free_kv_blocks()},
-                                                    {"load.total_kv_blocks", in.total_kv_blocks()}};
+  const std::pair<const char*, int64_t> fields[] = {
+      {"load.active_requests", in.active_requests()},
+      {"load.queued_requests", in.queued_requests()},
+      {"load.free_kv_blocks", in.free_kv_blocks()},
+      {"load.total_kv_blocks", in.total_kv_blocks()},
+      {"load.disk_read_bytes_per_second", in.disk_read_bytes_per_second()}};
   for (const auto& [name, v] : fields) {
     if (v < 0 || v >= max) return Invalid(absl::StrCat(name, ": want 0 to ", max - 1, ", got ", v));
   }
@@ -310,6 +312,7 @@ grpc::Status ParseLoad(const v1::NodeLoad& in, int64_t max, NodeLoad* out) {
   out->queued_requests = in.queued_requests();
   out->free_kv_blocks = in.free_kv_blocks();
   out->total_kv_blocks = in.total_kv_blocks();
+  out->disk_read_bytes_per_second = in.disk_read_bytes_per_second();
   return grpc::Status::OK;
 }
 
@@ -494,9 +497,12 @@ grpc::Status CacheStoreService::ListNodes(grpc::ServerContext* ctx, const v1::Li
     out->mutable_load()->set_queued_requests(n.load.queued_requests);
     out->mutable_load()->set_free_kv_blocks(n.load.free_kv_blocks);
     out->mutable_load()->set_total_kv_blocks(n.load.total_kv_blocks);
+    out->mutable_load()->set_disk_read_bytes_per_second(n.load.disk_read_bytes_per_second);
     out->set_since_heartbeat_ms(absl::ToInt64Milliseconds(n.since_heartbeat));
     out->set_capacity_slots(n.capacity_slots);
     out->set_used_slots(n.used_slots);
+    out->set_ssd_capacity_slots(n.ssd_capacity_slots);
+    out->set_ssd_used_slots(n.ssd_used_slots);
   }
   return t.Done(Served(term));
 }

@@ -260,7 +260,13 @@ absl::StatusOr<TierSizes> ParseTierSizes(const std::string& flag, const std::str
 
 absl::StatusOr<std::vector<TieredPlanRow>> PlanTiered(const LoadedTrace& trace,
                                                       const PlanModel& model, TierSizes sizes,
-                                                      const std::vector<std::string>& policies) {
+                                                      const std::vector<std::string>& policies,
+                                                      TierRates rates) {
+  if (!(rates.prefill_flops_per_second > 0) || !(rates.disk_read_bytes_per_second > 0)) {
+    return absl::InvalidArgumentError(
+        "tier rates: the prefill FLOP/s and disk read bytes/s "
+        "must be positive");
+  }
   const int64_t block_bytes = model.parts.full_bytes + model.parts.window_bytes;
   const int64_t dram_blocks = static_cast<int64_t>(sizes.dram_bytes) / block_bytes;
   const int64_t ssd_blocks = static_cast<int64_t>(sizes.ssd_bytes) / block_bytes;
@@ -269,6 +275,22 @@ absl::StatusOr<std::vector<TieredPlanRow>> PlanTiered(const LoadedTrace& trace,
         absl::StrCat("tiers: each tier must hold at least one 512-token block of ", model.name,
                      " (", block_bytes, " bytes)"));
   }
+  // A saved token's prefill FLOPs at the trace's mean prompt length (its attention over that
+  // context, window layers over at most their window).
+  double prompt_tokens = 0;
+  for (const sim::TraceRequest& r : trace.requests) {
+    prompt_tokens += static_cast<double>(
+        r.input_length >= 0 ? r.input_length
+                            : static_cast<int64_t>(r.hash_ids.size()) * sim::kTraceBlockTokens);
+  }
+  const double mean_prompt =
+      prompt_tokens / static_cast<double>(std::max<size_t>(trace.requests.size(), 1));
+  const double window_context =
+      model.window_tokens > 0 ? std::min(mean_prompt, static_cast<double>(model.window_tokens))
+                              : mean_prompt;
+  const double flops_per_saved_token = model.linear_flops_per_token +
+                                       model.attention_flops_per_pair * mean_prompt +
+                                       model.window_flops_per_pair * window_context;
   std::vector<TieredPlanRow> rows;
   for (const std::string& policy : policies) {
     if (sim::IsOfflinePolicy(policy)) {
@@ -295,6 +317,10 @@ absl::StatusOr<std::vector<TieredPlanRow>> PlanTiered(const LoadedTrace& trace,
         requests;
     row.disk_read_bytes_per_request =
         static_cast<double>(tiered.disk_hit_blocks) * static_cast<double>(block_bytes) / requests;
+    row.ttft_saved_ms_per_request =
+        1e3 *
+        (row.extra_hit_tokens_per_request * flops_per_saved_token / rates.prefill_flops_per_second -
+         row.disk_read_bytes_per_request / rates.disk_read_bytes_per_second);
     rows.push_back(std::move(row));
   }
   return rows;

@@ -93,6 +93,15 @@ struct TierSizes {
 // naming the flag and the part that does not parse.
 absl::StatusOr<TierSizes> ParseTierSizes(const std::string& flag, const std::string& text);
 
+// What a request's TTFT saving from the disk tier is estimated with: the prefill compute a
+// disk hit saves and the disk read it costs instead (reads and compute not overlapped).
+struct TierRates {
+  // Effective prefill FLOP/s of one node: about 40% of an H100's 989 dense BF16 TFLOP/s.
+  double prefill_flops_per_second = 400e12;
+  // One PCIe 4.0 NVMe drive's sequential read.
+  double disk_read_bytes_per_second = 6e9;
+};
+
 struct TieredPlanRow {
   std::string model;
   std::string policy;
@@ -106,11 +115,16 @@ struct TieredPlanRow {
   // request saves over DRAM alone (what its TTFT saves, less the disk reads).
   double extra_hit_tokens_per_request = 0;
   double disk_read_bytes_per_request = 0;  // KV read back from disk
+  // Prefill time the extra hits save (at TierRates::prefill_flops_per_second, each extra token
+  // at the trace's mean prompt length) less the disk reads' time, per request. Negative: the
+  // disk is slower than recomputing (workers then recompute: nothing saved).
+  double ttft_saved_ms_per_request = 0;
 };
 // Replays the trace through DRAM (sized in the model's whole blocks) with a disk tier behind it
 // (sim::ReplayTiered, online policies only) and through the same DRAM alone.
 absl::StatusOr<std::vector<TieredPlanRow>> PlanTiered(const LoadedTrace& trace,
                                                       const PlanModel& model, TierSizes sizes,
-                                                      const std::vector<std::string>& policies);
+                                                      const std::vector<std::string>& policies,
+                                                      TierRates rates = {});
 
 }  // namespace kvrelay::cachestore::tools

@@ -147,6 +147,14 @@ TEST(PlanTest, ADiskTierAddsHitsOnTopOfTheSameDram) {
   EXPECT_GT(r.disk_hit_rate, 0);
   EXPECT_GT(r.disk_read_bytes_per_request, 0);
   EXPECT_GE(r.ssd_blocks, 8 * r.dram_blocks);
+  EXPECT_GT(r.ttft_saved_ms_per_request, 0) << "a fast disk saves prefill time";
+  // A disk slower than recomputing saves nothing: the estimate says so (negative).
+  KV_ASSERT_OK_AND_ASSIGN(
+      auto slow, PlanTiered(trace, model, sizes, {"lru"},
+                            {.prefill_flops_per_second = 1e18, .disk_read_bytes_per_second = 1e6}));
+  EXPECT_LT(slow[0].ttft_saved_ms_per_request, 0);
+  EXPECT_THAT(PlanTiered(trace, model, sizes, {"lru"}, {.disk_read_bytes_per_second = 0}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("positive")));
   EXPECT_THAT(ParseTierSizes("--tiers", "dram=1GiB"),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("both")));
   EXPECT_THAT(ParseTierSizes("--tiers", "dram=1GiB,ssd=lots"),
