@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "cachestore/random_id.h"
 #include "common/file_util.h"
+#include "common/heap.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
 
@@ -1331,8 +1332,16 @@ absl::Status CacheStore::WriteSnapshotNow() {
 }
 
 absl::Status CacheStore::SnapshotLocked() {
-  std::vector<WalOp> ops = StateAsOpsLocked(WalTokens::kDrop);
-  KV_RETURN_IF_ERROR(WriteSnapshot(options_.data_dir + kSnapshotFile, ops));
+  absl::Status written;
+  {
+    std::vector<WalOp> ops = StateAsOpsLocked(WalTokens::kDrop);
+    written = WriteSnapshot(options_.data_dir + kSnapshotFile, ops);
+  }
+  // The whole index as records, then as one framed string: tens of MiB for a few seconds,
+  // which the allocator would otherwise keep resident (a 30-minute soak's store grew 43% at
+  // its first snapshot and stayed there).
+  ReleaseFreeHeapMemory();
+  KV_RETURN_IF_ERROR(written);
   return wal_->Reset();
 }
 

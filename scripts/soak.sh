@@ -4,7 +4,7 @@
 #
 #   scripts/soak.sh [--minutes 30] [--rate R] [--fault-every 60] [--rss-from 300]
 #                   [--rss-growth 2] [--fd-slack 4] [--cache-slots N] [--event-retention N]
-#                   [--verify-sample N] [--out DIR] [--name ID]
+#                   [--snapshot-every N] [--verify-sample N] [--out DIR] [--name ID]
 #
 # Starts scripts/cluster/run.sh (cache store, 2 prefill and 2 decode workers, 1 gateway, each in
 # its own network namespace, UCX over tcp, a generated tiny llama) and sends Poisson arrivals
@@ -13,8 +13,9 @@
 # tokens for --minutes, every token checked against the co-located reference (or
 # --verify-sample requests spread over the run). --cache-slots (per worker, default 4096) sets
 # how soon the caches and the store's index are full, --event-retention (the store's, default
-# 65536 events of about 350 bytes) how soon its event ring is: a short run needs both small to
-# reach its steady state. A fault every --fault-every
+# 65536 events of about 350 bytes) how soon its event ring is, --snapshot-every (the store's
+# WAL records between snapshots, default 100000: about 16 minutes at 20 req/s) how soon it
+# writes its first snapshot: a short run needs all three small to reach its steady state. A fault every --fault-every
 # seconds, in turn:
 #   stop decode-0 for 6s, cut store for 8s, kill prefill-1 for 5s (a new incarnation),
 #   stop prefill-0 for 5s, cut decode-1 for 5s, stop store for 8s (a hung store),
@@ -40,7 +41,7 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 MINUTES=30 RATE=20 FAULT_EVERY=60 RSS_FROM=300 RSS_GROWTH=2 FD_SLACK=4 OUT="" NAME="soak$$" MODEL_ARGS=()
-CACHE_SLOTS=4096 VERIFY_SAMPLE=0 EVENT_RETENTION=65536
+CACHE_SLOTS=4096 VERIFY_SAMPLE=0 EVENT_RETENTION=65536 SNAPSHOT_EVERY=100000
 while (($#)); do
   case "$1" in
     --minutes) MINUTES=$2; shift 2 ;;
@@ -55,11 +56,12 @@ while (($#)); do
     --cache-slots) CACHE_SLOTS=$2; shift 2 ;;
     --verify-sample) VERIFY_SAMPLE=$2; shift 2 ;;
     --event-retention) EVENT_RETENTION=$2; shift 2 ;;
+    --snapshot-every) SNAPSHOT_EVERY=$2; shift 2 ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) echo "soak.sh: unknown option '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
-for n in MINUTES FAULT_EVERY RSS_FROM CACHE_SLOTS EVENT_RETENTION FD_SLACK; do
+for n in MINUTES FAULT_EVERY RSS_FROM CACHE_SLOTS EVENT_RETENTION SNAPSHOT_EVERY FD_SLACK; do
   [[ ${!n} =~ ^[0-9]+$ ]] && ((${!n} >= 1)) || { echo "soak.sh: --${n,,} must be a positive integer" >&2; exit 2; }
 done
 [[ $VERIFY_SAMPLE =~ ^[0-9]+$ ]] || { echo "soak.sh: --verify-sample must be a count" >&2; exit 2; }
@@ -82,7 +84,8 @@ echo "soak: ${MINUTES} min at ${RATE} req/s ($REQUESTS requests), $((${#faults[@
 
 set +e
 "$ROOT/scripts/cluster/run.sh" --name "$NAME" --out "$OUT" "${MODEL_ARGS[@]}" --sample-every 10 \
-  --cache-slots "$CACHE_SLOTS" --store-args "--event-retention $EVENT_RETENTION" --settle 25 \
+  --cache-slots "$CACHE_SLOTS" --settle 25 \
+  --store-args "--event-retention $EVENT_RETENTION --snapshot-every $SNAPSHOT_EVERY" \
   "${faults[@]}" -- --rate "$RATE" --num-requests "$REQUESTS" --max-requests "$REQUESTS" \
   --max-duration "$((DURATION + 60))s" --input-tokens 512 --output-tokens 16 \
   --shared-prefix-ratio 0.5 --prefix-groups 16 --concurrency 128 --timeout 20s \

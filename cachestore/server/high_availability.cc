@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "cachestore/wal.h"
+#include "common/heap.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "proto/grpc_status.h"
@@ -312,6 +313,8 @@ grpc::Status ReplicationService::Follow(grpc::ServerContext* ctx,
     KV_LOG(INFO) << "cachestore: " << req->follower() << " follows from a snapshot of "
                  << snapshot.size() << " ops at position " << position;
   }
+  // The snapshot (the whole index as records) is gone: its pages go back to the kernel.
+  if (!resumable) ReleaseFreeHeapMemory();
   while (!ctx->IsCancelled() && !stopping_.load(std::memory_order_acquire)) {
     if (grpc::Status s = still_leading(); !s.ok()) return s;
     uint64_t next = position;

@@ -52,7 +52,9 @@
 #   --sample-every S                      every S seconds, each running node's RSS, open file
 #                                         descriptors, CPU seconds and load gauges (requests running and
 #                                         waiting, KV pool use, reservation memory regions, store
-#                                         leases, gateway requests in flight) go to samples.csv
+#                                         leases, gateway requests in flight; the store's index
+#                                         bytes, retained events, kept token blocks) go to
+#                                         samples.csv
 #   --settle S                            after the load, wait S seconds, then take a last sample
 #                                         (t = "final") and save every node's /metrics in
 #                                         metrics/NODE.prom: what is still held when idle;
@@ -656,14 +658,17 @@ sample_nodes() {  # one row per running node, t = $1
       /^kvrelay:decode_reservation_memory_regions[{ ]/ { add("regions", $NF) }
       /^kvrelay:cachestore_active_leases[{ ]/ { add("leases", $NF) }
       /^kvrelay:gateway_requests_in_flight[{ ]/ { add("in_flight", $NF) }
-      END { n = split("running waiting kv_usage regions leases in_flight", k, " ")
+      /^kvrelay:cachestore_index_bytes[{ ]/ { add("index_bytes", $NF) }
+      /^kvrelay:cachestore_retained_events[{ ]/ { add("events", $NF) }
+      /^kvrelay:cachestore_kept_token_blocks[{ ]/ { add("token_blocks", $NF) }
+      END { n = split("running waiting kv_usage regions leases in_flight index_bytes events token_blocks", k, " ")
             for (i = 1; i <= n; i++) printf "%s%s", (i > 1 ? "," : ""), (seen[k[i]] ? sum[k[i]] : "")
             print "" }')
     echo "$1,$name,$pid,$rss,$fds,$cpu,$gauges" >>"$SAMPLES"
   done
 }
 if ((SAMPLE_EVERY > 0 || SETTLE > 0)); then
-  echo "t,node,pid,rss_kb,fds,cpu_s,running,waiting,kv_usage,regions,leases,in_flight" >"$SAMPLES"
+  echo "t,node,pid,rss_kb,fds,cpu_s,running,waiting,kv_usage,regions,leases,in_flight,index_bytes,events,token_blocks" >"$SAMPLES"
 fi
 if ((SAMPLE_EVERY > 0)); then
   (
