@@ -32,7 +32,22 @@ inline absl::Status StallUntil(SimulatedClock* clock, absl::Time deadline,
   return absl::DeadlineExceededError(absl::StrCat(what, " did not answer in time"));
 }
 
-class FakePrefillEndpoint final : public PrefillEndpoint {
+// What both fakes answer to Promote, and record.
+struct FakePromoter {
+  absl::StatusOr<kvrelay::v1::PromoteResponse> AnswerPromote(
+      const kvrelay::v1::PromoteRequest& request) {
+    promotes.push_back(request);
+    if (!promote_status.ok()) return promote_status;
+    kvrelay::v1::PromoteResponse response;
+    response.set_promoted(promoted);
+    return response;
+  }
+  int32_t promoted = 0;         // what Promote answers
+  absl::Status promote_status;  // what Promote fails with, if not OK
+  std::vector<kvrelay::v1::PromoteRequest> promotes;
+};
+
+class FakePrefillEndpoint final : public PrefillEndpoint, public FakePromoter {
  public:
   FakePrefillEndpoint(std::string address, std::string node_id, SimulatedClock* clock)
       : address_(std::move(address)), node_id_(std::move(node_id)), clock_(clock) {}
@@ -61,17 +76,10 @@ class FakePrefillEndpoint final : public PrefillEndpoint {
   }
   absl::StatusOr<kvrelay::v1::PromoteResponse> Promote(const kvrelay::v1::PromoteRequest& request,
                                                        absl::Time /*deadline*/) override {
-    promotes.push_back(request);
-    if (!promote_status.ok()) return promote_status;
-    kvrelay::v1::PromoteResponse response;
-    response.set_promoted(promoted);
-    return response;
+    return AnswerPromote(request);
   }
 
   // Settings.
-  int32_t promoted = 0;         // what Promote answers
-  absl::Status promote_status;  // what Promote fails with, if not OK
-  std::vector<kvrelay::v1::PromoteRequest> promotes;
   std::string layout_fingerprint;  // what Status reports (empty: says none)
   std::function<absl::StatusOr<kvrelay::v1::PrefillResponse>(const kvrelay::v1::PrefillRequest&,
                                                              absl::Time deadline)>
@@ -88,7 +96,7 @@ class FakePrefillEndpoint final : public PrefillEndpoint {
   SimulatedClock* const clock_;
 };
 
-class FakeDecodeEndpoint final : public DecodeEndpoint {
+class FakeDecodeEndpoint final : public DecodeEndpoint, public FakePromoter {
  public:
   FakeDecodeEndpoint(std::string address, std::string node_id, SimulatedClock* clock)
       : address_(std::move(address)), node_id_(std::move(node_id)), clock_(clock) {}
@@ -139,17 +147,10 @@ class FakeDecodeEndpoint final : public DecodeEndpoint {
   }
   absl::StatusOr<kvrelay::v1::PromoteResponse> Promote(const kvrelay::v1::PromoteRequest& request,
                                                        absl::Time /*deadline*/) override {
-    promotes.push_back(request);
-    if (!promote_status.ok()) return promote_status;
-    kvrelay::v1::PromoteResponse response;
-    response.set_promoted(promoted);
-    return response;
+    return AnswerPromote(request);
   }
 
   // Settings.
-  int32_t promoted = 0;         // what Promote answers
-  absl::Status promote_status;  // what Promote fails with, if not OK
-  std::vector<kvrelay::v1::PromoteRequest> promotes;
   std::string layout_fingerprint;  // what Status reports (empty: says none)
   int status_calls = 0;
   std::function<absl::StatusOr<kvrelay::v1::ReserveResponse>(const kvrelay::v1::ReserveRequest&,

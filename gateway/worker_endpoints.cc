@@ -66,6 +66,18 @@ class StallWatchdog {
   std::thread thread_;  // last: starts once the members it reads exist
 };
 
+// Promote on either worker's stub (both services serve it).
+template <typename Stub>
+absl::StatusOr<kvrelay::v1::PromoteResponse> CallPromote(Stub& stub,
+                                                         const kvrelay::v1::PromoteRequest& request,
+                                                         absl::Time deadline) {
+  grpc::ClientContext context;
+  SetDeadline(context, deadline);
+  kvrelay::v1::PromoteResponse response;
+  KV_RETURN_IF_ERROR(proto::FromGrpcStatus(stub.Promote(&context, request, &response)));
+  return response;
+}
+
 class GrpcPrefillEndpoint final : public PrefillEndpoint {
  public:
   GrpcPrefillEndpoint(std::string address, std::shared_ptr<grpc::Channel> channel)
@@ -91,11 +103,7 @@ class GrpcPrefillEndpoint final : public PrefillEndpoint {
 
   absl::StatusOr<kvrelay::v1::PromoteResponse> Promote(const kvrelay::v1::PromoteRequest& request,
                                                        absl::Time deadline) override {
-    grpc::ClientContext context;
-    SetDeadline(context, deadline);
-    kvrelay::v1::PromoteResponse response;
-    KV_RETURN_IF_ERROR(proto::FromGrpcStatus(stub_->Promote(&context, request, &response)));
-    return response;
+    return CallPromote(*stub_, request, deadline);
   }
 
  private:
@@ -167,11 +175,7 @@ class GrpcDecodeEndpoint final : public DecodeEndpoint {
 
   absl::StatusOr<kvrelay::v1::PromoteResponse> Promote(const kvrelay::v1::PromoteRequest& request,
                                                        absl::Time deadline) override {
-    grpc::ClientContext context;
-    SetDeadline(context, deadline);
-    kvrelay::v1::PromoteResponse response;
-    KV_RETURN_IF_ERROR(proto::FromGrpcStatus(stub_->Promote(&context, request, &response)));
-    return response;
+    return CallPromote(*stub_, request, deadline);
   }
 
  private:

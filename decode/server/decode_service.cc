@@ -1,6 +1,7 @@
 #include "decode/server/decode_service.h"
 
 #include "proto/grpc_status.h"
+#include "worker/server/promote_handler.h"
 
 namespace kvrelay::decode::server {
 
@@ -60,17 +61,11 @@ grpc::Status DecodeService::Status(grpc::ServerContext* context,
 grpc::Status DecodeService::Promote(grpc::ServerContext* context,
                                     const kvrelay::v1::PromoteRequest* request,
                                     kvrelay::v1::PromoteResponse* response) {
-  if (absl::Status allowed = authorizer_.Authorize(*context, "/kvrelay.v1.Decode/Promote").status();
-      !allowed.ok()) {
-    return proto::ToGrpcStatus(allowed);
-  }
-  // Best effort for a request on its way: a call without a deadline gets a few seconds.
-  absl::Time deadline = absl::FromChrono(context->deadline());
-  if (deadline > absl::Now() + absl::Minutes(1)) deadline = absl::Now() + absl::Seconds(5);
-  absl::StatusOr<kvrelay::v1::PromoteResponse> result = worker_->Promote(*request, deadline);
-  if (!result.ok()) return proto::ToGrpcStatus(result.status());
-  *response = *std::move(result);
-  return grpc::Status::OK;
+  return worker::server::HandlePromote(
+      authorizer_, context, "/kvrelay.v1.Decode/Promote", *request, response,
+      [this](const kvrelay::v1::PromoteRequest& r, absl::Time deadline) {
+        return worker_->Promote(r, deadline);
+      });
 }
 
 }  // namespace kvrelay::decode::server
