@@ -199,7 +199,9 @@ TEST_P(Fp8CacheTest, OnePassChunkedAndDecodedAgreeBitForBit) {
   EXPECT_LE(worst, 1e-5);
   EXPECT_TRUE(SameCacheBytes(decoded, full, n));
   EXPECT_TRUE(SameCacheBytes(decoded_chunked, full, chunked_end));
-  if (GetParam() == "gemma3") EXPECT_GT(freed, 0);
+  if (GetParam() == "gemma3") {
+    EXPECT_GT(freed, 0);
+  }
 }
 
 // A sequence's logits and cache bytes are the same whether it decodes alone or batched with

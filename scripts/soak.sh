@@ -34,6 +34,8 @@
 #   - descriptors: the same processes hold at most max(--fd-slack, 10%) more at the end than the most
 #     they held in those 30 s (a leak per fault or per request grows without bound; a
 #     connection opened lazily is not one); a failure lists what the descriptors are;
+#   - processes: every node runs at the end, and only a kill or drain fault gave it a new pid (a
+#     crash the load rode over still fails the soak);
 #   - slots: when idle, nothing is still held: no request running or waiting, no decode KV pool
 #     block in use, no reservation memory region, no store lease, no gateway request in flight.
 # Exit 0 when every check holds, 1 when one fails, 3 on wrong tokens, 77 without namespaces.
@@ -76,8 +78,11 @@ mkdir -p "$OUT"
 CYCLE=("stop decode-0 for 6s" "cut store for 8s" "kill prefill-1 for 5s" "stop prefill-0 for 5s"
        "cut decode-1 for 5s" "stop store for 8s" "drain decode-0")
 faults=()
+restarts=""  # the nodes a fault restarts (a new process), one word per restart
 for ((k = 0, at = FAULT_EVERY / 2; at + 20 < DURATION; k++, at += FAULT_EVERY)); do
-  faults+=(--fault "at=${at}s ${CYCLE[k % ${#CYCLE[@]}]}")
+  fault=${CYCLE[k % ${#CYCLE[@]}]}
+  faults+=(--fault "at=${at}s $fault")
+  [[ $fault =~ ^(kill|drain)\ ([a-z0-9-]+) ]] && restarts+=" ${BASH_REMATCH[2]}"
 done
 REQUESTS=$(awk -v r="$RATE" -v d="$DURATION" 'BEGIN { printf "%d", r * d }')
 echo "soak: ${MINUTES} min at ${RATE} req/s ($REQUESTS requests), $((${#faults[@]} / 2)) faults; out $OUT" >&2
@@ -97,10 +102,13 @@ set -e
 sed -n '/^requests/,/^wrong tokens/p' "$OUT/bench.txt"
 ((rc == 0 || rc == 3)) || { tail -20 "$OUT/cluster.txt" >&2; echo "soak: the run failed (exit $rc)" >&2; exit 1; }
 
-/usr/bin/python3 - "$OUT" "$RSS_FROM" "$RSS_GROWTH" "$rc" "$FD_SLACK" <<'PY'
+/usr/bin/python3 - "$OUT" "$RSS_FROM" "$RSS_GROWTH" "$rc" "$FD_SLACK" "$restarts" <<'PY'
 import csv, json, sys
 out, rss_from, growth_limit, rc = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
 fd_min_slack = int(sys.argv[5])
+planned_restarts = {}
+for node in sys.argv[6].split():
+    planned_restarts[node] = planned_restarts.get(node, 0) + 1
 rows = list(csv.DictReader(open(f"{out}/samples.csv")))
 final = [r for r in rows if r["t"] == "final"]
 timed = [r for r in rows if r["t"] != "final"]
@@ -132,6 +140,25 @@ print(f"requests: {summary['ok']} ok, {summary['failed']} failed of {summary['re
       f"wrong tokens {summary['wrong_tokens']} ({summary['verified']} verified)")
 if rc == 3 or summary["wrong_tokens"] != 0:
     failures.append("wrong tokens")
+
+# Every process runs to the end, and only the faults restart one: a crash (the process gone,
+# or a new pid no fault explains) fails the soak even when the load rode over it.
+print("processes (distinct pids per node; restarts the faults planned):")
+for node in sorted({r["node"] for r in rows}):
+    pids = []
+    for r in timed + [r for r in final if r["node"] == node]:
+        if r["node"] == node and (not pids or pids[-1] != r["pid"]):
+            pids.append(r["pid"])
+    planned = planned_restarts.get(node, 0)
+    at_end = any(r["node"] == node for r in final)
+    verdict = "ok"
+    if not at_end:
+        verdict = "EXITED"
+        failures.append(f"{node} was not running at the end (pids {', '.join(pids)})")
+    elif len(pids) > planned + 1:
+        verdict = "UNPLANNED RESTART"
+        failures.append(f"{node} ran {len(pids)} processes, {planned} restarts planned")
+    print(f"  {node:10} {len(pids)} pids, {planned} restarts planned: {verdict}")
 
 print(f"memory and descriptors from {rss_from:.0f} s to the end (after settling):")
 for node in sorted({r["node"] for r in rows}):

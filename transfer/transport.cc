@@ -66,8 +66,8 @@ TransferHandle::TransferHandle(std::shared_ptr<internal::HandleState> state)
 TransferHandle::~TransferHandle() {
   if (state_ == nullptr || state_->done()) return;
   state_->Cancel();
-  // Implementations guarantee termination after Cancel(): operations in flight either finish
-  // or are failed when the peer is declared dead (heartbeat timeout).
+  // Implementations guarantee termination after Cancel() once nothing can write into the
+  // buffers any more (see the class comment: a pull towards a lost peer can take long).
   state_->Wait(absl::InfiniteFuture()).IgnoreError();
 }
 

@@ -207,7 +207,12 @@ class HandleState;
 }
 
 // Completion of one Post. Thread-safe. The destructor cancels the transfer and waits until it
-// is terminal, so the buffers it used are free when it returns.
+// is terminal, so the buffers it used are free when it returns. Terminal means nothing will
+// write into them again: a pull (GET) that was out when its peer was declared lost stays
+// running until the peer answers, the connection fails for good, a new process takes the
+// peer's address, or the transport shuts down (over UCX's tcp transport a paused peer answers
+// when it runs again, into the pull's destination). Code on a request path hands such a
+// handle to a thread of its own (worker::FetchQuarantine) instead of destroying it.
 class TransferHandle {
  public:
   explicit TransferHandle(std::shared_ptr<internal::HandleState> state);

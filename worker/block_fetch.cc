@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "common/logging.h"
 #include "kv/checksum.h"
 
 namespace kvrelay::worker {
@@ -27,29 +28,51 @@ void FetchQuarantine::Hold(transfer::TransferHandlePtr handle,
 
 size_t FetchQuarantine::held() const {
   absl::MutexLock lock(&mu_);
-  return items_.size() + draining_;
+  return items_.size();
 }
 
 void FetchQuarantine::Loop() {
+  // Each item is freed as soon as its transfer is terminal, in any order: a pull towards a
+  // peer that was lost while it was unanswered stays in flight until the peer answers or is
+  // replaced (transfer/transport.h), and must not hold up the items behind it.
+  constexpr absl::Duration kPollEvery = absl::Milliseconds(20);
+  constexpr absl::Duration kShutdownWait = absl::Seconds(2);
+  absl::Time give_up = absl::InfiniteFuture();
   while (true) {
-    Item item;
+    std::vector<Item> ready;
     {
       absl::MutexLock lock(&mu_);
-      auto ready = [this]()
-                       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_ || !items_.empty(); };
-      mu_.Await(absl::Condition(&ready));
-      if (items_.empty()) return;  // stopping, nothing left
-      item = std::move(items_.front());
-      items_.pop_front();
-      ++draining_;
+      auto wake = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_; };
+      mu_.AwaitWithTimeout(absl::Condition(&wake), kPollEvery);
+      for (auto it = items_.begin(); it != items_.end();) {
+        if (it->handle->Poll().has_value()) {
+          ready.push_back(std::move(*it));
+          it = items_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      if (stopping_ && give_up == absl::InfiniteFuture()) give_up = absl::Now() + kShutdownWait;
+      if (stopping_ && ready.empty() && (items_.empty() || absl::Now() >= give_up)) {
+        if (!items_.empty()) {
+          // The process is going down with a pull still unanswered: its slots are never
+          // reused (nothing allocates from them again), and the handle is left behind rather
+          // than waited on for ever.
+          KV_LOG(WARNING) << items_.size()
+                          << " pulls were still unanswered at shutdown; their slots stay held";
+          for (Item& item : items_) (void)item.handle.release();
+          items_.clear();
+        }
+        return;
+      }
     }
-    item.handle.reset();  // cancels and waits until nothing writes into the slots any more
-    for (size_t g = 0; g < item.slots.size(); ++g) {
-      for (kv::SlotId s : item.slots[g]) (void)cache_->pool(static_cast<int>(g)).Release(s);
+    for (Item& item : ready) {
+      item.handle.reset();
+      for (size_t g = 0; g < item.slots.size(); ++g) {
+        for (kv::SlotId s : item.slots[g]) (void)cache_->pool(static_cast<int>(g)).Release(s);
+      }
+      item.scratch.reset();
     }
-    item.scratch.reset();
-    absl::MutexLock lock(&mu_);
-    --draining_;
   }
 }
 

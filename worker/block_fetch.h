@@ -10,7 +10,7 @@
 // recomputes from there.
 
 #include <cstdint>
-#include <deque>
+#include <list>
 #include <thread>
 #include <vector>
 
@@ -28,11 +28,14 @@ namespace kvrelay::worker {
 
 // Transfers given up on (failed or past their deadline) may still be writing into their
 // destination: their slots and scratch region are freed only once the transfer is terminal, on
-// a thread of its own, so a request never waits for a stalled link to drain.
+// a thread of its own, so a request never waits for a stalled link to drain. Each is freed as
+// soon as it is terminal, whatever the others do.
 class FetchQuarantine {
  public:
   explicit FetchQuarantine(model::KvCache* cache);
-  ~FetchQuarantine();  // waits until every held transfer is terminal
+  // Waits until every held transfer is terminal, at most 2 s; the slots of any still running
+  // then stay held (a pull towards a lost peer that never answered).
+  ~FetchQuarantine();
   FetchQuarantine(const FetchQuarantine&) = delete;
   FetchQuarantine& operator=(const FetchQuarantine&) = delete;
   void Hold(transfer::TransferHandlePtr handle, std::vector<std::vector<kv::SlotId>> slots,
@@ -48,8 +51,7 @@ class FetchQuarantine {
   void Loop();
   model::KvCache* const cache_;
   mutable absl::Mutex mu_;
-  std::deque<Item> items_ ABSL_GUARDED_BY(mu_);
-  size_t draining_ ABSL_GUARDED_BY(mu_) = 0;
+  std::list<Item> items_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;
 };

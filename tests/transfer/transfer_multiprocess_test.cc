@@ -487,6 +487,101 @@ TEST_P(MultiProcessTransferTest, SilentReceiverIsReportedDeadAndReachedAgain) {
   EXPECT_THAT(tally, ::testing::HasSubstr("bad=0"));
 }
 
+// A pull from a peer that stops (SIGSTOP) after its request went out: UCX over tcp emulates
+// the GET with messages, and the paused peer answers it when it runs again, naming our request
+// by its address. The handle must not end while that answer can still land (its end tells the
+// owner the destination is free to reuse: a KV slot); it ends once the answer has landed, and
+// nothing is written into the destination after that. A peer killed while paused can never
+// answer: its pulls end once UCX finds its connection refused (here, within milliseconds) or
+// a new process takes its address, whichever comes first. (Shared memory pulls complete in
+// place, with no message to answer.)
+TEST_P(MultiProcessTransferTest, APausedPeersLateReplyNeverLandsAfterThePullEnded) {
+  if (GetParam() != "tcp") GTEST_SKIP() << "shared-memory pulls complete in place";
+  constexpr uint64_t kRegion = 4 << 20;
+  constexpr uint64_t kPull = 1 << 20;
+  KV_ASSERT_OK_AND_ASSIGN(TransportPtr puller,
+                          MakeUcxTransport({.heartbeat_interval = absl::Milliseconds(100),
+                                            .peer_timeout = absl::Milliseconds(1000)}));
+  const int port = testing::PickUnusedPort();
+  KV_ASSERT_OK_AND_ASSIGN(Receiver rx, StartReceiver(GetParam(), kRegion, port));
+  KV_ASSERT_OK_AND_ASSIGN(MemoryRegionPtr source, puller->AllocateMemory(kPull));
+  FillRandom(source->data(), kPull, 11);
+  AlignedBuffer dest(kPull);
+  ASSERT_NE(dest.data, nullptr);
+  std::memset(dest.data, 0, kPull);
+  KV_ASSERT_OK_AND_ASSIGN(MemoryRegionPtr dest_region,
+                          puller->RegisterMemory({dest.data, kPull}, MemoryKind::kHost));
+  auto post = [&](PeerId peer, RegionId remote, Direction direction,
+                  const MemoryRegion* local) -> absl::StatusOr<TransferHandlePtr> {
+    TransferBatch b{.peer = peer, .direction = direction, .tag = 7};
+    b.blocks.push_back(BlockTransfer{.local = local, .remote_region = remote, .length = kPull});
+    KV_ASSIGN_OR_RETURN(TransferPlan plan, puller->Prepare(b));
+    return puller->Post(plan, LayerRange::All(), {absl::Now() + absl::Seconds(60)});
+  };
+  auto wait_down = [&](PeerId peer) {
+    const absl::Time start = absl::Now();
+    while (puller->GetPeerStatus(peer)->alive && absl::Now() - start < absl::Seconds(10)) {
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    return !puller->GetPeerStatus(peer)->alive;
+  };
+
+  KV_ASSERT_OK_AND_ASSIGN(PeerId peer, puller->Connect(rx.address, absl::Now() + absl::Seconds(30)));
+  // The peer's region gets bytes of ours (non-zero), and one pull works end to end.
+  KV_ASSERT_OK_AND_ASSIGN(TransferHandlePtr pushed,
+                          post(peer, rx.region, Direction::kPut, source.get()));
+  KV_ASSERT_OK(pushed->Wait(absl::Now() + absl::Seconds(30)));
+  KV_ASSERT_OK_AND_ASSIGN(TransferHandlePtr pulled,
+                          post(peer, rx.region, Direction::kGet, dest_region.get()));
+  KV_ASSERT_OK(pulled->Wait(absl::Now() + absl::Seconds(30)));
+  ASSERT_EQ(std::memcmp(dest.data, source->data(), kPull), 0);
+  std::memset(dest.data, 0, kPull);
+
+  // Paused before it sees the request: it answers only after SIGCONT.
+  rx.process->Signal(SIGSTOP);
+  KV_ASSERT_OK_AND_ASSIGN(TransferHandlePtr late,
+                          post(peer, rx.region, Direction::kGet, dest_region.get()));
+  ASSERT_TRUE(wait_down(peer));
+  absl::SleepFor(absl::Milliseconds(300));
+  EXPECT_FALSE(late->Poll().has_value())
+      << "the pull ended while the paused peer could still answer it: " << *late->Poll();
+  rx.process->Signal(SIGCONT);
+  EXPECT_THAT(late->Wait(absl::Now() + absl::Seconds(20)),
+              testing::StatusIs(absl::StatusCode::kUnavailable));
+  // Ended: the destination is ours again. Nothing may land in it any more.
+  std::memset(dest.data, 0xEE, kPull);
+  absl::SleepFor(absl::Seconds(1));
+  const size_t overwritten = static_cast<size_t>(
+      std::count_if(dest.data, dest.data + kPull, [](uint8_t b) { return b != 0xEE; }));
+  EXPECT_EQ(overwritten, 0u) << "bytes written into the destination after the pull ended";
+
+  // Paused again with a pull out, then killed: it never answers, and the pull ends.
+  KV_ASSERT_OK_AND_ASSIGN(PeerId again, puller->Connect(rx.address, absl::Now() + absl::Seconds(30)));
+  rx.process->Signal(SIGSTOP);
+  KV_ASSERT_OK_AND_ASSIGN(TransferHandlePtr orphan,
+                          post(again, rx.region, Direction::kGet, dest_region.get()));
+  ASSERT_TRUE(wait_down(again));
+  rx.process->Signal(SIGKILL);
+  ASSERT_TRUE(rx.process->Wait(absl::Seconds(30)).ok());
+  KV_ASSERT_OK_AND_ASSIGN(Receiver next, StartReceiver(GetParam(), kRegion, port));
+  KV_ASSERT_OK_AND_ASSIGN(PeerId fresh, puller->Connect(next.address, absl::Now() + absl::Seconds(30)));
+  EXPECT_NE(fresh, again);
+  EXPECT_THAT(orphan->Wait(absl::Now() + absl::Seconds(10)),
+              testing::StatusIs(absl::StatusCode::kUnavailable));
+  // The new process serves pulls as usual.
+  KV_ASSERT_OK_AND_ASSIGN(TransferHandlePtr served,
+                          post(fresh, next.region, Direction::kGet, dest_region.get()));
+  KV_EXPECT_OK(served->Wait(absl::Now() + absl::Seconds(30)));
+  served.reset();
+  orphan.reset();
+  late.reset();
+  dest_region.reset();
+  source.reset();
+  puller.reset();
+  KV_ASSERT_OK_AND_ASSIGN(std::string tally, StopReceiver(next));
+  EXPECT_THAT(tally, ::testing::HasSubstr("bad=0"));
+}
+
 INSTANTIATE_TEST_SUITE_P(Ucx, MultiProcessTransferTest, ::testing::Values("tcp", "shm"),
                          [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
 

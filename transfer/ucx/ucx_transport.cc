@@ -205,6 +205,23 @@ class UcxTransport final : public Transport, private ControlChannel::Delegate {
     std::unique_ptr<EndpointCloser> closer;
     std::unique_ptr<Peer> peer;
   };
+  // A peer that went down while GETs of ours were unanswered. Over an emulated GET (UCX over
+  // tcp) the peer's reply names our request by its address (error mode NONE on UCX 1.13), and
+  // a peer that was only paused or cut off still sends it when it runs again: had the endpoint
+  // been force-closed and the transfer ended, that reply would be copied into a request UCX
+  // had freed, towards memory its owner had reused (a KV slot: wrong tokens; an unmapped
+  // region: SIGSEGV, seen in a soak). So the endpoint stays open and those transfers stay in
+  // flight, their handles not terminal and their destinations held, until every reply has
+  // landed, UCX failed the requests itself, or the peer is known gone (a new incarnation at
+  // its address, or this transport's shutdown); then the endpoint closes.
+  struct Parked {
+    std::unique_ptr<Peer> peer;
+    std::string address;
+    uint64_t incarnation = 0;
+    absl::Status why;
+    std::vector<std::unique_ptr<Transfer>> gets;    // handle ends when inflight reaches 0
+    std::vector<std::unique_ptr<Transfer>> others;  // handle ended; UCX may still call back
+  };
 
   explicit UcxTransport(UcxTransportOptions options) : options_(std::move(options)) {}
   absl::Status Init();
@@ -247,6 +264,15 @@ class UcxTransport final : public Transport, private ControlChannel::Delegate {
   void PollClosing(bool wait);
   void SweepOrphaned();
   void FinishPeerDown(Peer& p);
+  // Moves a downed peer with unanswered GETs to parked_ (false when it has none).
+  bool Park(std::unique_ptr<Peer>& owned, const absl::Status& why);
+  // Ends parked GETs whose replies all landed; closes their endpoints once nothing is left.
+  void SettleParked();
+  // The peer behind `address` is a new process: its predecessor can no longer answer, so its
+  // parked endpoint is closed and the GETs end (Unavailable).
+  void ReleaseParkedReplacedBy(const std::string& address, uint64_t incarnation);
+  // Force-closes a parked peer's endpoint; its GETs end once the close is done.
+  void CloseParked(Parked parked);
   void Enqueue(std::unique_ptr<Transfer> t);
   void FailTransfer(PeerId peer, uint64_t id, absl::Status status);
   void Pump(Peer& p);
@@ -276,6 +302,7 @@ class UcxTransport final : public Transport, private ControlChannel::Delegate {
   // can complete before the cancelled requests' callbacks run): kept until the callbacks ran,
   // then freed (SweepOrphaned).
   std::vector<std::unique_ptr<Transfer>> orphaned_;
+  std::vector<Parked> parked_;
   absl::flat_hash_map<RegionId, LocalRegion> local_regions_;
   int64_t inflight_ops_ = 0;
   uint64_t inflight_bytes_ = 0;
@@ -421,6 +448,12 @@ UcxTransport::~UcxTransport() {
     progress_->RunSync([this] {
       // BYE to everyone, endpoints flushed (bounded) and closed.
       if (channel_ != nullptr) channel_->Shutdown(absl::CancelledError("transport shut down"));
+      // Parked endpoints close too; their GETs end only once the worker is gone (below), when
+      // no reply can land any more.
+      for (Parked& pk : parked_) {
+        std::unique_ptr<EndpointCloser> closer = pk.peer->ep.Close(false, absl::Now());
+        closing_.push_back(Closing{std::move(closer), std::move(pk.peer)});
+      }
       PollClosing(/*wait=*/true);
       channel_.reset();
       peers_.clear();
@@ -434,12 +467,21 @@ UcxTransport::~UcxTransport() {
     progress_->Stop();
     progress_.reset();
   }
-  if (!orphaned_.empty()) {
+  if (!orphaned_.empty() || !parked_.empty()) {
     // UCX never called back: once the worker is gone it cannot, so the transfers are safe to
     // free after it.
-    KV_LOG(WARNING) << orphaned_.size() << " transfers still had UCX requests at shutdown";
+    if (!orphaned_.empty()) {
+      KV_LOG(WARNING) << orphaned_.size() << " transfers still had UCX requests at shutdown";
+    }
     worker_.reset();
     orphaned_.clear();
+    for (Parked& pk : parked_) {
+      for (std::unique_ptr<Transfer>& t : pk.gets) {
+        t->handle->Complete(absl::CancelledError(
+            absl::StrCat("transport shut down while peer ", t->peer, " might still answer")));
+      }
+    }
+    parked_.clear();
   }
   {
     absl::MutexLock lock(&handler_mu_);
@@ -848,6 +890,7 @@ absl::Status UcxTransport::OnHello(PeerId id, bool outgoing, const std::string& 
                                    const PeerHello& hello, wire::Reader& r) {
   KV_DCHECK(OnLoop());
   KV_ASSIGN_OR_RETURN(frames::HelloBody body, frames::DecodeHelloBody(r));
+  if (!parked_.empty()) ReleaseParkedReplacedBy(address, hello.incarnation);
   // Registered first, so that OnPeerDown cleans up whatever a failure below leaves.
   auto owned = std::make_unique<Peer>();
   Peer& p = *owned;
@@ -994,6 +1037,7 @@ void UcxTransport::OnPeerDown(PeerId id, const absl::Status& status, PeerDownKin
   if (kind != PeerDownKind::kLocal) {
     Deliver(InboundEvent{.kind = InboundEvent::Kind::kPeerDown, .peer = id, .status = status});
   }
+  if (Park(owned, status)) return;
   // Closing completes every request still in flight on the endpoint (with an error); the
   // transfers using them end in FinishPeerDown, once UCX no longer references them. We flush
   // first only when we chose to close; towards a lost peer a flush can hang.
@@ -1040,6 +1084,101 @@ void UcxTransport::FinishPeerDown(Peer& p) {
   }
   p.queue.clear();
   p.regions.clear();  // destroys unpacked rkeys
+}
+
+bool UcxTransport::Park(std::unique_ptr<Peer>& owned, const absl::Status& why) {
+  KV_DCHECK(OnLoop());
+  Peer& p = *owned;
+  const bool unanswered = std::any_of(p.queue.begin(), p.queue.end(), [](const QueueItem& item) {
+    return item.transfer != nullptr && item.transfer->direction == Direction::kGet &&
+           item.transfer->inflight > 0;
+  });
+  if (!unanswered) return false;
+  Parked parked;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = peer_info_.find(p.id);
+    if (it != peer_info_.end()) {
+      parked.address = it->second.address;
+      parked.incarnation = it->second.incarnation;
+    }
+  }
+  parked.why = why;
+  for (QueueItem& item : p.queue) {
+    if (!item.transfer) continue;
+    --active_transfers_;
+    std::unique_ptr<Transfer> t = std::move(item.transfer);
+    if (t->direction == Direction::kGet && t->inflight > 0) {
+      parked.gets.push_back(std::move(t));
+      continue;
+    }
+    t->handle->Complete(t->failure);
+    if (t->inflight > 0 || t->flush_inflight) parked.others.push_back(std::move(t));
+  }
+  p.queue.clear();
+  KV_LOG(WARNING) << "transfer peer " << p.id << " (" << parked.address << ") went down with "
+                  << parked.gets.size()
+                  << " pulls unanswered: its endpoint stays open and their destinations stay "
+                     "held until the replies land or a new process takes its address";
+  parked.peer = std::move(owned);
+  parked_.push_back(std::move(parked));
+  return true;
+}
+
+void UcxTransport::SettleParked() {
+  KV_DCHECK(OnLoop());
+  std::vector<Parked> still;
+  std::vector<Parked> settled;
+  for (Parked& pk : parked_) {
+    std::erase_if(pk.gets, [](const std::unique_ptr<Transfer>& t) {
+      if (t->inflight > 0) return false;
+      t->handle->Complete(t->failure);
+      return true;
+    });
+    std::erase_if(pk.others, [](const std::unique_ptr<Transfer>& t) {
+      return t->inflight == 0 && !t->flush_inflight;
+    });
+    (pk.gets.empty() ? settled : still).push_back(std::move(pk));
+  }
+  parked_.swap(still);
+  for (Parked& pk : settled) {
+    KV_LOG(INFO) << "transfer peer " << pk.peer->id << " (" << pk.address
+                 << ") answered its parked pulls; closing its endpoint";
+    CloseParked(std::move(pk));
+  }
+}
+
+void UcxTransport::ReleaseParkedReplacedBy(const std::string& address, uint64_t incarnation) {
+  KV_DCHECK(OnLoop());
+  std::vector<Parked> still;
+  std::vector<Parked> replaced;
+  for (Parked& pk : parked_) {
+    const bool gone = pk.address == address && pk.incarnation != incarnation;
+    (gone ? replaced : still).push_back(std::move(pk));
+  }
+  parked_.swap(still);
+  for (Parked& pk : replaced) {
+    KV_LOG(INFO) << "a new process at " << address << " replaced transfer peer " << pk.peer->id
+                 << ": its " << pk.gets.size() << " parked pulls end unanswered";
+    CloseParked(std::move(pk));
+  }
+}
+
+void UcxTransport::CloseParked(Parked parked) {
+  KV_DCHECK(OnLoop());
+  Peer& p = *parked.peer;
+  // The GETs end (with the peer's down status) once the close is done: FinishPeerDown.
+  for (std::unique_ptr<Transfer>& t : parked.gets) {
+    ++active_transfers_;
+    p.queue.push_back(QueueItem{std::move(t)});
+  }
+  for (std::unique_ptr<Transfer>& t : parked.others) orphaned_.push_back(std::move(t));
+  std::unique_ptr<EndpointCloser> closer = p.ep.Close(/*graceful=*/false, absl::Now());
+  if (closer->Poll(absl::Now())) {
+    FinishPeerDown(p);
+    return;
+  }
+  closing_.push_back(Closing{std::move(closer), std::move(parked.peer)});
 }
 
 void UcxTransport::SweepOrphaned() {
@@ -1382,6 +1521,7 @@ absl::Time UcxTransport::Tick() {
   KV_DCHECK(OnLoop());
   if (!closing_.empty()) PollClosing(/*wait=*/false);
   if (!orphaned_.empty()) SweepOrphaned();
+  if (!parked_.empty()) SettleParked();
   // A few milliseconds per turn while transfers run in either direction (they come first),
   // more when idle.
   if (populate_pending_) {
