@@ -526,7 +526,8 @@ TEST_P(MultiProcessTransferTest, APausedPeersLateReplyNeverLandsAfterThePullEnde
     return !puller->GetPeerStatus(peer)->alive;
   };
 
-  KV_ASSERT_OK_AND_ASSIGN(PeerId peer, puller->Connect(rx.address, absl::Now() + absl::Seconds(30)));
+  KV_ASSERT_OK_AND_ASSIGN(PeerId peer,
+                          puller->Connect(rx.address, absl::Now() + absl::Seconds(30)));
   // The peer's region gets bytes of ours (non-zero), and one pull works end to end.
   KV_ASSERT_OK_AND_ASSIGN(TransferHandlePtr pushed,
                           post(peer, rx.region, Direction::kPut, source.get()));
@@ -556,7 +557,8 @@ TEST_P(MultiProcessTransferTest, APausedPeersLateReplyNeverLandsAfterThePullEnde
   EXPECT_EQ(overwritten, 0u) << "bytes written into the destination after the pull ended";
 
   // Paused again with a pull out, then killed: it never answers, and the pull ends.
-  KV_ASSERT_OK_AND_ASSIGN(PeerId again, puller->Connect(rx.address, absl::Now() + absl::Seconds(30)));
+  KV_ASSERT_OK_AND_ASSIGN(PeerId again,
+                          puller->Connect(rx.address, absl::Now() + absl::Seconds(30)));
   rx.process->Signal(SIGSTOP);
   KV_ASSERT_OK_AND_ASSIGN(TransferHandlePtr orphan,
                           post(again, rx.region, Direction::kGet, dest_region.get()));
@@ -564,7 +566,8 @@ TEST_P(MultiProcessTransferTest, APausedPeersLateReplyNeverLandsAfterThePullEnde
   rx.process->Signal(SIGKILL);
   ASSERT_TRUE(rx.process->Wait(absl::Seconds(30)).ok());
   KV_ASSERT_OK_AND_ASSIGN(Receiver next, StartReceiver(GetParam(), kRegion, port));
-  KV_ASSERT_OK_AND_ASSIGN(PeerId fresh, puller->Connect(next.address, absl::Now() + absl::Seconds(30)));
+  KV_ASSERT_OK_AND_ASSIGN(PeerId fresh,
+                          puller->Connect(next.address, absl::Now() + absl::Seconds(30)));
   EXPECT_NE(fresh, again);
   EXPECT_THAT(orphan->Wait(absl::Now() + absl::Seconds(10)),
               testing::StatusIs(absl::StatusCode::kUnavailable));
