@@ -20,6 +20,7 @@
 #include "gateway/server/command.h"
 #include "model/tools/command.h"
 #include "prefill/server/command.h"
+#include "sim/tools/command.h"
 #include "tokenizer/tools/command.h"
 #include "transfer/ucx/tools/command.h"
 
@@ -53,6 +54,9 @@ constexpr Subcommand kSubcommands[] = {
      kvrelay::cachestore::tools::RunPlanCommand},
     {"prefill", "run a prefill worker (computes or reuses KV, pushes it to decode)",
      kvrelay::prefill::server::RunPrefillCommand},
+    {"simulate",
+     "simulate a cluster serving a trace: the real routing and store on a simulated clock",
+     kvrelay::sim::tools::RunSimulateCommand},
     {"status", "show the cluster: nodes, states, cache, hit rate, breakers, rates, store leader",
      kvrelay::cli::RunStatusCommand},
     {"token", "print a bearer token (JWT) naming a tenant, for gateway --tenant-token-keys",

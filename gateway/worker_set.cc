@@ -252,7 +252,17 @@ std::shared_ptr<WorkerSet::Node> WorkerSet::MakeDiscovered(const kvrelay::v1::No
 WorkerSet::PrefixHoldings WorkerSet::Holdings(const std::vector<kv::BlockHash>& chain,
                                               absl::Time deadline) {
   PrefixHoldings holdings;
-  if (store_ == nullptr || chain.empty()) return holdings;
+  auto fill = [&holdings](const kvrelay::v1::QueryPrefixResponse& answer) {
+    for (const auto& node : answer.nodes()) {
+      holdings.held[node.node_id()] = node.matched();
+      if (node.disk_blocks() > 0) holdings.disk[node.node_id()] = node.disk_blocks();
+    }
+  };
+  if (chain.empty()) return holdings;
+  if (store_ == nullptr) {
+    if (options_.query_prefix) fill(options_.query_prefix(chain));
+    return holdings;
+  }
   // After the store did not answer, requests route by load alone at once (one probes after
   // the cool-down) instead of each waiting out its timeout.
   // Wall-clock time, as every RPC's deadline.
@@ -270,10 +280,7 @@ WorkerSet::PrefixHoldings WorkerSet::Holdings(const std::vector<kv::BlockHash>& 
     holdings.store_unreachable = DependencyGate::DidNotAnswer(answer.status(), gated->caller_bound);
     return holdings;
   }
-  for (const auto& node : answer->nodes()) {
-    holdings.held[node.node_id()] = node.matched();
-    if (node.disk_blocks() > 0) holdings.disk[node.node_id()] = node.disk_blocks();
-  }
+  fill(*answer);
   return holdings;
 }
 

@@ -69,6 +69,9 @@ struct WorkerSetOptions {
   // The gate's time; null: the real clock (the gate bounds wall-clock RPC waits, while the
   // WorkerSet's clock, which drives the breakers, may be a test's SimulatedClock). Not owned.
   Clock* store_gate_clock = nullptr;
+  // Answers prefix lookups when the WorkerSet has no store client: `kvrelay simulate` asks its
+  // in-process CacheStore. Empty: without a client nothing is looked up.
+  std::function<kvrelay::v1::QueryPrefixResponse(const std::vector<kv::BlockHash>&)> query_prefix;
   // Where the gate's state and fast failures are exported (optional; not owned), with these
   // labels too (model_name).
   MetricsRegistry* metrics = nullptr;
