@@ -30,7 +30,9 @@ std::vector<kv::BlockHash> UnpackChain(const std::string& packed) {
 // Simulated gRPC: half the round trip before the call is handled, half after.
 class RpcLeg {
  public:
-  RpcLeg(Scheduler* s, absl::Duration rpc) : s_(s), half_(rpc / 2) { s_->SleepUntil(s_->Now() + half_); }
+  RpcLeg(Scheduler* s, absl::Duration rpc) : s_(s), half_(rpc / 2) {
+    s_->SleepUntil(s_->Now() + half_);
+  }
   ~RpcLeg() { s_->SleepUntil(s_->Now() + half_); }
 
  private:
@@ -95,7 +97,7 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> SimCluster::PrefillNode::Prefill(
   const kvrelay::v1::ReserveResponse& target = request.target();
   const int64_t decode_held = std::min<int64_t>(target.held_blocks(), full);
   // The worker's own admission rule, with its own figures (prefill_worker.cc).
-  const absl::Duration remaining = std::min(deadline - s.Now(), c.spec_.max_queue_wait);
+  const absl::Duration remaining = c.spec_.QueueBound(deadline - s.Now());
   absl::StatusOr<prefill::PrefillQueue::Ticket> ticket =
       queue_.Admit((full - decode_held) * bt, remaining);
   if (!ticket.ok()) {
@@ -112,6 +114,7 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> SimCluster::PrefillNode::Prefill(
       absl::MakeConstSpan(request.tokens().data(), static_cast<size_t>(full * bt)), bt);
   const cachestore::Caller caller{node_id_, incarnation_};
   ++c.store_calls_;
+  c.store_blocks_ += static_cast<int64_t>(chain.size());
   absl::StatusOr<cachestore::MatchResult> match =
       c.store_->MatchPrefix(chain, absl::Seconds(60), caller);
   int64_t local = 0;
@@ -137,12 +140,12 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> SimCluster::PrefillNode::Prefill(
   // Pull or recompute the run another node holds: the worker's own choice.
   int64_t pulled = 0;
   if (remote > 0 && remote_link >= 0) {
-    const kv::PullOrRecompute choice = kv::ChoosePullOrRecompute(
-        {.bytes = static_cast<uint64_t>(remote) * c.block_bytes_,
-         .tokens = remote * bt,
-         .link_bytes_per_second = c.profile_.network_bytes_per_second,
-         .link_latency_seconds = c.profile_.network_latency_us / 1e6,
-         .prefill_tokens_per_second = rate_.rate()});
+    const kv::PullOrRecompute choice =
+        kv::ChoosePullOrRecompute({.bytes = static_cast<uint64_t>(remote) * c.block_bytes_,
+                                   .tokens = remote * bt,
+                                   .link_bytes_per_second = c.profile_.network_bytes_per_second,
+                                   .link_latency_seconds = c.profile_.network_latency_us / 1e6,
+                                   .prefill_tokens_per_second = rate_.rate()});
     if (choice.choice == kv::ReuseChoice::kPull) {
       c.Transfer(remote_link, link_, static_cast<uint64_t>(remote) * c.block_bytes_);
       usage_.bytes_pulled += static_cast<uint64_t>(remote) * c.block_bytes_;
@@ -163,7 +166,8 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> SimCluster::PrefillNode::Prefill(
   compute_.Unlock();
 
   // The push: every prompt token the decode node does not hold, over both links.
-  const uint64_t pushed_bytes = static_cast<uint64_t>(tokens - decode_held * bt) * c.bytes_per_token_;
+  const uint64_t pushed_bytes =
+      static_cast<uint64_t>(tokens - decode_held * bt) * c.bytes_per_token_;
   const int decode_link = c.LinkOf(target.node_id());
   if (decode_link >= 0) c.Transfer(link_, decode_link, pushed_bytes);
   usage_.bytes_out += pushed_bytes;
@@ -177,10 +181,10 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> SimCluster::PrefillNode::Prefill(
   response.set_fetched_tokens(static_cast<int32_t>(pulled * bt));
   response.set_committed_blocks(static_cast<int32_t>(full - local));
   response.set_prefix_source(local > 0 && pulled > 0 ? "local+pulled"
-                             : local > 0            ? "local"
-                             : pulled > 0           ? "pulled"
-                             : remote > 0           ? "recomputed"
-                                                    : "none");
+                             : local > 0             ? "local"
+                             : pulled > 0            ? "pulled"
+                             : remote > 0            ? "recomputed"
+                                                     : "none");
   return response;
 }
 
@@ -206,7 +210,8 @@ class SimCluster::DecodeNode final : public gateway::DecodeEndpoint {
   absl::StatusOr<kvrelay::v1::ReserveResponse> Reserve(const kvrelay::v1::ReserveRequest& request,
                                                        absl::Time deadline) override;
   absl::Status Generate(const kvrelay::v1::DecodeRequest& request, absl::Time deadline,
-                        absl::Duration chunk_timeout, const gateway::DecodeChunkSink& sink) override;
+                        absl::Duration chunk_timeout,
+                        const gateway::DecodeChunkSink& sink) override;
   void Release(const std::string& request_id, const std::string& /*token*/,
                absl::Time /*deadline*/) override {
     auto it = reservations_.find(request_id);
@@ -261,26 +266,26 @@ absl::StatusOr<kvrelay::v1::ReserveResponse> SimCluster::DecodeNode::Reserve(
   const int32_t bt = c.layout_.block_tokens();
   // The worker's own admission rule (decode_worker.cc): sequences ahead against the wait.
   const int32_t ahead = static_cast<int32_t>(running_.size() + waiting_.size());
-  const absl::Duration remaining = std::min(deadline - s.Now(), c.spec_.max_queue_wait);
+  const absl::Duration remaining = c.spec_.QueueBound(deadline - s.Now());
   absl::Status admitted = admission_.Check(ahead, remaining);
   if (!admitted.ok()) {
     ++usage_.refused;
     return admitted;
   }
-  const int64_t blocks =
-      (int64_t{request.prompt_tokens()} + request.max_tokens() + bt - 1) / bt;
+  const int64_t blocks = (int64_t{request.prompt_tokens()} + request.max_tokens() + bt - 1) / bt;
   if (blocks > free_blocks_) {
     ++usage_.refused;
-    return proto::Overloaded(absl::StrCat("decode worker ", node_id_, ": ", free_blocks_,
-                                          " KV blocks free, the request needs ", blocks),
-                             kvrelay::v1::ROLE_DECODE, node_id_, "kv_blocks",
-                             absl::ToInt64Milliseconds(admission_.NextDeparture(
-                                 static_cast<int32_t>(running_.size()))));
+    return proto::Overloaded(
+        absl::StrCat("decode worker ", node_id_, ": ", free_blocks_,
+                     " KV blocks free, the request needs ", blocks),
+        kvrelay::v1::ROLE_DECODE, node_id_, "kv_blocks",
+        absl::ToInt64Milliseconds(admission_.NextDeparture(static_cast<int32_t>(running_.size()))));
   }
   const std::vector<kv::BlockHash> chain = UnpackChain(request.chain_packed());
   int32_t held = 0;
   if (!chain.empty()) {
     ++c.store_calls_;
+    c.store_blocks_ += static_cast<int64_t>(chain.size());
     for (const cachestore::NodePrefix& n : c.store_->QueryPrefix(chain)) {
       if (n.node_id == node_id_) held = n.matched - n.disk_blocks;
     }
@@ -305,15 +310,14 @@ absl::Status SimCluster::DecodeNode::Generate(const kvrelay::v1::DecodeRequest& 
   Scheduler& s = *c.scheduler_;
   auto it = reservations_.find(request.request_id());
   if (it == reservations_.end()) {
-    return proto::Attribute(absl::FailedPreconditionError(absl::StrCat(
-                                "no reservation for ", request.request_id())),
-                            kvrelay::v1::ROLE_DECODE, node_id_, kvrelay::v1::FAILURE_UNREACHABLE);
+    return proto::Attribute(
+        absl::FailedPreconditionError(absl::StrCat("no reservation for ", request.request_id())),
+        kvrelay::v1::ROLE_DECODE, node_id_, kvrelay::v1::FAILURE_UNREACHABLE);
   }
   it->second.generating = true;
   const int64_t blocks = it->second.blocks;
-  Sequence seq{.process = s.Current(),
-               .context = request.tokens_size(),
-               .max_tokens = request.max_tokens()};
+  Sequence seq{
+      .process = s.Current(), .context = request.tokens_size(), .max_tokens = request.max_tokens()};
   const absl::Time joined = s.Now();
   waiting_.push_back(&seq);
   StartStep();
@@ -422,6 +426,7 @@ absl::Status SimCluster::Init() {
   wo.metrics = &metrics_;
   wo.query_prefix = [this](const std::vector<kv::BlockHash>& chain) {
     ++store_calls_;
+    store_blocks_ += static_cast<int64_t>(chain.size());
     kvrelay::v1::QueryPrefixResponse answer;
     for (const cachestore::NodePrefix& n : store_->QueryPrefix(chain)) {
       auto* node = answer.add_nodes();
@@ -431,8 +436,8 @@ absl::Status SimCluster::Init() {
     }
     return answer;
   };
-  workers_ = std::make_unique<WorkerSet>(wo, scheduler_->clock(), nullptr,
-                                         gateway::WorkerFactories{});
+  workers_ =
+      std::make_unique<WorkerSet>(wo, scheduler_->clock(), nullptr, gateway::WorkerFactories{});
   auto register_node = [&](const std::string& id, uint64_t incarnation, cachestore::NodeRole role,
                            const std::string& address) -> absl::Status {
     cachestore::NodeSpec node;
@@ -519,12 +524,14 @@ void SimCluster::CommitOn(const std::string& node_id, uint64_t incarnation,
                            .size_bytes = block_bytes_});
   }
   ++store_calls_;
+  store_blocks_ += static_cast<int64_t>(args.blocks.size());
   absl::StatusOr<cachestore::AllocateResult> allocated =
       store_->Allocate(args, scheduler_->Now() + absl::Seconds(1));
   if (!allocated.ok()) return;
   std::vector<kv::BlockHash> hashes;
   for (const auto& b : allocated->blocks) hashes.push_back(b.hash);
   ++store_calls_;
+  store_blocks_ += static_cast<int64_t>(hashes.size());
   (void)store_->Commit(allocated->allocation_id, hashes, args.caller);
 }
 

@@ -14,6 +14,7 @@
 //     (prompt and output, as the decode worker keeps it).
 // Simulated processes only (see Scheduler); nothing here locks.
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -36,24 +37,30 @@ struct ClusterSpec {
   int32_t decode_nodes = 2;
   int64_t cache_blocks = 4096;  // the store segment of every node (prefill and decode), in blocks
   int64_t decode_kv_blocks = 16384;  // each decode node's KV pool
-  int32_t max_batch = 64;            // per decode node
-  int32_t max_queued = 128;          // per decode node, waiting for the batch
-  absl::Duration max_queue_wait = absl::Seconds(1);  // both roles' --max-queue-wait
-  std::string policy = "lrfu";       // the store's eviction policy (deterministic ones only)
-  bool prefix_routing = true;        // the gateway's KV-aware routing (false: by load alone)
+  // The workers' own defaults.
+  int32_t max_batch = 32;   // per decode node
+  int32_t max_queued = 64;  // per decode node, waiting for the batch
+  // Both roles' --max-queue-wait: admission refuses a predicted wait past it (0: past the
+  // request's deadline only).
+  absl::Duration max_queue_wait = absl::ZeroDuration();
+  absl::Duration QueueBound(absl::Duration remaining) const {
+    return max_queue_wait > absl::ZeroDuration() ? std::min(remaining, max_queue_wait) : remaining;
+  }
+  std::string policy = "lrfu";  // the store's eviction policy (deterministic ones only)
+  bool prefix_routing = true;   // the gateway's KV-aware routing (false: by load alone)
 };
 
 // What the nodes did, for the report.
 struct NodeUsage {
   std::string node_id;
   bool prefill = false;
-  absl::Duration busy;         // computing (prefill) or stepping (decode)
-  absl::Duration queued;       // summed waits for the compute slot / the batch
-  absl::Duration link_busy;    // its link moving bytes
-  int64_t requests = 0;        // prefills run / sequences decoded
-  int64_t refused = 0;         // admission refusals
-  uint64_t bytes_out = 0;      // pushed (prefill) or 0
-  uint64_t bytes_pulled = 0;   // pulled in from another node
+  absl::Duration busy;        // computing (prefill) or stepping (decode)
+  absl::Duration queued;      // summed waits for the compute slot / the batch
+  absl::Duration link_busy;   // its link moving bytes
+  int64_t requests = 0;       // prefills run / sequences decoded
+  int64_t refused = 0;        // admission refusals
+  uint64_t bytes_out = 0;     // pushed (prefill) or 0
+  uint64_t bytes_pulled = 0;  // pulled in from another node
   int64_t peak_batch = 0;
 };
 
@@ -72,14 +79,15 @@ class SimCluster {
   void StartHousekeeping(std::function<bool()> active);
   std::vector<NodeUsage> Usage() const;
   int64_t store_calls() const { return store_calls_; }
+  int64_t store_blocks() const { return store_blocks_; }  // chain blocks those calls carried
   uint64_t BlockBytes() const { return block_bytes_; }
 
   class PrefillNode;
   class DecodeNode;
 
  private:
-  SimCluster(const ClusterSpec& spec, const HardwareProfile& profile,
-             const kv::ModelLayout& layout, Scheduler* scheduler);
+  SimCluster(const ClusterSpec& spec, const HardwareProfile& profile, const kv::ModelLayout& layout,
+             Scheduler* scheduler);
   absl::Status Init();
   void Housekeeping(std::function<bool()> active);
   // Holds both links for one transfer of `bytes` (lower index first), then frees them.
@@ -104,6 +112,7 @@ class SimCluster {
   std::vector<std::unique_ptr<SimMutex>> links_;
   std::vector<absl::Duration> link_busy_;
   int64_t store_calls_ = 0;
+  int64_t store_blocks_ = 0;
 };
 
 }  // namespace kvrelay::sim

@@ -11,9 +11,9 @@ namespace kvrelay::sim {
 absl::Duration HardwareProfile::PrefillTime(int64_t new_tokens, int64_t cached_tokens) const {
   if (new_tokens <= 0) return absl::Milliseconds(prefill_fixed_ms);
   const double n = static_cast<double>(new_tokens);
-  const double ms = prefill_fixed_ms + 1e3 * n / prefill_tokens_per_second +
-                    prefill_attention_ms_per_mtoken2 * n *
-                        (static_cast<double>(cached_tokens) + n / 2) / 1e6;
+  const double ms =
+      prefill_fixed_ms + 1e3 * n / prefill_tokens_per_second +
+      prefill_attention_ms_per_mtoken2 * n * (static_cast<double>(cached_tokens) + n / 2) / 1e6;
   return absl::Microseconds(static_cast<int64_t>(ms * 1e3));
 }
 
@@ -24,7 +24,8 @@ absl::Duration HardwareProfile::DecodeStep(int64_t batch, int64_t context_tokens
 }
 
 absl::Duration HardwareProfile::Transfer(uint64_t bytes) const {
-  const double us = network_latency_us + 1e6 * static_cast<double>(bytes) / network_bytes_per_second;
+  const double us =
+      network_latency_us + 1e6 * static_cast<double>(bytes) / network_bytes_per_second;
   return absl::Microseconds(static_cast<int64_t>(us));
 }
 
@@ -51,8 +52,8 @@ absl::Status ReadSection(const json& root, const char* section,
     }
     *target = value.get<double>();
     if (*target < 0 || (positive && *target == 0)) {
-      return absl::InvalidArgumentError(absl::StrCat(section, ".", key, ": want a positive number, got ",
-                                                     value.dump()));
+      return absl::InvalidArgumentError(
+          absl::StrCat(section, ".", key, ": want a positive number, got ", value.dump()));
     }
   }
   return absl::OkStatus();
@@ -98,10 +99,10 @@ absl::StatusOr<HardwareProfile> ParseProfile(const std::string& json_text) {
                      false);
   }
   if (st.ok()) {
-    st = ReadSection(root, "network",
-                     {{"bytes_per_second", &p.network_bytes_per_second},
-                      {"latency_us", &p.network_latency_us}},
-                     false);
+    st = ReadSection(
+        root, "network",
+        {{"bytes_per_second", &p.network_bytes_per_second}, {"latency_us", &p.network_latency_us}},
+        false);
   }
   if (!st.ok()) return st;
   if (p.prefill_tokens_per_second <= 0) {

@@ -54,7 +54,9 @@ std::vector<int32_t> TracePromptTokens(const cachestore::sim::TraceRequest& requ
   std::vector<int32_t> tokens;
   const int64_t n = static_cast<int64_t>(request.hash_ids.size());
   const int64_t length =
-      request.input_length > 0 ? request.input_length : n * int64_t{trace_block_tokens};
+      request.input_length > 0
+          ? std::max<int64_t>(1, (request.input_length * trace_block_tokens + 511) / 512)
+          : n * int64_t{trace_block_tokens};
   tokens.reserve(static_cast<size_t>(length));
   for (int64_t k = 0; k < n && static_cast<int64_t>(tokens.size()) < length; ++k) {
     const uint64_t block = Mix(request.hash_ids[static_cast<size_t>(k)] * 1000003ull +
@@ -67,10 +69,16 @@ std::vector<int32_t> TracePromptTokens(const cachestore::sim::TraceRequest& requ
   return tokens;
 }
 
-absl::StatusOr<SimReport> Simulate(const std::vector<cachestore::sim::TraceRequest>& trace,
+absl::StatusOr<SimReport> Simulate(const std::vector<cachestore::sim::TraceRequest>& full_trace,
                                    const ClusterSpec& cluster_spec, const TrafficSpec& traffic,
                                    const HardwareProfile& profile, const kv::ModelLayout& layout) {
-  if (trace.empty()) return absl::InvalidArgumentError("the trace has no requests");
+  if (traffic.trace_offset < 0 || traffic.tokens_per_hash_id < 1 ||
+      traffic.trace_offset >= static_cast<int64_t>(full_trace.size())) {
+    return absl::InvalidArgumentError(absl::StrCat("trace offset must be in [0, ",
+                                                   full_trace.size(), ") and tokens per id >= 1"));
+  }
+  const std::vector<cachestore::sim::TraceRequest> trace(full_trace.begin() + traffic.trace_offset,
+                                                         full_trace.end());
   if (traffic.time_scale <= 0 || traffic.populations < 1) {
     return absl::InvalidArgumentError("time scale must be > 0 and populations >= 1");
   }
@@ -108,7 +116,9 @@ absl::StatusOr<SimReport> Simulate(const std::vector<cachestore::sim::TraceReque
         absl::Microseconds(static_cast<int64_t>(Mix(static_cast<uint64_t>(pop) + 7) % 1000000));
     for (size_t i = 0; i < trace.size(); ++i) {
       const double ms = static_cast<double>(std::max<int64_t>(0, trace[i].timestamp_ms - first_ms));
-      arrivals.push_back({absl::Milliseconds(ms / traffic.time_scale) + (pop > 0 ? shift : absl::ZeroDuration()), i, pop});
+      arrivals.push_back(
+          {absl::Milliseconds(ms * traffic.time_scale) + (pop > 0 ? shift : absl::ZeroDuration()),
+           i, pop});
     }
   }
   std::stable_sort(arrivals.begin(), arrivals.end(),
@@ -130,7 +140,9 @@ absl::StatusOr<SimReport> Simulate(const std::vector<cachestore::sim::TraceReque
       RequestRecord& rec = report.records[k];
       rec.arrival_s = absl::ToDoubleSeconds(a.at);
       kvrelay::v1::GenerateRequest request;
-      for (int32_t t : TracePromptTokens(tr, a.population)) request.add_tokens(t);
+      for (int32_t t : TracePromptTokens(tr, a.population, traffic.tokens_per_hash_id)) {
+        request.add_tokens(t);
+      }
       request.set_model("sim");
       request.set_max_tokens(static_cast<int32_t>(std::clamp<int64_t>(
           tr.output_length > 0 ? tr.output_length : 1, 1, traffic.max_output_tokens)));
@@ -138,13 +150,12 @@ absl::StatusOr<SimReport> Simulate(const std::vector<cachestore::sim::TraceReque
       const absl::Time begun = clock.Now();
       absl::Time first_token = absl::InfinitePast();
       absl::Time last_token = begun;
-      gateway::GenerateCallRequest call_request{
-          .request = &request,
-          .tenant_salt = "",
-          .client = "",
-          .request_id_prefix = absl::StrCat("r", k),
-          .start = begun,
-          .deadline = begun + traffic.timeout};
+      gateway::GenerateCallRequest call_request{.request = &request,
+                                                .tenant_salt = "",
+                                                .client = "",
+                                                .request_id_prefix = absl::StrCat("r", k),
+                                                .start = begun,
+                                                .deadline = begun + traffic.timeout};
       const gateway::GenerateSink sink = [&](const kvrelay::v1::GenerateResponse& response) {
         if (response.tokens_size() > 0) {
           if (first_token == absl::InfinitePast()) first_token = clock.Now();
@@ -215,14 +226,15 @@ absl::StatusOr<SimReport> Simulate(const std::vector<cachestore::sim::TraceReque
   report.e2e_ms = Summarize(e2e);
   report.hit_rate = prompt > 0 ? static_cast<double>(hit) / static_cast<double>(prompt) : 0;
   report.store_calls_per_s = static_cast<double>(cluster->store_calls()) / report.duration_s;
+  report.store_blocks_per_s = static_cast<double>(cluster->store_blocks()) / report.duration_s;
   report.nodes = cluster->Usage();
   for (const NodeUsage& n : report.nodes) {
     const double busy = absl::ToDoubleSeconds(n.busy) / report.duration_s;
     const double link = absl::ToDoubleSeconds(n.link_busy) / report.duration_s;
     if (busy > report.bottleneck_utilisation) {
       report.bottleneck_utilisation = busy;
-      report.bottleneck = absl::StrCat(n.prefill ? "prefill compute" : "decode steps", " (",
-                                       n.node_id, ")");
+      report.bottleneck =
+          absl::StrCat(n.prefill ? "prefill compute" : "decode steps", " (", n.node_id, ")");
     }
     if (link > report.bottleneck_utilisation) {
       report.bottleneck_utilisation = link;
@@ -263,13 +275,15 @@ std::string SimReport::ToJson() const {
                       {"pushed_bytes", pushed_bytes},
                       {"fetched_bytes", fetched_bytes},
                       {"store_calls_per_s", store_calls_per_s},
+                      {"store_blocks_per_s", store_blocks_per_s},
                       {"bottleneck", bottleneck},
                       {"bottleneck_utilisation", bottleneck_utilisation},
                       {"nodes", nodes_json},
-                      {"simulation", {{"events", events},
-                                      {"peak_processes", peak_processes},
-                                      {"wall_s", wall_s},
-                                      {"events_per_s", wall_s > 0 ? events / wall_s : 0}}}};
+                      {"simulation",
+                       {{"events", events},
+                        {"peak_processes", peak_processes},
+                        {"wall_s", wall_s},
+                        {"events_per_s", wall_s > 0 ? events / wall_s : 0}}}};
   return j.dump(2);
 }
 
@@ -290,13 +304,13 @@ std::string SimReport::Summary() const {
   return absl::StrFormat(
       "requests %d: %d ok, %d refused, %d failed over %.1f s simulated (offered %.2f req/s)\n"
       "goodput %.2f req/s; TTFT p50/p90/p99 %.1f/%.1f/%.1f ms; TPOT p50/p99 %.2f/%.2f ms\n"
-      "prefix hit rate %.3f; pushed %.2f GiB, pulled %.2f GiB; store calls %.0f/s\n"
+      "prefix hit rate %.3f; pushed %.2f GiB, pulled %.2f GiB; store calls %.0f/s (%.0f blocks/s)\n"
       "busiest: %s at %.2f\n"
       "simulation: %d events in %.2f s wall (%.0f events/s), at most %d requests in flight\n",
-      requests, ok, refused, failed, duration_s, offered_rps, goodput_rps, ttft_ms.p50,
-      ttft_ms.p90, ttft_ms.p99, tpot_ms.p50, tpot_ms.p99, hit_rate,
+      requests, ok, refused, failed, duration_s, offered_rps, goodput_rps, ttft_ms.p50, ttft_ms.p90,
+      ttft_ms.p99, tpot_ms.p50, tpot_ms.p99, hit_rate,
       static_cast<double>(pushed_bytes) / (1 << 30), static_cast<double>(fetched_bytes) / (1 << 30),
-      store_calls_per_s, bottleneck, bottleneck_utilisation, events, wall_s,
+      store_calls_per_s, store_blocks_per_s, bottleneck, bottleneck_utilisation, events, wall_s,
       wall_s > 0 ? static_cast<double>(events) / wall_s : 0.0, peak_processes);
 }
 

@@ -3,10 +3,10 @@
 // Simulate: one run of `kvrelay simulate`. Each trace request becomes a GenerateRequest whose
 // prompt tokens derive from its block ids (requests that share leading ids share leading
 // tokens, so their KV chains share a prefix as the trace says), arriving at its timestamp
-// divided by the time scale; the gateway's own GenerateCall runs it on the SimCluster. The
-// report gives latency percentiles, goodput under an SLO, the prefix hit rate, bytes moved,
-// store calls, queueing and utilisation per role, and the first bottleneck (the resource
-// busiest over the run).
+// times the time scale (as bench-serve's); the gateway's own GenerateCall runs it on the
+// SimCluster. The report gives latency percentiles, goodput under an SLO, the prefix hit rate,
+// bytes moved, store calls, queueing and utilisation per role, and the first bottleneck (the
+// resource busiest over the run).
 
 #include <cstdint>
 #include <string>
@@ -22,10 +22,12 @@
 namespace kvrelay::sim {
 
 struct TrafficSpec {
-  double time_scale = 1.0;    // timestamps divided by this: 2 sends twice as fast
-  int32_t populations = 1;    // independent copies of the trace's users (distinct block ids)
-  int64_t max_requests = 0;   // 0: the whole trace (times populations)
+  double time_scale = 1.0;   // timestamps times this, as bench-serve's: 0.5 sends twice as fast
+  int32_t populations = 1;   // independent copies of the trace's users (distinct block ids)
+  int64_t max_requests = 0;  // 0: the whole trace (times populations)
   int32_t max_output_tokens = 4096;
+  int64_t trace_offset = 0;          // skip the trace's first requests (bench-serve's too)
+  int32_t tokens_per_hash_id = 512;  // prompt tokens per trace block id (bench-serve's flag)
   absl::Duration timeout = absl::Seconds(60);  // each request's deadline
   absl::Duration slo_ttft = absl::Seconds(2);
   absl::Duration slo_tpot = absl::Milliseconds(250);
@@ -56,8 +58,8 @@ struct Percentiles {
 struct SimReport {
   int64_t requests = 0;
   int64_t ok = 0;
-  int64_t refused = 0;  // RESOURCE_EXHAUSTED
-  int64_t failed = 0;   // any other failure
+  int64_t refused = 0;    // RESOURCE_EXHAUSTED
+  int64_t failed = 0;     // any other failure
   double duration_s = 0;  // first arrival to last completion, simulated
   double offered_rps = 0;
   double goodput_rps = 0;  // ok and within both SLOs, per simulated second
@@ -66,6 +68,7 @@ struct SimReport {
   uint64_t pushed_bytes = 0;
   uint64_t fetched_bytes = 0;
   double store_calls_per_s = 0;
+  double store_blocks_per_s = 0;  // blocks those calls carried (the store's work scales with it)
   std::vector<NodeUsage> nodes;
   std::string bottleneck;  // the resource with the highest utilisation
   double bottleneck_utilisation = 0;
@@ -75,7 +78,7 @@ struct SimReport {
   double wall_s = 0;
   std::vector<RequestRecord> records;
 
-  std::string ToJson() const;   // everything but the per-request records
+  std::string ToJson() const;  // everything but the per-request records
   std::string RecordsCsv() const;
   std::string Summary() const;  // a few lines for people
 };
@@ -85,8 +88,10 @@ absl::StatusOr<SimReport> Simulate(const std::vector<cachestore::sim::TraceReque
                                    const HardwareProfile& profile, const kv::ModelLayout& layout);
 
 // The prompt tokens of a trace request (population `population`): block id b's i-th token is
-// a fixed function of (b, population, i), the last block cut to input_length.
+// a fixed function of (b, population, i), `tokens_per_id` of them per id (the trace's 512, or
+// fewer to shrink prompts as bench-serve --tokens-per-hash-id does), the last block cut to the
+// input length scaled the same way.
 std::vector<int32_t> TracePromptTokens(const cachestore::sim::TraceRequest& request,
-                                       int32_t population, int32_t trace_block_tokens = 512);
+                                       int32_t population, int32_t tokens_per_id = 512);
 
 }  // namespace kvrelay::sim

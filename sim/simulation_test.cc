@@ -132,8 +132,10 @@ TEST(SimulateTest, OverloadIsRefusedNotQueuedWithoutBound) {
 TEST(SimulateTest, SameInputsGiveTheSameRun) {
   ClusterSpec cluster;
   TrafficSpec traffic;
-  absl::StatusOr<SimReport> a = Simulate(Trace(50, 5, 4, 30), cluster, traffic, Profile(), Layout());
-  absl::StatusOr<SimReport> b = Simulate(Trace(50, 5, 4, 30), cluster, traffic, Profile(), Layout());
+  absl::StatusOr<SimReport> a =
+      Simulate(Trace(50, 5, 4, 30), cluster, traffic, Profile(), Layout());
+  absl::StatusOr<SimReport> b =
+      Simulate(Trace(50, 5, 4, 30), cluster, traffic, Profile(), Layout());
   KV_ASSERT_OK(a);
   KV_ASSERT_OK(b);
   EXPECT_EQ(a->RecordsCsv(), b->RecordsCsv());
@@ -152,8 +154,7 @@ TEST(ProfileTest, ParsesAndRejectsWithTheFieldNamed) {
   EXPECT_THAT(ParseProfile(R"({"network": {"bytes_per_second": "fast"}})").status(),
               testing::StatusIs(absl::StatusCode::kInvalidArgument,
                                 ::testing::HasSubstr("network.bytes_per_second")));
-  EXPECT_THAT(ParseProfile("[1]").status(),
-              testing::StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(ParseProfile("[1]").status(), testing::StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
 }  // namespace

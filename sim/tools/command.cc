@@ -27,7 +27,8 @@ absl::Status ParseSlo(const std::string& text, TrafficSpec& traffic) {
     std::pair<std::string, std::string> kv = absl::StrSplit(part, absl::MaxSplits('=', 1));
     absl::Duration d;
     if (!absl::ParseDuration(kv.second, &d) || d <= absl::ZeroDuration()) {
-      return absl::InvalidArgumentError(absl::StrCat("slo: want ttft=DUR,tpot=DUR, got '", part, "'"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("slo: want ttft=DUR,tpot=DUR, got '", part, "'"));
     }
     if (kv.first == "ttft") {
       traffic.slo_ttft = d;
@@ -45,7 +46,8 @@ absl::Status ApplySweep(const std::string& key, const std::string& value, Cluste
                         TrafficSpec& traffic) {
   double number = 0;
   if (!absl::SimpleAtod(value, &number) || number <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat("sweep: '", value, "' is not a positive number"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("sweep: '", value, "' is not a positive number"));
   }
   const auto whole = static_cast<int64_t>(number);
   if (key == "prefill") {
@@ -82,6 +84,7 @@ int RunSimulateCommand(const std::vector<std::string>& args) {
   cachestore::tools::TraceSourceFlags source;
   source.Register(flags);
   std::string model = "llama3-8b";
+  int32_t block_tokens = 16;
   std::string profile_path;
   ClusterSpec cluster;
   TrafficSpec traffic;
@@ -89,6 +92,9 @@ int RunSimulateCommand(const std::vector<std::string>& args) {
   std::string slo = "ttft=2s,tpot=250ms";
   std::string json_path, csv_path, sweep;
   flags.AddString("model", &model, "model preset whose KV layout is simulated (kv/presets.h)");
+  flags.AddInt32("block-tokens", &block_tokens,
+                 "tokens per KV block (the workers' --block-tokens); larger blocks make the "
+                 "store's work per request, and the simulation, cheaper");
   flags.AddString("profile", &profile_path,
                   "hardware profile JSON (sim/profiles/*.json; see sim/profile.h); empty: the "
                   "built-in defaults");
@@ -100,16 +106,24 @@ int RunSimulateCommand(const std::vector<std::string>& args) {
   flags.AddInt32("max-batch", &cluster.max_batch, "sequences per decode step");
   flags.AddInt32("max-queued", &cluster.max_queued, "sequences waiting for a decode batch");
   flags.AddDuration("max-queue-wait", &cluster.max_queue_wait,
-                    "both roles' --max-queue-wait (admission refuses a longer predicted wait)");
+                    "both roles' --max-queue-wait (admission refuses a longer predicted wait; "
+                    "0: only past the deadline)");
   flags.AddString("policy", &cluster.policy,
                   "the store's eviction policy (lrfu, lru, leaf-lru, probation-lru, "
                   "probation-lag; adaptive learns on a thread, so its runs vary)");
   flags.AddString("routing", &routing, "prefix (KV-aware, the gateway's default) or load");
-  flags.AddDouble("time-scale", &traffic.time_scale, "arrival times divided by this");
+  flags.AddDouble("time-scale", &traffic.time_scale,
+                  "arrival times multiplied by this, as bench-serve's (0.5: twice as fast)");
   flags.AddInt32("populations", &traffic.populations,
                  "independent copies of the trace's users, each with its own prompts");
   flags.AddInt64("max-requests", &traffic.max_requests, "stop after this many (0: all)");
   flags.AddDuration("timeout", &traffic.timeout, "each request's deadline");
+  flags.AddInt64("trace-offset", &traffic.trace_offset, "skip the trace's first N requests");
+  flags.AddInt32("tokens-per-hash-id", &traffic.tokens_per_hash_id,
+                 "prompt tokens per trace block id (512 = the trace's own; fewer shrink "
+                 "prompts as bench-serve's flag does)");
+  flags.AddInt32("max-output-tokens", &traffic.max_output_tokens,
+                 "the trace's output lengths are capped to this");
   flags.AddString("slo", &slo, "goodput counts requests within both: ttft=DUR,tpot=DUR");
   flags.AddString("json", &json_path, "write the report (JSON; a list when sweeping) here");
   flags.AddString("csv", &csv_path, "write one line per request here (the last run of a sweep)");
@@ -130,7 +144,9 @@ int RunSimulateCommand(const std::vector<std::string>& args) {
     if (!loaded.ok()) return CommandFailed(kName, loaded.status());
     profile = *std::move(loaded);
   }
-  absl::StatusOr<kv::ModelConfig> config = kv::LoadPreset(model);
+  kv::ConfigOptions config_options;
+  config_options.block_tokens = block_tokens;
+  absl::StatusOr<kv::ModelConfig> config = kv::LoadPreset(model, config_options);
   if (!config.ok()) return CommandFailed(kName, config.status());
   absl::StatusOr<cachestore::tools::LoadedTrace> trace = source.Load();
   if (!trace.ok()) return CommandFailed(kName, trace.status());
@@ -164,14 +180,16 @@ int RunSimulateCommand(const std::vector<std::string>& args) {
     std::printf("%s\n", report->Summary().c_str());
     nlohmann::json j = nlohmann::json::parse(report->ToJson());
     if (!sweep_key.empty()) j["sweep"] = {{"key", sweep_key}, {"value", value}};
-    j["cluster"] = {{"prefill", c.prefill_nodes}, {"decode", c.decode_nodes},
-                    {"cache_blocks", c.cache_blocks}, {"routing", routing},
-                    {"model", model}, {"profile", profile.name}, {"trace", trace->name}};
+    j["cluster"] = {
+        {"prefill", c.prefill_nodes}, {"decode", c.decode_nodes}, {"cache_blocks", c.cache_blocks},
+        {"routing", routing},         {"model", model},           {"profile", profile.name},
+        {"trace", trace->name}};
     reports.push_back(std::move(j));
     csv = report->RecordsCsv();
   }
   if (!json_path.empty()) {
-    absl::Status st = WriteFileAtomically(json_path, (sweep_key.empty() ? reports[0] : reports).dump(2) + "\n");
+    absl::Status st =
+        WriteFileAtomically(json_path, (sweep_key.empty() ? reports[0] : reports).dump(2) + "\n");
     if (!st.ok()) return CommandFailed(kName, st);
   }
   if (!csv_path.empty()) {

@@ -1,0 +1,45 @@
+#!/usr/bin/python3
+"""Plots a `kvrelay simulate --sweep ... --json FILE` report: goodput, TTFT p50/p99 and the
+busiest resource's utilisation against the swept value (PNG).
+
+    scripts/sim_plot.py REPORT.json OUT.png [REPORT2.json ...]   (several: one line each)
+"""
+import json
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def main():
+    if len(sys.argv) < 3:
+        sys.exit(__doc__)
+    reports = [sys.argv[1]] + sys.argv[3:]
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(14, 4))
+    key = None
+    for path in reports:
+        runs = json.load(open(path))
+        if isinstance(runs, dict):
+            runs = [runs]
+        key = runs[0]["sweep"]["key"]
+        xs = [float(r["sweep"]["value"]) for r in runs]
+        label = f"{runs[0]['cluster']['routing']} routing"
+        ax1.plot(xs, [r["goodput_rps"] for r in runs], "o-", label=label)
+        ax2.plot(xs, [r["ttft_ms"]["p50"] for r in runs], "o-", label=f"p50, {label}")
+        ax2.plot(xs, [r["ttft_ms"]["p99"] for r in runs], "s--", label=f"p99, {label}")
+        ax3.plot(xs, [r["bottleneck_utilisation"] for r in runs], "o-", label=label)
+    for ax, title in ((ax1, "goodput (req/s)"), (ax2, "TTFT (ms)"),
+                      (ax3, "busiest resource's utilisation")):
+        ax.set_xlabel(key)
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    ax2.set_yscale("log")
+    fig.tight_layout()
+    fig.savefig(sys.argv[2], dpi=110)
+
+
+if __name__ == "__main__":
+    main()
