@@ -1,6 +1,5 @@
 #!/usr/bin/python3
-"""Plots `kvrelay simulate --json` reports: goodput, TTFT p50/p99 and the busiest resource's
-utilisation against the swept value (a --sweep report), or against the cluster's node count
+"""Plots `kvrelay simulate --json` reports: goodput and TTFT p50/p99 against the swept value (a --sweep report), or against the cluster's node count
 (a list of single reports: the files of one series joined by commas).
 
     scripts/sim_plot.py SERIES OUT.png [SERIES ...]
@@ -19,7 +18,7 @@ def main():
     if len(sys.argv) < 3:
         sys.exit(__doc__)
     series = [sys.argv[1]] + sys.argv[3:]
-    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(14, 4))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     key = None
     for spec in series:
         label, _, paths = spec.rpartition("=")
@@ -35,14 +34,11 @@ def main():
             xs = [r["cluster"]["prefill"] + r["cluster"]["decode"] for r in runs]
             ax1.set_xscale("log", base=2)
             ax2.set_xscale("log", base=2)
-            ax3.set_xscale("log", base=2)
         label = label or f"{runs[0]['cluster']['routing']} routing"
         ax1.plot(xs, [r["goodput_rps"] for r in runs], "o-", label=label)
         ax2.plot(xs, [r["ttft_ms"]["p50"] for r in runs], "o-", label=f"p50, {label}")
         ax2.plot(xs, [r["ttft_ms"]["p99"] for r in runs], "s--", label=f"p99, {label}")
-        ax3.plot(xs, [r["bottleneck_utilisation"] for r in runs], "o-", label=label)
-    for ax, title in ((ax1, "goodput (req/s)"), (ax2, "TTFT (ms)"),
-                      (ax3, "busiest resource's utilisation")):
+    for ax, title in ((ax1, "goodput (req/s)"), (ax2, "TTFT (ms)")):
         ax.set_xlabel(key)
         ax.set_title(title)
         ax.grid(True, alpha=0.3)
