@@ -364,8 +364,8 @@ void SimCluster::DecodeNode::StartStep() {
   const absl::Duration step =
       cluster_->profile_.DecodeStep(static_cast<int64_t>(running_.size()), context);
   // Busy as a share of the batch: a step of one sequence uses 1/max_batch of the node.
-  usage_.busy += step * static_cast<double>(running_.size()) /
-                 static_cast<double>(cluster_->spec_.max_batch);
+  usage_.busy +=
+      step * static_cast<double>(running_.size()) / static_cast<double>(cluster_->spec_.max_batch);
   usage_.peak_batch = std::max<int64_t>(usage_.peak_batch, static_cast<int64_t>(running_.size()));
   stepping_ = true;
   s.At(s.Now() + step, [this] { EndStep(); });
