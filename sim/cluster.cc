@@ -239,6 +239,7 @@ class SimCluster::DecodeNode final : public gateway::DecodeEndpoint {
     int64_t context = 0;    // tokens in its KV so far
     int32_t generated = 0;  // tokens handed out
     int32_t max_tokens = 0;
+    absl::Time joined;  // when Generate queued it for the batch
   };
   // Admits waiting sequences up to max_batch and schedules the step's end (scheduler thread
   // or a process; idempotent while a step runs).
@@ -319,6 +320,7 @@ absl::Status SimCluster::DecodeNode::Generate(const kvrelay::v1::DecodeRequest& 
   Sequence seq{
       .process = s.Current(), .context = request.tokens_size(), .max_tokens = request.max_tokens()};
   const absl::Time joined = s.Now();
+  seq.joined = joined;
   waiting_.push_back(&seq);
   StartStep();
   bool stopped = false;
@@ -355,6 +357,7 @@ void SimCluster::DecodeNode::StartStep() {
   if (stepping_) return;
   Scheduler& s = *cluster_->scheduler_;
   while (!waiting_.empty() && static_cast<int32_t>(running_.size()) < cluster_->spec_.max_batch) {
+    usage_.queued += s.Now() - waiting_.front()->joined;
     running_.push_back(waiting_.front());
     waiting_.pop_front();
   }
