@@ -90,6 +90,21 @@ absl::Status WaitReady(const std::string& gateway, const GatewayClient& client,
       absl::StrCat("gateway ", gateway, " not ready within --wait-ready: ", last.ToString()));
 }
 
+// The rate that takes an overload sweep to `multiple` x saturation (the peak goodput so far),
+// or nullopt when its last rate already offers that much. Tokens are not verified yet, so the
+// peak counts every request that met the SLO; a wrong token fails the run anyway.
+std::optional<double> NextOverloadRate(const std::vector<RunReport>& runs, const Slo& slo,
+                                       double multiple) {
+  double peak = 0, last_rate = 0;
+  for (const RunReport& run : runs) {
+    peak = std::max(peak, Summarize(run.records, slo).goodput);
+    last_rate = run.rate.value_or(0);
+  }
+  if (peak <= 0 || last_rate >= multiple * peak) return std::nullopt;
+  // 5% above the multiple, in whole requests/s: the peak itself moves a little from run to run.
+  return std::max(last_rate + 1, std::ceil(multiple * peak * 1.05));
+}
+
 }  // namespace
 
 int RunBenchServeCommand(const std::vector<std::string>& args) {
@@ -98,9 +113,10 @@ int RunBenchServeCommand(const std::vector<std::string>& args) {
   std::string tenant = "bench", contract_text, token_file;
   server::SecurityOptions security;
   double time_scale = 1.0, rate = 0, shared_prefix_ratio = 0, temperature = 0;
+  double sweep_past_saturation = 0;
   int32_t tokens_per_hash_id = 512, trace_block_tokens = 512, vocab = 0, block_tokens = 16;
   int32_t max_output_tokens = 64, input_tokens = 256, output_tokens = 16, prefix_groups = 4;
-  int32_t concurrency = 32, verify_threads = 1;
+  int32_t concurrency = 32, verify_threads = 1, sweep_extra_rates = 3;
   int64_t max_prompt_tokens = 0, num_requests = 100, max_requests = 1000, seed = 0;
   int64_t verify_sample = 0, trace_offset = 0;
   bool verify = false, quiet = false;
@@ -135,6 +151,12 @@ int RunBenchServeCommand(const std::vector<std::string>& args) {
                     "instead of --num-requests), so every rate is measured over the same "
                     "window; a fixed count at a high rate is a short burst whose drain "
                     "dominates");
+  flags.AddDouble("sweep-past-saturation", &sweep_past_saturation,
+                  "after --sweep-rates, add rates until the last one offers at least this many "
+                  "times the peak goodput measured (saturation), so an overload sweep reaches "
+                  "its multiple on a fast machine too (0 = the listed rates only)");
+  flags.AddInt32("sweep-extra-rates", &sweep_extra_rates,
+                 "--sweep-past-saturation adds at most this many rates");
   flags.AddInt64("num-requests", &num_requests, "synthetic: number of requests");
   flags.AddInt32("input-tokens", &input_tokens, "synthetic: prompt tokens per request");
   flags.AddInt32("output-tokens", &output_tokens, "synthetic: tokens generated per request");
@@ -238,6 +260,13 @@ int RunBenchServeCommand(const std::vector<std::string>& args) {
       (sweep_duration > absl::ZeroDuration() && (sweep->empty() || !trace_path.empty()))) {
     return UsageError(
         "--sweep-duration: a positive duration, with --sweep-rates and a synthetic workload");
+  }
+  if (sweep_past_saturation < 0 || (sweep_past_saturation > 0 && sweep->empty())) {
+    return UsageError("--sweep-past-saturation: a positive multiple, with --sweep-rates");
+  }
+  if (sweep_extra_rates < 0 || sweep_extra_rates > 10) {
+    return UsageError(
+        absl::StrCat("--sweep-extra-rates must be in [0, 10], got ", sweep_extra_rates));
   }
 
   // The served model bounds the prompts: its vocab, its context, its KV block.
@@ -360,6 +389,7 @@ int RunBenchServeCommand(const std::vector<std::string>& args) {
   }
   if (clients.empty()) return UsageError("--gateway HOST:PORT is required");
   std::vector<RunReport> runs;
+  int32_t extra_rates_left = sweep_past_saturation > 0 ? sweep_extra_rates : 0;
   for (size_t i = 0; i < steps.size(); ++i) {
     RunOptions options;
     options.concurrency = concurrency;
@@ -389,6 +419,15 @@ int RunBenchServeCommand(const std::vector<std::string>& args) {
     run.stopped_by_duration = result.stopped_by_duration;
     run.start_unix = absl::ToUnixMicros(result.start) / 1e6;
     runs.push_back(std::move(run));
+    if (i + 1 == steps.size() && extra_rates_left > 0) {
+      if (std::optional<double> next = NextOverloadRate(runs, *slo, sweep_past_saturation)) {
+        absl::StatusOr<std::vector<WorkloadRequest>> w = build(*next);
+        if (!w.ok()) return UsageError(std::string(w.status().message()));
+        steps.push_back(*next);
+        workloads.push_back(*std::move(w));
+        --extra_rates_left;
+      }
+    }
   }
 
   int exit_code = 0;
