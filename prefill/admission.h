@@ -5,7 +5,8 @@
 // worker's measured compute rate (prompt tokens per second); one whose predicted start is past
 // its deadline is refused at once with RESOURCE_EXHAUSTED (ErrorInfo ROLE_PREFILL,
 // FAILURE_OVERLOADED, "queue", the predicted start), so the queue is bounded by predicted wait,
-// not by length. Until the rate is measured every request is admitted.
+// not by length. Until the rate is measured every request is admitted (the worker measures it
+// before it serves: PrefillWorker::MeasureComputeRate).
 //
 // Called by PrefillWorker::Run (RPC threads): Admit, then the Ticket gives the tokens back when
 // the request ends.

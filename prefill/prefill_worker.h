@@ -145,6 +145,10 @@ class PrefillWorker {
                           int64_t wanted_end, const std::string& request_id, absl::Time deadline,
                           std::vector<std::vector<kv::SlotId>>& slots);
   absl::Status Init(worker::WorkerCoreDeps deps);
+  // Prefills a few blocks of dummy tokens before serving and takes the compute rate from them,
+  // so admission predicts waits from the first request on; without it a cold worker admitted
+  // every request of a burst until one had finished (12.8 s queues in the simulator).
+  void MeasureComputeRate();
   // `status` attributed to this node with `reason`.
   absl::Status Own(absl::Status status, kvrelay::v1::FailureReason reason) const;
   // Run's first step: the request's fields (Validate, the caller's fault) and the layout

@@ -56,6 +56,11 @@ class SimCluster::PrefillNode final : public gateway::PrefillEndpoint {
         queue_(&rate_, node_id_) {
     usage_.node_id = node_id_;
     usage_.prefill = true;
+    // The worker measures its rate on 4 blocks before it serves (MeasureComputeRate).
+    const int64_t measured = 4 * int64_t{cluster->layout_.block_tokens()};
+    rate_.Observe(static_cast<double>(measured),
+                  absl::ToDoubleSeconds(cluster->profile_.PrefillTime(measured, 0)),
+                  cluster->scheduler_->Now());
   }
   const std::string& address() const override { return address_; }
   const std::string& node_id() const { return node_id_; }

@@ -113,20 +113,21 @@ TEST(SimulateTest, OverloadIsRefusedNotQueuedWithoutBound) {
   EXPECT_GT(report->refused, 200);
   EXPECT_EQ(report->failed, 0);
   EXPECT_EQ(report->ok + report->refused, 400);
-  // Once the node's rate is measured (its first prefill, 0.8 s), what it admits starts within
-  // the queue bound: TTFT at most the wait, its own compute and a decode step. (Until then the
-  // worker's PrefillQueue admits everything: the 16 requests of the first 0.8 s queue for
-  // up to 12.8 s, as a real worker would.)
-  int admitted_late = 0;
+  // The worker measured its rate before serving, so from the first request on what it admits
+  // starts within the queue bound: TTFT at most the wait, its own compute and a decode step.
+  // (Before that measurement the 16 requests of the first 0.8 s queued for up to 12.8 s.)
+  int admitted = 0;
   for (const RequestRecord& r : report->records) {
-    if (r.ok && r.arrival_s > 15) {
-      ++admitted_late;
+    if (r.ok) {
+      ++admitted;
       EXPECT_LT(r.ttft_ms, 500 + 1000 + 200) << "arrived at " << r.arrival_s;
     }
   }
-  EXPECT_GT(admitted_late, 0);
+  EXPECT_GT(admitted, 0);
   EXPECT_EQ(report->bottleneck, "prefill compute (prefill-0)");
-  EXPECT_GT(report->bottleneck_utilisation, 0.9);
+  // Below 1: one prefill (0.8 s) is longer than the 500 ms bound, so the node admits only into
+  // an empty queue and idles until the next arrival after each one.
+  EXPECT_GT(report->bottleneck_utilisation, 0.7);
 }
 
 TEST(SimulateTest, SameInputsGiveTheSameRun) {
