@@ -8,6 +8,7 @@
 #include "common/status_macros.h"
 #include "kv/block_hash.h"
 #include "kv/prompt_validation.h"
+#include "prefill/prefix_source.h"
 #include "proto/grpc_status.h"
 #include "proto/limits.h"
 
@@ -349,12 +350,11 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::RunKv(
                       ReusePrefix(request, *lookup, tokens, deadline, seq));
   KV_RETURN_IF_ERROR(seq.EnsureBlocks(full_tokens));
   const PulledPrefix& pulled = reused.pulled;
-  const int64_t held_here = reused.hit_blocks + reused.disk_blocks;
-  response.set_prefix_source(pulled.blocks > 0                                       ? "pulled"
-                             : pulled.attempted || lookup->match.matched > held_here ? "recomputed"
-                             : reused.disk_blocks > 0                                ? "disk"
-                             : reused.hit_blocks > 0                                 ? "local"
-                                                                                     : "none");
+  response.set_prefix_source(PrefixSourceName({.matched = lookup->match.matched,
+                                               .hit_blocks = reused.hit_blocks,
+                                               .disk_blocks = reused.disk_blocks,
+                                               .pulled_blocks = pulled.blocks,
+                                               .pull_attempted = pulled.attempted}));
   response.set_fetched_bytes(static_cast<int64_t>(pulled.bytes));
   response.set_fetched_tokens(static_cast<int32_t>(pulled.blocks * block_tokens));
   response.set_estimated_pull_ms(pulled.decision.pull_seconds * 1e3);

@@ -9,6 +9,7 @@
 #include "decode/admission.h"
 #include "kv/reuse_cost.h"
 #include "prefill/admission.h"
+#include "prefill/prefix_source.h"
 #include "proto/grpc_status.h"
 
 namespace kvrelay::sim {
@@ -109,6 +110,13 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> SimCluster::PrefillNode::Prefill(
     ++usage_.refused;
     return ticket.status();
   }
+  if (full > 0 && decode_held >= full) {  // PrefillWorker::HeldByDecode: nothing to compute
+    kvrelay::v1::PrefillResponse response;
+    response.set_prefix_source("decode");
+    response.set_prefix_hit_tokens(static_cast<int32_t>(full * bt));
+    response.set_pushed_tokens(static_cast<int32_t>(full * bt));
+    return response;
+  }
   const absl::Time queued_at = s.Now();
   compute_.Lock();
   usage_.queued += s.Now() - queued_at;
@@ -144,7 +152,7 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> SimCluster::PrefillNode::Prefill(
   }
   // Pull or recompute the run another node holds: the worker's own choice.
   int64_t pulled = 0;
-  if (remote > 0 && remote_link >= 0) {
+  if (remote > 0 && remote_link >= 0 && c.spec_.pull_remote_prefix) {
     const kv::PullOrRecompute choice =
         kv::ChoosePullOrRecompute({.bytes = static_cast<uint64_t>(remote) * c.block_bytes_,
                                    .tokens = remote * bt,
@@ -185,11 +193,10 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> SimCluster::PrefillNode::Prefill(
   response.set_fetched_bytes(static_cast<int64_t>(pulled) * static_cast<int64_t>(c.block_bytes_));
   response.set_fetched_tokens(static_cast<int32_t>(pulled * bt));
   response.set_committed_blocks(static_cast<int32_t>(full - local));
-  response.set_prefix_source(local > 0 && pulled > 0 ? "local+pulled"
-                             : local > 0             ? "local"
-                             : pulled > 0            ? "pulled"
-                             : remote > 0            ? "recomputed"
-                                                     : "none");
+  response.set_prefix_source(prefill::PrefixSourceName({.matched = match.ok() ? match->matched : 0,
+                                                        .hit_blocks = local,
+                                                        .pulled_blocks = pulled,
+                                                        .pull_attempted = remote > 0}));
   return response;
 }
 
@@ -237,6 +244,7 @@ class SimCluster::DecodeNode final : public gateway::DecodeEndpoint {
  private:
   struct Reservation {
     int64_t blocks = 0;
+    int32_t held = 0;  // leading prompt blocks this node held already (not committed again)
     bool generating = false;
   };
   struct Sequence {
@@ -297,7 +305,7 @@ absl::StatusOr<kvrelay::v1::ReserveResponse> SimCluster::DecodeNode::Reserve(
     }
   }
   free_blocks_ -= blocks;
-  reservations_[request.request_id()] = Reservation{.blocks = blocks};
+  reservations_[request.request_id()] = Reservation{.blocks = blocks, .held = std::max(0, held)};
   kvrelay::v1::ReserveResponse response;
   response.set_node_id(node_id_);
   response.set_incarnation(incarnation_);
@@ -322,6 +330,7 @@ absl::Status SimCluster::DecodeNode::Generate(const kvrelay::v1::DecodeRequest& 
   }
   it->second.generating = true;
   const int64_t blocks = it->second.blocks;
+  const size_t held = static_cast<size_t>(it->second.held);
   Sequence seq{
       .process = s.Current(), .context = request.tokens_size(), .max_tokens = request.max_tokens()};
   const absl::Time joined = s.Now();
@@ -346,13 +355,14 @@ absl::Status SimCluster::DecodeNode::Generate(const kvrelay::v1::DecodeRequest& 
   std::erase(running_, &seq);
   admission_.ObserveResidency(s.Now() - joined);
   ++usage_.requests;
-  // What the decode worker keeps: the whole sequence, committed on its own segment.
+  // What the decode worker keeps: the whole sequence, committed on its own segment from the
+  // blocks it did not hold already (DecodeWorker::CommitSequence).
   const int32_t bt = c.layout_.block_tokens();
   const size_t full = tokens.size() / static_cast<size_t>(bt) * static_cast<size_t>(bt);
   c.CommitOn(node_id_, incarnation_,
              kv::HashChain(c.layout_.fingerprint(), request.tenant_salt(),
                            absl::MakeConstSpan(tokens.data(), full), bt),
-             0);
+             held);
   free_blocks_ += blocks;
   reservations_.erase(request.request_id());
   return absl::OkStatus();
@@ -446,8 +456,9 @@ absl::Status SimCluster::Init() {
     }
     return answer;
   };
-  workers_ =
-      std::make_unique<WorkerSet>(wo, scheduler_->clock(), nullptr, gateway::WorkerFactories{});
+  workers_ = std::make_unique<WorkerSet>(
+      wo, spec_.gateway_clock != nullptr ? spec_.gateway_clock : scheduler_->clock(), nullptr,
+      gateway::WorkerFactories{});
   auto register_node = [&](const std::string& id, uint64_t incarnation, cachestore::NodeRole role,
                            const std::string& address) -> absl::Status {
     cachestore::NodeSpec node;

@@ -24,6 +24,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "cachestore/cache_store.h"
+#include "common/clock.h"
 #include "common/metrics.h"
 #include "gateway/worker_set.h"
 #include "kv/model_layout.h"
@@ -48,6 +49,14 @@ struct ClusterSpec {
   }
   std::string policy = "lrfu";  // the store's eviction policy (deterministic ones only)
   bool prefix_routing = true;   // the gateway's KV-aware routing (false: by load alone)
+  // Prefill workers' --pull-remote-prefix: a prefix held on another node may be pulled (by
+  // the cost model's choice); false: it is recomputed.
+  bool pull_remote_prefix = true;
+  // The clock the gateway reads (its WorkerSet and each GenerateCall); null: the simulation's.
+  // The agreement test with the in-process serving cluster hands it one that stands still, as
+  // that cluster's gateway has: then neither gateway learns service times or rates, and both
+  // route by the same inputs (the store's holdings and the loads).
+  Clock* gateway_clock = nullptr;
 };
 
 // What the nodes did, for the report.

@@ -91,12 +91,13 @@ absl::StatusOr<SimReport> Simulate(const std::vector<cachestore::sim::TraceReque
   gateway::GatewayMetrics gateway_metrics(&metrics, "sim");
   gateway::QuotaTable tenants("tenant", "KV tokens reserved", "--tenant-kv-tokens", 0, nullptr);
   gateway::QuotaTable clients("client", "KV tokens reserved", "--client-kv-tokens", 0, nullptr);
-  const gateway::GenerateCallDeps deps{.workers = &cluster->workers(),
-                                       .metrics = &gateway_metrics,
-                                       .tenant_reservations = &tenants,
-                                       .client_reservations = &clients,
-                                       .layout = &layout,
-                                       .clock = &clock};
+  const gateway::GenerateCallDeps deps{
+      .workers = &cluster->workers(),
+      .metrics = &gateway_metrics,
+      .tenant_reservations = &tenants,
+      .client_reservations = &clients,
+      .layout = &layout,
+      .clock = cluster_spec.gateway_clock != nullptr ? cluster_spec.gateway_clock : &clock};
   gateway::GenerateCallOptions options;
   options.model_name = "sim";
 

@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <memory>
+#include <regex>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -26,6 +28,7 @@
 #include "nlohmann/json.hpp"
 #include "prefill/prefill_worker.h"
 #include "proto/grpc_status.h"
+#include "sim/simulation.h"
 #include "tests/integration/local_endpoints.h"
 #include "tests/testing/status_matchers.h"
 #include "tests/testing/test_env.h"
@@ -48,6 +51,7 @@ class InProcessCluster : public ::testing::Test {
     model::TestModelOptions model_options;
     model_options.arch = arch_;
     model_options.seed = 7;
+    model_options.vocab = vocab_;
     KV_ASSERT_OK(model::WriteTestModel(model_dir_, model_options));
     KV_ASSERT_OK_AND_ASSIGN(reference_, cli::ColocatedGenerator::Load(model_dir_));
 
@@ -68,11 +72,12 @@ class InProcessCluster : public ::testing::Test {
       options.core.node_id = "prefill-" + std::to_string(i);
       options.core.cachestore_address = store_host_->address();
       options.core.pool_blocks = 256;
-      options.core.cache_slots = 64;
+      options.core.cache_slots = prefill_cache_slots_;
       // The reuse counts below must not depend on a sanitizer-slowed store call beating the
       // 500 ms default (the worker would skip the store for a moment).
       options.core.store_request_timeout = absl::Seconds(5);
       options.model_name = "tiny";
+      options.pull_remote_prefix = prefills_pull_;
       KV_ASSERT_OK_AND_ASSIGN(auto transport, transfer::MakeInProcessTransport());
       auto faulty = std::make_unique<transfer::FaultyTransport>(std::move(transport));
       prefill_faults_.push_back(faulty.get());
@@ -87,16 +92,23 @@ class InProcessCluster : public ::testing::Test {
       decode::DecodeWorkerOptions options;
       options.core.model_dir = model_dir_;
       options.core.node_id = "decode-" + std::to_string(i);
-      options.core.pool_blocks = 64;
+      options.core.pool_blocks = decode_pool_blocks_;
       options.model_name = "tiny";
       options.max_batch = 4;
       options.max_queued = 4;
       options.reservation_ttl = absl::Seconds(10);
+      if (decodes_use_store_) {
+        options.core.cachestore_address = store_host_->address();
+        options.core.store_request_timeout = absl::Seconds(5);
+      }
       KV_ASSERT_OK_AND_ASSIGN(auto transport, transfer::MakeInProcessTransport());
       KV_ASSERT_OK_AND_ASSIGN(
           auto worker,
           decode::DecodeWorker::Create(
               options, &metrics_, {.transport = std::move(transport), .clock = &worker_clock_}));
+      if (decodes_use_store_) {
+        KV_ASSERT_OK(worker->ConnectStore("in-process"));
+      }
       decodes_.push_back(std::move(worker));
     }
     gateway::Gateway::Workers workers;
@@ -118,11 +130,13 @@ class InProcessCluster : public ::testing::Test {
     options.max_inflight_per_client = client_quota_;
     options.max_reserved_tokens_per_client = client_reserved_tokens_;
     options.breaker.open_for = absl::Seconds(1);
+    options.route_timeout = route_timeout_;
     KV_ASSERT_OK_AND_ASSIGN(auto store_client,
                             cachestore::CacheStoreClient::Connect(store_host_->address()));
     KV_ASSERT_OK_AND_ASSIGN(
-        gateway_, gateway::Gateway::Create(options, std::move(workers), std::move(store_client),
-                                           &metrics_, &worker_clock_));
+        gateway_,
+        gateway::Gateway::Create(options, std::move(workers), std::move(store_client), &metrics_,
+                                 gateway_clock_ != nullptr ? gateway_clock_ : &worker_clock_));
   }
 
   void TearDown() override {
@@ -254,6 +268,13 @@ class InProcessCluster : public ::testing::Test {
   int64_t client_reserved_tokens_ = 1 << 18;  // max_reserved_tokens_per_client
   std::string arch_ = "llama";                // the test model's architecture
   int num_prefill_ = 1;
+  int32_t vocab_ = 0;                 // the test model's vocabulary (0: the preset's)
+  int64_t prefill_cache_slots_ = 64;  // each prefill worker's store segment
+  int64_t decode_pool_blocks_ = 64;   // each decode worker's KV pool
+  bool decodes_use_store_ = false;    // decode workers commit what they decoded to the store
+  bool prefills_pull_ = true;         // prefill workers' pull_remote_prefix
+  absl::Duration route_timeout_ = absl::Milliseconds(500);  // the gateway's QueryPrefix bound
+  Clock* gateway_clock_ = nullptr;  // the gateway's policy clock (null: worker_clock_)
   TempDir dir_;
   std::string model_dir_;
   std::unique_ptr<cli::ColocatedGenerator> reference_;
@@ -904,6 +925,110 @@ TEST_F(ThreePrefillNodes, ACorruptedPulledBlockIsDetectedAndRecomputed) {
   EXPECT_EQ(pulled.fetched_bytes(), 4 * block_bytes);
   EXPECT_EQ(pulled.fetched_tokens(), 64);
   EXPECT_EQ(pulled.computed_tokens(), 0);
+}
+
+// `kvrelay simulate` runs this gateway's own routing (WorkerSet, GenerateCall) and the real
+// cache store, with compute and transfers replaced by cost functions. On the same requests, sent
+// one at a time, its twin of this cluster must send every request to the same prefill and decode
+// workers and find the same prefix cached: the routing code and its inputs (the store's holdings,
+// the loads) are the same. Both gateways read a clock that stands still (this fixture's worker
+// clock; the simulation's gateway_clock), so neither learns service times or rates, which would
+// come from real compute here and from the profile there.
+class SimulatedTwin : public InProcessCluster {
+ protected:
+  // The worker's node id in an address ("local-prefill:prefill-0", "sim-prefill-0:1").
+  static std::string NodeIn(const std::string& address) {
+    std::smatch m;
+    return std::regex_search(address, m, std::regex("(prefill|decode)-[0-9]+")) ? m.str() : address;
+  }
+  SimulatedTwin() {
+    num_prefill_ = 2;
+    vocab_ = 32000;  // the simulation's prompt tokens are drawn from [1, 32000)
+    prefill_cache_slots_ = 256;
+    decode_pool_blocks_ = 512;
+    decodes_use_store_ = true;  // as deployed: a decode worker's blocks are found and reused
+    // Pull or recompute is the cost model's choice on measured link and compute rates, which
+    // here come from the CPU's timing (a first pull that also connects reads as a slow link)
+    // and there from the profile: both recompute what another node holds.
+    prefills_pull_ = false;
+    // A QueryPrefix slower than its bound (a loaded CI machine) routes by load alone, which the
+    // simulation's store, in process, never does.
+    route_timeout_ = absl::Seconds(10);
+    gateway_clock_ = &far_ahead_;
+  }
+  // The gateway learns service times and rates from wall-clock calls, here from this CPU's
+  // timing (under load one prefill node reads five times slower than the other). On a policy
+  // clock a century ahead every learned figure has gone unrefreshed so long that it is
+  // forgotten into the fleet's best (WorkerSetOptions::learned): all nodes alike, as in the
+  // simulation's standing-still gateway, which learns none.
+  SimulatedClock far_ahead_{absl::Now() + absl::Hours(24 * 365 * 100)};
+};
+
+TEST_F(SimulatedTwin, RoutesAndReusesExactlyAsTheSimulation) {
+  const int32_t block_tokens = gateway_->config().layout.block_tokens();
+  // Four users behind one system prompt (ids 1-2) and two behind prompts of their own, three
+  // turns each, interleaved: each turn repeats the user's previous prompt and adds two blocks;
+  // then user 0's first turn again. One request every 10 simulated seconds: each ends before
+  // the next.
+  std::vector<cachestore::sim::TraceRequest> trace;
+  auto add = [&trace](int user, int turns) {
+    cachestore::sim::TraceRequest r;
+    r.timestamp_ms = static_cast<int64_t>(trace.size()) * 10000;
+    r.hash_ids = {user < 4 ? 1u : 1000u + static_cast<uint64_t>(user), 2};
+    for (int t = 0; t < turns; ++t) {
+      r.hash_ids.push_back(static_cast<uint64_t>(100 * user + 2 * t + 10));
+      r.hash_ids.push_back(static_cast<uint64_t>(100 * user + 2 * t + 11));
+    }
+    r.output_length = 4;
+    trace.push_back(r);
+  };
+  for (int turn = 1; turn <= 3; ++turn) {
+    for (int user = 0; user < 6; ++user) add(user, turn);
+  }
+  add(0, 1);
+
+  SimulatedClock standing_still;
+  sim::ClusterSpec spec;
+  spec.prefill_nodes = num_prefill_;
+  spec.decode_nodes = kDecode;
+  spec.cache_blocks = prefill_cache_slots_;
+  spec.gateway_clock = &standing_still;
+  spec.pull_remote_prefix = prefills_pull_;
+  sim::TrafficSpec traffic;
+  traffic.tokens_per_hash_id = block_tokens;
+  absl::StatusOr<sim::SimReport> twin =
+      sim::Simulate(trace, spec, traffic, sim::HardwareProfile(), gateway_->config().layout);
+  KV_ASSERT_OK(twin);
+  ASSERT_EQ(twin->records.size(), trace.size());
+
+  int64_t hit_here = 0, hit_there = 0, prompt = 0, held = 0;
+  std::set<std::string> prefill_used, decode_used;
+  for (size_t k = 0; k < trace.size(); ++k) {
+    const std::vector<int32_t> tokens = sim::TracePromptTokens(trace[k], 0, block_tokens);
+    const Outcome here = Generate(tokens, 4);
+    KV_ASSERT_OK(here.status) << "request " << k;
+    const sim::RequestRecord& there = twin->records[k];
+    ASSERT_TRUE(there.ok) << "request " << k << ": " << there.code;
+    EXPECT_EQ(NodeIn(here.summary.prefill_worker()), NodeIn(there.prefill))
+        << "request " << k << ": " << here.summary.ShortDebugString();
+    EXPECT_EQ(NodeIn(here.summary.decode_worker()), NodeIn(there.decode)) << "request " << k;
+    EXPECT_EQ(here.summary.prefix_hit_tokens(), there.hit_tokens) << "request " << k;
+    EXPECT_EQ(here.summary.prefix_source(), there.prefix_source) << "request " << k;
+    EXPECT_EQ(here.summary.prompt_tokens(), there.prompt_tokens) << "request " << k;
+    EXPECT_EQ(here.summary.attempts(), there.attempts) << "request " << k;
+    hit_here += here.summary.prefix_hit_tokens();
+    hit_there += there.hit_tokens;
+    prompt += here.summary.prompt_tokens();
+    held += here.summary.decode_held_blocks();
+    prefill_used.insert(NodeIn(there.prefill));
+    decode_used.insert(NodeIn(there.decode));
+  }
+  EXPECT_EQ(hit_here, hit_there);
+  // The requests exercise the routing: prefixes are found, both roles spread over both nodes.
+  EXPECT_GT(hit_here, prompt / 3) << hit_here << " of " << prompt;
+  EXPECT_EQ(prefill_used.size(), 2u);
+  EXPECT_EQ(decode_used.size(), 2u);
+  EXPECT_GT(held, 0);  // decode workers' own blocks were found (and not pushed again)
 }
 
 }  // namespace
