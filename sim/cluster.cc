@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <deque>
+#include <limits>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -256,8 +257,14 @@ class SimCluster::DecodeNode final : public gateway::DecodeEndpoint {
   };
   // Admits waiting sequences up to max_batch and schedules the step's end (scheduler thread
   // or a process; idempotent while a step runs).
-  void StartStep();
-  void EndStep();
+  // Steps run in runs: every step from one change of the batch to the next (a sequence's first
+  // or last token, or a newcomer that fits), as one event instead of one per token.
+  // StartRun admits waiting sequences up to max_batch and schedules the run's end (scheduler
+  // thread or a process; idempotent while a run is scheduled); EndRun hands out the run's
+  // tokens. A newcomer that fits cuts the run at the end of the step in progress.
+  void StartRun();
+  void EndRun(uint64_t run);
+  void CutRunForNewcomer();
 
   SimCluster* const cluster_;
   const std::string node_id_;
@@ -269,6 +276,9 @@ class SimCluster::DecodeNode final : public gateway::DecodeEndpoint {
   std::deque<Sequence*> waiting_;
   std::vector<Sequence*> running_;
   bool stepping_ = false;
+  uint64_t run_ = 0;                       // the scheduled run (stale EndRun events differ)
+  std::vector<absl::Time> run_step_ends_;  // the scheduled run's step end times
+  int32_t run_steps_ = 0;                  // steps the scheduled run will hand out
   NodeUsage usage_;
 };
 
@@ -336,12 +346,16 @@ absl::Status SimCluster::DecodeNode::Generate(const kvrelay::v1::DecodeRequest& 
   const absl::Time joined = s.Now();
   seq.joined = joined;
   waiting_.push_back(&seq);
-  StartStep();
+  if (stepping_) {
+    CutRunForNewcomer();
+  } else {
+    StartRun();
+  }
   bool stopped = false;
   std::vector<int32_t> tokens(request.tokens().begin(), request.tokens().end());
   int32_t delivered = 0;
   while (delivered < seq.max_tokens && !stopped) {
-    s.Park();  // until EndStep hands this sequence its first token, then its last
+    s.Park();  // until EndRun hands this sequence its first token, then its last
     kvrelay::v1::DecodeChunk chunk;
     for (; delivered < seq.generated; ++delivered) {
       const int32_t token = 1000 + static_cast<int32_t>(tokens.size());
@@ -368,7 +382,7 @@ absl::Status SimCluster::DecodeNode::Generate(const kvrelay::v1::DecodeRequest& 
   return absl::OkStatus();
 }
 
-void SimCluster::DecodeNode::StartStep() {
+void SimCluster::DecodeNode::StartRun() {
   if (stepping_) return;
   Scheduler& s = *cluster_->scheduler_;
   while (!waiting_.empty() && static_cast<int32_t>(running_.size()) < cluster_->spec_.max_batch) {
@@ -377,32 +391,72 @@ void SimCluster::DecodeNode::StartStep() {
     waiting_.pop_front();
   }
   if (running_.empty()) return;
+  // The run ends at the first step that wakes a sequence: a newcomer's first token, or some
+  // sequence's last.
+  int32_t steps = std::numeric_limits<int32_t>::max();
   int64_t context = 0;
-  for (const Sequence* q : running_) context += q->context + q->generated;
-  const absl::Duration step =
-      cluster_->profile_.DecodeStep(static_cast<int64_t>(running_.size()), context);
+  for (const Sequence* q : running_) {
+    steps = std::min(steps, q->generated == 0 ? 1 : q->max_tokens - q->generated);
+    context += q->context + q->generated;
+  }
+  const int64_t batch = static_cast<int64_t>(running_.size());
+  run_step_ends_.clear();
+  absl::Time at = s.Now();
+  absl::Duration busy;
+  for (int32_t k = 0; k < steps; ++k) {
+    const absl::Duration step = cluster_->profile_.DecodeStep(batch, context);
+    at += step;
+    busy += step;
+    run_step_ends_.push_back(at);
+    context += batch;  // every sequence's next token joins its context
+  }
+  run_steps_ = steps;
   // Busy as a share of the batch: a step of one sequence uses 1/max_batch of the node.
-  usage_.busy +=
-      step * static_cast<double>(running_.size()) / static_cast<double>(cluster_->spec_.max_batch);
-  usage_.peak_batch = std::max<int64_t>(usage_.peak_batch, static_cast<int64_t>(running_.size()));
+  usage_.busy += busy * static_cast<double>(batch) / static_cast<double>(cluster_->spec_.max_batch);
+  usage_.peak_batch = std::max<int64_t>(usage_.peak_batch, batch);
   stepping_ = true;
-  s.At(s.Now() + step, [this] { EndStep(); });
+  const uint64_t run = ++run_;
+  s.At(run_step_ends_.back(), [this, run] { EndRun(run); });
 }
 
-void SimCluster::DecodeNode::EndStep() {
+void SimCluster::DecodeNode::CutRunForNewcomer() {
+  if (static_cast<int32_t>(running_.size()) >= cluster_->spec_.max_batch || run_steps_ <= 1) {
+    return;  // it waits for a slot (a run ends when one frees), or the run ends at the next step
+  }
+  Scheduler& s = *cluster_->scheduler_;
+  // The step in progress finishes; the newcomer joins the next one.
+  int32_t done = 0;
+  while (done < run_steps_ && run_step_ends_[static_cast<size_t>(done)] <= s.Now()) ++done;
+  const int32_t keep = std::min(run_steps_, done + 1);
+  if (keep == run_steps_) return;
+  // Give back the busy time of the steps that will not run.
+  const int64_t batch = static_cast<int64_t>(running_.size());
+  const absl::Duration dropped =
+      run_step_ends_.back() - run_step_ends_[static_cast<size_t>(keep - 1)];
+  usage_.busy -=
+      dropped * static_cast<double>(batch) / static_cast<double>(cluster_->spec_.max_batch);
+  run_steps_ = keep;
+  run_step_ends_.resize(static_cast<size_t>(keep));
+  const uint64_t run = ++run_;
+  s.At(run_step_ends_.back(), [this, run] { EndRun(run); });
+}
+
+void SimCluster::DecodeNode::EndRun(uint64_t run) {
+  if (run != run_) return;  // a run cut short: its later end is void
   stepping_ = false;
   Scheduler& s = *cluster_->scheduler_;
   std::vector<Sequence*> still;
   for (Sequence* q : running_) {
-    ++q->generated;
+    const bool first = q->generated == 0;
+    q->generated += run_steps_;
     // Woken for its first token (TTFT) and its last (the rest arrive in that one chunk, at the
     // times the steps say): two hand-offs per sequence instead of one per token.
-    if (q->generated == 1 || q->generated == q->max_tokens) s.Wake(q->process);
+    if (first || q->generated == q->max_tokens) s.Wake(q->process);
     if (q->generated < q->max_tokens) still.push_back(q);
   }
   running_.swap(still);
-  // The next step starts after the woken sequences took their tokens (same instant, later).
-  s.At(s.Now(), [this] { StartStep(); });
+  // The next run starts after the woken sequences took their tokens (same instant, later).
+  s.At(s.Now(), [this] { StartRun(); });
 }
 
 // --- The cluster -----------------------------------------------------------------------------
