@@ -282,19 +282,26 @@ TEST(BytesOnTheWire, EqualTheLayoutBytesOfThePushedTokens) {
     };
     GatewayClient client(e->cluster->gateway());
     for (const auto& [prompt_tokens, pushed_blocks] : {std::pair{100, 6}, std::pair{96, 5}}) {
-      for (int round = 0; round < 2; ++round) {  // cold, then every pushed block from the cache
+      // Cold, then every pushed block from the cache. The repeat goes to the decode worker that
+      // kept the blocks, and nothing moves, unless the gateway's learned service times (noisy
+      // under ASan on a loaded 2-core machine: seen once) put the holder past the tie margin;
+      // then the blocks move to the other worker, byte for byte, and it is sent again.
+      for (int round = 0, tries = 0; round < 2; ++round) {
         SCOPED_TRACE(absl::StrCat(prompt_tokens, " tokens, round ", round));
         const double before = received();
         KV_ASSERT_OK_AND_ASSIGN(cli::GenerationResult r,
                                 client.Generate(Request(RandomPrompt(prompt_tokens, 500), 4,
                                                         absl::StrCat("bytes-", prompt_tokens)),
                                                 kRequestTimeout));
-        // The second round goes to the decode worker that kept the blocks: nothing moves.
-        EXPECT_EQ(r.decode_held_blocks, round == 0 ? 0 : pushed_blocks);
         const int64_t moved = (pushed_blocks - r.decode_held_blocks) * block_bytes;
         EXPECT_EQ(r.transferred_bytes, moved);
         EXPECT_EQ(received() - before, static_cast<double>(moved));
         EXPECT_EQ(r.prefix_hit_tokens, round == 0 ? 0 : pushed_blocks * 16);
+        if (round == 1 && r.decode_held_blocks == 0 && ++tries < 3) {
+          --round;
+          continue;
+        }
+        EXPECT_EQ(r.decode_held_blocks, round == 0 ? 0 : pushed_blocks);
       }
     }
   }
