@@ -277,8 +277,7 @@ class SimCluster::DecodeNode final : public gateway::DecodeEndpoint {
   std::vector<Sequence*> running_;
   bool stepping_ = false;
   uint64_t run_ = 0;                       // the scheduled run (stale EndRun events differ)
-  std::vector<absl::Time> run_step_ends_;  // the scheduled run's step end times
-  int32_t run_steps_ = 0;                  // steps the scheduled run will hand out
+  std::vector<absl::Time> run_step_ends_;  // the scheduled run's step end times, one per step
   NodeUsage usage_;
 };
 
@@ -410,7 +409,6 @@ void SimCluster::DecodeNode::StartRun() {
     run_step_ends_.push_back(at);
     context += batch;  // every sequence's next token joins its context
   }
-  run_steps_ = steps;
   // Busy as a share of the batch: a step of one sequence uses 1/max_batch of the node.
   usage_.busy += busy * static_cast<double>(batch) / static_cast<double>(cluster_->spec_.max_batch);
   usage_.peak_batch = std::max<int64_t>(usage_.peak_batch, batch);
@@ -420,22 +418,22 @@ void SimCluster::DecodeNode::StartRun() {
 }
 
 void SimCluster::DecodeNode::CutRunForNewcomer() {
-  if (static_cast<int32_t>(running_.size()) >= cluster_->spec_.max_batch || run_steps_ <= 1) {
+  const int32_t steps = static_cast<int32_t>(run_step_ends_.size());
+  if (static_cast<int32_t>(running_.size()) >= cluster_->spec_.max_batch || steps <= 1) {
     return;  // it waits for a slot (a run ends when one frees), or the run ends at the next step
   }
   Scheduler& s = *cluster_->scheduler_;
   // The step in progress finishes; the newcomer joins the next one.
   int32_t done = 0;
-  while (done < run_steps_ && run_step_ends_[static_cast<size_t>(done)] <= s.Now()) ++done;
-  const int32_t keep = std::min(run_steps_, done + 1);
-  if (keep == run_steps_) return;
+  while (done < steps && run_step_ends_[static_cast<size_t>(done)] <= s.Now()) ++done;
+  const int32_t keep = std::min(steps, done + 1);
+  if (keep == steps) return;
   // Give back the busy time of the steps that will not run.
   const int64_t batch = static_cast<int64_t>(running_.size());
   const absl::Duration dropped =
       run_step_ends_.back() - run_step_ends_[static_cast<size_t>(keep - 1)];
   usage_.busy -=
       dropped * static_cast<double>(batch) / static_cast<double>(cluster_->spec_.max_batch);
-  run_steps_ = keep;
   run_step_ends_.resize(static_cast<size_t>(keep));
   const uint64_t run = ++run_;
   s.At(run_step_ends_.back(), [this, run] { EndRun(run); });
@@ -448,7 +446,7 @@ void SimCluster::DecodeNode::EndRun(uint64_t run) {
   std::vector<Sequence*> still;
   for (Sequence* q : running_) {
     const bool first = q->generated == 0;
-    q->generated += run_steps_;
+    q->generated += static_cast<int32_t>(run_step_ends_.size());
     // Woken for its first token (TTFT) and its last (the rest arrive in that one chunk, at the
     // times the steps say): two hand-offs per sequence instead of one per token.
     if (first || q->generated == q->max_tokens) s.Wake(q->process);
