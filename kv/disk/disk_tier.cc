@@ -7,6 +7,7 @@
 #include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstddef>
 #include <cstdlib>
@@ -17,13 +18,15 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/errno_status.h"
+#include "common/status_macros.h"
 #include "kv/checksum.h"
 
 namespace kvrelay::kv {
 namespace {
 
 constexpr char kMagic[8] = {'K', 'V', 'R', 'T', 'I', 'E', 'R', '1'};
-constexpr uint32_t kVersion = 1;
+// 2: the payload lies stage after stage, with a checksum per stage.
+constexpr uint32_t kVersion = 2;
 
 // The first bytes of a slot's 4 KiB header, little-endian as the hosts we run on. `slot` is
 // where the block was written: a misdirected write never verifies at another slot.
@@ -35,14 +38,57 @@ struct SlotHeader {
   uint8_t layout[16];
   uint64_t hash_hi;
   uint64_t hash_lo;
-  uint64_t payload_checksum;
+  uint64_t payload_checksum;  // of the whole payload, in disk (stage) order
   uint64_t slot;
+  uint64_t stage_plan;  // checksum of the stages' ranges: another plan's slot does not verify
+  uint64_t num_stages;
+  uint64_t stage_checksum[DiskTier::kMaxStages];
   uint64_t header_checksum;  // BlockChecksum of every byte above
 };
-static_assert(sizeof(SlotHeader) == 80);
+static_assert(sizeof(SlotHeader) == 96 + 8 * DiskTier::kMaxStages);
 constexpr size_t kCheckedHeaderBytes = offsetof(SlotHeader, header_checksum);
 
 uint64_t RoundUp(uint64_t n, uint64_t to) { return (n + to - 1) / to * to; }
+uint64_t RoundDown(uint64_t n, uint64_t to) { return n / to * to; }
+
+// Every byte of [0, block_bytes) in exactly one range, at most kMaxStages non-empty stages.
+absl::Status CheckStages(const std::vector<std::vector<PayloadRange>>& stages,
+                         uint64_t block_bytes) {
+  if (stages.size() > static_cast<size_t>(DiskTier::kMaxStages)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("disk tier: ", stages.size(), " stages, at most ", DiskTier::kMaxStages));
+  }
+  std::vector<PayloadRange> all;
+  for (size_t s = 0; s < stages.size(); ++s) {
+    if (stages[s].empty()) {
+      return absl::InvalidArgumentError(absl::StrCat("disk tier: stage ", s, " has no bytes"));
+    }
+    for (const PayloadRange& r : stages[s]) {
+      if (r.length == 0 || r.offset > block_bytes || r.length > block_bytes - r.offset) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("disk tier: stage ", s, " range [", r.offset, ", +", r.length,
+                         ") is empty or outside the ", block_bytes, "-byte block"));
+      }
+      all.push_back(r);
+    }
+  }
+  std::sort(all.begin(), all.end(),
+            [](const PayloadRange& a, const PayloadRange& b) { return a.offset < b.offset; });
+  uint64_t next = 0;
+  for (const PayloadRange& r : all) {
+    if (r.offset != next) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("disk tier: the stages ", r.offset < next ? "overlap" : "leave a gap",
+                       " at byte ", std::min(r.offset, next), " of the block"));
+    }
+    next = r.offset + r.length;
+  }
+  if (next != block_bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("disk tier: the stages cover ", next, " of ", block_bytes, " block bytes"));
+  }
+  return absl::OkStatus();
+}
 
 }  // namespace
 
@@ -92,6 +138,24 @@ absl::StatusOr<std::unique_ptr<DiskTier>> DiskTier::Open(DiskTierOptions options
 }
 
 absl::Status DiskTier::Init() {
+  stages_ = options_.stages;
+  if (stages_.empty()) stages_.push_back({PayloadRange{0, options_.block_bytes}});
+  KV_RETURN_IF_ERROR(CheckStages(stages_, options_.block_bytes));
+  std::vector<uint64_t> plan;
+  uint64_t at = 0;
+  for (const std::vector<PayloadRange>& stage : stages_) {
+    stage_begin_.push_back(at);
+    uint64_t length = 0;
+    for (const PayloadRange& r : stage) {
+      length += r.length;
+      plan.push_back(r.offset);
+      plan.push_back(r.length);
+    }
+    plan.push_back(~uint64_t{0});  // stage boundary
+    stage_length_.push_back(length);
+    at += length;
+  }
+  stage_plan_ = BlockChecksum(plan.data(), plan.size() * sizeof(uint64_t));
   io_bytes_ = kHeaderBytes + RoundUp(options_.block_bytes, kAlignment);
   slot_bytes_ = io_bytes_;
   num_slots_ = static_cast<int64_t>(options_.capacity_bytes / slot_bytes_);
@@ -181,7 +245,11 @@ void DiskTier::Disable(DiskTierFailure failure, const std::string& reason) {
 
 absl::Status DiskTier::DisabledStatus() const { return absl::UnavailableError(disabled_reason()); }
 
-void DiskTier::RunOps(size_t count, bool is_write, const std::function<int64_t(size_t)>& slot_of,
+DiskTier::OpRange DiskTier::WholeSlot(int64_t slot) const {
+  return {slot, static_cast<uint64_t>(slot) * slot_bytes_, static_cast<uint32_t>(io_bytes_)};
+}
+
+void DiskTier::RunOps(size_t count, bool is_write, const std::function<OpRange(size_t)>& op_of,
                       const std::function<void(size_t, uint8_t*)>& prepare,
                       const std::function<void(size_t, uint8_t*, int)>& complete) {
   io_uring* ring = &ring_->ring;
@@ -195,8 +263,9 @@ void DiskTier::RunOps(size_t count, bool is_write, const std::function<int64_t(s
     if (sqe == nullptr) return false;  // cannot happen: one entry per buffer
     uint8_t* buffer = ring_->buffers[b];
     if (is_write) prepare(next, buffer);
-    const auto offset = static_cast<off_t>(static_cast<uint64_t>(slot_of(next)) * slot_bytes_);
-    const auto length = static_cast<unsigned>(io_bytes_);
+    const OpRange range = op_of(next);
+    const auto offset = static_cast<off_t>(range.offset);
+    const auto length = static_cast<unsigned>(range.length);
     const int index = static_cast<int>(b);
     if (is_write && ring_->fixed_buffers) {
       io_uring_prep_write_fixed(sqe, fd_, buffer, length, offset, index);
@@ -234,7 +303,7 @@ void DiskTier::RunOps(size_t count, bool is_write, const std::function<int64_t(s
       io_uring_cqe_seen(ring, cqe);
       --in_flight;
       const size_t op = op_of_buffer[b];
-      if (options_.inject_result) result = options_.inject_result(is_write, slot_of(op), result);
+      if (options_.inject_result) result = options_.inject_result(is_write, op_of(op).slot, result);
       if (is_write) {
         // A write's buffer is free as soon as it completed.
         complete(op, ring_->buffers[b], result);
@@ -277,7 +346,7 @@ std::vector<absl::Status> DiskTier::WriteBlocks(absl::Span<const BlockWrite> wri
   }
   std::vector<bool> done(writes.size(), false);
   RunOps(
-      valid.size(), /*is_write=*/true, [&](size_t op) { return writes[valid[op]].slot; },
+      valid.size(), /*is_write=*/true, [&](size_t op) { return WholeSlot(writes[valid[op]].slot); },
       [&](size_t op, uint8_t* buffer) {
         const BlockWrite& w = writes[valid[op]];
         SlotHeader h{};
@@ -288,12 +357,18 @@ std::vector<absl::Status> DiskTier::WriteBlocks(absl::Span<const BlockWrite> wri
         std::memcpy(h.layout, options_.layout.bytes.data(), sizeof h.layout);
         h.hash_hi = w.hash.hi;
         h.hash_lo = w.hash.lo;
-        h.payload_checksum = BlockChecksum(w.data.data(), w.data.size());
+        uint8_t* payload = buffer + kHeaderBytes;
+        ToDiskOrder(w.data.data(), payload);
+        h.payload_checksum = BlockChecksum(payload, w.data.size());
         h.slot = static_cast<uint64_t>(w.slot);
+        h.stage_plan = stage_plan_;
+        h.num_stages = stages_.size();
+        for (size_t st = 0; st < stages_.size(); ++st) {
+          h.stage_checksum[st] = BlockChecksum(payload + stage_begin_[st], stage_length_[st]);
+        }
         h.header_checksum = BlockChecksum(&h, kCheckedHeaderBytes);
         std::memset(buffer, 0, kHeaderBytes);
         std::memcpy(buffer, &h, sizeof h);
-        std::memcpy(buffer + kHeaderBytes, w.data.data(), w.data.size());
         std::memset(buffer + kHeaderBytes + w.data.size(), 0,
                     io_bytes_ - kHeaderBytes - w.data.size());
       },
@@ -321,7 +396,8 @@ std::vector<absl::Status> DiskTier::WriteBlocks(absl::Span<const BlockWrite> wri
 }
 
 absl::Status DiskTier::VerifySlot(const uint8_t* image, int64_t slot, const BlockHash* expected,
-                                  BlockHash* found, absl::Span<uint8_t> out) const {
+                                  BlockHash* found, absl::Span<uint8_t> out, bool header_only,
+                                  StageChecksums* checksums) const {
   SlotHeader h;
   std::memcpy(&h, image, sizeof h);
   const std::string where = absl::StrCat("disk tier slot ", slot);
@@ -343,18 +419,58 @@ absl::Status DiskTier::VerifySlot(const uint8_t* image, int64_t slot, const Bloc
   if (h.slot != static_cast<uint64_t>(slot)) {
     return absl::DataLossError(absl::StrCat(where, " holds a block written for slot ", h.slot));
   }
+  if (h.stage_plan != stage_plan_ || h.num_stages != stages_.size()) {
+    return absl::DataLossError(absl::StrCat(where, " was written in ", h.num_stages,
+                                            " stages of another plan, not these ", stages_.size()));
+  }
   *found = BlockHash{h.hash_hi, h.hash_lo};
   if (expected != nullptr && *found != *expected) {
     return absl::DataLossError(
         absl::StrCat(where, " holds block ", found->ToHex(), ", not ", expected->ToHex()));
   }
+  if (checksums != nullptr) {
+    std::copy(std::begin(h.stage_checksum), std::end(h.stage_checksum), checksums->sums);
+  }
+  if (header_only) return absl::OkStatus();
   const uint8_t* payload = image + kHeaderBytes;
   if (BlockChecksum(payload, options_.block_bytes) != h.payload_checksum) {
     return absl::DataLossError(
         absl::StrCat(where, " (block ", found->ToHex(), "): payload checksum mismatch"));
   }
-  if (!out.empty()) std::memcpy(out.data(), payload, options_.block_bytes);
+  if (!out.empty()) FromDiskOrder(payload, out.data());
   return absl::OkStatus();
+}
+
+void DiskTier::ToDiskOrder(const uint8_t* block, uint8_t* disk) const {
+  for (const std::vector<PayloadRange>& stage : stages_) {
+    for (const PayloadRange& r : stage) {
+      std::memcpy(disk, block + r.offset, r.length);
+      disk += r.length;
+    }
+  }
+}
+
+void DiskTier::FromDiskOrder(const uint8_t* disk, uint8_t* block) const {
+  for (const std::vector<PayloadRange>& stage : stages_) {
+    for (const PayloadRange& r : stage) {
+      std::memcpy(block + r.offset, disk, r.length);
+      disk += r.length;
+    }
+  }
+}
+
+void DiskTier::ScatterStage(int stage, absl::Span<const uint8_t> bytes,
+                            absl::Span<const Destination> block) const {
+  const uint8_t* from = bytes.data();
+  for (const PayloadRange& r : stages_[static_cast<size_t>(stage)]) {
+    // The range may span several destinations (a block's groups live in separate pools).
+    for (const Destination& d : block) {
+      const uint64_t lo = std::max(r.offset, d.offset);
+      const uint64_t hi = std::min(r.offset + r.length, d.offset + d.length);
+      if (lo < hi) std::memcpy(d.memory + (lo - d.offset), from + (lo - r.offset), hi - lo);
+    }
+    from += r.length;
+  }
 }
 
 std::vector<absl::Status> DiskTier::ReadBlocks(absl::Span<const BlockRead> reads) {
@@ -377,7 +493,7 @@ std::vector<absl::Status> DiskTier::ReadBlocks(absl::Span<const BlockRead> reads
   }
   std::vector<bool> done(reads.size(), false);
   RunOps(
-      valid.size(), /*is_write=*/false, [&](size_t op) { return reads[valid[op]].slot; },
+      valid.size(), /*is_write=*/false, [&](size_t op) { return WholeSlot(reads[valid[op]].slot); },
       [](size_t, uint8_t*) {},
       [&](size_t op, uint8_t* buffer, int result) {
         const size_t i = valid[op];
@@ -403,13 +519,85 @@ std::vector<absl::Status> DiskTier::ReadBlocks(absl::Span<const BlockRead> reads
   return statuses;
 }
 
+std::vector<absl::Status> DiskTier::ReadStage(
+    absl::Span<const StagedRead> reads, int stage,
+    const std::function<void(size_t, absl::Span<const uint8_t>)>& deliver) {
+  std::vector<absl::Status> statuses(reads.size());
+  for (size_t i = 0; i < reads.size(); ++i) {
+    const StagedRead& r = reads[i];
+    if (r.slot < 0 || r.slot >= num_slots_ || r.checksums == nullptr || stage < 0 ||
+        stage >= num_stages()) {
+      statuses[i] = absl::InvalidArgumentError(
+          absl::StrCat("disk tier stage read: slot ", r.slot, " of ", num_slots_, ", stage ", stage,
+                       " of ", num_stages(), r.checksums == nullptr ? ", no checksums" : ""));
+    }
+  }
+  if (Refuses(/*is_write=*/false)) {
+    for (auto& s : statuses) s.Update(DisabledStatus());
+    return statuses;
+  }
+  std::vector<size_t> valid;
+  for (size_t i = 0; i < reads.size(); ++i) {
+    if (statuses[i].ok()) valid.push_back(i);
+  }
+  const auto st = static_cast<size_t>(stage);
+  // Stage 0 reads the header with it; a later stage reads its own bytes, 4 KiB aligned.
+  const uint64_t first = stage == 0 ? 0 : RoundDown(kHeaderBytes + stage_begin_[st], kAlignment);
+  const uint64_t last = RoundUp(kHeaderBytes + stage_begin_[st] + stage_length_[st], kAlignment);
+  const uint64_t skip = kHeaderBytes + stage_begin_[st] - first;  // stage bytes in the buffer
+  std::vector<bool> done(reads.size(), false);
+  RunOps(
+      valid.size(), /*is_write=*/false,
+      [&](size_t op) {
+        const int64_t slot = reads[valid[op]].slot;
+        return OpRange{slot, static_cast<uint64_t>(slot) * slot_bytes_ + first,
+                       static_cast<uint32_t>(last - first)};
+      },
+      [](size_t, uint8_t*) {},
+      [&](size_t op, uint8_t* buffer, int result) {
+        const size_t i = valid[op];
+        const StagedRead& r = reads[i];
+        done[i] = true;
+        if (result != static_cast<int>(last - first)) {
+          const std::string where = absl::StrCat("read slot ", r.slot, " stage ", stage);
+          Disable(DiskTierFailure::kIoError, result < 0
+                                                 ? absl::StrCat(where, ": ", std::strerror(-result))
+                                                 : absl::StrCat(where, ": short read (", result,
+                                                                " of ", last - first, " bytes)"));
+          statuses[i] = DisabledStatus();
+          return;
+        }
+        if (stage == 0) {
+          BlockHash found;
+          absl::Status s =
+              VerifySlot(buffer, r.slot, &r.hash, &found, {}, /*header_only=*/true, r.checksums);
+          if (!s.ok()) {
+            statuses[i] = absl::IsNotFound(s) ? absl::DataLossError(s.message()) : s;
+            return;
+          }
+        }
+        const absl::Span<const uint8_t> bytes(buffer + skip, stage_length_[st]);
+        if (BlockChecksum(bytes.data(), bytes.size()) != r.checksums->sums[st]) {
+          statuses[i] = absl::DataLossError(absl::StrCat("disk tier slot ", r.slot, " (block ",
+                                                         r.hash.ToHex(), "): stage ", stage,
+                                                         " checksum mismatch"));
+          return;
+        }
+        deliver(i, bytes);
+      });
+  for (size_t i : valid) {
+    if (!done[i]) statuses[i] = DisabledStatus();
+  }
+  return statuses;
+}
+
 absl::StatusOr<std::vector<DiskTier::StoredBlock>> DiskTier::Scan(int64_t* rejected) {
   if (Refuses(/*is_write=*/false)) return DisabledStatus();
   std::vector<StoredBlock> blocks;
   int64_t rejected_count = 0;
   RunOps(
       static_cast<size_t>(num_slots_), /*is_write=*/false,
-      [](size_t op) { return static_cast<int64_t>(op); }, [](size_t, uint8_t*) {},
+      [&](size_t op) { return WholeSlot(static_cast<int64_t>(op)); }, [](size_t, uint8_t*) {},
       [&](size_t op, uint8_t* buffer, int result) {
         const auto slot = static_cast<int64_t>(op);
         if (result != static_cast<int>(io_bytes_)) {

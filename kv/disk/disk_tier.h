@@ -5,10 +5,17 @@
 //
 // Each slot is a 4 KiB header followed by the block's bytes (rounded up to 4 KiB), written in
 // one operation, so a block's identity travels with its bytes as in the DRAM segment's slot
-// table. Nothing is trusted that does not verify: a read checks the header's magic, version
-// and checksum, the layout fingerprint, the block hash it was asked for and the payload's XXH3.
-// A torn or partial write fails one of them (the header and payload checksums cover both
-// halves of an overwritten slot), so it reads as DataLoss: recompute, never serve.
+// table.
+//
+// Layer-wise reads: the options may cut a block into stages (each a set of byte ranges of the
+// block, e.g. the layer strips of a range of layers). On disk a block is stored stage after
+// stage, so each stage is one contiguous read, and the header carries a checksum per stage:
+// ReadStage hands a stage's bytes to the caller as soon as they verify, while later stages
+// are still on the device (the prefill computes the first layers of its new tokens meanwhile).
+// Nothing is trusted that does not verify: a read checks the header's magic, version and checksum,
+// the layout fingerprint, the block hash it was asked for and the payload's XXH3. A torn or partial
+// write fails one of them (the header and payload checksums cover both halves of an overwritten
+// slot), so it reads as DataLoss: recompute, never serve.
 //
 // The block hash already binds the layout fingerprint and the tenant's salt (kv/block_hash.h),
 // and the file is named by the layout fingerprint: a block of another layout or tenant cannot
@@ -38,12 +45,22 @@
 
 namespace kvrelay::kv {
 
+// A byte range of a block (as it lies in memory).
+struct PayloadRange {
+  uint64_t offset = 0;
+  uint64_t length = 0;
+};
+
 struct DiskTierOptions {
   std::string directory;
   uint64_t capacity_bytes = 0;  // the file's size; num_slots = capacity / slot_bytes
   uint64_t block_bytes = 0;     // payload bytes per block (a whole block unit)
   LayoutFingerprint layout;
   uint32_t queue_depth = 32;
+  // The block's stages, read in this order by ReadStage: every byte of the block in exactly one
+  // range, at most kMaxStages stages. Empty: one stage, the whole block. Part of the format: a
+  // slot written under another plan does not verify.
+  std::vector<std::vector<PayloadRange>> stages;
   // Reserve the file's blocks at open (fallocate), so a full disk is found at start rather
   // than mid-run. Off: a sparse file, whose writes may meet ENOSPC later.
   bool preallocate = true;
@@ -60,6 +77,7 @@ class DiskTier {
  public:
   static constexpr uint64_t kAlignment = 4096;
   static constexpr uint64_t kHeaderBytes = 4096;
+  static constexpr int kMaxStages = 16;
 
   // Creates or opens DIR/kvrelay-<layout fingerprint>.tier. InvalidArgument for bad options,
   // FailedPrecondition when another process holds the file, ResourceExhausted when the
@@ -97,6 +115,36 @@ class DiskTier {
   // disabled or the read failed.
   std::vector<absl::Status> ReadBlocks(absl::Span<const BlockRead> reads);
 
+  int num_stages() const { return static_cast<int>(stages_.size()); }
+
+  // A layer-wise read of one block: `stage_checksums` is filled by stage 0 (which also checks
+  // the header: layout, block hash, slot) and checks every later stage of the same read. The
+  // caller keeps the slot from being rewritten between its stages (the tier thread runs them
+  // back to back).
+  struct StageChecksums {
+    uint64_t sums[kMaxStages] = {};
+  };
+  struct StagedRead {
+    int64_t slot = 0;
+    BlockHash hash;
+    StageChecksums* checksums = nullptr;
+  };
+  // Reads stage `stage` of every block; one status per read (as ReadBlocks). `deliver(i,
+  // bytes)` is called for each read that verified, with the stage's bytes in stage order
+  // (ScatterStage puts them where they belong), before the next completion is looked at.
+  std::vector<absl::Status> ReadStage(
+      absl::Span<const StagedRead> reads, int stage,
+      const std::function<void(size_t, absl::Span<const uint8_t>)>& deliver);
+  // Copies a stage's bytes (as ReadStage delivers them) to their places in a block laid out in
+  // memory as `block` (block_bytes()).
+  struct Destination {
+    uint64_t offset = 0;  // in the block
+    uint64_t length = 0;
+    uint8_t* memory = nullptr;
+  };
+  void ScatterStage(int stage, absl::Span<const uint8_t> bytes,
+                    absl::Span<const Destination> block) const;
+
   struct StoredBlock {
     int64_t slot = 0;
     BlockHash hash;
@@ -111,9 +159,16 @@ class DiskTier {
   struct Op;
   explicit DiskTier(DiskTierOptions options);
   absl::Status Init();
-  // Runs `count` operations through the ring: prepare(i, buffer) fills the buffer and returns
-  // false when op i needs no I/O; complete(i, buffer, result) sees each result.
-  void RunOps(size_t count, bool is_write, const std::function<int64_t(size_t)>& slot_of,
+  // Where operation i goes: `slot` (for the test hook), and the file range.
+  struct OpRange {
+    int64_t slot = 0;
+    uint64_t offset = 0;
+    uint32_t length = 0;
+  };
+  OpRange WholeSlot(int64_t slot) const;
+  // Runs `count` operations through the ring: prepare(i, buffer) fills a write's buffer;
+  // complete(i, buffer, result) sees each result (the buffer holds the op's range).
+  void RunOps(size_t count, bool is_write, const std::function<OpRange(size_t)>& op_of,
               const std::function<void(size_t, uint8_t*)>& prepare,
               const std::function<void(size_t, uint8_t*, int)>& complete);
   // Whether the tier takes no more operations of this kind (writes: after any failure;
@@ -121,9 +176,14 @@ class DiskTier {
   bool Refuses(bool is_write) const;
   void Disable(DiskTierFailure failure, const std::string& reason);
   absl::Status DisabledStatus() const;
-  // Checks a slot image read from disk; payload out when `out` is non-empty.
+  // Checks a slot image read from disk (its header, and its payload unless `header_only`);
+  // payload out (in block order) when `out` is non-empty, stage checksums out when given.
   absl::Status VerifySlot(const uint8_t* image, int64_t slot, const BlockHash* expected,
-                          BlockHash* found, absl::Span<uint8_t> out) const;
+                          BlockHash* found, absl::Span<uint8_t> out, bool header_only = false,
+                          StageChecksums* checksums = nullptr) const;
+  // Lays a block out in stage order (disk) or back (memory).
+  void ToDiskOrder(const uint8_t* block, uint8_t* disk) const;
+  void FromDiskOrder(const uint8_t* disk, uint8_t* block) const;
 
   DiskTierOptions options_;
   std::string path_;
@@ -132,6 +192,10 @@ class DiskTier {
   uint64_t slot_bytes_ = 0;
   uint64_t io_bytes_ = 0;  // bytes per operation: header + payload rounded up
   int64_t num_slots_ = 0;
+  std::vector<std::vector<PayloadRange>> stages_;  // never empty after Init
+  std::vector<uint64_t> stage_begin_;              // each stage's offset in the disk payload
+  std::vector<uint64_t> stage_length_;
+  uint64_t stage_plan_ = 0;  // checksum of stages_, kept in every header
   std::unique_ptr<Ring> ring_;
   std::atomic<DiskTierFailure> failure_{DiskTierFailure::kNone};
   mutable absl::Mutex reason_mu_;

@@ -102,6 +102,119 @@ TEST(DiskTierTest, BlocksRoundTripAndSurviveReopen) {
   EXPECT_EQ(out, data[7]);
 }
 
+// Three stages over two "groups" (the block's halves, as a two-group layout's units lie): each
+// stage a range of each half, so a stage is two ranges apart in memory.
+std::vector<std::vector<PayloadRange>> ThreeStages() {
+  const uint64_t half = kBlockBytes / 2;
+  const uint64_t a = half / 3, b = 2 * half / 3;
+  return {{{0, a}, {half, a}},
+          {{a, b - a}, {half + a, b - a}},
+          {{b, half - b}, {half + b, kBlockBytes - half - b}}};
+}
+
+TEST(DiskTierTest, StagesReadBackOneAfterAnotherIntoTheirPlaces) {
+  testing::TempDir dir;
+  DiskTierOptions options = Options(dir.path(), 8);
+  options.stages = ThreeStages();
+  auto tier = DiskTier::Open(options);
+  ASSERT_THAT(tier.status(), IsOk());
+  ASSERT_EQ((*tier)->num_stages(), 3);
+  std::vector<std::vector<uint8_t>> data;
+  WriteSlots(**tier, 5, data);
+  // Whole reads still return the block as it was (the stage order is the tier's own).
+  std::vector<uint8_t> whole;
+  ASSERT_THAT(ReadOne(**tier, 3, HashOf(3), whole), IsOk());
+  EXPECT_EQ(whole, data[3]);
+
+  // Each block's halves go to separate memory, as a block's groups go to separate pools.
+  const uint64_t half = kBlockBytes / 2;
+  std::vector<std::vector<uint8_t>> low(5, std::vector<uint8_t>(half, 0));
+  std::vector<std::vector<uint8_t>> high(5, std::vector<uint8_t>(kBlockBytes - half, 0));
+  std::vector<DiskTier::StageChecksums> sums(5);
+  std::vector<DiskTier::StagedRead> reads;
+  for (int64_t s = 0; s < 5; ++s) reads.push_back({s, HashOf(s), &sums[s]});
+  for (int stage = 0; stage < 3; ++stage) {
+    std::vector<int> delivered;
+    auto statuses = (*tier)->ReadStage(reads, stage, [&](size_t i, absl::Span<const uint8_t> b) {
+      const DiskTier::Destination places[] = {{0, half, low[i].data()},
+                                              {half, kBlockBytes - half, high[i].data()}};
+      (*tier)->ScatterStage(stage, b, places);
+      delivered.push_back(static_cast<int>(i));
+    });
+    for (const absl::Status& st : statuses) ASSERT_THAT(st, IsOk()) << "stage " << stage;
+    EXPECT_EQ(delivered.size(), 5u);
+    // Before the last stage, the bytes of later stages are not there yet.
+    if (stage == 0) {
+      EXPECT_NE(std::vector<uint8_t>(low[1].begin(), low[1].end()),
+                std::vector<uint8_t>(data[1].begin(), data[1].begin() + half));
+    }
+  }
+  for (int64_t s = 0; s < 5; ++s) {
+    EXPECT_EQ(low[s], std::vector<uint8_t>(data[s].begin(), data[s].begin() + half));
+    EXPECT_EQ(high[s], std::vector<uint8_t>(data[s].begin() + half, data[s].end()));
+  }
+}
+
+TEST(DiskTierTest, AFlippedByteFailsOnlyItsStageAndAnotherPlanNeverVerifies) {
+  testing::TempDir dir;
+  DiskTierOptions options = Options(dir.path(), 8);
+  options.stages = ThreeStages();
+  std::vector<std::vector<uint8_t>> data;
+  std::string path;
+  {
+    auto tier = DiskTier::Open(options);
+    ASSERT_THAT(tier.status(), IsOk());
+    WriteSlots(**tier, 2, data);
+    path = (*tier)->path();
+    // The last byte of the file's payload belongs to the last stage.
+    const off_t last =
+        static_cast<off_t>((*tier)->slot_bytes() + DiskTier::kHeaderBytes + kBlockBytes - 1);
+    const uint8_t flipped = static_cast<uint8_t>(~data[1].back());
+    PokeFile(path, last, &flipped, 1);
+    DiskTier::StageChecksums sums;
+    const DiskTier::StagedRead read{1, HashOf(1), &sums};
+    int delivered = 0;
+    auto count = [&](size_t, absl::Span<const uint8_t>) { ++delivered; };
+    EXPECT_THAT((*tier)->ReadStage({&read, 1}, 0, count)[0], IsOk());
+    EXPECT_THAT((*tier)->ReadStage({&read, 1}, 1, count)[0], IsOk());
+    EXPECT_THAT((*tier)->ReadStage({&read, 1}, 2, count)[0],
+                StatusIs(absl::StatusCode::kDataLoss, HasSubstr("stage 2 checksum")));
+    EXPECT_EQ(delivered, 2);  // the bad stage is never handed out
+    // Another block asked for at stage 0 is refused before any byte is handed out.
+    const DiskTier::StagedRead wrong{0, HashOf(1), &sums};
+    EXPECT_THAT((*tier)->ReadStage({&wrong, 1}, 0, count)[0],
+                StatusIs(absl::StatusCode::kDataLoss, HasSubstr("not")));
+    EXPECT_EQ(delivered, 2);
+  }
+  // The same file opened with another stage plan (the bytes would land in the wrong places):
+  // nothing verifies.
+  options.stages = {{{0, kBlockBytes / 2}}, {{kBlockBytes / 2, kBlockBytes - kBlockBytes / 2}}};
+  auto tier = DiskTier::Open(options);
+  ASSERT_THAT(tier.status(), IsOk());
+  int64_t rejected = 0;
+  auto blocks = (*tier)->Scan(&rejected);
+  ASSERT_THAT(blocks.status(), IsOk());
+  EXPECT_TRUE(blocks->empty());
+  EXPECT_EQ(rejected, 2);
+  std::vector<uint8_t> out;
+  EXPECT_THAT(ReadOne(**tier, 0, HashOf(0), out),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("another plan")));
+}
+
+TEST(DiskTierTest, AStagePlanThatDoesNotCoverTheBlockIsRefused) {
+  testing::TempDir dir;
+  DiskTierOptions options = Options(dir.path(), 8);
+  options.stages = {{{0, 100}}, {{200, kBlockBytes - 200}}};
+  EXPECT_THAT(DiskTier::Open(options).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("gap at byte 100")));
+  options.stages = {{{0, 300}}, {{200, kBlockBytes - 200}}};
+  EXPECT_THAT(DiskTier::Open(options).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("overlap")));
+  options.stages = {{{0, kBlockBytes - 1}}};
+  EXPECT_THAT(DiskTier::Open(options).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("cover")));
+}
+
 TEST(DiskTierTest, AnotherBlockOrAnEmptySlotIsDataLoss) {
   testing::TempDir dir;
   auto tier = DiskTier::Open(Options(dir.path(), 8));
