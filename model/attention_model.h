@@ -44,6 +44,13 @@ struct PrefillOptions {
   // layer_bytes = BlockBytes(group) / group.num_layers(). Lets layer L travel while L+1
   // computes. Called once per layer, in layer order.
   std::function<void(int32_t layer)> on_layer_done;
+  // Called on the calling thread before layer `layer` first reads the KV of the tokens the
+  // sequence already held (a prefix whose bytes may still be arriving, layer by layer, e.g.
+  // read back from disk), once per layer, in layer order. An error stops the prefill and is
+  // returned: the sequence keeps its tokens (none is appended) and blocks, so the caller may
+  // Rewind it and compute again. A runner that reads the whole prefix before its first layer
+  // calls it for every layer first.
+  std::function<absl::Status(int32_t layer)> before_layer;
   // Logits for every new token ([n, vocab]) instead of only the last one ([vocab]).
   bool all_logits = false;
 };

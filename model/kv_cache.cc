@@ -232,4 +232,36 @@ void Sequence::AppendTokens(absl::Span<const int32_t> tokens) {
   tokens_.insert(tokens_.end(), tokens.begin(), tokens.end());
 }
 
+absl::Status Sequence::Rewind(int64_t tokens) {
+  const int64_t bt = cache_->layout().block_tokens();
+  if (tokens < 0 || tokens > num_tokens() || tokens % bt != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("Rewind to ", tokens, " of ", num_tokens(),
+                                                   " tokens (", bt, "-token blocks)"));
+  }
+  // Window blocks freed so far were freed for a later position: one the rewound sequence
+  // attends to again is gone.
+  for (const std::vector<kv::SlotId>& group : blocks_) {
+    for (size_t b = static_cast<size_t>(tokens / bt); b < group.size(); ++b) {
+      if (group[b] < 0) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("Rewind to ", tokens, " tokens: block ", b, " was freed"));
+      }
+    }
+  }
+  for (int g = 0; g < static_cast<int>(blocks_.size()); ++g) {
+    const kv::LayerGroup& group = cache_->layout().groups()[g];
+    if (group.kind != kv::LayerKind::kSlidingWindow) continue;
+    const int64_t oldest = std::max<int64_t>(0, tokens - group.window_tokens + 1) / bt;
+    for (int64_t b = oldest; b < tokens / bt; ++b) {
+      if (blocks_[g][b] < 0) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("Rewind to ", tokens, " tokens: window block ", b, " was freed"));
+      }
+    }
+  }
+  tokens_.resize(static_cast<size_t>(tokens));
+  host_only_blocks_ = std::min(host_only_blocks_, tokens / bt);
+  return absl::OkStatus();
+}
+
 }  // namespace kvrelay::model

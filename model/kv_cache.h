@@ -131,6 +131,11 @@ class Sequence {
   // the pools, all or nothing), then appends `tokens`.
   absl::Status EnsureBlocks(int64_t end_tokens);
   void AppendTokens(absl::Span<const int32_t> tokens);
+  // Forgets the tokens from position `tokens` on (a whole number of blocks) but keeps their
+  // blocks, whose slots the next Prefill writes again (a prefix whose bytes could not all be
+  // read is computed instead). FailedPrecondition when a block a later token attends to was
+  // freed, InvalidArgument for a position past the end or inside a block.
+  absl::Status Rewind(int64_t tokens);
 
  private:
   void ReleaseAll();

@@ -255,8 +255,8 @@ absl::StatusOr<std::vector<float>> ModelRunner::Prefill(Sequence& seq,
     logit_rows.push_back(n - 1);
   }
   absl::MutexLock lock(&mu_);
-  std::vector<float> logits =
-      Forward(rows, tokens, /*tile_origin=*/0, tile, logit_rows, options.on_layer_done);
+  KV_ASSIGN_OR_RETURN(std::vector<float> logits,
+                      Forward(rows, tokens, /*tile_origin=*/0, tile, logit_rows, &options));
   seq.AppendTokens(tokens);
   return logits;
 }
@@ -274,15 +274,17 @@ absl::StatusOr<std::vector<float>> ModelRunner::DecodeStep(absl::Span<Sequence* 
   }
   absl::MutexLock lock(&mu_);
   const int64_t tile = options_.batch_invariant_decode ? kRowwiseTiles : 0;
-  std::vector<float> logits = Forward(rows, tokens, 0, tile, logit_rows, nullptr);
+  KV_ASSIGN_OR_RETURN(std::vector<float> logits,
+                      Forward(rows, tokens, 0, tile, logit_rows, /*prefill=*/nullptr));
   for (size_t i = 0; i < seqs.size(); ++i) seqs[i]->AppendTokens(tokens.subspan(i, 1));
   return logits;
 }
 
-std::vector<float> ModelRunner::Forward(const std::vector<Row>& rows,
-                                        absl::Span<const int32_t> tokens, int64_t tile_origin,
-                                        int64_t tile, const std::vector<int64_t>& logit_rows,
-                                        const std::function<void(int32_t)>& on_layer_done) const {
+absl::StatusOr<std::vector<float>> ModelRunner::Forward(const std::vector<Row>& rows,
+                                                        absl::Span<const int32_t> tokens,
+                                                        int64_t tile_origin, int64_t tile,
+                                                        const std::vector<int64_t>& logit_rows,
+                                                        const PrefillOptions* prefill) const {
   const kv::ModelConfig& c = config_;
   const int64_t r = static_cast<int64_t>(rows.size());
   const int64_t hidden = c.hidden_size;
@@ -319,6 +321,11 @@ std::vector<float> ModelRunner::Forward(const std::vector<Row>& rows,
   for (int32_t layer = 0; layer < c.num_hidden_layers; ++layer) {
     const LayerWeights& w = weights_.layers[layer];
     const PackedLayer& p = packed_[layer];
+    // The held tokens' KV of this layer (a prefix still arriving layer by layer) is read by
+    // the attention below, not before.
+    if (prefill != nullptr && prefill->before_layer) {
+      KV_RETURN_IF_ERROR(prefill->before_layer(layer));
+    }
     if (gpt2) {
       LayerNorm(h, r, hidden, w.input_norm.data(), w.input_norm_bias.data(), ln_eps, xn);
     } else {
@@ -329,7 +336,7 @@ std::vector<float> ModelRunner::Forward(const std::vector<Row>& rows,
     } else {
       GqaAttention(layer, rows, xn, origin, tile, attn);
     }
-    if (on_layer_done) on_layer_done(layer);
+    if (prefill != nullptr && prefill->on_layer_done) prefill->on_layer_done(layer);
     Project(attn, r, attn_width, w.o_proj, p.o, hidden, proj, origin, tile);
     if (!w.o_bias.empty()) AddBias(proj, r, hidden, w.o_bias.data());
     if (arch_ == Arch::kGemma3) {

@@ -119,11 +119,13 @@ class ModelRunner : public AttentionModel {
   absl::Status CheckPositions(int64_t end) const;
 
   // The whole forward pass for `rows` (tokens[i] at rows[i]). GEMMs are tiled by position from
-  // tile_origin when tile > 0. logit_rows: which rows get logits (in order).
-  std::vector<float> Forward(const std::vector<Row>& rows, absl::Span<const int32_t> tokens,
-                             int64_t tile_origin, int64_t tile,
-                             const std::vector<int64_t>& logit_rows,
-                             const std::function<void(int32_t)>& on_layer_done) const
+  // tile_origin when tile > 0. logit_rows: which rows get logits (in order). `prefill` (null
+  // for decode steps): its before_layer and on_layer_done hooks; before_layer's error stops the
+  // pass and is returned.
+  absl::StatusOr<std::vector<float>> Forward(const std::vector<Row>& rows,
+                                             absl::Span<const int32_t> tokens, int64_t tile_origin,
+                                             int64_t tile, const std::vector<int64_t>& logit_rows,
+                                             const PrefillOptions* prefill) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void GqaAttention(int32_t layer, const std::vector<Row>& rows, const float* xn,
                     int64_t tile_origin, int64_t tile, float* out) const

@@ -210,6 +210,95 @@ TEST_P(ModelTest, PrefillFromCopiedPrefixIsBitExact) {
   }
 }
 
+// A prefix whose bytes arrive layer by layer (a disk read in stages): layer L of the held
+// blocks is read only after before_layer(L). The prefix slots start as junk and each layer's
+// strip is copied in by before_layer, so the result equals the full prefill bit for bit only if
+// no layer was read early. An error from before_layer stops the prefill; the rewound sequence
+// computes the rest itself and still equals the full prefill.
+TEST_P(ModelTest, APrefixArrivingLayerByLayerIsReadOnlyOnceItsLayerIsIn) {
+  auto runner = Load({.threads = 2});
+  ASSERT_NE(runner, nullptr);
+  const kv::ModelLayout& layout = runner->layout();
+  const int64_t bt = layout.block_tokens();
+  const int32_t layers = runner->config().num_hidden_layers;
+  const std::vector<int32_t> tokens = Tokens(3 * bt + 5, runner->config().vocab_size, 7);
+  KV_ASSERT_OK_AND_ASSIGN(auto source_cache, KvCache::Create(layout, 16));
+  KV_ASSERT_OK_AND_ASSIGN(auto other_cache, KvCache::Create(layout, 16));
+  Sequence full(source_cache.get());
+  KV_ASSERT_OK_AND_ASSIGN(std::vector<float> want, runner->Prefill(full, tokens));
+
+  const int64_t prefix_blocks = 2;
+  auto junk_prefix = [&]() {
+    std::vector<std::vector<kv::SlotId>> slots(layout.groups().size());
+    for (int g = 0; g < static_cast<int>(layout.groups().size()); ++g) {
+      for (int64_t b = 0; b < prefix_blocks; ++b) {
+        kv::SlotId slot = other_cache->pool(g).Allocate().value();
+        std::memset(other_cache->pool(g).SlotAddress(slot), 0x7B,
+                    static_cast<size_t>(layout.BlockBytes(g)));
+        slots[g].push_back(slot);
+      }
+    }
+    return slots;
+  };
+  // Copies layer `layer`'s strip of every prefix block from the full prefill's cache.
+  auto arrive = [&](const Sequence& seq, int32_t layer) {
+    const int g = other_cache->group_of_layer(layer);
+    const int64_t strip = layout.BlockBytes(g) / layout.groups()[g].num_layers();
+    const int64_t at = other_cache->index_in_group(layer) * strip;
+    for (int64_t b = 0; b < prefix_blocks; ++b) {
+      std::memcpy(static_cast<char*>(other_cache->pool(g).SlotAddress(seq.blocks(g)[b])) + at,
+                  static_cast<const char*>(source_cache->pool(g).SlotAddress(full.blocks(g)[b])) +
+                      at,
+                  static_cast<size_t>(strip));
+    }
+  };
+  const auto prefix = absl::MakeConstSpan(tokens).first(prefix_blocks * bt);
+  const auto rest = absl::MakeConstSpan(tokens).subspan(prefix_blocks * bt);
+  {
+    Sequence seq(other_cache.get());
+    KV_ASSERT_OK(seq.AdoptPrefix(prefix, junk_prefix()));
+    int32_t next = 0;
+    PrefillOptions options;
+    options.before_layer = [&](int32_t layer) {
+      EXPECT_EQ(layer, next++);
+      arrive(seq, layer);
+      return absl::OkStatus();
+    };
+    KV_ASSERT_OK_AND_ASSIGN(std::vector<float> got, runner->Prefill(seq, rest, options));
+    EXPECT_EQ(next, layers);
+    ASSERT_EQ(got.size(), want.size());
+    EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)), 0);
+  }
+  {
+    // The last layer never arrives: the prefill stops with the hook's error, the sequence
+    // still holds only the prefix; rewound to its first block it computes the rest itself.
+    Sequence seq(other_cache.get());
+    KV_ASSERT_OK(seq.AdoptPrefix(prefix, junk_prefix()));
+    PrefillOptions options;
+    options.before_layer = [&](int32_t layer) {
+      if (layer == layers - 1) return absl::DataLossError("stage checksum mismatch");
+      arrive(seq, layer);
+      return absl::OkStatus();
+    };
+    EXPECT_EQ(runner->Prefill(seq, rest, options).status().code(), absl::StatusCode::kDataLoss);
+    EXPECT_EQ(seq.num_tokens(), prefix_blocks * bt);
+    // Block 0 whole, block 1 left as junk in its last layer: computed again after the rewind.
+    arrive(seq, layers - 1);
+    for (int g = 0; g < static_cast<int>(layout.groups().size()); ++g) {
+      std::memset(other_cache->pool(g).SlotAddress(seq.blocks(g)[1]), 0x7B,
+                  static_cast<size_t>(layout.BlockBytes(g)));
+    }
+    KV_ASSERT_OK(seq.Rewind(bt));
+    EXPECT_EQ(seq.num_tokens(), bt);
+    KV_ASSERT_OK_AND_ASSIGN(std::vector<float> got,
+                            runner->Prefill(seq, absl::MakeConstSpan(tokens).subspan(bt)));
+    ASSERT_EQ(got.size(), want.size());
+    EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)), 0);
+    EXPECT_EQ(seq.tokens(), full.tokens());
+    EXPECT_EQ(seq.Rewind(bt + 1).code(), absl::StatusCode::kInvalidArgument);
+  }
+}
+
 // With GEMM tiles larger than a block (48 = 3 blocks), a prefill resumed from a 4-block prefix
 // starts inside a tile: it recomputes the tile's cached rows 48..63 (without rewriting them) and
 // equals the full prefill bit for bit, because the prefix came from a prefill whose tile

@@ -19,6 +19,41 @@ struct DiskCache::ReadJob {
   absl::Notification done;
 };
 
+struct DiskCache::StagedRead::Job {
+  std::vector<kv::BlockHash> hashes;
+  std::vector<int64_t> slots;
+  std::vector<std::vector<kv::DiskTier::Destination>> destinations;
+  absl::Time deadline;
+  absl::Mutex mu;
+  absl::CondVar changed;
+  int stages_done ABSL_GUARDED_BY(mu) = 0;
+  absl::Status failure ABSL_GUARDED_BY(mu);  // set once; no stage after it completes
+  bool cancelled ABSL_GUARDED_BY(mu) = false;
+};
+
+DiskCache::StagedRead::~StagedRead() { Cancel(); }
+
+int64_t DiskCache::StagedRead::blocks() const { return static_cast<int64_t>(job_->hashes.size()); }
+
+absl::Status DiskCache::StagedRead::WaitForStage(int stage, absl::Time deadline) {
+  absl::MutexLock lock(&job_->mu);
+  while (job_->stages_done <= stage && job_->failure.ok()) {
+    if (job_->changed.WaitWithDeadline(&job_->mu, deadline) && job_->stages_done <= stage &&
+        job_->failure.ok()) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "disk tier read of ", job_->hashes.size(), " blocks: stage ", stage,
+          " not read by the deadline"));
+    }
+  }
+  if (job_->stages_done > stage) return absl::OkStatus();
+  return job_->failure;
+}
+
+void DiskCache::StagedRead::Cancel() {
+  absl::MutexLock lock(&job_->mu);
+  job_->cancelled = true;
+}
+
 kv::PullOrRecompute ChooseDiskOrRecompute(uint64_t bytes, int64_t tokens,
                                           double disk_bytes_per_second,
                                           double prefill_tokens_per_second) {
@@ -62,6 +97,7 @@ absl::StatusOr<std::unique_ptr<DiskCache>> DiskCache::Open(DiskCacheOptions opti
   tier_options.block_bytes = o.block_bytes;
   tier_options.layout = o.layout;
   tier_options.queue_depth = o.queue_depth;
+  tier_options.stages = o.stages;
   tier_options.inject_result = o.inject_result;
   absl::StatusOr<std::unique_ptr<kv::DiskTier>> tier = kv::DiskTier::Open(tier_options);
   if (absl::IsResourceExhausted(tier.status())) {
@@ -193,6 +229,35 @@ absl::StatusOr<std::vector<std::vector<uint8_t>>> DiskCache::Read(
   return std::move(job->out);
 }
 
+absl::StatusOr<std::unique_ptr<DiskCache::StagedRead>> DiskCache::ReadStaged(
+    absl::Span<const kv::BlockHash> hashes,
+    std::vector<std::vector<kv::DiskTier::Destination>> destinations, absl::Time deadline) {
+  if (destinations.size() != hashes.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("disk tier staged read: ", hashes.size(),
+                                                   " blocks, ", destinations.size(),
+                                                   " destination lists"));
+  }
+  auto job = std::make_shared<StagedRead::Job>();
+  job->deadline = deadline;
+  absl::MutexLock lock(&mu_);
+  if (tier_ == nullptr || tier_->failure() == kv::DiskTierFailure::kIoError) {
+    return absl::UnavailableError(absl::StrCat("disk tier stopped: ", stopped_reason_));
+  }
+  for (size_t i = 0; i < hashes.size(); ++i) {
+    auto it = slot_of_.find(hashes[i]);
+    if (it == slot_of_.end()) break;
+    job->hashes.push_back(hashes[i]);
+    job->slots.push_back(it->second);
+    job->destinations.push_back(std::move(destinations[i]));
+    TouchLocked(it->second);
+  }
+  if (!job->hashes.empty()) {
+    staged_.push_back(job);
+    work_cv_.Signal();
+  }
+  return std::unique_ptr<StagedRead>(new StagedRead(std::move(job)));
+}
+
 bool DiskCache::Flush(absl::Time deadline) {
   absl::MutexLock lock(&mu_);
   const uint64_t target = writes_queued_;
@@ -205,10 +270,11 @@ bool DiskCache::Flush(absl::Time deadline) {
 void DiskCache::Loop() {
   while (true) {
     std::shared_ptr<ReadJob> read;
+    std::shared_ptr<StagedRead::Job> staged;
     std::vector<Write> writes;
     {
       absl::MutexLock lock(&mu_);
-      while (!stop_ && reads_.empty() && writes_.empty()) work_cv_.Wait(&mu_);
+      while (!stop_ && reads_.empty() && staged_.empty() && writes_.empty()) work_cv_.Wait(&mu_);
       if (stop_) {
         writes_done_ += writes_.size();
         writes_.clear();
@@ -217,11 +283,20 @@ void DiskCache::Loop() {
           r->done.Notify();
         }
         reads_.clear();
+        for (auto& j : staged_) {
+          absl::MutexLock job_lock(&j->mu);
+          j->failure = absl::UnavailableError("disk tier shutting down");
+          j->changed.SignalAll();
+        }
+        staged_.clear();
         flushed_cv_.SignalAll();
         return;
       }
       // Reads first: a request waits on them; demotions only fill the tier.
-      if (!reads_.empty()) {
+      if (!staged_.empty()) {
+        staged = std::move(staged_.front());
+        staged_.pop_front();
+      } else if (!reads_.empty()) {
         read = std::move(reads_.front());
         reads_.pop_front();
       } else {
@@ -235,7 +310,11 @@ void DiskCache::Loop() {
     }
     // The tier's state is checked before the waiter hears back, so what it sees next (up(),
     // the metrics) already says whether the tier stopped.
-    if (read != nullptr) {
+    if (staged != nullptr) {
+      RunStaged(*staged);
+      CheckTier();
+      NotifyChanges();
+    } else if (read != nullptr) {
       RunRead(*read);
       CheckTier();
       NotifyChanges();
@@ -306,16 +385,7 @@ void DiskCache::RunRead(ReadJob& job) {
                        absl::ToDoubleSeconds(took), absl::Now());
   }
   if (good < statuses.size() && absl::IsDataLoss(statuses[good])) {
-    KV_LOG(WARNING) << options_.node_id << ": disk tier block in slot " << job.slots[good]
-                    << " failed verification (" << statuses[good].message() << "); recomputing it";
-    absl::MutexLock lock(&mu_);
-    auto it = slot_of_.find(job.hashes[good]);
-    if (it != slot_of_.end() && it->second == job.slots[good]) {
-      UnlistLocked(job.slots[good]);
-      free_.push_back(job.slots[good]);
-    }
-    if (corrupt_ != nullptr) corrupt_->Increment();
-    if (blocks_gauge_ != nullptr) blocks_gauge_->Set(static_cast<double>(slot_of_.size()));
+    DropCorrupt(job.slots[good], job.hashes[good], statuses[good]);
   }
   if (good == 0 && good < statuses.size() && !absl::IsDataLoss(statuses[good])) {
     job.status = statuses[good];
@@ -324,6 +394,63 @@ void DiskCache::RunRead(ReadJob& job) {
   buffers.resize(good);
   if (promoted_ != nullptr) promoted_->Increment(static_cast<double>(good));
   job.out = std::move(buffers);
+}
+
+void DiskCache::DropCorrupt(int64_t slot, const kv::BlockHash& hash, const absl::Status& why) {
+  KV_LOG(WARNING) << options_.node_id << ": disk tier block in slot " << slot
+                  << " failed verification (" << why.message() << "); recomputing it";
+  absl::MutexLock lock(&mu_);
+  auto it = slot_of_.find(hash);
+  if (it != slot_of_.end() && it->second == slot) {
+    UnlistLocked(slot);
+    free_.push_back(slot);
+  }
+  if (corrupt_ != nullptr) corrupt_->Increment();
+  if (blocks_gauge_ != nullptr) blocks_gauge_->Set(static_cast<double>(slot_of_.size()));
+}
+
+void DiskCache::RunStaged(StagedRead::Job& job) {
+  std::vector<kv::DiskTier::StageChecksums> sums(job.hashes.size());
+  std::vector<kv::DiskTier::StagedRead> ops;
+  for (size_t i = 0; i < job.hashes.size(); ++i) {
+    ops.push_back({job.slots[i], job.hashes[i], &sums[i]});
+  }
+  auto fail = [&job](absl::Status why) {
+    absl::MutexLock lock(&job.mu);
+    job.failure = std::move(why);
+    job.changed.SignalAll();
+  };
+  const absl::Time start = absl::Now();
+  for (int stage = 0; stage < tier_->num_stages(); ++stage) {
+    {
+      absl::MutexLock lock(&job.mu);
+      if (job.cancelled) return;
+    }
+    if (absl::Now() >= job.deadline) {
+      return fail(absl::DeadlineExceededError("disk tier read: the request's deadline passed"));
+    }
+    const std::vector<absl::Status> statuses =
+        tier_->ReadStage(ops, stage, [&](size_t i, absl::Span<const uint8_t> bytes) {
+          // Under the job's lock: once Cancel() returns, nothing is copied into memory the
+          // caller may have freed.
+          absl::MutexLock lock(&job.mu);
+          if (!job.cancelled) tier_->ScatterStage(stage, bytes, job.destinations[i]);
+        });
+    for (size_t i = 0; i < statuses.size(); ++i) {
+      if (statuses[i].ok()) continue;
+      if (absl::IsDataLoss(statuses[i])) DropCorrupt(job.slots[i], job.hashes[i], statuses[i]);
+      return fail(statuses[i]);
+    }
+    absl::MutexLock lock(&job.mu);
+    job.stages_done = stage + 1;
+    job.changed.SignalAll();
+  }
+  const absl::Duration took = absl::Now() - start;
+  if (took > absl::ZeroDuration()) {
+    read_rate_.Observe(static_cast<double>(job.hashes.size() * options_.block_bytes),
+                       absl::ToDoubleSeconds(took), absl::Now());
+  }
+  if (promoted_ != nullptr) promoted_->Increment(static_cast<double>(job.hashes.size()));
 }
 
 void DiskCache::CheckTier() {

@@ -53,6 +53,9 @@ struct DiskCacheOptions {
   kv::LayoutFingerprint layout;
   std::string node_id;  // for log lines
   uint32_t queue_depth = 32;
+  // How a block is cut into stages for layer-wise reads (kv::DiskTierOptions::stages; empty:
+  // one stage). The worker cuts it by layers: DiskStagePlan.
+  std::vector<std::vector<kv::PayloadRange>> stages;
   // Bytes of demotions waiting for the tier thread (at least one block is always taken); more
   // are dropped (counted) so a slow disk never holds copies without bound. Default 256 MiB.
   uint64_t max_queued_bytes = uint64_t{256} << 20;
@@ -98,6 +101,39 @@ class DiskCache {
   absl::StatusOr<std::vector<std::vector<uint8_t>>> Read(absl::Span<const kv::BlockHash> hashes,
                                                          absl::Time deadline);
 
+  // A layer-wise read in progress (ReadStaged): the tier thread reads every block's stage 0,
+  // then stage 1, ..., and copies each stage's bytes into the caller's memory as soon as they
+  // verify; the caller waits for the stage it needs next.
+  class StagedRead {
+   public:
+    ~StagedRead();  // Cancel()
+    StagedRead(const StagedRead&) = delete;
+    StagedRead& operator=(const StagedRead&) = delete;
+    // Blocks (leading ones of those asked for) being read.
+    int64_t blocks() const;
+    // Waits until stage `stage` of every block is in place. DataLoss when a block failed
+    // verification (it is unlisted: recompute), Unavailable when the tier failed or shut down,
+    // DeadlineExceeded when neither happened by `deadline`. A failed read fails every later
+    // stage too.
+    absl::Status WaitForStage(int stage, absl::Time deadline);
+    // From its return on, nothing more is written into the destinations (they may be freed).
+    void Cancel();
+
+   private:
+    friend class DiskCache;
+    struct Job;
+    explicit StagedRead(std::shared_ptr<Job> job) : job_(std::move(job)) {}
+    std::shared_ptr<Job> job_;
+  };
+  int num_stages() const { return tier_ != nullptr ? tier_->num_stages() : 1; }
+  // Starts a layer-wise read of `hashes`; block i's bytes go to `destinations[i]` (where each
+  // byte range of the block lies in memory; they must stay valid until the read is cancelled
+  // or destroyed). Reads the leading run the tier still lists (StagedRead::blocks(), maybe 0);
+  // Unavailable when the tier is stopped for reads.
+  absl::StatusOr<std::unique_ptr<StagedRead>> ReadStaged(
+      absl::Span<const kv::BlockHash> hashes,
+      std::vector<std::vector<kv::DiskTier::Destination>> destinations, absl::Time deadline);
+
   // Blocks until every demotion queued before the call is written (or dropped), or `deadline`.
   // For tests and orderly shutdown.
   bool Flush(absl::Time deadline);
@@ -137,6 +173,9 @@ class DiskCache {
   void Loop();
   void RunWrites(std::vector<Write> writes);
   void RunRead(ReadJob& job);
+  void RunStaged(StagedRead::Job& job);
+  // Unlists a block that failed verification (if `slot` still holds it) and counts it.
+  void DropCorrupt(int64_t slot, const kv::BlockHash& hash, const absl::Status& why);
   // Logs once and exports that the tier stopped; with an I/O error every listing goes too.
   void NoteStopped(kv::DiskTierFailure failure, const std::string& reason);
   void CheckTier();
@@ -174,6 +213,7 @@ class DiskCache {
   std::string stopped_reason_ ABSL_GUARDED_BY(mu_);
   std::deque<Write> writes_ ABSL_GUARDED_BY(mu_);
   std::deque<std::shared_ptr<ReadJob>> reads_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::shared_ptr<StagedRead::Job>> staged_ ABSL_GUARDED_BY(mu_);
   uint64_t writes_queued_ ABSL_GUARDED_BY(mu_) = 0;  // demotions ever queued
   uint64_t writes_done_ ABSL_GUARDED_BY(mu_) = 0;    // of those, written or dropped
   absl::flat_hash_map<kv::BlockHash, int64_t> slot_of_ ABSL_GUARDED_BY(mu_);

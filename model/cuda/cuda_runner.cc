@@ -288,6 +288,14 @@ absl::StatusOr<std::vector<float>> CudaRunner::Prefill(Sequence& seq,
   const int num_groups = cache.num_groups();
   const int64_t bt = lay.block_tokens();
   const int32_t max_blocks = static_cast<int32_t>((end + bt - 1) / bt);
+  // The held prefix goes to the device whole (UploadHostOnlyBlocks) before the first layer,
+  // so every layer of it must be in place first. Not under mu_: another prefill computes
+  // while this one waits.
+  if (options.before_layer) {
+    for (int32_t layer = 0; layer < config_.num_hidden_layers; ++layer) {
+      KV_RETURN_IF_ERROR(options.before_layer(layer));
+    }
+  }
 
   absl::MutexLock lock(&mu_);
   KV_RETURN_IF_ERROR(CheckContext());
