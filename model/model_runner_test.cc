@@ -246,10 +246,10 @@ TEST_P(ModelTest, APrefixArrivingLayerByLayerIsReadOnlyOnceItsLayerIsIn) {
     const int64_t strip = layout.BlockBytes(g) / layout.groups()[g].num_layers();
     const int64_t at = other_cache->index_in_group(layer) * strip;
     for (int64_t b = 0; b < prefix_blocks; ++b) {
-      std::memcpy(static_cast<char*>(other_cache->pool(g).SlotAddress(seq.blocks(g)[b])) + at,
-                  static_cast<const char*>(source_cache->pool(g).SlotAddress(full.blocks(g)[b])) +
-                      at,
-                  static_cast<size_t>(strip));
+      std::memcpy(
+          static_cast<char*>(other_cache->pool(g).SlotAddress(seq.blocks(g)[b])) + at,
+          static_cast<const char*>(source_cache->pool(g).SlotAddress(full.blocks(g)[b])) + at,
+          static_cast<size_t>(strip));
     }
   };
   const auto prefix = absl::MakeConstSpan(tokens).first(prefix_blocks * bt);

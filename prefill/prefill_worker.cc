@@ -43,6 +43,11 @@ PrefillWorker::PrefillWorker(PrefillWorkerOptions options, MetricsRegistry* metr
   prefix_hit_tokens_ = metrics_->GetCounter(
       "kvrelay:prefix_cache_hits_total", "Prefix cache hits, in terms of number of cached tokens.",
       model_labels_);
+  layers_during_disk_read_ = metrics_->GetCounter(
+      "kvrelay:prefill_layers_during_disk_read_total",
+      "layers computed while the prefix read back from the disk tier was still being read "
+      "(layer-wise promotion)",
+      model_labels_);
   computed_tokens_ = metrics_->GetCounter("kvrelay:prefill_computed_tokens_total",
                                           "Prompt tokens computed.", model_labels_);
   pushed_tokens_ = metrics_->GetCounter(
@@ -346,9 +351,33 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::RunKv(
   //    now so the whole transfer plan can be prepared before computing. Declared before the
   //    push: its slots stay allocated until the push's transfers are terminal.
   model::Sequence seq(&kv_->cache());
-  KV_ASSIGN_OR_RETURN(const ReusedPrefix reused,
-                      ReusePrefix(request, *lookup, tokens, deadline, seq));
+  KV_ASSIGN_OR_RETURN(ReusedPrefix reused, ReusePrefix(request, *lookup, tokens, deadline, seq));
   KV_RETURN_IF_ERROR(seq.EnsureBlocks(full_tokens));
+
+  // 3. One slice per (group, wanted block, layer), claimed before anything is written.
+  KV_ASSIGN_OR_RETURN(std::unique_ptr<PushSession> push, PlanKvPush(request, seq, deadline));
+  // 4. Compute the rest; each finished layer goes on the wire while the next computes.
+  int64_t compute_from = reused.blocks() * block_tokens;
+  bool disk_failed = false;
+  absl::Status computed = ComputeAndPush(seq, tokens, compute_from, *push, reused.disk_read.get(),
+                                         deadline, &disk_failed);
+  if (disk_failed && absl::Now() < deadline) {
+    // A stage of the disk read failed verification or I/O: its blocks, and those pulled after
+    // them, are computed here instead (the same slots; nothing was posted yet).
+    KV_LOG(WARNING) << request.request_id() << ": disk tier read failed (" << computed
+                    << "); recomputing " << reused.blocks() - reused.hit_blocks << " blocks";
+    reused.disk_read.reset();
+    reused.disk_blocks = 0;
+    reused.pulled = PulledPrefix{.attempted = reused.pulled.attempted};
+    compute_from = reused.hit_blocks * block_tokens;
+    computed = seq.Rewind(compute_from);
+    if (computed.ok()) {
+      computed = ComputeAndPush(seq, tokens, compute_from, *push, nullptr, deadline, &disk_failed);
+    }
+  }
+  KV_RETURN_IF_ERROR(computed);
+  reused.disk_read.reset();
+  prefix_hit_tokens_->Increment(static_cast<double>(reused.disk_blocks * block_tokens));
   const PulledPrefix& pulled = reused.pulled;
   response.set_prefix_source(PrefixSourceName({.matched = lookup->match.matched,
                                                .hit_blocks = reused.hit_blocks,
@@ -359,12 +388,6 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::RunKv(
   response.set_fetched_tokens(static_cast<int32_t>(pulled.blocks * block_tokens));
   response.set_estimated_pull_ms(pulled.decision.pull_seconds * 1e3);
   response.set_estimated_recompute_ms(pulled.decision.recompute_seconds * 1e3);
-
-  // 3. One slice per (group, wanted block, layer), claimed before anything is written.
-  KV_ASSIGN_OR_RETURN(std::unique_ptr<PushSession> push, PlanKvPush(request, seq, deadline));
-  // 4. Compute the rest; each finished layer goes on the wire while the next computes.
-  const int64_t compute_from = reused.blocks() * block_tokens;
-  KV_RETURN_IF_ERROR(ComputeAndPush(seq, tokens, compute_from, *push));
   KV_ASSIGN_OR_RETURN(const int64_t pushed, push->Finish());
   pushed_tokens_->Increment(
       static_cast<double>((full_blocks - request.target().held_blocks()) * block_tokens));
@@ -447,10 +470,10 @@ absl::StatusOr<PrefillWorker::ReusedPrefix> PrefillWorker::ReusePrefix(
       return loaded;
     }
   }
-  // Blocks on this node's disk after those in its DRAM: read back (promoted), verified.
+  // Blocks on this node's disk after those in its DRAM: read back (promoted) layer stage by
+  // layer stage while the rest goes on, each stage verified before it is used.
   reused.disk_blocks = PromoteFromDisk(lookup.chain, reused.hit_blocks, full_blocks,
-                                       request.request_id(), deadline, slots);
-  prefix_hit_tokens_->Increment(static_cast<double>(reused.disk_blocks * block_tokens));
+                                       request.request_id(), deadline, slots, reused.disk_read);
   // Blocks held on other nodes after ours: pulled, or recomputed when that is cheaper.
   reused.pulled = puller_->Pull(match, lookup.chain, reused.hit_blocks + reused.disk_blocks,
                                 full_blocks, request.request_id(), deadline, slots);
@@ -468,7 +491,8 @@ absl::StatusOr<PrefillWorker::ReusedPrefix> PrefillWorker::ReusePrefix(
 int64_t PrefillWorker::PromoteFromDisk(const std::vector<kv::BlockHash>& chain, int64_t first,
                                        int64_t wanted_end, const std::string& request_id,
                                        absl::Time deadline,
-                                       std::vector<std::vector<kv::SlotId>>& slots) {
+                                       std::vector<std::vector<kv::SlotId>>& slots,
+                                       std::unique_ptr<worker::DiskCache::StagedRead>& read) {
   worker::DiskCache* disk = core_->disk.get();
   if (disk == nullptr || segment_ == nullptr || first >= wanted_end) return 0;
   const int64_t run = std::min(
@@ -485,38 +509,39 @@ int64_t PrefillWorker::PromoteFromDisk(const std::vector<kv::BlockHash>& chain, 
                  << decision.recompute_seconds * 1e3 << " ms)";
     return 0;
   }
-  // Read in chunks of at most ~64 MiB of blocks: each chunk's buffers live only until its
-  // blocks are copied into the request's KV.
-  const int64_t per_read =
-      std::max<int64_t>(1, (int64_t{64} << 20) / static_cast<int64_t>(segment_->block_bytes()));
-  int64_t loaded = 0;
-  while (loaded < run) {
-    const int64_t n = std::min(per_read, run - loaded);
-    absl::StatusOr<std::vector<std::vector<uint8_t>>> read =
-        disk->Read(absl::MakeConstSpan(chain).subspan(static_cast<size_t>(first + loaded),
-                                                      static_cast<size_t>(n)),
-                   deadline);
-    if (!read.ok()) {
-      KV_LOG(WARNING) << request_id << ": disk tier read failed (" << read.status()
-                      << "); recomputing the rest";
-      return loaded;
-    }
-    for (const std::vector<uint8_t>& unit : *read) {
-      std::vector<std::vector<kv::SlotId>> one;
-      if (!segment_->LoadBlockBytes(unit, kv_->cache(), one).ok()) {
-        ReleaseSlots(kv_->cache(), one);
-        return loaded;
-      }
-      slots.resize(one.size());
-      for (size_t g = 0; g < one.size(); ++g) {
-        slots[g].insert(slots[g].end(), one[g].begin(), one[g].end());
-      }
-      ++loaded;
-    }
-    // Fewer than asked: a block failed verification or left the tier; the rest is recomputed.
-    if (static_cast<int64_t>(read->size()) < n) return loaded;
+  // The tier thread writes each stage straight into the request's KV slots: no staging copy.
+  model::KvCache& cache = kv_->cache();
+  std::vector<std::vector<kv::SlotId>> disk_slots;
+  std::vector<std::vector<kv::DiskTier::Destination>> places;
+  for (int64_t b = 0; b < run; ++b) {
+    absl::StatusOr<std::vector<kv::DiskTier::Destination>> block =
+        worker::AllocateBlockDestinations(*segment_, cache, disk_slots);
+    if (!block.ok()) break;  // the pool is full: fewer blocks are read, the rest computed
+    places.push_back(*std::move(block));
   }
-  return loaded;
+  const size_t allocated = places.size();
+  absl::StatusOr<std::unique_ptr<worker::DiskCache::StagedRead>> started =
+      disk->ReadStaged(absl::MakeConstSpan(chain).subspan(static_cast<size_t>(first), allocated),
+                       std::move(places), deadline);
+  const int64_t reading = started.ok() ? (*started)->blocks() : 0;
+  if (!started.ok()) {
+    KV_LOG(WARNING) << request_id << ": disk tier read not started (" << started.status()
+                    << "); recomputing";
+  }
+  // Slots of blocks not being read (no longer listed, or no read at all) go back now.
+  for (size_t g = 0; g < disk_slots.size(); ++g) {
+    for (size_t b = static_cast<size_t>(reading); b < disk_slots[g].size(); ++b) {
+      cache.pool(static_cast<int>(g)).Release(disk_slots[g][b]).IgnoreError();
+    }
+    disk_slots[g].resize(static_cast<size_t>(reading));
+  }
+  if (reading == 0) return 0;
+  slots.resize(disk_slots.size());
+  for (size_t g = 0; g < disk_slots.size(); ++g) {
+    slots[g].insert(slots[g].end(), disk_slots[g].begin(), disk_slots[g].end());
+  }
+  read = *std::move(started);
+  return reading;
 }
 
 absl::StatusOr<std::unique_ptr<PushSession>> PrefillWorker::PlanKvPush(
@@ -547,31 +572,84 @@ absl::StatusOr<std::unique_ptr<PushSession>> PrefillWorker::PlanKvPush(
 }
 
 absl::Status PrefillWorker::ComputeAndPush(model::Sequence& seq, absl::Span<const int32_t> tokens,
-                                           int64_t compute_from, PushSession& push) {
+                                           int64_t compute_from, PushSession& push,
+                                           worker::DiskCache::StagedRead* disk_read,
+                                           absl::Time deadline, bool* disk_failed) {
   const int64_t end = static_cast<int64_t>(tokens.size());
+  const int32_t num_layers = kv_->cache().layout().num_layers();
+  const std::vector<int>& stage_of_layer = core_->disk_stages.stage_of_layer;
+  const int last_stage = disk_read == nullptr ? 0 : stage_of_layer.back();
+  // Waits for the disk read to reach `stage`; a failure is the disk's (structured, for the
+  // caller), not the compute's.
+  absl::Duration disk_wait;
+  auto wait_for = [&](int stage) -> absl::Status {
+    const absl::Time waiting = absl::Now();
+    absl::Status read = disk_read->WaitForStage(stage, deadline);
+    disk_wait += absl::Now() - waiting;
+    if (!read.ok()) *disk_failed = true;
+    return read;
+  };
   if (compute_from >= end) {
-    // Everything was reused: the whole push goes at once.
-    for (int32_t layer = 0; layer < kv_->cache().layout().num_layers(); ++layer) {
+    // Everything was reused: the whole push goes at once, once every byte of it verified.
+    if (disk_read != nullptr) KV_RETURN_IF_ERROR(wait_for(last_stage));
+    for (int32_t layer = 0; layer < num_layers; ++layer) {
       push.Post(transfer::LayerRange::One(layer));
     }
     return absl::OkStatus();
   }
+  // Layers computed while the disk read goes on are posted only once all of it verified: a
+  // stage that fails later makes the caller compute the read blocks again, and no byte that
+  // might be computed again may be on the wire already.
+  std::vector<int32_t> unposted;
+  bool read_verified = disk_read == nullptr;
   model::PrefillOptions prefill_options;
-  prefill_options.on_layer_done = [&push](int32_t layer) {
+  prefill_options.on_layer_done = [&](int32_t layer) {
+    if (!read_verified) {
+      unposted.push_back(layer);
+      return;
+    }
     push.Post(transfer::LayerRange::One(layer));
   };
+  if (disk_read != nullptr) {
+    prefill_options.before_layer = [&](int32_t layer) -> absl::Status {
+      const int stage = stage_of_layer[static_cast<size_t>(layer)];
+      KV_RETURN_IF_ERROR(wait_for(stage));
+      // This layer computes while later ones are still being read.
+      if (disk_read->stages_done() <= last_stage) layers_during_disk_read_->Increment();
+      if (stage == last_stage && !read_verified) {
+        read_verified = true;
+        for (int32_t done : unposted) push.Post(transfer::LayerRange::One(done));
+        unposted.clear();
+      }
+      return absl::OkStatus();
+    };
+    // The first stage is waited for before taking the compute: another request computes
+    // meanwhile.
+    KV_RETURN_IF_ERROR(wait_for(0));
+  }
   running_->Add(-1);
   waiting_->Add(1);
   absl::MutexLock lock(&compute_mu_);
   const absl::Time compute_start = absl::Now();
+  const absl::Duration waited_before = disk_wait;
   waiting_->Add(-1);
   running_->Add(1);
   absl::StatusOr<std::vector<float>> logits =
       runner_->Prefill(seq, tokens.subspan(static_cast<size_t>(compute_from)), prefill_options);
-  if (!logits.ok()) return Own(logits.status(), kvrelay::v1::FAILURE_COMPUTE);
-  // Layer-wise posting overlaps the pushes with compute, so this is compute time.
-  prefill_rate_.Observe(static_cast<double>(end - compute_from),
-                        absl::ToDoubleSeconds(absl::Now() - compute_start), absl::Now());
+  if (!logits.ok()) {
+    return *disk_failed ? logits.status() : Own(logits.status(), kvrelay::v1::FAILURE_COMPUTE);
+  }
+  if (!read_verified) {
+    // Only if a runner skipped before_layer: never post unverified bytes.
+    KV_RETURN_IF_ERROR(wait_for(last_stage));
+    for (int32_t done : unposted) push.Post(transfer::LayerRange::One(done));
+  }
+  // Layer-wise posting overlaps the pushes with compute, so this is compute time (less what
+  // it waited for the disk).
+  prefill_rate_.Observe(
+      static_cast<double>(end - compute_from),
+      absl::ToDoubleSeconds(absl::Now() - compute_start - (disk_wait - waited_before)),
+      absl::Now());
   return absl::OkStatus();
 }
 

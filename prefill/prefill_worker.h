@@ -127,6 +127,10 @@ class PrefillWorker {
     int64_t hit_blocks = 0;   // from this node's DRAM cache segment
     int64_t disk_blocks = 0;  // after those: read back from this node's disk tier (promoted)
     PulledPrefix pulled;
+    // The disk blocks' layer-wise read, still in progress: the prefill waits for each layer's
+    // stage before computing that layer. Null without disk blocks. Destroyed (which cancels
+    // it) before the sequence that owns its destination slots.
+    std::unique_ptr<worker::DiskCache::StagedRead> disk_read;
     int64_t blocks() const { return hit_blocks + disk_blocks + pulled.blocks; }
   };
   // The Mamba path's computed states: the one after the last full block and the checkpoints of
@@ -137,13 +141,14 @@ class PrefillWorker {
   };
 
   explicit PrefillWorker(PrefillWorkerOptions options, MetricsRegistry* metrics);
-  // Blocks chain[first, ...) that this node's disk tier holds, read back and verified, copied
-  // into fresh KV slots (appended to `slots[g]`) when reading them is predicted faster than
-  // recomputing them (kv::ChoosePullOrRecompute with the tier's measured read rate). Returns how
-  // many; never fails the request (a block that does not verify or arrive is recomputed).
+  // Starts reading blocks chain[first, ...) that this node's disk tier holds into fresh KV slots
+  // (appended to `slots[g]`), layer stage by layer stage (`read`), when reading them is
+  // predicted faster than recomputing them (kv::ChoosePullOrRecompute with the tier's measured
+  // read rate). Returns how many; never fails the request (a read that fails is recomputed).
   int64_t PromoteFromDisk(const std::vector<kv::BlockHash>& chain, int64_t first,
                           int64_t wanted_end, const std::string& request_id, absl::Time deadline,
-                          std::vector<std::vector<kv::SlotId>>& slots);
+                          std::vector<std::vector<kv::SlotId>>& slots,
+                          std::unique_ptr<worker::DiskCache::StagedRead>& read);
   absl::Status Init(worker::WorkerCoreDeps deps);
   // Prefills a few blocks of dummy tokens before serving and takes the compute rate from them,
   // so admission predicts waits from the first request on; without it a cold worker admitted
@@ -182,9 +187,14 @@ class PrefillWorker {
   absl::StatusOr<std::unique_ptr<PushSession>> PlanKvPush(
       const kvrelay::v1::PrefillRequest& request, const model::Sequence& seq, absl::Time deadline);
   // Computes tokens[compute_from, end) into `seq`, posting each layer as soon as it is done
-  // (every layer at once when nothing is left to compute).
+  // (every layer at once when nothing is left to compute). With `disk_read`, layer L is
+  // computed once its stage is read and verified, and nothing is posted before the whole read
+  // verified; when it fails, `*disk_failed` is set and its status returned (the caller rewinds
+  // `seq` and computes the read blocks instead).
   absl::Status ComputeAndPush(model::Sequence& seq, absl::Span<const int32_t> tokens,
-                              int64_t compute_from, PushSession& push);
+                              int64_t compute_from, PushSession& push,
+                              worker::DiskCache::StagedRead* disk_read, absl::Time deadline,
+                              bool* disk_failed);
   // Publishes blocks [first, last) of `seq` for later requests; the blocks committed (0 when the
   // store failed: a lost commit costs later reuse, not this request).
   int32_t CommitKv(const std::string& request_id, const PrefixLookup& lookup, int64_t first,
@@ -250,6 +260,7 @@ class PrefillWorker {
   Counter* prefix_query_tokens_;
   Counter* prefix_hit_tokens_;
   Counter* computed_tokens_;
+  Counter* layers_during_disk_read_ = nullptr;
   Counter* pushed_tokens_;  // tokens of the blocks pushed (not those the decode worker held)
   Histogram* prefill_seconds_;
   Gauge* running_;          // in progress, not waiting for compute_mu_

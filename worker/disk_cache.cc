@@ -35,14 +35,19 @@ DiskCache::StagedRead::~StagedRead() { Cancel(); }
 
 int64_t DiskCache::StagedRead::blocks() const { return static_cast<int64_t>(job_->hashes.size()); }
 
+int DiskCache::StagedRead::stages_done() const {
+  absl::MutexLock lock(&job_->mu);
+  return job_->stages_done;
+}
+
 absl::Status DiskCache::StagedRead::WaitForStage(int stage, absl::Time deadline) {
   absl::MutexLock lock(&job_->mu);
   while (job_->stages_done <= stage && job_->failure.ok()) {
     if (job_->changed.WaitWithDeadline(&job_->mu, deadline) && job_->stages_done <= stage &&
         job_->failure.ok()) {
-      return absl::DeadlineExceededError(absl::StrCat(
-          "disk tier read of ", job_->hashes.size(), " blocks: stage ", stage,
-          " not read by the deadline"));
+      return absl::DeadlineExceededError(absl::StrCat("disk tier read of ", job_->hashes.size(),
+                                                      " blocks: stage ", stage,
+                                                      " not read by the deadline"));
     }
   }
   if (job_->stages_done > stage) return absl::OkStatus();
@@ -441,16 +446,19 @@ void DiskCache::RunStaged(StagedRead::Job& job) {
       if (absl::IsDataLoss(statuses[i])) DropCorrupt(job.slots[i], job.hashes[i], statuses[i]);
       return fail(statuses[i]);
     }
+    if (stage + 1 == tier_->num_stages()) {
+      // Counted before the waiter hears of the last stage, so what it reads next is current.
+      const absl::Duration took = absl::Now() - start;
+      if (took > absl::ZeroDuration()) {
+        read_rate_.Observe(static_cast<double>(job.hashes.size() * options_.block_bytes),
+                           absl::ToDoubleSeconds(took), absl::Now());
+      }
+      if (promoted_ != nullptr) promoted_->Increment(static_cast<double>(job.hashes.size()));
+    }
     absl::MutexLock lock(&job.mu);
     job.stages_done = stage + 1;
     job.changed.SignalAll();
   }
-  const absl::Duration took = absl::Now() - start;
-  if (took > absl::ZeroDuration()) {
-    read_rate_.Observe(static_cast<double>(job.hashes.size() * options_.block_bytes),
-                       absl::ToDoubleSeconds(took), absl::Now());
-  }
-  if (promoted_ != nullptr) promoted_->Increment(static_cast<double>(job.hashes.size()));
 }
 
 void DiskCache::CheckTier() {

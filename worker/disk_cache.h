@@ -111,6 +111,8 @@ class DiskCache {
     StagedRead& operator=(const StagedRead&) = delete;
     // Blocks (leading ones of those asked for) being read.
     int64_t blocks() const;
+    // Stages in place so far, without waiting.
+    int stages_done() const;
     // Waits until stage `stage` of every block is in place. DataLoss when a block failed
     // verification (it is unlisted: recompute), Unavailable when the tier failed or shut down,
     // DeadlineExceeded when neither happened by `deadline`. A failed read fails every later

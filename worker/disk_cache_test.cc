@@ -294,5 +294,107 @@ TEST_F(DiskCacheTest, AReadPastItsDeadlineReturnsNothing) {
               StatusIs(absl::StatusCode::kDeadlineExceeded));
 }
 
+// Four stages, each a quarter of the block (as a layout's layer strips would be).
+std::vector<std::vector<kv::PayloadRange>> QuarterStages() {
+  std::vector<std::vector<kv::PayloadRange>> stages;
+  for (uint64_t q = 0; q < 4; ++q) {
+    const uint64_t from = kBlockBytes * q / 4, to = kBlockBytes * (q + 1) / 4;
+    stages.push_back({{from, to - from}});
+  }
+  return stages;
+}
+
+// Layer-wise promotion: each stage is in the caller's memory (a block's groups in separate
+// places) as soon as it verified, while later stages are still being read, here behind a slow
+// disk (every read 30 ms).
+TEST_F(DiskCacheTest, AStagedReadHandsOutEachStageWhileLaterOnesAreRead) {
+  DiskCacheOptions o = Options(8);
+  o.stages = QuarterStages();
+  o.inject_result = [](bool is_write, int64_t, int result) {
+    if (!is_write) absl::SleepFor(absl::Milliseconds(30));
+    return result;
+  };
+  std::unique_ptr<DiskCache> cache = Open(std::move(o));
+  ASSERT_NE(cache, nullptr);
+  ASSERT_EQ(cache->num_stages(), 4);
+  DemoteAll(*cache, 0, 3);
+  const uint64_t half = kBlockBytes / 2;
+  std::vector<std::vector<uint8_t>> low(3, std::vector<uint8_t>(half, 0));
+  std::vector<std::vector<uint8_t>> high(3, std::vector<uint8_t>(kBlockBytes - half, 0));
+  std::vector<std::vector<kv::DiskTier::Destination>> places;
+  for (size_t b = 0; b < 3; ++b) {
+    places.push_back({{0, half, low[b].data()}, {half, kBlockBytes - half, high[b].data()}});
+  }
+  std::vector<kv::BlockHash> chain = Chain(0, 3);
+  chain.push_back(HashOf(99));  // not on disk: the read stops before it
+  places.push_back({});
+  KV_ASSERT_OK_AND_ASSIGN(auto read, cache->ReadStaged(chain, std::move(places), Soon()));
+  EXPECT_EQ(read->blocks(), 3);
+  KV_ASSERT_OK(read->WaitForStage(0, Soon()));
+  EXPECT_LT(read->stages_done(), 4) << "the last stage was read with the first";
+  for (size_t b = 0; b < 3; ++b) {
+    const std::vector<uint8_t> want = Bytes(static_cast<uint32_t>(b));
+    EXPECT_TRUE(std::equal(low[b].begin(), low[b].begin() + kBlockBytes / 4, want.begin()));
+  }
+  KV_ASSERT_OK(read->WaitForStage(3, Soon()));
+  for (size_t b = 0; b < 3; ++b) {
+    const std::vector<uint8_t> want = Bytes(static_cast<uint32_t>(b));
+    EXPECT_EQ(low[b], std::vector<uint8_t>(want.begin(), want.begin() + half)) << b;
+    EXPECT_EQ(high[b], std::vector<uint8_t>(want.begin() + half, want.end())) << b;
+  }
+  EXPECT_EQ(Metric("kvrelay:disk_tier_promoted_blocks_total"), 3);
+  EXPECT_GT(cache->read_bytes_per_second(), 0);
+}
+
+// A flipped byte in a later stage fails that stage and every one after it; the block leaves the
+// tier. A cancelled read writes nothing more into the caller's memory.
+TEST_F(DiskCacheTest, AStagedReadFailsAtTheBadStageAndACancelledOneStopsWriting) {
+  DiskCacheOptions o = Options(8);
+  o.stages = QuarterStages();
+  std::unique_ptr<DiskCache> cache = Open(std::move(o));
+  ASSERT_NE(cache, nullptr);
+  DemoteAll(*cache, 0, 2);
+  const auto listed = cache->Listed();
+  int64_t slot_of_1 = -1;
+  for (const auto& [slot, hash] : listed) {
+    if (hash == HashOf(1)) slot_of_1 = slot;
+  }
+  ASSERT_GE(slot_of_1, 0);
+  {
+    // The last payload byte lies in the last stage.
+    const int fd = open(cache->path().c_str(), O_WRONLY);
+    ASSERT_GE(fd, 0);
+    const uint8_t junk = static_cast<uint8_t>(~Bytes(1).back());
+    ASSERT_EQ(
+        pwrite(fd, &junk, 1, static_cast<off_t>(slot_of_1 * kSlotBytes + 4096 + kBlockBytes - 1)),
+        1);
+    close(fd);
+  }
+  std::vector<std::vector<uint8_t>> blocks(2, std::vector<uint8_t>(kBlockBytes, 0));
+  std::vector<std::vector<kv::DiskTier::Destination>> places;
+  for (auto& b : blocks) places.push_back({{0, kBlockBytes, b.data()}});
+  KV_ASSERT_OK_AND_ASSIGN(auto read, cache->ReadStaged(Chain(0, 2), std::move(places), Soon()));
+  KV_ASSERT_OK(read->WaitForStage(2, Soon()));
+  EXPECT_THAT(read->WaitForStage(3, Soon()),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("stage 3 checksum")));
+  EXPECT_EQ(cache->HeldRun(Chain(0, 2), 0), 1);  // block 1 is gone from the tier
+  EXPECT_EQ(Metric("kvrelay:disk_tier_corrupt_blocks_total"), 1);
+
+  // Once Cancel() returns, the read writes nothing more into the destination (the caller
+  // frees it), whether the tier thread had started on it or not.
+  std::vector<uint8_t> untouched(kBlockBytes, 0);
+  std::vector<std::vector<kv::DiskTier::Destination>> one;
+  one.push_back({{0, kBlockBytes, untouched.data()}});
+  {
+    KV_ASSERT_OK_AND_ASSIGN(auto cancelled, cache->ReadStaged(Chain(0, 1), std::move(one), Soon()));
+    cancelled->Cancel();
+    std::fill(untouched.begin(), untouched.end(), 0xEE);
+  }
+  // A whole read queued after it returns only once the tier thread is past the cancelled job.
+  KV_ASSERT_OK_AND_ASSIGN(auto again, cache->Read(Chain(0, 1), Soon()));
+  EXPECT_EQ(again.size(), 1u);
+  EXPECT_EQ(untouched, std::vector<uint8_t>(kBlockBytes, 0xEE));
+}
+
 }  // namespace
 }  // namespace kvrelay::worker

@@ -156,6 +156,53 @@ LayerSlice SliceOfLayer(const kv::ModelLayout& layout, const model::KvCache& cac
   return {static_cast<uint64_t>(cache.index_in_group(layer)) * layer_bytes, layer_bytes};
 }
 
+DiskStagePlan PlanDiskStages(const CacheSegment& segment, const model::KvCache& cache,
+                             int max_stages) {
+  const kv::ModelLayout& layout = cache.layout();
+  const int32_t layers = layout.num_layers();
+  const int stages = std::max(1, std::min<int>(max_stages, layers));
+  DiskStagePlan plan;
+  plan.stages.resize(static_cast<size_t>(stages));
+  plan.stage_of_layer.resize(static_cast<size_t>(layers));
+  for (int s = 0; s < stages; ++s) {
+    std::vector<kv::PayloadRange>& ranges = plan.stages[static_cast<size_t>(s)];
+    for (int32_t layer = layers * s / stages; layer < layers * (s + 1) / stages; ++layer) {
+      plan.stage_of_layer[static_cast<size_t>(layer)] = s;
+      const LayerSlice slice = SliceOfLayer(layout, cache, layer);
+      const uint64_t offset =
+          segment.group_offset(cache.group_of_layer(layer)) + slice.offset_in_unit;
+      if (!ranges.empty() && ranges.back().offset + ranges.back().length == offset) {
+        ranges.back().length += slice.length;  // the next layer of the same group
+      } else {
+        ranges.push_back({offset, slice.length});
+      }
+    }
+  }
+  return plan;
+}
+
+absl::StatusOr<std::vector<kv::DiskTier::Destination>> AllocateBlockDestinations(
+    const CacheSegment& segment, model::KvCache& cache,
+    std::vector<std::vector<kv::SlotId>>& group_slots) {
+  group_slots.resize(static_cast<size_t>(cache.num_groups()));
+  std::vector<kv::DiskTier::Destination> places;
+  for (int g = 0; g < cache.num_groups(); ++g) {
+    absl::StatusOr<kv::SlotId> slot = cache.pool(g).Allocate();
+    if (!slot.ok()) {
+      // Nothing half-allocated is left behind: this block's earlier groups go back.
+      for (int h = 0; h < g; ++h) {
+        cache.pool(h).Release(group_slots[h].back()).IgnoreError();
+        group_slots[h].pop_back();
+      }
+      return slot.status();
+    }
+    group_slots[g].push_back(*slot);
+    places.push_back({segment.group_offset(g), static_cast<uint64_t>(cache.layout().BlockBytes(g)),
+                      static_cast<uint8_t*>(cache.pool(g).SlotAddress(*slot))});
+  }
+  return places;
+}
+
 bool BlockWanted(const kv::LayerGroup& group, int32_t block_tokens, int64_t block_index,
                  int64_t first_query_position) {
   // A recurrent state summarises every token before it: only the state after the last pushed

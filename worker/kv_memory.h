@@ -17,6 +17,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "kv/block_hash.h"
+#include "kv/disk/disk_tier.h"
 #include "kv/model_layout.h"
 #include "kv/pool/block_pool.h"
 #include "model/kv_cache.h"
@@ -122,6 +123,23 @@ struct LayerSlice {
   uint64_t length = 0;
 };
 LayerSlice SliceOfLayer(const kv::ModelLayout& layout, const model::KvCache& cache, int32_t layer);
+
+// A block cut into stages for layer-wise disk reads (DiskCacheOptions::stages): stage s holds
+// the strips of layers [first_layer(s), first_layer(s + 1)) in every group, so a prefix read
+// back from disk can be used up to a layer while later layers are still being read. At most
+// `max_stages` stages of whole layers, as even as the layer count allows.
+struct DiskStagePlan {
+  std::vector<std::vector<kv::PayloadRange>> stages;
+  std::vector<int> stage_of_layer;
+};
+DiskStagePlan PlanDiskStages(const CacheSegment& segment, const model::KvCache& cache,
+                             int max_stages);
+// Where each of a block's bytes goes when it is read into freshly allocated KvCache slots, one
+// per group (appended to `group_slots[g]`, one reference each owned by the caller), as
+// CacheSegment::LoadBlockBytes lays it out.
+absl::StatusOr<std::vector<kv::DiskTier::Destination>> AllocateBlockDestinations(
+    const CacheSegment& segment, model::KvCache& cache,
+    std::vector<std::vector<kv::SlotId>>& group_slots);
 
 // The decode worker's choice of which full prompt blocks it wants per group: every block for
 // full attention and MLA; for sliding-window groups only the blocks a query at position

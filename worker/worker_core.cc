@@ -118,6 +118,8 @@ absl::StatusOr<std::unique_ptr<WorkerCore>> WorkerCore::Create(const WorkerCoreO
       disk.capacity_bytes = static_cast<uint64_t>(options.ssd_bytes);
       disk.block_bytes = core->segment->block_bytes();
       disk.layout = layout.fingerprint();
+      core->disk_stages = PlanDiskStages(*core->segment, core->kv->cache(), kDiskStages);
+      disk.stages = core->disk_stages.stages;
       disk.node_id = core->node_id;
       disk.metrics = core->metrics;
       disk.metric_labels = core->metric_labels;

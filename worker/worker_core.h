@@ -50,6 +50,10 @@ enum class MemoryKeyScope { kAuto, kReservation, kPool };
 absl::StatusOr<MemoryKeyScope> ParseMemoryKeyScope(absl::string_view name);
 const char* MemoryKeyScopeName(MemoryKeyScope scope);
 
+// Stages a disk tier block is cut into (PlanDiskStages): a prefix read back from disk is used
+// up to a layer while up to 7/8 of it is still being read.
+inline constexpr int kDiskStages = 8;
+
 struct WorkerCoreOptions {
   std::string role;  // "prefill" or "decode": default node ids and error attribution
   std::string model_dir;
@@ -164,6 +168,9 @@ struct WorkerCore {
   // The disk tier behind `segment` (options.ssd_dir); null without one. Declared before `store`,
   // which demotes into it, so it outlives the link.
   std::unique_ptr<DiskCache> disk;
+  // How `disk` cuts a block into layer stages (its stage_of_layer tells a prefill which stage
+  // a layer waits for).
+  DiskStagePlan disk_stages;
   std::unique_ptr<StoreLink> store;  // null without a store or before ConnectStore
   WorkerCoreOptions options;
 };

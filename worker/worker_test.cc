@@ -5,6 +5,7 @@
 #include "kv/presets.h"
 #include "model/kv_cache.h"
 #include "tests/testing/status_matchers.h"
+#include "tests/testing/test_env.h"
 #include "transfer/inproc/in_process_transport.h"
 #include "worker/kv_memory.h"
 #include "worker/worker_core.h"
@@ -112,6 +113,39 @@ TEST(SliceOfLayer, LayersAreContiguousInsideAUnit) {
     expected_offset += s.length;
   }
   EXPECT_EQ(expected_offset, static_cast<uint64_t>(layout.BlockBytes(0)));
+}
+
+// Every preset's stage plan is accepted by the disk tier (each block byte in exactly one stage)
+// and cuts by whole layers in order: a layer's stage is never before an earlier layer's.
+TEST(PlanDiskStages, EveryPresetIsCutIntoLayerStagesTheTierAccepts) {
+  KV_ASSERT_OK_AND_ASSIGN(auto transport, transfer::MakeInProcessTransport());
+  for (const std::string& name : kv::PresetNames()) {
+    absl::StatusOr<kv::ModelConfig> config = kv::LoadPreset(name);
+    ASSERT_TRUE(config.ok()) << name;
+    const kv::ModelLayout& layout = config->layout;
+    if (layout.BlockBytes(0) > (int64_t{64} << 20)) continue;  // keep the pools small
+    KV_ASSERT_OK_AND_ASSIGN(auto cache, model::KvCache::Create(layout, 1));
+    KV_ASSERT_OK_AND_ASSIGN(auto segment, CacheSegment::Create(layout, 1, transport.get()));
+    const DiskStagePlan plan = PlanDiskStages(*segment, *cache, kDiskStages);
+    EXPECT_EQ(plan.stages.size(),
+              static_cast<size_t>(std::min<int32_t>(kDiskStages, layout.num_layers())))
+        << name;
+    ASSERT_EQ(plan.stage_of_layer.size(), static_cast<size_t>(layout.num_layers())) << name;
+    EXPECT_EQ(plan.stage_of_layer.front(), 0) << name;
+    EXPECT_EQ(plan.stage_of_layer.back(), static_cast<int>(plan.stages.size()) - 1) << name;
+    for (size_t l = 1; l < plan.stage_of_layer.size(); ++l) {
+      EXPECT_LE(plan.stage_of_layer[l - 1], plan.stage_of_layer[l]) << name << " layer " << l;
+    }
+    testing::TempDir dir;
+    kv::DiskTierOptions tier;
+    tier.directory = dir.path();
+    tier.block_bytes = segment->block_bytes();
+    tier.capacity_bytes = 2 * (kv::DiskTier::kHeaderBytes + segment->block_bytes() + 4096);
+    tier.layout = layout.fingerprint();
+    tier.stages = plan.stages;
+    tier.preallocate = false;
+    EXPECT_TRUE(kv::DiskTier::Open(tier).ok()) << name << ": " << kv::DiskTier::Open(tier).status();
+  }
 }
 
 }  // namespace
