@@ -424,7 +424,8 @@ absl::StatusOr<std::vector<int32_t>> CudaModel::TakeGreedy() {
   return ids;
 }
 
-absl::Status CudaModel::Enqueue(const CudaBatch& batch, const LayerHook& after_layer) {
+absl::Status CudaModel::Enqueue(const CudaBatch& batch, const LayerHook& after_layer,
+                                const LayerHook& before_layer) {
   Impl& m = *impl_;
   const kv::ModelConfig& c = config_;
   const int num_groups = static_cast<int>(c.layout.groups().size());
@@ -543,6 +544,7 @@ absl::Status CudaModel::Enqueue(const CudaBatch& batch, const LayerHook& after_l
   ap.heads = heads;
   int64_t attn_width = 0;
   for (int32_t layer = 0; layer < c.num_hidden_layers; ++layer) {
+    if (before_layer) KV_RETURN_IF_ERROR(before_layer(layer));
     const Layer& L = m.layers[layer];
     const int g = group_of[layer];
     const kv::LayerGroup& grp = c.layout.groups()[g];

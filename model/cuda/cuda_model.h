@@ -84,7 +84,10 @@ class CudaModel {
   // calling after_layer as it goes; then exactly one of TakeLogits (logits [logit_rows, vocab])
   // or TakeGreedy (per logit row the argmax id, lowest id among equal maxima, as
   // model::Greedy, computed on the device; only the ids are copied back) waits for the stream.
-  absl::Status Enqueue(const CudaBatch& batch, const LayerHook& after_layer = nullptr);
+  // before_layer is called before any kernel of a layer is enqueued (the caller may enqueue
+  // copies that layer reads on stream() first).
+  absl::Status Enqueue(const CudaBatch& batch, const LayerHook& after_layer = nullptr,
+                       const LayerHook& before_layer = nullptr);
   absl::StatusOr<std::vector<float>> TakeLogits();
   absl::StatusOr<std::vector<int32_t>> TakeGreedy();
 

@@ -242,6 +242,17 @@ absl::Status CudaRunner::UploadHostOnlyBlocks(const Sequence& seq,
   return absl::OkStatus();
 }
 
+// Enqueues `copy` from group g's host pool to its device mirror on `stream`.
+absl::Status CopyToDevice(const DeviceMirror& mirror, int g, const PoolCopy& copy,
+                          cudaStream_t stream, const char* what) {
+  return platform::cuda::FromCuda(
+      cudaMemcpy2DAsync(static_cast<uint8_t*>(mirror.caches[g].base) + copy.offset,
+                        static_cast<size_t>(copy.pitch), mirror.host_bases[g] + copy.offset,
+                        static_cast<size_t>(copy.pitch), static_cast<size_t>(copy.width),
+                        static_cast<size_t>(copy.height), cudaMemcpyHostToDevice, stream),
+      what);
+}
+
 // Enqueues `copy` from group g's device mirror to its host pool on `stream`.
 absl::Status CopyToHost(const DeviceMirror& mirror, int g, const PoolCopy& copy,
                         cudaStream_t stream, const char* what) {
@@ -288,20 +299,30 @@ absl::StatusOr<std::vector<float>> CudaRunner::Prefill(Sequence& seq,
   const int num_groups = cache.num_groups();
   const int64_t bt = lay.block_tokens();
   const int32_t max_blocks = static_cast<int32_t>((end + bt - 1) / bt);
-  // The held prefix goes to the device whole (UploadHostOnlyBlocks) before the first layer,
-  // so every layer of it must be in place first. Not under mu_: another prefill computes
-  // while this one waits.
-  if (options.before_layer) {
-    for (int32_t layer = 0; layer < config_.num_hidden_layers; ++layer) {
-      KV_RETURN_IF_ERROR(options.before_layer(layer));
-    }
-  }
-
   absl::MutexLock lock(&mu_);
   KV_RETURN_IF_ERROR(CheckContext());
   DeviceGuard guard(options_.device);
   KV_ASSIGN_OR_RETURN(std::shared_ptr<DeviceMirror> mirror, MirrorFor(cache));
-  absl::Status status = UploadHostOnlyBlocks(seq, *mirror);
+  // The held prefix goes to the device whole before the first layer, or, when its bytes may
+  // still be arriving (options.before_layer: a disk read in stages), layer by layer: layer L's
+  // strips are uploaded on the compute stream right before its kernels, once before_layer(L)
+  // says they are in the host pool, while the device computes the layers before it.
+  absl::Status status;
+  std::vector<std::vector<SlotRun>> held_runs(num_groups);
+  if (options.before_layer) {
+    for (int g = 0; g < num_groups; ++g) held_runs[g] = HostOnlyRuns(seq, g);
+  } else {
+    status = UploadHostOnlyBlocks(seq, *mirror);
+  }
+  auto upload_layer = [&](int32_t layer) -> absl::Status {
+    KV_RETURN_IF_ERROR(options.before_layer(layer));
+    const int g = cache.group_of_layer(layer);
+    for (const PoolCopy& c : LayerStripCopies(cache, layer, held_runs[g])) {
+      KV_RETURN_IF_ERROR(CopyToDevice(*mirror, g, c, compute_stream(),
+                                      "cudaMemcpy2DAsync(held prefix layer strips)"));
+    }
+    return absl::OkStatus();
+  };
 
   // Per group, the units holding a new token: each gets every layer's strip back.
   std::vector<std::vector<SlotRun>> touched(num_groups);
@@ -364,7 +385,9 @@ absl::StatusOr<std::vector<float>> CudaRunner::Prefill(Sequence& seq,
     } else if (last) {
       batch.logit_rows.push_back(rows - 1);
     }
-    status = model_->Enqueue(batch, last ? LayerHook(stage_layer) : LayerHook());
+    status =
+        model_->Enqueue(batch, last ? LayerHook(stage_layer) : LayerHook(),
+                        c == 0 && options.before_layer ? LayerHook(upload_layer) : LayerHook());
     if (status.ok() && last) status = report_rest();
     if (!status.ok()) break;
     // Waits for this chunk's logits: the copy stream keeps running.

@@ -270,6 +270,83 @@ TEST_P(CudaRunnerTest, AdoptedPrefixIsUploadedBeforeItIsRead) {
   ExpectHostEqualsDevice(adopted, "after adopted prefill");
 }
 
+// A held prefix arriving layer by layer (a disk read in stages): its slots start as junk and
+// before_layer(L) copies layer L's strips in; the device must read each layer only after its
+// hook (the upload of layer L is enqueued right after it), so the logits equal those of the
+// prefix uploaded whole. A hook that fails stops the prefill; rewound to its first block, the
+// sequence computes the rest on the device and still gets the same logits.
+TEST_P(CudaRunnerTest, AHeldPrefixArrivingLayerByLayerIsUploadedLayerByLayer) {
+  const int64_t bt = gpu_cache_->layout().block_tokens();
+  const int32_t layers = config_.num_hidden_layers;
+  auto prefix = absl::MakeConstSpan(tokens_).first(2 * bt);
+  auto rest = absl::MakeConstSpan(tokens_).subspan(2 * bt, 9);
+  Sequence source(gpu_cache_.get());
+  KV_ASSERT_OK(gpu_->Prefill(source, prefix).status());
+  auto junk_prefix = [&]() {
+    std::vector<std::vector<kv::SlotId>> blocks(gpu_cache_->num_groups());
+    for (int g = 0; g < gpu_cache_->num_groups(); ++g) {
+      blocks[g] = gpu_cache_->pool(g).AllocateMany(2).value();
+      for (int b = 0; b < 2; ++b) {
+        std::memset(gpu_cache_->pool(g).SlotAddress(blocks[g][b]), 0x3C,
+                    gpu_cache_->layout().BlockBytes(g));
+      }
+    }
+    return blocks;
+  };
+  auto arrive = [&](const Sequence& seq, int32_t layer) {
+    const int g = gpu_cache_->group_of_layer(layer);
+    const int64_t strip =
+        gpu_cache_->layout().BlockBytes(g) / gpu_cache_->layout().groups()[g].num_layers();
+    const int64_t at = gpu_cache_->index_in_group(layer) * strip;
+    for (int b = 0; b < 2; ++b) {
+      std::memcpy(
+          static_cast<char*>(gpu_cache_->pool(g).SlotAddress(seq.blocks(g)[b])) + at,
+          static_cast<const char*>(gpu_cache_->pool(g).SlotAddress(source.blocks(g)[b])) + at,
+          static_cast<size_t>(strip));
+    }
+  };
+  Sequence whole(gpu_cache_.get());
+  {
+    std::vector<std::vector<kv::SlotId>> blocks = junk_prefix();
+    KV_ASSERT_OK(whole.AdoptPrefix(prefix, blocks));
+    for (int32_t layer = 0; layer < layers; ++layer) arrive(whole, layer);
+  }
+  KV_ASSERT_OK_AND_ASSIGN(std::vector<float> want, gpu_->Prefill(whole, rest));
+
+  Sequence staged(gpu_cache_.get());
+  KV_ASSERT_OK(staged.AdoptPrefix(prefix, junk_prefix()));
+  int32_t next = 0;
+  PrefillOptions options;
+  options.before_layer = [&](int32_t layer) {
+    EXPECT_EQ(layer, next++);
+    arrive(staged, layer);
+    return absl::OkStatus();
+  };
+  KV_ASSERT_OK_AND_ASSIGN(std::vector<float> got, gpu_->Prefill(staged, rest, options));
+  EXPECT_EQ(next, layers);
+  EXPECT_EQ(got, want);
+  EXPECT_EQ(staged.host_only_blocks(), 0);
+  ExpectHostEqualsDevice(staged, "after a layer-wise prefill");
+
+  Sequence failed(gpu_cache_.get());
+  KV_ASSERT_OK(failed.AdoptPrefix(prefix, junk_prefix()));
+  options.before_layer = [&](int32_t layer) {
+    if (layer == layers - 1) return absl::DataLossError("stage checksum mismatch");
+    arrive(failed, layer);
+    return absl::OkStatus();
+  };
+  EXPECT_EQ(gpu_->Prefill(failed, rest, options).status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_EQ(failed.num_tokens(), 2 * bt);
+  arrive(failed, layers - 1);  // block 0 whole; block 1 is computed again after the rewind
+  KV_ASSERT_OK(failed.Rewind(bt));
+  KV_ASSERT_OK_AND_ASSIGN(std::vector<float> again,
+                          gpu_->Prefill(failed, absl::MakeConstSpan(tokens_).subspan(bt, bt + 9)));
+  ExpectHostEqualsDevice(failed, "after the rewound prefill");
+  // Block 1 was computed here rather than read: the same up to the device's rounding.
+  ASSERT_EQ(again.size(), want.size());
+  EXPECT_LE(MaxRelativeError(again, want), kLogitTolerance);
+}
+
 TEST_P(CudaRunnerTest, DecodeStepGreedyEqualsHostGreedy) {
   Sequence a(gpu_cache_.get()), b(gpu_cache_.get());
   auto prompt = absl::MakeConstSpan(tokens_).first(21);

@@ -32,12 +32,16 @@ std::vector<kv::SlotId> TouchedSlots(const Sequence& seq, int group, int64_t beg
   return slots;
 }
 
-std::vector<PoolCopy> HostOnlyUploads(const Sequence& seq, int group) {
+std::vector<SlotRun> HostOnlyRuns(const Sequence& seq, int group) {
   const std::vector<kv::SlotId>& table = seq.blocks(group);
   const int64_t n = std::min<int64_t>(seq.host_only_blocks(), static_cast<int64_t>(table.size()));
+  return SlotRuns(std::vector<kv::SlotId>(table.begin(), table.begin() + n));
+}
+
+std::vector<PoolCopy> HostOnlyUploads(const Sequence& seq, int group) {
   const int64_t stride = static_cast<int64_t>(seq.cache().pool(group).slot_stride());
   std::vector<PoolCopy> copies;
-  for (const SlotRun& run : SlotRuns(std::vector<kv::SlotId>(table.begin(), table.begin() + n))) {
+  for (const SlotRun& run : HostOnlyRuns(seq, group)) {
     copies.push_back({int64_t{run.first} * stride, run.count * stride, run.count * stride, 1});
   }
   return copies;

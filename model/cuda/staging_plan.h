@@ -43,8 +43,10 @@ std::vector<SlotRun> SlotRuns(std::vector<kv::SlotId> slots);
 // REQUIRES: 0 <= begin < end and seq holds blocks for positions < end.
 std::vector<kv::SlotId> TouchedSlots(const Sequence& seq, int group, int64_t begin, int64_t end);
 
-// The uploads of seq's blocks [0, host_only_blocks()) of group `group`: whole units (the
-// bytes AdoptPrefix installed), one copy per slot run.
+// The slots of seq's blocks [0, host_only_blocks()) of group `group`, as runs.
+std::vector<SlotRun> HostOnlyRuns(const Sequence& seq, int group);
+// The uploads of those blocks: whole units (the bytes AdoptPrefix installed), one copy per
+// slot run.
 std::vector<PoolCopy> HostOnlyUploads(const Sequence& seq, int group);
 
 // Layer `layer`'s strip [i * layer_bytes, (i + 1) * layer_bytes) of every unit in `runs` of
