@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <deque>
 #include <limits>
+#include <list>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -44,6 +45,69 @@ class RpcLeg {
 
 }  // namespace
 
+// --- A node's tiers --------------------------------------------------------------------------
+
+// What a worker's StoreLink and DiskCache keep track of: which block each DRAM segment slot
+// holds (so the block a new allocation overwrites is demoted, StoreLink::DemoteSlotLocked) and
+// the disk tier's slots, least recently used first (DiskCache).
+class SimCluster::NodeTiers {
+ public:
+  // Without a disk nothing is tracked (nothing is demoted).
+  NodeTiers(int64_t dram_slots, int64_t disk_slots)
+      : dram_(disk_slots > 0 ? static_cast<size_t>(dram_slots) : 0), disk_slots_(disk_slots) {}
+  bool has_disk() const { return disk_slots_ > 0; }
+
+  // DRAM slot `slot` now holds `hash`; returns the block it held before (zero: none, or the
+  // same block).
+  kv::BlockHash Place(int64_t slot, const kv::BlockHash& hash) {
+    if (slot < 0 || slot >= static_cast<int64_t>(dram_.size())) return {};
+    kv::BlockHash before = dram_[static_cast<size_t>(slot)];
+    dram_[static_cast<size_t>(slot)] = hash;
+    return before == hash ? kv::BlockHash{} : before;
+  }
+  // The disk slot `hash` is written to (-1: no disk, or it is there already).
+  int64_t Demote(const kv::BlockHash& hash) {
+    if (!has_disk() || hash == kv::BlockHash{} || slot_of_.contains(hash)) return -1;
+    int64_t slot;
+    if (static_cast<int64_t>(disk_.size()) < disk_slots_) {
+      slot = static_cast<int64_t>(disk_.size());
+      disk_.push_back({hash, lru_.end()});
+    } else {
+      slot = lru_.back();  // the least recently used block is overwritten
+      lru_.pop_back();
+      slot_of_.erase(disk_[static_cast<size_t>(slot)].hash);
+      disk_[static_cast<size_t>(slot)].hash = hash;
+    }
+    lru_.push_front(slot);
+    disk_[static_cast<size_t>(slot)].lru = lru_.begin();
+    slot_of_[hash] = slot;
+    return slot;
+  }
+  // How many blocks of chain[first, ...) the disk holds in an unbroken run; touches them.
+  int64_t HeldRun(absl::Span<const kv::BlockHash> chain, int64_t first) {
+    int64_t run = 0;
+    for (size_t i = static_cast<size_t>(first); i < chain.size(); ++i) {
+      auto it = slot_of_.find(chain[i]);
+      if (it == slot_of_.end()) break;
+      Disk& d = disk_[static_cast<size_t>(it->second)];
+      lru_.splice(lru_.begin(), lru_, d.lru);
+      ++run;
+    }
+    return run;
+  }
+
+ private:
+  struct Disk {
+    kv::BlockHash hash;
+    std::list<int64_t>::iterator lru;
+  };
+  std::vector<kv::BlockHash> dram_;
+  const int64_t disk_slots_;
+  std::vector<Disk> disk_;
+  std::list<int64_t> lru_;  // front: most recently used
+  absl::flat_hash_map<kv::BlockHash, int64_t> slot_of_;
+};
+
 // --- Prefill ---------------------------------------------------------------------------------
 
 class SimCluster::PrefillNode final : public gateway::PrefillEndpoint {
@@ -76,9 +140,9 @@ class SimCluster::PrefillNode final : public gateway::PrefillEndpoint {
     response.set_node_id(node_id_);
     return response;
   }
-  absl::StatusOr<kvrelay::v1::PromoteResponse> Promote(const kvrelay::v1::PromoteRequest&,
-                                                       absl::Time) override {
-    return kvrelay::v1::PromoteResponse();  // no disk tier in the simulation yet
+  absl::StatusOr<kvrelay::v1::PromoteResponse> Promote(const kvrelay::v1::PromoteRequest& request,
+                                                       absl::Time deadline) override {
+    return cluster_->PromoteOn(node_id_, incarnation_, link_, request, deadline);
   }
 
  private:
@@ -132,24 +196,42 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> SimCluster::PrefillNode::Prefill(
   absl::StatusOr<cachestore::MatchResult> match =
       c.store_->MatchPrefix(chain, absl::Seconds(60), caller);
   int64_t local = 0;
+  int64_t disk = 0;
   int64_t remote = 0;
   int remote_link = -1;
-  if (match.ok()) {
-    auto holder_of = [&](const cachestore::MatchResult::Block& b, const std::string& want) {
-      for (const auto& r : b.replicas) {
-        if (match->segments[r.segment].node_id == want) return true;
+  // Only DRAM replicas are read as they are: disk replicas are the holder's to promote.
+  auto dram_holder = [&](const cachestore::MatchResult::Block& b, const std::string& want) {
+    for (const auto& r : b.replicas) {
+      const cachestore::Location& at = match->segments[r.segment];
+      if (at.tier != cachestore::Tier::kSsd && (want.empty() || at.node_id == want)) {
+        return at.node_id;
       }
-      return false;
-    };
-    while (local < match->matched && holder_of(match->blocks[local], node_id_)) ++local;
-    if (local < match->matched && !match->blocks[local].replicas.empty()) {
-      const std::string holder =
-          match->segments[match->blocks[local].replicas.front().segment].node_id;
-      while (local + remote < match->matched && holder_of(match->blocks[local + remote], holder)) {
-        ++remote;
-      }
-      remote_link = c.LinkOf(holder);
     }
+    return std::string();
+  };
+  if (match.ok()) {
+    while (local < match->matched && !dram_holder(match->blocks[local], node_id_).empty()) ++local;
+  }
+  // The blocks after those that this node's own disk holds (PrefillWorker::PromoteFromDisk),
+  // read when that beats recomputing them.
+  NodeTiers& tiers = c.TiersOf(link_);
+  if (tiers.has_disk() && local < full) {
+    const int64_t run = std::min(tiers.HeldRun(chain, local), full - local);
+    const kv::PullOrRecompute choice =
+        kv::ChoosePullOrRecompute({.bytes = static_cast<uint64_t>(run) * c.block_bytes_,
+                                   .tokens = run * bt,
+                                   .link_bytes_per_second = c.profile_.disk_read_bytes_per_second,
+                                   .link_latency_seconds = 0,
+                                   .prefill_tokens_per_second = rate_.rate()});
+    if (run > 0 && choice.choice == kv::ReuseChoice::kPull) disk = run;
+  }
+  if (match.ok() && local + disk < match->matched) {
+    const std::string holder = dram_holder(match->blocks[local + disk], "");
+    while (!holder.empty() && local + disk + remote < match->matched &&
+           !dram_holder(match->blocks[local + disk + remote], holder).empty()) {
+      ++remote;
+    }
+    if (!holder.empty()) remote_link = c.LinkOf(holder);
   }
   // Pull or recompute the run another node holds: the worker's own choice.
   int64_t pulled = 0;
@@ -166,13 +248,20 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> SimCluster::PrefillNode::Prefill(
       pulled = remote;
     }
   }
-  const int64_t cached = local + pulled;
+  const int64_t cached = local + disk + pulled;
   const int64_t computed = tokens - cached * bt;
   const absl::Duration compute = c.profile_.PrefillTime(computed, cached * bt);
-  s.SleepUntil(s.Now() + compute);
+  // Layer-wise promotion: layer L computes once its stage is read, so the read and the compute
+  // overlap but for one stage of either (the worker's 8 stages).
+  const absl::Duration read = c.profile_.DiskRead(static_cast<uint64_t>(disk) * c.block_bytes_);
+  const double stages = std::min<double>(8, c.layout_.num_layers());
+  const absl::Duration until_computed =
+      disk > 0 ? std::max(read + compute / stages, read / stages + compute) : compute;
+  s.SleepUntil(s.Now() + until_computed);
   usage_.busy += compute;
+  usage_.disk_blocks_read += disk;
   rate_.Observe(static_cast<double>(computed), absl::ToDoubleSeconds(compute), s.Now());
-  c.CommitOn(node_id_, incarnation_, chain, static_cast<size_t>(local));
+  c.CommitOn(node_id_, incarnation_, link_, chain, static_cast<size_t>(local));
   if (match.ok() && match->lease_id != 0) {
     ++c.store_calls_;
     (void)c.store_->ReleaseLease(match->lease_id, caller);
@@ -196,6 +285,7 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> SimCluster::PrefillNode::Prefill(
   response.set_committed_blocks(static_cast<int32_t>(full - local));
   response.set_prefix_source(prefill::PrefixSourceName({.matched = match.ok() ? match->matched : 0,
                                                         .hit_blocks = local,
+                                                        .disk_blocks = disk,
                                                         .pulled_blocks = pulled,
                                                         .pull_attempted = remote > 0}));
   return response;
@@ -205,8 +295,9 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> SimCluster::PrefillNode::Prefill(
 
 class SimCluster::DecodeNode final : public gateway::DecodeEndpoint {
  public:
-  DecodeNode(SimCluster* cluster, int index)
+  DecodeNode(SimCluster* cluster, int index, int link)
       : cluster_(cluster),
+        link_(link),
         node_id_(absl::StrCat("decode-", index)),
         address_(absl::StrCat("sim-decode-", index, ":1")),
         incarnation_(static_cast<uint64_t>(index) + 1001),
@@ -237,9 +328,9 @@ class SimCluster::DecodeNode final : public gateway::DecodeEndpoint {
     response.set_node_id(node_id_);
     return response;
   }
-  absl::StatusOr<kvrelay::v1::PromoteResponse> Promote(const kvrelay::v1::PromoteRequest&,
-                                                       absl::Time) override {
-    return kvrelay::v1::PromoteResponse();
+  absl::StatusOr<kvrelay::v1::PromoteResponse> Promote(const kvrelay::v1::PromoteRequest& request,
+                                                       absl::Time deadline) override {
+    return cluster_->PromoteOn(node_id_, incarnation_, link_, request, deadline);
   }
 
  private:
@@ -267,6 +358,7 @@ class SimCluster::DecodeNode final : public gateway::DecodeEndpoint {
   void CutRunForNewcomer();
 
   SimCluster* const cluster_;
+  const int link_;
   const std::string node_id_;
   const std::string address_;
   const uint64_t incarnation_;
@@ -372,7 +464,7 @@ absl::Status SimCluster::DecodeNode::Generate(const kvrelay::v1::DecodeRequest& 
   // blocks it did not hold already (DecodeWorker::CommitSequence).
   const int32_t bt = c.layout_.block_tokens();
   const size_t full = tokens.size() / static_cast<size_t>(bt) * static_cast<size_t>(bt);
-  c.CommitOn(node_id_, incarnation_,
+  c.CommitOn(node_id_, incarnation_, link_,
              kv::HashChain(c.layout_.fingerprint(), request.tenant_salt(),
                            absl::MakeConstSpan(tokens.data(), full), bt),
              held);
@@ -524,6 +616,14 @@ absl::Status SimCluster::Init() {
                                                     .tier = cachestore::Tier::kHost,
                                                     .capacity_slots = spec_.cache_blocks,
                                                     .slot_bytes = block_bytes_});
+    if (spec_.disk_blocks > 0) {
+      // The worker's disk tier: the store never places there, the worker announces it.
+      node.segments.push_back(cachestore::SegmentSpec{.segment_id = id + "/disk",
+                                                      .tier = cachestore::Tier::kSsd,
+                                                      .capacity_slots = spec_.disk_blocks,
+                                                      .slot_bytes = block_bytes_});
+    }
+    tiers_.push_back(std::make_unique<NodeTiers>(spec_.cache_blocks, spec_.disk_blocks));
     return store_->RegisterNode(node).status();
   };
   int link = 0;
@@ -535,9 +635,8 @@ absl::Status SimCluster::Init() {
     workers_->AddFixed(std::unique_ptr<gateway::PrefillEndpoint>(std::move(node)));
   }
   for (int i = 0; i < spec_.decode_nodes; ++i) {
-    auto node = std::make_unique<DecodeNode>(this, i);
+    auto node = std::make_unique<DecodeNode>(this, i, link++);
     decodes_.push_back(node.get());
-    ++link;
     KV_RETURN_IF_ERROR(register_node(node->node_id(), node->incarnation(),
                                      cachestore::NodeRole::kDecode, node->address()));
     workers_->AddFixed(std::unique_ptr<gateway::DecodeEndpoint>(std::move(node)));
@@ -583,15 +682,16 @@ void SimCluster::Transfer(int link_a, int link_b, uint64_t bytes) {
   first.Unlock();
 }
 
-void SimCluster::CommitOn(const std::string& node_id, uint64_t incarnation,
-                          const std::vector<kv::BlockHash>& chain, size_t first) {
-  if (first >= chain.size()) return;
+void SimCluster::CommitOn(const std::string& node_id, uint64_t incarnation, int link,
+                          const std::vector<kv::BlockHash>& chain, size_t first, size_t last) {
+  if (last == 0 || last > chain.size()) last = chain.size();
+  if (first >= last) return;
   cachestore::AllocateArgs args;
   args.caller = cachestore::Caller{node_id, incarnation};
   args.preferred_tier = cachestore::Tier::kHost;
   args.replicas = 1;
   args.add_local_replicas = true;
-  for (size_t i = first; i < chain.size(); ++i) {
+  for (size_t i = first; i < last; ++i) {
     args.blocks.push_back({.hash = chain[i],
                            .parent = i > 0 ? chain[i - 1] : kv::BlockHash(),
                            .size_bytes = block_bytes_});
@@ -603,9 +703,66 @@ void SimCluster::CommitOn(const std::string& node_id, uint64_t incarnation,
   if (!allocated.ok()) return;
   std::vector<kv::BlockHash> hashes;
   for (const auto& b : allocated->blocks) hashes.push_back(b.hash);
+  // The blocks these slots held leave DRAM: to the node's disk tier, announced in one batch
+  // (the worker's StoreLink sends its disk changes every ~100 ms).
+  NodeTiers& tiers = TiersOf(link);
+  std::vector<cachestore::AnnouncedBlock> demoted;
+  for (const auto& b : allocated->blocks) {
+    if (b.already_committed || !tiers.has_disk()) continue;
+    for (const cachestore::Location& at : b.replicas) {
+      if (at.node_id != node_id || at.tier == cachestore::Tier::kSsd) continue;
+      const kv::BlockHash left = tiers.Place(at.slot, b.hash);
+      const int64_t disk_slot = tiers.Demote(left);
+      if (disk_slot >= 0) {
+        demoted.push_back(
+            {.hash = left, .slot = static_cast<uint32_t>(disk_slot), .size_bytes = block_bytes_});
+      }
+    }
+  }
   ++store_calls_;
   store_blocks_ += static_cast<int64_t>(hashes.size());
   (void)store_->Commit(allocated->allocation_id, hashes, args.caller);
+  if (!demoted.empty()) {
+    ++store_calls_;
+    store_blocks_ += static_cast<int64_t>(demoted.size());
+    (void)store_->AnnounceBlocks(args.caller, node_id + "/disk", demoted);
+  }
+}
+
+kvrelay::v1::PromoteResponse SimCluster::PromoteOn(const std::string& node_id, uint64_t incarnation,
+                                                   int link,
+                                                   const kvrelay::v1::PromoteRequest& request,
+                                                   absl::Time deadline) {
+  RpcLeg rpc(scheduler_, profile_.Rpc());
+  kvrelay::v1::PromoteResponse response;
+  if (link < 0 || !TiersOf(link).has_disk()) return response;
+  const std::vector<kv::BlockHash> chain = UnpackChain(request.chain_packed());
+  // Each run the disk holds is read and committed to DRAM (blocks in DRAM or nowhere here are
+  // stepped over), as WorkerCore::Promote does.
+  // Reads of at most ~64 MiB; one that cannot finish by the deadline is given up (the worker's
+  // DiskCache::Read returns nothing then).
+  const int64_t per_read =
+      std::max<int64_t>(1, (int64_t{64} << 20) / static_cast<int64_t>(block_bytes_));
+  for (int64_t i = std::max(0, request.first()); i < static_cast<int64_t>(chain.size());) {
+    const int64_t run = std::min(TiersOf(link).HeldRun(chain, i), per_read);
+    if (run == 0) {
+      ++i;
+      continue;
+    }
+    const absl::Time read_end =
+        scheduler_->Now() + profile_.DiskRead(static_cast<uint64_t>(run) * block_bytes_);
+    if (read_end > deadline) {
+      scheduler_->SleepUntil(std::max(scheduler_->Now(), deadline));
+      break;
+    }
+    scheduler_->SleepUntil(read_end);
+    CommitOn(node_id, incarnation, link, chain, static_cast<size_t>(i),
+             static_cast<size_t>(i + run));
+    response.set_promoted(response.promoted() + static_cast<int32_t>(run));
+    promoted_blocks_ += run;
+    i += run;
+  }
+  return response;
 }
 
 void SimCluster::StartHousekeeping(std::function<bool()> active) {

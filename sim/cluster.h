@@ -38,6 +38,12 @@ struct ClusterSpec {
   int32_t decode_nodes = 2;
   int64_t cache_blocks = 4096;  // the store segment of every node (prefill and decode), in blocks
   int64_t decode_kv_blocks = 16384;  // each decode node's KV pool
+  // Each node's disk tier (--ssd-dir, --ssd-bytes), in blocks; 0: none. Blocks leaving a node's
+  // store segment are demoted there (least recently used disk block overwritten first) and
+  // announced to the store as tier SSD; a prefill node reads its own back after its DRAM run
+  // (layer-wise, when that beats recomputing), and the gateway's Promote reads a node's back
+  // into DRAM (WorkerSet::Promotions), as the workers do.
+  int64_t disk_blocks = 0;
   // The workers' own defaults.
   int32_t max_batch = 32;   // per decode node
   int32_t max_queued = 64;  // per decode node, waiting for the batch
@@ -63,13 +69,14 @@ struct ClusterSpec {
 struct NodeUsage {
   std::string node_id;
   bool prefill = false;
-  absl::Duration busy;        // computing (prefill) or stepping (decode)
-  absl::Duration queued;      // summed waits for the compute slot / the batch
-  absl::Duration link_busy;   // its link moving bytes
-  int64_t requests = 0;       // prefills run / sequences decoded
-  int64_t refused = 0;        // admission refusals
-  uint64_t bytes_out = 0;     // pushed (prefill) or 0
-  uint64_t bytes_pulled = 0;  // pulled in from another node
+  absl::Duration busy;           // computing (prefill) or stepping (decode)
+  absl::Duration queued;         // summed waits for the compute slot / the batch
+  absl::Duration link_busy;      // its link moving bytes
+  int64_t requests = 0;          // prefills run / sequences decoded
+  int64_t refused = 0;           // admission refusals
+  uint64_t bytes_out = 0;        // pushed (prefill) or 0
+  uint64_t bytes_pulled = 0;     // pulled in from another node
+  int64_t disk_blocks_read = 0;  // read back from its own disk tier by its prefills
   int64_t peak_batch = 0;
 };
 
@@ -88,7 +95,8 @@ class SimCluster {
   void StartHousekeeping(std::function<bool()> active);
   std::vector<NodeUsage> Usage() const;
   int64_t store_calls() const { return store_calls_; }
-  int64_t store_blocks() const { return store_blocks_; }  // chain blocks those calls carried
+  int64_t store_blocks() const { return store_blocks_; }        // chain blocks those calls carried
+  int64_t promoted_blocks() const { return promoted_blocks_; }  // by Promote, all nodes
   uint64_t BlockBytes() const { return block_bytes_; }
 
   class PrefillNode;
@@ -101,9 +109,18 @@ class SimCluster {
   void Housekeeping(std::function<bool()> active);
   // Holds both links for one transfer of `bytes` (lower index first), then frees them.
   void Transfer(int link_a, int link_b, uint64_t bytes);
-  // Allocates and commits `chain[first..]` on `node` (its own segment, copies kept).
-  void CommitOn(const std::string& node_id, uint64_t incarnation,
-                const std::vector<kv::BlockHash>& chain, size_t first);
+  // Allocates and commits `chain[first, last)` (last 0: the chain's end) on `node` (its own
+  // segment, copies kept); the blocks its slots held before are demoted to its disk tier.
+  void CommitOn(const std::string& node_id, uint64_t incarnation, int link,
+                const std::vector<kv::BlockHash>& chain, size_t first, size_t last = 0);
+  // A node's DRAM segment slots and disk tier (ClusterSpec::disk_blocks).
+  class NodeTiers;
+  NodeTiers& TiersOf(int link) { return *tiers_[static_cast<size_t>(link)]; }
+  // The worker's Promote (WorkerCore::Promote): reads the chain's blocks from `first` on that
+  // the node's disk holds back into its DRAM segment and commits them.
+  kvrelay::v1::PromoteResponse PromoteOn(const std::string& node_id, uint64_t incarnation, int link,
+                                         const kvrelay::v1::PromoteRequest& request,
+                                         absl::Time deadline);
   // The link of a node (prefill i: i; decode j: prefills + j), -1 for an unknown id.
   int LinkOf(const std::string& node_id) const;
 
@@ -116,12 +133,14 @@ class SimCluster {
   std::unique_ptr<cachestore::CacheStore> store_;
   MetricsRegistry metrics_;
   std::unique_ptr<gateway::WorkerSet> workers_;
-  std::vector<PrefillNode*> prefills_;  // owned by workers_
-  std::vector<DecodeNode*> decodes_;    // owned by workers_
+  std::vector<PrefillNode*> prefills_;             // owned by workers_
+  std::vector<DecodeNode*> decodes_;               // owned by workers_
+  std::vector<std::unique_ptr<NodeTiers>> tiers_;  // by link
   std::vector<std::unique_ptr<SimMutex>> links_;
   std::vector<absl::Duration> link_busy_;
   int64_t store_calls_ = 0;
   int64_t store_blocks_ = 0;
+  int64_t promoted_blocks_ = 0;
 };
 
 }  // namespace kvrelay::sim

@@ -29,6 +29,11 @@ absl::Duration HardwareProfile::Transfer(uint64_t bytes) const {
   return absl::Microseconds(static_cast<int64_t>(us));
 }
 
+absl::Duration HardwareProfile::DiskRead(uint64_t bytes) const {
+  return absl::Microseconds(
+      static_cast<int64_t>(1e6 * static_cast<double>(bytes) / disk_read_bytes_per_second));
+}
+
 namespace {
 
 using nlohmann::json;
@@ -82,7 +87,7 @@ absl::StatusOr<HardwareProfile> ParseProfile(const std::string& json_text) {
         return absl::InvalidArgumentError("rpc_ms: want a number >= 0");
       }
       p.rpc_ms = value.get<double>();
-    } else if (key != "prefill" && key != "decode" && key != "network") {
+    } else if (key != "prefill" && key != "decode" && key != "network" && key != "disk") {
       return absl::InvalidArgumentError(absl::StrCat(key, ": unknown key"));
     }
   }
@@ -103,6 +108,10 @@ absl::StatusOr<HardwareProfile> ParseProfile(const std::string& json_text) {
         root, "network",
         {{"bytes_per_second", &p.network_bytes_per_second}, {"latency_us", &p.network_latency_us}},
         false);
+  }
+  if (st.ok()) {
+    st =
+        ReadSection(root, "disk", {{"read_bytes_per_second", &p.disk_read_bytes_per_second}}, true);
   }
   if (!st.ok()) return st;
   if (p.prefill_tokens_per_second <= 0) {

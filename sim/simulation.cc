@@ -229,6 +229,13 @@ absl::StatusOr<SimReport> Simulate(const std::vector<cachestore::sim::TraceReque
   report.store_calls_per_s = static_cast<double>(cluster->store_calls()) / report.duration_s;
   report.store_blocks_per_s = static_cast<double>(cluster->store_blocks()) / report.duration_s;
   report.nodes = cluster->Usage();
+  int64_t disk_blocks_read = 0;
+  for (const NodeUsage& n : report.nodes) disk_blocks_read += n.disk_blocks_read;
+  report.disk_hit_rate = prompt > 0
+                             ? static_cast<double>(disk_blocks_read * layout.block_tokens()) /
+                                   static_cast<double>(prompt)
+                             : 0;
+  report.promoted_blocks = cluster->promoted_blocks();
   for (const NodeUsage& n : report.nodes) {
     const double busy = absl::ToDoubleSeconds(n.busy) / report.duration_s;
     const double link = absl::ToDoubleSeconds(n.link_busy) / report.duration_s;
@@ -260,6 +267,7 @@ std::string SimReport::ToJson() const {
                           {"refused", n.refused},
                           {"bytes_out", n.bytes_out},
                           {"bytes_pulled", n.bytes_pulled},
+                          {"disk_blocks_read", n.disk_blocks_read},
                           {"peak_batch", n.peak_batch}});
   }
   nlohmann::json j = {{"requests", requests},
@@ -273,6 +281,8 @@ std::string SimReport::ToJson() const {
                       {"tpot_ms", sim::ToJson(tpot_ms)},
                       {"e2e_ms", sim::ToJson(e2e_ms)},
                       {"hit_rate", hit_rate},
+                      {"disk_hit_rate", disk_hit_rate},
+                      {"promoted_blocks", promoted_blocks},
                       {"pushed_bytes", pushed_bytes},
                       {"fetched_bytes", fetched_bytes},
                       {"store_calls_per_s", store_calls_per_s},
@@ -305,11 +315,12 @@ std::string SimReport::Summary() const {
   return absl::StrFormat(
       "requests %d: %d ok, %d refused, %d failed over %.1f s simulated (offered %.2f req/s)\n"
       "goodput %.2f req/s; TTFT p50/p90/p99 %.1f/%.1f/%.1f ms; TPOT p50/p99 %.2f/%.2f ms\n"
-      "prefix hit rate %.3f; pushed %.2f GiB, pulled %.2f GiB; store calls %.0f/s (%.0f blocks/s)\n"
+      "prefix hit rate %.3f (own disk %.3f, %d blocks promoted); pushed %.2f GiB, pulled %.2f GiB; "
+      "store calls %.0f/s (%.0f blocks/s)\n"
       "busiest: %s at %.2f\n"
       "simulation: %d events in %.2f s wall (%.0f events/s), at most %d requests in flight\n",
       requests, ok, refused, failed, duration_s, offered_rps, goodput_rps, ttft_ms.p50, ttft_ms.p90,
-      ttft_ms.p99, tpot_ms.p50, tpot_ms.p99, hit_rate,
+      ttft_ms.p99, tpot_ms.p50, tpot_ms.p99, hit_rate, disk_hit_rate, promoted_blocks,
       static_cast<double>(pushed_bytes) / (1 << 30), static_cast<double>(fetched_bytes) / (1 << 30),
       store_calls_per_s, store_blocks_per_s, bottleneck, bottleneck_utilisation, events, wall_s,
       wall_s > 0 ? static_cast<double>(events) / wall_s : 0.0, peak_processes);

@@ -65,6 +65,10 @@ struct SimReport {
   double goodput_rps = 0;  // ok and within both SLOs, per simulated second
   Percentiles ttft_ms, tpot_ms, e2e_ms;
   double hit_rate = 0;  // prompt tokens found cached / prompt tokens, over ok requests
+  // Of those prompt tokens, the share prefill nodes read back from their own disk tier, and the
+  // blocks Promote read from a node's disk into its DRAM for another node or a decode node.
+  double disk_hit_rate = 0;
+  int64_t promoted_blocks = 0;
   uint64_t pushed_bytes = 0;
   uint64_t fetched_bytes = 0;
   double store_calls_per_s = 0;

@@ -142,6 +142,54 @@ TEST(SimulateTest, SameInputsGiveTheSameRun) {
   EXPECT_EQ(a->RecordsCsv(), b->RecordsCsv());
 }
 
+// 8 shared prefixes of 96 blocks taking turns, each request with its own last trace block, on
+// 1 prefill + 1 decode node whose store segments hold 200 blocks each: DRAM alone keeps at most
+// the last prefix or two. A disk tier of 1,600 blocks per node keeps them all: the decode node
+// holds the prefix again after the gateway's Promote, and the prefill node, which must still
+// compute each request's own tail, reads the prefix back from its own disk (layer by layer,
+// faster than recomputing at this profile's 6 GB/s). A disk slower than recomputing is never
+// read by the prefill node, and a Promote that cannot finish by its deadline reads nothing.
+TEST(SimulateTest, ADiskTierKeepsThePrefixesDramCannot) {
+  ClusterSpec cluster;
+  cluster.prefill_nodes = 1;
+  cluster.decode_nodes = 1;
+  cluster.cache_blocks = 200;
+  TrafficSpec traffic;
+  std::vector<TraceRequest> trace = Trace(64, 8, 4, 300);
+  for (size_t i = 0; i < trace.size(); ++i) trace[i].hash_ids.back() = 100000 + i;
+  absl::StatusOr<SimReport> dram = Simulate(trace, cluster, traffic, Profile(), Layout());
+  KV_ASSERT_OK(dram);
+  cluster.disk_blocks = 1600;
+  absl::StatusOr<SimReport> disk = Simulate(trace, cluster, traffic, Profile(), Layout());
+  KV_ASSERT_OK(disk);
+  HardwareProfile slow_disk = Profile();
+  slow_disk.disk_read_bytes_per_second = 1e6;
+  absl::StatusOr<SimReport> slow = Simulate(trace, cluster, traffic, slow_disk, Layout());
+  KV_ASSERT_OK(slow);
+  std::printf(
+      "hit rate: DRAM alone %.3f; with the disk tier %.3f (own disk %.3f, %lld blocks promoted), "
+      "TTFT p50 %.1f -> %.1f ms; a disk slower than compute %.3f\n",
+      dram->hit_rate, disk->hit_rate, disk->disk_hit_rate,
+      static_cast<long long>(disk->promoted_blocks), dram->ttft_ms.p50, disk->ttft_ms.p50,
+      slow->hit_rate);
+  EXPECT_EQ(dram->ok, 64);
+  EXPECT_EQ(disk->ok, 64);
+  EXPECT_EQ(slow->ok, 64);
+  EXPECT_EQ(dram->disk_hit_rate, 0);
+  EXPECT_EQ(dram->promoted_blocks, 0);
+  // After each prefix's first run, its 7 later runs find it (3 of 4 trace blocks) on disk.
+  EXPECT_GT(disk->hit_rate, dram->hit_rate + 0.4) << dram->hit_rate;
+  EXPECT_GT(disk->disk_hit_rate, 0.4);
+  EXPECT_GT(disk->promoted_blocks, 0);
+  int64_t from_disk = 0;
+  for (const RequestRecord& r : disk->records) from_disk += r.prefix_source == "disk" ? 1 : 0;
+  EXPECT_GE(from_disk, 40);
+  EXPECT_LT(disk->ttft_ms.p50, dram->ttft_ms.p50);
+  EXPECT_EQ(slow->disk_hit_rate, 0);
+  EXPECT_EQ(slow->promoted_blocks, 0);
+  EXPECT_LE(slow->hit_rate, dram->hit_rate + 0.05);
+}
+
 TEST(ProfileTest, ParsesAndRejectsWithTheFieldNamed) {
   absl::StatusOr<HardwareProfile> p = ParseProfile(R"({"name": "x", "sources": ["s"],
       "prefill": {"tokens_per_second": 1000, "fixed_ms": 1},
@@ -149,6 +197,13 @@ TEST(ProfileTest, ParsesAndRejectsWithTheFieldNamed) {
   KV_ASSERT_OK(p);
   EXPECT_EQ(p->PrefillTime(1000, 0), absl::Milliseconds(1001));
   EXPECT_EQ(p->Transfer(1000000000), absl::Seconds(1) + absl::Microseconds(5));
+  EXPECT_EQ(p->DiskRead(6000000000), absl::Seconds(1));  // the default: 6 GB/s
+  KV_ASSERT_OK_AND_ASSIGN(HardwareProfile d,
+                          ParseProfile(R"({"disk": {"read_bytes_per_second": 2e9}})"));
+  EXPECT_EQ(d.DiskRead(1000000000), absl::Milliseconds(500));
+  EXPECT_THAT(ParseProfile(R"({"disk": {"read_bytes_per_second": 0}})").status(),
+              testing::StatusIs(absl::StatusCode::kInvalidArgument,
+                                ::testing::HasSubstr("disk.read_bytes_per_second")));
   EXPECT_THAT(ParseProfile(R"({"prefill": {"tokens_per_sec": 1}})").status(),
               testing::StatusIs(absl::StatusCode::kInvalidArgument,
                                 ::testing::HasSubstr("prefill.tokens_per_sec: unknown key")));

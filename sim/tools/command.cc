@@ -56,6 +56,8 @@ absl::Status ApplySweep(const std::string& key, const std::string& value, Cluste
     cluster.decode_nodes = static_cast<int32_t>(whole);
   } else if (key == "cache-blocks") {
     cluster.cache_blocks = whole;
+  } else if (key == "disk-blocks") {
+    cluster.disk_blocks = whole;
   } else if (key == "max-batch") {
     cluster.max_batch = static_cast<int32_t>(whole);
   } else if (key == "time-scale") {
@@ -65,7 +67,8 @@ absl::Status ApplySweep(const std::string& key, const std::string& value, Cluste
   } else {
     return absl::InvalidArgumentError(
         absl::StrCat("sweep: unknown key '", key,
-                     "' (prefill, decode, cache-blocks, max-batch, time-scale, populations)"));
+                     "' (prefill, decode, cache-blocks, disk-blocks, max-batch, time-scale, "
+                     "populations)"));
   }
   return absl::OkStatus();
 }
@@ -102,6 +105,9 @@ int RunSimulateCommand(const std::vector<std::string>& args) {
   flags.AddInt32("decode", &cluster.decode_nodes, "decode nodes");
   flags.AddInt64("cache-blocks", &cluster.cache_blocks,
                  "cache-store segment of every node, in the model's KV blocks");
+  flags.AddInt64(
+      "disk-blocks", &cluster.disk_blocks,
+      "each node's disk tier (--ssd-dir/--ssd-bytes), in the model's KV blocks; 0: none");
   flags.AddInt64("decode-kv-blocks", &cluster.decode_kv_blocks, "each decode node's KV pool");
   flags.AddInt32("max-batch", &cluster.max_batch, "sequences per decode step");
   flags.AddInt32("max-queued", &cluster.max_queued, "sequences waiting for a decode batch");
@@ -180,10 +186,14 @@ int RunSimulateCommand(const std::vector<std::string>& args) {
     std::printf("%s\n", report->Summary().c_str());
     nlohmann::json j = nlohmann::json::parse(report->ToJson());
     if (!sweep_key.empty()) j["sweep"] = {{"key", sweep_key}, {"value", value}};
-    j["cluster"] = {
-        {"prefill", c.prefill_nodes}, {"decode", c.decode_nodes}, {"cache_blocks", c.cache_blocks},
-        {"routing", routing},         {"model", model},           {"profile", profile.name},
-        {"trace", trace->name}};
+    j["cluster"] = {{"prefill", c.prefill_nodes},
+                    {"decode", c.decode_nodes},
+                    {"cache_blocks", c.cache_blocks},
+                    {"disk_blocks", c.disk_blocks},
+                    {"routing", routing},
+                    {"model", model},
+                    {"profile", profile.name},
+                    {"trace", trace->name}};
     reports.push_back(std::move(j));
     csv = report->RecordsCsv();
   }
