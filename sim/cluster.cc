@@ -587,6 +587,9 @@ absl::Status SimCluster::Init() {
   wo.prefix_routing = spec_.prefix_routing;
   wo.block_tokens = layout_.block_tokens();
   wo.block_bytes = static_cast<int64_t>(block_bytes_);
+  // What every worker would measure and report with its heartbeats (the simulated nodes send
+  // no loads): the profile's disk read rate.
+  wo.disk_read_bytes_per_second = profile_.disk_read_bytes_per_second;
   wo.metrics = &metrics_;
   wo.query_prefix = [this](const std::vector<kv::BlockHash>& chain) {
     ++store_calls_;
