@@ -371,6 +371,7 @@ absl::StatusOr<kvrelay::v1::PrefillResponse> PrefillWorker::RunKv(
     reused.pulled = PulledPrefix{.attempted = reused.pulled.attempted};
     compute_from = reused.hit_blocks * block_tokens;
     computed = seq.Rewind(compute_from);
+    disk_failed = false;
     if (computed.ok()) {
       computed = ComputeAndPush(seq, tokens, compute_from, *push, nullptr, deadline, &disk_failed);
     }

@@ -320,6 +320,18 @@ void DiskTier::RunOps(size_t count, bool is_write, const std::function<OpRange(s
   }
 }
 
+std::vector<size_t> DiskTier::Runnable(std::vector<absl::Status>& statuses, bool is_write) const {
+  std::vector<size_t> valid;
+  if (Refuses(is_write)) {
+    for (auto& s : statuses) s.Update(DisabledStatus());
+    return valid;
+  }
+  for (size_t i = 0; i < statuses.size(); ++i) {
+    if (statuses[i].ok()) valid.push_back(i);
+  }
+  return valid;
+}
+
 bool DiskTier::Refuses(bool is_write) const {
   const DiskTierFailure failure = failure_.load();
   // A full disk still holds good blocks; a failing one holds nothing to trust.
@@ -336,14 +348,7 @@ std::vector<absl::Status> DiskTier::WriteBlocks(absl::Span<const BlockWrite> wri
                        " bytes where a block is ", options_.block_bytes));
     }
   }
-  if (Refuses(/*is_write=*/true)) {
-    for (auto& s : statuses) s.Update(DisabledStatus());
-    return statuses;
-  }
-  std::vector<size_t> valid;
-  for (size_t i = 0; i < writes.size(); ++i) {
-    if (statuses[i].ok()) valid.push_back(i);
-  }
+  const std::vector<size_t> valid = Runnable(statuses, /*is_write=*/true);
   std::vector<bool> done(writes.size(), false);
   RunOps(
       valid.size(), /*is_write=*/true, [&](size_t op) { return WholeSlot(writes[valid[op]].slot); },
@@ -483,14 +488,7 @@ std::vector<absl::Status> DiskTier::ReadBlocks(absl::Span<const BlockRead> reads
                        " bytes where a block is ", options_.block_bytes));
     }
   }
-  if (Refuses(/*is_write=*/false)) {
-    for (auto& s : statuses) s.Update(DisabledStatus());
-    return statuses;
-  }
-  std::vector<size_t> valid;
-  for (size_t i = 0; i < reads.size(); ++i) {
-    if (statuses[i].ok()) valid.push_back(i);
-  }
+  const std::vector<size_t> valid = Runnable(statuses, /*is_write=*/false);
   std::vector<bool> done(reads.size(), false);
   RunOps(
       valid.size(), /*is_write=*/false, [&](size_t op) { return WholeSlot(reads[valid[op]].slot); },
@@ -532,14 +530,7 @@ std::vector<absl::Status> DiskTier::ReadStage(
                        " of ", num_stages(), r.checksums == nullptr ? ", no checksums" : ""));
     }
   }
-  if (Refuses(/*is_write=*/false)) {
-    for (auto& s : statuses) s.Update(DisabledStatus());
-    return statuses;
-  }
-  std::vector<size_t> valid;
-  for (size_t i = 0; i < reads.size(); ++i) {
-    if (statuses[i].ok()) valid.push_back(i);
-  }
+  const std::vector<size_t> valid = Runnable(statuses, /*is_write=*/false);
   const auto st = static_cast<size_t>(stage);
   // Stage 0 reads the header with it; a later stage reads its own bytes, 4 KiB aligned.
   const uint64_t first = stage == 0 ? 0 : RoundDown(kHeaderBytes + stage_begin_[st], kAlignment);

@@ -174,6 +174,9 @@ class DiskTier {
   // Whether the tier takes no more operations of this kind (writes: after any failure;
   // reads: after an I/O error, not after the disk filled).
   bool Refuses(bool is_write) const;
+  // After each operation's own checks (`statuses`): all refused when the tier takes no more of
+  // this kind, else the indices of those that passed.
+  std::vector<size_t> Runnable(std::vector<absl::Status>& statuses, bool is_write) const;
   void Disable(DiskTierFailure failure, const std::string& reason);
   absl::Status DisabledStatus() const;
   // Checks a slot image read from disk (its header, and its payload unless `header_only`);
