@@ -479,9 +479,12 @@ absl::StatusOr<PrefillWorker::ReusedPrefix> PrefillWorker::ReusePrefix(
   reused.pulled = puller_->Pull(match, lookup.chain, reused.hit_blocks + reused.disk_blocks,
                                 full_blocks, request.request_id(), deadline, slots);
   if (reused.blocks() > 0) {
+    // A copy: on failure the slots are still ours to release (after the disk read stopped
+    // writing into them).
     absl::Status adopted = seq.AdoptPrefix(
-        tokens.subspan(0, static_cast<size_t>(reused.blocks() * block_tokens)), std::move(slots));
+        tokens.subspan(0, static_cast<size_t>(reused.blocks() * block_tokens)), slots);
     if (!adopted.ok()) {
+      reused.disk_read.reset();
       ReleaseSlots(kv_->cache(), slots);
       return Own(adopted, kvrelay::v1::FAILURE_COMPUTE);
     }
