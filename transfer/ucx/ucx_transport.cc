@@ -10,11 +10,13 @@
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/functional/function_ref.h"
 #include "absl/strings/str_cat.h"
 #include "common/check.h"
 #include "common/logging.h"
 #include "common/scoped_fd.h"
 #include "common/status_macros.h"
+#include "kv/checksum.h"
 #include "transfer/internal/handle_state.h"
 #include "transfer/internal/populate.h"
 #include "transfer/ucx/control_channel.h"
@@ -121,6 +123,7 @@ struct RemoteRegion {
 struct EpErrorArg {
   UcxTransport* owner;
   PeerId peer;
+  bool failed = false;  // UCX reported the endpoint failed (error mode PEER): never kept
 };
 
 // The RMA side of one connected peer (the control connection is ControlChannel's): its UCX
@@ -128,6 +131,9 @@ struct EpErrorArg {
 // Progress thread only. Declared so that the endpoint is closed before the keys are destroyed.
 struct Peer {
   PeerId id = 0;
+  std::string worker_address;  // the peer's UCX worker (one process): a kept endpoint's key
+  bool resumed = false;        // `ep` is a kept endpoint taken back at this connection's hello
+  bool ep_failed = false;      // a UCX operation on `ep` failed: the endpoint is never kept
   std::unique_ptr<EpErrorArg> err_arg;  // outlives the endpoint (UCX holds a pointer)
   absl::flat_hash_map<RegionId, RemoteRegion> regions;
   UcpEndpoint ep;
@@ -222,6 +228,25 @@ class UcxTransport final : public Transport, private ControlChannel::Delegate {
     std::vector<std::unique_ptr<Transfer>> gets;    // handle ends when inflight reaches 0
     std::vector<std::unique_ptr<Transfer>> others;  // handle ended; UCX may still call back
   };
+  // The endpoint of a peer lost (paused, cut off) with nothing of ours in flight on it. UCX
+  // 1.13's tcp transport never lets go of either half of an endpoint closed towards a process
+  // that is still alive: both processes kept its connection, one more descriptor each per fault
+  // (the soak's leak). So the endpoint is kept, and the same process's next connection takes it
+  // back when both sides kept theirs (each hello lists what its side kept); otherwise, when a
+  // new process answers at the peer's address, or after kKeptEndpointTtl, it is closed. Taking
+  // it back is safe: nothing of ours was in flight on it, its remote keys were destroyed with
+  // the old connection (the new hello announces the regions again), and it leads to the same
+  // UCX worker, so the same process and incarnation (both compared).
+  struct KeptEndpoint {
+    std::unique_ptr<Peer> peer;  // ep, err_arg and worker_address; no regions, no transfers
+    uint64_t digest = 0;         // of peer->worker_address, as hellos list it
+    std::string address;
+    uint64_t incarnation = 0;
+    absl::Time expires;
+  };
+  static constexpr absl::Duration kKeptEndpointTtl = absl::Minutes(2);
+  // Listed in an outgoing hello: held at least this long for the answer to take it back.
+  static constexpr absl::Duration kKeptEndpointOfferHold = absl::Seconds(30);
 
   explicit UcxTransport(UcxTransportOptions options) : options_(std::move(options)) {}
   absl::Status Init();
@@ -237,7 +262,7 @@ class UcxTransport final : public Transport, private ControlChannel::Delegate {
   bool OnLoop() const { return progress_->IsOnProgressThread(); }
 
   // --- ControlChannel::Delegate (progress thread) ---
-  void WriteHelloBody(wire::Writer& w) override;
+  void WriteHelloBody(wire::Writer& w, PeerId peer, bool outgoing) override;
   absl::Status OnHello(PeerId id, bool outgoing, const std::string& address, const PeerHello& hello,
                        wire::Reader& body) override;
   absl::Status OnFrame(PeerId id, FrameType type, wire::Reader& r) override;
@@ -251,6 +276,16 @@ class UcxTransport final : public Transport, private ControlChannel::Delegate {
     return it == peers_.end() ? nullptr : it->second.get();
   }
   absl::Status CreateEndpoint(Peer& p, const std::string& worker_address);
+  // Gives `p` the endpoint kept for this peer, a new one, or an error, as the hellos agreed
+  // (`offered`: the peer's hello lists our worker's digest).
+  absl::Status ResumeOrCreateEndpoint(Peer& p, bool outgoing, const std::string& address,
+                                      uint64_t incarnation, const frames::HelloBody& body);
+  // Moves a downed peer's endpoint to kept_ when nothing of ours is in flight on it.
+  bool KeepEndpoint(std::unique_ptr<Peer>& owned);
+  // Files p's endpoint (and error argument) in kept_; p has nothing in flight and no regions.
+  void AddKept(Peer& p, std::string address, uint64_t incarnation);
+  // Force-closes kept endpoints matching `drop` (like a parked one: nothing is in flight).
+  void CloseKept(absl::FunctionRef<bool(const KeptEndpoint&)> drop);
   absl::Status HandleDone(Peer& p, std::string_view payload);
   absl::Status HandleAck(Peer& p, std::string_view payload);
   std::string RegionFrame(RegionId id, const LocalRegion& region) const;
@@ -275,6 +310,10 @@ class UcxTransport final : public Transport, private ControlChannel::Delegate {
   void CloseParked(Parked parked);
   void Enqueue(std::unique_ptr<Transfer> t);
   void FailTransfer(PeerId peer, uint64_t id, absl::Status status);
+  // A UCX operation towards `peer` failed: its endpoint is never kept (KeepEndpoint).
+  void MarkEndpointFailed(PeerId peer) {
+    if (Peer* p = FindPeer(peer); p != nullptr) p->ep_failed = true;
+  }
   void Pump(Peer& p);
   bool IssueChunk(Peer& p, Transfer& t);
   void Retire(Peer& p, Transfer& t);
@@ -303,6 +342,7 @@ class UcxTransport final : public Transport, private ControlChannel::Delegate {
   // then freed (SweepOrphaned).
   std::vector<std::unique_ptr<Transfer>> orphaned_;
   std::vector<Parked> parked_;
+  std::vector<KeptEndpoint> kept_;  // oldest first
   absl::flat_hash_map<RegionId, LocalRegion> local_regions_;
   int64_t inflight_ops_ = 0;
   uint64_t inflight_bytes_ = 0;
@@ -454,6 +494,7 @@ UcxTransport::~UcxTransport() {
         std::unique_ptr<EndpointCloser> closer = pk.peer->ep.Close(false, absl::Now());
         closing_.push_back(Closing{std::move(closer), std::move(pk.peer)});
       }
+      CloseKept([](const KeptEndpoint&) { return true; });
       PollClosing(/*wait=*/true);
       channel_.reset();
       peers_.clear();
@@ -862,7 +903,7 @@ absl::Status UcxTransport::SendControl(PeerId peer, uint64_t tag, std::string_vi
 
 // --- Progress thread: the control channel's callbacks --------------------------------------
 
-void UcxTransport::WriteHelloBody(wire::Writer& w) {
+void UcxTransport::WriteHelloBody(wire::Writer& w, PeerId peer, bool outgoing) {
   KV_DCHECK(OnLoop());
   w.Str(worker_address_);
   uint32_t published = 0;
@@ -875,6 +916,21 @@ void UcxTransport::WriteHelloBody(wire::Writer& w) {
     w.U64(r.span.size_bytes);
     w.Str(r.packed_rkey);
   }
+  // Which endpoints this side kept (see KeptEndpoint): before the peer is known, all of them
+  // (newest first); in an answer, the caller's when OnHello took it back.
+  std::vector<uint64_t> kept;
+  if (outgoing) {
+    const absl::Time hold = absl::Now() + kKeptEndpointOfferHold;
+    for (auto it = kept_.rbegin(); it != kept_.rend() && kept.size() < frames::kMaxKeptEndpoints;
+         ++it) {
+      kept.push_back(it->digest);
+      it->expires = std::max(it->expires, hold);
+    }
+  } else if (const Peer* p = FindPeer(peer); p != nullptr && p->resumed) {
+    kept.push_back(kv::BlockChecksum(p->worker_address.data(), p->worker_address.size()));
+  }
+  w.U32(static_cast<uint32_t>(kept.size()));
+  for (uint64_t digest : kept) w.U64(digest);
 }
 
 std::string UcxTransport::RegionFrame(RegionId id, const LocalRegion& r) const {
@@ -891,6 +947,11 @@ absl::Status UcxTransport::OnHello(PeerId id, bool outgoing, const std::string& 
   KV_DCHECK(OnLoop());
   KV_ASSIGN_OR_RETURN(frames::HelloBody body, frames::DecodeHelloBody(r));
   if (!parked_.empty()) ReleaseParkedReplacedBy(address, hello.incarnation);
+  if (!kept_.empty()) {
+    CloseKept([&](const KeptEndpoint& k) {
+      return k.address == address && k.incarnation != hello.incarnation;
+    });
+  }
   // Registered first, so that OnPeerDown cleans up whatever a failure below leaves.
   auto owned = std::make_unique<Peer>();
   Peer& p = *owned;
@@ -908,7 +969,8 @@ absl::Status UcxTransport::OnHello(PeerId id, bool outgoing, const std::string& 
     info.region_sizes[announced.id] = region.size;
     p.regions[announced.id] = std::move(region);
   }
-  KV_RETURN_IF_ERROR(CreateEndpoint(p, body.worker_address));
+  KV_RETURN_IF_ERROR(
+      ResumeOrCreateEndpoint(p, outgoing, address, hello.incarnation, body));
   for (auto& [rid, region] : p.regions) {
     KV_RETURN_IF_ERROR(MapRemoteRegion(p, region));
     if (region.mapped != nullptr) info.unpopulated_bytes += region.size;
@@ -993,13 +1055,113 @@ absl::Status UcxTransport::CreateEndpoint(Peer& p, const std::string& worker_add
   }
   if (!ep.ok()) return ep.status();
   p.ep = std::move(*ep);
+  p.worker_address = worker_address;
   return absl::OkStatus();
+}
+
+absl::Status UcxTransport::ResumeOrCreateEndpoint(Peer& p, bool outgoing,
+                                                  const std::string& address,
+                                                  uint64_t incarnation,
+                                                  const frames::HelloBody& body) {
+  const uint64_t my_digest = kv::BlockChecksum(worker_address_.data(), worker_address_.size());
+  const bool peer_kept = std::find(body.kept_endpoints.begin(), body.kept_endpoints.end(),
+                                   my_digest) != body.kept_endpoints.end();
+  auto mine = std::find_if(kept_.begin(), kept_.end(), [&](const KeptEndpoint& k) {
+    return k.peer->worker_address == body.worker_address && k.incarnation == incarnation &&
+           !k.peer->err_arg->failed;
+  });
+  // An outgoing connection's answer lists us only if the peer took its half back, so we must
+  // too; an incoming one lists every endpoint the caller kept, and we take ours back only when
+  // it kept its half.
+  if (outgoing && peer_kept && mine == kept_.end()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "peer at ", address, " resumed a UCX endpoint to this process that it no longer holds"));
+  }
+  if (peer_kept && mine != kept_.end()) {
+    KV_LOG(INFO) << "transfer peer " << p.id << " (" << address
+                 << ") is the process lost earlier: its UCX endpoint is taken back";
+    p.ep = std::move(mine->peer->ep);
+    p.err_arg = std::move(mine->peer->err_arg);
+    p.err_arg->peer = p.id;
+    p.worker_address = body.worker_address;
+    p.resumed = true;
+    kept_.erase(mine);
+    return absl::OkStatus();
+  }
+  // The peer did not keep its half (or runs a version without kept endpoints): ours, if any,
+  // leads nowhere now.
+  if (mine != kept_.end()) {
+    CloseKept([&](const KeptEndpoint& k) { return k.peer->worker_address == body.worker_address; });
+  }
+  return CreateEndpoint(p, body.worker_address);
+}
+
+bool UcxTransport::KeepEndpoint(std::unique_ptr<Peer>& owned) {
+  KV_DCHECK(OnLoop());
+  Peer& p = *owned;
+  if (!p.ep || p.ep_failed || (p.err_arg != nullptr && p.err_arg->failed) ||
+      p.worker_address.empty()) {
+    return false;
+  }
+  const bool in_flight = std::any_of(p.queue.begin(), p.queue.end(), [](const QueueItem& item) {
+    return item.transfer != nullptr && (item.transfer->inflight > 0 || item.transfer->flush_inflight);
+  });
+  if (in_flight) return false;
+  std::string address;
+  uint64_t incarnation = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = peer_info_.find(p.id);
+    if (it == peer_info_.end()) return false;
+    address = it->second.address;
+    incarnation = it->second.incarnation;
+  }
+  // The transfers end now (nothing of theirs is with UCX), the remote keys go with the regions.
+  FinishPeerDown(p);
+  AddKept(p, std::move(address), incarnation);
+  return true;
+}
+
+void UcxTransport::AddKept(Peer& p, std::string address, uint64_t incarnation) {
+  KeptEndpoint k;
+  k.address = std::move(address);
+  k.incarnation = incarnation;
+  auto kept = std::make_unique<Peer>();
+  kept->ep = std::move(p.ep);
+  kept->err_arg = std::move(p.err_arg);
+  if (kept->err_arg != nullptr) kept->err_arg->peer = 0;  // no peer: an error only marks it
+  kept->worker_address = p.worker_address;
+  k.digest = kv::BlockChecksum(kept->worker_address.data(), kept->worker_address.size());
+  k.peer = std::move(kept);
+  k.expires = absl::Now() + kKeptEndpointTtl;
+  kept_.push_back(std::move(k));
+  if (kept_.size() > 4 * frames::kMaxKeptEndpoints) {
+    const KeptEndpoint* oldest = &kept_.front();
+    CloseKept([oldest](const KeptEndpoint& k) { return &k == oldest; });
+  }
+}
+
+void UcxTransport::CloseKept(absl::FunctionRef<bool(const KeptEndpoint&)> drop) {
+  KV_DCHECK(OnLoop());
+  std::vector<KeptEndpoint> still;
+  for (KeptEndpoint& k : kept_) {
+    if (!drop(k)) {
+      still.push_back(std::move(k));
+      continue;
+    }
+    Peer& p = *k.peer;
+    std::unique_ptr<EndpointCloser> closer = p.ep.Close(/*graceful=*/false, absl::Now());
+    if (!closer->Poll(absl::Now())) closing_.push_back(Closing{std::move(closer), std::move(k.peer)});
+  }
+  kept_.swap(still);
 }
 
 void UcxTransport::OnEpError(void* arg, ucp_ep_h, ucs_status_t status) {
   auto* a = static_cast<EpErrorArg*>(arg);
+  a->failed = true;
   UcxTransport* self = a->owner;
   PeerId peer = a->peer;
+  if (peer == 0) return;  // a kept endpoint: marked, never taken back
   // Not from inside UCX's callback: closing the endpoint progresses the worker.
   self->progress_->Post([self, peer, status] {
     if (self->channel_ != nullptr) {
@@ -1038,6 +1200,7 @@ void UcxTransport::OnPeerDown(PeerId id, const absl::Status& status, PeerDownKin
     Deliver(InboundEvent{.kind = InboundEvent::Kind::kPeerDown, .peer = id, .status = status});
   }
   if (Park(owned, status)) return;
+  if (kind == PeerDownKind::kLost && KeepEndpoint(owned)) return;
   // Closing completes every request still in flight on the endpoint (with an error); the
   // transfers using them end in FinishPeerDown, once UCX no longer references them. We flush
   // first only when we chose to close; towards a lost peer a flush can hang.
@@ -1142,7 +1305,17 @@ void UcxTransport::SettleParked() {
   }
   parked_.swap(still);
   for (Parked& pk : settled) {
-    KV_LOG(INFO) << "transfer peer " << pk.peer->id << " (" << pk.address
+    Peer& p = *pk.peer;
+    // It answered, so it lives: its endpoint is kept for its next connection (KeptEndpoint)
+    // once UCX holds nothing of ours on it; closed otherwise.
+    if (pk.others.empty() && !p.ep_failed && !p.err_arg->failed && !p.worker_address.empty()) {
+      KV_LOG(INFO) << "transfer peer " << p.id << " (" << pk.address
+                   << ") answered its parked pulls; its endpoint is kept for its return";
+      FinishPeerDown(p);
+      AddKept(p, std::move(pk.address), pk.incarnation);
+      continue;
+    }
+    KV_LOG(INFO) << "transfer peer " << p.id << " (" << pk.address
                  << ") answered its parked pulls; closing its endpoint";
     CloseParked(std::move(pk));
   }
@@ -1230,6 +1403,7 @@ void UcxTransport::OnOpDone(void* request, ucs_status_t status, void* user_data)
   --t->inflight;
   --t->owner->inflight_ops_;
   t->owner->inflight_bytes_ -= op->bytes;
+  if (status != UCS_OK && status != UCS_ERR_CANCELED) t->owner->MarkEndpointFailed(t->peer);
   if (status != UCS_OK && t->failure.ok()) {
     t->failure = FromUcs(status, absl::StrCat("UCX ", DirectionName(t->direction)));
   }
@@ -1241,8 +1415,9 @@ void UcxTransport::OnFlushDone(void* request, ucs_status_t status, void* user_da
   t->flush_inflight = false;
   if (status == UCS_OK) {
     t->flushed = true;
-  } else if (t->failure.ok()) {
-    t->failure = FromUcs(status, "UCX flush");
+  } else {
+    if (status != UCS_ERR_CANCELED) t->owner->MarkEndpointFailed(t->peer);
+    if (t->failure.ok()) t->failure = FromUcs(status, "UCX flush");
   }
   ucp_request_free(request);
 }
@@ -1522,6 +1697,10 @@ absl::Time UcxTransport::Tick() {
   if (!closing_.empty()) PollClosing(/*wait=*/false);
   if (!orphaned_.empty()) SweepOrphaned();
   if (!parked_.empty()) SettleParked();
+  if (!kept_.empty()) {
+    const absl::Time now = absl::Now();
+    CloseKept([now](const KeptEndpoint& k) { return now >= k.expires; });
+  }
   // A few milliseconds per turn while transfers run in either direction (they come first),
   // more when idle.
   if (populate_pending_) {
