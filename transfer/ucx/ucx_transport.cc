@@ -969,8 +969,7 @@ absl::Status UcxTransport::OnHello(PeerId id, bool outgoing, const std::string& 
     info.region_sizes[announced.id] = region.size;
     p.regions[announced.id] = std::move(region);
   }
-  KV_RETURN_IF_ERROR(
-      ResumeOrCreateEndpoint(p, outgoing, address, hello.incarnation, body));
+  KV_RETURN_IF_ERROR(ResumeOrCreateEndpoint(p, outgoing, address, hello.incarnation, body));
   for (auto& [rid, region] : p.regions) {
     KV_RETURN_IF_ERROR(MapRemoteRegion(p, region));
     if (region.mapped != nullptr) info.unpopulated_bytes += region.size;
@@ -1060,8 +1059,7 @@ absl::Status UcxTransport::CreateEndpoint(Peer& p, const std::string& worker_add
 }
 
 absl::Status UcxTransport::ResumeOrCreateEndpoint(Peer& p, bool outgoing,
-                                                  const std::string& address,
-                                                  uint64_t incarnation,
+                                                  const std::string& address, uint64_t incarnation,
                                                   const frames::HelloBody& body) {
   const uint64_t my_digest = kv::BlockChecksum(worker_address_.data(), worker_address_.size());
   const bool peer_kept = std::find(body.kept_endpoints.begin(), body.kept_endpoints.end(),
@@ -1104,7 +1102,8 @@ bool UcxTransport::KeepEndpoint(std::unique_ptr<Peer>& owned) {
     return false;
   }
   const bool in_flight = std::any_of(p.queue.begin(), p.queue.end(), [](const QueueItem& item) {
-    return item.transfer != nullptr && (item.transfer->inflight > 0 || item.transfer->flush_inflight);
+    return item.transfer != nullptr &&
+           (item.transfer->inflight > 0 || item.transfer->flush_inflight);
   });
   if (in_flight) return false;
   std::string address;
@@ -1151,7 +1150,8 @@ void UcxTransport::CloseKept(absl::FunctionRef<bool(const KeptEndpoint&)> drop) 
     }
     Peer& p = *k.peer;
     std::unique_ptr<EndpointCloser> closer = p.ep.Close(/*graceful=*/false, absl::Now());
-    if (!closer->Poll(absl::Now())) closing_.push_back(Closing{std::move(closer), std::move(k.peer)});
+    if (!closer->Poll(absl::Now()))
+      closing_.push_back(Closing{std::move(closer), std::move(k.peer)});
   }
   kept_.swap(still);
 }
