@@ -4,22 +4,24 @@
 //
 // Serving code calls its dependencies synchronously (GenerateCall blocks in Reserve, Prefill
 // and Generate). To run that code unchanged on simulated time, each request is a process: a
-// thread that runs only while it holds the scheduler's baton. A process that has to wait (for
-// a compute slot, a transfer, the next decode step) parks and gives the baton back; the
-// scheduler then advances the clock to the next event and hands the baton on. Exactly one
-// thread runs at a time, events at the same instant run in the order they were scheduled, so a
-// run is deterministic and needs no locking in the simulated nodes.
+// fiber (its own stack, switched to and from in user space on the thread that calls Run())
+// that runs only while the scheduler has switched to it. A process that has to wait (for a
+// compute slot, a transfer, the next decode step) parks, switching back to the scheduler,
+// which advances the clock to the next event and switches to whatever comes next. Exactly one
+// process runs at a time, events at the same instant run in the order they were scheduled, so
+// a run is deterministic and needs no locking in the simulated nodes. (A thread per process,
+// handed a baton through semaphores, cost a futex wake and wait per switch and a thread per
+// request: a third of a 64-node run's time was in the kernel.)
 //
-// Everything but Run() is called with the baton held: from a process, from an At() callback,
-// or from the thread that calls Run() before it does.
+// Everything but Run() is called from a process, from an At() callback, or before Run().
+// A process must not park while it holds a real lock (absl::Mutex) another process may take:
+// every process runs on one thread.
 
 #include <cstdint>
 #include <deque>
 #include <functional>
 #include <memory>
 #include <queue>
-#include <semaphore>
-#include <thread>
 #include <vector>
 
 #include "absl/time/time.h"
@@ -31,7 +33,7 @@ class Scheduler {
  public:
   struct Process;
 
-  explicit Scheduler(SimulatedClock* clock) : clock_(clock) {}
+  explicit Scheduler(SimulatedClock* clock);
   ~Scheduler();  // REQUIRES: Run() returned (every process finished)
   Scheduler(const Scheduler&) = delete;
   Scheduler& operator=(const Scheduler&) = delete;
@@ -39,8 +41,8 @@ class Scheduler {
   SimulatedClock* clock() const { return clock_; }
   absl::Time Now() const { return clock_->Now(); }
 
-  // Starts `body` as a process at `at` (not before now); its thread is created at `at`, so
-  // only processes that have begun hold one.
+  // Starts `body` as a process at `at` (not before now); its stack is taken at `at`, so only
+  // processes that have begun hold one.
   void Spawn(absl::Time at, std::function<void()> body);
   // Runs `callback` on the scheduler's thread at `at` (not before now).
   void At(absl::Time at, std::function<void()> callback);
@@ -70,7 +72,9 @@ class Scheduler {
   };
   void Push(absl::Time at, std::function<void()> callback, Process* process);
   void Resume(Process* process);
-  static void ProcessMain(Scheduler* self, Process* process, std::function<void()> body);
+  // Switches from the running process back to Run() (`finished`: it never resumes).
+  void SwitchToScheduler(Process* self, bool finished);
+  static void ProcessEntry(unsigned int high, unsigned int low);
 
   SimulatedClock* const clock_;
   std::priority_queue<Event, std::vector<Event>, std::greater<>> queue_;
@@ -79,9 +83,9 @@ class Scheduler {
   int64_t started_ = 0;
   int64_t live_ = 0;
   int64_t peak_live_ = 0;
-  // The baton: a process runs after its `turn` is released and hands it back by releasing
-  // this one (one handoff is two semaphore operations, whatever the number of processes).
-  std::binary_semaphore baton_back_{0};
+  Process* running_ = nullptr;  // the process switched to, or null in Run() itself
+  struct Context;
+  std::unique_ptr<Context> context_;  // Run()'s own context, and stacks to reuse
 };
 
 // A FIFO lock on simulated time: a process that finds it held parks until it is handed over.

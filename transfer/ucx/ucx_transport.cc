@@ -219,16 +219,20 @@ class UcxTransport final : public Transport, private ControlChannel::Delegate {
   // region: SIGSEGV, seen in a soak). So the endpoint stays open and those transfers stay in
   // flight, their handles not terminal and their destinations held, until every reply has
   // landed, UCX failed the requests itself, or the peer is known gone (a new incarnation at
-  // its address, or this transport's shutdown); then the endpoint closes.
+  // its address, or this transport's shutdown); then the endpoint closes, or is kept
+  // (KeptEndpoint) when the replies landed. A lost peer with only puts in flight is parked too,
+  // their handles ended at once (as a close would): so that its endpoint can be kept once UCX
+  // is done with them, for at most kKeptEndpointTtl.
   struct Parked {
     std::unique_ptr<Peer> peer;
     std::string address;
     uint64_t incarnation = 0;
     absl::Status why;
+    absl::Time since;
     std::vector<std::unique_ptr<Transfer>> gets;    // handle ends when inflight reaches 0
     std::vector<std::unique_ptr<Transfer>> others;  // handle ended; UCX may still call back
   };
-  // The endpoint of a peer lost (paused, cut off) with nothing of ours in flight on it. UCX
+  // The endpoint of a peer lost (paused, cut off) once nothing of ours is in flight on it. UCX
   // 1.13's tcp transport never lets go of either half of an endpoint closed towards a process
   // that is still alive: both processes kept its connection, one more descriptor each per fault
   // (the soak's leak). So the endpoint is kept, and the same process's next connection takes it
@@ -299,8 +303,9 @@ class UcxTransport final : public Transport, private ControlChannel::Delegate {
   void PollClosing(bool wait);
   void SweepOrphaned();
   void FinishPeerDown(Peer& p);
-  // Moves a downed peer with unanswered GETs to parked_ (false when it has none).
-  bool Park(std::unique_ptr<Peer>& owned, const absl::Status& why);
+  // Moves a downed peer with unanswered GETs (`with_puts`: or any operation in flight) to
+  // parked_; false when it has none.
+  bool Park(std::unique_ptr<Peer>& owned, const absl::Status& why, bool with_puts);
   // Ends parked GETs whose replies all landed; closes their endpoints once nothing is left.
   void SettleParked();
   // The peer behind `address` is a new process: its predecessor can no longer answer, so its
@@ -1199,7 +1204,7 @@ void UcxTransport::OnPeerDown(PeerId id, const absl::Status& status, PeerDownKin
   if (kind != PeerDownKind::kLocal) {
     Deliver(InboundEvent{.kind = InboundEvent::Kind::kPeerDown, .peer = id, .status = status});
   }
-  if (Park(owned, status)) return;
+  if (Park(owned, status, /*with_puts=*/kind == PeerDownKind::kLost)) return;
   if (kind == PeerDownKind::kLost && KeepEndpoint(owned)) return;
   // Closing completes every request still in flight on the endpoint (with an error); the
   // transfers using them end in FinishPeerDown, once UCX no longer references them. We flush
@@ -1249,13 +1254,17 @@ void UcxTransport::FinishPeerDown(Peer& p) {
   p.regions.clear();  // destroys unpacked rkeys
 }
 
-bool UcxTransport::Park(std::unique_ptr<Peer>& owned, const absl::Status& why) {
+bool UcxTransport::Park(std::unique_ptr<Peer>& owned, const absl::Status& why, bool with_puts) {
   KV_DCHECK(OnLoop());
   Peer& p = *owned;
-  const bool unanswered = std::any_of(p.queue.begin(), p.queue.end(), [](const QueueItem& item) {
-    return item.transfer != nullptr && item.transfer->direction == Direction::kGet &&
-           item.transfer->inflight > 0;
-  });
+  const bool unanswered =
+      std::any_of(p.queue.begin(), p.queue.end(), [with_puts](const QueueItem& item) {
+        if (item.transfer == nullptr) return false;
+        if (item.transfer->direction == Direction::kGet && item.transfer->inflight > 0) {
+          return true;
+        }
+        return with_puts && (item.transfer->inflight > 0 || item.transfer->flush_inflight);
+      });
   if (!unanswered) return false;
   Parked parked;
   {
@@ -1267,6 +1276,7 @@ bool UcxTransport::Park(std::unique_ptr<Peer>& owned, const absl::Status& why) {
     }
   }
   parked.why = why;
+  parked.since = absl::Now();
   for (QueueItem& item : p.queue) {
     if (!item.transfer) continue;
     --active_transfers_;
@@ -1279,10 +1289,12 @@ bool UcxTransport::Park(std::unique_ptr<Peer>& owned, const absl::Status& why) {
     if (t->inflight > 0 || t->flush_inflight) parked.others.push_back(std::move(t));
   }
   p.queue.clear();
-  KV_LOG(WARNING) << "transfer peer " << p.id << " (" << parked.address << ") went down with "
-                  << parked.gets.size()
-                  << " pulls unanswered: its endpoint stays open and their destinations stay "
-                     "held until the replies land or a new process takes its address";
+  if (!parked.gets.empty()) {
+    KV_LOG(WARNING) << "transfer peer " << p.id << " (" << parked.address << ") went down with "
+                    << parked.gets.size()
+                    << " pulls unanswered: its endpoint stays open and their destinations stay "
+                       "held until the replies land or a new process takes its address";
+  }
   parked.peer = std::move(owned);
   parked_.push_back(std::move(parked));
   return true;
@@ -1290,6 +1302,7 @@ bool UcxTransport::Park(std::unique_ptr<Peer>& owned, const absl::Status& why) {
 
 void UcxTransport::SettleParked() {
   KV_DCHECK(OnLoop());
+  const absl::Time now = absl::Now();
   std::vector<Parked> still;
   std::vector<Parked> settled;
   for (Parked& pk : parked_) {
@@ -1301,22 +1314,25 @@ void UcxTransport::SettleParked() {
     std::erase_if(pk.others, [](const std::unique_ptr<Transfer>& t) {
       return t->inflight == 0 && !t->flush_inflight;
     });
-    (pk.gets.empty() ? settled : still).push_back(std::move(pk));
+    // Puts alone never hold a destination of ours: they wait for UCX a bounded time.
+    const bool done = pk.gets.empty() && (pk.others.empty() || now - pk.since > kKeptEndpointTtl);
+    (done ? settled : still).push_back(std::move(pk));
   }
   parked_.swap(still);
   for (Parked& pk : settled) {
     Peer& p = *pk.peer;
-    // It answered, so it lives: its endpoint is kept for its next connection (KeptEndpoint)
-    // once UCX holds nothing of ours on it; closed otherwise.
+    // UCX finished what we had in flight, so the peer lives: its endpoint is kept for its next
+    // connection (KeptEndpoint); closed when UCX still holds something or the endpoint failed.
     if (pk.others.empty() && !p.ep_failed && !p.err_arg->failed && !p.worker_address.empty()) {
       KV_LOG(INFO) << "transfer peer " << p.id << " (" << pk.address
-                   << ") answered its parked pulls; its endpoint is kept for its return";
+                   << ") finished what was in flight to it; its endpoint is kept for its return";
       FinishPeerDown(p);
       AddKept(p, std::move(pk.address), pk.incarnation);
       continue;
     }
     KV_LOG(INFO) << "transfer peer " << p.id << " (" << pk.address
-                 << ") answered its parked pulls; closing its endpoint";
+                 << ") answered its parked pulls; " << pk.others.size()
+                 << " puts still with UCX or a failed endpoint: closing it";
     CloseParked(std::move(pk));
   }
 }
