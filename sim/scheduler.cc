@@ -75,7 +75,8 @@ struct Scheduler::Process {
   void* fake_stack = nullptr;
 };
 
-Scheduler::Scheduler(SimulatedClock* clock) : clock_(clock), context_(std::make_unique<Context>()) {}
+Scheduler::Scheduler(SimulatedClock* clock)
+    : clock_(clock), context_(std::make_unique<Context>()) {}
 
 Scheduler::~Scheduler() { KV_CHECK(live_ == 0); }  // a process still parked
 

@@ -93,7 +93,8 @@ std::string ControlChannel::HelloFrame(PeerId peer, bool outgoing, const std::st
   w.U64(options_.incarnation);
   w.Str(options_.advertised_address);
   w.Str(key);
-  delegate_->WriteHelloBody(w, peer, outgoing);
+  const Conn* c = Find(peer);
+  delegate_->WriteHelloBody(w, peer, outgoing, c != nullptr ? c->address : std::string());
   return std::move(w).Finish();
 }
 

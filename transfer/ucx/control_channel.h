@@ -66,9 +66,11 @@ class ControlChannel {
   class Delegate {
    public:
     virtual ~Delegate() = default;
-    // Appends the transport's part of our hello to `peer` (after the channel's own fields). An
-    // outgoing hello is written before the peer's arrives; an answer after OnHello saw it.
-    virtual void WriteHelloBody(wire::Writer& w, PeerId peer, bool outgoing) = 0;
+    // Appends the transport's part of our hello to `peer` at `address` (after the channel's
+    // own fields). An outgoing hello is written before the peer's arrives (`address`: the one
+    // dialed); an answer after OnHello saw it.
+    virtual void WriteHelloBody(wire::Writer& w, PeerId peer, bool outgoing,
+                                const std::string& address) = 0;
     // The peer's hello arrived; `body` is the peer transport's part. An error ends the
     // connection (the waiter, if any, gets it).
     virtual absl::Status OnHello(PeerId peer, bool outgoing, const std::string& address,

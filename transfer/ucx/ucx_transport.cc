@@ -236,17 +236,21 @@ class UcxTransport final : public Transport, private ControlChannel::Delegate {
   // 1.13's tcp transport never lets go of either half of an endpoint closed towards a process
   // that is still alive: both processes kept its connection, one more descriptor each per fault
   // (the soak's leak). So the endpoint is kept, and the same process's next connection takes it
-  // back when both sides kept theirs (each hello lists what its side kept); otherwise, when a
-  // new process answers at the peer's address, or after kKeptEndpointTtl, it is closed. Taking
-  // it back is safe: nothing of ours was in flight on it, its remote keys were destroyed with
-  // the old connection (the new hello announces the regions again), and it leads to the same
-  // UCX worker, so the same process and incarnation (both compared).
+  // back when both sides kept theirs: an outgoing hello offers the endpoints kept for the
+  // address it dialed (reserved for that connection until its answer), and the answer says
+  // whether the answering side took its own back. Otherwise, when a new process answers at the
+  // peer's address, or after kKeptEndpointTtl, it is closed. Taking it back is safe: nothing of
+  // ours was in flight on it, its remote keys were destroyed with the old connection (the new
+  // hello announces the regions again), and it leads to the same UCX worker, so the same process
+  // and incarnation (both compared).
   struct KeptEndpoint {
     std::unique_ptr<Peer> peer;  // ep, err_arg and worker_address; no regions, no transfers
     uint64_t digest = 0;         // of peer->worker_address, as hellos list it
     std::string address;
     uint64_t incarnation = 0;
     absl::Time expires;
+    PeerId offered_to = 0;  // the outgoing connection whose hello offered it, until its answer
+    absl::Time offered_until;
   };
   static constexpr absl::Duration kKeptEndpointTtl = absl::Minutes(2);
   // Listed in an outgoing hello: held at least this long for the answer to take it back.
@@ -266,7 +270,8 @@ class UcxTransport final : public Transport, private ControlChannel::Delegate {
   bool OnLoop() const { return progress_->IsOnProgressThread(); }
 
   // --- ControlChannel::Delegate (progress thread) ---
-  void WriteHelloBody(wire::Writer& w, PeerId peer, bool outgoing) override;
+  void WriteHelloBody(wire::Writer& w, PeerId peer, bool outgoing,
+                      const std::string& address) override;
   absl::Status OnHello(PeerId id, bool outgoing, const std::string& address, const PeerHello& hello,
                        wire::Reader& body) override;
   absl::Status OnFrame(PeerId id, FrameType type, wire::Reader& r) override;
@@ -908,7 +913,8 @@ absl::Status UcxTransport::SendControl(PeerId peer, uint64_t tag, std::string_vi
 
 // --- Progress thread: the control channel's callbacks --------------------------------------
 
-void UcxTransport::WriteHelloBody(wire::Writer& w, PeerId peer, bool outgoing) {
+void UcxTransport::WriteHelloBody(wire::Writer& w, PeerId peer, bool outgoing,
+                                  const std::string& address) {
   KV_DCHECK(OnLoop());
   w.Str(worker_address_);
   uint32_t published = 0;
@@ -921,15 +927,19 @@ void UcxTransport::WriteHelloBody(wire::Writer& w, PeerId peer, bool outgoing) {
     w.U64(r.span.size_bytes);
     w.Str(r.packed_rkey);
   }
-  // Which endpoints this side kept (see KeptEndpoint): before the peer is known, all of them
-  // (newest first); in an answer, the caller's when OnHello took it back.
+  // Which endpoints this side kept (see KeptEndpoint): before the peer is known, those kept
+  // for the address dialed and not offered to another connection; in an answer, the caller's
+  // when OnHello took it back.
   std::vector<uint64_t> kept;
   if (outgoing) {
-    const absl::Time hold = absl::Now() + kKeptEndpointOfferHold;
+    const absl::Time now = absl::Now();
     for (auto it = kept_.rbegin(); it != kept_.rend() && kept.size() < frames::kMaxKeptEndpoints;
          ++it) {
+      if (it->address != address || (it->offered_to != 0 && now < it->offered_until)) continue;
       kept.push_back(it->digest);
-      it->expires = std::max(it->expires, hold);
+      it->offered_to = peer;
+      it->offered_until = now + kKeptEndpointOfferHold;
+      it->expires = std::max(it->expires, it->offered_until);
     }
   } else if (const Peer* p = FindPeer(peer); p != nullptr && p->resumed) {
     kept.push_back(kv::BlockChecksum(p->worker_address.data(), p->worker_address.size()));
@@ -1069,13 +1079,24 @@ absl::Status UcxTransport::ResumeOrCreateEndpoint(Peer& p, bool outgoing,
   const uint64_t my_digest = kv::BlockChecksum(worker_address_.data(), worker_address_.size());
   const bool peer_kept = std::find(body.kept_endpoints.begin(), body.kept_endpoints.end(),
                                    my_digest) != body.kept_endpoints.end();
+  // An outgoing connection takes back only what its hello offered; an incoming one what no
+  // hello of ours has on offer.
+  const absl::Time now = absl::Now();
   auto mine = std::find_if(kept_.begin(), kept_.end(), [&](const KeptEndpoint& k) {
+    const bool offered = k.offered_to != 0 && now < k.offered_until;
     return k.peer->worker_address == body.worker_address && k.incarnation == incarnation &&
-           !k.peer->err_arg->failed;
+           !k.peer->err_arg->failed && (outgoing ? k.offered_to == p.id : !offered);
   });
+  if (outgoing) {
+    // What this hello offered and the answer did not take is free again.
+    const KeptEndpoint* taken = peer_kept && mine != kept_.end() ? &*mine : nullptr;
+    for (KeptEndpoint& k : kept_) {
+      if (k.offered_to == p.id && &k != taken) k.offered_to = 0;
+    }
+  }
   // An outgoing connection's answer lists us only if the peer took its half back, so we must
-  // too; an incoming one lists every endpoint the caller kept, and we take ours back only when
-  // it kept its half.
+  // too; an incoming one lists every endpoint the caller offered, and we take ours back only
+  // when it offered its half.
   if (outgoing && peer_kept && mine == kept_.end()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "peer at ", address, " resumed a UCX endpoint to this process that it no longer holds"));
@@ -1091,11 +1112,8 @@ absl::Status UcxTransport::ResumeOrCreateEndpoint(Peer& p, bool outgoing,
     kept_.erase(mine);
     return absl::OkStatus();
   }
-  // The peer did not keep its half (or runs a version without kept endpoints): ours, if any,
-  // leads nowhere now.
-  if (mine != kept_.end()) {
-    CloseKept([&](const KeptEndpoint& k) { return k.peer->worker_address == body.worker_address; });
-  }
+  // The peer did not offer its half (or runs a version without kept endpoints). Ours stays
+  // kept: another connection between the two may still take it back, else it expires.
   return CreateEndpoint(p, body.worker_address);
 }
 
