@@ -24,9 +24,8 @@ TEST(PeerCacheTest, ABurstOfCallersSharesOneConnect) {
   std::vector<absl::StatusOr<transfer::PeerId>> got(kCallers);
   std::vector<std::thread> callers;
   for (int i = 0; i < kCallers; ++i) {
-    callers.emplace_back([&, i] {
-      got[i] = cache.Get(server->address(), "", absl::Now() + absl::Seconds(30));
-    });
+    callers.emplace_back(
+        [&, i] { got[i] = cache.Get(server->address(), "", absl::Now() + absl::Seconds(30)); });
   }
   for (std::thread& t : callers) t.join();
   for (int i = 0; i < kCallers; ++i) {
