@@ -440,6 +440,28 @@ TEST_P(MultiProcessTransferTest, RestartedReceiverOnTheSamePortIsReconnected) {
   EXPECT_THAT(tally, ::testing::HasSubstr("blocks=1 ok=1 bad=0"));
 }
 
+// Pushes all of `local` into the peer's `remote` region and waits for it (20 s).
+absl::Status PushBlock(Transport& sender, const MemoryRegion& local, RegionId remote, PeerId peer) {
+  TransferBatch b{.peer = peer, .direction = Direction::kPut, .tag = 4};
+  b.blocks.push_back(
+      BlockTransfer{.local = &local, .remote_region = remote, .length = local.size_bytes()});
+  KV_ASSIGN_OR_RETURN(TransferPlan plan, sender.Prepare(b));
+  KV_ASSIGN_OR_RETURN(TransferHandlePtr h,
+                      sender.Post(plan, LayerRange::All(), {absl::Now() + absl::Seconds(20)}));
+  return h->Wait(absl::Now() + absl::Seconds(20));
+}
+
+// SIGSTOPs the receiver and waits (at most 10 s) until `sender` reports `peer` down; returns
+// how long that took.
+absl::Duration PauseUntilLost(Receiver& rx, Transport& sender, PeerId peer) {
+  rx.process->Signal(SIGSTOP);
+  const absl::Time stopped = absl::Now();
+  while (sender.GetPeerStatus(peer)->alive && absl::Now() - stopped < absl::Seconds(10)) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  return absl::Now() - stopped;
+}
+
 // Issue 10: a receiver that stops answering (SIGSTOP: its socket stays open, so only the
 // heartbeat can tell) is reported dead within the heartbeat timeout; once it runs again the
 // same process (same incarnation) is reached through a fresh connection.
@@ -449,25 +471,12 @@ TEST_P(MultiProcessTransferTest, SilentReceiverIsReportedDeadAndReachedAgain) {
                                             .peer_timeout = absl::Milliseconds(1000)}));
   KV_ASSERT_OK_AND_ASSIGN(Receiver rx, StartReceiver(GetParam(), 4 << 20));
   KV_ASSERT_OK_AND_ASSIGN(MemoryRegionPtr local, sender->AllocateMemory(64 << 10));
-  auto push = [&](PeerId peer) -> absl::Status {
-    TransferBatch b{.peer = peer, .direction = Direction::kPut, .tag = 4};
-    b.blocks.push_back(
-        BlockTransfer{.local = local.get(), .remote_region = rx.region, .length = 64 << 10});
-    KV_ASSIGN_OR_RETURN(TransferPlan plan, sender->Prepare(b));
-    KV_ASSIGN_OR_RETURN(TransferHandlePtr h,
-                        sender->Post(plan, LayerRange::All(), {absl::Now() + absl::Seconds(20)}));
-    return h->Wait(absl::Now() + absl::Seconds(20));
-  };
+  auto push = [&](PeerId peer) { return PushBlock(*sender, *local, rx.region, peer); };
   KV_ASSERT_OK_AND_ASSIGN(PeerId first,
                           sender->Connect(rx.address, absl::Now() + absl::Seconds(30)));
   KV_ASSERT_OK(push(first));
   KV_ASSERT_OK_AND_ASSIGN(PeerStatus before, sender->GetPeerStatus(first));
-  rx.process->Signal(SIGSTOP);
-  const absl::Time stopped = absl::Now();
-  while (sender->GetPeerStatus(first)->alive && absl::Now() - stopped < absl::Seconds(10)) {
-    absl::SleepFor(absl::Milliseconds(10));
-  }
-  const absl::Duration detected = absl::Now() - stopped;
+  const absl::Duration detected = PauseUntilLost(rx, *sender, first);
   KV_ASSERT_OK_AND_ASSIGN(PeerStatus dead, sender->GetPeerStatus(first));
   EXPECT_FALSE(dead.alive);
   // 1 s timeout, checked every 25 ms; generous slack for a loaded machine.
@@ -511,15 +520,7 @@ TEST_P(MultiProcessTransferTest, APeerLostAndReachedAgainLeavesNoDescriptorsBehi
   KV_ASSERT_OK_AND_ASSIGN(Receiver rx, StartReceiver(GetParam(), 4 << 20));
   KV_ASSERT_OK_AND_ASSIGN(MemoryRegionPtr local, sender->AllocateMemory(64 << 10));
   FillRandom(local->data(), 64 << 10, 5);
-  auto push = [&](PeerId peer) -> absl::Status {
-    TransferBatch b{.peer = peer, .direction = Direction::kPut, .tag = 4};
-    b.blocks.push_back(
-        BlockTransfer{.local = local.get(), .remote_region = rx.region, .length = 64 << 10});
-    KV_ASSIGN_OR_RETURN(TransferPlan plan, sender->Prepare(b));
-    KV_ASSIGN_OR_RETURN(TransferHandlePtr h,
-                        sender->Post(plan, LayerRange::All(), {absl::Now() + absl::Seconds(20)}));
-    return h->Wait(absl::Now() + absl::Seconds(20));
-  };
+  auto push = [&](PeerId peer) { return PushBlock(*sender, *local, rx.region, peer); };
   KV_ASSERT_OK_AND_ASSIGN(PeerId peer,
                           sender->Connect(rx.address, absl::Now() + absl::Seconds(30)));
   KV_ASSERT_OK(push(peer));
@@ -527,11 +528,7 @@ TEST_P(MultiProcessTransferTest, APeerLostAndReachedAgainLeavesNoDescriptorsBehi
   const int receiver_before = OpenDescriptors(rx.process->pid());
   constexpr int kCycles = 5;
   for (int cycle = 0; cycle < kCycles; ++cycle) {
-    rx.process->Signal(SIGSTOP);
-    const absl::Time stopped = absl::Now();
-    while (sender->GetPeerStatus(peer)->alive && absl::Now() - stopped < absl::Seconds(10)) {
-      absl::SleepFor(absl::Milliseconds(10));
-    }
+    PauseUntilLost(rx, *sender, peer);
     ASSERT_FALSE(sender->GetPeerStatus(peer)->alive) << "cycle " << cycle;
     rx.process->Signal(SIGCONT);
     KV_ASSERT_OK_AND_ASSIGN(PeerId again,
