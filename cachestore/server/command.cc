@@ -15,6 +15,7 @@
 #include "cachestore/server/high_availability.h"
 #include "cachestore/server/service.h"
 #include "common/flags.h"
+#include "common/heap.h"
 #include "common/logging.h"
 #include "common/metrics.h"
 #include "common/server/server_flags.h"
@@ -193,6 +194,8 @@ int RunCacheStoreCommand(const std::vector<std::string>& args) {
   // Only the leader does time-driven work: a standby gets no heartbeats and must not expire the
   // nodes it follows (the leader's expiries arrive through its log).
   HighAvailability* ha_ptr = ha.get();
+  constexpr absl::Duration kHeapTrimEvery = absl::Seconds(30);
+  absl::Time next_trim = absl::Now() + kHeapTrimEvery;
   (*server)->WaitForShutdown({.on_drain =
                                   [&service, &replication, ha_ptr] {
                                     service.StopStreams();
@@ -203,8 +206,16 @@ int RunCacheStoreCommand(const std::vector<std::string>& args) {
                                     if (ha_ptr != nullptr) ha_ptr->Stop();
                                   },
                               .on_tick =
-                                  [&store, ha_ptr] {
+                                  [&store, ha_ptr, &next_trim] {
                                     if (ha_ptr == nullptr || ha_ptr->IsLeading()) (*store)->Tick();
+                                    // Request and stream buffers freed after a burst (every
+                                    // node re-registering after a cut) stay resident in
+                                    // glibc's arenas: a 30-minute soak's store RSS wandered
+                                    // +-10 MiB and ended 6.8% up with its index flat.
+                                    if (absl::Now() >= next_trim) {
+                                      ReleaseFreeHeapMemory();
+                                      next_trim = absl::Now() + kHeapTrimEvery;
+                                    }
                                   },
                               .tick = tick});
   server->reset();
