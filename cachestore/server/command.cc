@@ -24,6 +24,9 @@
 
 namespace kvrelay::cachestore::server {
 
+// How often the store's server hands free heap pages back (RunCacheStoreCommand's tick).
+constexpr absl::Duration kHeapTrimEvery = absl::Seconds(30);
+
 int RunCacheStoreCommand(const std::vector<std::string>& args) {
   // SIGTERM / SIGINT are taken synchronously by the main thread, so block them before any
   // thread starts.
@@ -194,7 +197,6 @@ int RunCacheStoreCommand(const std::vector<std::string>& args) {
   // Only the leader does time-driven work: a standby gets no heartbeats and must not expire the
   // nodes it follows (the leader's expiries arrive through its log).
   HighAvailability* ha_ptr = ha.get();
-  constexpr absl::Duration kHeapTrimEvery = absl::Seconds(30);
   absl::Time next_trim = absl::Now() + kHeapTrimEvery;
   (*server)->WaitForShutdown({.on_drain =
                                   [&service, &replication, ha_ptr] {
