@@ -1,9 +1,15 @@
 #include "prefill/peer_cache.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 
 namespace kvrelay::prefill {
+namespace {
+// How long a caller waits for a connect already under way to the same address.
+constexpr absl::Duration kJoinFor = absl::Milliseconds(500);
+}  // namespace
 
 absl::StatusOr<transfer::PeerId> PeerCache::Get(const std::string& address, const std::string& key,
                                                 absl::Time deadline) {
@@ -23,20 +29,27 @@ absl::StatusOr<transfer::PeerId> PeerCache::Get(const std::string& address, cons
     leader = inserted;
   }
   if (!leader) {
-    if (!pending->done.WaitForNotificationWithDeadline(deadline)) {
+    // A connect finishes in milliseconds; one that takes longer was likely dialed while the
+    // peer was unreachable (its SYNs back off for seconds after the link is back), so after
+    // a short wait a caller dials on its own rather than sharing that one's fate.
+    if (pending->done.WaitForNotificationWithDeadline(std::min(deadline, absl::Now() + kJoinFor))) {
+      return pending->result;
+    }
+    if (absl::Now() >= deadline) {
       return absl::DeadlineExceededError(
           absl::StrCat("the connect to ", address, " under way did not finish in time"));
     }
-    return pending->result;
   }
   absl::StatusOr<transfer::PeerId> peer = transport_->Connect(address, deadline, {.peer_key = key});
   {
     absl::MutexLock lock(&mu_);
     if (peer.ok()) peers_[address] = *peer;
-    connecting_.erase(address);
+    if (leader) connecting_.erase(address);
   }
-  pending->result = peer;
-  pending->done.Notify();
+  if (leader) {
+    pending->result = peer;
+    pending->done.Notify();
+  }
   return peer;
 }
 

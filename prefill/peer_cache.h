@@ -27,11 +27,11 @@ class PeerCache {
 
   // The live peer at `address`, connected now (presenting `key` in the hello, by `deadline`)
   // when there is none. Callers that find a connect to `address` under way wait for its
-  // outcome (until their own deadline) instead of dialing again: a burst of requests after a
-  // fault opened one connection each, and every one of them held UCX connections until the
-  // next fault. Failures are Transport::Connect's: UNAVAILABLE (nobody answers),
-  // DEADLINE_EXCEEDED (also: the connect under way did not finish by `deadline`),
-  // INVALID_ARGUMENT (malformed address), PERMISSION_DENIED (`key` refused).
+  // outcome (at most 500 ms, then they dial themselves) instead of dialing again at once: a
+  // burst of requests after a fault opened one connection each, and every one of them held
+  // UCX connections until the next fault. Failures are Transport::Connect's: UNAVAILABLE
+  // (nobody answers), DEADLINE_EXCEEDED, INVALID_ARGUMENT (malformed address),
+  // PERMISSION_DENIED (`key` refused).
   absl::StatusOr<transfer::PeerId> Get(const std::string& address, const std::string& key,
                                        absl::Time deadline);
 
