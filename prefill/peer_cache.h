@@ -6,14 +6,12 @@
 //
 // Thread-safe. The transport must outlive the cache.
 
-#include <memory>
 #include <string>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
-#include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "transfer/transport.h"
 
@@ -26,24 +24,15 @@ class PeerCache {
   PeerCache& operator=(const PeerCache&) = delete;
 
   // The live peer at `address`, connected now (presenting `key` in the hello, by `deadline`)
-  // when there is none. Callers that find a connect to `address` under way wait for its
-  // outcome (at most 500 ms, then they dial themselves) instead of dialing again at once: a
-  // burst of requests after a fault opened one connection each, and every one of them held
-  // UCX connections until the next fault. Failures are Transport::Connect's: UNAVAILABLE
-  // (nobody answers), DEADLINE_EXCEEDED, INVALID_ARGUMENT (malformed address),
-  // PERMISSION_DENIED (`key` refused).
+  // when there is none. Failures are Transport::Connect's: UNAVAILABLE (nobody answers),
+  // DEADLINE_EXCEEDED, INVALID_ARGUMENT (malformed address), PERMISSION_DENIED (`key` refused).
   absl::StatusOr<transfer::PeerId> Get(const std::string& address, const std::string& key,
                                        absl::Time deadline);
 
  private:
-  struct Connecting {
-    absl::Notification done;
-    absl::StatusOr<transfer::PeerId> result = absl::UnknownError("connect under way");
-  };
   transfer::Transport* const transport_;
   absl::Mutex mu_;  // not held while connecting
   absl::flat_hash_map<std::string, transfer::PeerId> peers_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<std::string, std::shared_ptr<Connecting>> connecting_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace kvrelay::prefill

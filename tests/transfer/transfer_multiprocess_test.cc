@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
-#include <filesystem>
 #include <memory>
 #include <numeric>
 #include <random>
@@ -440,28 +439,6 @@ TEST_P(MultiProcessTransferTest, RestartedReceiverOnTheSamePortIsReconnected) {
   EXPECT_THAT(tally, ::testing::HasSubstr("blocks=1 ok=1 bad=0"));
 }
 
-// Pushes all of `local` into the peer's `remote` region and waits for it (20 s).
-absl::Status PushBlock(Transport& sender, const MemoryRegion& local, RegionId remote, PeerId peer) {
-  TransferBatch b{.peer = peer, .direction = Direction::kPut, .tag = 4};
-  b.blocks.push_back(
-      BlockTransfer{.local = &local, .remote_region = remote, .length = local.size_bytes()});
-  KV_ASSIGN_OR_RETURN(TransferPlan plan, sender.Prepare(b));
-  KV_ASSIGN_OR_RETURN(TransferHandlePtr h,
-                      sender.Post(plan, LayerRange::All(), {absl::Now() + absl::Seconds(20)}));
-  return h->Wait(absl::Now() + absl::Seconds(20));
-}
-
-// SIGSTOPs the receiver and waits (at most 10 s) until `sender` reports `peer` down; returns
-// how long that took.
-absl::Duration PauseUntilLost(Receiver& rx, Transport& sender, PeerId peer) {
-  rx.process->Signal(SIGSTOP);
-  const absl::Time stopped = absl::Now();
-  while (sender.GetPeerStatus(peer)->alive && absl::Now() - stopped < absl::Seconds(10)) {
-    absl::SleepFor(absl::Milliseconds(10));
-  }
-  return absl::Now() - stopped;
-}
-
 // Issue 10: a receiver that stops answering (SIGSTOP: its socket stays open, so only the
 // heartbeat can tell) is reported dead within the heartbeat timeout; once it runs again the
 // same process (same incarnation) is reached through a fresh connection.
@@ -471,12 +448,25 @@ TEST_P(MultiProcessTransferTest, SilentReceiverIsReportedDeadAndReachedAgain) {
                                             .peer_timeout = absl::Milliseconds(1000)}));
   KV_ASSERT_OK_AND_ASSIGN(Receiver rx, StartReceiver(GetParam(), 4 << 20));
   KV_ASSERT_OK_AND_ASSIGN(MemoryRegionPtr local, sender->AllocateMemory(64 << 10));
-  auto push = [&](PeerId peer) { return PushBlock(*sender, *local, rx.region, peer); };
+  auto push = [&](PeerId peer) -> absl::Status {
+    TransferBatch b{.peer = peer, .direction = Direction::kPut, .tag = 4};
+    b.blocks.push_back(
+        BlockTransfer{.local = local.get(), .remote_region = rx.region, .length = 64 << 10});
+    KV_ASSIGN_OR_RETURN(TransferPlan plan, sender->Prepare(b));
+    KV_ASSIGN_OR_RETURN(TransferHandlePtr h,
+                        sender->Post(plan, LayerRange::All(), {absl::Now() + absl::Seconds(20)}));
+    return h->Wait(absl::Now() + absl::Seconds(20));
+  };
   KV_ASSERT_OK_AND_ASSIGN(PeerId first,
                           sender->Connect(rx.address, absl::Now() + absl::Seconds(30)));
   KV_ASSERT_OK(push(first));
   KV_ASSERT_OK_AND_ASSIGN(PeerStatus before, sender->GetPeerStatus(first));
-  const absl::Duration detected = PauseUntilLost(rx, *sender, first);
+  rx.process->Signal(SIGSTOP);
+  const absl::Time stopped = absl::Now();
+  while (sender->GetPeerStatus(first)->alive && absl::Now() - stopped < absl::Seconds(10)) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  const absl::Duration detected = absl::Now() - stopped;
   KV_ASSERT_OK_AND_ASSIGN(PeerStatus dead, sender->GetPeerStatus(first));
   EXPECT_FALSE(dead.alive);
   // 1 s timeout, checked every 25 ms; generous slack for a loaded machine.
@@ -491,61 +481,6 @@ TEST_P(MultiProcessTransferTest, SilentReceiverIsReportedDeadAndReachedAgain) {
   EXPECT_EQ(after.incarnation, before.incarnation);
   KV_ASSERT_OK(push(again));
   RecordProperty("detected_ms", std::to_string(absl::ToInt64Milliseconds(detected)));
-  local.reset();
-  sender.reset();
-  KV_ASSERT_OK_AND_ASSIGN(std::string tally, StopReceiver(rx));
-  EXPECT_THAT(tally, ::testing::HasSubstr("bad=0"));
-}
-
-// Open descriptors of process `pid` (0: this one).
-int OpenDescriptors(pid_t pid) {
-  const std::string dir = pid == 0 ? "/proc/self/fd" : absl::StrCat("/proc/", pid, "/fd");
-  int n = 0;
-  std::error_code ec;
-  for (auto it = std::filesystem::directory_iterator(dir, ec);
-       !ec && it != std::filesystem::directory_iterator(); it.increment(ec)) {
-    ++n;
-  }
-  return n;
-}
-
-// Issue 34: every time a peer was declared lost (a pause, a cut link) and reached again, both
-// processes kept one more UCX connection: UCX 1.13's tcp transport holds each half of an
-// endpoint closed towards a peer that is still alive. A peer lost with nothing in flight and
-// reached again (same process) now gets its endpoint back, so the descriptors stay flat.
-TEST_P(MultiProcessTransferTest, APeerLostAndReachedAgainLeavesNoDescriptorsBehind) {
-  KV_ASSERT_OK_AND_ASSIGN(TransportPtr sender,
-                          MakeUcxTransport({.heartbeat_interval = absl::Milliseconds(100),
-                                            .peer_timeout = absl::Milliseconds(1000)}));
-  KV_ASSERT_OK_AND_ASSIGN(Receiver rx, StartReceiver(GetParam(), 4 << 20));
-  KV_ASSERT_OK_AND_ASSIGN(MemoryRegionPtr local, sender->AllocateMemory(64 << 10));
-  FillRandom(local->data(), 64 << 10, 5);
-  auto push = [&](PeerId peer) { return PushBlock(*sender, *local, rx.region, peer); };
-  KV_ASSERT_OK_AND_ASSIGN(PeerId peer,
-                          sender->Connect(rx.address, absl::Now() + absl::Seconds(30)));
-  KV_ASSERT_OK(push(peer));
-  const int sender_before = OpenDescriptors(0);
-  const int receiver_before = OpenDescriptors(rx.process->pid());
-  constexpr int kCycles = 5;
-  for (int cycle = 0; cycle < kCycles; ++cycle) {
-    PauseUntilLost(rx, *sender, peer);
-    ASSERT_FALSE(sender->GetPeerStatus(peer)->alive) << "cycle " << cycle;
-    rx.process->Signal(SIGCONT);
-    KV_ASSERT_OK_AND_ASSIGN(PeerId again,
-                            sender->Connect(rx.address, absl::Now() + absl::Seconds(30)));
-    ASSERT_NE(again, peer);
-    peer = again;
-    KV_ASSERT_OK(push(peer)) << "cycle " << cycle;
-  }
-  // Closes complete on later progress calls: give them a moment.
-  absl::SleepFor(absl::Milliseconds(500));
-  const int sender_after = OpenDescriptors(0);
-  const int receiver_after = OpenDescriptors(rx.process->pid());
-  RecordProperty("sender_descriptors", absl::StrCat(sender_before, "->", sender_after));
-  RecordProperty("receiver_descriptors", absl::StrCat(receiver_before, "->", receiver_after));
-  // One lost-and-reached-again may leave one descriptor in flux, never one per cycle.
-  EXPECT_LE(sender_after, sender_before + 1) << kCycles << " cycles";
-  EXPECT_LE(receiver_after, receiver_before + 1) << kCycles << " cycles";
   local.reset();
   sender.reset();
   KV_ASSERT_OK_AND_ASSIGN(std::string tally, StopReceiver(rx));

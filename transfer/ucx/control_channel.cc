@@ -80,21 +80,20 @@ PeerId ControlChannel::Adopt(ScopedFd fd, bool outgoing, std::string address,
   progress_->WatchFd(raw, POLLIN, [this, id](short revents) { OnConnEvent(id, revents); });
   if (outgoing) {
     Conn* p = Find(id);
-    p->wbuf = HelloFrame(id, /*outgoing=*/true, p->peer_key);
+    p->wbuf = HelloFrame(p->peer_key);
     FlushWrites(*p);
   }
   return id;
 }
 
-std::string ControlChannel::HelloFrame(PeerId peer, bool outgoing, const std::string& key) {
+std::string ControlChannel::HelloFrame(const std::string& key) {
   wire::Writer w(FrameType::kHello);
   w.U32(wire::kMagic);
   w.U32(wire::kVersion);
   w.U64(options_.incarnation);
   w.Str(options_.advertised_address);
   w.Str(key);
-  const Conn* c = Find(peer);
-  delegate_->WriteHelloBody(w, peer, outgoing, c != nullptr ? c->address : std::string());
+  delegate_->WriteHelloBody(w);
   return std::move(w).Finish();
 }
 
@@ -298,7 +297,7 @@ absl::Status ControlChannel::HandleHello(Conn& c, wire::Reader& r) {
       still->wbuf.clear();
       still->woff = 0;
     }
-    still->wbuf.append(HelloFrame(id, /*outgoing=*/false, ""));
+    still->wbuf.append(HelloFrame(""));
     still->last_send = absl::Now();
     FlushWrites(*still);
   }

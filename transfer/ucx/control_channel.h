@@ -66,11 +66,8 @@ class ControlChannel {
   class Delegate {
    public:
     virtual ~Delegate() = default;
-    // Appends the transport's part of our hello to `peer` at `address` (after the channel's
-    // own fields). An outgoing hello is written before the peer's arrives (`address`: the one
-    // dialed); an answer after OnHello saw it.
-    virtual void WriteHelloBody(wire::Writer& w, PeerId peer, bool outgoing,
-                                const std::string& address) = 0;
+    // Appends the transport's part of our hello (after the channel's own fields).
+    virtual void WriteHelloBody(wire::Writer& w) = 0;
     // The peer's hello arrived; `body` is the peer transport's part. An error ends the
     // connection (the waiter, if any, gets it).
     virtual absl::Status OnHello(PeerId peer, bool outgoing, const std::string& address,
@@ -138,7 +135,7 @@ class ControlChannel {
   // Parses complete frames from c's read buffer; false if the connection ended meanwhile.
   bool DrainFrames(PeerId id);
   absl::Status HandleHello(Conn& c, wire::Reader& r);
-  std::string HelloFrame(PeerId peer, bool outgoing, const std::string& key);
+  std::string HelloFrame(const std::string& key);
   Conn* Find(PeerId id);
   bool OnLoop() const { return progress_->IsOnProgressThread(); }
 

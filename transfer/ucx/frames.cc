@@ -61,15 +61,6 @@ absl::StatusOr<HelloBody> DecodeHelloBody(wire::Reader& r) {
     if (!region.ok()) return absl::InvalidArgumentError("truncated hello region");
     body.regions.push_back(*std::move(region));
   }
-  if (r.remaining() == 0) return body;  // a hello from before kept endpoints
-  uint32_t kept;
-  if (!r.U32(&kept) || kept > kMaxKeptEndpoints) {
-    return absl::InvalidArgumentError("truncated hello kept-endpoint list");
-  }
-  body.kept_endpoints.resize(kept);
-  for (uint64_t& digest : body.kept_endpoints) {
-    if (!r.U64(&digest)) return absl::InvalidArgumentError("truncated hello kept endpoint");
-  }
   return body;
 }
 

@@ -55,13 +55,7 @@ absl::StatusOr<Region> DecodeRegion(wire::Reader& r);
 struct HelloBody {
   std::string worker_address;
   std::vector<Region> regions;
-  // Optional trailer (absent in older hellos): digests (XXH3-64) of the UCX worker addresses of
-  // peers this side still holds an endpoint to from an earlier connection (UcxTransport's kept
-  // endpoints). In an outgoing hello every such digest (at most kMaxKeptEndpoints); in the
-  // answer, the caller's own digest when the answering side took its endpoint to it back.
-  std::vector<uint64_t> kept_endpoints;
 };
-inline constexpr uint32_t kMaxKeptEndpoints = 16;
 absl::StatusOr<HelloBody> DecodeHelloBody(wire::Reader& r);
 
 struct DoneBlock {

@@ -10,13 +10,11 @@
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/container/flat_hash_map.h"
-#include "absl/functional/function_ref.h"
 #include "absl/strings/str_cat.h"
 #include "common/check.h"
 #include "common/logging.h"
 #include "common/scoped_fd.h"
 #include "common/status_macros.h"
-#include "kv/checksum.h"
 #include "transfer/internal/handle_state.h"
 #include "transfer/internal/populate.h"
 #include "transfer/ucx/control_channel.h"
@@ -123,7 +121,6 @@ struct RemoteRegion {
 struct EpErrorArg {
   UcxTransport* owner;
   PeerId peer;
-  bool failed = false;  // UCX reported the endpoint failed (error mode PEER): never kept
 };
 
 // The RMA side of one connected peer (the control connection is ControlChannel's): its UCX
@@ -131,9 +128,6 @@ struct EpErrorArg {
 // Progress thread only. Declared so that the endpoint is closed before the keys are destroyed.
 struct Peer {
   PeerId id = 0;
-  std::string worker_address;  // the peer's UCX worker (one process): a kept endpoint's key
-  bool resumed = false;        // `ep` is a kept endpoint taken back at this connection's hello
-  bool ep_failed = false;      // a UCX operation on `ep` failed: the endpoint is never kept
   std::unique_ptr<EpErrorArg> err_arg;  // outlives the endpoint (UCX holds a pointer)
   absl::flat_hash_map<RegionId, RemoteRegion> regions;
   UcpEndpoint ep;
@@ -219,42 +213,15 @@ class UcxTransport final : public Transport, private ControlChannel::Delegate {
   // region: SIGSEGV, seen in a soak). So the endpoint stays open and those transfers stay in
   // flight, their handles not terminal and their destinations held, until every reply has
   // landed, UCX failed the requests itself, or the peer is known gone (a new incarnation at
-  // its address, or this transport's shutdown); then the endpoint closes, or is kept
-  // (KeptEndpoint) when the replies landed. A lost peer with only puts in flight is parked too,
-  // their handles ended at once (as a close would): so that its endpoint can be kept once UCX
-  // is done with them, for at most kKeptEndpointTtl.
+  // its address, or this transport's shutdown); then the endpoint closes.
   struct Parked {
     std::unique_ptr<Peer> peer;
     std::string address;
     uint64_t incarnation = 0;
     absl::Status why;
-    absl::Time since;
     std::vector<std::unique_ptr<Transfer>> gets;    // handle ends when inflight reaches 0
     std::vector<std::unique_ptr<Transfer>> others;  // handle ended; UCX may still call back
   };
-  // The endpoint of a peer lost (paused, cut off) once nothing of ours is in flight on it. UCX
-  // 1.13's tcp transport never lets go of either half of an endpoint closed towards a process
-  // that is still alive: both processes kept its connection, one more descriptor each per fault
-  // (the soak's leak). So the endpoint is kept, and the same process's next connection takes it
-  // back when both sides kept theirs: an outgoing hello offers the endpoints kept for the
-  // address it dialed (reserved for that connection until its answer), and the answer says
-  // whether the answering side took its own back. Otherwise, when a new process answers at the
-  // peer's address, or after kKeptEndpointTtl, it is closed. Taking it back is safe: nothing of
-  // ours was in flight on it, its remote keys were destroyed with the old connection (the new
-  // hello announces the regions again), and it leads to the same UCX worker, so the same process
-  // and incarnation (both compared).
-  struct KeptEndpoint {
-    std::unique_ptr<Peer> peer;  // ep, err_arg and worker_address; no regions, no transfers
-    uint64_t digest = 0;         // of peer->worker_address, as hellos list it
-    std::string address;
-    uint64_t incarnation = 0;
-    absl::Time expires;
-    PeerId offered_to = 0;  // the outgoing connection whose hello offered it, until its answer
-    absl::Time offered_until;
-  };
-  static constexpr absl::Duration kKeptEndpointTtl = absl::Minutes(2);
-  // Listed in an outgoing hello: held at least this long for the answer to take it back.
-  static constexpr absl::Duration kKeptEndpointOfferHold = absl::Seconds(30);
 
   explicit UcxTransport(UcxTransportOptions options) : options_(std::move(options)) {}
   absl::Status Init();
@@ -270,8 +237,7 @@ class UcxTransport final : public Transport, private ControlChannel::Delegate {
   bool OnLoop() const { return progress_->IsOnProgressThread(); }
 
   // --- ControlChannel::Delegate (progress thread) ---
-  void WriteHelloBody(wire::Writer& w, PeerId peer, bool outgoing,
-                      const std::string& address) override;
+  void WriteHelloBody(wire::Writer& w) override;
   absl::Status OnHello(PeerId id, bool outgoing, const std::string& address, const PeerHello& hello,
                        wire::Reader& body) override;
   absl::Status OnFrame(PeerId id, FrameType type, wire::Reader& r) override;
@@ -285,16 +251,6 @@ class UcxTransport final : public Transport, private ControlChannel::Delegate {
     return it == peers_.end() ? nullptr : it->second.get();
   }
   absl::Status CreateEndpoint(Peer& p, const std::string& worker_address);
-  // Gives `p` the endpoint kept for this peer, a new one, or an error, as the hellos agreed
-  // (`offered`: the peer's hello lists our worker's digest).
-  absl::Status ResumeOrCreateEndpoint(Peer& p, bool outgoing, const std::string& address,
-                                      uint64_t incarnation, const frames::HelloBody& body);
-  // Moves a downed peer's endpoint to kept_ when nothing of ours is in flight on it.
-  bool KeepEndpoint(std::unique_ptr<Peer>& owned);
-  // Files p's endpoint (and error argument) in kept_; p has nothing in flight and no regions.
-  void AddKept(Peer& p, std::string address, uint64_t incarnation);
-  // Force-closes kept endpoints matching `drop` (like a parked one: nothing is in flight).
-  void CloseKept(absl::FunctionRef<bool(const KeptEndpoint&)> drop);
   absl::Status HandleDone(Peer& p, std::string_view payload);
   absl::Status HandleAck(Peer& p, std::string_view payload);
   std::string RegionFrame(RegionId id, const LocalRegion& region) const;
@@ -308,9 +264,8 @@ class UcxTransport final : public Transport, private ControlChannel::Delegate {
   void PollClosing(bool wait);
   void SweepOrphaned();
   void FinishPeerDown(Peer& p);
-  // Moves a downed peer with unanswered GETs (`with_puts`: or any operation in flight) to
-  // parked_; false when it has none.
-  bool Park(std::unique_ptr<Peer>& owned, const absl::Status& why, bool with_puts);
+  // Moves a downed peer with unanswered GETs to parked_ (false when it has none).
+  bool Park(std::unique_ptr<Peer>& owned, const absl::Status& why);
   // Ends parked GETs whose replies all landed; closes their endpoints once nothing is left.
   void SettleParked();
   // The peer behind `address` is a new process: its predecessor can no longer answer, so its
@@ -320,10 +275,6 @@ class UcxTransport final : public Transport, private ControlChannel::Delegate {
   void CloseParked(Parked parked);
   void Enqueue(std::unique_ptr<Transfer> t);
   void FailTransfer(PeerId peer, uint64_t id, absl::Status status);
-  // A UCX operation towards `peer` failed: its endpoint is never kept (KeepEndpoint).
-  void MarkEndpointFailed(PeerId peer) {
-    if (Peer* p = FindPeer(peer); p != nullptr) p->ep_failed = true;
-  }
   void Pump(Peer& p);
   bool IssueChunk(Peer& p, Transfer& t);
   void Retire(Peer& p, Transfer& t);
@@ -352,7 +303,6 @@ class UcxTransport final : public Transport, private ControlChannel::Delegate {
   // then freed (SweepOrphaned).
   std::vector<std::unique_ptr<Transfer>> orphaned_;
   std::vector<Parked> parked_;
-  std::vector<KeptEndpoint> kept_;  // oldest first
   absl::flat_hash_map<RegionId, LocalRegion> local_regions_;
   int64_t inflight_ops_ = 0;
   uint64_t inflight_bytes_ = 0;
@@ -504,7 +454,6 @@ UcxTransport::~UcxTransport() {
         std::unique_ptr<EndpointCloser> closer = pk.peer->ep.Close(false, absl::Now());
         closing_.push_back(Closing{std::move(closer), std::move(pk.peer)});
       }
-      CloseKept([](const KeptEndpoint&) { return true; });
       PollClosing(/*wait=*/true);
       channel_.reset();
       peers_.clear();
@@ -913,8 +862,7 @@ absl::Status UcxTransport::SendControl(PeerId peer, uint64_t tag, std::string_vi
 
 // --- Progress thread: the control channel's callbacks --------------------------------------
 
-void UcxTransport::WriteHelloBody(wire::Writer& w, PeerId peer, bool outgoing,
-                                  const std::string& address) {
+void UcxTransport::WriteHelloBody(wire::Writer& w) {
   KV_DCHECK(OnLoop());
   w.Str(worker_address_);
   uint32_t published = 0;
@@ -927,25 +875,6 @@ void UcxTransport::WriteHelloBody(wire::Writer& w, PeerId peer, bool outgoing,
     w.U64(r.span.size_bytes);
     w.Str(r.packed_rkey);
   }
-  // Which endpoints this side kept (see KeptEndpoint): before the peer is known, those kept
-  // for the address dialed and not offered to another connection; in an answer, the caller's
-  // when OnHello took it back.
-  std::vector<uint64_t> kept;
-  if (outgoing) {
-    const absl::Time now = absl::Now();
-    for (auto it = kept_.rbegin(); it != kept_.rend() && kept.size() < frames::kMaxKeptEndpoints;
-         ++it) {
-      if (it->address != address || (it->offered_to != 0 && now < it->offered_until)) continue;
-      kept.push_back(it->digest);
-      it->offered_to = peer;
-      it->offered_until = now + kKeptEndpointOfferHold;
-      it->expires = std::max(it->expires, it->offered_until);
-    }
-  } else if (const Peer* p = FindPeer(peer); p != nullptr && p->resumed) {
-    kept.push_back(kv::BlockChecksum(p->worker_address.data(), p->worker_address.size()));
-  }
-  w.U32(static_cast<uint32_t>(kept.size()));
-  for (uint64_t digest : kept) w.U64(digest);
 }
 
 std::string UcxTransport::RegionFrame(RegionId id, const LocalRegion& r) const {
@@ -962,11 +891,6 @@ absl::Status UcxTransport::OnHello(PeerId id, bool outgoing, const std::string& 
   KV_DCHECK(OnLoop());
   KV_ASSIGN_OR_RETURN(frames::HelloBody body, frames::DecodeHelloBody(r));
   if (!parked_.empty()) ReleaseParkedReplacedBy(address, hello.incarnation);
-  if (!kept_.empty()) {
-    CloseKept([&](const KeptEndpoint& k) {
-      return k.address == address && k.incarnation != hello.incarnation;
-    });
-  }
   // Registered first, so that OnPeerDown cleans up whatever a failure below leaves.
   auto owned = std::make_unique<Peer>();
   Peer& p = *owned;
@@ -984,7 +908,7 @@ absl::Status UcxTransport::OnHello(PeerId id, bool outgoing, const std::string& 
     info.region_sizes[announced.id] = region.size;
     p.regions[announced.id] = std::move(region);
   }
-  KV_RETURN_IF_ERROR(ResumeOrCreateEndpoint(p, outgoing, address, hello.incarnation, body));
+  KV_RETURN_IF_ERROR(CreateEndpoint(p, body.worker_address));
   for (auto& [rid, region] : p.regions) {
     KV_RETURN_IF_ERROR(MapRemoteRegion(p, region));
     if (region.mapped != nullptr) info.unpopulated_bytes += region.size;
@@ -1069,122 +993,13 @@ absl::Status UcxTransport::CreateEndpoint(Peer& p, const std::string& worker_add
   }
   if (!ep.ok()) return ep.status();
   p.ep = std::move(*ep);
-  p.worker_address = worker_address;
   return absl::OkStatus();
-}
-
-absl::Status UcxTransport::ResumeOrCreateEndpoint(Peer& p, bool outgoing,
-                                                  const std::string& address, uint64_t incarnation,
-                                                  const frames::HelloBody& body) {
-  const uint64_t my_digest = kv::BlockChecksum(worker_address_.data(), worker_address_.size());
-  const bool peer_kept = std::find(body.kept_endpoints.begin(), body.kept_endpoints.end(),
-                                   my_digest) != body.kept_endpoints.end();
-  // An outgoing connection takes back only what its hello offered; an incoming one what no
-  // hello of ours has on offer.
-  const absl::Time now = absl::Now();
-  auto mine = std::find_if(kept_.begin(), kept_.end(), [&](const KeptEndpoint& k) {
-    const bool offered = k.offered_to != 0 && now < k.offered_until;
-    return k.peer->worker_address == body.worker_address && k.incarnation == incarnation &&
-           !k.peer->err_arg->failed && (outgoing ? k.offered_to == p.id : !offered);
-  });
-  if (outgoing) {
-    // What this hello offered and the answer did not take is free again.
-    const KeptEndpoint* taken = peer_kept && mine != kept_.end() ? &*mine : nullptr;
-    for (KeptEndpoint& k : kept_) {
-      if (k.offered_to == p.id && &k != taken) k.offered_to = 0;
-    }
-  }
-  // An outgoing connection's answer lists us only if the peer took its half back, so we must
-  // too; an incoming one lists every endpoint the caller offered, and we take ours back only
-  // when it offered its half.
-  if (outgoing && peer_kept && mine == kept_.end()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "peer at ", address, " resumed a UCX endpoint to this process that it no longer holds"));
-  }
-  if (peer_kept && mine != kept_.end()) {
-    KV_LOG(INFO) << "transfer peer " << p.id << " (" << address
-                 << ") is the process lost earlier: its UCX endpoint is taken back";
-    p.ep = std::move(mine->peer->ep);
-    p.err_arg = std::move(mine->peer->err_arg);
-    p.err_arg->peer = p.id;
-    p.worker_address = body.worker_address;
-    p.resumed = true;
-    kept_.erase(mine);
-    return absl::OkStatus();
-  }
-  // The peer did not offer its half (or runs a version without kept endpoints). Ours stays
-  // kept: another connection between the two may still take it back, else it expires.
-  return CreateEndpoint(p, body.worker_address);
-}
-
-bool UcxTransport::KeepEndpoint(std::unique_ptr<Peer>& owned) {
-  KV_DCHECK(OnLoop());
-  Peer& p = *owned;
-  if (!p.ep || p.ep_failed || (p.err_arg != nullptr && p.err_arg->failed) ||
-      p.worker_address.empty()) {
-    return false;
-  }
-  const bool in_flight = std::any_of(p.queue.begin(), p.queue.end(), [](const QueueItem& item) {
-    return item.transfer != nullptr &&
-           (item.transfer->inflight > 0 || item.transfer->flush_inflight);
-  });
-  if (in_flight) return false;
-  std::string address;
-  uint64_t incarnation = 0;
-  {
-    absl::MutexLock lock(&mu_);
-    auto it = peer_info_.find(p.id);
-    if (it == peer_info_.end()) return false;
-    address = it->second.address;
-    incarnation = it->second.incarnation;
-  }
-  // The transfers end now (nothing of theirs is with UCX), the remote keys go with the regions.
-  FinishPeerDown(p);
-  AddKept(p, std::move(address), incarnation);
-  return true;
-}
-
-void UcxTransport::AddKept(Peer& p, std::string address, uint64_t incarnation) {
-  KeptEndpoint k;
-  k.address = std::move(address);
-  k.incarnation = incarnation;
-  auto kept = std::make_unique<Peer>();
-  kept->ep = std::move(p.ep);
-  kept->err_arg = std::move(p.err_arg);
-  if (kept->err_arg != nullptr) kept->err_arg->peer = 0;  // no peer: an error only marks it
-  kept->worker_address = p.worker_address;
-  k.digest = kv::BlockChecksum(kept->worker_address.data(), kept->worker_address.size());
-  k.peer = std::move(kept);
-  k.expires = absl::Now() + kKeptEndpointTtl;
-  kept_.push_back(std::move(k));
-  if (kept_.size() > 4 * frames::kMaxKeptEndpoints) {
-    const KeptEndpoint* oldest = &kept_.front();
-    CloseKept([oldest](const KeptEndpoint& k) { return &k == oldest; });
-  }
-}
-
-void UcxTransport::CloseKept(absl::FunctionRef<bool(const KeptEndpoint&)> drop) {
-  KV_DCHECK(OnLoop());
-  std::vector<KeptEndpoint> still;
-  for (KeptEndpoint& k : kept_) {
-    if (!drop(k)) {
-      still.push_back(std::move(k));
-      continue;
-    }
-    Peer& p = *k.peer;
-    std::unique_ptr<EndpointCloser> closer = p.ep.Close(/*graceful=*/false, absl::Now());
-    if (!closer->Poll(absl::Now()))
-      closing_.push_back(Closing{std::move(closer), std::move(k.peer)});
-  }
-  kept_.swap(still);
 }
 
 void UcxTransport::OnEpError(void* arg, ucp_ep_h, ucs_status_t status) {
   auto* a = static_cast<EpErrorArg*>(arg);
-  a->failed = true;
   UcxTransport* self = a->owner;
   PeerId peer = a->peer;
-  if (peer == 0) return;  // a kept endpoint: marked, never taken back
   // Not from inside UCX's callback: closing the endpoint progresses the worker.
   self->progress_->Post([self, peer, status] {
     if (self->channel_ != nullptr) {
@@ -1222,8 +1037,7 @@ void UcxTransport::OnPeerDown(PeerId id, const absl::Status& status, PeerDownKin
   if (kind != PeerDownKind::kLocal) {
     Deliver(InboundEvent{.kind = InboundEvent::Kind::kPeerDown, .peer = id, .status = status});
   }
-  if (Park(owned, status, /*with_puts=*/kind == PeerDownKind::kLost)) return;
-  if (kind == PeerDownKind::kLost && KeepEndpoint(owned)) return;
+  if (Park(owned, status)) return;
   // Closing completes every request still in flight on the endpoint (with an error); the
   // transfers using them end in FinishPeerDown, once UCX no longer references them. We flush
   // first only when we chose to close; towards a lost peer a flush can hang.
@@ -1272,17 +1086,13 @@ void UcxTransport::FinishPeerDown(Peer& p) {
   p.regions.clear();  // destroys unpacked rkeys
 }
 
-bool UcxTransport::Park(std::unique_ptr<Peer>& owned, const absl::Status& why, bool with_puts) {
+bool UcxTransport::Park(std::unique_ptr<Peer>& owned, const absl::Status& why) {
   KV_DCHECK(OnLoop());
   Peer& p = *owned;
-  const bool unanswered =
-      std::any_of(p.queue.begin(), p.queue.end(), [with_puts](const QueueItem& item) {
-        if (item.transfer == nullptr) return false;
-        if (item.transfer->direction == Direction::kGet && item.transfer->inflight > 0) {
-          return true;
-        }
-        return with_puts && (item.transfer->inflight > 0 || item.transfer->flush_inflight);
-      });
+  const bool unanswered = std::any_of(p.queue.begin(), p.queue.end(), [](const QueueItem& item) {
+    return item.transfer != nullptr && item.transfer->direction == Direction::kGet &&
+           item.transfer->inflight > 0;
+  });
   if (!unanswered) return false;
   Parked parked;
   {
@@ -1294,7 +1104,6 @@ bool UcxTransport::Park(std::unique_ptr<Peer>& owned, const absl::Status& why, b
     }
   }
   parked.why = why;
-  parked.since = absl::Now();
   for (QueueItem& item : p.queue) {
     if (!item.transfer) continue;
     --active_transfers_;
@@ -1307,12 +1116,10 @@ bool UcxTransport::Park(std::unique_ptr<Peer>& owned, const absl::Status& why, b
     if (t->inflight > 0 || t->flush_inflight) parked.others.push_back(std::move(t));
   }
   p.queue.clear();
-  if (!parked.gets.empty()) {
-    KV_LOG(WARNING) << "transfer peer " << p.id << " (" << parked.address << ") went down with "
-                    << parked.gets.size()
-                    << " pulls unanswered: its endpoint stays open and their destinations stay "
-                       "held until the replies land or a new process takes its address";
-  }
+  KV_LOG(WARNING) << "transfer peer " << p.id << " (" << parked.address << ") went down with "
+                  << parked.gets.size()
+                  << " pulls unanswered: its endpoint stays open and their destinations stay "
+                     "held until the replies land or a new process takes its address";
   parked.peer = std::move(owned);
   parked_.push_back(std::move(parked));
   return true;
@@ -1320,7 +1127,6 @@ bool UcxTransport::Park(std::unique_ptr<Peer>& owned, const absl::Status& why, b
 
 void UcxTransport::SettleParked() {
   KV_DCHECK(OnLoop());
-  const absl::Time now = absl::Now();
   std::vector<Parked> still;
   std::vector<Parked> settled;
   for (Parked& pk : parked_) {
@@ -1332,25 +1138,12 @@ void UcxTransport::SettleParked() {
     std::erase_if(pk.others, [](const std::unique_ptr<Transfer>& t) {
       return t->inflight == 0 && !t->flush_inflight;
     });
-    // Puts alone never hold a destination of ours: they wait for UCX a bounded time.
-    const bool done = pk.gets.empty() && (pk.others.empty() || now - pk.since > kKeptEndpointTtl);
-    (done ? settled : still).push_back(std::move(pk));
+    (pk.gets.empty() ? settled : still).push_back(std::move(pk));
   }
   parked_.swap(still);
   for (Parked& pk : settled) {
-    Peer& p = *pk.peer;
-    // UCX finished what we had in flight, so the peer lives: its endpoint is kept for its next
-    // connection (KeptEndpoint); closed when UCX still holds something or the endpoint failed.
-    if (pk.others.empty() && !p.ep_failed && !p.err_arg->failed && !p.worker_address.empty()) {
-      KV_LOG(INFO) << "transfer peer " << p.id << " (" << pk.address
-                   << ") finished what was in flight to it; its endpoint is kept for its return";
-      FinishPeerDown(p);
-      AddKept(p, std::move(pk.address), pk.incarnation);
-      continue;
-    }
-    KV_LOG(INFO) << "transfer peer " << p.id << " (" << pk.address
-                 << ") answered its parked pulls; " << pk.others.size()
-                 << " puts still with UCX or a failed endpoint: closing it";
+    KV_LOG(INFO) << "transfer peer " << pk.peer->id << " (" << pk.address
+                 << ") answered its parked pulls; closing its endpoint";
     CloseParked(std::move(pk));
   }
 }
@@ -1437,7 +1230,6 @@ void UcxTransport::OnOpDone(void* request, ucs_status_t status, void* user_data)
   --t->inflight;
   --t->owner->inflight_ops_;
   t->owner->inflight_bytes_ -= op->bytes;
-  if (status != UCS_OK && status != UCS_ERR_CANCELED) t->owner->MarkEndpointFailed(t->peer);
   if (status != UCS_OK && t->failure.ok()) {
     t->failure = FromUcs(status, absl::StrCat("UCX ", DirectionName(t->direction)));
   }
@@ -1449,9 +1241,8 @@ void UcxTransport::OnFlushDone(void* request, ucs_status_t status, void* user_da
   t->flush_inflight = false;
   if (status == UCS_OK) {
     t->flushed = true;
-  } else {
-    if (status != UCS_ERR_CANCELED) t->owner->MarkEndpointFailed(t->peer);
-    if (t->failure.ok()) t->failure = FromUcs(status, "UCX flush");
+  } else if (t->failure.ok()) {
+    t->failure = FromUcs(status, "UCX flush");
   }
   ucp_request_free(request);
 }
@@ -1731,10 +1522,6 @@ absl::Time UcxTransport::Tick() {
   if (!closing_.empty()) PollClosing(/*wait=*/false);
   if (!orphaned_.empty()) SweepOrphaned();
   if (!parked_.empty()) SettleParked();
-  if (!kept_.empty()) {
-    const absl::Time now = absl::Now();
-    CloseKept([now](const KeptEndpoint& k) { return now >= k.expires; });
-  }
   // A few milliseconds per turn while transfers run in either direction (they come first),
   // more when idle.
   if (populate_pending_) {
