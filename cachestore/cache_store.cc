@@ -766,12 +766,9 @@ absl::StatusOr<AllocateResult> CacheStore::Allocate(const AllocateArgs& args, ab
             rep = Replica{node, segment, *slot};
           }
         }
+        if (!rep.has_value()) views = registry_.Segments(only_node);  // nothing reserved: fresh
         if (rep.has_value()) {
           TakeSlot(views, rep->node, rep->segment);
-        } else {
-          views = registry_.Segments(only_node);  // (chosen pointed into the old views)
-        }
-        if (rep.has_value()) {
           pending.extra.push_back({b.hash, b.parent, *rep});
           result.blocks.push_back({b.hash, Describe(Replicas{*rep}), false});
           continue;
